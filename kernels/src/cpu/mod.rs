@@ -1,0 +1,19 @@
+//! CPU kernels: SIMD through `wide`, threads through `rayon` (sequential below a size
+//! threshold, because spawning costs more than small loops), matmul through `gemm`.
+
+pub mod attention;
+pub mod batchnorm;
+pub mod binary;
+pub mod conv;
+pub mod copy;
+pub mod cross_entropy;
+pub mod embedding;
+pub mod matmul;
+pub mod norm;
+pub mod optim;
+pub mod parallel;
+pub mod pool;
+pub mod reduce;
+pub mod rope;
+pub mod softmax;
+pub mod unary;
