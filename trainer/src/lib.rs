@@ -1,1 +1,12 @@
-//! trainer
+//! trainer: the `transponder` command's library — datasets, tokenizers, checkpoints, the
+//! training loop, metrics, sampling and export.
+
+pub mod checkpoint;
+pub mod config;
+pub mod data;
+pub mod generate;
+pub mod metrics;
+pub mod prepare;
+pub mod safetensors_io;
+pub mod tokenizer;
+pub mod train;

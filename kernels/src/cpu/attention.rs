@@ -1,0 +1,683 @@
+//! Causal scaled-dot-product attention as one op, flash-style (Dao et al. 2022, FlashAttention
+//! Algorithm 1 forward and Algorithm 2 backward, on the CPU).
+//!
+//! q `[B, Tq, H, D]`, k and v `[B, Tk, H, D]`, out `[B, Tq, H, D]`:
+//! out_i = Σ_s softmax_s(scale · q_i·k_s) v_s over keys s ≤ i + (Tk − Tq), so a query block
+//! at the end of a longer key/value cache (decoding) sees the whole prefix.
+//!
+//! The forward walks key tiles with an online softmax (running max and sum per query) and
+//! never builds the `Tq × Tk` score matrix or a mask; it saves only `lse` `[B, H, Tq]`, the
+//! log-sum-exp of each query's scaled scores. The backward recomputes each probability tile
+//! as e^(score − lse) and accumulates `dq, dk, dv += ...`. Tile products go through `gemm`
+//! with strided operands, so heads are read in place.
+//!
+//! PyTorch equivalent: `F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)`
+//! on `[B, H, T, D]` tensors (PyTorch aligns the causal mask top-left when Tq < Tk; here it
+//! is bottom-right, which is what a KV cache needs).
+//!
+//! Layout legend: `B` batch, `T` sequence, `H` heads, `D` head dim.
+
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+use super::parallel;
+use super::reduce::{dot, slice_max};
+use super::unary::{exp8, load, store, LANES};
+
+/// Queries per tile: one task of the forward.
+const Q_TILE: usize = 64;
+/// Keys per tile: the width of the score block kept in cache.
+const K_TILE: usize = 64;
+
+/// q: [B, Tq, H, D], k, v: [B, Tk, H, D], out: [B, Tq, H, D], lse: [B, H, Tq] (log-sum-exp of scaled scores per query, saved for backward). Tq ≤ Tk; query i sits at absolute position i + (Tk − Tq) and attends keys s ≤ that position (this makes KV-cache decoding work).
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention_forward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    batch: usize,
+    q_seq: usize,
+    kv_seq: usize,
+    heads: usize,
+    head_dim: usize,
+    scale: f32,
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    let dims = Dims::new(q, k, v, batch, q_seq, kv_seq, heads, head_dim, scale);
+    assert_eq!(out.len(), q.len(), "causal_attention_forward: out has the wrong length");
+    assert_eq!(lse.len(), batch * heads * q_seq, "causal_attention_forward: lse has the wrong length");
+    if out.is_empty() {
+        return;
+    }
+    // Each task owns the rows of one query tile of one batch entry, all heads: a contiguous
+    // piece of `out`. Its lse values are strided in [B, H, Tq], so they come back separately.
+    let row = heads * head_dim;
+    let mut tasks = Vec::new();
+    for (b, out_b) in out.chunks_mut(q_seq * row).enumerate() {
+        for (t, out_tile) in out_b.chunks_mut(Q_TILE * row).enumerate() {
+            tasks.push((b, t * Q_TILE, out_tile));
+        }
+    }
+    let run = |(b, i0, out_tile): (usize, usize, &mut [f32])| {
+        let rows = out_tile.len() / row;
+        let mut scratch = Scratch::new(head_dim);
+        let mut tile_lse = vec![0.0; heads * rows];
+        for h in 0..heads {
+            forward_tile(&dims, q, k, v, b, h, i0, rows, &mut scratch);
+            for r in 0..rows {
+                let dst = &mut out_tile[(r * heads + h) * head_dim..][..head_dim];
+                let inv_sum = 1.0 / scratch.sum[r];
+                for (o, &a) in dst.iter_mut().zip(&scratch.acc[r * head_dim..][..head_dim]) {
+                    *o = a * inv_sum;
+                }
+                tile_lse[h * rows + r] = scratch.max[r] + scratch.sum[r].ln();
+            }
+        }
+        (b, i0, tile_lse)
+    };
+    let tiles: Vec<_> = if parallel::should_parallelise(dims.work()) {
+        tasks.into_par_iter().map(run).collect()
+    } else {
+        tasks.into_iter().map(run).collect()
+    };
+    for (b, i0, tile_lse) in tiles {
+        let rows = tile_lse.len() / heads;
+        for h in 0..heads {
+            lse[(b * heads + h) * q_seq + i0..][..rows].copy_from_slice(&tile_lse[h * rows..][..rows]);
+        }
+    }
+}
+
+/// dq, dk, dv += gradients (recompute probabilities from q, k and lse; delta_i = Σ dout_i ⊙ out_i).
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention_backward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    dout: &[f32],
+    batch: usize,
+    q_seq: usize,
+    kv_seq: usize,
+    heads: usize,
+    head_dim: usize,
+    scale: f32,
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+) {
+    let dims = Dims::new(q, k, v, batch, q_seq, kv_seq, heads, head_dim, scale);
+    assert!(
+        out.len() == q.len() && dout.len() == q.len(),
+        "causal_attention_backward: out or dout has the wrong length"
+    );
+    assert_eq!(lse.len(), batch * heads * q_seq, "causal_attention_backward: lse has the wrong length");
+    assert!(
+        dq.len() == q.len() && dk.len() == k.len() && dv.len() == v.len(),
+        "causal_attention_backward: gradient has the wrong length"
+    );
+    if q.is_empty() {
+        return;
+    }
+    // One task per (b, h) with private [T, D] gradients, since heads interleave in memory;
+    // then each batch entry's rows are added back, in parallel over b.
+    let pair = |index: usize| backward_pair(&dims, q, k, v, out, lse, dout, index / heads, index % heads);
+    let grads: Vec<HeadGrads> = if parallel::should_parallelise(2 * dims.work()) {
+        (0..batch * heads).into_par_iter().map(pair).collect()
+    } else {
+        (0..batch * heads).map(pair).collect()
+    };
+    let row = heads * head_dim;
+    let scatter = |(b, ((dq_b, dk_b), dv_b)): parallel::Zip3<'_>| {
+        for (h, g) in grads[b * heads..(b + 1) * heads].iter().enumerate() {
+            add_head(&g.dq, h, head_dim, row, dq_b);
+            add_head(&g.dk, h, head_dim, row, dk_b);
+            add_head(&g.dv, h, head_dim, row, dv_b);
+        }
+    };
+    let (q_rows, kv_rows) = (q_seq * row, kv_seq * row);
+    if parallel::should_parallelise(dq.len() + dk.len() + dv.len()) {
+        let dqk = dq.par_chunks_mut(q_rows).zip(dk.par_chunks_mut(kv_rows));
+        dqk.zip(dv.par_chunks_mut(kv_rows)).enumerate().for_each(scatter);
+    } else {
+        let dqk = dq.chunks_mut(q_rows).zip(dk.chunks_mut(kv_rows));
+        dqk.zip(dv.chunks_mut(kv_rows)).enumerate().for_each(scatter);
+    }
+}
+
+/// Naive reference (materialises scores) for tests and the bench.
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention_reference(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    batch: usize,
+    q_seq: usize,
+    kv_seq: usize,
+    heads: usize,
+    head_dim: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let dims = Dims::new(q, k, v, batch, q_seq, kv_seq, heads, head_dim, scale);
+    let mut out = vec![0.0; q.len()];
+    let mut scores = vec![0.0; kv_seq];
+    for b in 0..batch {
+        for h in 0..heads {
+            for i in 0..q_seq {
+                let keys = i + dims.offset() + 1;
+                let qi = &q[dims.q_at(b, i, h)..][..head_dim];
+                for (s, score) in scores[..keys].iter_mut().enumerate() {
+                    let ks = &k[dims.kv_at(b, s, h)..][..head_dim];
+                    *score = scale * qi.iter().zip(ks).map(|(a, b)| a * b).sum::<f32>();
+                }
+                let max = scores[..keys].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let total: f32 = scores[..keys].iter().map(|s| (s - max).exp()).sum();
+                let oi = &mut out[dims.q_at(b, i, h)..][..head_dim];
+                for (s, &score) in scores[..keys].iter().enumerate() {
+                    let p = (score - max).exp() / total;
+                    for (o, &vs) in oi.iter_mut().zip(&v[dims.kv_at(b, s, h)..][..head_dim]) {
+                        *o += p * vs;
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Problem sizes and the index arithmetic of the [B, T, H, D] layout.
+struct Dims {
+    q_seq: usize,
+    kv_seq: usize,
+    heads: usize,
+    head_dim: usize,
+    scale: f32,
+    batch: usize,
+}
+
+impl Dims {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        batch: usize,
+        q_seq: usize,
+        kv_seq: usize,
+        heads: usize,
+        head_dim: usize,
+        scale: f32,
+    ) -> Self {
+        assert!(q_seq <= kv_seq, "causal_attention: more queries than keys");
+        assert!(head_dim > 0, "causal_attention: zero head_dim");
+        assert_eq!(q.len(), batch * q_seq * heads * head_dim, "causal_attention: q has the wrong length");
+        assert!(
+            k.len() == batch * kv_seq * heads * head_dim && v.len() == k.len(),
+            "causal_attention: k or v has the wrong length"
+        );
+        Self { q_seq, kv_seq, heads, head_dim, scale, batch }
+    }
+
+    /// Absolute position of query 0.
+    fn offset(&self) -> usize {
+        self.kv_seq - self.q_seq
+    }
+
+    fn q_at(&self, b: usize, i: usize, h: usize) -> usize {
+        ((b * self.q_seq + i) * self.heads + h) * self.head_dim
+    }
+
+    fn kv_at(&self, b: usize, s: usize, h: usize) -> usize {
+        ((b * self.kv_seq + s) * self.heads + h) * self.head_dim
+    }
+
+    /// Multiply-adds of one pass (the causal half of Q·Kᵀ and of P·V).
+    fn work(&self) -> usize {
+        self.batch * self.heads * self.q_seq * self.kv_seq * self.head_dim
+    }
+
+    /// Keys visible to the queries `i0..i0 + rows`: `0..end`.
+    fn key_end(&self, i0: usize, rows: usize) -> usize {
+        i0 + rows + self.offset()
+    }
+
+    /// Token rows of `data` for head `h`, starting at element `at`, as a `rows × D` operand
+    /// (or its transpose).
+    fn rows<'a>(&self, data: &'a [f32], at: usize, transposed: bool) -> Operand<'a> {
+        let (row_stride, col_stride) = (self.heads * self.head_dim, 1);
+        if transposed {
+            Operand { data, offset: at, row_stride: col_stride, col_stride: row_stride }
+        } else {
+            Operand { data, offset: at, row_stride, col_stride }
+        }
+    }
+}
+
+/// Per-task buffers of the forward: one score tile and the running softmax state.
+struct Scratch {
+    scores: Vec<f32>,
+    acc: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(head_dim: usize) -> Self {
+        Self {
+            scores: vec![0.0; Q_TILE * K_TILE],
+            acc: vec![0.0; Q_TILE * head_dim],
+            max: vec![0.0; Q_TILE],
+            sum: vec![0.0; Q_TILE],
+        }
+    }
+}
+
+/// Runs the online softmax of queries `i0..i0 + rows` of head `h` over all visible keys,
+/// leaving Σ p·v in `acc`, the running max in `max` and the sum of e^(score − max) in `sum`.
+#[allow(clippy::too_many_arguments)]
+fn forward_tile(
+    d: &Dims,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    b: usize,
+    h: usize,
+    i0: usize,
+    rows: usize,
+    s: &mut Scratch,
+) {
+    let dh = d.head_dim;
+    s.acc[..rows * dh].fill(0.0);
+    s.max[..rows].fill(f32::NEG_INFINITY);
+    s.sum[..rows].fill(0.0);
+    let q_tile = d.rows(q, d.q_at(b, i0, h), false);
+    let end = d.key_end(i0, rows);
+    for s0 in (0..end).step_by(K_TILE) {
+        let cols = K_TILE.min(end - s0);
+        let scores = &mut s.scores[..rows * cols];
+        tile_matmul(scores, q_tile, d.rows(k, d.kv_at(b, s0, h), true), rows, cols, dh, d.scale, false);
+        for r in 0..rows {
+            let row = &mut scores[r * cols..][..cols];
+            mask_future(row, i0 + r + d.offset(), s0);
+            let tile_max = slice_max(row);
+            let new_max = s.max[r].max(tile_max);
+            // The first tile always holds key 0, so new_max is finite and this is e^-∞ = 0 there.
+            let correction = (s.max[r] - new_max).exp();
+            s.sum[r] = s.sum[r] * correction + exp_in_place(row, new_max);
+            s.max[r] = new_max;
+            s.acc[r * dh..][..dh].iter_mut().for_each(|a| *a *= correction);
+        }
+        tile_matmul(
+            &mut s.acc[..rows * dh],
+            dense(scores, cols),
+            d.rows(v, d.kv_at(b, s0, h), false),
+            rows,
+            dh,
+            cols,
+            1.0,
+            true,
+        );
+    }
+}
+
+/// Gradients of one (b, h) pair, rows of `D`.
+struct HeadGrads {
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+}
+
+/// FlashAttention-2 style backward of one (b, h): for each query tile and each visible key
+/// tile, P = e^(S − lse), then dv += Pᵀ·dO, dS = P ⊙ (dO·Vᵀ − δ), dq += scale·dS·K,
+/// dk += scale·dSᵀ·Q.
+#[allow(clippy::too_many_arguments)]
+fn backward_pair(
+    d: &Dims,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    dout: &[f32],
+    b: usize,
+    h: usize,
+) -> HeadGrads {
+    let dh = d.head_dim;
+    let mut g = HeadGrads { dq: vec![0.0; d.q_seq * dh], dk: vec![0.0; d.kv_seq * dh], dv: vec![0.0; d.kv_seq * dh] };
+    let mut p = vec![0.0; Q_TILE * K_TILE];
+    let mut dp = vec![0.0; Q_TILE * K_TILE];
+    // δ_i = Σ_d dO_id·O_id = Σ_s P_is·dP_is, the softmax backward's row term.
+    let delta: Vec<f32> =
+        (0..d.q_seq).map(|i| dot(&dout[d.q_at(b, i, h)..][..dh], &out[d.q_at(b, i, h)..][..dh])).collect();
+    let lse = &lse[(b * d.heads + h) * d.q_seq..][..d.q_seq];
+    for i0 in (0..d.q_seq).step_by(Q_TILE) {
+        let rows = Q_TILE.min(d.q_seq - i0);
+        let (q_tile, do_tile) = (d.rows(q, d.q_at(b, i0, h), false), d.rows(dout, d.q_at(b, i0, h), false));
+        let end = d.key_end(i0, rows);
+        for s0 in (0..end).step_by(K_TILE) {
+            let cols = K_TILE.min(end - s0);
+            let (p, dp) = (&mut p[..rows * cols], &mut dp[..rows * cols]);
+            let k_tile = d.rows(k, d.kv_at(b, s0, h), false);
+            tile_matmul(p, q_tile, d.rows(k, d.kv_at(b, s0, h), true), rows, cols, dh, d.scale, false);
+            for r in 0..rows {
+                let row = &mut p[r * cols..][..cols];
+                mask_future(row, i0 + r + d.offset(), s0);
+                exp_in_place(row, lse[i0 + r]);
+            }
+            // d/dV = Pᵀ·dO
+            tile_matmul(&mut g.dv[s0 * dh..][..cols * dh], transposed(p, cols), do_tile, cols, dh, rows, 1.0, true);
+            // d/dP = dO·Vᵀ;  d/dS = P ⊙ (dP − δ)
+            tile_matmul(dp, do_tile, d.rows(v, d.kv_at(b, s0, h), true), rows, cols, dh, 1.0, false);
+            for r in 0..rows {
+                let (pr, dpr) = (&p[r * cols..][..cols], &mut dp[r * cols..][..cols]);
+                softmax_grad_in_place(pr, dpr, delta[i0 + r]);
+            }
+            // d/dQ = scale·dS·K;  d/dK = scale·dSᵀ·Q
+            tile_matmul(&mut g.dq[i0 * dh..][..rows * dh], dense(dp, cols), k_tile, rows, dh, cols, d.scale, true);
+            tile_matmul(&mut g.dk[s0 * dh..][..cols * dh], transposed(dp, cols), q_tile, cols, dh, rows, d.scale, true);
+        }
+    }
+    g
+}
+
+/// Sets the scores of keys after `position` (tile starts at key `s0`) to −∞.
+fn mask_future(row: &mut [f32], position: usize, s0: usize) {
+    let visible = (position + 1).saturating_sub(s0).min(row.len());
+    row[visible..].fill(f32::NEG_INFINITY);
+}
+
+/// x ← e^(x − shift) in place; returns Σ x.
+fn exp_in_place(x: &mut [f32], shift: f32) -> f32 {
+    let simd_end = x.len() - x.len() % LANES;
+    let mut acc = wide::f32x8::ZERO;
+    for i in (0..simd_end).step_by(LANES) {
+        let e = exp8(load(&x[i..]) - shift);
+        store(e, &mut x[i..]);
+        acc += e;
+    }
+    let mut total = acc.reduce_add();
+    for v in &mut x[simd_end..] {
+        *v = (*v - shift).exp();
+        total += *v;
+    }
+    total
+}
+
+/// dp ← p ⊙ (dp − δ).
+fn softmax_grad_in_place(p: &[f32], dp: &mut [f32], delta: f32) {
+    let simd_end = p.len() - p.len() % LANES;
+    for i in (0..simd_end).step_by(LANES) {
+        store(load(&p[i..]) * (load(&dp[i..]) - delta), &mut dp[i..]);
+    }
+    for (g, &pv) in dp[simd_end..].iter_mut().zip(&p[simd_end..]) {
+        *g = pv * (*g - delta);
+    }
+}
+
+/// Adds one head's `[T, D]` gradient into the `[T, H, D]` rows of one batch entry.
+fn add_head(grad: &[f32], h: usize, head_dim: usize, row: usize, dst: &mut [f32]) {
+    for (g, d) in grad.chunks(head_dim).zip(dst.chunks_mut(row)) {
+        for (a, &b) in d[h * head_dim..][..head_dim].iter_mut().zip(g) {
+            *a += b;
+        }
+    }
+}
+
+/// A strided read-only matrix operand: element (i, j) is `data[offset + i·row_stride + j·col_stride]`.
+#[derive(Clone, Copy)]
+struct Operand<'a> {
+    data: &'a [f32],
+    offset: usize,
+    row_stride: usize,
+    col_stride: usize,
+}
+
+/// A contiguous row-major `rows × cols` buffer as an operand.
+fn dense(data: &[f32], cols: usize) -> Operand<'_> {
+    Operand { data, offset: 0, row_stride: cols, col_stride: 1 }
+}
+
+/// The transpose of a contiguous row-major buffer with `cols` columns.
+fn transposed(data: &[f32], cols: usize) -> Operand<'_> {
+    Operand { data, offset: 0, row_stride: 1, col_stride: cols }
+}
+
+/// `dst[m×n] = (dst if accumulate) + alpha · lhs[m×k] · rhs[k×n]`, dst contiguous, on the
+/// calling thread (the tiles are already spread over threads).
+#[allow(clippy::too_many_arguments)]
+fn tile_matmul(
+    dst: &mut [f32],
+    lhs: Operand,
+    rhs: Operand,
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    accumulate: bool,
+) {
+    assert!(dst.len() >= m * n, "tile_matmul: dst too short");
+    for (op, rows, cols) in [(&lhs, m, k), (&rhs, k, n)] {
+        let last = op.offset + rows.saturating_sub(1) * op.row_stride + cols.saturating_sub(1) * op.col_stride;
+        assert!(rows == 0 || cols == 0 || last < op.data.len(), "tile_matmul: operand out of bounds");
+    }
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: every index the strides can reach was bounds-checked above, dst holds m·n
+    // elements, and dst is exclusively borrowed so it cannot alias lhs or rhs. With k == 0,
+    // gemm reads no operand element.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            lhs.data.as_ptr().add(lhs.offset),
+            lhs.col_stride as isize,
+            lhs.row_stride as isize,
+            rhs.data.as_ptr().add(rhs.offset),
+            rhs.col_stride as isize,
+            rhs.row_stride as isize,
+            1.0,
+            alpha,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(len: usize, seed: usize) -> Vec<f32> {
+        (0..len).map(|i| (((i * 37 + seed * 101) % 61) as f32 / 61.0 - 0.5) * 2.0).collect()
+    }
+
+    #[derive(Clone, Copy)]
+    struct Case {
+        batch: usize,
+        q_seq: usize,
+        kv_seq: usize,
+        heads: usize,
+        head_dim: usize,
+    }
+
+    impl Case {
+        fn inputs(&self) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+            let q_len = self.batch * self.q_seq * self.heads * self.head_dim;
+            let kv_len = self.batch * self.kv_seq * self.heads * self.head_dim;
+            (values(q_len, 1), values(kv_len, 2), values(kv_len, 3))
+        }
+
+        fn scale(&self) -> f32 {
+            1.0 / (self.head_dim as f32).sqrt()
+        }
+
+        fn forward(&self, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
+            let mut out = vec![0.0; q.len()];
+            let mut lse = vec![0.0; self.batch * self.heads * self.q_seq];
+            let Case { batch, q_seq, kv_seq, heads, head_dim } = *self;
+            causal_attention_forward(q, k, v, batch, q_seq, kv_seq, heads, head_dim, self.scale(), &mut out, &mut lse);
+            (out, lse)
+        }
+
+        /// Σ probe ⊙ attention(q, k, v), everything in f64, for finite differences.
+        fn loss_f64(&self, q: &[f64], k: &[f64], v: &[f64], probe: &[f32]) -> f64 {
+            let Case { batch, q_seq, kv_seq, heads, head_dim } = *self;
+            let (scale, offset) = (self.scale() as f64, kv_seq - q_seq);
+            let q_at = |b: usize, i: usize, h: usize| ((b * q_seq + i) * heads + h) * head_dim;
+            let kv_at = |b: usize, s: usize, h: usize| ((b * kv_seq + s) * heads + h) * head_dim;
+            let mut total = 0.0;
+            for b in 0..batch {
+                for h in 0..heads {
+                    for i in 0..q_seq {
+                        let scores: Vec<f64> = (0..=i + offset)
+                            .map(|s| {
+                                scale * (0..head_dim).map(|x| q[q_at(b, i, h) + x] * k[kv_at(b, s, h) + x]).sum::<f64>()
+                            })
+                            .collect();
+                        let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                        let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+                        for x in 0..head_dim {
+                            let o: f64 = scores
+                                .iter()
+                                .enumerate()
+                                .map(|(s, sc)| (sc - max).exp() / sum * v[kv_at(b, s, h) + x])
+                                .sum();
+                            total += o * probe[q_at(b, i, h) + x] as f64;
+                        }
+                    }
+                }
+            }
+            total
+        }
+    }
+
+    #[test]
+    fn forward_matches_reference() {
+        let cases = [
+            Case { batch: 2, q_seq: 70, kv_seq: 70, heads: 3, head_dim: 16 },
+            Case { batch: 1, q_seq: 1, kv_seq: 1, heads: 1, head_dim: 1 },
+            Case { batch: 2, q_seq: 5, kv_seq: 133, heads: 2, head_dim: 12 },
+            Case { batch: 1, q_seq: 1, kv_seq: 9, heads: 4, head_dim: 8 },
+            Case { batch: 3, q_seq: 129, kv_seq: 200, heads: 2, head_dim: 7 },
+        ];
+        for c in cases {
+            let (q, k, v) = c.inputs();
+            let (out, lse) = c.forward(&q, &k, &v);
+            let want =
+                causal_attention_reference(&q, &k, &v, c.batch, c.q_seq, c.kv_seq, c.heads, c.head_dim, c.scale());
+            for (a, b) in out.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+            }
+            // lse of the last query of head 0, batch 0, recomputed directly.
+            let i = c.q_seq - 1;
+            let scores: Vec<f32> = (0..c.kv_seq)
+                .map(|s| {
+                    c.scale()
+                        * (0..c.head_dim)
+                            .map(|x| q[i * c.heads * c.head_dim + x] * k[s * c.heads * c.head_dim + x])
+                            .sum::<f32>()
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let want_lse = max + scores.iter().map(|s| (s - max).exp()).sum::<f32>().ln();
+            assert!((lse[i] - want_lse).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        for c in [
+            Case { batch: 1, q_seq: 5, kv_seq: 5, heads: 2, head_dim: 3 },
+            Case { batch: 2, q_seq: 3, kv_seq: 7, heads: 1, head_dim: 4 },
+            // Two query tiles and two key tiles, the second key tile partly masked.
+            Case { batch: 1, q_seq: 66, kv_seq: 70, heads: 1, head_dim: 2 },
+        ] {
+            let (q, k, v) = c.inputs();
+            let (out, lse) = c.forward(&q, &k, &v);
+            let probe = values(q.len(), 4);
+            let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+            let Case { batch, q_seq, kv_seq, heads, head_dim } = c;
+            causal_attention_backward(
+                &q,
+                &k,
+                &v,
+                &out,
+                &lse,
+                &probe,
+                batch,
+                q_seq,
+                kv_seq,
+                heads,
+                head_dim,
+                c.scale(),
+                &mut dq,
+                &mut dk,
+                &mut dv,
+            );
+            let f64s = |x: &[f32]| x.iter().map(|&a| a as f64).collect::<Vec<f64>>();
+            let inputs = [f64s(&q), f64s(&k), f64s(&v)];
+            let h = 1e-6;
+            for (which, grad) in [&dq, &dk, &dv].into_iter().enumerate() {
+                for j in 0..grad.len() {
+                    let (mut plus, mut minus) = (inputs.clone(), inputs.clone());
+                    plus[which][j] += h;
+                    minus[which][j] -= h;
+                    let fd = (c.loss_f64(&plus[0], &plus[1], &plus[2], &probe)
+                        - c.loss_f64(&minus[0], &minus[1], &minus[2], &probe))
+                        / (2.0 * h);
+                    assert!((grad[j] as f64 - fd).abs() < 1e-4, "input {which}[{j}]: {} vs {fd}", grad[j]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn large_backward_accumulates_and_matches_small_tiles() {
+        // Several tiles per head and enough work for the parallel path: batch entry 1 must get
+        // the same gradients as when it is run alone, added onto the initial ones.
+        let c = Case { batch: 2, q_seq: 150, kv_seq: 150, heads: 3, head_dim: 16 };
+        let (q, k, v) = c.inputs();
+        let (out, lse) = c.forward(&q, &k, &v);
+        let dout = values(q.len(), 5);
+        let grads = |q: &[f32], k: &[f32], v: &[f32], out: &[f32], lse: &[f32], dout: &[f32], batch: usize| {
+            let (mut dq, mut dk, mut dv) = (vec![1.0; q.len()], vec![1.0; k.len()], vec![1.0; v.len()]);
+            causal_attention_backward(
+                q,
+                k,
+                v,
+                out,
+                lse,
+                dout,
+                batch,
+                c.q_seq,
+                c.kv_seq,
+                c.heads,
+                c.head_dim,
+                c.scale(),
+                &mut dq,
+                &mut dk,
+                &mut dv,
+            );
+            (dq, dk, dv)
+        };
+        let (dq, dk, dv) = grads(&q, &k, &v, &out, &lse, &dout, 2);
+        let half_q = q.len() / 2;
+        let half_k = k.len() / 2;
+        let half_lse = lse.len() / 2;
+        let (dq1, dk1, dv1) =
+            grads(&q[half_q..], &k[half_k..], &v[half_k..], &out[half_q..], &lse[half_lse..], &dout[half_q..], 1);
+        let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-5);
+        assert!(close(&dq[half_q..], &dq1) && close(&dk[half_k..], &dk1) && close(&dv[half_k..], &dv1));
+        assert!(dq.iter().chain(&dk).chain(&dv).all(|g| g.is_finite()));
+    }
+}

@@ -1,0 +1,214 @@
+//! Fused cross-entropy: log-softmax and negative log-likelihood in one pass over the logits,
+//! never materialising the probabilities in the forward.
+//!
+//! logits `[N, V]`, targets `[N]`: loss_r = lse_r − logits[r, t_r], lse_r = log Σ_j e^logits[r, j].
+//! The forward saves `lse` (one float per row); the backward rebuilds softmax from it.
+//!
+//! PyTorch equivalent: `F.cross_entropy(logits, targets, ignore_index=..., reduction='none')`
+//! (the caller applies the mean through `scale`). Gradients accumulate: `dlogits += ...`.
+
+use rayon::prelude::*;
+
+use super::parallel;
+use super::reduce::slice_max;
+use super::softmax::sum_exp;
+use super::unary::{exp8, load, store, LANES};
+
+/// Rough cost of one logit (an exponential and a few multiply-adds).
+const WORK_PER_ELEMENT: usize = 8;
+
+/// Per row r: lse[r] = logsumexp(logits row); losses[r] = lse[r] − logits[r, targets[r]], or 0 when targets[r] == ignore_index. Returns the number of rows not ignored. Panics (assert) if a target ≥ cols (caller validates first).
+pub fn cross_entropy_forward(
+    logits: &[f32],
+    cols: usize,
+    targets: &[u32],
+    ignore_index: Option<u32>,
+    losses: &mut [f32],
+    lse: &mut [f32],
+) -> usize {
+    let rows = check(logits, cols, targets, ignore_index);
+    assert!(losses.len() == rows && lse.len() == rows, "cross_entropy_forward: losses or lse have the wrong length");
+    if rows == 0 {
+        return 0;
+    }
+    let block = parallel::rows_per_task(cols * WORK_PER_ELEMENT);
+    let body = |(b, (losses, lse)): (usize, (&mut [f32], &mut [f32]))| {
+        for (i, (loss, lse)) in losses.iter_mut().zip(lse.iter_mut()).enumerate() {
+            let r = b * block + i;
+            let row = &logits[r * cols..][..cols];
+            let max = slice_max(row);
+            *lse = max + sum_exp(row, max).ln();
+            *loss = match targets[r] {
+                t if Some(t) == ignore_index => 0.0,
+                t => *lse - row[t as usize],
+            };
+        }
+    };
+    if parallel::should_parallelise(logits.len() * WORK_PER_ELEMENT) {
+        losses.par_chunks_mut(block).zip(lse.par_chunks_mut(block)).enumerate().for_each(body);
+    } else {
+        losses.chunks_mut(block).zip(lse.chunks_mut(block)).enumerate().for_each(body);
+    }
+    targets.iter().filter(|&&t| Some(t) != ignore_index).count()
+}
+
+/// dlogits[r] += scale · (softmax(logits[r]) − onehot(targets[r])) for rows not ignored.
+pub fn cross_entropy_backward(
+    logits: &[f32],
+    cols: usize,
+    targets: &[u32],
+    ignore_index: Option<u32>,
+    lse: &[f32],
+    scale: f32,
+    dlogits: &mut [f32],
+) {
+    let rows = check(logits, cols, targets, ignore_index);
+    assert_eq!(lse.len(), rows, "cross_entropy_backward: lse has the wrong length");
+    assert_eq!(dlogits.len(), logits.len(), "cross_entropy_backward: dlogits has the wrong length");
+    // d/dlogits_j (lse − logits_t) = softmax_j − [j = t],  softmax_j = e^(logits_j − lse)
+    parallel::for_each_row_block_mut(dlogits, cols, cols * WORK_PER_ELEMENT, |first, block| {
+        for (i, dlogits) in block.chunks_mut(cols).enumerate() {
+            let r = first + i;
+            let target = targets[r];
+            if Some(target) == ignore_index {
+                continue;
+            }
+            let row = &logits[r * cols..][..cols];
+            let shift = lse[r];
+            let simd_end = cols - cols % LANES;
+            for j in (0..simd_end).step_by(LANES) {
+                let p = exp8(load(&row[j..]) - shift);
+                store(p.mul_add(scale.into(), load(&dlogits[j..])), &mut dlogits[j..]);
+            }
+            for j in simd_end..cols {
+                dlogits[j] += scale * (row[j] - shift).exp();
+            }
+            dlogits[target as usize] -= scale;
+        }
+    });
+}
+
+/// Scalar reference: per-row losses (0 for ignored rows), from a plain log-softmax.
+pub fn cross_entropy_reference(logits: &[f32], cols: usize, targets: &[u32], ignore_index: Option<u32>) -> Vec<f32> {
+    logits
+        .chunks(cols)
+        .zip(targets)
+        .map(|(row, &t)| {
+            if Some(t) == ignore_index {
+                return 0.0;
+            }
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let lse = max + row.iter().map(|v| (v - max).exp()).sum::<f32>().ln();
+            lse - row[t as usize]
+        })
+        .collect()
+}
+
+/// Validates lengths and targets; returns the number of rows.
+fn check(logits: &[f32], cols: usize, targets: &[u32], ignore_index: Option<u32>) -> usize {
+    let rows = targets.len();
+    assert_eq!(logits.len(), rows * cols, "cross_entropy: logits and targets disagree on rows");
+    assert!(
+        targets.iter().all(|&t| Some(t) == ignore_index || (t as usize) < cols),
+        "cross_entropy: target out of range"
+    );
+    rows
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn logits(len: usize, seed: usize) -> Vec<f32> {
+        (0..len).map(|i| ((i * 31 + seed * 17) % 97) as f32 * 0.1 - 4.8).collect()
+    }
+
+    proptest! {
+        #[test]
+        fn forward_and_backward_match_reference(
+            rows in 1usize..6,
+            cols in 1usize..70,
+            seed in 0usize..50,
+            ignore in any::<bool>(),
+        ) {
+            let x = logits(rows * cols, seed);
+            let targets: Vec<u32> = (0..rows).map(|r| ((r * 7 + seed) % cols) as u32).collect();
+            let ignore_index = ignore.then_some(targets[0]);
+            let (mut losses, mut lse) = (vec![0.0; rows], vec![0.0; rows]);
+            let kept = cross_entropy_forward(&x, cols, &targets, ignore_index, &mut losses, &mut lse);
+            let want = cross_entropy_reference(&x, cols, &targets, ignore_index);
+            prop_assert_eq!(kept, targets.iter().filter(|&&t| Some(t) != ignore_index).count());
+            for (a, b) in losses.iter().zip(&want) {
+                prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()));
+            }
+            let mut dlogits = vec![0.5; x.len()];
+            cross_entropy_backward(&x, cols, &targets, ignore_index, &lse, 0.75, &mut dlogits);
+            for r in 0..rows {
+                let row = &x[r * cols..][..cols];
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let total: f32 = row.iter().map(|v| (v - max).exp()).sum();
+                for j in 0..cols {
+                    let ignored = Some(targets[r]) == ignore_index;
+                    let onehot = if j == targets[r] as usize { 1.0 } else { 0.0 };
+                    let grad = (row[j] - max).exp() / total - onehot;
+                    let want = if ignored { 0.5 } else { 0.5 + 0.75 * grad };
+                    prop_assert!((dlogits[r * cols + j] - want).abs() <= 1e-5);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        let (rows, cols) = (3, 13);
+        let x = logits(rows * cols, 4);
+        let targets = [2u32, 12, 0];
+        let loss = |x: &[f64]| -> f64 {
+            x.chunks(cols)
+                .zip(&targets)
+                .map(|(row, &t)| {
+                    let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln() - row[t as usize]
+                })
+                .sum()
+        };
+        let (mut losses, mut lse) = (vec![0.0; rows], vec![0.0; rows]);
+        cross_entropy_forward(&x, cols, &targets, None, &mut losses, &mut lse);
+        let mut dx = vec![0.0; x.len()];
+        cross_entropy_backward(&x, cols, &targets, None, &lse, 1.0, &mut dx);
+        let h = 1e-6;
+        for j in 0..x.len() {
+            let mut xp: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+            let mut xm = xp.clone();
+            xp[j] += h;
+            xm[j] -= h;
+            let fd = (loss(&xp) - loss(&xm)) / (2.0 * h);
+            assert!((dx[j] as f64 - fd).abs() < 1e-5, "{j}: {} vs {fd}", dx[j]);
+        }
+    }
+
+    #[test]
+    fn large_vocabulary_runs_in_parallel() {
+        let (rows, cols) = (64, 5003);
+        let x = logits(rows * cols, 1);
+        let targets: Vec<u32> = (0..rows as u32).map(|r| r * 71 % cols as u32).collect();
+        let (mut losses, mut lse) = (vec![0.0; rows], vec![0.0; rows]);
+        let kept = cross_entropy_forward(&x, cols, &targets, Some(u32::MAX), &mut losses, &mut lse);
+        assert_eq!(kept, rows);
+        let want = cross_entropy_reference(&x, cols, &targets, None);
+        assert!(losses.iter().zip(&want).all(|(a, b)| (a - b).abs() <= 1e-5 * (1.0 + b.abs())));
+        let mut dx = vec![0.0; x.len()];
+        cross_entropy_backward(&x, cols, &targets, None, &lse, 1.0, &mut dx);
+        for row in dx.chunks(cols) {
+            assert!(row.iter().sum::<f32>().abs() < 1e-4, "softmax − onehot sums to 0");
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "target out of range")]
+    fn rejects_out_of_range_targets() {
+        let (mut losses, mut lse) = (vec![0.0; 1], vec![0.0; 1]);
+        cross_entropy_forward(&[0.0, 1.0], 2, &[2], None, &mut losses, &mut lse);
+    }
+}

@@ -8,6 +8,7 @@ pub mod conv;
 pub mod copy;
 pub mod cross_entropy;
 pub mod embedding;
+pub mod fused_gate;
 pub mod matmul;
 pub mod norm;
 pub mod optim;

@@ -1,0 +1,249 @@
+//! Rotary position embedding (Su et al. 2021, RoFormer eq. 34), in the Hugging Face LLaMA
+//! "rotate_half" layout: within a head of `D` dims, element `i < D/2` pairs with `i + D/2`,
+//! and the pair at position `p` is rotated by the angle `p · θ^(−2i/D)`:
+//!
+//! ```text
+//! y[i]       = x[i]·cos − x[i + D/2]·sin
+//! y[i + D/2] = x[i + D/2]·cos + x[i]·sin
+//! ```
+//!
+//! PyTorch equivalent: `q * cos + rotate_half(q) * sin` from `transformers`'
+//! `apply_rotary_pos_emb`. Nothing is saved: the backward applies the inverse rotation
+//! (`Rᵀ`, the same with −sin) and accumulates into `dx`.
+//!
+//! Layout legend: `B` batch, `T` sequence, `H` heads, `D` head dim.
+
+use super::parallel;
+use super::unary::{load, store, LANES};
+
+/// cos and sin tables, each [max_seq, D/2] row-major.
+pub fn rope_table(max_seq: usize, head_dim: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
+    assert!(head_dim.is_multiple_of(2), "rope_table: head_dim must be even");
+    let half = head_dim / 2;
+    // Angles in f64: at position 10⁴ an f32 product would already be off by ~1e-3 rad.
+    let inv_freq: Vec<f64> = (0..half).map(|i| (theta as f64).powf(-2.0 * i as f64 / head_dim as f64)).collect();
+    let mut cos = Vec::with_capacity(max_seq * half);
+    let mut sin = Vec::with_capacity(max_seq * half);
+    for p in 0..max_seq {
+        for &f in &inv_freq {
+            let (s, c) = (p as f64 * f).sin_cos();
+            cos.push(c as f32);
+            sin.push(s as f32);
+        }
+    }
+    (cos, sin)
+}
+
+/// x, y: [B, T, H, D] contiguous; token t uses table row pos_offset + t.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_forward(
+    x: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    pos_offset: usize,
+    y: &mut [f32],
+) {
+    check(x.len(), y.len(), cos, sin, batch, seq, heads, head_dim, pos_offset);
+    rotate(x, cos, sin, seq, heads, head_dim, pos_offset, 1.0, false, y);
+}
+
+/// dx += Rᵀ dy (the inverse rotation)
+#[allow(clippy::too_many_arguments)]
+pub fn rope_backward(
+    dy: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    pos_offset: usize,
+    dx: &mut [f32],
+) {
+    check(dy.len(), dx.len(), cos, sin, batch, seq, heads, head_dim, pos_offset);
+    // d/dx (R x) = Rᵀ: the rotation by −angle.
+    rotate(dy, cos, sin, seq, heads, head_dim, pos_offset, -1.0, true, dx);
+}
+
+/// Scalar reference forward (tests and benches).
+#[allow(clippy::too_many_arguments)]
+pub fn rope_reference(
+    x: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    pos_offset: usize,
+) -> Vec<f32> {
+    let half = head_dim / 2;
+    let mut y = vec![0.0; x.len()];
+    for (row, (xh, yh)) in x.chunks(head_dim).zip(y.chunks_mut(head_dim)).enumerate() {
+        let t = row / heads % seq;
+        let table = (pos_offset + t) * half;
+        for i in 0..half {
+            let (c, s) = (cos[table + i], sin[table + i]);
+            yh[i] = xh[i] * c - xh[i + half] * s;
+            yh[i + half] = xh[i + half] * c + xh[i] * s;
+        }
+    }
+    y
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check(
+    input: usize,
+    output: usize,
+    cos: &[f32],
+    sin: &[f32],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    pos_offset: usize,
+) {
+    assert!(head_dim.is_multiple_of(2), "rope: head_dim must be even");
+    assert_eq!(input, batch * seq * heads * head_dim, "rope: input has the wrong length");
+    assert_eq!(output, input, "rope: output has the wrong length");
+    let needed = (pos_offset + seq) * head_dim / 2;
+    assert!(cos.len() >= needed && sin.len() >= needed, "rope: table shorter than pos_offset + seq");
+}
+
+/// Rotates every head of `x` by `sign`·angle into `out` (`out += ...` when `accumulate`),
+/// one `[H, D]` token per row, in parallel over tokens.
+#[allow(clippy::too_many_arguments)]
+fn rotate(
+    x: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    pos_offset: usize,
+    sign: f32,
+    accumulate: bool,
+    out: &mut [f32],
+) {
+    let half = head_dim / 2;
+    let token = heads * head_dim;
+    parallel::for_each_row_block_mut(out, token, token * 2, |first, block| {
+        for (i, out_token) in block.chunks_mut(token).enumerate() {
+            let t = (first + i) % seq;
+            let c = &cos[(pos_offset + t) * half..][..half];
+            let s = &sin[(pos_offset + t) * half..][..half];
+            let x_token = &x[(first + i) * token..][..token];
+            for (xh, oh) in x_token.chunks(head_dim).zip(out_token.chunks_mut(head_dim)) {
+                rotate_head(xh, c, s, sign, accumulate, oh);
+            }
+        }
+    });
+}
+
+fn rotate_head(x: &[f32], cos: &[f32], sin: &[f32], sign: f32, accumulate: bool, out: &mut [f32]) {
+    let half = cos.len();
+    let (x1, x2) = x.split_at(half);
+    let (o1, o2) = out.split_at_mut(half);
+    let simd_end = half - half % LANES;
+    for i in (0..simd_end).step_by(LANES) {
+        let (c, s) = (load(&cos[i..]), load(&sin[i..]) * sign);
+        let (a, b) = (load(&x1[i..]), load(&x2[i..]));
+        let (mut y1, mut y2) = (a * c - b * s, b * c + a * s);
+        if accumulate {
+            y1 += load(&o1[i..]);
+            y2 += load(&o2[i..]);
+        }
+        store(y1, &mut o1[i..]);
+        store(y2, &mut o2[i..]);
+    }
+    for i in simd_end..half {
+        let (c, s) = (cos[i], sin[i] * sign);
+        let (y1, y2) = (x1[i] * c - x2[i] * s, x2[i] * c + x1[i] * s);
+        if accumulate {
+            o1[i] += y1;
+            o2[i] += y2;
+        } else {
+            o1[i] = y1;
+            o2[i] = y2;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn values(len: usize, seed: usize) -> Vec<f32> {
+        (0..len).map(|i| ((i * 13 + seed * 7) % 19) as f32 * 0.2 - 1.8).collect()
+    }
+
+    #[test]
+    fn table_matches_hugging_face_definition() {
+        let (cos, sin) = rope_table(5, 8, 10000.0);
+        // Row p, column i: angle p / 10000^(2i/8).
+        let angle = 3.0f64 / 10000f64.powf(2.0 * 2.0 / 8.0);
+        assert!((cos[3 * 4 + 2] as f64 - angle.cos()).abs() < 1e-7);
+        assert!((sin[3 * 4 + 2] as f64 - angle.sin()).abs() < 1e-7);
+        assert_eq!((cos[0], sin[0]), (1.0, 0.0));
+    }
+
+    proptest! {
+        #[test]
+        fn forward_matches_reference_and_backward_inverts(
+            batch in 1usize..3,
+            seq in 1usize..5,
+            heads in 1usize..4,
+            half in 1usize..21,
+            pos_offset in 0usize..3,
+        ) {
+            let head_dim = 2 * half;
+            let (cos, sin) = rope_table(seq + pos_offset, head_dim, 10000.0);
+            let x = values(batch * seq * heads * head_dim, 1);
+            let mut y = vec![0.0; x.len()];
+            rope_forward(&x, &cos, &sin, batch, seq, heads, head_dim, pos_offset, &mut y);
+            let want = rope_reference(&x, &cos, &sin, seq, heads, head_dim, pos_offset);
+            prop_assert!(y.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-6));
+            // Rᵀ R = I, and the backward accumulates.
+            let mut back = x.clone();
+            rope_backward(&y, &cos, &sin, batch, seq, heads, head_dim, pos_offset, &mut back);
+            prop_assert!(back.iter().zip(&x).all(|(a, b)| (a - 2.0 * b).abs() < 1e-5));
+        }
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        let (batch, seq, heads, head_dim, offset) = (1, 3, 2, 18, 1);
+        let (cos, sin) = rope_table(seq + offset, head_dim, 500.0);
+        let x = values(batch * seq * heads * head_dim, 2);
+        let probe = values(x.len(), 3);
+        let mut dx = vec![0.0; x.len()];
+        rope_backward(&probe, &cos, &sin, batch, seq, heads, head_dim, offset, &mut dx);
+        // L = Σ probe ⊙ R x is linear in x, so the f64 difference is exact up to rounding.
+        let loss = |x: &[f32]| -> f64 {
+            let y = rope_reference(x, &cos, &sin, seq, heads, head_dim, offset);
+            y.iter().zip(&probe).map(|(&a, &b)| a as f64 * b as f64).sum()
+        };
+        for j in 0..x.len() {
+            let (mut xp, mut xm) = (x.clone(), x.clone());
+            xp[j] += 0.5;
+            xm[j] -= 0.5;
+            let fd = loss(&xp) - loss(&xm);
+            assert!((dx[j] as f64 - fd).abs() < 1e-5, "{j}: {} vs {fd}", dx[j]);
+        }
+    }
+
+    #[test]
+    fn many_tokens_run_in_parallel() {
+        let (batch, seq, heads, head_dim) = (4, 300, 4, 64);
+        let (cos, sin) = rope_table(seq, head_dim, 10000.0);
+        let x = values(batch * seq * heads * head_dim, 4);
+        let mut y = vec![0.0; x.len()];
+        rope_forward(&x, &cos, &sin, batch, seq, heads, head_dim, 0, &mut y);
+        let want = rope_reference(&x, &cos, &sin, seq, heads, head_dim, 0);
+        assert!(y.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-6));
+    }
+}

@@ -1,0 +1,259 @@
+//! Softmax and log-softmax over the last axis, rows of `cols` (x is `[N, C]`, N = len / C).
+//!
+//! softmax(x)_j = e^(x_j − m) / Σ_k e^(x_k − m), m = max_k x_k (the shift keeps e^· ≤ 1);
+//! log_softmax(x)_j = x_j − m − ln Σ_k e^(x_k − m).
+//!
+//! PyTorch equivalents: `torch.softmax(x, -1)` and `torch.log_softmax(x, -1)`. The backward
+//! reads only the saved output `y` and accumulates: `dx += ...`.
+
+use wide::f32x8;
+
+use super::parallel;
+use super::reduce::{dot, slice_max, slice_sum};
+use super::unary::{exp8, load, store, LANES};
+
+/// Rough cost of one element (an exponential and a few multiply-adds).
+const WORK_PER_ELEMENT: usize = 8;
+
+/// y = softmax(x) over rows of `cols`.
+pub fn softmax_forward(x: &[f32], cols: usize, y: &mut [f32]) {
+    check(x.len(), y.len(), cols, "softmax_forward");
+    parallel::for_each_row_block_mut(y, cols, cols * WORK_PER_ELEMENT, |first, block| {
+        for (r, y) in block.chunks_mut(cols).enumerate() {
+            let x = &x[(first + r) * cols..][..cols];
+            let total = exp_shifted(x, slice_max(x), y);
+            scale(y, 1.0 / total);
+        }
+    });
+}
+
+/// dx += y ⊙ (dy − Σ dy⊙y)
+pub fn softmax_backward(y: &[f32], dy: &[f32], cols: usize, dx: &mut [f32]) {
+    check(y.len(), dx.len(), cols, "softmax_backward");
+    assert_eq!(dy.len(), dx.len(), "softmax_backward: dy and dx differ in length");
+    // d/dx_j Σ_i dy_i·y_i = y_j·(dy_j − Σ_i dy_i·y_i)
+    parallel::for_each_row_block_mut(dx, cols, cols * 4, |first, block| {
+        for (r, dx) in block.chunks_mut(cols).enumerate() {
+            let at = (first + r) * cols;
+            let (y, dy) = (&y[at..][..cols], &dy[at..][..cols]);
+            let inner = dot(dy, y);
+            let simd_end = cols - cols % LANES;
+            for i in (0..simd_end).step_by(LANES) {
+                let grad = load(&y[i..]) * (load(&dy[i..]) - inner);
+                store(load(&dx[i..]) + grad, &mut dx[i..]);
+            }
+            for i in simd_end..cols {
+                dx[i] += y[i] * (dy[i] - inner);
+            }
+        }
+    });
+}
+
+/// y = log_softmax(x) over rows of `cols`.
+pub fn log_softmax_forward(x: &[f32], cols: usize, y: &mut [f32]) {
+    check(x.len(), y.len(), cols, "log_softmax_forward");
+    parallel::for_each_row_block_mut(y, cols, cols * WORK_PER_ELEMENT, |first, block| {
+        for (r, y) in block.chunks_mut(cols).enumerate() {
+            let x = &x[(first + r) * cols..][..cols];
+            let max = slice_max(x);
+            let log_total = max + sum_exp(x, max).ln();
+            let simd_end = cols - cols % LANES;
+            for i in (0..simd_end).step_by(LANES) {
+                store(load(&x[i..]) - log_total, &mut y[i..]);
+            }
+            for i in simd_end..cols {
+                y[i] = x[i] - log_total;
+            }
+        }
+    });
+}
+
+/// dx += dy − exp(y)·Σ dy
+pub fn log_softmax_backward(y: &[f32], dy: &[f32], cols: usize, dx: &mut [f32]) {
+    check(y.len(), dx.len(), cols, "log_softmax_backward");
+    assert_eq!(dy.len(), dx.len(), "log_softmax_backward: dy and dx differ in length");
+    // d/dx_j Σ_i dy_i·(x_i − lse) = dy_j − softmax_j·Σ_i dy_i,  softmax = e^y
+    parallel::for_each_row_block_mut(dx, cols, cols * WORK_PER_ELEMENT, |first, block| {
+        for (r, dx) in block.chunks_mut(cols).enumerate() {
+            let at = (first + r) * cols;
+            let (y, dy) = (&y[at..][..cols], &dy[at..][..cols]);
+            let total = slice_sum(dy);
+            let simd_end = cols - cols % LANES;
+            for i in (0..simd_end).step_by(LANES) {
+                let grad = load(&dy[i..]) - exp8(load(&y[i..])) * total;
+                store(load(&dx[i..]) + grad, &mut dx[i..]);
+            }
+            for i in simd_end..cols {
+                dx[i] += dy[i] - y[i].exp() * total;
+            }
+        }
+    });
+}
+
+/// Scalar reference softmax (tests and benches).
+pub fn softmax_reference(x: &[f32], cols: usize) -> Vec<f32> {
+    x.chunks(cols)
+        .flat_map(|row| {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exps: Vec<f32> = row.iter().map(|v| (v - max).exp()).collect();
+            let total: f32 = exps.iter().sum();
+            exps.into_iter().map(move |e| e / total)
+        })
+        .collect()
+}
+
+/// Scalar reference log-softmax (tests and benches).
+pub fn log_softmax_reference(x: &[f32], cols: usize) -> Vec<f32> {
+    x.chunks(cols)
+        .flat_map(|row| {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let lse = max + row.iter().map(|v| (v - max).exp()).sum::<f32>().ln();
+            row.iter().map(move |v| v - lse)
+        })
+        .collect()
+}
+
+/// Σ_j e^(x_j − shift); with `shift = max x` every term is in (0, 1]. Also used by the fused
+/// cross-entropy.
+pub fn sum_exp(x: &[f32], shift: f32) -> f32 {
+    let simd_end = x.len() - x.len() % LANES;
+    let mut acc = f32x8::ZERO;
+    for i in (0..simd_end).step_by(LANES) {
+        acc += exp8(load(&x[i..]) - shift);
+    }
+    acc.reduce_add() + x[simd_end..].iter().map(|v| (v - shift).exp()).sum::<f32>()
+}
+
+/// y_j = e^(x_j − shift); returns Σ y_j.
+fn exp_shifted(x: &[f32], shift: f32, y: &mut [f32]) -> f32 {
+    let simd_end = x.len() - x.len() % LANES;
+    let mut acc = f32x8::ZERO;
+    for i in (0..simd_end).step_by(LANES) {
+        let e = exp8(load(&x[i..]) - shift);
+        store(e, &mut y[i..]);
+        acc += e;
+    }
+    let mut total = acc.reduce_add();
+    for i in simd_end..x.len() {
+        y[i] = (x[i] - shift).exp();
+        total += y[i];
+    }
+    total
+}
+
+fn scale(y: &mut [f32], factor: f32) {
+    let simd_end = y.len() - y.len() % LANES;
+    for i in (0..simd_end).step_by(LANES) {
+        store(load(&y[i..]) * factor, &mut y[i..]);
+    }
+    for v in &mut y[simd_end..] {
+        *v *= factor;
+    }
+}
+
+fn check(input: usize, output: usize, cols: usize, what: &str) {
+    assert_eq!(input, output, "{what}: input and output differ in length");
+    assert!(cols > 0 || input == 0, "{what}: zero columns");
+    assert!(input.is_multiple_of(cols), "{what}: length is not a multiple of cols");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn softmax_f64(x: &[f64]) -> Vec<f64> {
+        let max = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let total: f64 = x.iter().map(|v| (v - max).exp()).sum();
+        x.iter().map(|v| (v - max).exp() / total).collect()
+    }
+
+    fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
+        a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol * (1.0 + y.abs()))
+    }
+
+    fn row_values(len: usize, seed: u32) -> Vec<f32> {
+        (0..len).map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 * 0.01 - 5.0).collect()
+    }
+
+    proptest! {
+        #[test]
+        fn fast_paths_match_reference(rows in 1usize..5, cols in 1usize..70, seed in 0u32..100) {
+            let x = row_values(rows * cols, seed);
+            let mut y = vec![0.0; x.len()];
+            softmax_forward(&x, cols, &mut y);
+            prop_assert!(close(&y, &softmax_reference(&x, cols), 1e-6));
+            let mut log_y = vec![0.0; x.len()];
+            log_softmax_forward(&x, cols, &mut log_y);
+            prop_assert!(close(&log_y, &log_softmax_reference(&x, cols), 1e-6));
+
+            let dy = row_values(x.len(), seed + 7);
+            let mut dx = vec![0.25; x.len()];
+            softmax_backward(&y, &dy, cols, &mut dx);
+            for (r, row) in dx.chunks(cols).enumerate() {
+                let (yr, dyr) = (&y[r * cols..][..cols], &dy[r * cols..][..cols]);
+                let inner: f32 = yr.iter().zip(dyr).map(|(a, b)| a * b).sum();
+                let want: Vec<f32> = yr.iter().zip(dyr).map(|(a, b)| 0.25 + a * (b - inner)).collect();
+                prop_assert!(close(row, &want, 1e-5));
+            }
+            let mut dx = vec![0.25; x.len()];
+            log_softmax_backward(&log_y, &dy, cols, &mut dx);
+            for (r, row) in dx.chunks(cols).enumerate() {
+                let (yr, dyr) = (&log_y[r * cols..][..cols], &dy[r * cols..][..cols]);
+                let total: f32 = dyr.iter().sum();
+                let want: Vec<f32> = yr.iter().zip(dyr).map(|(a, b)| 0.25 + b - a.exp() * total).collect();
+                prop_assert!(close(row, &want, 1e-5));
+            }
+        }
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        let cols = 11;
+        let x = row_values(cols, 3);
+        let dy = row_values(cols, 9);
+        let loss = |x: &[f64], log: bool| -> f64 {
+            let s = softmax_f64(x);
+            s.iter().zip(&dy).map(|(p, &w)| if log { p.ln() } else { *p } * w as f64).sum()
+        };
+        for log in [false, true] {
+            let mut y = vec![0.0; cols];
+            let mut dx = vec![0.0; cols];
+            if log {
+                log_softmax_forward(&x, cols, &mut y);
+                log_softmax_backward(&y, &dy, cols, &mut dx);
+            } else {
+                softmax_forward(&x, cols, &mut y);
+                softmax_backward(&y, &dy, cols, &mut dx);
+            }
+            let h = 1e-6;
+            for j in 0..cols {
+                let mut xp: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+                let mut xm = xp.clone();
+                xp[j] += h;
+                xm[j] -= h;
+                let fd = (loss(&xp, log) - loss(&xm, log)) / (2.0 * h);
+                assert!((dx[j] as f64 - fd).abs() < 1e-4 * (1.0 + fd.abs()), "{log} {j}: {} vs {fd}", dx[j]);
+            }
+        }
+    }
+
+    #[test]
+    fn large_logits_and_many_rows() {
+        let (rows, cols) = (300, 257);
+        let x: Vec<f32> = row_values(rows * cols, 5).iter().map(|v| v * 40.0).collect();
+        let mut y = vec![0.0; x.len()];
+        softmax_forward(&x, cols, &mut y);
+        assert!(close(&y, &softmax_reference(&x, cols), 1e-6));
+        for row in y.chunks(cols) {
+            assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+        }
+        log_softmax_forward(&x, cols, &mut y);
+        // y = x − lse cancels: the error scale is an ulp of x or lse, not of y.
+        let want = log_softmax_reference(&x, cols);
+        for (v, (a, b)) in x.iter().zip(y.iter().zip(&want)) {
+            assert!((a - b).abs() <= 1e-6 * (1.0 + v.abs() + b.abs()), "{v}: {a} vs {b}");
+        }
+        assert!(y.iter().all(|v| v.is_finite()));
+    }
+}

@@ -1,0 +1,46 @@
+//! Causal scaled-dot-product attention as one op (flash-attention style): the forward
+//! saves q, k, v, the output and the per-query log-sum-exp; backward recomputes the
+//! probabilities tile by tile instead of storing a T×T matrix.
+
+use kernels::cpu::attention::causal_attention_backward;
+use tensor::{Result, Tensor};
+
+use crate::Var;
+
+impl Var {
+    /// `softmax(q·kᵀ·scale + causal mask)·v` for `q: [B, Tq, H, D]`, `k, v: [B, Tk, H, D]`
+    /// (PyTorch `F.scaled_dot_product_attention(..., is_causal=True)` in [B, T, H, D] layout).
+    pub fn causal_attention(q: &Var, k: &Var, v: &Var, scale: f32) -> Result<Var> {
+        let (qt, kt, vt) = (q.value().contiguous()?, k.value().contiguous()?, v.value().contiguous()?);
+        let (out, lse) = Tensor::causal_attention(&qt, &kt, &vt, scale)?;
+        let saved_out = out.clone();
+        Ok(Var::from_op(out, vec![q.clone(), k.clone(), v.clone()], move |dout| {
+            let [b, tq, h, d] = qt.dims4("causal_attention")?;
+            let tk = kt.shape()[1];
+            let (mut dq, mut dk, mut dv) = (vec![0.0; qt.numel()], vec![0.0; kt.numel()], vec![0.0; vt.numel()]);
+            // d/dq = dS·k·scale, d/dk = dSᵀ·q·scale, d/dv = Pᵀ·dout, dS = P ⊙ (dP − rowsum(dout⊙out))
+            causal_attention_backward(
+                qt.as_slice()?,
+                kt.as_slice()?,
+                vt.as_slice()?,
+                saved_out.as_slice()?,
+                &lse,
+                dout.contiguous()?.as_slice()?,
+                b,
+                tq,
+                tk,
+                h,
+                d,
+                scale,
+                &mut dq,
+                &mut dk,
+                &mut dv,
+            );
+            Ok(vec![
+                Tensor::from_vec(dq, qt.shape())?,
+                Tensor::from_vec(dk, kt.shape())?,
+                Tensor::from_vec(dv, vt.shape())?,
+            ])
+        }))
+    }
+}

@@ -1,0 +1,18 @@
+//! Differentiable ops on [`crate::Var`], one family per file. Each forward calls the
+//! shape-checked tensor op; its backward rule sits right below it.
+
+mod arithmetic;
+mod attention;
+mod cross_entropy;
+mod embedding;
+mod fused_gate;
+mod matmul;
+mod norm;
+mod reduce;
+mod rope;
+mod select;
+mod softmax;
+mod unary;
+mod view;
+
+pub use tensor::ops::{Binary, Unary};

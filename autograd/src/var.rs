@@ -1,0 +1,234 @@
+//! The graph node (`Var`), the backward walk, and the `no_grad` scope.
+
+use std::cell::{Cell, Ref, RefCell};
+use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tensor::{Error, Result, Tensor};
+
+/// Maps the gradient of an op's output to one gradient per input, in input order.
+type BackwardFn = Box<dyn Fn(&Tensor) -> Result<Vec<Tensor>>>;
+
+/// Ids grow with creation, so sorting by id descending is a valid reverse topological
+/// order: every input is created before the op that reads it.
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
+}
+
+/// A tensor in the autograd graph. Cloning is cheap and shares the node.
+#[derive(Clone)]
+pub struct Var(Rc<Node>);
+
+struct Node {
+    id: u64,
+    value: RefCell<Tensor>,
+    grad: RefCell<Option<Tensor>>,
+    requires_grad: bool,
+    inputs: Vec<Var>,
+    backward: Option<BackwardFn>,
+}
+
+impl std::fmt::Debug for Var {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Var")
+            .field("id", &self.0.id)
+            .field("shape", &self.0.value.borrow().shape())
+            .field("requires_grad", &self.0.requires_grad)
+            .finish()
+    }
+}
+
+/// Runs `f` with graph building switched off (evaluation, optimizer steps); restores the
+/// previous setting afterwards, even on panic.
+pub fn no_grad<T>(f: impl FnOnce() -> T) -> T {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            GRAD_ENABLED.with(|g| g.set(self.0));
+        }
+    }
+    let _restore = Restore(GRAD_ENABLED.with(|g| g.replace(false)));
+    f()
+}
+
+/// False inside [`no_grad`].
+pub fn is_grad_enabled() -> bool {
+    GRAD_ENABLED.with(|g| g.get())
+}
+
+impl Var {
+    fn leaf(value: Tensor, requires_grad: bool) -> Var {
+        Var(Rc::new(Node {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            value: RefCell::new(value),
+            grad: RefCell::new(None),
+            requires_grad,
+            inputs: Vec::new(),
+            backward: None,
+        }))
+    }
+
+    /// A trainable leaf: gradients accumulate into [`Var::grad`].
+    pub fn parameter(value: Tensor) -> Var {
+        Var::leaf(value, true)
+    }
+
+    /// A leaf that never receives a gradient (data, masks).
+    pub fn constant(value: Tensor) -> Var {
+        Var::leaf(value, false)
+    }
+
+    /// The output of an op over `inputs`. `backward` maps the output's gradient to one
+    /// gradient per input (same order, same shapes). When no input needs a gradient, or
+    /// inside [`no_grad`], the closure is dropped and the result is a constant.
+    pub fn from_op(
+        value: Tensor,
+        inputs: Vec<Var>,
+        backward: impl Fn(&Tensor) -> Result<Vec<Tensor>> + 'static,
+    ) -> Var {
+        if !is_grad_enabled() || !inputs.iter().any(Var::requires_grad) {
+            return Var::constant(value);
+        }
+        Var(Rc::new(Node {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            value: RefCell::new(value),
+            grad: RefCell::new(None),
+            requires_grad: true,
+            inputs,
+            backward: Some(Box::new(backward)),
+        }))
+    }
+
+    /// Unique id of this node (parameters are looked up by it).
+    pub fn id(&self) -> u64 {
+        self.0.id
+    }
+
+    /// The value (a cheap clone of the tensor view).
+    pub fn value(&self) -> Tensor {
+        self.0.value.borrow().clone()
+    }
+
+    /// Borrows the value without cloning.
+    pub fn value_ref(&self) -> Ref<'_, Tensor> {
+        self.0.value.borrow()
+    }
+
+    /// Replaces the value of a leaf (optimizer updates, checkpoint loads). The shape must
+    /// not change.
+    pub fn set_value(&self, value: Tensor) -> Result<()> {
+        let current = self.0.value.borrow().shape().to_vec();
+        if current != value.shape() {
+            return Err(Error::ShapeMismatch { op: "set_value", lhs: current, rhs: value.shape().to_vec() });
+        }
+        *self.0.value.borrow_mut() = value;
+        Ok(())
+    }
+
+    /// Mutable access to a leaf's value, for in-place optimizer updates.
+    pub fn value_mut(&self) -> std::cell::RefMut<'_, Tensor> {
+        self.0.value.borrow_mut()
+    }
+
+    /// Shape of the value.
+    pub fn shape(&self) -> Vec<usize> {
+        self.0.value.borrow().shape().to_vec()
+    }
+
+    /// True when gradients flow to or through this node.
+    pub fn requires_grad(&self) -> bool {
+        self.0.requires_grad
+    }
+
+    /// The accumulated gradient of a leaf, if any backward pass reached it.
+    pub fn grad(&self) -> Option<Tensor> {
+        self.0.grad.borrow().clone()
+    }
+
+    /// Replaces the accumulated gradient (gradient clipping, optimizer-side scaling).
+    pub fn set_grad(&self, grad: Option<Tensor>) {
+        *self.0.grad.borrow_mut() = grad;
+    }
+
+    /// Clears the accumulated gradient.
+    pub fn zero_grad(&self) {
+        self.set_grad(None);
+    }
+
+    /// The same value cut off from the graph.
+    pub fn detach(&self) -> Var {
+        Var::constant(self.value())
+    }
+
+    /// Back-propagates from this scalar: `d self / d leaf` accumulates into every leaf
+    /// that requires a gradient.
+    pub fn backward(&self) -> Result<()> {
+        let value = self.value();
+        if value.numel() != 1 {
+            return Err(Error::InvalidShape {
+                op: "backward",
+                shape: value.shape().to_vec(),
+                reason: "backward() starts from a scalar; use backward_with for other shapes".into(),
+            });
+        }
+        self.backward_with(Tensor::ones(value.shape()))
+    }
+
+    /// Back-propagates `seed` (the gradient of some scalar with respect to this node).
+    pub fn backward_with(&self, seed: Tensor) -> Result<()> {
+        if seed.shape() != self.shape() {
+            return Err(Error::ShapeMismatch { op: "backward_with", lhs: self.shape(), rhs: seed.shape().to_vec() });
+        }
+        let mut grads: HashMap<u64, Tensor> = HashMap::new();
+        grads.insert(self.id(), seed);
+        for node in self.reachable_in_reverse_order() {
+            let Some(grad) = grads.remove(&node.id()) else { continue };
+            let Some(backward) = &node.0.backward else {
+                let mut slot = node.0.grad.borrow_mut();
+                *slot = Some(match slot.take() {
+                    Some(previous) => previous.add(&grad)?,
+                    None => grad,
+                });
+                continue;
+            };
+            let input_grads = backward(&grad)?;
+            for (input, input_grad) in node.0.inputs.iter().zip(input_grads) {
+                if !input.requires_grad() {
+                    continue;
+                }
+                if input_grad.shape() != input.value_ref().shape() {
+                    return Err(Error::ShapeMismatch {
+                        op: "backward (gradient of an op input)",
+                        lhs: input.shape(),
+                        rhs: input_grad.shape().to_vec(),
+                    });
+                }
+                let total = match grads.remove(&input.id()) {
+                    Some(previous) => previous.add(&input_grad)?,
+                    None => input_grad,
+                };
+                grads.insert(input.id(), total);
+            }
+        }
+        Ok(())
+    }
+
+    /// Every node that needs a gradient and is reachable from `self`, newest first.
+    fn reachable_in_reverse_order(&self) -> Vec<Var> {
+        let mut seen = HashSet::new();
+        let mut stack = vec![self.clone()];
+        let mut order = Vec::new();
+        while let Some(var) = stack.pop() {
+            if !var.requires_grad() || !seen.insert(var.id()) {
+                continue;
+            }
+            stack.extend(var.0.inputs.iter().cloned());
+            order.push(var);
+        }
+        order.sort_by_key(|v| std::cmp::Reverse(v.id()));
+        order
+    }
+}

@@ -1,0 +1,171 @@
+//! One LLaMA decoder block with the gates, residual rule and per-token layers its variant
+//! asks for (SPEC §1-5):
+//!
+//! ```text
+//! x = x + attn(norm(x));  x = x + PTT(x, tok);  x = x + ffn(norm(x)) ⊙ E[tok]     (pre-ln)
+//! ```
+//! with the residual rule swapped per [`ResidualRule`], gates on the projections
+//! (`Ẑ = (X·Wᵀ) ⊙ G(X)`, eq. 6) or on the paths (`Y = Y + F(h) ⊙ G(h)`, eq. 7).
+//!
+//! DeepNorm's init: v, o and the FFN weights are scaled by β = (8N)^{-1/4} after their
+//! N(0, init_std²) draw (DeepNet's rule applied to LLaMA's init).
+
+use autograd::Var;
+use nn::attention::{Attention, AttentionConfig};
+use nn::ffn::SwiGlu;
+use nn::layers::DyT;
+use nn::modulator::{
+    ComtModulator, DenseGate, Gate, ModulatedProjection, Modulator, ModulatorConfig, NonContextualGate, Norm, Residual,
+    ResidualRule, Resolution, WeightInit,
+};
+use nn::per_token::{PerTokenTransform, TokenScale};
+use nn::Module;
+use tensor::ops::Binary;
+use tensor::Rng;
+
+use super::config::{LlamaConfig, Parsed};
+use super::variant::Variant;
+use crate::Result;
+
+/// A decoder block: attention, FFN, the residual rule with its norms, optional per-token layers.
+pub struct DecoderBlock {
+    pub self_attn: Attention,
+    pub mlp: SwiGlu,
+    pub residual: Residual,
+    /// `per-token`: `x + PTT(x, tok)` between the sublayers.
+    pub per_token: Option<PerTokenTransform>,
+    /// `token-scale`: FFN output `⊙ E[tok]`.
+    pub token_scale: Option<TokenScale>,
+}
+
+/// The residual rule of block `layer` (0-based) of `n_layers` for `variant`.
+fn residual_rule(config: &LlamaConfig, variant: Variant, layer: usize) -> ResidualRule {
+    let (l, n) = (layer + 1, config.n_layers);
+    let plain = if config.post_ln { ResidualRule::PostNorm { alpha: 1.0 } } else { ResidualRule::PreNorm { scale: 1.0 } };
+    match variant {
+        Variant::PostLn => ResidualRule::PostNorm { alpha: 1.0 },
+        Variant::DeepNorm => ResidualRule::PostNorm { alpha: (2.0 * n as f32).powf(0.25) },
+        Variant::MixLn if l <= n / 4 => ResidualRule::PostNorm { alpha: 1.0 },
+        Variant::MixLn | Variant::Dyt => ResidualRule::PreNorm { scale: 1.0 },
+        Variant::LnScaling => ResidualRule::PreNorm { scale: 1.0 / (l as f32).sqrt() },
+        Variant::ReZero => ResidualRule::ReZero,
+        Variant::LaurelRw => ResidualRule::LaurelRw,
+        Variant::LaurelLr => ResidualRule::LaurelLr { rank: config.laurel_rank },
+        Variant::LaurelPa => ResidualRule::LaurelPa { earlier: layer },
+        _ => plain,
+    }
+}
+
+/// The gate a projection `d_in → d_out` named `name` carries under `variant`, if any.
+fn projection_gate(config: &LlamaConfig, parsed: &Parsed, name: &str, d_in: usize, d_out: usize, rng: &mut Rng) -> Option<Gate> {
+    let modulator = ModulatorConfig { rank: config.rank, phi: parsed.phi, learnable_alpha: config.learnable_alpha() };
+    let covered = parsed.coverage.covers(name);
+    let init = WeightInit::Normal { std: config.init_std };
+    Some(match parsed.variant {
+        Variant::LayerScalar if covered => Gate::Modulator(Modulator::new(d_in, d_out, Resolution::Scalar, modulator, rng)),
+        Variant::LayerChannel if covered => Gate::Modulator(Modulator::new(d_in, d_out, Resolution::Channel, modulator, rng)),
+        Variant::LayerChannelScalar | Variant::FixedAlpha if covered => Gate::channel_scalar(d_in, d_out, modulator, rng),
+        Variant::NonContextual if covered => Gate::NonContextual(NonContextualGate::new(d_out, modulator.learnable_alpha)),
+        Variant::Comt if covered => Gate::Comt(ComtModulator::new(d_in, config.comt_hidden, parsed.phi, rng)),
+        Variant::AllGate => Gate::Dense(DenseGate::new(d_in, d_out, init, rng)),
+        Variant::SdpaGate if matches!(name, "q_proj" | "k_proj" | "v_proj") => Gate::Dense(DenseGate::new(d_in, d_out, init, rng)),
+        _ => return None,
+    })
+}
+
+/// Attaches the variant's gate to each projection and sets the fused flag.
+fn attach(config: &LlamaConfig, parsed: &Parsed, projections: &mut [(&'static str, &mut ModulatedProjection)], rng: &mut Rng) {
+    for (name, p) in projections.iter_mut() {
+        p.fused = config.fused;
+        if let Some(gate) = projection_gate(config, parsed, name, p.in_features(), p.out_features(), rng) {
+            p.gates.push(gate);
+        }
+    }
+}
+
+/// Multiplies a projection's weight by `factor` (DeepNorm's β).
+fn scale_weight(p: &ModulatedProjection, factor: f32) -> Result<()> {
+    let scaled = p.linear.weight.value().scalar_op(Binary::Mul, factor)?;
+    Ok(p.linear.weight.set_value(scaled)?)
+}
+
+impl DecoderBlock {
+    /// Block `layer` (0-based) for a validated config.
+    pub(crate) fn new(config: &LlamaConfig, parsed: &Parsed, layer: usize, rng: &mut Rng) -> Result<DecoderBlock> {
+        let d = config.d_model;
+        let init = WeightInit::Normal { std: config.init_std };
+        let attention = AttentionConfig { d_model: d, n_heads: config.n_heads, rope_theta: config.rope_theta };
+        let mut self_attn = Attention::new(attention, init, rng)?;
+        let mut mlp = SwiGlu::new(d, config.ffn_hidden, init, rng);
+        if parsed.variant == Variant::DeepNorm {
+            let beta = (8.0 * config.n_layers as f32).powf(-0.25);
+            for p in [&self_attn.v_proj, &self_attn.o_proj, &mlp.gate_proj, &mlp.up_proj, &mlp.down_proj] {
+                scale_weight(p, beta)?;
+            }
+        }
+        attach(config, parsed, &mut self_attn.projections_mut(), rng);
+        attach(config, parsed, &mut mlp.projections_mut(), rng);
+        if parsed.variant == Variant::SdpaGate {
+            self_attn.sdpa_gate = Some(DenseGate::new(d, d, init, rng));
+        }
+        let path = match parsed.variant {
+            Variant::PathScalar => Some(Resolution::Scalar),
+            Variant::PathChannel => Some(Resolution::Channel),
+            _ => None,
+        };
+        if let Some(resolution) = path {
+            let modulator = ModulatorConfig { rank: config.rank, phi: parsed.phi, learnable_alpha: config.learnable_alpha() };
+            let path_gate = |rng: &mut Rng| Gate::Modulator(Modulator::new(d, d, resolution, modulator, rng));
+            if parsed.coverage.covers("o_proj") {
+                self_attn.path_gates.push(path_gate(rng));
+            }
+            if parsed.coverage.covers("down_proj") {
+                mlp.path_gates.push(path_gate(rng));
+            }
+        }
+        let eps = config.norm_eps;
+        let dyt = parsed.variant == Variant::Dyt;
+        let make_norm = || if dyt { Norm::Dyt(DyT::new(d)) } else { Norm::rms(d, eps) };
+        let residual = Residual::new(residual_rule(config, parsed.variant, layer), d, make_norm, rng);
+        let vocab = config.vocab_size;
+        Ok(DecoderBlock {
+            self_attn,
+            mlp,
+            residual,
+            per_token: (parsed.variant == Variant::PerToken)
+                .then(|| PerTokenTransform::new(vocab, d, config.resolved_per_token_rank(), rng)),
+            token_scale: (parsed.variant == Variant::TokenScale).then(|| TokenScale::new(vocab, d)),
+        })
+    }
+
+    /// `x: [B, T, C]` with the row-major token ids `ids[B·T]` → `[B, T, C]`. `earlier` holds
+    /// the activations before this block's input (LAuReL-PA reads them).
+    pub fn forward(&self, x: &Var, ids: &[u32], earlier: &[Var]) -> Result<Var> {
+        let between = |x: &Var| match &self.per_token {
+            Some(ptt) => x.add(&ptt.forward(x, ids)?),
+            None => Ok(x.clone()),
+        };
+        let mlp = |h: &Var| {
+            let y = self.mlp.forward(h)?;
+            match &self.token_scale {
+                Some(scale) => scale.forward(&y, ids),
+                None => Ok(y),
+            }
+        };
+        Ok(self.residual.forward(x, earlier, |h| self.self_attn.forward(h), between, mlp)?)
+    }
+}
+
+impl Module for DecoderBlock {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(String, &Var)) {
+        self.self_attn.visit_parameters(&format!("{prefix}self_attn."), visit);
+        self.mlp.visit_parameters(&format!("{prefix}mlp."), visit);
+        self.residual.visit_parameters(prefix, visit);
+        if let Some(ptt) = &self.per_token {
+            ptt.visit_parameters(&format!("{prefix}per_token."), visit);
+        }
+        if let Some(scale) = &self.token_scale {
+            scale.visit_parameters(&format!("{prefix}token_scale."), visit);
+        }
+    }
+}

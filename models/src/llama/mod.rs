@@ -1,0 +1,94 @@
+//! The LLaMA decoder of SPEC §6 with every contextual-modulator variant and baseline:
+//! token embedding, N [`DecoderBlock`]s, a final norm and an untied LM head, no biases.
+//!
+//! Parameter names follow Hugging Face's `LlamaForCausalLM` (`model.embed_tokens.weight`,
+//! `model.layers.{i}.self_attn.q_proj.weight`, `model.layers.{i}.mlp.gate_proj.weight`,
+//! `model.layers.{i}.input_layernorm.weight`, `model.norm.weight`, `lm_head.weight`), so a
+//! baseline checkpoint loads in `transformers`. Extra parameters sit under the layer they
+//! gate: `...q_proj.modulator_channel.A`, `...q_proj.modulator_scalar.alpha`,
+//! `...q_proj.modulator.w1` (CoMT), `...q_proj.output_gate.weight` (ALL-Gate),
+//! `...self_attn.sdpa_gate.weight`, `...self_attn.modulator_scalar.A` (path-level),
+//! `model.layers.{i}.resweight`, `attn_laurel.*`, `laurel_pa.gamma`, `per_token.*`,
+//! `token_scale.weight`.
+//!
+//! Init: embeddings and base linear weights N(0, 0.02²) (Hugging Face's
+//! `initializer_range`), norm gains 1, modulators as SPEC §1. The `rezero`, `per-token`
+//! (U = 0), `laurel-lr` (B = 0) and `laurel-pa` (γ = 0) variants start with some exactly
+//! zero gradients by construction (every parameter still gets a gradient tensor).
+
+mod block;
+mod config;
+mod variant;
+
+pub use block::DecoderBlock;
+pub use config::{LlamaConfig, PRESETS};
+pub use variant::{Coverage, Variant, COVERAGES, TRANSPONDER_ALIAS, VARIANTS};
+
+use autograd::Var;
+use nn::layers::{DyT, Embedding, Linear};
+use nn::modulator::{Norm, WeightInit};
+use nn::Module;
+use tensor::Rng;
+
+use crate::{Error, Result};
+
+/// A LLaMA language model built from a [`LlamaConfig`].
+pub struct Llama {
+    pub config: LlamaConfig,
+    pub embed_tokens: Embedding,
+    pub layers: Vec<DecoderBlock>,
+    /// Final norm (DyT for the `dyt` variant).
+    pub norm: Norm,
+    pub lm_head: Linear,
+}
+
+impl Llama {
+    /// Validates `config` and initialises every parameter from `seed` (bit-reproducible).
+    pub fn new(config: &LlamaConfig, seed: u64) -> Result<Llama> {
+        let parsed = config.parse()?;
+        let mut rng = Rng::new(seed);
+        let (d, vocab) = (config.d_model, config.vocab_size);
+        let embed_tokens = Embedding::new(vocab, d, config.init_std, &mut rng);
+        let layers =
+            (0..config.n_layers).map(|l| DecoderBlock::new(config, &parsed, l, &mut rng)).collect::<Result<Vec<_>>>()?;
+        let norm = if parsed.variant == Variant::Dyt { Norm::Dyt(DyT::new(d)) } else { Norm::rms(d, config.norm_eps) };
+        let lm_head = WeightInit::Normal { std: config.init_std }.linear(d, vocab, &mut rng);
+        Ok(Llama { config: config.clone(), embed_tokens, layers, norm, lm_head })
+    }
+
+    /// Logits `[B·T, V]` for the row-major token ids `ids[B·T]` of `batch` sequences of `seq`.
+    pub fn forward(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Var> {
+        if ids.len() != batch * seq || ids.is_empty() {
+            return Err(Error::Config(format!("{} token ids given for batch {batch} × seq {seq}", ids.len())));
+        }
+        let mut x = self.embed_tokens.forward(ids, &[batch, seq])?;
+        // Activations x_0 (embedding), x_1, ...: LAuReL-PA mixes the ones before a block's input.
+        let mut activations = vec![x.clone()];
+        for (l, block) in self.layers.iter().enumerate() {
+            x = block.forward(&x, ids, &activations[..l])?;
+            activations.push(x.clone());
+        }
+        let h = self.norm.forward(&x)?.reshape(&[batch * seq, self.config.d_model])?;
+        Ok(self.lm_head.forward(&h)?)
+    }
+
+    /// Mean cross-entropy of next-token `targets[B·T]` (rows with an out-of-range target are
+    /// an error; no ignore index).
+    pub fn loss(&self, ids: &[u32], targets: &[u32], batch: usize, seq: usize) -> Result<Var> {
+        if targets.len() != ids.len() {
+            return Err(Error::Config(format!("{} targets for {} token ids", targets.len(), ids.len())));
+        }
+        Ok(self.forward(ids, batch, seq)?.cross_entropy(targets, None)?)
+    }
+}
+
+impl Module for Llama {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(String, &Var)) {
+        self.embed_tokens.visit_parameters(&format!("{prefix}model.embed_tokens."), visit);
+        for (i, block) in self.layers.iter().enumerate() {
+            block.visit_parameters(&format!("{prefix}model.layers.{i}."), visit);
+        }
+        self.norm.visit_parameters(&format!("{prefix}model.norm."), visit);
+        self.lm_head.visit_parameters(&format!("{prefix}lm_head."), visit);
+    }
+}

@@ -1,0 +1,110 @@
+//! Causal multi-head self-attention with rotary positions (LLaMA; RoPE θ = 10000), whose
+//! q, k, v, o projections are [`ModulatedProjection`]s (Transponder eq. 6).
+//!
+//! ```text
+//! q, k, v = RoPE(x·W_qᵀ ⊙ G_q(x)), RoPE(x·W_kᵀ ⊙ G_k(x)), x·W_vᵀ ⊙ G_v(x)   [B, T, H, D]
+//! o       = softmax(q·kᵀ/√D + causal mask)·v  (⊙ σ(x·W_gᵀ) for SDPA-Gate)      [B, T, C]
+//! y       = o·W_oᵀ ⊙ G_o(o)  (⊙ G_path(x) for path-level modulation, eq. 7)
+//! ```
+//! PyTorch equivalent: Hugging Face `LlamaAttention` (no GQA, no bias) with
+//! `F.scaled_dot_product_attention(..., is_causal=True)`. Projections and gates run on the
+//! flattened `[B·T, C]` rows; attention runs in `[B, T, H, D]` layout, no transposes.
+
+use autograd::{Result, Var};
+use tensor::{Error, Rng};
+
+use crate::modulator::{DenseGate, Gate, ModulatedProjection, WeightInit};
+use crate::module::{join, Module};
+
+/// Shape of an attention layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionConfig {
+    /// `C`: model width.
+    pub d_model: usize,
+    /// `H`: heads; the head width `D = C / H` must be even (RoPE rotates pairs).
+    pub n_heads: usize,
+    /// RoPE base θ (10000 in LLaMA).
+    pub rope_theta: f32,
+}
+
+/// Causal self-attention with RoPE and gated projections.
+pub struct Attention {
+    pub q_proj: ModulatedProjection,
+    pub k_proj: ModulatedProjection,
+    pub v_proj: ModulatedProjection,
+    pub o_proj: ModulatedProjection,
+    /// SDPA-Gate's gate on the attention output before `o_proj`, reading the layer input.
+    pub sdpa_gate: Option<DenseGate>,
+    /// Path-level gates on the whole output, reading the layer input (eq. 7).
+    pub path_gates: Vec<Gate>,
+    pub config: AttentionConfig,
+}
+
+impl Attention {
+    /// Ungated projections initialised with `init`; push gates afterwards. Errors when the
+    /// heads do not split the width into even head dimensions.
+    pub fn new(config: AttentionConfig, init: WeightInit, rng: &mut Rng) -> Result<Attention> {
+        let AttentionConfig { d_model: d, n_heads: h, .. } = config;
+        if h == 0 || d % h != 0 || (d / h) % 2 != 0 {
+            return Err(Error::InvalidShape {
+                op: "attention",
+                shape: vec![d, h],
+                reason: format!("{h} heads must split width {d} into even head dimensions"),
+            });
+        }
+        let mut projection = || ModulatedProjection::new(d, d, init, rng);
+        Ok(Attention {
+            q_proj: projection(),
+            k_proj: projection(),
+            v_proj: projection(),
+            o_proj: projection(),
+            sdpa_gate: None,
+            path_gates: Vec::new(),
+            config,
+        })
+    }
+
+    /// The four projections by their Hugging Face names, for attaching gates.
+    pub fn projections_mut(&mut self) -> [(&'static str, &mut ModulatedProjection); 4] {
+        [("q_proj", &mut self.q_proj), ("k_proj", &mut self.k_proj), ("v_proj", &mut self.v_proj), ("o_proj", &mut self.o_proj)]
+    }
+
+    /// `x: [B, T, C] → [B, T, C]`; token t attends to tokens ≤ t, at RoPE position t.
+    pub fn forward(&self, x: &Var) -> Result<Var> {
+        let &[b, t, d] = x.shape().as_slice() else {
+            return Err(Error::InvalidShape { op: "attention", shape: x.shape(), reason: "expected [B, T, C]".into() });
+        };
+        let (h, theta) = (self.config.n_heads, self.config.rope_theta);
+        let head_dim = d / h;
+        let rows = x.reshape(&[b * t, d])?;
+        let heads = |p: &ModulatedProjection| p.forward(&rows)?.reshape(&[b, t, h, head_dim]);
+        let q = heads(&self.q_proj)?.rope(theta, 0)?;
+        let k = heads(&self.k_proj)?.rope(theta, 0)?;
+        let v = heads(&self.v_proj)?;
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let mut o = Var::causal_attention(&q, &k, &v, scale)?.reshape(&[b * t, d])?;
+        if let Some(gate) = &self.sdpa_gate {
+            o = o.mul(&gate.forward(&rows)?)?;
+        }
+        let mut y = self.o_proj.forward(&o)?;
+        for gate in &self.path_gates {
+            y = y.mul(&gate.forward(&rows)?)?;
+        }
+        y.reshape(&[b, t, d])
+    }
+}
+
+impl Module for Attention {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(String, &Var)) {
+        let projections = [("q_proj.", &self.q_proj), ("k_proj.", &self.k_proj), ("v_proj.", &self.v_proj), ("o_proj.", &self.o_proj)];
+        for (name, p) in projections {
+            p.visit_parameters(&join(prefix, name), visit);
+        }
+        if let Some(gate) = &self.sdpa_gate {
+            gate.visit_parameters(&join(prefix, "sdpa_gate."), visit);
+        }
+        for gate in &self.path_gates {
+            gate.visit_parameters(prefix, visit);
+        }
+    }
+}

@@ -1,0 +1,64 @@
+//! The SwiGLU feed-forward network of LLaMA with gated projections (Transponder eq. 6):
+//!
+//! ```text
+//! y = (SiLU(x·W_gateᵀ ⊙ G_gate(x)) ⊙ (x·W_upᵀ ⊙ G_up(x)))·W_downᵀ ⊙ G_down(·)  (⊙ G_path(x), eq. 7)
+//! ```
+//! PyTorch equivalent: Hugging Face `LlamaMLP` (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`).
+//! Rows are flattened to `[N, C]` for the projections and restored at the end.
+
+use autograd::{Result, Var};
+use tensor::Rng;
+
+use crate::modulator::{Gate, ModulatedProjection, WeightInit};
+use crate::module::{join, Module};
+
+/// SwiGLU FFN: `C → hidden → C`.
+pub struct SwiGlu {
+    pub gate_proj: ModulatedProjection,
+    pub up_proj: ModulatedProjection,
+    pub down_proj: ModulatedProjection,
+    /// Path-level gates on the whole output, reading the FFN input (eq. 7).
+    pub path_gates: Vec<Gate>,
+}
+
+impl SwiGlu {
+    /// Ungated projections initialised with `init`; push gates afterwards.
+    pub fn new(d_model: usize, hidden: usize, init: WeightInit, rng: &mut Rng) -> SwiGlu {
+        SwiGlu {
+            gate_proj: ModulatedProjection::new(d_model, hidden, init, rng),
+            up_proj: ModulatedProjection::new(d_model, hidden, init, rng),
+            down_proj: ModulatedProjection::new(hidden, d_model, init, rng),
+            path_gates: Vec::new(),
+        }
+    }
+
+    /// The three projections by their Hugging Face names, for attaching gates.
+    pub fn projections_mut(&mut self) -> [(&'static str, &mut ModulatedProjection); 3] {
+        [("gate_proj", &mut self.gate_proj), ("up_proj", &mut self.up_proj), ("down_proj", &mut self.down_proj)]
+    }
+
+    /// `x: [..., C] → [..., C]`.
+    pub fn forward(&self, x: &Var) -> Result<Var> {
+        let shape = x.shape();
+        let d = self.gate_proj.in_features();
+        let rows = x.reshape(&[x.value_ref().numel() / d.max(1), d])?;
+        let hidden = self.gate_proj.forward(&rows)?.silu()?.mul(&self.up_proj.forward(&rows)?)?;
+        let mut y = self.down_proj.forward(&hidden)?;
+        for gate in &self.path_gates {
+            y = y.mul(&gate.forward(&rows)?)?;
+        }
+        y.reshape(&shape)
+    }
+}
+
+impl Module for SwiGlu {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(String, &Var)) {
+        let projections = [("gate_proj.", &self.gate_proj), ("up_proj.", &self.up_proj), ("down_proj.", &self.down_proj)];
+        for (name, p) in projections {
+            p.visit_parameters(&join(prefix, name), visit);
+        }
+        for gate in &self.path_gates {
+            gate.visit_parameters(prefix, visit);
+        }
+    }
+}

@@ -1,0 +1,92 @@
+//! Normalisation layers: RMSNorm (LLaMA), LayerNorm, and DyT (`γ ⊙ tanh(α·x) + β`,
+//! the norm-free baseline of SPEC §5).
+
+use autograd::{Result, Var};
+
+use crate::init;
+use crate::module::{join, Module};
+
+/// RMSNorm with a learnable gain (init 1), eps 1e-6 as LLaMA.
+pub struct RmsNorm {
+    pub weight: Var,
+    pub eps: f32,
+}
+
+impl RmsNorm {
+    /// Gain of ones over `dim`.
+    pub fn new(dim: usize) -> RmsNorm {
+        RmsNorm { weight: init::ones(&[dim]), eps: 1e-6 }
+    }
+
+    /// Normalises the last axis.
+    pub fn forward(&self, x: &Var) -> Result<Var> {
+        x.rms_norm(&self.weight, self.eps)
+    }
+}
+
+impl Module for RmsNorm {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(String, &Var)) {
+        visit(join(prefix, "weight"), &self.weight);
+    }
+}
+
+/// LayerNorm with optional affine parameters (weight 1, bias 0), eps 1e-5 as PyTorch.
+pub struct LayerNorm {
+    pub weight: Option<Var>,
+    pub bias: Option<Var>,
+    pub eps: f32,
+}
+
+impl LayerNorm {
+    /// `affine = false` normalises only (CCL's basis norm can use either).
+    pub fn new(dim: usize, affine: bool) -> LayerNorm {
+        LayerNorm {
+            weight: affine.then(|| init::ones(&[dim])),
+            bias: affine.then(|| init::zeros(&[dim])),
+            eps: 1e-5,
+        }
+    }
+
+    /// Normalises the last axis.
+    pub fn forward(&self, x: &Var) -> Result<Var> {
+        x.layer_norm(self.weight.as_ref(), self.bias.as_ref(), self.eps)
+    }
+}
+
+impl Module for LayerNorm {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(String, &Var)) {
+        if let Some(w) = &self.weight {
+            visit(join(prefix, "weight"), w);
+        }
+        if let Some(b) = &self.bias {
+            visit(join(prefix, "bias"), b);
+        }
+    }
+}
+
+/// Dynamic Tanh: `γ ⊙ tanh(α·x) + β`, α a learnable scalar (init 0.5), γ = 1, β = 0.
+pub struct DyT {
+    pub alpha: Var,
+    pub weight: Var,
+    pub bias: Var,
+}
+
+impl DyT {
+    /// DyT over `dim` channels.
+    pub fn new(dim: usize) -> DyT {
+        DyT { alpha: init::constant(&[1], 0.5), weight: init::ones(&[dim]), bias: init::zeros(&[dim]) }
+    }
+
+    /// Applies the elementwise squashing in place of a norm.
+    pub fn forward(&self, x: &Var) -> Result<Var> {
+        x.mul(&self.alpha)?.tanh()?.mul(&self.weight)?.add(&self.bias)
+    }
+}
+
+impl Module for DyT {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(String, &Var)) {
+        visit(join(prefix, "alpha"), &self.alpha);
+        visit(join(prefix, "weight"), &self.weight);
+        visit(join(prefix, "bias"), &self.bias);
+    }
+}

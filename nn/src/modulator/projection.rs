@@ -1,0 +1,95 @@
+//! A linear projection with gates on its output: `Ẑ = (X·Wᵀ) ⊙ G₁(X) ⊙ G₂(X) ...`
+//! (Transponder eq. 6), every gate reading the projection's own input `X`.
+//!
+//! The `layer-channel-scalar` pair runs as one fused op (eq. 8-10,
+//! [`Var::fused_gated_projection`]): one GEMM over `[W | A_cᵀ | A_sᵀ]`, the gate computed
+//! and applied in one pass over rows. That is the engine's default and its speed edge; the
+//! unfused composite stays for every other gate and for `fused = false`.
+
+use autograd::{Result, Var};
+use tensor::Rng;
+
+use super::Gate;
+use crate::layers::Linear;
+use crate::module::{join, Module};
+
+/// How a projection's weight `[out, in]` is initialised.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum WeightInit {
+    /// U(−1/√in, 1/√in), PyTorch `nn.Linear`'s default.
+    KaimingUniform,
+    /// N(0, std²): Hugging Face LLaMA's `initializer_range` (0.02).
+    Normal { std: f32 },
+}
+
+impl WeightInit {
+    /// A bias-free `in_features → out_features` linear layer initialised this way.
+    pub fn linear(self, in_features: usize, out_features: usize, rng: &mut Rng) -> Linear {
+        let weight = match self {
+            WeightInit::KaimingUniform => crate::init::kaiming_uniform(&[out_features, in_features], in_features, rng),
+            WeightInit::Normal { std } => crate::init::normal(&[out_features, in_features], std, rng),
+        };
+        Linear { weight, bias: None }
+    }
+}
+
+/// A bias-free linear layer with an optional list of output gates.
+pub struct ModulatedProjection {
+    pub linear: Linear,
+    pub gates: Vec<Gate>,
+    /// Run a lone [`Gate::ChannelScalar`] through the fused op (default true).
+    pub fused: bool,
+}
+
+impl ModulatedProjection {
+    /// An ungated `in_features → out_features` projection; push gates onto `gates`.
+    pub fn new(in_features: usize, out_features: usize, init: WeightInit, rng: &mut Rng) -> ModulatedProjection {
+        ModulatedProjection { linear: init.linear(in_features, out_features, rng), gates: Vec::new(), fused: true }
+    }
+
+    /// Input width.
+    pub fn in_features(&self) -> usize {
+        self.linear.weight.shape()[1]
+    }
+
+    /// Output width.
+    pub fn out_features(&self) -> usize {
+        self.linear.out_features()
+    }
+
+    /// `x: [..., in] → [..., out]`, through the fused op when the gates allow it.
+    pub fn forward(&self, x: &Var) -> Result<Var> {
+        match (self.fused, self.gates.as_slice()) {
+            (true, [Gate::ChannelScalar { channel, scalar }]) if channel.phi == scalar.phi => {
+                let weight = &self.linear.weight;
+                x.fused_gated_projection(weight, channel.parameters_in_order(), scalar.parameters_in_order(), channel.phi.unary())
+            }
+            _ => self.forward_unfused(x),
+        }
+    }
+
+    /// `x: [..., in] → [..., out]` composed from unfused ops (matmul, then each gate).
+    pub fn forward_unfused(&self, x: &Var) -> Result<Var> {
+        let shape = x.shape();
+        let rows: usize = shape[..shape.len().saturating_sub(1)].iter().product();
+        let flat = x.reshape(&[rows, self.in_features()])?;
+        let mut y = self.linear.forward(&flat)?;
+        for gate in &self.gates {
+            y = y.mul(&gate.forward(&flat)?)?;
+        }
+        let mut out_shape = shape;
+        if let Some(last) = out_shape.last_mut() {
+            *last = self.out_features();
+        }
+        y.reshape(&out_shape)
+    }
+}
+
+impl Module for ModulatedProjection {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(String, &Var)) {
+        visit(join(prefix, "weight"), &self.linear.weight);
+        for gate in &self.gates {
+            gate.visit_parameters(prefix, visit);
+        }
+    }
+}

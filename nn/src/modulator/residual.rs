@@ -1,0 +1,199 @@
+//! How a decoder block's two sublayers join the residual stream (Transponder eq. 1; the
+//! baselines of SPEC §5). `F` is a sublayer, `l` the 1-based layer index, `N` the depth.
+//!
+//! | rule | per sublayer |
+//! |---|---|
+//! | [`ResidualRule::PreNorm`] | `x + F(s·Norm(x))`: pre-ln (s = 1), ln-scaling (s = 1/√l), dyt (DyT norms) |
+//! | [`ResidualRule::PostNorm`] | `Norm(α·x + F(x))`: post-ln (α = 1), DeepNorm (α = (2N)^¼) |
+//! | [`ResidualRule::ReZero`] | `x + α_l·F(x)`, one α_l per block (init 0, as the ReZero code shares it), no norm |
+//! | [`ResidualRule::LaurelRw`] | `α·F(Norm(x)) + β·x`, α, β per sublayer (init 1) |
+//! | [`ResidualRule::LaurelLr`] | `F(Norm(x)) + x + B·A·x`, A: r×d Kaiming-uniform, B: d×r zero |
+//! | [`ResidualRule::LaurelPa`] | `x + F(Norm(x))`, then the block adds `Σ_j γ_j·x_j` (γ init 0) |
+//!
+//! LAuReL-PA's earlier activations are those before the block's own input (which already
+//! has the identity path): the embedding output and the outputs of blocks 1..l−2, so block
+//! l has l − 1 weights γ (LAuReL §2.3). Norm names follow Hugging Face: `input_layernorm`
+//! (before or after attention) and `post_attention_layernorm` (around the FFN).
+
+use autograd::{Result, Var};
+use tensor::{Error, Rng};
+
+use crate::init;
+use crate::layers::{DyT, RmsNorm};
+use crate::module::{join, Module};
+
+/// A block's normalisation layer.
+pub enum Norm {
+    /// RMSNorm (LLaMA).
+    Rms(RmsNorm),
+    /// `γ ⊙ tanh(α·x) + β`, α init 0.5 (the `dyt` baseline).
+    Dyt(DyT),
+}
+
+impl Norm {
+    /// An RMSNorm over `dim` with `eps`.
+    pub fn rms(dim: usize, eps: f32) -> Norm {
+        Norm::Rms(RmsNorm { eps, ..RmsNorm::new(dim) })
+    }
+
+    /// Normalises (or squashes) the last axis.
+    pub fn forward(&self, x: &Var) -> Result<Var> {
+        match self {
+            Norm::Rms(n) => n.forward(x),
+            Norm::Dyt(n) => n.forward(x),
+        }
+    }
+}
+
+impl Module for Norm {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(String, &Var)) {
+        match self {
+            Norm::Rms(n) => n.visit_parameters(prefix, visit),
+            Norm::Dyt(n) => n.visit_parameters(prefix, visit),
+        }
+    }
+}
+
+/// The residual rule of one block; see the module table.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ResidualRule {
+    PreNorm { scale: f32 },
+    PostNorm { alpha: f32 },
+    ReZero,
+    LaurelRw,
+    LaurelLr { rank: usize },
+    /// `earlier`: how many earlier activations the block mixes in (l − 1 for block l).
+    LaurelPa { earlier: usize },
+}
+
+/// A block's residual rule with the parameters it owns (norms, α_l, LAuReL weights).
+pub struct Residual {
+    pub rule: ResidualRule,
+    /// `input_layernorm` (absent for ReZero).
+    pub input_norm: Option<Norm>,
+    /// `post_attention_layernorm` (absent for ReZero).
+    pub post_attention_norm: Option<Norm>,
+    /// ReZero's α_l.
+    pub resweight: Option<Var>,
+    /// LAuReL-RW `[alpha, beta]` or LAuReL-LR `[A, B]` of the attention sublayer.
+    pub attn_laurel: Vec<(&'static str, Var)>,
+    /// The same for the FFN sublayer.
+    pub mlp_laurel: Vec<(&'static str, Var)>,
+    /// LAuReL-PA's γ over earlier activations.
+    pub gamma: Option<Var>,
+}
+
+impl Residual {
+    /// The rule for a width-`dim` block; `make_norm` builds each norm (RMSNorm or DyT).
+    pub fn new(rule: ResidualRule, dim: usize, make_norm: impl Fn() -> Norm, rng: &mut Rng) -> Residual {
+        let has_norm = rule != ResidualRule::ReZero;
+        let laurel = |rng: &mut Rng| -> Vec<(&'static str, Var)> {
+            match rule {
+                ResidualRule::LaurelRw => vec![("alpha", init::ones(&[1])), ("beta", init::ones(&[1]))],
+                ResidualRule::LaurelLr { rank } => {
+                    vec![("A", init::kaiming_uniform(&[rank, dim], dim, rng)), ("B", init::zeros(&[dim, rank]))]
+                }
+                _ => Vec::new(),
+            }
+        };
+        let (attn_laurel, mlp_laurel) = (laurel(rng), laurel(rng));
+        Residual {
+            rule,
+            input_norm: has_norm.then(&make_norm),
+            post_attention_norm: has_norm.then(&make_norm),
+            resweight: (rule == ResidualRule::ReZero).then(|| init::zeros(&[1])),
+            attn_laurel,
+            mlp_laurel,
+            gamma: match rule {
+                ResidualRule::LaurelPa { earlier } if earlier > 0 => Some(init::zeros(&[earlier])),
+                _ => None,
+            },
+        }
+    }
+
+    /// One block: `attention` sublayer, then `between` on the residual stream (the per-token
+    /// transform's `x + PTT(x)`, or the identity), then the `mlp` sublayer. `earlier` holds
+    /// LAuReL-PA's earlier activations (ignored by the other rules).
+    pub fn forward(
+        &self,
+        x: &Var,
+        earlier: &[Var],
+        attention: impl FnOnce(&Var) -> Result<Var>,
+        between: impl FnOnce(&Var) -> Result<Var>,
+        mlp: impl FnOnce(&Var) -> Result<Var>,
+    ) -> Result<Var> {
+        let x = self.sublayer(x, self.input_norm.as_ref(), &self.attn_laurel, attention)?;
+        let x = between(&x)?;
+        let mut x = self.sublayer(&x, self.post_attention_norm.as_ref(), &self.mlp_laurel, mlp)?;
+        if let Some(gamma) = &self.gamma {
+            if earlier.len() != gamma.value_ref().numel() {
+                return Err(Error::ShapeMismatch { op: "laurel-pa", lhs: gamma.shape(), rhs: vec![earlier.len()] });
+            }
+            for (j, activation) in earlier.iter().enumerate() {
+                x = x.add(&activation.mul(&gamma.narrow(0, j, 1)?)?)?;
+            }
+        }
+        Ok(x)
+    }
+
+    fn sublayer(
+        &self,
+        x: &Var,
+        norm: Option<&Norm>,
+        laurel: &[(&'static str, Var)],
+        f: impl FnOnce(&Var) -> Result<Var>,
+    ) -> Result<Var> {
+        let normed = |x: &Var| -> Result<Var> {
+            match norm {
+                Some(n) => n.forward(x),
+                None => Ok(x.clone()),
+            }
+        };
+        match (self.rule, laurel) {
+            (ResidualRule::PreNorm { scale }, _) if scale != 1.0 => x.add(&f(&normed(x)?.mul_scalar(scale)?)?),
+            (ResidualRule::PostNorm { alpha }, _) if alpha != 1.0 => normed(&x.mul_scalar(alpha)?.add(&f(x)?)?),
+            (ResidualRule::PostNorm { .. }, _) => normed(&x.add(&f(x)?)?),
+            (ResidualRule::PreNorm { .. } | ResidualRule::LaurelPa { .. }, _) => x.add(&f(&normed(x)?)?),
+            (ResidualRule::ReZero, _) => match &self.resweight {
+                Some(weight) => x.add(&f(x)?.mul(weight)?),
+                None => Err(missing_parameters(self.rule, x)),
+            },
+            (ResidualRule::LaurelRw, [(_, alpha), (_, beta)]) => f(&normed(x)?)?.mul(alpha)?.add(&x.mul(beta)?),
+            (ResidualRule::LaurelLr { .. }, [(_, a), (_, b)]) => {
+                let low_rank = x.matmul(&a.transpose(0, 1)?)?.matmul(&b.transpose(0, 1)?)?;
+                f(&normed(x)?)?.add(x)?.add(&low_rank)
+            }
+            (rule, _) => Err(missing_parameters(rule, x)),
+        }
+    }
+}
+
+fn missing_parameters(rule: ResidualRule, x: &Var) -> Error {
+    Error::InvalidShape {
+        op: "residual",
+        shape: x.shape(),
+        reason: format!("{rule:?} is missing its parameters (build it with Residual::new)"),
+    }
+}
+
+impl Module for Residual {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(String, &Var)) {
+        if let Some(n) = &self.input_norm {
+            n.visit_parameters(&join(prefix, "input_layernorm."), visit);
+        }
+        if let Some(n) = &self.post_attention_norm {
+            n.visit_parameters(&join(prefix, "post_attention_layernorm."), visit);
+        }
+        if let Some(w) = &self.resweight {
+            visit(join(prefix, "resweight"), w);
+        }
+        for (sublayer, params) in [("attn_laurel.", &self.attn_laurel), ("mlp_laurel.", &self.mlp_laurel)] {
+            for (name, var) in params {
+                visit(join(prefix, &format!("{sublayer}{name}")), var);
+            }
+        }
+        if let Some(g) = &self.gamma {
+            visit(join(prefix, "laurel_pa.gamma"), g);
+        }
+    }
+}

@@ -1,0 +1,105 @@
+//! Adam (Kingma & Ba 2015) and AdamW (Loshchilov & Hutter 2019: decoupled weight decay).
+//!
+//! PyTorch equivalents: `torch.optim.Adam`, `torch.optim.AdamW`. Weight decay applies to
+//! matrices only (rank ≥ 2): norm gains, biases and modulator scalars are not decayed.
+
+use autograd::Result;
+use kernels::cpu::optim::{adam_step, adamw_step, AdamHyper};
+use tensor::Tensor;
+
+use super::{find_state, gradient_of, Optimizer};
+use crate::NamedParameter;
+
+/// Hyper-parameters of Adam / AdamW.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamConfig {
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// true = AdamW (decoupled decay), false = Adam (L2 decay added to the gradient).
+    pub decoupled: bool,
+}
+
+impl Default for AdamConfig {
+    /// PyTorch's AdamW defaults (β = 0.9, 0.999; eps 1e-8; decay 0.01).
+    fn default() -> Self {
+        AdamConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, decoupled: true }
+    }
+}
+
+/// Adam or AdamW over a list of parameters, with first and second moments per parameter.
+pub struct Adam {
+    params: Vec<NamedParameter>,
+    config: AdamConfig,
+    first_moment: Vec<Vec<f32>>,
+    second_moment: Vec<Vec<f32>>,
+    step: u64,
+}
+
+impl Adam {
+    /// Zero moments for every parameter.
+    pub fn new(params: Vec<NamedParameter>, config: AdamConfig) -> Adam {
+        let zeros = |p: &NamedParameter| vec![0.0; p.var.value_ref().numel()];
+        Adam {
+            first_moment: params.iter().map(zeros).collect(),
+            second_moment: params.iter().map(zeros).collect(),
+            params,
+            config,
+            step: 0,
+        }
+    }
+
+    /// Number of updates applied so far.
+    pub fn steps_taken(&self) -> u64 {
+        self.step
+    }
+}
+
+impl Optimizer for Adam {
+    fn step(&mut self, lr: f32) -> Result<()> {
+        self.step += 1;
+        for (i, p) in self.params.iter().enumerate() {
+            let Some(grad) = gradient_of(p)? else { continue };
+            let decays = p.var.value_ref().rank() >= 2;
+            let hyper = AdamHyper {
+                lr,
+                beta1: self.config.beta1,
+                beta2: self.config.beta2,
+                eps: self.config.eps,
+                weight_decay: if decays { self.config.weight_decay } else { 0.0 },
+                step: self.step,
+            };
+            let mut value = p.var.value_mut();
+            let param = value.as_mut_slice()?;
+            let update = if self.config.decoupled { adamw_step } else { adam_step };
+            update(param, grad.as_slice()?, &mut self.first_moment[i], &mut self.second_moment[i], &hyper);
+        }
+        Ok(())
+    }
+
+    fn parameters(&self) -> &[NamedParameter] {
+        &self.params
+    }
+
+    fn state(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![("step".to_string(), Tensor::scalar(self.step as f32))];
+        for (i, p) in self.params.iter().enumerate() {
+            let shape = p.var.shape();
+            let moment = |m: &Vec<f32>| Tensor::from_vec(m.clone(), &shape).expect("moment matches its parameter");
+            out.push((format!("{}.exp_avg", p.name), moment(&self.first_moment[i])));
+            out.push((format!("{}.exp_avg_sq", p.name), moment(&self.second_moment[i])));
+        }
+        out
+    }
+
+    fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        self.step = find_state(state, "step", 1)?[0] as u64;
+        for (i, p) in self.params.iter().enumerate() {
+            let numel = p.var.value_ref().numel();
+            self.first_moment[i] = find_state(state, &format!("{}.exp_avg", p.name), numel)?;
+            self.second_moment[i] = find_state(state, &format!("{}.exp_avg_sq", p.name), numel)?;
+        }
+        Ok(())
+    }
+}

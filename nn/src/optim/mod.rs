@@ -1,0 +1,58 @@
+//! Optimizers (SGD with momentum, Adam, AdamW), gradient clipping and learning-rate
+//! schedules. Updates run in place through the fused kernels of `kernels::cpu::optim`,
+//! one pass per parameter tensor, outside the autograd graph.
+
+mod adam;
+mod clip;
+mod schedule;
+mod sgd;
+
+pub use adam::{Adam, AdamConfig};
+pub use clip::clip_grad_norm;
+pub use schedule::Schedule;
+pub use sgd::Sgd;
+
+use autograd::Result;
+use tensor::Tensor;
+
+use crate::NamedParameter;
+
+/// What every optimizer offers the training loop and the checkpoint code.
+pub trait Optimizer {
+    /// Applies one update with learning rate `lr` to every parameter that has a gradient.
+    fn step(&mut self, lr: f32) -> Result<()>;
+
+    /// The parameters being optimised.
+    fn parameters(&self) -> &[NamedParameter];
+
+    /// Clears every parameter's gradient.
+    fn zero_grad(&self) {
+        for p in self.parameters() {
+            p.var.zero_grad();
+        }
+    }
+
+    /// Internal state as named tensors (moments, step count) for checkpoints.
+    fn state(&self) -> Vec<(String, Tensor)>;
+
+    /// Restores state saved by [`Optimizer::state`]; errors name a missing or misshapen entry.
+    fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()>;
+}
+
+/// Looks `name` up in saved optimizer state, checking the element count.
+pub(crate) fn find_state(state: &[(String, Tensor)], name: &str, numel: usize) -> Result<Vec<f32>> {
+    let (_, t) = state.iter().find(|(n, _)| n == name).ok_or_else(|| tensor::Error::InvalidShape {
+        op: "load optimizer state",
+        shape: vec![],
+        reason: format!("entry {name} is missing"),
+    })?;
+    if t.numel() != numel {
+        return Err(tensor::Error::ShapeMismatch { op: "load optimizer state", lhs: vec![numel], rhs: t.shape().to_vec() });
+    }
+    Ok(t.to_vec())
+}
+
+/// A parameter's gradient as a contiguous f32 vector, if it has one.
+pub(crate) fn gradient_of(p: &NamedParameter) -> Result<Option<Tensor>> {
+    p.var.grad().map(|g| g.contiguous()).transpose()
+}

@@ -1,0 +1,28 @@
+//! Element types and devices.
+
+/// Element type of a tensor's storage. Compute kernels run in f32; bf16 and f16 are for
+/// storage (checkpoints, memory) and convert through [`crate::Tensor::to_dtype`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    BF16,
+    F16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::BF16 | DType::F16 => 2,
+        }
+    }
+}
+
+/// Where a tensor lives. Only the CPU has kernels today; `Cuda` is the slot the CUDA
+/// backend fills (ops on it return [`crate::Error::UnsupportedDevice`] until then).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Device {
+    Cpu,
+    Cuda(usize),
+}

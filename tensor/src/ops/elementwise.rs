@@ -1,0 +1,89 @@
+//! Elementwise ops: unary functions, broadcasting binary ops, scalar ops and `select`.
+
+use kernels::cpu::binary::{binary_forward, scalar_forward, select, Binary};
+use kernels::cpu::unary::{unary_forward, Unary};
+
+use crate::shape::broadcast_shapes;
+use crate::{Result, Tensor};
+
+impl Tensor {
+    /// Applies `op` elementwise (PyTorch `torch.exp`, `torch.sigmoid`, ...).
+    pub fn unary(&self, op: Unary) -> Result<Tensor> {
+        self.require_cpu("unary")?;
+        let x = self.contiguous()?;
+        let mut y = vec![0.0; x.numel()];
+        unary_forward(op, x.as_slice()?, &mut y);
+        Tensor::from_vec(y, &self.shape)
+    }
+
+    /// `self op rhs` with NumPy broadcasting.
+    pub fn binary(&self, rhs: &Tensor, op: Binary) -> Result<Tensor> {
+        self.require_cpu("binary")?;
+        rhs.require_cpu("binary")?;
+        let shape = broadcast_shapes(op_name(op), &self.shape, &rhs.shape)?;
+        let (a, b) = (self.expand(&shape)?, rhs.expand(&shape)?);
+        let mut out = vec![0.0; shape.iter().product()];
+        binary_forward(
+            op,
+            a.f32_storage(op_name(op))?,
+            a.offset,
+            &a.strides,
+            b.f32_storage(op_name(op))?,
+            b.offset,
+            &b.strides,
+            &shape,
+            &mut out,
+        );
+        Tensor::from_vec(out, &shape)
+    }
+
+    /// `self op s` for a scalar `s`.
+    pub fn scalar_op(&self, op: Binary, s: f32) -> Result<Tensor> {
+        self.require_cpu("scalar_op")?;
+        let x = self.contiguous()?;
+        let mut y = vec![0.0; x.numel()];
+        scalar_forward(op, x.as_slice()?, s, &mut y);
+        Tensor::from_vec(y, &self.shape)
+    }
+
+    /// Elementwise sum with broadcasting.
+    pub fn add(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary(rhs, Binary::Add)
+    }
+
+    /// Elementwise difference with broadcasting.
+    pub fn sub(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary(rhs, Binary::Sub)
+    }
+
+    /// Elementwise product with broadcasting.
+    pub fn mul(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary(rhs, Binary::Mul)
+    }
+
+    /// Elementwise quotient with broadcasting.
+    pub fn div(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary(rhs, Binary::Div)
+    }
+
+    /// `cond ? a : b` elementwise (cond nonzero = true), all three broadcast together
+    /// (PyTorch `torch.where`).
+    pub fn select(cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let shape = broadcast_shapes("select", &broadcast_shapes("select", &cond.shape, &a.shape)?, &b.shape)?;
+        let gather = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.expand(&shape)?.to_vec()) };
+        let mut out = vec![0.0; shape.iter().product()];
+        select(&gather(cond)?, &gather(a)?, &gather(b)?, &mut out);
+        Tensor::from_vec(out, &shape)
+    }
+}
+
+fn op_name(op: Binary) -> &'static str {
+    match op {
+        Binary::Add => "add",
+        Binary::Sub => "sub",
+        Binary::Mul => "mul",
+        Binary::Div => "div",
+        Binary::Maximum => "maximum",
+        Binary::Minimum => "minimum",
+    }
+}

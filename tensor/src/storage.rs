@@ -1,0 +1,54 @@
+//! Typed, owned element buffers behind tensors.
+
+use half::{bf16, f16};
+
+/// A tensor's elements. Shared between views through an `Arc`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Storage {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl Storage {
+    /// Number of elements held.
+    pub fn len(&self) -> usize {
+        match self {
+            Storage::F32(v) => v.len(),
+            Storage::BF16(v) => v.len(),
+            Storage::F16(v) => v.len(),
+        }
+    }
+
+    /// True when no element is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> crate::DType {
+        match self {
+            Storage::F32(_) => crate::DType::F32,
+            Storage::BF16(_) => crate::DType::BF16,
+            Storage::F16(_) => crate::DType::F16,
+        }
+    }
+
+    /// Every element widened to f32 (a copy).
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        match self {
+            Storage::F32(v) => v.clone(),
+            Storage::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Storage::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+
+    /// Builds storage of `dtype` from f32 values (rounding to nearest even).
+    pub fn from_f32(values: Vec<f32>, dtype: crate::DType) -> Storage {
+        match dtype {
+            crate::DType::F32 => Storage::F32(values),
+            crate::DType::BF16 => Storage::BF16(values.iter().map(|&x| bf16::from_f32(x)).collect()),
+            crate::DType::F16 => Storage::F16(values.iter().map(|&x| f16::from_f32(x)).collect()),
+        }
+    }
+}

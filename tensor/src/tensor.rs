@@ -1,0 +1,173 @@
+//! The `Tensor` type: shared storage viewed through a shape, strides and an offset.
+
+use std::sync::Arc;
+
+use kernels::cpu::copy::copy_strided;
+
+use crate::shape::contiguous_strides;
+use crate::{DType, Device, Error, Result, Storage};
+
+/// An n-d array view. Cloning is cheap (the storage is shared); ops return new tensors.
+#[derive(Clone, Debug)]
+pub struct Tensor {
+    pub(crate) storage: Arc<Storage>,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) strides: Vec<usize>,
+    pub(crate) offset: usize,
+    pub(crate) device: Device,
+}
+
+impl Tensor {
+    /// Wraps `storage` as a contiguous tensor of `shape` on the CPU.
+    pub fn from_storage(storage: Storage, shape: &[usize]) -> Result<Tensor> {
+        let numel: usize = shape.iter().product();
+        if storage.len() != numel {
+            return Err(Error::InvalidShape {
+                op: "from_storage",
+                shape: shape.to_vec(),
+                reason: format!("{} elements given for {numel}", storage.len()),
+            });
+        }
+        Ok(Tensor {
+            storage: Arc::new(storage),
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+            offset: 0,
+            device: Device::Cpu,
+        })
+    }
+
+    /// A contiguous f32 tensor from `data` (row-major) and `shape`.
+    pub fn from_vec(data: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
+        Tensor::from_storage(Storage::F32(data), shape)
+    }
+
+    /// The dimensions.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Element strides of each dimension (0 where broadcast).
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+
+    /// Offset of the first element in the storage.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Number of dimensions.
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Size of dimension `axis`, or an error naming the op.
+    pub fn dim(&self, op: &'static str, axis: usize) -> Result<usize> {
+        self.shape.get(axis).copied().ok_or(Error::AxisOutOfRange { op, axis, rank: self.rank() })
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.storage.dtype()
+    }
+
+    /// Device the tensor lives on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// True when the elements are laid out row-major without gaps.
+    pub fn is_contiguous(&self) -> bool {
+        self.strides == contiguous_strides(&self.shape) || self.numel() <= 1
+    }
+
+    /// The f32 storage behind this view, or an error naming `op` if the dtype is not f32.
+    pub(crate) fn f32_storage(&self, op: &'static str) -> Result<&[f32]> {
+        match &*self.storage {
+            Storage::F32(v) => Ok(v),
+            other => Err(Error::DTypeMismatch { op, expected: DType::F32, got: other.dtype() }),
+        }
+    }
+
+    /// The elements as a slice when the tensor is contiguous f32; otherwise an error
+    /// (call [`Tensor::contiguous`] first).
+    pub fn as_slice(&self) -> Result<&[f32]> {
+        let data = self.f32_storage("as_slice")?;
+        if !self.is_contiguous() {
+            return Err(Error::InvalidShape {
+                op: "as_slice",
+                shape: self.shape.clone(),
+                reason: "tensor is not contiguous; call contiguous() first".into(),
+            });
+        }
+        Ok(&data[self.offset..self.offset + self.numel()])
+    }
+
+    /// Mutable access to the elements of a contiguous f32 tensor, copying the storage first
+    /// if another tensor shares it (copy-on-write). Used by optimizers for in-place updates.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [f32]> {
+        if !self.is_contiguous() || self.offset != 0 || self.storage.len() != self.numel() {
+            *self = self.contiguous()?.deep_copy()?;
+        }
+        match Arc::make_mut(&mut self.storage) {
+            Storage::F32(v) => Ok(v.as_mut_slice()),
+            other => Err(Error::DTypeMismatch { op: "as_mut_slice", expected: DType::F32, got: other.dtype() }),
+        }
+    }
+
+    /// The elements in row-major order as f32 (a copy; converts bf16/f16).
+    pub fn to_vec(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.numel()];
+        match &*self.storage {
+            Storage::F32(v) => copy_strided(v, self.offset, &self.shape, &self.strides, &mut out),
+            other => copy_strided(&other.to_f32_vec(), self.offset, &self.shape, &self.strides, &mut out),
+        }
+        out
+    }
+
+    /// The single value of a one-element tensor.
+    pub fn item(&self) -> Result<f32> {
+        if self.numel() != 1 {
+            return Err(Error::InvalidShape {
+                op: "item",
+                shape: self.shape.clone(),
+                reason: "item() needs exactly one element".into(),
+            });
+        }
+        Ok(self.to_vec()[0])
+    }
+
+    /// A contiguous copy with its own storage (never shared).
+    pub fn deep_copy(&self) -> Result<Tensor> {
+        let t = self.contiguous()?;
+        Tensor::from_vec(t.as_slice()?.to_vec(), &self.shape)
+    }
+
+    /// Converts the element type (f32 ↔ bf16 ↔ f16), rounding to nearest even.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        Tensor::from_storage(Storage::from_f32(self.to_vec(), dtype), &self.shape)
+    }
+
+    /// The device check every op runs first: only CPU kernels exist today.
+    pub(crate) fn require_cpu(&self, op: &'static str) -> Result<()> {
+        match self.device {
+            Device::Cpu => Ok(()),
+            device => Err(Error::UnsupportedDevice { op, device }),
+        }
+    }
+
+    /// True when both tensors have equal shapes and every element is within `atol + rtol·|b|`.
+    pub fn all_close(&self, other: &Tensor, rtol: f32, atol: f32) -> bool {
+        self.shape == other.shape
+            && self.to_vec().iter().zip(other.to_vec()).all(|(&a, b)| (a - b).abs() <= atol + rtol * b.abs())
+    }
+}

@@ -1,0 +1,574 @@
+//! Gradient checks of every differentiable op: analytic gradients from `backward` against
+//! f64 central differences (`autograd::gradcheck`, `F32_TOLERANCE`) on random shapes,
+//! broadcasting pairs and non-contiguous views. Input domains stay off kinks, ties and
+//! near-zero denominators (see `transponder_tests` docs), so a failure points at the op.
+//!
+//! Below the property tests: gradient accumulation (reuse, repeated backward, zero_grad),
+//! `no_grad`/`detach`, and the documented tie/kink conventions.
+
+use autograd::{is_grad_enabled, no_grad, Var};
+use proptest::prelude::*;
+use tensor::Tensor;
+use transponder_tests::*;
+
+/// Cases per property: enough to hit size-1 dims, rank 0 and strided views, small enough
+/// that the whole suite runs in seconds.
+const CASES: u32 = 20;
+
+// ---------------------------------------------------------------------------------------
+// Strategies local to this file.
+
+/// Two broadcast-compatible inputs, each possibly strided, from the given domains.
+fn binary_inputs(a: Domain, b: Domain) -> impl Strategy<Value = ((Layout, Tensor), (Layout, Tensor))> {
+    broadcast_pair().prop_flat_map(move |(sa, sb)| (input(sa, a), input(sb, b)))
+}
+
+/// An input of a random shape from `domain`, possibly strided.
+fn any_input(domain: Domain) -> impl Strategy<Value = (Layout, Tensor)> {
+    shape().prop_flat_map(move |s| input(s, domain))
+}
+
+/// An input of a random shape, a valid axis and a keepdim flag.
+fn reduce_inputs(domain: Domain) -> impl Strategy<Value = ((Layout, Tensor), usize, bool)> {
+    shape_and_axis().prop_flat_map(move |(s, axis)| (input(s, domain), Just(axis), any::<bool>()))
+}
+
+fn binary_check(op: fn(&Var, &Var) -> tensor::Result<Var>, (la, a): (Layout, Tensor), (lb, b): (Layout, Tensor)) {
+    assert_gradcheck(|x| op(&la.view(&x[0])?, &lb.view(&x[1])?), &[a, b]);
+}
+
+// ---------------------------------------------------------------------------------------
+// Binary and scalar ops.
+
+proptest! {
+    #![proptest_config(config(CASES))]
+
+    #[test]
+    fn add_broadcasts((a, b) in binary_inputs(Domain::Uniform(-2.0, 2.0), Domain::Uniform(-2.0, 2.0))) {
+        binary_check(Var::add, a, b);
+    }
+
+    #[test]
+    fn sub_broadcasts((a, b) in binary_inputs(Domain::Uniform(-2.0, 2.0), Domain::Uniform(-2.0, 2.0))) {
+        binary_check(Var::sub, a, b);
+    }
+
+    #[test]
+    fn mul_broadcasts((a, b) in binary_inputs(Domain::Uniform(-2.0, 2.0), Domain::Uniform(-2.0, 2.0))) {
+        binary_check(Var::mul, a, b);
+    }
+
+    #[test]
+    fn div_broadcasts((a, b) in binary_inputs(Domain::Uniform(-2.0, 2.0), Domain::AwayFromZero(0.5, 2.0))) {
+        binary_check(Var::div, a, b);
+    }
+
+    #[test]
+    fn maximum_broadcasts((a, b) in binary_inputs(Domain::Interleaved(0.1), Domain::Interleaved(0.35))) {
+        binary_check(Var::maximum, a, b);
+    }
+
+    #[test]
+    fn minimum_broadcasts((a, b) in binary_inputs(Domain::Interleaved(0.35), Domain::Interleaved(0.1))) {
+        binary_check(Var::minimum, a, b);
+    }
+
+    #[test]
+    fn add_scalar_and_mul_scalar(((l, x), s) in (any_input(Domain::Uniform(-2.0, 2.0)), -3.0f32..3.0)) {
+        assert_gradcheck(|v| l.view(&v[0])?.add_scalar(s), std::slice::from_ref(&x));
+        assert_gradcheck(|v| l.view(&v[0])?.mul_scalar(s), &[x]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Unary ops: one property per op, each on its safe domain, contiguous or strided.
+
+macro_rules! unary_gradchecks {
+    ($($name:ident: $domain:expr => |$x:ident| $body:expr;)*) => {
+        proptest! {
+            #![proptest_config(config(CASES))]
+            $(
+                #[test]
+                fn $name((layout, x) in any_input($domain)) {
+                    assert_gradcheck(|v| { let $x = layout.view(&v[0])?; $body }, &[x]);
+                }
+            )*
+        }
+    };
+}
+
+unary_gradchecks! {
+    neg: Domain::Uniform(-3.0, 3.0) => |x| x.neg();
+    exp: Domain::Uniform(-2.0, 2.0) => |x| x.exp();
+    log: Domain::Positive(0.3, 4.0) => |x| x.log();
+    sqrt: Domain::Positive(0.3, 4.0) => |x| x.sqrt();
+    rsqrt: Domain::Positive(0.3, 4.0) => |x| x.rsqrt();
+    powf_cube: Domain::Positive(0.3, 2.0) => |x| x.powf(3.0);
+    powf_half: Domain::Positive(0.3, 4.0) => |x| x.powf(0.5);
+    powf_negative: Domain::Positive(0.5, 3.0) => |x| x.powf(-1.5);
+    powf_zero: Domain::Positive(0.3, 3.0) => |x| x.powf(0.0);
+    square: Domain::Uniform(-3.0, 3.0) => |x| x.square();
+    abs: Domain::AwayFromZero(0.05, 3.0) => |x| x.abs();
+    sigmoid: Domain::Uniform(-5.0, 5.0) => |x| x.sigmoid();
+    tanh: Domain::Uniform(-3.0, 3.0) => |x| x.tanh();
+    relu: Domain::AwayFromZero(0.05, 3.0) => |x| x.relu();
+    silu: Domain::Uniform(-5.0, 5.0) => |x| x.silu();
+    gelu: Domain::Uniform(-4.0, 4.0) => |x| x.gelu();
+    gelu_tanh: Domain::Uniform(-4.0, 4.0) => |x| x.gelu_tanh();
+    // The SIMD paths switch formulas at |x| = 0.625 (tanh) and 1 (erfc): straddle them.
+    tanh_near_switch: Domain::Uniform(0.55, 0.7) => |x| x.tanh();
+    gelu_near_switch: Domain::Uniform(-1.6, 1.6) => |x| x.gelu();
+    // Large magnitudes: saturation must give derivatives near 0, not NaN.
+    sigmoid_saturated: Domain::AwayFromZero(8.0, 20.0) => |x| x.sigmoid();
+    tanh_saturated: Domain::AwayFromZero(4.0, 12.0) => |x| x.tanh();
+}
+
+// ---------------------------------------------------------------------------------------
+// Reductions over a random axis, with and without keepdim.
+
+proptest! {
+    #![proptest_config(config(CASES))]
+
+    #[test]
+    fn sum_axis(((l, x), axis, keepdim) in reduce_inputs(Domain::Uniform(-2.0, 2.0))) {
+        assert_gradcheck(|v| l.view(&v[0])?.sum_axis(axis, keepdim), &[x]);
+    }
+
+    #[test]
+    fn mean_axis(((l, x), axis, keepdim) in reduce_inputs(Domain::Uniform(-2.0, 2.0))) {
+        assert_gradcheck(|v| l.view(&v[0])?.mean_axis(axis, keepdim), &[x]);
+    }
+
+    #[test]
+    fn max_axis(((l, x), axis, keepdim) in reduce_inputs(Domain::Distinct(0.1))) {
+        assert_gradcheck(|v| l.view(&v[0])?.max_axis(axis, keepdim), &[x]);
+    }
+
+    #[test]
+    fn sum_all_and_mean_all((l, x) in any_input(Domain::Uniform(-2.0, 2.0))) {
+        assert_gradcheck(|v| l.view(&v[0])?.sum_all(), std::slice::from_ref(&x));
+        assert_gradcheck(|v| l.view(&v[0])?.mean_all(), &[x]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Matmul: 2-D, batched, broadcast batch dimensions, transposed/strided operand views.
+
+/// `(a, b)` for `a[..., m, k] · b[..., k, n]` with broadcast-compatible batch shapes of
+/// rank 0-2 (from `batch`), each operand possibly a strided (transposed, offset) view.
+fn matmul_inputs(
+    batch: impl Strategy<Value = (Vec<usize>, Vec<usize>)>,
+) -> impl Strategy<Value = ((Layout, Tensor), (Layout, Tensor))> {
+    (batch, 1..=4usize, 1..=4usize, 1..=4usize).prop_flat_map(|((ba, bb), m, k, n)| {
+        let a = [ba.as_slice(), &[m, k]].concat();
+        let b = [bb.as_slice(), &[k, n]].concat();
+        (input(a, Domain::Uniform(-1.5, 1.5)), input(b, Domain::Uniform(-1.5, 1.5)))
+    })
+}
+
+proptest! {
+    #![proptest_config(config(CASES))]
+
+    #[test]
+    fn matmul_2d((a, b) in matmul_inputs(Just((vec![], vec![])))) {
+        binary_check(Var::matmul, a, b);
+    }
+
+    #[test]
+    fn matmul_batched((a, b) in matmul_inputs((1..=3usize).prop_map(|bt| (vec![bt], vec![bt])))) {
+        binary_check(Var::matmul, a, b);
+    }
+
+    #[test]
+    fn matmul_broadcast_batch((a, b) in matmul_inputs(broadcast_pair_from(shape_with_rank(1..=2)))) {
+        binary_check(Var::matmul, a, b);
+    }
+
+    #[test]
+    fn matmul_with_transposed_weight((m, k, n) in (1..=4usize, 1..=4usize, 1..=4usize), seed in any::<u64>()) {
+        // x · wᵀ with w stored [n, k], the layout of a linear layer.
+        let x = seeded(&[2, m, k], -1.5, 1.5, seed);
+        let w = seeded(&[n, k], -1.5, 1.5, seed ^ 1);
+        assert_gradcheck(|v| v[0].matmul(&v[1].transpose(0, 1)?), &[x, w]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Views (on contiguous and strided inputs) and cat.
+
+proptest! {
+    #![proptest_config(config(CASES))]
+
+    #[test]
+    fn reshape(((l, x), target) in shape().prop_flat_map(|s| (
+        input(s.clone(), Domain::Uniform(-2.0, 2.0)),
+        Just(s).prop_shuffle(),
+        any::<prop::sample::Index>(),
+    )).prop_map(|(i, mut target, pick)| {
+        // The same dims in another order (same numel), one of them inferred sometimes.
+        let slot = pick.index(target.len() + 1);
+        if slot < target.len() {
+            target[slot] = usize::MAX;
+        }
+        (i, target)
+    })) {
+        assert_gradcheck(|v| l.view(&v[0])?.reshape(&target), std::slice::from_ref(&x));
+        let n = l.shape.iter().product::<usize>();
+        assert_gradcheck(|v| l.view(&v[0])?.reshape(&[n]), &[x]);
+    }
+
+    #[test]
+    fn permute(((l, x), axes) in shape().prop_flat_map(|s| {
+        let rank = s.len();
+        (input(s, Domain::Uniform(-2.0, 2.0)), Just((0..rank).collect::<Vec<_>>()).prop_shuffle())
+    })) {
+        assert_gradcheck(|v| l.view(&v[0])?.permute(&axes), &[x]);
+    }
+
+    #[test]
+    fn transpose(((l, x), a, b) in shape().prop_flat_map(|s| {
+        let rank = s.len();
+        (input(s, Domain::Uniform(-2.0, 2.0)), 0..rank, 0..rank)
+    })) {
+        assert_gradcheck(|v| l.view(&v[0])?.transpose(a, b), &[x]);
+    }
+
+    #[test]
+    fn narrow(((l, x), axis, start, len) in shape_and_axis().prop_flat_map(|(s, axis)| {
+        let size = s[axis];
+        (input(s, Domain::Uniform(-2.0, 2.0)), Just(axis), 0..size)
+            .prop_flat_map(move |(i, axis, start)| (Just(i), Just(axis), Just(start), 1..=size - start))
+    })) {
+        assert_gradcheck(|v| l.view(&v[0])?.narrow(axis, start, len), &[x]);
+    }
+
+    #[test]
+    fn expand(((l, x), target) in broadcast_pair().prop_flat_map(|(sa, sb)| {
+        let full = broadcast_shape(&sa, &sb);
+        (input(sa, Domain::Uniform(-2.0, 2.0)), Just(full))
+    })) {
+        assert_gradcheck(|v| l.view(&v[0])?.expand(&target), &[x]);
+    }
+
+    #[test]
+    fn unsqueeze_then_squeeze(((l, x), axis) in shape().prop_flat_map(|s| {
+        let rank = s.len();
+        (input(s, Domain::Uniform(-2.0, 2.0)), 0..=rank)
+    })) {
+        assert_gradcheck(|v| l.view(&v[0])?.unsqueeze(axis), std::slice::from_ref(&x));
+        assert_gradcheck(|v| l.view(&v[0])?.unsqueeze(axis)?.mul_scalar(2.0)?.squeeze(axis), &[x]);
+    }
+
+    #[test]
+    fn squeeze_size_one_dim(((l, x), axis) in shape_and_axis().prop_flat_map(|(mut s, axis)| {
+        s[axis] = 1;
+        (input(s, Domain::Uniform(-2.0, 2.0)), Just(axis))
+    })) {
+        assert_gradcheck(|v| l.view(&v[0])?.squeeze(axis), &[x]);
+    }
+
+    #[test]
+    fn cat(parts in shape_and_axis().prop_flat_map(|(s, axis)| {
+        prop::collection::vec(1..=3usize, 1..=3).prop_flat_map(move |sizes| {
+            let inputs: Vec<_> = sizes.iter().map(|&n| {
+                let mut part = s.clone();
+                part[axis] = n;
+                input(part, Domain::Uniform(-2.0, 2.0))
+            }).collect();
+            (inputs, Just(axis))
+        })
+    })) {
+        let (parts, axis) = parts;
+        let (layouts, tensors): (Vec<Layout>, Vec<Tensor>) = parts.into_iter().unzip();
+        assert_gradcheck(|v| {
+            let views = layouts.iter().zip(v).map(|(l, x)| l.view(x)).collect::<tensor::Result<Vec<_>>>()?;
+            Var::cat(&views.iter().collect::<Vec<_>>(), axis)
+        }, &tensors);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// select / masked_fill: the condition carries no gradient; each branch gets its share.
+
+/// `(cond, a, b)` shapes that broadcast together, cond values 0/1.
+fn select_inputs() -> impl Strategy<Value = (Tensor, (Layout, Tensor), (Layout, Tensor))> {
+    (broadcast_pair(), prop::bool::weighted(0.5)).prop_flat_map(|((sa, sb), cond_full)| {
+        let full = broadcast_shape(&sa, &sb);
+        let cond_shape = if cond_full { full } else { sb.clone() };
+        let n = numel(&cond_shape);
+        let cond = prop::collection::vec(prop::bool::ANY, n)
+            .prop_map(move |bits| tensor(bits.iter().map(|&c| f32::from(u8::from(c))).collect(), &cond_shape));
+        (cond, input(sa, Domain::Uniform(-2.0, 2.0)), input(sb, Domain::Uniform(-2.0, 2.0)))
+    })
+}
+
+proptest! {
+    #![proptest_config(config(CASES))]
+
+    #[test]
+    fn select_broadcasts((cond, (la, a), (lb, b)) in select_inputs()) {
+        assert_gradcheck(|v| Var::select(&cond, &la.view(&v[0])?, &lb.view(&v[1])?), &[a, b]);
+    }
+
+    #[test]
+    fn masked_fill((mask, (l, x), value) in shape().prop_flat_map(|s| {
+        let n = numel(&s);
+        let mask = prop::collection::vec(prop::bool::ANY, n)
+            .prop_map({ let s = s.clone(); move |bits| tensor(bits.iter().map(|&c| f32::from(u8::from(c))).collect(), &s) });
+        (mask, input(s, Domain::Uniform(-2.0, 2.0)), -5.0f32..5.0)
+    })) {
+        assert_gradcheck(|v| l.view(&v[0])?.masked_fill(&mask, value), &[x]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Softmax family, cross-entropy, norms.
+
+/// Cross-entropy inputs: logits `[N, V]` (possibly strided), targets, and the ignore
+/// index: out of range (`V`), inside the range (so real class ids get ignored), or none.
+fn cross_entropy_inputs() -> impl Strategy<Value = ((Layout, Tensor), Vec<u32>, Option<u32>)> {
+    (1..=6usize, 1..=6usize, 0..3u8).prop_flat_map(|(rows, vocab, mode)| {
+        let ignore = match mode {
+            0 => Some(vocab as u32),
+            1 => Some(0),
+            _ => None,
+        };
+        let target = prop_oneof![3 => 0..vocab as u32, 1 => Just(ignore.unwrap_or(0))];
+        (
+            input(vec![rows, vocab], Domain::Uniform(-3.0, 3.0)),
+            prop::collection::vec(target, rows),
+            Just(ignore),
+        )
+    })
+}
+
+/// The rows of norm inputs: rank 1-3 with last dim `C`.
+fn norm_shape() -> impl Strategy<Value = Vec<usize>> {
+    (shape_with_rank(0..=2), 1..=6usize).prop_map(|(lead, c)| [lead.as_slice(), &[c]].concat())
+}
+
+proptest! {
+    #![proptest_config(config(CASES))]
+
+    #[test]
+    fn softmax((l, x) in any_input(Domain::Uniform(-3.0, 3.0))) {
+        assert_gradcheck(|v| l.view(&v[0])?.softmax(), &[x]);
+    }
+
+    #[test]
+    fn log_softmax((l, x) in any_input(Domain::Uniform(-3.0, 3.0))) {
+        assert_gradcheck(|v| l.view(&v[0])?.log_softmax(), &[x]);
+    }
+
+    #[test]
+    fn cross_entropy(((l, x), targets, ignore) in cross_entropy_inputs()) {
+        assert_gradcheck(|v| l.view(&v[0])?.cross_entropy(&targets, ignore), &[x]);
+    }
+
+    #[test]
+    fn rms_norm(((l, x), w) in norm_shape().prop_flat_map(|s| {
+        let c = s[s.len() - 1];
+        (input(s, Domain::AwayFromZero(0.3, 2.0)), tensor_in(vec![c], Domain::Uniform(-2.0, 2.0)))
+    })) {
+        assert_gradcheck(|v| l.view(&v[0])?.rms_norm(&v[1], 1e-5), &[x, w]);
+    }
+
+    #[test]
+    fn layer_norm(((l, x), w, b, affine) in norm_shape().prop_flat_map(|s| {
+        let c = s[s.len() - 1];
+        (
+            input(s, Domain::DistinctRows { cols: c, spacing: 0.4 }),
+            tensor_in(vec![c], Domain::Uniform(-2.0, 2.0)),
+            tensor_in(vec![c], Domain::Uniform(-2.0, 2.0)),
+            0..4u8,
+        )
+    })) {
+        match affine {
+            0 => assert_gradcheck(|v| l.view(&v[0])?.layer_norm(None, None, 1e-5), &[x]),
+            1 => assert_gradcheck(|v| l.view(&v[0])?.layer_norm(Some(&v[1]), None, 1e-5), &[x, w]),
+            2 => assert_gradcheck(|v| l.view(&v[0])?.layer_norm(None, Some(&v[1]), 1e-5), &[x, b]),
+            _ => assert_gradcheck(|v| l.view(&v[0])?.layer_norm(Some(&v[1]), Some(&v[2]), 1e-5), &[x, w, b]),
+        };
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Transformer ops: rope, embedding, causal attention.
+
+proptest! {
+    #![proptest_config(config(CASES))]
+
+    #[test]
+    fn rope(((l, x), theta, pos_offset) in (1..=2usize, 1..=4usize, 1..=2usize, 1..=4usize).prop_flat_map(|(b, t, h, half)| (
+        input(vec![b, t, h, 2 * half], Domain::Uniform(-2.0, 2.0)),
+        prop_oneof![Just(10_000.0f32), Just(10.0f32)],
+        0..=12usize,
+    ))) {
+        assert_gradcheck(|v| l.view(&v[0])?.rope(theta, pos_offset), &[x]);
+    }
+
+    #[test]
+    fn embedding((w, ids, ids_shape) in (1..=4usize, 1..=4usize, shape_with_rank(1..=2)).prop_flat_map(|(vocab, c, ids_shape)| {
+        // Up to 25 ids over at most 4 rows: rows repeat, so scatter-add must accumulate.
+        let n = numel(&ids_shape);
+        (uniform_tensor(vec![vocab, c], -2.0, 2.0), prop::collection::vec(0..vocab as u32, n), Just(ids_shape))
+    })) {
+        assert_gradcheck(|v| v[0].embedding(&ids, &ids_shape), &[w]);
+    }
+
+    #[test]
+    fn causal_attention(((lq, q), (lk, k), (lv, v), scale) in (1..=2usize, 1..=5usize, 1..=2usize, 1..=8usize)
+        .prop_flat_map(|(b, tk, h, d)| (Just((b, tk, h, d)), 1..=tk))
+        .prop_flat_map(|((b, tk, h, d), tq)| {
+            let domain = Domain::Uniform(-1.5, 1.5);
+            (
+                input(vec![b, tq, h, d], domain),
+                input(vec![b, tk, h, d], domain),
+                input(vec![b, tk, h, d], domain),
+                Just(1.0 / (d as f32).sqrt()),
+            )
+        }))
+    {
+        assert_gradcheck(
+            |x| Var::causal_attention(&lq.view(&x[0])?, &lk.view(&x[1])?, &lv.view(&x[2])?, scale),
+            &[q, k, v],
+        );
+    }
+
+    #[test]
+    fn causal_attention_square_multi_head(seed in any::<u64>(), d in 1..=8usize) {
+        // Tq = Tk, several heads and batches, scale ≠ 1/√D.
+        let [q, k, v] = [0, 1, 2].map(|i| seeded(&[2, 4, 3, d], -1.5, 1.5, seed.wrapping_add(i)));
+        assert_gradcheck(|x| Var::causal_attention(&x[0], &x[1], &x[2], 0.7), &[q, k, v]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Gradient accumulation, repeated backward, no_grad, detach.
+
+fn param(data: &[f32]) -> Var {
+    Var::parameter(tensor(data.to_vec(), &[data.len()]))
+}
+
+#[test]
+fn reuse_in_one_op_doubles_the_gradient() {
+    let x = param(&[1.5, -2.0, 0.25]);
+    ok("backward", ok("x·x", x.mul(&x)).sum_all().and_then(|y| y.backward()));
+    assert_close_f32("d(x·x)/dx", &grad_of("x", &x), &[3.0, -4.0, 0.5], 1e-6, 0.0);
+}
+
+#[test]
+fn reuse_in_two_branches_sums_the_gradients() {
+    let x = param(&[0.5, -1.0, 2.0]);
+    let y = ok("branches", x.exp().and_then(|e| e.add(&x.mul_scalar(3.0)?)).and_then(|y| y.sum_all()));
+    ok("backward", y.backward());
+    let expected: Vec<f32> = [0.5f32, -1.0, 2.0].iter().map(|v| v.exp() + 3.0).collect();
+    assert_close_f32("d(eˣ + 3x)/dx", &grad_of("x", &x), &expected, 1e-6, 0.0);
+}
+
+#[test]
+fn broadcast_operand_gradient_sums_over_the_broadcast_rows() {
+    let bias = param(&[1.0, 2.0, 3.0]);
+    let x = Var::constant(seeded(&[4, 3], -1.0, 1.0, 9));
+    ok("backward", x.add(&bias).and_then(|y| y.sum_all()).and_then(|y| y.backward()));
+    assert_eq!(grad_of("bias", &bias), vec![4.0, 4.0, 4.0]);
+    assert!(x.grad().is_none(), "a constant received a gradient");
+}
+
+#[test]
+fn gradients_accumulate_across_backward_calls_until_zero_grad() {
+    let x = param(&[1.0, -3.0]);
+    let y = ok("y", x.square().and_then(|s| s.sum_all()));
+    ok("first backward", y.backward());
+    assert_eq!(grad_of("x", &x), vec![2.0, -6.0]);
+    ok("second backward", y.backward());
+    assert_eq!(grad_of("x", &x), vec![4.0, -12.0], "the second backward must add, not overwrite");
+    x.zero_grad();
+    assert!(x.grad().is_none(), "zero_grad left a gradient");
+    ok("third backward", y.backward());
+    assert_eq!(grad_of("x", &x), vec![2.0, -6.0]);
+}
+
+#[test]
+fn backward_with_seed_scales_the_gradient() {
+    let x = param(&[1.0, 2.0, 3.0]);
+    let y = ok("y", x.mul_scalar(2.0));
+    ok("backward_with", y.backward_with(tensor(vec![1.0, 0.5, -1.0], &[3])));
+    assert_eq!(grad_of("x", &x), vec![2.0, 1.0, -2.0]);
+    assert!(y.backward().is_err(), "backward() from a non-scalar must be an error");
+    assert!(y.backward_with(Tensor::ones(&[4])).is_err(), "a seed of the wrong shape must be an error");
+}
+
+#[test]
+fn no_grad_builds_no_graph() {
+    let x = param(&[1.0, 2.0]);
+    assert!(is_grad_enabled());
+    let y = no_grad(|| {
+        assert!(!is_grad_enabled());
+        ok("y", x.mul(&x).and_then(|y| y.exp()).and_then(|y| y.sum_all()))
+    });
+    assert!(is_grad_enabled(), "no_grad did not restore grad mode");
+    assert!(!y.requires_grad(), "an op inside no_grad produced a graph node");
+    ok("backward of a constant", y.backward());
+    assert!(x.grad().is_none(), "backward through a no_grad result reached the leaf");
+    let caught = std::panic::catch_unwind(|| no_grad(|| panic!("inside no_grad")));
+    assert!(caught.is_err());
+    assert!(is_grad_enabled(), "a panic inside no_grad left grad mode off");
+}
+
+#[test]
+fn detach_cuts_one_path_only() {
+    let x = param(&[1.5, -0.5]);
+    ok("backward", x.mul(&x.detach()).and_then(|y| y.sum_all()).and_then(|y| y.backward()));
+    assert_eq!(grad_of("x", &x), vec![1.5, -0.5], "d(x·stop(x))/dx = stop(x)");
+    assert!(!x.detach().requires_grad());
+}
+
+#[test]
+fn constants_only_graph_needs_no_gradient() {
+    let a = Var::constant(Tensor::ones(&[2]));
+    let y = ok("y", a.add(&a));
+    assert!(!y.requires_grad());
+}
+
+#[test]
+fn documented_conventions_at_kinks_and_ties() {
+    // relu'(0) = abs'(0) = 0 (PyTorch).
+    let x = param(&[0.0, 0.0]);
+    ok("relu", x.relu().and_then(|y| y.sum_all()).and_then(|y| y.backward()));
+    assert_eq!(grad_of("relu x", &x), vec![0.0, 0.0]);
+    let x = param(&[0.0]);
+    ok("abs", x.abs().and_then(|y| y.sum_all()).and_then(|y| y.backward()));
+    assert_eq!(grad_of("abs x", &x), vec![0.0]);
+
+    // maximum/minimum split ties evenly: max(x, x) passes the whole gradient to x.
+    let x = param(&[1.0, -2.0]);
+    ok("max(x, x)", x.maximum(&x).and_then(|y| y.sum_all()).and_then(|y| y.backward()));
+    assert_eq!(grad_of("x", &x), vec![1.0, 1.0]);
+    let (a, b) = (param(&[1.0, 3.0]), param(&[1.0, 2.0]));
+    ok("min(a, b)", a.minimum(&b).and_then(|y| y.sum_all()).and_then(|y| y.backward()));
+    assert_eq!(grad_of("a", &a), vec![0.5, 0.0]);
+    assert_eq!(grad_of("b", &b), vec![0.5, 1.0]);
+
+    // max_axis sends the gradient to the first maximum only.
+    let x = Var::parameter(tensor(vec![2.0, 5.0, 5.0, 1.0, 7.0, 7.0], &[2, 3]));
+    ok("max_axis", x.max_axis(1, false).and_then(|y| y.sum_all()).and_then(|y| y.backward()));
+    assert_eq!(grad_of("x", &x), vec![0.0, 1.0, 0.0, 0.0, 1.0, 0.0]);
+}
+
+#[test]
+fn cross_entropy_with_every_row_ignored_has_zero_loss_and_gradient() {
+    let logits = Var::parameter(seeded(&[3, 4], -1.0, 1.0, 5));
+    let loss = ok("cross_entropy", logits.cross_entropy(&[7, 7, 7], Some(7)));
+    assert_eq!(ok("item", loss.value().item()), 0.0);
+    ok("backward", loss.backward());
+    let g = logits.grad().map(|g| g.to_vec()).unwrap_or_default();
+    assert!(g.iter().all(|&v| v == 0.0), "gradient {g:?}");
+}
+
+#[test]
+fn embedding_gradient_counts_repeated_ids() {
+    let w = Var::parameter(seeded(&[3, 2], -1.0, 1.0, 2));
+    ok("embedding", w.embedding(&[2, 0, 2, 2], &[2, 2]).and_then(|y| y.sum_all()).and_then(|y| y.backward()));
+    assert_eq!(grad_of("w", &w), vec![1.0, 1.0, 0.0, 0.0, 3.0, 3.0]);
+}

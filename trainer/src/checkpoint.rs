@@ -1,0 +1,102 @@
+//! Checkpoints: one safetensors file holding the weights, the optimizer state (prefixed
+//! `optimizer.`), and in its metadata the step, the sampler state and both configs as
+//! JSON. One file means one atomic rename: a killed write leaves the previous checkpoint.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use nn::optim::Optimizer;
+use nn::Module;
+use tensor::Tensor;
+
+use crate::safetensors_io::{load_tensors, save_tensors, NamedTensor, TensorSlice};
+
+const FORMAT: &str = "transponder-checkpoint-v1";
+const OPTIMIZER_PREFIX: &str = "optimizer.";
+
+/// Everything read back from a checkpoint file.
+pub struct Checkpoint {
+    /// Optimizer steps completed.
+    pub step: usize,
+    /// The sampler's exported state, so data resumes at the same position.
+    pub sampler_state: Vec<u64>,
+    /// The training config as JSON.
+    pub train_config: String,
+    /// The model config as JSON.
+    pub model_config: String,
+    pub weights: Vec<NamedTensor>,
+    pub optimizer_state: Vec<(String, Tensor)>,
+}
+
+/// What [`save`] writes besides the tensors.
+pub struct CheckpointMeta<'a> {
+    pub step: usize,
+    pub sampler_state: &'a [u64],
+    pub train_config: &'a str,
+    pub model_config: &'a str,
+}
+
+/// Writes model weights, optimizer state and `meta` to `path` atomically.
+pub fn save(path: &Path, model: &dyn Module, optimizer: &dyn Optimizer, meta: &CheckpointMeta) -> Result<()> {
+    let mut owned: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    for p in model.named_parameters() {
+        let value = p.var.value();
+        owned.push((p.name, value.shape().to_vec(), value.to_vec()));
+    }
+    for (name, t) in optimizer.state() {
+        owned.push((format!("{OPTIMIZER_PREFIX}{name}"), t.shape().to_vec(), t.to_vec()));
+    }
+    let slices: Vec<TensorSlice> =
+        owned.iter().map(|(name, shape, data)| TensorSlice { name, shape, data }).collect();
+    let mut metadata = BTreeMap::new();
+    metadata.insert("format".to_string(), FORMAT.to_string());
+    metadata.insert("step".to_string(), meta.step.to_string());
+    metadata.insert("sampler_state".to_string(), serde_json::to_string(meta.sampler_state)?);
+    metadata.insert("train_config".to_string(), meta.train_config.to_string());
+    metadata.insert("model_config".to_string(), meta.model_config.to_string());
+    save_tensors(path, &slices, &metadata).with_context(|| format!("saving checkpoint {}", path.display()))
+}
+
+/// Reads a checkpoint written by [`save`].
+pub fn load(path: &Path) -> Result<Checkpoint> {
+    let (tensors, metadata) = load_tensors(path).with_context(|| format!("loading checkpoint {}", path.display()))?;
+    let field = |key: &str| -> Result<&String> {
+        metadata.get(key).with_context(|| format!("checkpoint {} has no '{key}' metadata", path.display()))
+    };
+    if field("format")? != FORMAT {
+        bail!("{} is not a {FORMAT} file", path.display());
+    }
+    let step = field("step")?.parse().context("checkpoint 'step' is not a number")?;
+    let sampler_state = serde_json::from_str(field("sampler_state")?).context("checkpoint 'sampler_state'")?;
+    let mut weights = Vec::new();
+    let mut optimizer_state = Vec::new();
+    for t in tensors {
+        match t.name.strip_prefix(OPTIMIZER_PREFIX) {
+            Some(name) => optimizer_state.push((name.to_string(), Tensor::from_vec(t.data, &t.shape)?)),
+            None => weights.push(t),
+        }
+    }
+    Ok(Checkpoint {
+        step,
+        sampler_state,
+        train_config: field("train_config")?.clone(),
+        model_config: field("model_config")?.clone(),
+        weights,
+        optimizer_state,
+    })
+}
+
+/// Copies `weights` into the model's parameters by name; every parameter must be present
+/// with the same shape.
+pub fn load_weights(model: &dyn Module, weights: &[NamedTensor]) -> Result<()> {
+    let by_name: BTreeMap<&str, &NamedTensor> = weights.iter().map(|t| (t.name.as_str(), t)).collect();
+    for p in model.named_parameters() {
+        let t = by_name.get(p.name.as_str()).with_context(|| format!("checkpoint has no tensor '{}'", p.name))?;
+        if t.shape != p.var.shape() {
+            bail!("tensor '{}' has shape {:?} in the checkpoint but {:?} in the model", p.name, t.shape, p.var.shape());
+        }
+        p.var.set_value(Tensor::from_vec(t.data.clone(), &t.shape)?)?;
+    }
+    Ok(())
+}

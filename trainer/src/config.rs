@@ -1,0 +1,169 @@
+//! The training run's configuration: defaults, a JSON config file, and command-line
+//! overrides, validated before anything runs.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+/// Everything a training run needs besides the model's own config. Serialised into every
+/// checkpoint, so `--resume` continues with exactly the same settings.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Model preset (`llama-tiny`, `llama-small`, `llama-60m`, ...).
+    pub model: String,
+    /// Modulator variant or baseline (`transponder`, `pre-ln`, ...).
+    pub variant: String,
+    /// Plain-text corpus tokenized on first use when no token files are given.
+    pub text: PathBuf,
+    /// Token files (llm.c or nanoGPT format); when unset they are prepared from `text`.
+    pub train_data: Option<PathBuf>,
+    pub val_data: Option<PathBuf>,
+    /// Tokenizer used to prepare `text` (`byte` or `gpt2`).
+    pub tokenizer: String,
+    pub batch_size: usize,
+    pub seq_len: usize,
+    /// Micro-batches whose gradients are summed before each optimizer step.
+    pub grad_accum: usize,
+    pub steps: usize,
+    pub lr: f32,
+    /// `adamw`, `adam` or `sgd`.
+    pub optimizer: String,
+    pub weight_decay: f32,
+    pub beta2: f32,
+    /// `cosine` (linear warmup + cosine), `noam`, `constant`, `linear`, `onecycle`.
+    pub schedule: String,
+    pub warmup: usize,
+    /// Global gradient-norm clip (0 disables).
+    pub grad_clip: f32,
+    /// `random` (seeded windows) or `sequential`.
+    pub sampling: String,
+    pub eval_every: usize,
+    pub eval_batches: usize,
+    pub save_every: usize,
+    pub log_every: usize,
+    pub seed: u64,
+    /// Where the checkpoint, config and metrics are written.
+    pub out_dir: PathBuf,
+}
+
+impl Default for TrainConfig {
+    /// The built-in default: llama-tiny + Transponder on tinyshakespeare, byte-level,
+    /// sized to finish in a few minutes on two CPU cores.
+    fn default() -> Self {
+        TrainConfig {
+            model: "llama-tiny".into(),
+            variant: "transponder".into(),
+            text: PathBuf::from("data/tinyshakespeare.txt"),
+            train_data: None,
+            val_data: None,
+            tokenizer: "byte".into(),
+            batch_size: 16,
+            seq_len: 128,
+            grad_accum: 1,
+            steps: 300,
+            lr: 3e-3,
+            optimizer: "adamw".into(),
+            weight_decay: 0.01,
+            beta2: 0.95,
+            schedule: "cosine".into(),
+            warmup: 30,
+            grad_clip: 1.0,
+            sampling: "random".into(),
+            eval_every: 100,
+            eval_batches: 8,
+            save_every: 100,
+            log_every: 10,
+            seed: 1337,
+            out_dir: PathBuf::from("runs/default"),
+        }
+    }
+}
+
+/// Valid names, listed in errors.
+pub const OPTIMIZERS: &[&str] = &["adamw", "adam", "sgd"];
+pub const SCHEDULES: &[&str] = &["cosine", "noam", "constant", "linear", "onecycle"];
+pub const SAMPLINGS: &[&str] = &["random", "sequential"];
+
+impl TrainConfig {
+    /// Reads a JSON config file (unknown keys are errors, missing keys take defaults).
+    pub fn from_file(path: &Path) -> Result<TrainConfig> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("parsing config {}", path.display()))
+    }
+
+    /// Checks every field that could otherwise fail late, naming the field and the valid values.
+    pub fn validate(&self) -> Result<()> {
+        let one_of = |field: &str, value: &str, valid: &[&str]| -> Result<()> {
+            if valid.contains(&value) {
+                Ok(())
+            } else {
+                bail!("unknown {field} '{value}'; valid: {}", valid.join(", "))
+            }
+        };
+        one_of("optimizer", &self.optimizer, OPTIMIZERS)?;
+        one_of("schedule", &self.schedule, SCHEDULES)?;
+        one_of("sampling", &self.sampling, SAMPLINGS)?;
+        for (name, value) in [
+            ("batch_size", self.batch_size),
+            ("seq_len", self.seq_len),
+            ("grad_accum", self.grad_accum),
+            ("steps", self.steps),
+            ("log_every", self.log_every),
+        ] {
+            if value == 0 {
+                bail!("{name} must be at least 1");
+            }
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            bail!("lr must be a positive number, got {}", self.lr);
+        }
+        if self.grad_clip < 0.0 || !self.grad_clip.is_finite() {
+            bail!("grad_clip must be ≥ 0 (0 disables), got {}", self.grad_clip);
+        }
+        Ok(())
+    }
+
+    /// The learning-rate schedule this config names.
+    pub fn schedule(&self) -> nn::optim::Schedule {
+        use nn::optim::Schedule;
+        match self.schedule.as_str() {
+            "noam" => Schedule::Noam { warmup: self.warmup },
+            "constant" => Schedule::Constant,
+            "linear" => Schedule::LinearDecay { total: self.steps, end_ratio: 0.01 },
+            "onecycle" => Schedule::OneCycle { total: self.steps, pct_start: 0.3 },
+            _ => Schedule::WarmupCosine { warmup: self.warmup, total: self.steps, min_ratio: 0.1 },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_names_the_problem() {
+        assert!(TrainConfig::default().validate().is_ok());
+        let bad = TrainConfig { optimizer: "lion".into(), ..TrainConfig::default() };
+        let msg = bad.validate().unwrap_err().to_string();
+        assert!(msg.contains("lion") && msg.contains("adamw"), "{msg}");
+        let bad = TrainConfig { steps: 0, ..TrainConfig::default() };
+        assert!(bad.validate().unwrap_err().to_string().contains("steps"));
+        let bad = TrainConfig { lr: f32::NAN, ..TrainConfig::default() };
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn unknown_keys_in_a_file_are_errors() {
+        let dir = std::env::temp_dir().join(format!("transponder-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.json");
+        std::fs::write(&path, r#"{"steps": 5, "stepz": 3}"#).unwrap();
+        let msg = format!("{:#}", TrainConfig::from_file(&path).unwrap_err());
+        assert!(msg.contains("stepz"), "{msg}");
+        std::fs::write(&path, r#"{"steps": 5}"#).unwrap();
+        assert_eq!(TrainConfig::from_file(&path).unwrap().steps, 5);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

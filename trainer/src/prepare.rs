@@ -1,0 +1,177 @@
+//! `prepare`: text files → `train.bin` + `val.bin` token files in llm.c format.
+//!
+//! The input files are read in order, each tokenized on its own and, when the tokenizer has an
+//! end-of-text token (GPT-2's 50256), preceded by it — llm.c's `tinyshakespeare.py` convention,
+//! which marks document boundaries. The concatenated stream is split by position: the first
+//! `1 - f` of the tokens are `train.bin`, the last `f` are `val.bin` (nanoGPT's
+//! `shakespeare_char/prepare.py` split). Both are written atomically with [`write_llmc`].
+//!
+//! Large inputs are encoded in ~1 MiB chunks (for the progress bar, shown above 10 MB of text)
+//! cut only where the cut provably does not change GPT-2's pre-tokenization, so chunked and
+//! whole-text encodings are identical. All tokens are held in memory (4 bytes each).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, ensure, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::data::token_file::write_llmc;
+use crate::tokenizer::Tokenizer;
+
+/// Inputs larger than this (in bytes, all files together) get a progress bar.
+pub const PROGRESS_BAR_MIN_BYTES: u64 = 10 * 1000 * 1000;
+/// Fewest tokens either split may have: one `T = 1` window needs 2.
+pub const MIN_SPLIT_TOKENS: usize = 2;
+/// Target size of one encoding chunk, in bytes.
+pub const CHUNK_BYTES: usize = 1 << 20;
+/// Name of the training split written into the output directory.
+pub const TRAIN_FILE: &str = "train.bin";
+/// Name of the validation split written into the output directory.
+pub const VAL_FILE: &str = "val.bin";
+
+/// What [`prepare`] wrote.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrepareReport {
+    /// Path of `train.bin`.
+    pub train_path: PathBuf,
+    /// Path of `val.bin`.
+    pub val_path: PathBuf,
+    /// Tokens in `train.bin`.
+    pub train_tokens: usize,
+    /// Tokens in `val.bin`.
+    pub val_tokens: usize,
+    /// Bytes of text read from all inputs.
+    pub input_bytes: u64,
+    /// Name of the tokenizer used (`byte`, `gpt2`).
+    pub tokenizer: &'static str,
+    /// Vocabulary size of the tokenizer (every token is below it).
+    pub vocab_size: usize,
+}
+
+/// Tokenizes `inputs` with `tokenizer` and writes `out_dir/train.bin` and `out_dir/val.bin`,
+/// the last `val_fraction` of the tokens going to validation.
+///
+/// Errors on: no input files, a missing or non-UTF-8 file, input without any text,
+/// `val_fraction` outside `(0, 1)`, or a split that leaves either side with fewer than
+/// [`MIN_SPLIT_TOKENS`] tokens. `out_dir` is created when missing.
+pub fn prepare(inputs: &[PathBuf], tokenizer: &Tokenizer, out_dir: &Path, val_fraction: f64) -> Result<PrepareReport> {
+    ensure!(!inputs.is_empty(), "prepare needs at least one input text file");
+    ensure!(
+        val_fraction.is_finite() && val_fraction > 0.0 && val_fraction < 1.0,
+        "validation fraction must be strictly between 0 and 1, got {val_fraction}"
+    );
+    let mut input_bytes = 0u64;
+    for path in inputs {
+        let meta = fs::metadata(path).with_context(|| format!("reading input text file {}", path.display()))?;
+        input_bytes += meta.len();
+    }
+    ensure!(input_bytes > 0, "the input files ({}) are all empty: nothing to tokenize", list_paths(inputs));
+
+    let bar = progress_bar(input_bytes);
+    let mut tokens = Vec::new();
+    for path in inputs {
+        let bytes = fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            anyhow::anyhow!(
+                "{} is not valid UTF-8 (first bad byte at offset {})",
+                path.display(),
+                e.utf8_error().valid_up_to()
+            )
+        })?;
+        if text.is_empty() {
+            continue;
+        }
+        if let Some(eot) = tokenizer.eot_token() {
+            tokens.push(eot);
+        }
+        tokens.extend(encode_in_chunks(tokenizer, &text, CHUNK_BYTES, |n| bar.inc(n as u64)));
+    }
+    bar.finish_and_clear();
+
+    let total = tokens.len();
+    let val_tokens = (total as f64 * val_fraction).round() as usize;
+    let train_tokens = total - val_tokens;
+    if train_tokens < MIN_SPLIT_TOKENS || val_tokens < MIN_SPLIT_TOKENS {
+        bail!(
+            "{total} tokens split with validation fraction {val_fraction} leave {train_tokens} \
+             for training and {val_tokens} for validation; each needs at least \
+             {MIN_SPLIT_TOKENS} (more text or another fraction)"
+        );
+    }
+
+    fs::create_dir_all(out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;
+    let train_path = out_dir.join(TRAIN_FILE);
+    let val_path = out_dir.join(VAL_FILE);
+    let vocab_size = tokenizer.vocab_size();
+    write_llmc(&train_path, &tokens[..train_tokens], vocab_size)?;
+    write_llmc(&val_path, &tokens[train_tokens..], vocab_size)?;
+    Ok(PrepareReport {
+        train_path,
+        val_path,
+        train_tokens,
+        val_tokens,
+        input_bytes,
+        tokenizer: tokenizer.name(),
+        vocab_size,
+    })
+}
+
+/// Encodes `text` in pieces of about `chunk_bytes`, calling `progress` with each piece's byte
+/// length; the result equals `tokenizer.encode(text)`.
+///
+/// Cuts fall only right after a `'\n'` that sits between two non-whitespace characters: no
+/// GPT-2 pre-token crosses such a newline, and the newline is a one-character token whether
+/// it ends a chunk or not. Text without such a place is encoded as one piece.
+pub fn encode_in_chunks(
+    tokenizer: &Tokenizer,
+    text: &str,
+    chunk_bytes: usize,
+    mut progress: impl FnMut(usize),
+) -> Vec<u32> {
+    let mut tokens = Vec::new();
+    let mut start = 0;
+    while start < text.len() {
+        let end = next_cut(text, start.saturating_add(chunk_bytes.max(1)));
+        tokens.extend(tokenizer.encode(&text[start..end]));
+        progress(end - start);
+        start = end;
+    }
+    tokens
+}
+
+/// The first safe cut at or after byte `from` (see [`encode_in_chunks`]), or the text's end.
+fn next_cut(text: &str, from: usize) -> usize {
+    let bytes = text.as_bytes();
+    let mut i = from.max(2);
+    while i < bytes.len() {
+        if bytes[i - 1] == b'\n' {
+            // `i` follows an ASCII byte, so it and `i - 1` are char boundaries.
+            let before = text[..i - 1].chars().next_back();
+            let after = text[i..].chars().next();
+            let solid = |c: Option<char>| c.is_some_and(|c| !c.is_whitespace());
+            if solid(before) && solid(after) {
+                return i;
+            }
+        }
+        i += 1;
+    }
+    text.len()
+}
+
+fn progress_bar(total_bytes: u64) -> ProgressBar {
+    if total_bytes <= PROGRESS_BAR_MIN_BYTES {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total_bytes);
+    if let Ok(style) =
+        ProgressStyle::with_template("tokenizing {bar:40} {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta})")
+    {
+        bar.set_style(style);
+    }
+    bar
+}
+
+fn list_paths(paths: &[PathBuf]) -> String {
+    paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+}

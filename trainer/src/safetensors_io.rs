@@ -1,0 +1,193 @@
+//! Checkpoint tensor I/O in the safetensors format, independent of the engine's tensor type.
+//!
+//! Tensors travel as plain `f32` buffers with a shape and a name: the checkpoint code copies
+//! weights and optimizer moments to the host, then calls [`save_tensors`]. Files are always
+//! written as `F32`; [`load_tensors`] also reads `BF16` and `F16` files (e.g. Hugging Face
+//! exports) and widens them to `f32`. PyTorch equivalent: `safetensors.torch.save_file` /
+//! `load_file`.
+//!
+//! Every write is atomic: the bytes go to `<name>.tmp` in the destination's directory, the temp
+//! file is fsynced, renamed over the destination, and the directory is fsynced. A crash or a
+//! kill at any point leaves either the previous file or the new one, never a torn mix; a stray
+//! `.tmp` left by a killed writer is simply overwritten by the next save. One writer per
+//! destination at a time is assumed (the temp name is fixed so that strays do not accumulate).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, ensure, Context, Result};
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, SafeTensors, View};
+
+/// A tensor read back from a file: its name, its shape and its values widened to `f32`
+/// (row-major, `data.len()` is the product of `shape`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NamedTensor {
+    /// The tensor's key in the file, e.g. `model.layers.0.self_attn.q_proj.weight`.
+    pub name: String,
+    /// Dimensions, outermost first; empty for a scalar.
+    pub shape: Vec<usize>,
+    /// Row-major values.
+    pub data: Vec<f32>,
+}
+
+impl NamedTensor {
+    /// A borrowed view of this tensor, in the form [`save_tensors`] takes.
+    pub fn as_slice(&self) -> TensorSlice<'_> {
+        TensorSlice { name: &self.name, shape: &self.shape, data: &self.data }
+    }
+}
+
+/// A borrowed tensor to save: no copy of the caller's buffers is needed to describe it.
+#[derive(Debug, Clone, Copy)]
+pub struct TensorSlice<'a> {
+    /// The tensor's key in the file.
+    pub name: &'a str,
+    /// Dimensions, outermost first; empty for a scalar.
+    pub shape: &'a [usize],
+    /// Row-major values; the length must be the product of `shape`.
+    pub data: &'a [f32],
+}
+
+/// What the safetensors serializer needs from one tensor; bytes are produced little-endian
+/// as the format requires, one tensor at a time, so peak extra memory is the largest tensor.
+struct F32View<'a> {
+    shape: &'a [usize],
+    data: &'a [f32],
+}
+
+impl View for F32View<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+
+    fn shape(&self) -> &[usize] {
+        self.shape
+    }
+
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Owned(self.data.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+
+    fn data_len(&self) -> usize {
+        std::mem::size_of_val(self.data)
+    }
+}
+
+/// Writes `tensors` as an `F32` safetensors file at `path`, atomically, with `metadata` as the
+/// file's string-to-string `__metadata__` (step, RNG state, config hash, ...).
+///
+/// Errors when a tensor's data length disagrees with its shape, when two tensors share a name,
+/// or when any file operation fails; the previous file at `path` is then left untouched.
+pub fn save_tensors(path: &Path, tensors: &[TensorSlice<'_>], metadata: &BTreeMap<String, String>) -> Result<()> {
+    let mut seen = std::collections::BTreeSet::new();
+    for t in tensors {
+        let expected: usize = t.shape.iter().product();
+        ensure!(
+            expected == t.data.len(),
+            "cannot save {}: tensor `{}` has shape {:?} ({} values) but {} values of data",
+            path.display(),
+            t.name,
+            t.shape,
+            expected,
+            t.data.len()
+        );
+        ensure!(seen.insert(t.name), "cannot save {}: tensor name `{}` appears twice", path.display(), t.name);
+    }
+    let info: Option<HashMap<String, String>> =
+        if metadata.is_empty() { None } else { Some(metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect()) };
+    let views = tensors.iter().map(|t| (t.name, F32View { shape: t.shape, data: t.data }));
+    atomic_replace(path, |tmp| {
+        safetensors::serialize_to_file(views, info, tmp)
+            .with_context(|| format!("serializing safetensors to {}", tmp.display()))
+    })
+}
+
+/// Reads every tensor of the safetensors file at `path`, widened to `f32`, sorted by name,
+/// together with the file's `__metadata__` (empty when it has none).
+///
+/// Accepts `F32`, `BF16` and `F16` tensors; any other dtype is an error naming the tensor.
+/// The file is memory-mapped, so only the converted copies occupy memory.
+pub fn load_tensors(path: &Path) -> Result<(Vec<NamedTensor>, BTreeMap<String, String>)> {
+    let file = File::open(path).with_context(|| format!("opening checkpoint {}", path.display()))?;
+    let len = file.metadata().with_context(|| format!("reading the size of {}", path.display()))?.len();
+    ensure!(len > 0, "checkpoint {} is empty (0 bytes): not a safetensors file", path.display());
+    // SAFETY: the map is read-only and dropped before returning; checkpoints are replaced by
+    // rename (never rewritten in place), so the mapped inode does not change under us.
+    let map = unsafe { Mmap::map(&file) }.with_context(|| format!("memory-mapping checkpoint {}", path.display()))?;
+    let (_, header) = SafeTensors::read_metadata(&map)
+        .with_context(|| format!("{} is not a valid safetensors file (corrupt or truncated header)", path.display()))?;
+    let metadata: BTreeMap<String, String> =
+        header.metadata().as_ref().map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()).unwrap_or_default();
+    let file_tensors = SafeTensors::deserialize(&map)
+        .with_context(|| format!("{} is not a valid safetensors file (corrupt or truncated)", path.display()))?;
+    let mut tensors = Vec::with_capacity(file_tensors.len());
+    for (name, view) in file_tensors.iter() {
+        let data = widen_to_f32(view.dtype(), view.data())
+            .with_context(|| format!("reading tensor `{name}` of {}", path.display()))?;
+        tensors.push(NamedTensor { name: name.to_string(), shape: view.shape().to_vec(), data });
+    }
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok((tensors, metadata))
+}
+
+/// Converts little-endian `F32`, `BF16` or `F16` bytes to `f32` values.
+fn widen_to_f32(dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>> {
+    let values = match dtype {
+        Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        Dtype::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        other => bail!("unsupported dtype {other:?} (only F32, BF16 and F16 can be loaded)"),
+    };
+    Ok(values)
+}
+
+/// Writes `bytes` to `path` atomically (temp file, fsync, rename, fsync of the directory).
+/// Used for JSON configs and other small files beside checkpoints.
+pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
+    atomic_replace(path, |tmp| fs::write(tmp, bytes).with_context(|| format!("writing {}", tmp.display())))
+}
+
+/// The temp path a write to `path` goes through: `<file name>.tmp` in the same directory, so
+/// that the final rename never crosses a filesystem.
+pub fn temp_path_for(path: &Path) -> Result<PathBuf> {
+    let name = path.file_name().with_context(|| format!("{} does not name a file", path.display()))?;
+    let mut tmp_name = name.to_os_string();
+    tmp_name.push(".tmp");
+    Ok(path.with_file_name(tmp_name))
+}
+
+/// Replaces `path` atomically with what `write` puts at the temp path it is given.
+///
+/// `write` creates and fills the temp file (streaming is fine); this function then fsyncs it,
+/// renames it over `path` and fsyncs the directory. When `write` fails the temp file is
+/// removed and `path` is untouched; when it panics the temp file stays behind, harmless.
+pub fn atomic_replace(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let tmp = temp_path_for(path)?;
+    if let Err(err) = write(&tmp) {
+        // Best effort: the error that matters is the write's, not a failed cleanup.
+        let _ = fs::remove_file(&tmp);
+        return Err(err.context(format!("writing {} (left unchanged)", path.display())));
+    }
+    File::open(&tmp).and_then(|f| f.sync_all()).with_context(|| format!("flushing {} to disk", tmp.display()))?;
+    fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    sync_parent_dir(path)
+}
+
+/// Makes the rename itself durable: without it a power loss can forget the new directory entry.
+#[cfg(unix)]
+fn sync_parent_dir(path: &Path) -> Result<()> {
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    File::open(dir).and_then(|d| d.sync_all()).with_context(|| format!("flushing directory {} to disk", dir.display()))
+}
+
+/// Directories cannot be opened for fsync on this platform; the rename is as durable as the
+/// OS makes it.
+#[cfg(not(unix))]
+fn sync_parent_dir(_path: &Path) -> Result<()> {
+    Ok(())
+}

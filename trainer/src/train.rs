@@ -1,0 +1,240 @@
+//! The language-model training loop: data, model, optimizer, schedule, gradient
+//! accumulation and clipping, periodic validation, metrics, checkpoints, exact resume,
+//! and a hard stop on a non-finite loss that keeps the last good checkpoint.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use autograd::no_grad;
+use indicatif::{ProgressBar, ProgressStyle};
+use models::llama::{Llama, LlamaConfig};
+use nn::optim::{clip_grad_norm, Adam, AdamConfig, Optimizer, Sgd};
+use nn::Module;
+
+use crate::checkpoint::{self, CheckpointMeta};
+use crate::config::TrainConfig;
+use crate::data::sampler::{BatchSampler, RandomSampler, SequentialSampler};
+use crate::data::token_file::{check_vocab, TokenFile};
+use crate::metrics::{MetricsWriter, StepMetrics};
+use crate::prepare::prepare;
+use crate::safetensors_io::atomic_write;
+use crate::tokenizer::Tokenizer;
+
+/// File names inside the run directory.
+pub const CHECKPOINT_FILE: &str = "checkpoint.safetensors";
+pub const CONFIG_FILE: &str = "config.json";
+pub const METRICS_FILE: &str = "metrics.jsonl";
+
+/// What a finished run reports.
+#[derive(Debug)]
+pub struct TrainReport {
+    pub steps: usize,
+    pub first_loss: f32,
+    pub final_loss: f32,
+    pub final_val_loss: Option<f32>,
+    pub tokens_per_second: f64,
+    pub seconds: f64,
+    pub checkpoint: PathBuf,
+    pub metrics: PathBuf,
+}
+
+/// Token files for training and (optionally) validation, preparing them from the text
+/// corpus into `out_dir/data` on first use.
+fn resolve_data(config: &TrainConfig, tokenizer: &Tokenizer) -> Result<(PathBuf, Option<PathBuf>)> {
+    if let Some(train) = &config.train_data {
+        return Ok((train.clone(), config.val_data.clone()));
+    }
+    let data_dir = config.out_dir.join("data");
+    let (train, val) = (data_dir.join("train.bin"), data_dir.join("val.bin"));
+    if !(train.exists() && val.exists()) {
+        let report = prepare(std::slice::from_ref(&config.text), tokenizer, &data_dir, 0.1)
+            .with_context(|| format!("preparing {}", config.text.display()))?;
+        println!(
+            "prepared {} ({} train + {} val tokens, {} tokenizer) into {}",
+            config.text.display(),
+            report.train_tokens,
+            report.val_tokens,
+            report.tokenizer,
+            data_dir.display()
+        );
+    }
+    Ok((train, Some(val)))
+}
+
+/// The model config a training config asks for, with the data's vocabulary.
+pub fn model_config(config: &TrainConfig, vocab_size: usize) -> Result<LlamaConfig> {
+    let mut model = LlamaConfig::preset(&config.model)?;
+    model.vocab_size = vocab_size;
+    model.seq_len = config.seq_len;
+    model.variant = config.variant.clone();
+    model.validate()?;
+    Ok(model)
+}
+
+fn make_optimizer(config: &TrainConfig, model: &Llama) -> Box<dyn Optimizer> {
+    let params = model.named_parameters();
+    match config.optimizer.as_str() {
+        "sgd" => Box::new(Sgd::new(params, 0.9, config.weight_decay, false)),
+        name => Box::new(Adam::new(
+            params,
+            AdamConfig {
+                beta2: config.beta2,
+                weight_decay: config.weight_decay,
+                decoupled: name == "adamw",
+                ..AdamConfig::default()
+            },
+        )),
+    }
+}
+
+fn make_sampler(config: &TrainConfig, file: TokenFile) -> Result<Box<dyn BatchSampler>> {
+    Ok(match config.sampling.as_str() {
+        "sequential" => Box::new(SequentialSampler::new(file, config.batch_size, config.seq_len)?),
+        _ => Box::new(RandomSampler::new(file, config.batch_size, config.seq_len, config.seed)?),
+    })
+}
+
+/// Mean validation loss over the first `batches` sequential windows of `path`.
+pub fn evaluate(model: &Llama, path: &Path, batch_size: usize, seq_len: usize, batches: usize) -> Result<f32> {
+    let file = TokenFile::open(path)?;
+    let mut sampler = SequentialSampler::new(file, batch_size, seq_len)?;
+    let batches = batches.min(sampler.batches_per_pass()).max(1);
+    let mut total = 0.0f64;
+    for _ in 0..batches {
+        let batch = sampler.next_batch()?;
+        let loss = no_grad(|| model.loss(&batch.inputs, &batch.targets, batch_size, seq_len))?;
+        total += loss.value().item()? as f64;
+    }
+    Ok((total / batches as f64) as f32)
+}
+
+/// Trains as `config` says; with `resume`, continues from the run directory's checkpoint
+/// (same weights, optimizer state, data position and step: the losses continue exactly).
+pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
+    config.validate()?;
+    std::fs::create_dir_all(&config.out_dir).with_context(|| format!("creating {}", config.out_dir.display()))?;
+    let checkpoint_path = config.out_dir.join(CHECKPOINT_FILE);
+    let tokenizer = Tokenizer::from_name(&config.tokenizer)?;
+    let (train_path, val_path) = resolve_data(config, &tokenizer)?;
+    let train_file = TokenFile::open(&train_path)?;
+    check_vocab(&train_file, tokenizer.vocab_size())?;
+
+    let model_config = model_config(config, tokenizer.vocab_size())?;
+    let model = Llama::new(&model_config, config.seed)?;
+    let mut optimizer = make_optimizer(config, &model);
+    let mut sampler = make_sampler(config, train_file)?;
+    let mut start_step = 0;
+    if resume {
+        let saved = checkpoint::load(&checkpoint_path)?;
+        checkpoint::load_weights(&model, &saved.weights)?;
+        optimizer.load_state(&saved.optimizer_state)?;
+        sampler.import_state(&saved.sampler_state)?;
+        start_step = saved.step;
+        println!("resumed from {} at step {start_step}", checkpoint_path.display());
+    }
+    let train_json = serde_json::to_string_pretty(config)?;
+    let model_json = serde_json::to_string_pretty(&model_config)?;
+    atomic_write(&config.out_dir.join(CONFIG_FILE), train_json.as_bytes())?;
+    let mut metrics = MetricsWriter::open(&config.out_dir.join(METRICS_FILE))?;
+    println!(
+        "training {} ({}) with {} parameters for {} steps: batch {} x {} tokens, {} optimizer, lr {}",
+        config.model,
+        config.variant,
+        model.num_parameters(),
+        config.steps,
+        config.batch_size * config.grad_accum,
+        config.seq_len,
+        config.optimizer,
+        config.lr
+    );
+
+    let schedule = config.schedule();
+    let tokens_per_step = config.batch_size * config.seq_len * config.grad_accum;
+    let progress = ProgressBar::new(config.steps as u64).with_position(start_step as u64);
+    progress.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} eta {eta}").context("progress bar template")?,
+    );
+    let started = Instant::now();
+    let (mut first_loss, mut last_loss, mut last_val) = (None, f32::NAN, None);
+    let mut window_start = (Instant::now(), start_step);
+    let save = |optimizer: &dyn Optimizer, sampler: &dyn BatchSampler, step: usize| -> Result<()> {
+        let meta = CheckpointMeta {
+            step,
+            sampler_state: &sampler.export_state(),
+            train_config: &train_json,
+            model_config: &model_json,
+        };
+        checkpoint::save(&checkpoint_path, &model, optimizer, &meta)
+    };
+
+    for step in start_step..config.steps {
+        let lr = schedule.lr_at(step, config.lr);
+        let mut loss_sum = 0.0f32;
+        for _ in 0..config.grad_accum {
+            let batch = sampler.next_batch()?;
+            let loss = model.loss(&batch.inputs, &batch.targets, config.batch_size, config.seq_len)?;
+            let value = loss.value().item()?;
+            if !value.is_finite() {
+                progress.abandon();
+                bail!(
+                    "loss is {value} at step {step}: stopping; the last good checkpoint is kept at {}",
+                    checkpoint_path.display()
+                );
+            }
+            loss_sum += value;
+            loss.mul_scalar(1.0 / config.grad_accum as f32)?.backward()?;
+        }
+        let loss = loss_sum / config.grad_accum as f32;
+        let grad_norm = if config.grad_clip > 0.0 {
+            clip_grad_norm(optimizer.parameters(), config.grad_clip)?
+        } else {
+            clip_grad_norm(optimizer.parameters(), f32::INFINITY)?
+        };
+        optimizer.step(lr)?;
+        optimizer.zero_grad();
+        first_loss.get_or_insert(loss);
+        last_loss = loss;
+        progress.inc(1);
+
+        let done = step + 1;
+        let is_last = done == config.steps;
+        let mut row = StepMetrics { step: done, loss, lr, grad_norm, ..StepMetrics::default() };
+        if done % config.log_every == 0 || is_last {
+            let elapsed = window_start.0.elapsed().as_secs_f64();
+            row.tokens_per_second = ((done - window_start.1) * tokens_per_step) as f32 / elapsed as f32;
+            window_start = (Instant::now(), done);
+        }
+        if let Some(val) = &val_path {
+            if (config.eval_every > 0 && done % config.eval_every == 0) || is_last {
+                let val_loss = evaluate(&model, val, config.batch_size, config.seq_len, config.eval_batches)?;
+                row.val_loss = Some(val_loss);
+                row.val_perplexity = Some(val_loss.exp());
+                last_val = Some(val_loss);
+            }
+        }
+        if done % config.log_every == 0 || is_last || row.val_loss.is_some() {
+            let val = row.val_loss.map(|v| format!(" | val loss {v:.4} (ppl {:.2})", v.exp())).unwrap_or_default();
+            let speed = if row.tokens_per_second > 0.0 { format!(" | {:.0} tok/s", row.tokens_per_second) } else { String::new() };
+            progress.suspend(|| println!("step {done:>5}/{} | loss {loss:.4} | lr {lr:.2e} | grad norm {grad_norm:.3}{speed}{val}", config.steps));
+            progress.set_message(format!("loss {loss:.4}"));
+            metrics.write(&row)?;
+        }
+        if (config.save_every > 0 && done % config.save_every == 0) || is_last {
+            save(optimizer.as_ref(), sampler.as_ref(), done)?;
+        }
+    }
+    progress.finish_and_clear();
+    let seconds = started.elapsed().as_secs_f64();
+    let steps_run = config.steps.saturating_sub(start_step);
+    Ok(TrainReport {
+        steps: config.steps,
+        first_loss: first_loss.unwrap_or(f32::NAN),
+        final_loss: last_loss,
+        final_val_loss: last_val,
+        tokens_per_second: (steps_run * tokens_per_step) as f64 / seconds.max(1e-9),
+        seconds,
+        checkpoint: checkpoint_path,
+        metrics: metrics.path().to_path_buf(),
+    })
+}
