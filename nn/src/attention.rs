@@ -66,7 +66,12 @@ impl Attention {
 
     /// The four projections by their Hugging Face names, for attaching gates.
     pub fn projections_mut(&mut self) -> [(&'static str, &mut ModulatedProjection); 4] {
-        [("q_proj", &mut self.q_proj), ("k_proj", &mut self.k_proj), ("v_proj", &mut self.v_proj), ("o_proj", &mut self.o_proj)]
+        [
+            ("q_proj", &mut self.q_proj),
+            ("k_proj", &mut self.k_proj),
+            ("v_proj", &mut self.v_proj),
+            ("o_proj", &mut self.o_proj),
+        ]
     }
 
     /// `x: [B, T, C] → [B, T, C]`; token t attends to tokens ≤ t, at RoPE position t.
@@ -96,7 +101,12 @@ impl Attention {
 
 impl Module for Attention {
     fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(String, &Var)) {
-        let projections = [("q_proj.", &self.q_proj), ("k_proj.", &self.k_proj), ("v_proj.", &self.v_proj), ("o_proj.", &self.o_proj)];
+        let projections = [
+            ("q_proj.", &self.q_proj),
+            ("k_proj.", &self.k_proj),
+            ("v_proj.", &self.v_proj),
+            ("o_proj.", &self.o_proj),
+        ];
         for (name, p) in projections {
             p.visit_parameters(&join(prefix, name), visit);
         }

@@ -53,7 +53,8 @@ impl SwiGlu {
 
 impl Module for SwiGlu {
     fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(String, &Var)) {
-        let projections = [("gate_proj.", &self.gate_proj), ("up_proj.", &self.up_proj), ("down_proj.", &self.down_proj)];
+        let projections =
+            [("gate_proj.", &self.gate_proj), ("up_proj.", &self.up_proj), ("down_proj.", &self.down_proj)];
         for (name, p) in projections {
             p.visit_parameters(&join(prefix, name), visit);
         }

@@ -49,7 +49,8 @@ impl PerTokenTransform {
             return Err(Error::ShapeMismatch { op: "per_token_transform", lhs: shape, rhs: vec![ids.len()] });
         }
         let projected = x.reshape(&[rows, dim])?.matmul(&self.down.transpose(0, 1)?)?;
-        let matrices = self.table.reshape(&[vocab, rank * rank])?.embedding(ids, &[rows])?.reshape(&[rows, rank, rank])?;
+        let matrices =
+            self.table.reshape(&[vocab, rank * rank])?.embedding(ids, &[rows])?.reshape(&[rows, rank, rank])?;
         // (M·y)_i = Σ_j M_ij·y_j, as a broadcast product and a sum (no per-token GEMM calls).
         let mixed = matrices.mul(&projected.reshape(&[rows, 1, rank])?)?.sum_axis(2, false)?;
         mixed.matmul(&self.up.transpose(0, 1)?)?.reshape(&shape)

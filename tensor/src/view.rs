@@ -40,7 +40,7 @@ impl Tensor {
             [] => {}
             [axis] => {
                 let known: usize = shape.iter().filter(|&&d| d != usize::MAX).product();
-                if known == 0 || numel % known != 0 {
+                if known == 0 || !numel.is_multiple_of(known) {
                     return Err(bad(format!("cannot infer a dimension of {shape:?}")));
                 }
                 out[*axis] = numel / known;
@@ -56,7 +56,8 @@ impl Tensor {
     /// Reorders dimensions: output dimension i is input dimension `axes[i]`.
     pub fn permute(&self, axes: &[usize]) -> Result<Tensor> {
         let mut seen = vec![false; self.rank()];
-        if axes.len() != self.rank() || axes.iter().any(|&a| a >= self.rank() || std::mem::replace(&mut seen[a], true)) {
+        if axes.len() != self.rank() || axes.iter().any(|&a| a >= self.rank() || std::mem::replace(&mut seen[a], true))
+        {
             return Err(Error::InvalidShape {
                 op: "permute",
                 shape: self.shape.clone(),
@@ -160,7 +161,10 @@ mod tests {
         assert!(!tt.is_contiguous());
         assert_eq!(tt.to_vec(), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
         assert_eq!(t.narrow(1, 1, 2).unwrap().to_vec(), vec![1.0, 2.0, 4.0, 5.0]);
-        assert_eq!(iota(&[3]).reshape(&[1, 3]).unwrap().expand(&[2, 3]).unwrap().to_vec(), vec![0.0, 1.0, 2.0, 0.0, 1.0, 2.0]);
+        assert_eq!(
+            iota(&[3]).reshape(&[1, 3]).unwrap().expand(&[2, 3]).unwrap().to_vec(),
+            vec![0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
+        );
         assert_eq!(t.reshape(&[usize::MAX, 2]).unwrap().shape(), &[3, 2]);
         assert_eq!(tt.reshape(&[6]).unwrap().to_vec(), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
         assert_eq!(t.unsqueeze(1).unwrap().shape(), &[2, 1, 3]);

@@ -53,26 +53,24 @@ pub fn broadcast_pair() -> impl Strategy<Value = (Vec<usize>, Vec<usize>)> {
 }
 
 /// [`broadcast_pair`] derived from full shapes drawn from `full`.
-pub fn broadcast_pair_from(
-    full: impl Strategy<Value = Vec<usize>>,
-) -> impl Strategy<Value = (Vec<usize>, Vec<usize>)> {
+pub fn broadcast_pair_from(full: impl Strategy<Value = Vec<usize>>) -> impl Strategy<Value = (Vec<usize>, Vec<usize>)> {
     full.prop_flat_map(|full| {
-            let rank = full.len();
-            let ones = || prop::collection::vec(prop::bool::weighted(0.3), rank);
-            (Just(full), ones(), ones(), 0..=rank, any::<bool>())
-        })
-        .prop_map(|(full, ones_a, ones_b, drop, swap)| {
-            let squash = |dims: &[usize], ones: &[bool]| -> Vec<usize> {
-                dims.iter().zip(ones).map(|(&d, &one)| if one { 1 } else { d }).collect()
-            };
-            let a = squash(&full, &ones_a);
-            let b = squash(&full[drop..], &ones_b[drop..]);
-            if swap {
-                (b, a)
-            } else {
-                (a, b)
-            }
-        })
+        let rank = full.len();
+        let ones = || prop::collection::vec(prop::bool::weighted(0.3), rank);
+        (Just(full), ones(), ones(), 0..=rank, any::<bool>())
+    })
+    .prop_map(|(full, ones_a, ones_b, drop, swap)| {
+        let squash = |dims: &[usize], ones: &[bool]| -> Vec<usize> {
+            dims.iter().zip(ones).map(|(&d, &one)| if one { 1 } else { d }).collect()
+        };
+        let a = squash(&full, &ones_a);
+        let b = squash(&full[drop..], &ones_b[drop..]);
+        if swap {
+            (b, a)
+        } else {
+            (a, b)
+        }
+    })
 }
 
 /// The shape two operands broadcast to (test-side reimplementation of the rule).
@@ -264,7 +262,11 @@ pub fn input(shape: Vec<usize>, domain: Domain) -> BoxedStrategy<(Layout, Tensor
 /// NaN or a wrong element.
 pub fn non_contiguous(t: &Tensor) -> Tensor {
     let rank = t.rank();
-    let stored = if rank >= 2 { t.transpose(rank - 2, rank - 1).expect("transpose").contiguous().expect("copy") } else { t.clone() };
+    let stored = if rank >= 2 {
+        t.transpose(rank - 2, rank - 1).expect("transpose").contiguous().expect("copy")
+    } else {
+        t.clone()
+    };
     let mut padded_shape = stored.shape().to_vec();
     padded_shape.push(2);
     let data: Vec<f32> = stored.to_vec().into_iter().flat_map(|v| [f32::NAN, v]).collect();

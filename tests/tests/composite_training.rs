@@ -89,7 +89,8 @@ struct Block {
 
 impl Block {
     fn new(rng: &mut Rng) -> Block {
-        let proj = |rng: &mut Rng| Var::parameter(Tensor::rand_normal(&[WIDTH, WIDTH], 0.0, 1.0 / (WIDTH as f32).sqrt(), rng));
+        let proj =
+            |rng: &mut Rng| Var::parameter(Tensor::rand_normal(&[WIDTH, WIDTH], 0.0, 1.0 / (WIDTH as f32).sqrt(), rng));
         Block {
             embedding: Var::parameter(Tensor::rand_normal(&[VOCAB, WIDTH], 0.0, 1.0, rng)),
             norm1: Var::parameter(Tensor::ones(&[WIDTH])),
@@ -185,10 +186,13 @@ fn attention_block_learns_previous_token_task() {
     assert!(losses.iter().all(|l| l.is_finite()), "non-finite loss during training");
 
     // Held-out batches: the block must have learned the rule, not the training data.
-    let held_out: f32 = (0..4).map(|_| {
-        let (ids, targets) = batch(&mut rng);
-        loss_value(&ok("forward", no_grad(|| block.loss(&ids, &targets))))
-    }).sum::<f32>() / 4.0;
+    let held_out: f32 = (0..4)
+        .map(|_| {
+            let (ids, targets) = batch(&mut rng);
+            loss_value(&ok("forward", no_grad(|| block.loss(&ids, &targets))))
+        })
+        .sum::<f32>()
+        / 4.0;
     let first = losses[0];
     assert!((first - (VOCAB as f32).ln()).abs() < 1.5, "initial loss {first} far from ln V");
     assert!(held_out < 0.05, "held-out loss {held_out} after training (started at {first})");

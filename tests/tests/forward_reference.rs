@@ -109,7 +109,8 @@ fn log_uniform(n: usize, lo_exp: f32, hi_exp: f32, signed: bool) -> impl Strateg
 fn unary_cases() -> Vec<(Unary, BoxedStrategy<Vec<f32>>)> {
     let len = 1..=40usize;
     let uniform = |lo: f32, hi: f32| len.clone().prop_flat_map(move |n| values(n, lo, hi)).boxed();
-    let decades = |lo: f32, hi: f32, signed: bool| len.clone().prop_flat_map(move |n| log_uniform(n, lo, hi, signed)).boxed();
+    let decades =
+        |lo: f32, hi: f32, signed: bool| len.clone().prop_flat_map(move |n| log_uniform(n, lo, hi, signed)).boxed();
     vec![
         (Unary::Neg, uniform(-100.0, 100.0)),
         (Unary::Exp, uniform(-100.0, 88.0)),
@@ -879,7 +880,10 @@ fn compute_ops_reject_half_precision_storage() {
 fn assert_shape_error<T: std::fmt::Debug>(result: tensor::Result<T>, op: &str, lhs: &str, rhs: &str) {
     let err = result.expect_err("mismatched shapes must be an error");
     let msg = err.to_string();
-    assert!(msg.contains(op) && msg.contains(lhs) && msg.contains(rhs), "message {msg:?} must name {op}, {lhs} and {rhs}");
+    assert!(
+        msg.contains(op) && msg.contains(lhs) && msg.contains(rhs),
+        "message {msg:?} must name {op}, {lhs} and {rhs}"
+    );
 }
 
 #[test]

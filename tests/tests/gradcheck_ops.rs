@@ -334,11 +334,7 @@ fn cross_entropy_inputs() -> impl Strategy<Value = ((Layout, Tensor), Vec<u32>, 
             _ => None,
         };
         let target = prop_oneof![3 => 0..vocab as u32, 1 => Just(ignore.unwrap_or(0))];
-        (
-            input(vec![rows, vocab], Domain::Uniform(-3.0, 3.0)),
-            prop::collection::vec(target, rows),
-            Just(ignore),
-        )
+        (input(vec![rows, vocab], Domain::Uniform(-3.0, 3.0)), prop::collection::vec(target, rows), Just(ignore))
     })
 }
 

@@ -47,8 +47,7 @@ pub fn save(path: &Path, model: &dyn Module, optimizer: &dyn Optimizer, meta: &C
     for (name, t) in optimizer.state() {
         owned.push((format!("{OPTIMIZER_PREFIX}{name}"), t.shape().to_vec(), t.to_vec()));
     }
-    let slices: Vec<TensorSlice> =
-        owned.iter().map(|(name, shape, data)| TensorSlice { name, shape, data }).collect();
+    let slices: Vec<TensorSlice> = owned.iter().map(|(name, shape, data)| TensorSlice { name, shape, data }).collect();
     let mut metadata = BTreeMap::new();
     metadata.insert("format".to_string(), FORMAT.to_string());
     metadata.insert("step".to_string(), meta.step.to_string());

@@ -37,7 +37,7 @@ enum Command {
         val_fraction: f64,
     },
     /// Train a model (defaults: llama-tiny + transponder on the built-in tinyshakespeare).
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Validation loss and perplexity of a checkpoint on a token file.
     Eval {
         checkpoint: PathBuf,
@@ -143,7 +143,7 @@ impl TrainArgs {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    match cli.command.unwrap_or(Command::Train(TrainArgs::default())) {
+    match cli.command.unwrap_or_else(|| Command::Train(Box::default())) {
         Command::Prepare { inputs, out, tokenizer, val_fraction } => {
             let tokenizer = Tokenizer::from_name(&tokenizer)?;
             let report = prepare(&inputs, &tokenizer, &out, val_fraction)?;
@@ -182,8 +182,7 @@ fn main() -> Result<()> {
             let tokenizer = Tokenizer::from_name(&tokenizer)?;
             let (model, config) = load_model(&checkpoint)?;
             let prompt_ids = tokenizer.encode(&prompt);
-            let out = sample(&model, &config, &prompt_ids, tokens, temperature, top_k, seed)
-                .context("sampling")?;
+            let out = sample(&model, &config, &prompt_ids, tokens, temperature, top_k, seed).context("sampling")?;
             println!("{}", tokenizer.decode(&out));
         }
         Command::Export { checkpoint, out } => {

@@ -44,7 +44,9 @@ impl MetricsWriter {
     /// Writes one row and flushes it.
     pub fn write(&mut self, row: &StepMetrics) -> Result<()> {
         let line = serde_json::to_string(row)?;
-        writeln!(self.out, "{line}").and_then(|_| self.out.flush()).with_context(|| format!("writing {}", self.path.display()))
+        writeln!(self.out, "{line}")
+            .and_then(|_| self.out.flush())
+            .with_context(|| format!("writing {}", self.path.display()))
     }
 
     /// Where the metrics go.

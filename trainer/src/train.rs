@@ -215,8 +215,17 @@ pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
         }
         if done % config.log_every == 0 || is_last || row.val_loss.is_some() {
             let val = row.val_loss.map(|v| format!(" | val loss {v:.4} (ppl {:.2})", v.exp())).unwrap_or_default();
-            let speed = if row.tokens_per_second > 0.0 { format!(" | {:.0} tok/s", row.tokens_per_second) } else { String::new() };
-            progress.suspend(|| println!("step {done:>5}/{} | loss {loss:.4} | lr {lr:.2e} | grad norm {grad_norm:.3}{speed}{val}", config.steps));
+            let speed = if row.tokens_per_second > 0.0 {
+                format!(" | {:.0} tok/s", row.tokens_per_second)
+            } else {
+                String::new()
+            };
+            progress.suspend(|| {
+                println!(
+                    "step {done:>5}/{} | loss {loss:.4} | lr {lr:.2e} | grad norm {grad_norm:.3}{speed}{val}",
+                    config.steps
+                )
+            });
             progress.set_message(format!("loss {loss:.4}"));
             metrics.write(&row)?;
         }

@@ -82,7 +82,14 @@ fn resume_continues_bit_identically() {
 fn non_finite_loss_stops_and_keeps_the_last_good_checkpoint() {
     let dir = scratch("nan");
     // An absurd learning rate blows the weights up after the first update.
-    let config = TrainConfig { lr: 1e30, grad_clip: 0.0, warmup: 0, schedule: "constant".into(), save_every: 1, ..tiny_config(&dir, 20) };
+    let config = TrainConfig {
+        lr: 1e30,
+        grad_clip: 0.0,
+        warmup: 0,
+        schedule: "constant".into(),
+        save_every: 1,
+        ..tiny_config(&dir, 20)
+    };
     let err = format!("{:#}", train(&config, false).unwrap_err());
     assert!(err.contains("at step"), "{err}");
     let saved = checkpoint::load(&config.out_dir.join(CHECKPOINT_FILE)).unwrap();
@@ -104,4 +111,29 @@ fn bad_config_is_rejected_before_training() {
     let config = TrainConfig { variant: "transpondr".into(), ..tiny_config(&dir, 2) };
     let err = format!("{:#}", train(&config, false).unwrap_err());
     assert!(err.contains("transpondr"), "{err}");
+}
+
+#[test]
+fn trained_checkpoint_samples_evaluates_and_exports() {
+    use trainer::generate::{export_hf, load_model, sample};
+    use trainer::train::evaluate;
+
+    let dir = scratch("sample");
+    let config = TrainConfig { save_every: 0, ..tiny_config(&dir, 3) };
+    train(&config, false).unwrap();
+    let (model, model_config) = load_model(&config.out_dir.join(CHECKPOINT_FILE)).unwrap();
+    let tokens = sample(&model, &model_config, &[116, 111], 5, 0.8, 10, 0).unwrap();
+    assert_eq!(tokens.len(), 7);
+    assert!(tokens.iter().all(|&t| t < 256));
+    let val = evaluate(&model, config.val_data.as_ref().unwrap(), 2, 16, 3).unwrap();
+    assert!(val.is_finite());
+
+    let export_dir = dir.join("hf");
+    export_hf(&model, &model_config, &export_dir).unwrap();
+    let hf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(export_dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(hf["hidden_size"], 128);
+    let (weights, _) = trainer::safetensors_io::load_tensors(&export_dir.join("model.safetensors")).unwrap();
+    assert!(weights.iter().any(|t| t.name == "model.layers.0.self_attn.q_proj.weight"));
+    assert!(weights.iter().any(|t| t.name == "lm_head.weight"));
 }

@@ -72,7 +72,15 @@ impl Var {
                 .iter()
                 .zip(&b_full)
                 .zip(&y_full)
-                .map(|((&x, &z), &m)| if x == z { 0.5 } else if x == m { 1.0 } else { 0.0 })
+                .map(|((&x, &z), &m)| {
+                    if x == z {
+                        0.5
+                    } else if x == m {
+                        1.0
+                    } else {
+                        0.0
+                    }
+                })
                 .collect();
             let share_a = Tensor::from_vec(share_a, y.shape())?;
             let da = dy.mul(&share_a)?;

@@ -30,7 +30,11 @@ fn modulator_values(vars: [&Var; 5], d_in: usize, m: usize) -> Result<(Vec<Tenso
         }
     }
     if values[4].numel() != 1 {
-        return Err(Error::InvalidShape { op: OP, shape: values[4].shape().to_vec(), reason: "α must be one element".into() });
+        return Err(Error::InvalidShape {
+            op: OP,
+            shape: values[4].shape().to_vec(),
+            reason: "α must be one element".into(),
+        });
     }
     Ok((values, rank))
 }
@@ -60,7 +64,13 @@ impl Var {
     /// (eq. 8-10); `channel` and `scalar` are `[A, a, B, b, α]` with `B: [d_out, r_c]` and
     /// `B: [1, r_s]`. Returns `[..., d_out]`. Agrees with
     /// [`Var::fused_gated_projection_reference`] to float tolerance, forward and backward.
-    pub fn fused_gated_projection(&self, weight: &Var, channel: [&Var; 5], scalar: [&Var; 5], phi: Unary) -> Result<Var> {
+    pub fn fused_gated_projection(
+        &self,
+        weight: &Var,
+        channel: [&Var; 5],
+        scalar: [&Var; 5],
+        phi: Unary,
+    ) -> Result<Var> {
         let x = self.value().contiguous()?;
         let w = weight.value().contiguous()?;
         let (d_out, d_in) = match (w.shape(), x.shape().last()) {
@@ -73,19 +83,26 @@ impl Var {
         let mut zu = vec![0.0; dims.rows * dims.width()];
         let mut out = vec![0.0; dims.rows * d_out];
         {
-            let p = FusedGateParams { weight: w.as_slice()?, channel: gate_params(&cv)?, scalar: gate_params(&sv)?, phi };
+            let p =
+                FusedGateParams { weight: w.as_slice()?, channel: gate_params(&cv)?, scalar: gate_params(&sv)?, phi };
             fused_gate_forward(&dims, x.as_slice()?, &p, &mut zu, &mut out);
         }
         let mut out_shape = x.shape().to_vec();
         *out_shape.last_mut().expect("x has a last axis") = d_out;
-        let inputs = [vec![self.clone(), weight.clone()], channel.map(Var::clone).to_vec(), scalar.map(Var::clone).to_vec()];
+        let inputs =
+            [vec![self.clone(), weight.clone()], channel.map(Var::clone).to_vec(), scalar.map(Var::clone).to_vec()];
         Ok(Var::from_op(Tensor::from_vec(out, &out_shape)?, inputs.concat(), move |dy| {
             let dy = dy.contiguous()?;
             let (mut dx, mut dw) = (vec![0.0; x.numel()], vec![0.0; w.numel()]);
             let (mut dc, mut ds) = (zeros_like_all(&cv), zeros_like_all(&sv));
-            let p = FusedGateParams { weight: w.as_slice()?, channel: gate_params(&cv)?, scalar: gate_params(&sv)?, phi };
-            let mut grads =
-                FusedGateGrads { x: &mut dx, weight: &mut dw, channel: gate_grads(&mut dc), scalar: gate_grads(&mut ds) };
+            let p =
+                FusedGateParams { weight: w.as_slice()?, channel: gate_params(&cv)?, scalar: gate_params(&sv)?, phi };
+            let mut grads = FusedGateGrads {
+                x: &mut dx,
+                weight: &mut dw,
+                channel: gate_grads(&mut dc),
+                scalar: gate_grads(&mut ds),
+            };
             // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cpu::fused_gate::fused_gate_backward
             fused_gate_backward(&dims, x.as_slice()?, &p, &zu, dy.as_slice()?, &mut grads);
             let mut out = vec![Tensor::from_vec(dx, x.shape())?, Tensor::from_vec(dw, w.shape())?];
@@ -161,12 +178,20 @@ mod tests {
                 let y = call(&vars, phi, fused).unwrap();
                 let seed = Tensor::rand_normal(&y.shape(), 0.0, 1.0, &mut Rng::new(9));
                 y.backward_with(seed).unwrap();
-                results.push((y.value(), vars.iter().map(|v| v.grad().expect("every input gets a gradient")).collect::<Vec<_>>()));
+                results.push((
+                    y.value(),
+                    vars.iter().map(|v| v.grad().expect("every input gets a gradient")).collect::<Vec<_>>(),
+                ));
             }
             let (fused, reference) = (&results[0], &results[1]);
             assert!(fused.0.all_close(&reference.0, 1e-5, 1e-6), "{phi:?}: forward differs");
             for (i, (a, b)) in fused.1.iter().zip(&reference.1).enumerate() {
-                assert!(a.all_close(b, 1e-4, 1e-5), "{phi:?}: gradient of input {i} differs: {:?} vs {:?}", a.to_vec(), b.to_vec());
+                assert!(
+                    a.all_close(b, 1e-4, 1e-5),
+                    "{phi:?}: gradient of input {i} differs: {:?} vs {:?}",
+                    a.to_vec(),
+                    b.to_vec()
+                );
             }
         }
     }

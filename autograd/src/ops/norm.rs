@@ -16,7 +16,15 @@ impl Var {
             let cols = w.numel();
             let (mut dx, mut dw) = (vec![0.0; x.numel()], vec![0.0; cols]);
             // d/dx: dx = rstd·(w⊙dy − x̂·mean(x̂⊙w⊙dy)), x̂ = x·rstd; dw = Σ_rows dy⊙x̂
-            rms_norm_backward(x.as_slice()?, w.as_slice()?, &rstd, dy.contiguous()?.as_slice()?, cols, &mut dx, &mut dw);
+            rms_norm_backward(
+                x.as_slice()?,
+                w.as_slice()?,
+                &rstd,
+                dy.contiguous()?.as_slice()?,
+                cols,
+                &mut dx,
+                &mut dw,
+            );
             Ok(vec![Tensor::from_vec(dx, x.shape())?, Tensor::from_vec(dw, w.shape())?])
         }))
     }

@@ -50,5 +50,4 @@ impl Var {
             Ok(vec![Tensor::from_vec(dx, &shape)?])
         }))
     }
-
 }

@@ -51,7 +51,8 @@ pub fn causal_attention_forward(
         return;
     }
     // Each task owns the rows of one query tile of one batch entry, all heads: a contiguous
-    // piece of `out`. Its lse values are strided in [B, H, Tq], so they come back separately.
+    // piece of `out`. Heads run in parallel inside it too (decoding has a single tile), each
+    // returning its rows; lse values are strided in [B, H, Tq], so they come back separately.
     let row = heads * head_dim;
     let mut tasks = Vec::new();
     for (b, out_b) in out.chunks_mut(q_seq * row).enumerate() {
@@ -59,32 +60,24 @@ pub fn causal_attention_forward(
             tasks.push((b, t * Q_TILE, out_tile));
         }
     }
+    let parallel = parallel::should_parallelise(dims.work());
     let run = |(b, i0, out_tile): (usize, usize, &mut [f32])| {
         let rows = out_tile.len() / row;
-        let mut scratch = Scratch::new(head_dim);
-        let mut tile_lse = vec![0.0; heads * rows];
-        for h in 0..heads {
-            forward_tile(&dims, q, k, v, b, h, i0, rows, &mut scratch);
-            for r in 0..rows {
-                let dst = &mut out_tile[(r * heads + h) * head_dim..][..head_dim];
-                let inv_sum = 1.0 / scratch.sum[r];
-                for (o, &a) in dst.iter_mut().zip(&scratch.acc[r * head_dim..][..head_dim]) {
-                    *o = a * inv_sum;
-                }
-                tile_lse[h * rows + r] = scratch.max[r] + scratch.sum[r].ln();
+        let head = |h: usize| forward_tile(&dims, q, k, v, b, h, i0, rows);
+        let per_head: Vec<TileOutput> =
+            if parallel { (0..heads).into_par_iter().map(head).collect() } else { (0..heads).map(head).collect() };
+        for (h, tile) in per_head.iter().enumerate() {
+            for (dst, src) in out_tile.chunks_mut(row).zip(tile.out.chunks(head_dim)) {
+                dst[h * head_dim..][..head_dim].copy_from_slice(src);
             }
         }
-        (b, i0, tile_lse)
+        (b, i0, per_head)
     };
-    let tiles: Vec<_> = if parallel::should_parallelise(dims.work()) {
-        tasks.into_par_iter().map(run).collect()
-    } else {
-        tasks.into_iter().map(run).collect()
-    };
-    for (b, i0, tile_lse) in tiles {
-        let rows = tile_lse.len() / heads;
-        for h in 0..heads {
-            lse[(b * heads + h) * q_seq + i0..][..rows].copy_from_slice(&tile_lse[h * rows..][..rows]);
+    let tiles: Vec<_> =
+        if parallel { tasks.into_par_iter().map(run).collect() } else { tasks.into_iter().map(run).collect() };
+    for (b, i0, per_head) in tiles {
+        for (h, tile) in per_head.iter().enumerate() {
+            lse[(b * heads + h) * q_seq + i0..][..tile.lse.len()].copy_from_slice(&tile.lse);
         }
     }
 }
@@ -121,6 +114,8 @@ pub fn causal_attention_backward(
     if q.is_empty() {
         return;
     }
+    // With P = softmax(S), S = scale·Q·Kᵀ, O = P·V:  d/dV = Pᵀ·dO,  d/dS = P ⊙ (dO·Vᵀ − δ),
+    // d/dQ = scale·dS·K,  d/dK = scale·dSᵀ·Q,  δ_i = Σ_d dO_id·O_id.
     // One task per (b, h) with private [T, D] gradients, since heads interleave in memory;
     // then each batch entry's rows are added back, in parallel over b.
     let pair = |index: usize| backward_pair(&dims, q, k, v, out, lse, dout, index / heads, index % heads);
@@ -243,8 +238,8 @@ impl Dims {
         i0 + rows + self.offset()
     }
 
-    /// Token rows of `data` for head `h`, starting at element `at`, as a `rows × D` operand
-    /// (or its transpose).
+    /// One head's `D` elements of consecutive tokens of `data`, starting at element `at`, as a
+    /// `tokens × D` operand (or its transpose).
     fn rows<'a>(&self, data: &'a [f32], at: usize, transposed: bool) -> Operand<'a> {
         let (row_stride, col_stride) = (self.heads * self.head_dim, 1);
         if transposed {
@@ -255,71 +250,44 @@ impl Dims {
     }
 }
 
-/// Per-task buffers of the forward: one score tile and the running softmax state.
-struct Scratch {
-    scores: Vec<f32>,
-    acc: Vec<f32>,
-    max: Vec<f32>,
-    sum: Vec<f32>,
+/// One head's share of a query tile: output rows `[rows, D]` and their log-sum-exp.
+struct TileOutput {
+    out: Vec<f32>,
+    lse: Vec<f32>,
 }
 
-impl Scratch {
-    fn new(head_dim: usize) -> Self {
-        Self {
-            scores: vec![0.0; Q_TILE * K_TILE],
-            acc: vec![0.0; Q_TILE * head_dim],
-            max: vec![0.0; Q_TILE],
-            sum: vec![0.0; Q_TILE],
-        }
-    }
-}
-
-/// Runs the online softmax of queries `i0..i0 + rows` of head `h` over all visible keys,
-/// leaving Σ p·v in `acc`, the running max in `max` and the sum of e^(score − max) in `sum`.
+/// Runs the online softmax of queries `i0..i0 + rows` of head `h` over all visible keys.
 #[allow(clippy::too_many_arguments)]
-fn forward_tile(
-    d: &Dims,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    b: usize,
-    h: usize,
-    i0: usize,
-    rows: usize,
-    s: &mut Scratch,
-) {
+fn forward_tile(d: &Dims, q: &[f32], k: &[f32], v: &[f32], b: usize, h: usize, i0: usize, rows: usize) -> TileOutput {
     let dh = d.head_dim;
-    s.acc[..rows * dh].fill(0.0);
-    s.max[..rows].fill(f32::NEG_INFINITY);
-    s.sum[..rows].fill(0.0);
+    // acc = Σ e^(score − max)·v, sum = Σ e^(score − max), both rescaled when max grows.
+    let mut acc = vec![0.0; rows * dh];
+    let mut max = vec![f32::NEG_INFINITY; rows];
+    let mut sum = vec![0.0f32; rows];
+    let mut scores = vec![0.0; rows * K_TILE];
     let q_tile = d.rows(q, d.q_at(b, i0, h), false);
     let end = d.key_end(i0, rows);
     for s0 in (0..end).step_by(K_TILE) {
         let cols = K_TILE.min(end - s0);
-        let scores = &mut s.scores[..rows * cols];
+        let scores = &mut scores[..rows * cols];
         tile_matmul(scores, q_tile, d.rows(k, d.kv_at(b, s0, h), true), rows, cols, dh, d.scale, false);
         for r in 0..rows {
             let row = &mut scores[r * cols..][..cols];
             mask_future(row, i0 + r + d.offset(), s0);
-            let tile_max = slice_max(row);
-            let new_max = s.max[r].max(tile_max);
+            let new_max = max[r].max(slice_max(row));
             // The first tile always holds key 0, so new_max is finite and this is e^-∞ = 0 there.
-            let correction = (s.max[r] - new_max).exp();
-            s.sum[r] = s.sum[r] * correction + exp_in_place(row, new_max);
-            s.max[r] = new_max;
-            s.acc[r * dh..][..dh].iter_mut().for_each(|a| *a *= correction);
+            let correction = (max[r] - new_max).exp();
+            sum[r] = sum[r] * correction + exp_in_place(row, new_max);
+            max[r] = new_max;
+            acc[r * dh..][..dh].iter_mut().for_each(|a| *a *= correction);
         }
-        tile_matmul(
-            &mut s.acc[..rows * dh],
-            dense(scores, cols),
-            d.rows(v, d.kv_at(b, s0, h), false),
-            rows,
-            dh,
-            cols,
-            1.0,
-            true,
-        );
+        tile_matmul(&mut acc, dense(scores, cols), d.rows(v, d.kv_at(b, s0, h), false), rows, dh, cols, 1.0, true);
     }
+    for (out_row, &total) in acc.chunks_mut(dh).zip(&sum) {
+        out_row.iter_mut().for_each(|a| *a /= total);
+    }
+    let lse = max.iter().zip(&sum).map(|(m, s)| m + s.ln()).collect();
+    TileOutput { out: acc, lse }
 }
 
 /// Gradients of one (b, h) pair, rows of `D`.

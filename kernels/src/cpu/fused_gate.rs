@@ -220,7 +220,14 @@ pub fn fused_gate_backward(
 
 /// One row of the backward pass. Writes `dzu_row = [dZ | dU_c | dU_s]` and
 /// `aux_row = [dL_c | H_c | H_s | dL_s | dα_c term | dα_s term]`.
-fn backward_row(dims: &FusedGateDims, p: &FusedGateParams, row: &[f32], dy: &[f32], dzu_row: &mut [f32], aux_row: &mut [f32]) {
+fn backward_row(
+    dims: &FusedGateDims,
+    p: &FusedGateParams,
+    row: &[f32],
+    dy: &[f32],
+    dzu_row: &mut [f32],
+    aux_row: &mut [f32],
+) {
     let FusedGateDims { d_out, rank_channel: rc, rank_scalar: rs, .. } = *dims;
     let (mut dphi_c, mut dphi_s) = (vec![0.0; rc], vec![0.0; rs]);
     let (dl_c, rest) = aux_row.split_at_mut(d_out);
@@ -280,7 +287,9 @@ fn add_column_sums(src: &[f32], stride: usize, offset: usize, dst: &mut [f32]) {
 /// Naive reference of the forward (no GEMM, no concatenation), for tests.
 pub fn fused_gate_forward_reference(dims: &FusedGateDims, x: &[f32], p: &FusedGateParams) -> Vec<f32> {
     let FusedGateDims { rows, d_in, d_out, rank_channel: rc, rank_scalar: rs } = *dims;
-    let project = |w: &[f32], xr: &[f32], n: usize| -> Vec<f32> { (0..n).map(|o| dot(&w[o * d_in..(o + 1) * d_in], xr)).collect() };
+    let project = |w: &[f32], xr: &[f32], n: usize| -> Vec<f32> {
+        (0..n).map(|o| dot(&w[o * d_in..(o + 1) * d_in], xr)).collect()
+    };
     let gate = |g: &GateParams, xr: &[f32], r: usize, m: usize| -> Vec<f32> {
         let u = project(g.a_weight, xr, r);
         let h: Vec<f32> = u.iter().zip(g.a_bias).map(|(&u, &a)| unary_reference(p.phi, u + a)).collect();

@@ -41,7 +41,8 @@ pub struct DecoderBlock {
 /// The residual rule of block `layer` (0-based) of `n_layers` for `variant`.
 fn residual_rule(config: &LlamaConfig, variant: Variant, layer: usize) -> ResidualRule {
     let (l, n) = (layer + 1, config.n_layers);
-    let plain = if config.post_ln { ResidualRule::PostNorm { alpha: 1.0 } } else { ResidualRule::PreNorm { scale: 1.0 } };
+    let plain =
+        if config.post_ln { ResidualRule::PostNorm { alpha: 1.0 } } else { ResidualRule::PreNorm { scale: 1.0 } };
     match variant {
         Variant::PostLn => ResidualRule::PostNorm { alpha: 1.0 },
         Variant::DeepNorm => ResidualRule::PostNorm { alpha: (2.0 * n as f32).powf(0.25) },
@@ -57,24 +58,46 @@ fn residual_rule(config: &LlamaConfig, variant: Variant, layer: usize) -> Residu
 }
 
 /// The gate a projection `d_in → d_out` named `name` carries under `variant`, if any.
-fn projection_gate(config: &LlamaConfig, parsed: &Parsed, name: &str, d_in: usize, d_out: usize, rng: &mut Rng) -> Option<Gate> {
+fn projection_gate(
+    config: &LlamaConfig,
+    parsed: &Parsed,
+    name: &str,
+    d_in: usize,
+    d_out: usize,
+    rng: &mut Rng,
+) -> Option<Gate> {
     let modulator = ModulatorConfig { rank: config.rank, phi: parsed.phi, learnable_alpha: config.learnable_alpha() };
     let covered = parsed.coverage.covers(name);
     let init = WeightInit::Normal { std: config.init_std };
     Some(match parsed.variant {
-        Variant::LayerScalar if covered => Gate::Modulator(Modulator::new(d_in, d_out, Resolution::Scalar, modulator, rng)),
-        Variant::LayerChannel if covered => Gate::Modulator(Modulator::new(d_in, d_out, Resolution::Channel, modulator, rng)),
-        Variant::LayerChannelScalar | Variant::FixedAlpha if covered => Gate::channel_scalar(d_in, d_out, modulator, rng),
-        Variant::NonContextual if covered => Gate::NonContextual(NonContextualGate::new(d_out, modulator.learnable_alpha)),
+        Variant::LayerScalar if covered => {
+            Gate::Modulator(Modulator::new(d_in, d_out, Resolution::Scalar, modulator, rng))
+        }
+        Variant::LayerChannel if covered => {
+            Gate::Modulator(Modulator::new(d_in, d_out, Resolution::Channel, modulator, rng))
+        }
+        Variant::LayerChannelScalar | Variant::FixedAlpha if covered => {
+            Gate::channel_scalar(d_in, d_out, modulator, rng)
+        }
+        Variant::NonContextual if covered => {
+            Gate::NonContextual(NonContextualGate::new(d_out, modulator.learnable_alpha))
+        }
         Variant::Comt if covered => Gate::Comt(ComtModulator::new(d_in, config.comt_hidden, parsed.phi, rng)),
         Variant::AllGate => Gate::Dense(DenseGate::new(d_in, d_out, init, rng)),
-        Variant::SdpaGate if matches!(name, "q_proj" | "k_proj" | "v_proj") => Gate::Dense(DenseGate::new(d_in, d_out, init, rng)),
+        Variant::SdpaGate if matches!(name, "q_proj" | "k_proj" | "v_proj") => {
+            Gate::Dense(DenseGate::new(d_in, d_out, init, rng))
+        }
         _ => return None,
     })
 }
 
 /// Attaches the variant's gate to each projection and sets the fused flag.
-fn attach(config: &LlamaConfig, parsed: &Parsed, projections: &mut [(&'static str, &mut ModulatedProjection)], rng: &mut Rng) {
+fn attach(
+    config: &LlamaConfig,
+    parsed: &Parsed,
+    projections: &mut [(&'static str, &mut ModulatedProjection)],
+    rng: &mut Rng,
+) {
     for (name, p) in projections.iter_mut() {
         p.fused = config.fused;
         if let Some(gate) = projection_gate(config, parsed, name, p.in_features(), p.out_features(), rng) {
@@ -114,7 +137,8 @@ impl DecoderBlock {
             _ => None,
         };
         if let Some(resolution) = path {
-            let modulator = ModulatorConfig { rank: config.rank, phi: parsed.phi, learnable_alpha: config.learnable_alpha() };
+            let modulator =
+                ModulatorConfig { rank: config.rank, phi: parsed.phi, learnable_alpha: config.learnable_alpha() };
             let path_gate = |rng: &mut Rng| Gate::Modulator(Modulator::new(d, d, resolution, modulator, rng));
             if parsed.coverage.covers("o_proj") {
                 self_attn.path_gates.push(path_gate(rng));

@@ -102,7 +102,10 @@ impl LlamaConfig {
     pub fn preset(name: &str) -> Result<LlamaConfig> {
         let &(preset, d_model, ffn_hidden, n_layers, n_heads) =
             PRESETS.iter().find(|p| p.0 == name).ok_or_else(|| {
-                Error::Config(format!("unknown preset `{name}`; valid presets: {}", listed(PRESETS.iter().map(|p| p.0))))
+                Error::Config(format!(
+                    "unknown preset `{name}`; valid presets: {}",
+                    listed(PRESETS.iter().map(|p| p.0))
+                ))
             })?;
         Ok(LlamaConfig { preset: preset.into(), d_model, ffn_hidden, n_layers, n_heads, ..LlamaConfig::default() })
     }
@@ -133,9 +136,8 @@ impl LlamaConfig {
 
     pub(crate) fn parse(&self) -> Result<Parsed> {
         let variant = self.variant()?;
-        let phi = Phi::from_name(&self.phi).ok_or_else(|| {
-            Error::Config(format!("unknown phi `{}`; valid phi: {}", self.phi, listed(Phi::NAMES)))
-        })?;
+        let phi = Phi::from_name(&self.phi)
+            .ok_or_else(|| Error::Config(format!("unknown phi `{}`; valid phi: {}", self.phi, listed(Phi::NAMES))))?;
         let coverage = Coverage::from_name(&self.coverage)?;
         let bad = |message: String| Err(Error::Config(message));
         let positive = [
@@ -153,7 +155,10 @@ impl LlamaConfig {
             return bad(format!("{name} must be positive"));
         }
         if self.d_model % self.n_heads != 0 || (self.d_model / self.n_heads) % 2 != 0 {
-            return bad(format!("{} heads must split d_model {} into even head dimensions", self.n_heads, self.d_model));
+            return bad(format!(
+                "{} heads must split d_model {} into even head dimensions",
+                self.n_heads, self.d_model
+            ));
         }
         if !(self.rope_theta > 0.0 && self.norm_eps > 0.0 && self.init_std > 0.0) {
             return bad("rope_theta, norm_eps and init_std must be positive".into());

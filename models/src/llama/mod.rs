@@ -49,8 +49,9 @@ impl Llama {
         let mut rng = Rng::new(seed);
         let (d, vocab) = (config.d_model, config.vocab_size);
         let embed_tokens = Embedding::new(vocab, d, config.init_std, &mut rng);
-        let layers =
-            (0..config.n_layers).map(|l| DecoderBlock::new(config, &parsed, l, &mut rng)).collect::<Result<Vec<_>>>()?;
+        let layers = (0..config.n_layers)
+            .map(|l| DecoderBlock::new(config, &parsed, l, &mut rng))
+            .collect::<Result<Vec<_>>>()?;
         let norm = if parsed.variant == Variant::Dyt { Norm::Dyt(DyT::new(d)) } else { Norm::rms(d, config.norm_eps) };
         let lm_head = WeightInit::Normal { std: config.init_std }.linear(d, vocab, &mut rng);
         Ok(Llama { config: config.clone(), embed_tokens, layers, norm, lm_head })

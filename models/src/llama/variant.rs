@@ -92,7 +92,10 @@ impl Variant {
     /// Variants with a Transponder α (the ones `fixed_alpha` can freeze).
     pub fn has_alpha(self) -> bool {
         use Variant::*;
-        matches!(self, PathScalar | PathChannel | LayerScalar | LayerChannel | LayerChannelScalar | NonContextual | FixedAlpha)
+        matches!(
+            self,
+            PathScalar | PathChannel | LayerScalar | LayerChannel | LayerChannelScalar | NonContextual | FixedAlpha
+        )
     }
 
     /// Variants with their own residual rule, which therefore do not combine with `post_ln`.
@@ -136,7 +139,10 @@ impl Coverage {
     /// Parses a coverage name; the error lists every valid name.
     pub fn from_name(name: &str) -> Result<Coverage> {
         COVERAGES.iter().find(|(_, n)| *n == name).map(|(c, _)| *c).ok_or_else(|| {
-            Error::Config(format!("unknown coverage `{name}`; valid coverages: {}", listed(COVERAGES.iter().map(|(_, n)| *n))))
+            Error::Config(format!(
+                "unknown coverage `{name}`; valid coverages: {}",
+                listed(COVERAGES.iter().map(|(_, n)| *n))
+            ))
         })
     }
 

@@ -40,11 +40,7 @@ pub struct LayerNorm {
 impl LayerNorm {
     /// `affine = false` normalises only (CCL's basis norm can use either).
     pub fn new(dim: usize, affine: bool) -> LayerNorm {
-        LayerNorm {
-            weight: affine.then(|| init::ones(&[dim])),
-            bias: affine.then(|| init::zeros(&[dim])),
-            eps: 1e-5,
-        }
+        LayerNorm { weight: affine.then(|| init::ones(&[dim])), bias: affine.then(|| init::zeros(&[dim])), eps: 1e-5 }
     }
 
     /// Normalises the last axis.

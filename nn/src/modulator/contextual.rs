@@ -130,7 +130,12 @@ pub struct NonContextualGate {
 impl NonContextualGate {
     /// A gate over `d_out` channels; `learnable_alpha = false` freezes α at 1.
     pub fn new(d_out: usize, learnable_alpha: bool) -> NonContextualGate {
-        NonContextualGate { beta1: init::ones(&[1]), beta2: init::zeros(&[d_out]), alpha: alpha(learnable_alpha), learnable_alpha }
+        NonContextualGate {
+            beta1: init::ones(&[1]),
+            beta2: init::zeros(&[d_out]),
+            alpha: alpha(learnable_alpha),
+            learnable_alpha,
+        }
     }
 
     /// The gate `[d_out]` (it broadcasts over tokens; the input is not read).

@@ -62,7 +62,12 @@ impl ModulatedProjection {
         match (self.fused, self.gates.as_slice()) {
             (true, [Gate::ChannelScalar { channel, scalar }]) if channel.phi == scalar.phi => {
                 let weight = &self.linear.weight;
-                x.fused_gated_projection(weight, channel.parameters_in_order(), scalar.parameters_in_order(), channel.phi.unary())
+                x.fused_gated_projection(
+                    weight,
+                    channel.parameters_in_order(),
+                    scalar.parameters_in_order(),
+                    channel.phi.unary(),
+                )
             }
             _ => self.forward_unfused(x),
         }

@@ -57,13 +57,21 @@ impl Module for Norm {
 /// The residual rule of one block; see the module table.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ResidualRule {
-    PreNorm { scale: f32 },
-    PostNorm { alpha: f32 },
+    PreNorm {
+        scale: f32,
+    },
+    PostNorm {
+        alpha: f32,
+    },
     ReZero,
     LaurelRw,
-    LaurelLr { rank: usize },
+    LaurelLr {
+        rank: usize,
+    },
     /// `earlier`: how many earlier activations the block mixes in (l − 1 for block l).
-    LaurelPa { earlier: usize },
+    LaurelPa {
+        earlier: usize,
+    },
 }
 
 /// A block's residual rule with the parameters it owns (norms, α_l, LAuReL weights).

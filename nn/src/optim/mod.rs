@@ -47,7 +47,11 @@ pub(crate) fn find_state(state: &[(String, Tensor)], name: &str, numel: usize) -
         reason: format!("entry {name} is missing"),
     })?;
     if t.numel() != numel {
-        return Err(tensor::Error::ShapeMismatch { op: "load optimizer state", lhs: vec![numel], rhs: t.shape().to_vec() });
+        return Err(tensor::Error::ShapeMismatch {
+            op: "load optimizer state",
+            lhs: vec![numel],
+            rhs: t.shape().to_vec(),
+        });
     }
     Ok(t.to_vec())
 }

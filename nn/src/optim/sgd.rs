@@ -31,7 +31,15 @@ impl Optimizer for Sgd {
             let Some(grad) = gradient_of(p)? else { continue };
             let mut value = p.var.value_mut();
             let param = value.as_mut_slice()?;
-            sgd_step(param, grad.as_slice()?, &mut self.buffers[i], lr, self.momentum, self.weight_decay, self.nesterov);
+            sgd_step(
+                param,
+                grad.as_slice()?,
+                &mut self.buffers[i],
+                lr,
+                self.momentum,
+                self.weight_decay,
+                self.nesterov,
+            );
         }
         Ok(())
     }

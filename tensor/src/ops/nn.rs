@@ -63,14 +63,19 @@ impl Tensor {
         let (cols, x) = self.rows("cross_entropy")?;
         let rows = x.numel() / cols.max(1);
         if self.rank() != 2 || targets.len() != rows {
-            return Err(Error::ShapeMismatch { op: "cross_entropy", lhs: self.shape.clone(), rhs: vec![targets.len()] });
+            return Err(Error::ShapeMismatch {
+                op: "cross_entropy",
+                lhs: self.shape.clone(),
+                rhs: vec![targets.len()],
+            });
         }
         if let Some(&bad) = targets.iter().find(|&&t| t as usize >= cols && Some(t) != ignore_index) {
             return Err(Error::IndexOutOfRange { op: "cross_entropy", index: bad as usize, size: cols });
         }
         let mut losses = vec![0.0; rows];
         let mut lse = vec![0.0; rows];
-        let count = cross_entropy::cross_entropy_forward(x.as_slice()?, cols, targets, ignore_index, &mut losses, &mut lse);
+        let count =
+            cross_entropy::cross_entropy_forward(x.as_slice()?, cols, targets, ignore_index, &mut losses, &mut lse);
         let total: f64 = losses.iter().map(|&l| l as f64).sum();
         let loss = if count == 0 { 0.0 } else { (total / count as f64) as f32 };
         Ok(CrossEntropy { loss, lse, count })
@@ -130,7 +135,11 @@ impl Tensor {
     pub fn rope(&self, theta: f32, pos_offset: usize) -> Result<Tensor> {
         let [b, t, h, d] = self.dims4("rope")?;
         if d % 2 != 0 {
-            return Err(Error::InvalidShape { op: "rope", shape: self.shape.clone(), reason: "head dim must be even".into() });
+            return Err(Error::InvalidShape {
+                op: "rope",
+                shape: self.shape.clone(),
+                reason: "head dim must be even".into(),
+            });
         }
         let x = self.contiguous()?;
         let (cos, sin) = rope::rope_table(pos_offset + t, d, theta);
@@ -144,7 +153,11 @@ impl Tensor {
     pub fn embedding(&self, ids: &[u32], ids_shape: &[usize]) -> Result<Tensor> {
         self.require_cpu("embedding")?;
         let &[vocab, dim] = self.shape.as_slice() else {
-            return Err(Error::InvalidShape { op: "embedding", shape: self.shape.clone(), reason: "weight must be [V, C]".into() });
+            return Err(Error::InvalidShape {
+                op: "embedding",
+                shape: self.shape.clone(),
+                reason: "weight must be [V, C]".into(),
+            });
         };
         if ids_shape.iter().product::<usize>() != ids.len() {
             return Err(Error::ShapeMismatch { op: "embedding", lhs: ids_shape.to_vec(), rhs: vec![ids.len()] });
@@ -170,7 +183,19 @@ impl Tensor {
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
         let mut out = vec![0.0; q.numel()];
         let mut lse = vec![0.0; b * h * tq];
-        attention::causal_attention_forward(q.as_slice()?, k.as_slice()?, v.as_slice()?, b, tq, tk, h, d, scale, &mut out, &mut lse);
+        attention::causal_attention_forward(
+            q.as_slice()?,
+            k.as_slice()?,
+            v.as_slice()?,
+            b,
+            tq,
+            tk,
+            h,
+            d,
+            scale,
+            &mut out,
+            &mut lse,
+        );
         Ok((Tensor::from_vec(out, &q.shape)?, lse))
     }
 }

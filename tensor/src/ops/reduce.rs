@@ -43,7 +43,11 @@ impl Tensor {
     pub fn max_axis(&self, axis: usize, keepdim: bool) -> Result<(Tensor, Vec<usize>)> {
         let (outer, n, inner) = self.split_at_axis("max_axis", axis)?;
         if n == 0 {
-            return Err(Error::InvalidShape { op: "max_axis", shape: self.shape.clone(), reason: "max of an empty axis".into() });
+            return Err(Error::InvalidShape {
+                op: "max_axis",
+                shape: self.shape.clone(),
+                reason: "max of an empty axis".into(),
+            });
         }
         let x = self.contiguous()?;
         let mut out = vec![0.0; outer * inner];
