@@ -2,6 +2,7 @@
 //! modulator variant and baseline of SPEC §1-6 ([`llama`]).
 
 pub mod llama;
+pub mod resnet;
 
 pub use llama::{Llama, LlamaConfig};
 

@@ -12,5 +12,6 @@ pub mod modulator;
 pub mod module;
 pub mod optim;
 pub mod per_token;
+pub mod vision;
 
 pub use module::{Module, NamedParameter};

@@ -568,3 +568,21 @@ fn embedding_gradient_counts_repeated_ids() {
     ok("embedding", w.embedding(&[2, 0, 2, 2], &[2, 2]).and_then(|y| y.sum_all()).and_then(|y| y.backward()));
     assert_eq!(grad_of("w", &w), vec![1.0, 1.0, 0.0, 0.0, 3.0, 3.0]);
 }
+
+#[test]
+fn gradcheck_catches_a_wrong_backward() {
+    // The checker itself must fail loudly: y = x² with a backward that forgets the 2.
+    let wrong_square = |v: &[Var]| -> tensor::Result<Var> {
+        let x = v[0].value();
+        let y = x.mul(&x)?;
+        Ok(Var::from_op(y, vec![v[0].clone()], move |dy| Ok(vec![dy.mul(&x)?])))
+    };
+    let failure = autograd::gradcheck(wrong_square, &[seeded(&[3, 2], 0.5, 2.0, 1)], autograd::F32_TOLERANCE)
+        .expect_err("a backward off by a factor of 2 must fail the check");
+    assert!(failure.to_string().contains("analytic"), "{failure}");
+    // And a backward that drops its input is reported as a missing gradient.
+    let cut = |v: &[Var]| v[0].detach().exp();
+    let failure = autograd::gradcheck(cut, &[seeded(&[2], 0.5, 2.0, 1)], autograd::F32_TOLERANCE)
+        .expect_err("a cut graph must fail the check");
+    assert!(failure.to_string().contains("no gradient"), "{failure}");
+}

@@ -2,12 +2,15 @@
 //! shape-checked tensor op; its backward rule sits right below it.
 
 mod arithmetic;
+mod batch_norm;
 mod attention;
+mod conv;
 mod cross_entropy;
 mod embedding;
 mod fused_gate;
 mod matmul;
 mod norm;
+mod pool;
 mod reduce;
 mod rope;
 mod select;

@@ -270,7 +270,7 @@ fn backward_row(
         *acc = dlogit_s * b * d;
     }
     tail[0] = dlogit_s;
-    tail[1] = dalpha_c;
+    tail[1] = 2.0 * dalpha_c;
     tail[2] = dgate_s * logit_s * slope_s;
 }
 

@@ -2,6 +2,7 @@
 //! names the op and the shapes), then dispatches to a kernel. No autograd here.
 
 mod concat;
+mod conv;
 mod elementwise;
 mod matmul;
 mod nn;
