@@ -59,9 +59,12 @@ fn every_variant_runs_forward_and_backward() {
     println!("{} variants in {:.2?}", VARIANTS.len() + 1, start.elapsed());
 }
 
+/// A change applied to a tiny config.
+type Change = fn(&mut LlamaConfig);
+
 #[test]
 fn combinations_run_forward_and_backward() {
-    let combos: [(&str, fn(&mut LlamaConfig)); 10] = [
+    let combos: [(&str, Change); 10] = [
         ("transponder", |c| c.post_ln = true),
         ("comt", |c| c.post_ln = true),
         ("layer-channel-scalar", |c| c.coverage = "only-qk".into()),
@@ -109,7 +112,7 @@ fn parameter_names_follow_hugging_face() {
 
 #[test]
 fn unknown_names_error_and_list_the_valid_ones() {
-    let error = |change: fn(&mut LlamaConfig)| {
+    let error = |change: Change| {
         let mut config = tiny("pre-ln");
         change(&mut config);
         Llama::new(&config, 0).err().expect("invalid config must be an error").to_string()

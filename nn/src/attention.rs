@@ -29,14 +29,19 @@ pub struct AttentionConfig {
 
 /// Causal self-attention with RoPE and gated projections.
 pub struct Attention {
+    /// Query projection `C → C` (RoPE applied after it).
     pub q_proj: ModulatedProjection,
+    /// Key projection `C → C` (RoPE applied after it).
     pub k_proj: ModulatedProjection,
+    /// Value projection `C → C`.
     pub v_proj: ModulatedProjection,
+    /// Output projection `C → C`.
     pub o_proj: ModulatedProjection,
     /// SDPA-Gate's gate on the attention output before `o_proj`, reading the layer input.
     pub sdpa_gate: Option<DenseGate>,
     /// Path-level gates on the whole output, reading the layer input (eq. 7).
     pub path_gates: Vec<Gate>,
+    /// Width, heads and RoPE base.
     pub config: AttentionConfig,
 }
 

@@ -14,8 +14,11 @@ use crate::module::{join, Module};
 
 /// SwiGLU FFN: `C → hidden → C`.
 pub struct SwiGlu {
+    /// `C → hidden`, through SiLU.
     pub gate_proj: ModulatedProjection,
+    /// `C → hidden`, the linear branch.
     pub up_proj: ModulatedProjection,
+    /// `hidden → C`.
     pub down_proj: ModulatedProjection,
     /// Path-level gates on the whole output, reading the FFN input (eq. 7).
     pub path_gates: Vec<Gate>,

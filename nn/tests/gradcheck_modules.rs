@@ -153,7 +153,7 @@ proptest! {
         let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5 + 1e-4 * y.abs());
         prop_assert!(close(&results[0].0, &results[1].0), "forward differs");
         for (i, (a, b)) in results[0].1.iter().zip(&results[1].1).enumerate() {
-            let _ = (i, a, b);
+            prop_assert!(close(a, b), "gradient {} differs: {:?} vs {:?}", i, a, b);
         }
         p.fused = true;
         let flat = x.reshape(&[2 * rows, d_in]).unwrap();
@@ -168,7 +168,8 @@ proptest! {
     }
 
     #[test]
-    fn per_token_layers(seed in any::<u64>(), rows in 1usize..5, dim in 1usize..6, rank in 1usize..4, vocab in 1usize..5) {
+    fn per_token_layers(seed in any::<u64>(), rows in 1usize..5, dim in 1usize..6, rank in 1usize..4,
+                        vocab in 1usize..5) {
         let mut rng = Rng::new(seed);
         let ids: Vec<u32> = (0..rows).map(|_| rng.below(vocab as u64) as u32).collect();
         let ptt = PerTokenTransform::new(vocab, dim, rank, &mut rng);
@@ -216,7 +217,8 @@ proptest! {
             ResidualRule::LaurelPa { earlier: 2 },
             ResidualRule::PreNorm { scale: 1.0 },
         ][rule];
-        let attn = Attention::new(AttentionConfig { d_model: d, n_heads: 2, rope_theta: 10_000.0 }, WeightInit::KaimingUniform, &mut rng).unwrap();
+        let config = AttentionConfig { d_model: d, n_heads: 2, rope_theta: 10_000.0 };
+        let attn = Attention::new(config, WeightInit::KaimingUniform, &mut rng).unwrap();
         let ffn = SwiGlu::new(d, 12, WeightInit::KaimingUniform, &mut rng);
         let make_norm = || if dyt { Norm::Dyt(DyT::new(d)) } else { Norm::rms(d, 1e-6) };
         let residual = Residual::new(rule, d, make_norm, &mut rng);

@@ -143,7 +143,9 @@ pub fn seeded(shape: &[usize], lo: f32, hi: f32, seed: u64) -> Tensor {
 
 /// The proptest configuration of the gradient and forward checks: few cases per test
 /// (each gradient check runs two forwards per input element), shrinking kept short.
+/// `PROPTEST_CASES` in the environment overrides `cases` (for long bug hunts).
 pub fn config(cases: u32) -> ProptestConfig {
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(cases);
     ProptestConfig { cases, max_shrink_iters: 256, ..ProptestConfig::default() }
 }
 
@@ -176,7 +178,7 @@ impl Domain {
             Domain::Interleaved(offset) => interleaved(n, offset).boxed(),
             Domain::Distinct(spacing) => distinct(n, spacing).boxed(),
             Domain::DistinctRows { cols, spacing } => {
-                assert!(cols > 0 && n % cols == 0, "DistinctRows: {n} values are not rows of {cols}");
+                assert!(cols > 0 && n.is_multiple_of(cols), "DistinctRows: {n} values are not rows of {cols}");
                 let row = (distinct(cols, spacing), values(cols, -spacing / 8.0, spacing / 8.0))
                     .prop_map(|(lattice, jitter)| lattice.iter().zip(jitter).map(|(a, b)| a + b).collect::<Vec<f32>>());
                 prop::collection::vec(row, n / cols).prop_map(|rows| rows.concat()).boxed()
@@ -220,12 +222,11 @@ impl Layout {
         }
         let swapped = if rank >= 2 { t.transpose(rank - 2, rank - 1).expect("transpose") } else { t.clone() };
         let row = swapped.shape()[rank - 1];
-        let mut data = Vec::with_capacity(t.numel() / row.max(1) * (row + 1));
         let values = swapped.to_vec();
-        let rows = if row == 0 { 0 } else { values.len() / row };
-        for r in 0..rows {
+        let mut data = Vec::new();
+        for chunk in values.chunks(row.max(1)) {
             data.push(0.5);
-            data.extend_from_slice(&values[r * row..(r + 1) * row]);
+            data.extend_from_slice(chunk);
         }
         tensor(data, &strided_storage_shape(&self.shape))
     }

@@ -362,6 +362,16 @@ proptest! {
     }
 
     #[test]
+    fn softmax_family_on_large_logits(x in shape_with_rank(1..=2).prop_flat_map(|s| tensor_in(s, Domain::Uniform(-15.0, 15.0)))) {
+        // Peaked distributions: gradients must stay exact, not overflow or vanish wrongly.
+        assert_gradcheck(|v| v[0].softmax(), std::slice::from_ref(&x));
+        assert_gradcheck(|v| v[0].log_softmax(), std::slice::from_ref(&x));
+        let rows = x.numel() / x.shape()[x.rank() - 1];
+        let logits = ok("reshape", x.reshape(&[rows, usize::MAX]));
+        assert_gradcheck(|v| v[0].cross_entropy(&vec![0; rows], None), &[logits]);
+    }
+
+    #[test]
     fn rms_norm(((l, x), w) in norm_shape().prop_flat_map(|s| {
         let c = s[s.len() - 1];
         (input(s, Domain::AwayFromZero(0.3, 2.0)), tensor_in(vec![c], Domain::Uniform(-2.0, 2.0)))
@@ -429,6 +439,14 @@ proptest! {
             |x| Var::causal_attention(&lq.view(&x[0])?, &lk.view(&x[1])?, &lv.view(&x[2])?, scale),
             &[q, k, v],
         );
+    }
+
+    #[test]
+    fn causal_attention_peaked_scores(seed in any::<u64>(), tq in 1..=4usize) {
+        // scale 1 and |q·k| up to ~16: nearly one-hot attention rows.
+        let q = seeded(&[1, tq, 2, 4], -2.0, 2.0, seed);
+        let [k, v] = [1, 2].map(|i| seeded(&[1, 4, 2, 4], -2.0, 2.0, seed.wrapping_add(i)));
+        assert_gradcheck(|x| Var::causal_attention(&x[0], &x[1], &x[2], 1.0), &[q, k, v]);
     }
 
     #[test]

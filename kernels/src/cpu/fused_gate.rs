@@ -30,7 +30,9 @@ use super::unary::{unary_derivative_reference, unary_reference, Unary};
 pub struct FusedGateDims {
     /// `N`: rows (tokens).
     pub rows: usize,
+    /// Input width.
     pub d_in: usize,
+    /// Output width of the projection.
     pub d_out: usize,
     /// `r_c`: rank of the channel modulator.
     pub rank_channel: usize,
@@ -49,10 +51,15 @@ impl FusedGateDims {
 /// with `m = d_out` (channel) or 1 (scalar).
 #[derive(Clone, Copy, Debug)]
 pub struct GateParams<'a> {
+    /// `A: [r, d_in]`.
     pub a_weight: &'a [f32],
+    /// `a: [r]`.
     pub a_bias: &'a [f32],
+    /// `B: [m, r]`.
     pub b_weight: &'a [f32],
+    /// `b: [m]`.
     pub b_bias: &'a [f32],
+    /// The curvature α of `σ̃_α`.
     pub alpha: f32,
 }
 
@@ -61,7 +68,9 @@ pub struct GateParams<'a> {
 pub struct FusedGateParams<'a> {
     /// `W: [d_out, d_in]`.
     pub weight: &'a [f32],
+    /// The channel modulator (`m = d_out`).
     pub channel: GateParams<'a>,
+    /// The scalar modulator (`m = 1`).
     pub scalar: GateParams<'a>,
     /// `φ`, the modulators' pointwise nonlinearity (sigmoid, SiLU or ReLU in practice).
     pub phi: Unary,
@@ -70,19 +79,28 @@ pub struct FusedGateParams<'a> {
 /// Gradient buffers of one modulator, accumulated into (`+=`).
 #[derive(Debug)]
 pub struct GateGrads<'a> {
+    /// `dA: [r, d_in]`.
     pub a_weight: &'a mut [f32],
+    /// `da: [r]`.
     pub a_bias: &'a mut [f32],
+    /// `dB: [m, r]`.
     pub b_weight: &'a mut [f32],
+    /// `db: [m]`.
     pub b_bias: &'a mut [f32],
+    /// `dα`.
     pub alpha: &'a mut f32,
 }
 
 /// Gradient buffers of the fused projection, accumulated into (`+=`).
 #[derive(Debug)]
 pub struct FusedGateGrads<'a> {
+    /// `dx: [N, d_in]`.
     pub x: &'a mut [f32],
+    /// `dW: [d_out, d_in]`.
     pub weight: &'a mut [f32],
+    /// The channel modulator's gradients.
     pub channel: GateGrads<'a>,
+    /// The scalar modulator's gradients.
     pub scalar: GateGrads<'a>,
 }
 
@@ -270,7 +288,7 @@ fn backward_row(
         *acc = dlogit_s * b * d;
     }
     tail[0] = dlogit_s;
-    tail[1] = 2.0 * dalpha_c;
+    tail[1] = dalpha_c;
     tail[2] = dgate_s * logit_s * slope_s;
 }
 

@@ -29,8 +29,11 @@ use crate::Result;
 
 /// A decoder block: attention, FFN, the residual rule with its norms, optional per-token layers.
 pub struct DecoderBlock {
+    /// `self_attn`: causal attention with RoPE and gated projections.
     pub self_attn: Attention,
+    /// `mlp`: the SwiGLU FFN.
     pub mlp: SwiGlu,
+    /// The residual rule with its norms and parameters.
     pub residual: Residual,
     /// `per-token`: `x + PTT(x, tok)` between the sublayers.
     pub per_token: Option<PerTokenTransform>,

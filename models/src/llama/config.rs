@@ -24,14 +24,19 @@ pub const PRESETS: [(&str, usize, usize, usize, usize); 7] = [
 pub struct LlamaConfig {
     /// The preset it came from (informational).
     pub preset: String,
+    /// Model width `C`.
     pub d_model: usize,
+    /// SwiGLU hidden width.
     pub ffn_hidden: usize,
+    /// Number of decoder blocks `N`.
     pub n_layers: usize,
+    /// Attention heads (the head width must be even for RoPE).
     pub n_heads: usize,
     /// 32,000 in the presets (the papers' T5 tokenizer); training sets the tokenizer's.
     pub vocab_size: usize,
     /// Training context (256 by default). RoPE does not limit `forward` to it.
     pub seq_len: usize,
+    /// RoPE base θ (10000).
     pub rope_theta: f32,
     /// RMSNorm epsilon (1e-6, as Hugging Face LLaMA).
     pub norm_eps: f32,
@@ -154,7 +159,7 @@ impl LlamaConfig {
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return bad(format!("{name} must be positive"));
         }
-        if self.d_model % self.n_heads != 0 || (self.d_model / self.n_heads) % 2 != 0 {
+        if !self.d_model.is_multiple_of(self.n_heads) || !(self.d_model / self.n_heads).is_multiple_of(2) {
             return bad(format!(
                 "{} heads must split d_model {} into even head dimensions",
                 self.n_heads, self.d_model

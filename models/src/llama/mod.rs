@@ -34,11 +34,15 @@ use crate::{Error, Result};
 
 /// A LLaMA language model built from a [`LlamaConfig`].
 pub struct Llama {
+    /// The (validated) config it was built from.
     pub config: LlamaConfig,
+    /// `model.embed_tokens`: `[V, C]`.
     pub embed_tokens: Embedding,
+    /// `model.layers.{i}`.
     pub layers: Vec<DecoderBlock>,
     /// Final norm (DyT for the `dyt` variant).
     pub norm: Norm,
+    /// Untied output projection `[V, C]`.
     pub lm_head: Linear,
 }
 

@@ -6,27 +6,49 @@ use crate::{Error, Result};
 /// A LLaMA variant: a contextual-modulator placement (SPEC §1, §2, §4) or a baseline (§5).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Variant {
+    /// `pre-ln`: the LLaMA baseline, `x + F(Norm(x))`.
     PreLn,
+    /// `path-scalar`: one scalar modulator on each sublayer output (eq. 7).
     PathScalar,
+    /// `path-channel`: one channel modulator on each sublayer output (eq. 7).
     PathChannel,
+    /// `layer-scalar`: a scalar modulator after every covered projection (eq. 6).
     LayerScalar,
+    /// `layer-channel`: a channel modulator after every covered projection.
     LayerChannel,
+    /// `layer-channel-scalar` = `transponder`: channel × scalar, fused (eq. 8-10).
     LayerChannelScalar,
+    /// `non-contextual`: `σ̃_α(β₁·β₂)` after every covered projection.
     NonContextual,
+    /// `fixed-alpha`: `transponder` with every α frozen at 1 (not a parameter).
     FixedAlpha,
+    /// `comt`: CoMT's scalar `σ(w₂ᵀφ(W₁x + c₁) + c₂)` after every covered projection.
     Comt,
+    /// `per-token`: `x + U·(M[tok]·(D·x))` between the sublayers (SPEC §4).
     PerToken,
+    /// `token-scale`: FFN output `⊙ E[tok]` (SPEC §4).
     TokenScale,
+    /// `post-ln`: `Norm(x + F(x))`.
     PostLn,
+    /// `deepnorm`: `Norm(α·x + F(x))`, α = (2N)^¼, β-scaled init.
     DeepNorm,
+    /// `mix-ln`: post-ln for the first ⌊N/4⌋ blocks, pre-ln after.
     MixLn,
+    /// `ln-scaling`: pre-ln with norm outputs scaled by 1/√l.
     LnScaling,
+    /// `rezero`: `x + α_l·F(x)`, α_l init 0, no norm.
     ReZero,
+    /// `laurel-rw`: `α·F(Norm(x)) + β·x`.
     LaurelRw,
+    /// `laurel-lr`: `F(Norm(x)) + x + B·A·x`.
     LaurelLr,
+    /// `laurel-pa`: pre-ln plus `Σ_j γ_j·x_j` over earlier activations.
     LaurelPa,
+    /// `sdpa-gate`: `σ(h·W_g)` on q, k, v and the SDPA output.
     SdpaGate,
+    /// `all-gate`: `σ(X·W_g)` on every projection.
     AllGate,
+    /// `dyt`: every norm replaced by DyT.
     Dyt,
 }
 

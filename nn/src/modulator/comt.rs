@@ -23,6 +23,7 @@ pub struct ComtModulator {
     pub w2: Var,
     /// `c₂: [1]`.
     pub c2: Var,
+    /// The hidden nonlinearity φ.
     pub phi: Phi,
 }
 

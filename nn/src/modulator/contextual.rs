@@ -61,8 +61,11 @@ pub struct Modulator {
     pub b_bias: Var,
     /// `α: [1]`.
     pub alpha: Var,
+    /// Scalar or channel gate.
     pub resolution: Resolution,
+    /// The hidden nonlinearity φ.
     pub phi: Phi,
+    /// False when α is the constant 1 (then it is not a parameter).
     pub learnable_alpha: bool,
 }
 
@@ -124,6 +127,7 @@ pub struct NonContextualGate {
     pub beta2: Var,
     /// `α: [1]`.
     pub alpha: Var,
+    /// False when α is the constant 1 (then it is not a parameter).
     pub learnable_alpha: bool,
 }
 

@@ -14,6 +14,7 @@ use crate::module::Module;
 /// `σ(x·W_gᵀ)`, one gate per output channel per token, in (0, 1). `W_g` is initialised
 /// like the projection it gates.
 pub struct DenseGate {
+    /// `W_g: [d_out, d_in]`, no bias.
     pub linear: Linear,
 }
 

@@ -17,7 +17,12 @@ pub enum Gate {
     /// Channel modulator × scalar modulator, each with its own A, B, a, b, α
     /// (`layer-channel-scalar` = `transponder`). On a projection this pair runs as the
     /// fused op of eq. 8-10.
-    ChannelScalar { channel: Modulator, scalar: Modulator },
+    ChannelScalar {
+        /// The channel modulator (`modulator_channel`).
+        channel: Modulator,
+        /// The scalar modulator (`modulator_scalar`).
+        scalar: Modulator,
+    },
     /// `σ̃_α(β₁·β₂)` (`non-contextual`).
     NonContextual(NonContextualGate),
     /// CoMT's `σ(w₂ᵀ·φ(W₁x + c₁) + c₂)`.

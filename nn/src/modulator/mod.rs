@@ -34,9 +34,12 @@ use autograd::{Result, Var};
 /// The pointwise nonlinearity `φ` inside a modulator (SPEC §1: sigmoid by default).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Phi {
+    /// `σ(x)` (the default).
     #[default]
     Sigmoid,
+    /// `x·σ(x)`.
     Silu,
+    /// `max(x, 0)`.
     Relu,
 }
 

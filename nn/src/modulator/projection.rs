@@ -19,7 +19,10 @@ pub enum WeightInit {
     /// U(−1/√in, 1/√in), PyTorch `nn.Linear`'s default.
     KaimingUniform,
     /// N(0, std²): Hugging Face LLaMA's `initializer_range` (0.02).
-    Normal { std: f32 },
+    Normal {
+        /// Standard deviation.
+        std: f32,
+    },
 }
 
 impl WeightInit {
@@ -35,7 +38,9 @@ impl WeightInit {
 
 /// A bias-free linear layer with an optional list of output gates.
 pub struct ModulatedProjection {
+    /// The projection `W: [out, in]`, no bias.
     pub linear: Linear,
+    /// Gates multiplied onto the output, each reading the projection's input.
     pub gates: Vec<Gate>,
     /// Run a lone [`Gate::ChannelScalar`] through the fused op (default true).
     pub fused: bool,

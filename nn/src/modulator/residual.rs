@@ -57,25 +57,35 @@ impl Module for Norm {
 /// The residual rule of one block; see the module table.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ResidualRule {
+    /// `x + F(scale·Norm(x))`.
     PreNorm {
+        /// 1, or 1/√l for LayerNorm Scaling.
         scale: f32,
     },
+    /// `Norm(alpha·x + F(x))`.
     PostNorm {
+        /// 1, or (2N)^¼ for DeepNorm.
         alpha: f32,
     },
+    /// `x + α_l·F(x)`, no norm.
     ReZero,
+    /// `α·F(Norm(x)) + β·x`.
     LaurelRw,
+    /// `F(Norm(x)) + x + B·A·x`.
     LaurelLr {
+        /// r of `A: r × d`, `B: d × r`.
         rank: usize,
     },
-    /// `earlier`: how many earlier activations the block mixes in (l − 1 for block l).
+    /// `x + F(Norm(x))` per sublayer, `+ Σ_j γ_j·x_j` per block.
     LaurelPa {
+        /// How many earlier activations the block mixes in (l − 1 for block l).
         earlier: usize,
     },
 }
 
 /// A block's residual rule with the parameters it owns (norms, α_l, LAuReL weights).
 pub struct Residual {
+    /// Which rule.
     pub rule: ResidualRule,
     /// `input_layernorm` (absent for ReZero).
     pub input_norm: Option<Norm>,

@@ -22,7 +22,8 @@ impl Tensor {
         if k != k2 {
             return Err(mismatch());
         }
-        let batch = broadcast_shapes("matmul", &self.shape[..self.rank() - 2], &rhs.shape[..rhs.rank() - 2])?;
+        let batch = broadcast_shapes("matmul", &self.shape[..self.rank() - 2], &rhs.shape[..rhs.rank() - 2])
+            .map_err(|_| mismatch())?;
         let lhs = self.expand(&[batch.as_slice(), &[m, k]].concat())?;
         let rhs = rhs.expand(&[batch.as_slice(), &[k, n]].concat())?;
         let batches: usize = batch.iter().product();
