@@ -4,6 +4,7 @@ use std::cell::{Cell, Ref, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use tensor::{Error, Result, Tensor};
 
@@ -16,6 +17,72 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
+    static PROFILE: RefCell<Option<Profile>> = const { RefCell::new(None) };
+}
+
+/// Wall time per op while profiling is on (see [`Var::profile_start`]): forward time is the
+/// time since the previous graph event on this thread (so it includes the glue between ops),
+/// backward time is the op's backward rule plus the accumulation of its input gradients.
+struct Profile {
+    mark: Instant,
+    ops: Vec<OpTime>,
+}
+
+/// One row of [`Var::profile_stop`]: `(op, forward seconds, backward seconds, calls)`.
+pub type OpTime = (&'static str, f64, f64, usize);
+
+impl Profile {
+    fn row(&mut self, op: &'static str) -> &mut OpTime {
+        let i = match self.ops.iter().position(|r| r.0 == op) {
+            Some(i) => i,
+            None => {
+                self.ops.push((op, 0.0, 0.0, 0));
+                self.ops.len() - 1
+            }
+        };
+        &mut self.ops[i]
+    }
+}
+
+/// Records `op` in the profile (when on): forward time since the last event.
+fn profile_forward(op: &'static str) {
+    PROFILE.with(|p| {
+        if let Some(p) = p.borrow_mut().as_mut() {
+            let now = Instant::now();
+            let elapsed = (now - p.mark).as_secs_f64();
+            p.mark = now;
+            let row = p.row(op);
+            row.1 += elapsed;
+            row.3 += 1;
+        }
+    })
+}
+
+/// Adds backward time since `start` to `op` (when profiling); returns the time now.
+fn profile_backward(op: &'static str, start: Option<Instant>) -> Option<Instant> {
+    let start = start?;
+    PROFILE.with(|p| {
+        let mut p = p.borrow_mut();
+        let p = p.as_mut()?;
+        let now = Instant::now();
+        p.row(op).2 += (now - start).as_secs_f64();
+        p.mark = now;
+        Some(now)
+    })
+}
+
+fn profiling() -> bool {
+    PROFILE.with(|p| p.borrow().is_some())
+}
+
+/// The op's name from its backward closure's type, e.g.
+/// `autograd::ops::matmul::<impl autograd::var::Var>::matmul::{{closure}}` → `matmul`.
+fn op_name<F>() -> &'static str {
+    let mut name = std::any::type_name::<F>();
+    while let Some(stripped) = name.strip_suffix("::{{closure}}") {
+        name = stripped;
+    }
+    name.rsplit("::").next().unwrap_or(name)
 }
 
 /// A tensor in the autograd graph. Cloning is cheap and shares the node.
@@ -29,6 +96,8 @@ struct Node {
     requires_grad: bool,
     inputs: Vec<Var>,
     backward: Option<BackwardFn>,
+    /// The op that made this node (`leaf` for parameters and constants), for profiles.
+    op: &'static str,
 }
 
 impl std::fmt::Debug for Var {
@@ -68,6 +137,7 @@ impl Var {
             requires_grad,
             inputs: Vec::new(),
             backward: None,
+            op: "leaf",
         }))
     }
 
@@ -84,11 +154,12 @@ impl Var {
     /// The output of an op over `inputs`. `backward` maps the output's gradient to one
     /// gradient per input (same order, same shapes). When no input needs a gradient, or
     /// inside [`no_grad`], the closure is dropped and the result is a constant.
-    pub fn from_op(
-        value: Tensor,
-        inputs: Vec<Var>,
-        backward: impl Fn(&Tensor) -> Result<Vec<Tensor>> + 'static,
-    ) -> Var {
+    pub fn from_op<F>(value: Tensor, inputs: Vec<Var>, backward: F) -> Var
+    where
+        F: Fn(&Tensor) -> Result<Vec<Tensor>> + 'static,
+    {
+        let op = op_name::<F>();
+        profile_forward(op);
         if !is_grad_enabled() || !inputs.iter().any(Var::requires_grad) {
             return Var::constant(value);
         }
@@ -99,7 +170,30 @@ impl Var {
             requires_grad: true,
             inputs,
             backward: Some(Box::new(backward)),
+            op,
         }))
+    }
+
+    /// Starts (or restarts) timing every op on this thread; see [`Var::profile_stop`].
+    pub fn profile_start() {
+        PROFILE.with(|p| *p.borrow_mut() = Some(Profile { mark: Instant::now(), ops: Vec::new() }));
+    }
+
+    /// Starts the next forward interval now (call before a forward pass, so time spent
+    /// outside the graph, e.g. in the optimizer, is not charged to its first op).
+    pub fn profile_mark() {
+        PROFILE.with(|p| {
+            if let Some(p) = p.borrow_mut().as_mut() {
+                p.mark = Instant::now();
+            }
+        })
+    }
+
+    /// Stops timing and returns `(op, forward s, backward s, calls)` per op, slowest first.
+    pub fn profile_stop() -> Vec<OpTime> {
+        let mut ops = PROFILE.with(|p| p.borrow_mut().take()).map(|p| p.ops).unwrap_or_default();
+        ops.sort_by(|a, b| (b.1 + b.2).total_cmp(&(a.1 + a.2)));
+        ops
     }
 
     /// Unique id of this node (parameters are looked up by it).
@@ -184,17 +278,20 @@ impl Var {
         }
         let mut grads: HashMap<u64, Tensor> = HashMap::new();
         grads.insert(self.id(), seed);
+        let mut clock = profiling().then(Instant::now);
         for node in self.reachable_in_reverse_order() {
             let Some(grad) = grads.remove(&node.id()) else { continue };
             let Some(backward) = &node.0.backward else {
                 let mut slot = node.0.grad.borrow_mut();
                 *slot = Some(match slot.take() {
-                    Some(previous) => previous.add(&grad)?,
+                    Some(previous) => previous.accumulate(grad)?,
                     None => grad,
                 });
+                clock = profile_backward("leaf gradient", clock);
                 continue;
             };
             let input_grads = backward(&grad)?;
+            drop(grad);
             for (input, input_grad) in node.0.inputs.iter().zip(input_grads) {
                 if !input.requires_grad() {
                     continue;
@@ -206,12 +303,14 @@ impl Var {
                         rhs: input_grad.shape().to_vec(),
                     });
                 }
+                // d/dx of a value used twice is the sum: added in place when possible.
                 let total = match grads.remove(&input.id()) {
-                    Some(previous) => previous.add(&input_grad)?,
+                    Some(previous) => previous.accumulate(input_grad)?,
                     None => input_grad,
                 };
                 grads.insert(input.id(), total);
             }
+            clock = profile_backward(node.0.op, clock);
         }
         Ok(())
     }

@@ -98,6 +98,7 @@ impl Attention {
         }
         let mut y = self.o_proj.forward(&o)?;
         for gate in &self.path_gates {
+            crate::trace::record_gate(gate, &rows)?;
             y = y.mul(&gate.forward(&rows)?)?;
         }
         y.reshape(&[b, t, d])

@@ -48,6 +48,7 @@ impl SwiGlu {
         let hidden = self.gate_proj.forward(&rows)?.silu()?.mul(&self.up_proj.forward(&rows)?)?;
         let mut y = self.down_proj.forward(&hidden)?;
         for gate in &self.path_gates {
+            crate::trace::record_gate(gate, &rows)?;
             y = y.mul(&gate.forward(&rows)?)?;
         }
         y.reshape(&shape)

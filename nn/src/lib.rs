@@ -5,6 +5,7 @@
 //! optimizers, checkpoints and parameter counts all walk.
 
 pub mod attention;
+pub mod ccl;
 pub mod ffn;
 pub mod init;
 pub mod layers;
@@ -12,6 +13,7 @@ pub mod modulator;
 pub mod module;
 pub mod optim;
 pub mod per_token;
+pub mod trace;
 pub mod vision;
 
 pub use module::{Module, NamedParameter};

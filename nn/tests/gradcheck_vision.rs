@@ -39,6 +39,9 @@ fn check_module(module: &dyn Module, x: &Var, forward: impl Fn(&Var) -> Result<V
     let mut rng = Rng::new(seed);
     let mut leaves: Vec<(String, Var)> = module.named_parameters().into_iter().map(|p| (p.name, p.var)).collect();
     leaves.push(("input".into(), x.clone()));
+    for (_, v) in &leaves {
+        v.zero_grad();
+    }
     let y = forward(x).unwrap();
     let weights = Tensor::rand_uniform(&y.shape(), -1.0, 1.0, &mut rng);
     y.backward_with(weights.clone()).unwrap();
@@ -78,6 +81,20 @@ fn running(channels: usize, rng: &mut Rng) -> (Var, Var) {
     (mean, var)
 }
 
+/// The batch standard deviation of each channel of `x[N, C, H, W]`.
+fn channel_stds(x: &Tensor) -> Vec<f64> {
+    let (n, c, s) = (x.shape()[0], x.shape()[1], x.shape()[2] * x.shape()[3]);
+    let v = x.to_vec();
+    (0..c)
+        .map(|ch| {
+            let values: Vec<f64> =
+                (0..n).flat_map(|i| &v[(i * c + ch) * s..(i * c + ch + 1) * s]).map(|&a| a as f64).collect();
+            let mean = values.iter().sum::<f64>() / values.len() as f64;
+            (values.iter().map(|a| (a - mean) * (a - mean)).sum::<f64>() / values.len() as f64).sqrt()
+        })
+        .collect()
+}
+
 fn phi_of(index: usize) -> Phi {
     // ReLU's kink would need rejection sampling; sigmoid and SiLU cover the smooth rule.
     [Phi::Sigmoid, Phi::Silu][index % 2]
@@ -92,7 +109,7 @@ fn range_of(unit: bool) -> GateRange {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(16))]
+    #![proptest_config(ProptestConfig::with_cases(48))]
 
     #[test]
     fn conv2d(seed in any::<u64>(), n in 1usize..3, c in 1usize..4, o in 1usize..4, h in 3usize..7, w in 3usize..7,
@@ -110,11 +127,15 @@ proptest! {
     }
 
     #[test]
-    fn batch_norm_train(seed in any::<u64>(), n in 1usize..4, c in 1usize..4, h in 1usize..4, w in 2usize..4,
+    fn batch_norm_train(seed in any::<u64>(), n in 1usize..4, c in 1usize..4, h in 2usize..4, w in 2usize..4,
                         affine in any::<bool>(), bias in any::<bool>()) {
         let mut rng = Rng::new(seed);
         let (mean, var) = running(c, &mut rng);
-        let mut inputs = vec![Tensor::rand_normal(&[n, c, h, w], 0.5, 2.0, &mut rng)];
+        let x = Tensor::rand_normal(&[n, c, h, w], 0.5, 2.0, &mut rng);
+        // A channel whose few values nearly coincide has a huge, sharply curved gradient that
+        // central differences cannot resolve: reject those draws, not the rule.
+        prop_assume!(channel_stds(&x).iter().all(|&s| s > 0.5));
+        let mut inputs = vec![x];
         if affine {
             inputs.push(random(&[c], &mut rng));
             if bias {
@@ -189,7 +210,9 @@ proptest! {
         let mut rng = Rng::new(seed);
         let conv = Conv2d::new(c, o, kernel, stride, kernel / 2, false, &mut rng);
         let layer = SlidingWindowConv2d::new(conv, hidden, phi_of(phi), range_of(unit), &mut rng);
-        randomise(&layer, 0.7, &mut rng);
+        // Weights of about 1/√fan-in keep the outputs O(1): larger ones make the f32 rounding
+        // of the weighted output sum, divided by the step, rival the tolerance.
+        randomise(&layer, 0.35, &mut rng);
         let x = Var::parameter(random(&[n, c, h, w], &mut rng));
         let y = layer.forward(&x).unwrap();
         let m = layer.modulator.forward(&x).unwrap();

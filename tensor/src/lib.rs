@@ -5,6 +5,7 @@
 //! (reshape, permute, narrow, expand) share storage; ops return new tensors. Compute is f32;
 //! bf16 and f16 are storage formats converted with [`Tensor::to_dtype`].
 
+mod alloc;
 mod creation;
 mod dtype;
 mod error;

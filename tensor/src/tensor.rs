@@ -20,6 +20,7 @@ pub struct Tensor {
 impl Tensor {
     /// Wraps `storage` as a contiguous tensor of `shape` on the CPU.
     pub fn from_storage(storage: Storage, shape: &[usize]) -> Result<Tensor> {
+        crate::alloc::keep_freed_memory();
         let numel: usize = shape.iter().product();
         if storage.len() != numel {
             return Err(Error::InvalidShape {

@@ -13,8 +13,19 @@ use serde::{Deserialize, Serialize};
 pub struct TrainConfig {
     /// Model preset (`llama-tiny`, `llama-small`, `llama-60m`, ...).
     pub model: String,
-    /// Modulator variant or baseline (`transponder`, `pre-ln`, ...).
+    /// Modulator variant or baseline (`transponder`, `pre-ln`, `ccl`, `per-token`, ...).
     pub variant: String,
+    /// Model width override; 0 keeps the preset's. The FFN width scales with it and the heads
+    /// stay (`LlamaConfig::with_d_model`): the dense Base-64 / Base-512 of CCL Table 2.
+    pub d_model: usize,
+    /// CCL basis size k (`ccl` only; 64).
+    pub d_basis: usize,
+    /// CCL context width d_ctx (`ccl` only; 64).
+    pub d_ctx: usize,
+    /// CCL context mode, `token` or `causal-mean` (`ccl` only).
+    pub ccl_mode: String,
+    /// CCL ablation: `none`, `static`, `no-out-gate` or `no-basis-gate` (`ccl` only).
+    pub ccl_ablation: String,
     /// Plain-text corpus tokenized on first use when no token files are given.
     pub text: PathBuf,
     /// Token files (llm.c or nanoGPT format); when unset they are prepared from `text`.
@@ -32,6 +43,13 @@ pub struct TrainConfig {
     pub optimizer: String,
     pub weight_decay: f32,
     pub beta2: f32,
+    /// SGD momentum (0.9). With momentum 0 and weight decay 0, the per-token tables
+    /// (`per-token`, `token-scale`) are updated row-sparsely, which is exact.
+    pub momentum: f32,
+    /// Row-sparse ("lazy") updates of the per-token tables for Adam/AdamW and SGD with
+    /// momentum or decay: rows of tokens absent from the batch, and their optimizer state,
+    /// stay frozen. An approximation of the dense update (see `nn::optim::SparseRows`).
+    pub lazy_tables: bool,
     /// `cosine` (linear warmup + cosine), `noam`, `constant`, `linear`, `onecycle`.
     pub schedule: String,
     pub warmup: usize,
@@ -55,6 +73,11 @@ impl Default for TrainConfig {
         TrainConfig {
             model: "llama-tiny".into(),
             variant: "transponder".into(),
+            d_model: 0,
+            d_basis: 64,
+            d_ctx: 64,
+            ccl_mode: "token".into(),
+            ccl_ablation: "none".into(),
             text: PathBuf::from("data/tinyshakespeare.txt"),
             train_data: None,
             val_data: None,
@@ -67,6 +90,8 @@ impl Default for TrainConfig {
             optimizer: "adamw".into(),
             weight_decay: 0.01,
             beta2: 0.95,
+            momentum: 0.9,
+            lazy_tables: false,
             schedule: "cosine".into(),
             warmup: 30,
             grad_clip: 1.0,
@@ -118,6 +143,9 @@ impl TrainConfig {
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
             bail!("lr must be a positive number, got {}", self.lr);
+        }
+        if !(0.0..1.0).contains(&self.momentum) {
+            bail!("momentum must be in [0, 1), got {}", self.momentum);
         }
         if self.grad_clip < 0.0 || !self.grad_clip.is_finite() {
             bail!("grad_clip must be ≥ 0 (0 disables), got {}", self.grad_clip);

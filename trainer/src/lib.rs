@@ -1,6 +1,7 @@
 //! trainer: the `transponder` command's library — datasets, tokenizers, checkpoints, the
 //! training loop, metrics, sampling and export.
 
+pub mod analyze;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
@@ -10,3 +11,4 @@ pub mod prepare;
 pub mod safetensors_io;
 pub mod tokenizer;
 pub mod train;
+pub mod train_image;

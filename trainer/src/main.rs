@@ -11,6 +11,7 @@ use trainer::generate::{export_hf, load_model, sample};
 use trainer::prepare::prepare;
 use trainer::tokenizer::Tokenizer;
 use trainer::train::{evaluate, train};
+use trainer::train_image::{train_image, ImageTrainConfig};
 
 #[derive(Parser)]
 #[command(name = "transponder", version, about = "Train language models with contextual modulators")]
@@ -65,6 +66,66 @@ enum Command {
     },
     /// Write a baseline checkpoint as Hugging Face LlamaForCausalLM (config.json + model.safetensors).
     Export { checkpoint: PathBuf, out: PathBuf },
+    /// The papers' analyses of a checkpoint (modulator values, CCL effective rank, gate
+    /// statistics, top tokens, parameters and FLOPs), or `--throughput` of Base-64, CCL-64
+    /// and Base-512.
+    Analyze(Box<trainer::analyze::AnalyzeArgs>),
+    /// Train a ResNet image classifier (defaults: narrow ResNet-18 on the built-in digits).
+    TrainImage(Box<TrainImageArgs>),
+}
+
+/// Image-training flags; each overrides the config file, which overrides the defaults.
+#[derive(Args, Default)]
+struct TrainImageArgs {
+    /// JSON config file (keys as in the run's config.json).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Continue from the checkpoint in --out-dir.
+    #[arg(long)]
+    resume: bool,
+    /// `resnet18` ... `resnet152`.
+    #[arg(long)]
+    model: Option<String>,
+    /// `none`, `pixel` or `sliding-window`.
+    #[arg(long)]
+    modulator: Option<String>,
+    /// `digits` (built in), `cifar10` or `cifar100` (with --data-dir).
+    #[arg(long)]
+    dataset: Option<String>,
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    #[arg(long)]
+    base_width: Option<usize>,
+    #[arg(long)]
+    batch_size: Option<usize>,
+    #[arg(long)]
+    epochs: Option<usize>,
+    #[arg(long)]
+    lr: Option<f32>,
+    #[arg(long)]
+    weight_decay: Option<f32>,
+    /// `linear`, `cosine` or `constant`.
+    #[arg(long)]
+    schedule: Option<String>,
+    #[arg(long)]
+    seed: Option<u64>,
+    #[arg(long)]
+    out_dir: Option<PathBuf>,
+}
+
+impl TrainImageArgs {
+    fn into_config(self) -> Result<ImageTrainConfig> {
+        let mut c = match &self.config {
+            Some(path) => ImageTrainConfig::from_file(path)?,
+            None => ImageTrainConfig::default(),
+        };
+        macro_rules! set {
+            ($($field:ident),*) => { $( if let Some(v) = self.$field { c.$field = v; } )* };
+        }
+        set!(model, modulator, dataset, data_dir, base_width, batch_size, epochs, lr, weight_decay, schedule, seed);
+        set!(out_dir);
+        Ok(c)
+    }
 }
 
 /// Training flags; each overrides the config file, which overrides the defaults.
@@ -80,6 +141,27 @@ struct TrainArgs {
     model: Option<String>,
     #[arg(long)]
     variant: Option<String>,
+    /// Model width override (0 = the preset's); the FFN width scales with it.
+    #[arg(long)]
+    d_model: Option<usize>,
+    /// CCL basis size (`--variant ccl`).
+    #[arg(long)]
+    d_basis: Option<usize>,
+    /// CCL context width (`--variant ccl`).
+    #[arg(long)]
+    d_ctx: Option<usize>,
+    /// CCL context mode: token or causal-mean.
+    #[arg(long)]
+    ccl_mode: Option<String>,
+    /// CCL ablation: none, static, no-out-gate, no-basis-gate.
+    #[arg(long)]
+    ccl_ablation: Option<String>,
+    /// SGD momentum.
+    #[arg(long)]
+    momentum: Option<f32>,
+    /// Lazy row-sparse updates of the per-token tables (Adam/AdamW, SGD with momentum).
+    #[arg(long)]
+    lazy_tables: bool,
     #[arg(long)]
     text: Option<PathBuf>,
     #[arg(long)]
@@ -135,6 +217,8 @@ impl TrainArgs {
         }
         set!(model, variant, text, tokenizer, batch_size, seq_len, grad_accum, steps, lr, optimizer, weight_decay);
         set!(schedule, warmup, grad_clip, sampling, eval_every, eval_batches, save_every, log_every, seed, out_dir);
+        set!(d_model, d_basis, d_ctx, ccl_mode, ccl_ablation, momentum);
+        c.lazy_tables |= self.lazy_tables;
         c.train_data = self.train_data.or(c.train_data);
         c.val_data = self.val_data.or(c.val_data);
         Ok(c)
@@ -189,6 +273,23 @@ fn main() -> Result<()> {
             let (model, config) = load_model(&checkpoint)?;
             export_hf(&model, &config, &out)?;
             println!("wrote {}/config.json and {}/model.safetensors", out.display(), out.display());
+        }
+        Command::Analyze(args) => trainer::analyze::run(&args)?,
+        Command::TrainImage(args) => {
+            let resume = args.resume;
+            let config = args.into_config()?;
+            let report = train_image(&config, resume)?;
+            println!(
+                "done: {} epochs in {:.1} s ({:.1} s/epoch); loss {:.4} -> {:.4}; eval accuracy {:.2}%",
+                report.epochs,
+                report.seconds,
+                report.seconds_per_epoch,
+                report.first_loss,
+                report.final_loss,
+                100.0 * report.final_accuracy()
+            );
+            println!("checkpoint: {}", report.checkpoint.display());
+            println!("metrics:    {}", report.metrics.display());
         }
     }
     Ok(())

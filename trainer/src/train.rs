@@ -9,8 +9,8 @@ use anyhow::{bail, Context, Result};
 use autograd::no_grad;
 use indicatif::{ProgressBar, ProgressStyle};
 use models::llama::{Llama, LlamaConfig};
-use nn::optim::{clip_grad_norm, Adam, AdamConfig, Optimizer, Sgd};
-use nn::Module;
+use nn::optim::{clip_grad_norm, Adam, AdamConfig, Optimizer, RowRule, Sgd, SparseRows};
+use nn::{Module, NamedParameter};
 
 use crate::checkpoint::{self, CheckpointMeta};
 use crate::config::TrainConfig;
@@ -65,27 +65,51 @@ fn resolve_data(config: &TrainConfig, tokenizer: &Tokenizer) -> Result<(PathBuf,
 /// The model config a training config asks for, with the data's vocabulary.
 pub fn model_config(config: &TrainConfig, vocab_size: usize) -> Result<LlamaConfig> {
     let mut model = LlamaConfig::preset(&config.model)?;
+    if config.d_model > 0 {
+        model = model.with_d_model(config.d_model);
+    }
     model.vocab_size = vocab_size;
     model.seq_len = config.seq_len;
     model.variant = config.variant.clone();
+    model.d_basis = config.d_basis;
+    model.d_ctx = config.d_ctx;
+    model.ccl_mode = config.ccl_mode.clone();
+    model.ccl_ablation = config.ccl_ablation.clone();
     model.validate()?;
     Ok(model)
 }
 
-fn make_optimizer(config: &TrainConfig, model: &Llama) -> Box<dyn Optimizer> {
-    let params = model.named_parameters();
-    match config.optimizer.as_str() {
-        "sgd" => Box::new(Sgd::new(params, 0.9, config.weight_decay, false)),
-        name => Box::new(Adam::new(
-            params,
-            AdamConfig {
-                beta2: config.beta2,
-                weight_decay: config.weight_decay,
-                decoupled: name == "adamw",
-                ..AdamConfig::default()
-            },
-        )),
+/// Per-token tables (`[V, ...]`, one row per token id): the `per-token` transforms' `M` and
+/// the `token-scale` `E`. The token embedding is left to the dense optimizer.
+fn is_token_table(name: &str) -> bool {
+    name.ends_with(".per_token.table") || name.ends_with(".token_scale.weight")
+}
+
+/// The configured optimizer. Per-token tables get row-sparse updates ([`SparseRows`]) when
+/// that is exact (SGD without momentum and decay) or when `lazy_tables` asks for it.
+fn make_optimizer(config: &TrainConfig, model: &Llama) -> (Box<dyn Optimizer>, Option<&'static str>) {
+    let adam = AdamConfig {
+        beta2: config.beta2,
+        weight_decay: config.weight_decay,
+        decoupled: config.optimizer == "adamw",
+        ..AdamConfig::default()
+    };
+    let rule = match config.optimizer.as_str() {
+        "sgd" => RowRule::Sgd { momentum: config.momentum, weight_decay: config.weight_decay },
+        _ => RowRule::Adam(adam),
+    };
+    let build = |params: Vec<NamedParameter>| -> Box<dyn Optimizer> {
+        match rule {
+            RowRule::Sgd { momentum, weight_decay } => Box::new(Sgd::new(params, momentum, weight_decay, false)),
+            RowRule::Adam(adam) => Box::new(Adam::new(params, adam)),
+        }
+    };
+    let (tables, dense): (Vec<_>, Vec<_>) = model.named_parameters().into_iter().partition(|p| is_token_table(&p.name));
+    if tables.is_empty() || !(rule.is_exact() || config.lazy_tables) {
+        return (build(model.named_parameters()), None);
     }
+    let how = if rule.is_exact() { "row-sparse (exact: plain SGD)" } else { "row-sparse (lazy: unseen rows frozen)" };
+    (Box::new(SparseRows::new(build(dense), tables, rule)), Some(how))
 }
 
 fn make_sampler(config: &TrainConfig, file: TokenFile) -> Result<Box<dyn BatchSampler>> {
@@ -122,7 +146,7 @@ pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
 
     let model_config = model_config(config, tokenizer.vocab_size())?;
     let model = Llama::new(&model_config, config.seed)?;
-    let mut optimizer = make_optimizer(config, &model);
+    let (mut optimizer, table_updates) = make_optimizer(config, &model);
     let mut sampler = make_sampler(config, train_file)?;
     let mut start_step = 0;
     if resume {
@@ -148,6 +172,9 @@ pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
         config.optimizer,
         config.lr
     );
+    if let Some(how) = table_updates {
+        println!("per-token tables: {how} updates");
+    }
 
     let schedule = config.schedule();
     let tokens_per_step = config.batch_size * config.seq_len * config.grad_accum;

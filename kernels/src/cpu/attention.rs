@@ -8,8 +8,9 @@
 //! The forward walks key tiles with an online softmax (running max and sum per query) and
 //! never builds the `Tq × Tk` score matrix or a mask; it saves only `lse` `[B, H, Tq]`, the
 //! log-sum-exp of each query's scaled scores. The backward recomputes each probability tile
-//! as e^(score − lse) and accumulates `dq, dk, dv += ...`. Tile products go through `gemm`
-//! with strided operands, so heads are read in place.
+//! as e^(score − lse) and accumulates `dq, dk, dv += ...`. Tile products run in registers
+//! (`tile_gemm`) on the heads in place; only each head's keys (and, in backward, values)
+//! are copied once, transposed to `[D, T]`, so score tiles are products with rows of Kᵀ.
 //!
 //! PyTorch equivalent: `F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)`
 //! on `[B, H, T, D]` tensors (PyTorch aligns the causal mask top-left when Tq < Tk; here it
@@ -17,11 +18,11 @@
 //!
 //! Layout legend: `B` batch, `T` sequence, `H` heads, `D` head dim.
 
-use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::parallel;
 use super::reduce::{dot, slice_max};
+use super::tile_gemm::{tile_gemm, TileA, TileB};
 use super::unary::{exp8, load, store, LANES};
 
 /// Queries per tile: one task of the forward.
@@ -50,35 +51,31 @@ pub fn causal_attention_forward(
     if out.is_empty() {
         return;
     }
-    // Each task owns the rows of one query tile of one batch entry, all heads: a contiguous
-    // piece of `out`. Heads run in parallel inside it too (decoding has a single tile), each
-    // returning its rows; lse values are strided in [B, H, Tq], so they come back separately.
-    let row = heads * head_dim;
-    let mut tasks = Vec::new();
-    for (b, out_b) in out.chunks_mut(q_seq * row).enumerate() {
-        for (t, out_tile) in out_b.chunks_mut(Q_TILE * row).enumerate() {
-            tasks.push((b, t * Q_TILE, out_tile));
-        }
+    // One task per (b, h): the head's keys are transposed once ([D, Tk], so score tiles are
+    // rows of Kᵀ) and all its query tiles run in it. Heads interleave in `out`, so each task
+    // returns its rows, copied back afterwards in parallel over b; lse is [B, H, Tq], one
+    // run per task.
+    let head = |index: usize| forward_head(&dims, q, k, v, index / heads, index % heads);
+    let per_head: Vec<TileOutput> = if parallel::should_parallelise(dims.work()) {
+        (0..batch * heads).into_par_iter().map(head).collect()
+    } else {
+        (0..batch * heads).map(head).collect()
+    };
+    for (lse_head, tile) in lse.chunks_mut(q_seq).zip(&per_head) {
+        lse_head.copy_from_slice(&tile.lse);
     }
-    let parallel = parallel::should_parallelise(dims.work());
-    let run = |(b, i0, out_tile): (usize, usize, &mut [f32])| {
-        let rows = out_tile.len() / row;
-        let head = |h: usize| forward_tile(&dims, q, k, v, b, h, i0, rows);
-        let per_head: Vec<TileOutput> =
-            if parallel { (0..heads).into_par_iter().map(head).collect() } else { (0..heads).map(head).collect() };
-        for (h, tile) in per_head.iter().enumerate() {
-            for (dst, src) in out_tile.chunks_mut(row).zip(tile.out.chunks(head_dim)) {
+    let row = heads * head_dim;
+    let scatter = |(b, out_b): (usize, &mut [f32])| {
+        for (h, tile) in per_head[b * heads..(b + 1) * heads].iter().enumerate() {
+            for (dst, src) in out_b.chunks_mut(row).zip(tile.out.chunks(head_dim)) {
                 dst[h * head_dim..][..head_dim].copy_from_slice(src);
             }
         }
-        (b, i0, per_head)
     };
-    let tiles: Vec<_> =
-        if parallel { tasks.into_par_iter().map(run).collect() } else { tasks.into_iter().map(run).collect() };
-    for (b, i0, per_head) in tiles {
-        for (h, tile) in per_head.iter().enumerate() {
-            lse[(b * heads + h) * q_seq + i0..][..tile.lse.len()].copy_from_slice(&tile.lse);
-        }
+    if parallel::should_parallelise(out.len()) {
+        out.par_chunks_mut(q_seq * row).enumerate().for_each(scatter);
+    } else {
+        out.chunks_mut(q_seq * row).enumerate().for_each(scatter);
     }
 }
 
@@ -238,56 +235,78 @@ impl Dims {
         i0 + rows + self.offset()
     }
 
-    /// One head's `D` elements of consecutive tokens of `data`, starting at element `at`, as a
-    /// `tokens × D` operand (or its transpose).
-    fn rows<'a>(&self, data: &'a [f32], at: usize, transposed: bool) -> Operand<'a> {
-        let (row_stride, col_stride) = (self.heads * self.head_dim, 1);
-        if transposed {
-            Operand { data, offset: at, row_stride: col_stride, col_stride: row_stride }
-        } else {
-            Operand { data, offset: at, row_stride, col_stride }
+    /// Query-side rows `[tokens, D]` of one head from element `at` (any tile layout).
+    fn rows<'a>(&self, data: &'a [f32], at: usize) -> TileA<'a> {
+        TileA { data, offset: at, row_stride: self.heads * self.head_dim, col_stride: 1 }
+    }
+
+    /// Rows `[tokens, D]` of key/value head `h` of batch entry `b` from token `s0`, as the
+    /// right operand of a tile product.
+    fn kv_rows<'a>(&self, data: &'a [f32], b: usize, s0: usize, h: usize) -> TileB<'a> {
+        TileB { data, offset: self.kv_at(b, s0, h), row_stride: self.heads * self.head_dim }
+    }
+
+    /// Head `h` of batch entry `b` of a key/value tensor, transposed to `[D, Tk]`.
+    fn transposed_head(&self, data: &[f32], b: usize, h: usize) -> Vec<f32> {
+        let mut t = vec![0.0; self.head_dim * self.kv_seq];
+        for s in 0..self.kv_seq {
+            for (x, &value) in data[self.kv_at(b, s, h)..][..self.head_dim].iter().enumerate() {
+                t[x * self.kv_seq + s] = value;
+            }
         }
+        t
+    }
+
+    /// Columns `s0..` of a transposed head `[D, Tk]` as the right operand of a tile product.
+    fn kt_columns<'a>(&self, kt: &'a [f32], s0: usize) -> TileB<'a> {
+        TileB { data: kt, offset: s0, row_stride: self.kv_seq }
     }
 }
 
-/// One head's share of a query tile: output rows `[rows, D]` and their log-sum-exp.
+/// One head's output rows `[Tq, D]` and their log-sum-exp `[Tq]`.
 struct TileOutput {
     out: Vec<f32>,
     lse: Vec<f32>,
 }
 
-/// Runs the online softmax of queries `i0..i0 + rows` of head `h` over all visible keys.
-#[allow(clippy::too_many_arguments)]
-fn forward_tile(d: &Dims, q: &[f32], k: &[f32], v: &[f32], b: usize, h: usize, i0: usize, rows: usize) -> TileOutput {
+/// Runs the online softmax of every query tile of head `h` of batch entry `b` over all its
+/// visible keys.
+fn forward_head(d: &Dims, q: &[f32], k: &[f32], v: &[f32], b: usize, h: usize) -> TileOutput {
     let dh = d.head_dim;
+    let kt = d.transposed_head(k, b, h);
     // acc = Σ e^(score − max)·v, sum = Σ e^(score − max), both rescaled when max grows.
-    let mut acc = vec![0.0; rows * dh];
-    let mut max = vec![f32::NEG_INFINITY; rows];
-    let mut sum = vec![0.0f32; rows];
-    let mut scores = vec![0.0; rows * K_TILE];
-    let q_tile = d.rows(q, d.q_at(b, i0, h), false);
-    let end = d.key_end(i0, rows);
-    for s0 in (0..end).step_by(K_TILE) {
-        let cols = K_TILE.min(end - s0);
-        let scores = &mut scores[..rows * cols];
-        tile_matmul(scores, q_tile, d.rows(k, d.kv_at(b, s0, h), true), rows, cols, dh, d.scale, false);
-        for r in 0..rows {
-            let row = &mut scores[r * cols..][..cols];
-            mask_future(row, i0 + r + d.offset(), s0);
-            let new_max = max[r].max(slice_max(row));
-            // The first tile always holds key 0, so new_max is finite and this is e^-∞ = 0 there.
-            let correction = (max[r] - new_max).exp();
-            sum[r] = sum[r] * correction + exp_in_place(row, new_max);
-            max[r] = new_max;
-            acc[r * dh..][..dh].iter_mut().for_each(|a| *a *= correction);
+    let mut out = vec![0.0; d.q_seq * dh];
+    let mut lse = vec![0.0; d.q_seq];
+    let mut scores = vec![0.0; Q_TILE * K_TILE];
+    for i0 in (0..d.q_seq).step_by(Q_TILE) {
+        let rows = Q_TILE.min(d.q_seq - i0);
+        let acc = &mut out[i0 * dh..(i0 + rows) * dh];
+        let mut max = [f32::NEG_INFINITY; Q_TILE];
+        let mut sum = [0.0f32; Q_TILE];
+        let q_tile = d.rows(q, d.q_at(b, i0, h));
+        let end = d.key_end(i0, rows);
+        for s0 in (0..end).step_by(K_TILE) {
+            let cols = K_TILE.min(end - s0);
+            let scores = &mut scores[..rows * cols];
+            tile_gemm(scores, cols, q_tile, d.kt_columns(&kt, s0), rows, cols, dh, d.scale, false);
+            for r in 0..rows {
+                let row = &mut scores[r * cols..][..cols];
+                mask_future(row, i0 + r + d.offset(), s0);
+                let new_max = max[r].max(slice_max(row));
+                // The first tile always holds key 0, so new_max is finite and this is e^-∞ = 0 there.
+                let correction = (max[r] - new_max).exp();
+                sum[r] = sum[r] * correction + exp_in_place(row, new_max);
+                max[r] = new_max;
+                acc[r * dh..][..dh].iter_mut().for_each(|a| *a *= correction);
+            }
+            tile_gemm(acc, dh, dense(scores, cols), d.kv_rows(v, b, s0, h), rows, dh, cols, 1.0, true);
         }
-        tile_matmul(&mut acc, dense(scores, cols), d.rows(v, d.kv_at(b, s0, h), false), rows, dh, cols, 1.0, true);
+        for (r, out_row) in acc.chunks_mut(dh).enumerate() {
+            out_row.iter_mut().for_each(|a| *a /= sum[r]);
+            lse[i0 + r] = max[r] + sum[r].ln();
+        }
     }
-    for (out_row, &total) in acc.chunks_mut(dh).zip(&sum) {
-        out_row.iter_mut().for_each(|a| *a /= total);
-    }
-    let lse = max.iter().zip(&sum).map(|(m, s)| m + s.ln()).collect();
-    TileOutput { out: acc, lse }
+    TileOutput { out, lse }
 }
 
 /// Gradients of one (b, h) pair, rows of `D`.
@@ -314,6 +333,7 @@ fn backward_pair(
 ) -> HeadGrads {
     let dh = d.head_dim;
     let mut g = HeadGrads { dq: vec![0.0; d.q_seq * dh], dk: vec![0.0; d.kv_seq * dh], dv: vec![0.0; d.kv_seq * dh] };
+    let (kt, vt) = (d.transposed_head(k, b, h), d.transposed_head(v, b, h));
     let mut p = vec![0.0; Q_TILE * K_TILE];
     let mut dp = vec![0.0; Q_TILE * K_TILE];
     // δ_i = Σ_d dO_id·O_id = Σ_s P_is·dP_is, the softmax backward's row term.
@@ -322,29 +342,31 @@ fn backward_pair(
     let lse = &lse[(b * d.heads + h) * d.q_seq..][..d.q_seq];
     for i0 in (0..d.q_seq).step_by(Q_TILE) {
         let rows = Q_TILE.min(d.q_seq - i0);
-        let (q_tile, do_tile) = (d.rows(q, d.q_at(b, i0, h), false), d.rows(dout, d.q_at(b, i0, h), false));
+        let (q_tile, do_tile) = (d.rows(q, d.q_at(b, i0, h)), d.rows(dout, d.q_at(b, i0, h)));
+        // The same rows as right operands (for dK = dSᵀ·Q and dV = Pᵀ·dO).
+        let q_rows = TileB { data: q, offset: q_tile.offset, row_stride: q_tile.row_stride };
+        let do_rows = TileB { data: dout, offset: do_tile.offset, row_stride: do_tile.row_stride };
         let end = d.key_end(i0, rows);
         for s0 in (0..end).step_by(K_TILE) {
             let cols = K_TILE.min(end - s0);
             let (p, dp) = (&mut p[..rows * cols], &mut dp[..rows * cols]);
-            let k_tile = d.rows(k, d.kv_at(b, s0, h), false);
-            tile_matmul(p, q_tile, d.rows(k, d.kv_at(b, s0, h), true), rows, cols, dh, d.scale, false);
+            tile_gemm(p, cols, q_tile, d.kt_columns(&kt, s0), rows, cols, dh, d.scale, false);
             for r in 0..rows {
                 let row = &mut p[r * cols..][..cols];
                 mask_future(row, i0 + r + d.offset(), s0);
                 exp_in_place(row, lse[i0 + r]);
             }
             // d/dV = Pᵀ·dO
-            tile_matmul(&mut g.dv[s0 * dh..][..cols * dh], transposed(p, cols), do_tile, cols, dh, rows, 1.0, true);
+            tile_gemm(&mut g.dv[s0 * dh..], dh, transposed(p, cols), do_rows, cols, dh, rows, 1.0, true);
             // d/dP = dO·Vᵀ;  d/dS = P ⊙ (dP − δ)
-            tile_matmul(dp, do_tile, d.rows(v, d.kv_at(b, s0, h), true), rows, cols, dh, 1.0, false);
+            tile_gemm(dp, cols, do_tile, d.kt_columns(&vt, s0), rows, cols, dh, 1.0, false);
             for r in 0..rows {
                 let (pr, dpr) = (&p[r * cols..][..cols], &mut dp[r * cols..][..cols]);
                 softmax_grad_in_place(pr, dpr, delta[i0 + r]);
             }
             // d/dQ = scale·dS·K;  d/dK = scale·dSᵀ·Q
-            tile_matmul(&mut g.dq[i0 * dh..][..rows * dh], dense(dp, cols), k_tile, rows, dh, cols, d.scale, true);
-            tile_matmul(&mut g.dk[s0 * dh..][..cols * dh], transposed(dp, cols), q_tile, cols, dh, rows, d.scale, true);
+            tile_gemm(&mut g.dq[i0 * dh..], dh, dense(dp, cols), d.kv_rows(k, b, s0, h), rows, dh, cols, d.scale, true);
+            tile_gemm(&mut g.dk[s0 * dh..], dh, transposed(dp, cols), q_rows, cols, dh, rows, d.scale, true);
         }
     }
     g
@@ -393,72 +415,14 @@ fn add_head(grad: &[f32], h: usize, head_dim: usize, row: usize, dst: &mut [f32]
     }
 }
 
-/// A strided read-only matrix operand: element (i, j) is `data[offset + i·row_stride + j·col_stride]`.
-#[derive(Clone, Copy)]
-struct Operand<'a> {
-    data: &'a [f32],
-    offset: usize,
-    row_stride: usize,
-    col_stride: usize,
+/// A contiguous row-major buffer with `cols` columns as the left operand of a tile product.
+fn dense(data: &[f32], cols: usize) -> TileA<'_> {
+    TileA { data, offset: 0, row_stride: cols, col_stride: 1 }
 }
 
-/// A contiguous row-major `rows × cols` buffer as an operand.
-fn dense(data: &[f32], cols: usize) -> Operand<'_> {
-    Operand { data, offset: 0, row_stride: cols, col_stride: 1 }
-}
-
-/// The transpose of a contiguous row-major buffer with `cols` columns.
-fn transposed(data: &[f32], cols: usize) -> Operand<'_> {
-    Operand { data, offset: 0, row_stride: 1, col_stride: cols }
-}
-
-/// `dst[m×n] = (dst if accumulate) + alpha · lhs[m×k] · rhs[k×n]`, dst contiguous, on the
-/// calling thread (the tiles are already spread over threads).
-#[allow(clippy::too_many_arguments)]
-fn tile_matmul(
-    dst: &mut [f32],
-    lhs: Operand,
-    rhs: Operand,
-    m: usize,
-    n: usize,
-    k: usize,
-    alpha: f32,
-    accumulate: bool,
-) {
-    assert!(dst.len() >= m * n, "tile_matmul: dst too short");
-    for (op, rows, cols) in [(&lhs, m, k), (&rhs, k, n)] {
-        let last = op.offset + rows.saturating_sub(1) * op.row_stride + cols.saturating_sub(1) * op.col_stride;
-        assert!(rows == 0 || cols == 0 || last < op.data.len(), "tile_matmul: operand out of bounds");
-    }
-    if m == 0 || n == 0 {
-        return;
-    }
-    // SAFETY: every index the strides can reach was bounds-checked above, dst holds m·n
-    // elements, and dst is exclusively borrowed so it cannot alias lhs or rhs. With k == 0,
-    // gemm reads no operand element.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            lhs.data.as_ptr().add(lhs.offset),
-            lhs.col_stride as isize,
-            lhs.row_stride as isize,
-            rhs.data.as_ptr().add(rhs.offset),
-            rhs.col_stride as isize,
-            rhs.row_stride as isize,
-            1.0,
-            alpha,
-            false,
-            false,
-            false,
-            Parallelism::None,
-        );
-    }
+/// The transpose of a contiguous row-major buffer with `cols` columns, as a left operand.
+fn transposed(data: &[f32], cols: usize) -> TileA<'_> {
+    TileA { data, offset: 0, row_stride: 1, col_stride: cols }
 }
 
 #[cfg(test)]

@@ -13,17 +13,19 @@
 //! concatenated operand is the row stack `[W; A_c; A_s]` read transposed through strides.
 //!
 //! On the CPU the GEMM output `ZU` is one buffer (the caller saves it for backward: it is
-//! all the backward needs besides `x` and the parameters); the gate is then computed and
-//! applied in one pass over the rows, never materialising γ. PyTorch equivalent of the whole
+//! all the backward needs besides `x` and the parameters). The rank-r parts run as small
+//! GEMMs (`H_c·B_cᵀ`), and the gate is computed and applied in one SIMD pass over rows,
+//! never materialising γ. PyTorch equivalent of the whole
 //! op: `(x @ W.T) * 2*sigmoid(αc*(phi(x @ Ac.T + ac) @ Bc.T + bc)) * 2*sigmoid(αs*(...))`.
 //!
 //! Backward kernels accumulate into their gradient buffers (`dx += ...`).
 
 use rayon::prelude::*;
+use wide::f32x8;
 
 use super::matmul::{matmul, MatRef};
 use super::parallel;
-use super::unary::{unary_derivative_reference, unary_reference, Unary};
+use super::unary::{exp8, load, store, unary_derivative_reference, unary_reference, Unary, LANES};
 
 /// Sizes of one fused projection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,16 +111,10 @@ fn calibrated_sigmoid(alpha: f32, z: f32) -> f32 {
     2.0 * unary_reference(Unary::Sigmoid, alpha * z)
 }
 
-/// `h = φ(u + a)` and, when asked, `φ'(u + a)`.
-fn activate(phi: Unary, u: &[f32], bias: &[f32], h: &mut [f32], dphi: Option<&mut [f32]>) {
-    for ((h, &u), &b) in h.iter_mut().zip(u).zip(bias) {
-        *h = unary_reference(phi, u + b);
-    }
-    if let Some(dphi) = dphi {
-        for (((d, &u), &b), &h) in dphi.iter_mut().zip(u).zip(bias).zip(h.iter()) {
-            *d = unary_derivative_reference(phi, u + b, h);
-        }
-    }
+/// `σ(v)` per lane; `exp8` gives `inf` for very negative `v`, so the result is 0, not NaN.
+#[inline(always)]
+fn sigmoid8(v: f32x8) -> f32x8 {
+    f32x8::ONE / (f32x8::ONE + exp8(-v))
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -140,39 +136,90 @@ fn check_lengths(dims: &FusedGateDims, x: &[f32], p: &FusedGateParams) {
     assert!(p.scalar.b_weight.len() == rs && p.scalar.b_bias.len() == 1, "fused_gate: scalar B, b");
 }
 
+/// A row-major `rows × cols` operand at `offset` of a buffer with row stride `stride`.
+fn rows_of(data: &[f32], offset: usize, stride: usize) -> MatRef<'_> {
+    MatRef { data, offset, row_stride: stride as isize, col_stride: 1 }
+}
+
+/// The transpose of [`rows_of`].
+fn columns_of(data: &[f32], offset: usize, stride: usize) -> MatRef<'_> {
+    MatRef { data, offset, row_stride: 1, col_stride: stride as isize }
+}
+
+/// What both passes recompute from `ZU`: `H = φ(U + a)` (`N × (r_c + r_s)`, with `φ'` when
+/// asked), the scalar gate `γ_s` and its logit per row, and the channel logits without
+/// their bias, `H_c·B_cᵀ` (`N × d_out`, one GEMM of inner size r_c).
+struct Summaries {
+    hidden: Vec<f32>,
+    dphi: Vec<f32>,
+    gate_scalar: Vec<f32>,
+    logit_scalar: Vec<f32>,
+    logits: Vec<f32>,
+}
+
+fn summaries(dims: &FusedGateDims, p: &FusedGateParams, zu: &[f32], with_derivative: bool) -> Summaries {
+    let FusedGateDims { rows, d_out, rank_channel: rc, rank_scalar: rs, .. } = *dims;
+    let (k, r) = (dims.width(), rc + rs);
+    let mut hidden = vec![0.0; rows * r];
+    let mut dphi = vec![0.0; if with_derivative { rows * r } else { 0 }];
+    let (mut gate_scalar, mut logit_scalar) = (vec![0.0; rows], vec![0.0; rows]);
+    let biases = [p.channel.a_bias, p.scalar.a_bias].concat();
+    for n in 0..rows {
+        let h = &mut hidden[n * r..(n + 1) * r];
+        for ((h, &u), &a) in h.iter_mut().zip(&zu[n * k + d_out..(n + 1) * k]).zip(&biases) {
+            *h = unary_reference(p.phi, u + a);
+        }
+        if with_derivative {
+            for t in 0..r {
+                dphi[n * r + t] = unary_derivative_reference(p.phi, zu[n * k + d_out + t] + biases[t], h[t]);
+            }
+        }
+        logit_scalar[n] = dot(p.scalar.b_weight, &h[rc..]) + p.scalar.b_bias[0];
+        gate_scalar[n] = calibrated_sigmoid(p.scalar.alpha, logit_scalar[n]);
+    }
+    let mut logits = vec![0.0; rows * d_out];
+    matmul(&mut logits, 0, rows_of(&hidden, 0, r), columns_of(p.channel.b_weight, 0, rc), rows, d_out, rc, false);
+    Summaries { hidden, dphi, gate_scalar, logit_scalar, logits }
+}
+
 /// Forward: `zu[N×K] = x·[W; A_c; A_s]ᵀ` (saved for backward) and `out[N×d_out] = Ẑ`.
 pub fn fused_gate_forward(dims: &FusedGateDims, x: &[f32], p: &FusedGateParams, zu: &mut [f32], out: &mut [f32]) {
     check_lengths(dims, x, p);
-    let FusedGateDims { rows, d_in, d_out, rank_channel: rc, rank_scalar: rs } = *dims;
+    let FusedGateDims { rows, d_in, d_out, .. } = *dims;
     let k = dims.width();
     assert!(zu.len() == rows * k && out.len() == rows * d_out, "fused_gate_forward: zu or out has the wrong length");
     let c = concatenated_weight(p);
-    let lhs = MatRef { data: x, offset: 0, row_stride: d_in as isize, col_stride: 1 };
-    let rhs = MatRef { data: &c, offset: 0, row_stride: 1, col_stride: d_in as isize };
-    matmul(zu, 0, lhs, rhs, rows, k, d_in, false);
-
+    matmul(zu, 0, rows_of(x, 0, d_in), columns_of(&c, 0, d_in), rows, k, d_in, false);
+    let s = summaries(dims, p, zu, false);
     let zu: &[f32] = zu;
-    let work_per_row = d_out * (2 * rc + 4) + rs * 2;
-    parallel::for_each_row_block_mut(out, d_out, work_per_row, |first, block| {
-        let (mut hc, mut hs) = (vec![0.0; rc], vec![0.0; rs]);
-        for (i, out_row) in block.chunks_mut(d_out).enumerate() {
-            let row = &zu[(first + i) * k..(first + i + 1) * k];
-            activate(p.phi, &row[d_out + rc..], p.scalar.a_bias, &mut hs, None);
-            let gate_scalar = calibrated_sigmoid(p.scalar.alpha, dot(p.scalar.b_weight, &hs) + p.scalar.b_bias[0]);
-            activate(p.phi, &row[d_out..d_out + rc], p.channel.a_bias, &mut hc, None);
-            for (j, y) in out_row.iter_mut().enumerate() {
-                let logit = dot(&p.channel.b_weight[j * rc..(j + 1) * rc], &hc) + p.channel.b_bias[j];
-                *y = calibrated_sigmoid(p.channel.alpha, logit) * gate_scalar * row[j];
+    let (alpha, bias) = (f32x8::splat(p.channel.alpha), p.channel.b_bias);
+    parallel::for_each_row_block_mut(out, d_out, d_out * 8, |first, block| {
+        for (i, y) in block.chunks_mut(d_out).enumerate() {
+            let n = first + i;
+            let (z, logits) = (&zu[n * k..n * k + d_out], &s.logits[n * d_out..(n + 1) * d_out]);
+            let scale = 2.0 * s.gate_scalar[n];
+            let simd = d_out - d_out % LANES;
+            for j in (0..simd).step_by(LANES) {
+                let gate = sigmoid8(alpha * (load(&logits[j..]) + load(&bias[j..])));
+                store(gate * f32x8::splat(scale) * load(&z[j..]), &mut y[j..]);
+            }
+            for j in simd..d_out {
+                y[j] = unary_reference(Unary::Sigmoid, p.channel.alpha * (logits[j] + bias[j])) * scale * z[j];
             }
         }
     });
 }
 
+/// One block of the backward row pass: its index, then rows of `dZU`, of the channel
+/// logits' gradient and of the per-row terms.
+type RowBlock<'a> = (usize, ((&'a mut [f32], &'a mut [f32]), &'a mut [f32]));
+
 /// Backward of [`fused_gate_forward`] from the saved `zu` and the output gradient `dout`.
 ///
-/// One pass over rows recomputes `φ`, the logits and both gates from `zu`, writing
-/// `dZU = [dZ | dU_c | dU_s]` and per-row terms of the cross-row sums; GEMMs then give
-/// `dx += dZU·[W; A_c; A_s]`, `dW += dZᵀ·x`, `dA += dUᵀ·x` and `dB += dLᵀ·H`.
+/// Recomputes `H`, `γ_s` and the channel logits from `zu`; one SIMD pass over rows gives
+/// `dZ`, the channel logits' gradient `dL_c` and per-row terms of `dγ_s` and `dα_c`; GEMMs
+/// then give `dH_c = dL_c·B_c`, `dB_c += dL_cᵀ·H_c`, `dx += dZU·[W; A_c; A_s]`,
+/// `dW += dZᵀ·x` and `dA += dUᵀ·x`.
 pub fn fused_gate_backward(
     dims: &FusedGateDims,
     x: &[f32],
@@ -183,113 +230,118 @@ pub fn fused_gate_backward(
 ) {
     check_lengths(dims, x, p);
     let FusedGateDims { rows, d_in, d_out, rank_channel: rc, rank_scalar: rs } = *dims;
-    let k = dims.width();
+    let (k, r) = (dims.width(), rc + rs);
     assert!(zu.len() == rows * k && dout.len() == rows * d_out, "fused_gate_backward: zu or dout has the wrong length");
-    // aux row: [dL_c (d_out) | H_c (r_c) | H_s (r_s) | dL_s | dα_c term | dα_s term]
-    let aux_cols = d_out + rc + rs + 3;
+    let Summaries { hidden, dphi, gate_scalar, logit_scalar, logits: mut dlogits } = summaries(dims, p, zu, true);
+    // dzu rows: [dZ | dU_c | dU_s]; row_terms: [dγ_s, dα_c] per row.
     let mut dzu = vec![0.0; rows * k];
-    let mut aux = vec![0.0; rows * aux_cols];
-    let work_per_row = d_out * (3 * rc + 8) + rs * 4;
-    let block_rows = parallel::rows_per_task(work_per_row);
-    let run = |(i, (dzu_block, aux_block)): (usize, (&mut [f32], &mut [f32]))| {
-        let rows_in_block = dzu_block.len() / k;
-        for r in 0..rows_in_block {
-            let n = i * block_rows + r;
-            let dzu_row = &mut dzu_block[r * k..(r + 1) * k];
-            let aux_row = &mut aux_block[r * aux_cols..(r + 1) * aux_cols];
-            backward_row(dims, p, &zu[n * k..(n + 1) * k], &dout[n * d_out..(n + 1) * d_out], dzu_row, aux_row);
+    let mut row_terms = vec![0.0; rows * 2];
+    let block_rows = parallel::rows_per_task(d_out * 16);
+    let run = |(i, ((dzu_block, dl_block), terms)): RowBlock<'_>| {
+        for (r_in_block, ((dzu_row, dl_row), term)) in
+            dzu_block.chunks_mut(k).zip(dl_block.chunks_mut(d_out)).zip(terms.chunks_mut(2)).enumerate()
+        {
+            let n = i * block_rows + r_in_block;
+            let z = &zu[n * k..n * k + d_out];
+            let dy = &dout[n * d_out..(n + 1) * d_out];
+            let (dgate_s, dalpha_c) = channel_backward_row(p, z, dy, gate_scalar[n], dl_row, &mut dzu_row[..d_out]);
+            term.copy_from_slice(&[dgate_s, dalpha_c]);
         }
     };
-    if parallel::should_parallelise(rows.saturating_mul(work_per_row)) {
-        dzu.par_chunks_mut(block_rows * k).zip(aux.par_chunks_mut(block_rows * aux_cols)).enumerate().for_each(run);
+    let chunks = (block_rows * k, block_rows * d_out, block_rows * 2);
+    if parallel::should_parallelise(rows.saturating_mul(d_out * 16)) {
+        dzu.par_chunks_mut(chunks.0)
+            .zip(dlogits.par_chunks_mut(chunks.1))
+            .zip(row_terms.par_chunks_mut(chunks.2))
+            .enumerate()
+            .for_each(run);
     } else {
-        dzu.chunks_mut(block_rows * k).zip(aux.chunks_mut(block_rows * aux_cols)).enumerate().for_each(run);
+        dzu.chunks_mut(chunks.0)
+            .zip(dlogits.chunks_mut(chunks.1))
+            .zip(row_terms.chunks_mut(chunks.2))
+            .enumerate()
+            .for_each(run);
     }
 
-    // Cross-row sums. dB_c = dL_cᵀ·H_c and dB_s = dL_sᵀ·H_s are small GEMMs over rows.
-    let aux_ref = |offset: usize, transposed: bool| MatRef {
-        data: &aux,
-        offset,
-        row_stride: if transposed { 1 } else { aux_cols as isize },
-        col_stride: if transposed { aux_cols as isize } else { 1 },
-    };
-    matmul(grads.channel.b_weight, 0, aux_ref(0, true), aux_ref(d_out, false), d_out, rc, rows, true);
-    let dl_s = d_out + rc + rs;
-    matmul(grads.scalar.b_weight, 0, aux_ref(dl_s, true), aux_ref(d_out + rc, false), 1, rs, rows, true);
-    add_column_sums(&aux, aux_cols, 0, grads.channel.b_bias);
-    add_column_sums(&aux, aux_cols, dl_s, grads.scalar.b_bias);
+    // d/dH_c = dL_c·B_c; d/dU = d/dH ⊙ φ'(U + a), written into dZU's summary columns.
+    let mut dhidden = vec![0.0; rows * rc];
+    matmul(&mut dhidden, 0, rows_of(&dlogits, 0, d_out), rows_of(p.channel.b_weight, 0, rc), rows, rc, d_out, false);
+    let (mut dalpha_s, mut dalpha_c) = (0.0f64, 0.0f64);
+    let mut dlogit_scalar = vec![0.0; rows];
+    for n in 0..rows {
+        let (dgate_s, dalpha_c_row) = (row_terms[2 * n], row_terms[2 * n + 1]);
+        dalpha_c += dalpha_c_row as f64;
+        // d/dl 2σ(αl) = α·γ(1 − γ/2), d/dα 2σ(αl) = l·γ(1 − γ/2)
+        let slope = gate_scalar[n] * (1.0 - 0.5 * gate_scalar[n]);
+        dlogit_scalar[n] = dgate_s * p.scalar.alpha * slope;
+        dalpha_s += (dgate_s * logit_scalar[n] * slope) as f64;
+        let du = &mut dzu[n * k + d_out..(n + 1) * k];
+        let d = &dphi[n * r..(n + 1) * r];
+        for t in 0..rc {
+            du[t] = dhidden[n * rc + t] * d[t];
+        }
+        for t in 0..rs {
+            du[rc + t] = dlogit_scalar[n] * p.scalar.b_weight[t] * d[rc + t];
+        }
+    }
+    *grads.channel.alpha += dalpha_c as f32;
+    *grads.scalar.alpha += dalpha_s as f32;
+
+    // Cross-row sums: dB = dLᵀ·H, db = Σ dL, da = Σ dU.
+    matmul(grads.channel.b_weight, 0, columns_of(&dlogits, 0, d_out), rows_of(&hidden, 0, r), d_out, rc, rows, true);
+    matmul(grads.scalar.b_weight, 0, columns_of(&dlogit_scalar, 0, 1), rows_of(&hidden, rc, r), 1, rs, rows, true);
+    add_column_sums(&dlogits, d_out, 0, grads.channel.b_bias);
+    grads.scalar.b_bias[0] += dlogit_scalar.iter().map(|&v| v as f64).sum::<f64>() as f32;
     add_column_sums(&dzu, k, d_out, grads.channel.a_bias);
     add_column_sums(&dzu, k, d_out + rc, grads.scalar.a_bias);
-    let column_total = |col: usize| -> f32 { aux.chunks(aux_cols).map(|row| row[col] as f64).sum::<f64>() as f32 };
-    *grads.channel.alpha += column_total(dl_s + 1);
-    *grads.scalar.alpha += column_total(dl_s + 2);
 
     // dx += dZU·[W; A_c; A_s]; then the weight gradients, each a row block of dZUᵀ·x.
     let c = concatenated_weight(p);
-    let dzu_ref = MatRef { data: &dzu, offset: 0, row_stride: k as isize, col_stride: 1 };
-    let c_ref = MatRef { data: &c, offset: 0, row_stride: d_in as isize, col_stride: 1 };
-    matmul(grads.x, 0, dzu_ref, c_ref, rows, d_in, k, true);
-    let x_ref = MatRef { data: x, offset: 0, row_stride: d_in as isize, col_stride: 1 };
-    let dzu_t = |offset: usize| MatRef { data: &dzu, offset, row_stride: 1, col_stride: k as isize };
-    matmul(grads.weight, 0, dzu_t(0), x_ref, d_out, d_in, rows, true);
-    matmul(grads.channel.a_weight, 0, dzu_t(d_out), x_ref, rc, d_in, rows, true);
-    matmul(grads.scalar.a_weight, 0, dzu_t(d_out + rc), x_ref, rs, d_in, rows, true);
+    matmul(grads.x, 0, rows_of(&dzu, 0, k), rows_of(&c, 0, d_in), rows, d_in, k, true);
+    let x_rows = rows_of(x, 0, d_in);
+    matmul(grads.weight, 0, columns_of(&dzu, 0, k), x_rows, d_out, d_in, rows, true);
+    matmul(grads.channel.a_weight, 0, columns_of(&dzu, d_out, k), x_rows, rc, d_in, rows, true);
+    matmul(grads.scalar.a_weight, 0, columns_of(&dzu, d_out + rc, k), x_rows, rs, d_in, rows, true);
 }
 
-/// One row of the backward pass. Writes `dzu_row = [dZ | dU_c | dU_s]` and
-/// `aux_row = [dL_c | H_c | H_s | dL_s | dα_c term | dα_s term]`.
-fn backward_row(
-    dims: &FusedGateDims,
+/// One row of the channel gate's backward. On entry `dl` holds the logits without bias
+/// (`H_c·B_cᵀ`); on exit `dL_c`. Writes `dz`; returns this row's `dγ_s` and `dα_c` terms.
+fn channel_backward_row(
     p: &FusedGateParams,
-    row: &[f32],
+    z: &[f32],
     dy: &[f32],
-    dzu_row: &mut [f32],
-    aux_row: &mut [f32],
-) {
-    let FusedGateDims { d_out, rank_channel: rc, rank_scalar: rs, .. } = *dims;
-    let (mut dphi_c, mut dphi_s) = (vec![0.0; rc], vec![0.0; rs]);
-    let (dl_c, rest) = aux_row.split_at_mut(d_out);
-    let (h_c, rest) = rest.split_at_mut(rc);
-    let (h_s, tail) = rest.split_at_mut(rs);
-    activate(p.phi, &row[d_out + rc..], p.scalar.a_bias, h_s, Some(&mut dphi_s));
-    activate(p.phi, &row[d_out..d_out + rc], p.channel.a_bias, h_c, Some(&mut dphi_c));
-    let logit_s = dot(p.scalar.b_weight, h_s) + p.scalar.b_bias[0];
-    let gate_s = calibrated_sigmoid(p.scalar.alpha, logit_s);
-
-    let (dz, du) = dzu_row.split_at_mut(d_out);
-    let (du_c, du_s) = du.split_at_mut(rc);
-    du_c.fill(0.0);
-    let (mut dgate_s, mut dalpha_c) = (0.0f32, 0.0f32);
-    for j in 0..d_out {
-        let b_row = &p.channel.b_weight[j * rc..(j + 1) * rc];
-        let logit_c = dot(b_row, h_c) + p.channel.b_bias[j];
-        let gate_c = calibrated_sigmoid(p.channel.alpha, logit_c);
-        // d/dZ: γ_c·γ_s; d/dγ_c: dẐ·Z·γ_s; d/dγ_s: Σ_j dẐ·Z·γ_c
-        dz[j] = dy[j] * gate_c * gate_s;
-        let dgate_c = dy[j] * row[j] * gate_s;
-        dgate_s += dy[j] * row[j] * gate_c;
-        // d/dl 2σ(αl) = α·2σ(1−σ), d/dα 2σ(αl) = l·2σ(1−σ), with 2σ(1−σ) = γ(1 − γ/2)
-        let slope = gate_c * (1.0 - 0.5 * gate_c);
-        let dlogit = dgate_c * p.channel.alpha * slope;
-        dalpha_c += dgate_c * logit_c * slope;
-        dl_c[j] = dlogit;
-        // d/dh_c = Σ_j dL_j·B_c[j, :]
-        for (acc, &b) in du_c.iter_mut().zip(b_row) {
-            *acc += dlogit * b;
-        }
+    gate_s: f32,
+    dl: &mut [f32],
+    dz: &mut [f32],
+) -> (f32, f32) {
+    let (alpha, bias) = (p.channel.alpha, p.channel.b_bias);
+    let (alpha8, gate_s8, half) = (f32x8::splat(alpha), f32x8::splat(gate_s), f32x8::splat(0.5));
+    let (mut dgate_s8, mut dalpha8) = (f32x8::ZERO, f32x8::ZERO);
+    let simd = dl.len() - dl.len() % LANES;
+    // d/dZ = γ_c·γ_s; d/dγ_c = dẐ·Z·γ_s; d/dγ_s = Σ_j dẐ·Z·γ_c; then through σ̃ as for γ_s.
+    for j in (0..simd).step_by(LANES) {
+        let logit = load(&dl[j..]) + load(&bias[j..]);
+        let gate = sigmoid8(alpha8 * logit) * 2.0;
+        let (g, zj) = (load(&dy[j..]), load(&z[j..]));
+        store(g * gate * gate_s8, &mut dz[j..]);
+        let dgate = g * zj * gate_s8;
+        dgate_s8 += g * zj * gate;
+        let slope = gate * (f32x8::ONE - half * gate);
+        store(dgate * alpha8 * slope, &mut dl[j..]);
+        dalpha8 += dgate * logit * slope;
     }
-    // d/du = d/dh ⊙ φ'(u + a)
-    for (acc, &d) in du_c.iter_mut().zip(&dphi_c) {
-        *acc *= d;
+    let (mut dgate_s, mut dalpha) = (dgate_s8.reduce_add(), dalpha8.reduce_add());
+    for j in simd..dl.len() {
+        let logit = dl[j] + bias[j];
+        let gate = calibrated_sigmoid(alpha, logit);
+        dz[j] = dy[j] * gate * gate_s;
+        let dgate = dy[j] * z[j] * gate_s;
+        dgate_s += dy[j] * z[j] * gate;
+        let slope = gate * (1.0 - 0.5 * gate);
+        dl[j] = dgate * alpha * slope;
+        dalpha += dgate * logit * slope;
     }
-    let slope_s = gate_s * (1.0 - 0.5 * gate_s);
-    let dlogit_s = dgate_s * p.scalar.alpha * slope_s;
-    for ((acc, &b), &d) in du_s.iter_mut().zip(p.scalar.b_weight).zip(&dphi_s) {
-        *acc = dlogit_s * b * d;
-    }
-    tail[0] = dlogit_s;
-    tail[1] = dalpha_c;
-    tail[2] = dgate_s * logit_s * slope_s;
+    (dgate_s, dalpha)
 }
 
 /// `dst[j] += Σ_rows src[row·stride + offset + j]`.

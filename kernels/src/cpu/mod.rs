@@ -17,4 +17,5 @@ pub mod pool;
 pub mod reduce;
 pub mod rope;
 pub mod softmax;
+pub mod tile_gemm;
 pub mod unary;

@@ -5,13 +5,16 @@
 //! x = x + attn(norm(x));  x = x + PTT(x, tok);  x = x + ffn(norm(x)) ⊙ E[tok]     (pre-ln)
 //! ```
 //! with the residual rule swapped per [`ResidualRule`], gates on the projections
-//! (`Ẑ = (X·Wᵀ) ⊙ G(X)`, eq. 6) or on the paths (`Y = Y + F(h) ⊙ G(h)`, eq. 7).
+//! (`Ẑ = (X·Wᵀ) ⊙ G(X)`, eq. 6) or on the paths (`Y = Y + F(h) ⊙ G(h)`, eq. 7), or, for
+//! `ccl`, an FFN of context-conditioned linear layers (SPEC §3) whose context manager reads
+//! the FFN's input `norm(x)`.
 //!
 //! DeepNorm's init: v, o and the FFN weights are scaled by β = (8N)^{-1/4} after their
 //! N(0, init_std²) draw (DeepNet's rule applied to LLaMA's init).
 
 use autograd::Var;
 use nn::attention::{Attention, AttentionConfig};
+use nn::ccl::CclFfn;
 use nn::ffn::SwiGlu;
 use nn::layers::DyT;
 use nn::modulator::{
@@ -24,6 +27,7 @@ use tensor::ops::Binary;
 use tensor::Rng;
 
 use super::config::{LlamaConfig, Parsed};
+use super::ffn::FeedForward;
 use super::variant::Variant;
 use crate::Result;
 
@@ -31,8 +35,8 @@ use crate::Result;
 pub struct DecoderBlock {
     /// `self_attn`: causal attention with RoPE and gated projections.
     pub self_attn: Attention,
-    /// `mlp`: the SwiGLU FFN.
-    pub mlp: SwiGlu,
+    /// `mlp`: the SwiGLU FFN (dense or, for `ccl`, context-conditioned).
+    pub mlp: FeedForward,
     /// The residual rule with its norms and parameters.
     pub residual: Residual,
     /// `per-token`: `x + PTT(x, tok)` between the sublayers.
@@ -122,15 +126,20 @@ impl DecoderBlock {
         let init = WeightInit::Normal { std: config.init_std };
         let attention = AttentionConfig { d_model: d, n_heads: config.n_heads, rope_theta: config.rope_theta };
         let mut self_attn = Attention::new(attention, init, rng)?;
-        let mut mlp = SwiGlu::new(d, config.ffn_hidden, init, rng);
-        if parsed.variant == Variant::DeepNorm {
+        let mut mlp = match parsed.variant {
+            Variant::Ccl => FeedForward::Ccl(CclFfn::new(d, config.ffn_hidden, parsed.ccl, init, rng)),
+            _ => FeedForward::SwiGlu(SwiGlu::new(d, config.ffn_hidden, init, rng)),
+        };
+        if let (Variant::DeepNorm, FeedForward::SwiGlu(mlp)) = (parsed.variant, &mlp) {
             let beta = (8.0 * config.n_layers as f32).powf(-0.25);
             for p in [&self_attn.v_proj, &self_attn.o_proj, &mlp.gate_proj, &mlp.up_proj, &mlp.down_proj] {
                 scale_weight(p, beta)?;
             }
         }
         attach(config, parsed, &mut self_attn.projections_mut(), rng);
-        attach(config, parsed, &mut mlp.projections_mut(), rng);
+        if let FeedForward::SwiGlu(mlp) = &mut mlp {
+            attach(config, parsed, &mut mlp.projections_mut(), rng);
+        }
         if parsed.variant == Variant::SdpaGate {
             self_attn.sdpa_gate = Some(DenseGate::new(d, d, init, rng));
         }
@@ -146,7 +155,7 @@ impl DecoderBlock {
             if parsed.coverage.covers("o_proj") {
                 self_attn.path_gates.push(path_gate(rng));
             }
-            if parsed.coverage.covers("down_proj") {
+            if let (true, FeedForward::SwiGlu(mlp)) = (parsed.coverage.covers("down_proj"), &mut mlp) {
                 mlp.path_gates.push(path_gate(rng));
             }
         }

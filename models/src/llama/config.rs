@@ -1,6 +1,7 @@
 //! [`LlamaConfig`]: the LLaMA presets of SPEC §6 plus every variant knob, serialisable as
 //! the JSON saved beside checkpoints. Missing JSON fields take their defaults.
 
+use nn::ccl::{CclAblation, CclConfig, CclMode};
 use nn::modulator::Phi;
 use serde::{Deserialize, Serialize};
 
@@ -63,6 +64,14 @@ pub struct LlamaConfig {
     pub per_token_rank: usize,
     /// Run `layer-channel-scalar` projections through the fused op (eq. 8-10).
     pub fused: bool,
+    /// CCL basis size k (64; SPEC §3). `ccl` only.
+    pub d_basis: usize,
+    /// CCL context width d_ctx (64). `ccl` only.
+    pub d_ctx: usize,
+    /// CCL context mode: `token` or `causal-mean`. `ccl` only.
+    pub ccl_mode: String,
+    /// CCL ablation: `none`, `static`, `no-out-gate` or `no-basis-gate`. `ccl` only.
+    pub ccl_ablation: String,
 }
 
 impl Default for LlamaConfig {
@@ -89,6 +98,10 @@ impl Default for LlamaConfig {
             laurel_rank: 16,
             per_token_rank: 0,
             fused: true,
+            d_basis: 64,
+            d_ctx: 64,
+            ccl_mode: "token".into(),
+            ccl_ablation: "none".into(),
         }
     }
 }
@@ -99,6 +112,7 @@ pub(crate) struct Parsed {
     pub variant: Variant,
     pub phi: Phi,
     pub coverage: Coverage,
+    pub ccl: CclConfig,
 }
 
 impl LlamaConfig {
@@ -113,6 +127,16 @@ impl LlamaConfig {
                 ))
             })?;
         Ok(LlamaConfig { preset: preset.into(), d_model, ffn_hidden, n_layers, n_heads, ..LlamaConfig::default() })
+    }
+
+    /// The same architecture at width `d_model`, the FFN hidden width scaled with it
+    /// (`round(ffn_hidden · d_model / preset d_model)`, LLaMA's ≈ 8/3 ratio) and the heads
+    /// kept (validation fails if they no longer split the width into even head dimensions).
+    /// The dense-width baselines of CCL Table 2 (Base-64, Base-512) are built this way.
+    pub fn with_d_model(&self, d_model: usize) -> LlamaConfig {
+        let ratio = self.ffn_hidden as f64 / self.d_model.max(1) as f64;
+        let ffn_hidden = ((d_model as f64 * ratio).round() as usize).max(1);
+        LlamaConfig { d_model, ffn_hidden, ..self.clone() }
     }
 
     /// Checks every name and combination; errors list the valid names.
@@ -155,6 +179,8 @@ impl LlamaConfig {
             ("rank", self.rank),
             ("comt_hidden", self.comt_hidden),
             ("laurel_rank", self.laurel_rank),
+            ("d_basis", self.d_basis),
+            ("d_ctx", self.d_ctx),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return bad(format!("{name} must be positive"));
@@ -183,7 +209,7 @@ impl LlamaConfig {
         if self.post_ln && variant.has_own_residual_rule() {
             return bad(format!(
                 "post_ln does not combine with `{}`, which has its own residual rule; post_ln combines with \
-                 pre-ln, post-ln, the modulator variants, per-token, token-scale, sdpa-gate and all-gate",
+                 pre-ln, post-ln, the modulator variants, per-token, token-scale, ccl, sdpa-gate and all-gate",
                 self.variant
             ));
         }
@@ -194,7 +220,30 @@ impl LlamaConfig {
                 self.variant
             ));
         }
-        Ok(Parsed { variant, phi, coverage })
+        let ccl = self.parse_ccl(variant)?;
+        Ok(Parsed { variant, phi, coverage, ccl })
+    }
+
+    /// The CCL options; set away from their defaults they need the `ccl` variant.
+    fn parse_ccl(&self, variant: Variant) -> Result<CclConfig> {
+        let mode = CclMode::from_name(&self.ccl_mode).ok_or_else(|| {
+            Error::Config(format!("unknown ccl_mode `{}`; valid: {}", self.ccl_mode, listed(CclMode::NAMES)))
+        })?;
+        let ablation = CclAblation::from_name(&self.ccl_ablation).ok_or_else(|| {
+            Error::Config(format!(
+                "unknown ccl_ablation `{}`; valid: {}",
+                self.ccl_ablation,
+                listed(CclAblation::NAMES)
+            ))
+        })?;
+        let ccl = CclConfig { d_basis: self.d_basis, d_ctx: self.d_ctx, mode, ablation };
+        if variant != Variant::Ccl && ccl != CclConfig::default() {
+            return Err(Error::Config(format!(
+                "d_basis, d_ctx, ccl_mode and ccl_ablation configure the `ccl` variant, not `{}`",
+                self.variant
+            )));
+        }
+        Ok(ccl)
     }
 }
 

@@ -9,7 +9,8 @@
 //! `...q_proj.modulator.w1` (CoMT), `...q_proj.output_gate.weight` (ALL-Gate),
 //! `...self_attn.sdpa_gate.weight`, `...self_attn.modulator_scalar.A` (path-level),
 //! `model.layers.{i}.resweight`, `attn_laurel.*`, `laurel_pa.gamma`, `per_token.*`,
-//! `token_scale.weight`.
+//! `token_scale.weight`; CCL (`ccl`): `...mlp.context.weight`, `...mlp.gate_proj.basis.weight`,
+//! `...mlp.gate_proj.mix.weight`, `...mlp.gate_proj.gate_basis.weight`, ....
 //!
 //! Init: embeddings and base linear weights N(0, 0.02²) (Hugging Face's
 //! `initializer_range`), norm gains 1, modulators as SPEC §1. The `rezero`, `per-token`
@@ -18,10 +19,14 @@
 
 mod block;
 mod config;
+mod ffn;
+mod trace;
 mod variant;
 
 pub use block::DecoderBlock;
 pub use config::{LlamaConfig, PRESETS};
+pub use ffn::FeedForward;
+pub use trace::GateTrace;
 pub use variant::{Coverage, Variant, COVERAGES, TRANSPONDER_ALIAS, VARIANTS};
 
 use autograd::Var;

@@ -3,7 +3,8 @@
 
 use crate::{Error, Result};
 
-/// A LLaMA variant: a contextual-modulator placement (SPEC §1, §2, §4) or a baseline (§5).
+/// A LLaMA variant: a contextual-modulator placement (SPEC §1, §2, §4), CCL (§3) or a
+/// baseline (§5).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Variant {
     /// `pre-ln`: the LLaMA baseline, `x + F(Norm(x))`.
@@ -28,6 +29,9 @@ pub enum Variant {
     PerToken,
     /// `token-scale`: FFN output `⊙ E[tok]` (SPEC §4).
     TokenScale,
+    /// `ccl`: the FFN's gate, up and down projections are context-conditioned linear layers
+    /// sharing one context manager per block (SPEC §3).
+    Ccl,
     /// `post-ln`: `Norm(x + F(x))`.
     PostLn,
     /// `deepnorm`: `Norm(α·x + F(x))`, α = (2N)^¼, β-scaled init.
@@ -53,7 +57,7 @@ pub enum Variant {
 }
 
 /// Every variant with its config/CLI name, in the order error messages list them.
-pub const VARIANTS: [(Variant, &str); 22] = [
+pub const VARIANTS: [(Variant, &str); 23] = [
     (Variant::PreLn, "pre-ln"),
     (Variant::PathScalar, "path-scalar"),
     (Variant::PathChannel, "path-channel"),
@@ -65,6 +69,7 @@ pub const VARIANTS: [(Variant, &str); 22] = [
     (Variant::Comt, "comt"),
     (Variant::PerToken, "per-token"),
     (Variant::TokenScale, "token-scale"),
+    (Variant::Ccl, "ccl"),
     (Variant::PostLn, "post-ln"),
     (Variant::DeepNorm, "deepnorm"),
     (Variant::MixLn, "mix-ln"),

@@ -160,7 +160,8 @@ impl ResNetConfig {
         if self.layers.is_empty() || self.layers.contains(&0) {
             return bad(format!("layers must list at least one stage of at least one block, got {:?}", self.layers));
         }
-        if !(0.0..=1.0).contains(&self.bn_momentum) || !(self.bn_eps > 0.0) {
+        let bn_ok = (0.0..=1.0).contains(&self.bn_momentum) && self.bn_eps.is_finite() && self.bn_eps > 0.0;
+        if !bn_ok {
             return bad(format!(
                 "bn_momentum must be in [0, 1] and bn_eps positive, got {} and {}",
                 self.bn_momentum, self.bn_eps

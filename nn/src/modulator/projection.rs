@@ -64,6 +64,11 @@ impl ModulatedProjection {
 
     /// `x: [..., in] → [..., out]`, through the fused op when the gates allow it.
     pub fn forward(&self, x: &Var) -> Result<Var> {
+        if crate::trace::is_recording() {
+            for gate in &self.gates {
+                crate::trace::record_gate(gate, x)?;
+            }
+        }
         match (self.fused, self.gates.as_slice()) {
             (true, [Gate::ChannelScalar { channel, scalar }]) if channel.phi == scalar.phi => {
                 let weight = &self.linear.weight;

@@ -1,16 +1,18 @@
-//! Optimizers (SGD with momentum, Adam, AdamW), gradient clipping and learning-rate
-//! schedules. Updates run in place through the fused kernels of `kernels::cpu::optim`,
-//! one pass per parameter tensor, outside the autograd graph.
+//! Optimizers (SGD with momentum, Adam, AdamW, row-sparse table updates), gradient clipping
+//! and learning-rate schedules. Updates run in place through the fused kernels of
+//! `kernels::cpu::optim`, one pass per parameter tensor, outside the autograd graph.
 
 mod adam;
 mod clip;
 mod schedule;
 mod sgd;
+mod sparse_rows;
 
 pub use adam::{Adam, AdamConfig};
 pub use clip::clip_grad_norm;
 pub use schedule::Schedule;
 pub use sgd::Sgd;
+pub use sparse_rows::{RowRule, SparseRows};
 
 use autograd::Result;
 use tensor::Tensor;

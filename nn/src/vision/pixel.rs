@@ -1,6 +1,8 @@
 //! CoMT's pixel modulator (`002` §3.3, SPEC §2), which replaces the BatchNorm affine:
 //!
-//!     x̂ = BN_noaffine(x),   y = x̂ ⊙ m(x̂) + β,   m = σ̃(conv1x1_{h→1}(φ(conv1x1_{C→h}(x̂))))
+//! ```text
+//! x̂ = BN_noaffine(x),   y = x̂ ⊙ m(x̂) + β,   m = σ̃(conv1x1_{h→1}(φ(conv1x1_{C→h}(x̂))))
+//! ```
 //!
 //! `m[N, 1, H, W]` is one scale per pixel, broadcast over the `C` channels; `β[C]` is the
 //! BatchNorm shift, kept. Hidden width `h` ∈ {2, 4, 8}, 2 by default; `σ̃ = 2σ` unless the

@@ -1,7 +1,9 @@
 //! CoMT's sliding-window modulator (`002` §3.3, SPEC §2): for a convolution `k×k, stride s,
 //! padding p` from `C_in` channels,
 //!
-//!     m = σ̃(conv1x1_{h→1}(φ(conv_{k,s,p}(C_in→h)(x)))),   output = conv(x) ⊙ m
+//! ```text
+//! m = σ̃(conv1x1_{h→1}(φ(conv_{k,s,p}(C_in→h)(x)))),   output = conv(x) ⊙ m
+//! ```
 //!
 //! The first modulator convolution repeats the modulated one's kernel, stride and padding,
 //! so `m[N, 1, OH, OW]` holds one scale per sliding window (output position), broadcast over

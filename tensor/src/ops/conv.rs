@@ -62,7 +62,11 @@ impl Tensor {
         let g = self.conv2d_geometry(weight, stride, padding)?;
         if let Some(b) = bias {
             if b.shape != [g.out_channels] {
-                return Err(Error::ShapeMismatch { op: "conv2d (bias)", lhs: weight.shape.clone(), rhs: b.shape.clone() });
+                return Err(Error::ShapeMismatch {
+                    op: "conv2d (bias)",
+                    lhs: weight.shape.clone(),
+                    rhs: b.shape.clone(),
+                });
             }
         }
         let (x, w) = (self.contiguous()?, weight.contiguous()?);
@@ -80,7 +84,8 @@ impl Tensor {
         let op = "max_pool2d";
         self.require_cpu(op)?;
         let [n, c, h, w] = self.dims_nchw(op)?;
-        let (out_h, out_w) = (max_pool2d_output_size(h, kernel, stride, padding), max_pool2d_output_size(w, kernel, stride, padding));
+        let (out_h, out_w) =
+            (max_pool2d_output_size(h, kernel, stride, padding), max_pool2d_output_size(w, kernel, stride, padding));
         if kernel == 0 || stride == 0 || padding > kernel / 2 || out_h == 0 || out_w == 0 {
             return Err(Error::InvalidShape {
                 op,
@@ -104,7 +109,11 @@ impl Tensor {
         self.require_cpu(op)?;
         let [n, c, h, w] = self.dims_nchw(op)?;
         if h * w == 0 {
-            return Err(Error::InvalidShape { op, shape: self.shape.clone(), reason: "empty planes have no mean".into() });
+            return Err(Error::InvalidShape {
+                op,
+                shape: self.shape.clone(),
+                reason: "empty planes have no mean".into(),
+            });
         }
         let x = self.contiguous()?;
         let mut y = vec![0.0; n * c];

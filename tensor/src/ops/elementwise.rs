@@ -1,10 +1,12 @@
 //! Elementwise ops: unary functions, broadcasting binary ops, scalar ops and `select`.
 
-use kernels::cpu::binary::{binary_forward, scalar_forward, select, Binary};
+use std::sync::Arc;
+
+use kernels::cpu::binary::{add_assign, binary_forward, scalar_forward, select, Binary};
 use kernels::cpu::unary::{unary_forward, Unary};
 
 use crate::shape::broadcast_shapes;
-use crate::{Result, Tensor};
+use crate::{Result, Storage, Tensor};
 
 impl Tensor {
     /// Applies `op` elementwise (PyTorch `torch.exp`, `torch.sigmoid`, ...).
@@ -49,6 +51,37 @@ impl Tensor {
     /// Elementwise sum with broadcasting.
     pub fn add(&self, rhs: &Tensor) -> Result<Tensor> {
         self.binary(rhs, Binary::Add)
+    }
+
+    /// `self + rhs` for gradient accumulation: when the shapes match, the sum is written in
+    /// place into whichever operand is the only owner of a contiguous buffer, so a backward
+    /// pass that sums the gradients of a value used twice (residual streams, q/k/v reading
+    /// one input) allocates nothing. Falls back to [`Tensor::add`] (broadcasting, new buffer)
+    /// when both buffers are shared.
+    pub fn accumulate(mut self, mut rhs: Tensor) -> Result<Tensor> {
+        if self.shape == rhs.shape {
+            if let Some(dst) = self.owned_slice_mut() {
+                add_assign(dst, rhs.contiguous()?.as_slice()?);
+                return Ok(self);
+            }
+            if let Some(dst) = rhs.owned_slice_mut() {
+                add_assign(dst, self.contiguous()?.as_slice()?);
+                return Ok(rhs);
+            }
+        }
+        self.add(&rhs)
+    }
+
+    /// The elements for writing in place, when this view is the sole owner of a contiguous
+    /// f32 buffer that holds exactly its elements; `None` otherwise (never copies).
+    pub(crate) fn owned_slice_mut(&mut self) -> Option<&mut [f32]> {
+        if !self.is_contiguous() || self.offset != 0 || self.storage.len() != self.numel() {
+            return None;
+        }
+        match Arc::get_mut(&mut self.storage)? {
+            Storage::F32(v) => Some(v.as_mut_slice()),
+            _ => None,
+        }
     }
 
     /// Elementwise difference with broadcasting.

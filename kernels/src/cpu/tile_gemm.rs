@@ -1,0 +1,206 @@
+//! Products of small in-cache tiles, `c[m×n] = alpha·a[m×k]·b[k×n] (+ c)`, on the calling
+//! thread with no packing: the inner loop of flash attention (score tiles `Q·Kᵀ`, `P·V` and
+//! their backward products), where a `gemm` call per 64 × 64 × 32 tile spent more time
+//! dispatching and packing than multiplying.
+//!
+//! Register blocking: 6 rows × 16 columns of `c` live in twelve `f32x8` accumulators; each
+//! step of `k` loads two vectors of a row of `b` and broadcasts one element of `a` per row.
+//! So `a` may have any strides (a transposed tile costs nothing) while `b` needs unit
+//! column stride (rows of `b` are contiguous runs). Columns past the last multiple of 8 run
+//! as scalar dot products.
+//!
+//! PyTorch equivalent: `torch.addmm(c, a, b, alpha=alpha)` on tiles.
+
+use wide::f32x8;
+
+use super::unary::LANES;
+
+/// Row tile of the micro-kernel.
+const MR: usize = 6;
+
+/// `a(i, p) = data[offset + i·row_stride + p·col_stride]`: any layout.
+#[derive(Clone, Copy, Debug)]
+pub struct TileA<'a> {
+    pub data: &'a [f32],
+    pub offset: usize,
+    pub row_stride: usize,
+    pub col_stride: usize,
+}
+
+/// `b(p, j) = data[offset + p·row_stride + j]`: rows are contiguous runs.
+#[derive(Clone, Copy, Debug)]
+pub struct TileB<'a> {
+    pub data: &'a [f32],
+    pub offset: usize,
+    pub row_stride: usize,
+}
+
+/// `c[i·c_stride + j] = alpha·Σ_p a(i, p)·b(p, j) (+ c[...] if accumulate)` for `i < m`,
+/// `j < n`. Panics if an operand is too short for its strides.
+#[allow(clippy::too_many_arguments)]
+pub fn tile_gemm(
+    c: &mut [f32],
+    c_stride: usize,
+    a: TileA,
+    b: TileB,
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!((m - 1) * c_stride + n <= c.len(), "tile_gemm: c too short");
+    if k == 0 {
+        if !accumulate {
+            (0..m).for_each(|i| c[i * c_stride..][..n].fill(0.0));
+        }
+        return;
+    }
+    assert!(a.offset + (m - 1) * a.row_stride + (k - 1) * a.col_stride < a.data.len(), "tile_gemm: a too short");
+    assert!(b.offset + (k - 1) * b.row_stride + n <= b.data.len(), "tile_gemm: b too short");
+    let vector_end = n - n % LANES;
+    let mut j = 0;
+    while j < vector_end {
+        let wide = vector_end - j >= 2 * LANES;
+        let mut i = 0;
+        while i < m {
+            let rows = MR.min(m - i);
+            // SAFETY: rows i..i + rows < m and columns j..j + 8·NV ≤ vector_end ≤ n of c, a
+            // and b are within the bounds asserted above; c is exclusively borrowed.
+            unsafe {
+                let c_at = c.as_mut_ptr().add(i * c_stride + j);
+                let a_at = a.data.as_ptr().add(a.offset + i * a.row_stride);
+                let b_at = b.data.as_ptr().add(b.offset + j);
+                let tile = Tile { c: c_at, c_stride, a: a_at, a_rs: a.row_stride, a_cs: a.col_stride, b: b_at };
+                match (rows, wide) {
+                    (6, true) => micro::<6, 2>(tile, b.row_stride, k, alpha, accumulate),
+                    (5, true) => micro::<5, 2>(tile, b.row_stride, k, alpha, accumulate),
+                    (4, true) => micro::<4, 2>(tile, b.row_stride, k, alpha, accumulate),
+                    (3, true) => micro::<3, 2>(tile, b.row_stride, k, alpha, accumulate),
+                    (2, true) => micro::<2, 2>(tile, b.row_stride, k, alpha, accumulate),
+                    (_, true) => micro::<1, 2>(tile, b.row_stride, k, alpha, accumulate),
+                    (6, false) => micro::<6, 1>(tile, b.row_stride, k, alpha, accumulate),
+                    (5, false) => micro::<5, 1>(tile, b.row_stride, k, alpha, accumulate),
+                    (4, false) => micro::<4, 1>(tile, b.row_stride, k, alpha, accumulate),
+                    (3, false) => micro::<3, 1>(tile, b.row_stride, k, alpha, accumulate),
+                    (2, false) => micro::<2, 1>(tile, b.row_stride, k, alpha, accumulate),
+                    (_, false) => micro::<1, 1>(tile, b.row_stride, k, alpha, accumulate),
+                }
+            }
+            i += rows;
+        }
+        j += if wide { 2 * LANES } else { LANES };
+    }
+    for i in 0..m {
+        for j in vector_end..n {
+            let dot: f32 = (0..k)
+                .map(|p| a.data[a.offset + i * a.row_stride + p * a.col_stride] * b.data[b.offset + p * b.row_stride + j])
+                .sum();
+            let out = &mut c[i * c_stride + j];
+            *out = alpha * dot + if accumulate { *out } else { 0.0 };
+        }
+    }
+}
+
+/// Raw corners of one register tile.
+#[derive(Clone, Copy)]
+struct Tile {
+    c: *mut f32,
+    c_stride: usize,
+    a: *const f32,
+    a_rs: usize,
+    a_cs: usize,
+    b: *const f32,
+}
+
+/// One `R × 8·NV` tile of `c`, all of `k`.
+///
+/// # Safety
+/// `t.c` must be valid for `R` rows of `8·NV` elements `t.c_stride` apart (exclusively
+/// borrowed), `t.a` for `R × k` reads with its strides, `t.b` for `k` rows of `8·NV`
+/// elements `b_stride` apart.
+#[inline(always)]
+unsafe fn micro<const R: usize, const NV: usize>(t: Tile, b_stride: usize, k: usize, alpha: f32, accumulate: bool) {
+    let mut acc = [[f32x8::ZERO; NV]; R];
+    for p in 0..k {
+        let b_row = t.b.add(p * b_stride);
+        let bv: [f32x8; NV] = std::array::from_fn(|v| load_raw(b_row.add(v * LANES)));
+        let a_col = t.a.add(p * t.a_cs);
+        for (r, acc_row) in acc.iter_mut().enumerate() {
+            let s = f32x8::splat(*a_col.add(r * t.a_rs));
+            for (acc, &b) in acc_row.iter_mut().zip(&bv) {
+                *acc = s.mul_add(b, *acc);
+            }
+        }
+    }
+    let alpha = f32x8::splat(alpha);
+    for (r, acc_row) in acc.iter().enumerate() {
+        for (v, &sum) in acc_row.iter().enumerate() {
+            let at = t.c.add(r * t.c_stride + v * LANES);
+            let out = if accumulate { sum.mul_add(alpha, load_raw(at)) } else { sum * alpha };
+            (at as *mut [f32; LANES]).write_unaligned(out.to_array());
+        }
+    }
+}
+
+/// Eight consecutive floats at `p`.
+///
+/// # Safety
+/// `p` must be valid for reading 8 `f32`s.
+#[inline(always)]
+unsafe fn load_raw(p: *const f32) -> f32x8 {
+    f32x8::from((p as *const [f32; LANES]).read_unaligned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference(a: &TileA, b: &TileB, m: usize, n: usize, k: usize) -> Vec<f64> {
+        let mut c = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k)
+                    .map(|p| {
+                        a.data[a.offset + i * a.row_stride + p * a.col_stride] as f64
+                            * b.data[b.offset + p * b.row_stride + j] as f64
+                    })
+                    .sum();
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn matches_reference_for_every_edge() {
+        for (m, n, k) in [(1, 1, 1), (6, 16, 5), (7, 17, 3), (13, 40, 33), (64, 64, 32), (5, 7, 9), (20, 24, 0)] {
+            let a_data: Vec<f32> = (0..3 + m * k * 2).map(|i| ((i * 7) % 11) as f32 * 0.25 - 1.0).collect();
+            let b_data: Vec<f32> = (0..2 + k * (n + 3)).map(|i| ((i * 5) % 13) as f32 * 0.5 - 3.0).collect();
+            // a transposed and padded (row stride 1, column stride 2m), b with padded rows.
+            let a = TileA { data: &a_data, offset: 3, row_stride: 1, col_stride: 2 * m };
+            let b = TileB { data: &b_data, offset: 2, row_stride: n + 3 };
+            let want = reference(&a, &b, m, n, k);
+            let c_stride = n + 1;
+            let mut c = vec![1.0f32; m * c_stride];
+            tile_gemm(&mut c, c_stride, a, b, m, n, k, 0.5, true);
+            for i in 0..m {
+                for j in 0..n {
+                    let expected = 1.0 + 0.5 * want[i * n + j];
+                    assert!((c[i * c_stride + j] as f64 - expected).abs() < 1e-4, "{m}×{n}×{k} at ({i}, {j})");
+                }
+                if n < c_stride {
+                    assert_eq!(c[i * c_stride + n], 1.0, "wrote past column n");
+                }
+            }
+            tile_gemm(&mut c, c_stride, a, b, m, n, k, 2.0, false);
+            for i in 0..m {
+                for j in 0..n {
+                    assert!((c[i * c_stride + j] as f64 - 2.0 * want[i * n + j]).abs() < 1e-4);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,42 @@
+//! A decoder block's feed-forward sublayer: LLaMA's SwiGLU (with whatever gates its variant
+//! attaches) or, for the `ccl` variant, the CCL SwiGLU of SPEC §3.
+
+use autograd::Var;
+use nn::ccl::CclFfn;
+use nn::ffn::SwiGlu;
+use nn::Module;
+
+/// The FFN of one block. Parameters sit under `mlp.` either way.
+pub enum FeedForward {
+    /// `down(SiLU(gate(x)) ⊙ up(x))` with (optionally gated) dense projections.
+    SwiGlu(SwiGlu),
+    /// The same with every projection a context-conditioned linear layer.
+    Ccl(CclFfn),
+}
+
+impl FeedForward {
+    /// `h: [B, T, C] → [B, T, C]`.
+    pub fn forward(&self, h: &Var) -> autograd::Result<Var> {
+        match self {
+            FeedForward::SwiGlu(f) => f.forward(h),
+            FeedForward::Ccl(f) => f.forward(h),
+        }
+    }
+
+    /// The CCL FFN, if this is one.
+    pub fn as_ccl(&self) -> Option<&CclFfn> {
+        match self {
+            FeedForward::Ccl(f) => Some(f),
+            FeedForward::SwiGlu(_) => None,
+        }
+    }
+}
+
+impl Module for FeedForward {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(String, &Var)) {
+        match self {
+            FeedForward::SwiGlu(f) => f.visit_parameters(prefix, visit),
+            FeedForward::Ccl(f) => f.visit_parameters(prefix, visit),
+        }
+    }
+}

@@ -1,0 +1,216 @@
+//! `train-bench`: training and forward-only throughput of a LLaMA preset on random byte
+//! tokens, the number `bench/compare.sh` sets beside PyTorch's (`bench/torch_llama.py`).
+//!
+//! Protocol (identical in both engines): build the model (vocab 256), AdamW (PyTorch
+//! defaults, decay 0.01, no clipping), `--warmup` untimed steps, then `--steps` timed steps
+//! of `forward → loss → backward → optimizer step → zero_grad`, each timed on its own;
+//! tokens/s = B·T / median step time. Forward-only runs the same forward and loss under
+//! `no_grad`. Peak memory is the process's VmHWM (peak resident set) from /proc.
+//!
+//! The last line of output is one JSON object (machine-readable), with the median forward /
+//! backward / optimizer split of a step and the CPU time per step (all threads; robust to
+//! other jobs on the machine, unlike wall time). `--profile` prints wall time per op to stderr.
+//!
+//! ```text
+//! cargo run --release -p trainer --bin train-bench -- --model llama-tiny --variant pre-ln \
+//!     --batch 16 --seq 256 --steps 10 [--forward-only] [--threads 2]
+//! ```
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use autograd::{no_grad, Var};
+use models::llama::{Llama, LlamaConfig};
+use nn::optim::{Adam, AdamConfig, Optimizer};
+use nn::Module;
+use tensor::Rng;
+
+struct Args {
+    model: String,
+    variant: String,
+    batch: usize,
+    seq: usize,
+    steps: usize,
+    warmup: usize,
+    threads: usize,
+    forward_only: bool,
+    seed: u64,
+    profile: bool,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut args = Args {
+        model: "llama-tiny".into(),
+        variant: "pre-ln".into(),
+        batch: 16,
+        seq: 256,
+        steps: 10,
+        warmup: 2,
+        threads: 2,
+        forward_only: false,
+        seed: 0,
+        profile: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--model" => args.model = value()?,
+            "--variant" => args.variant = value()?,
+            "--batch" => args.batch = value()?.parse()?,
+            "--seq" => args.seq = value()?.parse()?,
+            "--steps" => args.steps = value()?.parse()?,
+            "--warmup" => args.warmup = value()?.parse()?,
+            "--threads" => args.threads = value()?.parse()?,
+            "--seed" => args.seed = value()?.parse()?,
+            "--forward-only" => args.forward_only = true,
+            "--profile" => args.profile = true,
+            "-h" | "--help" => {
+                println!(
+                    "train-bench --model NAME --variant NAME --batch B --seq T --steps N [--warmup N] \
+                     [--threads N] [--seed S] [--forward-only] [--profile]"
+                );
+                std::process::exit(0);
+            }
+            other => bail!("unknown argument `{other}` (try --help)"),
+        }
+    }
+    if args.steps == 0 || args.batch == 0 || args.seq == 0 {
+        bail!("--steps, --batch and --seq must be positive");
+    }
+    Ok(args)
+}
+
+/// A kB field (`VmHWM`, `VmRSS`) of /proc/self/status, in MiB.
+fn proc_status_mib(field: &str) -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| {
+            line.strip_prefix(field)?.trim_start_matches(':').trim().strip_suffix("kB")?.trim().parse().ok()
+        })
+        .map_or(f64::NAN, |kb: f64| kb / 1024.0)
+}
+
+/// CPU time (seconds) all threads of this process have run so far, from the scheduler's
+/// per-thread counters. On a machine shared with other jobs it measures the work done,
+/// while wall time also counts the time spent waiting for a core.
+fn process_cpu_seconds() -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return f64::NAN };
+    let run_ns = |entry: std::fs::DirEntry| -> Option<f64> {
+        let stat = std::fs::read_to_string(entry.path().join("schedstat")).ok()?;
+        stat.split_whitespace().next()?.parse().ok()
+    };
+    tasks.filter_map(|e| e.ok().and_then(run_ns)).sum::<f64>() * 1e-9
+}
+
+fn median(samples: &[f64]) -> f64 {
+    let mut s = samples.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => s[n / 2],
+        n => 0.5 * (s[n / 2 - 1] + s[n / 2]),
+    }
+}
+
+/// Per-op wall time per step (ms), slowest first, from the autograd profiler.
+fn print_profile(ops: &[(&'static str, f64, f64, usize)], steps: usize) {
+    let per_step = |s: f64| s * 1e3 / steps as f64;
+    let total: f64 = ops.iter().map(|o| o.1 + o.2).sum();
+    eprintln!("{:<28} {:>9} {:>9} {:>7} {:>6}", "op (ms per step)", "forward", "backward", "calls", "share");
+    for &(op, fwd, bwd, calls) in ops {
+        let share = 100.0 * (fwd + bwd) / total;
+        eprintln!("{op:<28} {:>9.2} {:>9.2} {:>7} {share:>5.1}%", per_step(fwd), per_step(bwd), calls / steps);
+    }
+}
+
+fn main() -> Result<()> {
+    let args = parse_args()?;
+    // rayon reads this when its global pool starts (the first parallel kernel); nothing
+    // has run yet, so the process is still single-threaded here.
+    std::env::set_var("RAYON_NUM_THREADS", args.threads.to_string());
+    let rss_start = proc_status_mib("VmRSS");
+
+    let mut config = LlamaConfig::preset(&args.model)?;
+    config.vocab_size = 256;
+    config.seq_len = args.seq;
+    config.variant = args.variant.clone();
+    config.validate()?;
+    let model = Llama::new(&config, args.seed)?;
+    let mut optimizer = Adam::new(model.named_parameters(), AdamConfig::default());
+
+    let tokens = args.batch * args.seq;
+    let mut rng = Rng::new(args.seed + 1);
+    let mut batch = || -> (Vec<u32>, Vec<u32>) {
+        let ids: Vec<u32> = (0..tokens + 1).map(|_| rng.below(256) as u32).collect();
+        (ids[..tokens].to_vec(), ids[1..].to_vec())
+    };
+
+    let mut cpu_start = process_cpu_seconds();
+    let (mut step_s, mut fwd_s, mut bwd_s, mut opt_s, mut loss) = (vec![], vec![], vec![], vec![], f32::NAN);
+    for i in 0..args.warmup + args.steps {
+        let (ids, targets) = batch();
+        if i == args.warmup {
+            cpu_start = process_cpu_seconds();
+        }
+        if args.profile && i == args.warmup {
+            Var::profile_start();
+        }
+        Var::profile_mark();
+        let t0 = Instant::now();
+        let (t1, t2);
+        if args.forward_only {
+            loss = no_grad(|| model.loss(&ids, &targets, args.batch, args.seq))?.value().item()?;
+            (t1, t2) = (Instant::now(), Instant::now());
+        } else {
+            let l = model.loss(&ids, &targets, args.batch, args.seq)?;
+            loss = l.value().item()?;
+            t1 = Instant::now();
+            l.backward()?;
+            // Dropping the graph releases the saved activations and the views that share
+            // the parameters' storage, so the optimizer updates them in place.
+            drop(l);
+            t2 = Instant::now();
+            optimizer.step(1e-3)?;
+            optimizer.zero_grad();
+        }
+        let t3 = Instant::now();
+        if i >= args.warmup {
+            step_s.push((t3 - t0).as_secs_f64());
+            fwd_s.push((t1 - t0).as_secs_f64());
+            bwd_s.push((t2 - t1).as_secs_f64());
+            opt_s.push((t3 - t2).as_secs_f64());
+        }
+    }
+    let cpu_per_step = (process_cpu_seconds() - cpu_start) / args.steps as f64;
+    if args.profile {
+        print_profile(&Var::profile_stop(), args.steps);
+    }
+    let step = median(&step_s);
+    let mode = if args.forward_only { "forward" } else { "train" };
+    let peak = proc_status_mib("VmHWM");
+    let line = serde_json::json!({
+        "engine": "transponder",
+        "model": args.model,
+        "variant": args.variant,
+        "mode": mode,
+        "batch": args.batch,
+        "seq": args.seq,
+        "threads": args.threads,
+        "steps": args.steps,
+        "parameters": model.num_parameters(),
+        "tokens_per_s": tokens as f64 / step,
+        "step_ms_median": step * 1e3,
+        "step_ms_min": step_s.iter().copied().fold(f64::INFINITY, f64::min) * 1e3,
+        "forward_ms": median(&fwd_s) * 1e3,
+        "backward_ms": median(&bwd_s) * 1e3,
+        "optimizer_ms": median(&opt_s) * 1e3,
+        "cpu_ms_per_step": cpu_per_step * 1e3,
+        "peak_rss_mib": peak,
+        "peak_rss_over_start_mib": peak - rss_start,
+        "final_loss": loss,
+    });
+    println!("{line}");
+    Ok(())
+}
