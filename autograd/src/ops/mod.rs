@@ -2,8 +2,8 @@
 //! shape-checked tensor op; its backward rule sits right below it.
 
 mod arithmetic;
-mod batch_norm;
 mod attention;
+mod batch_norm;
 mod conv;
 mod cross_entropy;
 mod embedding;

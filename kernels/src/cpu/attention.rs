@@ -249,9 +249,12 @@ impl Dims {
     /// Head `h` of batch entry `b` of a key/value tensor, transposed to `[D, Tk]`.
     fn transposed_head(&self, data: &[f32], b: usize, h: usize) -> Vec<f32> {
         let mut t = vec![0.0; self.head_dim * self.kv_seq];
-        for s in 0..self.kv_seq {
-            for (x, &value) in data[self.kv_at(b, s, h)..][..self.head_dim].iter().enumerate() {
-                t[x * self.kv_seq + s] = value;
+        let head = &data[self.kv_at(b, 0, h)..];
+        let stride = self.heads * self.head_dim;
+        // Contiguous writes; the strided reads stay within the head's few kilobytes.
+        for (x, t_row) in t.chunks_mut(self.kv_seq).enumerate() {
+            for (s, out) in t_row.iter_mut().enumerate() {
+                *out = head[s * stride + x];
             }
         }
         t

@@ -92,7 +92,8 @@ pub fn matmul(
     let parallel = m * n * k >= PARALLEL_MIN_FLOPS && rayon::current_num_threads() > 1;
     match split_for(m, n, k) {
         Split::None => {
-            let parallelism = if parallel { Parallelism::Rayon(rayon::current_num_threads()) } else { Parallelism::None };
+            let parallelism =
+                if parallel { Parallelism::Rayon(rayon::current_num_threads()) } else { Parallelism::None };
             // SAFETY: dst is an exclusively borrowed m×n row-major block; lhs and rhs were
             // bounds-checked above for m×k and k×n.
             unsafe { gemm_block(dst.as_mut_ptr(), n, lhs, rhs, m, n, k, accumulate, parallelism) }
@@ -102,7 +103,9 @@ pub fn matmul(
                 let lhs = MatRef { offset: offset_by(lhs.offset, i * OUT_BLOCK, lhs.row_stride), ..lhs };
                 // SAFETY: `rows` is this task's own run of whole dst rows (row stride n);
                 // the lhs rows it reads lie inside the m×k block checked above.
-                unsafe { gemm_block(rows.as_mut_ptr(), n, lhs, rhs, rows.len() / n, n, k, accumulate, Parallelism::None) }
+                unsafe {
+                    gemm_block(rows.as_mut_ptr(), n, lhs, rhs, rows.len() / n, n, k, accumulate, Parallelism::None)
+                }
             };
             if parallel {
                 dst.par_chunks_mut(OUT_BLOCK * n).enumerate().for_each(block);
@@ -143,10 +146,7 @@ pub fn matmul(
             let mut partials = vec![0.0f32; (parts - 1) * m * n];
             let run = |(p, out): (usize, &mut [f32])| part(p + 1, out, false);
             if parallel {
-                rayon::join(
-                    || part(0, dst, accumulate),
-                    || partials.par_chunks_mut(m * n).enumerate().for_each(run),
-                );
+                rayon::join(|| part(0, dst, accumulate), || partials.par_chunks_mut(m * n).enumerate().for_each(run));
             } else {
                 part(0, dst, accumulate);
                 partials.chunks_mut(m * n).enumerate().for_each(run);

@@ -97,7 +97,9 @@ pub fn tile_gemm(
     for i in 0..m {
         for j in vector_end..n {
             let dot: f32 = (0..k)
-                .map(|p| a.data[a.offset + i * a.row_stride + p * a.col_stride] * b.data[b.offset + p * b.row_stride + j])
+                .map(|p| {
+                    a.data[a.offset + i * a.row_stride + p * a.col_stride] * b.data[b.offset + p * b.row_stride + j]
+                })
                 .sum();
             let out = &mut c[i * c_stride + j];
             *out = alpha * dot + if accumulate { *out } else { 0.0 };
