@@ -5,8 +5,9 @@
 //! `σ̃_α(z) = 2σ(αz)`: a projection gated by a channel modulator times a scalar modulator
 //! (`layer-channel-scalar`). The forward is one GEMM over `[W | A_cᵀ | A_sᵀ]` and one pass
 //! over rows (`kernels::cpu::fused_gate`). It saves `x`, the parameters (shared views, no
-//! copies) and the GEMM output `ZU` (`N × (d_out + r_c + r_s)`); backward recomputes the
-//! gates from `ZU`. Modulator arguments are `[A, a, B, b, α]` in that order.
+//! copies), the GEMM output `ZU` (`N × (d_out + r_c + r_s)`) and the modulators' rank-r
+//! results; backward recomputes only the channel gate from them. Modulator arguments are
+//! `[A, a, B, b, α]` in that order.
 
 use kernels::cpu::fused_gate::{
     fused_gate_backward, fused_gate_forward, FusedGateDims, FusedGateGrads, FusedGateParams, GateGrads, GateParams,
@@ -80,13 +81,12 @@ impl Var {
         let (cv, rank_channel) = modulator_values(channel, d_in, d_out)?;
         let (sv, rank_scalar) = modulator_values(scalar, d_in, 1)?;
         let dims = FusedGateDims { rows: x.numel() / d_in.max(1), d_in, d_out, rank_channel, rank_scalar };
-        let mut zu = vec![0.0; dims.rows * dims.width()];
         let mut out = vec![0.0; dims.rows * d_out];
-        {
+        let saved = {
             let p =
                 FusedGateParams { weight: w.as_slice()?, channel: gate_params(&cv)?, scalar: gate_params(&sv)?, phi };
-            fused_gate_forward(&dims, x.as_slice()?, &p, &mut zu, &mut out);
-        }
+            fused_gate_forward(&dims, x.as_slice()?, &p, &mut out)
+        };
         let mut out_shape = x.shape().to_vec();
         *out_shape.last_mut().expect("x has a last axis") = d_out;
         let inputs =
@@ -104,7 +104,7 @@ impl Var {
                 scalar: gate_grads(&mut ds),
             };
             // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cpu::fused_gate::fused_gate_backward
-            fused_gate_backward(&dims, x.as_slice()?, &p, &zu, dy.as_slice()?, &mut grads);
+            fused_gate_backward(&dims, x.as_slice()?, &p, &saved, dy.as_slice()?, &mut grads);
             let mut out = vec![Tensor::from_vec(dx, x.shape())?, Tensor::from_vec(dw, w.shape())?];
             for (g, t) in dc.into_iter().zip(&cv).chain(ds.into_iter().zip(&sv)) {
                 out.push(Tensor::from_vec(g, t.shape())?);

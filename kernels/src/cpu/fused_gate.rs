@@ -12,8 +12,8 @@
 //! Weights are stored as PyTorch stores them: `W: [d_out, d_in]`, `A: [r, d_in]`, so the
 //! concatenated operand is the row stack `[W; A_c; A_s]` read transposed through strides.
 //!
-//! On the CPU the GEMM output `ZU` is one buffer (the caller saves it for backward: it is
-//! all the backward needs besides `x` and the parameters). The rank-r parts run as small
+//! On the CPU the GEMM output `ZU` is one buffer, kept with the rank-r path's small
+//! results for the backward ([`FusedGateSaved`]). The rank-r parts run as small
 //! GEMMs (`H_c·B_cᵀ`), and the gate is computed and applied in one SIMD pass over rows,
 //! never materialising γ. PyTorch equivalent of the whole
 //! op: `(x @ W.T) * 2*sigmoid(αc*(phi(x @ Ac.T + ac) @ Bc.T + bc)) * 2*sigmoid(αs*(...))`.
@@ -25,7 +25,7 @@ use wide::f32x8;
 
 use super::matmul::{matmul, MatRef};
 use super::parallel;
-use super::unary::{exp8, load, store, unary_derivative_reference, unary_reference, Unary, LANES};
+use super::unary::{exp8, load, store, unary_backward, unary_forward, unary_reference, Unary, LANES};
 
 /// Sizes of one fused projection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -146,57 +146,61 @@ fn columns_of(data: &[f32], offset: usize, stride: usize) -> MatRef<'_> {
     MatRef { data, offset, row_stride: 1, col_stride: stride as isize }
 }
 
-/// What both passes recompute from `ZU`: `H = φ(U + a)` (`N × (r_c + r_s)`, with `φ'` when
-/// asked), the scalar gate `γ_s` and its logit per row, and the channel logits without
-/// their bias, `H_c·B_cᵀ` (`N × d_out`, one GEMM of inner size r_c).
-struct Summaries {
+/// What the forward keeps for the backward besides `x` and the parameters: the GEMM output
+/// `ZU` (`N × K`), `H = φ(U + a)` (`N × (r_c + r_s)`), the scalar gate `γ_s` and its logit
+/// per row, and the channel logits without their bias, `H_c·B_cᵀ` (`N × d_out`, one GEMM
+/// of inner size r_c). Keeping them costs `N·(K + d_out + r + 2)` floats and spares the
+/// backward recomputing the rank-r path.
+#[derive(Debug)]
+pub struct FusedGateSaved {
+    zu: Vec<f32>,
     hidden: Vec<f32>,
-    dphi: Vec<f32>,
     gate_scalar: Vec<f32>,
     logit_scalar: Vec<f32>,
     logits: Vec<f32>,
 }
 
-fn summaries(dims: &FusedGateDims, p: &FusedGateParams, zu: &[f32], with_derivative: bool) -> Summaries {
-    let FusedGateDims { rows, d_out, rank_channel: rc, rank_scalar: rs, .. } = *dims;
-    let (k, r) = (dims.width(), rc + rs);
-    let mut hidden = vec![0.0; rows * r];
-    let mut dphi = vec![0.0; if with_derivative { rows * r } else { 0 }];
-    let (mut gate_scalar, mut logit_scalar) = (vec![0.0; rows], vec![0.0; rows]);
+/// `U + a` for every row: the pre-activations of both modulators' hidden units, `N × r`.
+fn hidden_inputs(dims: &FusedGateDims, p: &FusedGateParams, zu: &[f32]) -> Vec<f32> {
+    let (k, d_out) = (dims.width(), dims.d_out);
     let biases = [p.channel.a_bias, p.scalar.a_bias].concat();
-    for n in 0..rows {
-        let h = &mut hidden[n * r..(n + 1) * r];
-        for ((h, &u), &a) in h.iter_mut().zip(&zu[n * k + d_out..(n + 1) * k]).zip(&biases) {
-            *h = unary_reference(p.phi, u + a);
-        }
-        if with_derivative {
-            for t in 0..r {
-                dphi[n * r + t] = unary_derivative_reference(p.phi, zu[n * k + d_out + t] + biases[t], h[t]);
-            }
-        }
-        logit_scalar[n] = dot(p.scalar.b_weight, &h[rc..]) + p.scalar.b_bias[0];
-        gate_scalar[n] = calibrated_sigmoid(p.scalar.alpha, logit_scalar[n]);
+    let mut pre = Vec::with_capacity(dims.rows * biases.len());
+    for row in zu.chunks_exact(k) {
+        pre.extend(row[d_out..].iter().zip(&biases).map(|(&u, &a)| u + a));
     }
-    let mut logits = vec![0.0; rows * d_out];
-    matmul(&mut logits, 0, rows_of(&hidden, 0, r), columns_of(p.channel.b_weight, 0, rc), rows, d_out, rc, false);
-    Summaries { hidden, dphi, gate_scalar, logit_scalar, logits }
+    pre
 }
 
-/// Forward: `zu[N×K] = x·[W; A_c; A_s]ᵀ` (saved for backward) and `out[N×d_out] = Ẑ`.
-pub fn fused_gate_forward(dims: &FusedGateDims, x: &[f32], p: &FusedGateParams, zu: &mut [f32], out: &mut [f32]) {
+/// `H`, `γ_s`, its logit, and the channel logits from `ZU` (see [`FusedGateSaved`]).
+fn modulator_path(dims: &FusedGateDims, p: &FusedGateParams, zu: Vec<f32>) -> FusedGateSaved {
+    let FusedGateDims { rows, d_out, rank_channel: rc, .. } = *dims;
+    let r = rc + dims.rank_scalar;
+    let pre = hidden_inputs(dims, p, &zu);
+    let mut hidden = vec![0.0; rows * r];
+    unary_forward(p.phi, &pre, &mut hidden);
+    let logit_scalar: Vec<f32> =
+        hidden.chunks_exact(r).map(|h| dot(p.scalar.b_weight, &h[rc..]) + p.scalar.b_bias[0]).collect();
+    let gate_scalar = logit_scalar.iter().map(|&l| calibrated_sigmoid(p.scalar.alpha, l)).collect();
+    let mut logits = vec![0.0; rows * d_out];
+    matmul(&mut logits, 0, rows_of(&hidden, 0, r), columns_of(p.channel.b_weight, 0, rc), rows, d_out, rc, false);
+    FusedGateSaved { zu, hidden, gate_scalar, logit_scalar, logits }
+}
+
+/// Forward: writes `out[N×d_out] = Ẑ` and returns what the backward needs.
+pub fn fused_gate_forward(dims: &FusedGateDims, x: &[f32], p: &FusedGateParams, out: &mut [f32]) -> FusedGateSaved {
     check_lengths(dims, x, p);
     let FusedGateDims { rows, d_in, d_out, .. } = *dims;
     let k = dims.width();
-    assert!(zu.len() == rows * k && out.len() == rows * d_out, "fused_gate_forward: zu or out has the wrong length");
+    assert_eq!(out.len(), rows * d_out, "fused_gate_forward: out is not N × d_out");
     let c = concatenated_weight(p);
-    matmul(zu, 0, rows_of(x, 0, d_in), columns_of(&c, 0, d_in), rows, k, d_in, false);
-    let s = summaries(dims, p, zu, false);
-    let zu: &[f32] = zu;
+    let mut zu = vec![0.0; rows * k];
+    matmul(&mut zu, 0, rows_of(x, 0, d_in), columns_of(&c, 0, d_in), rows, k, d_in, false);
+    let s = modulator_path(dims, p, zu);
     let (alpha, bias) = (f32x8::splat(p.channel.alpha), p.channel.b_bias);
     parallel::for_each_row_block_mut(out, d_out, d_out * 8, |first, block| {
         for (i, y) in block.chunks_mut(d_out).enumerate() {
             let n = first + i;
-            let (z, logits) = (&zu[n * k..n * k + d_out], &s.logits[n * d_out..(n + 1) * d_out]);
+            let (z, logits) = (&s.zu[n * k..n * k + d_out], &s.logits[n * d_out..(n + 1) * d_out]);
             let scale = 2.0 * s.gate_scalar[n];
             let simd = d_out - d_out % LANES;
             for j in (0..simd).step_by(LANES) {
@@ -208,15 +212,16 @@ pub fn fused_gate_forward(dims: &FusedGateDims, x: &[f32], p: &FusedGateParams, 
             }
         }
     });
+    s
 }
 
 /// One block of the backward row pass: its index, then rows of `dZU`, of the channel
 /// logits' gradient and of the per-row terms.
 type RowBlock<'a> = (usize, ((&'a mut [f32], &'a mut [f32]), &'a mut [f32]));
 
-/// Backward of [`fused_gate_forward`] from the saved `zu` and the output gradient `dout`.
+/// Backward of [`fused_gate_forward`] from what it saved and the output gradient `dout`.
 ///
-/// Recomputes `H`, `γ_s` and the channel logits from `zu`; one SIMD pass over rows gives
+/// One SIMD pass over rows gives
 /// `dZ`, the channel logits' gradient `dL_c` and per-row terms of `dγ_s` and `dα_c`; GEMMs
 /// then give `dH_c = dL_c·B_c`, `dB_c += dL_cᵀ·H_c`, `dx += dZU·[W; A_c; A_s]`,
 /// `dW += dZᵀ·x` and `dA += dUᵀ·x`.
@@ -224,15 +229,23 @@ pub fn fused_gate_backward(
     dims: &FusedGateDims,
     x: &[f32],
     p: &FusedGateParams,
-    zu: &[f32],
+    saved: &FusedGateSaved,
     dout: &[f32],
     grads: &mut FusedGateGrads,
 ) {
     check_lengths(dims, x, p);
     let FusedGateDims { rows, d_in, d_out, rank_channel: rc, rank_scalar: rs } = *dims;
     let (k, r) = (dims.width(), rc + rs);
-    assert!(zu.len() == rows * k && dout.len() == rows * d_out, "fused_gate_backward: zu or dout has the wrong length");
-    let Summaries { hidden, dphi, gate_scalar, logit_scalar, logits: mut dlogits } = summaries(dims, p, zu, true);
+    assert!(
+        saved.zu.len() == rows * k && dout.len() == rows * d_out,
+        "fused_gate_backward: saved state or dout has the wrong length"
+    );
+    let FusedGateSaved { zu, hidden, gate_scalar, logit_scalar, logits } = saved;
+    let mut dlogits = logits.clone();
+    // φ'(U + a), from dφ = 1.
+    let pre = hidden_inputs(dims, p, zu);
+    let mut dphi = vec![0.0; rows * r];
+    unary_backward(p.phi, &pre, hidden, &vec![1.0; rows * r], &mut dphi);
     // dzu rows: [dZ | dU_c | dU_s]; row_terms: [dγ_s, dα_c] per row.
     let mut dzu = vec![0.0; rows * k];
     let mut row_terms = vec![0.0; rows * 2];
@@ -288,20 +301,25 @@ pub fn fused_gate_backward(
     *grads.scalar.alpha += dalpha_s as f32;
 
     // Cross-row sums: dB = dLᵀ·H, db = Σ dL, da = Σ dU.
-    matmul(grads.channel.b_weight, 0, columns_of(&dlogits, 0, d_out), rows_of(&hidden, 0, r), d_out, rc, rows, true);
-    matmul(grads.scalar.b_weight, 0, columns_of(&dlogit_scalar, 0, 1), rows_of(&hidden, rc, r), 1, rs, rows, true);
+    matmul(grads.channel.b_weight, 0, columns_of(&dlogits, 0, d_out), rows_of(hidden, 0, r), d_out, rc, rows, true);
+    matmul(grads.scalar.b_weight, 0, columns_of(&dlogit_scalar, 0, 1), rows_of(hidden, rc, r), 1, rs, rows, true);
     add_column_sums(&dlogits, d_out, 0, grads.channel.b_bias);
     grads.scalar.b_bias[0] += dlogit_scalar.iter().map(|&v| v as f64).sum::<f64>() as f32;
     add_column_sums(&dzu, k, d_out, grads.channel.a_bias);
     add_column_sums(&dzu, k, d_out + rc, grads.scalar.a_bias);
 
-    // dx += dZU·[W; A_c; A_s]; then the weight gradients, each a row block of dZUᵀ·x.
+    // dx += dZU·[W; A_c; A_s]; the weight gradients are the row blocks of one GEMM dZUᵀ·x.
     let c = concatenated_weight(p);
     matmul(grads.x, 0, rows_of(&dzu, 0, k), rows_of(&c, 0, d_in), rows, d_in, k, true);
-    let x_rows = rows_of(x, 0, d_in);
-    matmul(grads.weight, 0, columns_of(&dzu, 0, k), x_rows, d_out, d_in, rows, true);
-    matmul(grads.channel.a_weight, 0, columns_of(&dzu, d_out, k), x_rows, rc, d_in, rows, true);
-    matmul(grads.scalar.a_weight, 0, columns_of(&dzu, d_out + rc, k), x_rows, rs, d_in, rows, true);
+    let mut dc = vec![0.0; k * d_in];
+    matmul(&mut dc, 0, columns_of(&dzu, 0, k), rows_of(x, 0, d_in), k, d_in, rows, false);
+    let (dw, da) = dc.split_at(d_out * d_in);
+    let (da_c, da_s) = da.split_at(rc * d_in);
+    for (dst, src) in
+        [(&mut *grads.weight, dw), (&mut *grads.channel.a_weight, da_c), (&mut *grads.scalar.a_weight, da_s)]
+    {
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+    }
 }
 
 /// One row of the channel gate's backward. On entry `dl` holds the logits without bias
@@ -397,9 +415,8 @@ mod tests {
                 scalar: GateParams { a_weight: &as_, a_bias: &ab_s, b_weight: &bs, b_bias: &bb_s, alpha: 0.7 },
                 phi,
             };
-            let mut zu = vec![0.0; dims.rows * dims.width()];
             let mut out = vec![0.0; dims.rows * d_out];
-            fused_gate_forward(&dims, &x, &p, &mut zu, &mut out);
+            fused_gate_forward(&dims, &x, &p, &mut out);
             let expected = fused_gate_forward_reference(&dims, &x, &p);
             for (a, b) in out.iter().zip(&expected) {
                 assert!((a - b).abs() <= 1e-5 + 1e-5 * b.abs(), "{phi:?}: {a} vs {b}");
