@@ -8,3 +8,5 @@
 //! `H` heads, `D` head dim, `V` vocabulary, `N` rows.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;

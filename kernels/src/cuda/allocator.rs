@@ -1,0 +1,259 @@
+//! A caching allocator for device memory, so that a training step that asks for the same
+//! buffer sizes as the previous one makes no driver allocation at all.
+//!
+//! Requests are rounded up to a size class (eight classes per power of two, so at most
+//! 12.5 % is wasted; 256 bytes at least) and served from a free list per class. Dropping a
+//! [`DeviceBuffer`] hands its block back to the free list instead of freeing it. Everything
+//! runs on the device's single stream, so a block handed out again is only touched by work
+//! queued after the work that used it before: no synchronisation is needed on reuse.
+//!
+//! When the driver reports out-of-memory, the cached blocks are released and the
+//! allocation is tried once more.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DriverError};
+
+use super::error::{CudaError, Result};
+
+/// The smallest block handed out, in bytes (also the alignment every block keeps).
+const MIN_BLOCK: usize = 256;
+/// Size classes per power of two.
+const CLASSES_PER_OCTAVE: usize = 8;
+
+/// Counters of the caching allocator, for tests and diagnostics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AllocatorStats {
+    /// Blocks obtained from the driver (`cuMemAllocAsync`).
+    pub allocations: u64,
+    /// Requests served from a free list without touching the driver.
+    pub reuses: u64,
+    /// Bytes held from the driver: in use plus cached.
+    pub reserved_bytes: usize,
+    /// Bytes sitting in the free lists.
+    pub cached_bytes: usize,
+}
+
+/// The size class (bytes actually reserved) of a request for `bytes`.
+pub fn size_class(bytes: usize) -> usize {
+    let bytes = bytes.max(MIN_BLOCK);
+    let octave = bytes.next_power_of_two();
+    // Classes between octave/2 and octave are octave/16 apart: bytes > octave/2, so the
+    // rounding adds less than bytes/8.
+    let step = (octave / (2 * CLASSES_PER_OCTAVE)).max(MIN_BLOCK);
+    bytes.div_ceil(step) * step
+}
+
+/// One block of device memory and its raw address.
+struct Block {
+    slice: CudaSlice<u8>,
+    ptr: u64,
+    class: usize,
+}
+
+struct PoolState {
+    free: HashMap<usize, Vec<Block>>,
+    stats: AllocatorStats,
+}
+
+/// The per-device pool behind every [`DeviceBuffer`].
+pub(crate) struct Allocator {
+    stream: Arc<CudaStream>,
+    state: Mutex<PoolState>,
+}
+
+impl Allocator {
+    /// An empty pool allocating on `stream`.
+    pub(crate) fn new(stream: Arc<CudaStream>) -> Allocator {
+        Allocator { stream, state: Mutex::new(PoolState { free: HashMap::new(), stats: AllocatorStats::default() }) }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, PoolState> {
+        // A panic while holding the lock leaves the lists consistent (every update is one
+        // push or pop), so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A block of at least `bytes`, from the free list when one of its class is cached.
+    fn take(&self, bytes: usize) -> Result<Block> {
+        let class = size_class(bytes);
+        {
+            let mut state = self.lock();
+            if let Some(block) = state.free.get_mut(&class).and_then(Vec::pop) {
+                state.stats.reuses += 1;
+                state.stats.cached_bytes -= class;
+                return Ok(block);
+            }
+        }
+        let block = match self.fresh(class) {
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                self.release_cached();
+                self.stream.synchronize().map_err(|e| CudaError::driver("synchronize after releasing the cache", e))?;
+                self.fresh(class)
+            }
+            other => other,
+        }
+        .map_err(|e| CudaError::driver(format!("device allocation of {class} bytes"), e))?;
+        let mut state = self.lock();
+        state.stats.allocations += 1;
+        state.stats.reserved_bytes += class;
+        Ok(block)
+    }
+
+    fn fresh(&self, class: usize) -> std::result::Result<Block, DriverError> {
+        // SAFETY: the bytes are uninitialised; every user of a buffer writes before it
+        // reads (or zeroes it explicitly), as the launchers document.
+        let slice = unsafe { self.stream.alloc::<u8>(class) }?;
+        let ptr = {
+            let (ptr, _sync) = slice.device_ptr(&self.stream);
+            ptr
+        };
+        Ok(Block { slice, ptr, class })
+    }
+
+    /// Puts a block back on its free list.
+    fn give_back(&self, block: Block) {
+        let mut state = self.lock();
+        state.stats.cached_bytes += block.class;
+        state.free.entry(block.class).or_default().push(block);
+    }
+
+    /// Returns every cached block to the driver.
+    pub(crate) fn release_cached(&self) {
+        let blocks: Vec<Block> = {
+            let mut state = self.lock();
+            let released = state.stats.cached_bytes;
+            state.stats.reserved_bytes -= released;
+            state.stats.cached_bytes = 0;
+            state.free.drain().flat_map(|(_, blocks)| blocks).collect()
+        };
+        // Dropping a CudaSlice frees it in stream order; the driver needs the context current
+        // on this thread (a failure is recorded by cudarc and reported by the next check).
+        let _ = self.stream.context().bind_to_thread();
+        drop(blocks.into_iter().map(|b| b.slice).collect::<Vec<_>>());
+    }
+
+    /// A snapshot of the counters.
+    pub(crate) fn stats(&self) -> AllocatorStats {
+        self.lock().stats
+    }
+}
+
+/// Element types a [`DeviceBuffer`] can hold.
+pub trait DeviceScalar: Copy + Default + Send + Sync + 'static + private::Sealed {
+    /// The type's name in messages.
+    const NAME: &'static str;
+}
+
+impl DeviceScalar for f32 {
+    const NAME: &'static str = "f32";
+}
+
+impl DeviceScalar for half::bf16 {
+    const NAME: &'static str = "bf16";
+}
+
+impl DeviceScalar for u32 {
+    const NAME: &'static str = "u32";
+}
+
+impl DeviceScalar for f64 {
+    const NAME: &'static str = "f64";
+}
+
+mod private {
+    /// Only the element types the kernels are written for.
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for u32 {}
+    impl Sealed for f64 {}
+}
+
+/// A device array of `len` elements of `T`, owned, from the device's caching allocator.
+///
+/// Dropping it returns the memory to the allocator (not to the driver). Freshly allocated
+/// contents are unspecified until written.
+pub struct DeviceBuffer<T: DeviceScalar> {
+    block: Option<Block>,
+    len: usize,
+    allocator: Arc<Allocator>,
+    _marker: PhantomData<T>,
+}
+
+impl<T: DeviceScalar> DeviceBuffer<T> {
+    /// An uninitialised buffer of `len` elements.
+    pub(crate) fn new(allocator: &Arc<Allocator>, len: usize) -> Result<DeviceBuffer<T>> {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| CudaError::shape("alloc", format!("{len} elements of {} overflow", T::NAME)))?;
+        let block = if bytes == 0 { None } else { Some(allocator.take(bytes)?) };
+        Ok(DeviceBuffer { block, len, allocator: Arc::clone(allocator), _marker: PhantomData })
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes of the elements (not of the size class behind them).
+    pub fn num_bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
+    /// The raw device address of element 0 (0 for an empty buffer).
+    pub fn device_ptr(&self) -> u64 {
+        self.block.as_ref().map_or(0, |b| b.ptr)
+    }
+
+    /// The raw device address of element `offset` (`offset ≤ len`).
+    pub(crate) fn ptr_at(&self, offset: usize) -> u64 {
+        debug_assert!(offset <= self.len, "ptr_at: offset past the end");
+        self.device_ptr() + (offset * std::mem::size_of::<T>()) as u64
+    }
+
+    /// Whether this buffer came from the allocator of `allocator`'s device.
+    pub(crate) fn belongs_to(&self, allocator: &Arc<Allocator>) -> bool {
+        Arc::ptr_eq(&self.allocator, allocator)
+    }
+}
+
+impl<T: DeviceScalar> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        if let Some(block) = self.block.take() {
+            self.allocator.give_back(block);
+        }
+    }
+}
+
+impl<T: DeviceScalar> fmt::Debug for DeviceBuffer<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DeviceBuffer<{}>[{}] at {:#x}", T::NAME, self.len, self.device_ptr())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn size_classes_round_up_by_at_most_an_eighth() {
+        assert_eq!(size_class(0), MIN_BLOCK);
+        assert_eq!(size_class(1), MIN_BLOCK);
+        assert_eq!(size_class(MIN_BLOCK + 1), 2 * MIN_BLOCK);
+        for bytes in [1000, 4096, 4097, 1 << 20, (1 << 20) + 1, 3 << 27] {
+            let class = size_class(bytes);
+            assert!(class >= bytes && class - bytes <= bytes / 8 + MIN_BLOCK, "{bytes} -> {class}");
+            assert_eq!(class % MIN_BLOCK, 0);
+            assert_eq!(size_class(class), class, "a class is its own class");
+        }
+    }
+}

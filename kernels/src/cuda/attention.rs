@@ -1,0 +1,198 @@
+//! Launchers of `attention.cu`: causal scaled-dot-product attention, flash-style forward
+//! (online softmax, only `lse` saved) and backward (recomputed probabilities, no atomics).
+//!
+//! Mirrors `cpu::attention`: q `[B, Tq, H, D]`, k and v `[B, Tk, H, D]`, `lse [B, H, Tq]`;
+//! query i sits at position `i + (Tk − Tq)`. The GPU kernels keep four head dims per lane,
+//! so `D ≤` [`MAX_HEAD_DIM`]; `B·H` is a grid dimension (≤ 65 535). Backward accumulates
+//! into `dq`, `dk`, `dv`.
+
+use cudarc::driver::LaunchConfig;
+
+use super::allocator::DeviceBuffer;
+use super::device::{Arg, CudaDevice};
+use super::error::{ensure, ensure_len, Result};
+use super::launch::{check_owners, elementwise, ptr, size};
+use super::module::KernelFamily;
+
+/// Largest head dimension of the GPU kernels.
+pub const MAX_HEAD_DIM: usize = 128;
+/// Queries (or keys) per block: one warp each.
+const WARPS: usize = 8;
+/// Keys (or queries) per shared-memory tile.
+const TILE: usize = 32;
+/// Largest `B·H` (grid.y).
+const MAX_HEADS_TOTAL: usize = 65_535;
+
+const FAMILY: KernelFamily = KernelFamily::Attention;
+
+/// Problem sizes, checked against the buffers.
+#[derive(Clone, Copy)]
+struct Dims {
+    batch: usize,
+    q_seq: usize,
+    kv_seq: usize,
+    heads: usize,
+    head_dim: usize,
+}
+
+impl Dims {
+    #[allow(clippy::too_many_arguments)]
+    fn check(
+        op: &'static str,
+        q: usize,
+        k: usize,
+        v: usize,
+        batch: usize,
+        q_seq: usize,
+        kv_seq: usize,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<Dims> {
+        ensure(q_seq <= kv_seq, op, || format!("more queries ({q_seq}) than keys ({kv_seq})"))?;
+        ensure(head_dim > 0, op, || "zero head_dim".to_string())?;
+        ensure(head_dim <= MAX_HEAD_DIM, op, || {
+            format!("head_dim {head_dim} > {MAX_HEAD_DIM} is not supported on the GPU")
+        })?;
+        ensure(batch * heads <= MAX_HEADS_TOTAL, op, || {
+            format!("batch·heads = {} exceeds {MAX_HEADS_TOTAL}", batch * heads)
+        })?;
+        ensure_len(op, "q", q, batch * q_seq * heads * head_dim)?;
+        ensure_len(op, "k", k, batch * kv_seq * heads * head_dim)?;
+        ensure_len(op, "v", v, k)?;
+        Ok(Dims { batch, q_seq, kv_seq, heads, head_dim })
+    }
+
+    /// Odd shared-memory row stride of the tiles.
+    fn tile_stride(&self) -> usize {
+        self.head_dim | 1
+    }
+
+    /// One block per `WARPS` rows of `rows`, per (b, h).
+    fn grid(&self, rows: usize, shared_floats: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (rows.div_ceil(WARPS) as u32, (self.batch * self.heads) as u32, 1),
+            block_dim: ((WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: (shared_floats * std::mem::size_of::<f32>()) as u32,
+        }
+    }
+
+    /// The trailing size arguments every kernel takes, then `scale`.
+    fn args(&self, scale: f32) -> [Arg; 6] {
+        [size(self.batch), size(self.q_seq), size(self.kv_seq), size(self.heads), size(self.head_dim), Arg::F32(scale)]
+    }
+
+    fn is_empty(&self) -> bool {
+        self.batch * self.q_seq * self.heads == 0
+    }
+}
+
+/// q: `[B, Tq, H, D]`, k, v: `[B, Tk, H, D]`, out: `[B, Tq, H, D]`, lse: `[B, H, Tq]` (the
+/// log-sum-exp of each query's scaled scores, saved for backward). `Tq ≤ Tk`.
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention_forward(
+    dev: &CudaDevice,
+    q: &DeviceBuffer<f32>,
+    k: &DeviceBuffer<f32>,
+    v: &DeviceBuffer<f32>,
+    batch: usize,
+    q_seq: usize,
+    kv_seq: usize,
+    heads: usize,
+    head_dim: usize,
+    scale: f32,
+    out: &mut DeviceBuffer<f32>,
+    lse: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    const OP: &str = "causal_attention_forward";
+    check_owners(dev, OP, &[q, k, v, out, lse])?;
+    let d = Dims::check(OP, q.len(), k.len(), v.len(), batch, q_seq, kv_seq, heads, head_dim)?;
+    ensure_len(OP, "out", out.len(), q.len())?;
+    ensure_len(OP, "lse", lse.len(), batch * heads * q_seq)?;
+    if d.is_empty() {
+        return Ok(());
+    }
+    let shared = 2 * TILE * d.tile_stride() + WARPS * head_dim;
+    let mut args = vec![ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse)];
+    args.extend(d.args(scale));
+    dev.launch(FAMILY, "attention_forward", d.grid(q_seq, shared), &args)
+}
+
+/// `dq, dk, dv +=` gradients, recomputing probabilities from q, k and `lse`
+/// (`δ_i = Σ dout_i ⊙ out_i`).
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention_backward(
+    dev: &CudaDevice,
+    q: &DeviceBuffer<f32>,
+    k: &DeviceBuffer<f32>,
+    v: &DeviceBuffer<f32>,
+    out: &DeviceBuffer<f32>,
+    lse: &DeviceBuffer<f32>,
+    dout: &DeviceBuffer<f32>,
+    batch: usize,
+    q_seq: usize,
+    kv_seq: usize,
+    heads: usize,
+    head_dim: usize,
+    scale: f32,
+    dq: &mut DeviceBuffer<f32>,
+    dk: &mut DeviceBuffer<f32>,
+    dv: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    const OP: &str = "causal_attention_backward";
+    check_owners(dev, OP, &[q, k, v, out, lse, dout, dq, dk, dv])?;
+    let d = Dims::check(OP, q.len(), k.len(), v.len(), batch, q_seq, kv_seq, heads, head_dim)?;
+    ensure(out.len() == q.len() && dout.len() == q.len(), OP, || "out or dout has the wrong length".to_string())?;
+    ensure_len(OP, "lse", lse.len(), batch * heads * q_seq)?;
+    ensure(dq.len() == q.len() && dk.len() == k.len() && dv.len() == v.len(), OP, || {
+        "a gradient has the wrong length".to_string()
+    })?;
+    if d.is_empty() {
+        return Ok(());
+    }
+    let rows = batch * q_seq * heads;
+    let delta = dev.alloc::<f32>(rows)?;
+    let delta_args = [ptr(out), ptr(dout), ptr(&delta), size(rows), size(q_seq), size(heads), size(head_dim)];
+    dev.launch(FAMILY, "attention_backward_delta", elementwise(rows * 32), &delta_args)?;
+
+    let stride = d.tile_stride();
+    let mut dq_args = vec![ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(&delta), ptr(dq)];
+    dq_args.extend(d.args(scale));
+    dev.launch(FAMILY, "attention_backward_dq", d.grid(q_seq, 2 * TILE * stride + 2 * WARPS * head_dim), &dq_args)?;
+
+    let mut dkv_args = vec![ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(&delta), ptr(dk), ptr(dv)];
+    dkv_args.extend(d.args(scale));
+    let shared = 2 * TILE * stride + 2 * WARPS * head_dim + 2 * TILE;
+    // `delta` goes back to the pool on return; later users are queued after these kernels.
+    dev.launch(FAMILY, "attention_backward_dkv", d.grid(kv_seq, shared), &dkv_args)
+}
+
+/// The unfused baseline (for benches): materialises the `[B·H·Tq, Tk]` score matrix in
+/// device memory, one thread per query. Same semantics as [`causal_attention_forward`]
+/// without `lse`.
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention_naive(
+    dev: &CudaDevice,
+    q: &DeviceBuffer<f32>,
+    k: &DeviceBuffer<f32>,
+    v: &DeviceBuffer<f32>,
+    batch: usize,
+    q_seq: usize,
+    kv_seq: usize,
+    heads: usize,
+    head_dim: usize,
+    scale: f32,
+    out: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    const OP: &str = "causal_attention_naive";
+    check_owners(dev, OP, &[q, k, v, out])?;
+    let d = Dims::check(OP, q.len(), k.len(), v.len(), batch, q_seq, kv_seq, heads, head_dim)?;
+    ensure_len(OP, "out", out.len(), q.len())?;
+    if d.is_empty() {
+        return Ok(());
+    }
+    let rows = batch * heads * q_seq;
+    let scores = dev.alloc::<f32>(rows * kv_seq)?;
+    let mut args = vec![ptr(q), ptr(k), ptr(v), ptr(out), ptr(&scores)];
+    args.extend(d.args(scale));
+    dev.launch(FAMILY, "attention_naive_forward", elementwise(rows), &args)
+}

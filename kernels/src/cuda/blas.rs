@@ -1,0 +1,238 @@
+//! Matrix products through cuBLAS, in the row-major convention of the CPU kernels.
+//!
+//! cuBLAS is column-major. A row-major `X[r×c]` with row stride `ld` is the column-major
+//! `Xᵀ[c×r]` with the same leading dimension, so the row-major `C = op(A)·op(B)` is computed
+//! as the column-major `Cᵀ = op(B)ᵀ·op(A)ᵀ`: operands swapped, `m` and `n` swapped.
+//!
+//! [`matmul`] mirrors `cpu::matmul::matmul` (`dst (+)= lhs·rhs` with strided operands, one
+//! of whose strides must be 1 on the GPU). f32 products run in full f32 (cuBLAS's default
+//! math mode, no TF32), so they agree with the CPU to rounding.
+
+use std::ffi::c_void;
+
+use cudarc::cublas::{result as cublas, sys};
+
+use super::allocator::DeviceBuffer;
+use super::device::CudaDevice;
+use super::error::{ensure, CudaError, Result};
+use super::launch::to_i32;
+
+/// One operand of a row-major product: `ptr` is element (0, 0) of the stored matrix, `ld`
+/// its row stride, and `trans` says the stored matrix is the transpose of the operand.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Operand {
+    /// Device address of the stored matrix's first element.
+    pub ptr: u64,
+    /// Row stride of the stored (row-major) matrix, in elements.
+    pub ld: usize,
+    /// Whether the operand is the transpose of the stored matrix.
+    pub trans: bool,
+}
+
+impl Operand {
+    /// A row-major operand read as stored.
+    pub(crate) fn rows(ptr: u64, ld: usize) -> Operand {
+        Operand { ptr, ld, trans: false }
+    }
+
+    /// The transpose of a row-major stored matrix.
+    pub(crate) fn transposed(ptr: u64, ld: usize) -> Operand {
+        Operand { ptr, ld, trans: true }
+    }
+
+    fn op(self) -> sys::cublasOperation_t {
+        if self.trans {
+            sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    }
+}
+
+/// Element types of [`gemm`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Precision {
+    /// f32 operands, f32 output, f32 compute.
+    F32,
+    /// bf16 operands, f32 output, f32 accumulate (tensor cores).
+    Bf16,
+}
+
+/// Row-major `C[m×n] = alpha·op(A)[m×k]·op(B)[k×n] + beta·C` with `C`'s row stride `ldc`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm(
+    dev: &CudaDevice,
+    precision: Precision,
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    a: Operand,
+    b: Operand,
+    beta: f32,
+    c: u64,
+    ldc: usize,
+) -> Result<()> {
+    const OP: &str = "gemm";
+    // An empty product leaves C as it is when accumulating (cuBLAS would scale it by beta).
+    if m == 0 || n == 0 || (k == 0 && beta == 1.0) {
+        return Ok(());
+    }
+    let (mi, ni, ki) = (to_i32(OP, "m", m)?, to_i32(OP, "n", n)?, to_i32(OP, "k", k)?);
+    let (lda, ldb, ldc) = (to_i32(OP, "lda", a.ld.max(1))?, to_i32(OP, "ldb", b.ld.max(1))?, to_i32(OP, "ldc", ldc)?);
+    dev.bind()?;
+    let handle = *dev.blas().handle();
+    // Column-major Cᵀ[n×m] = op(B)ᵀ[n×k]·op(A)ᵀ[k×m]: B first, then A.
+    // SAFETY: callers pass addresses of device buffers that hold the m×k, k×n and m×n
+    // operands at the given strides (checked by the public launchers); alpha and beta are
+    // host scalars, cuBLAS's default pointer mode.
+    let status = unsafe {
+        match precision {
+            Precision::F32 => cublas::sgemm(
+                handle,
+                b.op(),
+                a.op(),
+                ni,
+                mi,
+                ki,
+                &alpha,
+                b.ptr as *const f32,
+                ldb,
+                a.ptr as *const f32,
+                lda,
+                &beta,
+                c as *mut f32,
+                ldc,
+            ),
+            Precision::Bf16 => cublas::gemm_ex(
+                handle,
+                b.op(),
+                a.op(),
+                ni,
+                mi,
+                ki,
+                &alpha as *const f32 as *const c_void,
+                b.ptr as *const c_void,
+                sys::cudaDataType::CUDA_R_16BF,
+                ldb,
+                a.ptr as *const c_void,
+                sys::cudaDataType::CUDA_R_16BF,
+                lda,
+                &beta as *const f32 as *const c_void,
+                c as *mut c_void,
+                sys::cudaDataType::CUDA_R_32F,
+                ldc,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            ),
+        }
+    };
+    status.map_err(|e| CudaError::blas(format!("{precision:?} gemm {m}×{n}×{k}"), e))
+}
+
+/// `batch` row-major f32 products `C_i = alpha·op(A_i)·op(B_i) + beta·C_i`, where operand
+/// `i` starts `i·stride` elements after the first (a stride of 0 shares one matrix).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_strided_batched(
+    dev: &CudaDevice,
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    (a, stride_a): (Operand, usize),
+    (b, stride_b): (Operand, usize),
+    beta: f32,
+    (c, ldc, stride_c): (u64, usize, usize),
+    batch: usize,
+) -> Result<()> {
+    const OP: &str = "gemm_strided_batched";
+    if m == 0 || n == 0 || batch == 0 {
+        return Ok(());
+    }
+    let (mi, ni, ki) = (to_i32(OP, "m", m)?, to_i32(OP, "n", n)?, to_i32(OP, "k", k)?);
+    let (lda, ldb, ldc) = (to_i32(OP, "lda", a.ld.max(1))?, to_i32(OP, "ldb", b.ld.max(1))?, to_i32(OP, "ldc", ldc)?);
+    let batch_i = to_i32(OP, "batch", batch)?;
+    dev.bind()?;
+    // SAFETY: as in `gemm`, for each of the `batch` products at the given strides.
+    unsafe {
+        cublas::sgemm_strided_batched(
+            *dev.blas().handle(),
+            b.op(),
+            a.op(),
+            ni,
+            mi,
+            ki,
+            &alpha,
+            b.ptr as *const f32,
+            ldb,
+            stride_b as i64,
+            a.ptr as *const f32,
+            lda,
+            stride_a as i64,
+            &beta,
+            c as *mut f32,
+            ldc,
+            stride_c as i64,
+            batch_i,
+        )
+    }
+    .map_err(|e| CudaError::blas(format!("batched gemm {batch}×({m}×{n}×{k})"), e))
+}
+
+/// A strided f32 operand on the device, as `cpu::matmul::MatRef`: element (i, j) is
+/// `buffer[offset + i·row_stride + j·col_stride]`. One of the strides must be 1.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceMat<'a> {
+    /// The buffer holding the matrix.
+    pub buffer: &'a DeviceBuffer<f32>,
+    /// Element (0, 0).
+    pub offset: usize,
+    /// Step between rows.
+    pub row_stride: usize,
+    /// Step between columns.
+    pub col_stride: usize,
+}
+
+impl DeviceMat<'_> {
+    /// Checks bounds and converts to a cuBLAS operand of `rows × cols`.
+    fn operand(&self, dev: &CudaDevice, rows: usize, cols: usize, what: &str) -> Result<Operand> {
+        dev.check_owner("matmul", self.buffer)?;
+        let last = self.offset + rows.saturating_sub(1) * self.row_stride + cols.saturating_sub(1) * self.col_stride;
+        ensure(rows == 0 || cols == 0 || last < self.buffer.len(), "matmul", || format!("{what} out of bounds"))?;
+        let at = self.buffer.ptr_at(self.offset.min(self.buffer.len()));
+        // cuBLAS needs one unit stride and rows that do not overlap (leading dimension at
+        // least the other extent); a single row or column may have any stride.
+        let (r, c) = (rows.max(1), cols.max(1));
+        if (self.col_stride == 1 || c == 1) && (r == 1 || self.row_stride >= c) {
+            Ok(Operand::rows(at, if r == 1 { c } else { self.row_stride }))
+        } else if (self.row_stride == 1 || r == 1) && (c == 1 || self.col_stride >= r) {
+            Ok(Operand::transposed(at, if c == 1 { r } else { self.col_stride }))
+        } else {
+            Err(CudaError::shape("matmul", format!("{what} needs a unit stride and non-overlapping rows on the GPU")))
+        }
+    }
+}
+
+/// `dst[m×n] (+)= lhs[m×k]·rhs[k×n]`, `dst` row-major contiguous at `dst_offset`; mirrors
+/// `cpu::matmul::matmul`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    dev: &CudaDevice,
+    dst: &mut DeviceBuffer<f32>,
+    dst_offset: usize,
+    lhs: DeviceMat,
+    rhs: DeviceMat,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) -> Result<()> {
+    dev.check_owner("matmul", dst)?;
+    ensure(dst.len() >= dst_offset + m * n, "matmul", || format!("dst too short for {m}×{n} at {dst_offset}"))?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let (a, b) = (lhs.operand(dev, m, k, "lhs")?, rhs.operand(dev, k, n, "rhs")?);
+    let beta = if accumulate { 1.0 } else { 0.0 };
+    gemm(dev, Precision::F32, m, n, k, 1.0, a, b, beta, dst.ptr_at(dst_offset), n)
+}

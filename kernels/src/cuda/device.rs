@@ -1,0 +1,296 @@
+//! One CUDA device: its context, the single stream all its work goes to, a cuBLAS handle,
+//! the compiled kernels and the caching allocator; host ↔ device copies.
+//!
+//! The CUDA libraries are loaded at run time (cudarc's `dynamic-loading`), so a machine
+//! without a driver builds and runs everything else; [`CudaDevice::new`] then returns
+//! [`CudaError::Unavailable`] saying which library or device is missing, instead of the
+//! panic cudarc's loader would raise.
+//!
+//! All work of a device (kernels, cuBLAS, copies) is queued on one stream, so it runs in
+//! the order it was issued; cudarc's per-buffer event tracking is switched off.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{result as driver, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+
+use super::allocator::{Allocator, AllocatorStats, DeviceBuffer, DeviceScalar};
+use super::error::{ensure, CudaError, Result};
+use super::module::{panic_message, KernelCache, KernelFamily};
+
+/// A CUDA device with its stream, cuBLAS handle, kernels and memory pool.
+pub struct CudaDevice {
+    ordinal: usize,
+    name: String,
+    capability: (i32, i32),
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    allocator: Arc<Allocator>,
+    kernels: KernelCache,
+}
+
+/// One kernel argument, kept alive (in a slice) until the launch has read it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Arg {
+    /// A device address (`T*` in the kernel).
+    Ptr(u64),
+    /// `int`.
+    I32(i32),
+    /// `long long`.
+    I64(i64),
+    /// `float`.
+    F32(f32),
+    /// A `struct { long long v[24]; }` passed by value (shapes and strides).
+    Dims([i64; 24]),
+}
+
+/// Checks that the CUDA libraries can be loaded, so cudarc's loader will not panic.
+fn probe_libraries() -> Result<()> {
+    // SAFETY: these only try to dlopen the libraries by their usual names.
+    let (driver, nvrtc, cublas) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+            cudarc::cublas::sys::is_culib_present(),
+        )
+    };
+    let missing: Vec<&str> = [(driver, "libcuda (the NVIDIA driver)"), (nvrtc, "libnvrtc"), (cublas, "libcublas")]
+        .into_iter()
+        .filter(|(present, _)| !present)
+        .map(|(_, name)| name)
+        .collect();
+    ensure(missing.is_empty(), "CudaDevice::new", String::new)
+        .map_err(|_| CudaError::Unavailable(format!("cannot load {}", missing.join(", "))))
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal` (0 for the first GPU). Fails with [`CudaError::Unavailable`]
+    /// when the driver, NVRTC or cuBLAS cannot be loaded or no such GPU exists.
+    pub fn new(ordinal: usize) -> Result<CudaDevice> {
+        probe_libraries()?;
+        catch_unwind(AssertUnwindSafe(|| CudaDevice::open(ordinal))).unwrap_or_else(|panic| {
+            Err(CudaError::Unavailable(format!("CUDA library call panicked: {}", panic_message(&panic))))
+        })
+    }
+
+    fn open(ordinal: usize) -> Result<CudaDevice> {
+        let count = CudaContext::device_count()
+            .map_err(|e| CudaError::Unavailable(format!("the driver found no usable GPU ({e:?})")))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(CudaError::Unavailable(format!("device {ordinal} requested, {count} present")));
+        }
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| CudaError::Unavailable(format!("cannot open device {ordinal}: {e:?}")))?;
+        // SAFETY: this device queues all its work on the one stream created below, so no
+        // buffer is ever used by two streams and the per-buffer events are not needed.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| CudaError::driver("creating the stream", e))?;
+        let blas = CudaBlas::new(Arc::clone(&stream)).map_err(|e| CudaError::blas("creating the cuBLAS handle", e))?;
+        let capability =
+            ctx.compute_capability().map_err(|e| CudaError::driver("reading the compute capability", e))?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".to_string());
+        let allocator = Arc::new(Allocator::new(Arc::clone(&stream)));
+        Ok(CudaDevice {
+            ordinal,
+            name,
+            capability,
+            ctx,
+            stream,
+            blas,
+            allocator,
+            kernels: KernelCache::new(capability),
+        })
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The GPU's name as the driver reports it.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `(major, minor)` compute capability, e.g. `(9, 0)` for an H100.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.capability
+    }
+
+    /// Compiles and loads every kernel family now (otherwise each is compiled on first use).
+    pub fn compile_all(&self) -> Result<()> {
+        for family in KernelFamily::ALL {
+            self.kernels.module(&self.ctx, family)?;
+        }
+        Ok(())
+    }
+
+    /// Waits until all queued work has finished; reports errors of asynchronous work.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| CudaError::driver("stream synchronize", e))
+    }
+
+    /// The caching allocator's counters.
+    pub fn allocator_stats(&self) -> AllocatorStats {
+        self.allocator.stats()
+    }
+
+    /// Returns the allocator's cached (unused) blocks to the driver.
+    pub fn release_cached_memory(&self) {
+        self.allocator.release_cached();
+    }
+
+    /// An uninitialised buffer of `len` elements (its contents are unspecified until written).
+    pub fn alloc<T: DeviceScalar>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        DeviceBuffer::new(&self.allocator, len)
+    }
+
+    /// A buffer of `len` zeros.
+    pub fn zeros<T: DeviceScalar>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        let mut buffer = self.alloc(len)?;
+        self.fill_zero(&mut buffer)?;
+        Ok(buffer)
+    }
+
+    /// Sets every element of `buffer` to zero (all-zero bits: 0.0 for the float types).
+    pub fn fill_zero<T: DeviceScalar>(&self, buffer: &mut DeviceBuffer<T>) -> Result<()> {
+        self.check_owner("fill_zero", buffer)?;
+        if buffer.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the address range is the buffer's own, and the memset is queued on the
+        // stream that orders every use of it.
+        unsafe { driver::memset_d8_async(buffer.device_ptr(), 0, buffer.num_bytes(), self.stream.cu_stream()) }
+            .map_err(|e| CudaError::driver("cuMemsetD8Async", e))
+    }
+
+    /// A new device buffer holding a copy of `host`.
+    pub fn upload<T: DeviceScalar>(&self, host: &[T]) -> Result<DeviceBuffer<T>> {
+        let mut buffer = self.alloc(host.len())?;
+        self.copy_to_device(host, &mut buffer)?;
+        Ok(buffer)
+    }
+
+    /// Copies `host` into `buffer` (equal lengths).
+    pub fn copy_to_device<T: DeviceScalar>(&self, host: &[T], buffer: &mut DeviceBuffer<T>) -> Result<()> {
+        self.check_owner("copy_to_device", buffer)?;
+        ensure(host.len() == buffer.len(), "copy_to_device", || {
+            format!("host slice has {} elements, device buffer {}", host.len(), buffer.len())
+        })?;
+        if host.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the destination is the buffer's own range of host.len() elements; the
+        // source is pageable host memory, which the driver stages before this returns.
+        unsafe { driver::memcpy_htod_async(buffer.device_ptr(), host, self.stream.cu_stream()) }
+            .map_err(|e| CudaError::driver("cuMemcpyHtoDAsync", e))
+    }
+
+    /// A host copy of `buffer` (waits for the queued work that writes it).
+    pub fn download<T: DeviceScalar>(&self, buffer: &DeviceBuffer<T>) -> Result<Vec<T>> {
+        let mut host = vec![T::default(); buffer.len()];
+        self.copy_to_host(buffer, &mut host)?;
+        Ok(host)
+    }
+
+    /// Copies `buffer` into `host` (equal lengths), waiting for the queued work.
+    pub fn copy_to_host<T: DeviceScalar>(&self, buffer: &DeviceBuffer<T>, host: &mut [T]) -> Result<()> {
+        self.check_owner("copy_to_host", buffer)?;
+        ensure(host.len() == buffer.len(), "copy_to_host", || {
+            format!("host slice has {} elements, device buffer {}", host.len(), buffer.len())
+        })?;
+        if host.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the source is the buffer's own range; `host` stays borrowed until the
+        // synchronize below has waited for the copy.
+        unsafe { driver::memcpy_dtoh_async(host, buffer.device_ptr(), self.stream.cu_stream()) }
+            .map_err(|e| CudaError::driver("cuMemcpyDtoHAsync", e))?;
+        self.synchronize()
+    }
+
+    /// Copies `count` elements from `src[src_offset..]` to `dst[dst_offset..]` on the device.
+    pub fn copy_within_device<T: DeviceScalar>(
+        &self,
+        src: &DeviceBuffer<T>,
+        src_offset: usize,
+        dst: &mut DeviceBuffer<T>,
+        dst_offset: usize,
+        count: usize,
+    ) -> Result<()> {
+        self.check_owner("copy_within_device", src)?;
+        self.check_owner("copy_within_device", dst)?;
+        ensure(src_offset + count <= src.len() && dst_offset + count <= dst.len(), "copy_within_device", || {
+            format!("range out of bounds (src {}, dst {}, count {count})", src.len(), dst.len())
+        })?;
+        if count == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let bytes = count * std::mem::size_of::<T>();
+        // SAFETY: both ranges were checked against their buffers above.
+        unsafe {
+            driver::memcpy_dtod_async(dst.ptr_at(dst_offset), src.ptr_at(src_offset), bytes, self.stream.cu_stream())
+        }
+        .map_err(|e| CudaError::driver("cuMemcpyDtoDAsync", e))
+    }
+
+    /// Makes the device's context current on the calling thread (needed before raw calls).
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| CudaError::driver("binding the context", e))
+    }
+
+    /// The cuBLAS handle (bound to [`CudaDevice::stream`]).
+    pub(crate) fn blas(&self) -> &CudaBlas {
+        &self.blas
+    }
+
+    /// Errors unless `buffer` was allocated by this device.
+    pub(crate) fn check_owner<T: DeviceScalar>(&self, op: &'static str, buffer: &DeviceBuffer<T>) -> Result<()> {
+        ensure(buffer.belongs_to(&self.allocator), op, || format!("{buffer:?} belongs to another device"))
+    }
+
+    fn function(&self, family: KernelFamily, name: &'static str) -> Result<CudaFunction> {
+        self.kernels.function(&self.ctx, family, name)
+    }
+
+    /// Launches kernel `name` of `family` with `args` (in the kernel's parameter order).
+    pub(crate) fn launch(
+        &self,
+        family: KernelFamily,
+        name: &'static str,
+        cfg: LaunchConfig,
+        args: &[Arg],
+    ) -> Result<()> {
+        if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
+            return Ok(());
+        }
+        let function = self.function(family, name)?;
+        let mut builder = self.stream.launch_builder(&function);
+        for arg in args {
+            match arg {
+                Arg::Ptr(v) => builder.arg(v),
+                Arg::I32(v) => builder.arg(v),
+                Arg::I64(v) => builder.arg(v),
+                Arg::F32(v) => builder.arg(v),
+                Arg::Dims(v) => builder.arg(v),
+            };
+        }
+        // SAFETY: every launcher checks buffer lengths and shapes against the kernel's
+        // indexing before calling this, and passes arguments in the kernel's order with the
+        // kernel's types (device addresses as u64, int, long long, float).
+        unsafe { builder.launch(cfg) }.map(|_| ()).map_err(|e| CudaError::driver(format!("launch of {name}"), e))
+    }
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (major, minor) = self.capability;
+        write!(f, "CudaDevice({}: {}, sm_{major}{minor})", self.ordinal, self.name)
+    }
+}

@@ -1,0 +1,430 @@
+//! The fused gated projection on the GPU, Transponder eq. 8-10 (`layer-channel-scalar`):
+//!
+//! ```text
+//! [Z | U_c | U_s] = x · [W | A_cᵀ | A_sᵀ]                       (eq. 8, one bf16 tensor-core GEMM)
+//! γ = σ̃_αc(φ(U_c + a_c)·B_cᵀ + b_c) ⊙ σ̃_αs(φ(U_s + a_s)·B_sᵀ + b_s)   (eq. 9, in the GEMM epilogue)
+//! Ẑ = γ ⊙ Z                                                     (eq. 10)
+//! ```
+//!
+//! Semantics are `cpu::fused_gate`'s (same [`FusedGateDims`], the same parameter roles, the
+//! same `zu` saved for backward). The forward reads `x` and the concatenated weight in bf16
+//! ([`pack_weight`] builds `[W; A_c; A_s]` as one `[K, d_in]` bf16 buffer, refreshed after
+//! each optimizer step) and accumulates in f32. [`fused_gate_forward`] writes `zu` only when
+//! asked (training); inference writes nothing but `Ẑ`.
+//!
+//! [`fused_gate_forward_unfused`] is the reference path (cuBLAS bf16 GEMM into `zu`, then
+//! [`fused_gate_apply`]); both give the same result to f32 rounding. The backward
+//! ([`fused_gate_backward`]) reads `zu`, the f32 `x` and f32 weights: two small kernels
+//! (the gate's elementwise backward) plus cuBLAS f32 products and column sums for
+//! `dx, dW, dA, dB`, and deterministic sums for `da, db, dα`. Gradients accumulate.
+
+use half::bf16;
+
+pub use crate::cpu::fused_gate::FusedGateDims;
+pub use crate::cpu::unary::Unary;
+
+use super::allocator::DeviceBuffer;
+use super::blas::{gemm, Operand, Precision};
+use super::device::{Arg, CudaDevice};
+use super::elementwise::unary_code;
+use super::error::{ensure, ensure_len, CudaError, Result};
+use super::launch::{elementwise, int, per_row, ptr, ptr_at, size, THREADS};
+use super::module::KernelFamily;
+use super::reduce::column_sums;
+
+/// Largest `r_c + r_s` the kernels take (the summary tile is padded to 16, 32 or 64).
+pub const MAX_RANK: usize = 64;
+/// Rows and Z columns of one block tile of the tensor-core kernel.
+const BLOCK_M: usize = 128;
+const BLOCK_N: usize = 128;
+
+const FAMILY: KernelFamily = KernelFamily::FusedGate;
+
+/// One modulator on the device: `A: [r, d_in]`, `a: [r]`, `B: [m, r]`, `b: [m]`, α.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceGateParams<'a> {
+    /// `A: [r, d_in]` (f32; the forward reads its bf16 copy inside the packed weight).
+    pub a_weight: &'a DeviceBuffer<f32>,
+    /// `a: [r]`.
+    pub a_bias: &'a DeviceBuffer<f32>,
+    /// `B: [m, r]`.
+    pub b_weight: &'a DeviceBuffer<f32>,
+    /// `b: [m]`.
+    pub b_bias: &'a DeviceBuffer<f32>,
+    /// The curvature α of `σ̃_α`.
+    pub alpha: f32,
+}
+
+/// Everything the fused projection reads besides `x`.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceFusedGateParams<'a> {
+    /// `W: [d_out, d_in]` (f32).
+    pub weight: &'a DeviceBuffer<f32>,
+    /// The channel modulator (`m = d_out`).
+    pub channel: DeviceGateParams<'a>,
+    /// The scalar modulator (`m = 1`).
+    pub scalar: DeviceGateParams<'a>,
+    /// `φ`, the modulators' pointwise nonlinearity.
+    pub phi: Unary,
+}
+
+/// Gradient buffers of one modulator, accumulated into.
+#[derive(Debug)]
+pub struct DeviceGateGrads<'a> {
+    /// `dA: [r, d_in]`.
+    pub a_weight: &'a mut DeviceBuffer<f32>,
+    /// `da: [r]`.
+    pub a_bias: &'a mut DeviceBuffer<f32>,
+    /// `dB: [m, r]`.
+    pub b_weight: &'a mut DeviceBuffer<f32>,
+    /// `db: [m]`.
+    pub b_bias: &'a mut DeviceBuffer<f32>,
+    /// `dα`: a one-element buffer.
+    pub alpha: &'a mut DeviceBuffer<f32>,
+}
+
+/// Gradient buffers of the fused projection, accumulated into.
+#[derive(Debug)]
+pub struct DeviceFusedGateGrads<'a> {
+    /// `dx: [N, d_in]`.
+    pub x: &'a mut DeviceBuffer<f32>,
+    /// `dW: [d_out, d_in]`.
+    pub weight: &'a mut DeviceBuffer<f32>,
+    /// The channel modulator's gradients.
+    pub channel: DeviceGateGrads<'a>,
+    /// The scalar modulator's gradients.
+    pub scalar: DeviceGateGrads<'a>,
+}
+
+/// Checks the parameters against `dims` (as the CPU's `check_lengths`) and the rank limit.
+fn check_params(dev: &CudaDevice, op: &'static str, dims: &FusedGateDims, p: &DeviceFusedGateParams) -> Result<()> {
+    let FusedGateDims { d_in, d_out, rank_channel: rc, rank_scalar: rs, .. } = *dims;
+    ensure(rc + rs <= MAX_RANK, op, || format!("r_c + r_s = {} exceeds {MAX_RANK}", rc + rs))?;
+    let (c, s) = (&p.channel, &p.scalar);
+    let expected = [
+        (p.weight, d_out * d_in, "W"),
+        (c.a_weight, rc * d_in, "channel A"),
+        (c.a_bias, rc, "channel a"),
+        (c.b_weight, d_out * rc, "channel B"),
+        (c.b_bias, d_out, "channel b"),
+        (s.a_weight, rs * d_in, "scalar A"),
+        (s.a_bias, rs, "scalar a"),
+        (s.b_weight, rs, "scalar B"),
+        (s.b_bias, 1, "scalar b"),
+    ];
+    for (buffer, want, name) in expected {
+        dev.check_owner(op, buffer)?;
+        ensure_len(op, name, buffer.len(), want)?;
+    }
+    Ok(())
+}
+
+/// The gate's parameter arguments shared by the kernels, in their order:
+/// `a_c, B_c, b_c, α_c, a_s, B_s, b_s, α_s, φ, φ's exponent`.
+fn gate_args(p: &DeviceFusedGateParams) -> [Arg; 10] {
+    let (phi, phi_p) = unary_code(p.phi);
+    [
+        ptr(p.channel.a_bias),
+        ptr(p.channel.b_weight),
+        ptr(p.channel.b_bias),
+        Arg::F32(p.channel.alpha),
+        ptr(p.scalar.a_bias),
+        ptr(p.scalar.b_weight),
+        ptr(p.scalar.b_bias),
+        Arg::F32(p.scalar.alpha),
+        int(phi),
+        Arg::F32(phi_p),
+    ]
+}
+
+/// The concatenated weight `[W; A_c; A_s]` as one bf16 `[K, d_in]` buffer (row-major), the
+/// operand of [`fused_gate_forward`]. Rounds to nearest even.
+pub fn pack_weight(dev: &CudaDevice, dims: &FusedGateDims, p: &DeviceFusedGateParams) -> Result<DeviceBuffer<bf16>> {
+    const OP: &str = "fused_gate pack_weight";
+    check_params(dev, OP, dims, p)?;
+    let packed = dev.alloc::<bf16>(dims.width() * dims.d_in)?;
+    let mut at = 0;
+    for part in [p.weight, p.channel.a_weight, p.scalar.a_weight] {
+        let args = [ptr(part), ptr_at(&packed, at), size(part.len())];
+        dev.launch(KernelFamily::Elementwise, "f32_to_bf16_kernel", elementwise(part.len()), &args)?;
+        at += part.len();
+    }
+    Ok(packed)
+}
+
+/// Checks `x` (bf16), the packed weight and the outputs of a forward.
+#[allow(clippy::too_many_arguments)]
+fn check_forward(
+    dev: &CudaDevice,
+    op: &'static str,
+    dims: &FusedGateDims,
+    x: &DeviceBuffer<bf16>,
+    packed: &DeviceBuffer<bf16>,
+    p: &DeviceFusedGateParams,
+    zu: Option<&DeviceBuffer<f32>>,
+    out: &DeviceBuffer<f32>,
+) -> Result<()> {
+    check_params(dev, op, dims, p)?;
+    dev.check_owner(op, x)?;
+    dev.check_owner(op, packed)?;
+    dev.check_owner(op, out)?;
+    ensure_len(op, "x", x.len(), dims.rows * dims.d_in)?;
+    ensure_len(op, "packed weight", packed.len(), dims.width() * dims.d_in)?;
+    ensure_len(op, "out", out.len(), dims.rows * dims.d_out)?;
+    if let Some(zu) = zu {
+        dev.check_owner(op, zu)?;
+        ensure_len(op, "zu", zu.len(), dims.rows * dims.width())?;
+    }
+    Ok(())
+}
+
+/// The fused forward: `out[N×d_out] = Ẑ` from one tensor-core GEMM whose epilogue computes
+/// the gate; `zu[N×K] = x·[W; A_c; A_s]ᵀ` is written only when given (save it for backward).
+/// `x` is bf16 `[N, d_in]`, `packed` is [`pack_weight`]'s output. Needs compute capability 8.0+.
+#[allow(clippy::too_many_arguments)]
+pub fn fused_gate_forward(
+    dev: &CudaDevice,
+    dims: &FusedGateDims,
+    x: &DeviceBuffer<bf16>,
+    packed: &DeviceBuffer<bf16>,
+    p: &DeviceFusedGateParams,
+    zu: Option<&mut DeviceBuffer<f32>>,
+    out: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    const OP: &str = "fused_gate_forward";
+    check_forward(dev, OP, dims, x, packed, p, zu.as_deref(), out)?;
+    let (major, minor) = dev.compute_capability();
+    if major < 8 {
+        return Err(CudaError::Invalid {
+            op: OP,
+            message: format!("bf16 tensor cores need compute capability 8.0, the device has {major}.{minor}"),
+        });
+    }
+    let FusedGateDims { rows, d_in, d_out, rank_channel: rc, rank_scalar: rs } = *dims;
+    if rows == 0 || d_out == 0 {
+        return Ok(());
+    }
+    let blocks_m = rows.div_ceil(BLOCK_M);
+    ensure(blocks_m <= 65_535, OP, || format!("{rows} rows exceed the grid limit of {}", 65_535 * BLOCK_M))?;
+    let kernel = match rc + rs {
+        0..=16 => "fused_gate_mma_r16",
+        17..=32 => "fused_gate_mma_r32",
+        _ => "fused_gate_mma_r64",
+    };
+    let zu_arg = Arg::Ptr(zu.as_deref().map_or(0, DeviceBuffer::device_ptr));
+    let mut args = vec![ptr(x), ptr(packed)];
+    args.extend(gate_args(p));
+    args.extend([size(rows), size(d_in), size(d_out), int(rc as i32), int(rs as i32), zu_arg, ptr(out)]);
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (d_out.div_ceil(BLOCK_N) as u32, blocks_m as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    dev.launch(FAMILY, kernel, cfg, &args)
+}
+
+/// The gate alone from a saved `zu[N×K]`: `out = γ ⊙ Z` (the second half of the unfused path).
+pub fn fused_gate_apply(
+    dev: &CudaDevice,
+    dims: &FusedGateDims,
+    zu: &DeviceBuffer<f32>,
+    p: &DeviceFusedGateParams,
+    out: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    const OP: &str = "fused_gate_apply";
+    check_params(dev, OP, dims, p)?;
+    dev.check_owner(OP, zu)?;
+    dev.check_owner(OP, out)?;
+    ensure_len(OP, "zu", zu.len(), dims.rows * dims.width())?;
+    ensure_len(OP, "out", out.len(), dims.rows * dims.d_out)?;
+    let mut args = vec![ptr(zu)];
+    args.extend(gate_args(p));
+    args.extend([
+        size(dims.rows),
+        size(dims.d_out),
+        int(dims.rank_channel as i32),
+        int(dims.rank_scalar as i32),
+        ptr(out),
+    ]);
+    dev.launch(FAMILY, "fused_gate_apply", per_row(dims.rows, THREADS), &args)
+}
+
+/// The unfused reference path: a cuBLAS bf16 GEMM `zu = x·[W; A_c; A_s]ᵀ` (f32 output), then
+/// [`fused_gate_apply`]. Same inputs and outputs as [`fused_gate_forward`] with `zu` given.
+#[allow(clippy::too_many_arguments)]
+pub fn fused_gate_forward_unfused(
+    dev: &CudaDevice,
+    dims: &FusedGateDims,
+    x: &DeviceBuffer<bf16>,
+    packed: &DeviceBuffer<bf16>,
+    p: &DeviceFusedGateParams,
+    zu: &mut DeviceBuffer<f32>,
+    out: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    const OP: &str = "fused_gate_forward_unfused";
+    check_forward(dev, OP, dims, x, packed, p, Some(zu), out)?;
+    let (k, d_in) = (dims.width(), dims.d_in);
+    let (a, b) = (Operand::rows(x.device_ptr(), d_in), Operand::transposed(packed.device_ptr(), d_in));
+    gemm(dev, Precision::Bf16, dims.rows, k, d_in, 1.0, a, b, 0.0, zu.device_ptr(), k)?;
+    fused_gate_apply(dev, dims, zu, p, out)
+}
+
+/// Checks the gradient buffers against `dims`.
+fn check_grads(dev: &CudaDevice, op: &'static str, dims: &FusedGateDims, g: &DeviceFusedGateGrads) -> Result<()> {
+    let FusedGateDims { rows, d_in, d_out, rank_channel: rc, rank_scalar: rs } = *dims;
+    let (c, s) = (&g.channel, &g.scalar);
+    let expected: [(&DeviceBuffer<f32>, usize, &str); 12] = [
+        (&*g.x, rows * d_in, "dx"),
+        (&*g.weight, d_out * d_in, "dW"),
+        (&*c.a_weight, rc * d_in, "channel dA"),
+        (&*c.a_bias, rc, "channel da"),
+        (&*c.b_weight, d_out * rc, "channel dB"),
+        (&*c.b_bias, d_out, "channel db"),
+        (&*c.alpha, 1, "channel dα"),
+        (&*s.a_weight, rs * d_in, "scalar dA"),
+        (&*s.a_bias, rs, "scalar da"),
+        (&*s.b_weight, rs, "scalar dB"),
+        (&*s.b_bias, 1, "scalar db"),
+        (&*s.alpha, 1, "scalar dα"),
+    ];
+    for (buffer, want, name) in expected {
+        dev.check_owner(op, buffer)?;
+        ensure_len(op, name, buffer.len(), want)?;
+    }
+    Ok(())
+}
+
+/// Backward of the fused projection from the saved `zu` and the output gradient `dout`;
+/// `x` is the f32 input `[N, d_in]`. Accumulates into every buffer of `grads`.
+///
+/// Recomputes `H`, `γ_s` and the channel logits from `zu` (row kernel: `dZ`, the channel
+/// logits' gradient `dL_c`, per-row `dγ_s` and `dα_c`); then `dH_c = dL_c·B_c` (cuBLAS), the
+/// summaries' kernel (`dU`), and `dB_c += dL_cᵀ·H_c`, `dB_s += dl_sᵀ·H_s`,
+/// `dx += dZU·[W; A_c; A_s]`, `dW += dZᵀ·x`, `dA += dUᵀ·x` (cuBLAS, f32), with the bias and α
+/// gradients as column sums in a fixed order.
+#[allow(clippy::too_many_arguments)]
+pub fn fused_gate_backward(
+    dev: &CudaDevice,
+    dims: &FusedGateDims,
+    x: &DeviceBuffer<f32>,
+    p: &DeviceFusedGateParams,
+    zu: &DeviceBuffer<f32>,
+    dout: &DeviceBuffer<f32>,
+    grads: &mut DeviceFusedGateGrads,
+) -> Result<()> {
+    const OP: &str = "fused_gate_backward";
+    check_params(dev, OP, dims, p)?;
+    check_grads(dev, OP, dims, grads)?;
+    for buffer in [x, zu, dout] {
+        dev.check_owner(OP, buffer)?;
+    }
+    let FusedGateDims { rows, d_in, d_out, rank_channel: rc, rank_scalar: rs } = *dims;
+    let (k, r) = (dims.width(), rc + rs);
+    ensure_len(OP, "x", x.len(), rows * d_in)?;
+    ensure_len(OP, "zu", zu.len(), rows * k)?;
+    ensure_len(OP, "dout", dout.len(), rows * d_out)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    // dzu rows: [dZ | dU_c | dU_s]; row_terms rows: [dγ_s, dα_c, dα_s].
+    let dzu = dev.alloc::<f32>(rows * k)?;
+    let dlogits = dev.alloc::<f32>(rows * d_out)?;
+    let hidden = dev.alloc::<f32>(rows * r)?;
+    let row_terms = dev.alloc::<f32>(rows * 3)?;
+    let dhidden_c = dev.alloc::<f32>(rows * rc)?;
+    let dlogit_s = dev.alloc::<f32>(rows)?;
+
+    let mut args = vec![ptr(zu), ptr(dout)];
+    args.extend(gate_args(p));
+    args.extend([
+        size(rows),
+        size(d_out),
+        int(rc as i32),
+        int(rs as i32),
+        ptr(&dzu),
+        ptr(&dlogits),
+        ptr(&hidden),
+        ptr(&row_terms),
+    ]);
+    dev.launch(FAMILY, "fused_gate_backward_rows", per_row(rows, THREADS), &args)?;
+
+    // d/dH_c = dL_c·B_c
+    let f32_gemm = |m, n, kk, a, b, beta, c, ldc| gemm(dev, Precision::F32, m, n, kk, 1.0, a, b, beta, c, ldc);
+    f32_gemm(
+        rows,
+        rc,
+        d_out,
+        Operand::rows(dlogits.device_ptr(), d_out),
+        Operand::rows(p.channel.b_weight.device_ptr(), rc),
+        0.0,
+        dhidden_c.device_ptr(),
+        rc,
+    )?;
+    let (phi, phi_p) = unary_code(p.phi);
+    let summary_args = [
+        ptr(zu),
+        ptr(&dhidden_c),
+        ptr(p.channel.a_bias),
+        ptr(p.scalar.a_bias),
+        ptr(p.scalar.b_weight),
+        ptr(p.scalar.b_bias),
+        Arg::F32(p.scalar.alpha),
+        int(phi),
+        Arg::F32(phi_p),
+        size(rows),
+        size(d_out),
+        int(rc as i32),
+        int(rs as i32),
+        ptr(&dzu),
+        ptr(&row_terms),
+        ptr(&dlogit_s),
+    ];
+    dev.launch(FAMILY, "fused_gate_backward_summaries", elementwise(rows), &summary_args)?;
+
+    // Cross-row sums: db_c = Σ dL_c, da = Σ dU, db_s = Σ dl_s, dα = Σ row terms.
+    let g = grads;
+    column_sums(dev, dlogits.device_ptr(), 1, rows, d_out, d_out, 0, g.channel.b_bias.device_ptr(), true)?;
+    column_sums(dev, dzu.ptr_at(d_out), 1, rows, rc, k, 0, g.channel.a_bias.device_ptr(), true)?;
+    column_sums(dev, dzu.ptr_at(d_out + rc), 1, rows, rs, k, 0, g.scalar.a_bias.device_ptr(), true)?;
+    column_sums(dev, dlogit_s.device_ptr(), 1, rows, 1, 1, 0, g.scalar.b_bias.device_ptr(), true)?;
+    column_sums(dev, row_terms.ptr_at(1), 1, rows, 1, 3, 0, g.channel.alpha.device_ptr(), true)?;
+    column_sums(dev, row_terms.ptr_at(2), 1, rows, 1, 3, 0, g.scalar.alpha.device_ptr(), true)?;
+
+    // dB_c += dL_cᵀ·H_c;  dB_s += dl_sᵀ·H_s
+    let h_c = Operand::rows(hidden.device_ptr(), r);
+    let h_s = Operand::rows(hidden.ptr_at(rc), r);
+    f32_gemm(
+        d_out,
+        rc,
+        rows,
+        Operand::transposed(dlogits.device_ptr(), d_out),
+        h_c,
+        1.0,
+        g.channel.b_weight.device_ptr(),
+        rc,
+    )?;
+    f32_gemm(1, rs, rows, Operand::rows(dlogit_s.device_ptr(), rows), h_s, 1.0, g.scalar.b_weight.device_ptr(), rs)?;
+
+    // dx += dZ·W + dU_c·A_c + dU_s·A_s;  dW += dZᵀ·x;  dA_c += dU_cᵀ·x;  dA_s += dU_sᵀ·x
+    let parts = [
+        (0, d_out, p.weight, &mut *g.weight),
+        (d_out, rc, p.channel.a_weight, &mut *g.channel.a_weight),
+        (d_out + rc, rs, p.scalar.a_weight, &mut *g.scalar.a_weight),
+    ];
+    let x_rows = Operand::rows(x.device_ptr(), d_in);
+    for (offset, width, weight, dweight) in parts {
+        let block = dzu.ptr_at(offset);
+        f32_gemm(
+            rows,
+            d_in,
+            width,
+            Operand::rows(block, k),
+            Operand::rows(weight.device_ptr(), d_in),
+            1.0,
+            g.x.device_ptr(),
+            d_in,
+        )?;
+        f32_gemm(width, d_in, rows, Operand::transposed(block, k), x_rows, 1.0, dweight.device_ptr(), d_in)?;
+    }
+    Ok(())
+}

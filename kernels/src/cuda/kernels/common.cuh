@@ -1,0 +1,183 @@
+// Helpers shared by every kernel family; module.rs prepends this file to each .cu file.
+// No system headers: NVRTC's built-ins (expf, erfcf, __shfl_xor_sync, ...) are enough, so
+// compiling needs no CUDA toolkit headers on the machine.
+//
+// Conventions: sizes and flat indices are `long long` (i64); kernels walk their elements
+// with grid-stride loops; backward kernels accumulate (`dx[i] += ...`) like the CPU ones.
+
+typedef long long i64;
+typedef unsigned short bf16_t;
+
+#define FULL_MASK 0xffffffffu
+#define NEG_INF __int_as_float(0xff800000)
+#define POS_INF __int_as_float(0x7f800000)
+
+// Grid-stride loop over [0, n).
+#define GRID_STRIDE(i, n) \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+
+// Constants built from their formula, as on the CPU (unary.rs).
+#define FRAC_1_SQRT_2 0.70710678118654752440f   // 1/√2
+#define FRAC_1_SQRT_2PI 0.39894228040143267794f // 1/√(2π)
+#define SQRT_2_OVER_PI 0.79788456080286535588f  // √(2/π)
+#define GELU_TANH_CUBIC 0.044715f               // the cubic coefficient of the tanh GELU
+
+__device__ __forceinline__ bool is_nan(float x) { return x != x; }
+
+// bf16 stored as its 16 bits; conversion rounds to nearest even, NaN stays a quiet NaN
+// (the same bits as half::bf16::from_f32 on the host).
+__device__ __forceinline__ float bf16_to_f32(bf16_t v) { return __uint_as_float(((unsigned int)v) << 16); }
+
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+// σ(x) through e^-|x| ≤ 1, so it never overflows (unary.rs `sigmoid`).
+__device__ __forceinline__ float sigmoid_f(float x) {
+    float e = expf(-fabsf(x));
+    float s = 1.0f / (1.0f + e);
+    return x >= 0.0f ? s : e * s;
+}
+
+// Unary op codes: the order of `cpu::unary::Unary` (Powf's exponent travels as `p`).
+#define OP_NEG 0
+#define OP_EXP 1
+#define OP_LOG 2
+#define OP_SQRT 3
+#define OP_RSQRT 4
+#define OP_ABS 5
+#define OP_SIGMOID 6
+#define OP_TANH 7
+#define OP_RELU 8
+#define OP_SILU 9
+#define OP_GELU 10
+#define OP_GELU_TANH 11
+#define OP_POWF 12
+#define OP_SQUARE 13
+
+// f(x), as unary.rs `unary_reference`.
+__device__ __forceinline__ float unary_f(int op, float x, float p) {
+    switch (op) {
+        case OP_NEG: return -x;
+        case OP_EXP: return expf(x);
+        case OP_LOG: return logf(x);
+        case OP_SQRT: return sqrtf(x);
+        case OP_RSQRT: return 1.0f / sqrtf(x);
+        case OP_ABS: return fabsf(x);
+        case OP_SIGMOID: return sigmoid_f(x);
+        case OP_TANH: return tanhf(x);
+        case OP_RELU: return x < 0.0f ? 0.0f : x;
+        case OP_SILU: return x * sigmoid_f(x);
+        case OP_GELU: return x * (0.5f * erfcf(-x * FRAC_1_SQRT_2));
+        case OP_GELU_TANH: {
+            float u = SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x);
+            return 0.5f * x * (1.0f + tanhf(u));
+        }
+        case OP_POWF: return powf(x, p);
+        case OP_SQUARE: return x * x;
+        default: return x;
+    }
+}
+
+// f'(x) given y = f(x), as unary.rs `unary_derivative_reference`.
+__device__ __forceinline__ float unary_df(int op, float x, float y, float p) {
+    switch (op) {
+        case OP_NEG: return -1.0f;
+        case OP_EXP: return y;
+        case OP_LOG: return 1.0f / x;
+        case OP_SQRT: return 0.5f / y;
+        case OP_RSQRT: return -0.5f * y * y * y;
+        // Relu'(0) = Abs'(0) = 0, as in PyTorch.
+        case OP_ABS: return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);
+        case OP_SIGMOID: return y * (1.0f - y);
+        case OP_TANH: return 1.0f - y * y;
+        case OP_RELU: return x > 0.0f ? 1.0f : 0.0f;
+        // d/dx x·σ(x) = σ(x)·(1 + x·(1 − σ(x)))
+        case OP_SILU: {
+            float s = sigmoid_f(x);
+            return s * (1.0f + x * (1.0f - s));
+        }
+        // d/dx x·Φ(x) = Φ(x) + x·φ(x)
+        case OP_GELU: return 0.5f * erfcf(-x * FRAC_1_SQRT_2) + x * expf(-0.5f * x * x) * FRAC_1_SQRT_2PI;
+        case OP_GELU_TANH: {
+            float t = tanhf(SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x));
+            float du = SQRT_2_OVER_PI * (1.0f + 3.0f * GELU_TANH_CUBIC * x * x);
+            return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
+        }
+        // PyTorch masks p == 0 so that 0·x^-1 at x = 0 gives 0, not NaN.
+        case OP_POWF: return p == 0.0f ? 0.0f : p * powf(x, p - 1.0f);
+        case OP_SQUARE: return 2.0f * x;
+        default: return 1.0f;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Warp and block reductions. The block versions need blockDim.x a multiple of 32 (≤ 1024)
+// and must be reached by every thread of the block; they return the total to every thread.
+// The order of additions is fixed by the launch shape, so results are run-to-run identical.
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ double warp_sum_d(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+__device__ float block_sum(float v) {
+    __shared__ float partials[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // a previous call may still be reading partials[0]
+    if (lane == 0) partials[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < warps ? partials[lane] : 0.0f;
+        v = warp_sum(v);
+        if (lane == 0) partials[0] = v;
+    }
+    __syncthreads();
+    return partials[0];
+}
+
+__device__ double block_sum_d(double v) {
+    __shared__ double partials_d[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_sum_d(v);
+    __syncthreads();
+    if (lane == 0) partials_d[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < warps ? partials_d[lane] : 0.0;
+        v = warp_sum_d(v);
+        if (lane == 0) partials_d[0] = v;
+    }
+    __syncthreads();
+    return partials_d[0];
+}
+
+__device__ float block_max(float v) {
+    __shared__ float partials_m[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) partials_m[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < warps ? partials_m[lane] : NEG_INF;
+        v = warp_max(v);
+        if (lane == 0) partials_m[0] = v;
+    }
+    __syncthreads();
+    return partials_m[0];
+}

@@ -1,0 +1,395 @@
+// The fused gated projection, Transponder eq. 8-10 (cpu/fused_gate.rs):
+//
+//   [Z | U_c | U_s] = x · [W; A_c; A_s]ᵀ                                  (eq. 8, one GEMM)
+//   γ_c = σ̃_αc(φ(U_c + a_c)·B_cᵀ + b_c),  γ_s = σ̃_αs(φ(U_s + a_s)·B_sᵀ + b_s)   (eq. 9)
+//   Ẑ   = γ_c ⊙ γ_s ⊙ Z                                                    (eq. 10)
+//
+// σ̃_α(z) = 2σ(αz). N rows, d_in, d_out, ranks rc and rs (r = rc + rs), K = d_out + r.
+// The concatenated weight is stored row-major as [K, d_in] bf16 (W's rows, then A_c's, then
+// A_s's), which is exactly the "col" B operand of mma.sync.
+//
+// fused_gate_mma_r{16,32,64}: a bf16 tensor-core GEMM (mma.sync.m16n8k16, f32 accumulate)
+// over the concatenated weight. A block owns a BM × BN tile of Z and also computes the r
+// summary columns U for its BM rows (redundantly across column blocks: r/BN extra work), so
+// the epilogue has everything the gate needs: it computes H = φ(U + a), γ_s per row and
+// γ_c per element, and writes Ẑ. Z and U reach memory only when `zu` is given (training
+// saves them for backward; inference passes null).
+//
+// fused_gate_apply: the same gate from a ZU computed elsewhere (the unfused reference path,
+// cuBLAS GEMM + this kernel). The backward kernels mirror cpu/fused_gate.rs's row pass;
+// its GEMMs and column sums run through cuBLAS and reduce.cu.
+
+#define FG_BM 128        // rows of a block tile
+#define FG_BN 128        // Z columns of a block tile
+#define FG_BK 32         // depth of a shared-memory stage
+#define FG_SK 40         // shared row stride in bf16 (BK + 8): 80-byte rows, conflict-free fragments
+#define FG_THREADS 256   // 8 warps: 2 along M (64 rows each) × 4 along N (32 columns each)
+#define FG_MAX_RANK 64
+
+struct alignas(16) u32x4 {
+    unsigned int x, y, z, w;
+};
+
+// mma.sync.m16n8k16 bf16 × bf16 + f32. Fragments (PTX ISA "mma.m16n8k16", g = lane / 4,
+// t = lane % 4): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..];
+// b0 = B[2t..2t+1][g], b1 = B[2t+8..][g]; d0,d1 = D[g][2t..2t+1], d2,d3 = D[g+8][2t..2t+1].
+__device__ __forceinline__ void mma_bf16(float* d, const unsigned int* a, const unsigned int* b) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();  // the launcher refuses devices below compute capability 8.0
+#endif
+}
+
+// Two adjacent bf16 at an even index of shared memory, as one 32-bit register.
+__device__ __forceinline__ unsigned int ld_pair(const bf16_t* p) { return *reinterpret_cast<const unsigned int*>(p); }
+
+// 8 bf16 (16 bytes) of row `row`, columns col..col+7 of a row-major [rows, cols] matrix;
+// zeros outside it. `vec`: cols % 8 == 0, so in-bounds chunks are 16-byte aligned.
+__device__ __forceinline__ u32x4 load_chunk(const bf16_t* base, i64 rows, i64 cols, i64 row, i64 col, bool vec) {
+    u32x4 v;
+    v.x = v.y = v.z = v.w = 0u;
+    if (row < rows && col < cols) {
+        const bf16_t* p = base + row * cols + col;
+        if (vec) {
+            v = *reinterpret_cast<const u32x4*>(p);
+        } else {
+            unsigned int e[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) e[i] = col + i < cols ? (unsigned int)p[i] : 0u;
+            v.x = e[0] | (e[1] << 16);
+            v.y = e[2] | (e[3] << 16);
+            v.z = e[4] | (e[5] << 16);
+            v.w = e[6] | (e[7] << 16);
+        }
+    }
+    return v;
+}
+
+template <int RU>
+struct FgShared {
+    static const int MAIN_BYTES = (FG_BM + FG_BN + RU) * FG_SK * 2;  // x, W and A tiles (bf16)
+    static const int HS = RU + 1;                                    // odd f32 row stride of H
+    static const int EPILOGUE_BYTES = (FG_BM * HS + FG_BM) * 4;      // H [BM][HS] and γ_s [BM]
+    static const int BYTES = MAIN_BYTES > EPILOGUE_BYTES ? MAIN_BYTES : EPILOGUE_BYTES;
+};
+
+// Global → registers for the stage at depth k0: two 16-byte chunks of the x tile and of
+// the W tile per thread (128 rows × 4 chunks each), one chunk of the A tile for the first
+// RU·4 threads.
+template <int RU>
+__device__ __forceinline__ void fg_load(u32x4* ra, u32x4* rb, u32x4* ru, const bf16_t* x, const bf16_t* cat_w,
+                                        const bf16_t* u_weight, i64 rows, i64 d_in, i64 d_out, int r, i64 m0, i64 n0,
+                                        i64 k0, bool vec) {
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        int chunk = tid + c * FG_THREADS;
+        int row = chunk >> 2, kc = (chunk & 3) * 8;
+        ra[c] = load_chunk(x, rows, d_in, m0 + row, k0 + kc, vec);
+        rb[c] = load_chunk(cat_w, d_out, d_in, n0 + row, k0 + kc, vec);
+    }
+    if (tid < RU * 4) *ru = load_chunk(u_weight, r, d_in, tid >> 2, k0 + (tid & 3) * 8, vec);
+}
+
+// Registers → shared memory (the same chunk mapping as fg_load).
+template <int RU>
+__device__ __forceinline__ void fg_store(const u32x4* ra, const u32x4* rb, const u32x4* ru, bf16_t* as, bf16_t* bs,
+                                         bf16_t* us) {
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        int chunk = tid + c * FG_THREADS;
+        int row = chunk >> 2, kc = (chunk & 3) * 8;
+        *reinterpret_cast<u32x4*>(as + row * FG_SK + kc) = ra[c];
+        *reinterpret_cast<u32x4*>(bs + row * FG_SK + kc) = rb[c];
+    }
+    if (tid < RU * 4) *reinterpret_cast<u32x4*>(us + (tid >> 2) * FG_SK + (tid & 3) * 8) = *ru;
+}
+
+// One block: rows m0..m0+BM, Z columns n0..n0+BN, plus all r summary columns.
+template <int RU>
+__device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* cat_w, const float* a_c, const float* b_cw,
+                                               const float* b_cb, float alpha_c, const float* a_s, const float* b_sw,
+                                               const float* b_sb, float alpha_s, int phi, float phi_p, i64 rows,
+                                               i64 d_in, i64 d_out, int rc, int rs, float* zu, float* out) {
+    __shared__ alignas(16) unsigned char smem[FgShared<RU>::BYTES];
+    const int r = rc + rs;
+    const i64 width = d_out + r;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int warp_m = warp >> 2, warp_n = warp & 3;
+    const i64 m0 = (i64)blockIdx.y * FG_BM, n0 = (i64)blockIdx.x * FG_BN;
+    const bool vec = (d_in & 7) == 0;
+    const bf16_t* u_weight = cat_w + d_out * d_in;
+    bf16_t* as = reinterpret_cast<bf16_t*>(smem);
+    bf16_t* bs = as + FG_BM * FG_SK;
+    bf16_t* us = bs + FG_BN * FG_SK;
+
+    float acc[4][4][4];
+    float acc_u[RU / 8][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RU / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_u[i][e] = 0.0f;
+
+    u32x4 ra[2], rb[2], ru;
+    fg_load<RU>(ra, rb, &ru, x, cat_w, u_weight, rows, d_in, d_out, r, m0, n0, 0, vec);
+    fg_store<RU>(ra, rb, &ru, as, bs, us);
+    __syncthreads();
+    for (i64 k0 = 0; k0 < d_in; k0 += FG_BK) {
+        const bool more = k0 + FG_BK < d_in;
+        // Prefetch the next stage into registers while this one is multiplied.
+        if (more) fg_load<RU>(ra, rb, &ru, x, cat_w, u_weight, rows, d_in, d_out, r, m0, n0, k0 + FG_BK, vec);
+#pragma unroll
+        for (int kk = 0; kk < FG_BK; kk += 16) {
+            unsigned int af[4][4], bf[4][2];
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+                const bf16_t* p = as + (warp_m * 64 + mt * 16 + g) * FG_SK + kk + 2 * t4;
+                af[mt][0] = ld_pair(p);
+                af[mt][1] = ld_pair(p + 8 * FG_SK);
+                af[mt][2] = ld_pair(p + 8);
+                af[mt][3] = ld_pair(p + 8 * FG_SK + 8);
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                const bf16_t* p = bs + (warp_n * 32 + nt * 8 + g) * FG_SK + kk + 2 * t4;
+                bf[nt][0] = ld_pair(p);
+                bf[nt][1] = ld_pair(p + 8);
+            }
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) mma_bf16(acc[mt][nt], af[mt], bf[nt]);
+            // The summary columns: warp w owns rows 16w..16w+15 of the block, all RU columns.
+            unsigned int au[4];
+            const bf16_t* p = as + (warp * 16 + g) * FG_SK + kk + 2 * t4;
+            au[0] = ld_pair(p);
+            au[1] = ld_pair(p + 8 * FG_SK);
+            au[2] = ld_pair(p + 8);
+            au[3] = ld_pair(p + 8 * FG_SK + 8);
+#pragma unroll
+            for (int ut = 0; ut < RU / 8; ++ut) {
+                const bf16_t* q = us + (ut * 8 + g) * FG_SK + kk + 2 * t4;
+                unsigned int bu[2] = {ld_pair(q), ld_pair(q + 8)};
+                mma_bf16(acc_u[ut], au, bu);
+            }
+        }
+        __syncthreads();  // every warp is done reading this stage
+        if (more) {
+            fg_store<RU>(ra, rb, &ru, as, bs, us);
+            __syncthreads();
+        }
+    }
+
+    // Epilogue. The shared tiles are free (the loop ended on a barrier); reuse them for
+    // H [BM][HS] (f32) and the per-row scalar gate.
+    const int hs = FgShared<RU>::HS;
+    float* h = reinterpret_cast<float*>(smem);
+    float* gate_s = h + FG_BM * hs;
+#pragma unroll
+    for (int ut = 0; ut < RU / 8; ++ut) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int row = warp * 16 + g + (e >= 2 ? 8 : 0);
+            int col = ut * 8 + 2 * t4 + (e & 1);
+            h[row * hs + col] = acc_u[ut][e];
+            // U is saved once, by the first column block.
+            if (zu && blockIdx.x == 0 && col < r && m0 + row < rows) zu[(m0 + row) * width + d_out + col] = acc_u[ut][e];
+        }
+    }
+    __syncthreads();
+    // H = φ(U + a)
+    for (int e = tid; e < FG_BM * r; e += FG_THREADS) {
+        int row = e / r, t = e % r;
+        float bias = t < rc ? a_c[t] : a_s[t - rc];
+        h[row * hs + t] = unary_f(phi, h[row * hs + t] + bias, phi_p);
+    }
+    __syncthreads();
+    // γ_s = 2σ(α_s·(B_s·H_s + b_s)) per row
+    if (tid < FG_BM) {
+        float logit = 0.0f;
+        for (int t = 0; t < rs; ++t) logit += b_sw[t] * h[tid * hs + rc + t];
+        logit += b_sb[0];
+        gate_s[tid] = 2.0f * sigmoid_f(alpha_s * logit);
+    }
+    __syncthreads();
+    // Ẑ = σ(α_c·(H_c·B_cᵀ + b_c))·2·γ_s·Z, column by column of this thread's fragment.
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const i64 col = n0 + warp_n * 32 + nt * 8 + 2 * t4 + c;
+            if (col >= d_out) continue;
+            float logit[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) logit[i] = 0.0f;
+            for (int t = 0; t < rc; ++t) {
+                float w = b_cw[col * rc + t];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) logit[i] += h[(warp_m * 64 + (i >> 1) * 16 + g + (i & 1) * 8) * hs + t] * w;
+            }
+            const float bias = b_cb[col];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int row_local = warp_m * 64 + (i >> 1) * 16 + g + (i & 1) * 8;
+                const i64 row = m0 + row_local;
+                if (row >= rows) continue;
+                const float z = acc[i >> 1][nt][(i & 1) * 2 + c];
+                const float gate = sigmoid_f(alpha_c * (logit[i] + bias));
+                out[row * d_out + col] = gate * (2.0f * gate_s[row_local]) * z;
+                if (zu) zu[row * width + col] = z;
+            }
+        }
+    }
+}
+
+#define FG_PARAMS                                                                                                   \
+    const bf16_t *x, const bf16_t *cat_w, const float *a_c, const float *b_cw, const float *b_cb, float alpha_c,    \
+        const float *a_s, const float *b_sw, const float *b_sb, float alpha_s, int phi, float phi_p, i64 rows,      \
+        i64 d_in, i64 d_out, int rc, int rs, float *zu, float *out
+#define FG_ARGS x, cat_w, a_c, b_cw, b_cb, alpha_c, a_s, b_sw, b_sb, alpha_s, phi, phi_p, rows, d_in, d_out, rc, rs, zu, out
+
+// Grid (⌈d_out/BN⌉, ⌈N/BM⌉), 256 threads; the suffix is the padded rank (r ≤ suffix).
+extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r16(FG_PARAMS) { fused_gate_mma<16>(FG_ARGS); }
+extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r32(FG_PARAMS) { fused_gate_mma<32>(FG_ARGS); }
+extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r64(FG_PARAMS) { fused_gate_mma<64>(FG_ARGS); }
+
+// The gate alone, from a saved ZU [N, K]: out = σ̃_αc(H_c·B_cᵀ + b_c) ⊙ γ_s ⊙ Z. One block
+// per row (blockDim ≥ r).
+extern "C" __global__ void fused_gate_apply(const float* zu, const float* a_c, const float* b_cw, const float* b_cb,
+                                            float alpha_c, const float* a_s, const float* b_sw, const float* b_sb,
+                                            float alpha_s, int phi, float phi_p, i64 rows, i64 d_out, int rc, int rs,
+                                            float* out) {
+    __shared__ float h[FG_MAX_RANK];
+    __shared__ float gate_s;
+    const int r = rc + rs;
+    const i64 width = d_out + r;
+    for (i64 n = blockIdx.x; n < rows; n += gridDim.x) {
+        const float* zr = zu + n * width;
+        __syncthreads();  // the previous row is done with h and gate_s
+        if (threadIdx.x < r) {
+            int t = threadIdx.x;
+            float bias = t < rc ? a_c[t] : a_s[t - rc];
+            h[t] = unary_f(phi, zr[d_out + t] + bias, phi_p);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float logit = 0.0f;
+            for (int t = 0; t < rs; ++t) logit += b_sw[t] * h[rc + t];
+            logit += b_sb[0];
+            gate_s = 2.0f * sigmoid_f(alpha_s * logit);
+        }
+        __syncthreads();
+        const float scale = 2.0f * gate_s;
+        for (i64 j = threadIdx.x; j < d_out; j += blockDim.x) {
+            float logit = 0.0f;
+            for (int t = 0; t < rc; ++t) logit += h[t] * b_cw[j * rc + t];
+            out[n * d_out + j] = sigmoid_f(alpha_c * (logit + b_cb[j])) * scale * zr[j];
+        }
+    }
+}
+
+// Backward row pass, one block per row n (blockDim ≥ r). Recomputes H = φ(U + a) and γ_s,
+// then per output column j:
+//   d/dZ = dẐ·γ_c·γ_s;  d/dγ_c = dẐ·Z·γ_s;  d/dγ_s = Σ_j dẐ·Z·γ_c;
+//   d/dl 2σ(αl) = α·γ(1 − γ/2),  d/dα 2σ(αl) = l·γ(1 − γ/2)  (l the logit with its bias).
+// Writes dZ into dzu[n, 0..d_out), dL_c into dlogits, H into hidden [N, r], and the row's
+// dγ_s and dα_c terms into row_terms[n·3 + 0..2).
+extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float* dout, const float* a_c,
+                                                    const float* b_cw, const float* b_cb, float alpha_c,
+                                                    const float* a_s, const float* b_sw, const float* b_sb,
+                                                    float alpha_s, int phi, float phi_p, i64 rows, i64 d_out, int rc,
+                                                    int rs, float* dzu, float* dlogits, float* hidden,
+                                                    float* row_terms) {
+    __shared__ float h[FG_MAX_RANK];
+    __shared__ float gate_s_shared;
+    const int r = rc + rs;
+    const i64 width = d_out + r;
+    for (i64 n = blockIdx.x; n < rows; n += gridDim.x) {
+        const float* zr = zu + n * width;
+        __syncthreads();
+        if (threadIdx.x < r) {
+            int t = threadIdx.x;
+            float bias = t < rc ? a_c[t] : a_s[t - rc];
+            float value = unary_f(phi, zr[d_out + t] + bias, phi_p);
+            h[t] = value;
+            hidden[n * r + t] = value;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float logit = 0.0f;
+            for (int t = 0; t < rs; ++t) logit += b_sw[t] * h[rc + t];
+            logit += b_sb[0];
+            gate_s_shared = 2.0f * sigmoid_f(alpha_s * logit);
+        }
+        __syncthreads();
+        const float gate_s = gate_s_shared;
+        float dgate_s = 0.0f, dalpha_c = 0.0f;
+        for (i64 j = threadIdx.x; j < d_out; j += blockDim.x) {
+            float logit = 0.0f;
+            for (int t = 0; t < rc; ++t) logit += h[t] * b_cw[j * rc + t];
+            logit += b_cb[j];
+            const float gate = 2.0f * sigmoid_f(alpha_c * logit);
+            const float z = zr[j], dy = dout[n * d_out + j];
+            dzu[n * width + j] = dy * gate * gate_s;
+            const float dgate = dy * z * gate_s;
+            dgate_s += dy * z * gate;
+            const float slope = gate * (1.0f - 0.5f * gate);
+            dlogits[n * d_out + j] = dgate * alpha_c * slope;
+            dalpha_c += dgate * logit * slope;
+        }
+        dgate_s = block_sum(dgate_s);
+        dalpha_c = block_sum(dalpha_c);
+        if (threadIdx.x == 0) {
+            row_terms[n * 3 + 0] = dgate_s;
+            row_terms[n * 3 + 1] = dalpha_c;
+        }
+    }
+}
+
+// Backward of the summaries, one thread per row: with dH_c = dL_c·B_c (a cuBLAS product),
+//   dγ_s → d/dl_s = dγ_s·α_s·γ_s(1 − γ_s/2),  dα_s term = dγ_s·l_s·γ_s(1 − γ_s/2),
+//   d/dU_c = dH_c ⊙ φ'(U_c + a_c),  d/dU_s = d/dl_s·B_s ⊙ φ'(U_s + a_s),
+// written into dzu[n, d_out..K); d/dl_s also into dlogit_s[n], the dα_s term into
+// row_terms[n·3 + 2].
+extern "C" __global__ void fused_gate_backward_summaries(const float* zu, const float* dhidden_c, const float* a_c,
+                                                         const float* a_s, const float* b_sw, const float* b_sb,
+                                                         float alpha_s, int phi, float phi_p, i64 rows, i64 d_out,
+                                                         int rc, int rs, float* dzu, float* row_terms,
+                                                         float* dlogit_s) {
+    const int r = rc + rs;
+    const i64 width = d_out + r;
+    GRID_STRIDE(n, rows) {
+        const float* u = zu + n * width + d_out;
+        float* du = dzu + n * width + d_out;
+        float logit = 0.0f;
+        for (int t = 0; t < rs; ++t) logit += b_sw[t] * unary_f(phi, u[rc + t] + a_s[t], phi_p);
+        logit += b_sb[0];
+        const float gate = 2.0f * sigmoid_f(alpha_s * logit);
+        const float slope = gate * (1.0f - 0.5f * gate);
+        const float dgate = row_terms[n * 3 + 0];
+        const float dlogit = dgate * alpha_s * slope;
+        row_terms[n * 3 + 2] = dgate * logit * slope;
+        dlogit_s[n] = dlogit;
+        for (int t = 0; t < rc; ++t) {
+            float pre = u[t] + a_c[t];
+            du[t] = dhidden_c[n * rc + t] * unary_df(phi, pre, unary_f(phi, pre, phi_p), phi_p);
+        }
+        for (int t = 0; t < rs; ++t) {
+            float pre = u[rc + t] + a_s[t];
+            du[rc + t] = dlogit * b_sw[t] * unary_df(phi, pre, unary_f(phi, pre, phi_p), phi_p);
+        }
+    }
+}

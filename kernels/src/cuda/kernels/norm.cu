@@ -1,0 +1,124 @@
+// RMSNorm and LayerNorm over the last axis (cpu/norm.rs): x is [N, C], one block per row.
+// The forward saves rstd (and mean) per row; the backward writes dx += ... per row, and the
+// weight/bias gradients come from norm_param_grads_partial, a column sum over rows in a
+// fixed order (no atomics), finished by reduce.cu's column_sums_finish.
+
+// y = x·rstd·w, rstd = 1/√(mean(x²) + eps)
+extern "C" __global__ void rms_norm_forward(const float* x, const float* w, float* y, float* rstd, i64 rows, i64 cols,
+                                            float eps) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* xr = x + r * cols;
+        float* yr = y + r * cols;
+        float ss = 0.0f;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) ss += xr[j] * xr[j];
+        ss = block_sum(ss);
+        float rs = 1.0f / sqrtf(ss / (float)cols + eps);
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = xr[j] * rs * w[j];
+        if (threadIdx.x == 0) rstd[r] = rs;
+    }
+}
+
+// With g = dy ⊙ w:  d/dx_j = r·g_j − x_j·r³·(Σ_k g_k x_k)/C
+extern "C" __global__ void rms_norm_backward(const float* x, const float* w, const float* rstd, const float* dy,
+                                             float* dx, i64 rows, i64 cols) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* xr = x + r * cols;
+        const float* dyr = dy + r * cols;
+        float* dxr = dx + r * cols;
+        float rs = rstd[r];
+        float gx = 0.0f;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) gx += dyr[j] * w[j] * xr[j];
+        gx = block_sum(gx);
+        float c = rs * rs * rs * gx / (float)cols;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) dxr[j] += dyr[j] * w[j] * rs - xr[j] * c;
+    }
+}
+
+// y = (x − mean)·rstd (·w + b when given); mean and rstd saved per row. Two passes: the
+// centred sum of squares does not cancel the way Σx² − C·mean² does.
+extern "C" __global__ void layer_norm_forward(const float* x, const float* w, const float* b, float* y, float* mean,
+                                              float* rstd, i64 rows, i64 cols, float eps) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* xr = x + r * cols;
+        float* yr = y + r * cols;
+        float s = 0.0f;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
+        float mu = block_sum(s) / (float)cols;
+        float ss = 0.0f;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            float d = xr[j] - mu;
+            ss += d * d;
+        }
+        ss = block_sum(ss);
+        float rs = 1.0f / sqrtf(ss / (float)cols + eps);
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            float v = (xr[j] - mu) * rs;
+            if (w) v *= w[j];
+            if (b) v += b[j];
+            yr[j] = v;
+        }
+        if (threadIdx.x == 0) {
+            mean[r] = mu;
+            rstd[r] = rs;
+        }
+    }
+}
+
+// With x̂ = (x − mean)·r and g = dy ⊙ w:  d/dx_j = r·(g_j − mean(g) − x̂_j·mean(g ⊙ x̂))
+extern "C" __global__ void layer_norm_backward(const float* x, const float* w, const float* mean, const float* rstd,
+                                               const float* dy, float* dx, i64 rows, i64 cols) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* xr = x + r * cols;
+        const float* dyr = dy + r * cols;
+        float* dxr = dx + r * cols;
+        float mu = mean[r], rs = rstd[r];
+        float sg = 0.0f, sgx = 0.0f;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            float g = w ? dyr[j] * w[j] : dyr[j];
+            sg += g;
+            sgx += g * (xr[j] - mu) * rs;
+        }
+        float mean_g = block_sum(sg) / (float)cols;
+        float mean_gx = block_sum(sgx) / (float)cols;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            float g = w ? dyr[j] * w[j] : dyr[j];
+            float x_hat = (xr[j] - mu) * rs;
+            dxr[j] += (g - mean_g - x_hat * mean_gx) * rs;
+        }
+    }
+}
+
+// d/dw_j = Σ_rows dy_j·x̂_j,  d/db_j = Σ_rows dy_j,  x̂ = (x − mean)·rstd (mean = 0 for RMSNorm:
+// pass mean = null). Partial sums per chunk of rows: partial_w[chunk·cols + col], likewise
+// partial_b when given. Block (32, 8); grid (⌈cols/32⌉, chunks).
+extern "C" __global__ void norm_param_grads_partial(const float* x, const float* dy, const float* mean,
+                                                    const float* rstd, i64 rows, i64 cols, i64 rows_per_chunk,
+                                                    float* partial_w, float* partial_b) {
+    __shared__ float tile_w[8][33];
+    __shared__ float tile_b[8][33];
+    i64 col = (i64)blockIdx.x * 32 + threadIdx.x;
+    i64 chunk = blockIdx.y;
+    i64 r0 = chunk * rows_per_chunk;
+    i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+    float acc_w = 0.0f, acc_b = 0.0f;
+    if (col < cols) {
+        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) {
+            float g = dy[r * cols + col];
+            float mu = mean ? mean[r] : 0.0f;
+            acc_w += g * (x[r * cols + col] - mu) * rstd[r];
+            acc_b += g;
+        }
+    }
+    tile_w[threadIdx.y][threadIdx.x] = acc_w;
+    tile_b[threadIdx.y][threadIdx.x] = acc_b;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < cols) {
+        float sw = 0.0f, sb = 0.0f;
+        for (int j = 0; j < 8; ++j) {
+            sw += tile_w[j][threadIdx.x];
+            sb += tile_b[j][threadIdx.x];
+        }
+        if (partial_w) partial_w[chunk * cols + col] = sw;
+        if (partial_b) partial_b[chunk * cols + col] = sb;
+    }
+}

@@ -1,0 +1,41 @@
+// Fused optimizer updates (cpu/optim.rs), one thread per element, in place.
+//
+// Adam/AdamW with PyTorch's arrangement of the bias corrections:
+//   p ← p·decay;  g ← g + l2·p
+//   m ← β1·m + (1 − β1)·g;  v ← β2·v + (1 − β2)·g²
+//   p ← p − step_size·m / (√v·inv_sqrt_correction2 + eps)
+// AdamW passes decay = 1 − lr·wd, l2 = 0; Adam passes decay = 1, l2 = wd. The per-step
+// scalars (step_size = lr/(1 − β1ᵗ), 1/√(1 − β2ᵗ)) are computed on the host in f64.
+
+extern "C" __global__ void adam_step(float* param, const float* grad, float* m, float* v, i64 n, float beta1,
+                                     float beta2, float eps, float step_size, float inv_sqrt_correction2, float decay,
+                                     float l2) {
+    GRID_STRIDE(i, n) {
+        float p = param[i] * decay;
+        float g = fmaf(p, l2, grad[i]);
+        float mi = beta1 * m[i] + g * (1.0f - beta1);
+        float vi = beta2 * v[i] + g * g * (1.0f - beta2);
+        float denom = fmaf(sqrtf(vi), inv_sqrt_correction2, eps);
+        param[i] = p - mi * step_size / denom;
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+// torch.optim.SGD with dampening 0: d = g + wd·p; buf ← momentum·buf + d;
+// p ← p − lr·(nesterov ? d + momentum·buf : buf). With momentum == 0 (use_buffer = 0) the
+// buffer is not touched: p ← p − lr·d.
+extern "C" __global__ void sgd_step(float* param, const float* grad, float* buf, i64 n, float lr, float momentum,
+                                    float weight_decay, int nesterov, int use_buffer) {
+    GRID_STRIDE(i, n) {
+        float p = param[i];
+        float d = grad[i] + weight_decay * p;
+        if (use_buffer) {
+            float b = momentum * buf[i] + d;
+            buf[i] = b;
+            param[i] = p - lr * (nesterov ? d + momentum * b : b);
+        } else {
+            param[i] = p - lr * d;
+        }
+    }
+}

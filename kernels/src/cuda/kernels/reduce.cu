@@ -1,0 +1,142 @@
+// Reductions (cpu/reduce.rs): sums and max/argmax over one axis of x viewed as
+// [outer, n, inner], the squared norm, and column sums used by the backward kernels.
+// Every sum runs in a fixed order set by the launch shape (no atomics), so results repeat
+// bit for bit; long sums accumulate in f64.
+
+// out[r] = Σ_j x[r·n + j] (inner == 1): one block per row.
+extern "C" __global__ void sum_rows(const float* x, i64 rows, i64 n, float* out) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* xr = x + r * n;
+        double acc = 0.0;
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) acc += (double)xr[j];
+        acc = block_sum_d(acc);
+        if (threadIdx.x == 0) out[r] = (float)acc;
+    }
+}
+
+// Partial column sums of x viewed as [outer, rows, cols] (row stride ld, outer stride
+// outer_stride): partial[(o·chunks + chunk)·cols + col] = Σ over the chunk's rows.
+// Block (32, 8): 32 columns, 8 row lanes; grid (⌈cols/32⌉, chunks, ≤ outer).
+extern "C" __global__ void column_sums_partial(const float* x, i64 outer, i64 rows, i64 cols, i64 ld,
+                                               i64 outer_stride, i64 rows_per_chunk, float* partial) {
+    __shared__ float tile[8][33];
+    i64 col = (i64)blockIdx.x * 32 + threadIdx.x;
+    i64 chunk = blockIdx.y, chunks = gridDim.y;
+    i64 r0 = chunk * rows_per_chunk;
+    i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+    for (i64 o = blockIdx.z; o < outer; o += gridDim.z) {
+        float acc = 0.0f;
+        if (col < cols) {
+            const float* base = x + o * outer_stride + col;
+            for (i64 r = r0 + threadIdx.y; r < r1; r += 8) acc += base[r * ld];
+        }
+        __syncthreads();  // the previous o's readers are done with the tile
+        tile[threadIdx.y][threadIdx.x] = acc;
+        __syncthreads();
+        if (threadIdx.y == 0 && col < cols) {
+            float s = 0.0f;
+            for (int j = 0; j < 8; ++j) s += tile[j][threadIdx.x];
+            partial[(o * chunks + chunk) * cols + col] = s;
+        }
+    }
+}
+
+// dst[o·cols + col] (+)= Σ_chunk partial[(o·chunks + chunk)·cols + col], in chunk order, f64.
+extern "C" __global__ void column_sums_finish(const float* partial, i64 outer, i64 chunks, i64 cols, float* dst,
+                                              int accumulate) {
+    GRID_STRIDE(i, outer * cols) {
+        i64 o = i / cols, col = i % cols;
+        double s = 0.0;
+        for (i64 c = 0; c < chunks; ++c) s += (double)partial[(o * chunks + c) * cols + col];
+        dst[i] = accumulate ? dst[i] + (float)s : (float)s;
+    }
+}
+
+// Whether (v, i) beats (best, bi): NaN beats numbers, larger beats smaller, and among
+// equals the lower index wins — so the reduction finds the first maximum, or the first NaN.
+__device__ __forceinline__ bool beats(float v, i64 i, float best, i64 bi) {
+    bool vn = is_nan(v), bn = is_nan(best);
+    if (vn || bn) return (vn && bn) ? i < bi : vn;
+    if (v != best) return v > best;
+    return i < bi;
+}
+
+// max and first argmax of each row (inner == 1): one block per row.
+extern "C" __global__ void max_rows(const float* x, i64 rows, i64 n, float* out, unsigned int* argmax) {
+    __shared__ float best_v[32];
+    __shared__ i64 best_i[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* xr = x + r * n;
+        float best = NEG_INF;
+        i64 bi = n;  // a sentinel that loses every tie with a real index
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+            if (beats(xr[j], j, best, bi)) {
+                best = xr[j];
+                bi = j;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(FULL_MASK, best, o);
+            i64 oi = __shfl_xor_sync(FULL_MASK, bi, o);
+            if (beats(ov, oi, best, bi)) {
+                best = ov;
+                bi = oi;
+            }
+        }
+        __syncthreads();  // the previous row's final read is done
+        if (lane == 0) {
+            best_v[warp] = best;
+            best_i[warp] = bi;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            best = lane < warps ? best_v[lane] : NEG_INF;
+            bi = lane < warps ? best_i[lane] : n;
+            for (int o = 16; o > 0; o >>= 1) {
+                float ov = __shfl_xor_sync(FULL_MASK, best, o);
+                i64 oi = __shfl_xor_sync(FULL_MASK, bi, o);
+                if (beats(ov, oi, best, bi)) {
+                    best = ov;
+                    bi = oi;
+                }
+            }
+            if (lane == 0) {
+                out[r] = xr[bi];
+                argmax[r] = (unsigned int)bi;
+            }
+        }
+    }
+}
+
+// max and first argmax over j of x[(o·n + j)·inner + i] (inner > 1): one thread per (o, i),
+// the same update rule as the CPU loop.
+extern "C" __global__ void max_inner(const float* x, i64 outer, i64 n, i64 inner, float* out,
+                                     unsigned int* argmax) {
+    GRID_STRIDE(t, outer * inner) {
+        i64 o = t / inner, i = t % inner;
+        const float* base = x + o * n * inner + i;
+        float best = base[0];
+        i64 bi = 0;
+        for (i64 j = 1; j < n; ++j) {
+            float v = base[j * inner];
+            if (v > best || (is_nan(v) && !is_nan(best))) {
+                best = v;
+                bi = j;
+            }
+        }
+        out[t] = best;
+        argmax[t] = (unsigned int)bi;
+    }
+}
+
+// partial[block] = Σ x[i]² over the block's grid-stride share, in f64.
+extern "C" __global__ void sum_squares_partial(const float* x, i64 n, double* partial) {
+    double acc = 0.0;
+    GRID_STRIDE(i, n) {
+        double v = (double)x[i];
+        acc += v * v;
+    }
+    acc = block_sum_d(acc);
+    if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}

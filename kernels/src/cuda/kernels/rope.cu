@@ -1,0 +1,30 @@
+// Rotary position embedding, Hugging Face "rotate_half" layout (cpu/rope.rs): within a
+// head of D dims, element i < D/2 pairs with i + D/2 and the pair at position p rotates by
+// the angle of table row p:
+//   y[i]       = x[i]·cos − x[i + D/2]·sin
+//   y[i + D/2] = x[i + D/2]·cos + x[i]·sin
+// The backward is the inverse rotation (sign = −1) accumulated into dx. One thread per pair.
+
+// x, out: [tokens = B·T, H, D]; token t of a sequence uses table row pos_offset + t % seq.
+extern "C" __global__ void rope_rotate(const float* x, const float* cos_table, const float* sin_table, float* out,
+                                       i64 tokens, i64 seq, i64 heads, i64 head_dim, i64 pos_offset, float sign,
+                                       int accumulate) {
+    i64 half = head_dim / 2;
+    GRID_STRIDE(idx, tokens * heads * half) {
+        i64 i = idx % half;
+        i64 token_head = idx / half;  // token·H + h
+        i64 token = token_head / heads;
+        i64 row = (pos_offset + token % seq) * half + i;
+        float c = cos_table[row], s = sin_table[row] * sign;
+        i64 at = token_head * head_dim + i;
+        float a = x[at], b = x[at + half];
+        float y1 = a * c - b * s, y2 = b * c + a * s;
+        if (accumulate) {
+            out[at] += y1;
+            out[at + half] += y2;
+        } else {
+            out[at] = y1;
+            out[at + half] = y2;
+        }
+    }
+}

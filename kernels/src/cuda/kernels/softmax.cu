@@ -1,0 +1,90 @@
+// Softmax, log-softmax (cpu/softmax.rs) and the fused cross-entropy (cpu/cross_entropy.rs)
+// over rows of `cols`: one block per row, the row read from global memory once per pass.
+// Backward kernels accumulate: dx += ...
+
+// y = softmax(x) (log = 0) or log_softmax(x) (log = 1) of each row.
+extern "C" __global__ void softmax_forward(const float* x, float* y, i64 rows, i64 cols, int log) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* xr = x + r * cols;
+        float* yr = y + r * cols;
+        float m = NEG_INF;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, xr[j]);
+        m = block_max(m);
+        float s = 0.0f;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += expf(xr[j] - m);
+        s = block_sum(s);
+        if (log) {
+            float log_total = m + logf(s);
+            for (i64 j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = xr[j] - log_total;
+        } else {
+            float inv = 1.0f / s;
+            for (i64 j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = expf(xr[j] - m) * inv;
+        }
+    }
+}
+
+// softmax:     d/dx_j = y_j·(dy_j − Σ_i dy_i·y_i)
+// log-softmax: d/dx_j = dy_j − e^(y_j)·Σ_i dy_i
+extern "C" __global__ void softmax_backward(const float* y, const float* dy, float* dx, i64 rows, i64 cols,
+                                            int log) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* yr = y + r * cols;
+        const float* dyr = dy + r * cols;
+        float* dxr = dx + r * cols;
+        float s = 0.0f;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += log ? dyr[j] : dyr[j] * yr[j];
+        s = block_sum(s);
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            dxr[j] += log ? dyr[j] - expf(yr[j]) * s : yr[j] * (dyr[j] - s);
+        }
+    }
+}
+
+// Per row: lse = log Σ e^logits; loss = lse − logits[t], or 0 when t == ignore (ignore < 0:
+// none). counters[0] counts rows not ignored; counters[1] counts targets ≥ cols (their loss
+// is NaN and their logits are not read).
+extern "C" __global__ void cross_entropy_forward(const float* logits, const unsigned int* targets, i64 rows,
+                                                 i64 cols, i64 ignore, float* losses, float* lse,
+                                                 unsigned int* counters) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* xr = logits + r * cols;
+        float m = NEG_INF;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, xr[j]);
+        m = block_max(m);
+        float s = 0.0f;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += expf(xr[j] - m);
+        s = block_sum(s);
+        if (threadIdx.x == 0) {
+            float l = m + logf(s);
+            i64 t = (i64)targets[r];
+            lse[r] = l;
+            if (t == ignore) {
+                losses[r] = 0.0f;
+            } else if (t >= cols) {
+                losses[r] = __int_as_float(0x7fc00000);
+                atomicAdd(&counters[1], 1u);
+            } else {
+                losses[r] = l - xr[t];
+                atomicAdd(&counters[0], 1u);
+            }
+        }
+    }
+}
+
+// d/dlogits_j (lse − logits_t) = softmax_j − [j = t]:  dlogits[r] += scale·(softmax − onehot)
+// for rows not ignored (rows with a target ≥ cols are skipped as well).
+extern "C" __global__ void cross_entropy_backward(const float* logits, const unsigned int* targets,
+                                                  const float* lse, i64 rows, i64 cols, i64 ignore, float scale,
+                                                  float* dlogits) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        i64 t = (i64)targets[r];
+        if (t == ignore || t >= cols) continue;  // uniform across the block
+        const float* xr = logits + r * cols;
+        float* dr = dlogits + r * cols;
+        float shift = lse[r];
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            float p = expf(xr[j] - shift);
+            dr[j] += scale * (j == t ? p - 1.0f : p);
+        }
+    }
+}

@@ -1,0 +1,67 @@
+//! Launch geometry and argument helpers shared by the launchers.
+
+use cudarc::driver::LaunchConfig;
+
+use super::allocator::{DeviceBuffer, DeviceScalar};
+use super::device::{Arg, CudaDevice};
+use super::error::{CudaError, Result};
+
+/// Threads per block of the elementwise and row kernels.
+pub(crate) const THREADS: u32 = 256;
+/// Cap on the blocks of a grid-stride launch (the kernels loop over the rest).
+const MAX_BLOCKS: usize = 1 << 16;
+
+/// A grid-stride launch over `n` elements.
+pub(crate) fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(THREADS as usize).min(MAX_BLOCKS) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Cap on the blocks of a one-block-per-row launch (the kernels loop over the rest).
+const MAX_ROW_BLOCKS: usize = 1 << 20;
+
+/// One block per row (row kernels loop `r += gridDim.x` past the cap), `threads` each.
+pub(crate) fn per_row(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows.min(MAX_ROW_BLOCKS) as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Threads for a block that walks a row of `cols`: a warp multiple between 32 and 256.
+pub(crate) fn row_threads(cols: usize) -> u32 {
+    cols.next_power_of_two().clamp(32, THREADS as usize) as u32
+}
+
+/// The device address of `buffer` as a kernel argument.
+pub(crate) fn ptr<T: DeviceScalar>(buffer: &DeviceBuffer<T>) -> Arg {
+    Arg::Ptr(buffer.device_ptr())
+}
+
+/// The device address of element `offset` of `buffer`.
+pub(crate) fn ptr_at<T: DeviceScalar>(buffer: &DeviceBuffer<T>, offset: usize) -> Arg {
+    Arg::Ptr(buffer.ptr_at(offset))
+}
+
+/// An optional buffer's address, or a null pointer.
+pub(crate) fn opt_ptr<T: DeviceScalar>(buffer: Option<&DeviceBuffer<T>>) -> Arg {
+    Arg::Ptr(buffer.map_or(0, DeviceBuffer::device_ptr))
+}
+
+/// A size or index as `long long`.
+pub(crate) fn size(v: usize) -> Arg {
+    Arg::I64(v as i64)
+}
+
+/// A small integer (op code, flag, rank) as `int`.
+pub(crate) fn int(v: i32) -> Arg {
+    Arg::I32(v)
+}
+
+/// Checks that every buffer belongs to `dev` (launching on another device's memory would
+/// be undefined behaviour).
+pub(crate) fn check_owners(dev: &CudaDevice, op: &'static str, buffers: &[&DeviceBuffer<f32>]) -> Result<()> {
+    buffers.iter().try_for_each(|b| dev.check_owner(op, b))
+}
+
+/// Errors with `op`'s name unless `value` fits an `int` (cuBLAS and some kernel indices).
+pub(crate) fn to_i32(op: &'static str, name: &str, value: usize) -> Result<i32> {
+    i32::try_from(value).map_err(|_| CudaError::shape(op, format!("{name} = {value} exceeds 2^31 − 1")))
+}

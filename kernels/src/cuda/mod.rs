@@ -1,0 +1,50 @@
+//! The CUDA backend (feature `cuda`): the CPU kernels' operations on device buffers.
+//!
+//! ```text
+//! device.rs      CudaDevice: context, one stream, cuBLAS, copies; errors, not panics, without a GPU
+//! allocator.rs   DeviceBuffer<T> and the caching allocator (free lists per size class)
+//! module.rs      NVRTC compilation of kernels/*.cu for the device's compute capability, cached
+//! nvrtc.rs       one NVRTC compile to CUBIN (or PTX), with the log on failure
+//! blas.rs        row-major cuBLAS products (f32 and bf16 → f32)
+//! <family>.rs    launchers mirroring cpu/<family>.rs, shapes checked before launch
+//! kernels/*.cu   the CUDA C sources, one file per family, forward and backward adjacent
+//! ```
+//!
+//! Launchers take the device first and device buffers where the CPU kernels take slices;
+//! backward launchers accumulate into their gradient buffers (`dx += ...`) exactly like the
+//! CPU ones. Everything is queued on the device's single stream: a launcher returns once
+//! its work is queued, and a download waits for it. Argument errors are returned as
+//! [`CudaError::Shape`] before anything is launched.
+//!
+//! The fused gated projection (Transponder eq. 8-10) lives in [`fused_gate`]: a bf16
+//! tensor-core GEMM over `[W | A_cᵀ | A_sᵀ]` whose epilogue computes the gate.
+//!
+//! Checks: `cargo test -p kernels --features cuda --release --test cuda_agreement` compares
+//! every kernel with its CPU counterpart on a GPU machine (and skips without one);
+//! `--test cuda_nvrtc` only compiles every family, which needs `libnvrtc` but no GPU (for
+//! instance PyPI's `nvidia-cuda-nvrtc-cu12` with its `lib/` on `LD_LIBRARY_PATH`);
+//! `cargo run --release -p kernels --features cuda --bin cuda-bench` times the fused
+//! projection and flash attention against their unfused baselines.
+
+pub mod allocator;
+pub mod attention;
+pub mod batchnorm;
+pub mod blas;
+pub mod conv;
+pub mod device;
+pub mod elementwise;
+pub mod embedding;
+pub mod error;
+pub mod fused_gate;
+mod launch;
+pub mod module;
+pub mod norm;
+pub mod nvrtc;
+pub mod optim;
+pub mod reduce;
+pub mod rope;
+pub mod softmax;
+
+pub use allocator::{AllocatorStats, DeviceBuffer, DeviceScalar};
+pub use device::CudaDevice;
+pub use error::{CudaError, Result};

@@ -1,0 +1,237 @@
+//! Run-time compilation of the CUDA C kernel sources with NVRTC.
+//!
+//! Each kernel family is one `.cu` file under `kernels/src/cuda/kernels/`, embedded with
+//! `include_str!` and compiled on first use for the device's compute capability: a CUBIN
+//! for `sm_XY` (e.g. `sm_90` on an H100), or, when this NVRTC does not know that
+//! architecture, PTX for `compute_XY` that the driver finishes.
+//! `common.cuh` (reductions, bf16 conversion, the unary op table) is prepended to every
+//! file, with a `#line` directive so NVRTC's messages name the family's own file and line.
+//!
+//! PTX is cached per process (per family and architecture), modules and functions per
+//! device, so each family is compiled once however many devices or tests use it. A failed
+//! compile returns [`CudaError::Compile`] with NVRTC's log.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::Ptx;
+
+use super::error::{CudaError, Result};
+use super::nvrtc::{compile, KernelImage, Output};
+
+/// Helpers shared by every kernel file.
+const COMMON: &str = include_str!("kernels/common.cuh");
+
+/// One `.cu` file of kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelFamily {
+    /// Unary and binary elementwise ops, axpy, select, strided copy, dtype conversion.
+    Elementwise,
+    /// Axis sums, max/argmax, squared norm, column sums.
+    Reduce,
+    /// Softmax, log-softmax and the fused cross-entropy.
+    Softmax,
+    /// RMSNorm and LayerNorm.
+    Norm,
+    /// Rotary position embedding.
+    Rope,
+    /// Embedding gather and scatter-add.
+    Embedding,
+    /// Flash-style causal attention.
+    Attention,
+    /// im2col / col2im and the convolution's bias.
+    Conv,
+    /// Batch normalisation.
+    BatchNorm,
+    /// Fused optimizer updates.
+    Optim,
+    /// The fused gated projection (tensor-core GEMM with the gate in its epilogue).
+    FusedGate,
+}
+
+impl KernelFamily {
+    /// Every family, for precompiling.
+    pub const ALL: [KernelFamily; 11] = [
+        KernelFamily::Elementwise,
+        KernelFamily::Reduce,
+        KernelFamily::Softmax,
+        KernelFamily::Norm,
+        KernelFamily::Rope,
+        KernelFamily::Embedding,
+        KernelFamily::Attention,
+        KernelFamily::Conv,
+        KernelFamily::BatchNorm,
+        KernelFamily::Optim,
+        KernelFamily::FusedGate,
+    ];
+
+    /// The source file's name.
+    pub fn file(self) -> &'static str {
+        match self {
+            KernelFamily::Elementwise => "elementwise.cu",
+            KernelFamily::Reduce => "reduce.cu",
+            KernelFamily::Softmax => "softmax.cu",
+            KernelFamily::Norm => "norm.cu",
+            KernelFamily::Rope => "rope.cu",
+            KernelFamily::Embedding => "embedding.cu",
+            KernelFamily::Attention => "attention.cu",
+            KernelFamily::Conv => "conv.cu",
+            KernelFamily::BatchNorm => "batchnorm.cu",
+            KernelFamily::Optim => "optim.cu",
+            KernelFamily::FusedGate => "fused_gate.cu",
+        }
+    }
+
+    fn source(self) -> &'static str {
+        match self {
+            KernelFamily::Elementwise => include_str!("kernels/elementwise.cu"),
+            KernelFamily::Reduce => include_str!("kernels/reduce.cu"),
+            KernelFamily::Softmax => include_str!("kernels/softmax.cu"),
+            KernelFamily::Norm => include_str!("kernels/norm.cu"),
+            KernelFamily::Rope => include_str!("kernels/rope.cu"),
+            KernelFamily::Embedding => include_str!("kernels/embedding.cu"),
+            KernelFamily::Attention => include_str!("kernels/attention.cu"),
+            KernelFamily::Conv => include_str!("kernels/conv.cu"),
+            KernelFamily::BatchNorm => include_str!("kernels/batchnorm.cu"),
+            KernelFamily::Optim => include_str!("kernels/optim.cu"),
+            KernelFamily::FusedGate => include_str!("kernels/fused_gate.cu"),
+        }
+    }
+
+    /// The full translation unit: `common.cuh`, then the family's file.
+    pub fn translation_unit(self) -> String {
+        format!("#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{}\"\n{}", self.file(), self.source())
+    }
+}
+
+/// Images per (family, compute capability), shared by every device of the process.
+type ImageCache = Mutex<HashMap<(KernelFamily, (i32, i32)), Arc<KernelImage>>>;
+
+fn image_cache() -> &'static ImageCache {
+    static CACHE: OnceLock<ImageCache> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// NVRTC options for compute capability `(major, minor)`: `virtual_arch` picks `compute_XY`
+/// (PTX) over `sm_XY` (CUBIN).
+pub fn compile_options(capability: (i32, i32), virtual_arch: bool) -> Vec<String> {
+    let prefix = if virtual_arch { "compute" } else { "sm" };
+    vec![format!("--gpu-architecture={prefix}_{}{}", capability.0, capability.1), "--std=c++17".to_string()]
+}
+
+/// Compiles `family` for `capability` (cached per process): a CUBIN, or PTX when NVRTC
+/// cannot produce machine code for that architecture.
+pub fn compile_family(family: KernelFamily, capability: (i32, i32)) -> Result<Arc<KernelImage>> {
+    let key = (family, capability);
+    if let Some(image) = image_cache().lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        return Ok(Arc::clone(image));
+    }
+    let source = family.translation_unit();
+    let attempt = |virtual_arch: bool, output: Output| {
+        // A missing NVRTC symbol panics inside cudarc's loader; report it as an error.
+        catch_unwind(AssertUnwindSafe(|| {
+            compile(&source, family.file(), &compile_options(capability, virtual_arch), output)
+        }))
+        .map_err(|panic| CudaError::Unavailable(format!("NVRTC could not be used: {}", panic_message(&panic))))
+    };
+    let image = match attempt(false, Output::Cubin)? {
+        Ok(image) => image,
+        Err(cubin_log) => match attempt(true, Output::Ptx)? {
+            Ok(image) => image,
+            Err(ptx_log) => {
+                let version = super::nvrtc::version().map_or("unknown".to_string(), |(a, b)| format!("{a}.{b}"));
+                let log = if ptx_log == cubin_log {
+                    format!("NVRTC {version}: {cubin_log}")
+                } else {
+                    format!("NVRTC {version}, as CUBIN: {cubin_log}\nas PTX: {ptx_log}")
+                };
+                return Err(CudaError::Compile { file: family.file(), log });
+            }
+        },
+    };
+    let image = Arc::new(image);
+    image_cache().lock().unwrap_or_else(|p| p.into_inner()).insert(key, Arc::clone(&image));
+    Ok(image)
+}
+
+/// The text of a caught panic's payload.
+pub(crate) fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".to_string()
+    }
+}
+
+/// Loaded modules and functions of one device.
+pub(crate) struct KernelCache {
+    capability: (i32, i32),
+    modules: Mutex<HashMap<KernelFamily, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<(KernelFamily, &'static str), CudaFunction>>,
+}
+
+impl KernelCache {
+    /// An empty cache for a device of compute capability `capability`.
+    pub(crate) fn new(capability: (i32, i32)) -> KernelCache {
+        KernelCache { capability, modules: Mutex::new(HashMap::new()), functions: Mutex::new(HashMap::new()) }
+    }
+
+    /// The module of `family`, compiled and loaded on first use.
+    pub(crate) fn module(&self, ctx: &Arc<CudaContext>, family: KernelFamily) -> Result<Arc<CudaModule>> {
+        let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(module) = modules.get(&family) {
+            return Ok(Arc::clone(module));
+        }
+        let image = match compile_family(family, self.capability)?.as_ref() {
+            KernelImage::Cubin(bytes) => Ptx::from_binary(bytes.clone()),
+            KernelImage::Ptx(text) => Ptx::from_src(text.as_str()),
+        };
+        let module = ctx
+            .load_module(image)
+            .map_err(|e| CudaError::driver(format!("loading the compiled {}", family.file()), e))?;
+        modules.insert(family, Arc::clone(&module));
+        Ok(module)
+    }
+
+    /// The kernel `name` of `family`.
+    pub(crate) fn function(
+        &self,
+        ctx: &Arc<CudaContext>,
+        family: KernelFamily,
+        name: &'static str,
+    ) -> Result<CudaFunction> {
+        if let Some(f) = self.functions.lock().unwrap_or_else(|p| p.into_inner()).get(&(family, name)) {
+            return Ok(f.clone());
+        }
+        let module = self.module(ctx, family)?;
+        let function = module
+            .load_function(name)
+            .map_err(|e| CudaError::driver(format!("kernel {name} of {}", family.file()), e))?;
+        self.functions.lock().unwrap_or_else(|p| p.into_inner()).insert((family, name), function.clone());
+        Ok(function)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_family_has_a_distinct_file_and_a_kernel() {
+        let mut files: Vec<&str> = KernelFamily::ALL.iter().map(|f| f.file()).collect();
+        files.sort_unstable();
+        files.dedup();
+        assert_eq!(files.len(), KernelFamily::ALL.len());
+        for family in KernelFamily::ALL {
+            let unit = family.translation_unit();
+            assert!(unit.contains("extern \"C\" __global__"), "{} has no kernel", family.file());
+            assert!(unit.contains(&format!("#line 1 \"{}\"", family.file())));
+        }
+        assert_eq!(compile_options((9, 0), false)[0], "--gpu-architecture=sm_90");
+        assert_eq!(compile_options((8, 6), true)[0], "--gpu-architecture=compute_86");
+    }
+}

@@ -1,0 +1,116 @@
+//! Launchers of `optim.cu`: fused AdamW / Adam and SGD-with-momentum updates in place.
+//!
+//! Mirrors `cpu::optim` (same [`AdamHyper`], same per-step constants computed in f64 on the
+//! host), so the two backends agree to f32 rounding. There is no backward.
+
+pub use crate::cpu::optim::AdamHyper;
+
+use super::allocator::DeviceBuffer;
+use super::device::{Arg, CudaDevice};
+use super::error::{ensure, ensure_len, Result};
+use super::launch::{check_owners, elementwise, int, ptr, size};
+use super::module::KernelFamily;
+
+/// The per-step scalars of Adam: `[step_size, 1/√(1 − β2ᵗ), decay, l2]`.
+fn adam_constants(op: &'static str, h: &AdamHyper, decoupled: bool) -> Result<[f32; 4]> {
+    ensure(h.step >= 1, op, || "step is 1-based".to_string())?;
+    let t = i32::try_from(h.step).unwrap_or(i32::MAX);
+    let correction1 = 1.0 - f64::from(h.beta1).powi(t);
+    let correction2 = 1.0 - f64::from(h.beta2).powi(t);
+    let step_size = (f64::from(h.lr) / correction1) as f32;
+    let inv_sqrt_correction2 = (1.0 / correction2.sqrt()) as f32;
+    let (decay, l2) = if decoupled { (1.0 - h.lr * h.weight_decay, 0.0) } else { (1.0, h.weight_decay) };
+    Ok([step_size, inv_sqrt_correction2, decay, l2])
+}
+
+#[allow(clippy::too_many_arguments)]
+fn adam_update(
+    dev: &CudaDevice,
+    op: &'static str,
+    param: &mut DeviceBuffer<f32>,
+    grad: &DeviceBuffer<f32>,
+    m: &mut DeviceBuffer<f32>,
+    v: &mut DeviceBuffer<f32>,
+    h: &AdamHyper,
+    decoupled: bool,
+) -> Result<()> {
+    check_owners(dev, op, &[param, grad, m, v])?;
+    ensure_len(op, "grad", grad.len(), param.len())?;
+    ensure_len(op, "m", m.len(), param.len())?;
+    ensure_len(op, "v", v.len(), param.len())?;
+    let [step_size, inv_sqrt_correction2, decay, l2] = adam_constants(op, h, decoupled)?;
+    let args = [
+        ptr(param),
+        ptr(grad),
+        ptr(m),
+        ptr(v),
+        size(param.len()),
+        Arg::F32(h.beta1),
+        Arg::F32(h.beta2),
+        Arg::F32(h.eps),
+        Arg::F32(step_size),
+        Arg::F32(inv_sqrt_correction2),
+        Arg::F32(decay),
+        Arg::F32(l2),
+    ];
+    dev.launch(KernelFamily::Optim, "adam_step", elementwise(param.len()), &args)
+}
+
+/// AdamW (decoupled weight decay: `param -= lr·wd·param`), in place on `param`, `m`, `v`.
+pub fn adamw_step(
+    dev: &CudaDevice,
+    param: &mut DeviceBuffer<f32>,
+    grad: &DeviceBuffer<f32>,
+    m: &mut DeviceBuffer<f32>,
+    v: &mut DeviceBuffer<f32>,
+    h: &AdamHyper,
+) -> Result<()> {
+    adam_update(dev, "adamw_step", param, grad, m, v, h, true)
+}
+
+/// Adam with L2 decay folded into the gradient (`g + wd·param`), `torch.optim.Adam`.
+pub fn adam_step(
+    dev: &CudaDevice,
+    param: &mut DeviceBuffer<f32>,
+    grad: &DeviceBuffer<f32>,
+    m: &mut DeviceBuffer<f32>,
+    v: &mut DeviceBuffer<f32>,
+    h: &AdamHyper,
+) -> Result<()> {
+    adam_update(dev, "adam_step", param, grad, m, v, h, false)
+}
+
+/// SGD with momentum (PyTorch semantics, dampening 0; `nesterov` optional). A zeroed buffer
+/// reproduces PyTorch's first step. With `momentum == 0` the buffer is not touched and may
+/// be empty.
+#[allow(clippy::too_many_arguments)]
+pub fn sgd_step(
+    dev: &CudaDevice,
+    param: &mut DeviceBuffer<f32>,
+    grad: &DeviceBuffer<f32>,
+    momentum_buf: &mut DeviceBuffer<f32>,
+    lr: f32,
+    momentum: f32,
+    weight_decay: f32,
+    nesterov: bool,
+) -> Result<()> {
+    const OP: &str = "sgd_step";
+    check_owners(dev, OP, &[param, grad, momentum_buf])?;
+    ensure_len(OP, "grad", grad.len(), param.len())?;
+    let use_buffer = momentum != 0.0;
+    if use_buffer {
+        ensure_len(OP, "momentum_buf", momentum_buf.len(), param.len())?;
+    }
+    let args = [
+        ptr(param),
+        ptr(grad),
+        ptr(momentum_buf),
+        size(param.len()),
+        Arg::F32(lr),
+        Arg::F32(momentum),
+        Arg::F32(weight_decay),
+        int(i32::from(nesterov)),
+        int(i32::from(use_buffer)),
+    ];
+    dev.launch(KernelFamily::Optim, "sgd_step", elementwise(param.len()), &args)
+}

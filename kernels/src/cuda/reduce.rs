@@ -1,0 +1,151 @@
+//! Launchers of `reduce.cu`: sums and max/argmax over one axis of `x` viewed as
+//! `[outer, n, inner]`, the squared norm, and the column sums the backward kernels use.
+//!
+//! Mirrors `cpu::reduce`. Differences: `argmax` is a `u32` buffer (the axis must be shorter
+//! than 2³²), and [`sum_squares`] waits for the device to return its `f64`. Every sum runs
+//! in an order fixed by the shape (no atomics), so results repeat bit for bit.
+
+use cudarc::driver::LaunchConfig;
+
+use super::allocator::DeviceBuffer;
+use super::device::CudaDevice;
+use super::error::{ensure, ensure_len, Result};
+use super::launch::{check_owners, elementwise, int, per_row, ptr, size, THREADS};
+use super::module::KernelFamily;
+
+const FAMILY: KernelFamily = KernelFamily::Reduce;
+/// Most chunks a column sum is cut into (the partial buffer is `chunks × cols`).
+const MAX_CHUNKS: usize = 1024;
+/// Fewest rows per chunk: 8 row lanes × 8 rows each.
+const MIN_CHUNK_ROWS: usize = 64;
+/// Blocks of the squared-norm reduction (each one partial).
+const SQUARE_BLOCKS: usize = 1024;
+/// grid.z limit of the column-sum kernel (the kernel loops over the rest of `outer`).
+const MAX_GRID_Z: usize = 65_535;
+
+/// `(rows_per_chunk, chunks)` for `outer` column sums over `rows` each: about
+/// [`MAX_CHUNKS`] chunks in all, so the partial buffer stays near `MAX_CHUNKS × cols`.
+pub(crate) fn chunking(rows: usize, outer: usize) -> (usize, usize) {
+    let target = (MAX_CHUNKS / outer.max(1)).max(1);
+    let per_chunk = rows.div_ceil(target).max(MIN_CHUNK_ROWS);
+    (per_chunk, rows.div_ceil(per_chunk))
+}
+
+/// `dst[o·cols + c] (+)= Σ_r src[o·outer_stride + r·ld + c]` for `r < rows`, from raw
+/// addresses; the caller has checked that every address is inside its buffer.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn column_sums(
+    dev: &CudaDevice,
+    src: u64,
+    outer: usize,
+    rows: usize,
+    cols: usize,
+    ld: usize,
+    outer_stride: usize,
+    dst: u64,
+    accumulate: bool,
+) -> Result<()> {
+    if outer == 0 || cols == 0 {
+        return Ok(());
+    }
+    let (per_chunk, chunks) = chunking(rows, outer);
+    let partial = dev.alloc::<f32>(outer * chunks * cols)?;
+    let cfg = LaunchConfig {
+        grid_dim: (cols.div_ceil(32) as u32, chunks as u32, outer.min(MAX_GRID_Z) as u32),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    let args = [
+        super::device::Arg::Ptr(src),
+        size(outer),
+        size(rows),
+        size(cols),
+        size(ld),
+        size(outer_stride),
+        size(per_chunk),
+        ptr(&partial),
+    ];
+    dev.launch(FAMILY, "column_sums_partial", cfg, &args)?;
+    finish_column_sums(dev, &partial, outer, chunks, cols, dst, accumulate)
+}
+
+/// `dst[o·cols + c] (+)= Σ_chunk partial[(o·chunks + chunk)·cols + c]`.
+pub(crate) fn finish_column_sums(
+    dev: &CudaDevice,
+    partial: &DeviceBuffer<f32>,
+    outer: usize,
+    chunks: usize,
+    cols: usize,
+    dst: u64,
+    accumulate: bool,
+) -> Result<()> {
+    let args =
+        [ptr(partial), size(outer), size(chunks), size(cols), super::device::Arg::Ptr(dst), int(i32::from(accumulate))];
+    dev.launch(FAMILY, "column_sums_finish", elementwise(outer * cols), &args)
+}
+
+/// `x` viewed as `[outer, n, inner]`: `out[o·inner + i] = Σ_j x[(o·n + j)·inner + i]`.
+pub fn sum_axis(
+    dev: &CudaDevice,
+    x: &DeviceBuffer<f32>,
+    outer: usize,
+    n: usize,
+    inner: usize,
+    out: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    const OP: &str = "sum_axis";
+    check_owners(dev, OP, &[x, out])?;
+    ensure_len(OP, "x", x.len(), outer * n * inner)?;
+    ensure_len(OP, "out", out.len(), outer * inner)?;
+    if out.is_empty() {
+        return Ok(());
+    }
+    if inner == 1 {
+        let args = [ptr(x), size(outer), size(n), ptr(out)];
+        return dev.launch(FAMILY, "sum_rows", per_row(outer, THREADS), &args);
+    }
+    column_sums(dev, x.device_ptr(), outer, n, inner, inner, n * inner, out.device_ptr(), false)
+}
+
+/// Same layout: the maximum over `j` and the index of its first occurrence (NaN counts as
+/// the maximum, the first NaN wins), as `cpu::reduce::max_axis`.
+pub fn max_axis(
+    dev: &CudaDevice,
+    x: &DeviceBuffer<f32>,
+    outer: usize,
+    n: usize,
+    inner: usize,
+    out: &mut DeviceBuffer<f32>,
+    argmax: &mut DeviceBuffer<u32>,
+) -> Result<()> {
+    const OP: &str = "max_axis";
+    check_owners(dev, OP, &[x, out])?;
+    dev.check_owner(OP, argmax)?;
+    ensure_len(OP, "x", x.len(), outer * n * inner)?;
+    ensure_len(OP, "out", out.len(), outer * inner)?;
+    ensure_len(OP, "argmax", argmax.len(), outer * inner)?;
+    ensure(n > 0 || out.is_empty(), OP, || "empty axis".to_string())?;
+    ensure(n <= u32::MAX as usize, OP, || format!("axis of {n} does not fit a u32 index"))?;
+    if out.is_empty() {
+        return Ok(());
+    }
+    if inner == 1 {
+        let args = [ptr(x), size(outer), size(n), ptr(out), ptr(argmax)];
+        return dev.launch(FAMILY, "max_rows", per_row(outer, THREADS), &args);
+    }
+    let args = [ptr(x), size(outer), size(n), size(inner), ptr(out), ptr(argmax)];
+    dev.launch(FAMILY, "max_inner", elementwise(outer * inner), &args)
+}
+
+/// `Σ x[i]²` accumulated in f64 (for global gradient-norm clipping); waits for the device.
+pub fn sum_squares(dev: &CudaDevice, x: &DeviceBuffer<f32>) -> Result<f64> {
+    dev.check_owner("sum_squares", x)?;
+    if x.is_empty() {
+        return Ok(0.0);
+    }
+    let blocks = x.len().div_ceil(THREADS as usize).min(SQUARE_BLOCKS);
+    let partial = dev.alloc::<f64>(blocks)?;
+    let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    dev.launch(FAMILY, "sum_squares_partial", cfg, &[ptr(x), size(x.len()), ptr(&partial)])?;
+    Ok(dev.download(&partial)?.iter().sum())
+}

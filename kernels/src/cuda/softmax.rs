@@ -1,0 +1,171 @@
+//! Launchers of `softmax.cu`: softmax and log-softmax over rows of `cols`, and the fused
+//! cross-entropy with an ignore index.
+//!
+//! Mirrors `cpu::softmax` and `cpu::cross_entropy`. The backward kernels accumulate. The
+//! cross-entropy forward returns the number of rows not ignored, so it waits for the
+//! device; a target ≥ `cols` is reported as [`CudaError::Invalid`] (the CPU asserts).
+
+use super::allocator::DeviceBuffer;
+use super::device::{Arg, CudaDevice};
+use super::error::{ensure, ensure_len, CudaError, Result};
+use super::launch::{check_owners, int, per_row, ptr, row_threads, size};
+use super::module::KernelFamily;
+
+const FAMILY: KernelFamily = KernelFamily::Softmax;
+
+/// Rows of `cols` in `len` elements, or a shape error.
+fn rows_of(op: &'static str, len: usize, cols: usize) -> Result<usize> {
+    ensure(cols > 0 || len == 0, op, || "zero columns".to_string())?;
+    ensure(cols == 0 || len.is_multiple_of(cols), op, || format!("length {len} is not a multiple of cols {cols}"))?;
+    Ok(len.checked_div(cols).unwrap_or(0))
+}
+
+fn forward(
+    dev: &CudaDevice,
+    op: &'static str,
+    x: &DeviceBuffer<f32>,
+    cols: usize,
+    y: &mut DeviceBuffer<f32>,
+    log: bool,
+) -> Result<()> {
+    check_owners(dev, op, &[x, y])?;
+    ensure_len(op, "y", y.len(), x.len())?;
+    let rows = rows_of(op, x.len(), cols)?;
+    let args = [ptr(x), ptr(y), size(rows), size(cols), int(i32::from(log))];
+    dev.launch(FAMILY, "softmax_forward", per_row(rows, row_threads(cols)), &args)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward(
+    dev: &CudaDevice,
+    op: &'static str,
+    y: &DeviceBuffer<f32>,
+    dy: &DeviceBuffer<f32>,
+    cols: usize,
+    dx: &mut DeviceBuffer<f32>,
+    log: bool,
+) -> Result<()> {
+    check_owners(dev, op, &[y, dy, dx])?;
+    ensure_len(op, "dx", dx.len(), y.len())?;
+    ensure_len(op, "dy", dy.len(), y.len())?;
+    let rows = rows_of(op, y.len(), cols)?;
+    let args = [ptr(y), ptr(dy), ptr(dx), size(rows), size(cols), int(i32::from(log))];
+    dev.launch(FAMILY, "softmax_backward", per_row(rows, row_threads(cols)), &args)
+}
+
+/// `y = softmax(x)` over rows of `cols`.
+pub fn softmax_forward(dev: &CudaDevice, x: &DeviceBuffer<f32>, cols: usize, y: &mut DeviceBuffer<f32>) -> Result<()> {
+    forward(dev, "softmax_forward", x, cols, y, false)
+}
+
+/// `dx += y ⊙ (dy − Σ dy⊙y)` from the saved output `y`.
+pub fn softmax_backward(
+    dev: &CudaDevice,
+    y: &DeviceBuffer<f32>,
+    dy: &DeviceBuffer<f32>,
+    cols: usize,
+    dx: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    backward(dev, "softmax_backward", y, dy, cols, dx, false)
+}
+
+/// `y = log_softmax(x)` over rows of `cols`.
+pub fn log_softmax_forward(
+    dev: &CudaDevice,
+    x: &DeviceBuffer<f32>,
+    cols: usize,
+    y: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    forward(dev, "log_softmax_forward", x, cols, y, true)
+}
+
+/// `dx += dy − exp(y)·Σ dy` from the saved output `y`.
+pub fn log_softmax_backward(
+    dev: &CudaDevice,
+    y: &DeviceBuffer<f32>,
+    dy: &DeviceBuffer<f32>,
+    cols: usize,
+    dx: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    backward(dev, "log_softmax_backward", y, dy, cols, dx, true)
+}
+
+/// The kernel's encoding of the ignore index: −1 for none.
+fn ignore_code(ignore_index: Option<u32>) -> Arg {
+    Arg::I64(ignore_index.map_or(-1, i64::from))
+}
+
+/// Per row r: `lse[r] = logsumexp(logits row)`; `losses[r] = lse[r] − logits[r, targets[r]]`,
+/// or 0 when `targets[r] == ignore_index`. Returns the number of rows not ignored (waits for
+/// the device); a target ≥ `cols` is an error.
+pub fn cross_entropy_forward(
+    dev: &CudaDevice,
+    logits: &DeviceBuffer<f32>,
+    cols: usize,
+    targets: &DeviceBuffer<u32>,
+    ignore_index: Option<u32>,
+    losses: &mut DeviceBuffer<f32>,
+    lse: &mut DeviceBuffer<f32>,
+) -> Result<usize> {
+    const OP: &str = "cross_entropy_forward";
+    check_owners(dev, OP, &[logits, losses, lse])?;
+    dev.check_owner(OP, targets)?;
+    let rows = targets.len();
+    ensure_len(OP, "logits", logits.len(), rows * cols)?;
+    ensure_len(OP, "losses", losses.len(), rows)?;
+    ensure_len(OP, "lse", lse.len(), rows)?;
+    ensure(cols > 0 || rows == 0, OP, || "zero columns".to_string())?;
+    if rows == 0 {
+        return Ok(0);
+    }
+    let counters = dev.zeros::<u32>(2)?;
+    let args = [
+        ptr(logits),
+        ptr(targets),
+        size(rows),
+        size(cols),
+        ignore_code(ignore_index),
+        ptr(losses),
+        ptr(lse),
+        ptr(&counters),
+    ];
+    dev.launch(FAMILY, "cross_entropy_forward", per_row(rows, row_threads(cols)), &args)?;
+    let counts = dev.download(&counters)?;
+    if counts[1] > 0 {
+        return Err(CudaError::Invalid { op: OP, message: format!("{} targets out of range 0..{cols}", counts[1]) });
+    }
+    Ok(counts[0] as usize)
+}
+
+/// `dlogits[r] += scale·(softmax(logits[r]) − onehot(targets[r]))` for rows not ignored,
+/// from the saved `lse`. Rows whose target is ≥ `cols` are skipped (the forward reports them).
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_backward(
+    dev: &CudaDevice,
+    logits: &DeviceBuffer<f32>,
+    cols: usize,
+    targets: &DeviceBuffer<u32>,
+    ignore_index: Option<u32>,
+    lse: &DeviceBuffer<f32>,
+    scale: f32,
+    dlogits: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    const OP: &str = "cross_entropy_backward";
+    check_owners(dev, OP, &[logits, lse, dlogits])?;
+    dev.check_owner(OP, targets)?;
+    let rows = targets.len();
+    ensure_len(OP, "logits", logits.len(), rows * cols)?;
+    ensure_len(OP, "lse", lse.len(), rows)?;
+    ensure_len(OP, "dlogits", dlogits.len(), logits.len())?;
+    let args = [
+        ptr(logits),
+        ptr(targets),
+        ptr(lse),
+        size(rows),
+        size(cols),
+        ignore_code(ignore_index),
+        Arg::F32(scale),
+        ptr(dlogits),
+    ];
+    dev.launch(FAMILY, "cross_entropy_backward", per_row(rows, row_threads(cols)), &args)
+}
