@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use models::llama::LlamaConfig;
 use serde::{Deserialize, Serialize};
 
 /// Everything a training run needs besides the model's own config. Serialised into every
@@ -26,6 +27,18 @@ pub struct TrainConfig {
     pub ccl_mode: String,
     /// CCL ablation: `none`, `static`, `no-out-gate` or `no-basis-gate` (`ccl` only).
     pub ccl_ablation: String,
+    /// Transponder modulator rank r (8; SPEC §1's ablation grid is 2, 4, 8, 16, 32).
+    pub rank: usize,
+    /// Which projections carry modulators: `all`, `attn`, `mlp`, `only-first`, `only-last`,
+    /// `only-qk` or `no-up-gate` (SPEC §1; projection-level variants take any, path-level
+    /// ones `all`, `attn` or `mlp`, the rest only `all`).
+    pub coverage: String,
+    /// Post-LN residuals `Norm(x + F(x))` for the variants that combine with them (Table 3's
+    /// "Transponder w. Post-LN").
+    pub post_ln: bool,
+    /// Modulator nonlinearity φ: `sigmoid`, `silu` or `relu`. (A frozen α is the `fixed-alpha`
+    /// variant, so `LlamaConfig::fixed_alpha` needs no field here.)
+    pub phi: String,
     /// Plain-text corpus tokenized on first use when no token files are given.
     pub text: PathBuf,
     /// Token files (llm.c or nanoGPT format); when unset they are prepared from `text`.
@@ -70,6 +83,7 @@ impl Default for TrainConfig {
     /// The built-in default: llama-tiny + Transponder on tinyshakespeare, byte-level,
     /// sized to finish in a few minutes on two CPU cores.
     fn default() -> Self {
+        let model = LlamaConfig::default();
         TrainConfig {
             model: "llama-tiny".into(),
             variant: "transponder".into(),
@@ -78,6 +92,10 @@ impl Default for TrainConfig {
             d_ctx: 64,
             ccl_mode: "token".into(),
             ccl_ablation: "none".into(),
+            rank: model.rank,
+            coverage: model.coverage,
+            post_ln: model.post_ln,
+            phi: model.phi,
             text: PathBuf::from("data/tinyshakespeare.txt"),
             train_data: None,
             val_data: None,
@@ -180,6 +198,18 @@ mod tests {
         assert!(bad.validate().unwrap_err().to_string().contains("steps"));
         let bad = TrainConfig { lr: f32::NAN, ..TrainConfig::default() };
         assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn modulator_fields_default_to_the_model_config_and_pass_through() {
+        let (model, c) = (LlamaConfig::default(), TrainConfig::default());
+        assert_eq!((c.rank, &c.coverage, c.post_ln, &c.phi), (model.rank, &model.coverage, model.post_ln, &model.phi));
+        // A config.json written before these fields existed still loads.
+        let old: TrainConfig = serde_json::from_str(r#"{"variant": "pre-ln", "steps": 5}"#).unwrap();
+        assert_eq!((old.rank, old.coverage.as_str()), (8, "all"));
+        let set = TrainConfig { rank: 4, coverage: "attn".into(), post_ln: true, phi: "silu".into(), ..c };
+        let m = crate::train::model_config(&set, 256).unwrap();
+        assert_eq!((m.rank, m.coverage.as_str(), m.post_ln, m.phi.as_str()), (4, "attn", true, "silu"));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 pub mod analyze;
 pub mod checkpoint;
+pub mod compare;
 pub mod config;
 pub mod data;
 pub mod generate;

@@ -72,6 +72,11 @@ enum Command {
     Analyze(Box<trainer::analyze::AnalyzeArgs>),
     /// Train a ResNet image classifier (defaults: narrow ResNet-18 on the built-in digits).
     TrainImage(Box<TrainImageArgs>),
+    /// Reproduce a paper's table: train every row of a grid (or --variants) under identical
+    /// data, seeds, steps and schedule; print and write the table (mean ± SE over seeds, Δ%,
+    /// parameters, throughput) and the validation curves. Defaults: llama-tiny, 200 steps of
+    /// batch 8 × seq 128, 3 seeds (~35 s per run on two CPU cores). Reruns skip finished runs.
+    Compare(Box<trainer::compare::cli::CompareArgs>),
 }
 
 /// Image-training flags; each overrides the config file, which overrides the defaults.
@@ -92,23 +97,31 @@ struct TrainImageArgs {
     /// `digits` (built in), `cifar10` or `cifar100` (with --data-dir).
     #[arg(long)]
     dataset: Option<String>,
+    /// Folder with digits.csv.gz or the CIFAR binary files (default data).
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// Channels of the first stage (default 16; the papers' ResNets use 64).
     #[arg(long)]
     base_width: Option<usize>,
+    /// Images per step (default 64).
     #[arg(long)]
     batch_size: Option<usize>,
+    /// Epochs (default 10).
     #[arg(long)]
     epochs: Option<usize>,
+    /// Peak learning rate of SGD with momentum 0.9 (default 0.05).
     #[arg(long)]
     lr: Option<f32>,
+    /// Weight decay (default 0).
     #[arg(long)]
     weight_decay: Option<f32>,
     /// `linear`, `cosine` or `constant`.
     #[arg(long)]
     schedule: Option<String>,
+    /// Seed of the initialisation, shuffling and augmentation (default 1337).
     #[arg(long)]
     seed: Option<u64>,
+    /// Run directory (default runs/resnet-digits).
     #[arg(long)]
     out_dir: Option<PathBuf>,
 }
@@ -137,8 +150,10 @@ struct TrainArgs {
     /// Continue from the checkpoint in --out-dir.
     #[arg(long)]
     resume: bool,
+    /// Model preset: llama-tiny (default), llama-small, llama-60m, llama-130m, llama-250m, llama-350m, llama-1b.
     #[arg(long)]
     model: Option<String>,
+    /// Modulator variant or baseline (default transponder; pre-ln is the plain LLaMA; an unknown name lists all).
     #[arg(long)]
     variant: Option<String>,
     /// Model width override (0 = the preset's); the FFN width scales with it.
@@ -156,52 +171,85 @@ struct TrainArgs {
     /// CCL ablation: none, static, no-out-gate, no-basis-gate.
     #[arg(long)]
     ccl_ablation: Option<String>,
+    /// Transponder modulator rank r (default 8).
+    #[arg(long)]
+    rank: Option<usize>,
+    /// Projections with modulators: all, attn, mlp, only-first, only-last, only-qk, no-up-gate.
+    #[arg(long)]
+    coverage: Option<String>,
+    /// Post-LN residuals `Norm(x + F(x))` for the variant (Transponder Table 3).
+    #[arg(long)]
+    post_ln: bool,
+    /// Modulator nonlinearity φ: sigmoid (default), silu or relu.
+    #[arg(long)]
+    phi: Option<String>,
     /// SGD momentum.
     #[arg(long)]
     momentum: Option<f32>,
     /// Lazy row-sparse updates of the per-token tables (Adam/AdamW, SGD with momentum).
     #[arg(long)]
     lazy_tables: bool,
+    /// Plain-text corpus, tokenized on first use into <out-dir>/data (default data/tinyshakespeare.txt).
     #[arg(long)]
     text: Option<PathBuf>,
+    /// Training token file (llm.c or nanoGPT format) instead of --text.
     #[arg(long)]
     train_data: Option<PathBuf>,
+    /// Validation token file.
     #[arg(long)]
     val_data: Option<PathBuf>,
+    /// Tokenizer for --text: byte (default) or gpt2.
     #[arg(long)]
     tokenizer: Option<String>,
+    /// Sequences per micro-batch (default 16).
     #[arg(long)]
     batch_size: Option<usize>,
+    /// Tokens per sequence (default 128).
     #[arg(long)]
     seq_len: Option<usize>,
+    /// Micro-batches summed per optimizer step (default 1).
     #[arg(long)]
     grad_accum: Option<usize>,
+    /// Optimizer steps (default 300).
     #[arg(long)]
     steps: Option<usize>,
+    /// Peak learning rate (default 3e-3).
     #[arg(long)]
     lr: Option<f32>,
+    /// adamw (default), adam or sgd.
     #[arg(long)]
     optimizer: Option<String>,
+    /// Weight decay (default 0.01; decoupled for adamw).
     #[arg(long)]
     weight_decay: Option<f32>,
+    /// Learning-rate schedule: cosine (default, with linear warmup), noam, constant, linear, onecycle.
     #[arg(long)]
     schedule: Option<String>,
+    /// Warmup steps (default 30).
     #[arg(long)]
     warmup: Option<usize>,
+    /// Clip the global gradient norm to this (default 1.0; 0 disables).
     #[arg(long)]
     grad_clip: Option<f32>,
+    /// Batch sampling: random (seeded windows, default) or sequential.
     #[arg(long)]
     sampling: Option<String>,
+    /// Steps between validations (default 100).
     #[arg(long)]
     eval_every: Option<usize>,
+    /// Validation batches per evaluation (default 8).
     #[arg(long)]
     eval_batches: Option<usize>,
+    /// Steps between checkpoints (default 100; the last step always saves).
     #[arg(long)]
     save_every: Option<usize>,
+    /// Steps between printed loss lines (default 10).
     #[arg(long)]
     log_every: Option<usize>,
+    /// Seed of the initialisation and the batch sampling (default 1337).
     #[arg(long)]
     seed: Option<u64>,
+    /// Run directory: checkpoint, config.json, metrics.jsonl (default runs/default).
     #[arg(long)]
     out_dir: Option<PathBuf>,
 }
@@ -217,8 +265,9 @@ impl TrainArgs {
         }
         set!(model, variant, text, tokenizer, batch_size, seq_len, grad_accum, steps, lr, optimizer, weight_decay);
         set!(schedule, warmup, grad_clip, sampling, eval_every, eval_batches, save_every, log_every, seed, out_dir);
-        set!(d_model, d_basis, d_ctx, ccl_mode, ccl_ablation, momentum);
+        set!(d_model, d_basis, d_ctx, ccl_mode, ccl_ablation, momentum, rank, coverage, phi);
         c.lazy_tables |= self.lazy_tables;
+        c.post_ln |= self.post_ln;
         c.train_data = self.train_data.or(c.train_data);
         c.val_data = self.val_data.or(c.val_data);
         Ok(c)
@@ -275,6 +324,7 @@ fn main() -> Result<()> {
             println!("wrote {}/config.json and {}/model.safetensors", out.display(), out.display());
         }
         Command::Analyze(args) => trainer::analyze::run(&args)?,
+        Command::Compare(args) => trainer::compare::cli::run(&args)?,
         Command::TrainImage(args) => {
             let resume = args.resume;
             let config = args.into_config()?;

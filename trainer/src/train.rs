@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use autograd::no_grad;
 use indicatif::{ProgressBar, ProgressStyle};
 use models::llama::{Llama, LlamaConfig};
@@ -37,6 +37,18 @@ pub struct TrainReport {
     pub seconds: f64,
     pub checkpoint: PathBuf,
     pub metrics: PathBuf,
+}
+
+/// The error a run stops with when the loss turns NaN or infinite; the checkpoint named is
+/// the last good one, left untouched. Callers that compare runs (`transponder compare`)
+/// downcast to it to record a divergence instead of failing.
+#[derive(Debug, thiserror::Error)]
+#[error("loss is {value} at step {step}: stopping; the last good checkpoint is kept at {}", checkpoint.display())]
+pub struct NonFiniteLoss {
+    pub value: f32,
+    /// The 0-based step whose loss was not finite.
+    pub step: usize,
+    pub checkpoint: PathBuf,
 }
 
 /// Token files for training and (optionally) validation, preparing them from the text
@@ -75,6 +87,10 @@ pub fn model_config(config: &TrainConfig, vocab_size: usize) -> Result<LlamaConf
     model.d_ctx = config.d_ctx;
     model.ccl_mode = config.ccl_mode.clone();
     model.ccl_ablation = config.ccl_ablation.clone();
+    model.rank = config.rank;
+    model.coverage = config.coverage.clone();
+    model.post_ln = config.post_ln;
+    model.phi = config.phi.clone();
     model.validate()?;
     Ok(model)
 }
@@ -204,10 +220,7 @@ pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
             let value = loss.value().item()?;
             if !value.is_finite() {
                 progress.abandon();
-                bail!(
-                    "loss is {value} at step {step}: stopping; the last good checkpoint is kept at {}",
-                    checkpoint_path.display()
-                );
+                return Err(NonFiniteLoss { value, step, checkpoint: checkpoint_path.clone() }.into());
             }
             loss_sum += value;
             loss.mul_scalar(1.0 / config.grad_accum as f32)?.backward()?;

@@ -26,7 +26,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use autograd::{no_grad, Var};
 use models::resnet::{ResNet, ResNetConfig};
 use nn::optim::{clip_grad_norm, Optimizer, Schedule, Sgd};
@@ -42,7 +42,7 @@ use crate::data::images::{
 };
 use crate::metrics::{MetricsWriter, StepMetrics};
 use crate::safetensors_io::atomic_write;
-use crate::train::{CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
+use crate::train::{NonFiniteLoss, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
 
 /// The gradient-flow report inside the run directory.
 pub const GRAD_NORMS_FILE: &str = "grad_norms.jsonl";
@@ -371,10 +371,7 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
             let (loss, logits) = model.loss(&images, &labels, true)?;
             let value = loss.value().item()?;
             if !value.is_finite() {
-                bail!(
-                    "loss is {value} at step {step}: stopping; the last good checkpoint is kept at {}",
-                    checkpoint_path.display()
-                );
+                return Err(NonFiniteLoss { value, step, checkpoint: checkpoint_path.clone() }.into());
             }
             loss.backward()?;
             add_grad_norms(&optimizer, &mut norm_sums);

@@ -1,5 +1,5 @@
 //! `train-bench`: training and forward-only throughput of a LLaMA preset on random byte
-//! tokens, the number `bench/compare.sh` sets beside PyTorch's (`bench/torch_llama.py`).
+//! tokens, the number `bench/compare.py` sets beside PyTorch's (`bench/torch_llama.py`).
 //!
 //! Protocol (identical in both engines): build the model (vocab 256), AdamW (PyTorch
 //! defaults, decay 0.01, no clipping), `--warmup` untimed steps, then `--steps` timed steps

@@ -1,0 +1,175 @@
+//! `transponder compare` flags, their CPU-sized defaults, and the command's entry point.
+//!
+//! Defaults were measured on two shared CPU cores: llama-tiny with Transponder at batch 8 ×
+//! seq 128 trains ~6,000 tokens/s, so one 200-step run (validation every 25 steps) takes
+//! ~35 s and a 6-row grid at 3 seeds ~10 minutes; the narrow ResNet-18 on the digits takes
+//! ~2-3 s per epoch, ~25 s per 10-epoch run.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+
+use super::{compare, grids, CompareOptions, RUNS_CSV, TABLE_CSV, TABLE_MD, VAL_CURVES_SVG};
+use crate::config::TrainConfig;
+use crate::train_image::ImageTrainConfig;
+
+/// `transponder compare` flags. Every row of a grid shares these; each row then sets only
+/// its own fields (variant, rank, coverage, ...). `--list` shows the grids and their rows.
+#[derive(clap::Args, Clone, Debug)]
+pub struct CompareArgs {
+    /// Named grid: transponder-variants, baselines, post-ln, contextual-ablation, coverage,
+    /// rank, ccl, resnet, per-token.
+    #[arg(long, conflicts_with = "variants")]
+    pub grid: Option<String>,
+    /// A custom list of LLaMA variants compared against the first, e.g. `pre-ln,transponder`.
+    #[arg(long, value_delimiter = ',')]
+    pub variants: Vec<String>,
+    /// Only these rows of the grid, e.g. `--rows transponder-r2,transponder-r32` (the
+    /// baseline row is always kept).
+    #[arg(long, value_delimiter = ',')]
+    pub rows: Vec<String>,
+    /// List the grids with their rows and exit.
+    #[arg(long)]
+    pub list: bool,
+    /// Seeds per row: --seed, --seed + 1, ...
+    #[arg(long, default_value_t = 3)]
+    pub seeds: usize,
+    /// The first seed (initialisation and batch sampling).
+    #[arg(long, default_value_t = 1337)]
+    pub seed: u64,
+    /// Model preset of the language grids (widths of the `ccl` grid are set on top of it).
+    #[arg(long, default_value = "llama-tiny")]
+    pub model: String,
+    /// Optimizer steps per language run.
+    #[arg(long, default_value_t = 200)]
+    pub steps: usize,
+    /// Sequences per step of the language runs (the ResNet grid uses train-image's 64).
+    #[arg(long, default_value_t = 8)]
+    pub batch_size: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub seq_len: usize,
+    /// Peak learning rate of the language runs.
+    #[arg(long, default_value_t = 3e-3)]
+    pub lr: f32,
+    /// `adamw`, `adam` or `sgd`.
+    #[arg(long, default_value = "adamw")]
+    pub optimizer: String,
+    /// `cosine`, `noam`, `constant`, `linear` or `onecycle`.
+    #[arg(long, default_value = "cosine")]
+    pub schedule: String,
+    /// Linear warmup steps.
+    #[arg(long, default_value_t = 20)]
+    pub warmup: usize,
+    /// Steps between validations (the points of val_curves.svg).
+    #[arg(long, default_value_t = 25)]
+    pub eval_every: usize,
+    /// Validation batches (the same first windows of the validation file for every run).
+    #[arg(long, default_value_t = 8)]
+    pub eval_batches: usize,
+    /// Steps between checkpoints (what an interrupted run resumes from).
+    #[arg(long, default_value_t = 50)]
+    pub save_every: usize,
+    /// Plain-text corpus, tokenized once into <out-dir>/data/ when no token files are given.
+    #[arg(long, default_value = "data/tinyshakespeare.txt")]
+    pub text: PathBuf,
+    /// Token files (llm.c or nanoGPT format) instead of --text.
+    #[arg(long, requires = "val_data")]
+    pub train_data: Option<PathBuf>,
+    /// Validation token file (required with --train-data).
+    #[arg(long)]
+    pub val_data: Option<PathBuf>,
+    /// `byte` or `gpt2`.
+    #[arg(long, default_value = "byte")]
+    pub tokenizer: String,
+    /// Epochs per ResNet run (`--grid resnet`; the model is train-image's default).
+    #[arg(long, default_value_t = 10)]
+    pub epochs: usize,
+    /// Where digits.csv.gz (or the CIFAR files) are, for `--grid resnet`.
+    #[arg(long, default_value = "data")]
+    pub data_dir: PathBuf,
+    /// Root of the grids' directories.
+    #[arg(long, default_value = "runs/compare")]
+    pub out_dir: PathBuf,
+}
+
+impl CompareArgs {
+    /// The comparison these flags ask for; `command` is quoted in the table.
+    pub fn options(&self, command: String) -> CompareOptions {
+        let base = TrainConfig {
+            model: self.model.clone(),
+            steps: self.steps,
+            batch_size: self.batch_size,
+            seq_len: self.seq_len,
+            lr: self.lr,
+            optimizer: self.optimizer.clone(),
+            schedule: self.schedule.clone(),
+            warmup: self.warmup,
+            eval_every: self.eval_every,
+            eval_batches: self.eval_batches,
+            save_every: self.save_every,
+            // One console line per validation keeps a run's output short.
+            log_every: self.eval_every.max(1),
+            text: self.text.clone(),
+            train_data: self.train_data.clone(),
+            val_data: self.val_data.clone(),
+            tokenizer: self.tokenizer.clone(),
+            seed: self.seed,
+            ..TrainConfig::default()
+        };
+        let image_base = ImageTrainConfig {
+            epochs: self.epochs,
+            data_dir: self.data_dir.clone(),
+            seed: self.seed,
+            ..ImageTrainConfig::default()
+        };
+        CompareOptions {
+            grid: self.grid.clone(),
+            variants: self.variants.clone(),
+            rows: self.rows.clone(),
+            seeds: self.seeds,
+            base,
+            image_base,
+            out_dir: self.out_dir.clone(),
+            command,
+        }
+    }
+}
+
+/// The command line as typed (arguments with spaces or quotes single-quoted).
+pub fn command_line() -> String {
+    let quote = |arg: String| {
+        if arg.is_empty() || arg.contains(|c: char| c.is_whitespace() || "'\"$`\\".contains(c)) {
+            format!("'{}'", arg.replace('\'', r"'\''"))
+        } else {
+            arg
+        }
+    };
+    let mut args = std::env::args();
+    let program = args.next().map(|p| {
+        let path = PathBuf::from(p);
+        path.file_name().map_or("transponder".into(), |n| n.to_string_lossy().into_owned())
+    });
+    program.into_iter().chain(args.map(quote)).collect::<Vec<_>>().join(" ")
+}
+
+/// `transponder compare`: lists the grids, or runs one and prints its table.
+pub fn run(args: &CompareArgs) -> Result<()> {
+    if args.list {
+        print!("{}", grids::listing()?);
+        return Ok(());
+    }
+    let outcome = compare(&args.options(command_line()))?;
+    println!("\n{}", outcome.markdown);
+    println!(
+        "{} runs: {} started, {} resumed, {} finished earlier",
+        outcome.results.len(),
+        outcome.started,
+        outcome.resumed,
+        outcome.skipped
+    );
+    for name in [TABLE_MD, TABLE_CSV, RUNS_CSV, VAL_CURVES_SVG] {
+        println!("wrote {}", outcome.dir.join(name).display());
+    }
+    Ok(())
+}
