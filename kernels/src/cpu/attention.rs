@@ -251,10 +251,11 @@ impl Dims {
         let mut t = vec![0.0; self.head_dim * self.kv_seq];
         let head = &data[self.kv_at(b, 0, h)..];
         let stride = self.heads * self.head_dim;
-        // Contiguous writes; the strided reads stay within the head's few kilobytes.
-        for (x, t_row) in t.chunks_mut(self.kv_seq).enumerate() {
-            for (s, out) in t_row.iter_mut().enumerate() {
-                *out = head[s * stride + x];
+        // Contiguous reads, one token's D values at a time, into D rows that stay in cache
+        // (reading column by column instead walks the whole strided head once per column).
+        for (s, token) in head.chunks(stride).take(self.kv_seq).enumerate() {
+            for (x, &value) in token[..self.head_dim].iter().enumerate() {
+                t[x * self.kv_seq + s] = value;
             }
         }
         t

@@ -13,18 +13,19 @@
 //! concatenated operand is the row stack `[W; A_c; A_s]` read transposed through strides.
 //!
 //! On the CPU the GEMM output `ZU` is one buffer, kept with the rank-r path's small
-//! results for the backward ([`FusedGateSaved`]). The rank-r parts run as small
-//! GEMMs (`H_c·B_cᵀ`), and the gate is computed and applied in one SIMD pass over rows,
-//! never materialising γ. PyTorch equivalent of the whole
+//! results for the backward ([`FusedGateSaved`]). The rank-r products (`H_c·B_cᵀ` and, in
+//! the backward, `dL_c·B_c` and `dL_cᵀ·H_c`) run as register-tiled products per block of
+//! rows inside one parallel SIMD pass that also computes and applies the gate, never
+//! materialising γ or an `N × d_out` logit buffer. PyTorch equivalent of the whole
 //! op: `(x @ W.T) * 2*sigmoid(αc*(phi(x @ Ac.T + ac) @ Bc.T + bc)) * 2*sigmoid(αs*(...))`.
 //!
 //! Backward kernels accumulate into their gradient buffers (`dx += ...`).
 
-use rayon::prelude::*;
 use wide::f32x8;
 
 use super::matmul::{matmul, MatRef};
 use super::parallel;
+use super::tile_gemm::{tile_gemm, TileA, TileB};
 use super::unary::{exp8, load, store, unary_backward, unary_forward, unary_reference, Unary, LANES};
 
 /// Sizes of one fused projection.
@@ -147,84 +148,299 @@ fn columns_of(data: &[f32], offset: usize, stride: usize) -> MatRef<'_> {
 }
 
 /// What the forward keeps for the backward besides `x` and the parameters: the GEMM output
-/// `ZU` (`N × K`), `H = φ(U + a)` (`N × (r_c + r_s)`), the scalar gate `γ_s` and its logit
-/// per row, and the channel logits without their bias, `H_c·B_cᵀ` (`N × d_out`, one GEMM
-/// of inner size r_c). Keeping them costs `N·(K + d_out + r + 2)` floats and spares the
-/// backward recomputing the rank-r path.
+/// `ZU` (`N × K`), `H = φ(U + a)` (`N × (r_c + r_s)`) and the scalar gate `γ_s` and its
+/// logit per row. Keeping them costs `N·(K + r + 2)` floats; the channel logits
+/// `H_c·B_cᵀ + b_c` are recomputed in the backward's row pass (r_c multiply-adds per
+/// element, cheaper than writing and reading an `N × d_out` buffer).
 #[derive(Debug)]
 pub struct FusedGateSaved {
     zu: Vec<f32>,
     hidden: Vec<f32>,
     gate_scalar: Vec<f32>,
     logit_scalar: Vec<f32>,
-    logits: Vec<f32>,
 }
 
-/// `U + a` for every row: the pre-activations of both modulators' hidden units, `N × r`.
-fn hidden_inputs(dims: &FusedGateDims, p: &FusedGateParams, zu: &[f32]) -> Vec<f32> {
-    let (k, d_out) = (dims.width(), dims.d_out);
+/// Rows per task of the row passes: enough for each task's per-block sums (`r_c × d_out`
+/// floats in the backward) to be cheap to reduce, few enough to balance two threads.
+const BLOCK_ROWS: usize = 32;
+
+/// The channel modulator's second stage, `σ̃_αc(h_c·B_cᵀ + b_c)`, laid out for tile products
+/// over `d_pad` columns, the next multiple of [`LANES`] above `d_out`: `B_c` transposed to
+/// `[r_c, d_pad]` and padded to `[d_pad, r_c]`, `b_c` to `[d_pad]`, with zeros past `d_out`.
+/// Padded lanes see zero inputs and produce zero gradients, so rows run in whole vectors.
+struct ChannelGate {
+    b_t: Vec<f32>,
+    b_padded: Vec<f32>,
+    bias: Vec<f32>,
+    rank: usize,
+    d_pad: usize,
+    alpha: f32x8,
+}
+
+impl ChannelGate {
+    fn new(g: &GateParams, d_out: usize) -> Self {
+        let rank = g.a_bias.len();
+        let d_pad = d_out.next_multiple_of(LANES);
+        let mut b_padded = g.b_weight.to_vec();
+        b_padded.resize(d_pad * rank, 0.0);
+        let mut b_t = vec![0.0; rank * d_pad];
+        for (j, b_row) in g.b_weight.chunks_exact(rank.max(1)).take(d_out).enumerate() {
+            for (t, &b) in b_row.iter().enumerate() {
+                b_t[t * d_pad + j] = b;
+            }
+        }
+        let mut bias = vec![0.0; d_pad];
+        bias[..d_out].copy_from_slice(g.b_bias);
+        Self { b_t, b_padded, bias, rank, d_pad, alpha: f32x8::splat(g.alpha) }
+    }
+
+    /// `H_c·B_cᵀ` (without the bias) for `rows` rows of `H` (row stride `r`) from row
+    /// `first`, as a `rows × d_pad` block.
+    fn logits(&self, hidden: &[f32], first: usize, rows: usize, r: usize) -> Vec<f32> {
+        let mut logits = vec![0.0; rows * self.d_pad];
+        let h_c = TileA { data: hidden, offset: first * r, row_stride: r, col_stride: 1 };
+        let b_t = TileB { data: &self.b_t, offset: 0, row_stride: self.d_pad };
+        tile_gemm(&mut logits, self.d_pad, h_c, b_t, rows, self.d_pad, self.rank, 1.0, false);
+        logits
+    }
+}
+
+/// Lanes `j..j + 8` of `src`, zero past its end.
+#[inline(always)]
+fn load_lanes(src: &[f32], j: usize) -> f32x8 {
+    if j + LANES <= src.len() {
+        load(&src[j..])
+    } else {
+        let mut lanes = [0.0; LANES];
+        lanes[..src.len() - j].copy_from_slice(&src[j..]);
+        f32x8::from(lanes)
+    }
+}
+
+/// Stores the lanes of `v` that fall inside `dst` at `j..j + 8`.
+#[inline(always)]
+fn store_lanes(v: f32x8, dst: &mut [f32], j: usize) {
+    let n = LANES.min(dst.len() - j);
+    dst[j..j + n].copy_from_slice(&v.as_array_ref()[..n]);
+}
+
+/// `H = φ(U + a)` for every row, with the scalar modulator's logit `B_s·h_s + b_s` and gate
+/// `γ_s` per row.
+fn modulator_hidden(dims: &FusedGateDims, p: &FusedGateParams, zu: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let FusedGateDims { rows, d_out, rank_channel: rc, .. } = *dims;
+    let (k, r) = (dims.width(), rc + dims.rank_scalar);
+    let mut hidden = vec![0.0; rows * r];
+    let scalars = parallel::map_fixed_row_blocks_mut(&mut hidden, r, BLOCK_ROWS, |first, block| {
+        let block_rows = block.len() / r.max(1);
+        let pre = hidden_inputs(p, &zu[first * k..(first + block_rows) * k], k, d_out);
+        unary_forward(p.phi, &pre, block);
+        let logits: Vec<f32> =
+            block.chunks_exact(r.max(1)).map(|h| dot(p.scalar.b_weight, &h[rc..]) + p.scalar.b_bias[0]).collect();
+        let gates: Vec<f32> = logits.iter().map(|&l| calibrated_sigmoid(p.scalar.alpha, l)).collect();
+        (logits, gates)
+    });
+    let (mut logit_scalar, mut gate_scalar) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
+    for (logits, gates) in scalars {
+        logit_scalar.extend(logits);
+        gate_scalar.extend(gates);
+    }
+    if r == 0 {
+        // No hidden units: every row's scalar logit is the bias alone.
+        logit_scalar = vec![p.scalar.b_bias[0]; rows];
+        gate_scalar = vec![calibrated_sigmoid(p.scalar.alpha, p.scalar.b_bias[0]); rows];
+    }
+    (hidden, gate_scalar, logit_scalar)
+}
+
+/// `U + a` for the rows of `zu` (row stride `k`, `U` from column `d_out`): the modulators'
+/// hidden pre-activations, `rows × r`.
+fn hidden_inputs(p: &FusedGateParams, zu: &[f32], k: usize, d_out: usize) -> Vec<f32> {
     let biases = [p.channel.a_bias, p.scalar.a_bias].concat();
-    let mut pre = Vec::with_capacity(dims.rows * biases.len());
+    let mut pre = Vec::with_capacity(zu.len() / k * biases.len());
     for row in zu.chunks_exact(k) {
         pre.extend(row[d_out..].iter().zip(&biases).map(|(&u, &a)| u + a));
     }
     pre
 }
 
-/// `H`, `γ_s`, its logit, and the channel logits from `ZU` (see [`FusedGateSaved`]).
-fn modulator_path(dims: &FusedGateDims, p: &FusedGateParams, zu: Vec<f32>) -> FusedGateSaved {
-    let FusedGateDims { rows, d_out, rank_channel: rc, .. } = *dims;
-    let r = rc + dims.rank_scalar;
-    let pre = hidden_inputs(dims, p, &zu);
-    let mut hidden = vec![0.0; rows * r];
-    unary_forward(p.phi, &pre, &mut hidden);
-    let logit_scalar: Vec<f32> =
-        hidden.chunks_exact(r).map(|h| dot(p.scalar.b_weight, &h[rc..]) + p.scalar.b_bias[0]).collect();
-    let gate_scalar = logit_scalar.iter().map(|&l| calibrated_sigmoid(p.scalar.alpha, l)).collect();
-    let mut logits = vec![0.0; rows * d_out];
-    matmul(&mut logits, 0, rows_of(&hidden, 0, r), columns_of(p.channel.b_weight, 0, rc), rows, d_out, rc, false);
-    FusedGateSaved { zu, hidden, gate_scalar, logit_scalar, logits }
-}
-
 /// Forward: writes `out[N×d_out] = Ẑ` and returns what the backward needs.
 pub fn fused_gate_forward(dims: &FusedGateDims, x: &[f32], p: &FusedGateParams, out: &mut [f32]) -> FusedGateSaved {
     check_lengths(dims, x, p);
     let FusedGateDims { rows, d_in, d_out, .. } = *dims;
-    let k = dims.width();
+    let (k, r) = (dims.width(), dims.rank_channel + dims.rank_scalar);
     assert_eq!(out.len(), rows * d_out, "fused_gate_forward: out is not N × d_out");
     let c = concatenated_weight(p);
     let mut zu = vec![0.0; rows * k];
     matmul(&mut zu, 0, rows_of(x, 0, d_in), columns_of(&c, 0, d_in), rows, k, d_in, false);
-    let s = modulator_path(dims, p, zu);
-    let (alpha, bias) = (f32x8::splat(p.channel.alpha), p.channel.b_bias);
-    parallel::for_each_row_block_mut(out, d_out, d_out * 8, |first, block| {
-        for (i, y) in block.chunks_mut(d_out).enumerate() {
+    let (hidden, gate_scalar, logit_scalar) = modulator_hidden(dims, p, &zu);
+    let gate = ChannelGate::new(&p.channel, d_out);
+    parallel::map_fixed_row_blocks_mut(out, d_out, BLOCK_ROWS, |first, block| {
+        let logits = gate.logits(&hidden, first, block.len() / d_out, r);
+        for (i, (y, l)) in block.chunks_exact_mut(d_out).zip(logits.chunks_exact(gate.d_pad)).enumerate() {
             let n = first + i;
-            let (z, logits) = (&s.zu[n * k..n * k + d_out], &s.logits[n * d_out..(n + 1) * d_out]);
-            let scale = 2.0 * s.gate_scalar[n];
-            let simd = d_out - d_out % LANES;
-            for j in (0..simd).step_by(LANES) {
-                let gate = sigmoid8(alpha * (load(&logits[j..]) + load(&bias[j..])));
-                store(gate * f32x8::splat(scale) * load(&z[j..]), &mut y[j..]);
-            }
-            for j in simd..d_out {
-                y[j] = unary_reference(Unary::Sigmoid, p.channel.alpha * (logits[j] + bias[j])) * scale * z[j];
+            let (z, scale) = (&zu[n * k..n * k + d_out], f32x8::splat(2.0 * gate_scalar[n]));
+            for j in (0..d_out).step_by(LANES) {
+                let g = sigmoid8(gate.alpha * (load(&l[j..]) + load(&gate.bias[j..])));
+                store_lanes(g * scale * load_lanes(z, j), y, j);
             }
         }
     });
-    s
+    FusedGateSaved { zu, hidden, gate_scalar, logit_scalar }
 }
 
-/// One block of the backward row pass: its index, then rows of `dZU`, of the channel
-/// logits' gradient and of the per-row terms.
-type RowBlock<'a> = (usize, ((&'a mut [f32], &'a mut [f32]), &'a mut [f32]));
+/// One row block's share of the backward's sums over rows.
+struct BlockSums {
+    /// `dB_c` transposed, `[r_c, d_pad]`.
+    db_t: Vec<f32>,
+    /// `db_c`, `[d_pad]`.
+    db_channel: Vec<f32>,
+    /// `[da_c | da_s]`, `[r]`.
+    da: Vec<f32>,
+    /// `dB_s`, `[r_s]`.
+    db_weight_scalar: Vec<f32>,
+    db_scalar: f64,
+    dalpha_channel: f64,
+    dalpha_scalar: f64,
+}
+
+impl BlockSums {
+    fn zeros(dims: &FusedGateDims, d_pad: usize) -> Self {
+        Self {
+            db_t: vec![0.0; dims.rank_channel * d_pad],
+            db_channel: vec![0.0; d_pad],
+            da: vec![0.0; dims.rank_channel + dims.rank_scalar],
+            db_weight_scalar: vec![0.0; dims.rank_scalar],
+            db_scalar: 0.0,
+            dalpha_channel: 0.0,
+            dalpha_scalar: 0.0,
+        }
+    }
+
+    /// Adds the block sums in order into the gradient buffers.
+    fn add_into(blocks: &[BlockSums], dims: &FusedGateDims, d_pad: usize, grads: &mut FusedGateGrads) {
+        let (d_out, rc) = (dims.d_out, dims.rank_channel);
+        let (mut db_scalar, mut dalpha_c, mut dalpha_s) = (0.0f64, 0.0f64, 0.0f64);
+        for s in blocks {
+            for (j, db_row) in grads.channel.b_weight.chunks_exact_mut(rc.max(1)).take(d_out).enumerate() {
+                db_row.iter_mut().enumerate().for_each(|(t, d)| *d += s.db_t[t * d_pad + j]);
+            }
+            add_assign(grads.channel.b_bias, &s.db_channel[..d_out]);
+            add_assign(grads.channel.a_bias, &s.da[..rc]);
+            add_assign(grads.scalar.a_bias, &s.da[rc..]);
+            add_assign(grads.scalar.b_weight, &s.db_weight_scalar);
+            db_scalar += s.db_scalar;
+            dalpha_c += s.dalpha_channel;
+            dalpha_s += s.dalpha_scalar;
+        }
+        grads.scalar.b_bias[0] += db_scalar as f32;
+        *grads.channel.alpha += dalpha_c as f32;
+        *grads.scalar.alpha += dalpha_s as f32;
+    }
+}
+
+fn add_assign(dst: &mut [f32], src: &[f32]) {
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+}
+
+/// Everything the backward's row pass reads.
+struct RowPass<'a> {
+    dims: FusedGateDims,
+    p: &'a FusedGateParams<'a>,
+    saved: &'a FusedGateSaved,
+    dout: &'a [f32],
+    gate: ChannelGate,
+}
+
+impl RowPass<'_> {
+    /// Writes the rows `first..` of `dZU = [dZ | dU_c | dU_s]` into `dzu` and returns the
+    /// block's share of the sums over rows.
+    fn block(&self, first: usize, dzu: &mut [f32]) -> BlockSums {
+        let FusedGateDims { d_out, rank_channel: rc, .. } = self.dims;
+        let (k, r, d_pad) = (self.dims.width(), rc + self.dims.rank_scalar, self.gate.d_pad);
+        let rows = dzu.len() / k;
+        let mut sums = BlockSums::zeros(&self.dims, d_pad);
+        // The channel logits, overwritten row by row with their gradient dL_c.
+        let mut dl = self.gate.logits(&self.saved.hidden, first, rows, r);
+        let mut dgate_s = vec![0.0; rows];
+        for (i, (dzu_row, dl_row)) in dzu.chunks_exact_mut(k).zip(dl.chunks_exact_mut(d_pad)).enumerate() {
+            dgate_s[i] = self.channel_row(first + i, &mut dzu_row[..d_out], dl_row, &mut sums);
+        }
+        // dH_c = dL_c·B_c, dB_c += dL_cᵀ·H_c (kept transposed).
+        let mut dh = vec![0.0; rows * r];
+        let dl_rows = TileA { data: &dl, offset: 0, row_stride: d_pad, col_stride: 1 };
+        let b_c = TileB { data: &self.gate.b_padded, offset: 0, row_stride: rc };
+        tile_gemm(&mut dh, r, dl_rows, b_c, rows, rc, d_pad, 1.0, false);
+        let h_c_t = TileA { data: &self.saved.hidden, offset: first * r, row_stride: 1, col_stride: r };
+        let dl_b = TileB { data: &dl, offset: 0, row_stride: d_pad };
+        tile_gemm(&mut sums.db_t, d_pad, h_c_t, dl_b, rc, d_pad, rows, 1.0, true);
+        for (i, &dg) in dgate_s.iter().enumerate() {
+            let n = first + i;
+            let h_s = &self.saved.hidden[n * r + rc..(n + 1) * r];
+            self.scalar_row(n, h_s, dg, &mut dh[i * r + rc..(i + 1) * r], &mut sums);
+        }
+        // dU = dH ⊙ φ'(U + a), into dZU's summary columns; da = Σ dU.
+        let zu = &self.saved.zu[first * k..(first + rows) * k];
+        let pre = hidden_inputs(self.p, zu, k, d_out);
+        let mut du = vec![0.0; rows * r];
+        unary_backward(self.p.phi, &pre, &self.saved.hidden[first * r..(first + rows) * r], &dh, &mut du);
+        for (i, dzu_row) in dzu.chunks_exact_mut(k).enumerate() {
+            let du_row = &du[i * r..(i + 1) * r];
+            dzu_row[d_out..].copy_from_slice(du_row);
+            add_assign(&mut sums.da, du_row);
+        }
+        sums
+    }
+
+    /// The channel gate's backward for row `n`: writes `dZ`, turns the row's logits `dl`
+    /// (without bias) into their gradient `dL_c`, adds this row's `db_c` and `dα_c` terms to
+    /// `sums` and returns `dγ_s`.
+    ///
+    /// With `γ = 2σ(α·l)`: `d/dZ = γ_c·γ_s`, `d/dγ_c = dẐ·Z·γ_s`, `d/dγ_s = Σ_j dẐ·Z·γ_c`,
+    /// `d/dl = α·γ(1 − γ/2)·d/dγ` and `d/dα = l·γ(1 − γ/2)·d/dγ`.
+    fn channel_row(&self, n: usize, dz: &mut [f32], dl: &mut [f32], sums: &mut BlockSums) -> f32 {
+        let d_out = self.dims.d_out;
+        let (z, dy) = (&self.saved.zu[n * self.dims.width()..][..d_out], &self.dout[n * d_out..(n + 1) * d_out]);
+        let (gate_s, alpha, half) = (f32x8::splat(self.saved.gate_scalar[n]), self.gate.alpha, f32x8::splat(0.5));
+        let (mut dgate_s, mut dalpha) = (f32x8::ZERO, f32x8::ZERO);
+        for j in (0..d_out).step_by(LANES) {
+            let logit = load(&dl[j..]) + load(&self.gate.bias[j..]);
+            let gate = sigmoid8(alpha * logit) * 2.0;
+            let (g, zj) = (load_lanes(dy, j), load_lanes(z, j));
+            store_lanes(g * gate * gate_s, dz, j);
+            let gz = g * zj;
+            dgate_s = gz.mul_add(gate, dgate_s);
+            let slope = gate * (f32x8::ONE - half * gate) * (gz * gate_s);
+            dalpha = slope.mul_add(logit, dalpha);
+            let grad = slope * alpha;
+            store(grad, &mut dl[j..]);
+            store(load(&sums.db_channel[j..]) + grad, &mut sums.db_channel[j..]);
+        }
+        sums.dalpha_channel += dalpha.reduce_add() as f64;
+        dgate_s.reduce_add()
+    }
+
+    /// The scalar gate's backward for row `n` from `dγ_s`: writes `dH_s = dl_s·B_s` and adds
+    /// this row's `dB_s`, `db_s` and `dα_s` terms to `sums`.
+    fn scalar_row(&self, n: usize, h_s: &[f32], dgate_s: f32, dh_s: &mut [f32], sums: &mut BlockSums) {
+        let s = &self.p.scalar;
+        let gate = self.saved.gate_scalar[n];
+        // d/dl 2σ(αl) = α·γ(1 − γ/2), d/dα 2σ(αl) = l·γ(1 − γ/2)
+        let slope = dgate_s * gate * (1.0 - 0.5 * gate);
+        let dlogit = slope * s.alpha;
+        sums.dalpha_scalar += (slope * self.saved.logit_scalar[n]) as f64;
+        sums.db_scalar += dlogit as f64;
+        for ((d, &b), (acc, &h)) in dh_s.iter_mut().zip(s.b_weight).zip(sums.db_weight_scalar.iter_mut().zip(h_s)) {
+            *d = dlogit * b;
+            *acc += dlogit * h;
+        }
+    }
+}
 
 /// Backward of [`fused_gate_forward`] from what it saved and the output gradient `dout`.
 ///
-/// One SIMD pass over rows gives
-/// `dZ`, the channel logits' gradient `dL_c` and per-row terms of `dγ_s` and `dα_c`; GEMMs
-/// then give `dH_c = dL_c·B_c`, `dB_c += dL_cᵀ·H_c`, `dx += dZU·[W; A_c; A_s]`,
-/// `dW += dZᵀ·x` and `dA += dUᵀ·x`.
+/// One SIMD pass over row blocks gives `dZU = [dZ | dU_c | dU_s]` and each block's share of
+/// the sums over rows (`dB`, `db`, `da`, `dα`), recomputing the channel gate from `H_c`; two
+/// GEMMs then give `dx += dZU·[W; A_c; A_s]` and `[dW; dA_c; dA_s] += dZUᵀ·x`.
 pub fn fused_gate_backward(
     dims: &FusedGateDims,
     x: &[f32],
@@ -234,79 +450,16 @@ pub fn fused_gate_backward(
     grads: &mut FusedGateGrads,
 ) {
     check_lengths(dims, x, p);
-    let FusedGateDims { rows, d_in, d_out, rank_channel: rc, rank_scalar: rs } = *dims;
-    let (k, r) = (dims.width(), rc + rs);
+    let FusedGateDims { rows, d_in, d_out, rank_channel: rc, .. } = *dims;
+    let k = dims.width();
     assert!(
         saved.zu.len() == rows * k && dout.len() == rows * d_out,
         "fused_gate_backward: saved state or dout has the wrong length"
     );
-    let FusedGateSaved { zu, hidden, gate_scalar, logit_scalar, logits } = saved;
-    let mut dlogits = logits.clone();
-    // φ'(U + a), from dφ = 1.
-    let pre = hidden_inputs(dims, p, zu);
-    let mut dphi = vec![0.0; rows * r];
-    unary_backward(p.phi, &pre, hidden, &vec![1.0; rows * r], &mut dphi);
-    // dzu rows: [dZ | dU_c | dU_s]; row_terms: [dγ_s, dα_c] per row.
+    let pass = RowPass { dims: *dims, p, saved, dout, gate: ChannelGate::new(&p.channel, d_out) };
     let mut dzu = vec![0.0; rows * k];
-    let mut row_terms = vec![0.0; rows * 2];
-    let block_rows = parallel::rows_per_task(d_out * 16);
-    let run = |(i, ((dzu_block, dl_block), terms)): RowBlock<'_>| {
-        for (r_in_block, ((dzu_row, dl_row), term)) in
-            dzu_block.chunks_mut(k).zip(dl_block.chunks_mut(d_out)).zip(terms.chunks_mut(2)).enumerate()
-        {
-            let n = i * block_rows + r_in_block;
-            let z = &zu[n * k..n * k + d_out];
-            let dy = &dout[n * d_out..(n + 1) * d_out];
-            let (dgate_s, dalpha_c) = channel_backward_row(p, z, dy, gate_scalar[n], dl_row, &mut dzu_row[..d_out]);
-            term.copy_from_slice(&[dgate_s, dalpha_c]);
-        }
-    };
-    let chunks = (block_rows * k, block_rows * d_out, block_rows * 2);
-    if parallel::should_parallelise(rows.saturating_mul(d_out * 16)) {
-        dzu.par_chunks_mut(chunks.0)
-            .zip(dlogits.par_chunks_mut(chunks.1))
-            .zip(row_terms.par_chunks_mut(chunks.2))
-            .enumerate()
-            .for_each(run);
-    } else {
-        dzu.chunks_mut(chunks.0)
-            .zip(dlogits.chunks_mut(chunks.1))
-            .zip(row_terms.chunks_mut(chunks.2))
-            .enumerate()
-            .for_each(run);
-    }
-
-    // d/dH_c = dL_c·B_c; d/dU = d/dH ⊙ φ'(U + a), written into dZU's summary columns.
-    let mut dhidden = vec![0.0; rows * rc];
-    matmul(&mut dhidden, 0, rows_of(&dlogits, 0, d_out), rows_of(p.channel.b_weight, 0, rc), rows, rc, d_out, false);
-    let (mut dalpha_s, mut dalpha_c) = (0.0f64, 0.0f64);
-    let mut dlogit_scalar = vec![0.0; rows];
-    for n in 0..rows {
-        let (dgate_s, dalpha_c_row) = (row_terms[2 * n], row_terms[2 * n + 1]);
-        dalpha_c += dalpha_c_row as f64;
-        // d/dl 2σ(αl) = α·γ(1 − γ/2), d/dα 2σ(αl) = l·γ(1 − γ/2)
-        let slope = gate_scalar[n] * (1.0 - 0.5 * gate_scalar[n]);
-        dlogit_scalar[n] = dgate_s * p.scalar.alpha * slope;
-        dalpha_s += (dgate_s * logit_scalar[n] * slope) as f64;
-        let du = &mut dzu[n * k + d_out..(n + 1) * k];
-        let d = &dphi[n * r..(n + 1) * r];
-        for t in 0..rc {
-            du[t] = dhidden[n * rc + t] * d[t];
-        }
-        for t in 0..rs {
-            du[rc + t] = dlogit_scalar[n] * p.scalar.b_weight[t] * d[rc + t];
-        }
-    }
-    *grads.channel.alpha += dalpha_c as f32;
-    *grads.scalar.alpha += dalpha_s as f32;
-
-    // Cross-row sums: dB = dLᵀ·H, db = Σ dL, da = Σ dU.
-    matmul(grads.channel.b_weight, 0, columns_of(&dlogits, 0, d_out), rows_of(hidden, 0, r), d_out, rc, rows, true);
-    matmul(grads.scalar.b_weight, 0, columns_of(&dlogit_scalar, 0, 1), rows_of(hidden, rc, r), 1, rs, rows, true);
-    add_column_sums(&dlogits, d_out, 0, grads.channel.b_bias);
-    grads.scalar.b_bias[0] += dlogit_scalar.iter().map(|&v| v as f64).sum::<f64>() as f32;
-    add_column_sums(&dzu, k, d_out, grads.channel.a_bias);
-    add_column_sums(&dzu, k, d_out + rc, grads.scalar.a_bias);
+    let sums = parallel::map_fixed_row_blocks_mut(&mut dzu, k, BLOCK_ROWS, |first, block| pass.block(first, block));
+    BlockSums::add_into(&sums, dims, pass.gate.d_pad, grads);
 
     // dx += dZU·[W; A_c; A_s]; the weight gradients are the row blocks of one GEMM dZUᵀ·x.
     let c = concatenated_weight(p);
@@ -318,57 +471,7 @@ pub fn fused_gate_backward(
     for (dst, src) in
         [(&mut *grads.weight, dw), (&mut *grads.channel.a_weight, da_c), (&mut *grads.scalar.a_weight, da_s)]
     {
-        dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
-    }
-}
-
-/// One row of the channel gate's backward. On entry `dl` holds the logits without bias
-/// (`H_c·B_cᵀ`); on exit `dL_c`. Writes `dz`; returns this row's `dγ_s` and `dα_c` terms.
-fn channel_backward_row(
-    p: &FusedGateParams,
-    z: &[f32],
-    dy: &[f32],
-    gate_s: f32,
-    dl: &mut [f32],
-    dz: &mut [f32],
-) -> (f32, f32) {
-    let (alpha, bias) = (p.channel.alpha, p.channel.b_bias);
-    let (alpha8, gate_s8, half) = (f32x8::splat(alpha), f32x8::splat(gate_s), f32x8::splat(0.5));
-    let (mut dgate_s8, mut dalpha8) = (f32x8::ZERO, f32x8::ZERO);
-    let simd = dl.len() - dl.len() % LANES;
-    // d/dZ = γ_c·γ_s; d/dγ_c = dẐ·Z·γ_s; d/dγ_s = Σ_j dẐ·Z·γ_c; then through σ̃ as for γ_s.
-    for j in (0..simd).step_by(LANES) {
-        let logit = load(&dl[j..]) + load(&bias[j..]);
-        let gate = sigmoid8(alpha8 * logit) * 2.0;
-        let (g, zj) = (load(&dy[j..]), load(&z[j..]));
-        store(g * gate * gate_s8, &mut dz[j..]);
-        let dgate = g * zj * gate_s8;
-        dgate_s8 += g * zj * gate;
-        let slope = gate * (f32x8::ONE - half * gate);
-        store(dgate * alpha8 * slope, &mut dl[j..]);
-        dalpha8 += dgate * logit * slope;
-    }
-    let (mut dgate_s, mut dalpha) = (dgate_s8.reduce_add(), dalpha8.reduce_add());
-    for j in simd..dl.len() {
-        let logit = dl[j] + bias[j];
-        let gate = calibrated_sigmoid(alpha, logit);
-        dz[j] = dy[j] * gate * gate_s;
-        let dgate = dy[j] * z[j] * gate_s;
-        dgate_s += dy[j] * z[j] * gate;
-        let slope = gate * (1.0 - 0.5 * gate);
-        dl[j] = dgate * alpha * slope;
-        dalpha += dgate * logit * slope;
-    }
-    (dgate_s, dalpha)
-}
-
-/// `dst[j] += Σ_rows src[row·stride + offset + j]`.
-fn add_column_sums(src: &[f32], stride: usize, offset: usize, dst: &mut [f32]) {
-    let cols = dst.len();
-    for row in src.chunks(stride) {
-        for (acc, &v) in dst.iter_mut().zip(&row[offset..offset + cols]) {
-            *acc += v;
-        }
+        add_assign(dst, src);
     }
 }
 
