@@ -8,7 +8,10 @@
 //! differences with [`F32_TOLERANCE`] on a random sample of elements of every parameter
 //! and of the input.
 
-use autograd::{no_grad, Result, Var, F32_TOLERANCE};
+mod common;
+
+use autograd::Var;
+use common::{check_module, randomise};
 use nn::attention::{Attention, AttentionConfig};
 use nn::ffn::SwiGlu;
 use nn::layers::DyT;
@@ -26,53 +29,6 @@ const SAMPLES_PER_TENSOR: usize = 6;
 
 fn random(shape: &[usize], rng: &mut Rng) -> Tensor {
     Tensor::rand_normal(shape, 0.0, 1.0, rng)
-}
-
-/// Overwrites every parameter with N(0, scale²) values (so zero-initialised ones matter).
-fn randomise(module: &dyn Module, scale: f32, rng: &mut Rng) {
-    for p in module.named_parameters() {
-        p.var.set_value(Tensor::rand_normal(&p.var.shape(), 0.0, scale, rng)).unwrap();
-    }
-}
-
-/// Checks `d forward / d (x and every parameter)` against central differences.
-fn check_module(module: &dyn Module, x: &Var, forward: impl Fn(&Var) -> Result<Var>, seed: u64) {
-    let mut rng = Rng::new(seed);
-    let mut leaves: Vec<(String, Var)> = module.named_parameters().into_iter().map(|p| (p.name, p.var)).collect();
-    leaves.push(("input".into(), x.clone()));
-    for (_, v) in &leaves {
-        v.zero_grad();
-    }
-    let y = forward(x).unwrap();
-    let weights = Tensor::rand_uniform(&y.shape(), -1.0, 1.0, &mut rng);
-    y.backward_with(weights.clone()).unwrap();
-    let weighted = || -> f64 {
-        let y = no_grad(|| forward(x)).unwrap().value().to_vec();
-        y.iter().zip(weights.to_vec()).map(|(&a, b)| a as f64 * b as f64).sum()
-    };
-    let tol = F32_TOLERANCE;
-    for (name, var) in &leaves {
-        let grad = var.grad().unwrap_or_else(|| panic!("{name} got no gradient")).to_vec();
-        let base = var.value().to_vec();
-        for _ in 0..SAMPLES_PER_TENSOR.min(base.len()) {
-            let j = rng.below(base.len() as u64) as usize;
-            let h = tol.step * 1f64.max(base[j].abs() as f64);
-            let probe = |delta: f64| -> (f64, f64) {
-                let mut data = base.clone();
-                data[j] = (base[j] as f64 + delta) as f32;
-                var.set_value(Tensor::from_vec(data.clone(), &var.shape()).unwrap()).unwrap();
-                (weighted(), data[j] as f64)
-            };
-            let ((up, x_up), (down, x_down)) = (probe(h), probe(-h));
-            var.set_value(Tensor::from_vec(base.clone(), &var.shape()).unwrap()).unwrap();
-            let numeric = (up - down) / (x_up - x_down);
-            let analytic = grad[j] as f64;
-            assert!(
-                (analytic - numeric).abs() <= tol.atol + tol.rtol * numeric.abs(),
-                "{name}[{j}]: analytic {analytic:.6e} vs numeric {numeric:.6e}"
-            );
-        }
-    }
 }
 
 fn phi_of(index: usize) -> Phi {
@@ -106,7 +62,7 @@ proptest! {
         prop_assert_eq!(gate.shape(), vec![rows, if channel { d_out } else { 1 }]);
         prop_assert!(gate.value().to_vec().iter().all(|&g| g > 0.0 && g < 2.0));
         prop_assert_eq!(m.named_parameters().iter().any(|p| p.name == "alpha"), learnable);
-        check_module(&m, &x, |x| m.forward(x), seed);
+        check_module(&m, &x, |x| m.forward(x), seed, SAMPLES_PER_TENSOR);
     }
 
     #[test]
@@ -117,7 +73,7 @@ proptest! {
         prop_assert!(fresh.forward().unwrap().value().to_vec().iter().all(|&g| (g - 1.0).abs() < 1e-6));
         randomise(&fresh, 0.8, &mut rng);
         let x = input(&[rows, d_out], &mut rng);
-        check_module(&fresh, &x, |x| x.mul(&fresh.forward()?), seed);
+        check_module(&fresh, &x, |x| x.mul(&fresh.forward()?), seed, SAMPLES_PER_TENSOR);
 
         let phi = phi_of(phi);
         let comt = ComtModulator::new(d_in, hidden, phi, &mut rng);
@@ -127,7 +83,7 @@ proptest! {
         prop_assume!(away_from_relu_kink(phi, &pre));
         let g = comt.forward(&x).unwrap();
         prop_assert!(g.value().to_vec().iter().all(|&v| v > 0.0 && v < 1.0));
-        check_module(&comt, &x, |x| comt.forward(x), seed);
+        check_module(&comt, &x, |x| comt.forward(x), seed, SAMPLES_PER_TENSOR);
     }
 
     #[test]
@@ -164,7 +120,7 @@ proptest! {
             }
         }
         prop_assume!(pre.iter().all(|u| away_from_relu_kink(phi, u)));
-        check_module(&p, &x, |x| p.forward(x), seed);
+        check_module(&p, &x, |x| p.forward(x), seed, SAMPLES_PER_TENSOR);
     }
 
     #[test]
@@ -176,12 +132,12 @@ proptest! {
         let x = input(&[1, rows, dim], &mut rng);
         prop_assert!(ptt.forward(&x, &ids).unwrap().value().to_vec().iter().all(|&v| v == 0.0));
         randomise(&ptt, 0.7, &mut rng);
-        check_module(&ptt, &x, |x| ptt.forward(x, &ids), seed);
+        check_module(&ptt, &x, |x| ptt.forward(x, &ids), seed, SAMPLES_PER_TENSOR);
 
         let scale = TokenScale::new(vocab, dim);
         prop_assert_eq!(scale.forward(&x, &ids).unwrap().value().to_vec(), x.value().to_vec());
         randomise(&scale, 1.0, &mut rng);
-        check_module(&scale, &x, |x| scale.forward(x, &ids), seed);
+        check_module(&scale, &x, |x| scale.forward(x, &ids), seed, SAMPLES_PER_TENSOR);
     }
 
     #[test]
@@ -189,7 +145,7 @@ proptest! {
         let mut rng = Rng::new(seed);
         let ffn = SwiGlu::new(d, hidden, WeightInit::KaimingUniform, &mut rng);
         let x = input(&[rows, d], &mut rng);
-        check_module(&ffn, &x, |x| ffn.forward(x), seed);
+        check_module(&ffn, &x, |x| ffn.forward(x), seed, SAMPLES_PER_TENSOR);
     }
 
     #[test]
@@ -199,7 +155,7 @@ proptest! {
         let attn = Attention::new(config, WeightInit::KaimingUniform, &mut rng).unwrap();
         randomise(&attn, 0.5, &mut rng);
         let x = input(&[batch, seq, 4 * heads], &mut rng);
-        check_module(&attn, &x, |x| attn.forward(x), seed);
+        check_module(&attn, &x, |x| attn.forward(x), seed, SAMPLES_PER_TENSOR);
     }
 
     #[test]
@@ -229,7 +185,7 @@ proptest! {
         let x = input(&[1, seq, d], &mut rng);
         prop_assert_eq!(block(&x).unwrap().shape(), vec![1, seq, d]);
         for module in [&residual as &dyn Module, &attn, &ffn] {
-            check_module(module, &x, block, seed);
+            check_module(module, &x, block, seed, SAMPLES_PER_TENSOR);
         }
     }
 }

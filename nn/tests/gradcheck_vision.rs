@@ -7,10 +7,12 @@
 //! differences). Layers own their parameters, so [`check_module`] perturbs them in place on
 //! a random sample of elements of every parameter and of the input.
 
-use autograd::{gradcheck, no_grad, Result, Var, F32_TOLERANCE};
+mod common;
+
+use autograd::{gradcheck, Result, Var, F32_TOLERANCE};
+use common::{check_module, randomise};
 use nn::modulator::Phi;
 use nn::vision::{Conv2d, GateRange, PixelBatchNorm2d, SlidingWindowConv2d};
-use nn::Module;
 use proptest::prelude::*;
 use tensor::{Rng, Tensor};
 
@@ -24,53 +26,6 @@ fn random(shape: &[usize], rng: &mut Rng) -> Tensor {
 fn assert_gradcheck(what: &str, f: impl Fn(&[Var]) -> Result<Var>, inputs: &[Tensor]) {
     if let Err(e) = gradcheck(f, inputs, F32_TOLERANCE) {
         panic!("{what}: {e}");
-    }
-}
-
-/// Overwrites every parameter with N(0, scale²) values (so zero-initialised biases matter).
-fn randomise(module: &dyn Module, scale: f32, rng: &mut Rng) {
-    for p in module.named_parameters() {
-        p.var.set_value(Tensor::rand_normal(&p.var.shape(), 0.0, scale, rng)).unwrap();
-    }
-}
-
-/// Checks `d forward / d (x and every parameter)` against central differences.
-fn check_module(module: &dyn Module, x: &Var, forward: impl Fn(&Var) -> Result<Var>, seed: u64) {
-    let mut rng = Rng::new(seed);
-    let mut leaves: Vec<(String, Var)> = module.named_parameters().into_iter().map(|p| (p.name, p.var)).collect();
-    leaves.push(("input".into(), x.clone()));
-    for (_, v) in &leaves {
-        v.zero_grad();
-    }
-    let y = forward(x).unwrap();
-    let weights = Tensor::rand_uniform(&y.shape(), -1.0, 1.0, &mut rng);
-    y.backward_with(weights.clone()).unwrap();
-    let weighted = || -> f64 {
-        let y = no_grad(|| forward(x)).unwrap().value().to_vec();
-        y.iter().zip(weights.to_vec()).map(|(&a, b)| a as f64 * b as f64).sum()
-    };
-    let tol = F32_TOLERANCE;
-    for (name, var) in &leaves {
-        let grad = var.grad().unwrap_or_else(|| panic!("{name} got no gradient")).to_vec();
-        let base = var.value().to_vec();
-        for _ in 0..SAMPLES_PER_TENSOR.min(base.len()) {
-            let j = rng.below(base.len() as u64) as usize;
-            let h = tol.step * 1f64.max(base[j].abs() as f64);
-            let probe = |delta: f64| -> (f64, f64) {
-                let mut data = base.clone();
-                data[j] = (base[j] as f64 + delta) as f32;
-                var.set_value(Tensor::from_vec(data.clone(), &var.shape()).unwrap()).unwrap();
-                (weighted(), data[j] as f64)
-            };
-            let ((up, x_up), (down, x_down)) = (probe(h), probe(-h));
-            var.set_value(Tensor::from_vec(base.clone(), &var.shape()).unwrap()).unwrap();
-            let numeric = (up - down) / (x_up - x_down);
-            let analytic = grad[j] as f64;
-            assert!(
-                (analytic - numeric).abs() <= tol.atol + tol.rtol * numeric.abs(),
-                "{name}[{j}]: analytic {analytic:.6e} vs numeric {numeric:.6e}"
-            );
-        }
     }
 }
 
@@ -198,9 +153,9 @@ proptest! {
         prop_assert_eq!(m.shape(), vec![n, 1, h, w]);
         let top = if unit { 1.0 } else { 2.0 };
         prop_assert!(m.value().to_vec().iter().all(|&g| g > 0.0 && g < top));
-        check_module(&layer, &x, |x| layer.forward(x, true), seed);
+        check_module(&layer, &x, |x| layer.forward(x, true), seed, SAMPLES_PER_TENSOR);
         // Evaluation reads the running statistics, and its gradients are checked too.
-        check_module(&layer, &x, |x| layer.forward(x, false), seed ^ 1);
+        check_module(&layer, &x, |x| layer.forward(x, false), seed ^ 1, SAMPLES_PER_TENSOR);
     }
 
     #[test]
@@ -219,6 +174,6 @@ proptest! {
         let out_shape = layer.conv.forward(&x).unwrap().shape();
         prop_assert_eq!(y.shape(), out_shape.clone());
         prop_assert_eq!(m.shape(), vec![n, 1, out_shape[2], out_shape[3]]);
-        check_module(&layer, &x, |x| layer.forward(x), seed);
+        check_module(&layer, &x, |x| layer.forward(x), seed, SAMPLES_PER_TENSOR);
     }
 }
