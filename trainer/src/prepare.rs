@@ -49,6 +49,26 @@ pub struct PrepareReport {
     pub vocab_size: usize,
 }
 
+/// Share of a text corpus held out for validation when the trainer prepares it itself.
+pub const DEFAULT_VAL_FRACTION: f64 = 0.1;
+
+/// `out_dir/train.bin` and `out_dir/val.bin` for one text corpus, prepared with
+/// [`DEFAULT_VAL_FRACTION`] unless both files already exist. Returns the token files and,
+/// when it prepared them just now, the report.
+pub fn prepare_once(
+    text: &Path,
+    tokenizer: &Tokenizer,
+    out_dir: &Path,
+) -> Result<(PathBuf, PathBuf, Option<PrepareReport>)> {
+    let (train, val) = (out_dir.join("train.bin"), out_dir.join("val.bin"));
+    let report = if train.exists() && val.exists() {
+        None
+    } else {
+        Some(prepare(&[text.to_path_buf()], tokenizer, out_dir, DEFAULT_VAL_FRACTION)?)
+    };
+    Ok((train, val, report))
+}
+
 /// Tokenizes `inputs` with `tokenizer` and writes `out_dir/train.bin` and `out_dir/val.bin`,
 /// the last `val_fraction` of the tokens going to validation.
 ///

@@ -17,7 +17,7 @@ use crate::config::TrainConfig;
 use crate::data::sampler::{BatchSampler, RandomSampler, SequentialSampler};
 use crate::data::token_file::{check_vocab, TokenFile};
 use crate::metrics::{MetricsWriter, StepMetrics};
-use crate::prepare::prepare;
+use crate::prepare::prepare_once;
 use crate::safetensors_io::atomic_write;
 use crate::tokenizer::Tokenizer;
 
@@ -58,10 +58,9 @@ fn resolve_data(config: &TrainConfig, tokenizer: &Tokenizer) -> Result<(PathBuf,
         return Ok((train.clone(), config.val_data.clone()));
     }
     let data_dir = config.out_dir.join("data");
-    let (train, val) = (data_dir.join("train.bin"), data_dir.join("val.bin"));
-    if !(train.exists() && val.exists()) {
-        let report = prepare(std::slice::from_ref(&config.text), tokenizer, &data_dir, 0.1)
-            .with_context(|| format!("preparing {}", config.text.display()))?;
+    let (train, val, report) = prepare_once(&config.text, tokenizer, &data_dir)
+        .with_context(|| format!("preparing {}", config.text.display()))?;
+    if let Some(report) = report {
         println!(
             "prepared {} ({} train + {} val tokens, {} tokenizer) into {}",
             config.text.display(),

@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, ensure, Context, Result};
 
 use crate::config::TrainConfig;
-use crate::prepare::prepare;
+use crate::prepare::prepare_once;
 use crate::tokenizer::Tokenizer;
 use crate::train::METRICS_FILE;
 use crate::train_image::ImageTrainConfig;
@@ -102,12 +102,9 @@ fn shared_data(base: &TrainConfig, out_dir: &Path) -> Result<TrainConfig> {
     }
     let stem = base.text.file_stem().map_or("text".into(), |s| s.to_string_lossy().into_owned());
     let data_dir = out_dir.join("data").join(format!("{stem}-{}", base.tokenizer));
-    let (train, val) = (data_dir.join("train.bin"), data_dir.join("val.bin"));
-    if !(train.exists() && val.exists()) {
-        let tokenizer = Tokenizer::from_name(&base.tokenizer)?;
-        prepare(std::slice::from_ref(&base.text), &tokenizer, &data_dir, 0.1)
-            .with_context(|| format!("preparing {} for the comparison", base.text.display()))?;
-    }
+    let tokenizer = Tokenizer::from_name(&base.tokenizer)?;
+    let (train, val, _) = prepare_once(&base.text, &tokenizer, &data_dir)
+        .with_context(|| format!("preparing {} for the comparison", base.text.display()))?;
     (base.train_data, base.val_data) = (Some(train), Some(val));
     Ok(base)
 }
