@@ -78,6 +78,13 @@ impl Var {
             (&[o, i], Some(&xi)) if i == xi => (o, i),
             _ => return Err(Error::ShapeMismatch { op: OP, lhs: x.shape().to_vec(), rhs: w.shape().to_vec() }),
         };
+        if d_in == 0 || d_out == 0 {
+            return Err(Error::InvalidShape {
+                op: OP,
+                shape: w.shape().to_vec(),
+                reason: "the projection needs d_in > 0 and d_out > 0".into(),
+            });
+        }
         let (cv, rank_channel) = modulator_values(channel, d_in, d_out)?;
         let (sv, rank_scalar) = modulator_values(scalar, d_in, 1)?;
         let dims = FusedGateDims { rows: x.numel() / d_in.max(1), d_in, d_out, rank_channel, rank_scalar };

@@ -21,10 +21,10 @@
 //!
 //! Backward kernels accumulate into their gradient buffers (`dx += ...`).
 
+use rayon::prelude::*;
 use wide::f32x8;
 
-use super::matmul::{matmul, MatRef};
-use super::parallel;
+use super::matmul::{matmul, matmul_serial, MatRef};
 use super::tile_gemm::{tile_gemm, TileA, TileB};
 use super::unary::{exp8, load, store, unary_backward, unary_forward, unary_reference, Unary, LANES};
 
@@ -129,6 +129,7 @@ fn concatenated_weight(p: &FusedGateParams) -> Vec<f32> {
 
 fn check_lengths(dims: &FusedGateDims, x: &[f32], p: &FusedGateParams) {
     let FusedGateDims { rows, d_in, d_out, rank_channel: rc, rank_scalar: rs } = *dims;
+    assert!(d_in > 0 && d_out > 0, "fused_gate: d_in and d_out must be positive");
     assert_eq!(x.len(), rows * d_in, "fused_gate: x is not N × d_in");
     assert_eq!(p.weight.len(), d_out * d_in, "fused_gate: W is not d_out × d_in");
     assert!(p.channel.a_weight.len() == rc * d_in && p.channel.a_bias.len() == rc, "fused_gate: channel A, a");
@@ -160,9 +161,12 @@ pub struct FusedGateSaved {
     logit_scalar: Vec<f32>,
 }
 
-/// Rows per task of the row passes: enough for each task's per-block sums (`r_c × d_out`
-/// floats in the backward) to be cheap to reduce, few enough to balance two threads.
-const BLOCK_ROWS: usize = 32;
+/// Rows per task. Each task multiplies its own rows on its thread (`x·C` in the forward,
+/// `dZU·[W; A_c; A_s]` in the backward) and runs the gate pass on the result while it is
+/// still in cache. Enough rows that packing the weights once per task is cheap next to the
+/// product, few enough to balance two threads and keep the per-block sums of the backward
+/// (`r_c × d_out` floats each) cheap to reduce.
+const BLOCK_ROWS: usize = 64;
 
 /// The channel modulator's second stage, `σ̃_αc(h_c·B_cᵀ + b_c)`, laid out for tile products
 /// over `d_pad` columns, the next multiple of [`LANES`] above `d_out`: `B_c` transposed to
@@ -224,34 +228,6 @@ fn store_lanes(v: f32x8, dst: &mut [f32], j: usize) {
     dst[j..j + n].copy_from_slice(&v.as_array_ref()[..n]);
 }
 
-/// `H = φ(U + a)` for every row, with the scalar modulator's logit `B_s·h_s + b_s` and gate
-/// `γ_s` per row.
-fn modulator_hidden(dims: &FusedGateDims, p: &FusedGateParams, zu: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let FusedGateDims { rows, d_out, rank_channel: rc, .. } = *dims;
-    let (k, r) = (dims.width(), rc + dims.rank_scalar);
-    let mut hidden = vec![0.0; rows * r];
-    let scalars = parallel::map_fixed_row_blocks_mut(&mut hidden, r, BLOCK_ROWS, |first, block| {
-        let block_rows = block.len() / r.max(1);
-        let pre = hidden_inputs(p, &zu[first * k..(first + block_rows) * k], k, d_out);
-        unary_forward(p.phi, &pre, block);
-        let logits: Vec<f32> =
-            block.chunks_exact(r.max(1)).map(|h| dot(p.scalar.b_weight, &h[rc..]) + p.scalar.b_bias[0]).collect();
-        let gates: Vec<f32> = logits.iter().map(|&l| calibrated_sigmoid(p.scalar.alpha, l)).collect();
-        (logits, gates)
-    });
-    let (mut logit_scalar, mut gate_scalar) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
-    for (logits, gates) in scalars {
-        logit_scalar.extend(logits);
-        gate_scalar.extend(gates);
-    }
-    if r == 0 {
-        // No hidden units: every row's scalar logit is the bias alone.
-        logit_scalar = vec![p.scalar.b_bias[0]; rows];
-        gate_scalar = vec![calibrated_sigmoid(p.scalar.alpha, p.scalar.b_bias[0]); rows];
-    }
-    (hidden, gate_scalar, logit_scalar)
-}
-
 /// `U + a` for the rows of `zu` (row stride `k`, `U` from column `d_out`): the modulators'
 /// hidden pre-activations, `rows × r`.
 fn hidden_inputs(p: &FusedGateParams, zu: &[f32], k: usize, d_out: usize) -> Vec<f32> {
@@ -264,28 +240,71 @@ fn hidden_inputs(p: &FusedGateParams, zu: &[f32], k: usize, d_out: usize) -> Vec
 }
 
 /// Forward: writes `out[N×d_out] = Ẑ` and returns what the backward needs.
+///
+/// Runs as independent blocks of [`BLOCK_ROWS`] rows ([`forward_block`]), so `ZU` is
+/// written once and gated while in cache instead of being read back from memory.
 pub fn fused_gate_forward(dims: &FusedGateDims, x: &[f32], p: &FusedGateParams, out: &mut [f32]) -> FusedGateSaved {
     check_lengths(dims, x, p);
     let FusedGateDims { rows, d_in, d_out, .. } = *dims;
-    let (k, r) = (dims.width(), dims.rank_channel + dims.rank_scalar);
     assert_eq!(out.len(), rows * d_out, "fused_gate_forward: out is not N × d_out");
+    let k = dims.width();
     let c = concatenated_weight(p);
-    let mut zu = vec![0.0; rows * k];
-    matmul(&mut zu, 0, rows_of(x, 0, d_in), columns_of(&c, 0, d_in), rows, k, d_in, false);
-    let (hidden, gate_scalar, logit_scalar) = modulator_hidden(dims, p, &zu);
     let gate = ChannelGate::new(&p.channel, d_out);
-    parallel::map_fixed_row_blocks_mut(out, d_out, BLOCK_ROWS, |first, block| {
-        let logits = gate.logits(&hidden, first, block.len() / d_out, r);
-        for (i, (y, l)) in block.chunks_exact_mut(d_out).zip(logits.chunks_exact(gate.d_pad)).enumerate() {
-            let n = first + i;
-            let (z, scale) = (&zu[n * k..n * k + d_out], f32x8::splat(2.0 * gate_scalar[n]));
-            for j in (0..d_out).step_by(LANES) {
-                let g = sigmoid8(gate.alpha * (load(&l[j..]) + load(&gate.bias[j..])));
-                store_lanes(g * scale * load_lanes(z, j), y, j);
-            }
-        }
-    });
+    let mut zu = vec![0.0; rows * k];
+    let blocks: Vec<ForwardBlock> = zu
+        .par_chunks_mut(BLOCK_ROWS * k)
+        .zip(out.par_chunks_mut(BLOCK_ROWS * d_out))
+        .enumerate()
+        .map(|(b, (zu_rows, out_rows))| {
+            let x_rows = rows_of(x, b * BLOCK_ROWS * d_in, d_in);
+            forward_block(dims, p, &gate, &c, x_rows, zu_rows, out_rows)
+        })
+        .collect();
+    let (mut hidden, mut gate_scalar, mut logit_scalar) = (Vec::new(), Vec::new(), Vec::new());
+    for block in blocks {
+        hidden.extend(block.hidden);
+        gate_scalar.extend(block.gate_scalar);
+        logit_scalar.extend(block.logit_scalar);
+    }
     FusedGateSaved { zu, hidden, gate_scalar, logit_scalar }
+}
+
+/// One block's share of [`FusedGateSaved`]: its rows of `H`, `γ_s` and the scalar logit.
+struct ForwardBlock {
+    hidden: Vec<f32>,
+    gate_scalar: Vec<f32>,
+    logit_scalar: Vec<f32>,
+}
+
+/// The forward for the rows of `out` (starting at `x_rows`): `ZU = x·C` on this thread, then
+/// `H = φ(U + a)`, the scalar gate per row, and `Ẑ = γ_c ⊙ γ_s ⊙ Z` into `out`.
+fn forward_block(
+    dims: &FusedGateDims,
+    p: &FusedGateParams,
+    gate: &ChannelGate,
+    c: &[f32],
+    x_rows: MatRef,
+    zu: &mut [f32],
+    out: &mut [f32],
+) -> ForwardBlock {
+    let FusedGateDims { d_in, d_out, rank_channel: rc, .. } = *dims;
+    let (k, r) = (dims.width(), rc + dims.rank_scalar);
+    let rows = out.len() / d_out;
+    matmul_serial(zu, 0, x_rows, columns_of(c, 0, d_in), rows, k, d_in, false);
+    let mut hidden = vec![0.0; rows * r];
+    unary_forward(p.phi, &hidden_inputs(p, zu, k, d_out), &mut hidden);
+    let logit_scalar: Vec<f32> =
+        (0..rows).map(|i| dot(p.scalar.b_weight, &hidden[i * r + rc..(i + 1) * r]) + p.scalar.b_bias[0]).collect();
+    let gate_scalar: Vec<f32> = logit_scalar.iter().map(|&l| calibrated_sigmoid(p.scalar.alpha, l)).collect();
+    let logits = gate.logits(&hidden, 0, rows, r);
+    for (i, (y, l)) in out.chunks_exact_mut(d_out).zip(logits.chunks_exact(gate.d_pad)).enumerate() {
+        let (z, scale) = (&zu[i * k..i * k + d_out], f32x8::splat(2.0 * gate_scalar[i]));
+        for j in (0..d_out).step_by(LANES) {
+            let g = sigmoid8(gate.alpha * (load(&l[j..]) + load(&gate.bias[j..])));
+            store_lanes(g * scale * load_lanes(z, j), y, j);
+        }
+    }
+    ForwardBlock { hidden, gate_scalar, logit_scalar }
 }
 
 /// One row block's share of the backward's sums over rows.
@@ -349,12 +368,15 @@ struct RowPass<'a> {
     saved: &'a FusedGateSaved,
     dout: &'a [f32],
     gate: ChannelGate,
+    /// `[W; A_c; A_s]`, `K × d_in`.
+    weights: Vec<f32>,
 }
 
 impl RowPass<'_> {
-    /// Writes the rows `first..` of `dZU = [dZ | dU_c | dU_s]` into `dzu` and returns the
+    /// Writes the rows `first..` of `dZU = [dZ | dU_c | dU_s]` into `dzu`, adds their
+    /// `dZU·[W; A_c; A_s]` into `dx` (the same rows of the input gradient) and returns the
     /// block's share of the sums over rows.
-    fn block(&self, first: usize, dzu: &mut [f32]) -> BlockSums {
+    fn block(&self, first: usize, dzu: &mut [f32], dx: &mut [f32]) -> BlockSums {
         let FusedGateDims { d_out, rank_channel: rc, .. } = self.dims;
         let (k, r, d_pad) = (self.dims.width(), rc + self.dims.rank_scalar, self.gate.d_pad);
         let rows = dzu.len() / k;
@@ -388,6 +410,8 @@ impl RowPass<'_> {
             dzu_row[d_out..].copy_from_slice(du_row);
             add_assign(&mut sums.da, du_row);
         }
+        let d_in = self.dims.d_in;
+        matmul_serial(dx, 0, rows_of(dzu, 0, k), rows_of(&self.weights, 0, d_in), rows, d_in, k, true);
         sums
     }
 
@@ -438,9 +462,10 @@ impl RowPass<'_> {
 
 /// Backward of [`fused_gate_forward`] from what it saved and the output gradient `dout`.
 ///
-/// One SIMD pass over row blocks gives `dZU = [dZ | dU_c | dU_s]` and each block's share of
-/// the sums over rows (`dB`, `db`, `da`, `dα`), recomputing the channel gate from `H_c`; two
-/// GEMMs then give `dx += dZU·[W; A_c; A_s]` and `[dW; dA_c; dA_s] += dZUᵀ·x`.
+/// One parallel pass over row blocks gives `dZU = [dZ | dU_c | dU_s]`, each block's share of
+/// the sums over rows (`dB`, `db`, `da`, `dα`), recomputing the channel gate from `H_c`, and
+/// the block's rows of `dx += dZU·[W; A_c; A_s]`; one GEMM then gives
+/// `[dW; dA_c; dA_s] += dZUᵀ·x`.
 pub fn fused_gate_backward(
     dims: &FusedGateDims,
     x: &[f32],
@@ -456,14 +481,18 @@ pub fn fused_gate_backward(
         saved.zu.len() == rows * k && dout.len() == rows * d_out,
         "fused_gate_backward: saved state or dout has the wrong length"
     );
-    let pass = RowPass { dims: *dims, p, saved, dout, gate: ChannelGate::new(&p.channel, d_out) };
+    let gate = ChannelGate::new(&p.channel, d_out);
+    let pass = RowPass { dims: *dims, p, saved, dout, gate, weights: concatenated_weight(p) };
     let mut dzu = vec![0.0; rows * k];
-    let sums = parallel::map_fixed_row_blocks_mut(&mut dzu, k, BLOCK_ROWS, |first, block| pass.block(first, block));
+    let sums: Vec<BlockSums> = dzu
+        .par_chunks_mut(BLOCK_ROWS * k)
+        .zip(grads.x.par_chunks_mut(BLOCK_ROWS * d_in))
+        .enumerate()
+        .map(|(b, (dzu_rows, dx_rows))| pass.block(b * BLOCK_ROWS, dzu_rows, dx_rows))
+        .collect();
     BlockSums::add_into(&sums, dims, pass.gate.d_pad, grads);
 
-    // dx += dZU·[W; A_c; A_s]; the weight gradients are the row blocks of one GEMM dZUᵀ·x.
-    let c = concatenated_weight(p);
-    matmul(grads.x, 0, rows_of(&dzu, 0, k), rows_of(&c, 0, d_in), rows, d_in, k, true);
+    // The weight gradients are the row blocks of one GEMM dZUᵀ·x over all rows.
     let mut dc = vec![0.0; k * d_in];
     matmul(&mut dc, 0, columns_of(&dzu, 0, k), rows_of(x, 0, d_in), k, d_in, rows, false);
     let (dw, da) = dc.split_at(d_out * d_in);

@@ -76,19 +76,9 @@ pub fn matmul(
     k: usize,
     accumulate: bool,
 ) {
-    if m == 0 || n == 0 {
+    let Some(dst) = checked_dst(dst, dst_offset, &lhs, &rhs, m, n, k, accumulate) else {
         return;
-    }
-    assert!(dst.len() >= dst_offset + m * n, "matmul: dst too short");
-    check_bounds(&lhs, m, k, "lhs");
-    check_bounds(&rhs, k, n, "rhs");
-    let dst = &mut dst[dst_offset..dst_offset + m * n];
-    if k == 0 {
-        if !accumulate {
-            dst.fill(0.0);
-        }
-        return;
-    }
+    };
     let parallel = m * n * k >= PARALLEL_MIN_FLOPS && rayon::current_num_threads() > 1;
     match split_for(m, n, k) {
         Split::None => {
@@ -156,6 +146,56 @@ pub fn matmul(
             }
         }
     }
+}
+
+/// [`matmul`] on the calling thread alone, for callers that already run one task per block
+/// of rows (the fused gated projection multiplies each block while the block's gate pass
+/// waits for it in cache).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_serial(
+    dst: &mut [f32],
+    dst_offset: usize,
+    lhs: MatRef,
+    rhs: MatRef,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    if let Some(dst) = checked_dst(dst, dst_offset, &lhs, &rhs, m, n, k, accumulate) {
+        // SAFETY: dst is an exclusively borrowed m×n row-major block; lhs and rhs were
+        // bounds-checked for m×k and k×n.
+        unsafe { gemm_block(dst.as_mut_ptr(), n, lhs, rhs, m, n, k, accumulate, Parallelism::None) }
+    }
+}
+
+/// Checks the operands and returns the `m×n` block of `dst`, or `None` when there is nothing
+/// left to multiply (an empty output, or `k = 0`, which zeroes `dst` unless accumulating).
+#[allow(clippy::too_many_arguments)]
+fn checked_dst<'a>(
+    dst: &'a mut [f32],
+    dst_offset: usize,
+    lhs: &MatRef,
+    rhs: &MatRef,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) -> Option<&'a mut [f32]> {
+    if m == 0 || n == 0 {
+        return None;
+    }
+    assert!(dst.len() >= dst_offset + m * n, "matmul: dst too short");
+    check_bounds(lhs, m, k, "lhs");
+    check_bounds(rhs, k, n, "rhs");
+    let dst = &mut dst[dst_offset..dst_offset + m * n];
+    if k == 0 {
+        if !accumulate {
+            dst.fill(0.0);
+        }
+        return None;
+    }
+    Some(dst)
 }
 
 /// A raw output pointer handed to tasks that write disjoint parts of it.
