@@ -10,6 +10,7 @@ mod creation;
 mod dtype;
 mod error;
 pub mod ops;
+pub mod pool;
 pub mod rng;
 mod shape;
 mod storage;

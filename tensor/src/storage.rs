@@ -10,6 +10,15 @@ pub enum Storage {
     F16(Vec<f16>),
 }
 
+/// f32 buffers go back to [`crate::pool`] for the next tensor of the same length.
+impl Drop for Storage {
+    fn drop(&mut self) {
+        if let Storage::F32(values) = self {
+            crate::pool::give_back(std::mem::take(values));
+        }
+    }
+}
+
 impl Storage {
     /// Number of elements held.
     pub fn len(&self) -> usize {

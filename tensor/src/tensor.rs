@@ -124,7 +124,7 @@ impl Tensor {
 
     /// The elements in row-major order as f32 (a copy; converts bf16/f16).
     pub fn to_vec(&self) -> Vec<f32> {
-        let mut out = vec![0.0; self.numel()];
+        let mut out = crate::pool::buffer(self.numel());
         match &*self.storage {
             Storage::F32(v) => copy_strided(v, self.offset, &self.shape, &self.strides, &mut out),
             other => copy_strided(&other.to_f32_vec(), self.offset, &self.shape, &self.strides, &mut out),

@@ -17,7 +17,8 @@ impl Var {
         Ok(Var::from_op(out, vec![q.clone(), k.clone(), v.clone()], move |dout| {
             let [b, tq, h, d] = qt.dims4("causal_attention")?;
             let tk = kt.shape()[1];
-            let (mut dq, mut dk, mut dv) = (vec![0.0; qt.numel()], vec![0.0; kt.numel()], vec![0.0; vt.numel()]);
+            let (mut dq, mut dk, mut dv) =
+                (tensor::pool::zeros(qt.numel()), tensor::pool::zeros(kt.numel()), tensor::pool::zeros(vt.numel()));
             // d/dq = dS·k·scale, d/dk = dSᵀ·q·scale, d/dv = Pᵀ·dout, dS = P ⊙ (dP − rowsum(dout⊙out))
             causal_attention_backward(
                 qt.as_slice()?,

@@ -48,9 +48,9 @@ impl Var {
             let (mean, rstd) = (out.mean, out.rstd);
             return Ok(Var::from_op(out.y, inputs, move |dy| {
                 let [n, c, h, width] = x.dims_nchw("batch_norm2d backward")?;
-                let mut dx = vec![0.0; x.numel()];
-                let mut dw = w.as_ref().map(|_| vec![0.0; c]);
-                let mut db = has_bias.then(|| vec![0.0; c]);
+                let mut dx = tensor::pool::zeros(x.numel());
+                let mut dw = w.as_ref().map(|_| tensor::pool::zeros(c));
+                let mut db = has_bias.then(|| tensor::pool::zeros(c));
                 // d/dx = weight·rstd/m · (m·dy − Σdy − x̂·Σ(dy·x̂)),  x̂ = (x − μ)·rstd, m = N·S,
                 // d/dweight = Σ dy·x̂,  d/dbias = Σ dy
                 batch_norm_train_backward(
@@ -78,7 +78,7 @@ impl Var {
             let dys = dys.as_slice()?;
             let (rm, rv) = (rm.as_slice()?, rv.as_slice()?);
             let gain = |ch: usize| w.as_ref().map_or(Ok(1.0), |w| w.as_slice().map(|w| w[ch]));
-            let mut dx = vec![0.0; x.numel()];
+            let mut dx = tensor::pool::zeros(x.numel());
             let (mut dw_sum, mut db_sum) = (vec![0.0f64; c], vec![0.0f64; c]);
             // Evaluation is affine per channel: y = x̂·weight + bias, x̂ = (x − rm)/√(rv + eps);
             // d/dx = dy·weight/√(rv + eps),  d/dweight = Σ dy·x̂,  d/dbias = Σ dy

@@ -24,9 +24,9 @@ impl Var {
         let has_bias = bias.is_some();
         Ok(Var::from_op(y, inputs, move |dy| {
             let dy = dy.contiguous()?;
-            let mut dx = needs[0].then(|| vec![0.0; x.numel()]);
-            let mut dw = needs[1].then(|| vec![0.0; w.numel()]);
-            let mut db = needs[2].then(|| vec![0.0; geometry.out_channels]);
+            let mut dx = needs[0].then(|| tensor::pool::zeros(x.numel()));
+            let mut dw = needs[1].then(|| tensor::pool::zeros(w.numel()));
+            let mut db = needs[2].then(|| tensor::pool::zeros(geometry.out_channels));
             // d/dx = col2im(wᵀ·dy),  d/dw = Σ_n dy_n·col_nᵀ,  d/dbias = Σ_{n,p} dy
             conv2d_backward(
                 &geometry,

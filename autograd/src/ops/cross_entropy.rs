@@ -17,7 +17,7 @@ impl Var {
         // d loss/d logits = (softmax(logits) − onehot(target)) / count
         Ok(Var::from_op(Tensor::scalar(out.loss), vec![self.clone()], move |dy| {
             let cols = logits.shape()[1];
-            let mut dlogits = vec![0.0; logits.numel()];
+            let mut dlogits = tensor::pool::zeros(logits.numel());
             if count > 0 {
                 let scale = dy.item()? / count as f32;
                 cross_entropy_backward(logits.as_slice()?, cols, &targets, ignore_index, &lse, scale, &mut dlogits);

@@ -13,7 +13,7 @@ impl Var {
         let ids = ids.to_vec();
         // d/dW: dW[ids[i]] += dy[i] (a row used twice gets both gradients)
         Ok(Var::from_op(y, vec![self.clone()], move |dy| {
-            let mut dw = vec![0.0; weight_shape.iter().product()];
+            let mut dw = tensor::pool::zeros(weight_shape.iter().product());
             embedding_backward(&ids, dy.contiguous()?.as_slice()?, weight_shape[1], &mut dw);
             Ok(vec![Tensor::from_vec(dw, &weight_shape)?])
         }))

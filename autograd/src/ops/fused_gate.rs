@@ -52,7 +52,7 @@ fn gate_params(v: &[Tensor]) -> Result<GateParams<'_>> {
 
 /// Zeroed gradient buffers shaped like a modulator's five parameters.
 fn zeros_like_all(v: &[Tensor]) -> Vec<Vec<f32>> {
-    v.iter().map(|t| vec![0.0; t.numel()]).collect()
+    v.iter().map(|t| tensor::pool::zeros(t.numel())).collect()
 }
 
 fn gate_grads(g: &mut [Vec<f32>]) -> GateGrads<'_> {
@@ -88,7 +88,7 @@ impl Var {
         let (cv, rank_channel) = modulator_values(channel, d_in, d_out)?;
         let (sv, rank_scalar) = modulator_values(scalar, d_in, 1)?;
         let dims = FusedGateDims { rows: x.numel() / d_in.max(1), d_in, d_out, rank_channel, rank_scalar };
-        let mut out = vec![0.0; dims.rows * d_out];
+        let mut out = tensor::pool::buffer(dims.rows * d_out);
         let saved = {
             let p =
                 FusedGateParams { weight: w.as_slice()?, channel: gate_params(&cv)?, scalar: gate_params(&sv)?, phi };
@@ -100,7 +100,7 @@ impl Var {
             [vec![self.clone(), weight.clone()], channel.map(Var::clone).to_vec(), scalar.map(Var::clone).to_vec()];
         Ok(Var::from_op(Tensor::from_vec(out, &out_shape)?, inputs.concat(), move |dy| {
             let dy = dy.contiguous()?;
-            let (mut dx, mut dw) = (vec![0.0; x.numel()], vec![0.0; w.numel()]);
+            let (mut dx, mut dw) = (tensor::pool::zeros(x.numel()), tensor::pool::zeros(w.numel()));
             let (mut dc, mut ds) = (zeros_like_all(&cv), zeros_like_all(&sv));
             let p =
                 FusedGateParams { weight: w.as_slice()?, channel: gate_params(&cv)?, scalar: gate_params(&sv)?, phi };

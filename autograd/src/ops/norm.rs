@@ -14,7 +14,7 @@ impl Var {
         let rstd = out.rstd;
         Ok(Var::from_op(out.y, vec![self.clone(), weight.clone()], move |dy| {
             let cols = w.numel();
-            let (mut dx, mut dw) = (vec![0.0; x.numel()], vec![0.0; cols]);
+            let (mut dx, mut dw) = (tensor::pool::zeros(x.numel()), tensor::pool::zeros(cols));
             // d/dx: dx = rstd·(w⊙dy − x̂·mean(x̂⊙w⊙dy)), x̂ = x·rstd; dw = Σ_rows dy⊙x̂
             rms_norm_backward(
                 x.as_slice()?,
@@ -42,9 +42,9 @@ impl Var {
         let has_bias = b.is_some();
         Ok(Var::from_op(out.y, inputs, move |dy| {
             let cols = *x.shape().last().unwrap_or(&1);
-            let mut dx = vec![0.0; x.numel()];
-            let mut dw = w.as_ref().map(|_| vec![0.0; cols]);
-            let mut db = has_bias.then(|| vec![0.0; cols]);
+            let mut dx = tensor::pool::zeros(x.numel());
+            let mut dw = w.as_ref().map(|_| tensor::pool::zeros(cols));
+            let mut db = has_bias.then(|| tensor::pool::zeros(cols));
             // d/dx: dx = rstd·(g − mean(g) − x̂·mean(g⊙x̂)), g = dy⊙w; dw = Σ dy⊙x̂; db = Σ dy
             layer_norm_backward(
                 x.as_slice()?,

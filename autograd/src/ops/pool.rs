@@ -20,7 +20,7 @@ impl Var {
             // Both shapes are [N, C, ·, ·]: the forward checked the rank.
             let (n, c, h, w) = (x_shape[0], x_shape[1], x_shape[2], x_shape[3]);
             let (out_h, out_w) = (y_shape[2], y_shape[3]);
-            let mut dx = vec![0.0; x_shape.iter().product()];
+            let mut dx = tensor::pool::zeros(x_shape.iter().product());
             // d/dx[n, c, argmax[n, c, o]] = dy[n, c, o]   (summed where windows share a winner)
             max_pool2d_backward(&argmax, dy.contiguous()?.as_slice()?, n, c, h, w, out_h, out_w, &mut dx);
             Ok(vec![Tensor::from_vec(dx, &x_shape)?])
@@ -33,7 +33,7 @@ impl Var {
         let y = self.value_ref().global_avg_pool()?;
         Ok(Var::from_op(y, vec![self.clone()], move |dy| {
             let (n, c, spatial) = (x_shape[0], x_shape[1], x_shape[2] * x_shape[3]);
-            let mut dx = vec![0.0; n * c * spatial];
+            let mut dx = tensor::pool::zeros(n * c * spatial);
             // d/dx[n, c, s] = dy[n, c] / (H·W)
             global_avg_pool_backward(dy.contiguous()?.as_slice()?, n, c, spatial, &mut dx);
             Ok(vec![Tensor::from_vec(dx, &x_shape)?])

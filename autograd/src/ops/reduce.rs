@@ -42,7 +42,7 @@ impl Var {
             let n = shape[axis];
             let inner: usize = shape[axis + 1..].iter().product();
             let dy = dy.contiguous()?;
-            let mut dx = vec![0.0; shape.iter().product()];
+            let mut dx = tensor::pool::zeros(shape.iter().product());
             for (slot, (&g, &j)) in dy.as_slice()?.iter().zip(&argmax).enumerate() {
                 let (outer, i) = (slot / inner, slot % inner);
                 dx[(outer * n + j) * inner + i] += g;

@@ -14,7 +14,7 @@ impl Var {
         // d/dx: dx = Rᵀ dy
         Ok(Var::from_op(y, vec![self.clone()], move |dy| {
             let (cos, sin) = rope_table(pos_offset + t, d, theta);
-            let mut dx = vec![0.0; dy.numel()];
+            let mut dx = tensor::pool::zeros(dy.numel());
             rope_backward(dy.contiguous()?.as_slice()?, &cos, &sin, b, t, h, d, pos_offset, &mut dx);
             Ok(vec![Tensor::from_vec(dx, dy.shape())?])
         }))

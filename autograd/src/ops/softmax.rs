@@ -14,7 +14,7 @@ impl Var {
         // d/dx: dx = y ⊙ (dy − Σ dy⊙y)
         Ok(Var::from_op(y, vec![self.clone()], move |dy| {
             let cols = *saved.shape().last().unwrap_or(&1);
-            let mut dx = vec![0.0; saved.numel()];
+            let mut dx = tensor::pool::zeros(saved.numel());
             softmax_backward(saved.as_slice()?, dy.contiguous()?.as_slice()?, cols, &mut dx);
             Ok(vec![Tensor::from_vec(dx, saved.shape())?])
         }))
@@ -27,7 +27,7 @@ impl Var {
         // d/dx: dx = dy − softmax(x)·Σ dy, with softmax(x) = exp(y)
         Ok(Var::from_op(y, vec![self.clone()], move |dy| {
             let cols = *saved.shape().last().unwrap_or(&1);
-            let mut dx = vec![0.0; saved.numel()];
+            let mut dx = tensor::pool::zeros(saved.numel());
             log_softmax_backward(saved.as_slice()?, dy.contiguous()?.as_slice()?, cols, &mut dx);
             Ok(vec![Tensor::from_vec(dx, saved.shape())?])
         }))

@@ -15,7 +15,7 @@ impl Var {
         let saved_y = y.clone();
         Ok(Var::from_op(y, vec![self.clone()], move |dy| {
             let dy = dy.contiguous()?;
-            let mut dx = vec![0.0; x.numel()];
+            let mut dx = tensor::pool::zeros(x.numel());
             unary_backward(op, x.as_slice()?, saved_y.as_slice()?, dy.as_slice()?, &mut dx);
             Ok(vec![Tensor::from_vec(dx, x.shape())?])
         }))

@@ -13,7 +13,7 @@ impl Tensor {
     pub fn unary(&self, op: Unary) -> Result<Tensor> {
         self.require_cpu("unary")?;
         let x = self.contiguous()?;
-        let mut y = vec![0.0; x.numel()];
+        let mut y = crate::pool::buffer(x.numel());
         unary_forward(op, x.as_slice()?, &mut y);
         Tensor::from_vec(y, &self.shape)
     }
@@ -24,7 +24,7 @@ impl Tensor {
         rhs.require_cpu("binary")?;
         let shape = broadcast_shapes(op_name(op), &self.shape, &rhs.shape)?;
         let (a, b) = (self.expand(&shape)?, rhs.expand(&shape)?);
-        let mut out = vec![0.0; shape.iter().product()];
+        let mut out = crate::pool::buffer(shape.iter().product());
         binary_forward(
             op,
             a.f32_storage(op_name(op))?,
@@ -43,7 +43,7 @@ impl Tensor {
     pub fn scalar_op(&self, op: Binary, s: f32) -> Result<Tensor> {
         self.require_cpu("scalar_op")?;
         let x = self.contiguous()?;
-        let mut y = vec![0.0; x.numel()];
+        let mut y = crate::pool::buffer(x.numel());
         scalar_forward(op, x.as_slice()?, s, &mut y);
         Tensor::from_vec(y, &self.shape)
     }
@@ -104,7 +104,7 @@ impl Tensor {
     pub fn select(cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         let shape = broadcast_shapes("select", &broadcast_shapes("select", &cond.shape, &a.shape)?, &b.shape)?;
         let gather = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.expand(&shape)?.to_vec()) };
-        let mut out = vec![0.0; shape.iter().product()];
+        let mut out = crate::pool::buffer(shape.iter().product());
         select(&gather(cond)?, &gather(a)?, &gather(b)?, &mut out);
         Tensor::from_vec(out, &shape)
     }

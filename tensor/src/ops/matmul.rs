@@ -27,7 +27,7 @@ impl Tensor {
         let lhs = self.expand(&[batch.as_slice(), &[m, k]].concat())?;
         let rhs = rhs.expand(&[batch.as_slice(), &[k, n]].concat())?;
         let batches: usize = batch.iter().product();
-        let mut out = vec![0.0; batches * m * n];
+        let mut out = crate::pool::buffer(batches * m * n);
         let (lhs_data, rhs_data) = (lhs.f32_storage("matmul")?, rhs.f32_storage("matmul")?);
         for b in 0..batches {
             let (l, r) = (operand(&lhs, lhs_data, b, &batch), operand(&rhs, rhs_data, b, &batch));

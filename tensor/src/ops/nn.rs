@@ -44,7 +44,7 @@ impl Tensor {
     /// Softmax over the last axis.
     pub fn softmax(&self) -> Result<Tensor> {
         let (cols, x) = self.rows("softmax")?;
-        let mut y = vec![0.0; x.numel()];
+        let mut y = crate::pool::buffer(x.numel());
         softmax::softmax_forward(x.as_slice()?, cols, &mut y);
         Tensor::from_vec(y, &self.shape)
     }
@@ -52,7 +52,7 @@ impl Tensor {
     /// Log-softmax over the last axis.
     pub fn log_softmax(&self) -> Result<Tensor> {
         let (cols, x) = self.rows("log_softmax")?;
-        let mut y = vec![0.0; x.numel()];
+        let mut y = crate::pool::buffer(x.numel());
         softmax::log_softmax_forward(x.as_slice()?, cols, &mut y);
         Tensor::from_vec(y, &self.shape)
     }
@@ -94,7 +94,7 @@ impl Tensor {
     pub fn rms_norm(&self, weight: &Tensor, eps: f32) -> Result<RmsNormOutput> {
         let (cols, x) = self.rows("rms_norm")?;
         self.check_weight("rms_norm", Some(weight), cols)?;
-        let mut y = vec![0.0; x.numel()];
+        let mut y = crate::pool::buffer(x.numel());
         let mut rstd = vec![0.0; x.numel() / cols.max(1)];
         norm::rms_norm_forward(x.as_slice()?, weight.contiguous()?.as_slice()?, cols, eps, &mut y, &mut rstd);
         Ok(RmsNormOutput { y: Tensor::from_vec(y, &self.shape)?, rstd })
@@ -106,7 +106,7 @@ impl Tensor {
         self.check_weight("layer_norm", weight, cols)?;
         self.check_weight("layer_norm", bias, cols)?;
         let rows = x.numel() / cols.max(1);
-        let (mut y, mut mean, mut rstd) = (vec![0.0; x.numel()], vec![0.0; rows], vec![0.0; rows]);
+        let (mut y, mut mean, mut rstd) = (crate::pool::buffer(x.numel()), vec![0.0; rows], vec![0.0; rows]);
         let weight = weight.map(|w| w.contiguous()).transpose()?;
         let bias = bias.map(|b| b.contiguous()).transpose()?;
         norm::layer_norm_forward(
@@ -143,7 +143,7 @@ impl Tensor {
         }
         let x = self.contiguous()?;
         let (cos, sin) = rope::rope_table(pos_offset + t, d, theta);
-        let mut y = vec![0.0; x.numel()];
+        let mut y = crate::pool::buffer(x.numel());
         rope::rope_forward(x.as_slice()?, &cos, &sin, b, t, h, d, pos_offset, &mut y);
         Tensor::from_vec(y, &self.shape)
     }
@@ -166,7 +166,7 @@ impl Tensor {
             return Err(Error::IndexOutOfRange { op: "embedding", index: bad as usize, size: vocab });
         }
         let w = self.contiguous()?;
-        let mut out = vec![0.0; ids.len() * dim];
+        let mut out = crate::pool::buffer(ids.len() * dim);
         embedding::embedding_forward(w.as_slice()?, dim, ids, &mut out);
         Tensor::from_vec(out, &[ids_shape, &[dim]].concat())
     }
@@ -181,7 +181,7 @@ impl Tensor {
             return Err(Error::ShapeMismatch { op: "causal_attention", lhs: q.shape.clone(), rhs: k.shape.clone() });
         }
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-        let mut out = vec![0.0; q.numel()];
+        let mut out = crate::pool::buffer(q.numel());
         let mut lse = vec![0.0; b * h * tq];
         attention::causal_attention_forward(
             q.as_slice()?,

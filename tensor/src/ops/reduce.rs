@@ -28,7 +28,7 @@ impl Tensor {
     pub fn sum_axis(&self, axis: usize, keepdim: bool) -> Result<Tensor> {
         let (outer, n, inner) = self.split_at_axis("sum_axis", axis)?;
         let x = self.contiguous()?;
-        let mut out = vec![0.0; outer * inner];
+        let mut out = crate::pool::zeros(outer * inner);
         sum_axis(x.as_slice()?, outer, n, inner, &mut out);
         Tensor::from_vec(out, &self.reduced_shape(axis, keepdim))
     }
