@@ -888,8 +888,8 @@ fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
     let dims = case.dims;
     let FusedGateDims { rows, d_in, d_out, rank_channel: rc, rank_scalar: rs } = dims;
     let p = case.params(phi);
-    let mut out = vec![0.0; rows * d_out];
-    let saved = cpu::fused_gate::fused_gate_forward(&dims, &case.x, &p, &mut out);
+    let (mut zu, mut out) = (vec![0.0; rows * dims.width()], vec![0.0; rows * d_out]);
+    let saved = cpu::fused_gate::fused_gate_forward(&dims, &case.x, &p, &mut zu, &mut out);
 
     let gate = DeviceGate::new(dev, case);
     let gp = gate.params(case, phi);
@@ -934,7 +934,8 @@ fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
             channel: GateGrads { a_weight: ca, a_bias: cab, b_weight: cb, b_bias: cbb, alpha: &mut dalpha_c },
             scalar: GateGrads { a_weight: sa, a_bias: sab, b_weight: sb, b_bias: sbb, alpha: &mut dalpha_s },
         };
-        cpu::fused_gate::fused_gate_backward(&dims, &case.x, &p, &saved, &dout, &mut grads);
+        let mut dzu = vec![0.0; zu.len()];
+        cpu::fused_gate::fused_gate_backward(&dims, &case.x, &p, &zu, &saved, &dout, &mut dzu, &mut grads);
     }
     {
         let [ca, cab, cb, cbb] = &mut gdc[..] else { unreachable!() };

@@ -85,8 +85,9 @@ pub fn zeros(len: usize) -> Vec<f32> {
     values
 }
 
-/// Takes back a buffer that is no longer used (called when f32 storage is dropped).
-pub(crate) fn give_back(values: Vec<f32>) {
+/// Takes back a buffer that is no longer used: what dropping f32 storage does, and what
+/// callers do with scratch buffers they took with [`buffer`] or [`zeros`].
+pub fn recycle(values: Vec<f32>) {
     let len = values.len();
     if len < MIN_POOLED_LEN || values.capacity() != len {
         return;
@@ -124,17 +125,17 @@ mod tests {
         values.fill(7.0);
         let address = values.as_ptr();
         let before = pooled_bytes();
-        give_back(values);
+        recycle(values);
         assert_eq!(pooled_bytes(), before + bytes_of(len));
         let again = buffer(len);
         assert_eq!(again.as_ptr(), address, "the freed buffer is handed out again");
         assert_eq!(again[0], 7.0, "buffer() keeps stale contents");
-        give_back(again);
+        recycle(again);
         let zeroed = zeros(len);
         assert_eq!(zeroed.as_ptr(), address);
         assert!(zeroed.iter().all(|&v| v == 0.0), "zeros() clears a reused buffer");
         // Small buffers are not kept.
-        give_back(vec![1.0; 8]);
+        recycle(vec![1.0; 8]);
         assert_eq!(pooled_bytes(), before);
         drop(zeroed);
         release();

@@ -14,7 +14,7 @@ pub enum Storage {
 impl Drop for Storage {
     fn drop(&mut self) {
         if let Storage::F32(values) = self {
-            crate::pool::give_back(std::mem::take(values));
+            crate::pool::recycle(std::mem::take(values));
         }
     }
 }

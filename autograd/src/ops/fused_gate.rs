@@ -88,12 +88,14 @@ impl Var {
         let (cv, rank_channel) = modulator_values(channel, d_in, d_out)?;
         let (sv, rank_scalar) = modulator_values(scalar, d_in, 1)?;
         let dims = FusedGateDims { rows: x.numel() / d_in.max(1), d_in, d_out, rank_channel, rank_scalar };
-        let mut out = tensor::pool::buffer(dims.rows * d_out);
+        let (mut zu, mut out) =
+            (tensor::pool::buffer(dims.rows * dims.width()), tensor::pool::buffer(dims.rows * d_out));
         let saved = {
             let p =
                 FusedGateParams { weight: w.as_slice()?, channel: gate_params(&cv)?, scalar: gate_params(&sv)?, phi };
-            fused_gate_forward(&dims, x.as_slice()?, &p, &mut out)
+            fused_gate_forward(&dims, x.as_slice()?, &p, &mut zu, &mut out)
         };
+        let zu = Tensor::from_vec(zu, &[dims.rows, dims.width()])?;
         let mut out_shape = x.shape().to_vec();
         *out_shape.last_mut().expect("x has a last axis") = d_out;
         let inputs =
@@ -111,7 +113,9 @@ impl Var {
                 scalar: gate_grads(&mut ds),
             };
             // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cpu::fused_gate::fused_gate_backward
-            fused_gate_backward(&dims, x.as_slice()?, &p, &saved, dy.as_slice()?, &mut grads);
+            let mut dzu = tensor::pool::buffer(zu.numel());
+            fused_gate_backward(&dims, x.as_slice()?, &p, zu.as_slice()?, &saved, dy.as_slice()?, &mut dzu, &mut grads);
+            tensor::pool::recycle(dzu);
             let mut out = vec![Tensor::from_vec(dx, x.shape())?, Tensor::from_vec(dw, w.shape())?];
             for (g, t) in dc.into_iter().zip(&cv).chain(ds.into_iter().zip(&sv)) {
                 out.push(Tensor::from_vec(g, t.shape())?);

@@ -25,6 +25,7 @@ use rayon::prelude::*;
 use wide::f32x8;
 
 use super::matmul::{matmul, matmul_serial, MatRef};
+use super::scratch::with_scratch;
 use super::tile_gemm::{tile_gemm, TileA, TileB};
 use super::unary::{exp8, load, store, unary_backward, unary_forward, unary_reference, Unary, LANES};
 
@@ -148,14 +149,13 @@ fn columns_of(data: &[f32], offset: usize, stride: usize) -> MatRef<'_> {
     MatRef { data, offset, row_stride: 1, col_stride: stride as isize }
 }
 
-/// What the forward keeps for the backward besides `x` and the parameters: the GEMM output
-/// `ZU` (`N × K`), `H = φ(U + a)` (`N × (r_c + r_s)`) and the scalar gate `γ_s` and its
-/// logit per row. Keeping them costs `N·(K + r + 2)` floats; the channel logits
-/// `H_c·B_cᵀ + b_c` are recomputed in the backward's row pass (r_c multiply-adds per
-/// element, cheaper than writing and reading an `N × d_out` buffer).
+/// What the forward keeps for the backward besides `x`, the parameters and the GEMM output
+/// `ZU` (`N × K`, in a buffer the caller owns): `H = φ(U + a)` (`N × (r_c + r_s)`) and the
+/// scalar gate `γ_s` and its logit per row. With `ZU` that is `N·(K + r + 2)` floats; the
+/// channel logits `H_c·B_cᵀ + b_c` are recomputed in the backward's row pass (r_c
+/// multiply-adds per element, cheaper than writing and reading an `N × d_out` buffer).
 #[derive(Debug)]
 pub struct FusedGateSaved {
-    zu: Vec<f32>,
     hidden: Vec<f32>,
     gate_scalar: Vec<f32>,
     logit_scalar: Vec<f32>,
@@ -198,14 +198,13 @@ impl ChannelGate {
         Self { b_t, b_padded, bias, rank, d_pad, alpha: f32x8::splat(g.alpha) }
     }
 
-    /// `H_c·B_cᵀ` (without the bias) for `rows` rows of `H` (row stride `r`) from row
-    /// `first`, as a `rows × d_pad` block.
-    fn logits(&self, hidden: &[f32], first: usize, rows: usize, r: usize) -> Vec<f32> {
-        let mut logits = vec![0.0; rows * self.d_pad];
+    /// Writes `H_c·B_cᵀ` (without the bias) for the rows of `H` (row stride `r`) from row
+    /// `first` into `logits`, a `rows × d_pad` block.
+    fn logits(&self, hidden: &[f32], first: usize, r: usize, logits: &mut [f32]) {
+        let rows = logits.len() / self.d_pad;
         let h_c = TileA { data: hidden, offset: first * r, row_stride: r, col_stride: 1 };
         let b_t = TileB { data: &self.b_t, offset: 0, row_stride: self.d_pad };
-        tile_gemm(&mut logits, self.d_pad, h_c, b_t, rows, self.d_pad, self.rank, 1.0, false);
-        logits
+        tile_gemm(logits, self.d_pad, h_c, b_t, rows, self.d_pad, self.rank, 1.0, false);
     }
 }
 
@@ -224,8 +223,12 @@ fn load_lanes(src: &[f32], j: usize) -> f32x8 {
 /// Stores the lanes of `v` that fall inside `dst` at `j..j + 8`.
 #[inline(always)]
 fn store_lanes(v: f32x8, dst: &mut [f32], j: usize) {
-    let n = LANES.min(dst.len() - j);
-    dst[j..j + n].copy_from_slice(&v.as_array_ref()[..n]);
+    if j + LANES <= dst.len() {
+        store(v, &mut dst[j..]);
+    } else {
+        let n = dst.len() - j;
+        dst[j..].copy_from_slice(&v.as_array_ref()[..n]);
+    }
 }
 
 /// `U + a` for the rows of `zu` (row stride `k`, `U` from column `d_out`): the modulators'
@@ -239,18 +242,26 @@ fn hidden_inputs(p: &FusedGateParams, zu: &[f32], k: usize, d_out: usize) -> Vec
     pre
 }
 
-/// Forward: writes `out[N×d_out] = Ẑ` and returns what the backward needs.
+/// Forward: writes the GEMM output `zu[N×K] = x·C` (kept by the caller for the backward)
+/// and `out[N×d_out] = Ẑ`, and returns the rest of what the backward needs. The initial
+/// contents of `zu` and `out` do not matter.
 ///
 /// Runs as independent blocks of [`BLOCK_ROWS`] rows ([`forward_block`]), so `ZU` is
 /// written once and gated while in cache instead of being read back from memory.
-pub fn fused_gate_forward(dims: &FusedGateDims, x: &[f32], p: &FusedGateParams, out: &mut [f32]) -> FusedGateSaved {
+pub fn fused_gate_forward(
+    dims: &FusedGateDims,
+    x: &[f32],
+    p: &FusedGateParams,
+    zu: &mut [f32],
+    out: &mut [f32],
+) -> FusedGateSaved {
     check_lengths(dims, x, p);
     let FusedGateDims { rows, d_in, d_out, .. } = *dims;
     assert_eq!(out.len(), rows * d_out, "fused_gate_forward: out is not N × d_out");
     let k = dims.width();
+    assert_eq!(zu.len(), rows * k, "fused_gate_forward: zu is not N × K");
     let c = concatenated_weight(p);
     let gate = ChannelGate::new(&p.channel, d_out);
-    let mut zu = vec![0.0; rows * k];
     let blocks: Vec<ForwardBlock> = zu
         .par_chunks_mut(BLOCK_ROWS * k)
         .zip(out.par_chunks_mut(BLOCK_ROWS * d_out))
@@ -266,7 +277,7 @@ pub fn fused_gate_forward(dims: &FusedGateDims, x: &[f32], p: &FusedGateParams, 
         gate_scalar.extend(block.gate_scalar);
         logit_scalar.extend(block.logit_scalar);
     }
-    FusedGateSaved { zu, hidden, gate_scalar, logit_scalar }
+    FusedGateSaved { hidden, gate_scalar, logit_scalar }
 }
 
 /// One block's share of [`FusedGateSaved`]: its rows of `H`, `γ_s` and the scalar logit.
@@ -296,14 +307,16 @@ fn forward_block(
     let logit_scalar: Vec<f32> =
         (0..rows).map(|i| dot(p.scalar.b_weight, &hidden[i * r + rc..(i + 1) * r]) + p.scalar.b_bias[0]).collect();
     let gate_scalar: Vec<f32> = logit_scalar.iter().map(|&l| calibrated_sigmoid(p.scalar.alpha, l)).collect();
-    let logits = gate.logits(&hidden, 0, rows, r);
-    for (i, (y, l)) in out.chunks_exact_mut(d_out).zip(logits.chunks_exact(gate.d_pad)).enumerate() {
-        let (z, scale) = (&zu[i * k..i * k + d_out], f32x8::splat(2.0 * gate_scalar[i]));
-        for j in (0..d_out).step_by(LANES) {
-            let g = sigmoid8(gate.alpha * (load(&l[j..]) + load(&gate.bias[j..])));
-            store_lanes(g * scale * load_lanes(z, j), y, j);
+    with_scratch(rows * gate.d_pad, |logits| {
+        gate.logits(&hidden, 0, r, logits);
+        for (i, (y, l)) in out.chunks_exact_mut(d_out).zip(logits.chunks_exact(gate.d_pad)).enumerate() {
+            let (z, scale) = (&zu[i * k..i * k + d_out], f32x8::splat(2.0 * gate_scalar[i]));
+            for j in (0..d_out).step_by(LANES) {
+                let g = sigmoid8(gate.alpha * (load(&l[j..]) + load(&gate.bias[j..])));
+                store_lanes(g * scale * load_lanes(z, j), y, j);
+            }
         }
-    }
+    });
     ForwardBlock { hidden, gate_scalar, logit_scalar }
 }
 
@@ -365,6 +378,7 @@ fn add_assign(dst: &mut [f32], src: &[f32]) {
 struct RowPass<'a> {
     dims: FusedGateDims,
     p: &'a FusedGateParams<'a>,
+    zu: &'a [f32],
     saved: &'a FusedGateSaved,
     dout: &'a [f32],
     gate: ChannelGate,
@@ -377,23 +391,29 @@ impl RowPass<'_> {
     /// `dZU·[W; A_c; A_s]` into `dx` (the same rows of the input gradient) and returns the
     /// block's share of the sums over rows.
     fn block(&self, first: usize, dzu: &mut [f32], dx: &mut [f32]) -> BlockSums {
+        let rows = dzu.len() / self.dims.width();
+        with_scratch(rows * self.gate.d_pad, |dl| self.block_with_logits(first, dzu, dx, dl))
+    }
+
+    /// [`RowPass::block`] with a scratch buffer for the block's channel logits (`rows × d_pad`).
+    fn block_with_logits(&self, first: usize, dzu: &mut [f32], dx: &mut [f32], dl: &mut [f32]) -> BlockSums {
         let FusedGateDims { d_out, rank_channel: rc, .. } = self.dims;
         let (k, r, d_pad) = (self.dims.width(), rc + self.dims.rank_scalar, self.gate.d_pad);
         let rows = dzu.len() / k;
         let mut sums = BlockSums::zeros(&self.dims, d_pad);
         // The channel logits, overwritten row by row with their gradient dL_c.
-        let mut dl = self.gate.logits(&self.saved.hidden, first, rows, r);
+        self.gate.logits(&self.saved.hidden, first, r, dl);
         let mut dgate_s = vec![0.0; rows];
         for (i, (dzu_row, dl_row)) in dzu.chunks_exact_mut(k).zip(dl.chunks_exact_mut(d_pad)).enumerate() {
             dgate_s[i] = self.channel_row(first + i, &mut dzu_row[..d_out], dl_row, &mut sums);
         }
         // dH_c = dL_c·B_c, dB_c += dL_cᵀ·H_c (kept transposed).
         let mut dh = vec![0.0; rows * r];
-        let dl_rows = TileA { data: &dl, offset: 0, row_stride: d_pad, col_stride: 1 };
+        let dl_rows = TileA { data: dl, offset: 0, row_stride: d_pad, col_stride: 1 };
         let b_c = TileB { data: &self.gate.b_padded, offset: 0, row_stride: rc };
         tile_gemm(&mut dh, r, dl_rows, b_c, rows, rc, d_pad, 1.0, false);
         let h_c_t = TileA { data: &self.saved.hidden, offset: first * r, row_stride: 1, col_stride: r };
-        let dl_b = TileB { data: &dl, offset: 0, row_stride: d_pad };
+        let dl_b = TileB { data: dl, offset: 0, row_stride: d_pad };
         tile_gemm(&mut sums.db_t, d_pad, h_c_t, dl_b, rc, d_pad, rows, 1.0, true);
         for (i, &dg) in dgate_s.iter().enumerate() {
             let n = first + i;
@@ -401,7 +421,7 @@ impl RowPass<'_> {
             self.scalar_row(n, h_s, dg, &mut dh[i * r + rc..(i + 1) * r], &mut sums);
         }
         // dU = dH ⊙ φ'(U + a), into dZU's summary columns; da = Σ dU.
-        let zu = &self.saved.zu[first * k..(first + rows) * k];
+        let zu = &self.zu[first * k..(first + rows) * k];
         let pre = hidden_inputs(self.p, zu, k, d_out);
         let mut du = vec![0.0; rows * r];
         unary_backward(self.p.phi, &pre, &self.saved.hidden[first * r..(first + rows) * r], &dh, &mut du);
@@ -423,7 +443,7 @@ impl RowPass<'_> {
     /// `d/dl = α·γ(1 − γ/2)·d/dγ` and `d/dα = l·γ(1 − γ/2)·d/dγ`.
     fn channel_row(&self, n: usize, dz: &mut [f32], dl: &mut [f32], sums: &mut BlockSums) -> f32 {
         let d_out = self.dims.d_out;
-        let (z, dy) = (&self.saved.zu[n * self.dims.width()..][..d_out], &self.dout[n * d_out..(n + 1) * d_out]);
+        let (z, dy) = (&self.zu[n * self.dims.width()..][..d_out], &self.dout[n * d_out..(n + 1) * d_out]);
         let (gate_s, alpha, half) = (f32x8::splat(self.saved.gate_scalar[n]), self.gate.alpha, f32x8::splat(0.5));
         let (mut dgate_s, mut dalpha) = (f32x8::ZERO, f32x8::ZERO);
         for j in (0..d_out).step_by(LANES) {
@@ -460,30 +480,33 @@ impl RowPass<'_> {
     }
 }
 
-/// Backward of [`fused_gate_forward`] from what it saved and the output gradient `dout`.
+/// Backward of [`fused_gate_forward`] from its `zu` and saved state and the output gradient
+/// `dout`; `dzu` (`N × K`, any contents) is scratch space for `dZU`.
 ///
 /// One parallel pass over row blocks gives `dZU = [dZ | dU_c | dU_s]`, each block's share of
 /// the sums over rows (`dB`, `db`, `da`, `dα`), recomputing the channel gate from `H_c`, and
 /// the block's rows of `dx += dZU·[W; A_c; A_s]`; one GEMM then gives
 /// `[dW; dA_c; dA_s] += dZUᵀ·x`.
+#[allow(clippy::too_many_arguments)]
 pub fn fused_gate_backward(
     dims: &FusedGateDims,
     x: &[f32],
     p: &FusedGateParams,
+    zu: &[f32],
     saved: &FusedGateSaved,
     dout: &[f32],
+    dzu: &mut [f32],
     grads: &mut FusedGateGrads,
 ) {
     check_lengths(dims, x, p);
     let FusedGateDims { rows, d_in, d_out, rank_channel: rc, .. } = *dims;
     let k = dims.width();
     assert!(
-        saved.zu.len() == rows * k && dout.len() == rows * d_out,
-        "fused_gate_backward: saved state or dout has the wrong length"
+        zu.len() == rows * k && dzu.len() == rows * k && dout.len() == rows * d_out,
+        "fused_gate_backward: zu, dzu or dout has the wrong length"
     );
     let gate = ChannelGate::new(&p.channel, d_out);
-    let pass = RowPass { dims: *dims, p, saved, dout, gate, weights: concatenated_weight(p) };
-    let mut dzu = vec![0.0; rows * k];
+    let pass = RowPass { dims: *dims, p, zu, saved, dout, gate, weights: concatenated_weight(p) };
     let sums: Vec<BlockSums> = dzu
         .par_chunks_mut(BLOCK_ROWS * k)
         .zip(grads.x.par_chunks_mut(BLOCK_ROWS * d_in))
@@ -494,7 +517,7 @@ pub fn fused_gate_backward(
 
     // The weight gradients are the row blocks of one GEMM dZUᵀ·x over all rows.
     let mut dc = vec![0.0; k * d_in];
-    matmul(&mut dc, 0, columns_of(&dzu, 0, k), rows_of(x, 0, d_in), k, d_in, rows, false);
+    matmul(&mut dc, 0, columns_of(dzu, 0, k), rows_of(x, 0, d_in), k, d_in, rows, false);
     let (dw, da) = dc.split_at(d_out * d_in);
     let (da_c, da_s) = da.split_at(rc * d_in);
     for (dst, src) in
@@ -547,8 +570,8 @@ mod tests {
                 scalar: GateParams { a_weight: &as_, a_bias: &ab_s, b_weight: &bs, b_bias: &bb_s, alpha: 0.7 },
                 phi,
             };
-            let mut out = vec![0.0; dims.rows * d_out];
-            fused_gate_forward(&dims, &x, &p, &mut out);
+            let (mut zu, mut out) = (vec![0.0; dims.rows * dims.width()], vec![0.0; dims.rows * d_out]);
+            fused_gate_forward(&dims, &x, &p, &mut zu, &mut out);
             let expected = fused_gate_forward_reference(&dims, &x, &p);
             for (a, b) in out.iter().zip(&expected) {
                 assert!((a - b).abs() <= 1e-5 + 1e-5 * b.abs(), "{phi:?}: {a} vs {b}");

@@ -16,6 +16,7 @@ pub mod parallel;
 pub mod pool;
 pub mod reduce;
 pub mod rope;
+pub mod scratch;
 pub mod softmax;
 pub mod tile_gemm;
 pub mod unary;

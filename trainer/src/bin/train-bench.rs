@@ -9,13 +9,17 @@
 //!
 //! The last line of output is one JSON object (machine-readable), with the median forward /
 //! backward / optimizer split of a step and the CPU time per step (all threads; robust to
-//! other jobs on the machine, unlike wall time). `--profile` prints wall time per op to stderr.
+//! other jobs on the machine, unlike wall time) and the heap allocations per timed step
+//! (count and MiB, from a counting global allocator). `--profile` prints wall time per op
+//! to stderr.
 //!
 //! ```text
 //! cargo run --release -p trainer --bin train-bench -- --model llama-tiny --variant pre-ln \
 //!     --batch 16 --seq 256 --steps 10 [--forward-only] [--threads 2]
 //! ```
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -79,6 +83,47 @@ fn parse_args() -> Result<Args> {
         bail!("--steps, --batch and --seq must be positive");
     }
     Ok(args)
+}
+
+/// The system allocator, counting calls and bytes so the bench can report how much a
+/// timed step still allocates (tensor buffers come from `tensor::pool` after the first
+/// step; what remains is kernel scratch space and small bookkeeping).
+struct CountingAllocator;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+static ALLOCATED_BYTES: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: every method forwards to `System` with the caller's arguments unchanged; the
+// counters are plain atomics with no effect on the memory handed out.
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count(layout.size());
+        System.alloc(layout)
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        count(layout.size());
+        System.alloc_zeroed(layout)
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count(new_size);
+        System.realloc(ptr, layout, new_size)
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout)
+    }
+}
+
+fn count(bytes: usize) {
+    ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+    ALLOCATED_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
+}
+
+#[global_allocator]
+static GLOBAL: CountingAllocator = CountingAllocator;
+
+/// `(allocations, bytes)` so far.
+fn allocation_counts() -> (u64, u64) {
+    (ALLOCATIONS.load(Ordering::Relaxed), ALLOCATED_BYTES.load(Ordering::Relaxed))
 }
 
 /// A kB field (`VmHWM`, `VmRSS`) of /proc/self/status, in MiB.
@@ -148,11 +193,13 @@ fn main() -> Result<()> {
     };
 
     let mut cpu_start = process_cpu_seconds();
+    let mut allocations_start = allocation_counts();
     let (mut step_s, mut fwd_s, mut bwd_s, mut opt_s, mut loss) = (vec![], vec![], vec![], vec![], f32::NAN);
     for i in 0..args.warmup + args.steps {
         let (ids, targets) = batch();
         if i == args.warmup {
             cpu_start = process_cpu_seconds();
+            allocations_start = allocation_counts();
         }
         if args.profile && i == args.warmup {
             Var::profile_start();
@@ -184,6 +231,8 @@ fn main() -> Result<()> {
         }
     }
     let cpu_per_step = (process_cpu_seconds() - cpu_start) / args.steps as f64;
+    let allocations_end = allocation_counts();
+    let per_step = |end: u64, start: u64| (end - start) as f64 / args.steps as f64;
     if args.profile {
         print_profile(&Var::profile_stop(), args.steps);
     }
@@ -207,6 +256,8 @@ fn main() -> Result<()> {
         "backward_ms": median(&bwd_s) * 1e3,
         "optimizer_ms": median(&opt_s) * 1e3,
         "cpu_ms_per_step": cpu_per_step * 1e3,
+        "allocations_per_step": per_step(allocations_end.0, allocations_start.0),
+        "allocated_mib_per_step": per_step(allocations_end.1, allocations_start.1) / (1 << 20) as f64,
         "peak_rss_mib": peak,
         "peak_rss_over_start_mib": peak - rss_start,
         "final_loss": loss,
