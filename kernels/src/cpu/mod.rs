@@ -17,5 +17,6 @@ pub mod pool;
 pub mod reduce;
 pub mod rope;
 pub mod softmax;
+pub mod swiglu;
 pub mod tile_gemm;
 pub mod unary;
