@@ -4,6 +4,8 @@
 //! y = (SiLU(x·W_gateᵀ ⊙ G_gate(x)) ⊙ (x·W_upᵀ ⊙ G_up(x)))·W_downᵀ ⊙ G_down(·)  (⊙ G_path(x), eq. 7)
 //! ```
 //! PyTorch equivalent: Hugging Face `LlamaMLP` (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`).
+//! `SiLU(·) ⊙ (·)` is one fused op ([`Var::swiglu`]), which keeps only the two projections for
+//! its backward.
 //! Rows are flattened to `[N, C]` for the projections and restored at the end.
 
 use autograd::{Result, Var};
@@ -45,7 +47,8 @@ impl SwiGlu {
         let shape = x.shape();
         let d = self.gate_proj.in_features();
         let rows = x.reshape(&[x.value_ref().numel() / d.max(1), d])?;
-        let hidden = self.gate_proj.forward(&rows)?.silu()?.mul(&self.up_proj.forward(&rows)?)?;
+        let (gate_out, up_out) = (self.gate_proj.forward(&rows)?, self.up_proj.forward(&rows)?);
+        let hidden = gate_out.swiglu(&up_out)?;
         let mut y = self.down_proj.forward(&hidden)?;
         for gate in &self.path_gates {
             crate::trace::record_gate(gate, &rows)?;

@@ -1,7 +1,7 @@
 //! Property-based gradient checks of the nn modules: every modulator (each resolution, φ,
 //! learnable or fixed α, non-contextual, CoMT), the fused projection against the unfused
-//! one, the per-token layers, SwiGLU, attention with RoPE, and each residual rule on a tiny
-//! single block (d = 8).
+//! one, the per-token layers, SwiGLU (and its fused gating against `silu().mul()`), attention
+//! with RoPE, and each residual rule on a tiny single block (d = 8).
 //!
 //! Module parameters live inside the modules, so [`check_module`] perturbs them in place:
 //! `L = Σ wᵢ·yᵢ` with fixed random weights, back-propagated once, against f64 central
@@ -155,6 +155,41 @@ proptest! {
         let ffn = SwiGlu::new(d, hidden, WeightInit::KaimingUniform, &mut rng);
         let x = input(&[rows, d], &mut rng);
         check_module(&ffn, &x, |x| ffn.forward(x), seed, SAMPLES_PER_TENSOR);
+    }
+
+    #[test]
+    fn swiglu_fused_matches_silu_mul(seed in any::<u64>(), rows in 1usize..20, d in 1usize..6, hidden in 1usize..20) {
+        // The fused op against `silu().mul()`, alone on wide-ranging inputs (|g| up to ~16,
+        // lengths across the SIMD width) and inside the FFN, forward and every gradient.
+        let mut rng = Rng::new(seed);
+        let g = Var::parameter(Tensor::rand_normal(&[rows, hidden], 0.0, 4.0, &mut rng));
+        let u = input(&[rows, hidden], &mut rng);
+        let ffn = SwiGlu::new(d, hidden, WeightInit::KaimingUniform, &mut rng);
+        randomise(&ffn, 0.8, &mut rng);
+        let x = input(&[rows, d], &mut rng);
+        let unfused = |x: &Var| -> autograd::Result<Var> {
+            let hidden = ffn.gate_proj.forward(x)?.swiglu_reference(&ffn.up_proj.forward(x)?)?;
+            ffn.down_proj.forward(&hidden)
+        };
+        let mut leaves: Vec<Var> = ffn.named_parameters().into_iter().map(|p| p.var).collect();
+        leaves.extend([x.clone(), g.clone(), u.clone()]);
+        let run = |fused: bool| -> (Vec<f32>, Vec<f32>, Vec<Vec<f32>>) {
+            leaves.iter().for_each(Var::zero_grad);
+            let gated = if fused { g.swiglu(&u) } else { g.swiglu_reference(&u) }.unwrap();
+            let y = if fused { ffn.forward(&x) } else { unfused(&x) }.unwrap();
+            let mut weights = Rng::new(seed ^ 1);
+            gated.backward_with(Tensor::rand_normal(&gated.shape(), 0.0, 1.0, &mut weights)).unwrap();
+            y.backward_with(Tensor::rand_normal(&y.shape(), 0.0, 1.0, &mut weights)).unwrap();
+            let grads = leaves.iter().map(|v| v.grad().unwrap().to_vec()).collect();
+            (gated.value().to_vec(), y.value().to_vec(), grads)
+        };
+        let (fused, composite) = (run(true), run(false));
+        let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-6 + 1e-5 * y.abs());
+        prop_assert!(close(&fused.0, &composite.0), "swiglu forward differs");
+        prop_assert!(close(&fused.1, &composite.1), "FFN forward differs");
+        for (i, (a, b)) in fused.2.iter().zip(&composite.2).enumerate() {
+            prop_assert!(close(a, b), "gradient {} differs: {:?} vs {:?}", i, a, b);
+        }
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Forward values against reference implementations written here as plain loops in f64:
 //! every unary op (including extreme ranges and the SIMD tail), broadcasting binary ops,
-//! reductions, matmul, softmax/log-softmax, cross-entropy with ignore_index, RMSNorm,
+//! fused SwiGLU gating, reductions, matmul, softmax/log-softmax, cross-entropy with ignore_index, RMSNorm,
 //! LayerNorm, rotary embedding (rotate-half, θ = 10000), embedding, causal attention
 //! (explicit masked softmax), cat, views of non-contiguous tensors, bf16/f16 round trips,
 //! and the error messages of mismatched shapes.
@@ -277,6 +277,48 @@ fn binary_ops_on_long_vectors() {
     assert_eq!(y.shape(), &[1, n]);
     let expected: Vec<f32> = a.to_vec().iter().zip(b.to_vec()).map(|(x, y)| x / y).collect();
     assert_eq!(y.to_vec(), expected);
+}
+
+// ---------------------------------------------------------------------------------------
+// SwiGLU gating: silu(g) ⊙ u in one op.
+
+proptest! {
+    #![proptest_config(config(CASES))]
+
+    #[test]
+    fn swiglu_matches_silu_times_up((g, u) in shape().prop_flat_map(|s| (
+        tensor_in(s.clone(), Domain::Uniform(-60.0, 60.0)),
+        tensor_in(s, Domain::Uniform(-4.0, 4.0)),
+    ))) {
+        let expected: Vec<f64> =
+            g.to_vec().iter().zip(u.to_vec()).map(|(&g, u)| unary_reference(Unary::Silu, g as f64) * u as f64).collect();
+        let y = ok("swiglu", g.swiglu(&u));
+        prop_assert_eq!(y.shape(), g.shape());
+        assert_close("swiglu", &y.to_vec(), &expected, 4e-6, 1e-6);
+        // Strided views are read like their contiguous copies.
+        let strided = ok("swiglu", non_contiguous(&g).swiglu(&non_contiguous(&u)));
+        assert_close_f32("swiglu (non-contiguous)", &strided.to_vec(), &y.to_vec(), 0.0, 0.0);
+    }
+}
+
+#[test]
+fn swiglu_special_values_and_long_vectors() {
+    // Saturation both ways, in the SIMD body (first 8) and the scalar tail (last one).
+    let g = tensor(vec![-1e4, 1e4, 0.0, -100.0, 100.0, -90.0, 90.0, 1.0, -100.0], &[9]);
+    let u = tensor(vec![2.0, -3.0, 5.0, 1.5, -0.5, 4.0, 1.0, 2.0, -7.0], &[9]);
+    let check = |g: &Tensor, u: &Tensor, what: &str| {
+        let expected: Vec<f64> = g
+            .to_vec()
+            .iter()
+            .zip(u.to_vec())
+            .map(|(&g, u)| unary_reference(Unary::Silu, g as f64) * u as f64)
+            .collect();
+        assert_close(what, &ok("swiglu", g.swiglu(u)).to_vec(), &expected, 4e-6, 1e-6);
+    };
+    check(&g, &u, "swiglu at ±1e4, ±100, ±90");
+    // Long enough to be split over threads.
+    let n = 200_003;
+    check(&seeded(&[n], -8.0, 8.0, 31), &seeded(&[n], -2.0, 2.0, 32), &format!("swiglu on {n} values"));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -920,6 +962,8 @@ fn mismatched_shapes_are_errors_naming_op_and_shapes() {
     assert_shape_error(a.mul(&b), "mul", "[2, 3]", "[4]");
     assert_shape_error(a.div(&b), "div", "[2, 3]", "[4]");
     assert_shape_error(a.binary(&b, Binary::Maximum), "maximum", "[2, 3]", "[4]");
+    // swiglu does not broadcast: even [3] against [2, 3] is an error.
+    assert_shape_error(a.swiglu(&Tensor::zeros(&[3])), "swiglu", "[2, 3]", "[3]");
     assert_shape_error(a.matmul(&Tensor::zeros(&[4, 5])), "matmul", "[2, 3]", "[4, 5]");
     assert_shape_error(a.matmul(&b), "matmul", "[2, 3]", "[4]");
     assert_shape_error(Tensor::cat(&[&a, &Tensor::zeros(&[3, 4])], 0), "cat", "[2, 3]", "[3, 4]");
@@ -930,6 +974,7 @@ fn mismatched_shapes_are_errors_naming_op_and_shapes() {
     // The autograd ops surface the same errors.
     let (va, vb) = (Var::parameter(a.clone()), Var::parameter(b.clone()));
     assert_shape_error(va.add(&vb), "add", "[2, 3]", "[4]");
+    assert_shape_error(va.swiglu(&vb), "swiglu", "[2, 3]", "[4]");
     assert_shape_error(va.matmul(&Var::constant(Tensor::zeros(&[4, 5]))), "matmul", "[2, 3]", "[4, 5]");
     assert_shape_error(Var::cat(&[&va, &vb], 0), "cat", "[2, 3]", "[4]");
     assert_shape_error(Var::parameter(Tensor::zeros(&[3])).set_value(Tensor::zeros(&[4])), "set_value", "[3]", "[4]");

@@ -23,6 +23,11 @@ fn binary_inputs(a: Domain, b: Domain) -> impl Strategy<Value = ((Layout, Tensor
     broadcast_pair().prop_flat_map(move |(sa, sb)| (input(sa, a), input(sb, b)))
 }
 
+/// Two inputs of one random shape (no broadcasting), each possibly strided.
+fn same_shape_inputs(a: Domain, b: Domain) -> impl Strategy<Value = ((Layout, Tensor), (Layout, Tensor))> {
+    shape().prop_flat_map(move |s| (input(s.clone(), a), input(s, b)))
+}
+
 /// An input of a random shape from `domain`, possibly strided.
 fn any_input(domain: Domain) -> impl Strategy<Value = (Layout, Tensor)> {
     shape().prop_flat_map(move |s| input(s, domain))
@@ -71,6 +76,17 @@ proptest! {
     #[test]
     fn minimum_broadcasts((a, b) in binary_inputs(Domain::Interleaved(0.35), Domain::Interleaved(0.1))) {
         binary_check(Var::minimum, a, b);
+    }
+
+    #[test]
+    fn swiglu((g, u) in same_shape_inputs(Domain::Uniform(-5.0, 5.0), Domain::Uniform(-2.0, 2.0))) {
+        binary_check(Var::swiglu, g, u);
+    }
+
+    #[test]
+    fn swiglu_saturated((g, u) in same_shape_inputs(Domain::AwayFromZero(8.0, 20.0), Domain::Uniform(-2.0, 2.0))) {
+        // silu(g) → g or 0: the recomputed σ(g) must give slopes near 1 or 0, not NaN.
+        binary_check(Var::swiglu, g, u);
     }
 
     #[test]

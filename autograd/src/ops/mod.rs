@@ -15,6 +15,7 @@ mod reduce;
 mod rope;
 mod select;
 mod softmax;
+mod swiglu;
 mod unary;
 mod view;
 

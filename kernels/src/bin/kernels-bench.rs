@@ -1,6 +1,7 @@
 //! Throughput of the CPU kernels, each next to a baseline measured in the same run:
 //! - matmul GFLOP/s of `kernels::cpu::matmul::matmul` and of `gemm::gemm` called directly;
-//! - GB/s (bytes read + written once) of the memory-bound kernels at 4096 × 512;
+//! - GB/s (bytes read + written once) of the memory-bound kernels at 4096 × 512, with
+//!   SwiGLU gating fused against the silu + mul pair it replaces;
 //! - causal attention forward and backward time against `causal_attention_reference`.
 //!
 //! Every figure is the median of several timed runs after a warm-up run.
@@ -15,7 +16,8 @@ use kernels::cpu::cross_entropy::cross_entropy_forward;
 use kernels::cpu::matmul::{matmul, MatRef};
 use kernels::cpu::norm::{layer_norm_forward, rms_norm_forward};
 use kernels::cpu::softmax::softmax_forward;
-use kernels::cpu::unary::{unary_forward, Unary};
+use kernels::cpu::swiglu::{swiglu_backward, swiglu_forward};
+use kernels::cpu::unary::{unary_backward, unary_forward, Unary};
 
 /// Median wall time in seconds of `reps` runs of `f`, after one warm-up run.
 fn median_seconds(reps: usize, mut f: impl FnMut()) -> f64 {
@@ -99,6 +101,7 @@ fn bench_memory_bound() {
     };
     println!("memory-bound at {rows}×{cols}    {:>10} {:>10}", "GB/s", "ms");
     report("unary silu", 2 * n, median_seconds(9, || unary_forward(Unary::Silu, &x, &mut y)));
+    bench_swiglu(&x, &x2, cols, &report);
     let add =
         median_seconds(9, || binary_forward(Binary::Add, &x, 0, &[cols, 1], &x2, 0, &[cols, 1], &[rows, cols], &mut y));
     report("binary add", 3 * n, add);
@@ -116,6 +119,31 @@ fn bench_memory_bound() {
         cross_entropy_forward(&x, cols, &targets, None, &mut losses, &mut lse);
     });
     report("cross_entropy", n, ce);
+}
+
+/// SwiGLU gating `silu(g) ⊙ u` (g = `gate`, u = `up`): the two-kernel composite autograd
+/// ran before (silu, then mul; backward: two products, then silu's backward reading the
+/// saved `silu(g)`) against the fused op. Bytes count every buffer each pass reads or writes.
+fn bench_swiglu(gate: &[f32], up: &[f32], cols: usize, report: &impl Fn(&str, usize, f64)) {
+    let n = gate.len();
+    let (strides, shape) = ([cols, 1], [n / cols, cols]);
+    let dout = filled(n, 11);
+    let (mut silu, mut y) = (vec![0.0f32; n], vec![0.0f32; n]);
+    let pair = median_seconds(9, || {
+        unary_forward(Unary::Silu, gate, &mut silu);
+        binary_forward(Binary::Mul, &silu, 0, &strides, up, 0, &strides, &shape, &mut y);
+    });
+    report("silu + mul", 5 * n, pair);
+    report("swiglu (fused)", 3 * n, median_seconds(9, || swiglu_forward(gate, up, &mut y)));
+    let (mut dgate, mut dup, mut dsilu) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
+    let pair_backward = median_seconds(9, || {
+        binary_forward(Binary::Mul, &dout, 0, &strides, up, 0, &strides, &shape, &mut dsilu);
+        binary_forward(Binary::Mul, &dout, 0, &strides, &silu, 0, &strides, &shape, &mut dup);
+        unary_backward(Unary::Silu, gate, &silu, &dsilu, &mut dgate);
+    });
+    report("silu + mul backward", 11 * n, pair_backward);
+    let fused_backward = median_seconds(9, || swiglu_backward(gate, up, &dout, &mut dgate, &mut dup));
+    report("swiglu backward (fused)", 7 * n, fused_backward);
 }
 
 fn bench_attention() {

@@ -18,5 +18,6 @@ pub mod reduce;
 pub mod rope;
 pub mod scratch;
 pub mod softmax;
+pub mod swiglu;
 pub mod tile_gemm;
 pub mod unary;

@@ -10,7 +10,7 @@
 //!
 //! Every op has a scalar reference ([`unary_reference`], [`unary_derivative_reference`]) that
 //! also handles the tail of each SIMD loop, and an `f32x8` body. This module also holds the
-//! SIMD building blocks other kernels share: [`load`], [`store`] and [`exp8`].
+//! SIMD building blocks other kernels share: [`load`], [`store`], [`exp8`] and [`sigmoid8`].
 
 use std::f64::consts as f64c;
 
@@ -267,7 +267,8 @@ fn sigmoid(x: f32) -> f32 {
     }
 }
 
-fn sigmoid8(x: f32x8) -> f32x8 {
+/// `σ(x)` per lane through `e^-|x|`: saturates to 0 or 1 for large `|x|`, never NaN.
+pub fn sigmoid8(x: f32x8) -> f32x8 {
     let e = exp8(-x.abs());
     let s = f32x8::ONE / (f32x8::ONE + e);
     x.cmp_ge(f32x8::ZERO).blend(s, e * s)

@@ -7,6 +7,7 @@ mod elementwise;
 mod matmul;
 mod nn;
 mod reduce;
+mod swiglu;
 
 pub use kernels::cpu::binary::Binary;
 pub use kernels::cpu::unary::Unary;

@@ -1,0 +1,31 @@
+//! SwiGLU gating `silu(g) ⊙ u` as one graph node (formulas in `kernels::cpu::swiglu`), and
+//! the composite of unfused ops it must agree with. The fused op saves only its inputs `g`
+//! and `u`: the backward recomputes σ(g), where the composite also keeps `silu(g)`, one more
+//! buffer of the FFN's hidden size.
+
+use kernels::cpu::swiglu::swiglu_backward;
+use tensor::{Result, Tensor};
+
+use crate::Var;
+
+impl Var {
+    /// `silu(self) ⊙ up` (PyTorch `F.silu(gate) * up`), `self` being the gate; the shapes
+    /// must be equal. Agrees with [`Var::swiglu_reference`] to float tolerance, forward and
+    /// backward.
+    pub fn swiglu(&self, up: &Var) -> Result<Var> {
+        let (g, u) = (self.value().contiguous()?, up.value().contiguous()?);
+        let y = g.swiglu(&u)?;
+        Ok(Var::from_op(y, vec![self.clone(), up.clone()], move |dy| {
+            let (mut dg, mut du) = (vec![0.0; g.numel()], vec![0.0; u.numel()]);
+            // d/dg = dy·u·σ(g)·(1 + g·(1 − σ(g))),  d/du = dy·g·σ(g)
+            swiglu_backward(g.as_slice()?, u.as_slice()?, dy.contiguous()?.as_slice()?, &mut dg, &mut du);
+            Ok(vec![Tensor::from_vec(dg, g.shape())?, Tensor::from_vec(du, u.shape())?])
+        }))
+    }
+
+    /// The same gating composed from unfused ops, `self.silu()?.mul(up)`: the reference
+    /// [`Var::swiglu`] is tested against (it also broadcasts, which `swiglu` does not).
+    pub fn swiglu_reference(&self, up: &Var) -> Result<Var> {
+        self.silu()?.mul(up)
+    }
+}

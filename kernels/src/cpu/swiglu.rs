@@ -1,0 +1,187 @@
+//! SwiGLU gating, the elementwise half of LLaMA's FFN (Shazeer 2020, "GLU Variants Improve
+//! Transformer", FFN_SwiGLU with β = 1), fused into one pass forward and one backward:
+//!
+//! ```text
+//! y  = silu(g) ⊙ u = g·σ(g)·u,                 σ(g) = 1 / (1 + e^-g)
+//! dg += dy ⊙ u ⊙ σ(g)·(1 + g·(1 − σ(g)))       (d/dg g·σ(g) = σ(g) + g·σ(g)·(1 − σ(g)))
+//! du += dy ⊙ g·σ(g)
+//! ```
+//!
+//! PyTorch equivalent: `F.silu(g) * u` (Hugging Face `LlamaMLP`'s `act_fn(gate_proj(x)) *
+//! up_proj(x)`), which runs two kernels and keeps `silu(g)` for the product's backward. Here
+//! the forward reads `g` and `u` once and writes `y`; the backward recomputes σ(g) from `g`,
+//! so it needs only the inputs, never `y` or `silu(g)`. All buffers are `N` elements (any
+//! shape, flattened); gradients accumulate (`dg += ...`, `du += ...`), like every backward
+//! kernel here.
+//!
+//! σ goes through `e^-|g|` ≤ 1 ([`sigmoid8`]), so a large `|g|` saturates to 0 or 1: no
+//! overflow, no NaN. Scalar references ([`swiglu_reference`],
+//! [`swiglu_derivative_reference`]) also compute the tail of each SIMD loop.
+
+use wide::f32x8;
+
+use super::parallel;
+use super::unary::{load, sigmoid8, store, unary_reference, Unary, LANES};
+
+/// Cost of one element in the units of [`parallel::should_parallelise`]: one exponential,
+/// like the transcendental unary ops.
+const WORK_PER_ELEMENT: usize = 8;
+
+/// `out[i] = silu(gate[i]) · up[i]`.
+pub fn swiglu_forward(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    let n = out.len();
+    assert!(gate.len() == n && up.len() == n, "swiglu_forward: gate, up and out differ in length");
+    parallel::for_each_chunk_mut(out, WORK_PER_ELEMENT, |start, out| {
+        let end = start + out.len();
+        let (gate, up) = (&gate[start..end], &up[start..end]);
+        let simd_end = out.len() - out.len() % LANES;
+        for i in (0..simd_end).step_by(LANES) {
+            let g = load(&gate[i..]);
+            store(g * sigmoid8(g) * load(&up[i..]), &mut out[i..]);
+        }
+        for i in simd_end..out.len() {
+            out[i] = swiglu_reference(gate[i], up[i]);
+        }
+    });
+}
+
+/// `dgate += dout · up · silu'(gate)` and `dup += dout · silu(gate)`, recomputing σ(gate).
+pub fn swiglu_backward(gate: &[f32], up: &[f32], dout: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
+    let n = dgate.len();
+    assert!(
+        gate.len() == n && up.len() == n && dout.len() == n && dup.len() == n,
+        "swiglu_backward: gate, up, dout, dgate and dup differ in length"
+    );
+    parallel::for_each_chunk2_mut(dgate, dup, WORK_PER_ELEMENT, |start, dgate, dup| {
+        let end = start + dgate.len();
+        let (gate, up, dout) = (&gate[start..end], &up[start..end], &dout[start..end]);
+        let simd_end = dgate.len() - dgate.len() % LANES;
+        for i in (0..simd_end).step_by(LANES) {
+            let (g, dy) = (load(&gate[i..]), load(&dout[i..]));
+            let s = sigmoid8(g);
+            // d/dg silu(g) = σ(g)·(1 + g·(1 − σ(g)))
+            let dsilu = s * (f32x8::ONE + g * (f32x8::ONE - s));
+            store(load(&dgate[i..]) + dy * load(&up[i..]) * dsilu, &mut dgate[i..]);
+            store(load(&dup[i..]) + dy * (g * s), &mut dup[i..]);
+        }
+        for i in simd_end..dgate.len() {
+            let (dy_dg, dy_du) = swiglu_derivative_reference(gate[i], up[i]);
+            dgate[i] += dout[i] * dy_dg;
+            dup[i] += dout[i] * dy_du;
+        }
+    });
+}
+
+/// Scalar reference `silu(g) · u`.
+pub fn swiglu_reference(g: f32, u: f32) -> f32 {
+    g * unary_reference(Unary::Sigmoid, g) * u
+}
+
+/// Scalar reference of the partial derivatives `(∂y/∂g, ∂y/∂u)` of `y = silu(g) · u`.
+pub fn swiglu_derivative_reference(g: f32, u: f32) -> (f32, f32) {
+    let s = unary_reference(Unary::Sigmoid, g);
+    // d/dg = u·σ(g)·(1 + g·(1 − σ(g))),  d/du = g·σ(g)
+    (u * (s * (1.0 + g * (1.0 - s))), g * s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// `(y, ∂y/∂g, ∂y/∂u)` in f64.
+    fn f64_reference(g: f32, u: f32) -> (f64, f64, f64) {
+        let (g, u) = (g as f64, u as f64);
+        let s = 1.0 / (1.0 + (-g).exp());
+        (g * s * u, u * s * (1.0 + g * (1.0 - s)), g * s)
+    }
+
+    fn close(a: f32, b: f64, tol: f64) -> bool {
+        (a as f64 - b).abs() <= tol * (1.0 + b.abs())
+    }
+
+    /// Runs forward, then backward with `dout` into gradients that start at 0.5, and checks
+    /// all three against [`f64_reference`].
+    fn check_against_f64(gate: &[f32], up: &[f32], dout: &[f32]) {
+        let n = gate.len();
+        let mut y = vec![0.0; n];
+        swiglu_forward(gate, up, &mut y);
+        let (mut dgate, mut dup) = (vec![0.5; n], vec![0.5; n]);
+        swiglu_backward(gate, up, dout, &mut dgate, &mut dup);
+        for i in 0..n {
+            let (want_y, dy_dg, dy_du) = f64_reference(gate[i], up[i]);
+            let dy = dout[i] as f64;
+            let (g, u) = (gate[i], up[i]);
+            assert!(close(y[i], want_y, 2e-6), "n = {n}: swiglu({g}, {u}) = {}, want {want_y}", y[i]);
+            let want_dg = 0.5 + dy * dy_dg;
+            assert!(close(dgate[i], want_dg, 1e-5), "n = {n}: dgate({g}, {u}) = {}, want {want_dg}", dgate[i]);
+            let want_du = 0.5 + dy * dy_du;
+            assert!(close(dup[i], want_du, 1e-5), "n = {n}: dup({g}, {u}) = {}, want {want_du}", dup[i]);
+        }
+    }
+
+    fn values(len: usize, seed: usize, scale: f32) -> Vec<f32> {
+        (0..len).map(|i| (((i * 37 + seed * 11) % 1000) as f32 * 0.002 - 1.0) * scale).collect()
+    }
+
+    proptest! {
+        #[test]
+        fn simd_and_tail_match_f64(
+            gate in prop::collection::vec(-12.0f32..12.0, 1..100),
+            seed in 0usize..1000,
+        ) {
+            // Lengths 1..100: SIMD body only, tail only, and both.
+            let up = values(gate.len(), seed, 3.0);
+            let dout = values(gate.len(), seed + 1, 2.0);
+            check_against_f64(&gate, &up, &dout);
+        }
+    }
+
+    #[test]
+    fn lengths_around_the_simd_width() {
+        for n in [1, 7, 8, 9, 15, 16, 17, 23] {
+            check_against_f64(&values(n, 1, 8.0), &values(n, 2, 3.0), &values(n, 3, 2.0));
+        }
+    }
+
+    #[test]
+    fn large_gates_saturate_without_nan() {
+        // 9 elements: eight in the SIMD body, the last in the scalar tail.
+        let gate = [100.0, -100.0, 90.0, -90.0, 1e4, -1e4, 0.0, -0.0, -100.0];
+        let up = [2.0, -3.0, 0.5, 4.0, -1.0, 1.0, 7.0, 1.0, 2.0];
+        let dout = [1.5, -0.5, 2.0, 1.0, 1.0, -2.0, 1.0, 3.0, -1.0];
+        check_against_f64(&gate, &up, &dout);
+        let mut y = [0.0; 9];
+        swiglu_forward(&gate, &up, &mut y);
+        let (mut dgate, mut dup) = ([0.0; 9], [0.0; 9]);
+        swiglu_backward(&gate, &up, &dout, &mut dgate, &mut dup);
+        assert!(y.iter().chain(&dgate).chain(&dup).all(|v| v.is_finite()), "{y:?} {dgate:?} {dup:?}");
+        // silu(g) → g as g → ∞ and → 0 as g → −∞; the same for the slopes.
+        assert_eq!((y[0], dgate[0], dup[0]), (200.0, 3.0, 150.0));
+        assert!([y[1], dgate[1], dup[1]].iter().all(|v| v.abs() < 1e-30), "{y:?} {dgate:?} {dup:?}");
+    }
+
+    #[test]
+    fn large_inputs_run_in_parallel_and_match() {
+        let n = 100_003;
+        check_against_f64(&values(n, 4, 6.0), &values(n, 5, 2.0), &values(n, 6, 1.0));
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        // 61 points: the SIMD body and the scalar tail, against f64 central differences.
+        let gate: Vec<f32> = (-30..=30).map(|i| i as f32 * 0.25 + 0.013).collect();
+        let up: Vec<f32> = (-30..=30).map(|i| 1.5 - i as f32 * 0.05).collect();
+        let (mut dgate, mut dup) = (vec![0.0; gate.len()], vec![0.0; gate.len()]);
+        swiglu_backward(&gate, &up, &vec![1.0; gate.len()], &mut dgate, &mut dup);
+        let h = 1e-5;
+        let y = |g: f64, u: f64| g / (1.0 + (-g).exp()) * u;
+        for i in 0..gate.len() {
+            let (g, u) = (gate[i] as f64, up[i] as f64);
+            let fd_g = (y(g + h, u) - y(g - h, u)) / (2.0 * h);
+            let fd_u = (y(g, u + h) - y(g, u - h)) / (2.0 * h);
+            assert!(close(dgate[i], fd_g, 1e-4), "d/dg at ({g}, {u}) = {}, fd {fd_g}", dgate[i]);
+            assert!(close(dup[i], fd_u, 1e-4), "d/du at ({g}, {u}) = {}, fd {fd_u}", dup[i]);
+        }
+    }
+}
