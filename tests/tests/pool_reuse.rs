@@ -82,7 +82,7 @@ impl Model {
         let scalar: [&Var; 5] = std::array::from_fn(|i| &self.scalar[i]);
         let gated = h.fused_gated_projection(&self.gated, channel, scalar, Unary::Sigmoid)?;
         // Softmax over tokens: a transposed (non-contiguous) input is copied first.
-        let mixed = gated.silu()?.mul(&h.transpose(0, 1)?.softmax()?.transpose(0, 1)?)?;
+        let mixed = gated.swiglu(&h.transpose(0, 1)?.softmax()?.transpose(0, 1)?)?.sub(&gated.silu()?)?;
         let x = x.reshape(&[BATCH * SEQ, WIDTH])?.add(&mixed)?;
         x.matmul(&self.head)?.cross_entropy(targets, None)
     }

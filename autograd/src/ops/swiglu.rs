@@ -16,7 +16,7 @@ impl Var {
         let (g, u) = (self.value().contiguous()?, up.value().contiguous()?);
         let y = g.swiglu(&u)?;
         Ok(Var::from_op(y, vec![self.clone(), up.clone()], move |dy| {
-            let (mut dg, mut du) = (vec![0.0; g.numel()], vec![0.0; u.numel()]);
+            let (mut dg, mut du) = (tensor::pool::zeros(g.numel()), tensor::pool::zeros(u.numel()));
             // d/dg = dy·u·σ(g)·(1 + g·(1 − σ(g))),  d/du = dy·g·σ(g)
             swiglu_backward(g.as_slice()?, u.as_slice()?, dy.contiguous()?.as_slice()?, &mut dg, &mut du);
             Ok(vec![Tensor::from_vec(dg, g.shape())?, Tensor::from_vec(du, u.shape())?])

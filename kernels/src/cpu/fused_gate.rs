@@ -27,7 +27,7 @@ use wide::f32x8;
 use super::matmul::{matmul, matmul_serial, MatRef};
 use super::scratch::with_scratch;
 use super::tile_gemm::{tile_gemm, TileA, TileB};
-use super::unary::{exp8, load, store, unary_backward, unary_forward, unary_reference, Unary, LANES};
+use super::unary::{load, sigmoid8, store, unary_backward, unary_forward, unary_reference, Unary, LANES};
 
 /// Sizes of one fused projection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -111,12 +111,6 @@ pub struct FusedGateGrads<'a> {
 /// `σ̃_α(z) = 2σ(αz)`, evaluated through `e^-|αz|` so it never overflows.
 fn calibrated_sigmoid(alpha: f32, z: f32) -> f32 {
     2.0 * unary_reference(Unary::Sigmoid, alpha * z)
-}
-
-/// `σ(v)` per lane; `exp8` gives `inf` for very negative `v`, so the result is 0, not NaN.
-#[inline(always)]
-fn sigmoid8(v: f32x8) -> f32x8 {
-    f32x8::ONE / (f32x8::ONE + exp8(-v))
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {

@@ -268,6 +268,7 @@ fn sigmoid(x: f32) -> f32 {
 }
 
 /// `σ(x)` per lane through `e^-|x|`: saturates to 0 or 1 for large `|x|`, never NaN.
+#[inline]
 pub fn sigmoid8(x: f32x8) -> f32x8 {
     let e = exp8(-x.abs());
     let s = f32x8::ONE / (f32x8::ONE + e);

@@ -15,7 +15,7 @@ impl Tensor {
             return Err(Error::ShapeMismatch { op: "swiglu", lhs: self.shape.clone(), rhs: up.shape.clone() });
         }
         let (gate, up) = (self.contiguous()?, up.contiguous()?);
-        let mut y = vec![0.0; gate.numel()];
+        let mut y = crate::pool::buffer(gate.numel());
         swiglu_forward(gate.as_slice()?, up.as_slice()?, &mut y);
         Tensor::from_vec(y, &self.shape)
     }
