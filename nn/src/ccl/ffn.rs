@@ -55,7 +55,7 @@ impl CclFfn {
         let context = self.context.as_ref().map(|m| m.forward(h)).transpose()?;
         let rows = h.reshape(&[batch * seq, channels])?;
         let c = context.as_ref();
-        let hidden = self.gate_proj.forward(&rows, c)?.silu()?.mul(&self.up_proj.forward(&rows, c)?)?;
+        let hidden = self.gate_proj.forward(&rows, c)?.swiglu(&self.up_proj.forward(&rows, c)?)?;
         self.down_proj.forward(&hidden, c)?.reshape(&shape)
     }
 }
