@@ -12,7 +12,9 @@
 //!
 //! After the first step, a step's tensor buffers all come from the pool. Small buffers
 //! (below [`MIN_POOLED_LEN`]) go straight to the allocator, and the pool holds at most
-//! [`MAX_POOLED_BYTES`]: beyond that, freed buffers are released. [`release`] empties it.
+//! [`MAX_POOLED_BYTES`]: beyond that, freed buffers are released. [`release`] empties it,
+//! and [`ReleaseOnDrop`] does so at the end of a scope whose shapes will not recur (each
+//! training run and each generated token in the trainer).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -106,6 +108,17 @@ pub fn release() {
         pool.free.clear();
         pool.bytes = 0;
     });
+}
+
+/// Empties the pool when dropped. For a phase whose buffer sizes will not come again: a
+/// training run (the next run in the same process, as in `compare`, has other shapes), or
+/// one token of text generation (the context grows by one token per step).
+pub struct ReleaseOnDrop;
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        release();
+    }
 }
 
 /// Bytes held by the pool now.

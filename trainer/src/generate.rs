@@ -43,6 +43,8 @@ pub fn sample(
     let mut rng = Rng::new(seed);
     let mut tokens = prompt.to_vec();
     for _ in 0..new_tokens {
+        // The context grows by a token per step, so this step's buffer sizes do not recur.
+        let _release_pool = tensor::pool::ReleaseOnDrop;
         let context = &tokens[tokens.len().saturating_sub(config.seq_len)..];
         let logits = no_grad(|| model.forward(context, 1, context.len()))?.value();
         let vocab = config.vocab_size;

@@ -151,6 +151,9 @@ pub fn evaluate(model: &Llama, path: &Path, batch_size: usize, seq_len: usize, b
 /// Trains as `config` says; with `resume`, continues from the run directory's checkpoint
 /// (same weights, optimizer state, data position and step: the losses continue exactly).
 pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
+    // Declared first, so it runs last: the run's buffers are freed, not kept for shapes
+    // that will not come again.
+    let _release_pool = tensor::pool::ReleaseOnDrop;
     config.validate()?;
     std::fs::create_dir_all(&config.out_dir).with_context(|| format!("creating {}", config.out_dir.display()))?;
     let checkpoint_path = config.out_dir.join(CHECKPOINT_FILE);

@@ -304,6 +304,9 @@ fn add_grad_norms(optimizer: &dyn Optimizer, sums: &mut [f64]) {
 /// (same weights, running statistics, momentum, data position and step: the losses
 /// continue exactly).
 pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrainReport> {
+    // Declared first, so it runs last: the run's buffers are freed, not kept for shapes
+    // that will not come again.
+    let _release_pool = tensor::pool::ReleaseOnDrop;
     config.validate()?;
     std::fs::create_dir_all(&config.out_dir).with_context(|| format!("creating {}", config.out_dir.display()))?;
     let checkpoint_path = config.out_dir.join(CHECKPOINT_FILE);
