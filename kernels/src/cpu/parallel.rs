@@ -71,26 +71,6 @@ where
     }
 }
 
-/// Like [`map_row_blocks_mut`], but with a fixed `block_rows` rows per block (for kernels
-/// whose blocks each return partial sums sized by the problem, where the block count
-/// bounds the cost of reducing them). Runs in parallel when there is more than one block.
-pub fn map_fixed_row_blocks_mut<T, F>(out: &mut [f32], cols: usize, block_rows: usize, f: F) -> Vec<T>
-where
-    T: Send,
-    F: Fn(usize, &mut [f32]) -> T + Sync + Send,
-{
-    if cols == 0 || out.is_empty() {
-        return Vec::new();
-    }
-    let chunk = block_rows.max(1) * cols;
-    let call = |(i, block): (usize, &mut [f32])| f(i * block_rows.max(1), block);
-    if out.len() > chunk && rayon::current_num_threads() > 1 {
-        out.par_chunks_mut(chunk).enumerate().map(call).collect()
-    } else {
-        out.chunks_mut(chunk).enumerate().map(call).collect()
-    }
-}
-
 /// Calls `f(start, chunk)` on consecutive chunks of an elementwise output, each chunk a
 /// multiple of the SIMD width except the last, in parallel when `out` is long enough.
 pub fn for_each_chunk_mut<F>(out: &mut [f32], work_per_element: usize, f: F)
