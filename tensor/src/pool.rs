@@ -54,20 +54,24 @@ fn bytes_of(len: usize) -> usize {
     len * std::mem::size_of::<f32>()
 }
 
-/// A buffer of `len` elements with unspecified (finite, stale) contents: for outputs the
-/// caller overwrites entirely.
-pub fn buffer(len: usize) -> Vec<f32> {
+/// A freed buffer of exactly `len` elements, if the pool holds one.
+fn take(len: usize) -> Option<Vec<f32>> {
     if len < MIN_POOLED_LEN {
-        return vec![0.0; len];
+        return None;
     }
-    let reused = with_pool(|pool| {
+    with_pool(|pool| {
         let found = pool.free.get_mut(&len).and_then(Vec::pop);
         if found.is_some() {
             pool.bytes -= bytes_of(len);
         }
         found
-    });
-    match reused {
+    })
+}
+
+/// A buffer of `len` elements with unspecified (finite, stale) contents: for outputs the
+/// caller overwrites entirely.
+pub fn buffer(len: usize) -> Vec<f32> {
+    match take(len) {
         Some(mut values) => {
             if POISON.load(Ordering::Relaxed) {
                 values.fill(f32::NAN);
@@ -78,13 +82,16 @@ pub fn buffer(len: usize) -> Vec<f32> {
     }
 }
 
-/// A buffer of `len` zeros: for outputs the caller accumulates into.
+/// A buffer of `len` zeros: for outputs the caller accumulates into. Only a reused buffer
+/// is cleared; a new one comes zeroed from the allocator.
 pub fn zeros(len: usize) -> Vec<f32> {
-    let mut values = buffer(len);
-    if len >= MIN_POOLED_LEN {
-        values.fill(0.0);
+    match take(len) {
+        Some(mut values) => {
+            values.fill(0.0);
+            values
+        }
+        None => vec![0.0; len],
     }
-    values
 }
 
 /// Takes back a buffer that is no longer used: what dropping f32 storage does, and what
@@ -121,37 +128,39 @@ impl Drop for ReleaseOnDrop {
     }
 }
 
-/// Bytes held by the pool now.
-pub fn pooled_bytes() -> usize {
-    with_pool(|pool| pool.bytes)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// One test touches the global pool, so parallel tests cannot disturb its counts.
+    /// Buffers of exactly `len` elements the pool holds now.
+    fn pooled_of_len(len: usize) -> usize {
+        with_pool(|pool| pool.free.get(&len).map_or(0, Vec::len))
+    }
+
+    /// The pool is global and other tests free tensors into it while this one runs, so
+    /// every check is on a length no other test uses, never on the pool's total.
     #[test]
     fn reuses_freed_buffers_by_length_and_zeroes_on_request() {
         let len = MIN_POOLED_LEN + 12_345;
         let mut values = buffer(len);
         values.fill(7.0);
         let address = values.as_ptr();
-        let before = pooled_bytes();
         recycle(values);
-        assert_eq!(pooled_bytes(), before + bytes_of(len));
+        assert_eq!(pooled_of_len(len), 1);
         let again = buffer(len);
         assert_eq!(again.as_ptr(), address, "the freed buffer is handed out again");
         assert_eq!(again[0], 7.0, "buffer() keeps stale contents");
+        assert_eq!(pooled_of_len(len), 0);
         recycle(again);
         let zeroed = zeros(len);
         assert_eq!(zeroed.as_ptr(), address);
         assert!(zeroed.iter().all(|&v| v == 0.0), "zeros() clears a reused buffer");
         // Small buffers are not kept.
         recycle(vec![1.0; 8]);
-        assert_eq!(pooled_bytes(), before);
-        drop(zeroed);
+        assert_eq!(pooled_of_len(8), 0);
+        recycle(zeroed);
+        assert_eq!(pooled_of_len(len), 1);
         release();
-        assert_eq!(pooled_bytes(), 0);
+        assert_eq!(pooled_of_len(len), 0);
     }
 }
