@@ -19,8 +19,8 @@ impl DType {
     }
 }
 
-/// Where a tensor lives. Only the CPU has kernels today; `Cuda` is the slot the CUDA
-/// backend fills (ops on it return [`crate::Error::UnsupportedDevice`] until then).
+/// Where a tensor lives: host memory, or GPU `n` (feature `cuda`). An op without a kernel
+/// for a device returns [`crate::Error::UnsupportedDevice`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Device {
     Cpu,

@@ -21,6 +21,12 @@ pub enum Error {
     /// The op has no implementation on this device (yet).
     #[error("{op}: not available on device {device:?}")]
     UnsupportedDevice { op: &'static str, device: crate::Device },
+    /// Operands on different devices (move one with `to_device` first).
+    #[error("{op}: operands on different devices ({lhs:?} and {rhs:?})")]
+    DeviceMismatch { op: &'static str, lhs: crate::Device, rhs: crate::Device },
+    /// The CUDA backend failed (no GPU, driver or library error, out of memory).
+    #[error("{op} on the GPU: {message}")]
+    Cuda { op: &'static str, message: String },
 }
 
 /// Result of a tensor operation.

@@ -7,6 +7,8 @@
 
 mod alloc;
 mod creation;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod dtype;
 mod error;
 pub mod ops;

@@ -18,7 +18,7 @@ pub struct Tensor {
 }
 
 impl Tensor {
-    /// Wraps `storage` as a contiguous tensor of `shape` on the CPU.
+    /// Wraps `storage` as a contiguous tensor of `shape` (on the storage's device).
     pub fn from_storage(storage: Storage, shape: &[usize]) -> Result<Tensor> {
         crate::alloc::keep_freed_memory();
         let numel: usize = shape.iter().product();
@@ -30,11 +30,11 @@ impl Tensor {
             });
         }
         Ok(Tensor {
+            device: storage.device(),
             storage: Arc::new(storage),
             shape: shape.to_vec(),
             strides: contiguous_strides(shape),
             offset: 0,
-            device: Device::Cpu,
         })
     }
 
@@ -88,10 +88,13 @@ impl Tensor {
         self.strides == contiguous_strides(&self.shape) || self.numel() <= 1
     }
 
-    /// The f32 storage behind this view, or an error naming `op` if the dtype is not f32.
+    /// The f32 host storage behind this view, or an error naming `op` if the dtype is not
+    /// f32 or the tensor is on a GPU.
     pub(crate) fn f32_storage(&self, op: &'static str) -> Result<&[f32]> {
         match &*self.storage {
             Storage::F32(v) => Ok(v),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => Err(Error::UnsupportedDevice { op, device: self.device }),
             other => Err(Error::DTypeMismatch { op, expected: DType::F32, got: other.dtype() }),
         }
     }
@@ -113,16 +116,25 @@ impl Tensor {
     /// Mutable access to the elements of a contiguous f32 tensor, copying the storage first
     /// if another tensor shares it (copy-on-write). Used by optimizers for in-place updates.
     pub fn as_mut_slice(&mut self) -> Result<&mut [f32]> {
-        if !self.is_contiguous() || self.offset != 0 || self.storage.len() != self.numel() {
+        self.require_cpu("as_mut_slice")?;
+        let shared = Arc::strong_count(&self.storage) > 1 || Arc::weak_count(&self.storage) > 0;
+        if shared || !self.is_contiguous() || self.offset != 0 || self.storage.len() != self.numel() {
             *self = self.contiguous()?.deep_copy()?;
         }
-        match Arc::make_mut(&mut self.storage) {
-            Storage::F32(v) => Ok(v.as_mut_slice()),
-            other => Err(Error::DTypeMismatch { op: "as_mut_slice", expected: DType::F32, got: other.dtype() }),
+        let device = self.device;
+        match Arc::get_mut(&mut self.storage) {
+            Some(Storage::F32(v)) => Ok(v.as_mut_slice()),
+            Some(other) => Err(Error::DTypeMismatch { op: "as_mut_slice", expected: DType::F32, got: other.dtype() }),
+            None => Err(Error::UnsupportedDevice { op: "as_mut_slice", device }),
         }
     }
 
-    /// The elements in row-major order as f32 (a copy; converts bf16/f16).
+    /// The elements in row-major order as f32 (a copy; converts bf16/f16; downloads a GPU
+    /// tensor, waiting for the work that computes it).
+    ///
+    /// # Panics
+    /// If downloading from the GPU fails (a driver error, not bad input); use
+    /// [`Tensor::to_host`] to get that as an error.
     pub fn to_vec(&self) -> Vec<f32> {
         let mut out = crate::pool::buffer(self.numel());
         match &*self.storage {
@@ -130,6 +142,42 @@ impl Tensor {
             other => copy_strided(&other.to_f32_vec(), self.offset, &self.shape, &self.strides, &mut out),
         }
         out
+    }
+
+    /// This tensor on the host: itself when already there, else a contiguous copy
+    /// (waiting for the GPU work that computes it).
+    pub fn to_host(&self) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            return self.download();
+        }
+        Ok(self.clone())
+    }
+
+    /// This tensor on `device`: itself when already there, else a contiguous copy.
+    /// Moving to `Device::Cuda` needs the `cuda` feature and a GPU (an error otherwise).
+    pub fn to_device(&self, device: Device) -> Result<Tensor> {
+        if device == self.device {
+            return Ok(self.clone());
+        }
+        match device {
+            Device::Cpu => self.to_host(),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => crate::cuda::upload(&self.to_host()?, ordinal),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => {
+                Err(Error::UnsupportedDevice { op: "to_device (built without the cuda feature)", device })
+            }
+        }
+    }
+
+    /// Errors unless `other` is on the same device as `self` (every op checks its operands).
+    pub(crate) fn same_device(&self, op: &'static str, other: &Tensor) -> Result<()> {
+        if self.device == other.device {
+            Ok(())
+        } else {
+            Err(Error::DeviceMismatch { op, lhs: self.device, rhs: other.device })
+        }
     }
 
     /// The single value of a one-element tensor.
@@ -146,6 +194,10 @@ impl Tensor {
 
     /// A contiguous copy with its own storage (never shared).
     pub fn deep_copy(&self) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(storage) = self.dense()?.cuda_storage() {
+            return Tensor::from_cuda(storage.converted(self.dtype())?, &self.shape);
+        }
         let t = self.contiguous()?;
         Tensor::from_vec(t.as_slice()?.to_vec(), &self.shape)
     }
@@ -155,10 +207,17 @@ impl Tensor {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            let dense = self.dense()?;
+            let storage = dense.cuda_storage().map(|s| s.converted(dtype)).transpose()?;
+            let storage = storage.ok_or(Error::UnsupportedDevice { op: "to_dtype", device: self.device })?;
+            return Tensor::from_cuda(storage, &self.shape);
+        }
         Tensor::from_storage(Storage::from_f32(self.to_vec(), dtype), &self.shape)
     }
 
-    /// The device check every op runs first: only CPU kernels exist today.
+    /// The device check of ops that have no GPU implementation.
     pub(crate) fn require_cpu(&self, op: &'static str) -> Result<()> {
         match self.device {
             Device::Cpu => Ok(()),

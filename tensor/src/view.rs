@@ -12,7 +12,10 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
-        self.require_cpu("contiguous")?;
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            return self.dense();
+        }
         let storage = Storage::from_f32(self.to_vec(), self.dtype());
         Tensor::from_storage(storage, &self.shape)
     }

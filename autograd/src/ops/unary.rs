@@ -1,7 +1,6 @@
 //! Elementwise functions. The forward and derivative of each live side by side in
 //! `kernels::cpu::unary`; this file wires them into the graph.
 
-use kernels::cpu::unary::unary_backward;
 use tensor::ops::Unary;
 use tensor::{Result, Tensor};
 
@@ -13,12 +12,7 @@ impl Var {
         let x = self.value().contiguous()?;
         let y = x.unary(op)?;
         let saved_y = y.clone();
-        Ok(Var::from_op(y, vec![self.clone()], move |dy| {
-            let dy = dy.contiguous()?;
-            let mut dx = tensor::pool::zeros(x.numel());
-            unary_backward(op, x.as_slice()?, saved_y.as_slice()?, dy.as_slice()?, &mut dx);
-            Ok(vec![Tensor::from_vec(dx, x.shape())?])
-        }))
+        Ok(Var::from_op(y, vec![self.clone()], move |dy| Ok(vec![Tensor::unary_backward(op, &x, &saved_y, dy)?])))
     }
 
     /// `-x`

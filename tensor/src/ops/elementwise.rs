@@ -3,27 +3,52 @@
 use std::sync::Arc;
 
 use kernels::cpu::binary::{add_assign, binary_forward, scalar_forward, select, Binary};
-use kernels::cpu::unary::{unary_forward, Unary};
+use kernels::cpu::unary::{unary_backward, unary_forward, Unary};
 
 use crate::shape::broadcast_shapes;
-use crate::{Result, Storage, Tensor};
+use crate::{Error, Result, Storage, Tensor};
 
 impl Tensor {
     /// Applies `op` elementwise (PyTorch `torch.exp`, `torch.sigmoid`, ...).
     pub fn unary(&self, op: Unary) -> Result<Tensor> {
-        self.require_cpu("unary")?;
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            return crate::cuda::elementwise::unary(self, op);
+        }
         let x = self.contiguous()?;
         let mut y = crate::pool::buffer(x.numel());
         unary_forward(op, x.as_slice()?, &mut y);
         Tensor::from_vec(y, &self.shape)
     }
 
+    /// `dy · f'(x)` for `y = f(x)`: the backward of [`Tensor::unary`], from its saved input
+    /// and output (all three of one shape).
+    pub fn unary_backward(op: Unary, x: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Tensor> {
+        for t in [y, dy] {
+            x.same_device("unary_backward", t)?;
+            if t.shape != x.shape {
+                return Err(Error::ShapeMismatch { op: "unary_backward", lhs: x.shape.clone(), rhs: t.shape.clone() });
+            }
+        }
+        #[cfg(feature = "cuda")]
+        if x.cuda_storage().is_some() {
+            return crate::cuda::elementwise::unary_backward(op, x, y, dy);
+        }
+        let (x, y, dy) = (x.contiguous()?, y.contiguous()?, dy.contiguous()?);
+        let mut dx = crate::pool::zeros(x.numel());
+        unary_backward(op, x.as_slice()?, y.as_slice()?, dy.as_slice()?, &mut dx);
+        Tensor::from_vec(dx, &x.shape)
+    }
+
     /// `self op rhs` with NumPy broadcasting.
     pub fn binary(&self, rhs: &Tensor, op: Binary) -> Result<Tensor> {
-        self.require_cpu("binary")?;
-        rhs.require_cpu("binary")?;
+        self.same_device(op_name(op), rhs)?;
         let shape = broadcast_shapes(op_name(op), &self.shape, &rhs.shape)?;
         let (a, b) = (self.expand(&shape)?, rhs.expand(&shape)?);
+        #[cfg(feature = "cuda")]
+        if a.cuda_storage().is_some() {
+            return crate::cuda::elementwise::binary(&a, &b, op, &shape);
+        }
         let mut out = crate::pool::buffer(shape.iter().product());
         binary_forward(
             op,
@@ -41,7 +66,10 @@ impl Tensor {
 
     /// `self op s` for a scalar `s`.
     pub fn scalar_op(&self, op: Binary, s: f32) -> Result<Tensor> {
-        self.require_cpu("scalar_op")?;
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            return crate::cuda::elementwise::scalar_op(self, op, s);
+        }
         let x = self.contiguous()?;
         let mut y = crate::pool::buffer(x.numel());
         scalar_forward(op, x.as_slice()?, s, &mut y);
@@ -59,6 +87,16 @@ impl Tensor {
     /// one input) allocates nothing. Falls back to [`Tensor::add`] (broadcasting, new buffer)
     /// when both buffers are shared.
     pub fn accumulate(mut self, mut rhs: Tensor) -> Result<Tensor> {
+        self.same_device("accumulate", &rhs)?;
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() && self.shape == rhs.shape {
+            if crate::cuda::elementwise::add_in_place(&mut self, &rhs)?.is_some() {
+                return Ok(self);
+            }
+            if crate::cuda::elementwise::add_in_place(&mut rhs, &self)?.is_some() {
+                return Ok(rhs);
+            }
+        }
         if self.shape == rhs.shape {
             if let Some(dst) = self.owned_slice_mut() {
                 add_assign(dst, rhs.contiguous()?.as_slice()?);
@@ -102,7 +140,13 @@ impl Tensor {
     /// `cond ? a : b` elementwise (cond nonzero = true), all three broadcast together
     /// (PyTorch `torch.where`).
     pub fn select(cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        cond.same_device("select", a)?;
+        a.same_device("select", b)?;
         let shape = broadcast_shapes("select", &broadcast_shapes("select", &cond.shape, &a.shape)?, &b.shape)?;
+        #[cfg(feature = "cuda")]
+        if a.cuda_storage().is_some() {
+            return crate::cuda::elementwise::select(&cond.expand(&shape)?, &a.expand(&shape)?, &b.expand(&shape)?);
+        }
         let gather = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.expand(&shape)?.to_vec()) };
         let mut out = crate::pool::buffer(shape.iter().product());
         select(&gather(cond)?, &gather(a)?, &gather(b)?, &mut out);

@@ -1,0 +1,155 @@
+//! Tensors on a CUDA GPU (feature `cuda`): the device registry, device storage, host ↔
+//! device copies, and the CUDA side of every op the LLaMA and ResNet paths use.
+//!
+//! ```text
+//! mod.rs          device(ordinal): one shared CudaDevice per GPU; Tensor::to_device
+//! storage.rs      CudaStorage: a DeviceBuffer (f32 or bf16) and the device that owns it
+//! <family>.rs     the CUDA branch of tensor/src/ops/<family>.rs, launching kernels::cuda
+//! ```
+//!
+//! An op on a CUDA tensor runs on that tensor's GPU: every operand must be on the same
+//! device ([`crate::Error::DeviceMismatch`] otherwise) and the result stays there. Nothing
+//! is copied between host and device behind the caller's back, except the few scalars an
+//! op returns to the host by definition (a loss value, an `item()`).
+
+pub(crate) mod elementwise;
+pub(crate) mod storage;
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use kernels::cuda::{CudaDevice, CudaError, DeviceBuffer};
+
+use crate::{Error, Result, Storage, Tensor};
+
+pub use storage::CudaStorage;
+
+/// The devices opened so far, by ordinal.
+fn registry() -> &'static Mutex<Vec<Option<Arc<CudaDevice>>>> {
+    static DEVICES: OnceLock<Mutex<Vec<Option<Arc<CudaDevice>>>>> = OnceLock::new();
+    DEVICES.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+/// GPU `ordinal`, opened on first use and shared by every tensor on it afterwards.
+/// Fails with a message naming what is missing (driver, NVRTC, cuBLAS, the GPU itself).
+pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
+    let mut devices = registry().lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(Some(dev)) = devices.get(ordinal) {
+        return Ok(Arc::clone(dev));
+    }
+    let dev = Arc::new(CudaDevice::new(ordinal).map_err(|e| cuda_error("open device", e))?);
+    if devices.len() <= ordinal {
+        devices.resize(ordinal + 1, None);
+    }
+    devices[ordinal] = Some(Arc::clone(&dev));
+    Ok(dev)
+}
+
+/// True when GPU 0 can be opened (tests use this to skip, saying so, on machines without one).
+pub fn is_available() -> bool {
+    device(0).is_ok()
+}
+
+/// Wraps a CUDA error as a tensor error naming `op`.
+pub(crate) fn cuda_error(op: &'static str, error: CudaError) -> Error {
+    Error::Cuda { op, message: error.to_string() }
+}
+
+/// A launcher's error (its message names the launcher) as a tensor error.
+impl From<CudaError> for Error {
+    fn from(error: CudaError) -> Error {
+        cuda_error("kernel launch", error)
+    }
+}
+
+impl Tensor {
+    /// This tensor's device storage, or `None` on the CPU.
+    pub(crate) fn cuda_storage(&self) -> Option<&CudaStorage> {
+        match &*self.storage {
+            Storage::Cuda(storage) => Some(storage),
+            _ => None,
+        }
+    }
+
+    /// The GPU this tensor lives on, or an error naming `op` for a CPU tensor.
+    pub(crate) fn cuda_device(&self, op: &'static str) -> Result<Arc<CudaDevice>> {
+        self.cuda_storage().map(|s| Arc::clone(s.device())).ok_or(Error::UnsupportedDevice { op, device: self.device })
+    }
+
+    /// A contiguous tensor of `shape` over freshly written device storage.
+    pub(crate) fn from_cuda(storage: CudaStorage, shape: &[usize]) -> Result<Tensor> {
+        Tensor::from_storage(Storage::Cuda(storage), shape)
+    }
+
+    /// The f32 device buffer of a [`Tensor::dense`] view (call that first), or an error
+    /// naming `op` for CPU, bf16 or non-dense tensors.
+    pub(crate) fn cuda_f32(&self, op: &'static str) -> Result<&DeviceBuffer<f32>> {
+        let storage = self.cuda_storage().ok_or(Error::UnsupportedDevice { op, device: self.device })?;
+        if !self.is_contiguous() || self.offset != 0 || storage.len() != self.numel() {
+            return Err(Error::InvalidShape {
+                op,
+                shape: self.shape.clone(),
+                reason: "a CUDA launcher needs a dense view; call dense() first".into(),
+            });
+        }
+        storage.f32_buffer(op)
+    }
+
+    /// A contiguous host copy of this GPU tensor.
+    pub(crate) fn download(&self) -> Result<Tensor> {
+        let dense = self.dense()?;
+        let storage = dense.cuda_storage().ok_or(Error::UnsupportedDevice { op: "download", device: self.device })?;
+        Tensor::from_storage(storage.download()?, &self.shape)
+    }
+
+    /// A view whose device buffer holds exactly its elements in row-major order (offset 0),
+    /// copying on the device when this view is strided, offset or a part of a larger buffer.
+    /// The layout every CUDA launcher takes.
+    pub(crate) fn dense(&self) -> Result<Tensor> {
+        let storage = self.cuda_storage().ok_or(Error::UnsupportedDevice { op: "dense", device: self.device })?;
+        if self.is_contiguous() && self.offset == 0 && storage.len() == self.numel() {
+            return Ok(self.clone());
+        }
+        let copy = storage.copy_strided(self.offset, &self.shape, &self.strides)?;
+        Tensor::from_cuda(copy, &self.shape)
+    }
+}
+
+/// A new f32 tensor of `shape` on `dev`, written by `launch` (which must overwrite every
+/// element: the buffer comes from the caching allocator uninitialised).
+pub(crate) fn output(
+    dev: &Arc<CudaDevice>,
+    op: &'static str,
+    shape: &[usize],
+    launch: impl FnOnce(&mut DeviceBuffer<f32>) -> Result<()>,
+) -> Result<Tensor> {
+    let mut out = CudaStorage::alloc(dev, shape.iter().product())?;
+    launch(out.f32_buffer_mut(op)?)?;
+    Tensor::from_cuda(out, shape)
+}
+
+/// A new f32 tensor of `shape` on `dev`, zero-filled and then accumulated into by `launch`
+/// (backward launchers add `dx += ...`).
+pub(crate) fn accumulated(
+    dev: &Arc<CudaDevice>,
+    op: &'static str,
+    shape: &[usize],
+    launch: impl FnOnce(&mut DeviceBuffer<f32>) -> Result<()>,
+) -> Result<Tensor> {
+    let mut out = CudaStorage::zeros(dev, shape.iter().product())?;
+    launch(out.f32_buffer_mut(op)?)?;
+    Tensor::from_cuda(out, shape)
+}
+
+/// Copies a host tensor to GPU `ordinal` (f32 and bf16 keep their type; f16 is widened).
+pub(crate) fn upload(t: &Tensor, ordinal: usize) -> Result<Tensor> {
+    let dev = device(ordinal)?;
+    let host = t.contiguous()?;
+    let storage = match &*host.storage {
+        Storage::BF16(values) => {
+            let start = host.offset;
+            CudaStorage::upload_bf16(&dev, &values[start..start + host.numel()])?
+        }
+        _ => CudaStorage::upload_f32(&dev, &host.to_vec())?,
+    };
+    Tensor::from_cuda(storage, &t.shape)
+}
