@@ -6,13 +6,16 @@
 //!
 //! [`matmul`] mirrors `cpu::matmul::matmul` (`dst (+)= lhs·rhs` with strided operands, one
 //! of whose strides must be 1 on the GPU). f32 products run in full f32 (cuBLAS's default
-//! math mode, no TF32), so they agree with the CPU to rounding.
+//! math mode, no TF32), so they agree with the CPU to rounding. [`matmul_bf16`] is the same
+//! product with bf16 operands on tensor cores, accumulated and written in f32.
 
 use std::ffi::c_void;
 
 use cudarc::cublas::{result as cublas, sys};
 
-use super::allocator::DeviceBuffer;
+use half::bf16;
+
+use super::allocator::{DeviceBuffer, DeviceScalar};
 use super::device::CudaDevice;
 use super::error::{ensure, CudaError, Result};
 use super::launch::to_i32;
@@ -179,12 +182,13 @@ pub(crate) fn gemm_strided_batched(
     .map_err(|e| CudaError::blas(format!("batched gemm {batch}×({m}×{n}×{k})"), e))
 }
 
-/// A strided f32 operand on the device, as `cpu::matmul::MatRef`: element (i, j) is
-/// `buffer[offset + i·row_stride + j·col_stride]`. One of the strides must be 1.
+/// A strided operand on the device, as `cpu::matmul::MatRef`: element (i, j) is
+/// `buffer[offset + i·row_stride + j·col_stride]`. One of the strides must be 1. f32 for
+/// [`matmul`], bf16 for [`matmul_bf16`].
 #[derive(Clone, Copy, Debug)]
-pub struct DeviceMat<'a> {
+pub struct DeviceMat<'a, T: DeviceScalar = f32> {
     /// The buffer holding the matrix.
-    pub buffer: &'a DeviceBuffer<f32>,
+    pub buffer: &'a DeviceBuffer<T>,
     /// Element (0, 0).
     pub offset: usize,
     /// Step between rows.
@@ -193,7 +197,7 @@ pub struct DeviceMat<'a> {
     pub col_stride: usize,
 }
 
-impl DeviceMat<'_> {
+impl<T: DeviceScalar> DeviceMat<'_, T> {
     /// Checks bounds and converts to a cuBLAS operand of `rows × cols`.
     fn operand(&self, dev: &CudaDevice, rows: usize, cols: usize, what: &str) -> Result<Operand> {
         dev.check_owner("matmul", self.buffer)?;
@@ -227,6 +231,38 @@ pub fn matmul(
     k: usize,
     accumulate: bool,
 ) -> Result<()> {
+    product(dev, Precision::F32, dst, dst_offset, lhs, rhs, (m, n, k), accumulate)
+}
+
+/// [`matmul`] with bf16 operands: tensor-core products accumulated and written in f32
+/// (mixed precision; the caller converts its f32 operands with `elementwise::to_bf16`).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_bf16(
+    dev: &CudaDevice,
+    dst: &mut DeviceBuffer<f32>,
+    dst_offset: usize,
+    lhs: DeviceMat<bf16>,
+    rhs: DeviceMat<bf16>,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) -> Result<()> {
+    product(dev, Precision::Bf16, dst, dst_offset, lhs, rhs, (m, n, k), accumulate)
+}
+
+/// The body of [`matmul`] and [`matmul_bf16`]: checks `dst` and both operands, then one gemm.
+#[allow(clippy::too_many_arguments)]
+fn product<T: DeviceScalar>(
+    dev: &CudaDevice,
+    precision: Precision,
+    dst: &mut DeviceBuffer<f32>,
+    dst_offset: usize,
+    lhs: DeviceMat<T>,
+    rhs: DeviceMat<T>,
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+) -> Result<()> {
     dev.check_owner("matmul", dst)?;
     ensure(dst.len() >= dst_offset + m * n, "matmul", || format!("dst too short for {m}×{n} at {dst_offset}"))?;
     if m == 0 || n == 0 {
@@ -234,5 +270,5 @@ pub fn matmul(
     }
     let (a, b) = (lhs.operand(dev, m, k, "lhs")?, rhs.operand(dev, k, n, "rhs")?);
     let beta = if accumulate { 1.0 } else { 0.0 };
-    gemm(dev, Precision::F32, m, n, k, 1.0, a, b, beta, dst.ptr_at(dst_offset), n)
+    gemm(dev, precision, m, n, k, 1.0, a, b, beta, dst.ptr_at(dst_offset), n)
 }
