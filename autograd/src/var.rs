@@ -268,7 +268,8 @@ impl Var {
                 reason: "backward() starts from a scalar; use backward_with for other shapes".into(),
             });
         }
-        self.backward_with(Tensor::ones(value.shape()))
+        // The seed d self/d self = 1 lives where the value does (a GPU graph stays there).
+        self.backward_with(value.full_like(1.0)?)
     }
 
     /// Back-propagates `seed` (the gradient of some scalar with respect to this node).

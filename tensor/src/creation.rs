@@ -1,6 +1,6 @@
 //! Creating tensors: constants, ranges and seeded random initialisers.
 
-use crate::{Rng, Tensor};
+use crate::{Device, Result, Rng, Tensor};
 
 impl Tensor {
     /// A tensor of `shape` filled with `value`.
@@ -51,13 +51,66 @@ impl Tensor {
         Tensor::rand_uniform(shape, -bound, bound, rng)
     }
 
-    /// A tensor of the same shape filled with `value`.
-    pub fn full_like(&self, value: f32) -> Tensor {
-        Tensor::full(&self.shape, value)
+    /// A tensor of `shape` filled with `value` on `device` (for constants and gradient
+    /// seeds next to tensors on a GPU). On a GPU: an upload, or a memset for 0.0.
+    pub fn full_on(shape: &[usize], value: f32, device: Device) -> Result<Tensor> {
+        match device {
+            Device::Cpu => Ok(Tensor::full(shape, value)),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => {
+                let dev = crate::cuda::device(ordinal)?;
+                let numel = shape.iter().product();
+                let storage = if value.to_bits() == 0 {
+                    crate::cuda::CudaStorage::zeros(&dev, numel)?
+                } else {
+                    crate::cuda::CudaStorage::upload_f32(&dev, &vec![value; numel])?
+                };
+                Tensor::from_storage(crate::Storage::Cuda(storage), shape)
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => {
+                Err(crate::Error::UnsupportedDevice { op: "full_on (built without the cuda feature)", device })
+            }
+        }
     }
 
-    /// A tensor of the same shape filled with zeros.
-    pub fn zeros_like(&self) -> Tensor {
-        Tensor::zeros(&self.shape)
+    /// A tensor of zeros of `shape` on `device`.
+    pub fn zeros_on(shape: &[usize], device: Device) -> Result<Tensor> {
+        Tensor::full_on(shape, 0.0, device)
+    }
+
+    /// A tensor of the same shape, on the same device, filled with `value`.
+    pub fn full_like(&self, value: f32) -> Result<Tensor> {
+        Tensor::full_on(&self.shape, value, self.device)
+    }
+
+    /// A tensor of the same shape, on the same device, filled with zeros.
+    pub fn zeros_like(&self) -> Result<Tensor> {
+        Tensor::zeros_on(&self.shape, self.device)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constants_on_the_cpu() {
+        let t = Tensor::full_on(&[2, 3], 1.5, Device::Cpu).unwrap();
+        assert_eq!((t.shape(), t.device()), (&[2, 3][..], Device::Cpu));
+        assert_eq!(t.to_vec(), vec![1.5; 6]);
+        assert_eq!(Tensor::zeros_on(&[4], Device::Cpu).unwrap().to_vec(), vec![0.0; 4]);
+        let like = t.full_like(-2.0).unwrap();
+        assert_eq!((like.shape(), like.device(), like.to_vec()), (t.shape(), Device::Cpu, vec![-2.0; 6]));
+        assert_eq!(t.zeros_like().unwrap().to_vec(), vec![0.0; 6]);
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn gpu_tensors_need_the_cuda_feature() {
+        let unsupported = |r: Result<Tensor>| matches!(r, Err(crate::Error::UnsupportedDevice { .. }));
+        assert!(unsupported(Tensor::zeros_on(&[2], Device::Cuda(0))));
+        assert!(unsupported(Tensor::full_on(&[2], 1.0, Device::Cuda(0))));
+        assert!(unsupported(Tensor::ones(&[2]).to_device(Device::Cuda(0))));
     }
 }

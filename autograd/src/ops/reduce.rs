@@ -39,15 +39,7 @@ impl Var {
         let (y, argmax) = self.value_ref().max_axis(axis, keepdim)?;
         // d max/dx_j = [j = argmax]
         Ok(Var::from_op(y, vec![self.clone()], move |dy| {
-            let n = shape[axis];
-            let inner: usize = shape[axis + 1..].iter().product();
-            let dy = dy.contiguous()?;
-            let mut dx = tensor::pool::zeros(shape.iter().product());
-            for (slot, (&g, &j)) in dy.as_slice()?.iter().zip(&argmax).enumerate() {
-                let (outer, i) = (slot / inner, slot % inner);
-                dx[(outer * n + j) * inner + i] += g;
-            }
-            Ok(vec![Tensor::from_vec(dx, &shape)?])
+            Ok(vec![Tensor::max_axis_backward(dy, &argmax, &shape, axis)?])
         }))
     }
 }

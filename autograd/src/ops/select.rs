@@ -13,7 +13,7 @@ impl Var {
         let cond = cond.clone();
         // d/da = [cond], d/db = [!cond]
         Ok(Var::from_op(y, vec![a.clone(), b.clone()], move |dy| {
-            let zero = Tensor::scalar(0.0);
+            let zero = Tensor::zeros_on(&[], dy.device())?;
             let da = Tensor::select(&cond, dy, &zero)?.sum_to_shape(&a_shape)?;
             let db = Tensor::select(&cond, &zero, dy)?.sum_to_shape(&b_shape)?;
             Ok(vec![da, db])
@@ -22,6 +22,7 @@ impl Var {
 
     /// Replaces elements where `mask` is nonzero with `value` (PyTorch `masked_fill`).
     pub fn masked_fill(&self, mask: &Tensor, value: f32) -> Result<Var> {
-        Var::select(mask, &Var::constant(Tensor::scalar(value)), self)
+        let value = Tensor::full_on(&[], value, self.value_ref().device())?;
+        Var::select(mask, &Var::constant(value), self)
     }
 }

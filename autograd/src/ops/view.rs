@@ -38,7 +38,8 @@ impl Var {
             before[axis] = start;
             let mut after = shape.clone();
             after[axis] = shape[axis] - start - len;
-            Ok(vec![Tensor::cat(&[&Tensor::zeros(&before), dy, &Tensor::zeros(&after)], axis)?])
+            let (before, after) = (Tensor::zeros_on(&before, dy.device())?, Tensor::zeros_on(&after, dy.device())?);
+            Ok(vec![Tensor::cat(&[&before, dy, &after], axis)?])
         }))
     }
 

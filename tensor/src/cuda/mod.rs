@@ -12,7 +12,10 @@
 //! is copied between host and device behind the caller's back, except the few scalars an
 //! op returns to the host by definition (a loss value, an `item()`).
 
+pub(crate) mod concat;
 pub(crate) mod elementwise;
+pub(crate) mod matmul;
+pub(crate) mod reduce;
 pub(crate) mod storage;
 
 use std::sync::{Arc, Mutex, OnceLock};
@@ -21,6 +24,7 @@ use kernels::cuda::{CudaDevice, CudaError, DeviceBuffer};
 
 use crate::{Error, Result, Storage, Tensor};
 
+pub use matmul::{matmul_precision, set_matmul_precision, MatmulPrecision};
 pub use storage::CudaStorage;
 
 /// The devices opened so far, by ordinal.

@@ -12,10 +12,17 @@ impl Tensor {
         })?;
         first.dim("cat", axis)?;
         for t in tensors {
+            first.same_device("cat", t)?;
             let same_rank = t.rank() == first.rank();
             if !same_rank || (0..t.rank()).any(|d| d != axis && t.shape[d] != first.shape[d]) {
                 return Err(Error::ShapeMismatch { op: "cat", lhs: first.shape.clone(), rhs: t.shape.clone() });
             }
+        }
+        #[cfg(feature = "cuda")]
+        if first.cuda_storage().is_some() {
+            let mut shape = first.shape.clone();
+            shape[axis] = tensors.iter().map(|t| t.shape[axis]).sum();
+            return crate::cuda::concat::cat(tensors, axis, &shape);
         }
         let outer: usize = first.shape[..axis].iter().product();
         let inner: usize = first.shape[axis + 1..].iter().product();

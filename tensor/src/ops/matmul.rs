@@ -9,10 +9,11 @@ use crate::{Error, Result, Tensor};
 
 impl Tensor {
     /// `self[..., m, k] · rhs[..., k, n]`; batch dimensions broadcast. Strided operands
-    /// (e.g. `w.transpose(0, 1)`) are read in place, never copied.
+    /// (e.g. `w.transpose(0, 1)`) are read in place, never copied (on a GPU, where cuBLAS
+    /// can take the view). GPU products run in the precision set by
+    /// `tensor::cuda::set_matmul_precision` (f32 unless bf16 mixed precision is on).
     pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
-        self.require_cpu("matmul")?;
-        rhs.require_cpu("matmul")?;
+        self.same_device("matmul", rhs)?;
         let mismatch = || Error::ShapeMismatch { op: "matmul", lhs: self.shape.clone(), rhs: rhs.shape.clone() };
         if self.rank() < 2 || rhs.rank() < 2 {
             return Err(mismatch());
@@ -24,6 +25,10 @@ impl Tensor {
         }
         let batch = broadcast_shapes("matmul", &self.shape[..self.rank() - 2], &rhs.shape[..rhs.rank() - 2])
             .map_err(|_| mismatch())?;
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            return crate::cuda::matmul::matmul(self, rhs, &batch, (m, k, n));
+        }
         let lhs = self.expand(&[batch.as_slice(), &[m, k]].concat())?;
         let rhs = rhs.expand(&[batch.as_slice(), &[k, n]].concat())?;
         let batches: usize = batch.iter().product();

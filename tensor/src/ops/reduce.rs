@@ -27,6 +27,10 @@ impl Tensor {
     /// Sum over `axis` (PyTorch `x.sum(axis, keepdim)`).
     pub fn sum_axis(&self, axis: usize, keepdim: bool) -> Result<Tensor> {
         let (outer, n, inner) = self.split_at_axis("sum_axis", axis)?;
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            return crate::cuda::reduce::sum_axis(self, (outer, n, inner), &self.reduced_shape(axis, keepdim));
+        }
         let x = self.contiguous()?;
         let mut out = crate::pool::zeros(outer * inner);
         sum_axis(x.as_slice()?, outer, n, inner, &mut out);
@@ -40,6 +44,7 @@ impl Tensor {
     }
 
     /// Maximum over `axis` and the index of the first maximum (PyTorch `x.max(axis)`).
+    /// On a GPU the indices are downloaded, so this waits for the device.
     pub fn max_axis(&self, axis: usize, keepdim: bool) -> Result<(Tensor, Vec<usize>)> {
         let (outer, n, inner) = self.split_at_axis("max_axis", axis)?;
         if n == 0 {
@@ -49,11 +54,42 @@ impl Tensor {
                 reason: "max of an empty axis".into(),
             });
         }
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            return crate::cuda::reduce::max_axis(self, (outer, n, inner), &self.reduced_shape(axis, keepdim));
+        }
         let x = self.contiguous()?;
         let mut out = vec![0.0; outer * inner];
         let mut argmax = vec![0; outer * inner];
         max_axis(x.as_slice()?, outer, n, inner, &mut out, &mut argmax);
         Ok((Tensor::from_vec(out, &self.reduced_shape(axis, keepdim))?, argmax))
+    }
+
+    /// The backward of [`Tensor::max_axis`]: `dy` (the reduced shape, with or without the
+    /// kept axis) goes to the first maximum of each slice of an input of `shape`, whose
+    /// indices along `axis` are `argmax`; every other element gets 0.
+    pub fn max_axis_backward(dy: &Tensor, argmax: &[usize], shape: &[usize], axis: usize) -> Result<Tensor> {
+        const OP: &str = "max_axis_backward";
+        let n = *shape.get(axis).ok_or(Error::AxisOutOfRange { op: OP, axis, rank: shape.len() })?;
+        let inner: usize = shape[axis + 1..].iter().product();
+        let slots = shape[..axis].iter().product::<usize>() * inner;
+        if dy.numel() != slots || argmax.len() != slots {
+            return Err(Error::ShapeMismatch { op: OP, lhs: shape.to_vec(), rhs: dy.shape.clone() });
+        }
+        if let Some(&j) = argmax.iter().find(|&&j| j >= n) {
+            return Err(Error::IndexOutOfRange { op: OP, index: j, size: n });
+        }
+        #[cfg(feature = "cuda")]
+        if dy.cuda_storage().is_some() {
+            return crate::cuda::reduce::max_axis_backward(dy, argmax, (n, inner), shape);
+        }
+        let dy = dy.contiguous()?;
+        let mut dx = crate::pool::zeros(shape.iter().product());
+        for (slot, (&g, &j)) in dy.as_slice()?.iter().zip(argmax).enumerate() {
+            let (outer, i) = (slot / inner, slot % inner);
+            dx[(outer * n + j) * inner + i] += g;
+        }
+        Tensor::from_vec(dx, shape)
     }
 
     /// Sum of every element, as a rank-0 tensor.
@@ -85,5 +121,33 @@ impl Tensor {
             }
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn max_axis_backward_routes_to_the_first_maximum() {
+        // [2, 3, 2]: maxima along axis 1.
+        let x = Tensor::from_vec(vec![1., 5., 3., 5., 3., 0., 2., 2., 9., 1., 9., 4.], &[2, 3, 2]).unwrap();
+        let (m, argmax) = x.max_axis(1, false).unwrap();
+        assert_eq!((m.to_vec(), argmax.clone()), (vec![3., 5., 9., 4.], vec![1, 0, 1, 2]));
+        let dy = Tensor::from_vec(vec![10., 20., 30., 40.], &[2, 2]).unwrap();
+        let dx = Tensor::max_axis_backward(&dy, &argmax, x.shape(), 1).unwrap();
+        assert_eq!(dx.to_vec(), vec![0., 20., 10., 0., 0., 0., 0., 0., 30., 0., 0., 40.]);
+        // keepdim gradients have the same elements.
+        let dy_kept = dy.reshape(&[2, 1, 2]).unwrap();
+        assert_eq!(Tensor::max_axis_backward(&dy_kept, &argmax, x.shape(), 1).unwrap().to_vec(), dx.to_vec());
+    }
+
+    #[test]
+    fn max_axis_backward_rejects_bad_input() {
+        let dy = Tensor::zeros(&[2]);
+        assert!(Tensor::max_axis_backward(&dy, &[0, 3], &[2, 3], 1).is_err(), "index past the axis");
+        assert!(Tensor::max_axis_backward(&dy, &[0], &[2, 3], 1).is_err(), "too few indices");
+        assert!(Tensor::max_axis_backward(&dy, &[0, 0], &[2, 3], 2).is_err(), "axis out of range");
+        assert!(Tensor::max_axis_backward(&Tensor::zeros(&[3]), &[0, 0], &[2, 3], 1).is_err(), "dy too long");
     }
 }
