@@ -1,0 +1,387 @@
+//! CPU-vs-CUDA agreement of the core tensor ops and a few autograd graphs: every test
+//! builds random inputs on the CPU, runs the same op on the CPU and on GPU 0, and compares.
+//! Tolerances: f32 1e-4 relative + 1e-5 absolute; bf16 2e-2 relative.
+//!
+//! Run on a GPU machine with `cargo test --release -p transponder-tests --features cuda
+//! --test cuda_core`; without a GPU every test prints "skipping: no CUDA device" and passes.
+#![cfg(feature = "cuda")]
+
+use std::sync::{Mutex, MutexGuard};
+
+use autograd::Var;
+use tensor::cuda::{matmul_precision, set_matmul_precision, MatmulPrecision};
+use tensor::ops::{Binary, Unary};
+use tensor::{DType, Device, Error, Rng, Tensor};
+
+const GPU: Device = Device::Cuda(0);
+const F32_REL: f32 = 1e-4;
+const F32_ABS: f32 = 1e-5;
+const BF16_REL: f32 = 2e-2;
+
+/// True (after saying so) when there is no GPU to test on.
+fn no_gpu() -> bool {
+    if tensor::cuda::is_available() {
+        return false;
+    }
+    eprintln!("skipping: no CUDA device");
+    true
+}
+
+/// Uniform values in `[low, high)` from a fixed seed.
+fn rand(shape: &[usize], low: f32, high: f32, seed: u64) -> Tensor {
+    Tensor::rand_uniform(shape, low, high, &mut Rng::new(seed))
+}
+
+fn gpu(t: &Tensor) -> Tensor {
+    t.to_device(GPU).unwrap()
+}
+
+/// `got` (on the GPU) is within `abs + rel·|want|` of `want` (on the CPU) everywhere.
+fn assert_close(got: &Tensor, want: &Tensor, rel: f32, abs: f32, what: &str) {
+    assert_eq!(got.device(), GPU, "{what}: result left the GPU");
+    assert_eq!(got.shape(), want.shape(), "{what}: shape");
+    let (got, want) = (got.to_host().unwrap().to_vec(), want.to_vec());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!((g - w).abs() <= abs + rel * w.abs(), "{what}: element {i}: GPU {g}, CPU {w}");
+    }
+}
+
+fn assert_f32_close(got: &Tensor, want: &Tensor, what: &str) {
+    assert_close(got, want, F32_REL, F32_ABS, what);
+}
+
+/// Serialises the tests that run matmuls: the matmul precision is process-wide, and the
+/// bf16 test switches it.
+fn matmul_lock() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Sets a matmul precision until dropped (restoring f32 even if the test fails), holding
+/// [`matmul_lock`] meanwhile.
+struct Precision {
+    _lock: MutexGuard<'static, ()>,
+}
+
+impl Precision {
+    fn set(precision: MatmulPrecision) -> Precision {
+        let lock = matmul_lock();
+        set_matmul_precision(precision);
+        Precision { _lock: lock }
+    }
+}
+
+impl Drop for Precision {
+    fn drop(&mut self) {
+        set_matmul_precision(MatmulPrecision::F32);
+    }
+}
+
+#[test]
+fn to_device_round_trips_f32_and_bf16() {
+    if no_gpu() {
+        return;
+    }
+    let x = rand(&[3, 5, 7], -4.0, 4.0, 1);
+    let on_gpu = gpu(&x);
+    assert_eq!((on_gpu.device(), on_gpu.dtype()), (GPU, DType::F32));
+    assert_eq!(on_gpu.to_host().unwrap().to_vec(), x.to_vec());
+    assert_eq!(on_gpu.to_device(Device::Cpu).unwrap().device(), Device::Cpu);
+
+    let x16 = x.to_dtype(DType::BF16).unwrap();
+    let on_gpu16 = gpu(&x16);
+    assert_eq!(on_gpu16.dtype(), DType::BF16);
+    let back = on_gpu16.to_host().unwrap();
+    assert_eq!((back.device(), back.dtype()), (Device::Cpu, DType::BF16));
+    assert_eq!(back.to_vec(), x16.to_vec());
+    // Rounding to bf16 on the device matches the host (nearest even).
+    assert_eq!(on_gpu.to_dtype(DType::BF16).unwrap().to_host().unwrap().to_vec(), x16.to_vec());
+    // A strided view goes over as its own elements.
+    let view = x.transpose(0, 2).unwrap().narrow(1, 1, 3).unwrap();
+    assert_eq!(gpu(&view).to_host().unwrap().to_vec(), view.to_vec());
+}
+
+#[test]
+fn constants_are_created_on_the_gpu() {
+    if no_gpu() {
+        return;
+    }
+    let z = Tensor::zeros_on(&[2, 3], GPU).unwrap();
+    assert_eq!((z.device(), z.to_host().unwrap().to_vec()), (GPU, vec![0.0; 6]));
+    let f = Tensor::full_on(&[4], -1.25, GPU).unwrap();
+    assert_eq!((f.device(), f.to_host().unwrap().to_vec()), (GPU, vec![-1.25; 4]));
+    let like = f.full_like(3.0).unwrap();
+    assert_eq!((like.device(), like.shape(), like.to_host().unwrap().to_vec()), (GPU, &[4][..], vec![3.0; 4]));
+    assert_eq!(f.zeros_like().unwrap().device(), GPU);
+}
+
+#[test]
+fn mixing_devices_is_an_error() {
+    if no_gpu() {
+        return;
+    }
+    let (cpu, on_gpu) = (rand(&[3, 3], -1.0, 1.0, 2), gpu(&rand(&[3, 3], -1.0, 1.0, 3)));
+    let mismatch = |r: tensor::Result<Tensor>| matches!(r, Err(Error::DeviceMismatch { .. }));
+    assert!(mismatch(cpu.add(&on_gpu)));
+    assert!(mismatch(on_gpu.mul(&cpu)));
+    assert!(mismatch(cpu.matmul(&on_gpu)));
+    assert!(mismatch(on_gpu.matmul(&cpu)));
+    assert!(mismatch(Tensor::cat(&[&on_gpu, &cpu], 0)));
+    assert!(mismatch(Tensor::select(&cpu, &on_gpu, &on_gpu)));
+    assert!(mismatch(on_gpu.clone().accumulate(cpu.clone())));
+}
+
+#[test]
+fn unary_ops_agree() {
+    if no_gpu() {
+        return;
+    }
+    let x = rand(&[7, 33], -3.0, 3.0, 4);
+    for op in [Unary::Exp, Unary::Sigmoid, Unary::Tanh, Unary::Relu, Unary::Silu, Unary::Neg, Unary::Square] {
+        assert_f32_close(&gpu(&x).unary(op).unwrap(), &x.unary(op).unwrap(), &format!("{op:?}"));
+    }
+    // A transposed (strided) input.
+    let xt = x.transpose(0, 1).unwrap();
+    assert_f32_close(
+        &gpu(&x).transpose(0, 1).unwrap().unary(Unary::Exp).unwrap(),
+        &xt.unary(Unary::Exp).unwrap(),
+        "exp of a view",
+    );
+}
+
+#[test]
+fn binary_ops_with_broadcasting_agree() {
+    if no_gpu() {
+        return;
+    }
+    let a = rand(&[4, 1, 5], -2.0, 2.0, 5);
+    let b = rand(&[3, 1], 0.5, 2.0, 6);
+    for op in [Binary::Add, Binary::Sub, Binary::Mul, Binary::Div, Binary::Maximum, Binary::Minimum] {
+        let want = a.binary(&b, op).unwrap();
+        assert_f32_close(&gpu(&a).binary(&gpu(&b), op).unwrap(), &want, &format!("{op:?}"));
+        let want_swapped = b.binary(&a, op).unwrap();
+        assert_f32_close(&gpu(&b).binary(&gpu(&a), op).unwrap(), &want_swapped, &format!("{op:?} swapped"));
+    }
+}
+
+#[test]
+fn scalar_ops_agree() {
+    if no_gpu() {
+        return;
+    }
+    let x = rand(&[6, 9], -2.0, 2.0, 7);
+    for (op, s) in [(Binary::Add, 0.75), (Binary::Sub, -1.5), (Binary::Mul, 3.0), (Binary::Div, 4.0)] {
+        assert_f32_close(&gpu(&x).scalar_op(op, s).unwrap(), &x.scalar_op(op, s).unwrap(), &format!("{op:?} {s}"));
+    }
+}
+
+#[test]
+fn select_agrees() {
+    if no_gpu() {
+        return;
+    }
+    // cond: 0 or a large positive value (about half each).
+    let cond = rand(&[4, 6], -1.0, 1.0, 8).scalar_op(Binary::Mul, 1e6).unwrap().unary(Unary::Relu).unwrap();
+    let (a, b) = (rand(&[4, 6], -1.0, 1.0, 9), rand(&[6], -1.0, 1.0, 10));
+    let want = Tensor::select(&cond, &a, &b).unwrap();
+    assert_f32_close(&Tensor::select(&gpu(&cond), &gpu(&a), &gpu(&b)).unwrap(), &want, "select");
+}
+
+#[test]
+fn accumulate_agrees() {
+    if no_gpu() {
+        return;
+    }
+    let (x, y) = (rand(&[5, 8], -1.0, 1.0, 11), rand(&[5, 8], -1.0, 1.0, 12));
+    let want = x.add(&y).unwrap();
+    // Sole owners: added in place.
+    assert_f32_close(&gpu(&x).accumulate(gpu(&y)).unwrap(), &want, "accumulate in place");
+    // Both buffers shared: a new sum.
+    let (gx, gy) = (gpu(&x), gpu(&y));
+    let (_keep_x, _keep_y) = (gx.clone(), gy.clone());
+    assert_f32_close(&gx.accumulate(gy).unwrap(), &want, "accumulate shared");
+    // Broadcast shapes.
+    let row = rand(&[8], -1.0, 1.0, 13);
+    assert_f32_close(&gpu(&x).accumulate(gpu(&row)).unwrap(), &x.add(&row).unwrap(), "accumulate broadcast");
+}
+
+#[test]
+fn reductions_agree() {
+    if no_gpu() {
+        return;
+    }
+    let x = rand(&[3, 50, 4], -1.0, 1.0, 14);
+    let g = gpu(&x);
+    for axis in 0..3 {
+        for keepdim in [false, true] {
+            let what = format!("axis {axis} keepdim {keepdim}");
+            assert_f32_close(
+                &g.sum_axis(axis, keepdim).unwrap(),
+                &x.sum_axis(axis, keepdim).unwrap(),
+                &format!("sum {what}"),
+            );
+            assert_f32_close(
+                &g.mean_axis(axis, keepdim).unwrap(),
+                &x.mean_axis(axis, keepdim).unwrap(),
+                &format!("mean {what}"),
+            );
+            let (got, got_arg) = g.max_axis(axis, keepdim).unwrap();
+            let (want, want_arg) = x.max_axis(axis, keepdim).unwrap();
+            assert_f32_close(&got, &want, &format!("max {what}"));
+            assert_eq!(got_arg, want_arg, "argmax {what}");
+        }
+    }
+    assert_f32_close(&g.sum_all().unwrap(), &x.sum_all().unwrap(), "sum_all");
+    // A strided view, and sums that undo broadcasting.
+    let xt = x.transpose(0, 2).unwrap();
+    assert_f32_close(
+        &g.transpose(0, 2).unwrap().sum_axis(1, false).unwrap(),
+        &xt.sum_axis(1, false).unwrap(),
+        "sum of a view",
+    );
+    for shape in [&[50, 1][..], &[1, 4], &[4], &[3, 1, 1]] {
+        assert_f32_close(
+            &g.sum_to_shape(shape).unwrap(),
+            &x.sum_to_shape(shape).unwrap(),
+            &format!("sum_to_shape {shape:?}"),
+        );
+    }
+    // An empty axis sums to zeros.
+    let empty = Tensor::zeros(&[3, 0, 4]);
+    assert_f32_close(&gpu(&empty).sum_axis(1, false).unwrap(), &empty.sum_axis(1, false).unwrap(), "empty sum");
+}
+
+#[test]
+fn matmul_agrees() {
+    if no_gpu() {
+        return;
+    }
+    let _lock = matmul_lock();
+    let check = |a: &Tensor, b: &Tensor, what: &str| {
+        let want = a.matmul(b).unwrap();
+        assert_f32_close(&gpu(a).matmul(&gpu(b)).unwrap(), &want, what);
+    };
+    let (a, b) = (rand(&[17, 23], -1.0, 1.0, 15), rand(&[23, 9], -1.0, 1.0, 16));
+    check(&a, &b, "plain");
+    // x · wᵀ with w stored [out, in], as a linear layer does.
+    let w = rand(&[9, 23], -1.0, 1.0, 17);
+    let want = a.matmul(&w.transpose(0, 1).unwrap()).unwrap();
+    assert_f32_close(&gpu(&a).matmul(&gpu(&w).transpose(0, 1).unwrap()).unwrap(), &want, "transposed rhs");
+    // aᵀ · b with both as views of the GPU tensors.
+    let c = rand(&[17, 9], -1.0, 1.0, 18);
+    let want = a.transpose(0, 1).unwrap().matmul(&c).unwrap();
+    assert_f32_close(&gpu(&a).transpose(0, 1).unwrap().matmul(&gpu(&c)).unwrap(), &want, "transposed lhs");
+    // A narrowed (offset, row-strided) operand.
+    let wide = rand(&[17, 40], -1.0, 1.0, 19);
+    let want = wide.narrow(1, 5, 23).unwrap().matmul(&b).unwrap();
+    assert_f32_close(&gpu(&wide).narrow(1, 5, 23).unwrap().matmul(&gpu(&b)).unwrap(), &want, "narrowed lhs");
+    // Batched, batch dims broadcast: [2, 3, 5, 7] · [3, 7, 4], and [2, 1, 5, 7] · [7, 4].
+    check(&rand(&[2, 3, 5, 7], -1.0, 1.0, 20), &rand(&[3, 7, 4], -1.0, 1.0, 21), "batched broadcast");
+    check(&rand(&[2, 1, 5, 7], -1.0, 1.0, 22), &rand(&[7, 4], -1.0, 1.0, 23), "batched against a matrix");
+    // A batched transposed view: q · kᵀ.
+    let (q, k) = (rand(&[2, 3, 5, 8], -1.0, 1.0, 24), rand(&[2, 3, 6, 8], -1.0, 1.0, 25));
+    let want = q.matmul(&k.transpose(2, 3).unwrap()).unwrap();
+    assert_f32_close(&gpu(&q).matmul(&gpu(&k).transpose(2, 3).unwrap()).unwrap(), &want, "q·kᵀ");
+    // A broadcast row (row stride 0) that cuBLAS cannot read in place.
+    let row = rand(&[1, 23], -1.0, 1.0, 26);
+    let want = row.expand(&[6, 23]).unwrap().matmul(&b).unwrap();
+    assert_f32_close(&gpu(&row).expand(&[6, 23]).unwrap().matmul(&gpu(&b)).unwrap(), &want, "broadcast rows");
+    // k = 0 gives zeros.
+    check(&Tensor::zeros(&[3, 0]), &Tensor::zeros(&[0, 4]), "k = 0");
+}
+
+#[test]
+fn bf16_matmul_precision() {
+    if no_gpu() {
+        return;
+    }
+    let _precision = Precision::set(MatmulPrecision::Bf16);
+    assert_eq!(matmul_precision(), MatmulPrecision::Bf16);
+    // Positive inputs, so no cancellation: the bf16 error stays ~2⁻⁸ relative. A batched
+    // lhs against a transposed weight view, as a linear layer computes x·Wᵀ.
+    let (x, w) = (rand(&[2, 33, 64], 0.5, 1.5, 27), rand(&[19, 64], 0.5, 1.5, 28));
+    let wt = w.transpose(0, 1).unwrap();
+    let got = gpu(&x).matmul(&gpu(&w).transpose(0, 1).unwrap()).unwrap();
+    assert_close(&got, &x.matmul(&wt).unwrap(), BF16_REL, 0.0, "bf16 vs f32");
+    // Exactly the product of the bf16-rounded operands, up to f32 summation order.
+    let round = |t: &Tensor| t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+    assert_close(&got, &round(&x).matmul(&round(&wt)).unwrap(), 1e-3, 1e-5, "bf16 vs rounded inputs");
+    // Backward products run in bf16 too: the gradients stay within the bf16 tolerance.
+    let (xv, wv) = (Var::parameter(gpu(&x)), Var::parameter(gpu(&w)));
+    xv.matmul(&wv.transpose(0, 1).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+    let (xc, wc) = (Var::parameter(x.clone()), Var::parameter(w.clone()));
+    xc.matmul(&wc.transpose(0, 1).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+    assert_close(&xv.grad().unwrap(), &xc.grad().unwrap(), BF16_REL, 0.0, "bf16 dx");
+    assert_close(&wv.grad().unwrap(), &wc.grad().unwrap(), BF16_REL, 0.0, "bf16 dW");
+}
+
+#[test]
+fn cat_agrees() {
+    if no_gpu() {
+        return;
+    }
+    let (a, b) = (rand(&[2, 3, 4], -1.0, 1.0, 29), rand(&[2, 3, 4], -1.0, 1.0, 30));
+    for axis in 0..3 {
+        let mut shape_c = vec![2, 3, 4];
+        shape_c[axis] = 5;
+        let c = rand(&shape_c, -1.0, 1.0, 31 + axis as u64);
+        let want = Tensor::cat(&[&a, &c, &b], axis).unwrap();
+        let got = Tensor::cat(&[&gpu(&a), &gpu(&c), &gpu(&b)], axis).unwrap();
+        assert_f32_close(&got, &want, &format!("cat axis {axis}"));
+    }
+    // Strided parts (a transposed view, a narrowed one) and a bf16 part.
+    let (t, n) = (rand(&[4, 3, 2], -1.0, 1.0, 34), rand(&[2, 3, 9], -1.0, 1.0, 35));
+    let h = rand(&[2, 3, 1], -1.0, 1.0, 36).to_dtype(DType::BF16).unwrap();
+    let want = Tensor::cat(&[&t.transpose(0, 2).unwrap(), &n.narrow(2, 3, 4).unwrap(), &h], 2).unwrap();
+    let (gt, gn) = (gpu(&t).transpose(0, 2).unwrap(), gpu(&n).narrow(2, 3, 4).unwrap());
+    assert_f32_close(&Tensor::cat(&[&gt, &gn, &gpu(&h)], 2).unwrap(), &want, "cat of views");
+}
+
+/// Runs `loss` on CPU copies and GPU copies of `inputs` (as parameters) and compares the
+/// loss and every input's gradient.
+fn assert_graph_agrees(inputs: &[Tensor], loss: impl Fn(&[Var]) -> tensor::Result<Var>, what: &str) {
+    let run = |device: Device| {
+        let vars: Vec<Var> = inputs.iter().map(|t| Var::parameter(t.to_device(device).unwrap())).collect();
+        let l = loss(&vars).unwrap();
+        l.backward().unwrap();
+        let grads: Vec<Tensor> = vars.iter().map(|v| v.grad().expect("every input gets a gradient")).collect();
+        (l.value(), grads)
+    };
+    let (want_loss, want_grads) = run(Device::Cpu);
+    let (got_loss, got_grads) = run(GPU);
+    assert_f32_close(&got_loss, &want_loss, &format!("{what}: loss"));
+    for (i, (got, want)) in got_grads.iter().zip(&want_grads).enumerate() {
+        assert_f32_close(got, want, &format!("{what}: gradient of input {i}"));
+    }
+}
+
+#[test]
+fn linear_sigmoid_graph_agrees() {
+    if no_gpu() {
+        return;
+    }
+    let _lock = matmul_lock();
+    let inputs = [rand(&[4, 6], -1.0, 1.0, 37), rand(&[6, 3], -1.0, 1.0, 38), rand(&[3], -1.0, 1.0, 39)];
+    assert_graph_agrees(&inputs, |v| v[0].matmul(&v[1])?.add(&v[2])?.sigmoid()?.sum_all(), "(x·W + b).sigmoid().sum()");
+}
+
+#[test]
+fn view_reduce_select_graph_agrees() {
+    if no_gpu() {
+        return;
+    }
+    let _lock = matmul_lock();
+    // Random values: maximum meets no ties; ties of max_axis (between filled 0.25s) go to
+    // the first on both devices.
+    let (x, z) = (rand(&[4, 6], -1.0, 1.0, 40), rand(&[5], -1.0, 1.0, 41));
+    let mask = rand(&[4, 5], -1.0, 1.0, 42).scalar_op(Binary::Mul, 1e6).unwrap().unary(Unary::Relu).unwrap();
+    let loss = |v: &[Var]| {
+        let (x, z) = (&v[0], &v[1]);
+        let parts = Var::cat(&[&x.narrow(1, 1, 3)?, &x.transpose(0, 1)?.narrow(0, 0, 2)?.transpose(0, 1)?], 1)?;
+        let m = parts.maximum(z)?.masked_fill(&mask.to_device(x.value_ref().device())?, 0.25)?;
+        let rows = m.max_axis(1, false)?.sum_all()?;
+        let cols = m.mean_axis(0, true)?.mul(&m)?.sub(&m.sum_axis(1, true)?)?.mean_all()?;
+        rows.add(&cols)
+    };
+    assert_graph_agrees(&[x, z], loss, "cat/narrow/maximum/masked_fill/max/mean");
+}
