@@ -195,8 +195,11 @@ impl Tensor {
     /// A contiguous copy with its own storage (never shared).
     pub fn deep_copy(&self) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if let Some(storage) = self.dense()?.cuda_storage() {
-            return Tensor::from_cuda(storage.converted(self.dtype())?, &self.shape);
+        if self.cuda_storage().is_some() {
+            let dense = self.dense()?;
+            let storage = dense.cuda_storage().map(|s| s.converted(self.dtype())).transpose()?;
+            let storage = storage.ok_or(Error::UnsupportedDevice { op: "deep_copy", device: self.device })?;
+            return Tensor::from_cuda(storage, &self.shape);
         }
         let t = self.contiguous()?;
         Tensor::from_vec(t.as_slice()?.to_vec(), &self.shape)
