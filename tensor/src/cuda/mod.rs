@@ -13,6 +13,7 @@
 //! op returns to the host by definition (a loss value, an `item()`).
 
 pub(crate) mod elementwise;
+pub(crate) mod mutate;
 pub(crate) mod storage;
 
 use std::sync::{Arc, Mutex, OnceLock};
