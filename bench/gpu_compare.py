@@ -123,7 +123,10 @@ def torch_worker(argv):
         opt = torch.optim.AdamW(groups, lr=1e-3, fused=True)
     else:
         opt = torch.optim.AdamW(groups, lr=1e-3, foreach=True)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=not args.fp32)
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=not args.fp32)
+
     gen = torch.Generator().manual_seed(args.seed + 1)
     sync = torch.cuda.synchronize
 
@@ -135,11 +138,11 @@ def torch_worker(argv):
         t0 = time.perf_counter()
         ids, targets = ids.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         if args.forward_only:
-            with torch.no_grad(), autocast:
+            with torch.no_grad(), autocast():
                 loss_value = model(ids, targets).item()
             t1 = t2 = time.perf_counter()
         else:
-            with autocast:
+            with autocast():
                 loss = model(ids, targets)
             loss_value = loss.item()
             t1 = time.perf_counter()

@@ -34,6 +34,7 @@ fn an_unknown_device_lists_the_valid_ones() {
         vec!["eval", "missing.safetensors", "missing.bin", "--device", "gpu0"],
         vec!["sample", "missing.safetensors", "--device", "metal"],
         vec!["analyze", "--throughput", "--device", "cuda:"],
+        vec!["compare", "--device", "cuda0", "--out-dir", &out],
     ] {
         assert_fails_with(&transponder(&args), "cpu, cuda or cuda:N");
     }
@@ -62,6 +63,7 @@ fn a_gpu_device_without_the_cuda_feature_says_to_rebuild() {
         vec!["eval", "missing.safetensors", "missing.bin", "--device", "cuda"],
         vec!["sample", "missing.safetensors", "--device", "cuda:0"],
         vec!["analyze", "--throughput", "--device", "cuda", "--out", &out],
+        vec!["compare", "--variants", "pre-ln", "--device", "cuda", "--out-dir", &out],
     ] {
         assert_fails_with(&transponder(&args), hint);
     }
