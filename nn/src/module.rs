@@ -1,6 +1,8 @@
-//! The `Module` abstraction: anything with named parameters.
+//! The `Module` abstraction: anything with named parameters, and moving them between
+//! devices.
 
-use autograd::Var;
+use autograd::{Result, Var};
+use tensor::Device;
 
 /// A parameter with its hierarchical name.
 #[derive(Clone, Debug)]
@@ -27,6 +29,34 @@ pub trait Module {
         let mut total = 0;
         self.visit_parameters("", &mut |_, var| total += var.value_ref().numel());
         total
+    }
+
+    /// The device of the first parameter (the CPU for a module without parameters): where
+    /// inputs must be for [`Module::to_device`]d models.
+    fn device(&self) -> Device {
+        let mut device = None;
+        self.visit_parameters("", &mut |_, var| {
+            device.get_or_insert_with(|| var.value_ref().device());
+        });
+        device.unwrap_or(Device::Cpu)
+    }
+
+    /// Moves every parameter (and every buffer the visit includes, such as BatchNorm's
+    /// running statistics through `vision::StateDict`) to `device`: each value is replaced
+    /// by its copy there, and the gradient of a moved parameter is cleared (it lived on the
+    /// old device). Parameters already on `device` are left as they are. Optimizers built
+    /// over these parameters follow them (their state moves at the next step).
+    fn to_device(&self, device: Device) -> Result<()> {
+        let mut result = Ok(());
+        self.visit_parameters("", &mut |_, var| {
+            if result.is_err() || var.value_ref().device() == device {
+                return;
+            }
+            let moved = var.value_ref().to_device(device);
+            result = moved.and_then(|value| var.set_value(value));
+            var.zero_grad();
+        });
+        result
     }
 }
 

@@ -1,6 +1,8 @@
 //! Checkpoints: one safetensors file holding the weights, the optimizer state (prefixed
 //! `optimizer.`), and in its metadata the step, the sampler state and both configs as
 //! JSON. One file means one atomic rename: a killed write leaves the previous checkpoint.
+//! Tensors on a GPU (parameters, optimizer state) are downloaded to be written; loaded
+//! weights are uploaded to the device their parameter is on.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -41,10 +43,11 @@ pub struct CheckpointMeta<'a> {
 pub fn save(path: &Path, model: &dyn Module, optimizer: &dyn Optimizer, meta: &CheckpointMeta) -> Result<()> {
     let mut owned: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     for p in model.named_parameters() {
-        let value = p.var.value();
+        let value = p.var.value().to_host().with_context(|| format!("downloading '{}'", p.name))?;
         owned.push((p.name, value.shape().to_vec(), value.to_vec()));
     }
     for (name, t) in optimizer.state() {
+        let t = t.to_host().with_context(|| format!("downloading optimizer state '{name}'"))?;
         owned.push((format!("{OPTIMIZER_PREFIX}{name}"), t.shape().to_vec(), t.to_vec()));
     }
     let slices: Vec<TensorSlice> = owned.iter().map(|(name, shape, data)| TensorSlice { name, shape, data }).collect();
@@ -86,8 +89,8 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
     })
 }
 
-/// Copies `weights` into the model's parameters by name; every parameter must be present
-/// with the same shape.
+/// Copies `weights` into the model's parameters by name, each onto the device its parameter
+/// is on; every parameter must be present with the same shape.
 pub fn load_weights(model: &dyn Module, weights: &[NamedTensor]) -> Result<()> {
     let by_name: BTreeMap<&str, &NamedTensor> = weights.iter().map(|t| (t.name.as_str(), t)).collect();
     for p in model.named_parameters() {
@@ -95,7 +98,8 @@ pub fn load_weights(model: &dyn Module, weights: &[NamedTensor]) -> Result<()> {
         if t.shape != p.var.shape() {
             bail!("tensor '{}' has shape {:?} in the checkpoint but {:?} in the model", p.name, t.shape, p.var.shape());
         }
-        p.var.set_value(Tensor::from_vec(t.data.clone(), &t.shape)?)?;
+        let device = p.var.value_ref().device();
+        p.var.set_value(Tensor::from_vec(t.data.clone(), &t.shape)?.to_device(device)?)?;
     }
     Ok(())
 }

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use models::llama::LlamaConfig;
 use serde::{Deserialize, Serialize};
+use tensor::Device;
 
 /// Everything a training run needs besides the model's own config. Serialised into every
 /// checkpoint, so `--resume` continues with exactly the same settings.
@@ -77,6 +78,13 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Where the checkpoint, config and metrics are written.
     pub out_dir: PathBuf,
+    /// bf16 inputs to the GPU's matrix products (f32 accumulation, master weights and
+    /// optimizer state); needs a CUDA `device`.
+    pub bf16: bool,
+    /// Where the run computes (`--device`). Not part of the saved config: a run may resume
+    /// on another device, and results do not depend on it beyond rounding.
+    #[serde(skip, default = "crate::device::cpu")]
+    pub device: Device,
 }
 
 impl Default for TrainConfig {
@@ -120,6 +128,8 @@ impl Default for TrainConfig {
             log_every: 10,
             seed: 1337,
             out_dir: PathBuf::from("runs/default"),
+            bf16: false,
+            device: Device::Cpu,
         }
     }
 }
@@ -167,6 +177,10 @@ impl TrainConfig {
         }
         if self.grad_clip < 0.0 || !self.grad_clip.is_finite() {
             bail!("grad_clip must be ≥ 0 (0 disables), got {}", self.grad_clip);
+        }
+        crate::device::check_bf16(self.device, self.bf16)?;
+        if self.lazy_tables && self.device != Device::Cpu {
+            bail!("lazy_tables (row-sparse table updates) runs on the CPU only; drop it for --device cuda");
         }
         Ok(())
     }

@@ -23,7 +23,8 @@ pub fn load_model(path: &Path) -> Result<(Llama, LlamaConfig)> {
 }
 
 /// Extends `prompt` by `new_tokens` sampled tokens. Each step re-runs the model over the
-/// last `seq_len` tokens (no KV cache yet), samples from `softmax(logits / temperature)`
+/// last `seq_len` tokens (no KV cache yet), on the model's device, and samples on the host
+/// (only the last position's logits come back) from `softmax(logits / temperature)`
 /// restricted to the `top_k` most likely tokens (0 = all), seeded.
 pub fn sample(
     model: &Llama,
@@ -47,9 +48,8 @@ pub fn sample(
         let _release_pool = tensor::pool::ReleaseOnDrop;
         let context = &tokens[tokens.len().saturating_sub(config.seq_len)..];
         let logits = no_grad(|| model.forward(context, 1, context.len()))?.value();
-        let vocab = config.vocab_size;
-        let last = &logits.to_vec()[(context.len() - 1) * vocab..];
-        tokens.push(pick(last, temperature, top_k, &mut rng));
+        let last = logits.narrow(0, context.len() - 1, 1)?.to_host()?.to_vec();
+        tokens.push(pick(&last, temperature, top_k, &mut rng));
     }
     Ok(tokens)
 }
@@ -102,11 +102,11 @@ pub fn export_hf(model: &Llama, config: &LlamaConfig, out_dir: &Path) -> Result<
     let owned: Vec<(String, Vec<usize>, Vec<f32>)> = model
         .named_parameters()
         .into_iter()
-        .map(|p| {
-            let v = p.var.value();
-            (p.name, v.shape().to_vec(), v.to_vec())
+        .map(|p| -> Result<(String, Vec<usize>, Vec<f32>)> {
+            let v = p.var.value().to_host()?;
+            Ok((p.name, v.shape().to_vec(), v.to_vec()))
         })
-        .collect();
+        .collect::<Result<_>>()?;
     let slices: Vec<TensorSlice> = owned.iter().map(|(name, shape, data)| TensorSlice { name, shape, data }).collect();
     let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
     save_tensors(&out_dir.join("model.safetensors"), &slices, &metadata)

@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod compare;
 pub mod config;
 pub mod data;
+pub mod device;
 pub mod generate;
 pub mod metrics;
 pub mod prepare;

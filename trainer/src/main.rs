@@ -5,8 +5,11 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
+use nn::Module;
+use tensor::Device;
 use trainer::config::TrainConfig;
 use trainer::data::token_file::TokenFile;
+use trainer::device::{ensure_available, parse_device};
 use trainer::generate::{export_hf, load_model, sample};
 use trainer::prepare::prepare;
 use trainer::tokenizer::Tokenizer;
@@ -47,6 +50,9 @@ enum Command {
         batch_size: usize,
         #[arg(long, default_value_t = 50)]
         batches: usize,
+        /// Where the model runs: cpu, cuda or cuda:N.
+        #[arg(long, default_value = "cpu", value_parser = parse_device)]
+        device: Device,
     },
     /// Generate text from a checkpoint.
     Sample {
@@ -63,6 +69,9 @@ enum Command {
         top_k: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Where the model runs: cpu, cuda or cuda:N.
+        #[arg(long, default_value = "cpu", value_parser = parse_device)]
+        device: Device,
     },
     /// Write a baseline checkpoint as Hugging Face LlamaForCausalLM (config.json + model.safetensors).
     Export { checkpoint: PathBuf, out: PathBuf },
@@ -124,6 +133,9 @@ struct TrainImageArgs {
     /// Run directory (default runs/resnet-digits).
     #[arg(long)]
     out_dir: Option<PathBuf>,
+    /// Where the run computes: cpu (default), cuda or cuda:N.
+    #[arg(long, value_parser = parse_device)]
+    device: Option<Device>,
 }
 
 impl TrainImageArgs {
@@ -136,7 +148,7 @@ impl TrainImageArgs {
             ($($field:ident),*) => { $( if let Some(v) = self.$field { c.$field = v; } )* };
         }
         set!(model, modulator, dataset, data_dir, base_width, batch_size, epochs, lr, weight_decay, schedule, seed);
-        set!(out_dir);
+        set!(out_dir, device);
         Ok(c)
     }
 }
@@ -252,6 +264,12 @@ struct TrainArgs {
     /// Run directory: checkpoint, config.json, metrics.jsonl (default runs/default).
     #[arg(long)]
     out_dir: Option<PathBuf>,
+    /// Where the run computes: cpu (default), cuda or cuda:N (needs a build with --features cuda).
+    #[arg(long, value_parser = parse_device)]
+    device: Option<Device>,
+    /// bf16 inputs to the GPU's matrix products, f32 master weights (needs --device cuda).
+    #[arg(long)]
+    bf16: bool,
 }
 
 impl TrainArgs {
@@ -265,8 +283,9 @@ impl TrainArgs {
         }
         set!(model, variant, text, tokenizer, batch_size, seq_len, grad_accum, steps, lr, optimizer, weight_decay);
         set!(schedule, warmup, grad_clip, sampling, eval_every, eval_batches, save_every, log_every, seed, out_dir);
-        set!(d_model, d_basis, d_ctx, ccl_mode, ccl_ablation, momentum, rank, coverage, phi);
+        set!(d_model, d_basis, d_ctx, ccl_mode, ccl_ablation, momentum, rank, coverage, phi, device);
         c.lazy_tables |= self.lazy_tables;
+        c.bf16 |= self.bf16;
         c.post_ln |= self.post_ln;
         c.train_data = self.train_data.or(c.train_data);
         c.val_data = self.val_data.or(c.val_data);
@@ -305,15 +324,19 @@ fn main() -> Result<()> {
             println!("checkpoint: {}", report.checkpoint.display());
             println!("metrics:    {}", report.metrics.display());
         }
-        Command::Eval { checkpoint, data, batch_size, batches } => {
+        Command::Eval { checkpoint, data, batch_size, batches, device } => {
+            ensure_available(device)?;
             let (model, config) = load_model(&checkpoint)?;
+            model.to_device(device)?;
             TokenFile::open(&data)?;
             let loss = evaluate(&model, &data, batch_size, config.seq_len, batches)?;
             println!("val loss {loss:.4} | perplexity {:.3}", loss.exp());
         }
-        Command::Sample { checkpoint, prompt, tokenizer, tokens, temperature, top_k, seed } => {
+        Command::Sample { checkpoint, prompt, tokenizer, tokens, temperature, top_k, seed, device } => {
+            ensure_available(device)?;
             let tokenizer = Tokenizer::from_name(&tokenizer)?;
             let (model, config) = load_model(&checkpoint)?;
+            model.to_device(device)?;
             let prompt_ids = tokenizer.encode(&prompt);
             let out = sample(&model, &config, &prompt_ids, tokens, temperature, top_k, seed).context("sampling")?;
             println!("{}", tokenizer.decode(&out));

@@ -1,6 +1,12 @@
 //! The language-model training loop: data, model, optimizer, schedule, gradient
 //! accumulation and clipping, periodic validation, metrics, checkpoints, exact resume,
 //! and a hard stop on a non-finite loss that keeps the last good checkpoint.
+//!
+//! On a GPU (`config.device`), the model is built and initialised on the host (the same
+//! weights as a CPU run of the same seed), then its parameters move to the device, where
+//! the optimizer keeps its state too. Token ids stay host slices (the embedding and the
+//! loss take them as such); each step's loss comes back to the host once, after the
+//! backward pass, for the non-finite check; checkpoints download parameters and state.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -11,11 +17,13 @@ use indicatif::{ProgressBar, ProgressStyle};
 use models::llama::{Llama, LlamaConfig};
 use nn::optim::{clip_grad_norm, Adam, AdamConfig, Optimizer, RowRule, Sgd, SparseRows};
 use nn::{Module, NamedParameter};
+use tensor::Device;
 
 use crate::checkpoint::{self, CheckpointMeta};
 use crate::config::TrainConfig;
 use crate::data::sampler::{BatchSampler, RandomSampler, SequentialSampler};
 use crate::data::token_file::{check_vocab, TokenFile};
+use crate::device::{device_name, ensure_available, MatmulPrecision};
 use crate::metrics::{MetricsWriter, StepMetrics};
 use crate::prepare::prepare_once;
 use crate::safetensors_io::atomic_write;
@@ -101,7 +109,8 @@ fn is_token_table(name: &str) -> bool {
 }
 
 /// The configured optimizer. Per-token tables get row-sparse updates ([`SparseRows`]) when
-/// that is exact (SGD without momentum and decay) or when `lazy_tables` asks for it.
+/// that is exact (SGD without momentum and decay) or when `lazy_tables` asks for it, on the
+/// CPU only (on a GPU the dense update, which the exact row-sparse one equals, runs instead).
 fn make_optimizer(config: &TrainConfig, model: &Llama) -> (Box<dyn Optimizer>, Option<&'static str>) {
     let adam = AdamConfig {
         beta2: config.beta2,
@@ -120,7 +129,7 @@ fn make_optimizer(config: &TrainConfig, model: &Llama) -> (Box<dyn Optimizer>, O
         }
     };
     let (tables, dense): (Vec<_>, Vec<_>) = model.named_parameters().into_iter().partition(|p| is_token_table(&p.name));
-    if tables.is_empty() || !(rule.is_exact() || config.lazy_tables) {
+    if tables.is_empty() || !(rule.is_exact() || config.lazy_tables) || config.device != Device::Cpu {
         return (build(model.named_parameters()), None);
     }
     let how = if rule.is_exact() { "row-sparse (exact: plain SGD)" } else { "row-sparse (lazy: unseen rows frozen)" };
@@ -134,7 +143,8 @@ fn make_sampler(config: &TrainConfig, file: TokenFile) -> Result<Box<dyn BatchSa
     })
 }
 
-/// Mean validation loss over the first `batches` sequential windows of `path`.
+/// Mean validation loss over the first `batches` sequential windows of `path` (on the
+/// model's device).
 pub fn evaluate(model: &Llama, path: &Path, batch_size: usize, seq_len: usize, batches: usize) -> Result<f32> {
     let file = TokenFile::open(path)?;
     let mut sampler = SequentialSampler::new(file, batch_size, seq_len)?;
@@ -143,7 +153,7 @@ pub fn evaluate(model: &Llama, path: &Path, batch_size: usize, seq_len: usize, b
     for _ in 0..batches {
         let batch = sampler.next_batch()?;
         let loss = no_grad(|| model.loss(&batch.inputs, &batch.targets, batch_size, seq_len))?;
-        total += loss.value().item()? as f64;
+        total += loss.value().to_host()?.item()? as f64;
     }
     Ok((total / batches as f64) as f32)
 }
@@ -155,6 +165,8 @@ pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
     // that will not come again.
     let _release_pool = tensor::pool::ReleaseOnDrop;
     config.validate()?;
+    ensure_available(config.device)?;
+    let _precision = MatmulPrecision::set(config.device, config.bf16)?;
     std::fs::create_dir_all(&config.out_dir).with_context(|| format!("creating {}", config.out_dir.display()))?;
     let checkpoint_path = config.out_dir.join(CHECKPOINT_FILE);
     let tokenizer = Tokenizer::from_name(&config.tokenizer)?;
@@ -175,6 +187,7 @@ pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
         start_step = saved.step;
         println!("resumed from {} at step {start_step}", checkpoint_path.display());
     }
+    model.to_device(config.device)?;
     let train_json = serde_json::to_string_pretty(config)?;
     let model_json = serde_json::to_string_pretty(&model_config)?;
     atomic_write(&config.out_dir.join(CONFIG_FILE), train_json.as_bytes())?;
@@ -192,6 +205,10 @@ pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
     );
     if let Some(how) = table_updates {
         println!("per-token tables: {how} updates");
+    }
+    if config.device != Device::Cpu {
+        let precision = if config.bf16 { "bf16 matrix products, f32 master weights" } else { "f32" };
+        println!("device {} ({precision})", device_name(config.device));
     }
 
     let schedule = config.schedule();
@@ -215,23 +232,36 @@ pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
 
     for step in start_step..config.steps {
         let lr = schedule.lr_at(step, config.lr);
-        let mut loss_sum = 0.0f32;
+        // The losses stay where they were computed until every backward pass is queued:
+        // reading one waits for the device, which then idles while the host queues the rest.
+        let mut losses = Vec::with_capacity(config.grad_accum);
         for _ in 0..config.grad_accum {
             let batch = sampler.next_batch()?;
             let loss = model.loss(&batch.inputs, &batch.targets, config.batch_size, config.seq_len)?;
-            let value = loss.value().item()?;
+            losses.push(loss.value());
+            loss.mul_scalar(1.0 / config.grad_accum as f32)?.backward()?;
+        }
+        let mut loss_sum = 0.0f32;
+        for value in losses {
+            let value = value.to_host()?.item()?;
             if !value.is_finite() {
                 progress.abandon();
                 return Err(NonFiniteLoss { value, step, checkpoint: checkpoint_path.clone() }.into());
             }
             loss_sum += value;
-            loss.mul_scalar(1.0 / config.grad_accum as f32)?.backward()?;
         }
         let loss = loss_sum / config.grad_accum as f32;
+        let done = step + 1;
+        let is_last = done == config.steps;
+        let evaluates = val_path.is_some() && ((config.eval_every > 0 && done % config.eval_every == 0) || is_last);
+        let logs = done % config.log_every == 0 || is_last || evaluates;
+        // Without clipping, the norm is only for the log (on a GPU it costs a sync per tensor).
         let grad_norm = if config.grad_clip > 0.0 {
             clip_grad_norm(optimizer.parameters(), config.grad_clip)?
-        } else {
+        } else if logs {
             clip_grad_norm(optimizer.parameters(), f32::INFINITY)?
+        } else {
+            f32::NAN
         };
         optimizer.step(lr)?;
         optimizer.zero_grad();
@@ -239,8 +269,6 @@ pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
         last_loss = loss;
         progress.inc(1);
 
-        let done = step + 1;
-        let is_last = done == config.steps;
         let mut row = StepMetrics { step: done, loss, lr, grad_norm, ..StepMetrics::default() };
         if done % config.log_every == 0 || is_last {
             let elapsed = window_start.0.elapsed().as_secs_f64();
@@ -248,14 +276,14 @@ pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
             window_start = (Instant::now(), done);
         }
         if let Some(val) = &val_path {
-            if (config.eval_every > 0 && done % config.eval_every == 0) || is_last {
+            if evaluates {
                 let val_loss = evaluate(&model, val, config.batch_size, config.seq_len, config.eval_batches)?;
                 row.val_loss = Some(val_loss);
                 row.val_perplexity = Some(val_loss.exp());
                 last_val = Some(val_loss);
             }
         }
-        if done % config.log_every == 0 || is_last || row.val_loss.is_some() {
+        if logs {
             let val = row.val_loss.map(|v| format!(" | val loss {v:.4} (ppl {:.2})", v.exp())).unwrap_or_default();
             let speed = if row.tokens_per_second > 0.0 {
                 format!(" | {:.0} tok/s", row.tokens_per_second)

@@ -19,6 +19,10 @@
 //!
 //! An epoch is `⌊N / B⌋` steps of `B` images from the shuffled loader, which continues into
 //! the next pass mid-batch, so every image is seen once per `N` images drawn.
+//!
+//! On a GPU (`config.device`) the model is initialised on the host, then its parameters and
+//! running statistics move to the device; each batch of images is uploaded (labels stay
+//! host slices), and checkpoints download everything.
 
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;
@@ -33,13 +37,14 @@ use nn::optim::{clip_grad_norm, Optimizer, Schedule, Sgd};
 use nn::vision::StateDict;
 use nn::Module;
 use serde::{Deserialize, Serialize};
-use tensor::Tensor;
+use tensor::{Device, Tensor};
 
 use crate::checkpoint::{self, CheckpointMeta};
 use crate::data::images::{
     load_cifar100_dir, load_cifar10_dir, load_digits_csv_gz, Augmentation, Cifar100Labels, ImageBatch, ImageDataset,
     ImageLoader, Normalization, Split,
 };
+use crate::device::ensure_available;
 use crate::metrics::{MetricsWriter, StepMetrics};
 use crate::safetensors_io::atomic_write;
 use crate::train::{NonFiniteLoss, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
@@ -103,6 +108,9 @@ pub struct ImageTrainConfig {
     pub seed: u64,
     /// Where the checkpoint, config and metrics are written.
     pub out_dir: PathBuf,
+    /// Where the run computes (`--device`); not saved, like [`crate::config::TrainConfig::device`].
+    #[serde(skip, default = "crate::device::cpu")]
+    pub device: Device,
 }
 
 impl Default for ImageTrainConfig {
@@ -131,6 +139,7 @@ impl Default for ImageTrainConfig {
             log_every: 10,
             seed: 1337,
             out_dir: PathBuf::from("runs/resnet-digits"),
+            device: Device::Cpu,
         }
     }
 }
@@ -248,21 +257,22 @@ struct GradNormRow<'a> {
     grad_norms: &'a BTreeMap<String, f64>,
 }
 
-/// A batch as a constant `[B, C, H, W]` input.
-fn images_of(batch: ImageBatch) -> Result<(Var, Vec<u32>)> {
+/// A batch as a constant `[B, C, H, W]` input on `device`.
+fn images_of(batch: ImageBatch, device: Device) -> Result<(Var, Vec<u32>)> {
     let shape = [batch.batch_size, batch.channels, batch.height, batch.width];
-    Ok((Var::constant(Tensor::from_vec(batch.images, &shape)?), batch.labels))
+    Ok((Var::constant(Tensor::from_vec(batch.images, &shape)?.to_device(device)?), batch.labels))
 }
 
 /// Correct top-1 predictions of `logits[B, classes]` against `labels`.
-fn correct(logits: &Tensor, labels: &[u32]) -> usize {
+fn correct(logits: &Tensor, labels: &[u32]) -> Result<usize> {
     let classes = logits.shape()[1];
-    let values = logits.to_vec();
+    let values = logits.to_host()?.to_vec();
     let argmax = |row: &[f32]| row.iter().enumerate().fold(0, |best, (i, &v)| if v > row[best] { i } else { best });
-    values.chunks_exact(classes).zip(labels).filter(|(row, &label)| argmax(row) == label as usize).count()
+    Ok(values.chunks_exact(classes).zip(labels).filter(|(row, &label)| argmax(row) == label as usize).count())
 }
 
-/// Mean loss and top-1 accuracy of `model` (evaluation mode: running statistics) on `dataset`.
+/// Mean loss and top-1 accuracy of `model` (evaluation mode: running statistics) on
+/// `dataset`, on the model's device.
 pub fn evaluate_images(
     model: &ResNet,
     dataset: &ImageDataset,
@@ -270,12 +280,13 @@ pub fn evaluate_images(
     batch_size: usize,
 ) -> Result<(f32, f32)> {
     let (mut loss_sum, mut hits) = (0.0f64, 0usize);
+    let device = model.device();
     let indices: Vec<usize> = (0..dataset.len()).collect();
     for chunk in indices.chunks(batch_size.max(1)) {
-        let (images, labels) = images_of(dataset.batch(chunk, norm, None)?)?;
+        let (images, labels) = images_of(dataset.batch(chunk, norm, None)?, device)?;
         let (loss, logits) = no_grad(|| model.loss(&images, &labels, false))?;
-        loss_sum += f64::from(loss.value().item()?) * chunk.len() as f64;
-        hits += correct(&logits.value(), &labels);
+        loss_sum += f64::from(loss.value().to_host()?.item()?) * chunk.len() as f64;
+        hits += correct(&logits.value(), &labels)?;
     }
     let n = dataset.len().max(1) as f64;
     Ok(((loss_sum / n) as f32, (hits as f64 / n) as f32))
@@ -291,13 +302,15 @@ fn append_json_line(path: &Path, row: &impl Serialize) -> Result<()> {
     writeln!(file, "{}", serde_json::to_string(row)?).with_context(|| format!("writing {}", path.display()))
 }
 
-/// Adds each parameter's gradient L2 norm to `sums` (in optimizer order).
-fn add_grad_norms(optimizer: &dyn Optimizer, sums: &mut [f64]) {
+/// Adds each parameter's gradient L2 norm to `sums` (in optimizer order; GPU gradients are
+/// downloaded).
+fn add_grad_norms(optimizer: &dyn Optimizer, sums: &mut [f64]) -> Result<()> {
     for (sum, p) in sums.iter_mut().zip(optimizer.parameters()) {
         if let Some(g) = p.var.grad() {
-            *sum += g.to_vec().iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>().sqrt();
+            *sum += g.to_host()?.to_vec().iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>().sqrt();
         }
     }
+    Ok(())
 }
 
 /// Trains as `config` says; with `resume`, continues from the run directory's checkpoint
@@ -308,6 +321,7 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
     // that will not come again.
     let _release_pool = tensor::pool::ReleaseOnDrop;
     config.validate()?;
+    ensure_available(config.device)?;
     std::fs::create_dir_all(&config.out_dir).with_context(|| format!("creating {}", config.out_dir.display()))?;
     let checkpoint_path = config.out_dir.join(CHECKPOINT_FILE);
     let grad_norms_path = config.out_dir.join(GRAD_NORMS_FILE);
@@ -334,6 +348,7 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
         );
         println!("resumed from {} at step {start_step}", checkpoint_path.display());
     }
+    StateDict(&model).to_device(config.device)?;
     let train_json = serde_json::to_string_pretty(config)?;
     let model_json = serde_json::to_string_pretty(&model_config)?;
     atomic_write(&config.out_dir.join(CONFIG_FILE), train_json.as_bytes())?;
@@ -370,20 +385,20 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
         let (mut train_hits, mut train_seen) = (0usize, 0usize);
         for step in epoch * steps_per_epoch..(epoch + 1) * steps_per_epoch {
             let lr = schedule.lr_at(step, config.lr);
-            let (images, labels) = images_of(loader.next_batch()?)?;
+            let (images, labels) = images_of(loader.next_batch()?, config.device)?;
             let (loss, logits) = model.loss(&images, &labels, true)?;
-            let value = loss.value().item()?;
+            let value = loss.value().to_host()?.item()?;
             if !value.is_finite() {
                 return Err(NonFiniteLoss { value, step, checkpoint: checkpoint_path.clone() }.into());
             }
             loss.backward()?;
-            add_grad_norms(&optimizer, &mut norm_sums);
+            add_grad_norms(&optimizer, &mut norm_sums)?;
             let grad_norm = clip_grad_norm(optimizer.parameters(), f32::INFINITY)?;
             optimizer.step(lr)?;
             optimizer.zero_grad();
             first_loss.get_or_insert(value);
             last_loss = value;
-            train_hits += correct(&logits.value(), &labels);
+            train_hits += correct(&logits.value(), &labels)?;
             train_seen += labels.len();
 
             let done = step + 1;
@@ -482,6 +497,6 @@ mod tests {
     #[test]
     fn top1_counts_argmax_hits() {
         let logits = Tensor::from_vec(vec![0.1, 0.9, 0.0, 2.0, -1.0, 1.0], &[2, 3]).unwrap();
-        assert_eq!(correct(&logits, &[1, 2]), 1);
+        assert_eq!(correct(&logits, &[1, 2]).unwrap(), 1);
     }
 }

@@ -7,6 +7,7 @@ use autograd::Result;
 use kernels::cpu::optim::{adam_step, adamw_step, AdamHyper};
 use tensor::Tensor;
 
+use super::slot::Slot;
 use super::{find_state, gradient_of, Optimizer};
 use crate::NamedParameter;
 
@@ -28,19 +29,20 @@ impl Default for AdamConfig {
     }
 }
 
-/// Adam or AdamW over a list of parameters, with first and second moments per parameter.
+/// Adam or AdamW over a list of parameters, with first and second moments per parameter
+/// (each on its parameter's device: parameters on a GPU take the fused CUDA step).
 pub struct Adam {
     params: Vec<NamedParameter>,
     config: AdamConfig,
-    first_moment: Vec<Vec<f32>>,
-    second_moment: Vec<Vec<f32>>,
+    first_moment: Vec<Slot>,
+    second_moment: Vec<Slot>,
     step: u64,
 }
 
 impl Adam {
     /// Zero moments for every parameter.
     pub fn new(params: Vec<NamedParameter>, config: AdamConfig) -> Adam {
-        let zeros = |p: &NamedParameter| vec![0.0; p.var.value_ref().numel()];
+        let zeros = |p: &NamedParameter| Slot::zeros(p.var.value_ref().numel());
         Adam {
             first_moment: params.iter().map(zeros).collect(),
             second_moment: params.iter().map(zeros).collect(),
@@ -71,9 +73,15 @@ impl Optimizer for Adam {
                 step: self.step,
             };
             let mut value = p.var.value_mut();
+            let (m, v) = (&mut self.first_moment[i], &mut self.second_moment[i]);
+            #[cfg(feature = "cuda")]
+            if value.device() != tensor::Device::Cpu {
+                super::cuda::adam_update(&mut value, &grad, m, v, &hyper, self.config.decoupled)?;
+                continue;
+            }
             let param = value.as_mut_slice()?;
             let update = if self.config.decoupled { adamw_step } else { adam_step };
-            update(param, grad.as_slice()?, &mut self.first_moment[i], &mut self.second_moment[i], &hyper);
+            update(param, grad.as_slice()?, m.host()?, v.host()?, &hyper);
         }
         Ok(())
     }
@@ -86,9 +94,8 @@ impl Optimizer for Adam {
         let mut out = vec![("step".to_string(), Tensor::scalar(self.step as f32))];
         for (i, p) in self.params.iter().enumerate() {
             let shape = p.var.shape();
-            let moment = |m: &Vec<f32>| Tensor::from_vec(m.clone(), &shape).expect("moment matches its parameter");
-            out.push((format!("{}.exp_avg", p.name), moment(&self.first_moment[i])));
-            out.push((format!("{}.exp_avg_sq", p.name), moment(&self.second_moment[i])));
+            out.push((format!("{}.exp_avg", p.name), self.first_moment[i].to_tensor(&shape)));
+            out.push((format!("{}.exp_avg_sq", p.name), self.second_moment[i].to_tensor(&shape)));
         }
         out
     }
@@ -97,8 +104,8 @@ impl Optimizer for Adam {
         self.step = find_state(state, "step", 1)?[0] as u64;
         for (i, p) in self.params.iter().enumerate() {
             let numel = p.var.value_ref().numel();
-            self.first_moment[i] = find_state(state, &format!("{}.exp_avg", p.name), numel)?;
-            self.second_moment[i] = find_state(state, &format!("{}.exp_avg_sq", p.name), numel)?;
+            self.first_moment[i] = Slot::Host(find_state(state, &format!("{}.exp_avg", p.name), numel)?);
+            self.second_moment[i] = Slot::Host(find_state(state, &format!("{}.exp_avg_sq", p.name), numel)?);
         }
         Ok(())
     }

@@ -1,8 +1,10 @@
-//! Gradient clipping by global norm (PyTorch `clip_grad_norm_`).
+//! Gradient clipping by global norm (PyTorch `clip_grad_norm_`). Gradients on a GPU are
+//! reduced there (`kernels::cuda::reduce::sum_squares`, one sync each) and scaled there.
 
 use autograd::Result;
 use kernels::cpu::reduce::sum_squares;
 use tensor::ops::Binary;
+use tensor::Tensor;
 
 use crate::NamedParameter;
 
@@ -12,7 +14,7 @@ pub fn clip_grad_norm(params: &[NamedParameter], max_norm: f32) -> Result<f32> {
     let mut total = 0.0f64;
     for p in params {
         if let Some(g) = p.var.grad() {
-            total += sum_squares(g.contiguous()?.as_slice()?);
+            total += squared_norm(&g)?;
         }
     }
     let norm = total.sqrt() as f32;
@@ -25,4 +27,13 @@ pub fn clip_grad_norm(params: &[NamedParameter], max_norm: f32) -> Result<f32> {
         }
     }
     Ok(norm)
+}
+
+/// `Σ g²` in f64, on the gradient's device.
+fn squared_norm(g: &Tensor) -> Result<f64> {
+    #[cfg(feature = "cuda")]
+    if g.device() != tensor::Device::Cpu {
+        return super::cuda::squared_norm(g);
+    }
+    Ok(sum_squares(g.contiguous()?.as_slice()?))
 }

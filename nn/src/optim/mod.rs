@@ -1,11 +1,16 @@
 //! Optimizers (SGD with momentum, Adam, AdamW, row-sparse table updates), gradient clipping
 //! and learning-rate schedules. Updates run in place through the fused kernels of
-//! `kernels::cpu::optim`, one pass per parameter tensor, outside the autograd graph.
+//! `kernels::cpu::optim` (or `kernels::cuda::optim` for parameters on a GPU, feature
+//! `cuda`), one pass per parameter tensor, outside the autograd graph. Optimizer state
+//! lives on its parameter's device (`slot.rs`).
 
 mod adam;
 mod clip;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod schedule;
 mod sgd;
+mod slot;
 mod sparse_rows;
 
 pub use adam::{Adam, AdamConfig};
@@ -34,10 +39,12 @@ pub trait Optimizer {
         }
     }
 
-    /// Internal state as named tensors (moments, step count) for checkpoints.
+    /// Internal state as named tensors (moments, step count) for checkpoints. A tensor may
+    /// live on its parameter's GPU (download it with `Tensor::to_host` to save it).
     fn state(&self) -> Vec<(String, Tensor)>;
 
-    /// Restores state saved by [`Optimizer::state`]; errors name a missing or misshapen entry.
+    /// Restores state saved by [`Optimizer::state`] (host or GPU tensors; the next step
+    /// moves each entry to its parameter's device); errors name a missing or misshapen entry.
     fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()>;
 }
 
@@ -55,7 +62,7 @@ pub(crate) fn find_state(state: &[(String, Tensor)], name: &str, numel: usize) -
             rhs: t.shape().to_vec(),
         });
     }
-    Ok(t.to_vec())
+    Ok(t.to_host()?.to_vec())
 }
 
 /// A parameter's gradient as a contiguous f32 vector, if it has one.

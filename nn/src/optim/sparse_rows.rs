@@ -15,10 +15,14 @@
 //!   update makes, and it is opt-in (`lazy_tables`).
 //!
 //! Every other parameter goes through the wrapped dense optimizer unchanged.
+//!
+//! Host only: the tables must stay on the CPU (a table on a GPU is an
+//! [`tensor::Error::UnsupportedDevice`] error before anything is updated). On a GPU, use
+//! the dense optimizer for the tables, which is exact where this is (plain SGD).
 
 use autograd::Result;
 use kernels::cpu::optim::{adam_step, adamw_step, sgd_step, AdamHyper};
-use tensor::Tensor;
+use tensor::{Device, Tensor};
 
 use super::{find_state, gradient_of, AdamConfig, Optimizer};
 use crate::NamedParameter;
@@ -82,6 +86,12 @@ impl SparseRows {
 
 impl Optimizer for SparseRows {
     fn step(&mut self, lr: f32) -> Result<()> {
+        for p in &self.tables {
+            let device = p.var.value_ref().device();
+            if device != Device::Cpu {
+                return Err(tensor::Error::UnsupportedDevice { op: "row-sparse table update (SparseRows)", device });
+            }
+        }
         self.dense.step(lr)?;
         self.step += 1;
         self.rows_touched = 0;

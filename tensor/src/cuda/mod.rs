@@ -15,6 +15,7 @@
 pub(crate) mod concat;
 pub(crate) mod elementwise;
 pub(crate) mod matmul;
+pub(crate) mod mutate;
 pub(crate) mod reduce;
 pub(crate) mod storage;
 

@@ -23,6 +23,7 @@ use serde::Serialize;
 use tensor::Rng;
 
 use super::AnalyzeArgs;
+use crate::device::synchronize;
 
 /// The cost columns of one model.
 #[derive(Clone, Debug, Serialize)]
@@ -109,7 +110,8 @@ pub fn table_2_configs(args: &AnalyzeArgs) -> Result<Vec<(&'static str, LlamaCon
     Ok(configs)
 }
 
-/// Times Base-64, CCL-64 and Base-512 and prints the table.
+/// Times Base-64, CCL-64 and Base-512 on `args.device` and prints the table (each timed
+/// run waits for the GPU to finish its work).
 pub fn throughput(args: &AnalyzeArgs) -> Result<Vec<ThroughputRow>> {
     let (batch, seq) = (args.batch, args.seq);
     let mut rng = Rng::new(0);
@@ -123,17 +125,18 @@ pub fn throughput(args: &AnalyzeArgs) -> Result<Vec<ThroughputRow>> {
     let mut rows = Vec::new();
     for (name, config) in table_2_configs(args)? {
         let model = Llama::new(&config, 0)?;
+        model.to_device(args.device)?;
         let cost = model_cost(&model, seq);
         let infer = median_seconds(args.repeats, || {
             no_grad(|| model.forward(&ids, batch, seq))?;
-            Ok(())
+            synchronize(args.device)
         })?;
         let train = median_seconds(args.repeats, || {
             model.loss(&ids, &targets, batch, seq)?.backward()?;
             for p in model.named_parameters() {
                 p.var.zero_grad();
             }
-            Ok(())
+            synchronize(args.device)
         })?;
         let row = ThroughputRow {
             name: name.into(),

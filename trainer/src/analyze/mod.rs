@@ -12,7 +12,8 @@
 //! | tokens/s of Base-64, CCL-64, Base-512 at batch 64 × 64 | CCL Table 2 | [`cost`] | `throughput.json` |
 //!
 //! The checkpoint's model runs once, without a graph, over the first `--tokens-max` tokens
-//! of the input as one sequence, through [`models::llama::Llama::forward_with_trace`].
+//! of the input as one sequence, through [`models::llama::Llama::forward_with_trace`], on
+//! `--device` (the analyses themselves read the values back on the host).
 
 pub mod ccl;
 pub mod cost;
@@ -25,9 +26,12 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use autograd::no_grad;
 use models::llama::{GateTrace, Llama, LlamaConfig};
+use nn::Module;
+use tensor::Device;
 
 use crate::checkpoint;
 use crate::data::token_file::TokenFile;
+use crate::device::{ensure_available, parse_device};
 use crate::tokenizer::Tokenizer;
 
 /// `transponder analyze` flags.
@@ -75,6 +79,9 @@ pub struct AnalyzeArgs {
     /// Timed repetitions per model (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
+    /// Where the models run: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: Device,
 }
 
 impl Default for AnalyzeArgs {
@@ -94,6 +101,7 @@ impl Default for AnalyzeArgs {
             batch: 64,
             seq: 64,
             repeats: 3,
+            device: Device::Cpu,
         }
     }
 }
@@ -155,6 +163,7 @@ pub struct AnalysisReport {
 
 /// Runs the command: throughput or a checkpoint analysis, printing a short report.
 pub fn run(args: &AnalyzeArgs) -> Result<()> {
+    ensure_available(args.device)?;
     if args.throughput {
         let rows = cost::throughput(args)?;
         let mut out = Output::new(&args.out)?;
@@ -212,12 +221,13 @@ pub fn analyze_checkpoint(args: &AnalyzeArgs) -> Result<AnalysisReport> {
     let config: LlamaConfig = serde_json::from_str(&saved.model_config).context("checkpoint model config")?;
     let model = Llama::new(&config, 0)?;
     checkpoint::load_weights(&model, &saved.weights)?;
+    model.to_device(args.device)?;
     let tokenizer_name = args.tokenizer.clone().unwrap_or_else(|| checkpoint_tokenizer(&saved.train_config));
     let tokenizer = Tokenizer::from_name(&tokenizer_name)?;
     let sequence = read_sequence(args, &tokenizer, config.vocab_size)?;
     let seq = sequence.ids.len();
     let (logits, traces) = no_grad(|| model.forward_with_trace(&sequence.ids, 1, seq))?;
-    let next_token_loss = mean_next_token_loss(&logits.value().to_vec(), &sequence.ids, config.vocab_size);
+    let next_token_loss = mean_next_token_loss(&logits.value().to_host()?.to_vec(), &sequence.ids, config.vocab_size);
 
     let mut out = Output::new(&args.out)?;
     let model_cost = cost::model_cost(&model, seq);

@@ -13,9 +13,15 @@
 //! (count and MiB, from a counting global allocator). `--profile` prints wall time per op
 //! to stderr.
 //!
+//! `--device cuda[:N]` (a build with `--features cuda`) runs the model and AdamW on a GPU:
+//! the step waits for the GPU after the backward pass and after the optimizer (so each part
+//! is timed whole; reading the loss already waits after the forward), and the JSON adds the
+//! GPU allocator's reserved MiB. `--bf16` feeds bf16 inputs to the GPU's matrix products
+//! (f32 master weights), the setting `bench/gpu_compare.py` compares with PyTorch autocast.
+//!
 //! ```text
 //! cargo run --release -p trainer --bin train-bench -- --model llama-tiny --variant pre-ln \
-//!     --batch 16 --seq 256 --steps 10 [--forward-only] [--threads 2]
+//!     --batch 16 --seq 256 --steps 10 [--forward-only] [--threads 2] [--device cuda --bf16]
 //! ```
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -27,7 +33,8 @@ use autograd::{no_grad, Var};
 use models::llama::{Llama, LlamaConfig};
 use nn::optim::{Adam, AdamConfig, Optimizer};
 use nn::Module;
-use tensor::Rng;
+use tensor::{Device, Rng};
+use trainer::device::{device_name, ensure_available, parse_device, synchronize, MatmulPrecision};
 
 struct Args {
     model: String,
@@ -40,6 +47,8 @@ struct Args {
     forward_only: bool,
     seed: u64,
     profile: bool,
+    device: Device,
+    bf16: bool,
 }
 
 fn parse_args() -> Result<Args> {
@@ -54,6 +63,8 @@ fn parse_args() -> Result<Args> {
         forward_only: false,
         seed: 0,
         profile: false,
+        device: Device::Cpu,
+        bf16: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -67,12 +78,14 @@ fn parse_args() -> Result<Args> {
             "--warmup" => args.warmup = value()?.parse()?,
             "--threads" => args.threads = value()?.parse()?,
             "--seed" => args.seed = value()?.parse()?,
+            "--device" => args.device = parse_device(&value()?).map_err(anyhow::Error::msg)?,
             "--forward-only" => args.forward_only = true,
             "--profile" => args.profile = true,
+            "--bf16" => args.bf16 = true,
             "-h" | "--help" => {
                 println!(
                     "train-bench --model NAME --variant NAME --batch B --seq T --steps N [--warmup N] \
-                     [--threads N] [--seed S] [--forward-only] [--profile]"
+                     [--threads N] [--seed S] [--forward-only] [--profile] [--device cpu|cuda|cuda:N] [--bf16]"
                 );
                 std::process::exit(0);
             }
@@ -159,6 +172,21 @@ fn median(samples: &[f64]) -> f64 {
     }
 }
 
+/// MiB the GPU's caching allocator holds from the driver (in use plus cached: its peak,
+/// since nothing is released during the run); `None` on the CPU.
+#[cfg(feature = "cuda")]
+fn gpu_reserved_mib(device: Device) -> Result<Option<f64>> {
+    let Device::Cuda(ordinal) = device else { return Ok(None) };
+    let stats = tensor::cuda::device(ordinal)?.allocator_stats();
+    Ok(Some(stats.reserved_bytes as f64 / (1 << 20) as f64))
+}
+
+/// Without the `cuda` feature no model runs on a GPU.
+#[cfg(not(feature = "cuda"))]
+fn gpu_reserved_mib(_device: Device) -> Result<Option<f64>> {
+    Ok(None)
+}
+
 /// Per-op wall time per step (ms), slowest first, from the autograd profiler.
 fn print_profile(ops: &[(&'static str, f64, f64, usize)], steps: usize) {
     let per_step = |s: f64| s * 1e3 / steps as f64;
@@ -172,6 +200,8 @@ fn print_profile(ops: &[(&'static str, f64, f64, usize)], steps: usize) {
 
 fn main() -> Result<()> {
     let args = parse_args()?;
+    ensure_available(args.device)?;
+    let _precision = MatmulPrecision::set(args.device, args.bf16)?;
     // rayon reads this when its global pool starts (the first parallel kernel); nothing
     // has run yet, so the process is still single-threaded here.
     std::env::set_var("RAYON_NUM_THREADS", args.threads.to_string());
@@ -183,6 +213,7 @@ fn main() -> Result<()> {
     config.variant = args.variant.clone();
     config.validate()?;
     let model = Llama::new(&config, args.seed)?;
+    model.to_device(args.device)?;
     let mut optimizer = Adam::new(model.named_parameters(), AdamConfig::default());
 
     let tokens = args.batch * args.seq;
@@ -208,19 +239,21 @@ fn main() -> Result<()> {
         let t0 = Instant::now();
         let (t1, t2);
         if args.forward_only {
-            loss = no_grad(|| model.loss(&ids, &targets, args.batch, args.seq))?.value().item()?;
+            loss = no_grad(|| model.loss(&ids, &targets, args.batch, args.seq))?.value().to_host()?.item()?;
             (t1, t2) = (Instant::now(), Instant::now());
         } else {
             let l = model.loss(&ids, &targets, args.batch, args.seq)?;
-            loss = l.value().item()?;
+            loss = l.value().to_host()?.item()?;
             t1 = Instant::now();
             l.backward()?;
             // Dropping the graph releases the saved activations and the views that share
             // the parameters' storage, so the optimizer updates them in place.
             drop(l);
+            synchronize(args.device)?;
             t2 = Instant::now();
             optimizer.step(1e-3)?;
             optimizer.zero_grad();
+            synchronize(args.device)?;
         }
         let t3 = Instant::now();
         if i >= args.warmup {
@@ -247,6 +280,8 @@ fn main() -> Result<()> {
         "batch": args.batch,
         "seq": args.seq,
         "threads": args.threads,
+        "device": device_name(args.device),
+        "bf16": args.bf16,
         "steps": args.steps,
         "parameters": model.num_parameters(),
         "tokens_per_s": tokens as f64 / step,
@@ -260,6 +295,7 @@ fn main() -> Result<()> {
         "allocated_mib_per_step": per_step(allocations_end.1, allocations_start.1) / (1 << 20) as f64,
         "peak_rss_mib": peak,
         "peak_rss_over_start_mib": peak - rss_start,
+        "gpu_reserved_mib": gpu_reserved_mib(args.device)?,
         "final_loss": loss,
     });
     println!("{line}");

@@ -8,9 +8,11 @@
 use std::path::PathBuf;
 
 use anyhow::Result;
+use tensor::Device;
 
 use super::{compare, grids, CompareOptions, RUNS_CSV, TABLE_CSV, TABLE_MD, VAL_CURVES_SVG};
 use crate::config::TrainConfig;
+use crate::device::{ensure_available, parse_device};
 use crate::train_image::ImageTrainConfig;
 
 /// `transponder compare` flags. Every row of a grid shares these; each row then sets only
@@ -91,6 +93,10 @@ pub struct CompareArgs {
     /// Root of the grids' directories.
     #[arg(long, default_value = "runs/compare")]
     pub out_dir: PathBuf,
+    /// Where every run computes: cpu, cuda or cuda:N (not part of a run's saved config:
+    /// finished runs are reused whichever device made them).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: Device,
 }
 
 impl CompareArgs {
@@ -115,12 +121,14 @@ impl CompareArgs {
             val_data: self.val_data.clone(),
             tokenizer: self.tokenizer.clone(),
             seed: self.seed,
+            device: self.device,
             ..TrainConfig::default()
         };
         let image_base = ImageTrainConfig {
             epochs: self.epochs,
             data_dir: self.data_dir.clone(),
             seed: self.seed,
+            device: self.device,
             ..ImageTrainConfig::default()
         };
         CompareOptions {
@@ -159,6 +167,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         print!("{}", grids::listing()?);
         return Ok(());
     }
+    ensure_available(args.device)?;
     let outcome = compare(&args.options(command_line()))?;
     println!("\n{}", outcome.markdown);
     println!(

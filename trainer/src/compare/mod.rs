@@ -122,8 +122,16 @@ fn plan(
         for seed in (0..seeds as u64).map(|k| base.seed + k) {
             let out_dir = dir.join(&row.label).join(format!("seed{seed}"));
             let config = match grid.task {
-                Task::Language => RunConfig::Language(TrainConfig { seed, out_dir, ..row.apply(base)? }),
-                Task::Image => RunConfig::Image(ImageTrainConfig { seed, out_dir, ..row.apply(image_base)? }),
+                // The device is not part of a saved config, so it does not survive `apply`.
+                Task::Language => {
+                    RunConfig::Language(TrainConfig { seed, out_dir, device: base.device, ..row.apply(base)? })
+                }
+                Task::Image => RunConfig::Image(ImageTrainConfig {
+                    seed,
+                    out_dir,
+                    device: image_base.device,
+                    ..row.apply(image_base)?
+                }),
             };
             runs.push(PlannedRun { row: row.label.clone(), seed, config });
         }

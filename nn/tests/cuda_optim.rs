@@ -1,0 +1,161 @@
+//! The optimizers on a GPU agree with the CPU: AdamW, Adam and SGD (momentum, Nesterov)
+//! take three steps from the same parameters and gradients on both devices; parameters and
+//! state must match to f32 rounding (1e-5 relative / 1e-6 absolute, one fused kernel per
+//! tensor with the same per-step constants). Also gradient clipping, state saved on the GPU
+//! and loaded into a fresh optimizer, and `Module::to_device`. Skips without a GPU.
+#![cfg(feature = "cuda")]
+
+use autograd::Var;
+use nn::layers::Linear;
+use nn::optim::{clip_grad_norm, Adam, AdamConfig, Optimizer, Sgd};
+use nn::{Module, NamedParameter};
+use tensor::{Device, Rng, Tensor};
+
+const GPU: Device = Device::Cuda(0);
+const RTOL: f32 = 1e-5;
+const ATOL: f32 = 1e-6;
+
+fn no_gpu() -> bool {
+    if tensor::cuda::is_available() {
+        return false;
+    }
+    eprintln!("skipping: no CUDA device");
+    true
+}
+
+/// A matrix (decayed by Adam) of an odd size and a vector (not decayed), on `device`.
+fn parameters(device: Device) -> Vec<NamedParameter> {
+    let mut rng = Rng::new(7);
+    [("weight", vec![37, 19]), ("bias", vec![19])]
+        .into_iter()
+        .map(|(name, shape)| {
+            let value = Tensor::rand_normal(&shape, 0.0, 1.0, &mut rng).to_device(device).unwrap();
+            NamedParameter { name: name.into(), var: Var::parameter(value) }
+        })
+        .collect()
+}
+
+/// Gives every parameter the gradient of step `step` (the same values on both devices).
+fn set_gradients(params: &[NamedParameter], step: u64) {
+    let mut rng = Rng::new(100 + step);
+    for p in params {
+        let device = p.var.value_ref().device();
+        let grad = Tensor::rand_normal(&p.var.shape(), 0.0, 0.5, &mut rng).to_device(device).unwrap();
+        p.var.set_grad(Some(grad));
+    }
+}
+
+fn assert_close(what: &str, cpu: &Tensor, gpu: &Tensor) {
+    assert_eq!(gpu.device(), GPU, "{what} left the GPU");
+    let (a, b) = (cpu.to_vec(), gpu.to_host().unwrap().to_vec());
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!((x - y).abs() <= ATOL + RTOL * x.abs(), "{what}[{i}]: cpu {x} vs cuda {y}");
+    }
+}
+
+/// Runs three steps of the optimizer `make` builds on both devices and compares.
+fn agree(name: &str, make: impl Fn(Vec<NamedParameter>) -> Box<dyn Optimizer>) {
+    let (cpu_params, gpu_params) = (parameters(Device::Cpu), parameters(GPU));
+    let (mut cpu, mut gpu) = (make(cpu_params.clone()), make(gpu_params.clone()));
+    for step in 1..=3 {
+        let lr = 0.01 * step as f32;
+        for (params, optimizer) in [(&cpu_params, &mut cpu), (&gpu_params, &mut gpu)] {
+            set_gradients(params, step);
+            optimizer.step(lr).unwrap();
+            optimizer.zero_grad();
+        }
+    }
+    for (c, g) in cpu_params.iter().zip(&gpu_params) {
+        assert_close(&format!("{name} {}", c.name), &c.var.value(), &g.var.value());
+    }
+    for ((entry, c), (_, g)) in cpu.state().iter().zip(gpu.state()) {
+        if c.numel() > 1 {
+            assert_close(&format!("{name} state {entry}"), c, &g);
+        }
+    }
+}
+
+#[test]
+fn adamw_step_matches_the_cpu() {
+    if no_gpu() {
+        return;
+    }
+    agree("adamw", |p| Box::new(Adam::new(p, AdamConfig { weight_decay: 0.1, ..AdamConfig::default() })));
+}
+
+#[test]
+fn adam_step_matches_the_cpu() {
+    if no_gpu() {
+        return;
+    }
+    let config = AdamConfig { weight_decay: 0.1, decoupled: false, ..AdamConfig::default() };
+    agree("adam", |p| Box::new(Adam::new(p, config)));
+}
+
+#[test]
+fn sgd_step_matches_the_cpu() {
+    if no_gpu() {
+        return;
+    }
+    agree("sgd momentum", |p| Box::new(Sgd::new(p, 0.9, 0.01, false)));
+    agree("sgd nesterov", |p| Box::new(Sgd::new(p, 0.9, 0.0, true)));
+    agree("sgd plain", |p| Box::new(Sgd::new(p, 0.0, 0.0, false)));
+}
+
+#[test]
+fn clipping_matches_the_cpu() {
+    if no_gpu() {
+        return;
+    }
+    let (cpu, gpu) = (parameters(Device::Cpu), parameters(GPU));
+    set_gradients(&cpu, 1);
+    set_gradients(&gpu, 1);
+    let (cpu_norm, gpu_norm) = (clip_grad_norm(&cpu, 0.5).unwrap(), clip_grad_norm(&gpu, 0.5).unwrap());
+    assert!((cpu_norm - gpu_norm).abs() <= 1e-5 * cpu_norm, "norm: cpu {cpu_norm} vs cuda {gpu_norm}");
+    assert!(cpu_norm > 0.5, "the gradients must be large enough to clip");
+    for (c, g) in cpu.iter().zip(&gpu) {
+        assert_close(&format!("clipped {}", c.name), &c.var.grad().unwrap(), &g.var.grad().unwrap());
+    }
+}
+
+#[test]
+fn state_saved_on_the_gpu_loads_into_a_fresh_optimizer() {
+    if no_gpu() {
+        return;
+    }
+    let config = AdamConfig::default();
+    let (first, second) = (parameters(GPU), parameters(GPU));
+    let (mut a, mut b) = (Adam::new(first.clone(), config), Adam::new(second.clone(), config));
+    set_gradients(&first, 1);
+    a.step(0.01).unwrap();
+    // `second` takes the same first step through saved state: weights from `first`, moments loaded.
+    for (s, f) in second.iter().zip(&first) {
+        s.var.set_value(f.var.value().deep_copy().unwrap()).unwrap();
+    }
+    let saved: Vec<(String, Tensor)> = a.state().into_iter().map(|(n, t)| (n, t.to_host().unwrap())).collect();
+    b.load_state(&saved).unwrap();
+    set_gradients(&first, 2);
+    set_gradients(&second, 2);
+    a.step(0.01).unwrap();
+    b.step(0.01).unwrap();
+    for (f, s) in first.iter().zip(&second) {
+        let (x, y) = (f.var.value().to_host().unwrap().to_vec(), s.var.value().to_host().unwrap().to_vec());
+        assert_eq!(x, y, "{}: a resumed optimizer must repeat the step exactly", f.name);
+    }
+}
+
+#[test]
+fn module_to_device_moves_every_parameter_and_back() {
+    if no_gpu() {
+        return;
+    }
+    let layer = Linear::new(5, 3, true, &mut Rng::new(1));
+    let before: Vec<Vec<f32>> = layer.named_parameters().iter().map(|p| p.var.value().to_vec()).collect();
+    layer.to_device(GPU).unwrap();
+    assert_eq!(layer.device(), GPU);
+    assert!(layer.named_parameters().iter().all(|p| p.var.value_ref().device() == GPU));
+    layer.to_device(Device::Cpu).unwrap();
+    let after: Vec<Vec<f32>> = layer.named_parameters().iter().map(|p| p.var.value().to_vec()).collect();
+    assert_eq!(before, after, "a round trip must not change a value");
+}

@@ -1,0 +1,132 @@
+//! Training on a GPU: llama-tiny for 20 steps on CUDA and on the CPU from the same seed and
+//! data must log the same losses to 1e-2 relative (f32 on both, different summation orders)
+//! and the loss must fall; a CUDA checkpoint (weights and AdamW state downloaded) resumes
+//! on CUDA and on the CPU to the same losses. Skips without a GPU.
+#![cfg(feature = "cuda")]
+
+use std::path::{Path, PathBuf};
+
+use tensor::Device;
+use trainer::config::TrainConfig;
+use trainer::data::token_file::write_llmc;
+use trainer::train::{train, METRICS_FILE};
+
+const GPU: Device = Device::Cuda(0);
+const STEPS: usize = 20;
+const RTOL: f32 = 1e-2;
+
+fn no_gpu() -> bool {
+    if tensor::cuda::is_available() {
+        return false;
+    }
+    eprintln!("skipping: no CUDA device");
+    true
+}
+
+/// A fresh directory under the system temp dir for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("transponder-cuda-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Byte-level train/val token files of a repetitive text, and a config training on them.
+fn config(dir: &Path, device: Device, steps: usize) -> TrainConfig {
+    let text = "to be or not to be, that is the question. ".repeat(40);
+    let tokens: Vec<u32> = text.bytes().map(u32::from).collect();
+    let (train_data, val_data) = (dir.join("train.bin"), dir.join("val.bin"));
+    write_llmc(&train_data, &tokens, 256).unwrap();
+    write_llmc(&val_data, &tokens[..400], 256).unwrap();
+    TrainConfig {
+        model: "llama-tiny".into(),
+        variant: "transponder".into(),
+        train_data: Some(train_data),
+        val_data: Some(val_data),
+        batch_size: 4,
+        seq_len: 32,
+        steps,
+        lr: 3e-3,
+        warmup: 2,
+        eval_every: 0,
+        eval_batches: 2,
+        save_every: 10,
+        log_every: 1,
+        out_dir: dir.join("run"),
+        device,
+        ..TrainConfig::default()
+    }
+}
+
+/// The loss of every logged step.
+fn losses(run_dir: &Path) -> Vec<f32> {
+    std::fs::read_to_string(run_dir.join(METRICS_FILE))
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap()["loss"].as_f64().unwrap() as f32)
+        .collect()
+}
+
+fn assert_agree(what: &str, reference: &[f32], other: &[f32]) {
+    assert_eq!(reference.len(), other.len(), "{what}: logged steps");
+    for (step, (a, b)) in reference.iter().zip(other).enumerate() {
+        assert!((a - b).abs() <= RTOL * a.abs(), "{what}, step {}: {a} vs {b}", step + 1);
+    }
+}
+
+#[test]
+fn cuda_training_matches_the_cpu_and_learns() {
+    if no_gpu() {
+        return;
+    }
+    let (cpu_dir, gpu_dir) = (scratch("cpu"), scratch("gpu"));
+    let cpu = config(&cpu_dir, Device::Cpu, STEPS);
+    let gpu = config(&gpu_dir, GPU, STEPS);
+    train(&cpu, false).unwrap();
+    let report = train(&gpu, false).unwrap();
+    let (cpu_losses, gpu_losses) = (losses(&cpu.out_dir), losses(&gpu.out_dir));
+    assert_eq!(gpu_losses.len(), STEPS);
+    assert_agree("cuda vs cpu", &cpu_losses, &gpu_losses);
+    assert!(
+        report.final_loss < 0.8 * report.first_loss,
+        "loss must fall: {} -> {}",
+        report.first_loss,
+        report.final_loss
+    );
+    assert!(report.final_val_loss.is_some_and(f32::is_finite));
+}
+
+#[test]
+fn a_cuda_checkpoint_resumes_on_cuda_and_on_the_cpu() {
+    if no_gpu() {
+        return;
+    }
+    // A constant rate, so a run of STEPS / 2 steps is the first half of one of STEPS.
+    let constant = |dir: &Path, steps| TrainConfig { schedule: "constant".into(), ..config(dir, GPU, steps) };
+    let straight_dir = scratch("straight");
+    let straight = constant(&straight_dir, STEPS);
+    train(&straight, false).unwrap();
+    let reference = losses(&straight.out_dir);
+
+    let split_dir = scratch("split");
+    let half = constant(&split_dir, STEPS / 2);
+    train(&half, false).unwrap();
+    let cpu_copy = split_dir.join("run-cpu");
+    std::fs::create_dir_all(&cpu_copy).unwrap();
+    for entry in std::fs::read_dir(&half.out_dir).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, cpu_copy.join(path.file_name().unwrap())).unwrap();
+    }
+    train(&TrainConfig { steps: STEPS, ..half.clone() }, true).unwrap();
+    assert_agree("resumed on cuda", &reference, &losses(&half.out_dir));
+    train(&TrainConfig { steps: STEPS, device: Device::Cpu, out_dir: cpu_copy.clone(), ..half }, true).unwrap();
+    assert_agree("resumed on the cpu", &reference, &losses(&cpu_copy));
+}
+
+#[test]
+fn an_unopenable_gpu_is_a_clear_error() {
+    let dir = scratch("ordinal");
+    let far = config(&dir, Device::Cuda(4096), 1);
+    let message = format!("{:#}", train(&far, false).unwrap_err());
+    assert!(message.contains("no usable CUDA GPU"), "{message}");
+}
