@@ -107,20 +107,26 @@ impl MatmulPrecision {
 impl Drop for MatmulPrecision {
     fn drop(&mut self) {
         if self.bf16 {
-            // Back to f32 cannot fail for a switch that was set; nothing to report in drop.
+            // Switching back to f32 cannot fail once bf16 was set.
             let _ = set_bf16_matmul(false);
         }
     }
 }
 
 /// The process-wide GEMM precision switch of the tensor crate's CUDA backend.
-///
-/// MERGE NOTE: the switch is `tensor::cuda::set_matmul_precision`, added in parallel with
-/// this code; this tree predates it, so bf16 reports that it is missing. Replace the body
-/// with the call (bf16 when `enabled`, f32 otherwise) when merging.
+#[cfg(feature = "cuda")]
+fn set_bf16_matmul(enabled: bool) -> Result<()> {
+    use tensor::cuda::{set_matmul_precision, MatmulPrecision};
+    set_matmul_precision(if enabled { MatmulPrecision::Bf16 } else { MatmulPrecision::F32 });
+    Ok(())
+}
+
+/// Without the `cuda` feature there is no GPU product to switch (`check_bf16` and the
+/// device check reject `--bf16` before this is reached).
+#[cfg(not(feature = "cuda"))]
 fn set_bf16_matmul(enabled: bool) -> Result<()> {
     if enabled {
-        bail!("--bf16: this build has no bf16 matrix-product switch (tensor::cuda::set_matmul_precision)");
+        bail!("--bf16 needs a build with --features cuda");
     }
     Ok(())
 }
