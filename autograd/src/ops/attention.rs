@@ -1,8 +1,8 @@
 //! Causal scaled-dot-product attention as one op (flash-attention style): the forward
-//! saves q, k, v, the output and the per-query log-sum-exp; backward recomputes the
-//! probabilities tile by tile instead of storing a T×T matrix.
+//! saves q, k, v, the output and the per-query log-sum-exp; backward
+//! (`Tensor::causal_attention_backward`) recomputes the probabilities tile by tile instead
+//! of storing a T×T matrix.
 
-use kernels::cpu::attention::causal_attention_backward;
 use tensor::{Result, Tensor};
 
 use crate::Var;
@@ -15,33 +15,9 @@ impl Var {
         let (out, lse) = Tensor::causal_attention(&qt, &kt, &vt, scale)?;
         let saved_out = out.clone();
         Ok(Var::from_op(out, vec![q.clone(), k.clone(), v.clone()], move |dout| {
-            let [b, tq, h, d] = qt.dims4("causal_attention")?;
-            let tk = kt.shape()[1];
-            let (mut dq, mut dk, mut dv) =
-                (tensor::pool::zeros(qt.numel()), tensor::pool::zeros(kt.numel()), tensor::pool::zeros(vt.numel()));
             // d/dq = dS·k·scale, d/dk = dSᵀ·q·scale, d/dv = Pᵀ·dout, dS = P ⊙ (dP − rowsum(dout⊙out))
-            causal_attention_backward(
-                qt.as_slice()?,
-                kt.as_slice()?,
-                vt.as_slice()?,
-                saved_out.as_slice()?,
-                &lse,
-                dout.contiguous()?.as_slice()?,
-                b,
-                tq,
-                tk,
-                h,
-                d,
-                scale,
-                &mut dq,
-                &mut dk,
-                &mut dv,
-            );
-            Ok(vec![
-                Tensor::from_vec(dq, qt.shape())?,
-                Tensor::from_vec(dk, kt.shape())?,
-                Tensor::from_vec(dv, vt.shape())?,
-            ])
+            let (dq, dk, dv) = Tensor::causal_attention_backward(&qt, &kt, &vt, &saved_out, &lse, dout, scale)?;
+            Ok(vec![dq, dk, dv])
         }))
     }
 }

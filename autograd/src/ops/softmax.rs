@@ -1,7 +1,6 @@
 //! Softmax and log-softmax over the last axis. Both save only their output: the
-//! derivative is expressed through it.
+//! derivative is expressed through it (`Tensor::softmax_backward`, `log_softmax_backward`).
 
-use kernels::cpu::softmax::{log_softmax_backward, softmax_backward};
 use tensor::{Result, Tensor};
 
 use crate::Var;
@@ -12,12 +11,7 @@ impl Var {
         let y = self.value_ref().softmax()?;
         let saved = y.clone();
         // d/dx: dx = y ⊙ (dy − Σ dy⊙y)
-        Ok(Var::from_op(y, vec![self.clone()], move |dy| {
-            let cols = *saved.shape().last().unwrap_or(&1);
-            let mut dx = tensor::pool::zeros(saved.numel());
-            softmax_backward(saved.as_slice()?, dy.contiguous()?.as_slice()?, cols, &mut dx);
-            Ok(vec![Tensor::from_vec(dx, saved.shape())?])
-        }))
+        Ok(Var::from_op(y, vec![self.clone()], move |dy| Ok(vec![Tensor::softmax_backward(&saved, dy)?])))
     }
 
     /// Log-softmax over the last axis (PyTorch `x.log_softmax(-1)`).
@@ -25,11 +19,6 @@ impl Var {
         let y = self.value_ref().log_softmax()?;
         let saved = y.clone();
         // d/dx: dx = dy − softmax(x)·Σ dy, with softmax(x) = exp(y)
-        Ok(Var::from_op(y, vec![self.clone()], move |dy| {
-            let cols = *saved.shape().last().unwrap_or(&1);
-            let mut dx = tensor::pool::zeros(saved.numel());
-            log_softmax_backward(saved.as_slice()?, dy.contiguous()?.as_slice()?, cols, &mut dx);
-            Ok(vec![Tensor::from_vec(dx, saved.shape())?])
-        }))
+        Ok(Var::from_op(y, vec![self.clone()], move |dy| Ok(vec![Tensor::log_softmax_backward(&saved, dy)?])))
     }
 }

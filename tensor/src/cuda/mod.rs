@@ -12,11 +12,16 @@
 //! is copied between host and device behind the caller's back, except the few scalars an
 //! op returns to the host by definition (a loss value, an `item()`).
 
+pub(crate) mod attention;
 pub(crate) mod concat;
 pub(crate) mod elementwise;
+pub(crate) mod embedding;
 pub(crate) mod matmul;
 pub(crate) mod mutate;
+pub(crate) mod norm;
 pub(crate) mod reduce;
+pub(crate) mod rope;
+pub(crate) mod softmax;
 pub(crate) mod storage;
 
 use std::sync::{Arc, Mutex, OnceLock};
