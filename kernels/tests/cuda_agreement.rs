@@ -1009,3 +1009,25 @@ fn fused_gate_rejects_bad_shapes() {
     let result = cuda::fused_gate::pack_weight(dev, &wrong, &gate.params(&case, Unary::Sigmoid));
     assert!(matches!(result, Err(CudaError::Shape { .. })), "wrong d_in accepted: {result:?}");
 }
+
+#[test]
+fn swiglu_forward_and_backward_agree() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(18);
+    // 5003: many blocks and a length that is no multiple of the CPU's SIMD width.
+    let n = 5003;
+    let (gate, upv, dout) = (rng.vec(n, -12.0, 12.0), rng.vec(n, -3.0, 3.0), rng.vec(n, -2.0, 2.0));
+    let (mut y, mut dgate, mut dup) = (vec![0.0; n], rng.vec(n, -1.0, 1.0), rng.vec(n, -1.0, 1.0));
+    let (gg, gu, gdout, mut gy) = (up(dev, &gate), up(dev, &upv), up(dev, &dout), dev.alloc(n).unwrap());
+    let (mut gdgate, mut gdup) = (up(dev, &dgate), up(dev, &dup));
+    cpu::swiglu::swiglu_forward(&gate, &upv, &mut y);
+    cpu::swiglu::swiglu_backward(&gate, &upv, &dout, &mut dgate, &mut dup);
+    cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut gy).unwrap();
+    cuda::swiglu::swiglu_backward(dev, &gg, &gu, &gdout, &mut gdgate, &mut gdup).unwrap();
+    assert_elementwise("swiglu forward", &down(dev, &gy), &y);
+    // The backward accumulates onto the random starting gradients on both sides.
+    assert_elementwise("swiglu dgate", &down(dev, &gdgate), &dgate);
+    assert_elementwise("swiglu dup", &down(dev, &gdup), &dup);
+    let mut short = dev.alloc(n - 1).unwrap();
+    assert!(matches!(cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut short), Err(CudaError::Shape { .. })));
+}

@@ -44,6 +44,7 @@ pub mod optim;
 pub mod reduce;
 pub mod rope;
 pub mod softmax;
+pub mod swiglu;
 
 pub use allocator::{AllocatorStats, DeviceBuffer, DeviceScalar};
 pub use device::CudaDevice;
