@@ -12,8 +12,12 @@
 //! is copied between host and device behind the caller's back, except the few scalars an
 //! op returns to the host by definition (a loss value, an `item()`).
 
+pub(crate) mod batch_norm;
+pub(crate) mod conv;
 pub(crate) mod elementwise;
+pub(crate) mod fused_gate;
 pub(crate) mod storage;
+pub(crate) mod swiglu;
 
 use std::sync::{Arc, Mutex, OnceLock};
 
