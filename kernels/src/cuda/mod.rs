@@ -41,6 +41,7 @@ pub mod module;
 pub mod norm;
 pub mod nvrtc;
 pub mod optim;
+pub mod pool;
 pub mod reduce;
 pub mod rope;
 pub mod softmax;

@@ -51,11 +51,13 @@ pub enum KernelFamily {
     FusedGate,
     /// SwiGLU gating `silu(g) ⊙ u` and its backward.
     Swiglu,
+    /// Max pooling and global average pooling.
+    Pool,
 }
 
 impl KernelFamily {
     /// Every family, for precompiling.
-    pub const ALL: [KernelFamily; 12] = [
+    pub const ALL: [KernelFamily; 13] = [
         KernelFamily::Elementwise,
         KernelFamily::Reduce,
         KernelFamily::Softmax,
@@ -68,6 +70,7 @@ impl KernelFamily {
         KernelFamily::Optim,
         KernelFamily::FusedGate,
         KernelFamily::Swiglu,
+        KernelFamily::Pool,
     ];
 
     /// The source file's name.
@@ -85,6 +88,7 @@ impl KernelFamily {
             KernelFamily::Optim => "optim.cu",
             KernelFamily::FusedGate => "fused_gate.cu",
             KernelFamily::Swiglu => "swiglu.cu",
+            KernelFamily::Pool => "pool.cu",
         }
     }
 
@@ -102,6 +106,7 @@ impl KernelFamily {
             KernelFamily::Optim => include_str!("kernels/optim.cu"),
             KernelFamily::FusedGate => include_str!("kernels/fused_gate.cu"),
             KernelFamily::Swiglu => include_str!("kernels/swiglu.cu"),
+            KernelFamily::Pool => include_str!("kernels/pool.cu"),
         }
     }
 
