@@ -1,8 +1,8 @@
 //! CPU-vs-CUDA agreement through autograd of the fused gated projection (Transponder eq.
-//! 8-10), SwiGLU, conv2d and batch norm: the same random inputs run on the CPU and on GPU 0,
-//! forward and backward (every gradient), and the results are compared. Skips, saying so,
-//! without a GPU. Run with `cargo test --release -p transponder-tests --features cuda --test
-//! cuda_gate`.
+//! 8-10), SwiGLU, conv2d, batch norm and the pools: the same random inputs run on the CPU
+//! and on GPU 0, forward and backward (every gradient), and the results are compared.
+//! Skips, saying so, without a GPU. Run with `cargo test --release -p transponder-tests
+//! --features cuda --test cuda_gate`.
 //!
 //! Tolerance: `|gpu − cpu| ≤ rel·(|cpu| + max|cpu|)` per element. f32 ops 1e-4 (summation
 //! order differs); the fused projection 2e-2, as its GEMM reads bf16 on the GPU.
@@ -220,11 +220,21 @@ fn batch_norm_agrees_in_training_and_evaluation() {
 }
 
 #[test]
-fn pools_report_the_missing_gpu_kernels() {
+fn max_pool_and_global_avg_pool_agree_forward_and_backward() {
     if no_gpu() {
         return;
     }
-    let x = gpu(&Tensor::ones(&[1, 2, 4, 4]));
-    assert!(matches!(x.max_pool2d(2, 2, 0), Err(Error::UnsupportedDevice { .. })));
-    assert!(matches!(x.global_avg_pool(), Err(Error::UnsupportedDevice { .. })));
+    let mut rng = Rng::new(7);
+    let x = [Tensor::rand_normal(&[2, 3, 13, 11], 0.0, 1.0, &mut rng)];
+    // The ResNet stem's 3×3/2 padded window, and disjoint 2×2 windows.
+    for (kernel, stride, padding) in [(3, 2, 1), (2, 2, 0)] {
+        let what = format!("max_pool2d k{kernel} s{stride} p{padding}");
+        check(&what, &x, F32_REL, |v| v[0].max_pool2d(kernel, stride, padding));
+    }
+    check("global_avg_pool", &x, F32_REL, |v| v[0].global_avg_pool());
+    // The winners' indices agree too.
+    let (_, cpu) = x[0].max_pool2d(3, 2, 1).unwrap();
+    let (_, gpu_indices) = gpu(&x[0]).max_pool2d(3, 2, 1).unwrap();
+    assert_eq!(gpu_indices.device(), GPU);
+    assert_eq!(gpu_indices.to_vec().unwrap(), cpu.to_vec().unwrap());
 }

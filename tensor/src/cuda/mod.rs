@@ -16,6 +16,7 @@ pub(crate) mod batch_norm;
 pub(crate) mod conv;
 pub(crate) mod elementwise;
 pub(crate) mod fused_gate;
+pub(crate) mod pool;
 pub(crate) mod storage;
 pub(crate) mod swiglu;
 

@@ -1,17 +1,12 @@
-//! Image ops on `[N, C, H, W]` tensors: 2-D convolution (forward and backward), max
-//! pooling and global average pooling (batch normalisation is in `batch_norm.rs`). Each
-//! checks shapes and devices and returns an error naming the op and the shapes, then
-//! dispatches to `kernels::cpu` (the convolution also to `kernels::cuda` on a GPU; the
-//! pools are CPU-only for now).
+//! 2-D convolution of `[N, C, H, W]` tensors, forward and backward (pooling is in
+//! `pool.rs`, batch normalisation in `batch_norm.rs`). Each checks shapes and devices and
+//! returns an error naming the op and the shapes, then dispatches to `kernels::cpu`, or to
+//! `kernels::cuda` for tensors on a GPU.
 //!
 //! Legend: `N` batch, `C` input channels, `O` output channels, `H, W` input size, `KH, KW`
-//! kernel size, `S = H·W` one plane. PyTorch equivalents: `F.conv2d` (groups 1, dilation 1),
-//! `F.max_pool2d` (floor mode), `F.adaptive_avg_pool2d(x, 1).flatten(1)`. What each op
-//! returns beside its output (pooling winners) is exactly what its backward in `autograd`
-//! reads. No autograd here.
+//! kernel size. PyTorch equivalent: `F.conv2d` (groups 1, dilation 1). No autograd here.
 
 use kernels::cpu::conv::{conv2d_backward, conv2d_forward, Conv2dGeometry};
-use kernels::cpu::pool::{global_avg_pool_forward, max_pool2d_forward, max_pool2d_output_size};
 
 use crate::{Error, Result, Tensor};
 
@@ -129,50 +124,6 @@ impl Tensor {
             bias: db.map(|d| Tensor::from_vec(d, &[g.out_channels])).transpose()?,
         })
     }
-
-    /// Max pooling with a square `kernel`, `stride` and −∞ `padding` (PyTorch
-    /// `F.max_pool2d`, floor mode). Returns `y[N, C, OH, OW]` and, per output, the index of
-    /// the winning input within its `H·W` plane (what backward scatters to).
-    pub fn max_pool2d(&self, kernel: usize, stride: usize, padding: usize) -> Result<(Tensor, Vec<usize>)> {
-        let op = "max_pool2d";
-        self.require_cpu(op)?;
-        let [n, c, h, w] = self.dims_nchw(op)?;
-        let (out_h, out_w) =
-            (max_pool2d_output_size(h, kernel, stride, padding), max_pool2d_output_size(w, kernel, stride, padding));
-        if kernel == 0 || stride == 0 || padding > kernel / 2 || out_h == 0 || out_w == 0 {
-            return Err(Error::InvalidShape {
-                op,
-                shape: self.shape.clone(),
-                reason: format!(
-                    "kernel {kernel}, stride {stride}, padding {padding}: needs kernel, stride ≥ 1, \
-                     padding ≤ kernel/2 and a kernel no larger than the padded input"
-                ),
-            });
-        }
-        let x = self.contiguous()?;
-        let mut y = vec![0.0; n * c * out_h * out_w];
-        let mut argmax = vec![0; y.len()];
-        max_pool2d_forward(x.as_slice()?, n, c, h, w, kernel, stride, padding, &mut y, &mut argmax);
-        Ok((Tensor::from_vec(y, &[n, c, out_h, out_w])?, argmax))
-    }
-
-    /// `y[N, C] = mean over H·W of x[N, C, H, W]` (the ResNet head's pooling).
-    pub fn global_avg_pool(&self) -> Result<Tensor> {
-        let op = "global_avg_pool";
-        self.require_cpu(op)?;
-        let [n, c, h, w] = self.dims_nchw(op)?;
-        if h * w == 0 {
-            return Err(Error::InvalidShape {
-                op,
-                shape: self.shape.clone(),
-                reason: "empty planes have no mean".into(),
-            });
-        }
-        let x = self.contiguous()?;
-        let mut y = vec![0.0; n * c];
-        global_avg_pool_forward(x.as_slice()?, n, c, h * w, &mut y);
-        Tensor::from_vec(y, &[n, c])
-    }
 }
 
 #[cfg(test)]
@@ -186,8 +137,6 @@ mod tests {
         assert!(msg.contains("conv2d") && msg.contains("[2, 3, 5, 5]") && msg.contains("[4, 2, 3, 3]"), "{msg}");
         assert!(x.conv2d(&Tensor::zeros(&[4, 3, 7, 7]), None, 1, 0).is_err());
         assert!(x.conv2d(&Tensor::zeros(&[4, 3, 3, 3]), Some(&Tensor::zeros(&[3])), 1, 1).is_err());
-        assert!(x.max_pool2d(3, 2, 2).is_err());
-        assert!(Tensor::zeros(&[2, 3, 5]).global_avg_pool().is_err());
     }
 
     #[test]
@@ -195,8 +144,5 @@ mod tests {
         let x = Tensor::ones(&[2, 3, 32, 32]);
         let w = Tensor::ones(&[8, 3, 7, 7]);
         assert_eq!(x.conv2d(&w, None, 2, 3).unwrap().shape(), [2, 8, 16, 16]);
-        let (y, arg) = Tensor::ones(&[2, 8, 16, 16]).max_pool2d(3, 2, 1).unwrap();
-        assert_eq!((y.shape(), arg.len()), (&[2, 8, 8, 8][..], 2 * 8 * 64));
-        assert_eq!(Tensor::ones(&[2, 8, 4, 4]).global_avg_pool().unwrap().shape(), [2, 8]);
     }
 }

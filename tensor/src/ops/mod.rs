@@ -8,6 +8,7 @@ mod elementwise;
 mod fused_gate;
 mod matmul;
 mod nn;
+mod pool;
 mod reduce;
 mod swiglu;
 
@@ -17,3 +18,4 @@ pub use fused_gate::FusedGateSaved;
 pub use kernels::cpu::binary::Binary;
 pub use kernels::cpu::unary::Unary;
 pub use nn::{CrossEntropy, LayerNormOutput, RmsNormOutput};
+pub use pool::MaxPoolIndices;
