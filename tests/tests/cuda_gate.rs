@@ -192,16 +192,14 @@ fn batch_norm_agrees_in_training_and_evaluation() {
         Tensor::rand_normal(&[c], 1.0, 0.3, &mut rng),
         Tensor::rand_normal(&[c], 0.0, 0.3, &mut rng),
     ];
-    let running_mean = Tensor::rand_normal(&[c], 0.0, 0.5, &mut rng);
-    let running_var = Tensor::rand_uniform(&[c], 0.5, 2.0, &mut rng);
+    let running_mean = Tensor::rand_normal(&[c], 0.0, 0.5, &mut rng).to_vec();
+    let running_var = Tensor::rand_uniform(&[c], 0.5, 2.0, &mut rng).to_vec();
     for training in [true, false] {
-        // Running statistics per device, kept to compare the in-place update.
-        let stats = |device: Device| {
-            (
-                Var::constant(running_mean.to_device(device).unwrap()),
-                Var::constant(running_var.to_device(device).unwrap()),
-            )
+        // Running statistics per device, each its own buffer (updated in place, compared).
+        let stat = |values: &[f32], device: Device| {
+            Var::constant(Tensor::from_vec(values.to_vec(), &[c]).unwrap().to_device(device).unwrap())
         };
+        let stats = |device: Device| (stat(&running_mean, device), stat(&running_var, device));
         let (cpu_stats, gpu_stats) = (stats(Device::Cpu), stats(GPU));
         let on_device = |v: &[Var]| if v[0].value().device() == GPU { &gpu_stats } else { &cpu_stats };
         let what = if training { "batch norm (training)" } else { "batch norm (evaluation)" };
