@@ -1009,3 +1009,72 @@ fn fused_gate_rejects_bad_shapes() {
     let result = cuda::fused_gate::pack_weight(dev, &wrong, &gate.params(&case, Unary::Sigmoid));
     assert!(matches!(result, Err(CudaError::Shape { .. })), "wrong d_in accepted: {result:?}");
 }
+
+#[test]
+fn swiglu_forward_and_backward_agree() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(18);
+    // 5003: many blocks and a length that is no multiple of the CPU's SIMD width.
+    let n = 5003;
+    let (gate, upv, dout) = (rng.vec(n, -12.0, 12.0), rng.vec(n, -3.0, 3.0), rng.vec(n, -2.0, 2.0));
+    let (mut y, mut dgate, mut dup) = (vec![0.0; n], rng.vec(n, -1.0, 1.0), rng.vec(n, -1.0, 1.0));
+    let (gg, gu, gdout, mut gy) = (up(dev, &gate), up(dev, &upv), up(dev, &dout), dev.alloc(n).unwrap());
+    let (mut gdgate, mut gdup) = (up(dev, &dgate), up(dev, &dup));
+    cpu::swiglu::swiglu_forward(&gate, &upv, &mut y);
+    cpu::swiglu::swiglu_backward(&gate, &upv, &dout, &mut dgate, &mut dup);
+    cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut gy).unwrap();
+    cuda::swiglu::swiglu_backward(dev, &gg, &gu, &gdout, &mut gdgate, &mut gdup).unwrap();
+    assert_elementwise("swiglu forward", &down(dev, &gy), &y);
+    // The backward accumulates onto the random starting gradients on both sides.
+    assert_elementwise("swiglu dgate", &down(dev, &gdgate), &dgate);
+    assert_elementwise("swiglu dup", &down(dev, &gdup), &dup);
+    let mut short = dev.alloc(n - 1).unwrap();
+    assert!(matches!(cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut short), Err(CudaError::Shape { .. })));
+}
+
+#[test]
+fn max_pool_and_global_avg_pool_agree() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(19);
+    // (N·C, H, W, kernel, stride, padding): the ResNet stem's 3×3/2 padded, overlapping and
+    // disjoint windows, a window as large as the padded input.
+    for (planes, height, width, kernel, stride, padding) in
+        [(6, 13, 11, 3, 2, 1), (4, 8, 8, 2, 2, 0), (3, 9, 7, 3, 1, 1), (2, 5, 6, 7, 1, 3), (5, 1, 9, 1, 3, 0)]
+    {
+        let g = cuda::pool::MaxPool2d { planes, height, width, kernel, stride, padding };
+        let (out_h, out_w) = g.output_size();
+        // Values on a coarse grid, so that windows hold ties (the first maximum wins).
+        let x: Vec<f32> = (0..planes * height * width).map(|_| rng.below(7) as f32 - 3.0).collect();
+        let (mut y, mut argmax) = (vec![0.0; planes * out_h * out_w], vec![0usize; planes * out_h * out_w]);
+        cpu::pool::max_pool2d_forward(&x, planes, 1, height, width, kernel, stride, padding, &mut y, &mut argmax);
+        let (gx, mut gy, mut gargmax) = (up(dev, &x), dev.alloc(y.len()).unwrap(), dev.alloc::<u32>(y.len()).unwrap());
+        cuda::pool::max_pool2d_forward(dev, &g, &gx, &mut gy, &mut gargmax).unwrap();
+        let what = format!("max_pool2d {g:?}");
+        assert_eq!(down(dev, &gy), y, "{what}: y");
+        let argmax_gpu: Vec<usize> = dev.download(&gargmax).unwrap().into_iter().map(|a| a as usize).collect();
+        assert_eq!(argmax_gpu, argmax, "{what}: argmax");
+        let (dy, dx0) = (rng.vec(y.len(), -1.0, 1.0), rng.vec(x.len(), -0.1, 0.1));
+        let mut dx = dx0.clone();
+        cpu::pool::max_pool2d_backward(&argmax, &dy, planes, 1, height, width, out_h, out_w, &mut dx);
+        let mut gdx = up(dev, &dx0);
+        cuda::pool::max_pool2d_backward(dev, &g, &gargmax, &up(dev, &dy), &mut gdx).unwrap();
+        assert_elementwise(&format!("{what}: dx"), &down(dev, &gdx), &dx);
+    }
+    for (planes, spatial) in [(12, 49), (3, 1), (2, 3001)] {
+        let x = rng.vec(planes * spatial, -2.0, 2.0);
+        let mut y = vec![0.0; planes];
+        cpu::pool::global_avg_pool_forward(&x, planes, 1, spatial, &mut y);
+        let mut gy = dev.alloc(planes).unwrap();
+        cuda::pool::global_avg_pool_forward(dev, &up(dev, &x), planes, spatial, &mut gy).unwrap();
+        assert_elementwise("global_avg_pool", &down(dev, &gy), &y);
+        let (dy, dx0) = (rng.vec(planes, -1.0, 1.0), rng.vec(x.len(), -0.1, 0.1));
+        let mut dx = dx0.clone();
+        cpu::pool::global_avg_pool_backward(&dy, planes, 1, spatial, &mut dx);
+        let mut gdx = up(dev, &dx0);
+        cuda::pool::global_avg_pool_backward(dev, &up(dev, &dy), planes, spatial, &mut gdx).unwrap();
+        assert_elementwise("global_avg_pool dx", &down(dev, &gdx), &dx);
+    }
+    let bad = cuda::pool::MaxPool2d { planes: 1, height: 4, width: 4, kernel: 2, stride: 2, padding: 2 };
+    let (gx, mut gy, mut ga) = (up(dev, &[0.0; 16]), dev.alloc(9).unwrap(), dev.alloc::<u32>(9).unwrap());
+    assert!(matches!(cuda::pool::max_pool2d_forward(dev, &bad, &gx, &mut gy, &mut ga), Err(CudaError::Shape { .. })));
+}

@@ -1,9 +1,8 @@
 //! SwiGLU gating `silu(g) ⊙ u` as one graph node (formulas in `kernels::cpu::swiglu`), and
 //! the composite of unfused ops it must agree with. The fused op saves only its inputs `g`
-//! and `u`: the backward recomputes σ(g), where the composite also keeps `silu(g)`, one more
-//! buffer of the FFN's hidden size.
+//! and `u`: the backward ([`Tensor::swiglu_backward`], on either device) recomputes σ(g),
+//! where the composite also keeps `silu(g)`, one more buffer of the FFN's hidden size.
 
-use kernels::cpu::swiglu::swiglu_backward;
 use tensor::{Result, Tensor};
 
 use crate::Var;
@@ -16,10 +15,9 @@ impl Var {
         let (g, u) = (self.value().contiguous()?, up.value().contiguous()?);
         let y = g.swiglu(&u)?;
         Ok(Var::from_op(y, vec![self.clone(), up.clone()], move |dy| {
-            let (mut dg, mut du) = (tensor::pool::zeros(g.numel()), tensor::pool::zeros(u.numel()));
             // d/dg = dy·u·σ(g)·(1 + g·(1 − σ(g))),  d/du = dy·g·σ(g)
-            swiglu_backward(g.as_slice()?, u.as_slice()?, dy.contiguous()?.as_slice()?, &mut dg, &mut du);
-            Ok(vec![Tensor::from_vec(dg, g.shape())?, Tensor::from_vec(du, u.shape())?])
+            let (dg, du) = Tensor::swiglu_backward(&g, &u, dy)?;
+            Ok(vec![dg, du])
         }))
     }
 

@@ -41,9 +41,11 @@ pub mod module;
 pub mod norm;
 pub mod nvrtc;
 pub mod optim;
+pub mod pool;
 pub mod reduce;
 pub mod rope;
 pub mod softmax;
+pub mod swiglu;
 
 pub use allocator::{AllocatorStats, DeviceBuffer, DeviceScalar};
 pub use device::CudaDevice;

@@ -49,11 +49,15 @@ pub enum KernelFamily {
     Optim,
     /// The fused gated projection (tensor-core GEMM with the gate in its epilogue).
     FusedGate,
+    /// SwiGLU gating `silu(g) ⊙ u` and its backward.
+    Swiglu,
+    /// Max pooling and global average pooling.
+    Pool,
 }
 
 impl KernelFamily {
     /// Every family, for precompiling.
-    pub const ALL: [KernelFamily; 11] = [
+    pub const ALL: [KernelFamily; 13] = [
         KernelFamily::Elementwise,
         KernelFamily::Reduce,
         KernelFamily::Softmax,
@@ -65,6 +69,8 @@ impl KernelFamily {
         KernelFamily::BatchNorm,
         KernelFamily::Optim,
         KernelFamily::FusedGate,
+        KernelFamily::Swiglu,
+        KernelFamily::Pool,
     ];
 
     /// The source file's name.
@@ -81,6 +87,8 @@ impl KernelFamily {
             KernelFamily::BatchNorm => "batchnorm.cu",
             KernelFamily::Optim => "optim.cu",
             KernelFamily::FusedGate => "fused_gate.cu",
+            KernelFamily::Swiglu => "swiglu.cu",
+            KernelFamily::Pool => "pool.cu",
         }
     }
 
@@ -97,6 +105,8 @@ impl KernelFamily {
             KernelFamily::BatchNorm => include_str!("kernels/batchnorm.cu"),
             KernelFamily::Optim => include_str!("kernels/optim.cu"),
             KernelFamily::FusedGate => include_str!("kernels/fused_gate.cu"),
+            KernelFamily::Swiglu => include_str!("kernels/swiglu.cu"),
+            KernelFamily::Pool => include_str!("kernels/pool.cu"),
         }
     }
 

@@ -13,16 +13,21 @@
 //! op returns to the host by definition (a loss value, an `item()`).
 
 pub(crate) mod attention;
+pub(crate) mod batch_norm;
 pub(crate) mod concat;
+pub(crate) mod conv;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
+pub(crate) mod fused_gate;
 pub(crate) mod matmul;
 pub(crate) mod mutate;
 pub(crate) mod norm;
+pub(crate) mod pool;
 pub(crate) mod reduce;
 pub(crate) mod rope;
 pub(crate) mod softmax;
 pub(crate) mod storage;
+pub(crate) mod swiglu;
 
 use std::sync::{Arc, Mutex, OnceLock};
 

@@ -1,7 +1,8 @@
-//! SwiGLU gating `silu(gate) ⊙ up` in one pass (PyTorch `F.silu(gate) * up`). The formulas,
-//! the kernel and its backward live in `kernels::cpu::swiglu`.
+//! SwiGLU gating `silu(gate) ⊙ up` in one pass (PyTorch `F.silu(gate) * up`), and its
+//! backward. The formulas, the kernel and its backward live in `kernels::cpu::swiglu`
+//! (`kernels::cuda::swiglu` on the GPU).
 
-use kernels::cpu::swiglu::swiglu_forward;
+use kernels::cpu::swiglu::{swiglu_backward, swiglu_forward};
 
 use crate::{Error, Result, Tensor};
 
@@ -9,14 +10,38 @@ impl Tensor {
     /// `silu(self) ⊙ up` elementwise, `self` being the gate. The shapes must be equal (no
     /// broadcasting: both operands are projections of the same rows).
     pub fn swiglu(&self, up: &Tensor) -> Result<Tensor> {
-        self.require_cpu("swiglu")?;
-        up.require_cpu("swiglu")?;
+        self.same_device("swiglu", up)?;
         if self.shape != up.shape {
             return Err(Error::ShapeMismatch { op: "swiglu", lhs: self.shape.clone(), rhs: up.shape.clone() });
+        }
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            return crate::cuda::swiglu::swiglu(self, up);
         }
         let (gate, up) = (self.contiguous()?, up.contiguous()?);
         let mut y = crate::pool::buffer(gate.numel());
         swiglu_forward(gate.as_slice()?, up.as_slice()?, &mut y);
         Tensor::from_vec(y, &self.shape)
+    }
+
+    /// The backward of [`Tensor::swiglu`]: `(d/dgate, d/dup)` for the output gradient `dy`,
+    /// recomputing σ(gate) from the saved inputs (all three of one shape):
+    /// `dgate = dy·up·σ(g)·(1 + g·(1 − σ(g)))`, `dup = dy·g·σ(g)`.
+    pub fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+        const OP: &str = "swiglu_backward";
+        for t in [up, dy] {
+            gate.same_device(OP, t)?;
+            if t.shape != gate.shape {
+                return Err(Error::ShapeMismatch { op: OP, lhs: gate.shape.clone(), rhs: t.shape.clone() });
+            }
+        }
+        #[cfg(feature = "cuda")]
+        if gate.cuda_storage().is_some() {
+            return crate::cuda::swiglu::swiglu_backward(gate, up, dy);
+        }
+        let (g, u, dy) = (gate.contiguous()?, up.contiguous()?, dy.contiguous()?);
+        let (mut dg, mut du) = (crate::pool::zeros(g.numel()), crate::pool::zeros(u.numel()));
+        swiglu_backward(g.as_slice()?, u.as_slice()?, dy.as_slice()?, &mut dg, &mut du);
+        Ok((Tensor::from_vec(dg, &g.shape)?, Tensor::from_vec(du, &u.shape)?))
     }
 }

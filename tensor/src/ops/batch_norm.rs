@@ -1,0 +1,284 @@
+//! Batch normalisation of `x[N, C, H, W]` over `N, H, W` per channel (Ioffe & Szegedy 2015),
+//! training and evaluation forms, forward and backward, on the CPU (`kernels::cpu::batchnorm`)
+//! or a GPU (`kernels::cuda::batchnorm`). No autograd here.
+//!
+//! `y = (x − μ[c])·rstd[c] (· weight[c] + bias[c])`, `rstd = 1/√(σ² + eps)`. Training uses
+//! the batch statistics (biased variance) and updates the running statistics in place;
+//! evaluation uses the running statistics, an affine map per channel. PyTorch equivalent:
+//! `F.batch_norm`. Legend: `N` batch, `C` channels, `S = H·W` one plane.
+
+use kernels::cpu::batchnorm::{batch_norm_eval_forward, batch_norm_train_backward, batch_norm_train_forward};
+
+use crate::{Error, Result, Tensor};
+
+/// Output of [`Tensor::batch_norm_train`]: `y` and the per-channel batch mean and
+/// `1/√(var + eps)` (`[C]` each, on `x`'s device) that the backward reads.
+pub struct BatchNormOutput {
+    pub y: Tensor,
+    pub mean: Tensor,
+    pub rstd: Tensor,
+}
+
+/// Gradients of a batch norm: `d/dx` always, `d/dweight` and `d/dbias` when asked for.
+pub struct BatchNormGrads {
+    /// `d/dx`, shaped like `x`.
+    pub x: Tensor,
+    /// `d/dweight = Σ dy·x̂`, `[C]` (when the op has a weight).
+    pub weight: Option<Tensor>,
+    /// `d/dbias = Σ dy`, `[C]` (when the op has a bias).
+    pub bias: Option<Tensor>,
+}
+
+impl BatchNormGrads {
+    /// `[dx, dweight?, dbias?]`, the order in which the op lists its inputs.
+    pub fn into_vec(self) -> Vec<Tensor> {
+        let mut grads = vec![self.x];
+        grads.extend(self.weight);
+        grads.extend(self.bias);
+        grads
+    }
+}
+
+/// `[dx, dweight?, dbias?]` host vectors as [`BatchNormGrads`].
+fn host_grads(dx: Vec<f32>, shape: &[usize], dw: Option<Vec<f32>>, db: Option<Vec<f32>>) -> Result<BatchNormGrads> {
+    let per_channel = |g: Vec<f32>| {
+        let c = g.len();
+        Tensor::from_vec(g, &[c])
+    };
+    Ok(BatchNormGrads {
+        x: Tensor::from_vec(dx, shape)?,
+        weight: dw.map(per_channel).transpose()?,
+        bias: db.map(per_channel).transpose()?,
+    })
+}
+
+impl Tensor {
+    /// Checks `x[N, C, H, W]` against per-channel `[C]` tensors (weight, bias, running
+    /// statistics) on its device and returns `(N, C, S)`.
+    fn batch_norm_dims(&self, op: &'static str, per_channel: &[Option<&Tensor>]) -> Result<(usize, usize, usize)> {
+        let [n, c, h, w] = self.dims_nchw(op)?;
+        for t in per_channel.iter().flatten() {
+            self.same_device(op, t)?;
+            if t.shape != [c] {
+                return Err(Error::ShapeMismatch { op, lhs: self.shape.clone(), rhs: t.shape.clone() });
+            }
+        }
+        Ok((n, c, h * w))
+    }
+
+    /// Training-mode batch norm of `x[N, C, H, W]` with the batch statistics (biased
+    /// variance), optional affine `weight[C]`, `bias[C]`. Updates the running statistics in
+    /// place, `running = (1 − momentum)·running + momentum·batch` with the unbiased variance
+    /// (PyTorch). Needs at least two values per channel (`N·H·W ≥ 2`), as PyTorch does.
+    pub fn batch_norm_train(
+        &self,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        running_mean: &mut Tensor,
+        running_var: &mut Tensor,
+        momentum: f32,
+        eps: f32,
+    ) -> Result<BatchNormOutput> {
+        let op = "batch_norm_train";
+        let (n, c, s) = self.batch_norm_dims(op, &[weight, bias, Some(running_mean), Some(running_var)])?;
+        if n * s < 2 {
+            return Err(Error::InvalidShape {
+                op,
+                shape: self.shape.clone(),
+                reason: "training needs more than one value per channel".into(),
+            });
+        }
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            let stats = crate::cuda::batch_norm::RunningStats { mean: running_mean, var: running_var, momentum };
+            return crate::cuda::batch_norm::train(self, (n, c, s), weight, bias, stats, eps);
+        }
+        let x = self.contiguous()?;
+        let (w, b) = (weight.map(Tensor::contiguous).transpose()?, bias.map(Tensor::contiguous).transpose()?);
+        let (mut y, mut mean, mut rstd) = (vec![0.0; x.numel()], vec![0.0; c], vec![0.0; c]);
+        batch_norm_train_forward(
+            x.as_slice()?,
+            n,
+            c,
+            s,
+            w.as_ref().map(Tensor::as_slice).transpose()?,
+            b.as_ref().map(Tensor::as_slice).transpose()?,
+            eps,
+            momentum,
+            running_mean.as_mut_slice()?,
+            running_var.as_mut_slice()?,
+            &mut y,
+            &mut mean,
+            &mut rstd,
+        );
+        Ok(BatchNormOutput {
+            y: Tensor::from_vec(y, &self.shape)?,
+            mean: Tensor::from_vec(mean, &[c])?,
+            rstd: Tensor::from_vec(rstd, &[c])?,
+        })
+    }
+
+    /// Evaluation-mode batch norm: `(x − running_mean)/√(running_var + eps) (· weight + bias)`.
+    pub fn batch_norm_eval(
+        &self,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        running_mean: &Tensor,
+        running_var: &Tensor,
+        eps: f32,
+    ) -> Result<Tensor> {
+        let op = "batch_norm_eval";
+        let (n, c, s) = self.batch_norm_dims(op, &[weight, bias, Some(running_mean), Some(running_var)])?;
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            return crate::cuda::batch_norm::eval(self, (n, c, s), weight, bias, [running_mean, running_var], eps);
+        }
+        let x = self.contiguous()?;
+        let (w, b) = (weight.map(Tensor::contiguous).transpose()?, bias.map(Tensor::contiguous).transpose()?);
+        let (rm, rv) = (running_mean.contiguous()?, running_var.contiguous()?);
+        let mut y = vec![0.0; x.numel()];
+        batch_norm_eval_forward(
+            x.as_slice()?,
+            n,
+            c,
+            s,
+            w.as_ref().map(Tensor::as_slice).transpose()?,
+            b.as_ref().map(Tensor::as_slice).transpose()?,
+            eps,
+            rm.as_slice()?,
+            rv.as_slice()?,
+            &mut y,
+        );
+        Tensor::from_vec(y, &self.shape)
+    }
+
+    /// The backward of [`Tensor::batch_norm_train`] from its saved batch `mean` and `rstd`,
+    /// for the output gradient `dy` (shaped like `x`). `d/dweight` is computed when `weight`
+    /// is given, `d/dbias` when `bias`:
+    /// `d/dx = weight·rstd/m · (m·dy − Σdy − x̂·Σ(dy·x̂))`, `x̂ = (x − μ)·rstd`, `m = N·S`,
+    /// `d/dweight = Σ dy·x̂`, `d/dbias = Σ dy`.
+    pub fn batch_norm_train_backward(
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        mean: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        bias: bool,
+    ) -> Result<BatchNormGrads> {
+        let op = "batch_norm_train_backward";
+        let dims = x.batch_norm_dims(op, &[weight, Some(mean), Some(rstd)])?;
+        x.same_device(op, dy)?;
+        if dy.shape != x.shape {
+            return Err(Error::ShapeMismatch { op, lhs: x.shape.clone(), rhs: dy.shape.clone() });
+        }
+        #[cfg(feature = "cuda")]
+        if x.cuda_storage().is_some() {
+            return crate::cuda::batch_norm::train_backward(x, dims, weight, [mean, rstd], dy, bias);
+        }
+        let (n, c, s) = dims;
+        let (x, dy) = (x.contiguous()?, dy.contiguous()?);
+        let w = weight.map(Tensor::contiguous).transpose()?;
+        let (mean, rstd) = (mean.contiguous()?, rstd.contiguous()?);
+        let mut dx = crate::pool::zeros(x.numel());
+        let mut dw = w.as_ref().map(|_| crate::pool::zeros(c));
+        let mut db = bias.then(|| crate::pool::zeros(c));
+        batch_norm_train_backward(
+            x.as_slice()?,
+            n,
+            c,
+            s,
+            w.as_ref().map(Tensor::as_slice).transpose()?,
+            mean.as_slice()?,
+            rstd.as_slice()?,
+            dy.as_slice()?,
+            &mut dx,
+            dw.as_deref_mut(),
+            db.as_deref_mut(),
+        );
+        host_grads(dx, &x.shape, dw, db)
+    }
+
+    /// The backward of [`Tensor::batch_norm_eval`], an affine map per channel:
+    /// `y = x̂·weight + bias`, `x̂ = (x − rm)/√(rv + eps)`; `d/dx = dy·weight/√(rv + eps)`,
+    /// `d/dweight = Σ dy·x̂` (when `weight` is given), `d/dbias = Σ dy` (when `bias`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm_eval_backward(
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        running_mean: &Tensor,
+        running_var: &Tensor,
+        eps: f32,
+        dy: &Tensor,
+        bias: bool,
+    ) -> Result<BatchNormGrads> {
+        let op = "batch_norm_eval_backward";
+        let dims = x.batch_norm_dims(op, &[weight, Some(running_mean), Some(running_var)])?;
+        x.same_device(op, dy)?;
+        if dy.shape != x.shape {
+            return Err(Error::ShapeMismatch { op, lhs: x.shape.clone(), rhs: dy.shape.clone() });
+        }
+        #[cfg(feature = "cuda")]
+        if x.cuda_storage().is_some() {
+            let stats = [running_mean, running_var];
+            return crate::cuda::batch_norm::eval_backward(x, dims, weight, stats, eps, dy, bias);
+        }
+        let (n, c, s) = dims;
+        let (x, dy) = (x.contiguous()?, dy.contiguous()?);
+        let w = weight.map(Tensor::contiguous).transpose()?;
+        let (rm, rv) = (running_mean.contiguous()?, running_var.contiguous()?);
+        let (xs, dys) = (x.as_slice()?, dy.as_slice()?);
+        let (rm, rv) = (rm.as_slice()?, rv.as_slice()?);
+        let gain = |ch: usize| w.as_ref().map_or(Ok(1.0), |w| w.as_slice().map(|w| w[ch]));
+        let mut dx = crate::pool::zeros(x.numel());
+        let (mut dw_sum, mut db_sum) = (vec![0.0f64; c], vec![0.0f64; c]);
+        for i in 0..n * c {
+            let ch = i % c;
+            let inv_std = 1.0 / (rv[ch] + eps).sqrt();
+            let scale = gain(ch)? * inv_std;
+            let plane = i * s..(i + 1) * s;
+            for ((d, &g), &v) in dx[plane.clone()].iter_mut().zip(&dys[plane.clone()]).zip(&xs[plane]) {
+                *d = g * scale;
+                dw_sum[ch] += f64::from(g * (v - rm[ch]) * inv_std);
+                db_sum[ch] += f64::from(g);
+            }
+        }
+        let narrow = |v: Vec<f64>| v.into_iter().map(|a| a as f32).collect::<Vec<f32>>();
+        let dw = w.as_ref().map(|_| narrow(dw_sum));
+        let db = bias.then(|| narrow(db_sum));
+        host_grads(dx, &x.shape, dw, db)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shape_errors_name_the_op() {
+        let x = Tensor::zeros(&[2, 3, 5, 5]);
+        let (mut rm, mut rv) = (Tensor::zeros(&[3]), Tensor::ones(&[3]));
+        assert!(x.batch_norm_train(Some(&Tensor::ones(&[4])), None, &mut rm, &mut rv, 0.1, 1e-5).is_err());
+        assert!(Tensor::zeros(&[1, 3, 1, 1]).batch_norm_train(None, None, &mut rm, &mut rv, 0.1, 1e-5).is_err());
+        let out = x.batch_norm_train(None, None, &mut rm, &mut rv, 0.1, 1e-5).unwrap();
+        let msg = Tensor::batch_norm_train_backward(&x, None, &out.mean, &out.rstd, &Tensor::zeros(&[2, 3]), false)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(msg.contains("batch_norm_train_backward") && msg.contains("[2, 3]"), "{msg}");
+    }
+
+    #[test]
+    fn batch_norm_train_normalises_and_updates_running_stats() {
+        let x = Tensor::from_vec((0..16).map(|i| i as f32).collect(), &[2, 2, 2, 2]).unwrap();
+        let (mut rm, mut rv) = (Tensor::zeros(&[2]), Tensor::ones(&[2]));
+        let out = x.batch_norm_train(None, None, &mut rm, &mut rv, 0.5, 0.0).unwrap();
+        // Channel 0 holds 0..4 and 8..12: mean 5.5.
+        assert!((out.mean.to_vec()[0] - 5.5).abs() < 1e-6);
+        assert!((rm.to_vec()[0] - 2.75).abs() < 1e-6);
+        let y = out.y.to_vec();
+        let channel0: f32 = y[..4].iter().chain(&y[8..12]).sum();
+        assert!(channel0.abs() < 1e-5);
+        let eval = x.batch_norm_eval(None, None, &Tensor::zeros(&[2]), &Tensor::ones(&[2]), 0.0).unwrap();
+        assert!(eval.all_close(&x, 1e-6, 1e-6));
+    }
+}
