@@ -850,12 +850,12 @@ fn gate_params(p: &[Vec<f32>; 4], alpha: f32) -> GateParams<'_> {
     GateParams { a_weight: &p[0], a_bias: &p[1], b_weight: &p[2], b_bias: &p[3], alpha }
 }
 
-/// One modulator's device parameters `[A, a, B, b]`.
-fn device_gate_params(p: &[DeviceBuffer<f32>], alpha: f32) -> DeviceGateParams<'_> {
-    DeviceGateParams { a_weight: &p[0], a_bias: &p[1], b_weight: &p[2], b_bias: &p[3], alpha }
+/// One modulator's device parameters `[A, a, B, b, α]`.
+fn device_gate_params(p: &[DeviceBuffer<f32>]) -> DeviceGateParams<'_> {
+    DeviceGateParams { a_weight: &p[0], a_bias: &p[1], b_weight: &p[2], b_bias: &p[3], alpha: &p[4] }
 }
 
-/// The same parameters on the device.
+/// The same parameters on the device, α_c and α_s as one-element buffers.
 struct DeviceGate {
     w: DeviceBuffer<f32>,
     channel: Vec<DeviceBuffer<f32>>,
@@ -866,19 +866,14 @@ impl DeviceGate {
     fn new(dev: &CudaDevice, case: &GateCase) -> DeviceGate {
         DeviceGate {
             w: up(dev, &case.w),
-            channel: case.channel.iter().map(|v| up(dev, v)).collect(),
-            scalar: case.scalar.iter().map(|v| up(dev, v)).collect(),
+            channel: case.channel.iter().chain([&vec![case.alphas.0]]).map(|v| up(dev, v)).collect(),
+            scalar: case.scalar.iter().chain([&vec![case.alphas.1]]).map(|v| up(dev, v)).collect(),
         }
     }
 
-    fn params(&self, case: &GateCase, phi: Unary) -> DeviceFusedGateParams<'_> {
+    fn params(&self, phi: Unary) -> DeviceFusedGateParams<'_> {
         let gate = device_gate_params;
-        DeviceFusedGateParams {
-            weight: &self.w,
-            channel: gate(&self.channel, case.alphas.0),
-            scalar: gate(&self.scalar, case.alphas.1),
-            phi,
-        }
+        DeviceFusedGateParams { weight: &self.w, channel: gate(&self.channel), scalar: gate(&self.scalar), phi }
     }
 }
 
@@ -892,7 +887,7 @@ fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
     let saved = cpu::fused_gate::fused_gate_forward(&dims, &case.x, &p, &mut zu, &mut out);
 
     let gate = DeviceGate::new(dev, case);
-    let gp = gate.params(case, phi);
+    let gp = gate.params(phi);
     let packed = cuda::fused_gate::pack_weight(dev, &dims, &gp).unwrap();
     let halves: Vec<bf16> = case.x.iter().map(|&v| bf16::from_f32(v)).collect();
     let gx16 = dev.upload(&halves).unwrap();
@@ -1000,13 +995,13 @@ fn fused_gate_rejects_bad_shapes() {
     let dims = FusedGateDims { rows: 4, d_in: 8, d_out: 8, rank_channel: 40, rank_scalar: 40 };
     let case = GateCase::new(dims, &mut rng, true);
     let gate = DeviceGate::new(dev, &case);
-    let result = cuda::fused_gate::pack_weight(dev, &dims, &gate.params(&case, Unary::Sigmoid));
+    let result = cuda::fused_gate::pack_weight(dev, &dims, &gate.params(Unary::Sigmoid));
     assert!(matches!(result, Err(CudaError::Shape { .. })), "rank 80 accepted: {result:?}");
     let dims = FusedGateDims { rank_channel: 8, rank_scalar: 8, ..dims };
     let case = GateCase::new(dims, &mut rng, true);
     let gate = DeviceGate::new(dev, &case);
     let wrong = FusedGateDims { d_in: 9, ..dims };
-    let result = cuda::fused_gate::pack_weight(dev, &wrong, &gate.params(&case, Unary::Sigmoid));
+    let result = cuda::fused_gate::pack_weight(dev, &wrong, &gate.params(Unary::Sigmoid));
     assert!(matches!(result, Err(CudaError::Shape { .. })), "wrong d_in accepted: {result:?}");
 }
 

@@ -63,8 +63,8 @@ fn tokens_from_args() -> usize {
 /// The parameters of one projection on the device.
 struct Projection {
     w: DeviceBuffer<f32>,
-    channel: [DeviceBuffer<f32>; 4],
-    scalar: [DeviceBuffer<f32>; 4],
+    channel: [DeviceBuffer<f32>; 5],
+    scalar: [DeviceBuffer<f32>; 5],
 }
 
 impl Projection {
@@ -74,8 +74,20 @@ impl Projection {
         let up = |len: usize, seed: u64, bound: f32| dev.upload(&values(len, seed, bound));
         Ok(Projection {
             w: up(d_out * d_in, 1, bound)?,
-            channel: [up(rc * d_in, 2, bound)?, up(rc, 3, 0.5)?, up(d_out * rc, 4, 1.0)?, up(d_out, 5, 0.5)?],
-            scalar: [up(rs * d_in, 6, bound)?, up(rs, 7, 0.5)?, up(rs, 8, 1.0)?, up(1, 9, 0.5)?],
+            channel: [
+                up(rc * d_in, 2, bound)?,
+                up(rc, 3, 0.5)?,
+                up(d_out * rc, 4, 1.0)?,
+                up(d_out, 5, 0.5)?,
+                dev.upload(&[1.0f32])?,
+            ],
+            scalar: [
+                up(rs * d_in, 6, bound)?,
+                up(rs, 7, 0.5)?,
+                up(rs, 8, 1.0)?,
+                up(1, 9, 0.5)?,
+                dev.upload(&[1.0f32])?,
+            ],
         })
     }
 
@@ -83,16 +95,16 @@ impl Projection {
         let gate = gate_params;
         DeviceFusedGateParams {
             weight: &self.w,
-            channel: gate(&self.channel, 1.0),
-            scalar: gate(&self.scalar, 1.0),
+            channel: gate(&self.channel),
+            scalar: gate(&self.scalar),
             phi: Unary::Sigmoid,
         }
     }
 }
 
-/// One modulator's parameters `[A, a, B, b]`.
-fn gate_params(p: &[DeviceBuffer<f32>; 4], alpha: f32) -> DeviceGateParams<'_> {
-    DeviceGateParams { a_weight: &p[0], a_bias: &p[1], b_weight: &p[2], b_bias: &p[3], alpha }
+/// One modulator's parameters `[A, a, B, b, α]`.
+fn gate_params(p: &[DeviceBuffer<f32>; 5]) -> DeviceGateParams<'_> {
+    DeviceGateParams { a_weight: &p[0], a_bias: &p[1], b_weight: &p[2], b_bias: &p[3], alpha: &p[4] }
 }
 
 fn bench_projection(dev: &CudaDevice, tokens: usize, d_in: usize, d_out: usize) -> Result<()> {

@@ -51,8 +51,9 @@ pub struct DeviceGateParams<'a> {
     pub b_weight: &'a DeviceBuffer<f32>,
     /// `b: [m]`.
     pub b_bias: &'a DeviceBuffer<f32>,
-    /// The curvature α of `σ̃_α`.
-    pub alpha: f32,
+    /// The curvature α of `σ̃_α`: a one-element buffer, read by the kernels on the device
+    /// (a learnable α never has to be copied back to the host).
+    pub alpha: &'a DeviceBuffer<f32>,
 }
 
 /// Everything the fused projection reads besides `x`.
@@ -111,6 +112,8 @@ fn check_params(dev: &CudaDevice, op: &'static str, dims: &FusedGateDims, p: &De
         (s.a_bias, rs, "scalar a"),
         (s.b_weight, rs, "scalar B"),
         (s.b_bias, 1, "scalar b"),
+        (c.alpha, 1, "channel α"),
+        (s.alpha, 1, "scalar α"),
     ];
     for (buffer, want, name) in expected {
         dev.check_owner(op, buffer)?;
@@ -127,11 +130,11 @@ fn gate_args(p: &DeviceFusedGateParams) -> [Arg; 10] {
         ptr(p.channel.a_bias),
         ptr(p.channel.b_weight),
         ptr(p.channel.b_bias),
-        Arg::F32(p.channel.alpha),
+        ptr(p.channel.alpha),
         ptr(p.scalar.a_bias),
         ptr(p.scalar.b_weight),
         ptr(p.scalar.b_bias),
-        Arg::F32(p.scalar.alpha),
+        ptr(p.scalar.alpha),
         int(phi),
         Arg::F32(phi_p),
     ]
@@ -368,7 +371,7 @@ pub fn fused_gate_backward(
         ptr(p.scalar.a_bias),
         ptr(p.scalar.b_weight),
         ptr(p.scalar.b_bias),
-        Arg::F32(p.scalar.alpha),
+        ptr(p.scalar.alpha),
         int(phi),
         Arg::F32(phi_p),
         size(rows),

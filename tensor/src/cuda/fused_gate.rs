@@ -18,14 +18,14 @@ use crate::{DType, Error, Result, Tensor};
 
 const OP: &str = "fused_gated_projection";
 
-/// One modulator's `[A, a, B, b]` as device buffers (each a dense f32 tensor) with `alpha`.
-fn device_gate(values: &[Tensor], alpha: f32) -> Result<DeviceGateParams<'_>> {
+/// One modulator's `[A, a, B, b, α]` as device buffers (each a dense f32 tensor).
+fn device_gate(values: &[Tensor]) -> Result<DeviceGateParams<'_>> {
     Ok(DeviceGateParams {
         a_weight: values[0].cuda_f32(OP)?,
         a_bias: values[1].cuda_f32(OP)?,
         b_weight: values[2].cuda_f32(OP)?,
         b_bias: values[3].cuda_f32(OP)?,
-        alpha,
+        alpha: values[4].cuda_f32(OP)?,
     })
 }
 
@@ -34,12 +34,7 @@ fn dense_f32(values: &[Tensor]) -> Result<Vec<Tensor>> {
     values.iter().map(|t| t.to_dtype(DType::F32)?.dense()).collect()
 }
 
-/// The single value of a one-element device tensor (α), read back to the host.
-fn host_scalar(t: &Tensor) -> Result<f32> {
-    t.to_host()?.item()
-}
-
-/// Forward on the GPU: `(out, x as dense f32, ZU [N, K], [α_c, α_s])`. `x` and the
+/// Forward on the GPU: `(out, x as dense f32, ZU [N, K])`. `x` and the
 /// parameters are contiguous and shape-checked by the caller.
 #[allow(clippy::type_complexity)]
 pub(crate) fn forward(
@@ -50,16 +45,11 @@ pub(crate) fn forward(
     scalar: &[Tensor],
     phi: Unary,
     out_shape: &[usize],
-) -> Result<(Tensor, Tensor, Tensor, [f32; 2])> {
+) -> Result<(Tensor, Tensor, Tensor)> {
     let dev = x.cuda_device(OP)?;
     let (w, cv, sv) = (weight.to_dtype(DType::F32)?.dense()?, dense_f32(channel)?, dense_f32(scalar)?);
-    let alphas = [host_scalar(&cv[4])?, host_scalar(&sv[4])?];
-    let p = DeviceFusedGateParams {
-        weight: w.cuda_f32(OP)?,
-        channel: device_gate(&cv, alphas[0])?,
-        scalar: device_gate(&sv, alphas[1])?,
-        phi,
-    };
+    let p =
+        DeviceFusedGateParams { weight: w.cuda_f32(OP)?, channel: device_gate(&cv)?, scalar: device_gate(&sv)?, phi };
     // Rebuilt on every forward: the packed copy must follow the weights' current values.
     let packed = pack_weight(&dev, dims, &p)?;
     let x_bf16 = x.to_dtype(DType::BF16)?.dense()?;
@@ -77,7 +67,7 @@ pub(crate) fn forward(
     )?;
     let out = Tensor::from_cuda(out, out_shape)?;
     let zu = Tensor::from_cuda(zu, &[dims.rows, dims.width()])?;
-    Ok((out, x.to_dtype(DType::F32)?.dense()?, zu, alphas))
+    Ok((out, x.to_dtype(DType::F32)?.dense()?, zu))
 }
 
 /// Zeroed device gradients shaped like a modulator's five parameters.
@@ -104,7 +94,7 @@ fn device_grads(storages: &mut [CudaStorage]) -> Result<DeviceGateGrads<'_>> {
 }
 
 /// Backward on the GPU: the twelve gradients in input order, from the forward's saved
-/// dense f32 `x`, parameters, `ZU` and α values, for the output gradient `dy`.
+/// dense f32 `x`, parameters and `ZU`, for the output gradient `dy`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     dims: &FusedGateDims,
@@ -113,19 +103,14 @@ pub(crate) fn backward(
     channel: &[Tensor],
     scalar: &[Tensor],
     phi: Unary,
-    alphas: [f32; 2],
     zu: &Tensor,
     dy: &Tensor,
 ) -> Result<Vec<Tensor>> {
     let dev = x.cuda_device(OP)?;
     let (x, zu, dy) = (x.dense()?, zu.dense()?, dy.dense()?);
     let (w, cv, sv) = (weight.to_dtype(DType::F32)?.dense()?, dense_f32(channel)?, dense_f32(scalar)?);
-    let p = DeviceFusedGateParams {
-        weight: w.cuda_f32(OP)?,
-        channel: device_gate(&cv, alphas[0])?,
-        scalar: device_gate(&sv, alphas[1])?,
-        phi,
-    };
+    let p =
+        DeviceFusedGateParams { weight: w.cuda_f32(OP)?, channel: device_gate(&cv)?, scalar: device_gate(&sv)?, phi };
     let (mut dx, mut dw) = (CudaStorage::zeros(&dev, x.numel())?, CudaStorage::zeros(&dev, w.numel())?);
     let (mut dc, mut ds) = (zeros_like_all(&dev, &cv)?, zeros_like_all(&dev, &sv)?);
     {

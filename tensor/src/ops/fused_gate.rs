@@ -36,10 +36,9 @@ pub struct FusedGateSaved {
 pub(crate) enum SavedExtra {
     /// The CPU kernel's rank-r results and scalar gate.
     Cpu(kernels::cpu::fused_gate::FusedGateSaved),
-    /// α_c and α_s, read from the device once by the forward (the launchers take them as
-    /// host values).
+    /// Nothing beyond the common fields: the GPU backward recomputes from `ZU`.
     #[cfg(feature = "cuda")]
-    Cuda { alphas: [f32; 2] },
+    Cuda,
 }
 
 /// Contiguous values of one modulator's `[A, a, B, b, α]`, with its rank, checked against
@@ -124,8 +123,8 @@ impl Tensor {
         #[cfg(feature = "cuda")]
         if x.cuda_storage().is_some() {
             let forward = crate::cuda::fused_gate::forward(&dims, &x, &w, &cv, &sv, phi, &out_shape)?;
-            let (out, x, zu, alphas) = forward;
-            let extra = SavedExtra::Cuda { alphas };
+            let (out, x, zu) = forward;
+            let extra = SavedExtra::Cuda;
             return Ok((out, FusedGateSaved { dims, x, weight: w, channel: cv, scalar: sv, phi, zu, extra }));
         }
         let (mut zu, mut out) = (crate::pool::buffer(dims.rows * dims.width()), crate::pool::buffer(dims.rows * d_out));
@@ -156,9 +155,9 @@ impl Tensor {
         match &saved.extra {
             SavedExtra::Cpu(host) => cpu_backward(saved, host, dy),
             #[cfg(feature = "cuda")]
-            SavedExtra::Cuda { alphas } => {
+            SavedExtra::Cuda => {
                 let FusedGateSaved { dims, x, weight, channel, scalar, phi, zu, .. } = saved;
-                crate::cuda::fused_gate::backward(dims, x, weight, channel, scalar, *phi, *alphas, zu, dy)
+                crate::cuda::fused_gate::backward(dims, x, weight, channel, scalar, *phi, zu, dy)
             }
         }
     }

@@ -256,10 +256,13 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
 }
 
 #define FG_PARAMS                                                                                                   \
-    const bf16_t *x, const bf16_t *cat_w, const float *a_c, const float *b_cw, const float *b_cb, float alpha_c,    \
-        const float *a_s, const float *b_sw, const float *b_sb, float alpha_s, int phi, float phi_p, i64 rows,      \
+    const bf16_t *x, const bf16_t *cat_w, const float *a_c, const float *b_cw, const float *b_cb,                   \
+        const float *alpha_c, const float *a_s, const float *b_sw, const float *b_sb, const float *alpha_s, int phi, \
+        float phi_p, i64 rows,                                                                                       \
         i64 d_in, i64 d_out, int rc, int rs, float *zu, float *out
-#define FG_ARGS x, cat_w, a_c, b_cw, b_cb, alpha_c, a_s, b_sw, b_sb, alpha_s, phi, phi_p, rows, d_in, d_out, rc, rs, zu, out
+// α_c and α_s are one-element device buffers (no host read-back of a learnable α).
+#define FG_ARGS \
+    x, cat_w, a_c, b_cw, b_cb, *alpha_c, a_s, b_sw, b_sb, *alpha_s, phi, phi_p, rows, d_in, d_out, rc, rs, zu, out
 
 // Grid (⌈d_out/BN⌉, ⌈N/BM⌉), 256 threads; the suffix is the padded rank (r ≤ suffix).
 extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r16(FG_PARAMS) { fused_gate_mma<16>(FG_ARGS); }
@@ -269,9 +272,10 @@ extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r64(FG_P
 // The gate alone, from a saved ZU [N, K]: out = σ̃_αc(H_c·B_cᵀ + b_c) ⊙ γ_s ⊙ Z. One block
 // per row (blockDim ≥ r).
 extern "C" __global__ void fused_gate_apply(const float* zu, const float* a_c, const float* b_cw, const float* b_cb,
-                                            float alpha_c, const float* a_s, const float* b_sw, const float* b_sb,
-                                            float alpha_s, int phi, float phi_p, i64 rows, i64 d_out, int rc, int rs,
-                                            float* out) {
+                                            const float* alpha_c_ptr, const float* a_s, const float* b_sw,
+                                            const float* b_sb, const float* alpha_s_ptr, int phi, float phi_p,
+                                            i64 rows, i64 d_out, int rc, int rs, float* out) {
+    const float alpha_c = *alpha_c_ptr, alpha_s = *alpha_s_ptr;
     __shared__ float h[FG_MAX_RANK];
     __shared__ float gate_s;
     const int r = rc + rs;
@@ -308,11 +312,12 @@ extern "C" __global__ void fused_gate_apply(const float* zu, const float* a_c, c
 // Writes dZ into dzu[n, 0..d_out), dL_c into dlogits, H into hidden [N, r], and the row's
 // dγ_s and dα_c terms into row_terms[n·3 + 0..2).
 extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float* dout, const float* a_c,
-                                                    const float* b_cw, const float* b_cb, float alpha_c,
+                                                    const float* b_cw, const float* b_cb, const float* alpha_c_ptr,
                                                     const float* a_s, const float* b_sw, const float* b_sb,
-                                                    float alpha_s, int phi, float phi_p, i64 rows, i64 d_out, int rc,
-                                                    int rs, float* dzu, float* dlogits, float* hidden,
-                                                    float* row_terms) {
+                                                    const float* alpha_s_ptr, int phi, float phi_p, i64 rows,
+                                                    i64 d_out, int rc, int rs, float* dzu, float* dlogits,
+                                                    float* hidden, float* row_terms) {
+    const float alpha_c = *alpha_c_ptr, alpha_s = *alpha_s_ptr;
     __shared__ float h[FG_MAX_RANK];
     __shared__ float gate_s_shared;
     const int r = rc + rs;
@@ -366,9 +371,10 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
 // row_terms[n·3 + 2].
 extern "C" __global__ void fused_gate_backward_summaries(const float* zu, const float* dhidden_c, const float* a_c,
                                                          const float* a_s, const float* b_sw, const float* b_sb,
-                                                         float alpha_s, int phi, float phi_p, i64 rows, i64 d_out,
-                                                         int rc, int rs, float* dzu, float* row_terms,
+                                                         const float* alpha_s_ptr, int phi, float phi_p, i64 rows,
+                                                         i64 d_out, int rc, int rs, float* dzu, float* row_terms,
                                                          float* dlogit_s) {
+    const float alpha_s = *alpha_s_ptr;
     const int r = rc + rs;
     const i64 width = d_out + r;
     GRID_STRIDE(n, rows) {
