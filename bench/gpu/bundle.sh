@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Builds, on a machine with Rust but no GPU, everything a GPU session runs: the CUDA
+# agreement tests, cuda-bench, train-bench and the `transponder` binary, all with the
+# `cuda` feature (cudarc loads the CUDA libraries at run time, so no toolkit is needed),
+# stripped and packed into .gpu/bundle.tar.xz. The GPU machine has CUDA and PyTorch but no
+# Rust: carry `.gpu` there and run `bash bench/gpu/run.sh` (see the README's CUDA section).
+#
+#     bench/gpu/bundle.sh            # then: echo /.gpu/ >> .git/info/exclude (once)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+FEATURES="kernels/cuda,tensor/cuda,autograd/cuda,nn/cuda,models/cuda,trainer/cuda,transponder-tests/cuda"
+# A separate target directory: stripped, no debug info, and the main build cache untouched.
+export CARGO_TARGET_DIR=target/gpu CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=symbols
+rm -rf .gpu/bin && mkdir -p .gpu/bin
+cargo build --release --workspace --features "$FEATURES" --bins
+cp target/gpu/release/{transponder,train-bench,cuda-bench} .gpu/bin/
+# Every test binary whose name says cuda (kernels' cuda_agreement, tests/cuda_*), plus the
+# nn and trainer unit-test binaries, which hold their own cuda-gated tests.
+cargo test --release --workspace --features "$FEATURES" --no-run --message-format=json 2>/dev/null |
+    python3 -c '
+import json, shutil, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    exe, target = msg.get("executable"), msg.get("target", {})
+    name = target.get("name", "")
+    if exe and msg.get("profile", {}).get("test") and ("cuda" in name or name in ("nn", "trainer")):
+        shutil.copy(exe, ".gpu/bin/test-" + name)
+        print("bundled", name)
+'
+tar -C .gpu -cJf .gpu/bundle.tar.xz bin
+rm -rf .gpu/bin
+ls -l .gpu/bundle.tar.xz
