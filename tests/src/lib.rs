@@ -358,6 +358,27 @@ pub fn grad_of(name: &str, v: &Var) -> Vec<f32> {
     v.grad().unwrap_or_else(|| panic!("{name} received no gradient")).to_vec()
 }
 
+/// GPU 0, where the `cuda_*` agreement tests run.
+#[cfg(feature = "cuda")]
+pub const GPU: tensor::Device = tensor::Device::Cuda(0);
+
+/// True (after saying so) when there is no GPU to test on: every CUDA test starts with
+/// `if no_gpu() { return; }`, so CI (no GPU) passes them with a message.
+#[cfg(feature = "cuda")]
+pub fn no_gpu() -> bool {
+    if tensor::cuda::is_available() {
+        return false;
+    }
+    eprintln!("skipping: no CUDA device");
+    true
+}
+
+/// A copy of a host tensor on [`GPU`].
+#[cfg(feature = "cuda")]
+pub fn gpu(t: &Tensor) -> Tensor {
+    ok("to_device", t.to_device(GPU))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,28 +12,15 @@ use autograd::Var;
 use tensor::cuda::{matmul_precision, set_matmul_precision, MatmulPrecision};
 use tensor::ops::{Binary, Unary};
 use tensor::{DType, Device, Error, Rng, Tensor};
+use transponder_tests::{gpu, no_gpu, GPU};
 
-const GPU: Device = Device::Cuda(0);
 const F32_REL: f32 = 1e-4;
 const F32_ABS: f32 = 1e-5;
 const BF16_REL: f32 = 2e-2;
 
-/// True (after saying so) when there is no GPU to test on.
-fn no_gpu() -> bool {
-    if tensor::cuda::is_available() {
-        return false;
-    }
-    eprintln!("skipping: no CUDA device");
-    true
-}
-
 /// Uniform values in `[low, high)` from a fixed seed.
 fn rand(shape: &[usize], low: f32, high: f32, seed: u64) -> Tensor {
     Tensor::rand_uniform(shape, low, high, &mut Rng::new(seed))
-}
-
-fn gpu(t: &Tensor) -> Tensor {
-    t.to_device(GPU).unwrap()
 }
 
 /// `got` (on the GPU) is within `abs + rel·|want|` of `want` (on the CPU) everywhere.

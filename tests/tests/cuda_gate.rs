@@ -11,26 +11,12 @@
 use autograd::Var;
 use tensor::ops::Unary;
 use tensor::{DType, Device, Error, Rng, Tensor};
+use transponder_tests::{gpu, no_gpu, GPU};
 
-const GPU: Device = Device::Cuda(0);
 /// f32 kernels whose sums run in another order on the GPU.
 const F32_REL: f32 = 1e-4;
 /// Anything that reads bf16 on the GPU.
 const BF16_REL: f32 = 2e-2;
-
-/// True (after saying so) when there is no GPU to compare with.
-fn no_gpu() -> bool {
-    if tensor::cuda::is_available() {
-        return false;
-    }
-    eprintln!("skipping: no CUDA device");
-    true
-}
-
-/// A copy of a host tensor on GPU 0.
-fn gpu(t: &Tensor) -> Tensor {
-    t.to_device(GPU).unwrap()
-}
 
 /// Asserts that `got` is on the GPU and agrees with the CPU's `want` (see the module doc).
 fn assert_close(what: &str, got: &Tensor, want: &Tensor, rel: f32) {

@@ -11,26 +11,11 @@
 
 use autograd::Var;
 use tensor::{Device, Error, Result, Tensor};
-use transponder_tests::{assert_close_f32, ok, seeded};
+use transponder_tests::{assert_close_f32, gpu, no_gpu, ok, seeded, GPU};
 
-const GPU: Device = Device::Cuda(0);
 const RTOL: f64 = 1e-4;
 const ATOL: f64 = 1e-5;
 const SUM_ATOL: f64 = 1e-4;
-
-/// False (after saying so) when no GPU can be opened.
-fn have_gpu() -> bool {
-    let available = tensor::cuda::is_available();
-    if !available {
-        eprintln!("skipping: no CUDA device");
-    }
-    available
-}
-
-/// `t` copied to the GPU.
-fn gpu(t: &Tensor) -> Tensor {
-    ok("to_device", t.to_device(GPU))
-}
 
 /// Asserts `got` lives on the GPU and matches the CPU's `want` (shape and values).
 fn assert_agree(what: &str, got: &Tensor, want: &Tensor, atol: f64) {
@@ -69,7 +54,7 @@ fn ids(len: usize, vocab: usize) -> Vec<u32> {
 
 #[test]
 fn softmax_and_log_softmax_agree() {
-    if !have_gpu() {
+    if no_gpu() {
         return;
     }
     for (i, shape) in [vec![7, 50], vec![3, 4, 300], vec![1, 1], vec![2, 1000]].into_iter().enumerate() {
@@ -81,7 +66,7 @@ fn softmax_and_log_softmax_agree() {
 
 #[test]
 fn softmax_of_a_strided_view_agrees() {
-    if !have_gpu() {
+    if no_gpu() {
         return;
     }
     let x = seeded(&[40, 6], -3.0, 3.0, 5);
@@ -92,7 +77,7 @@ fn softmax_of_a_strided_view_agrees() {
 
 #[test]
 fn cross_entropy_agrees_with_and_without_ignore_index() {
-    if !have_gpu() {
+    if no_gpu() {
         return;
     }
     let (rows, vocab) = (37, 1000);
@@ -125,7 +110,7 @@ fn cross_entropy_agrees_with_and_without_ignore_index() {
 
 #[test]
 fn cross_entropy_with_every_row_ignored_is_zero() {
-    if !have_gpu() {
+    if no_gpu() {
         return;
     }
     let logits = seeded(&[4, 10], -2.0, 2.0, 12);
@@ -138,7 +123,7 @@ fn cross_entropy_with_every_row_ignored_is_zero() {
 
 #[test]
 fn cross_entropy_rejects_a_target_out_of_range_on_the_gpu() {
-    if !have_gpu() {
+    if no_gpu() {
         return;
     }
     let logits = gpu(&seeded(&[2, 3], -1.0, 1.0, 13));
@@ -148,7 +133,7 @@ fn cross_entropy_rejects_a_target_out_of_range_on_the_gpu() {
 
 #[test]
 fn rms_norm_agrees() {
-    if !have_gpu() {
+    if no_gpu() {
         return;
     }
     for (i, (lead, cols)) in [(vec![4, 6], 96), (vec![5], 1000), (vec![3], 1)].into_iter().enumerate() {
@@ -164,7 +149,7 @@ fn rms_norm_agrees() {
 
 #[test]
 fn layer_norm_agrees_with_every_affine_combination() {
-    if !have_gpu() {
+    if no_gpu() {
         return;
     }
     let (x, w, b) = (seeded(&[6, 5, 300], -3.0, 3.0, 40), seeded(&[300], 0.5, 1.5, 41), seeded(&[300], -1.0, 1.0, 42));
@@ -181,7 +166,7 @@ fn layer_norm_agrees_with_every_affine_combination() {
 
 #[test]
 fn norms_reject_operands_on_different_devices() {
-    if !have_gpu() {
+    if no_gpu() {
         return;
     }
     let (x, w) = (gpu(&seeded(&[2, 4], -1.0, 1.0, 43)), Tensor::ones(&[4]));
@@ -191,7 +176,7 @@ fn norms_reject_operands_on_different_devices() {
 
 #[test]
 fn rope_agrees_at_several_offsets() {
-    if !have_gpu() {
+    if no_gpu() {
         return;
     }
     // Offsets past the first cached table (256 positions) make the GPU table grow.
@@ -207,7 +192,7 @@ fn rope_agrees_at_several_offsets() {
 
 #[test]
 fn embedding_agrees_with_repeated_ids() {
-    if !have_gpu() {
+    if no_gpu() {
         return;
     }
     let (vocab, dim) = (11, 48);
@@ -218,7 +203,7 @@ fn embedding_agrees_with_repeated_ids() {
 
 #[test]
 fn embedding_rejects_an_id_out_of_range_on_the_gpu() {
-    if !have_gpu() {
+    if no_gpu() {
         return;
     }
     let weight = gpu(&seeded(&[3, 2], -1.0, 1.0, 61));
@@ -227,7 +212,7 @@ fn embedding_rejects_an_id_out_of_range_on_the_gpu() {
 
 #[test]
 fn causal_attention_agrees_for_several_shapes() {
-    if !have_gpu() {
+    if no_gpu() {
         return;
     }
     // (B, H, Tq, Tk, D): one token; square; more keys than queries (a decode window);
