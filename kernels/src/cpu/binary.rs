@@ -15,7 +15,7 @@
 //! The backward of these ops lives in autograd (it is sums and products of these same
 //! kernels); `add_assign` and `axpy` accumulate gradients: `dst += src`.
 
-use wide::{f32x8, CmpNe};
+use wide::{f32x8, CmpEq};
 
 use super::parallel;
 use super::unary::{load, store, LANES};
@@ -160,7 +160,7 @@ pub fn axpy(alpha: f32, src: &[f32], dst: &mut [f32]) {
     });
 }
 
-/// out[i] = if cond[i] != 0.0 { a[i] } else { b[i] }
+/// out[i] = if cond[i] != 0.0 { a[i] } else { b[i] } (a NaN condition is true).
 pub fn select(cond: &[f32], a: &[f32], b: &[f32], out: &mut [f32]) {
     let n = out.len();
     assert!(cond.len() == n && a.len() == n && b.len() == n, "select: cond, a, b and out differ in length");
@@ -169,7 +169,9 @@ pub fn select(cond: &[f32], a: &[f32], b: &[f32], out: &mut [f32]) {
         let (cond, a, b) = (&cond[start..end], &a[start..end], &b[start..end]);
         let simd_end = out.len() - out.len() % LANES;
         for i in (0..simd_end).step_by(LANES) {
-            let chosen = load(&cond[i..]).cmp_ne(f32x8::ZERO).blend(load(&a[i..]), load(&b[i..]));
+            // `cond == 0` picks b, so a NaN condition counts as true, as in the scalar tail
+            // and the GPU kernel (an ordered `cmp_ne` would call NaN false).
+            let chosen = load(&cond[i..]).cmp_eq(f32x8::ZERO).blend(load(&b[i..]), load(&a[i..]));
             store(chosen, &mut out[i..]);
         }
         for i in simd_end..out.len() {
@@ -429,5 +431,26 @@ mod tests {
         binary_forward(Binary::Minimum, &a, 0, &[1], &b, 0, &[1], &[9], &mut out);
         assert!(out[0].is_nan() && out[1].is_nan() && out[8].is_nan());
         assert_eq!(&out[2..8], &[2.0, -2.0, 5.0, 0.0, 2.0, 4.0]);
+    }
+
+    #[test]
+    fn select_treats_nan_as_true_in_vector_and_scalar_lanes() {
+        let n = 19; // two 8-wide vectors and a scalar tail of 3
+        let cond: Vec<f32> = (0..n)
+            .map(|i| {
+                if i % 3 == 0 {
+                    f32::NAN
+                } else if i % 3 == 1 {
+                    0.0
+                } else {
+                    -1.0
+                }
+            })
+            .collect();
+        let (a, b) = (vec![1.0; n], vec![2.0; n]);
+        let mut out = vec![0.0; n];
+        select(&cond, &a, &b, &mut out);
+        let expected: Vec<f32> = cond.iter().map(|&c| if c != 0.0 { 1.0 } else { 2.0 }).collect();
+        assert_eq!(out, expected);
     }
 }
