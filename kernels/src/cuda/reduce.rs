@@ -10,7 +10,7 @@ use cudarc::driver::LaunchConfig;
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
-use super::launch::{check_owners, elementwise, int, per_row, ptr, size, THREADS};
+use super::launch::{check_owners, elementwise, int, per_row, ptr, ptr_at, size, THREADS};
 use super::module::KernelFamily;
 
 const FAMILY: KernelFamily = KernelFamily::Reduce;
@@ -139,13 +139,29 @@ pub fn max_axis(
 
 /// `Σ x[i]²` accumulated in f64 (for global gradient-norm clipping); waits for the device.
 pub fn sum_squares(dev: &CudaDevice, x: &DeviceBuffer<f32>) -> Result<f64> {
-    dev.check_owner("sum_squares", x)?;
-    if x.is_empty() {
+    sum_squares_all(dev, &[x])
+}
+
+/// `Σ_t Σ_i x_t[i]²` over several buffers in f64, waiting for the device once: every
+/// buffer's block partials go into one f64 buffer, downloaded and summed on the host in a
+/// fixed order (the global gradient norm of all parameters in one synchronisation).
+pub fn sum_squares_all(dev: &CudaDevice, xs: &[&DeviceBuffer<f32>]) -> Result<f64> {
+    let blocks_of = |x: &DeviceBuffer<f32>| x.len().div_ceil(THREADS as usize).min(SQUARE_BLOCKS);
+    let total: usize = xs.iter().map(|x| blocks_of(x)).sum();
+    if total == 0 {
         return Ok(0.0);
     }
-    let blocks = x.len().div_ceil(THREADS as usize).min(SQUARE_BLOCKS);
-    let partial = dev.alloc::<f64>(blocks)?;
-    let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    dev.launch(FAMILY, "sum_squares_partial", cfg, &[ptr(x), size(x.len()), ptr(&partial)])?;
+    let partial = dev.alloc::<f64>(total)?;
+    let mut at = 0;
+    for x in xs {
+        dev.check_owner("sum_squares", x)?;
+        let blocks = blocks_of(x);
+        if blocks == 0 {
+            continue;
+        }
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        dev.launch(FAMILY, "sum_squares_partial", cfg, &[ptr(x), size(x.len()), ptr_at(&partial, at)])?;
+        at += blocks;
+    }
     Ok(dev.download(&partial)?.iter().sum())
 }

@@ -107,6 +107,44 @@ pub fn cross_entropy_forward(
     losses: &mut DeviceBuffer<f32>,
     lse: &mut DeviceBuffer<f32>,
 ) -> Result<usize> {
+    let Some(counters) = launch_cross_entropy(dev, logits, cols, targets, ignore_index, losses, lse)? else {
+        return Ok(0);
+    };
+    let counts = dev.download(&counters)?;
+    if counts[1] > 0 {
+        let message = format!("{} targets out of range 0..{cols}", counts[1]);
+        return Err(CudaError::Invalid { op: "cross_entropy_forward", message });
+    }
+    Ok(counts[0] as usize)
+}
+
+/// [`cross_entropy_forward`] without waiting for the device: for a caller that has checked
+/// every target against `cols` and counted the kept rows on the host (the tensor op), so a
+/// training step does not stall the GPU's queue in the middle of its forward pass. Rows
+/// with a target ≥ `cols` get loss 0 here instead of an error.
+pub fn cross_entropy_forward_queued(
+    dev: &CudaDevice,
+    logits: &DeviceBuffer<f32>,
+    cols: usize,
+    targets: &DeviceBuffer<u32>,
+    ignore_index: Option<u32>,
+    losses: &mut DeviceBuffer<f32>,
+    lse: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    launch_cross_entropy(dev, logits, cols, targets, ignore_index, losses, lse).map(drop)
+}
+
+/// Checks and queues the forward kernel; returns its counters `[kept rows, targets out of
+/// range]` (still being written), or `None` when there are no rows.
+fn launch_cross_entropy(
+    dev: &CudaDevice,
+    logits: &DeviceBuffer<f32>,
+    cols: usize,
+    targets: &DeviceBuffer<u32>,
+    ignore_index: Option<u32>,
+    losses: &mut DeviceBuffer<f32>,
+    lse: &mut DeviceBuffer<f32>,
+) -> Result<Option<DeviceBuffer<u32>>> {
     const OP: &str = "cross_entropy_forward";
     check_owners(dev, OP, &[logits, losses, lse])?;
     dev.check_owner(OP, targets)?;
@@ -116,8 +154,10 @@ pub fn cross_entropy_forward(
     ensure_len(OP, "lse", lse.len(), rows)?;
     ensure(cols > 0 || rows == 0, OP, || "zero columns".to_string())?;
     if rows == 0 {
-        return Ok(0);
+        return Ok(None);
     }
+    // Dropped by the caller while the kernel may still run: the allocator hands a block out
+    // again only to work queued later on the same stream.
     let counters = dev.zeros::<u32>(2)?;
     let args = [
         ptr(logits),
@@ -130,11 +170,7 @@ pub fn cross_entropy_forward(
         ptr(&counters),
     ];
     dev.launch(FAMILY, "cross_entropy_forward", per_row(rows, row_threads(cols)), &args)?;
-    let counts = dev.download(&counters)?;
-    if counts[1] > 0 {
-        return Err(CudaError::Invalid { op: OP, message: format!("{} targets out of range 0..{cols}", counts[1]) });
-    }
-    Ok(counts[0] as usize)
+    Ok(Some(counters))
 }
 
 /// `dlogits[r] += scale·(softmax(logits[r]) − onehot(targets[r]))` for rows not ignored,

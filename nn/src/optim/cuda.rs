@@ -5,7 +5,6 @@
 
 use autograd::Result;
 use kernels::cuda::optim::{adam_step, adamw_step, sgd_step, AdamHyper};
-use kernels::cuda::reduce::sum_squares;
 use tensor::Tensor;
 
 use super::slot::Slot;
@@ -52,9 +51,4 @@ pub(crate) fn sgd_update(
     let buf = buffer.device_buffer(param, OP)?;
     let (dev, p) = param.cuda_f32_mut(OP)?;
     grad.with_cuda_f32(OP, |_, g| Ok(sgd_step(&dev, p, g, buf, lr, momentum, weight_decay, nesterov)?))
-}
-
-/// `Σ g²` of a GPU gradient in f64 (waits for the device: one sync per gradient).
-pub(crate) fn squared_norm(grad: &Tensor) -> Result<f64> {
-    grad.with_cuda_f32("clip_grad_norm", |dev, g| Ok(sum_squares(dev, g)?))
 }

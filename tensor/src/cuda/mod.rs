@@ -36,6 +36,7 @@ use kernels::cuda::{CudaDevice, CudaError, DeviceBuffer};
 use crate::{Error, Result, Storage, Tensor};
 
 pub use matmul::{matmul_precision, set_matmul_precision, MatmulPrecision};
+pub use reduce::sum_squares;
 pub use storage::CudaStorage;
 
 /// The devices opened so far, by ordinal.

@@ -69,3 +69,20 @@ fn dense_f32(x: &Tensor, op: &'static str) -> Result<Tensor> {
     }
     x.dense()
 }
+
+/// `Σ_t Σ_i t[i]²` in f64 over GPU tensors, all on one device, waiting for it once (the
+/// global gradient norm for clipping). An empty list sums to 0.
+pub fn sum_squares(tensors: &[Tensor]) -> Result<f64> {
+    const OP: &str = "sum_squares";
+    let Some(first) = tensors.first() else { return Ok(0.0) };
+    let dev = first.cuda_device(OP)?;
+    let dense = tensors
+        .iter()
+        .map(|t| {
+            first.same_device(OP, t)?;
+            dense_f32(t, OP)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let buffers = dense.iter().map(|t| t.cuda_f32(OP)).collect::<Result<Vec<_>>>()?;
+    Ok(launch::sum_squares_all(&dev, &buffers)?)
+}

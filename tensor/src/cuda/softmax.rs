@@ -33,8 +33,8 @@ pub(crate) fn softmax_backward(y: &Tensor, dy: &Tensor, cols: usize, log: bool) 
 }
 
 /// Mean cross-entropy of `[N, cols]` logits against host `targets` (already range-checked):
-/// the loss stays on the device as a rank-0 tensor. Waits for the device once (the kernel
-/// returns its row count).
+/// the loss stays on the device as a rank-0 tensor, and nothing waits for the device (the
+/// kept rows are counted on the host).
 pub(crate) fn cross_entropy(
     logits: &Tensor,
     cols: usize,
@@ -45,10 +45,11 @@ pub(crate) fn cross_entropy(
     let dev = logits.cuda_device(OP)?;
     let logits = logits.dense()?;
     let rows = targets.len();
+    let count = targets.iter().filter(|&&t| Some(t) != ignore_index).count();
     let targets = dev.upload(targets)?;
     let mut losses = CudaStorage::alloc(&dev, rows)?;
     let mut lse = CudaStorage::alloc(&dev, rows)?;
-    let count = launch::cross_entropy_forward(
+    launch::cross_entropy_forward_queued(
         &dev,
         logits.cuda_f32(OP)?,
         cols,
