@@ -11,6 +11,7 @@ pub mod generate;
 pub mod metrics;
 pub mod prepare;
 pub mod safetensors_io;
+pub mod threads;
 pub mod tokenizer;
 pub mod train;
 pub mod train_image;

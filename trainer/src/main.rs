@@ -295,6 +295,10 @@ impl TrainArgs {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    trainer::threads::on_worker_pool(None, || run(cli))?
+}
+
+fn run(cli: Cli) -> Result<()> {
     match cli.command.unwrap_or_else(|| Command::Train(Box::default())) {
         Command::Prepare { inputs, out, tokenizer, val_fraction } => {
             let tokenizer = Tokenizer::from_name(&tokenizer)?;

@@ -200,11 +200,13 @@ fn print_profile(ops: &[(&'static str, f64, f64, usize)], steps: usize) {
 
 fn main() -> Result<()> {
     let args = parse_args()?;
+    let threads = args.threads;
+    trainer::threads::on_worker_pool(Some(threads), || run(args))?
+}
+
+fn run(args: Args) -> Result<()> {
     ensure_available(args.device)?;
     let _precision = MatmulPrecision::set(args.device, args.bf16)?;
-    // rayon reads this when its global pool starts (the first parallel kernel); nothing
-    // has run yet, so the process is still single-threaded here.
-    std::env::set_var("RAYON_NUM_THREADS", args.threads.to_string());
     let rss_start = proc_status_mib("VmRSS");
 
     let mut config = LlamaConfig::preset(&args.model)?;
