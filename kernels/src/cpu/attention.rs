@@ -26,7 +26,7 @@ use super::tile_gemm::{tile_gemm, TileA, TileB};
 use super::unary::{exp8, load, store, LANES};
 
 /// Queries per tile: one task of the forward.
-const Q_TILE: usize = 64;
+const Q_TILE: usize = 32;
 /// Keys per tile: the width of the score block kept in cache.
 const K_TILE: usize = 64;
 
