@@ -10,6 +10,7 @@ mod matmul;
 mod nn;
 mod pool;
 mod reduce;
+mod rope_table;
 mod swiglu;
 
 pub use batch_norm::{BatchNormGrads, BatchNormOutput};

@@ -10,6 +10,7 @@
 
 use kernels::cpu::{attention, cross_entropy, embedding, norm, rope, softmax};
 
+use super::rope_table::rope_table;
 use crate::{Error, Result, Tensor};
 
 /// Output of [`Tensor::rms_norm`]: `y` and the per-row `1/rms` (`[rows]`, on `y`'s device)
@@ -355,9 +356,9 @@ impl Tensor {
             return crate::cuda::rope::rope(self, theta, pos_offset, false);
         }
         let x = self.contiguous()?;
-        let (cos, sin) = rope::rope_table(pos_offset + t, d, theta);
+        let table = rope_table(pos_offset + t, d, theta);
         let mut y = crate::pool::buffer(x.numel());
-        rope::rope_forward(x.as_slice()?, &cos, &sin, b, t, h, d, pos_offset, &mut y);
+        rope::rope_forward(x.as_slice()?, &table.cos, &table.sin, b, t, h, d, pos_offset, &mut y);
         Tensor::from_vec(y, &self.shape)
     }
 
@@ -370,9 +371,9 @@ impl Tensor {
             return crate::cuda::rope::rope(self, theta, pos_offset, true);
         }
         let dy = self.contiguous()?;
-        let (cos, sin) = rope::rope_table(pos_offset + t, d, theta);
+        let table = rope_table(pos_offset + t, d, theta);
         let mut dx = crate::pool::zeros(dy.numel());
-        rope::rope_backward(dy.as_slice()?, &cos, &sin, b, t, h, d, pos_offset, &mut dx);
+        rope::rope_backward(dy.as_slice()?, &table.cos, &table.sin, b, t, h, d, pos_offset, &mut dx);
         Tensor::from_vec(dx, &self.shape)
     }
 
