@@ -446,7 +446,7 @@ fn rms_norm_and_layer_norm_agree() {
         assert_reduced("rms y", &down(dev, &gy), &y);
         assert_reduced("rms rstd", &down(dev, &grstd), &rstd);
         let (mut dx, mut dw) = (start.clone(), wstart.clone());
-        cpu::norm::rms_norm_backward(&x, &w, &rstd, &dy, cols, &mut dx, &mut dw);
+        cpu::norm::rms_norm_backward(&x, &w, &rstd, &dy, cols, &mut dx, &mut dw, true);
         let (mut gdx, mut gdw) = (up(dev, &start), up(dev, &wstart));
         cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), &gdy, cols, &mut gdx, &mut gdw).unwrap();
         assert_reduced("rms dx", &down(dev, &gdx), &dx);
@@ -496,7 +496,7 @@ fn rope_agrees() {
         cuda::rope::rope_forward(dev, &gx, &gcos, &gsin, batch, seq, heads, head_dim, offset, &mut gy).unwrap();
         assert_elementwise("rope forward", &down(dev, &gy), &y);
         let mut dx = x.clone();
-        cpu::rope::rope_backward(&y, &cos, &sin, batch, seq, heads, head_dim, offset, &mut dx);
+        cpu::rope::rope_backward(&y, &cos, &sin, batch, seq, heads, head_dim, offset, &mut dx, true);
         let mut gdx = up(dev, &x);
         cuda::rope::rope_backward(dev, &up(dev, &y), &gcos, &gsin, batch, seq, heads, head_dim, offset, &mut gdx)
             .unwrap();
@@ -1016,7 +1016,7 @@ fn swiglu_forward_and_backward_agree() {
     let (gg, gu, gdout, mut gy) = (up(dev, &gate), up(dev, &upv), up(dev, &dout), dev.alloc(n).unwrap());
     let (mut gdgate, mut gdup) = (up(dev, &dgate), up(dev, &dup));
     cpu::swiglu::swiglu_forward(&gate, &upv, &mut y);
-    cpu::swiglu::swiglu_backward(&gate, &upv, &dout, &mut dgate, &mut dup);
+    cpu::swiglu::swiglu_backward(&gate, &upv, &dout, &mut dgate, &mut dup, true);
     cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut gy).unwrap();
     cuda::swiglu::swiglu_backward(dev, &gg, &gu, &gdout, &mut gdgate, &mut gdup).unwrap();
     assert_elementwise("swiglu forward", &down(dev, &gy), &y);

@@ -142,7 +142,7 @@ fn bench_swiglu(gate: &[f32], up: &[f32], cols: usize, report: &impl Fn(&str, us
         unary_backward(Unary::Silu, gate, &silu, &dsilu, &mut dgate);
     });
     report("silu + mul backward", 11 * n, pair_backward);
-    let fused_backward = median_seconds(9, || swiglu_backward(gate, up, &dout, &mut dgate, &mut dup));
+    let fused_backward = median_seconds(9, || swiglu_backward(gate, up, &dout, &mut dgate, &mut dup, true));
     report("swiglu backward (fused)", 7 * n, fused_backward);
 }
 

@@ -44,7 +44,8 @@ pub fn rms_norm_forward(x: &[f32], weight: &[f32], cols: usize, eps: f32, y: &mu
     }
 }
 
-/// dx += ∂L/∂x and dweight += ∂L/∂weight for RMSNorm, from the saved `rstd`.
+/// dx += ∂L/∂x and dweight += ∂L/∂weight for RMSNorm, from the saved `rstd`; with
+/// `accumulate_dx = false`, dx = ∂L/∂x instead (a fresh buffer then needs no zero-filling).
 #[allow(clippy::too_many_arguments)]
 pub fn rms_norm_backward(
     x: &[f32],
@@ -54,6 +55,7 @@ pub fn rms_norm_backward(
     cols: usize,
     dx: &mut [f32],
     dweight: &mut [f32],
+    accumulate_dx: bool,
 ) {
     let rows = check_rows(x, cols, dx.len(), rstd.len(), "rms_norm_backward");
     assert!(weight.len() == cols && dweight.len() == cols, "rms_norm_backward: weight length differs from cols");
@@ -73,11 +75,12 @@ pub fn rms_norm_backward(
             for j in (0..simd_end).step_by(LANES) {
                 let (xv, dyv) = (load(&x[j..]), load(&dy[j..]));
                 let grad = dyv * load(&weight[j..]) * rs - xv * c;
-                store(load(&dx[j..]) + grad, &mut dx[j..]);
+                store(if accumulate_dx { load(&dx[j..]) + grad } else { grad }, &mut dx[j..]);
                 store(load(&dw[j..]) + dyv * xv * rs, &mut dw[j..]);
             }
             for j in simd_end..cols {
-                dx[j] += dy[j] * weight[j] * rs - x[j] * c;
+                let grad = dy[j] * weight[j] * rs - x[j] * c;
+                dx[j] = if accumulate_dx { dx[j] + grad } else { grad };
                 dw[j] += dy[j] * x[j] * rs;
             }
         }
@@ -354,7 +357,12 @@ mod tests {
             layer_norm_backward(&x, Some(&w), &mean, &rstd, &dy, cols, &mut dx, Some(&mut dw), Some(&mut db));
         } else {
             rms_norm_forward(&x, &w, cols, eps, &mut y, &mut rstd);
-            rms_norm_backward(&x, &w, &rstd, &dy, cols, &mut dx, &mut dw);
+            // dx overwrites its stale contents; accumulating adds onto them.
+            dx.fill(f32::NAN);
+            rms_norm_backward(&x, &w, &rstd, &dy, cols, &mut dx, &mut dw, false);
+            let mut dx_plus_one = vec![1.0; x.len()];
+            rms_norm_backward(&x, &w, &rstd, &dy, cols, &mut dx_plus_one, &mut vec![0.0; cols], true);
+            assert!(dx.iter().zip(&dx_plus_one).all(|(a, b)| a + 1.0 == *b), "accumulating dx differs");
         }
         let f64s = |v: &[f32]| v.iter().map(|&a| a as f64).collect::<Vec<f64>>();
         let (x64, w64, b64) = (f64s(&x), f64s(&w), f64s(&b));

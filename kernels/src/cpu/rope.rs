@@ -51,7 +51,8 @@ pub fn rope_forward(
     rotate(x, cos, sin, seq, heads, head_dim, pos_offset, 1.0, false, y);
 }
 
-/// dx += Rᵀ dy (the inverse rotation)
+/// dx += Rᵀ dy (the inverse rotation), or dx = Rᵀ dy when not `accumulate` (a fresh
+/// gradient buffer then needs no zero-filling first).
 #[allow(clippy::too_many_arguments)]
 pub fn rope_backward(
     dy: &[f32],
@@ -63,10 +64,11 @@ pub fn rope_backward(
     head_dim: usize,
     pos_offset: usize,
     dx: &mut [f32],
+    accumulate: bool,
 ) {
     check(dy.len(), dx.len(), cos, sin, batch, seq, heads, head_dim, pos_offset);
     // d/dx (R x) = Rᵀ: the rotation by −angle.
-    rotate(dy, cos, sin, seq, heads, head_dim, pos_offset, -1.0, true, dx);
+    rotate(dy, cos, sin, seq, heads, head_dim, pos_offset, -1.0, accumulate, dx);
 }
 
 /// Scalar reference forward (tests and benches).
@@ -209,8 +211,12 @@ mod tests {
             prop_assert!(y.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-6));
             // Rᵀ R = I, and the backward accumulates.
             let mut back = x.clone();
-            rope_backward(&y, &cos, &sin, batch, seq, heads, head_dim, pos_offset, &mut back);
+            rope_backward(&y, &cos, &sin, batch, seq, heads, head_dim, pos_offset, &mut back, true);
             prop_assert!(back.iter().zip(&x).all(|(a, b)| (a - 2.0 * b).abs() < 1e-5));
+            // Without accumulating, the stale contents of dx are overwritten.
+            let mut fresh = vec![f32::NAN; x.len()];
+            rope_backward(&y, &cos, &sin, batch, seq, heads, head_dim, pos_offset, &mut fresh, false);
+            prop_assert!(fresh.iter().zip(&x).all(|(a, b)| (a - b).abs() < 1e-5));
         }
     }
 
@@ -221,7 +227,7 @@ mod tests {
         let x = values(batch * seq * heads * head_dim, 2);
         let probe = values(x.len(), 3);
         let mut dx = vec![0.0; x.len()];
-        rope_backward(&probe, &cos, &sin, batch, seq, heads, head_dim, offset, &mut dx);
+        rope_backward(&probe, &cos, &sin, batch, seq, heads, head_dim, offset, &mut dx, true);
         // L = Σ probe ⊙ R x is linear in x, so the f64 difference is exact up to rounding.
         let loss = |x: &[f32]| -> f64 {
             let y = rope_reference(x, &cos, &sin, seq, heads, head_dim, offset);

@@ -12,7 +12,8 @@
 //! the forward reads `g` and `u` once and writes `y`; the backward recomputes σ(g) from `g`,
 //! so it needs only the inputs, never `y` or `silu(g)`. All buffers are `N` elements (any
 //! shape, flattened); gradients accumulate (`dg += ...`, `du += ...`), like every backward
-//! kernel here.
+//! kernel here, or overwrite fresh buffers (`accumulate = false`), which then need no
+//! zero-filling: two fewer passes over the FFN's widest tensors.
 //!
 //! σ goes through `e^-|g|` ≤ 1 ([`sigmoid8`]), so a large `|g|` saturates to 0 or 1: no
 //! overflow, no NaN. Scalar references ([`swiglu_reference`],
@@ -45,8 +46,9 @@ pub fn swiglu_forward(gate: &[f32], up: &[f32], out: &mut [f32]) {
     });
 }
 
-/// `dgate += dout · up · silu'(gate)` and `dup += dout · silu(gate)`, recomputing σ(gate).
-pub fn swiglu_backward(gate: &[f32], up: &[f32], dout: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
+/// `dgate += dout · up · silu'(gate)` and `dup += dout · silu(gate)`, recomputing σ(gate);
+/// `=` instead of `+=` when not `accumulate`.
+pub fn swiglu_backward(gate: &[f32], up: &[f32], dout: &[f32], dgate: &mut [f32], dup: &mut [f32], accumulate: bool) {
     let n = dgate.len();
     assert!(
         gate.len() == n && up.len() == n && dout.len() == n && dup.len() == n,
@@ -61,13 +63,20 @@ pub fn swiglu_backward(gate: &[f32], up: &[f32], dout: &[f32], dgate: &mut [f32]
             let s = sigmoid8(g);
             // d/dg silu(g) = σ(g)·(1 + g·(1 − σ(g)))
             let dsilu = s * (f32x8::ONE + g * (f32x8::ONE - s));
-            store(load(&dgate[i..]) + dy * load(&up[i..]) * dsilu, &mut dgate[i..]);
-            store(load(&dup[i..]) + dy * (g * s), &mut dup[i..]);
+            let (dg, du) = (dy * load(&up[i..]) * dsilu, dy * (g * s));
+            if accumulate {
+                store(load(&dgate[i..]) + dg, &mut dgate[i..]);
+                store(load(&dup[i..]) + du, &mut dup[i..]);
+            } else {
+                store(dg, &mut dgate[i..]);
+                store(du, &mut dup[i..]);
+            }
         }
         for i in simd_end..dgate.len() {
             let (dy_dg, dy_du) = swiglu_derivative_reference(gate[i], up[i]);
-            dgate[i] += dout[i] * dy_dg;
-            dup[i] += dout[i] * dy_du;
+            let (old_dg, old_du) = if accumulate { (dgate[i], dup[i]) } else { (0.0, 0.0) };
+            dgate[i] = old_dg + dout[i] * dy_dg;
+            dup[i] = old_du + dout[i] * dy_du;
         }
     });
 }
@@ -100,15 +109,20 @@ mod tests {
         (a as f64 - b).abs() <= tol * (1.0 + b.abs())
     }
 
-    /// Runs forward, then backward with `dout` into gradients that start at 0.5, and checks
-    /// all three against [`f64_reference`].
+    /// Runs forward, then backward with `dout` into gradients that start at 0.5 (accumulating)
+    /// and into NaN-filled ones (overwriting), and checks all of them against
+    /// [`f64_reference`].
     fn check_against_f64(gate: &[f32], up: &[f32], dout: &[f32]) {
         let n = gate.len();
         let mut y = vec![0.0; n];
         swiglu_forward(gate, up, &mut y);
         let (mut dgate, mut dup) = (vec![0.5; n], vec![0.5; n]);
-        swiglu_backward(gate, up, dout, &mut dgate, &mut dup);
+        swiglu_backward(gate, up, dout, &mut dgate, &mut dup, true);
+        let (mut fresh_dgate, mut fresh_dup) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+        swiglu_backward(gate, up, dout, &mut fresh_dgate, &mut fresh_dup, false);
         for i in 0..n {
+            assert_eq!(fresh_dgate[i] + 0.5, dgate[i], "n = {n}: overwriting dgate[{i}] differs from accumulating");
+            assert_eq!(fresh_dup[i] + 0.5, dup[i], "n = {n}: overwriting dup[{i}] differs from accumulating");
             let (want_y, dy_dg, dy_du) = f64_reference(gate[i], up[i]);
             let dy = dout[i] as f64;
             let (g, u) = (gate[i], up[i]);
@@ -154,7 +168,7 @@ mod tests {
         let mut y = [0.0; 9];
         swiglu_forward(&gate, &up, &mut y);
         let (mut dgate, mut dup) = ([0.0; 9], [0.0; 9]);
-        swiglu_backward(&gate, &up, &dout, &mut dgate, &mut dup);
+        swiglu_backward(&gate, &up, &dout, &mut dgate, &mut dup, true);
         assert!(y.iter().chain(&dgate).chain(&dup).all(|v| v.is_finite()), "{y:?} {dgate:?} {dup:?}");
         // silu(g) → g as g → ∞ and → 0 as g → −∞; the same for the slopes.
         assert_eq!((y[0], dgate[0], dup[0]), (200.0, 3.0, 150.0));
@@ -173,7 +187,7 @@ mod tests {
         let gate: Vec<f32> = (-30..=30).map(|i| i as f32 * 0.25 + 0.013).collect();
         let up: Vec<f32> = (-30..=30).map(|i| 1.5 - i as f32 * 0.05).collect();
         let (mut dgate, mut dup) = (vec![0.0; gate.len()], vec![0.0; gate.len()]);
-        swiglu_backward(&gate, &up, &vec![1.0; gate.len()], &mut dgate, &mut dup);
+        swiglu_backward(&gate, &up, &vec![1.0; gate.len()], &mut dgate, &mut dup, false);
         let h = 1e-5;
         let y = |g: f64, u: f64| g / (1.0 + (-g).exp()) * u;
         for i in 0..gate.len() {

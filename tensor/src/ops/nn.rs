@@ -242,7 +242,7 @@ impl Tensor {
         }
         let (_, x) = x.rows(OP)?;
         let (w, rstd) = (weight.contiguous()?, rstd.contiguous()?);
-        let (mut dx, mut dw) = (crate::pool::zeros(x.numel()), crate::pool::zeros(cols));
+        let (mut dx, mut dw) = (crate::pool::buffer(x.numel()), crate::pool::zeros(cols));
         norm::rms_norm_backward(
             x.as_slice()?,
             w.as_slice()?,
@@ -251,6 +251,7 @@ impl Tensor {
             cols,
             &mut dx,
             &mut dw,
+            false,
         );
         Ok((Tensor::from_vec(dx, &x.shape)?, Tensor::from_vec(dw, &w.shape)?))
     }
@@ -372,8 +373,8 @@ impl Tensor {
         }
         let dy = self.contiguous()?;
         let table = rope_table(pos_offset + t, d, theta);
-        let mut dx = crate::pool::zeros(dy.numel());
-        rope::rope_backward(dy.as_slice()?, &table.cos, &table.sin, b, t, h, d, pos_offset, &mut dx);
+        let mut dx = crate::pool::buffer(dy.numel());
+        rope::rope_backward(dy.as_slice()?, &table.cos, &table.sin, b, t, h, d, pos_offset, &mut dx, false);
         Tensor::from_vec(dx, &self.shape)
     }
 

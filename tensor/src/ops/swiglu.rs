@@ -40,8 +40,8 @@ impl Tensor {
             return crate::cuda::swiglu::swiglu_backward(gate, up, dy);
         }
         let (g, u, dy) = (gate.contiguous()?, up.contiguous()?, dy.contiguous()?);
-        let (mut dg, mut du) = (crate::pool::zeros(g.numel()), crate::pool::zeros(u.numel()));
-        swiglu_backward(g.as_slice()?, u.as_slice()?, dy.as_slice()?, &mut dg, &mut du);
+        let (mut dg, mut du) = (crate::pool::buffer(g.numel()), crate::pool::buffer(u.numel()));
+        swiglu_backward(g.as_slice()?, u.as_slice()?, dy.as_slice()?, &mut dg, &mut du, false);
         Ok((Tensor::from_vec(dg, &g.shape)?, Tensor::from_vec(du, &u.shape)?))
     }
 }
