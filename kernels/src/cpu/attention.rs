@@ -18,17 +18,21 @@
 //!
 //! Layout legend: `B` batch, `T` sequence, `H` heads, `D` head dim.
 
+use std::marker::PhantomData;
+
 use rayon::prelude::*;
 
 use super::parallel;
 use super::reduce::{dot, slice_max};
+use super::scratch::with_scratch;
 use super::tile_gemm::{tile_gemm, TileA, TileB};
 use super::unary::{exp8, load, store, LANES};
 
-/// Queries per tile: one task of the forward.
+/// Queries per tile: the rows of one score block.
 const Q_TILE: usize = 32;
-/// Keys per tile: the width of the score block kept in cache.
-const K_TILE: usize = 64;
+/// Keys per tile: the width of the score block kept in cache (32 × 128 floats = 16 KiB, so
+/// a sequence of up to 128 keys needs no online-softmax rescaling at all).
+const K_TILE: usize = 128;
 
 /// q: [B, Tq, H, D], k, v: [B, Tk, H, D], out: [B, Tq, H, D], lse: [B, H, Tq] (log-sum-exp of scaled scores per query, saved for backward). Tq ≤ Tk; query i sits at absolute position i + (Tk − Tq) and attends keys s ≤ that position (this makes KV-cache decoding work).
 #[allow(clippy::too_many_arguments)]
@@ -53,29 +57,13 @@ pub fn causal_attention_forward(
     }
     // One task per (b, h): the head's keys are transposed once ([D, Tk], so score tiles are
     // rows of Kᵀ) and all its query tiles run in it. Heads interleave in `out`, so each task
-    // returns its rows, copied back afterwards in parallel over b; lse is [B, H, Tq], one
-    // run per task.
-    let head = |index: usize| forward_head(&dims, q, k, v, index / heads, index % heads);
-    let per_head: Vec<TileOutput> = if parallel::should_parallelise(dims.work()) {
-        (0..batch * heads).into_par_iter().map(head).collect()
+    // writes its own rows through `HeadRows`; lse is [B, H, Tq], one run per task.
+    let out = HeadRows::new(out);
+    let head = |(index, lse): (usize, &mut [f32])| forward_head(&dims, q, k, v, index / heads, index % heads, out, lse);
+    if parallel::should_parallelise(dims.work()) {
+        lse.par_chunks_mut(q_seq).enumerate().for_each(head);
     } else {
-        (0..batch * heads).map(head).collect()
-    };
-    for (lse_head, tile) in lse.chunks_mut(q_seq).zip(&per_head) {
-        lse_head.copy_from_slice(&tile.lse);
-    }
-    let row = heads * head_dim;
-    let scatter = |(b, out_b): (usize, &mut [f32])| {
-        for (h, tile) in per_head[b * heads..(b + 1) * heads].iter().enumerate() {
-            for (dst, src) in out_b.chunks_mut(row).zip(tile.out.chunks(head_dim)) {
-                dst[h * head_dim..][..head_dim].copy_from_slice(src);
-            }
-        }
-    };
-    if parallel::should_parallelise(out.len()) {
-        out.par_chunks_mut(q_seq * row).enumerate().for_each(scatter);
-    } else {
-        out.chunks_mut(q_seq * row).enumerate().for_each(scatter);
+        lse.chunks_mut(q_seq).enumerate().for_each(head);
     }
 }
 
@@ -113,29 +101,14 @@ pub fn causal_attention_backward(
     }
     // With P = softmax(S), S = scale·Q·Kᵀ, O = P·V:  d/dV = Pᵀ·dO,  d/dS = P ⊙ (dO·Vᵀ − δ),
     // d/dQ = scale·dS·K,  d/dK = scale·dSᵀ·Q,  δ_i = Σ_d dO_id·O_id.
-    // One task per (b, h) with private [T, D] gradients, since heads interleave in memory;
-    // then each batch entry's rows are added back, in parallel over b.
-    let pair = |index: usize| backward_pair(&dims, q, k, v, out, lse, dout, index / heads, index % heads);
-    let grads: Vec<HeadGrads> = if parallel::should_parallelise(2 * dims.work()) {
-        (0..batch * heads).into_par_iter().map(pair).collect()
+    // One task per (b, h); heads interleave in memory, so each task adds its finished
+    // gradient rows into its own rows of dq, dk and dv through `HeadRows`.
+    let grads = Grads { dq: HeadRows::new(dq), dk: HeadRows::new(dk), dv: HeadRows::new(dv) };
+    let pair = |index: usize| backward_pair(&dims, q, k, v, out, lse, dout, index / heads, index % heads, grads);
+    if parallel::should_parallelise(2 * dims.work()) {
+        (0..batch * heads).into_par_iter().for_each(pair);
     } else {
-        (0..batch * heads).map(pair).collect()
-    };
-    let row = heads * head_dim;
-    let scatter = |(b, ((dq_b, dk_b), dv_b)): parallel::Zip3<'_>| {
-        for (h, g) in grads[b * heads..(b + 1) * heads].iter().enumerate() {
-            add_head(&g.dq, h, head_dim, row, dq_b);
-            add_head(&g.dk, h, head_dim, row, dk_b);
-            add_head(&g.dv, h, head_dim, row, dv_b);
-        }
-    };
-    let (q_rows, kv_rows) = (q_seq * row, kv_seq * row);
-    if parallel::should_parallelise(dq.len() + dk.len() + dv.len()) {
-        let dqk = dq.par_chunks_mut(q_rows).zip(dk.par_chunks_mut(kv_rows));
-        dqk.zip(dv.par_chunks_mut(kv_rows)).enumerate().for_each(scatter);
-    } else {
-        let dqk = dq.chunks_mut(q_rows).zip(dk.chunks_mut(kv_rows));
-        dqk.zip(dv.chunks_mut(kv_rows)).enumerate().for_each(scatter);
+        (0..batch * heads).for_each(pair);
     }
 }
 
@@ -230,6 +203,11 @@ impl Dims {
         self.batch * self.heads * self.q_seq * self.kv_seq * self.head_dim
     }
 
+    /// Of the `cols` keys from `s0`, how many query `i` sees (the causal mask).
+    fn visible_keys(&self, i: usize, s0: usize, cols: usize) -> usize {
+        (i + self.offset() + 1).saturating_sub(s0).min(cols)
+    }
+
     /// Keys visible to the queries `i0..i0 + rows`: `0..end`.
     fn key_end(&self, i0: usize, rows: usize) -> usize {
         i0 + rows + self.offset()
@@ -246,9 +224,8 @@ impl Dims {
         TileB { data, offset: self.kv_at(b, s0, h), row_stride: self.heads * self.head_dim }
     }
 
-    /// Head `h` of batch entry `b` of a key/value tensor, transposed to `[D, Tk]`.
-    fn transposed_head(&self, data: &[f32], b: usize, h: usize) -> Vec<f32> {
-        let mut t = vec![0.0; self.head_dim * self.kv_seq];
+    /// Head `h` of batch entry `b` of a key/value tensor, transposed into `t` `[D, Tk]`.
+    fn transpose_head(&self, data: &[f32], b: usize, h: usize, t: &mut [f32]) {
         let head = &data[self.kv_at(b, 0, h)..];
         let stride = self.heads * self.head_dim;
         // Contiguous reads, one token's D values at a time, into D rows that stay in cache
@@ -258,7 +235,6 @@ impl Dims {
                 t[x * self.kv_seq + s] = value;
             }
         }
-        t
     }
 
     /// Columns `s0..` of a transposed head `[D, Tk]` as the right operand of a tile product.
@@ -267,62 +243,97 @@ impl Dims {
     }
 }
 
-/// One head's output rows `[Tq, D]` and their log-sum-exp `[Tq]`.
-struct TileOutput {
-    out: Vec<f32>,
-    lse: Vec<f32>,
+/// A `[B, T, H, D]` tensor shared by the per-(b, h) tasks. Heads interleave in memory, so no
+/// task can borrow a contiguous part of it, but each task touches only the D-element rows of
+/// its own (b, h), which no other task touches.
+#[derive(Clone, Copy)]
+struct HeadRows<'a> {
+    ptr: *mut f32,
+    len: usize,
+    borrow: PhantomData<&'a mut [f32]>,
 }
 
-/// Runs the online softmax of every query tile of head `h` of batch entry `b` over all its
-/// visible keys.
-fn forward_head(d: &Dims, q: &[f32], k: &[f32], v: &[f32], b: usize, h: usize) -> TileOutput {
-    let dh = d.head_dim;
-    let kt = d.transposed_head(k, b, h);
-    // acc = Σ e^(score − max)·v, sum = Σ e^(score − max), both rescaled when max grows.
-    let mut out = vec![0.0; d.q_seq * dh];
-    let mut lse = vec![0.0; d.q_seq];
-    let mut scores = vec![0.0; Q_TILE * K_TILE];
-    for i0 in (0..d.q_seq).step_by(Q_TILE) {
-        let rows = Q_TILE.min(d.q_seq - i0);
-        let acc = &mut out[i0 * dh..(i0 + rows) * dh];
-        let mut max = [f32::NEG_INFINITY; Q_TILE];
-        let mut sum = [0.0f32; Q_TILE];
-        let q_tile = d.rows(q, d.q_at(b, i0, h));
-        let end = d.key_end(i0, rows);
-        for s0 in (0..end).step_by(K_TILE) {
-            let cols = K_TILE.min(end - s0);
-            let scores = &mut scores[..rows * cols];
-            tile_gemm(scores, cols, q_tile, d.kt_columns(&kt, s0), rows, cols, dh, d.scale, false);
-            for r in 0..rows {
-                let row = &mut scores[r * cols..][..cols];
-                mask_future(row, i0 + r + d.offset(), s0);
-                let new_max = max[r].max(slice_max(row));
-                // The first tile always holds key 0, so new_max is finite and this is e^-∞ = 0 there.
-                let correction = (max[r] - new_max).exp();
-                sum[r] = sum[r] * correction + exp_in_place(row, new_max);
-                max[r] = new_max;
-                acc[r * dh..][..dh].iter_mut().for_each(|a| *a *= correction);
-            }
-            tile_gemm(acc, dh, dense(scores, cols), d.kv_rows(v, b, s0, h), rows, dh, cols, 1.0, true);
-        }
-        for (r, out_row) in acc.chunks_mut(dh).enumerate() {
-            out_row.iter_mut().for_each(|a| *a /= sum[r]);
-            lse[i0 + r] = max[r] + sum[r].ln();
-        }
+// SAFETY: a HeadRows stands for an exclusive borrow of an `f32` slice (which is Send and
+// Sync); tasks on different threads reach only disjoint rows of it through `row`.
+unsafe impl Send for HeadRows<'_> {}
+// SAFETY: as for Send.
+unsafe impl Sync for HeadRows<'_> {}
+
+impl<'a> HeadRows<'a> {
+    fn new(data: &'a mut [f32]) -> Self {
+        Self { ptr: data.as_mut_ptr(), len: data.len(), borrow: PhantomData }
     }
-    TileOutput { out, lse }
+
+    /// Elements `at..at + len`, bounds-checked.
+    ///
+    /// # Safety
+    /// No other reference to these elements may be live while the returned slice is (each
+    /// task asks only for rows of its own (b, h), and for each row once at a time).
+    unsafe fn row(self, at: usize, len: usize) -> &'a mut [f32] {
+        assert!(at + len <= self.len, "HeadRows: row out of bounds");
+        std::slice::from_raw_parts_mut(self.ptr.add(at), len)
+    }
 }
 
-/// Gradients of one (b, h) pair, rows of `D`.
-struct HeadGrads {
-    dq: Vec<f32>,
-    dk: Vec<f32>,
-    dv: Vec<f32>,
+/// Writes the online softmax of every query tile of head `h` of batch entry `b` over all its
+/// visible keys into the head's rows of `out`, and their log-sum-exp into `lse` `[Tq]`.
+#[allow(clippy::too_many_arguments)]
+fn forward_head(d: &Dims, q: &[f32], k: &[f32], v: &[f32], b: usize, h: usize, out: HeadRows, lse: &mut [f32]) {
+    let dh = d.head_dim;
+    let kt_len = dh * d.kv_seq;
+    // Reused per thread, so a call allocates (and page-faults) nothing after the first.
+    with_scratch(kt_len + Q_TILE * K_TILE + Q_TILE * dh, |scratch| {
+        let (kt, rest) = scratch.split_at_mut(kt_len);
+        let (scores, acc) = rest.split_at_mut(Q_TILE * K_TILE);
+        d.transpose_head(k, b, h, kt);
+        for i0 in (0..d.q_seq).step_by(Q_TILE) {
+            let rows = Q_TILE.min(d.q_seq - i0);
+            let acc = &mut acc[..rows * dh];
+            // acc = Σ e^(score − max)·v, sum = Σ e^(score − max), both rescaled when max grows.
+            let mut max = [f32::NEG_INFINITY; Q_TILE];
+            let mut sum = [0.0f32; Q_TILE];
+            let q_tile = d.rows(q, d.q_at(b, i0, h));
+            let end = d.key_end(i0, rows);
+            for s0 in (0..end).step_by(K_TILE) {
+                let cols = K_TILE.min(end - s0);
+                let scores = &mut scores[..rows * cols];
+                tile_gemm(scores, cols, q_tile, d.kt_columns(kt, s0), rows, cols, dh, d.scale, false);
+                for (r, row) in scores.chunks_mut(cols).enumerate() {
+                    let visible = d.visible_keys(i0 + r, s0, cols);
+                    let new_max = max[r].max(row_max(&row[..visible]));
+                    // The first tile always holds key 0, so new_max is finite and this is
+                    // e^-∞ = 0 there (and acc, stale until then, is not read).
+                    let correction = (max[r] - new_max).exp();
+                    sum[r] = sum[r] * correction + exp_row(row, visible, new_max);
+                    max[r] = new_max;
+                    if s0 > 0 && correction != 1.0 {
+                        acc[r * dh..][..dh].iter_mut().for_each(|a| *a *= correction);
+                    }
+                }
+                tile_gemm(acc, dh, dense(scores, cols), d.kv_rows(v, b, s0, h), rows, dh, cols, 1.0, s0 > 0);
+            }
+            for (r, acc_row) in acc.chunks(dh).enumerate() {
+                // SAFETY: query row i0 + r of head h of batch entry b belongs to this task.
+                let out_row = unsafe { out.row(d.q_at(b, i0 + r, h), dh) };
+                out_row.iter_mut().zip(acc_row).for_each(|(o, &a)| *o = a / sum[r]);
+                lse[i0 + r] = max[r] + sum[r].ln();
+            }
+        }
+    });
+}
+
+/// The gradient tensors, written by the per-(b, h) tasks of the backward.
+#[derive(Clone, Copy)]
+struct Grads<'a> {
+    dq: HeadRows<'a>,
+    dk: HeadRows<'a>,
+    dv: HeadRows<'a>,
 }
 
 /// FlashAttention-2 style backward of one (b, h): for each query tile and each visible key
 /// tile, P = e^(S − lse), then dv += Pᵀ·dO, dS = P ⊙ (dO·Vᵀ − δ), dq += scale·dS·K,
-/// dk += scale·dSᵀ·Q.
+/// dk += scale·dSᵀ·Q. A query tile's dq is added to the output when its key tiles are done,
+/// the head's dk and dv at the end.
 #[allow(clippy::too_many_arguments)]
 fn backward_pair(
     d: &Dims,
@@ -334,52 +345,100 @@ fn backward_pair(
     dout: &[f32],
     b: usize,
     h: usize,
-) -> HeadGrads {
+    grads: Grads,
+) {
     let dh = d.head_dim;
-    let mut g = HeadGrads { dq: vec![0.0; d.q_seq * dh], dk: vec![0.0; d.kv_seq * dh], dv: vec![0.0; d.kv_seq * dh] };
-    let (kt, vt) = (d.transposed_head(k, b, h), d.transposed_head(v, b, h));
-    let mut p = vec![0.0; Q_TILE * K_TILE];
-    let mut dp = vec![0.0; Q_TILE * K_TILE];
-    // δ_i = Σ_d dO_id·O_id = Σ_s P_is·dP_is, the softmax backward's row term.
-    let delta: Vec<f32> =
-        (0..d.q_seq).map(|i| dot(&dout[d.q_at(b, i, h)..][..dh], &out[d.q_at(b, i, h)..][..dh])).collect();
-    let lse = &lse[(b * d.heads + h) * d.q_seq..][..d.q_seq];
-    for i0 in (0..d.q_seq).step_by(Q_TILE) {
-        let rows = Q_TILE.min(d.q_seq - i0);
-        let (q_tile, do_tile) = (d.rows(q, d.q_at(b, i0, h)), d.rows(dout, d.q_at(b, i0, h)));
-        // The same rows as right operands (for dK = dSᵀ·Q and dV = Pᵀ·dO).
-        let q_rows = TileB { data: q, offset: q_tile.offset, row_stride: q_tile.row_stride };
-        let do_rows = TileB { data: dout, offset: do_tile.offset, row_stride: do_tile.row_stride };
-        let end = d.key_end(i0, rows);
-        for s0 in (0..end).step_by(K_TILE) {
-            let cols = K_TILE.min(end - s0);
-            let (p, dp) = (&mut p[..rows * cols], &mut dp[..rows * cols]);
-            tile_gemm(p, cols, q_tile, d.kt_columns(&kt, s0), rows, cols, dh, d.scale, false);
-            for r in 0..rows {
-                let row = &mut p[r * cols..][..cols];
-                mask_future(row, i0 + r + d.offset(), s0);
-                exp_in_place(row, lse[i0 + r]);
-            }
-            // d/dV = Pᵀ·dO
-            tile_gemm(&mut g.dv[s0 * dh..], dh, transposed(p, cols), do_rows, cols, dh, rows, 1.0, true);
-            // d/dP = dO·Vᵀ;  d/dS = P ⊙ (dP − δ)
-            tile_gemm(dp, cols, do_tile, d.kt_columns(&vt, s0), rows, cols, dh, 1.0, false);
-            for r in 0..rows {
-                let (pr, dpr) = (&p[r * cols..][..cols], &mut dp[r * cols..][..cols]);
-                softmax_grad_in_place(pr, dpr, delta[i0 + r]);
-            }
-            // d/dQ = scale·dS·K;  d/dK = scale·dSᵀ·Q
-            tile_gemm(&mut g.dq[i0 * dh..], dh, dense(dp, cols), d.kv_rows(k, b, s0, h), rows, dh, cols, d.scale, true);
-            tile_gemm(&mut g.dk[s0 * dh..], dh, transposed(dp, cols), q_rows, cols, dh, rows, d.scale, true);
+    let (kv_len, tile) = (d.kv_seq * dh, Q_TILE * K_TILE);
+    with_scratch(4 * kv_len + 2 * tile + Q_TILE * dh + d.q_seq, |scratch| {
+        let (kt, rest) = scratch.split_at_mut(kv_len);
+        let (vt, rest) = rest.split_at_mut(kv_len);
+        let (dk_head, rest) = rest.split_at_mut(kv_len);
+        let (dv_head, rest) = rest.split_at_mut(kv_len);
+        let (p, rest) = rest.split_at_mut(tile);
+        let (dp, rest) = rest.split_at_mut(tile);
+        let (dq_tile, delta) = rest.split_at_mut(Q_TILE * dh);
+        d.transpose_head(k, b, h, kt);
+        d.transpose_head(v, b, h, vt);
+        dk_head.fill(0.0);
+        dv_head.fill(0.0);
+        // δ_i = Σ_d dO_id·O_id = Σ_s P_is·dP_is, the softmax backward's row term.
+        for (i, delta) in delta.iter_mut().enumerate() {
+            *delta = dot(&dout[d.q_at(b, i, h)..][..dh], &out[d.q_at(b, i, h)..][..dh]);
         }
-    }
-    g
+        let lse = &lse[(b * d.heads + h) * d.q_seq..][..d.q_seq];
+        for i0 in (0..d.q_seq).step_by(Q_TILE) {
+            let rows = Q_TILE.min(d.q_seq - i0);
+            let (q_tile, do_tile) = (d.rows(q, d.q_at(b, i0, h)), d.rows(dout, d.q_at(b, i0, h)));
+            // The same rows as right operands (for dK = dSᵀ·Q and dV = Pᵀ·dO).
+            let q_rows = TileB { data: q, offset: q_tile.offset, row_stride: q_tile.row_stride };
+            let do_rows = TileB { data: dout, offset: do_tile.offset, row_stride: do_tile.row_stride };
+            let end = d.key_end(i0, rows);
+            for s0 in (0..end).step_by(K_TILE) {
+                let cols = K_TILE.min(end - s0);
+                let (p, dp) = (&mut p[..rows * cols], &mut dp[..rows * cols]);
+                tile_gemm(p, cols, q_tile, d.kt_columns(kt, s0), rows, cols, dh, d.scale, false);
+                for (r, row) in p.chunks_mut(cols).enumerate() {
+                    exp_row(row, d.visible_keys(i0 + r, s0, cols), lse[i0 + r]);
+                }
+                // d/dV = Pᵀ·dO
+                tile_gemm(&mut dv_head[s0 * dh..], dh, transposed(p, cols), do_rows, cols, dh, rows, 1.0, true);
+                // d/dP = dO·Vᵀ;  d/dS = P ⊙ (dP − δ)
+                tile_gemm(dp, cols, do_tile, d.kt_columns(vt, s0), rows, cols, dh, 1.0, false);
+                for r in 0..rows {
+                    let (pr, dpr) = (&p[r * cols..][..cols], &mut dp[r * cols..][..cols]);
+                    softmax_grad_in_place(pr, dpr, delta[i0 + r]);
+                }
+                // d/dQ = scale·dS·K (the first key tile overwrites the stale dq tile);
+                // d/dK = scale·dSᵀ·Q
+                let (dq_tile, k_rows) = (&mut dq_tile[..rows * dh], d.kv_rows(k, b, s0, h));
+                tile_gemm(dq_tile, dh, dense(dp, cols), k_rows, rows, dh, cols, d.scale, s0 > 0);
+                tile_gemm(&mut dk_head[s0 * dh..], dh, transposed(dp, cols), q_rows, cols, dh, rows, d.scale, true);
+            }
+            for (r, grad) in dq_tile[..rows * dh].chunks(dh).enumerate() {
+                // SAFETY: query row i0 + r of head h of batch entry b belongs to this task.
+                add(unsafe { grads.dq.row(d.q_at(b, i0 + r, h), dh) }, grad);
+            }
+        }
+        for (s, (dk_row, dv_row)) in dk_head.chunks(dh).zip(dv_head.chunks(dh)).enumerate() {
+            // SAFETY: key row s of head h of batch entry b belongs to this task, and dk and
+            // dv are distinct tensors.
+            let (dk, dv) = unsafe { (grads.dk.row(d.kv_at(b, s, h), dh), grads.dv.row(d.kv_at(b, s, h), dh)) };
+            add(dk, dk_row);
+            add(dv, dv_row);
+        }
+    });
 }
 
-/// Sets the scores of keys after `position` (tile starts at key `s0`) to −∞.
-fn mask_future(row: &mut [f32], position: usize, s0: usize) {
-    let visible = (position + 1).saturating_sub(s0).min(row.len());
-    row[visible..].fill(f32::NEG_INFINITY);
+/// dst += src.
+fn add(dst: &mut [f32], src: &[f32]) {
+    dst.iter_mut().zip(src).for_each(|(a, &b)| *a += b);
+}
+
+/// Largest score of a row (−∞ when empty).
+fn row_max(row: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if super::exp16::available() {
+        // SAFETY: the CPU has AVX-512F.
+        return unsafe { avx512::row_max(row) };
+    }
+    slice_max(row)
+}
+
+/// row ← e^(row − shift) for the first `visible` keys and 0 for the masked rest (the future
+/// keys of the causal mask); returns Σ row.
+fn exp_row(row: &mut [f32], visible: usize, shift: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if super::exp16::available() {
+        // SAFETY: the CPU has AVX-512F.
+        return unsafe { avx512::exp_row(row, visible, shift) };
+    }
+    exp_row_portable(row, visible, shift)
+}
+
+/// [`exp_row`] with 8-lane vectors, for CPUs without AVX-512.
+fn exp_row_portable(row: &mut [f32], visible: usize, shift: f32) -> f32 {
+    row[visible..].fill(0.0);
+    exp_in_place(&mut row[..visible], shift)
 }
 
 /// x ← e^(x − shift) in place; returns Σ x.
@@ -399,6 +458,62 @@ fn exp_in_place(x: &mut [f32], shift: f32) -> f32 {
     total
 }
 
+/// The score-row passes on sixteen lanes; a row's last partial vector uses masked loads and
+/// stores, so rows of any length run without a scalar tail.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::{
+        __mmask16, _mm512_add_ps, _mm512_mask_loadu_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps,
+        _mm512_maskz_mov_ps, _mm512_max_ps, _mm512_reduce_add_ps, _mm512_reduce_max_ps, _mm512_set1_ps,
+        _mm512_setzero_ps, _mm512_sub_ps,
+    };
+
+    use super::super::exp16::exp16;
+
+    const LANES: usize = 16;
+
+    /// The mask of lanes `0..n` (all sixteen when n ≥ 16).
+    fn first_lanes(n: usize) -> __mmask16 {
+        if n >= LANES {
+            u16::MAX
+        } else {
+            (1u16 << n) - 1
+        }
+    }
+
+    /// As `super::row_max`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn row_max(row: &[f32]) -> f32 {
+        let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
+        for c in (0..row.len()).step_by(LANES) {
+            // Lanes past the row keep the running max.
+            max = _mm512_max_ps(max, _mm512_mask_loadu_ps(max, first_lanes(row.len() - c), row.as_ptr().add(c)));
+        }
+        _mm512_reduce_max_ps(max)
+    }
+
+    /// As `super::exp_row`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn exp_row(row: &mut [f32], visible: usize, shift: f32) -> f32 {
+        let shift = _mm512_set1_ps(shift);
+        let mut total = _mm512_setzero_ps();
+        for c in (0..row.len()).step_by(LANES) {
+            let at = row.as_mut_ptr().add(c);
+            let (in_row, seen) = (first_lanes(row.len() - c), first_lanes(visible.saturating_sub(c)));
+            let e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(seen, at), shift)));
+            _mm512_mask_storeu_ps(at, in_row, e);
+            total = _mm512_add_ps(total, e);
+        }
+        _mm512_reduce_add_ps(total)
+    }
+}
+
 /// dp ← p ⊙ (dp − δ).
 fn softmax_grad_in_place(p: &[f32], dp: &mut [f32], delta: f32) {
     let simd_end = p.len() - p.len() % LANES;
@@ -407,15 +522,6 @@ fn softmax_grad_in_place(p: &[f32], dp: &mut [f32], delta: f32) {
     }
     for (g, &pv) in dp[simd_end..].iter_mut().zip(&p[simd_end..]) {
         *g = pv * (*g - delta);
-    }
-}
-
-/// Adds one head's `[T, D]` gradient into the `[T, H, D]` rows of one batch entry.
-fn add_head(grad: &[f32], h: usize, head_dim: usize, row: usize, dst: &mut [f32]) {
-    for (g, d) in grad.chunks(head_dim).zip(dst.chunks_mut(row)) {
-        for (a, &b) in d[h * head_dim..][..head_dim].iter_mut().zip(g) {
-            *a += b;
-        }
     }
 }
 
@@ -497,6 +603,29 @@ mod tests {
         }
     }
 
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_row_passes_match_portable() {
+        if !crate::cpu::exp16::available() {
+            return;
+        }
+        for len in [1, 7, 16, 17, 33, 64] {
+            let row: Vec<f32> = values(len, len).iter().map(|x| 4.0 * x).collect();
+            // SAFETY: the CPU has AVX-512F (checked above).
+            assert_eq!(unsafe { avx512::row_max(&row) }, slice_max(&row));
+            for visible in [0, 1, len / 2, len] {
+                let (mut wide, mut narrow) = (row.clone(), row.clone());
+                // SAFETY: as above.
+                let wide_sum = unsafe { avx512::exp_row(&mut wide, visible, 0.5) };
+                let narrow_sum = exp_row_portable(&mut narrow, visible, 0.5);
+                assert!((wide_sum - narrow_sum).abs() <= 1e-6 * narrow_sum.max(1.0), "{len} {visible}");
+                for (a, b) in wide.iter().zip(&narrow) {
+                    assert!((a - b).abs() <= 1e-6 * b.abs(), "{len} {visible}: {a} vs {b}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn forward_matches_reference() {
         let cases = [
@@ -535,8 +664,8 @@ mod tests {
         for c in [
             Case { batch: 1, q_seq: 5, kv_seq: 5, heads: 2, head_dim: 3 },
             Case { batch: 2, q_seq: 3, kv_seq: 7, heads: 1, head_dim: 4 },
-            // Two query tiles and two key tiles, the second key tile partly masked.
-            Case { batch: 1, q_seq: 66, kv_seq: 70, heads: 1, head_dim: 2 },
+            // Three query tiles and two key tiles, the second key tile partly masked.
+            Case { batch: 1, q_seq: 66, kv_seq: 140, heads: 1, head_dim: 2 },
         ] {
             let (q, k, v) = c.inputs();
             let (out, lse) = c.forward(&q, &k, &v);

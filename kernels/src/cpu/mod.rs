@@ -8,6 +8,8 @@ pub mod conv;
 pub mod copy;
 pub mod cross_entropy;
 pub mod embedding;
+#[cfg(target_arch = "x86_64")]
+pub mod exp16;
 pub mod fused_gate;
 pub mod matmul;
 pub mod norm;
