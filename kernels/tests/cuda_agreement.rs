@@ -578,6 +578,7 @@ fn flash_attention_forward_and_backward_agree() {
         let (mut dq, mut dk, mut dv) = (sq.clone(), sk.clone(), sk.clone());
         cpu::attention::causal_attention_backward(
             &q, &k, &v, &out, &lse, &dout, batch, q_seq, kv_seq, heads, head_dim, scale, &mut dq, &mut dk, &mut dv,
+            true,
         );
         let (mut gdq, mut gdk, mut gdv) = (up(dev, &sq), up(dev, &sk), up(dev, &sk));
         cuda::attention::causal_attention_backward(

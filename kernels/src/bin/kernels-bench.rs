@@ -159,7 +159,7 @@ fn bench_attention() {
     let (mut dq, mut dk, mut dv) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
     let backward = median_seconds(5, || {
         causal_attention_backward(
-            &q, &k, &v, &out, &lse, &dout, batch, seq, seq, heads, head_dim, scale, &mut dq, &mut dk, &mut dv,
+            &q, &k, &v, &out, &lse, &dout, batch, seq, seq, heads, head_dim, scale, &mut dq, &mut dk, &mut dv, false,
         )
     });
     let mut reference = Vec::new();

@@ -67,7 +67,8 @@ pub fn causal_attention_forward(
     }
 }
 
-/// dq, dk, dv += gradients (recompute probabilities from q, k and lse; delta_i = Σ dout_i ⊙ out_i).
+/// dq, dk, dv += gradients (recompute probabilities from q, k and lse; delta_i = Σ dout_i ⊙ out_i);
+/// `=` instead of `+=` when not `accumulate` (fresh gradient buffers then need no zeroing).
 #[allow(clippy::too_many_arguments)]
 pub fn causal_attention_backward(
     q: &[f32],
@@ -85,6 +86,7 @@ pub fn causal_attention_backward(
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
+    accumulate: bool,
 ) {
     let dims = Dims::new(q, k, v, batch, q_seq, kv_seq, heads, head_dim, scale);
     assert!(
@@ -103,7 +105,7 @@ pub fn causal_attention_backward(
     // d/dQ = scale·dS·K,  d/dK = scale·dSᵀ·Q,  δ_i = Σ_d dO_id·O_id.
     // One task per (b, h); heads interleave in memory, so each task adds its finished
     // gradient rows into its own rows of dq, dk and dv through `HeadRows`.
-    let grads = Grads { dq: HeadRows::new(dq), dk: HeadRows::new(dk), dv: HeadRows::new(dv) };
+    let grads = Grads { dq: HeadRows::new(dq), dk: HeadRows::new(dk), dv: HeadRows::new(dv), accumulate };
     let pair = |index: usize| backward_pair(&dims, q, k, v, out, lse, dout, index / heads, index % heads, grads);
     if parallel::should_parallelise(2 * dims.work()) {
         (0..batch * heads).into_par_iter().for_each(pair);
@@ -328,6 +330,8 @@ struct Grads<'a> {
     dq: HeadRows<'a>,
     dk: HeadRows<'a>,
     dv: HeadRows<'a>,
+    /// Add into the rows (`+=`) rather than overwrite them; every row is written once.
+    accumulate: bool,
 }
 
 /// FlashAttention-2 style backward of one (b, h): for each query tile and each visible key
@@ -396,22 +400,26 @@ fn backward_pair(
             }
             for (r, grad) in dq_tile[..rows * dh].chunks(dh).enumerate() {
                 // SAFETY: query row i0 + r of head h of batch entry b belongs to this task.
-                add(unsafe { grads.dq.row(d.q_at(b, i0 + r, h), dh) }, grad);
+                put(unsafe { grads.dq.row(d.q_at(b, i0 + r, h), dh) }, grad, grads.accumulate);
             }
         }
         for (s, (dk_row, dv_row)) in dk_head.chunks(dh).zip(dv_head.chunks(dh)).enumerate() {
             // SAFETY: key row s of head h of batch entry b belongs to this task, and dk and
             // dv are distinct tensors.
             let (dk, dv) = unsafe { (grads.dk.row(d.kv_at(b, s, h), dh), grads.dv.row(d.kv_at(b, s, h), dh)) };
-            add(dk, dk_row);
-            add(dv, dv_row);
+            put(dk, dk_row, grads.accumulate);
+            put(dv, dv_row, grads.accumulate);
         }
     });
 }
 
-/// dst += src.
-fn add(dst: &mut [f32], src: &[f32]) {
-    dst.iter_mut().zip(src).for_each(|(a, &b)| *a += b);
+/// dst += src, or dst = src when not `accumulate`.
+fn put(dst: &mut [f32], src: &[f32], accumulate: bool) {
+    if accumulate {
+        dst.iter_mut().zip(src).for_each(|(a, &b)| *a += b);
+    } else {
+        dst.copy_from_slice(src);
+    }
 }
 
 /// Largest score of a row (−∞ when empty).
@@ -670,7 +678,8 @@ mod tests {
             let (q, k, v) = c.inputs();
             let (out, lse) = c.forward(&q, &k, &v);
             let probe = values(q.len(), 4);
-            let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+            // Stale NaN contents: the overwriting backward must write every element.
+            let (mut dq, mut dk, mut dv) = (vec![f32::NAN; q.len()], vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
             let Case { batch, q_seq, kv_seq, heads, head_dim } = c;
             causal_attention_backward(
                 &q,
@@ -688,6 +697,7 @@ mod tests {
                 &mut dq,
                 &mut dk,
                 &mut dv,
+                false,
             );
             let f64s = |x: &[f32]| x.iter().map(|&a| a as f64).collect::<Vec<f64>>();
             let inputs = [f64s(&q), f64s(&k), f64s(&v)];
@@ -732,6 +742,7 @@ mod tests {
                 &mut dq,
                 &mut dk,
                 &mut dv,
+                true,
             );
             (dq, dk, dv)
         };

@@ -502,7 +502,7 @@ impl Tensor {
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
         let (out, lse, dout) = (out.contiguous()?, lse.contiguous()?, dout.contiguous()?);
         let (mut dq, mut dk, mut dv) =
-            (crate::pool::zeros(q.numel()), crate::pool::zeros(k.numel()), crate::pool::zeros(v.numel()));
+            (crate::pool::buffer(q.numel()), crate::pool::buffer(k.numel()), crate::pool::buffer(v.numel()));
         attention::causal_attention_backward(
             q.as_slice()?,
             k.as_slice()?,
@@ -519,6 +519,7 @@ impl Tensor {
             &mut dq,
             &mut dk,
             &mut dv,
+            false,
         );
         Ok((Tensor::from_vec(dq, &q.shape)?, Tensor::from_vec(dk, &k.shape)?, Tensor::from_vec(dv, &v.shape)?))
     }
