@@ -13,11 +13,6 @@ use std::arch::x86_64::{
     _mm512_roundscale_ps, _mm512_scalef_ps, _mm512_set1_ps, _MM_FROUND_NO_EXC, _MM_FROUND_TO_NEAREST_INT,
 };
 
-/// Whether this CPU runs AVX-512F (the check is cached by the standard library).
-pub fn available() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
-}
-
 /// `e^x` per lane, within about 1 ulp of `f32::exp`: −∞ gives 0, +∞ gives +∞, NaN stays NaN.
 ///
 /// # Safety
@@ -53,7 +48,7 @@ mod tests {
 
     #[test]
     fn matches_std_exp() {
-        if !available() {
+        if !crate::cpu::avx512_available() {
             eprintln!("skipping exp16::matches_std_exp: this CPU has no AVX-512F");
             return;
         }

@@ -23,3 +23,10 @@ pub mod softmax;
 pub mod swiglu;
 pub mod tile_gemm;
 pub mod unary;
+
+/// Whether this CPU runs AVX-512F, where the tile products and the attention score rows
+/// switch to 16-lane kernels (the check is cached by the standard library).
+#[cfg(target_arch = "x86_64")]
+pub fn avx512_available() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+}

@@ -91,7 +91,7 @@ fn leading_wide_columns(
     accumulate: bool,
 ) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if avx512::available() {
+    if super::avx512_available() {
         // SAFETY: the CPU has AVX-512F, and tile_gemm asserted the operands' bounds.
         return unsafe { avx512::leading_columns(c, c_stride, a, b, m, n, k, alpha, accumulate) };
     }
@@ -170,11 +170,6 @@ mod avx512 {
 
     const LANES: usize = 16;
     const MR: usize = 8;
-
-    /// Whether this CPU runs AVX-512F (the check is cached by the standard library).
-    pub fn available() -> bool {
-        std::arch::is_x86_feature_detected!("avx512f")
-    }
 
     /// Columns `0..n - n % 16` of `c`; returns that count.
     ///
