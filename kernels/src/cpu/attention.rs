@@ -28,6 +28,7 @@ use super::reduce::{dot, slice_max};
 use super::scratch::with_scratch;
 use super::tile_gemm::{tile_gemm, TileA, TileB};
 use super::unary::{exp8, load, store, LANES};
+use wide::f32x8;
 
 /// Queries per tile: the rows of one score block.
 const Q_TILE: usize = 32;
@@ -230,12 +231,23 @@ impl Dims {
     /// Head `h` of batch entry `b` of a key/value tensor, transposed into `t` `[D, Tk]`.
     fn transpose_head(&self, data: &[f32], b: usize, h: usize, t: &mut [f32]) {
         let head = &data[self.kv_at(b, 0, h)..];
-        let stride = self.heads * self.head_dim;
-        // Contiguous reads, one token's D values at a time, into D rows that stay in cache
-        // (reading column by column instead walks the whole strided head once per column).
-        for (s, token) in head.chunks(stride).take(self.kv_seq).enumerate() {
-            for (x, &value) in token[..self.head_dim].iter().enumerate() {
-                t[x * self.kv_seq + s] = value;
+        let (stride, dh, seq) = (self.heads * self.head_dim, self.head_dim, self.kv_seq);
+        // 8 × 8 blocks in registers: eight contiguous loads (8 tokens × 8 dims), one
+        // shuffle network, eight contiguous stores (8 dims × 8 tokens).
+        let (seq_blocks, dim_blocks) = (seq - seq % LANES, dh - dh % LANES);
+        for s0 in (0..seq_blocks).step_by(LANES) {
+            for x0 in (0..dim_blocks).step_by(LANES) {
+                let rows = std::array::from_fn(|r| load(&head[(s0 + r) * stride + x0..]));
+                for (j, column) in f32x8::transpose(rows).into_iter().enumerate() {
+                    store(column, &mut t[(x0 + j) * seq + s0..]);
+                }
+            }
+        }
+        // The ragged edges (tokens past the last block of 8, dims past the last 8), one by one.
+        for s in 0..seq {
+            let first_dim = if s < seq_blocks { dim_blocks } else { 0 };
+            for x in first_dim..dh {
+                t[x * seq + s] = head[s * stride + x];
             }
         }
     }

@@ -25,7 +25,9 @@ const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 const OUT_BLOCK: usize = 512;
 
 /// Depth per task when the inner dimension is cut (weight gradients: `Xᵀ·dY` over tokens).
-const DEPTH_BLOCK: usize = 1024;
+/// A 16 × 256-token batch is then two tasks: measured on the llama-tiny weight gradients
+/// (2 threads), 2048 is 8-15 % faster than 1024 (fewer `gemm` calls and partial sums).
+const DEPTH_BLOCK: usize = 2048;
 
 /// How one product is cut into independent single-threaded `gemm` calls.
 ///
