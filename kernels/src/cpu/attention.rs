@@ -484,23 +484,11 @@ fn exp_in_place(x: &mut [f32], shift: f32) -> f32 {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::{
-        __mmask16, _mm512_add_ps, _mm512_mask_loadu_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps,
-        _mm512_maskz_mov_ps, _mm512_max_ps, _mm512_reduce_add_ps, _mm512_reduce_max_ps, _mm512_set1_ps,
-        _mm512_setzero_ps, _mm512_sub_ps,
+        _mm512_add_ps, _mm512_mask_loadu_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps, _mm512_maskz_mov_ps,
+        _mm512_max_ps, _mm512_reduce_add_ps, _mm512_reduce_max_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_sub_ps,
     };
 
-    use super::super::exp16::exp16;
-
-    const LANES: usize = 16;
-
-    /// The mask of lanes `0..n` (all sixteen when n ≥ 16).
-    fn first_lanes(n: usize) -> __mmask16 {
-        if n >= LANES {
-            u16::MAX
-        } else {
-            (1u16 << n) - 1
-        }
-    }
+    use super::super::simd16::{exp16, first_lanes, LANES};
 
     /// As `super::row_max`.
     ///

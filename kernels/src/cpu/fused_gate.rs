@@ -22,12 +22,12 @@
 //! Backward kernels accumulate into their gradient buffers (`dx += ...`).
 
 use rayon::prelude::*;
-use wide::f32x8;
 
+use super::gate_rows::{gate_row_backward, gate_row_forward};
 use super::matmul::{matmul, matmul_serial, MatRef};
 use super::scratch::with_scratch;
 use super::tile_gemm::{tile_gemm, TileA, TileB};
-use super::unary::{load, sigmoid8, store, unary_backward, unary_forward, unary_reference, Unary, LANES};
+use super::unary::{unary_backward, unary_forward, unary_reference, Unary, LANES};
 
 /// Sizes of one fused projection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -173,7 +173,7 @@ struct ChannelGate {
     bias: Vec<f32>,
     rank: usize,
     d_pad: usize,
-    alpha: f32x8,
+    alpha: f32,
 }
 
 impl ChannelGate {
@@ -190,7 +190,7 @@ impl ChannelGate {
         }
         let mut bias = vec![0.0; d_pad];
         bias[..d_out].copy_from_slice(g.b_bias);
-        Self { b_t, b_padded, bias, rank, d_pad, alpha: f32x8::splat(g.alpha) }
+        Self { b_t, b_padded, bias, rank, d_pad, alpha: g.alpha }
     }
 
     /// Writes `H_c·B_cᵀ` (without the bias) for the rows of `H` (row stride `r`) from row
@@ -200,29 +200,6 @@ impl ChannelGate {
         let h_c = TileA { data: hidden, offset: first * r, row_stride: r, col_stride: 1 };
         let b_t = TileB { data: &self.b_t, offset: 0, row_stride: self.d_pad };
         tile_gemm(logits, self.d_pad, h_c, b_t, rows, self.d_pad, self.rank, 1.0, false);
-    }
-}
-
-/// Lanes `j..j + 8` of `src`, zero past its end.
-#[inline(always)]
-fn load_lanes(src: &[f32], j: usize) -> f32x8 {
-    if j + LANES <= src.len() {
-        load(&src[j..])
-    } else {
-        let mut lanes = [0.0; LANES];
-        lanes[..src.len() - j].copy_from_slice(&src[j..]);
-        f32x8::from(lanes)
-    }
-}
-
-/// Stores the lanes of `v` that fall inside `dst` at `j..j + 8`.
-#[inline(always)]
-fn store_lanes(v: f32x8, dst: &mut [f32], j: usize) {
-    if j + LANES <= dst.len() {
-        store(v, &mut dst[j..]);
-    } else {
-        let n = dst.len() - j;
-        dst[j..].copy_from_slice(&v.as_array_ref()[..n]);
     }
 }
 
@@ -305,11 +282,7 @@ fn forward_block(
     with_scratch(rows * gate.d_pad, |logits| {
         gate.logits(&hidden, 0, r, logits);
         for (i, (y, l)) in out.chunks_exact_mut(d_out).zip(logits.chunks_exact(gate.d_pad)).enumerate() {
-            let (z, scale) = (&zu[i * k..i * k + d_out], f32x8::splat(2.0 * gate_scalar[i]));
-            for j in (0..d_out).step_by(LANES) {
-                let g = sigmoid8(gate.alpha * (load(&l[j..]) + load(&gate.bias[j..])));
-                store_lanes(g * scale * load_lanes(z, j), y, j);
-            }
+            gate_row_forward(l, &gate.bias, gate.alpha, 2.0 * gate_scalar[i], &zu[i * k..i * k + d_out], y);
         }
     });
     ForwardBlock { hidden, gate_scalar, logit_scalar }
@@ -439,23 +412,11 @@ impl RowPass<'_> {
     fn channel_row(&self, n: usize, dz: &mut [f32], dl: &mut [f32], sums: &mut BlockSums) -> f32 {
         let d_out = self.dims.d_out;
         let (z, dy) = (&self.zu[n * self.dims.width()..][..d_out], &self.dout[n * d_out..(n + 1) * d_out]);
-        let (gate_s, alpha, half) = (f32x8::splat(self.saved.gate_scalar[n]), self.gate.alpha, f32x8::splat(0.5));
-        let (mut dgate_s, mut dalpha) = (f32x8::ZERO, f32x8::ZERO);
-        for j in (0..d_out).step_by(LANES) {
-            let logit = load(&dl[j..]) + load(&self.gate.bias[j..]);
-            let gate = sigmoid8(alpha * logit) * 2.0;
-            let (g, zj) = (load_lanes(dy, j), load_lanes(z, j));
-            store_lanes(g * gate * gate_s, dz, j);
-            let gz = g * zj;
-            dgate_s = gz.mul_add(gate, dgate_s);
-            let slope = gate * (f32x8::ONE - half * gate) * (gz * gate_s);
-            dalpha = slope.mul_add(logit, dalpha);
-            let grad = slope * alpha;
-            store(grad, &mut dl[j..]);
-            store(load(&sums.db_channel[j..]) + grad, &mut sums.db_channel[j..]);
-        }
-        sums.dalpha_channel += dalpha.reduce_add() as f64;
-        dgate_s.reduce_add()
+        let gate_s = self.saved.gate_scalar[n];
+        let (dgate_s, dalpha) =
+            gate_row_backward(dl, &self.gate.bias, self.gate.alpha, gate_s, dy, z, dz, &mut sums.db_channel);
+        sums.dalpha_channel += dalpha as f64;
+        dgate_s
     }
 
     /// The scalar gate's backward for row `n` from `dγ_s`: writes `dH_s = dl_s·B_s` and adds

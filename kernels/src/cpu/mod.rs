@@ -8,9 +8,8 @@ pub mod conv;
 pub mod copy;
 pub mod cross_entropy;
 pub mod embedding;
-#[cfg(target_arch = "x86_64")]
-pub mod exp16;
 pub mod fused_gate;
+pub mod gate_rows;
 pub mod matmul;
 pub mod norm;
 pub mod optim;
@@ -19,13 +18,15 @@ pub mod pool;
 pub mod reduce;
 pub mod rope;
 pub mod scratch;
+#[cfg(target_arch = "x86_64")]
+pub mod simd16;
 pub mod softmax;
 pub mod swiglu;
 pub mod tile_gemm;
 pub mod unary;
 
 /// Whether this CPU runs AVX-512F, where the tile products and the attention score rows
-/// switch to 16-lane kernels (the check is cached by the standard library).
+/// switch to 16-lane kernels ([`simd16`]) (the check is cached by the standard library).
 #[cfg(target_arch = "x86_64")]
 pub fn avx512_available() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")

@@ -35,15 +35,25 @@ pub fn swiglu_forward(gate: &[f32], up: &[f32], out: &mut [f32]) {
     parallel::for_each_chunk_mut(out, WORK_PER_ELEMENT, |start, out| {
         let end = start + out.len();
         let (gate, up) = (&gate[start..end], &up[start..end]);
-        let simd_end = out.len() - out.len() % LANES;
-        for i in (0..simd_end).step_by(LANES) {
-            let g = load(&gate[i..]);
-            store(g * sigmoid8(g) * load(&up[i..]), &mut out[i..]);
+        #[cfg(target_arch = "x86_64")]
+        if super::avx512_available() {
+            // SAFETY: the CPU has AVX-512F; the three chunks have the same length.
+            return unsafe { avx512::forward(gate, up, out) };
         }
-        for i in simd_end..out.len() {
-            out[i] = swiglu_reference(gate[i], up[i]);
-        }
+        forward_portable(gate, up, out);
     });
+}
+
+/// The forward on one chunk with 8-lane vectors, for CPUs without AVX-512.
+fn forward_portable(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    let simd_end = out.len() - out.len() % LANES;
+    for i in (0..simd_end).step_by(LANES) {
+        let g = load(&gate[i..]);
+        store(g * sigmoid8(g) * load(&up[i..]), &mut out[i..]);
+    }
+    for i in simd_end..out.len() {
+        out[i] = swiglu_reference(gate[i], up[i]);
+    }
 }
 
 /// `dgate += dout · up · silu'(gate)` and `dup += dout · silu(gate)`, recomputing σ(gate);
@@ -57,28 +67,97 @@ pub fn swiglu_backward(gate: &[f32], up: &[f32], dout: &[f32], dgate: &mut [f32]
     parallel::for_each_chunk2_mut(dgate, dup, WORK_PER_ELEMENT, |start, dgate, dup| {
         let end = start + dgate.len();
         let (gate, up, dout) = (&gate[start..end], &up[start..end], &dout[start..end]);
-        let simd_end = dgate.len() - dgate.len() % LANES;
-        for i in (0..simd_end).step_by(LANES) {
-            let (g, dy) = (load(&gate[i..]), load(&dout[i..]));
-            let s = sigmoid8(g);
-            // d/dg silu(g) = σ(g)·(1 + g·(1 − σ(g)))
-            let dsilu = s * (f32x8::ONE + g * (f32x8::ONE - s));
-            let (dg, du) = (dy * load(&up[i..]) * dsilu, dy * (g * s));
-            if accumulate {
-                store(load(&dgate[i..]) + dg, &mut dgate[i..]);
-                store(load(&dup[i..]) + du, &mut dup[i..]);
-            } else {
-                store(dg, &mut dgate[i..]);
-                store(du, &mut dup[i..]);
-            }
+        #[cfg(target_arch = "x86_64")]
+        if super::avx512_available() {
+            // SAFETY: the CPU has AVX-512F; the five chunks have the same length.
+            return unsafe { avx512::backward(gate, up, dout, dgate, dup, accumulate) };
         }
-        for i in simd_end..dgate.len() {
-            let (dy_dg, dy_du) = swiglu_derivative_reference(gate[i], up[i]);
-            let (old_dg, old_du) = if accumulate { (dgate[i], dup[i]) } else { (0.0, 0.0) };
-            dgate[i] = old_dg + dout[i] * dy_dg;
-            dup[i] = old_du + dout[i] * dy_du;
-        }
+        backward_portable(gate, up, dout, dgate, dup, accumulate);
     });
+}
+
+/// The backward on one chunk with 8-lane vectors, for CPUs without AVX-512.
+fn backward_portable(gate: &[f32], up: &[f32], dout: &[f32], dgate: &mut [f32], dup: &mut [f32], accumulate: bool) {
+    let simd_end = dgate.len() - dgate.len() % LANES;
+    for i in (0..simd_end).step_by(LANES) {
+        let (g, dy) = (load(&gate[i..]), load(&dout[i..]));
+        let s = sigmoid8(g);
+        // d/dg silu(g) = σ(g)·(1 + g·(1 − σ(g)))
+        let dsilu = s * (f32x8::ONE + g * (f32x8::ONE - s));
+        let (dg, du) = (dy * load(&up[i..]) * dsilu, dy * (g * s));
+        if accumulate {
+            store(load(&dgate[i..]) + dg, &mut dgate[i..]);
+            store(load(&dup[i..]) + du, &mut dup[i..]);
+        } else {
+            store(dg, &mut dgate[i..]);
+            store(du, &mut dup[i..]);
+        }
+    }
+    for i in simd_end..dgate.len() {
+        let (dy_dg, dy_du) = swiglu_derivative_reference(gate[i], up[i]);
+        let (old_dg, old_du) = if accumulate { (dgate[i], dup[i]) } else { (0.0, 0.0) };
+        dgate[i] = old_dg + dout[i] * dy_dg;
+        dup[i] = old_du + dout[i] * dy_du;
+    }
+}
+
+/// The two passes on sixteen lanes, the last partial vector under a lane mask.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::{
+        _mm512_add_ps, _mm512_fmadd_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps, _mm512_mul_ps, _mm512_set1_ps,
+        _mm512_sub_ps,
+    };
+
+    use super::super::simd16::{first_lanes, sigmoid16, LANES};
+
+    /// As `super::forward_portable`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F; `gate`, `up` and `out` must have the same length.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn forward(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        for c in (0..out.len()).step_by(LANES) {
+            let lanes = first_lanes(out.len() - c);
+            let g = _mm512_maskz_loadu_ps(lanes, gate.as_ptr().add(c));
+            let u = _mm512_maskz_loadu_ps(lanes, up.as_ptr().add(c));
+            let y = _mm512_mul_ps(_mm512_mul_ps(g, sigmoid16(g)), u);
+            _mm512_mask_storeu_ps(out.as_mut_ptr().add(c), lanes, y);
+        }
+    }
+
+    /// As `super::backward_portable`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F; all five slices must have the same length.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn backward(
+        gate: &[f32],
+        up: &[f32],
+        dout: &[f32],
+        dgate: &mut [f32],
+        dup: &mut [f32],
+        accumulate: bool,
+    ) {
+        let one = _mm512_set1_ps(1.0);
+        for c in (0..dgate.len()).step_by(LANES) {
+            let lanes = first_lanes(dgate.len() - c);
+            let g = _mm512_maskz_loadu_ps(lanes, gate.as_ptr().add(c));
+            let dy = _mm512_maskz_loadu_ps(lanes, dout.as_ptr().add(c));
+            let u = _mm512_maskz_loadu_ps(lanes, up.as_ptr().add(c));
+            let s = sigmoid16(g);
+            // d/dg silu(g) = σ(g)·(1 + g·(1 − σ(g)))
+            let dsilu = _mm512_mul_ps(s, _mm512_fmadd_ps(g, _mm512_sub_ps(one, s), one));
+            let mut dg = _mm512_mul_ps(_mm512_mul_ps(dy, u), dsilu);
+            let mut du = _mm512_mul_ps(dy, _mm512_mul_ps(g, s));
+            if accumulate {
+                dg = _mm512_add_ps(dg, _mm512_maskz_loadu_ps(lanes, dgate.as_ptr().add(c)));
+                du = _mm512_add_ps(du, _mm512_maskz_loadu_ps(lanes, dup.as_ptr().add(c)));
+            }
+            _mm512_mask_storeu_ps(dgate.as_mut_ptr().add(c), lanes, dg);
+            _mm512_mask_storeu_ps(dup.as_mut_ptr().add(c), lanes, du);
+        }
+    }
 }
 
 /// Scalar reference `silu(g) · u`.
@@ -196,6 +275,37 @@ mod tests {
             let fd_u = (y(g, u + h) - y(g, u - h)) / (2.0 * h);
             assert!(close(dgate[i], fd_g, 1e-4), "d/dg at ({g}, {u}) = {}, fd {fd_g}", dgate[i]);
             assert!(close(dup[i], fd_u, 1e-4), "d/du at ({g}, {u}) = {}, fd {fd_u}", dup[i]);
+        }
+    }
+
+    #[test]
+    fn avx512_passes_match_portable() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if !crate::cpu::avx512_available() {
+                eprintln!("skipping swiglu::avx512_passes_match_portable: this CPU has no AVX-512F");
+                return;
+            }
+            for n in [0, 1, 7, 15, 16, 17, 33, 100] {
+                let gate: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 12.0).collect();
+                let up: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos() * 3.0).collect();
+                let dout: Vec<f32> = (0..n).map(|i| 1.0 - i as f32 * 0.02).collect();
+                let close =
+                    |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 2e-6 * (1.0 + y.abs()));
+                let (mut fast, mut portable) = (vec![0.0; n], vec![0.0; n]);
+                // SAFETY: the CPU has AVX-512F (checked above); all slices have length n.
+                unsafe { avx512::forward(&gate, &up, &mut fast) };
+                forward_portable(&gate, &up, &mut portable);
+                assert!(close(&fast, &portable), "forward, n = {n}");
+                for accumulate in [false, true] {
+                    let (mut dg_fast, mut du_fast) = (vec![0.5; n], vec![0.5; n]);
+                    let (mut dg_portable, mut du_portable) = (vec![0.5; n], vec![0.5; n]);
+                    // SAFETY: as above.
+                    unsafe { avx512::backward(&gate, &up, &dout, &mut dg_fast, &mut du_fast, accumulate) };
+                    backward_portable(&gate, &up, &dout, &mut dg_portable, &mut du_portable, accumulate);
+                    assert!(close(&dg_fast, &dg_portable) && close(&du_fast, &du_portable), "backward, n = {n}");
+                }
+            }
         }
     }
 }
