@@ -21,6 +21,7 @@
 use std::marker::PhantomData;
 
 use rayon::prelude::*;
+use wide::f32x8;
 
 use super::binary::add_assign;
 use super::parallel;
@@ -28,7 +29,6 @@ use super::reduce::{dot, slice_max};
 use super::scratch::with_scratch;
 use super::tile_gemm::{tile_gemm, TileA, TileB};
 use super::unary::{exp8, load, store, LANES};
-use wide::f32x8;
 
 /// Queries per tile: the rows of one score block.
 const Q_TILE: usize = 32;

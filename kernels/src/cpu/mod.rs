@@ -25,8 +25,9 @@ pub mod swiglu;
 pub mod tile_gemm;
 pub mod unary;
 
-/// Whether this CPU runs AVX-512F, where the tile products and the attention score rows
-/// switch to 16-lane kernels ([`simd16`]) (the check is cached by the standard library).
+/// Whether this CPU runs AVX-512F, where the tile products, the attention score rows, SwiGLU
+/// and the Transponder gate rows switch to 16-lane kernels ([`simd16`]) (the check is cached
+/// by the standard library).
 #[cfg(target_arch = "x86_64")]
 pub fn avx512_available() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")

@@ -88,7 +88,7 @@ mod tests {
     #[test]
     fn matches_std_exp() {
         if !crate::cpu::avx512_available() {
-            eprintln!("skipping exp16::matches_std_exp: this CPU has no AVX-512F");
+            eprintln!("skipping simd16::matches_std_exp: this CPU has no AVX-512F");
             return;
         }
         let mut inputs: Vec<f32> = (-2200..=1000).map(|i| i as f32 * 0.0913).collect();

@@ -17,7 +17,9 @@
 //!
 //! σ goes through `e^-|g|` ≤ 1 ([`sigmoid8`]), so a large `|g|` saturates to 0 or 1: no
 //! overflow, no NaN. Scalar references ([`swiglu_reference`],
-//! [`swiglu_derivative_reference`]) also compute the tail of each SIMD loop.
+//! [`swiglu_derivative_reference`]) also compute the tail of each SIMD loop. On a CPU with
+//! AVX-512F both passes run on sixteen lanes instead ([`avx512`], through
+//! `simd16::sigmoid16`), with the last partial vector under a lane mask.
 
 use wide::f32x8;
 
