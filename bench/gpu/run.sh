@@ -2,7 +2,9 @@
 # Runs on the GPU machine from the repository root, after bench/gpu/bundle.sh built
 # .gpu/bundle.tar.xz here and the device tool carried `.gpu` there. Every step's output goes
 # to logs/<step>.log, packed at the end into $OUT/logs.tgz (the device tool returns at most 8
-# files), with each step's tail on stdout; a failing step does not stop the others.
+# files), with each step's tail on stdout; a failing step does not stop the others. Each
+# step runs under `timeout` (STEP_TIMEOUT seconds, default 240) and the logs are packed
+# after every step, so a hung kernel costs one step, not the device call's whole output.
 #
 #     bash bench/gpu/run.sh [steps...]     # steps: tests bench compare train (default: all)
 set -uo pipefail
@@ -16,9 +18,10 @@ step() {
     shift
     echo "=== $name: $*"
     local start=$SECONDS
-    "$@" >"$LOGS/$name.log" 2>&1
+    timeout "${STEP_TIMEOUT:-240}" "$@" >"$LOGS/$name.log" 2>&1
     echo "=== $name: exit $? after $((SECONDS - start)) s"
     tail -n 25 "$LOGS/$name.log"
+    tar -C /tmp/gpu -czf "$OUT/logs.tgz" logs
 }
 steps=${*:-tests bench compare train}
 for s in $steps; do
