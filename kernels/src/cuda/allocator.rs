@@ -9,6 +9,10 @@
 //!
 //! When the driver reports out-of-memory, the cached blocks are released and the
 //! allocation is tried once more.
+//!
+//! On the emulated device (feature `cuda-emu`) a block is host memory between guard pages
+//! (`emu/memory.rs`); a buffer then sits at the end of its block, and every fresh or reused
+//! block is poisoned, so out-of-bounds accesses and reads of unwritten memory show.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -47,9 +51,18 @@ pub fn size_class(bytes: usize) -> usize {
     bytes.div_ceil(step) * step
 }
 
+/// Where a block's bytes live.
+enum Memory {
+    /// GPU memory from the driver (freed when the slice drops).
+    Device { _slice: CudaSlice<u8> },
+    /// Host pages of the emulated device.
+    #[cfg(feature = "cuda-emu")]
+    Emulated(super::emu::memory::HostBlock),
+}
+
 /// One block of device memory and its raw address.
 struct Block {
-    slice: CudaSlice<u8>,
+    memory: Memory,
     ptr: u64,
     class: usize,
 }
@@ -61,14 +74,27 @@ struct PoolState {
 
 /// The per-device pool behind every [`DeviceBuffer`].
 pub(crate) struct Allocator {
-    stream: Arc<CudaStream>,
+    /// The stream allocations are ordered on; `None` on the emulated device.
+    stream: Option<Arc<CudaStream>>,
     state: Mutex<PoolState>,
 }
 
 impl Allocator {
     /// An empty pool allocating on `stream`.
     pub(crate) fn new(stream: Arc<CudaStream>) -> Allocator {
-        Allocator { stream, state: Mutex::new(PoolState { free: HashMap::new(), stats: AllocatorStats::default() }) }
+        Allocator {
+            stream: Some(stream),
+            state: Mutex::new(PoolState { free: HashMap::new(), stats: AllocatorStats::default() }),
+        }
+    }
+
+    /// An empty pool of emulated device memory.
+    #[cfg(feature = "cuda-emu")]
+    pub(crate) fn emulated() -> Allocator {
+        Allocator {
+            stream: None,
+            state: Mutex::new(PoolState { free: HashMap::new(), stats: AllocatorStats::default() }),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, PoolState> {
@@ -85,33 +111,74 @@ impl Allocator {
             if let Some(block) = state.free.get_mut(&class).and_then(Vec::pop) {
                 state.stats.reuses += 1;
                 state.stats.cached_bytes -= class;
+                drop(state);
+                #[cfg(feature = "cuda-emu")]
+                if let Memory::Emulated(host) = &block.memory {
+                    host.poison();
+                }
                 return Ok(block);
             }
         }
-        let block = match self.fresh(class) {
-            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
-                self.release_cached();
-                self.stream.synchronize().map_err(|e| CudaError::driver("synchronize after releasing the cache", e))?;
-                self.fresh(class)
-            }
-            other => other,
-        }
-        .map_err(|e| CudaError::driver(format!("device allocation of {class} bytes"), e))?;
+        let block = match &self.stream {
+            Some(stream) => self.fresh_on_device(stream, class)?,
+            None => self.fresh_emulated(class)?,
+        };
         let mut state = self.lock();
         state.stats.allocations += 1;
         state.stats.reserved_bytes += class;
         Ok(block)
     }
 
-    fn fresh(&self, class: usize) -> std::result::Result<Block, DriverError> {
-        // SAFETY: the bytes are uninitialised; every user of a buffer writes before it
-        // reads (or zeroes it explicitly), as the launchers document.
-        let slice = unsafe { self.stream.alloc::<u8>(class) }?;
-        let ptr = {
-            let (ptr, _sync) = slice.device_ptr(&self.stream);
-            ptr
+    fn fresh_on_device(&self, stream: &Arc<CudaStream>, class: usize) -> Result<Block> {
+        let fresh = || -> std::result::Result<Block, DriverError> {
+            // SAFETY: the bytes are uninitialised; every user of a buffer writes before it
+            // reads (or zeroes it explicitly), as the launchers document.
+            let slice = unsafe { stream.alloc::<u8>(class) }?;
+            let ptr = {
+                let (ptr, _sync) = slice.device_ptr(stream);
+                ptr
+            };
+            Ok(Block { memory: Memory::Device { _slice: slice }, ptr, class })
         };
-        Ok(Block { slice, ptr, class })
+        match fresh() {
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                self.release_cached();
+                stream.synchronize().map_err(|e| CudaError::driver("synchronize after releasing the cache", e))?;
+                fresh()
+            }
+            other => other,
+        }
+        .map_err(|e| CudaError::driver(format!("device allocation of {class} bytes"), e))
+    }
+
+    #[cfg(feature = "cuda-emu")]
+    fn fresh_emulated(&self, class: usize) -> Result<Block> {
+        let map = || super::emu::memory::HostBlock::map(class);
+        let host = map()
+            .or_else(|| {
+                self.release_cached();
+                map()
+            })
+            .ok_or_else(|| CudaError::Driver {
+                context: format!("emulated device allocation of {class} bytes"),
+                message: "out of host memory (mmap failed)".to_string(),
+            })?;
+        Ok(Block { ptr: host.start(), memory: Memory::Emulated(host), class })
+    }
+
+    #[cfg(not(feature = "cuda-emu"))]
+    fn fresh_emulated(&self, _class: usize) -> Result<Block> {
+        Err(CudaError::Unavailable("this build has no emulated device (feature cuda-emu)".to_string()))
+    }
+
+    /// Where a buffer of `bytes` starts in `block`: its start on a GPU, its end (so that
+    /// an access past it faults) on the emulated device.
+    fn place(block: &Block, _bytes: usize) -> u64 {
+        match &block.memory {
+            Memory::Device { .. } => block.ptr,
+            #[cfg(feature = "cuda-emu")]
+            Memory::Emulated(host) => host.place(_bytes),
+        }
     }
 
     /// Puts a block back on its free list.
@@ -132,8 +199,10 @@ impl Allocator {
         };
         // Dropping a CudaSlice frees it in stream order; the driver needs the context current
         // on this thread (a failure is recorded by cudarc and reported by the next check).
-        let _ = self.stream.context().bind_to_thread();
-        drop(blocks.into_iter().map(|b| b.slice).collect::<Vec<_>>());
+        if let Some(stream) = &self.stream {
+            let _ = stream.context().bind_to_thread();
+        }
+        drop(blocks);
     }
 
     /// A snapshot of the counters.
@@ -179,6 +248,8 @@ mod private {
 /// contents are unspecified until written.
 pub struct DeviceBuffer<T: DeviceScalar> {
     block: Option<Block>,
+    /// Element 0's device address (0 when empty).
+    ptr: u64,
     len: usize,
     allocator: Arc<Allocator>,
     _marker: PhantomData<T>,
@@ -191,7 +262,12 @@ impl<T: DeviceScalar> DeviceBuffer<T> {
             .checked_mul(std::mem::size_of::<T>())
             .ok_or_else(|| CudaError::shape("alloc", format!("{len} elements of {} overflow", T::NAME)))?;
         let block = if bytes == 0 { None } else { Some(allocator.take(bytes)?) };
-        Ok(DeviceBuffer { block, len, allocator: Arc::clone(allocator), _marker: PhantomData })
+        let ptr = block.as_ref().map_or(0, |b| Allocator::place(b, bytes));
+        #[cfg(feature = "cuda-emu")]
+        if let Some(Block { memory: Memory::Emulated(host), .. }) = &block {
+            super::emu::memory::register(host, ptr, len, std::mem::size_of::<T>(), T::NAME);
+        }
+        Ok(DeviceBuffer { block, ptr, len, allocator: Arc::clone(allocator), _marker: PhantomData })
     }
 
     /// Number of elements.
@@ -211,7 +287,7 @@ impl<T: DeviceScalar> DeviceBuffer<T> {
 
     /// The raw device address of element 0 (0 for an empty buffer).
     pub fn device_ptr(&self) -> u64 {
-        self.block.as_ref().map_or(0, |b| b.ptr)
+        self.ptr
     }
 
     /// The raw device address of element `offset` (`offset ≤ len`).
@@ -229,6 +305,10 @@ impl<T: DeviceScalar> DeviceBuffer<T> {
 impl<T: DeviceScalar> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         if let Some(block) = self.block.take() {
+            #[cfg(feature = "cuda-emu")]
+            if matches!(block.memory, Memory::Emulated(_)) {
+                super::emu::memory::unregister(self.ptr);
+            }
             self.allocator.give_back(block);
         }
     }

@@ -83,8 +83,11 @@ pub(crate) fn gemm(
     }
     let (mi, ni, ki) = (to_i32(OP, "m", m)?, to_i32(OP, "n", n)?, to_i32(OP, "k", k)?);
     let (lda, ldb, ldc) = (to_i32(OP, "lda", a.ld.max(1))?, to_i32(OP, "ldb", b.ld.max(1))?, to_i32(OP, "ldc", ldc)?);
-    dev.bind()?;
-    let handle = *dev.blas().handle();
+    let Some(gpu) = dev.driver() else {
+        return emulated(precision, (n, m, k), alpha, (b, 0), (a, 0), beta, (c, ldc as usize, 0), 1);
+    };
+    gpu.bind()?;
+    let handle = *gpu.blas().handle();
     // Column-major Cᵀ[n×m] = op(B)ᵀ[n×k]·op(A)ᵀ[k×m]: B first, then A.
     // SAFETY: callers pass addresses of device buffers that hold the m×k, k×n and m×n
     // operands at the given strides (checked by the public launchers); alpha and beta are
@@ -155,11 +158,15 @@ pub(crate) fn gemm_strided_batched(
     let (mi, ni, ki) = (to_i32(OP, "m", m)?, to_i32(OP, "n", n)?, to_i32(OP, "k", k)?);
     let (lda, ldb, ldc) = (to_i32(OP, "lda", a.ld.max(1))?, to_i32(OP, "ldb", b.ld.max(1))?, to_i32(OP, "ldc", ldc)?);
     let batch_i = to_i32(OP, "batch", batch)?;
-    dev.bind()?;
+    let Some(gpu) = dev.driver() else {
+        let c = (c, ldc as usize, stride_c);
+        return emulated(Precision::F32, (n, m, k), alpha, (b, stride_b), (a, stride_a), beta, c, batch);
+    };
+    gpu.bind()?;
     // SAFETY: as in `gemm`, for each of the `batch` products at the given strides.
     unsafe {
         cublas::sgemm_strided_batched(
-            *dev.blas().handle(),
+            *gpu.blas().handle(),
             b.op(),
             a.op(),
             ni,
@@ -180,6 +187,37 @@ pub(crate) fn gemm_strided_batched(
         )
     }
     .map_err(|e| CudaError::blas(format!("batched gemm {batch}×({m}×{n}×{k})"), e))
+}
+
+/// The column-major cuBLAS call above (`first` is cuBLAS's A: our B) on the emulated device.
+#[allow(clippy::too_many_arguments)]
+fn emulated(
+    precision: Precision,
+    dims: (usize, usize, usize),
+    alpha: f32,
+    (first, stride_first): (Operand, usize),
+    (second, stride_second): (Operand, usize),
+    beta: f32,
+    c: (u64, usize, usize),
+    batch: usize,
+) -> Result<()> {
+    #[cfg(feature = "cuda-emu")]
+    {
+        use super::emu::blas::{gemm, ColMajor, Operands};
+        let col = |x: Operand| ColMajor { ptr: x.ptr, ld: x.ld.max(1), trans: x.trans };
+        let (call, operands) = match (precision, batch) {
+            (Precision::F32, 1) => ("cublasSgemm", Operands::F32),
+            (Precision::F32, _) => ("cublasSgemmStridedBatched", Operands::F32),
+            (Precision::Bf16, _) => ("cublasGemmEx", Operands::Bf16),
+        };
+        let (a, b) = ((col(first), stride_first), (col(second), stride_second));
+        gemm(call, operands, dims, alpha, a, b, beta, c, batch)
+    }
+    #[cfg(not(feature = "cuda-emu"))]
+    {
+        let _ = (precision, dims, alpha, first, stride_first, second, stride_second, beta, c, batch);
+        Err(CudaError::Unavailable("no cuBLAS handle on this device".to_string()))
+    }
 }
 
 /// A strided operand on the device, as `cpu::matmul::MatRef`: element (i, j) is

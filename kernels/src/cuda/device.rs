@@ -8,6 +8,11 @@
 //!
 //! All work of a device (kernels, cuBLAS, copies) is queued on one stream, so it runs in
 //! the order it was issued; cudarc's per-buffer event tracking is switched off.
+//!
+//! With feature `cuda-emu`, a device can also be the emulated one (`emu/`): when no driver
+//! loads, or when `TRANSPONDER_CUDA=emulate`, [`CudaDevice::new`] opens it instead
+//! (`TRANSPONDER_CUDA=driver` refuses the fallback). Its work runs synchronously on the
+//! host; the launchers, the allocator and the copies keep their code paths.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -24,11 +29,41 @@ pub struct CudaDevice {
     ordinal: usize,
     name: String,
     capability: (i32, i32),
+    backend: Backend,
+    allocator: Arc<Allocator>,
+}
+
+/// What runs the device's work.
+enum Backend {
+    /// A GPU through the driver.
+    Driver(Driver),
+    /// The CPU emulator.
+    #[cfg(feature = "cuda-emu")]
+    Emulated(super::emu::Emulator),
+}
+
+/// A GPU's context, stream, cuBLAS handle and loaded kernels.
+pub(crate) struct Driver {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
-    allocator: Arc<Allocator>,
     kernels: KernelCache,
+}
+
+impl Driver {
+    /// The cuBLAS handle (bound to the device's stream).
+    pub(crate) fn blas(&self) -> &CudaBlas {
+        &self.blas
+    }
+
+    /// Makes the context current on the calling thread (needed before raw calls).
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| CudaError::driver("binding the context", e))
+    }
+
+    fn stream(&self) -> cudarc::driver::sys::CUstream {
+        self.stream.cu_stream()
+    }
 }
 
 /// One kernel argument, kept alive (in a slice) until the launch has read it.
@@ -67,12 +102,101 @@ fn probe_libraries() -> Result<()> {
 
 impl CudaDevice {
     /// Opens device `ordinal` (0 for the first GPU). Fails with [`CudaError::Unavailable`]
-    /// when the driver, NVRTC or cuBLAS cannot be loaded or no such GPU exists.
+    /// when the driver, NVRTC or cuBLAS cannot be loaded or no such GPU exists. With feature
+    /// `cuda-emu`, device 0 is then the emulated one (see the module documentation).
     pub fn new(ordinal: usize) -> Result<CudaDevice> {
+        match std::env::var("TRANSPONDER_CUDA").as_deref() {
+            Ok("emulate") => CudaDevice::emulated_ordinal(ordinal),
+            Ok("driver") => CudaDevice::on_driver(ordinal),
+            Ok(other) if !other.is_empty() => {
+                Err(CudaError::Unavailable(format!("TRANSPONDER_CUDA={other:?}: expected `driver` or `emulate`")))
+            }
+            _ => match CudaDevice::on_driver(ordinal) {
+                Err(CudaError::Unavailable(why)) if cfg!(feature = "cuda-emu") => CudaDevice::emulated_ordinal(ordinal)
+                    .map_err(|e| match e {
+                        CudaError::Unavailable(emu) => CudaError::Unavailable(format!("{why}; {emu}")),
+                        other => other,
+                    }),
+                other => other,
+            },
+        }
+    }
+
+    /// A GPU through the driver.
+    fn on_driver(ordinal: usize) -> Result<CudaDevice> {
         probe_libraries()?;
         catch_unwind(AssertUnwindSafe(|| CudaDevice::open(ordinal))).unwrap_or_else(|panic| {
             Err(CudaError::Unavailable(format!("CUDA library call panicked: {}", panic_message(&panic))))
         })
+    }
+
+    /// Emulated device `ordinal` (only 0 exists).
+    fn emulated_ordinal(ordinal: usize) -> Result<CudaDevice> {
+        if ordinal != 0 {
+            return Err(CudaError::Unavailable(format!("device {ordinal} requested; the emulator has only device 0")));
+        }
+        CudaDevice::emulated()
+    }
+
+    /// A fresh emulated device (its own allocator, schedule and mutants), whatever drivers
+    /// the machine has. Tests that change the schedule or use mutants open their own.
+    #[cfg(feature = "cuda-emu")]
+    pub fn emulated() -> Result<CudaDevice> {
+        Ok(CudaDevice {
+            ordinal: 0,
+            name: "CPU emulator".to_string(),
+            capability: (8, 0),
+            backend: Backend::Emulated(super::emu::Emulator::new()?),
+            allocator: Arc::new(Allocator::emulated()),
+        })
+    }
+
+    /// Without feature `cuda-emu` there is no emulated device.
+    #[cfg(not(feature = "cuda-emu"))]
+    pub fn emulated() -> Result<CudaDevice> {
+        Err(CudaError::Unavailable("no driver, and this build has no emulated device (feature cuda-emu)".to_string()))
+    }
+
+    /// Whether this is the emulated device.
+    pub fn is_emulated(&self) -> bool {
+        !matches!(self.backend, Backend::Driver(_))
+    }
+
+    /// The device as `cuda:N`, with ` (emulated)` on the emulator: for messages and logs.
+    pub fn label(&self) -> String {
+        let suffix = if self.is_emulated() { " (emulated)" } else { "" };
+        format!("cuda:{}{suffix}", self.ordinal)
+    }
+
+    /// Sets the order in which the emulator runs the threads of a barrier phase.
+    #[cfg(feature = "cuda-emu")]
+    pub fn set_emulator_schedule(&self, schedule: super::emu::Schedule) -> Result<()> {
+        self.emulator("set_emulator_schedule")?.set_schedule(schedule);
+        Ok(())
+    }
+
+    /// Runs `mutant` in place of its kernel family on this (emulated) device from now on.
+    #[cfg(feature = "cuda-emu")]
+    pub fn use_mutant(&self, mutant: super::emu::Mutant) -> Result<()> {
+        self.emulator("use_mutant")?.use_mutant(mutant);
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda-emu")]
+    fn emulator(&self, op: &'static str) -> Result<&super::emu::Emulator> {
+        match &self.backend {
+            Backend::Emulated(emulator) => Ok(emulator),
+            Backend::Driver(_) => Err(CudaError::shape(op, format!("{} is not the emulated device", self.label()))),
+        }
+    }
+
+    /// The driver state, or `None` on the emulated device.
+    pub(crate) fn driver(&self) -> Option<&Driver> {
+        match &self.backend {
+            Backend::Driver(driver) => Some(driver),
+            #[cfg(feature = "cuda-emu")]
+            Backend::Emulated(_) => None,
+        }
     }
 
     fn open(ordinal: usize) -> Result<CudaDevice> {
@@ -92,16 +216,8 @@ impl CudaDevice {
             ctx.compute_capability().map_err(|e| CudaError::driver("reading the compute capability", e))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".to_string());
         let allocator = Arc::new(Allocator::new(Arc::clone(&stream)));
-        Ok(CudaDevice {
-            ordinal,
-            name,
-            capability,
-            ctx,
-            stream,
-            blas,
-            allocator,
-            kernels: KernelCache::new(capability),
-        })
+        let driver = Driver { ctx, stream, blas, kernels: KernelCache::new(capability) };
+        Ok(CudaDevice { ordinal, name, capability, backend: Backend::Driver(driver), allocator })
     }
 
     /// The device ordinal.
@@ -119,17 +235,23 @@ impl CudaDevice {
         self.capability
     }
 
-    /// Compiles and loads every kernel family now (otherwise each is compiled on first use).
+    /// Compiles and loads every kernel family now (otherwise each is compiled on first use;
+    /// the emulator's kernels were compiled with the crate).
     pub fn compile_all(&self) -> Result<()> {
-        for family in KernelFamily::ALL {
-            self.kernels.module(&self.ctx, family)?;
+        if let Some(driver) = self.driver() {
+            for family in KernelFamily::ALL {
+                driver.kernels.module(&driver.ctx, family)?;
+            }
         }
         Ok(())
     }
 
     /// Waits until all queued work has finished; reports errors of asynchronous work.
     pub fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(|e| CudaError::driver("stream synchronize", e))
+        match self.driver() {
+            Some(driver) => driver.stream.synchronize().map_err(|e| CudaError::driver("stream synchronize", e)),
+            None => Ok(()),
+        }
     }
 
     /// The caching allocator's counters.
@@ -160,10 +282,15 @@ impl CudaDevice {
         if buffer.is_empty() {
             return Ok(());
         }
-        self.bind()?;
+        let Some(gpu) = self.driver() else {
+            // SAFETY: the emulated buffer's own host range.
+            unsafe { std::ptr::write_bytes(buffer.device_ptr() as *mut u8, 0, buffer.num_bytes()) };
+            return Ok(());
+        };
+        gpu.bind()?;
         // SAFETY: the address range is the buffer's own, and the memset is queued on the
         // stream that orders every use of it.
-        unsafe { driver::memset_d8_async(buffer.device_ptr(), 0, buffer.num_bytes(), self.stream.cu_stream()) }
+        unsafe { driver::memset_d8_async(buffer.device_ptr(), 0, buffer.num_bytes(), gpu.stream()) }
             .map_err(|e| CudaError::driver("cuMemsetD8Async", e))
     }
 
@@ -183,10 +310,15 @@ impl CudaDevice {
         if host.is_empty() {
             return Ok(());
         }
-        self.bind()?;
+        let Some(gpu) = self.driver() else {
+            // SAFETY: the emulated buffer's own host range of host.len() elements.
+            unsafe { std::ptr::copy_nonoverlapping(host.as_ptr(), buffer.device_ptr() as *mut T, host.len()) };
+            return Ok(());
+        };
+        gpu.bind()?;
         // SAFETY: the destination is the buffer's own range of host.len() elements; the
         // source is pageable host memory, which the driver stages before this returns.
-        unsafe { driver::memcpy_htod_async(buffer.device_ptr(), host, self.stream.cu_stream()) }
+        unsafe { driver::memcpy_htod_async(buffer.device_ptr(), host, gpu.stream()) }
             .map_err(|e| CudaError::driver("cuMemcpyHtoDAsync", e))
     }
 
@@ -206,10 +338,15 @@ impl CudaDevice {
         if host.is_empty() {
             return Ok(());
         }
-        self.bind()?;
+        let Some(gpu) = self.driver() else {
+            // SAFETY: the emulated buffer's own host range of host.len() elements.
+            unsafe { std::ptr::copy_nonoverlapping(buffer.device_ptr() as *const T, host.as_mut_ptr(), host.len()) };
+            return Ok(());
+        };
+        gpu.bind()?;
         // SAFETY: the source is the buffer's own range; `host` stays borrowed until the
         // synchronize below has waited for the copy.
-        unsafe { driver::memcpy_dtoh_async(host, buffer.device_ptr(), self.stream.cu_stream()) }
+        unsafe { driver::memcpy_dtoh_async(host, buffer.device_ptr(), gpu.stream()) }
             .map_err(|e| CudaError::driver("cuMemcpyDtoHAsync", e))?;
         self.synchronize()
     }
@@ -231,32 +368,22 @@ impl CudaDevice {
         if count == 0 {
             return Ok(());
         }
-        self.bind()?;
         let bytes = count * std::mem::size_of::<T>();
+        let Some(gpu) = self.driver() else {
+            // SAFETY: both ranges were checked against their (emulated, host) buffers above;
+            // `copy` allows the two to overlap.
+            unsafe { std::ptr::copy(src.ptr_at(src_offset) as *const u8, dst.ptr_at(dst_offset) as *mut u8, bytes) };
+            return Ok(());
+        };
+        gpu.bind()?;
         // SAFETY: both ranges were checked against their buffers above.
-        unsafe {
-            driver::memcpy_dtod_async(dst.ptr_at(dst_offset), src.ptr_at(src_offset), bytes, self.stream.cu_stream())
-        }
-        .map_err(|e| CudaError::driver("cuMemcpyDtoDAsync", e))
-    }
-
-    /// Makes the device's context current on the calling thread (needed before raw calls).
-    pub(crate) fn bind(&self) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(|e| CudaError::driver("binding the context", e))
-    }
-
-    /// The cuBLAS handle (bound to [`CudaDevice::stream`]).
-    pub(crate) fn blas(&self) -> &CudaBlas {
-        &self.blas
+        unsafe { driver::memcpy_dtod_async(dst.ptr_at(dst_offset), src.ptr_at(src_offset), bytes, gpu.stream()) }
+            .map_err(|e| CudaError::driver("cuMemcpyDtoDAsync", e))
     }
 
     /// Errors unless `buffer` was allocated by this device.
     pub(crate) fn check_owner<T: DeviceScalar>(&self, op: &'static str, buffer: &DeviceBuffer<T>) -> Result<()> {
         ensure(buffer.belongs_to(&self.allocator), op, || format!("{buffer:?} belongs to another device"))
-    }
-
-    fn function(&self, family: KernelFamily, name: &'static str) -> Result<CudaFunction> {
-        self.kernels.function(&self.ctx, family, name)
     }
 
     /// Launches kernel `name` of `family` with `args` (in the kernel's parameter order).
@@ -270,8 +397,13 @@ impl CudaDevice {
         if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
             return Ok(());
         }
-        let function = self.function(family, name)?;
-        let mut builder = self.stream.launch_builder(&function);
+        let gpu = match &self.backend {
+            Backend::Driver(gpu) => gpu,
+            #[cfg(feature = "cuda-emu")]
+            Backend::Emulated(emulator) => return super::emu::launch::launch(emulator, family, name, cfg, args),
+        };
+        let function: CudaFunction = gpu.kernels.function(&gpu.ctx, family, name)?;
+        let mut builder = gpu.stream.launch_builder(&function);
         for arg in args {
             match arg {
                 Arg::Ptr(v) => builder.arg(v),
@@ -291,6 +423,6 @@ impl CudaDevice {
 impl std::fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let (major, minor) = self.capability;
-        write!(f, "CudaDevice({}: {}, sm_{major}{minor})", self.ordinal, self.name)
+        write!(f, "CudaDevice({}: {}, sm_{major}{minor})", self.label(), self.name)
     }
 }

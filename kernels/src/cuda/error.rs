@@ -38,6 +38,14 @@ pub enum CudaError {
         /// What is wrong, naming the argument.
         message: String,
     },
+    /// A kernel failed on the emulated device (out-of-bounds access, deadlock, a launch
+    /// outside the driver's limits, ...).
+    Emulated {
+        /// The kernel.
+        kernel: String,
+        /// What went wrong, naming the block, thread, argument or offset where known.
+        message: String,
+    },
     /// A device-side check failed (e.g. a cross-entropy target out of range).
     Invalid {
         /// The launcher.
@@ -73,6 +81,7 @@ impl fmt::Display for CudaError {
             CudaError::Compile { file, log } => write!(f, "NVRTC failed to compile {file}:\n{log}"),
             CudaError::Shape { op, message } => write!(f, "{op}: {message}"),
             CudaError::Invalid { op, message } => write!(f, "{op}: {message}"),
+            CudaError::Emulated { kernel, message } => write!(f, "kernel {kernel} on cuda:0 (emulated): {message}"),
         }
     }
 }

@@ -8,6 +8,7 @@
 //! blas.rs        row-major cuBLAS products (f32 and bf16 → f32)
 //! <family>.rs    launchers mirroring cpu/<family>.rs, shapes checked before launch
 //! kernels/*.cu   the CUDA C sources, one file per family, forward and backward adjacent
+//! emu/           the emulated device (feature `cuda-emu`): the same kernels on the CPU
 //! ```
 //!
 //! Launchers take the device first and device buffers where the CPU kernels take slices;
@@ -34,6 +35,8 @@ pub mod conv;
 pub mod device;
 pub mod elementwise;
 pub mod embedding;
+#[cfg(feature = "cuda-emu")]
+pub mod emu;
 pub mod error;
 pub mod fused_gate;
 mod launch;

@@ -39,7 +39,7 @@ __device__ __forceinline__ void stage_rows(float* tile, int stride, const float*
 extern "C" __global__ void __launch_bounds__(QB * 32)
     attention_forward(const float* q, const float* k, const float* v, float* out, float* lse, i64 batch, i64 q_seq,
                       i64 kv_seq, i64 heads, i64 head_dim, float scale) {
-    extern __shared__ float smem[];
+    DYNAMIC_SHARED(float, smem);
     const int ks = (int)(head_dim | 1);
     float* k_tile = smem;
     float* v_tile = k_tile + KEY_TILE * ks;
@@ -124,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(QB * 32)
     attention_backward_dq(const float* q, const float* k, const float* v, const float* dout, const float* lse,
                           const float* delta, float* dq, i64 batch, i64 q_seq, i64 kv_seq, i64 heads, i64 head_dim,
                           float scale) {
-    extern __shared__ float smem[];
+    DYNAMIC_SHARED(float, smem);
     const int ks = (int)(head_dim | 1);
     float* k_tile = smem;
     float* v_tile = k_tile + KEY_TILE * ks;
@@ -198,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(QB * 32)
     attention_backward_dkv(const float* q, const float* k, const float* v, const float* dout, const float* lse,
                            const float* delta, float* dk, float* dv, i64 batch, i64 q_seq, i64 kv_seq, i64 heads,
                            i64 head_dim, float scale) {
-    extern __shared__ float smem[];
+    DYNAMIC_SHARED(float, smem);
     const int ks = (int)(head_dim | 1);
     float* q_tile = smem;
     float* do_tile = q_tile + KEY_TILE * ks;

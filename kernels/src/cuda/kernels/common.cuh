@@ -12,6 +12,30 @@ typedef unsigned short bf16_t;
 #define NEG_INF __int_as_float(0xff800000)
 #define POS_INF __int_as_float(0x7f800000)
 
+// The launch's dynamic shared memory (LaunchConfig::shared_mem_bytes) as `T* name`. The CUDA
+// emulator (emu/cuda_emu.h) hands out a per-block buffer of exactly that size instead.
+#ifdef __CUDA_EMULATOR__
+#define DYNAMIC_SHARED(T, name) T* name = static_cast<T*>(tp_emu::dynamic_shared())
+#else
+#define DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
+
+// d += A·B for one warp: mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 with the PTX
+// ISA's fragment layout (see fused_gate.cu), `d` float[4], `a` u32[4], `b` u32[2] per lane.
+// The one inline assembly of the kernels; the emulator runs a C++ version of it.
+#if defined(__CUDA_EMULATOR__)
+#define MMA_M16N8K16_BF16(d, a, b) tp_emu::mma_m16n8k16_bf16((d), (a), (b))
+#elif __CUDA_ARCH__ >= 800
+#define MMA_M16N8K16_BF16(d, a, b)                                                                   \
+    asm volatile(                                                                                    \
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
+        "{%0,%1,%2,%3};\n"                                                                           \
+        : "+f"((d)[0]), "+f"((d)[1]), "+f"((d)[2]), "+f"((d)[3])                                     \
+        : "r"((a)[0]), "r"((a)[1]), "r"((a)[2]), "r"((a)[3]), "r"((b)[0]), "r"((b)[1]))
+#else
+#define MMA_M16N8K16_BF16(d, a, b) __trap()  // the launcher refuses devices below compute capability 8.0
+#endif
+
 // Grid-stride loop over [0, n).
 #define GRID_STRIDE(i, n) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)

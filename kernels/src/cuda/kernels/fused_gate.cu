@@ -34,15 +34,7 @@ struct alignas(16) u32x4 {
 // t = lane % 4): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..];
 // b0 = B[2t..2t+1][g], b1 = B[2t+8..][g]; d0,d1 = D[g][2t..2t+1], d2,d3 = D[g+8][2t..2t+1].
 __device__ __forceinline__ void mma_bf16(float* d, const unsigned int* a, const unsigned int* b) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-    __trap();  // the launcher refuses devices below compute capability 8.0
-#endif
+    MMA_M16N8K16_BF16(d, a, b);
 }
 
 // Two adjacent bf16 at an even index of shared memory, as one 32-bit register.
@@ -117,7 +109,7 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
                                                const float* b_cb, float alpha_c, const float* a_s, const float* b_sw,
                                                const float* b_sb, float alpha_s, int phi, float phi_p, i64 rows,
                                                i64 d_in, i64 d_out, int rc, int rs, float* zu, float* out) {
-    __shared__ alignas(16) unsigned char smem[FgShared<RU>::BYTES];
+    __shared__ __align__(16) unsigned char smem[FgShared<RU>::BYTES];
     const int r = rc + rs;
     const i64 width = d_out + r;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

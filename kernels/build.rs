@@ -1,0 +1,224 @@
+//! With feature `cuda-emu`, compiles the CUDA kernels (src/cuda/kernels/*.cu) for the host,
+//! as the emulated CUDA device runs them (src/cuda/emu/). Without it, does nothing.
+//!
+//! Each family becomes one C++ translation unit: `emu/cuda_emu.h`, `common.cuh`, the
+//! family's source with `extern "C" __global__` turned into `static`, then a generated
+//! trampoline per kernel and the family's kernel table. The test-only mutants (a kernel with
+//! one deliberate bug each, for the emulator's own tests) are made here by one textual edit
+//! of a family; an edit that no longer applies fails the build, so each mutant stays real.
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    #[cfg(feature = "cuda-emu")]
+    emulator::build();
+}
+
+#[cfg(feature = "cuda-emu")]
+mod emulator {
+    use std::fmt::Write as _;
+    use std::fs;
+    use std::path::{Path, PathBuf};
+
+    /// One deliberate bug: the family it edits, its table name, and the edit.
+    struct Mutant {
+        family: &'static str,
+        name: &'static str,
+        find: &'static str,
+        replace: &'static str,
+    }
+
+    const MUTANTS: [Mutant; 3] = [
+        // attention_forward's barrier between staging a K/V tile and reading it.
+        Mutant {
+            family: "attention",
+            name: "attention_missing_sync",
+            find: "        __syncthreads();\n        if (!active || s0 > position) continue;  // warp-uniform",
+            replace: "        if (!active || s0 > position) continue;  // warp-uniform",
+        },
+        // The row of accumulator elements d2, d3 of the summary columns' mma fragment.
+        Mutant {
+            family: "fused_gate",
+            name: "fused_gate_fragment_row",
+            find: "int row = warp * 16 + g + (e >= 2 ? 8 : 0);",
+            replace: "int row = warp * 16 + g + (e >= 1 ? 8 : 0);",
+        },
+        // One element past the end of y.
+        Mutant {
+            family: "conv",
+            name: "fill_bias_past_end",
+            find: "GRID_STRIDE(i, n) { y[i] = bias[(i / positions) % out_channels]; }",
+            replace: "GRID_STRIDE(i, n + 1) { y[i] = bias[(i / positions) % out_channels]; }",
+        },
+    ];
+
+    /// A kernel's name and parameter names, read from its declaration.
+    struct Kernel {
+        name: String,
+        params: Vec<String>,
+    }
+
+    pub fn build() {
+        let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+        let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+        let kernels_dir = root.join("src/cuda/kernels");
+        let emu_dir = root.join("src/cuda/emu");
+        println!("cargo:rerun-if-changed={}", kernels_dir.display());
+        println!("cargo:rerun-if-changed={}", emu_dir.display());
+
+        let common = read(&kernels_dir.join("common.cuh"));
+        let mut families: Vec<PathBuf> = fs::read_dir(&kernels_dir)
+            .expect("kernels/src/cuda/kernels is readable")
+            .map(|entry| entry.expect("directory entry").path())
+            .filter(|path| path.extension().is_some_and(|ext| ext == "cu"))
+            .collect();
+        families.sort();
+
+        let mut units = Vec::new();
+        let mut tables = Vec::new(); // (lookup name, table symbol, kernel count)
+        for path in &families {
+            let stem = path.file_stem().and_then(|s| s.to_str()).expect("a UTF-8 file name").to_string();
+            let source = read(path);
+            let file = format!("{stem}.cu");
+            units.push(unit(&out, &emu_dir, &kernels_dir, &common, &file, &stem, &source, &mut tables));
+            for mutant in MUTANTS.iter().filter(|m| m.family == stem) {
+                assert!(
+                    source.matches(mutant.find).count() == 1,
+                    "mutant {}: its edit no longer matches {file} exactly once; update build.rs",
+                    mutant.name
+                );
+                let mutated = source.replacen(mutant.find, mutant.replace, 1);
+                let lookup = format!("mutants/{}", mutant.name);
+                units.push(unit(&out, &emu_dir, &kernels_dir, &common, &file, mutant.name, &mutated, &mut tables));
+                let last = tables.last_mut().expect("unit pushed a table");
+                last.0 = lookup;
+            }
+        }
+        assert!(MUTANTS.iter().all(|m| families.iter().any(|f| f.file_stem().is_some_and(|s| s == m.family))));
+
+        cc::Build::new()
+            .cpp(true)
+            .files(&units)
+            .file(emu_dir.join("runtime.cpp"))
+            .include(&emu_dir)
+            .std("c++17")
+            .opt_level(2)
+            .warnings(false)
+            .flag("-fno-strict-aliasing")
+            .flag("-fno-exceptions")
+            .flag("-Wno-unknown-pragmas")
+            .compile("transponder_cuda_emu");
+
+        let mut rust =
+            String::from("// Generated by kernels/build.rs: the emulated kernel tables.\n\nextern \"C\" {\n");
+        for (_, symbol, count) in &tables {
+            writeln!(rust, "    static {symbol}: [TpKernel; {count}];").unwrap();
+        }
+        rust.push_str("}\n\n/// The kernel table of `file` (a family's `.cu` file name or `mutants/<name>`).\n");
+        rust.push_str("pub(crate) fn kernel_table(file: &str) -> Option<&'static [TpKernel]> {\n");
+        rust.push_str("    // SAFETY: each table is an immutable C array of the declared length.\n");
+        rust.push_str("    unsafe {\n        match file {\n");
+        for (lookup, symbol, _) in &tables {
+            writeln!(rust, "            {lookup:?} => Some(&*std::ptr::addr_of!({symbol})),").unwrap();
+        }
+        rust.push_str("            _ => None,\n        }\n    }\n}\n");
+        fs::write(out.join("emu_tables.rs"), rust).expect("OUT_DIR is writable");
+    }
+
+    fn read(path: &Path) -> String {
+        fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
+    }
+
+    /// Writes the translation unit of one family (or mutant) `name`; returns its path and
+    /// records its table as (file, symbol, count).
+    #[allow(clippy::too_many_arguments)]
+    fn unit(
+        out: &Path,
+        emu_dir: &Path,
+        kernels_dir: &Path,
+        common: &str,
+        file: &str,
+        name: &str,
+        source: &str,
+        tables: &mut Vec<(String, String, usize)>,
+    ) -> PathBuf {
+        let kernels = parse_kernels(source, file);
+        let mut text = String::new();
+        writeln!(text, "#include \"{}\"", emu_dir.join("cuda_emu.h").display()).unwrap();
+        writeln!(text, "#line 1 \"{}\"", kernels_dir.join("common.cuh").display()).unwrap();
+        text.push_str(common);
+        writeln!(text, "\n#line 1 \"{}\"", kernels_dir.join(file).display()).unwrap();
+        text.push_str(&source.replace("extern \"C\" __global__", "static"));
+        text.push_str("\n// Generated trampolines and table.\n");
+        for kernel in &kernels {
+            let k = &kernel.name;
+            writeln!(text, "static void tp_trampoline_{k}(void** args) {{ tp_emu_gen::invoke(&{k}, args); }}").unwrap();
+            writeln!(text, "static const char* tp_signature_{k}() {{ return tp_emu_gen::signature(&{k}); }}").unwrap();
+        }
+        let symbol = format!("tp_emu_table_{name}");
+        writeln!(text, "extern \"C\" const TpKernel {symbol}[] = {{").unwrap();
+        for kernel in &kernels {
+            let k = &kernel.name;
+            writeln!(text, "    {{\"{k}\", tp_trampoline_{k}, tp_signature_{k}, \"{}\"}},", kernel.params.join(","))
+                .unwrap();
+        }
+        text.push_str("};\n");
+        let path = out.join(format!("emu_{name}.cpp"));
+        fs::write(&path, text).expect("OUT_DIR is writable");
+        tables.push((file.to_string(), symbol, kernels.len()));
+        path
+    }
+
+    /// Every `extern "C" __global__ void NAME(PARAMS)` of `source`, with parameter lists
+    /// written as a macro (`FG_PARAMS`) expanded from the file's `#define`.
+    fn parse_kernels(source: &str, file: &str) -> Vec<Kernel> {
+        const MARK: &str = "extern \"C\" __global__ void";
+        let mut kernels = Vec::new();
+        let mut rest = source;
+        while let Some(at) = rest.find(MARK) {
+            rest = &rest[at + MARK.len()..];
+            let mut head = rest.trim_start();
+            if let Some(bounds) = head.strip_prefix("__launch_bounds__(") {
+                let close = bounds.find(')').unwrap_or_else(|| panic!("{file}: unclosed __launch_bounds__"));
+                head = bounds[close + 1..].trim_start();
+            }
+            let open = head.find('(').unwrap_or_else(|| panic!("{file}: a kernel without parameters"));
+            let name = head[..open].trim().to_string();
+            let close = head[open..].find(')').unwrap_or_else(|| panic!("{file}: kernel {name}: unclosed parameters"));
+            let mut params = head[open + 1..open + close].trim().to_string();
+            if !params.contains(',') && params.chars().all(|c| c.is_alphanumeric() || c == '_') {
+                params = macro_body(source, &params).unwrap_or_else(|| panic!("{file}: no #define {params}"));
+            }
+            let params = params
+                .split(',')
+                .map(|p| {
+                    let ident: String =
+                        p.trim().chars().rev().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+                    ident.chars().rev().collect()
+                })
+                .collect();
+            kernels.push(Kernel { name, params });
+        }
+        let mut names: Vec<&str> = kernels.iter().map(|k| k.name.as_str()).collect();
+        names.sort_unstable();
+        let count = names.len();
+        names.dedup();
+        assert_eq!(names.len(), count, "{file}: a kernel name appears twice");
+        kernels
+    }
+
+    /// The body of `#define NAME ...` in `source`, continuation lines joined.
+    fn macro_body(source: &str, name: &str) -> Option<String> {
+        let start = source.find(&format!("#define {name}"))? + "#define ".len() + name.len();
+        let mut body = String::new();
+        for line in source[start..].lines() {
+            match line.strip_suffix('\\') {
+                Some(continued) => body.push_str(continued),
+                None => {
+                    body.push_str(line);
+                    break;
+                }
+            }
+        }
+        Some(body.trim().to_string())
+    }
+}

@@ -1,0 +1,198 @@
+//! The cuBLAS calls of `cuda/blas.rs`, done on the CPU with cuBLAS's semantics: column-major
+//! operands, `op(X)` = X or Xᵀ, leading dimensions (checked as cuBLAS checks them, then every
+//! touched element against its buffer), `C = alpha·op(A)·op(B) + beta·C` where beta = 0 does
+//! not read C, and bf16 operands widened exactly to f32 and accumulated in f32.
+
+use gemm::Parallelism;
+use half::bf16;
+
+use super::memory::containing;
+use crate::cuda::error::{CudaError, Result};
+
+/// One column-major operand as cuBLAS receives it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ColMajor {
+    /// Device address of element (0, 0) of the stored matrix.
+    pub ptr: u64,
+    /// Leading dimension (elements between columns of the stored matrix).
+    pub ld: usize,
+    /// Whether cuBLAS is told to transpose it (`CUBLAS_OP_T`).
+    pub trans: bool,
+}
+
+/// Element type of the A and B operands (C is f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Operands {
+    F32,
+    Bf16,
+}
+
+fn blas_error(call: &str, message: String) -> CudaError {
+    CudaError::Blas { context: format!("{call} (emulated)"), message }
+}
+
+/// Checks that the stored `rows × cols` column-major matrix at `ptr` with `ld` lies inside
+/// one live buffer of `elem_bytes` elements.
+fn check_extent(
+    call: &str,
+    what: &str,
+    ptr: u64,
+    ld: usize,
+    rows: usize,
+    cols: usize,
+    elem_bytes: usize,
+) -> Result<()> {
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    if ld < rows.max(1) {
+        return Err(blas_error(call, format!("CUBLAS_STATUS_INVALID_VALUE: ld{what} = {ld} < {rows} rows of {what}")));
+    }
+    let last = ptr + (((cols - 1) * ld + rows - 1) * elem_bytes) as u64;
+    let buffer =
+        containing(ptr).ok_or_else(|| blas_error(call, format!("{what} at {ptr:#x} is in no device buffer")))?;
+    if buffer.elem_bytes != elem_bytes {
+        return Err(blas_error(
+            call,
+            format!("{what} is a {} buffer, expected {elem_bytes}-byte elements", buffer.describe()),
+        ));
+    }
+    if !buffer.holds(last, elem_bytes) {
+        let past = (last - buffer.ptr) / elem_bytes as u64 + 1 - buffer.len() as u64;
+        return Err(blas_error(
+            call,
+            format!("{what}'s last element is {past} elements past the end of its {}", buffer.describe()),
+        ));
+    }
+    Ok(())
+}
+
+/// `op(X)` of a stored operand as strides of the `rows × cols` operand: (row, col) strides.
+fn strides(x: ColMajor) -> (isize, isize) {
+    if x.trans {
+        (x.ld as isize, 1)
+    } else {
+        (1, x.ld as isize)
+    }
+}
+
+/// The stored shape of an operand whose `op` is `rows × cols`.
+fn stored(x: ColMajor, rows: usize, cols: usize) -> (usize, usize) {
+    if x.trans {
+        (cols, rows)
+    } else {
+        (rows, cols)
+    }
+}
+
+/// Reads the stored matrix of a bf16 operand into f32 (exact), keeping its layout.
+///
+/// # Safety
+/// `x` must cover its stored `rows × cols` matrix (checked by [`check_extent`]).
+unsafe fn widen(x: ColMajor, rows: usize, cols: usize) -> Vec<f32> {
+    let (r, c) = stored(x, rows, cols);
+    let len = if r == 0 || c == 0 { 0 } else { (c - 1) * x.ld + r };
+    let src = std::slice::from_raw_parts(x.ptr as *const bf16, len);
+    src.iter().map(|v| v.to_f32()).collect()
+}
+
+/// `batch` products `C_i = alpha·op(A_i)[m×k]·op(B_i)[k×n] + beta·C_i` (column-major),
+/// operand `i` `stride` elements after operand `i − 1` (`cublasSgemmStridedBatched`,
+/// `cublasGemmEx` for one product).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm(
+    call: &str,
+    operands: Operands,
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    (a, stride_a): (ColMajor, usize),
+    (b, stride_b): (ColMajor, usize),
+    beta: f32,
+    (c, ldc, stride_c): (u64, usize, usize),
+    batch: usize,
+) -> Result<()> {
+    if m == 0 || n == 0 || batch == 0 {
+        return Ok(());
+    }
+    let elem = match operands {
+        Operands::F32 => 4,
+        Operands::Bf16 => 2,
+    };
+    for i in 0..batch {
+        let (ai, bi, ci) = (
+            ColMajor { ptr: a.ptr + (i * stride_a * elem) as u64, ..a },
+            ColMajor { ptr: b.ptr + (i * stride_b * elem) as u64, ..b },
+            c + (i * stride_c * 4) as u64,
+        );
+        let (ar, ac) = stored(ai, m, k);
+        let (br, bc) = stored(bi, k, n);
+        check_extent(call, "A", ai.ptr, ai.ld, ar, ac, elem)?;
+        check_extent(call, "B", bi.ptr, bi.ld, br, bc, elem)?;
+        check_extent(call, "C", ci, ldc, m, n, 4)?;
+        // SAFETY: every touched element of A, B and C lies in its buffer (checked above);
+        // C is not aliased by A or B in the backend's calls.
+        unsafe { product(operands, (m, n, k), alpha, ai, bi, beta, ci, ldc) };
+    }
+    Ok(())
+}
+
+/// One checked product.
+///
+/// # Safety
+/// The operands must cover their stored matrices and C its `m × n` columns.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product(
+    operands: Operands,
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    a: ColMajor,
+    b: ColMajor,
+    beta: f32,
+    c: u64,
+    ldc: usize,
+) {
+    let dst = c as *mut f32;
+    if k == 0 {
+        // C = beta·C (cuBLAS scales C even for an empty sum; beta = 0 writes zeros).
+        for j in 0..n {
+            for i in 0..m {
+                let at = dst.add(i + j * ldc);
+                *at = if beta == 0.0 { 0.0 } else { beta * *at };
+            }
+        }
+        return;
+    }
+    let (wide_a, wide_b);
+    let (pa, pb) = match operands {
+        Operands::F32 => (a.ptr as *const f32, b.ptr as *const f32),
+        Operands::Bf16 => {
+            wide_a = widen(a, m, k);
+            wide_b = widen(b, k, n);
+            (wide_a.as_ptr(), wide_b.as_ptr())
+        }
+    };
+    let (a_rs, a_cs) = strides(a);
+    let (b_rs, b_cs) = strides(b);
+    // gemm computes dst = alpha_g·dst + beta_g·lhs·rhs, reading dst only when asked.
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        ldc as isize,
+        1,
+        beta != 0.0,
+        pa,
+        a_cs,
+        a_rs,
+        pb,
+        b_cs,
+        b_rs,
+        beta,
+        alpha,
+        false,
+        false,
+        false,
+        Parallelism::Rayon(rayon::current_num_threads()),
+    );
+}
