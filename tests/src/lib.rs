@@ -369,6 +369,7 @@ pub fn no_gpu() -> bool {
     if tensor::cuda::is_available() {
         return false;
     }
+    assert!(std::env::var_os("TRANSPONDER_REQUIRE_CUDA").is_none(), "TRANSPONDER_REQUIRE_CUDA is set: no CUDA device");
     eprintln!("skipping: no CUDA device");
     true
 }

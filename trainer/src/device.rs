@@ -33,6 +33,24 @@ pub fn device_name(device: Device) -> String {
     }
 }
 
+/// `device` for logs: `cpu`, `cuda:N`, or `cuda:0 (emulated)` on the emulated device.
+pub fn device_label(device: Device) -> String {
+    match device {
+        Device::Cpu => "cpu".into(),
+        Device::Cuda(ordinal) => gpu_label(ordinal),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_label(ordinal: usize) -> String {
+    tensor::cuda::device(ordinal).map_or_else(|_| format!("cuda:{ordinal}"), |dev| dev.label())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_label(ordinal: usize) -> String {
+    format!("cuda:{ordinal}")
+}
+
 /// Errors, saying what to do, unless `device` can run this command: the CPU always can; a
 /// GPU needs a build with the `cuda` feature and a GPU the driver can open.
 pub fn ensure_available(device: Device) -> Result<()> {

@@ -23,7 +23,7 @@ use crate::checkpoint::{self, CheckpointMeta};
 use crate::config::TrainConfig;
 use crate::data::sampler::{BatchSampler, RandomSampler, SequentialSampler};
 use crate::data::token_file::{check_vocab, TokenFile};
-use crate::device::{device_name, ensure_available, MatmulPrecision};
+use crate::device::{device_label, ensure_available, MatmulPrecision};
 use crate::metrics::{MetricsWriter, StepMetrics};
 use crate::prepare::prepare_once;
 use crate::safetensors_io::atomic_write;
@@ -208,7 +208,7 @@ pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
     }
     if config.device != Device::Cpu {
         let precision = if config.bf16 { "bf16 matrix products, f32 master weights" } else { "f32" };
-        println!("device {} ({precision})", device_name(config.device));
+        println!("device {} ({precision})", device_label(config.device));
     }
 
     let schedule = config.schedule();

@@ -10,6 +10,7 @@ use tensor::Device;
 use trainer::config::TrainConfig;
 use trainer::data::token_file::write_llmc;
 use trainer::train::{train, METRICS_FILE};
+use trainer::train_image::{train_image, ImageTrainConfig};
 
 const GPU: Device = Device::Cuda(0);
 const STEPS: usize = 20;
@@ -19,6 +20,7 @@ fn no_gpu() -> bool {
     if tensor::cuda::is_available() {
         return false;
     }
+    assert!(std::env::var_os("TRANSPONDER_REQUIRE_CUDA").is_none(), "TRANSPONDER_REQUIRE_CUDA is set: no CUDA device");
     eprintln!("skipping: no CUDA device");
     true
 }
@@ -68,9 +70,68 @@ fn losses(run_dir: &Path) -> Vec<f32> {
 }
 
 fn assert_agree(what: &str, reference: &[f32], other: &[f32]) {
+    assert_within(what, reference, other, RTOL);
+}
+
+fn assert_within(what: &str, reference: &[f32], other: &[f32], rtol: f32) {
     assert_eq!(reference.len(), other.len(), "{what}: logged steps");
     for (step, (a, b)) in reference.iter().zip(other).enumerate() {
-        assert!((a - b).abs() <= RTOL * a.abs(), "{what}, step {}: {a} vs {b}", step + 1);
+        assert!((a - b).abs() <= rtol * a.abs(), "{what}, step {}: {a} vs {b}", step + 1);
+    }
+}
+
+/// bf16 products (f32 accumulation and master weights) against the f32 CPU run: each
+/// product rounds its inputs to 8 significant bits, so the losses drift further apart.
+const BF16_RTOL: f32 = 5e-2;
+
+#[test]
+fn bf16_cuda_training_stays_near_the_f32_cpu_run() {
+    if no_gpu() {
+        return;
+    }
+    let (cpu_dir, gpu_dir) = (scratch("bf16-cpu"), scratch("bf16-gpu"));
+    let cpu = config(&cpu_dir, Device::Cpu, 8);
+    let gpu = TrainConfig { bf16: true, ..config(&gpu_dir, GPU, 8) };
+    train(&cpu, false).unwrap();
+    train(&gpu, false).unwrap();
+    let (cpu_losses, gpu_losses) = (losses(&cpu.out_dir), losses(&gpu.out_dir));
+    println!("f32 cpu {cpu_losses:?}\nbf16 cuda {gpu_losses:?}");
+    assert_within("bf16 cuda vs f32 cpu", &cpu_losses, &gpu_losses, BF16_RTOL);
+}
+
+#[test]
+fn resnet_with_modulators_trains_on_cuda_as_on_the_cpu() {
+    if no_gpu() {
+        return;
+    }
+    for modulator in ["pixel", "sliding-window"] {
+        let run = |device: Device| {
+            let dir = scratch(&format!("resnet-{modulator}-{}", device_name(device)));
+            let config = ImageTrainConfig {
+                modulator: modulator.into(),
+                base_width: 4,
+                data_dir: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../data")),
+                batch_size: 64,
+                epochs: 1,
+                lr: 0.05,
+                out_dir: dir.clone(),
+                device,
+                ..ImageTrainConfig::default()
+            };
+            train_image(&config, false).unwrap();
+            losses(&dir)
+        };
+        let (cpu_losses, gpu_losses) = (run(Device::Cpu), run(GPU));
+        println!("{modulator}: cpu {cpu_losses:?}\ncuda {gpu_losses:?}");
+        assert!(!cpu_losses.is_empty());
+        assert_agree(&format!("resnet-18 {modulator}, cuda vs cpu"), &cpu_losses, &gpu_losses);
+    }
+}
+
+fn device_name(device: Device) -> &'static str {
+    match device {
+        Device::Cpu => "cpu",
+        Device::Cuda(_) => "cuda",
     }
 }
 

@@ -196,3 +196,116 @@ unsafe fn product(
         Parallelism::Rayon(rayon::current_num_threads()),
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::CudaDevice;
+
+    /// Naive column-major `alpha·op(A)·op(B) + beta·C` in f64.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        (m, n, k): (usize, usize, usize),
+        alpha: f32,
+        (a, lda, ta): (&[f32], usize, bool),
+        (b, ldb, tb): (&[f32], usize, bool),
+        beta: f32,
+        c: &[f32],
+        ldc: usize,
+    ) -> Vec<f32> {
+        let at = |i: usize, l: usize| if ta { a[l + i * lda] } else { a[i + l * lda] };
+        let bt = |l: usize, j: usize| if tb { b[j + l * ldb] } else { b[l + j * ldb] };
+        let mut out = c.to_vec();
+        for j in 0..n {
+            for i in 0..m {
+                let dot: f64 = (0..k).map(|l| f64::from(at(i, l)) * f64::from(bt(l, j))).sum();
+                let old = if beta == 0.0 { 0.0 } else { f64::from(beta) * f64::from(c[i + j * ldc]) };
+                out[i + j * ldc] = (f64::from(alpha) * dot + old) as f32;
+            }
+        }
+        out
+    }
+
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        (0..len).map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 1000) as f32 / 500.0 - 1.0).collect()
+    }
+
+    #[test]
+    fn products_follow_cublas_semantics_for_every_transpose_and_stride() {
+        let dev = CudaDevice::emulated().unwrap();
+        let (m, n, k) = (5, 7, 3);
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            for (alpha, beta) in [(1.0, 0.0), (0.5, 1.0), (-2.0, 0.25)] {
+                // Leading dimensions one and two past the minimum.
+                let lda = if ta { k } else { m } + 1;
+                let ldb = if tb { n } else { k } + 2;
+                let ldc = m + 1;
+                let a = values(lda * if ta { m } else { k }, 1);
+                let b = values(ldb * if tb { k } else { n }, 2);
+                let mut c = values(ldc * n, 3);
+                if beta == 0.0 {
+                    c[0] = f32::NAN; // beta = 0 must not read C
+                }
+                let want = reference((m, n, k), alpha, (&a, lda, ta), (&b, ldb, tb), beta, &c, ldc);
+                let (ga, gb, gc) = (dev.upload(&a).unwrap(), dev.upload(&b).unwrap(), dev.upload(&c).unwrap());
+                let op = |buffer: &crate::cuda::DeviceBuffer<f32>, ld, trans| ColMajor {
+                    ptr: buffer.device_ptr(),
+                    ld,
+                    trans,
+                };
+                gemm(
+                    "test",
+                    Operands::F32,
+                    (m, n, k),
+                    alpha,
+                    (op(&ga, lda, ta), 0),
+                    (op(&gb, ldb, tb), 0),
+                    beta,
+                    (gc.device_ptr(), ldc, 0),
+                    1,
+                )
+                .unwrap();
+                let got = dev.download(&gc).unwrap();
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "{ta} {tb} {alpha} {beta} [{i}]: {g} vs {w}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_leading_dimensions_and_short_buffers_are_errors() {
+        let dev = CudaDevice::emulated().unwrap();
+        let (a, b, c) =
+            (dev.upload(&[1.0f32; 6]).unwrap(), dev.upload(&[1.0f32; 6]).unwrap(), dev.upload(&[0.0f32; 4]).unwrap());
+        let col = |buffer: &crate::cuda::DeviceBuffer<f32>, ld| ColMajor { ptr: buffer.device_ptr(), ld, trans: false };
+        // A is 2×3 with lda 1 < 2 rows.
+        let err = gemm(
+            "test",
+            Operands::F32,
+            (2, 2, 3),
+            1.0,
+            (col(&a, 1), 0),
+            (col(&b, 3), 0),
+            0.0,
+            (c.device_ptr(), 2, 0),
+            1,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("INVALID_VALUE"), "{err}");
+        // B is 3×3 but holds 6 elements.
+        let err = gemm(
+            "test",
+            Operands::F32,
+            (2, 3, 3),
+            1.0,
+            (col(&a, 2), 0),
+            (col(&b, 3), 0),
+            0.0,
+            (c.device_ptr(), 2, 0),
+            1,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("B's last element is 3 elements past the end of its f32[6]"), "{err}");
+    }
+}

@@ -85,6 +85,7 @@ struct Fiber {
     unsigned int lane, warp;
     unsigned int mask;        // the collective's mask while AtWarp
     unsigned long long seq;   // collectives this lane has completed
+    char* stack_base;         // the mapping: a guard page, then the stack
     char* stack_top;
 };
 
@@ -195,7 +196,7 @@ extern "C" void tp_emu_fiber_start() {
 // Where a faulting fiber continues (on a fresh frame of its own stack) after the handler.
 extern "C" void tp_emu_fault_landing() { abandon_fiber(); }
 
-char* stack_base(size_t i) {
+char* map_stack(size_t i) {
     while (stacks.size() <= i) {
         void* p = mmap(nullptr, STACK_BYTES + GUARD_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                        -1, 0);
@@ -307,8 +308,7 @@ struct sigaction previous_segv;
 struct sigaction previous_bus;
 
 bool in_stack_guard(const Fiber* f, unsigned long long address) {
-    const unsigned long long top = reinterpret_cast<unsigned long long>(f->stack_top);
-    const unsigned long long guard = top - STACK_BYTES - GUARD_BYTES;
+    const unsigned long long guard = reinterpret_cast<unsigned long long>(f->stack_base);
     return address >= guard && address < guard + GUARD_BYTES;
 }
 
@@ -487,7 +487,7 @@ extern "C" int tp_emu_run_block(void (*kernel)(void**), void** args, dim3 grid, 
     run.fibers.resize(n);
     run.warps.resize((n + 31) / 32);
     for (size_t i = 0; i < n; ++i) {
-        char* base = stack_base(i);
+        char* base = map_stack(i);
         if (!base) {
             snprintf(error->message, sizeof error->message, "cannot map a stack for emulated thread %zu", i);
             return error->kind = FAULT;
@@ -500,7 +500,10 @@ extern "C" int tp_emu_run_block(void (*kernel)(void**), void** args, dim3 grid, 
         f.warp = (unsigned int)(i >> 5);
         f.mask = 0;
         f.seq = 0;
-        f.stack_top = base + GUARD_BYTES + STACK_BYTES;
+        // Stack tops 132 KiB apart would all fall in one cache set; shifting each by a
+        // different multiple of 64 bytes (up to 64 KiB) spreads them over the sets.
+        f.stack_base = base;
+        f.stack_top = base + GUARD_BYTES + STACK_BYTES - (i % 1024) * 64;
         prepare(&f);
     }
     tp_emu::block_idx = block_index;
