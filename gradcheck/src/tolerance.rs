@@ -68,7 +68,7 @@ impl Dtype {
             Dtype::F32 => Table {
                 step: 1e-2,
                 gradient: Tolerance { atol: 1e-4, rtol: 1e-4 },
-                agreement: Tolerance { atol: 1e-5, rtol: 1e-4 },
+                agreement: Tolerance { atol: 3e-7, rtol: 3e-5 },
             },
         }
     }
