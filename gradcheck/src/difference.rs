@@ -13,44 +13,58 @@ use crate::Dtype;
 /// Step sizes at most (`h₀ … h₀/2⁵`, 12 function evaluations).
 const LEVELS: usize = 6;
 
-/// A numeric derivative and the estimate of its own error.
+/// A numeric derivative and the estimates of its own error.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Estimate {
     /// The derivative.
     pub value: f64,
-    /// The estimated absolute error of `value` (the extrapolation table's disagreement).
+    /// The extrapolation table's disagreement around `value` (truncation, mostly).
     pub error: f64,
+    /// A bound on the part of `value` that is the forward's rounding: the evaluations'
+    /// noise bounds carried through the differences and the extrapolation (0 for exact
+    /// forwards).
+    pub noise: f64,
 }
 
 /// `d f / d t` at `t = x`, where `f` is a forward evaluated in `dtype`: every probe point
 /// is rounded to `dtype` first and the slope divides by the step actually taken, so the
 /// rounding of `x ± h` does not bias it. The first step is the table's, relative to
 /// `max(1, |x|)`; the walk stops early once the error estimate is a tenth of the table's
-/// absolute gradient tolerance.
+/// absolute gradient tolerance. `f` is taken as exact (no noise bound).
 pub fn derivative(x: f64, dtype: Dtype, mut f: impl FnMut(f64) -> f64) -> Estimate {
+    derivative_with_noise(x, dtype, |t| (f(t), 0.0))
+}
+
+/// [`derivative`] of a forward that also returns a bound on its own rounding error at each
+/// point (`(value, noise)`), so the estimate can say how much of it may be noise.
+pub fn derivative_with_noise(x: f64, dtype: Dtype, mut f: impl FnMut(f64) -> (f64, f64)) -> Estimate {
     let table = dtype.table();
     let target = table.gradient.atol / 10.0;
+    // One central difference and the bound on its rounding part.
     let mut central = |h: f64| {
         let (up, down) = (dtype.round(x + h), dtype.round(x - h));
-        (f(up) - f(down)) / (up - down)
+        let ((f_up, noise_up), (f_down, noise_down)) = (f(up), f(down));
+        ((f_up - f_down) / (up - down), (noise_up + noise_down) / (up - down))
     };
     let mut h = table.step * x.abs().max(1.0);
     let mut previous = vec![central(h)];
-    let mut best = Estimate { value: previous[0], error: f64::INFINITY };
+    let mut best = Estimate { value: previous[0].0, error: f64::INFINITY, noise: previous[0].1 };
     for _ in 1..LEVELS {
         h /= 2.0;
         let mut row = vec![central(h)];
         let mut factor = 1.0;
         for j in 1..=previous.len() {
             factor *= 4.0;
-            let value = (factor * row[j - 1] - previous[j - 1]) / (factor - 1.0);
-            let error = (value - row[j - 1]).abs().max((value - previous[j - 1]).abs());
-            if error <= best.error {
-                best = Estimate { value, error };
+            let ((finer, finer_noise), (coarser, coarser_noise)) = (row[j - 1], previous[j - 1]);
+            let value = (factor * finer - coarser) / (factor - 1.0);
+            let noise = (factor * finer_noise + coarser_noise) / (factor - 1.0);
+            let error = (value - finer).abs().max((value - coarser).abs());
+            if error + noise <= best.error + best.noise {
+                best = Estimate { value, error, noise };
             }
-            row.push(value);
+            row.push((value, noise));
         }
-        let diverging = (row[row.len() - 1] - previous[previous.len() - 1]).abs() >= 2.0 * best.error;
+        let diverging = (row[row.len() - 1].0 - previous[previous.len() - 1].0).abs() >= 2.0 * best.error;
         if best.error <= target || diverging {
             break;
         }

@@ -18,5 +18,5 @@ pub mod oracle;
 mod tolerance;
 
 pub use compare::{assert_within, compare, Mismatch, Worst};
-pub use difference::{derivative, gradient, Estimate};
+pub use difference::{derivative, derivative_with_noise, gradient, Estimate};
 pub use tolerance::{Dtype, Table, Tolerance};
