@@ -99,7 +99,8 @@ pub fn gradcheck(
     inputs: &[Tensor],
 ) -> std::result::Result<GradcheckReport, GradcheckFailure> {
     let params = inputs.iter().map(|t| Ok(Var::parameter(t.contiguous()?))).collect::<Result<Vec<Var>>>()?;
-    let leaves: Vec<(String, Var)> = params.iter().enumerate().map(|(i, p)| (format!("input {i}"), p.clone())).collect();
+    let leaves: Vec<(String, Var)> =
+        params.iter().enumerate().map(|(i, p)| (format!("input {i}"), p.clone())).collect();
     gradcheck_leaves(&leaves, Elements::All, || f(&params))
 }
 

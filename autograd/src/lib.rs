@@ -16,6 +16,6 @@ mod profile;
 mod var;
 
 pub use gradcheck::{gradcheck, gradcheck_leaves, Elements, GradcheckFailure, GradcheckReport};
-pub use tensor::{Error, Result, Tensor};
 pub use profile::OpTime;
+pub use tensor::{Error, Result, Tensor};
 pub use var::{is_grad_enabled, no_grad, Var};

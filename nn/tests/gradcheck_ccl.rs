@@ -74,7 +74,7 @@ fn config(ablation: CclAblation, mode: CclMode) -> CclConfig {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
 
     /// One CCL layer: d/dx, d/dc and every parameter, for each ablation.
     #[test]

@@ -18,7 +18,12 @@ use tensor::{Result, Tensor};
 use transponder_tests::*;
 
 /// Asserts the check rejects `wrong` with a mismatch and passes `right`, on `inputs`.
-fn assert_rejected(what: &str, wrong: impl Fn(&[Var]) -> Result<Var>, right: impl Fn(&[Var]) -> Result<Var>, inputs: &[Tensor]) {
+fn assert_rejected(
+    what: &str,
+    wrong: impl Fn(&[Var]) -> Result<Var>,
+    right: impl Fn(&[Var]) -> Result<Var>,
+    inputs: &[Tensor],
+) {
     if let Err(failure) = gradcheck(right, inputs) {
         panic!("{what}: the correct rule failed, so the check cannot tell: {failure}");
     }

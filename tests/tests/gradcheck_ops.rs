@@ -1,5 +1,5 @@
 //! Gradient checks of every differentiable op: analytic gradients from `backward` against
-//! f64 central differences (`autograd::gradcheck`, `F32_TOLERANCE`) on random shapes,
+//! extrapolated central differences (`autograd::gradcheck`, the toolkit's f32 row) on random shapes,
 //! broadcasting pairs and non-contiguous views. Input domains stay off kinks, ties and
 //! near-zero denominators (see `transponder_tests` docs), so a failure points at the op.
 //!
@@ -616,7 +616,6 @@ fn gradcheck_catches_a_wrong_backward() {
     assert!(failure.to_string().contains("analytic"), "{failure}");
     // And a backward that drops its input is reported as a missing gradient.
     let cut = |v: &[Var]| v[0].detach().exp();
-    let failure = autograd::gradcheck(cut, &[seeded(&[2], 0.5, 2.0, 1)])
-        .expect_err("a cut graph must fail the check");
+    let failure = autograd::gradcheck(cut, &[seeded(&[2], 0.5, 2.0, 1)]).expect_err("a cut graph must fail the check");
     assert!(failure.to_string().contains("no gradient"), "{failure}");
 }

@@ -75,7 +75,9 @@ impl Closest {
     /// Asserts `got` agrees with `want` and remembers the comparison if it is the closest call.
     fn check(&mut self, what: String, got: impl IntoIterator<Item = f64>, want: Vec<f64>, tolerance: Tolerance) {
         match compare(&what, got, want, tolerance) {
-            Ok(worst) if worst.ratio >= self.ratio => *self = Closest { ratio: worst.ratio, what: format!("{what} element {}", worst.index) },
+            Ok(worst) if worst.ratio >= self.ratio => {
+                *self = Closest { ratio: worst.ratio, what: format!("{what} element {}", worst.index) }
+            }
             Ok(_) => {}
             Err(mismatch) => panic!("{mismatch}"),
         }
@@ -95,7 +97,13 @@ fn check_variant(fixture: &Fixture, variant: &str) {
     let params = model.named_parameters();
     let prefix = format!("{variant}/param/");
     let stored: Vec<&str> = fixture.tensors.names().into_iter().filter_map(|n| n.strip_prefix(&prefix)).collect();
-    assert_eq!(stored.len(), params.len(), "{variant}: {} weights in the fixture, {} in the engine", stored.len(), params.len());
+    assert_eq!(
+        stored.len(),
+        params.len(),
+        "{variant}: {} weights in the fixture, {} in the engine",
+        stored.len(),
+        params.len()
+    );
     for p in &params {
         let (values, shape) = fixture.values(&format!("{prefix}{}", p.name));
         assert_eq!(shape, p.var.shape(), "{variant}: shape of {}", p.name);
@@ -145,7 +153,8 @@ fn check_variant(fixture: &Fixture, variant: &str) {
 }
 
 fn with_fixture(check: impl FnOnce(&Fixture)) {
-    let bytes = std::fs::read(FIXTURE).unwrap_or_else(|e| panic!("{FIXTURE}: {e} (regenerate: tests/fixtures/parity.py)"));
+    let bytes =
+        std::fs::read(FIXTURE).unwrap_or_else(|e| panic!("{FIXTURE}: {e} (regenerate: tests/fixtures/parity.py)"));
     let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
     let metadata = header.metadata().clone().unwrap_or_default();
     let tensors = SafeTensors::deserialize(&bytes).unwrap();

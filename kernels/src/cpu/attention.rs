@@ -679,7 +679,8 @@ mod tests {
                 &mut dv,
                 false,
             );
-            let (q64, k64, v64, probe64) = (oracle::widen(&q), oracle::widen(&k), oracle::widen(&v), oracle::widen(&probe));
+            let (q64, k64, v64, probe64) =
+                (oracle::widen(&q), oracle::widen(&k), oracle::widen(&v), oracle::widen(&probe));
             let tol = Dtype::F64.table().gradient;
             let numeric = gradient(&q64, Dtype::F64, |q| c.loss_f64(q, &k64, &v64, &probe64));
             assert_within(&format!("dq of {c:?}"), oracle::widen(&dq), numeric, tol);

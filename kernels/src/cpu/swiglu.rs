@@ -265,7 +265,7 @@ mod tests {
 
     #[test]
     fn backward_matches_finite_differences() {
-        // 61 points: the SIMD body and the scalar tail, against f64 central differences.
+        // 61 points: the SIMD body and the scalar tail, against the toolkit's differences.
         let gate: Vec<f32> = (-30..=30).map(|i| i as f32 * 0.25 + 0.013).collect();
         let up: Vec<f32> = (-30..=30).map(|i| 1.5 - i as f32 * 0.05).collect();
         let (mut dgate, mut dup) = (vec![0.0; gate.len()], vec![0.0; gate.len()]);
