@@ -12,8 +12,10 @@
 
 mod gradcheck;
 pub mod ops;
+mod profile;
 mod var;
 
-pub use gradcheck::{gradcheck, GradcheckFailure, GradcheckReport, Tolerance, F32_TOLERANCE};
+pub use gradcheck::{gradcheck, gradcheck_leaves, Elements, GradcheckFailure, GradcheckReport};
+pub use profile::OpTime;
 pub use tensor::{Error, Result, Tensor};
 pub use var::{is_grad_enabled, no_grad, Var};

@@ -1,4 +1,5 @@
-//! The graph node (`Var`), the backward walk, and the `no_grad` scope.
+//! The graph node (`Var`), the backward walk, and the `no_grad` scope: the tape. Op timing
+//! lives in `profile.rs`; the walk only reports to it.
 
 use std::cell::{Cell, Ref, RefCell};
 use std::collections::{HashMap, HashSet};
@@ -7,6 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use tensor::{Error, Result, Tensor};
+
+use crate::profile::{op_name, profile_backward, profile_forward, profiling};
 
 /// Maps the gradient of an op's output to one gradient per input, in input order.
 type BackwardFn = Box<dyn Fn(&Tensor) -> Result<Vec<Tensor>>>;
@@ -17,72 +20,6 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
-    static PROFILE: RefCell<Option<Profile>> = const { RefCell::new(None) };
-}
-
-/// Wall time per op while profiling is on (see [`Var::profile_start`]): forward time is the
-/// time since the previous graph event on this thread (so it includes the glue between ops),
-/// backward time is the op's backward rule plus the accumulation of its input gradients.
-struct Profile {
-    mark: Instant,
-    ops: Vec<OpTime>,
-}
-
-/// One row of [`Var::profile_stop`]: `(op, forward seconds, backward seconds, calls)`.
-pub type OpTime = (&'static str, f64, f64, usize);
-
-impl Profile {
-    fn row(&mut self, op: &'static str) -> &mut OpTime {
-        let i = match self.ops.iter().position(|r| r.0 == op) {
-            Some(i) => i,
-            None => {
-                self.ops.push((op, 0.0, 0.0, 0));
-                self.ops.len() - 1
-            }
-        };
-        &mut self.ops[i]
-    }
-}
-
-/// Records `op` in the profile (when on): forward time since the last event.
-fn profile_forward(op: &'static str) {
-    PROFILE.with(|p| {
-        if let Some(p) = p.borrow_mut().as_mut() {
-            let now = Instant::now();
-            let elapsed = (now - p.mark).as_secs_f64();
-            p.mark = now;
-            let row = p.row(op);
-            row.1 += elapsed;
-            row.3 += 1;
-        }
-    })
-}
-
-/// Adds backward time since `start` to `op` (when profiling); returns the time now.
-fn profile_backward(op: &'static str, start: Option<Instant>) -> Option<Instant> {
-    let start = start?;
-    PROFILE.with(|p| {
-        let mut p = p.borrow_mut();
-        let p = p.as_mut()?;
-        let now = Instant::now();
-        p.row(op).2 += (now - start).as_secs_f64();
-        p.mark = now;
-        Some(now)
-    })
-}
-
-fn profiling() -> bool {
-    PROFILE.with(|p| p.borrow().is_some())
-}
-
-/// The op's name from its backward closure's type, e.g.
-/// `autograd::ops::matmul::<impl autograd::var::Var>::matmul::{{closure}}` → `matmul`.
-fn op_name<F>() -> &'static str {
-    let mut name = std::any::type_name::<F>();
-    while let Some(stripped) = name.strip_suffix("::{{closure}}") {
-        name = stripped;
-    }
-    name.rsplit("::").next().unwrap_or(name)
 }
 
 /// A tensor in the autograd graph. Cloning is cheap and shares the node.
@@ -172,28 +109,6 @@ impl Var {
             backward: Some(Box::new(backward)),
             op,
         }))
-    }
-
-    /// Starts (or restarts) timing every op on this thread; see [`Var::profile_stop`].
-    pub fn profile_start() {
-        PROFILE.with(|p| *p.borrow_mut() = Some(Profile { mark: Instant::now(), ops: Vec::new() }));
-    }
-
-    /// Starts the next forward interval now (call before a forward pass, so time spent
-    /// outside the graph, e.g. in the optimizer, is not charged to its first op).
-    pub fn profile_mark() {
-        PROFILE.with(|p| {
-            if let Some(p) = p.borrow_mut().as_mut() {
-                p.mark = Instant::now();
-            }
-        })
-    }
-
-    /// Stops timing and returns `(op, forward s, backward s, calls)` per op, slowest first.
-    pub fn profile_stop() -> Vec<OpTime> {
-        let mut ops = PROFILE.with(|p| p.borrow_mut().take()).map(|p| p.ops).unwrap_or_default();
-        ops.sort_by(|a, b| (b.1 + b.2).total_cmp(&(a.1 + a.2)));
-        ops
     }
 
     /// Unique id of this node (parameters are looked up by it).

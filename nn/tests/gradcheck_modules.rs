@@ -5,7 +5,7 @@
 //!
 //! Module parameters live inside the modules, so [`check_module`] perturbs them in place:
 //! `L = Σ wᵢ·yᵢ` with fixed random weights, back-propagated once, against f64 central
-//! differences with [`F32_TOLERANCE`] on a random sample of elements of every parameter
+//! differences (`autograd::gradcheck_leaves`) on a random sample of elements of every parameter
 //! and of the input.
 
 mod common;

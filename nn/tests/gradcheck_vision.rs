@@ -9,7 +9,7 @@
 
 mod common;
 
-use autograd::{gradcheck, Result, Var, F32_TOLERANCE};
+use autograd::{gradcheck, Result, Var};
 use common::{check_module, randomise};
 use nn::modulator::Phi;
 use nn::vision::{Conv2d, GateRange, PixelBatchNorm2d, SlidingWindowConv2d};
@@ -24,7 +24,7 @@ fn random(shape: &[usize], rng: &mut Rng) -> Tensor {
 }
 
 fn assert_gradcheck(what: &str, f: impl Fn(&[Var]) -> Result<Var>, inputs: &[Tensor]) {
-    if let Err(e) = gradcheck(f, inputs, F32_TOLERANCE) {
+    if let Err(e) = gradcheck(f, inputs) {
         panic!("{what}: {e}");
     }
 }

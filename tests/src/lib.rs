@@ -9,12 +9,13 @@
 //!   meets a tie within a finite-difference step;
 //! - [`distinct`]: a shuffled lattice, so `max_axis` has a unique winner.
 //!
-//! Gradient checks go through [`assert_gradcheck`] (f64 central differences,
-//! [`F32_TOLERANCE`]); forward checks through [`assert_close`] against f64 references.
+//! Gradient checks go through [`assert_gradcheck`] (`autograd::gradcheck`: the toolkit's
+//! extrapolated central differences, its f32 tolerance row); forward checks through
+//! [`assert_close`] against f64 references.
 
 use std::ops::RangeInclusive;
 
-use autograd::{gradcheck, GradcheckReport, Var, F32_TOLERANCE};
+use autograd::{gradcheck, GradcheckReport, Var};
 use proptest::prelude::*;
 use tensor::{Result, Tensor};
 
@@ -314,11 +315,10 @@ pub fn strided_var(x: &Var, shape: &[usize]) -> Result<Var> {
 // ---------------------------------------------------------------------------------------
 // Assertions.
 
-/// Checks the gradients of `f` at `inputs` against f64 central differences with
-/// [`F32_TOLERANCE`], panicking with the failure (which input, which element, analytic vs
-/// numeric) and the input shapes.
+/// Checks the gradients of `f` at `inputs` with [`autograd::gradcheck`], panicking with the
+/// failure (which input, which element, analytic vs numeric) and the input shapes.
 pub fn assert_gradcheck(f: impl Fn(&[Var]) -> Result<Var>, inputs: &[Tensor]) -> GradcheckReport {
-    match gradcheck(f, inputs, F32_TOLERANCE) {
+    match gradcheck(f, inputs) {
         Ok(report) => report,
         Err(failure) => {
             let shapes: Vec<&[usize]> = inputs.iter().map(Tensor::shape).collect();

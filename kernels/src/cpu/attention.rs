@@ -547,12 +547,14 @@ fn transposed(data: &[f32], cols: usize) -> TileA<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gradcheck::oracle::{self, AttentionShape};
+    use gradcheck::{assert_within, gradient, Dtype};
 
     fn values(len: usize, seed: usize) -> Vec<f32> {
         (0..len).map(|i| (((i * 37 + seed * 101) % 61) as f32 / 61.0 - 0.5) * 2.0).collect()
     }
 
-    #[derive(Clone, Copy)]
+    #[derive(Clone, Copy, Debug)]
     struct Case {
         batch: usize,
         q_seq: usize,
@@ -580,35 +582,11 @@ mod tests {
             (out, lse)
         }
 
-        /// Σ probe ⊙ attention(q, k, v), everything in f64, for finite differences.
-        fn loss_f64(&self, q: &[f64], k: &[f64], v: &[f64], probe: &[f32]) -> f64 {
+        /// Σ probe ⊙ attention(q, k, v) from the toolkit's f64 oracle.
+        fn loss_f64(&self, q: &[f64], k: &[f64], v: &[f64], probe: &[f64]) -> f64 {
             let Case { batch, q_seq, kv_seq, heads, head_dim } = *self;
-            let (scale, offset) = (self.scale() as f64, kv_seq - q_seq);
-            let q_at = |b: usize, i: usize, h: usize| ((b * q_seq + i) * heads + h) * head_dim;
-            let kv_at = |b: usize, s: usize, h: usize| ((b * kv_seq + s) * heads + h) * head_dim;
-            let mut total = 0.0;
-            for b in 0..batch {
-                for h in 0..heads {
-                    for i in 0..q_seq {
-                        let scores: Vec<f64> = (0..=i + offset)
-                            .map(|s| {
-                                scale * (0..head_dim).map(|x| q[q_at(b, i, h) + x] * k[kv_at(b, s, h) + x]).sum::<f64>()
-                            })
-                            .collect();
-                        let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                        let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
-                        for x in 0..head_dim {
-                            let o: f64 = scores
-                                .iter()
-                                .enumerate()
-                                .map(|(s, sc)| (sc - max).exp() / sum * v[kv_at(b, s, h) + x])
-                                .sum();
-                            total += o * probe[q_at(b, i, h) + x] as f64;
-                        }
-                    }
-                }
-            }
-            total
+            let shape = AttentionShape { batch, q_seq, kv_seq, heads, head_dim };
+            oracle::dot(&oracle::causal_attention(q, k, v, shape, self.scale() as f64), probe)
         }
     }
 
@@ -701,20 +679,15 @@ mod tests {
                 &mut dv,
                 false,
             );
-            let f64s = |x: &[f32]| x.iter().map(|&a| a as f64).collect::<Vec<f64>>();
-            let inputs = [f64s(&q), f64s(&k), f64s(&v)];
-            let h = 1e-6;
-            for (which, grad) in [&dq, &dk, &dv].into_iter().enumerate() {
-                for j in 0..grad.len() {
-                    let (mut plus, mut minus) = (inputs.clone(), inputs.clone());
-                    plus[which][j] += h;
-                    minus[which][j] -= h;
-                    let fd = (c.loss_f64(&plus[0], &plus[1], &plus[2], &probe)
-                        - c.loss_f64(&minus[0], &minus[1], &minus[2], &probe))
-                        / (2.0 * h);
-                    assert!((grad[j] as f64 - fd).abs() < 1e-4, "input {which}[{j}]: {} vs {fd}", grad[j]);
-                }
-            }
+            let (q64, k64, v64, probe64) =
+                (oracle::widen(&q), oracle::widen(&k), oracle::widen(&v), oracle::widen(&probe));
+            let tol = Dtype::F64.table().gradient;
+            let numeric = gradient(&q64, Dtype::F64, |q| c.loss_f64(q, &k64, &v64, &probe64));
+            assert_within(&format!("dq of {c:?}"), oracle::widen(&dq), numeric, tol);
+            let numeric = gradient(&k64, Dtype::F64, |k| c.loss_f64(&q64, k, &v64, &probe64));
+            assert_within(&format!("dk of {c:?}"), oracle::widen(&dk), numeric, tol);
+            let numeric = gradient(&v64, Dtype::F64, |v| c.loss_f64(&q64, &k64, v, &probe64));
+            assert_within(&format!("dv of {c:?}"), oracle::widen(&dv), numeric, tol);
         }
     }
 

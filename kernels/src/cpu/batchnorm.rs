@@ -221,6 +221,7 @@ fn scale_and_shift(x: &[f32], channels: usize, spatial: usize, scale: &[f32], sh
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gradcheck::{assert_within, gradient, Dtype};
     use proptest::prelude::*;
 
     /// One random problem: `x` and `dy` are `[n, c, s]`, the rest `[c]`.
@@ -295,21 +296,11 @@ mod tests {
         }
     }
 
-    /// Central differences of `loss` with respect to every entry of `param`.
-    fn finite_difference(param: &[f64], loss: impl Fn(&[f64]) -> f64) -> Vec<f64> {
-        let h = 1e-5;
-        let mut p = param.to_vec();
-        (0..p.len())
-            .map(|i| {
-                let orig = p[i];
-                p[i] = orig + h;
-                let up = loss(&p);
-                p[i] = orig - h;
-                let down = loss(&p);
-                p[i] = orig;
-                (up - down) / (2.0 * h)
-            })
-            .collect()
+    /// A gradient (minus its starting value) against the toolkit's differences of `loss`.
+    fn check_gradient(what: &str, grad: &[f32], start: f32, param: &[f64], loss: impl FnMut(&[f64]) -> f64) {
+        let numeric = gradient(param, Dtype::F64, loss);
+        let analytic = grad.iter().map(|&d| f64::from(d) - f64::from(start));
+        assert_within(what, analytic, numeric, Dtype::F64.table().gradient);
     }
 
     /// Runs the training forward pass; returns (y, mean, rstd) and updates the running stats.
@@ -350,10 +341,9 @@ mod tests {
             let y = train_reference(x, case.dims, w, b, f64::from(eps));
             y.iter().zip(&dy64).map(|(p, q)| p * q).sum()
         };
-        let shifted = |v: &[f32]| v.iter().map(|a| a - start).collect::<Vec<f32>>();
-        close(&shifted(&dx), &finite_difference(&x64, |p| loss(p, &w64, &b64)), 1e-3);
-        close(&shifted(&dw), &finite_difference(&w64, |p| loss(&x64, p, &b64)), 1e-3);
-        close(&shifted(&db), &finite_difference(&b64, |p| loss(&x64, &w64, p)), 1e-3);
+        check_gradient("batch_norm dx", &dx, start, &x64, |p| loss(p, &w64, &b64));
+        check_gradient("batch_norm dweight", &dw, start, &w64, |p| loss(&x64, p, &b64));
+        check_gradient("batch_norm dbias", &db, start, &b64, |p| loss(&x64, &w64, p));
     }
 
     #[test]

@@ -383,6 +383,7 @@ fn direct_f64(g: &Conv2dGeometry, x: &[f64], w: &[f64], bias: Option<&[f64]>) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gradcheck::{assert_within, gradient, Dtype};
     use proptest::prelude::*;
 
     /// Small geometries, always with at least one output position.
@@ -424,21 +425,12 @@ mod tests {
         }
     }
 
-    /// Central differences of `L = Σ r·direct_f64(x, w, bias)` with respect to `param`.
-    fn finite_difference(param: &[f32], loss: impl Fn(&[f64]) -> f64) -> Vec<f64> {
-        let h = 1e-3;
-        let mut p: Vec<f64> = param.iter().map(|&v| f64::from(v)).collect();
-        (0..p.len())
-            .map(|i| {
-                let orig = p[i];
-                p[i] = orig + h;
-                let up = loss(&p);
-                p[i] = orig - h;
-                let down = loss(&p);
-                p[i] = orig;
-                (up - down) / (2.0 * h)
-            })
-            .collect()
+    /// A gradient (minus its starting value) against the toolkit's differences of `loss`
+    /// (`L = Σ r·direct_f64(x, w, bias)`) with respect to `param`.
+    fn check_gradient(what: &str, grad: &[f32], start: f32, param: &[f32], loss: impl FnMut(&[f64]) -> f64) {
+        let numeric = gradient(&widen(param), Dtype::F64, loss);
+        let analytic = grad.iter().map(|&d| f64::from(d) - f64::from(start));
+        assert_within(what, analytic, numeric, Dtype::F64.table().gradient);
     }
 
     fn widen(v: &[f32]) -> Vec<f64> {
@@ -548,14 +540,10 @@ mod tests {
             let mut dw = vec![start; w.len()];
             let mut dbias = vec![start; bias.len()];
             conv2d_backward(&g, &x, &w, &r, Some(&mut dx), Some(&mut dw), Some(&mut dbias));
-            let sub = |v: &[f32]| v.iter().map(|a| a - start).collect::<Vec<f32>>();
             let (r64, x64, w64, b64) = (widen(&r), widen(&x), widen(&w), widen(&bias));
-            let want_dx = finite_difference(&x, |p| dot(&r64, &direct_f64(&g, p, &w64, Some(&b64))));
-            let want_dw = finite_difference(&w, |p| dot(&r64, &direct_f64(&g, &x64, p, Some(&b64))));
-            let want_db = finite_difference(&bias, |p| dot(&r64, &direct_f64(&g, &x64, &w64, Some(p))));
-            close(&sub(&dx), &want_dx, 1e-4);
-            close(&sub(&dw), &want_dw, 1e-4);
-            close(&sub(&dbias), &want_db, 1e-4);
+            check_gradient("conv dx", &dx, start, &x, |p| dot(&r64, &direct_f64(&g, p, &w64, Some(&b64))));
+            check_gradient("conv dw", &dw, start, &w, |p| dot(&r64, &direct_f64(&g, &x64, p, Some(&b64))));
+            check_gradient("conv dbias", &dbias, start, &bias, |p| dot(&r64, &direct_f64(&g, &x64, &w64, Some(p))));
 
             // Each gradient alone gives the same result as all three together.
             let mut dw_alone = vec![start; w.len()];

@@ -304,6 +304,7 @@ fn add_into(acc: &mut [f32], v: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gradcheck::{assert_within, gradient, oracle, Dtype};
     use proptest::prelude::*;
 
     fn values(len: usize, seed: usize) -> Vec<f32> {
@@ -312,21 +313,6 @@ mod tests {
 
     fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
         a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol * (1.0 + y.abs()))
-    }
-
-    /// Σ w·y over all rows in f64, for finite differences; `layer` picks the norm.
-    fn loss_f64(x: &[f64], w: &[f64], b: &[f64], cols: usize, eps: f64, probe: &[f32], layer: bool) -> f64 {
-        let mut total = 0.0;
-        for (r, row) in x.chunks(cols).enumerate() {
-            let mean = if layer { row.iter().sum::<f64>() / cols as f64 } else { 0.0 };
-            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / cols as f64;
-            let rs = 1.0 / (var + eps).sqrt();
-            for j in 0..cols {
-                let y = (row[j] - mean) * rs * w[j] + if layer { b[j] } else { 0.0 };
-                total += y * probe[r * cols + j] as f64;
-            }
-        }
-        total
     }
 
     proptest! {
@@ -364,25 +350,21 @@ mod tests {
             rms_norm_backward(&x, &w, &rstd, &dy, cols, &mut dx_plus_one, &mut vec![0.0; cols], true);
             assert!(dx.iter().zip(&dx_plus_one).all(|(a, b)| a + 1.0 == *b), "accumulating dx differs");
         }
-        let f64s = |v: &[f32]| v.iter().map(|&a| a as f64).collect::<Vec<f64>>();
-        let (x64, w64, b64) = (f64s(&x), f64s(&w), f64s(&b));
-        let h = 1e-6;
-        let fd = |which: usize, j: usize| {
-            let mut p = [x64.clone(), w64.clone(), b64.clone()];
-            let mut m = p.clone();
-            p[which][j] += h;
-            m[which][j] -= h;
-            let plus = loss_f64(&p[0], &p[1], &p[2], cols, eps as f64, &dy, layer);
-            let minus = loss_f64(&m[0], &m[1], &m[2], cols, eps as f64, &dy, layer);
-            (plus - minus) / (2.0 * h)
+        let (x64, w64, b64, dy64) = (oracle::widen(&x), oracle::widen(&w), oracle::widen(&b), oracle::widen(&dy));
+        let loss = |x: &[f64], w: &[f64], b: &[f64]| {
+            let eps = f64::from(eps);
+            let y = if layer { oracle::layer_norm(x, w, b, cols, eps) } else { oracle::rms_norm(x, w, cols, eps) };
+            oracle::dot(&y, &dy64)
         };
-        let ok = |got: f32, want: f64| (got as f64 - want).abs() < 2e-3 * (1.0 + want.abs());
-        for (j, &g) in dx.iter().enumerate() {
-            assert!(ok(g, fd(0, j)), "dx[{j}] = {g} vs {}", fd(0, j));
-        }
-        for j in 0..cols {
-            assert!(ok(dw[j], fd(1, j)), "dw[{j}] = {} vs {}", dw[j], fd(1, j));
-            assert!(!layer || ok(db[j], fd(2, j)), "db[{j}] = {} vs {}", db[j], fd(2, j));
+        let name = if layer { "layer_norm" } else { "rms_norm" };
+        let tol = Dtype::F64.table().gradient;
+        let numeric_dx = gradient(&x64, Dtype::F64, |x| loss(x, &w64, &b64));
+        assert_within(&format!("{name} dx ({rows}×{cols})"), oracle::widen(&dx), numeric_dx, tol);
+        let numeric_dw = gradient(&w64, Dtype::F64, |w| loss(&x64, w, &b64));
+        assert_within(&format!("{name} dw ({rows}×{cols})"), oracle::widen(&dw), numeric_dw, tol);
+        if layer {
+            let numeric_db = gradient(&b64, Dtype::F64, |b| loss(&x64, &w64, b));
+            assert_within(&format!("{name} db ({rows}×{cols})"), oracle::widen(&db), numeric_db, tol);
         }
     }
 

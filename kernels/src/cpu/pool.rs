@@ -151,6 +151,7 @@ pub fn global_avg_pool_backward(dy: &[f32], batch: usize, channels: usize, spati
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gradcheck::{assert_within, gradient, oracle, Dtype};
     use proptest::prelude::*;
 
     /// (batch, channels, height, width, kernel, stride, padding), with a valid window.
@@ -211,25 +212,11 @@ mod tests {
         }
     }
 
-    /// Central differences of `loss` with respect to every entry of `param`.
-    fn finite_difference(param: &[f32], loss: impl Fn(&[f64]) -> f64) -> Vec<f64> {
-        let h = 1e-3;
-        let mut p = widen(param);
-        (0..p.len())
-            .map(|i| {
-                let orig = p[i];
-                p[i] = orig + h;
-                let up = loss(&p);
-                p[i] = orig - h;
-                let down = loss(&p);
-                p[i] = orig;
-                (up - down) / (2.0 * h)
-            })
-            .collect()
-    }
-
-    fn dot(a: &[f64], b: &[f64]) -> f64 {
-        a.iter().zip(b).map(|(p, q)| p * q).sum()
+    /// `dx` (minus its starting value) against the toolkit's differences of `loss` at `x`.
+    fn check_gradient(what: &str, dx: &[f32], start: f32, x: &[f32], loss: impl FnMut(&[f64]) -> f64) {
+        let numeric = gradient(&widen(x), Dtype::F64, loss);
+        let analytic = dx.iter().map(|&d| f64::from(d) - f64::from(start));
+        assert_within(what, analytic, numeric, Dtype::F64.table().gradient);
     }
 
     #[test]
@@ -296,8 +283,7 @@ mod tests {
             let mut dx = vec![start; x.len()];
             max_pool2d_backward(&argmax, &r, n, c, h, w, oh, ow, &mut dx);
             let r64 = widen(&r);
-            let want = finite_difference(&x, |x| dot(&r64, &max_pool_reference(x, g).0));
-            close(&dx.iter().map(|d| d - start).collect::<Vec<_>>(), &want, 1e-5);
+            check_gradient("d max_pool", &dx, start, &x, |x| oracle::dot(&r64, &max_pool_reference(x, g).0));
         }
 
         #[test]
@@ -317,8 +303,7 @@ mod tests {
             let mut dx = vec![0.5; x.len()];
             global_avg_pool_backward(&r, n, c, s, &mut dx);
             let r64 = widen(&r);
-            let want = finite_difference(&x, |x| dot(&r64, &mean(x)));
-            close(&dx.iter().map(|d| d - 0.5).collect::<Vec<_>>(), &want, 1e-5);
+            check_gradient("d global_avg_pool", &dx, 0.5, &x, |x| oracle::dot(&r64, &mean(x)));
         }
     }
 }

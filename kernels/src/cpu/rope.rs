@@ -177,6 +177,7 @@ fn rotate_head(x: &[f32], cos: &[f32], sin: &[f32], sign: f32, accumulate: bool,
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gradcheck::{assert_within, gradient, oracle, Dtype};
     use proptest::prelude::*;
 
     fn values(len: usize, seed: usize) -> Vec<f32> {
@@ -228,18 +229,11 @@ mod tests {
         let probe = values(x.len(), 3);
         let mut dx = vec![0.0; x.len()];
         rope_backward(&probe, &cos, &sin, batch, seq, heads, head_dim, offset, &mut dx, true);
-        // L = Σ probe ⊙ R x is linear in x, so the f64 difference is exact up to rounding.
-        let loss = |x: &[f32]| -> f64 {
-            let y = rope_reference(x, &cos, &sin, seq, heads, head_dim, offset);
-            y.iter().zip(&probe).map(|(&a, &b)| a as f64 * b as f64).sum()
-        };
-        for j in 0..x.len() {
-            let (mut xp, mut xm) = (x.clone(), x.clone());
-            xp[j] += 0.5;
-            xm[j] -= 0.5;
-            let fd = loss(&xp) - loss(&xm);
-            assert!((dx[j] as f64 - fd).abs() < 1e-5, "{j}: {} vs {fd}", dx[j]);
-        }
+        // L = Σ probe ⊙ R x with the rotation applied in f64 from the f32 table.
+        let (cos64, sin64, probe64) = (oracle::widen(&cos), oracle::widen(&sin), oracle::widen(&probe));
+        let loss = |x: &[f64]| oracle::dot(&oracle::rope(x, &cos64, &sin64, seq, heads, head_dim, offset), &probe64);
+        let numeric = gradient(&oracle::widen(&x), Dtype::F64, loss);
+        assert_within("d rope", oracle::widen(&dx), numeric, Dtype::F64.table().gradient);
     }
 
     #[test]

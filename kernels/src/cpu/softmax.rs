@@ -160,13 +160,8 @@ fn check(input: usize, output: usize, cols: usize, what: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gradcheck::{assert_within, gradient, oracle, Dtype};
     use proptest::prelude::*;
-
-    fn softmax_f64(x: &[f64]) -> Vec<f64> {
-        let max = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let total: f64 = x.iter().map(|v| (v - max).exp()).sum();
-        x.iter().map(|v| (v - max).exp() / total).collect()
-    }
 
     fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
         a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol * (1.0 + y.abs()))
@@ -212,9 +207,10 @@ mod tests {
         let cols = 11;
         let x = row_values(cols, 3);
         let dy = row_values(cols, 9);
+        let dy64 = oracle::widen(&dy);
         let loss = |x: &[f64], log: bool| -> f64 {
-            let s = softmax_f64(x);
-            s.iter().zip(&dy).map(|(p, &w)| if log { p.ln() } else { *p } * w as f64).sum()
+            let y = if log { oracle::log_softmax(x, cols) } else { oracle::softmax(x, cols) };
+            oracle::dot(&y, &dy64)
         };
         for log in [false, true] {
             let mut y = vec![0.0; cols];
@@ -226,15 +222,9 @@ mod tests {
                 softmax_forward(&x, cols, &mut y);
                 softmax_backward(&y, &dy, cols, &mut dx);
             }
-            let h = 1e-6;
-            for j in 0..cols {
-                let mut xp: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-                let mut xm = xp.clone();
-                xp[j] += h;
-                xm[j] -= h;
-                let fd = (loss(&xp, log) - loss(&xm, log)) / (2.0 * h);
-                assert!((dx[j] as f64 - fd).abs() < 1e-4 * (1.0 + fd.abs()), "{log} {j}: {} vs {fd}", dx[j]);
-            }
+            let numeric = gradient(&oracle::widen(&x), Dtype::F64, |x| loss(x, log));
+            let what = if log { "d log_softmax" } else { "d softmax" };
+            assert_within(what, oracle::widen(&dx), numeric, Dtype::F64.table().gradient);
         }
     }
 

@@ -177,6 +177,7 @@ pub fn swiglu_derivative_reference(g: f32, u: f32) -> (f32, f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gradcheck::{assert_within, gradient, oracle, Dtype};
     use proptest::prelude::*;
 
     /// `(y, ∂y/∂g, ∂y/∂u)` in f64.
@@ -264,20 +265,18 @@ mod tests {
 
     #[test]
     fn backward_matches_finite_differences() {
-        // 61 points: the SIMD body and the scalar tail, against f64 central differences.
+        // 61 points: the SIMD body and the scalar tail, against the toolkit's differences.
         let gate: Vec<f32> = (-30..=30).map(|i| i as f32 * 0.25 + 0.013).collect();
         let up: Vec<f32> = (-30..=30).map(|i| 1.5 - i as f32 * 0.05).collect();
         let (mut dgate, mut dup) = (vec![0.0; gate.len()], vec![0.0; gate.len()]);
         swiglu_backward(&gate, &up, &vec![1.0; gate.len()], &mut dgate, &mut dup, false);
-        let h = 1e-5;
-        let y = |g: f64, u: f64| g / (1.0 + (-g).exp()) * u;
-        for i in 0..gate.len() {
-            let (g, u) = (gate[i] as f64, up[i] as f64);
-            let fd_g = (y(g + h, u) - y(g - h, u)) / (2.0 * h);
-            let fd_u = (y(g, u + h) - y(g, u - h)) / (2.0 * h);
-            assert!(close(dgate[i], fd_g, 1e-4), "d/dg at ({g}, {u}) = {}, fd {fd_g}", dgate[i]);
-            assert!(close(dup[i], fd_u, 1e-4), "d/du at ({g}, {u}) = {}, fd {fd_u}", dup[i]);
-        }
+        // The loss Σ swiglu(g, u) (dout = 1 everywhere) from the toolkit's f64 oracle.
+        let (g64, u64) = (oracle::widen(&gate), oracle::widen(&up));
+        let tol = Dtype::F64.table().gradient;
+        let numeric = gradient(&g64, Dtype::F64, |g| oracle::swiglu(g, &u64).iter().sum());
+        assert_within("d swiglu / d gate", oracle::widen(&dgate), numeric, tol);
+        let numeric = gradient(&u64, Dtype::F64, |u| oracle::swiglu(&g64, u).iter().sum());
+        assert_within("d swiglu / d up", oracle::widen(&dup), numeric, tol);
     }
 
     #[test]

@@ -418,6 +418,7 @@ fn gelu_tanh_derivative8(x: f32x8) -> f32x8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gradcheck::{assert_within, compare, derivative, oracle, Dtype};
     use proptest::prelude::*;
 
     const ALL: [Unary; 14] = [
@@ -445,35 +446,8 @@ mod tests {
         }
     }
 
-    /// erfc in f64 to ~1e-13 relative: Taylor series of erf near 0, Lentz continued
-    /// fraction beyond.
-    fn erfc_f64(x: f64) -> f64 {
-        let a = x.abs();
-        let tail = if a < 3.0 {
-            let (mut term, mut sum, mut n) = (a, a, 0.0);
-            while term.abs() > 1e-17 {
-                n += 1.0;
-                term *= -a * a / n;
-                sum += term / (2.0 * n + 1.0);
-            }
-            1.0 - sum * f64c::FRAC_2_SQRT_PI
-        } else {
-            let mut fraction = a;
-            for k in (1..=60).rev() {
-                fraction = a + (k as f64 / 2.0) / fraction;
-            }
-            (-a * a).exp() / (fraction * f64c::PI.sqrt())
-        };
-        if x >= 0.0 {
-            tail
-        } else {
-            2.0 - tail
-        }
-    }
-
-    /// f(x) in f64, for finite differences.
+    /// f(x) in f64 from the toolkit's oracles, for finite differences.
     fn f64_reference(op: Unary, x: f64) -> f64 {
-        let sigmoid = |v: f64| 1.0 / (1.0 + (-v).exp());
         match op {
             Unary::Neg => -x,
             Unary::Exp => x.exp(),
@@ -481,18 +455,26 @@ mod tests {
             Unary::Sqrt => x.sqrt(),
             Unary::Rsqrt => 1.0 / x.sqrt(),
             Unary::Abs => x.abs(),
-            Unary::Sigmoid => sigmoid(x),
+            Unary::Sigmoid => oracle::sigmoid(x),
             Unary::Tanh => x.tanh(),
             Unary::Relu => x.max(0.0),
-            Unary::Silu => x * sigmoid(x),
-            Unary::Gelu => 0.5 * x * erfc_f64(-x * f64c::FRAC_1_SQRT_2),
-            Unary::GeluTanh => {
-                let k = f64c::FRAC_2_SQRT_PI * f64c::FRAC_1_SQRT_2;
-                0.5 * x * (1.0 + (k * (x + 0.044715 * x * x * x)).tanh())
-            }
+            Unary::Silu => oracle::silu(x),
+            Unary::Gelu => oracle::gelu(x),
+            Unary::GeluTanh => oracle::gelu_tanh(x),
             Unary::Powf(p) => x.powf(p as f64),
             Unary::Square => x * x,
         }
+    }
+
+    /// The slope of `op` from `unary_backward` (dy = 1) and from the toolkit's finite
+    /// differences of the f64 oracle `reference`, at 61 points across the SIMD width.
+    fn slopes(op: Unary, reference: impl Fn(f64) -> f64) -> (Vec<f64>, Vec<f64>) {
+        let x: Vec<f32> = (-30..=30).map(|i| domain(op, i as f32 * 0.15 + 0.013)).collect();
+        let y: Vec<f32> = x.iter().map(|&v| unary_reference(op, v)).collect();
+        let mut dx = vec![0.0; x.len()];
+        unary_backward(op, &x, &y, &vec![1.0; x.len()], &mut dx);
+        let numeric = x.iter().map(|&v| derivative(v as f64, Dtype::F64, &reference).value).collect();
+        (oracle::widen(&dx), numeric)
     }
 
     fn close(a: f32, b: f32, tol: f32) -> bool {
@@ -503,7 +485,7 @@ mod tests {
     fn erfc_matches_f64() {
         for i in -6000..=6000 {
             let t = i as f32 * 1e-3;
-            let exact = erfc_f64(t as f64);
+            let exact = oracle::erfc(t as f64);
             let got = erfc(t) as f64;
             // 1e-7 absolute, or about 1 ulp where erfc approaches 2.
             let absolute = 1e-7 * exact.max(1.0);
@@ -581,17 +563,9 @@ mod tests {
 
     #[test]
     fn backward_matches_finite_differences() {
-        let h = 1e-5;
         for op in ALL {
-            for i in -30..=30 {
-                let x = domain(op, i as f32 * 0.15 + 0.013);
-                let y = unary_reference(op, x);
-                let mut dx = [0.0];
-                unary_backward(op, &[x], &[y], &[1.0], &mut dx);
-                let xd = x as f64;
-                let fd = (f64_reference(op, xd + h) - f64_reference(op, xd - h)) / (2.0 * h);
-                assert!(close(dx[0], fd as f32, 1e-4), "{op:?}'({x}) = {}, fd {fd}", dx[0]);
-            }
+            let (analytic, numeric) = slopes(op, |x| f64_reference(op, x));
+            assert_within(&format!("{op:?}'"), analytic, numeric, Dtype::F64.table().gradient);
         }
         // The kinks: derivative 0 at exactly 0.
         for op in [Unary::Relu, Unary::Abs] {
@@ -599,5 +573,15 @@ mod tests {
             unary_backward(op, &[0.0], &[0.0], &[1.0], &mut dx);
             assert_eq!(dx[0], 0.0);
         }
+    }
+
+    /// Mutation: the bug of an erf GELU whose backward is the tanh approximation's slope
+    /// (worst slope error 8.7e-4 near |x| = 2). The same check must reject it.
+    #[test]
+    fn check_rejects_tanh_slope_for_erf_gelu() {
+        let (wrong, numeric) = slopes(Unary::GeluTanh, oracle::gelu);
+        let mismatch = compare("GELU' from the tanh rule", wrong, numeric, Dtype::F64.table().gradient)
+            .expect_err("the check passed a tanh-approximation backward for the erf GELU");
+        eprintln!("rejected as it should be: {mismatch}");
     }
 }
