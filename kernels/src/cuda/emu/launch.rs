@@ -216,7 +216,7 @@ pub(crate) fn launch(
                 &mut report,
             )
         };
-        (code != 0).then(|| (index, report))
+        (code != 0).then_some((index, report))
     });
     if let Some((index, report)) = failure {
         return Err(error(name, describe(kernel, args, index, &report, cfg.shared_mem_bytes)));
