@@ -490,9 +490,9 @@ mod tests {
     #[test]
     fn validation_names_the_problem() {
         assert!(ImageTrainConfig::default().validate().is_ok());
-        let bad = ImageTrainConfig { dataset: "mnist".into(), ..ImageTrainConfig::default() };
+        let bad = ImageTrainConfig { dataset: "svhn".into(), ..ImageTrainConfig::default() };
         let msg = bad.validate().unwrap_err().to_string();
-        assert!(msg.contains("mnist") && msg.contains("cifar100"), "{msg}");
+        assert!(msg.contains("svhn") && msg.contains("fashion-mnist") && msg.contains("cifar100"), "{msg}");
         let bad = ImageTrainConfig { model: "resnet20".into(), ..ImageTrainConfig::default() };
         assert!(bad.validate().unwrap_err().to_string().contains("resnet152"));
         let bad = ImageTrainConfig { modulator: "channel".into(), ..ImageTrainConfig::default() };
