@@ -202,11 +202,11 @@ pub fn paired_markdown(grid: &Grid, results: &[RunResult]) -> String {
 pub fn wall_time_line(results: &[RunResult]) -> String {
     let seconds: f64 = results.iter().map(|r| r.seconds).sum();
     let per_run = seconds / results.len().max(1) as f64;
+    let total =
+        if seconds < 3600.0 { format!("{:.0} min", seconds / 60.0) } else { format!("{:.1} h", seconds / 3600.0) };
     format!(
-        "- Wall time: {:.1} h in {} runs ({:.0} s per run; a resumed run counts its last invocation only)",
-        seconds / 3600.0,
-        results.len(),
-        per_run
+        "- Wall time: {total} in {} runs ({per_run:.0} s per run; a resumed run counts its last invocation only)",
+        results.len()
     )
 }
 
