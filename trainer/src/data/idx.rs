@@ -14,7 +14,7 @@
 //! reader in [`super::images`].
 
 use std::fs::File;
-use std::io::Read;
+use std::io::{Read, Seek};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
@@ -116,12 +116,11 @@ fn open(path: &Path) -> Result<FileBytes> {
     let size = file.metadata().with_context(|| format!("reading the size of {}", path.display()))?.len();
     ensure!(size > 0, "IDX file {} is empty", path.display());
     let mut magic = [0u8; 2];
-    let gzipped = size >= 2 && {
+    if size >= 2 {
         file.read_exact(&mut magic).with_context(|| format!("reading {}", path.display()))?;
-        magic == GZIP_MAGIC
-    };
-    if gzipped {
-        let file = File::open(path).with_context(|| format!("opening IDX file {}", path.display()))?;
+    }
+    if magic == GZIP_MAGIC {
+        file.rewind().with_context(|| format!("reading {}", path.display()))?;
         let mut bytes = Vec::new();
         GzDecoder::new(file)
             .read_to_end(&mut bytes)
