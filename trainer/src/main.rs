@@ -11,7 +11,7 @@ use trainer::config::TrainConfig;
 use trainer::data::token_file::TokenFile;
 use trainer::device::{ensure_available, parse_device};
 use trainer::generate::{export_hf, load_model, sample};
-use trainer::prepare::prepare;
+use trainer::prepare::{prepare_split, ValSplit};
 use trainer::tokenizer::Tokenizer;
 use trainer::train::{evaluate, train};
 use trainer::train_image::{train_image, ImageTrainConfig};
@@ -25,7 +25,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Tokenize text files into llm.c-format train.bin / val.bin.
+    /// Tokenize text files (plain or .gz) into llm.c-format train.bin / val.bin.
     Prepare {
         /// Input text files.
         #[arg(required = true)]
@@ -39,6 +39,10 @@ enum Command {
         /// Share of tokens held out for validation.
         #[arg(long, default_value_t = 0.1)]
         val_fraction: f64,
+        /// Hold out the last share of each file (validation then covers every file), not
+        /// of all files together.
+        #[arg(long)]
+        val_per_file: bool,
     },
     /// Train a model (defaults: llama-tiny + transponder on the built-in tinyshakespeare).
     Train(Box<TrainArgs>),
@@ -103,12 +107,15 @@ struct TrainImageArgs {
     /// `none`, `pixel` or `sliding-window`.
     #[arg(long)]
     modulator: Option<String>,
-    /// `digits` (built in), `cifar10` or `cifar100` (with --data-dir).
+    /// `digits` (built in), `mnist`, `fashion-mnist`, `cifar10` or `cifar100` (with --data-dir).
     #[arg(long)]
     dataset: Option<String>,
-    /// Folder with digits.csv.gz or the CIFAR binary files (default data).
+    /// Folder with digits.csv.gz, the IDX files (plain or .gz) or the CIFAR binary files (default data).
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// Train on the first N training images only (default 0: all of them).
+    #[arg(long)]
+    train_images: Option<usize>,
     /// Channels of the first stage (default 16; the papers' ResNets use 64).
     #[arg(long)]
     base_width: Option<usize>,
@@ -148,7 +155,7 @@ impl TrainImageArgs {
             ($($field:ident),*) => { $( if let Some(v) = self.$field { c.$field = v; } )* };
         }
         set!(model, modulator, dataset, data_dir, base_width, batch_size, epochs, lr, weight_decay, schedule, seed);
-        set!(out_dir, device);
+        set!(out_dir, device, train_images);
         Ok(c)
     }
 }
@@ -300,9 +307,10 @@ fn main() -> Result<()> {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command.unwrap_or_else(|| Command::Train(Box::default())) {
-        Command::Prepare { inputs, out, tokenizer, val_fraction } => {
+        Command::Prepare { inputs, out, tokenizer, val_fraction, val_per_file } => {
             let tokenizer = Tokenizer::from_name(&tokenizer)?;
-            let report = prepare(&inputs, &tokenizer, &out, val_fraction)?;
+            let split = if val_per_file { ValSplit::EachFileTail } else { ValSplit::StreamTail };
+            let report = prepare_split(&inputs, &tokenizer, &out, val_fraction, split)?;
             println!(
                 "wrote {} ({} tokens) and {} ({} tokens), vocab {}",
                 report.train_path.display(),

@@ -1,19 +1,24 @@
 //! `prepare`: text files → `train.bin` + `val.bin` token files in llm.c format.
 //!
-//! The input files are read in order, each tokenized on its own and, when the tokenizer has an
-//! end-of-text token (GPT-2's 50256), preceded by it — llm.c's `tinyshakespeare.py` convention,
-//! which marks document boundaries. The concatenated stream is split by position: the first
-//! `1 - f` of the tokens are `train.bin`, the last `f` are `val.bin` (nanoGPT's
-//! `shakespeare_char/prepare.py` split). Both are written atomically with [`write_llmc`].
+//! The input files (UTF-8 text, plain or gzipped) are read in order, each tokenized on its own
+//! and, when the tokenizer has an end-of-text token (GPT-2's 50256), preceded by it — llm.c's
+//! `tinyshakespeare.py` convention, which marks document boundaries. [`ValSplit`] says which
+//! tokens are held out: by default the concatenated stream is split by position, the first
+//! `1 - f` of the tokens are `train.bin` and the last `f` are `val.bin` (nanoGPT's
+//! `shakespeare_char/prepare.py` split); with [`ValSplit::EachFileTail`] the last `f` of
+//! every file is held out, so validation covers every source of a mixed corpus. Either way
+//! no validation token is in `train.bin`. Both files are written atomically with [`write_llmc`].
 //!
 //! Large inputs are encoded in ~1 MiB chunks (for the progress bar, shown above 10 MB of text)
 //! cut only where the cut provably does not change GPT-2's pre-tokenization, so chunked and
-//! whole-text encodings are identical. All tokens are held in memory (4 bytes each).
+//! whole-text encodings are identical. All texts and tokens are held in memory (4 bytes each).
 
 use std::fs;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
+use flate2::read::GzDecoder;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::data::token_file::write_llmc;
@@ -30,6 +35,18 @@ pub const TRAIN_FILE: &str = "train.bin";
 /// Name of the validation split written into the output directory.
 pub const VAL_FILE: &str = "val.bin";
 
+/// Which tokens [`prepare_split`] holds out for validation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ValSplit {
+    /// The last fraction of all files' tokens, concatenated in order.
+    StreamTail,
+    /// The last fraction of each file's tokens: validation then samples every file.
+    EachFileTail,
+}
+
+/// The gzip magic number: inputs starting with it are decompressed.
+const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+
 /// What [`prepare`] wrote.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PrepareReport {
@@ -41,7 +58,7 @@ pub struct PrepareReport {
     pub train_tokens: usize,
     /// Tokens in `val.bin`.
     pub val_tokens: usize,
-    /// Bytes of text read from all inputs.
+    /// Bytes of text read from all inputs (after decompression).
     pub input_bytes: u64,
     /// Name of the tokenizer used (`byte`, `gpt2`).
     pub tokenizer: &'static str,
@@ -70,48 +87,61 @@ pub fn prepare_once(
 }
 
 /// Tokenizes `inputs` with `tokenizer` and writes `out_dir/train.bin` and `out_dir/val.bin`,
-/// the last `val_fraction` of the tokens going to validation.
+/// the last `val_fraction` of the tokens going to validation ([`ValSplit::StreamTail`]).
 ///
-/// Errors on: no input files, a missing or non-UTF-8 file, input without any text,
-/// `val_fraction` outside `(0, 1)`, or a split that leaves either side with fewer than
+/// Errors on: no input files, a missing, corrupt gzip or non-UTF-8 file, input without any
+/// text, `val_fraction` outside `(0, 1)`, or a split that leaves either side with fewer than
 /// [`MIN_SPLIT_TOKENS`] tokens. `out_dir` is created when missing.
 pub fn prepare(inputs: &[PathBuf], tokenizer: &Tokenizer, out_dir: &Path, val_fraction: f64) -> Result<PrepareReport> {
+    prepare_split(inputs, tokenizer, out_dir, val_fraction, ValSplit::StreamTail)
+}
+
+/// [`prepare`] with the held-out tokens chosen by `split`.
+pub fn prepare_split(
+    inputs: &[PathBuf],
+    tokenizer: &Tokenizer,
+    out_dir: &Path,
+    val_fraction: f64,
+    split: ValSplit,
+) -> Result<PrepareReport> {
     ensure!(!inputs.is_empty(), "prepare needs at least one input text file");
     ensure!(
         val_fraction.is_finite() && val_fraction > 0.0 && val_fraction < 1.0,
         "validation fraction must be strictly between 0 and 1, got {val_fraction}"
     );
-    let mut input_bytes = 0u64;
-    for path in inputs {
-        let meta = fs::metadata(path).with_context(|| format!("reading input text file {}", path.display()))?;
-        input_bytes += meta.len();
-    }
+    let texts: Vec<String> = inputs.iter().map(|path| read_text(path)).collect::<Result<_>>()?;
+    let input_bytes: u64 = texts.iter().map(|t| t.len() as u64).sum();
     ensure!(input_bytes > 0, "the input files ({}) are all empty: nothing to tokenize", list_paths(inputs));
 
     let bar = progress_bar(input_bytes);
-    let mut tokens = Vec::new();
-    for path in inputs {
-        let bytes = fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-        let text = String::from_utf8(bytes).map_err(|e| {
-            anyhow::anyhow!(
-                "{} is not valid UTF-8 (first bad byte at offset {})",
-                path.display(),
-                e.utf8_error().valid_up_to()
-            )
-        })?;
+    let (mut train, mut val) = (Vec::new(), Vec::new());
+    for text in &texts {
         if text.is_empty() {
             continue;
         }
+        let mut tokens = Vec::new();
         if let Some(eot) = tokenizer.eot_token() {
             tokens.push(eot);
         }
-        tokens.extend(encode_in_chunks(tokenizer, &text, CHUNK_BYTES, |n| bar.inc(n as u64)));
+        tokens.extend(encode_in_chunks(tokenizer, text, CHUNK_BYTES, |n| bar.inc(n as u64)));
+        if split == ValSplit::EachFileTail {
+            let held_out = (tokens.len() as f64 * val_fraction).round() as usize;
+            let tail = tokens.split_off(tokens.len() - held_out);
+            if let (Some(eot), false) = (tokenizer.eot_token(), tail.is_empty()) {
+                val.push(eot);
+            }
+            val.extend(tail);
+        }
+        train.extend(tokens);
     }
     bar.finish_and_clear();
+    if split == ValSplit::StreamTail {
+        let held_out = (train.len() as f64 * val_fraction).round() as usize;
+        val = train.split_off(train.len() - held_out);
+    }
 
-    let total = tokens.len();
-    let val_tokens = (total as f64 * val_fraction).round() as usize;
-    let train_tokens = total - val_tokens;
+    let (train_tokens, val_tokens) = (train.len(), val.len());
+    let total = train_tokens + val_tokens;
     if train_tokens < MIN_SPLIT_TOKENS || val_tokens < MIN_SPLIT_TOKENS {
         bail!(
             "{total} tokens split with validation fraction {val_fraction} leave {train_tokens} \
@@ -124,8 +154,8 @@ pub fn prepare(inputs: &[PathBuf], tokenizer: &Tokenizer, out_dir: &Path, val_fr
     let train_path = out_dir.join(TRAIN_FILE);
     let val_path = out_dir.join(VAL_FILE);
     let vocab_size = tokenizer.vocab_size();
-    write_llmc(&train_path, &tokens[..train_tokens], vocab_size)?;
-    write_llmc(&val_path, &tokens[train_tokens..], vocab_size)?;
+    write_llmc(&train_path, &train, vocab_size)?;
+    write_llmc(&val_path, &val, vocab_size)?;
     Ok(PrepareReport {
         train_path,
         val_path,
@@ -134,6 +164,25 @@ pub fn prepare(inputs: &[PathBuf], tokenizer: &Tokenizer, out_dir: &Path, val_fr
         input_bytes,
         tokenizer: tokenizer.name(),
         vocab_size,
+    })
+}
+
+/// The UTF-8 text of `path`, decompressed first when the file is gzipped.
+fn read_text(path: &Path) -> Result<String> {
+    let mut bytes = fs::read(path).with_context(|| format!("reading input text file {}", path.display()))?;
+    if bytes.starts_with(&GZIP_MAGIC) {
+        let mut inflated = Vec::new();
+        GzDecoder::new(bytes.as_slice())
+            .read_to_end(&mut inflated)
+            .with_context(|| format!("decompressing {} (corrupt or truncated gzip?)", path.display()))?;
+        bytes = inflated;
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "{} is not valid UTF-8 (first bad byte at offset {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
     })
 }
 

@@ -1,6 +1,6 @@
 //! The image-classification training loop of the ResNet path (SPEC §6-7, CoMT `002` §4.1):
 //! a ResNet with `none`, `pixel` or `sliding-window` modulators on the built-in UCI digits
-//! (80/20 split) or CIFAR-10/100, SGD with momentum and weight decay, a linear or cosine
+//! (80/20 split), MNIST / Fashion-MNIST or CIFAR-10/100, SGD with momentum and weight decay, a linear or cosine
 //! learning-rate schedule per step, top-1 accuracy on the evaluation split after every
 //! epoch, checkpoints with exact resume, and a hard stop on a non-finite loss that keeps the
 //! last good checkpoint — the conventions of the language-model loop in [`crate::train`].
@@ -40,6 +40,7 @@ use serde::{Deserialize, Serialize};
 use tensor::{Device, Tensor};
 
 use crate::checkpoint::{self, CheckpointMeta};
+use crate::data::idx::load_idx_dir;
 use crate::data::images::{
     load_cifar100_dir, load_cifar10_dir, load_digits_csv_gz, Augmentation, Cifar100Labels, ImageBatch, ImageDataset,
     ImageLoader, Normalization, Split,
@@ -54,7 +55,7 @@ pub const GRAD_NORMS_FILE: &str = "grad_norms.jsonl";
 /// The built-in digits file inside `data_dir`.
 pub const DIGITS_FILE: &str = "digits.csv.gz";
 /// Valid dataset names, listed in errors.
-pub const DATASETS: &[&str] = &["digits", "cifar10", "cifar100"];
+pub const DATASETS: &[&str] = &["digits", "mnist", "fashion-mnist", "cifar10", "cifar100"];
 /// Valid schedule names, listed in errors.
 pub const IMAGE_SCHEDULES: &[&str] = &["linear", "cosine", "constant"];
 /// The schedules end at this fraction of the base rate (CoMT: 0.01 → 1e-4, 0.1 → 1e-3).
@@ -80,15 +81,20 @@ pub struct ImageTrainConfig {
     pub base_width: usize,
     /// `cifar` (3×3 stem, no max-pool) or `imagenet` (7×7/2 + max-pool).
     pub stem: String,
-    /// `digits` (built in), `cifar10` or `cifar100` (fine labels).
+    /// `digits` (built in), `mnist`, `fashion-mnist` (IDX files), `cifar10` or `cifar100`
+    /// (fine labels).
     pub dataset: String,
-    /// Holds `digits.csv.gz`, or the extracted `cifar-10-batches-bin` /
-    /// `cifar-100-binary` files for the CIFAR datasets.
+    /// Holds `digits.csv.gz`, the four IDX files of MNIST / Fashion-MNIST (plain or `.gz`),
+    /// or the extracted `cifar-10-batches-bin` / `cifar-100-binary` files for CIFAR.
     pub data_dir: PathBuf,
-    /// Share of the digits held out for evaluation (the last images of the file); CIFAR
-    /// evaluates on its test split.
+    /// Share of the digits held out for evaluation (the last images of the file); the other
+    /// datasets evaluate on their official test split.
     pub eval_fraction: f64,
-    /// Random crop (pad 4) and flip; unset means on for CIFAR, off for the 8×8 digits.
+    /// Train on only the first this many training images (0: all), for runs sized to a CPU;
+    /// evaluation always uses the whole evaluation split.
+    pub train_images: usize,
+    /// Random crop (pad 4) and flip; unset means on for CIFAR and Fashion-MNIST, off for
+    /// the digits and MNIST (a flipped digit is another glyph).
     pub augment: Option<bool>,
     pub batch_size: usize,
     pub epochs: usize,
@@ -128,6 +134,7 @@ impl Default for ImageTrainConfig {
             dataset: "digits".into(),
             data_dir: PathBuf::from("data"),
             eval_fraction: 0.2,
+            train_images: 0,
             augment: None,
             batch_size: 64,
             epochs: 10,
@@ -202,17 +209,27 @@ impl ImageTrainConfig {
         }
     }
 
-    /// `(train, eval)` datasets as the config names them.
+    /// `(train, eval)` datasets as the config names them, the training set cut to
+    /// `train_images` when that is set.
     pub fn datasets(&self) -> Result<(ImageDataset, ImageDataset)> {
         let dir = &self.data_dir;
-        Ok(match self.dataset.as_str() {
+        let (train, eval) = match self.dataset.as_str() {
+            "mnist" | "fashion-mnist" => (load_idx_dir(dir, Split::Train)?, load_idx_dir(dir, Split::Test)?),
             "cifar10" => (load_cifar10_dir(dir, Split::Train)?, load_cifar10_dir(dir, Split::Test)?),
             "cifar100" => {
                 let load = |split| load_cifar100_dir(dir, split, Cifar100Labels::Fine);
                 (load(Split::Train)?, load(Split::Test)?)
             }
             _ => load_digits_csv_gz(&dir.join(DIGITS_FILE))?.split_tail(self.eval_fraction)?,
-        })
+        };
+        Ok((train.first_images(self.train_images), eval))
+    }
+
+    /// The augmentation the run uses: `augment` when set, else on for CIFAR and
+    /// Fashion-MNIST, off for the digits and MNIST.
+    pub fn augmentation(&self) -> Option<Augmentation> {
+        let default = !matches!(self.dataset.as_str(), "digits" | "mnist");
+        self.augment.unwrap_or(default).then_some(Augmentation::CIFAR)
     }
 }
 
@@ -330,7 +347,7 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
     let model_config = config.model_config(train_set.channels(), train_set.num_classes())?;
     let model = ResNet::new(&model_config, config.seed)?;
     let mut optimizer = Sgd::new(model.named_parameters(), config.momentum, config.weight_decay, false);
-    let augment = config.augment.unwrap_or(config.dataset != "digits").then_some(Augmentation::CIFAR);
+    let augment = config.augmentation();
     let mut loader = ImageLoader::new(train_set.clone(), config.batch_size, norm.clone(), augment, config.seed)?;
     let steps_per_epoch = (train_set.len() / config.batch_size).max(1);
     let total_steps = config.epochs * steps_per_epoch;
@@ -473,9 +490,9 @@ mod tests {
     #[test]
     fn validation_names_the_problem() {
         assert!(ImageTrainConfig::default().validate().is_ok());
-        let bad = ImageTrainConfig { dataset: "mnist".into(), ..ImageTrainConfig::default() };
+        let bad = ImageTrainConfig { dataset: "svhn".into(), ..ImageTrainConfig::default() };
         let msg = bad.validate().unwrap_err().to_string();
-        assert!(msg.contains("mnist") && msg.contains("cifar100"), "{msg}");
+        assert!(msg.contains("svhn") && msg.contains("fashion-mnist") && msg.contains("cifar100"), "{msg}");
         let bad = ImageTrainConfig { model: "resnet20".into(), ..ImageTrainConfig::default() };
         assert!(bad.validate().unwrap_err().to_string().contains("resnet152"));
         let bad = ImageTrainConfig { modulator: "channel".into(), ..ImageTrainConfig::default() };

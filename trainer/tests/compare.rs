@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use serde_json::json;
 use trainer::compare::grids::{self, Grid, Row, Task};
 use trainer::compare::run::{RunResult, RESULT_FILE};
-use trainer::compare::stats::{delta_percent, mean, standard_error};
-use trainer::compare::table::{summarize, thousands};
+use trainer::compare::stats::{delta_percent, mean, paired, standard_error};
+use trainer::compare::table::{paired_markdown, summarize, thousands, wall_time_line};
 use trainer::compare::{compare, CompareOptions, RUNS_CSV, TABLE_CSV, TABLE_MD, VAL_CURVES_SVG};
 use trainer::config::TrainConfig;
 use trainer::data::token_file::write_llmc;
@@ -250,4 +250,39 @@ fn table_arithmetic_matches_hand_computed_values() {
     assert!((s[1].parameter_increase_percent.unwrap() - 1.0).abs() < 1e-12);
     assert_eq!((s[2].runs, s[2].diverged, s[2].metric_mean, s[2].metric_se), (2, 1, 30.0, None));
     assert!((s[2].delta_percent.unwrap() - 100.0).abs() < 1e-12);
+}
+
+#[test]
+fn rows_are_paired_with_the_baseline_by_seed() {
+    let p = paired(&[-1.0, -3.0, 1.0]);
+    assert_eq!((p.n, p.mean, p.below_zero), (3, -1.0, 2));
+    // Sample std of {-1, -3, 1} is 2, so SE = 2 / √3 and the mean is √3 / 2 SE below zero.
+    assert!((p.se.unwrap() - 2.0 / 3f64.sqrt()).abs() < 1e-12);
+    assert!((p.standard_errors().unwrap() + 3f64.sqrt() / 2.0).abs() < 1e-12);
+    assert_eq!(paired(&[2.0]).standard_errors(), None);
+
+    let row = |label: &str| Row { label: label.into(), overrides: Default::default() };
+    let grid = Grid {
+        name: "t".into(),
+        source: "test".into(),
+        task: Task::Language,
+        rows: vec![row("base"), row("new"), row("alone")],
+        baseline: 0,
+        note: String::new(),
+    };
+    let results = [
+        result("base", 1, Some(15.0), 1000, 1.0),
+        result("base", 2, Some(16.0), 1000, 1.0),
+        result("base", 3, None, 1000, 1.0),
+        result("new", 1, Some(14.0), 1000, 1.0),
+        result("new", 2, Some(13.0), 1000, 1.0),
+        result("new", 3, Some(9.0), 1000, 1.0),
+        result("alone", 7, Some(9.0), 1000, 1.0),
+    ];
+    // Seed 3's baseline diverged: two pairs, differences -1 and -3.
+    let md = paired_markdown(&grid, &results);
+    assert!(md.contains("| new | 2 | -2.000 ± 1.000 | -2.0 | 2 of 2 |"), "{md}");
+    assert!(!md.contains("alone"), "a row without a paired seed has no line: {md}");
+    assert_eq!(paired_markdown(&grid, &results[..3]), "");
+    assert!(wall_time_line(&results).contains("7 runs"));
 }

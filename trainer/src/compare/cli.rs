@@ -20,7 +20,7 @@ use crate::train_image::ImageTrainConfig;
 #[derive(clap::Args, Clone, Debug)]
 pub struct CompareArgs {
     /// Named grid: transponder-variants, baselines, post-ln, contextual-ablation, coverage,
-    /// rank, ccl, resnet, per-token.
+    /// rank, ccl, resnet, per-token, headline, fashion-resnet18, fashion-resnet50.
     #[arg(long, conflicts_with = "variants")]
     pub grid: Option<String>,
     /// A custom list of LLaMA variants compared against the first, e.g. `pre-ln,transponder`.
@@ -87,9 +87,15 @@ pub struct CompareArgs {
     /// Epochs per ResNet run (`--grid resnet`; the model is train-image's default).
     #[arg(long, default_value_t = 10)]
     pub epochs: usize,
-    /// Where digits.csv.gz (or the CIFAR files) are, for `--grid resnet`.
+    /// Where digits.csv.gz (or the IDX / CIFAR files) are, for the ResNet grids.
     #[arg(long, default_value = "data")]
     pub data_dir: PathBuf,
+    /// ResNet runs train on the first N training images only (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub train_images: usize,
+    /// Channels of the ResNets' first stage (train-image's narrow default 16).
+    #[arg(long, default_value_t = 16)]
+    pub base_width: usize,
     /// Root of the grids' directories.
     #[arg(long, default_value = "runs/compare")]
     pub out_dir: PathBuf,
@@ -127,6 +133,8 @@ impl CompareArgs {
         let image_base = ImageTrainConfig {
             epochs: self.epochs,
             data_dir: self.data_dir.clone(),
+            train_images: self.train_images,
+            base_width: self.base_width,
             seed: self.seed,
             device: self.device,
             ..ImageTrainConfig::default()

@@ -13,6 +13,9 @@
 //! | `ccl` | CCL Tables 1 and 4 | base-64, ccl-64, ccl-64-static, ccl-64-no-out-gate, ccl-64-no-basis-gate, base-512 |
 //! | `resnet` | CoMT Table 1 | none, pixel, sliding-window |
 //! | `per-token` | per-token note (`004`) | pre-ln, per-token, token-scale |
+//! | `headline` | Transponder's headline claim | pre-ln, transponder, post-ln, sdpa-gate |
+//! | `fashion-resnet18` | CoMT Table 1 on Fashion-MNIST | none, pixel, sliding-window (ResNet-18) |
+//! | `fashion-resnet50` | CoMT Table 1 on Fashion-MNIST | none, pixel, sliding-window (ResNet-50) |
 
 use anyhow::{bail, ensure, Context, Result};
 use serde::de::DeserializeOwned;
@@ -53,7 +56,7 @@ pub struct Grid {
 }
 
 /// The valid grid names, in the order `--list` shows them.
-pub const GRID_NAMES: [&str; 9] = [
+pub const GRID_NAMES: [&str; 12] = [
     "transponder-variants",
     "baselines",
     "post-ln",
@@ -63,6 +66,9 @@ pub const GRID_NAMES: [&str; 9] = [
     "ccl",
     "resnet",
     "per-token",
+    "headline",
+    "fashion-resnet18",
+    "fashion-resnet50",
 ];
 
 /// The Table 2 rows after the baseline, in the paper's order followed by SPEC §5's extra baselines.
@@ -161,6 +167,14 @@ pub fn grid(name: &str) -> Result<Grid> {
             baseline: 0,
             note: "Built-in UCI digits instead of CIFAR; train-image's default narrow ResNet-18.".into(),
         },
+        "headline" => {
+            let rows = ["pre-ln", "transponder", "post-ln", "sdpa-gate"].map(variant_row).to_vec();
+            let note = "The papers' headline (Transponder below pre-ln at equal steps) with the two strongest \
+                        tiny-scale baselines; meant for a real corpus (--train-data / --val-data), see RESULTS.md.";
+            language(name, "Transponder headline (Tables 1-2)", rows, note)
+        }
+        "fashion-resnet18" => fashion_grid(name, "resnet18"),
+        "fashion-resnet50" => fashion_grid(name, "resnet50"),
         "per-token" => {
             let rows = ["pre-ln", "per-token", "token-scale"].map(variant_row).to_vec();
             language(name, "per-token transform note (004)", rows, "")
@@ -188,6 +202,23 @@ fn ccl_grid() -> Grid {
     let note = "Baseline: base-64 (dense, width 64). Widths are set with d_model on the base preset (its depth \
                 and heads; FFN scaled with the width); base-512 is the paper's wide dense baseline.";
     language("ccl", "CCL Tables 1 and 4", rows, note)
+}
+
+/// CoMT Table 1's modulators on Fashion-MNIST (`--data-dir` holding its IDX files) for one
+/// ResNet depth; the paper's claim is that the gains grow with depth, so the grid comes in
+/// a ResNet-18 and a ResNet-50 version with the same rows.
+fn fashion_grid(name: &str, model: &str) -> Grid {
+    let rows = ["none", "pixel", "sliding-window"]
+        .map(|m| row(m, json!({ "model": model, "modulator": m, "dataset": "fashion-mnist" })))
+        .to_vec();
+    Grid {
+        name: name.into(),
+        source: "CoMT Table 1 (Fashion-MNIST instead of CIFAR)".into(),
+        task: Task::Image,
+        rows,
+        baseline: 0,
+        note: format!("{model} on Fashion-MNIST (28×28 grey, 10 classes), top-1 on the official 10,000 test images."),
+    }
 }
 
 /// A grid of LLaMA variants by name (`--variants a,b,c`), the first the baseline.

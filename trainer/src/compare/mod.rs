@@ -139,8 +139,15 @@ fn plan(
     Ok(runs)
 }
 
-/// The lines above the table: what was compared, how, and the command that did it.
-fn preamble(grid: &Grid, options: &CompareOptions, base: &TrainConfig, seeds: &[u64]) -> String {
+/// The lines above the table: what was compared, how, and the command that did it; `image`
+/// is the baseline row's config of an image grid.
+fn preamble(
+    grid: &Grid,
+    options: &CompareOptions,
+    base: &TrainConfig,
+    image: &ImageTrainConfig,
+    seeds: &[u64],
+) -> String {
     let mut lines = vec![format!("# `{}`: {}", grid.name, grid.source), String::new()];
     if !grid.note.is_empty() {
         lines.extend([grid.note.clone(), String::new()]);
@@ -172,10 +179,14 @@ fn preamble(grid: &Grid, options: &CompareOptions, base: &TrainConfig, seeds: &[
             ));
         }
         Task::Image => {
-            let c = &options.image_base;
+            let c = image;
+            let subset = match c.train_images {
+                0 => "all training images".to_string(),
+                n => format!("the first {n} training images"),
+            };
             lines.push(format!(
                 "- Model `{}` (width {}, {} stem) on `{}`; {} epochs of batch {}; SGD lr {} ({} schedule), momentum {}, \
-                 weight decay {}; accuracy on the evaluation split after the last epoch",
+                 weight decay {}, augmentation {}; {subset}; accuracy on the evaluation split after the last epoch",
                 c.model,
                 c.base_width,
                 c.stem,
@@ -185,7 +196,8 @@ fn preamble(grid: &Grid, options: &CompareOptions, base: &TrainConfig, seeds: &[
                 c.lr,
                 c.schedule,
                 c.momentum,
-                c.weight_decay
+                c.weight_decay,
+                if c.augmentation().is_some() { "crop + flip" } else { "off" }
             ));
         }
     }
@@ -247,7 +259,13 @@ pub fn compare(options: &CompareOptions) -> Result<CompareOutcome> {
 
     let summaries = table::summarize(&grid, &results);
     let seeds: Vec<u64> = (0..options.seeds as u64).map(|k| base.seed + k).collect();
-    let markdown = table::markdown(&preamble(&grid, options, &base, &seeds), grid.task, &summaries);
+    let baseline_image = match grid.task {
+        Task::Image => grid.rows[grid.baseline].apply(&image_base)?,
+        Task::Language => image_base.clone(),
+    };
+    let preamble =
+        format!("{}\n{}", preamble(&grid, options, &base, &baseline_image, &seeds), table::wall_time_line(&results));
+    let markdown = table::markdown(&preamble, grid.task, &summaries) + &table::paired_markdown(&grid, &results);
     let curves: Vec<plot::RowCurves> = grid
         .rows
         .iter()

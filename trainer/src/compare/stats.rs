@@ -29,3 +29,36 @@ pub fn delta_percent(value: f64, baseline: f64) -> f64 {
     }
     100.0 * (value - baseline) / baseline
 }
+
+/// Differences of paired measurements (a row minus the baseline at the same seed).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Paired {
+    /// Pairs.
+    pub n: usize,
+    /// Mean difference.
+    pub mean: f64,
+    /// Standard error of the mean difference; `None` for n < 2.
+    pub se: Option<f64>,
+    /// Pairs whose difference is below zero.
+    pub below_zero: usize,
+}
+
+impl Paired {
+    /// The mean difference in standard errors (`mean / se`); `None` without an SE or when
+    /// the SE is 0.
+    pub fn standard_errors(&self) -> Option<f64> {
+        self.se.filter(|&se| se > 0.0).map(|se| self.mean / se)
+    }
+}
+
+/// Mean, standard error and sign count of `differences`. Pairing by seed removes what the
+/// two rows share at a seed (its batches and, for equal shapes, its initial weights), so
+/// this SE is the one to judge a difference by, not the rows' own SEs.
+pub fn paired(differences: &[f64]) -> Paired {
+    Paired {
+        n: differences.len(),
+        mean: mean(differences),
+        se: standard_error(differences),
+        below_zero: differences.iter().filter(|&&d| d < 0.0).count(),
+    }
+}

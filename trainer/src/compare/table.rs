@@ -4,7 +4,7 @@
 
 use super::grids::{Grid, Task};
 use super::run::RunResult;
-use super::stats::{delta_percent, mean, standard_error};
+use super::stats::{delta_percent, mean, paired, standard_error};
 use crate::analyze::csv_field;
 
 /// One row of the table, summarised over its seeds.
@@ -153,6 +153,61 @@ pub fn markdown(preamble: &str, task: Task, summaries: &[Summary]) -> String {
         out.push_str(&format!("- `{}`: {}\n", s.label, s.config));
     }
     out
+}
+
+/// The rows against the baseline paired by seed: for each other row, the seeds where both
+/// finished, the mean difference of the metric (row − baseline) ± its standard error, how
+/// many standard errors that is, and on how many seeds the row was better (lower
+/// perplexity, higher accuracy). Empty when no row has a pair.
+pub fn paired_markdown(grid: &Grid, results: &[RunResult]) -> String {
+    let baseline = &grid.rows[grid.baseline].label;
+    let metric_at = |row: &str, seed: u64| {
+        results.iter().find(|r| r.row == row && r.seed == seed).and_then(|r| metric(grid.task, r))
+    };
+    let (unit, better) = match grid.task {
+        Task::Language => ("ppl", "lower"),
+        Task::Image => ("points", "higher"),
+    };
+    let mut lines = Vec::new();
+    for row in grid.rows.iter().filter(|r| &r.label != baseline) {
+        let differences: Vec<f64> = results
+            .iter()
+            .filter(|r| r.row == row.label)
+            .filter_map(|r| Some(metric(grid.task, r)? - metric_at(baseline, r.seed)?))
+            .collect();
+        if differences.is_empty() {
+            continue;
+        }
+        let p = paired(&differences);
+        let wins = match grid.task {
+            Task::Language => p.below_zero,
+            Task::Image => differences.iter().filter(|&&d| d > 0.0).count(),
+        };
+        let se = p.se.map_or("—".into(), |se| format!("{se:.3}"));
+        let in_se = p.standard_errors().map_or("—".into(), |k| format!("{k:+.1}"));
+        lines.push(format!("| {} | {} | {:+.3} ± {se} | {in_se} | {wins} of {} |", row.label, p.n, p.mean, p.n));
+    }
+    if lines.is_empty() {
+        return String::new();
+    }
+    format!(
+        "\nPaired by seed against `{baseline}` (row − {baseline} at the same seed, in {unit}):\n\n\
+         | row | pairs | Δ (mean ± SE) | Δ / SE | {better} on |\n|---|---:|---:|---:|---:|\n{}\n",
+        lines.join("\n")
+    )
+}
+
+/// `- Wall time: …`: the training time of all runs together (each run's last invocation:
+/// a run resumed after an interruption counts only its last part).
+pub fn wall_time_line(results: &[RunResult]) -> String {
+    let seconds: f64 = results.iter().map(|r| r.seconds).sum();
+    let per_run = seconds / results.len().max(1) as f64;
+    let total =
+        if seconds < 3600.0 { format!("{:.0} min", seconds / 60.0) } else { format!("{:.1} h", seconds / 3600.0) };
+    format!(
+        "- Wall time: {total} in {} runs ({per_run:.0} s per run; a resumed run counts its last invocation only)",
+        results.len()
+    )
 }
 
 /// A number for CSV: empty when absent or not finite.

@@ -62,10 +62,12 @@ pub enum Cifar100Labels {
     Fine,
 }
 
-/// One memory-mapped CIFAR file: rows of `label_bytes + CIFAR_IMAGE_BYTES` bytes.
+/// One memory-mapped file: `header_bytes`, then rows of `label_bytes` + one image (CIFAR:
+/// no header, 1 or 2 label bytes; an IDX image file: its header, no label bytes).
 #[derive(Debug)]
 struct MappedRows {
     map: Mmap,
+    header_bytes: usize,
     label_bytes: usize,
 }
 
@@ -76,6 +78,15 @@ enum PixelSource {
     Owned(Vec<u8>),
     /// Rows spread over files; `starts[k]` is the index of file `k`'s first image.
     Mapped { files: Vec<MappedRows>, starts: Vec<usize> },
+}
+
+/// The pixel bytes of a greyscale file, for [`ImageDataset::greyscale`].
+#[derive(Debug)]
+pub(super) enum GreyPixels {
+    /// `N × H × W` bytes in memory (a decompressed file).
+    Owned(Vec<u8>),
+    /// A mapped plain file whose images follow `header_bytes` of header.
+    Mapped { map: Mmap, header_bytes: usize },
 }
 
 /// A labelled image dataset; cheap to clone (pixels are shared).
@@ -146,9 +157,46 @@ impl ImageDataset {
                 let k = starts.partition_point(|&s| s <= global).checked_sub(1)?;
                 let rows = files.get(k)?;
                 let row_bytes = rows.label_bytes + n;
-                let at = (global - starts[k]) * row_bytes + rows.label_bytes;
+                let at = rows.header_bytes + (global - starts[k]) * row_bytes + rows.label_bytes;
                 rows.map.get(at..at + n)
             }
+        }
+    }
+
+    /// The first `n` images (all of them when `n` is 0 or at least [`ImageDataset::len`]):
+    /// a training subset that keeps file order.
+    pub fn first_images(&self, n: usize) -> ImageDataset {
+        let mut head = self.clone();
+        if n > 0 {
+            head.labels.truncate(n);
+        }
+        head
+    }
+
+    /// A one-channel dataset of `height × width` images with pixels 0..=255 (the IDX files
+    /// of MNIST and Fashion-MNIST), its pixels in memory or mapped behind a file header.
+    pub(super) fn greyscale(
+        pixels: GreyPixels,
+        labels: Vec<u32>,
+        height: usize,
+        width: usize,
+        num_classes: usize,
+    ) -> ImageDataset {
+        let source = match pixels {
+            GreyPixels::Owned(bytes) => PixelSource::Owned(bytes),
+            GreyPixels::Mapped { map, header_bytes } => {
+                PixelSource::Mapped { files: vec![MappedRows { map, header_bytes, label_bytes: 0 }], starts: vec![0] }
+            }
+        };
+        ImageDataset {
+            source: Arc::new(source),
+            first: 0,
+            labels,
+            channels: 1,
+            height,
+            width,
+            num_classes,
+            pixel_max: u8::MAX,
         }
     }
 
@@ -475,7 +523,7 @@ fn load_cifar(files: &[PathBuf], label_bytes: usize, label_slot: usize, num_clas
             labels.push(u32::from(label));
         }
         starts.push(labels.len() - rows);
-        mapped.push(MappedRows { map, label_bytes });
+        mapped.push(MappedRows { map, header_bytes: 0, label_bytes });
     }
     Ok(ImageDataset {
         source: Arc::new(PixelSource::Mapped { files: mapped, starts }),
