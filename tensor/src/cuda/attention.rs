@@ -1,4 +1,4 @@
-//! The CUDA branch of causal attention in `ops/nn.rs`: the flash-style forward (output and
+//! The CUDA branch of causal attention in `ops/attention.rs`: the flash-style forward (output and
 //! per-query log-sum-exp, both left on the device) and its backward. Head dims above
 //! `kernels::cuda::attention::MAX_HEAD_DIM` are refused with an error.
 

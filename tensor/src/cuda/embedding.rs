@@ -1,4 +1,4 @@
-//! The CUDA branch of the embedding lookup in `ops/nn.rs` and its scatter-add backward.
+//! The CUDA branch of the embedding lookup in `ops/embedding.rs` and its scatter-add backward.
 //! The host ids (already range-checked) are copied to the device for each call.
 
 use kernels::cuda::embedding as launch;

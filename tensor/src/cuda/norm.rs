@@ -1,4 +1,4 @@
-//! The CUDA branch of RMSNorm and LayerNorm in `ops/nn.rs`: forwards that keep their
+//! The CUDA branch of RMSNorm and LayerNorm in `ops/norm.rs`: forwards that keep their
 //! per-row statistics on the device, and backwards that accumulate into zeroed gradients.
 
 use kernels::cuda::norm as launch;

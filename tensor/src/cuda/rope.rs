@@ -1,4 +1,4 @@
-//! The CUDA branch of rotary position embedding in `ops/nn.rs`, forward and backward.
+//! The CUDA branch of rotary position embedding in `ops/rope.rs`, forward and backward.
 //!
 //! The cos/sin tables are the CPU's `rope_table`, uploaded once per (GPU, head dim, theta)
 //! and kept: a table row depends only on its position, so one table of at least

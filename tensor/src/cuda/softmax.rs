@@ -1,4 +1,4 @@
-//! The CUDA branch of the softmax family in `ops/nn.rs`: softmax and log-softmax over the
+//! The CUDA branch of the softmax family in `ops/softmax.rs`: softmax and log-softmax over the
 //! last axis with their backward, and the fused cross-entropy with its backward.
 
 use kernels::cuda::elementwise::{scalar_forward, Binary};

@@ -1,13 +1,13 @@
 //! Batch normalisation of `x[N, C, H, W]` over `N, H, W` per channel (Ioffe & Szegedy 2015),
-//! training and evaluation forms, forward and backward, on the CPU (`kernels::cpu::batchnorm`)
-//! or a GPU (`kernels::cuda::batchnorm`). No autograd here.
+//! training and evaluation forms, forward and backward, on the CPU (`kernels::cpu::batch_norm`)
+//! or a GPU (`kernels::cuda::batch_norm`). No autograd here.
 //!
 //! `y = (x − μ[c])·rstd[c] (· weight[c] + bias[c])`, `rstd = 1/√(σ² + eps)`. Training uses
 //! the batch statistics (biased variance) and updates the running statistics in place;
 //! evaluation uses the running statistics, an affine map per channel. PyTorch equivalent:
 //! `F.batch_norm`. Legend: `N` batch, `C` channels, `S = H·W` one plane.
 
-use kernels::cpu::batchnorm::{batch_norm_eval_forward, batch_norm_train_backward, batch_norm_train_forward};
+use kernels::cpu::batch_norm::{batch_norm_eval_forward, batch_norm_train_backward, batch_norm_train_forward};
 
 use crate::{Error, Result, Tensor};
 

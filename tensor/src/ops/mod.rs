@@ -1,22 +1,29 @@
 //! Shape-checked ops: each validates shapes, dtype and device (returning an error that
 //! names the op and the shapes), then dispatches to a kernel. No autograd here.
 
+mod attention;
 mod batch_norm;
 mod concat;
 mod conv;
+mod cross_entropy;
 mod elementwise;
+mod embedding;
 mod fused_gate;
 mod matmul;
-mod nn;
+mod norm;
 mod pool;
 mod reduce;
+mod rope;
 mod rope_table;
+mod row_checks;
+mod softmax;
 mod swiglu;
 
 pub use batch_norm::{BatchNormGrads, BatchNormOutput};
 pub use conv::Conv2dGrads;
+pub use cross_entropy::CrossEntropy;
 pub use fused_gate::FusedGateSaved;
 pub use kernels::cpu::binary::Binary;
 pub use kernels::cpu::unary::Unary;
-pub use nn::{CrossEntropy, LayerNormOutput, RmsNormOutput};
+pub use norm::{LayerNormOutput, RmsNormOutput};
 pub use pool::MaxPoolIndices;

@@ -1,0 +1,103 @@
+//! Causal scaled-dot-product attention of `[B, T, H, D]` operands, returning the
+//! per-query log-sum-exp its backward needs (no T×T mask is built; the backward recomputes
+//! the probabilities tile by tile). Kernels: `kernels::cpu::attention`
+//! (`kernels::cuda::attention` on the GPU).
+
+use kernels::cpu::attention;
+
+use crate::{Error, Result, Tensor};
+
+impl Tensor {
+    /// Checks causal-attention operands (`q: [B, Tq, H, D]`, `k, v: [B, Tk, H, D]`,
+    /// `0 < D`, `Tq ≤ Tk`, one device); returns `[B, Tq, Tk, H, D]`.
+    fn attention_dims(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<[usize; 5]> {
+        let [b, tq, h, d] = q.dims4(op)?;
+        let [kb, tk, kh, kd] = k.dims4(op)?;
+        if [kb, kh, kd] != [b, h, d] || v.shape != k.shape || tq > tk {
+            return Err(Error::ShapeMismatch { op, lhs: q.shape.clone(), rhs: k.shape.clone() });
+        }
+        if d == 0 {
+            return Err(Error::InvalidShape { op, shape: q.shape.clone(), reason: "zero head dim".into() });
+        }
+        q.same_device(op, k)?;
+        q.same_device(op, v)?;
+        Ok([b, tq, tk, h, d])
+    }
+
+    /// Causal scaled-dot-product attention of `q: [B, Tq, H, D]` over `k, v: [B, Tk, H, D]`
+    /// (Tq ≤ Tk; the queries are the last Tq positions). Returns the output `[B, Tq, H, D]`
+    /// and the per-query log-sum-exp `[B, H, Tq]` (on the inputs' device) for backward. No
+    /// T×T mask is built.
+    pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<(Tensor, Tensor)> {
+        let [b, tq, tk, h, d] = Tensor::attention_dims("causal_attention", q, k, v)?;
+        #[cfg(feature = "cuda")]
+        if q.cuda_storage().is_some() {
+            return crate::cuda::attention::causal_attention(q, k, v, scale);
+        }
+        q.require_cpu("causal_attention")?;
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        let mut out = crate::pool::buffer(q.numel());
+        let mut lse = vec![0.0; b * h * tq];
+        attention::causal_attention_forward(
+            q.as_slice()?,
+            k.as_slice()?,
+            v.as_slice()?,
+            b,
+            tq,
+            tk,
+            h,
+            d,
+            scale,
+            &mut out,
+            &mut lse,
+        );
+        Ok((Tensor::from_vec(out, &q.shape)?, Tensor::from_vec(lse, &[b, h, tq])?))
+    }
+
+    /// `(dq, dk, dv)` of [`Tensor::causal_attention`] from its inputs, output `out`, saved
+    /// `lse` and the output gradient `dout`. The probabilities are recomputed tile by tile:
+    /// `dq = dS·k·scale`, `dk = dSᵀ·q·scale`, `dv = Pᵀ·dout`, `dS = P ⊙ (dP − rowsum(dout⊙out))`.
+    pub fn causal_attention_backward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        scale: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        const OP: &str = "causal_attention_backward";
+        let [b, tq, tk, h, d] = Tensor::attention_dims(OP, q, k, v)?;
+        q.check_like(OP, out)?;
+        q.check_like(OP, dout)?;
+        q.check_row_stats(OP, lse, b * h * tq)?;
+        #[cfg(feature = "cuda")]
+        if q.cuda_storage().is_some() {
+            return crate::cuda::attention::causal_attention_backward(q, k, v, out, lse, dout, scale);
+        }
+        q.require_cpu(OP)?;
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        let (out, lse, dout) = (out.contiguous()?, lse.contiguous()?, dout.contiguous()?);
+        let (mut dq, mut dk, mut dv) =
+            (crate::pool::buffer(q.numel()), crate::pool::buffer(k.numel()), crate::pool::buffer(v.numel()));
+        attention::causal_attention_backward(
+            q.as_slice()?,
+            k.as_slice()?,
+            v.as_slice()?,
+            out.as_slice()?,
+            lse.as_slice()?,
+            dout.as_slice()?,
+            b,
+            tq,
+            tk,
+            h,
+            d,
+            scale,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+            false,
+        );
+        Ok((Tensor::from_vec(dq, &q.shape)?, Tensor::from_vec(dk, &k.shape)?, Tensor::from_vec(dv, &v.shape)?))
+    }
+}

@@ -1,0 +1,62 @@
+//! Embedding lookup (rows of `[V, C]` picked by token ids, PyTorch `F.embedding`) and its
+//! weight gradient. Kernels: `kernels::cpu::embedding` (`kernels::cuda::embedding` on the
+//! GPU).
+
+use kernels::cpu::embedding;
+
+use crate::{Error, Result, Tensor};
+
+impl Tensor {
+    /// Errors unless every id is below `vocab`.
+    fn check_ids(op: &'static str, ids: &[u32], vocab: usize) -> Result<()> {
+        match ids.iter().find(|&&i| i as usize >= vocab) {
+            Some(&bad) => Err(Error::IndexOutOfRange { op, index: bad as usize, size: vocab }),
+            None => Ok(()),
+        }
+    }
+
+    /// Rows of `self: [V, C]` picked by `ids`; the output has shape `ids_shape + [C]`
+    /// (PyTorch `F.embedding`, also `index_select` over dimension 0).
+    pub fn embedding(&self, ids: &[u32], ids_shape: &[usize]) -> Result<Tensor> {
+        let &[vocab, dim] = self.shape.as_slice() else {
+            return Err(Error::InvalidShape {
+                op: "embedding",
+                shape: self.shape.clone(),
+                reason: "weight must be [V, C]".into(),
+            });
+        };
+        if ids_shape.iter().product::<usize>() != ids.len() {
+            return Err(Error::ShapeMismatch { op: "embedding", lhs: ids_shape.to_vec(), rhs: vec![ids.len()] });
+        }
+        Tensor::check_ids("embedding", ids, vocab)?;
+        let out_shape = [ids_shape, &[dim]].concat();
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            return crate::cuda::embedding::embedding(self, ids, &out_shape);
+        }
+        self.require_cpu("embedding")?;
+        let w = self.contiguous()?;
+        let mut out = crate::pool::buffer(ids.len() * dim);
+        embedding::embedding_forward(w.as_slice()?, dim, ids, &mut out);
+        Tensor::from_vec(out, &out_shape)
+    }
+
+    /// The weight gradient `[vocab, C]` of [`Tensor::embedding`] for the gradient `dy`
+    /// (`ids_shape + [C]`) of its output: `dW[ids[i]] += dy[i]` (a row used twice gets both).
+    pub fn embedding_backward(ids: &[u32], dy: &Tensor, vocab: usize) -> Result<Tensor> {
+        const OP: &str = "embedding_backward";
+        let dim = dy.last_dim(OP)?;
+        if dy.numel() != ids.len() * dim {
+            return Err(Error::ShapeMismatch { op: OP, lhs: dy.shape.clone(), rhs: vec![ids.len(), dim] });
+        }
+        Tensor::check_ids(OP, ids, vocab)?;
+        #[cfg(feature = "cuda")]
+        if dy.cuda_storage().is_some() {
+            return crate::cuda::embedding::embedding_backward(ids, dy, vocab, dim);
+        }
+        dy.require_cpu(OP)?;
+        let mut dw = crate::pool::zeros(vocab * dim);
+        embedding::embedding_backward(ids, dy.contiguous()?.as_slice()?, dim, &mut dw);
+        Tensor::from_vec(dw, &[vocab, dim])
+    }
+}

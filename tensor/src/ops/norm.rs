@@ -1,0 +1,158 @@
+//! RMSNorm (LLaMA) and LayerNorm over the last axis, each returning the row statistics its
+//! backward needs. Kernels: `kernels::cpu::norm` (`kernels::cuda::norm` on the GPU).
+
+use kernels::cpu::norm;
+
+use crate::{Error, Result, Tensor};
+
+/// Output of [`Tensor::rms_norm`]: `y` and the per-row `1/rms` (`[rows]`, on `y`'s device)
+/// saved for backward.
+pub struct RmsNormOutput {
+    /// The normalised, scaled output (the input's shape).
+    pub y: Tensor,
+    /// `1/√(mean(x²) + eps)` of every row, `[rows]`.
+    pub rstd: Tensor,
+}
+
+/// Output of [`Tensor::layer_norm`]: `y`, per-row mean and `1/std` (each `[rows]`, on
+/// `y`'s device) saved for backward.
+pub struct LayerNormOutput {
+    /// The normalised (and affine-transformed) output (the input's shape).
+    pub y: Tensor,
+    /// The mean of every row, `[rows]`.
+    pub mean: Tensor,
+    /// `1/√(var + eps)` of every row, `[rows]`.
+    pub rstd: Tensor,
+}
+
+impl Tensor {
+    /// Errors unless `weight` (when given) is `[cols]` on this tensor's device.
+    fn check_weight(&self, op: &'static str, weight: Option<&Tensor>, cols: usize) -> Result<()> {
+        match weight {
+            Some(w) if w.shape != [cols] => {
+                Err(Error::ShapeMismatch { op, lhs: self.shape.clone(), rhs: w.shape.clone() })
+            }
+            Some(w) => self.same_device(op, w),
+            None => Ok(()),
+        }
+    }
+
+    /// RMSNorm over the last axis: `x / sqrt(mean(x²) + eps) · weight` (LLaMA's norm).
+    pub fn rms_norm(&self, weight: &Tensor, eps: f32) -> Result<RmsNormOutput> {
+        let cols = self.last_dim("rms_norm")?;
+        self.check_weight("rms_norm", Some(weight), cols)?;
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            return crate::cuda::norm::rms_norm(self, weight, cols, eps);
+        }
+        let (_, x) = self.rows("rms_norm")?;
+        let rows = x.numel() / cols.max(1);
+        let mut y = crate::pool::buffer(x.numel());
+        let mut rstd = vec![0.0; rows];
+        norm::rms_norm_forward(x.as_slice()?, weight.contiguous()?.as_slice()?, cols, eps, &mut y, &mut rstd);
+        Ok(RmsNormOutput { y: Tensor::from_vec(y, &self.shape)?, rstd: Tensor::from_vec(rstd, &[rows])? })
+    }
+
+    /// `(dx, dweight)` of [`Tensor::rms_norm`] from its input, weight and saved `rstd`:
+    /// `dx = rstd·(w⊙dy − x̂·mean(x̂⊙w⊙dy))`, `dweight = Σ_rows dy⊙x̂`, with `x̂ = x·rstd`.
+    pub fn rms_norm_backward(x: &Tensor, weight: &Tensor, rstd: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+        const OP: &str = "rms_norm_backward";
+        let cols = x.last_dim(OP)?;
+        x.check_weight(OP, Some(weight), cols)?;
+        x.check_like(OP, dy)?;
+        x.check_row_stats(OP, rstd, x.numel() / cols.max(1))?;
+        #[cfg(feature = "cuda")]
+        if x.cuda_storage().is_some() {
+            return crate::cuda::norm::rms_norm_backward(x, weight, rstd, dy, cols);
+        }
+        let (_, x) = x.rows(OP)?;
+        let (w, rstd) = (weight.contiguous()?, rstd.contiguous()?);
+        let (mut dx, mut dw) = (crate::pool::buffer(x.numel()), crate::pool::zeros(cols));
+        norm::rms_norm_backward(
+            x.as_slice()?,
+            w.as_slice()?,
+            rstd.as_slice()?,
+            dy.contiguous()?.as_slice()?,
+            cols,
+            &mut dx,
+            &mut dw,
+            false,
+        );
+        Ok((Tensor::from_vec(dx, &x.shape)?, Tensor::from_vec(dw, &w.shape)?))
+    }
+
+    /// LayerNorm over the last axis, with optional affine weight and bias.
+    pub fn layer_norm(&self, weight: Option<&Tensor>, bias: Option<&Tensor>, eps: f32) -> Result<LayerNormOutput> {
+        let cols = self.last_dim("layer_norm")?;
+        self.check_weight("layer_norm", weight, cols)?;
+        self.check_weight("layer_norm", bias, cols)?;
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            return crate::cuda::norm::layer_norm(self, weight, bias, cols, eps);
+        }
+        let (_, x) = self.rows("layer_norm")?;
+        let rows = x.numel() / cols.max(1);
+        let (mut y, mut mean, mut rstd) = (crate::pool::buffer(x.numel()), vec![0.0; rows], vec![0.0; rows]);
+        let weight = weight.map(|w| w.contiguous()).transpose()?;
+        let bias = bias.map(|b| b.contiguous()).transpose()?;
+        norm::layer_norm_forward(
+            x.as_slice()?,
+            weight.as_ref().map(|w| w.as_slice()).transpose()?,
+            bias.as_ref().map(|b| b.as_slice()).transpose()?,
+            cols,
+            eps,
+            &mut y,
+            &mut mean,
+            &mut rstd,
+        );
+        Ok(LayerNormOutput {
+            y: Tensor::from_vec(y, &self.shape)?,
+            mean: Tensor::from_vec(mean, &[rows])?,
+            rstd: Tensor::from_vec(rstd, &[rows])?,
+        })
+    }
+
+    /// `(dx, dweight, dbias)` of [`Tensor::layer_norm`] from its input, optional weight and
+    /// saved `mean`/`rstd`; `dweight` is computed when `weight` is given, `dbias` when
+    /// `with_bias`. With `g = dy⊙w`: `dx = rstd·(g − mean(g) − x̂·mean(g⊙x̂))`,
+    /// `dweight = Σ_rows dy⊙x̂`, `dbias = Σ_rows dy`.
+    pub fn layer_norm_backward(
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        mean: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        with_bias: bool,
+    ) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+        const OP: &str = "layer_norm_backward";
+        let cols = x.last_dim(OP)?;
+        let rows = x.numel() / cols.max(1);
+        x.check_weight(OP, weight, cols)?;
+        x.check_like(OP, dy)?;
+        x.check_row_stats(OP, mean, rows)?;
+        x.check_row_stats(OP, rstd, rows)?;
+        #[cfg(feature = "cuda")]
+        if x.cuda_storage().is_some() {
+            return crate::cuda::norm::layer_norm_backward(x, weight, mean, rstd, dy, cols, with_bias);
+        }
+        let (_, x) = x.rows(OP)?;
+        let w = weight.map(|w| w.contiguous()).transpose()?;
+        let (mean, rstd) = (mean.contiguous()?, rstd.contiguous()?);
+        let mut dx = crate::pool::zeros(x.numel());
+        let mut dw = w.as_ref().map(|_| crate::pool::zeros(cols));
+        let mut db = with_bias.then(|| crate::pool::zeros(cols));
+        norm::layer_norm_backward(
+            x.as_slice()?,
+            w.as_ref().map(|w| w.as_slice()).transpose()?,
+            mean.as_slice()?,
+            rstd.as_slice()?,
+            dy.contiguous()?.as_slice()?,
+            cols,
+            &mut dx,
+            dw.as_deref_mut(),
+            db.as_deref_mut(),
+        );
+        let column = |g: Vec<f32>| Tensor::from_vec(g, &[cols]);
+        Ok((Tensor::from_vec(dx, &x.shape)?, dw.map(column).transpose()?, db.map(column).transpose()?))
+    }
+}
