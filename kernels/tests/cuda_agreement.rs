@@ -677,13 +677,13 @@ fn batch_norm_agrees() {
             let (gwo, gbo) = if affine { (Some(&gw), Some(&gb)) } else { (None, None) };
             let (mut rm, mut rv) = (rm0.clone(), rv0.clone());
             let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; channels], vec![0.0; channels]);
-            cpu::batchnorm::batch_norm_train_forward(
+            cpu::batch_norm::batch_norm_train_forward(
                 &x, batch, channels, spatial, wo, bo, 1e-5, 0.1, &mut rm, &mut rv, &mut y, &mut mean, &mut rstd,
             );
             let (mut grm, mut grv) = (up(dev, &rm0), up(dev, &rv0));
             let (mut gy, mut gmean, mut grstd) =
                 (dev.alloc(x.len()).unwrap(), dev.alloc(channels).unwrap(), dev.alloc(channels).unwrap());
-            cuda::batchnorm::batch_norm_train_forward(
+            cuda::batch_norm::batch_norm_train_forward(
                 dev, &gx, batch, channels, spatial, gwo, gbo, 1e-5, 0.1, &mut grm, &mut grv, &mut gy, &mut gmean,
                 &mut grstd,
             )
@@ -695,8 +695,8 @@ fn batch_norm_agrees() {
             assert_reduced("bn running var", &down(dev, &grv), &rv);
 
             let mut y_eval = vec![0.0; x.len()];
-            cpu::batchnorm::batch_norm_eval_forward(&x, batch, channels, spatial, wo, bo, 1e-5, &rm, &rv, &mut y_eval);
-            cuda::batchnorm::batch_norm_eval_forward(
+            cpu::batch_norm::batch_norm_eval_forward(&x, batch, channels, spatial, wo, bo, 1e-5, &rm, &rv, &mut y_eval);
+            cuda::batch_norm::batch_norm_eval_forward(
                 dev, &gx, batch, channels, spatial, gwo, gbo, 1e-5, &grm, &grv, &mut gy,
             )
             .unwrap();
@@ -705,7 +705,7 @@ fn batch_norm_agrees() {
             let dy = rng.vec(x.len(), -1.0, 1.0);
             let (sx, sc) = (rng.vec(x.len(), -0.1, 0.1), rng.vec(channels, -0.1, 0.1));
             let (mut dx, mut dw, mut db) = (sx.clone(), sc.clone(), sc.clone());
-            cpu::batchnorm::batch_norm_train_backward(
+            cpu::batch_norm::batch_norm_train_backward(
                 &x,
                 batch,
                 channels,
@@ -720,7 +720,7 @@ fn batch_norm_agrees() {
             );
             let (mut gdx, mut gdw, mut gdb) = (up(dev, &sx), up(dev, &sc), up(dev, &sc));
             let (gm, gr) = (up(dev, &mean), up(dev, &rstd));
-            cuda::batchnorm::batch_norm_train_backward(
+            cuda::batch_norm::batch_norm_train_backward(
                 dev,
                 &gx,
                 batch,

@@ -2,7 +2,7 @@
 //! threshold, because spawning costs more than small loops), matmul through `gemm`.
 
 pub mod attention;
-pub mod batchnorm;
+pub mod batch_norm;
 pub mod binary;
 pub mod conv;
 pub mod copy;

@@ -1,7 +1,7 @@
-//! Launchers of `batchnorm.cu`: batch normalisation of `x[N, C, S]` per channel, training
+//! Launchers of `batch_norm.cu`: batch normalisation of `x[N, C, S]` per channel, training
 //! and eval forward, training backward.
 //!
-//! Mirrors `cpu::batchnorm`: training saves `mean[C]` and `rstd[C]` and updates the running
+//! Mirrors `cpu::batch_norm`: training saves `mean[C]` and `rstd[C]` and updates the running
 //! statistics (unbiased variance); gradients accumulate. Statistics are summed in f64.
 
 use super::allocator::DeviceBuffer;

@@ -29,7 +29,7 @@
 
 pub mod allocator;
 pub mod attention;
-pub mod batchnorm;
+pub mod batch_norm;
 pub mod blas;
 pub mod conv;
 pub mod device;

@@ -1,5 +1,5 @@
 //! The CUDA branch of `ops/batch_norm.rs`: batch normalisation through
-//! `kernels::cuda::batchnorm` (training forward and backward, evaluation forward).
+//! `kernels::cuda::batch_norm` (training forward and backward, evaluation forward).
 //!
 //! The evaluation backward has no kernel of its own; it is composed of launchers that
 //! compute exactly its formulas: `d/dx = dy·weight/√(rv + eps)` is the evaluation forward
@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use kernels::cuda::elementwise::{scalar_forward, unary_forward, Binary, Unary};
-use kernels::cuda::{batchnorm as launch, DeviceBuffer};
+use kernels::cuda::{batch_norm as launch, DeviceBuffer};
 
 use super::{output, CudaStorage};
 use crate::ops::{BatchNormGrads, BatchNormOutput};

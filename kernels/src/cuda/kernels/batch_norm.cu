@@ -1,4 +1,4 @@
-// Batch normalisation over N and H·W for each channel of x [N, C, S] (cpu/batchnorm.rs):
+// Batch normalisation over N and H·W for each channel of x [N, C, S] (cpu/batch_norm.rs):
 // y = (x − mean[c])·rstd[c]·w[c] + b[c], rstd = 1/√(var + eps). One block per channel for
 // the training passes (statistics summed in f64, two passes for a stable variance); the
 // eval pass is elementwise. Gradients accumulate: dx += ..., dweight += ..., dbias += ...
