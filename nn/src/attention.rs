@@ -13,7 +13,8 @@
 use autograd::{Result, Var};
 use tensor::{Error, Rng};
 
-use crate::modulator::{DenseGate, Gate, ModulatedProjection, WeightInit};
+use crate::init::WeightInit;
+use crate::modulator::{DenseGate, Gate, ModulatedProjection};
 use crate::module::{join, Module};
 
 /// Shape of an attention layer.

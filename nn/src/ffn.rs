@@ -11,7 +11,8 @@
 use autograd::{Result, Var};
 use tensor::Rng;
 
-use crate::modulator::{Gate, ModulatedProjection, WeightInit};
+use crate::init::WeightInit;
+use crate::modulator::{Gate, ModulatedProjection};
 use crate::module::{join, Module};
 
 /// SwiGLU FFN: `C → hidden → C`.

@@ -4,6 +4,8 @@
 use autograd::Var;
 use tensor::{Rng, Tensor};
 
+use crate::layers::Linear;
+
 /// Kaiming-uniform (PyTorch `nn.Linear` default): U(−1/√fan_in, 1/√fan_in).
 pub fn kaiming_uniform(shape: &[usize], fan_in: usize, rng: &mut Rng) -> Var {
     Var::parameter(Tensor::kaiming_uniform(shape, fan_in, rng))
@@ -27,4 +29,27 @@ pub fn ones(shape: &[usize]) -> Var {
 /// A constant fill.
 pub fn constant(shape: &[usize], value: f32) -> Var {
     Var::parameter(Tensor::full(shape, value))
+}
+
+/// How a projection's weight `[out, in]` is initialised.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum WeightInit {
+    /// U(−1/√in, 1/√in), PyTorch `nn.Linear`'s default.
+    KaimingUniform,
+    /// N(0, std²): Hugging Face LLaMA's `initializer_range` (0.02).
+    Normal {
+        /// Standard deviation.
+        std: f32,
+    },
+}
+
+impl WeightInit {
+    /// A bias-free `in_features → out_features` linear layer initialised this way.
+    pub fn linear(self, in_features: usize, out_features: usize, rng: &mut Rng) -> Linear {
+        let weight = match self {
+            WeightInit::KaimingUniform => kaiming_uniform(&[out_features, in_features], in_features, rng),
+            WeightInit::Normal { std } => normal(&[out_features, in_features], std, rng),
+        };
+        Linear { weight, bias: None }
+    }
 }

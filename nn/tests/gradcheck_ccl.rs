@@ -10,8 +10,8 @@
 
 use autograd::{gradcheck, no_grad, Result, Var};
 use nn::ccl::{causal_mean, CclAblation, CclConfig, CclFfn, CclMode, ContextConditionedLinear, ContextManager};
+use nn::init::WeightInit;
 use nn::layers::{LayerNorm, Linear};
-use nn::modulator::WeightInit;
 use nn::per_token::{PerTokenTransform, TokenScale};
 use nn::Module;
 use proptest::prelude::*;

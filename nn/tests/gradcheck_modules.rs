@@ -14,10 +14,11 @@ use autograd::Var;
 use common::{check_module, randomise};
 use nn::attention::{Attention, AttentionConfig};
 use nn::ffn::SwiGlu;
-use nn::layers::DyT;
+use nn::init::WeightInit;
+use nn::layers::{DyT, Norm};
 use nn::modulator::{
-    ComtModulator, Gate, ModulatedProjection, Modulator, ModulatorConfig, NonContextualGate, Norm, Phi, Residual,
-    ResidualRule, Resolution, WeightInit,
+    ComtModulator, Gate, ModulatedProjection, Modulator, ModulatorConfig, NonContextualGate, Phi, Residual,
+    ResidualRule, Resolution,
 };
 use nn::per_token::{PerTokenTransform, TokenScale};
 use nn::Module;

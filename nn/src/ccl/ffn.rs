@@ -12,7 +12,7 @@ use autograd::{Result, Var};
 use tensor::{Error, Rng};
 
 use super::{CclConfig, ContextConditionedLinear, ContextManager};
-use crate::modulator::WeightInit;
+use crate::init::WeightInit;
 use crate::module::{join, Module};
 
 /// SwiGLU `C → hidden → C` built from three CCLs and one context manager.

@@ -23,8 +23,8 @@ use tensor::{Error, Rng};
 
 use super::{CclAblation, CclConfig};
 use crate::init;
+use crate::init::WeightInit;
 use crate::layers::{LayerNorm, Linear};
-use crate::modulator::WeightInit;
 use crate::module::{join, Module};
 use crate::trace;
 

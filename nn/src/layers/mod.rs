@@ -6,4 +6,4 @@ mod norm;
 
 pub use embedding::Embedding;
 pub use linear::Linear;
-pub use norm::{DyT, LayerNorm, RmsNorm};
+pub use norm::{DyT, LayerNorm, Norm, RmsNorm};

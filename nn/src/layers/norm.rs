@@ -1,5 +1,6 @@
 //! Normalisation layers: RMSNorm (LLaMA), LayerNorm, and DyT (`γ ⊙ tanh(α·x) + β`,
-//! the norm-free baseline of SPEC §5).
+//! the norm-free baseline of SPEC §5), and [`Norm`], the choice between RMSNorm and DyT a
+//! decoder block makes.
 
 use autograd::{Result, Var};
 
@@ -84,5 +85,37 @@ impl Module for DyT {
         visit(join(prefix, "alpha"), &self.alpha);
         visit(join(prefix, "weight"), &self.weight);
         visit(join(prefix, "bias"), &self.bias);
+    }
+}
+
+/// A block's normalisation layer.
+pub enum Norm {
+    /// RMSNorm (LLaMA).
+    Rms(RmsNorm),
+    /// `γ ⊙ tanh(α·x) + β`, α init 0.5 (the `dyt` baseline).
+    Dyt(DyT),
+}
+
+impl Norm {
+    /// An RMSNorm over `dim` with `eps`.
+    pub fn rms(dim: usize, eps: f32) -> Norm {
+        Norm::Rms(RmsNorm { eps, ..RmsNorm::new(dim) })
+    }
+
+    /// Normalises (or squashes) the last axis.
+    pub fn forward(&self, x: &Var) -> Result<Var> {
+        match self {
+            Norm::Rms(n) => n.forward(x),
+            Norm::Dyt(n) => n.forward(x),
+        }
+    }
+}
+
+impl Module for Norm {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(String, &Var)) {
+        match self {
+            Norm::Rms(n) => n.visit_parameters(prefix, visit),
+            Norm::Dyt(n) => n.visit_parameters(prefix, visit),
+        }
     }
 }

@@ -7,7 +7,7 @@
 use autograd::{Result, Var};
 use tensor::Rng;
 
-use super::WeightInit;
+use crate::init::WeightInit;
 use crate::layers::Linear;
 use crate::module::Module;
 

@@ -25,8 +25,12 @@ pub use comt::ComtModulator;
 pub use contextual::{Modulator, ModulatorConfig, NonContextualGate, Resolution};
 pub use dense::DenseGate;
 pub use gate::Gate;
-pub use projection::{ModulatedProjection, WeightInit};
-pub use residual::{Norm, Residual, ResidualRule};
+pub use projection::ModulatedProjection;
+pub use residual::{Residual, ResidualRule};
+
+/// Re-exported from their homes (`nn::layers::Norm`, `nn::init::WeightInit`) for the
+/// `models` crate's imports, which name them here.
+pub use crate::{init::WeightInit, layers::Norm};
 
 use autograd::ops::Unary;
 use autograd::{Result, Var};

@@ -10,31 +10,9 @@ use autograd::{Result, Var};
 use tensor::Rng;
 
 use super::Gate;
+use crate::init::WeightInit;
 use crate::layers::Linear;
 use crate::module::{join, Module};
-
-/// How a projection's weight `[out, in]` is initialised.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum WeightInit {
-    /// U(−1/√in, 1/√in), PyTorch `nn.Linear`'s default.
-    KaimingUniform,
-    /// N(0, std²): Hugging Face LLaMA's `initializer_range` (0.02).
-    Normal {
-        /// Standard deviation.
-        std: f32,
-    },
-}
-
-impl WeightInit {
-    /// A bias-free `in_features → out_features` linear layer initialised this way.
-    pub fn linear(self, in_features: usize, out_features: usize, rng: &mut Rng) -> Linear {
-        let weight = match self {
-            WeightInit::KaimingUniform => crate::init::kaiming_uniform(&[out_features, in_features], in_features, rng),
-            WeightInit::Normal { std } => crate::init::normal(&[out_features, in_features], std, rng),
-        };
-        Linear { weight, bias: None }
-    }
-}
 
 /// A bias-free linear layer with an optional list of output gates.
 pub struct ModulatedProjection {

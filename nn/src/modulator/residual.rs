@@ -19,40 +19,8 @@ use autograd::{Result, Var};
 use tensor::{Error, Rng};
 
 use crate::init;
-use crate::layers::{DyT, RmsNorm};
+use crate::layers::Norm;
 use crate::module::{join, Module};
-
-/// A block's normalisation layer.
-pub enum Norm {
-    /// RMSNorm (LLaMA).
-    Rms(RmsNorm),
-    /// `γ ⊙ tanh(α·x) + β`, α init 0.5 (the `dyt` baseline).
-    Dyt(DyT),
-}
-
-impl Norm {
-    /// An RMSNorm over `dim` with `eps`.
-    pub fn rms(dim: usize, eps: f32) -> Norm {
-        Norm::Rms(RmsNorm { eps, ..RmsNorm::new(dim) })
-    }
-
-    /// Normalises (or squashes) the last axis.
-    pub fn forward(&self, x: &Var) -> Result<Var> {
-        match self {
-            Norm::Rms(n) => n.forward(x),
-            Norm::Dyt(n) => n.forward(x),
-        }
-    }
-}
-
-impl Module for Norm {
-    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(String, &Var)) {
-        match self {
-            Norm::Rms(n) => n.visit_parameters(prefix, visit),
-            Norm::Dyt(n) => n.visit_parameters(prefix, visit),
-        }
-    }
-}
 
 /// The residual rule of one block; see the module table.
 #[derive(Clone, Copy, Debug, PartialEq)]
