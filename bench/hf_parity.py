@@ -6,9 +6,11 @@ built-in tinyshakespeare (so gates and zero-initialised parts have moved), `tran
 export` it, load the directory with `AutoModelForCausalLM.from_pretrained` (pre-ln as plain
 `LlamaForCausalLM`, the others with `trust_remote_code=True`), and compute the validation
 loss on exactly the windows `transponder eval` reads (consecutive windows of seq_len + 1
-tokens from the start of val.bin, batch by batch). Prints both losses and their difference
-per row, and exits non-zero when a load reports missing or unexpected weights or a
-difference exceeds --tolerance (1e-4).
+tokens from the start of val.bin, batch by batch). Also generates 16 greedy tokens after
+"ROMEO:" with `model.generate` and with `transponder sample --temperature 0` (KV cache).
+Prints both losses, their difference and whether the generations match, per row, and exits
+non-zero when a load reports missing or unexpected weights, a difference exceeds
+--tolerance (1e-4) or the generations differ.
 
 Run by hand, not in CI (it needs torch + transformers, CPU is enough):
 
@@ -22,10 +24,13 @@ import re
 import subprocess
 import sys
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, "target", "release", "transponder")
@@ -79,6 +84,18 @@ def hf_loss(model, tokens, batch_size, seq_len, batches):
     return total / batches
 
 
+PROMPT = "ROMEO:"
+GENERATED = 16
+
+
+def hf_greedy(model):
+    """`PROMPT` and 16 greedy tokens from `transformers`' generate, as text (byte tokenizer)."""
+    ids = torch.tensor([list(PROMPT.encode())])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GENERATED, do_sample=False)
+    return bytes(out[0].tolist()).decode("utf-8", "replace")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", help="comma-separated names (default: every variant and combination)")
@@ -99,7 +116,7 @@ def main():
         run([BIN, "prepare", os.path.join(ROOT, "data", "tinyshakespeare.txt"), "--out", data])
     tokens = read_tokens(os.path.join(data, "val.bin"))
 
-    print(f"{'variant':<46} {'kind':<28} {'transponder eval':>16} {'transformers':>13} {'|diff|':>9}")
+    print(f"{'variant':<46} {'kind':<24} {'transponder eval':>16} {'transformers':>13} {'|diff|':>9}  generate")
     failures = []
     for name, variant, extra in rows:
         out = os.path.join(args.work_dir, re.sub(r"[^a-z0-9]+", "-", name).strip("-"))
@@ -113,15 +130,22 @@ def main():
         ours = float(re.search(r"val loss ([0-9.]+)", evaluated).group(1))
         export = os.path.join(out, "hf")
         run([BIN, "export", checkpoint, export])
-        model, info = AutoModelForCausalLM.from_pretrained(
-            export, trust_remote_code=True, output_loading_info=True, torch_dtype=torch.float32
-        )
+        model, info = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, output_loading_info=True)
         model.eval()
+        if any(p.dtype != torch.float32 for p in model.parameters()):
+            failures.append(f"{name}: loaded with parameters other than float32")
         bad_keys = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
         theirs = hf_loss(model, tokens, args.batch_size, args.seq_len, args.batches)
         diff = abs(ours - theirs)
         kind = type(model).__name__
-        print(f"{name:<46} {kind:<28} {ours:>16.6f} {theirs:>13.6f} {diff:>9.1e}", flush=True)
+        sampled = run([BIN, "sample", checkpoint, "--prompt", PROMPT, "--max-new-tokens", str(GENERATED),
+                       "--temperature", "0"])
+        # `sample` prints the text and a newline; the text itself may end in generated newlines.
+        same = sampled.removesuffix("\n") == hf_greedy(model)
+        print(f"{name:<46} {kind:<24} {ours:>16.6f} {theirs:>13.6f} {diff:>9.1e}  {'same' if same else 'DIFFERS'}",
+              flush=True)
+        if not same:
+            failures.append(f"{name}: greedy generation differs")
         if bad_keys:
             failures.append(f"{name}: {bad_keys}")
         if diff > args.tolerance:
