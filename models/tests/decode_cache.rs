@@ -151,6 +151,8 @@ fn a_cache_for_another_batch_or_model_is_an_error() {
 #[test]
 fn cached_decoding_matches_the_full_forward_on_cuda() {
     if !tensor::cuda::is_available() {
+        let required = std::env::var_os("TRANSPONDER_REQUIRE_CUDA").is_some();
+        assert!(!required, "TRANSPONDER_REQUIRE_CUDA is set: no CUDA device");
         eprintln!("skipping: no CUDA device");
         return;
     }
