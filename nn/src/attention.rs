@@ -9,9 +9,14 @@
 //! PyTorch equivalent: Hugging Face `LlamaAttention` (no GQA, no bias) with
 //! `F.scaled_dot_product_attention(..., is_causal=True)`. Projections and gates run on the
 //! flattened `[B·T, C]` rows; attention runs in `[B, T, H, D]` layout, no transposes.
+//!
+//! [`Attention::forward_cached`] is the decoding form (Hugging Face's `past_key_values`):
+//! each sequence keeps its rotated keys and values in a [`KvCache`], new tokens sit at
+//! RoPE positions after the cached ones and attend to every cached position (the attention
+//! kernels align the causal mask bottom-right, so `Tq < Tk` is the cache case).
 
 use autograd::{Result, Var};
-use tensor::{Error, Rng};
+use tensor::{Error, Rng, Tensor};
 
 use crate::init::WeightInit;
 use crate::modulator::{DenseGate, Gate, ModulatedProjection};
@@ -82,18 +87,51 @@ impl Attention {
 
     /// `x: [B, T, C] → [B, T, C]`; token t attends to tokens ≤ t, at RoPE position t.
     pub fn forward(&self, x: &Var) -> Result<Var> {
+        let theta = self.config.rope_theta;
+        self.forward_with(x, |q, k, v, scale| Var::causal_attention(&q.rope(theta, 0)?, &k.rope(theta, 0)?, v, scale))
+    }
+
+    /// `x: [B, T, C] → [B, T, C]` for `T` new tokens of each of `B` sequences, sequence `i`
+    /// continuing the positions in `caches[i]` (which gains the new keys and values): token
+    /// t of sequence i sits at RoPE position `caches[i].len() + t` and attends to every
+    /// cached position and to new tokens ≤ t. With empty caches this is [`Attention::forward`].
+    /// Meant for inference (inside `no_grad`): the cache holds plain tensors, no graph.
+    pub fn forward_cached(&self, x: &Var, caches: &mut [KvCache]) -> Result<Var> {
+        let batch = x.shape().first().copied().unwrap_or(0);
+        if caches.len() != batch {
+            return Err(Error::ShapeMismatch { op: "attention cache", lhs: x.shape(), rhs: vec![caches.len()] });
+        }
+        let theta = self.config.rope_theta;
+        self.forward_with(x, |q, k, v, scale| {
+            let mut outputs = Vec::with_capacity(batch);
+            for (i, cache) in caches.iter_mut().enumerate() {
+                let position = cache.len();
+                let q = q.narrow(0, i, 1)?.rope(theta, position)?;
+                let k = k.narrow(0, i, 1)?.rope(theta, position)?.value();
+                let (keys, values) = cache.append(&k, &v.narrow(0, i, 1)?.value())?;
+                outputs.push(Var::causal_attention(&q, &Var::constant(keys), &Var::constant(values), scale)?);
+            }
+            match outputs.as_slice() {
+                [single] => Ok(single.clone()),
+                _ => Var::cat(&outputs.iter().collect::<Vec<_>>(), 0),
+            }
+        })
+    }
+
+    /// The layer around its attention core: projections and their gates, then `attend(q, k,
+    /// v, scale)` on the unrotated `[B, T, H, D]` heads (it applies RoPE), then the SDPA gate,
+    /// the output projection and the path gates.
+    fn forward_with(&self, x: &Var, attend: impl FnOnce(&Var, &Var, &Var, f32) -> Result<Var>) -> Result<Var> {
         let &[b, t, d] = x.shape().as_slice() else {
             return Err(Error::InvalidShape { op: "attention", shape: x.shape(), reason: "expected [B, T, C]".into() });
         };
-        let (h, theta) = (self.config.n_heads, self.config.rope_theta);
+        let h = self.config.n_heads;
         let head_dim = d / h;
         let rows = x.reshape(&[b * t, d])?;
         let heads = |p: &ModulatedProjection| p.forward(&rows)?.reshape(&[b, t, h, head_dim]);
-        let q = heads(&self.q_proj)?.rope(theta, 0)?;
-        let k = heads(&self.k_proj)?.rope(theta, 0)?;
-        let v = heads(&self.v_proj)?;
+        let (q, k, v) = (heads(&self.q_proj)?, heads(&self.k_proj)?, heads(&self.v_proj)?);
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let mut o = Var::causal_attention(&q, &k, &v, scale)?.reshape(&[b * t, d])?;
+        let mut o = attend(&q, &k, &v, scale)?.reshape(&[b * t, d])?;
         if let Some(gate) = &self.sdpa_gate {
             o = o.mul(&gate.forward(&rows)?)?;
         }
@@ -103,6 +141,38 @@ impl Attention {
             y = y.mul(&gate.forward(&rows)?)?;
         }
         y.reshape(&[b, t, d])
+    }
+}
+
+/// One sequence's rotated keys and values in one attention layer, `[1, L, H, D]` each, for
+/// decoding without recomputing the prefix. Empty until the first [`Attention::forward_cached`].
+#[derive(Default)]
+pub struct KvCache {
+    keys: Option<Tensor>,
+    values: Option<Tensor>,
+}
+
+impl KvCache {
+    /// Positions cached so far (`L`).
+    pub fn len(&self) -> usize {
+        self.keys.as_ref().map_or(0, |k| k.shape()[1])
+    }
+
+    /// True before the first forward.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Appends `keys, values: [1, T, H, D]` along the positions and returns the whole cache.
+    fn append(&mut self, keys: &Tensor, values: &Tensor) -> Result<(Tensor, Tensor)> {
+        let joined = |cached: &Option<Tensor>, new: &Tensor| match cached {
+            Some(cached) => Tensor::cat(&[cached, new], 1),
+            None => new.contiguous(),
+        };
+        let (keys, values) = (joined(&self.keys, keys)?, joined(&self.values, values)?);
+        self.keys = Some(keys.clone());
+        self.values = Some(values.clone());
+        Ok((keys, values))
     }
 }
 

@@ -7,6 +7,7 @@ pub mod compare;
 pub mod config;
 pub mod data;
 pub mod device;
+pub mod export;
 pub mod generate;
 pub mod metrics;
 pub mod prepare;

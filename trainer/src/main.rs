@@ -9,8 +9,9 @@ use nn::Module;
 use tensor::Device;
 use trainer::config::TrainConfig;
 use trainer::data::token_file::TokenFile;
-use trainer::device::{ensure_available, parse_device};
-use trainer::generate::{export_hf, load_model, sample};
+use trainer::device::{device_name, ensure_available, parse_device};
+use trainer::export::{export_hf, ExportKind};
+use trainer::generate::{generate, generate_uncached, load_model, load_model_and_tokenizer, SamplingOptions};
 use trainer::prepare::{prepare_split, ValSplit};
 use trainer::tokenizer::Tokenizer;
 use trainer::train::{evaluate, train};
@@ -58,26 +59,11 @@ enum Command {
         #[arg(long, default_value = "cpu", value_parser = parse_device)]
         device: Device,
     },
-    /// Generate text from a checkpoint.
-    Sample {
-        checkpoint: PathBuf,
-        #[arg(long, default_value = "ROMEO:")]
-        prompt: String,
-        #[arg(long, default_value = "byte")]
-        tokenizer: String,
-        #[arg(long, default_value_t = 200)]
-        tokens: usize,
-        #[arg(long, default_value_t = 0.8)]
-        temperature: f32,
-        #[arg(long, default_value_t = 40)]
-        top_k: usize,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        /// Where the model runs: cpu, cuda or cuda:N.
-        #[arg(long, default_value = "cpu", value_parser = parse_device)]
-        device: Device,
-    },
-    /// Write a baseline checkpoint as Hugging Face LlamaForCausalLM (config.json + model.safetensors).
+    /// Generate text from a checkpoint: each prompt in one pass, then a token per step from
+    /// a KV cache; stops at the model's context length. Prints tokens/s at the end.
+    Sample(Box<SampleArgs>),
+    /// Write a checkpoint as a Hugging Face model directory: pre-ln as LlamaForCausalLM, every
+    /// other variant with modeling_transponder.py (load with trust_remote_code=True).
     Export { checkpoint: PathBuf, out: PathBuf },
     /// The papers' analyses of a checkpoint (modulator values, CCL effective rank, gate
     /// statistics, top tokens, parameters and FLOPs), or `--throughput` of Base-64, CCL-64
@@ -90,6 +76,38 @@ enum Command {
     /// parameters, throughput) and the validation curves. Defaults: llama-tiny, 200 steps of
     /// batch 8 × seq 128, 3 seeds (~35 s per run on two CPU cores). Reruns skip finished runs.
     Compare(Box<trainer::compare::cli::CompareArgs>),
+}
+
+/// Sampling flags.
+#[derive(Args)]
+struct SampleArgs {
+    checkpoint: PathBuf,
+    /// A prompt; repeat the flag for a batch of prompts (default "ROMEO:").
+    #[arg(long)]
+    prompt: Vec<String>,
+    /// `byte` or `gpt2` (default: the tokenizer the checkpoint was trained with).
+    #[arg(long)]
+    tokenizer: Option<String>,
+    /// New tokens per prompt, at most.
+    #[arg(long, alias = "tokens", default_value_t = 200)]
+    max_new_tokens: usize,
+    /// Softmax temperature; 0 picks the most likely token.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Sample among the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    /// Sample among the most likely tokens whose probability reaches p (1 = all).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Recompute the whole prefix for every token (the reference path, for comparison).
+    #[arg(long)]
+    no_cache: bool,
+    /// Where the model runs: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    device: Device,
 }
 
 /// Image-training flags; each overrides the config file, which overrides the defaults.
@@ -300,6 +318,51 @@ impl TrainArgs {
     }
 }
 
+/// `transponder sample`: generates from every prompt and prints the texts, then the speed.
+fn sample(args: SampleArgs) -> Result<()> {
+    ensure_available(args.device)?;
+    let (model, _, trained_with) = load_model_and_tokenizer(&args.checkpoint)?;
+    let tokenizer = match &args.tokenizer {
+        Some(name) => Tokenizer::from_name(name)?,
+        None => trained_with,
+    };
+    model.to_device(args.device)?;
+    let prompts = if args.prompt.is_empty() { vec!["ROMEO:".to_string()] } else { args.prompt };
+    let prompt_ids: Vec<Vec<u32>> = prompts.iter().map(|p| tokenizer.encode(p)).collect();
+    let options = SamplingOptions {
+        max_new_tokens: args.max_new_tokens,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    let run = if args.no_cache { generate_uncached } else { generate };
+    let generation = run(&model, &prompt_ids, &options).context("sampling")?;
+    for (i, sequence) in generation.sequences.iter().enumerate() {
+        if i > 0 {
+            println!("---");
+        }
+        println!("{}", tokenizer.decode(sequence));
+    }
+    if let Some(length) = generation.stopped_at_context {
+        eprintln!(
+            "stopped after {} new tokens: the longest sequence reached the model's context length ({length} tokens)",
+            generation.new_tokens
+        );
+    }
+    eprintln!(
+        "{} new tokens x {} sequences in {:.2} s: {:.1} tokens/s ({}, {} tokenizer, {})",
+        generation.new_tokens,
+        generation.sequences.len(),
+        generation.seconds,
+        generation.tokens_per_second(),
+        if args.no_cache { "no cache" } else { "KV cache" },
+        tokenizer.name(),
+        device_name(args.device)
+    );
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     trainer::threads::on_worker_pool(None, || run(cli))?
@@ -342,21 +405,20 @@ fn run(cli: Cli) -> Result<()> {
             model.to_device(device)?;
             TokenFile::open(&data)?;
             let loss = evaluate(&model, &data, batch_size, config.seq_len, batches)?;
-            println!("val loss {loss:.4} | perplexity {:.3}", loss.exp());
+            println!("val loss {loss:.6} | perplexity {:.3}", loss.exp());
         }
-        Command::Sample { checkpoint, prompt, tokenizer, tokens, temperature, top_k, seed, device } => {
-            ensure_available(device)?;
-            let tokenizer = Tokenizer::from_name(&tokenizer)?;
-            let (model, config) = load_model(&checkpoint)?;
-            model.to_device(device)?;
-            let prompt_ids = tokenizer.encode(&prompt);
-            let out = sample(&model, &config, &prompt_ids, tokens, temperature, top_k, seed).context("sampling")?;
-            println!("{}", tokenizer.decode(&out));
-        }
+        Command::Sample(args) => sample(*args)?,
         Command::Export { checkpoint, out } => {
             let (model, config) = load_model(&checkpoint)?;
-            export_hf(&model, &config, &out)?;
-            println!("wrote {}/config.json and {}/model.safetensors", out.display(), out.display());
+            let exported = export_hf(&model, &config, &out)?;
+            let class = match exported.kind {
+                ExportKind::Llama => "LlamaForCausalLM",
+                ExportKind::Transponder => "TransponderForCausalLM (from_pretrained(..., trust_remote_code=True))",
+            };
+            for file in &exported.files {
+                println!("wrote {}", file.display());
+            }
+            println!("loads in transformers as {class}");
         }
         Command::Analyze(args) => trainer::analyze::run(&args)?,
         Command::Compare(args) => trainer::compare::cli::run(&args)?,

@@ -127,6 +127,15 @@ impl Tokenizer {
     }
 }
 
+/// The tokenizer name a checkpoint's training config (JSON) was trained with: its
+/// `tokenizer` field, or `byte` (the default) when the config does not name one.
+pub fn trained_tokenizer(train_config: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(train_config)
+        .ok()
+        .and_then(|v| v.get("tokenizer")?.as_str().map(str::to_string))
+        .unwrap_or_else(|| TOKENIZER_NAMES[0].into())
+}
+
 /// Builds the GPT-2 tables on first use and shares them afterwards.
 fn gpt2_tables() -> Result<&'static CoreBPE> {
     if let Some(bpe) = GPT2_BPE.get() {

@@ -115,14 +115,16 @@ fn bad_config_is_rejected_before_training() {
 
 #[test]
 fn trained_checkpoint_samples_evaluates_and_exports() {
-    use trainer::generate::{export_hf, load_model, sample};
+    use trainer::export::export_hf;
+    use trainer::generate::{generate, load_model, SamplingOptions};
     use trainer::train::evaluate;
 
     let dir = scratch("sample");
     let config = TrainConfig { save_every: 0, ..tiny_config(&dir, 3) };
     train(&config, false).unwrap();
     let (model, model_config) = load_model(&config.out_dir.join(CHECKPOINT_FILE)).unwrap();
-    let tokens = sample(&model, &model_config, &[116, 111], 5, 0.8, 10, 0).unwrap();
+    let options = SamplingOptions { max_new_tokens: 5, temperature: 0.8, top_k: 10, top_p: 1.0, seed: 0 };
+    let tokens = generate(&model, &[vec![116, 111]], &options).unwrap().sequences.remove(0);
     assert_eq!(tokens.len(), 7);
     assert!(tokens.iter().all(|&t| t < 256));
     let val = evaluate(&model, config.val_data.as_ref().unwrap(), 2, 16, 3).unwrap();

@@ -26,6 +26,7 @@ use nn::Module;
 use tensor::ops::Binary;
 use tensor::Rng;
 
+use super::cache::BlockCache;
 use super::config::{LlamaConfig, Parsed};
 use super::ffn::FeedForward;
 use super::variant::Variant;
@@ -177,18 +178,43 @@ impl DecoderBlock {
     /// `x: [B, T, C]` with the row-major token ids `ids[B·T]` → `[B, T, C]`. `earlier` holds
     /// the activations before this block's input (LAuReL-PA reads them).
     pub fn forward(&self, x: &Var, ids: &[u32], earlier: &[Var]) -> Result<Var> {
+        self.forward_with(x, ids, earlier, |h| self.self_attn.forward(h), |h| self.mlp.forward(h))
+    }
+
+    /// [`DecoderBlock::forward`] for `T` new positions of each of `B` sequences, continuing
+    /// the keys, values (and CCL running means) in `cache` (one entry per sequence).
+    pub fn forward_cached(&self, x: &Var, ids: &[u32], earlier: &[Var], cache: &mut BlockCache) -> Result<Var> {
+        let BlockCache { attention, context_means } = cache;
+        self.forward_with(
+            x,
+            ids,
+            earlier,
+            |h| self.self_attn.forward_cached(h, attention),
+            |h| self.mlp.forward_cached(h, context_means),
+        )
+    }
+
+    /// The block with its attention and FFN sublayers given as closures.
+    fn forward_with(
+        &self,
+        x: &Var,
+        ids: &[u32],
+        earlier: &[Var],
+        attention: impl FnOnce(&Var) -> autograd::Result<Var>,
+        ffn: impl FnOnce(&Var) -> autograd::Result<Var>,
+    ) -> Result<Var> {
         let between = |x: &Var| match &self.per_token {
             Some(ptt) => x.add(&ptt.forward(x, ids)?),
             None => Ok(x.clone()),
         };
         let mlp = |h: &Var| {
-            let y = self.mlp.forward(h)?;
+            let y = ffn(h)?;
             match &self.token_scale {
                 Some(scale) => scale.forward(&y, ids),
                 None => Ok(y),
             }
         };
-        Ok(self.residual.forward(x, earlier, |h| self.self_attn.forward(h), between, mlp)?)
+        Ok(self.residual.forward(x, earlier, attention, between, mlp)?)
     }
 }
 

@@ -2,7 +2,7 @@
 //! attaches) or, for the `ccl` variant, the CCL SwiGLU of SPEC §3.
 
 use autograd::Var;
-use nn::ccl::CclFfn;
+use nn::ccl::{CclFfn, RunningMean};
 use nn::ffn::SwiGlu;
 use nn::Module;
 
@@ -20,6 +20,15 @@ impl FeedForward {
         match self {
             FeedForward::SwiGlu(f) => f.forward(h),
             FeedForward::Ccl(f) => f.forward(h),
+        }
+    }
+
+    /// [`FeedForward::forward`] for new positions of `B` sequences; a CCL FFN continues
+    /// sequence `i`'s context running mean in `means[i]` (decoding), a SwiGLU reads no state.
+    pub fn forward_cached(&self, h: &Var, means: &mut [RunningMean]) -> autograd::Result<Var> {
+        match self {
+            FeedForward::SwiGlu(f) => f.forward(h),
+            FeedForward::Ccl(f) => f.forward_cached(h, means),
         }
     }
 

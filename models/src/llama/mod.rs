@@ -18,18 +18,20 @@
 //! zero gradients by construction (every parameter still gets a gradient tensor).
 
 mod block;
+mod cache;
 mod config;
 mod ffn;
 mod trace;
 mod variant;
 
 pub use block::DecoderBlock;
+pub use cache::{BlockCache, DecodeCache};
 pub use config::{LlamaConfig, PRESETS};
 pub use ffn::FeedForward;
 pub use trace::GateTrace;
 pub use variant::{Coverage, Variant, COVERAGES, TRANSPONDER_ALIAS, VARIANTS};
 
-use autograd::Var;
+use autograd::{no_grad, Var};
 use nn::layers::{DyT, Embedding, Linear};
 use nn::modulator::{Norm, WeightInit};
 use nn::Module;
@@ -68,6 +70,38 @@ impl Llama {
 
     /// Logits `[B·T, V]` for the row-major token ids `ids[B·T]` of `batch` sequences of `seq`.
     pub fn forward(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Var> {
+        self.forward_with(ids, batch, seq, |block, x, earlier, _| block.forward(x, ids, earlier))
+    }
+
+    /// Logits `[B·T, V]` for `seq` new tokens of each of `batch` sequences (`ids[B·T]`
+    /// row-major), sequence `i` continuing at position `cache.lengths()[i]`; `cache` gains
+    /// the new positions. The logits equal those [`Llama::forward`] gives at the same
+    /// positions of the whole sequences. Inference only: runs without the autograd tape.
+    pub fn forward_cached(&self, ids: &[u32], batch: usize, seq: usize, cache: &mut DecodeCache) -> Result<Var> {
+        if cache.batch() != batch || cache.blocks.len() != self.layers.len() {
+            return Err(Error::Config(format!(
+                "decode cache for {} sequences and {} blocks used with batch {batch} of a {}-block model",
+                cache.batch(),
+                cache.blocks.len(),
+                self.layers.len()
+            )));
+        }
+        no_grad(|| {
+            self.forward_with(ids, batch, seq, |block, x, earlier, l| {
+                block.forward_cached(x, ids, earlier, &mut cache.blocks[l])
+            })
+        })
+    }
+
+    /// Embedding, `run_block(block, x, earlier activations, index)` for each block, final
+    /// norm and LM head.
+    fn forward_with(
+        &self,
+        ids: &[u32],
+        batch: usize,
+        seq: usize,
+        mut run_block: impl FnMut(&DecoderBlock, &Var, &[Var], usize) -> Result<Var>,
+    ) -> Result<Var> {
         if ids.len() != batch * seq || ids.is_empty() {
             return Err(Error::Config(format!("{} token ids given for batch {batch} × seq {seq}", ids.len())));
         }
@@ -75,7 +109,7 @@ impl Llama {
         // Activations x_0 (embedding), x_1, ...: LAuReL-PA mixes the ones before a block's input.
         let mut activations = vec![x.clone()];
         for (l, block) in self.layers.iter().enumerate() {
-            x = block.forward(&x, ids, &activations[..l])?;
+            x = run_block(block, &x, &activations[..l], l)?;
             activations.push(x.clone());
         }
         let h = self.norm.forward(&x)?.reshape(&[batch * seq, self.config.d_model])?;

@@ -11,7 +11,7 @@
 use autograd::{Result, Var};
 use tensor::{Error, Rng};
 
-use super::{CclConfig, ContextConditionedLinear, ContextManager};
+use super::{CclConfig, ContextConditionedLinear, ContextManager, RunningMean};
 use crate::init::WeightInit;
 use crate::module::{join, Module};
 
@@ -48,11 +48,22 @@ impl CclFfn {
 
     /// `h: [B, T, C] → [B, T, C]`; position t reads only positions ≤ t.
     pub fn forward(&self, h: &Var) -> Result<Var> {
+        let context = self.context.as_ref().map(|m| m.forward(h)).transpose()?;
+        self.forward_with_context(h, context)
+    }
+
+    /// [`CclFfn::forward`] for `T` new positions of each of `B` sequences, the context
+    /// manager continuing sequence `i`'s running mean in `means[i]` (decoding).
+    pub fn forward_cached(&self, h: &Var, means: &mut [RunningMean]) -> Result<Var> {
+        let context = self.context.as_ref().map(|m| m.forward_cached(h, means)).transpose()?;
+        self.forward_with_context(h, context)
+    }
+
+    fn forward_with_context(&self, h: &Var, context: Option<Var>) -> Result<Var> {
         let shape = h.shape();
         let &[batch, seq, channels] = shape.as_slice() else {
             return Err(Error::InvalidShape { op: "ccl ffn", shape, reason: "expected [B, T, C]".into() });
         };
-        let context = self.context.as_ref().map(|m| m.forward(h)).transpose()?;
         let rows = h.reshape(&[batch * seq, channels])?;
         let c = context.as_ref();
         let hidden = self.gate_proj.forward(&rows, c)?.swiglu(&self.up_proj.forward(&rows, c)?)?;

@@ -22,7 +22,7 @@ mod context;
 mod ffn;
 mod layer;
 
-pub use context::{causal_mean, ContextManager};
+pub use context::{causal_mean, ContextManager, RunningMean};
 pub use ffn::CclFfn;
 pub use layer::ContextConditionedLinear;
 

@@ -32,7 +32,7 @@ use tensor::Device;
 use crate::checkpoint;
 use crate::data::token_file::TokenFile;
 use crate::device::{ensure_available, parse_device};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{trained_tokenizer, Tokenizer};
 
 /// `transponder analyze` flags.
 #[derive(clap::Args, Clone, Debug)]
@@ -177,14 +177,6 @@ pub fn run(args: &AnalyzeArgs) -> Result<()> {
     Ok(())
 }
 
-/// The tokenizer named in a checkpoint's training config (`byte` when absent).
-fn checkpoint_tokenizer(train_config: &str) -> String {
-    serde_json::from_str::<serde_json::Value>(train_config)
-        .ok()
-        .and_then(|v| v.get("tokenizer")?.as_str().map(str::to_string))
-        .unwrap_or_else(|| "byte".into())
-}
-
 /// Reads the first `max` tokens of `--text` or `--tokens`.
 fn read_sequence(args: &AnalyzeArgs, tokenizer: &Tokenizer, vocab: usize) -> Result<Sequence> {
     let max = args.tokens_max;
@@ -222,7 +214,7 @@ pub fn analyze_checkpoint(args: &AnalyzeArgs) -> Result<AnalysisReport> {
     let model = Llama::new(&config, 0)?;
     checkpoint::load_weights(&model, &saved.weights)?;
     model.to_device(args.device)?;
-    let tokenizer_name = args.tokenizer.clone().unwrap_or_else(|| checkpoint_tokenizer(&saved.train_config));
+    let tokenizer_name = args.tokenizer.clone().unwrap_or_else(|| trained_tokenizer(&saved.train_config));
     let tokenizer = Tokenizer::from_name(&tokenizer_name)?;
     let sequence = read_sequence(args, &tokenizer, config.vocab_size)?;
     let seq = sequence.ids.len();
