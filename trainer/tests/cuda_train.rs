@@ -111,7 +111,7 @@ fn resnet_with_modulators_trains_on_cuda_as_on_the_cpu() {
                 modulator: modulator.into(),
                 base_width: 4,
                 data_dir: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../data")),
-                batch_size: 64,
+                batch_size: 32,
                 epochs: 1,
                 lr: 0.05,
                 out_dir: dir.clone(),
