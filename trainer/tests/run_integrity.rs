@@ -274,7 +274,9 @@ fn resume_refuses_changes_that_do_not_fit_and_warns_about_the_others() {
     assert!(!refused.status.success());
     assert!(stderr(&refused).contains("cannot change variant \"pre-ln\" → \"transponder\""), "{}", stderr(&refused));
     let done = transponder(&dir, &["train", "--out-dir", &run, "--resume"]);
-    assert!(stderr(&done).contains("nothing left to run"), "{}", stderr(&done));
+    assert!(String::from_utf8_lossy(&done.stdout).contains("nothing left to run"), "{}", stderr(&done));
+    let past = transponder(&dir, &["train", "--out-dir", &run, "--resume", "--steps", "2"]);
+    assert!(!past.status.success() && stderr(&past).contains("past the run's 2 steps"), "{}", stderr(&past));
 
     let warned = transponder(&dir, &["train", "--out-dir", &run, "--resume", "--steps", "5", "--batch-size", "4"]);
     assert_succeeds(&warned);

@@ -114,7 +114,8 @@ impl<'a> Session<'a> {
 }
 
 /// The checkpoint to resume from, after checking `config` against the one it was saved with
-/// (refused changes are errors, the others are printed as warnings) and that steps remain.
+/// (refused changes are errors, the others are printed as warnings) and that it is not past
+/// the run's last step (at it, the run has nothing left to do and ends at once).
 fn load_for_resume(config: &TrainConfig, path: &Path) -> Result<Checkpoint> {
     if !path.exists() {
         bail!("--resume: no checkpoint at {} (train without --resume to start this run)", path.display());
@@ -125,14 +126,20 @@ fn load_for_resume(config: &TrainConfig, path: &Path) -> Result<Checkpoint> {
     for warning in check_continuation(&saved_config, config)? {
         eprintln!("warning: {warning}");
     }
-    if config.steps <= saved.step {
+    if config.steps < saved.step {
         bail!(
-            "--resume: the checkpoint in {} is at step {} and the run has {} steps: nothing left to run \
+            "--resume: the checkpoint in {} is at step {}, past the run's {} steps \
              (pass --steps N with N > {} to train further)",
             config.out_dir.display(),
             saved.step,
             config.steps,
             saved.step
+        );
+    }
+    if config.steps == saved.step {
+        println!(
+            "the checkpoint is at step {} of {}: nothing left to run (pass --steps N with N > {} to train further)",
+            saved.step, config.steps, saved.step
         );
     }
     Ok(saved)
