@@ -110,9 +110,8 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
         metadata.get(key).with_context(|| format!("checkpoint {} has no '{key}' metadata", path.display()))
     };
     check_format(path, &metadata)?;
-    let step = field("step")?
-        .parse()
-        .with_context(|| format!("checkpoint {}: 'step' is not a number", path.display()))?;
+    let step =
+        field("step")?.parse().with_context(|| format!("checkpoint {}: 'step' is not a number", path.display()))?;
     let sampler_state = serde_json::from_str(field("sampler_state")?)
         .with_context(|| format!("checkpoint {}: 'sampler_state' is not a list of integers", path.display()))?;
     let mut weights = Vec::new();

@@ -311,9 +311,9 @@ impl TrainArgs {
             ($($field:ident),*) => { $( if let Some(v) = self.$field { c.$field = v; } )* };
         }
         c.text = self.text.or(c.text);
-        set!(model, variant, data_format, tokenizer, batch_size, seq_len, grad_accum, steps, lr, optimizer, weight_decay);
+        set!(model, variant, tokenizer, batch_size, seq_len, grad_accum, steps, lr, optimizer, weight_decay);
         set!(schedule, warmup, grad_clip, sampling, eval_every, eval_batches, save_every, log_every, seed, out_dir);
-        set!(d_model, d_basis, d_ctx, ccl_mode, ccl_ablation, momentum, rank, coverage, phi, device);
+        set!(d_model, d_basis, d_ctx, ccl_mode, ccl_ablation, momentum, rank, coverage, phi, device, data_format);
         c.lazy_tables |= self.lazy_tables;
         c.bf16 |= self.bf16;
         c.post_ln |= self.post_ln;

@@ -58,7 +58,11 @@ impl MetricsWriter {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
             Err(e) => return Err(e).with_context(|| format!("reading metrics file {}", path.display())),
         };
-        let kept: String = text.lines().filter(|line| row_step(line).is_none_or(|s| s <= step)).map(|line| format!("{line}\n")).collect();
+        let kept: String = text
+            .lines()
+            .filter(|line| row_step(line).is_none_or(|s| s <= step))
+            .map(|line| format!("{line}\n"))
+            .collect();
         if kept.len() != text.len() {
             atomic_write(path, kept.as_bytes())?;
         }

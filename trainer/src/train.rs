@@ -104,8 +104,10 @@ pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
         let lr = session.schedule.lr_at(done - 1, config.lr);
         let outcome = session.step(done, lr).inspect_err(|_| log.abandon())?;
         let is_last = done == config.steps;
-        let evaluates = session.has_validation() && ((config.eval_every > 0 && done % config.eval_every == 0) || is_last);
-        let val_loss = if evaluates { Some(session.validation_loss(done).inspect_err(|_| log.abandon())?) } else { None };
+        let evaluates =
+            session.has_validation() && ((config.eval_every > 0 && done % config.eval_every == 0) || is_last);
+        let val_loss =
+            if evaluates { Some(session.validation_loss(done).inspect_err(|_| log.abandon())?) } else { None };
         log.record(done, lr, outcome, val_loss)?;
         if (config.save_every > 0 && done % config.save_every == 0) || is_last {
             session.save(done).map_err(|e| diverged_on_save(e, done, &session)).inspect_err(|_| log.abandon())?;

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use trainer::data::token_file::{LLMC_GPT2_MAGIC, LLMC_HEADER_BYTES, LLMC_LLAMA3_MAGIC};
 use trainer::data::{
     check_vocab, load_cifar10, load_cifar100, load_cifar100_dir, load_cifar10_dir, load_digits_csv_gz, write_llmc,
-    write_nanogpt_raw, Augmentation, BatchSampler, Cifar100Labels, ImageLoader, Normalization, RandomSampler,
-    DataFormat, SequentialSampler, Split, SplitMix64, TokenFile, TokenFormat,
+    write_nanogpt_raw, Augmentation, BatchSampler, Cifar100Labels, DataFormat, ImageLoader, Normalization,
+    RandomSampler, SequentialSampler, Split, SplitMix64, TokenFile, TokenFormat,
 };
 use trainer::prepare::{prepare, MIN_SPLIT_TOKENS, PROGRESS_BAR_MIN_BYTES};
 use trainer::tokenizer::Tokenizer;

@@ -15,9 +15,7 @@ use serde_json::Value;
 use tensor::{Rng, Tensor};
 use trainer::checkpoint::{self, CheckpointMeta};
 use trainer::config::TrainConfig;
-use trainer::data::token_file::{
-    write_llmc, write_nanogpt_raw, LLMC_GPT2_MAGIC, LLMC_HEADER_BYTES, LLMC_LLAMA3_MAGIC,
-};
+use trainer::data::token_file::{write_llmc, write_nanogpt_raw, LLMC_GPT2_MAGIC, LLMC_HEADER_BYTES, LLMC_LLAMA3_MAGIC};
 use trainer::data::{DataFormat, TokenFile};
 use trainer::train::model_config;
 
@@ -239,7 +237,8 @@ fn odd_value() -> impl Strategy<Value = Value> {
         any::<i64>().prop_map(Value::from),
         any::<u64>().prop_map(Value::from),
         prop::sample::select(vec![0.0, -1.0, 0.5, 1e30, -1e-30, f64::MAX]).prop_map(Value::from),
-        prop::sample::select(vec!["", "-1", "abc", "[1,2]", "{}", "1e999", "18446744073709551616"]).prop_map(Value::from),
+        prop::sample::select(vec!["", "-1", "abc", "[1,2]", "{}", "1e999", "18446744073709551616"])
+            .prop_map(Value::from),
         Just(serde_json::json!([1, -2, "x"])),
         Just(serde_json::json!({"nested": [null]})),
     ]

@@ -249,11 +249,11 @@ fn resume_takes_every_setting_from_the_run_directory() {
 
     let run = config.out_dir.display().to_string();
     let (train_data, val_data) = (config.train_data.clone().unwrap(), config.val_data.clone().unwrap());
-    let first = [
-        "train", "--variant", "pre-ln", "--batch-size", "2", "--seq-len", "16", "--lr", "2e-3", "--warmup", "2",
-        "--eval-every", "0", "--eval-batches", "2", "--save-every", "3", "--log-every", "1", "--steps", "3",
-        "--out-dir", &run, "--train-data", train_data.to_str().unwrap(), "--val-data", val_data.to_str().unwrap(),
-    ];
+    let settings = "train --variant pre-ln --batch-size 2 --seq-len 16 --lr 2e-3 --warmup 2 --eval-every 0 \
+                    --eval-batches 2 --save-every 3 --log-every 1 --steps 3";
+    let mut first: Vec<&str> = settings.split_whitespace().collect();
+    first.extend(["--out-dir", &run, "--train-data", train_data.to_str().unwrap()]);
+    first.extend(["--val-data", val_data.to_str().unwrap()]);
     assert_succeeds(&transponder(&dir, &first));
     // Only the run directory and the new total: batch, sequence, lr, data come from the checkpoint.
     assert_succeeds(&transponder(&dir, &["train", "--out-dir", &run, "--resume", "--steps", "6"]));
@@ -270,7 +270,8 @@ fn resume_refuses_changes_that_do_not_fit_and_warns_about_the_others() {
     train(&config, false).unwrap();
     let run = config.out_dir.display().to_string();
 
-    let refused = transponder(&dir, &["train", "--out-dir", &run, "--resume", "--steps", "5", "--variant", "transponder"]);
+    let refused =
+        transponder(&dir, &["train", "--out-dir", &run, "--resume", "--steps", "5", "--variant", "transponder"]);
     assert!(!refused.status.success());
     assert!(stderr(&refused).contains("cannot change variant \"pre-ln\" → \"transponder\""), "{}", stderr(&refused));
     let done = transponder(&dir, &["train", "--out-dir", &run, "--resume"]);
@@ -312,10 +313,9 @@ fn metrics_hold_each_step_once_after_a_resume() {
 #[test]
 fn the_built_in_corpus_trains_from_any_directory() {
     let dir = scratch("anywhere");
-    let args = [
-        "train", "--variant", "pre-ln", "--steps", "1", "--batch-size", "1", "--seq-len", "8", "--eval-batches", "1",
-        "--out-dir", "run",
-    ];
+    let args: Vec<&str> = "train --variant pre-ln --steps 1 --batch-size 1 --seq-len 8 --eval-batches 1 --out-dir run"
+        .split(' ')
+        .collect();
     assert_succeeds(&transponder(&dir, &args));
     let config: TrainConfig =
         serde_json::from_str(&std::fs::read_to_string(dir.join("run").join(CONFIG_FILE)).unwrap()).unwrap();

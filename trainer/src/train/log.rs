@@ -66,7 +66,7 @@ impl StepLog {
         self.last_loss = loss;
         self.last_val = val_loss.or(self.last_val);
         self.progress.inc(1);
-        let on_schedule = done % self.log_every == 0 || done == self.steps;
+        let on_schedule = done.is_multiple_of(self.log_every) || done == self.steps;
         if !(on_schedule || val_loss.is_some()) {
             return Ok(());
         }
