@@ -1,5 +1,6 @@
 //! Training metrics as JSON Lines: one object per logged step, appended and flushed so a
-//! crashed run keeps everything it logged.
+//! crashed run keeps everything it logged. A resumed run first drops the rows logged after
+//! its checkpoint ([`MetricsWriter::resume_at`]), so every step appears once.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};

@@ -59,7 +59,7 @@ pub fn check_continuation(saved: &TrainConfig, requested: &TrainConfig) -> Resul
         if old_value == new_value {
             continue;
         }
-        let change = format!("{field} {old_value} → {new_value}");
+        let change = format!("{field} {} → {}", show(old_value), show(new_value));
         match on_change(field, saved).unwrap_or(OnChange::Warn) {
             OnChange::Refuse => refused.push(change),
             OnChange::Warn => warnings.push(change),
@@ -106,6 +106,15 @@ pub fn base_config(config_file: Option<&Path>, out_dir: Option<&Path>, resume: b
     Ok(base)
 }
 
+/// A setting's value as a message shows it: JSON, with the `f32` fields (serialised widened
+/// to `f64`) at `f32` precision, so `lr 0.003` does not read `0.003000000026077032`.
+fn show(value: &Value) -> String {
+    match value.as_f64() {
+        Some(wide) if value.is_f64() => format!("{}", wide as f32),
+        _ => value.to_string(),
+    }
+}
+
 /// `config`'s settings by `config.json` key.
 fn settings(config: &TrainConfig) -> Result<serde_json::Map<String, Value>> {
     match serde_json::to_value(config).context("serialising a training config")? {
@@ -117,6 +126,22 @@ fn settings(config: &TrainConfig) -> Result<serde_json::Map<String, Value>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn changes_are_classed_and_shown_at_their_precision() {
+        let saved = TrainConfig::default();
+        let requested = TrainConfig { lr: 1e-3, batch_size: 4, log_every: 3, ..saved.clone() };
+        let warnings = check_continuation(&saved, &requested).unwrap();
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert!(warnings.iter().any(|w| w.contains("lr 0.003 → 0.001")), "{warnings:?}");
+        let refused = TrainConfig { tokenizer: "gpt2".into(), rank: 4, ..requested };
+        let msg = check_continuation(&saved, &refused).unwrap_err().to_string();
+        assert!(msg.contains("tokenizer \"byte\" → \"gpt2\"") && msg.contains("rank 8 → 4"), "{msg}");
+        // The total steps matter only to schedules shaped by them.
+        let constant = TrainConfig { schedule: crate::config::ScheduleKind::Constant, ..saved };
+        let longer = TrainConfig { steps: 600, ..constant.clone() };
+        assert!(check_continuation(&constant, &longer).unwrap().is_empty());
+    }
 
     #[test]
     fn every_setting_has_a_resume_rule() {
