@@ -1,6 +1,8 @@
 //! Checkpoints: one safetensors file holding the weights, the optimizer state (prefixed
 //! `optimizer.`), and in its metadata the step, the sampler state and both configs as
 //! JSON. One file means one atomic rename: a killed write leaves the previous checkpoint.
+//! A checkpoint holding a non-finite value is never written ([`NonFiniteValue`]): a diverged
+//! run keeps its last good file.
 //! Tensors on a GPU (parameters, optimizer state) are downloaded to be written; loaded
 //! weights are uploaded to the device their parameter is on.
 
@@ -12,7 +14,8 @@ use nn::optim::Optimizer;
 use nn::Module;
 use tensor::Tensor;
 
-use crate::safetensors_io::{load_tensors, save_tensors, NamedTensor, TensorSlice};
+use crate::config::TrainConfig;
+use crate::safetensors_io::{load_metadata, load_tensors, save_tensors, NamedTensor, TensorSlice};
 
 const FORMAT: &str = "transponder-checkpoint-v1";
 const OPTIMIZER_PREFIX: &str = "optimizer.";
@@ -39,7 +42,21 @@ pub struct CheckpointMeta<'a> {
     pub model_config: &'a str,
 }
 
-/// Writes model weights, optimizer state and `meta` to `path` atomically.
+/// Why [`save`] refused to write: a parameter or optimizer value is NaN or infinite. The
+/// file at the path is left as it was.
+#[derive(Debug, thiserror::Error)]
+#[error("{tensor} holds {value} (element {index}): the checkpoint is not written")]
+pub struct NonFiniteValue {
+    /// The tensor's name in the file (optimizer state prefixed `optimizer.`).
+    pub tensor: String,
+    /// The first non-finite value found.
+    pub value: f32,
+    /// Its row-major index in the tensor.
+    pub index: usize,
+}
+
+/// Writes model weights, optimizer state and `meta` to `path` atomically. Refuses, with a
+/// [`NonFiniteValue`] error and without touching `path`, when any value is NaN or infinite.
 pub fn save(path: &Path, model: &dyn Module, optimizer: &dyn Optimizer, meta: &CheckpointMeta) -> Result<()> {
     let mut owned: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     for p in model.named_parameters() {
@@ -49,6 +66,11 @@ pub fn save(path: &Path, model: &dyn Module, optimizer: &dyn Optimizer, meta: &C
     for (name, t) in optimizer.state() {
         let t = t.to_host().with_context(|| format!("downloading optimizer state '{name}'"))?;
         owned.push((format!("{OPTIMIZER_PREFIX}{name}"), t.shape().to_vec(), t.to_vec()));
+    }
+    for (name, _, data) in &owned {
+        if let Some(index) = data.iter().position(|v| !v.is_finite()) {
+            return Err(NonFiniteValue { tensor: name.clone(), value: data[index], index }.into());
+        }
     }
     let slices: Vec<TensorSlice> = owned.iter().map(|(name, shape, data)| TensorSlice { name, shape, data }).collect();
     let mut metadata = BTreeMap::new();
@@ -60,22 +82,47 @@ pub fn save(path: &Path, model: &dyn Module, optimizer: &dyn Optimizer, meta: &C
     save_tensors(path, &slices, &metadata).with_context(|| format!("saving checkpoint {}", path.display()))
 }
 
-/// Reads a checkpoint written by [`save`].
+/// The training config saved in the checkpoint at `path`, read from its header only (what
+/// `--resume` starts from).
+pub fn load_train_config(path: &Path) -> Result<TrainConfig> {
+    let metadata = load_metadata(path).with_context(|| format!("loading checkpoint {}", path.display()))?;
+    check_format(path, &metadata)?;
+    let json = metadata
+        .get("train_config")
+        .with_context(|| format!("checkpoint {} has no 'train_config' metadata", path.display()))?;
+    serde_json::from_str(json).with_context(|| format!("checkpoint {}: its 'train_config' metadata", path.display()))
+}
+
+fn check_format(path: &Path, metadata: &BTreeMap<String, String>) -> Result<()> {
+    match metadata.get("format") {
+        Some(format) if format == FORMAT => Ok(()),
+        Some(other) => bail!("{} is a '{other}' file, not a {FORMAT} checkpoint", path.display()),
+        None => bail!("checkpoint {} has no 'format' metadata: not a {FORMAT} file", path.display()),
+    }
+}
+
+/// Reads a checkpoint written by [`save`]. Errors name the file and what is wrong: not
+/// safetensors, not a transponder checkpoint, a missing or malformed metadata field, or a
+/// tensor whose data does not fit its shape.
 pub fn load(path: &Path) -> Result<Checkpoint> {
     let (tensors, metadata) = load_tensors(path).with_context(|| format!("loading checkpoint {}", path.display()))?;
     let field = |key: &str| -> Result<&String> {
         metadata.get(key).with_context(|| format!("checkpoint {} has no '{key}' metadata", path.display()))
     };
-    if field("format")? != FORMAT {
-        bail!("{} is not a {FORMAT} file", path.display());
-    }
-    let step = field("step")?.parse().context("checkpoint 'step' is not a number")?;
-    let sampler_state = serde_json::from_str(field("sampler_state")?).context("checkpoint 'sampler_state'")?;
+    check_format(path, &metadata)?;
+    let step =
+        field("step")?.parse().with_context(|| format!("checkpoint {}: 'step' is not a number", path.display()))?;
+    let sampler_state = serde_json::from_str(field("sampler_state")?)
+        .with_context(|| format!("checkpoint {}: 'sampler_state' is not a list of integers", path.display()))?;
     let mut weights = Vec::new();
     let mut optimizer_state = Vec::new();
     for t in tensors {
         match t.name.strip_prefix(OPTIMIZER_PREFIX) {
-            Some(name) => optimizer_state.push((name.to_string(), Tensor::from_vec(t.data, &t.shape)?)),
+            Some(name) => {
+                let tensor = Tensor::from_vec(t.data, &t.shape)
+                    .with_context(|| format!("checkpoint {}: optimizer state '{name}'", path.display()))?;
+                optimizer_state.push((name.to_string(), tensor));
+            }
             None => weights.push(t),
         }
     }

@@ -1,12 +1,18 @@
 //! The training run's configuration: defaults, a JSON config file, and command-line
 //! overrides, validated before anything runs.
 
+pub mod choices;
+
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use models::llama::LlamaConfig;
 use serde::{Deserialize, Serialize};
 use tensor::Device;
+
+pub use choices::{OptimizerKind, Sampling, ScheduleKind};
+
+use crate::data::DataFormat;
 
 /// Everything a training run needs besides the model's own config. Serialised into every
 /// checkpoint, so `--resume` continues with exactly the same settings.
@@ -40,11 +46,14 @@ pub struct TrainConfig {
     /// Modulator nonlinearity φ: `sigmoid`, `silu` or `relu`. (A frozen α is the `fixed-alpha`
     /// variant, so `LlamaConfig::fixed_alpha` needs no field here.)
     pub phi: String,
-    /// Plain-text corpus tokenized on first use when no token files are given.
-    pub text: PathBuf,
+    /// Plain-text corpus tokenized on first use when no token files are given; unset (`null`)
+    /// is the built-in tinyshakespeare, compiled into the binary.
+    pub text: Option<PathBuf>,
     /// Token files (llm.c or nanoGPT format); when unset they are prepared from `text`.
     pub train_data: Option<PathBuf>,
     pub val_data: Option<PathBuf>,
+    /// How the token files are read: detected (`auto`), `llmc` only, or `nanogpt` raw.
+    pub data_format: DataFormat,
     /// Tokenizer used to prepare `text` (`byte` or `gpt2`).
     pub tokenizer: String,
     pub batch_size: usize,
@@ -54,7 +63,7 @@ pub struct TrainConfig {
     pub steps: usize,
     pub lr: f32,
     /// `adamw`, `adam` or `sgd`.
-    pub optimizer: String,
+    pub optimizer: OptimizerKind,
     pub weight_decay: f32,
     pub beta2: f32,
     /// SGD momentum (0.9). With momentum 0 and weight decay 0, the per-token tables
@@ -65,12 +74,12 @@ pub struct TrainConfig {
     /// stay frozen. An approximation of the dense update (see `nn::optim::SparseRows`).
     pub lazy_tables: bool,
     /// `cosine` (linear warmup + cosine), `noam`, `constant`, `linear`, `onecycle`.
-    pub schedule: String,
+    pub schedule: ScheduleKind,
     pub warmup: usize,
     /// Global gradient-norm clip (0 disables).
     pub grad_clip: f32,
     /// `random` (seeded windows) or `sequential`.
-    pub sampling: String,
+    pub sampling: Sampling,
     pub eval_every: usize,
     pub eval_batches: usize,
     pub save_every: usize,
@@ -104,24 +113,25 @@ impl Default for TrainConfig {
             coverage: model.coverage,
             post_ln: model.post_ln,
             phi: model.phi,
-            text: PathBuf::from("data/tinyshakespeare.txt"),
+            text: None,
             train_data: None,
             val_data: None,
+            data_format: DataFormat::Auto,
             tokenizer: "byte".into(),
             batch_size: 16,
             seq_len: 128,
             grad_accum: 1,
             steps: 300,
             lr: 3e-3,
-            optimizer: "adamw".into(),
+            optimizer: OptimizerKind::AdamW,
             weight_decay: 0.01,
             beta2: 0.95,
             momentum: 0.9,
             lazy_tables: false,
-            schedule: "cosine".into(),
+            schedule: ScheduleKind::Cosine,
             warmup: 30,
             grad_clip: 1.0,
-            sampling: "random".into(),
+            sampling: Sampling::Random,
             eval_every: 100,
             eval_batches: 8,
             save_every: 100,
@@ -134,30 +144,35 @@ impl Default for TrainConfig {
     }
 }
 
-/// Valid names, listed in errors.
-pub const OPTIMIZERS: &[&str] = &["adamw", "adam", "sgd"];
-pub const SCHEDULES: &[&str] = &["cosine", "noam", "constant", "linear", "onecycle"];
-pub const SAMPLINGS: &[&str] = &["random", "sequential"];
+/// Most tokens one optimizer step may take (2^32): far beyond any batch that fits in memory,
+/// small enough that no count derived from it overflows.
+pub const MAX_TOKENS_PER_STEP: usize = 1 << 32;
 
 impl TrainConfig {
     /// Reads a JSON config file (unknown keys are errors, missing keys take defaults).
     pub fn from_file(path: &Path) -> Result<TrainConfig> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
-        serde_json::from_str(&text).with_context(|| format!("parsing config {}", path.display()))
+        TrainConfig::default().overlaid_with_file(path)
+    }
+
+    /// `self` with the keys the JSON config file at `path` names replaced by the file's
+    /// values; keys it does not name keep `self`'s. Unknown keys and wrong types are errors
+    /// naming the file and the key.
+    pub fn overlaid_with_file(&self, path: &Path) -> Result<TrainConfig> {
+        let text = std::fs::read(path).with_context(|| format!("reading config {}", path.display()))?;
+        let keys: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&text)
+            .with_context(|| format!("parsing config {} (a JSON object of training settings)", path.display()))?;
+        let mut merged = serde_json::to_value(self).context("serialising the base config")?;
+        if let Some(fields) = merged.as_object_mut() {
+            fields.extend(keys);
+        }
+        let mut config: TrainConfig =
+            serde_json::from_value(merged).with_context(|| format!("parsing config {}", path.display()))?;
+        config.device = self.device;
+        Ok(config)
     }
 
     /// Checks every field that could otherwise fail late, naming the field and the valid values.
     pub fn validate(&self) -> Result<()> {
-        let one_of = |field: &str, value: &str, valid: &[&str]| -> Result<()> {
-            if valid.contains(&value) {
-                Ok(())
-            } else {
-                bail!("unknown {field} '{value}'; valid: {}", valid.join(", "))
-            }
-        };
-        one_of("optimizer", &self.optimizer, OPTIMIZERS)?;
-        one_of("schedule", &self.schedule, SCHEDULES)?;
-        one_of("sampling", &self.sampling, SAMPLINGS)?;
         for (name, value) in [
             ("batch_size", self.batch_size),
             ("seq_len", self.seq_len),
@@ -178,6 +193,21 @@ impl TrainConfig {
         if self.grad_clip < 0.0 || !self.grad_clip.is_finite() {
             bail!("grad_clip must be ≥ 0 (0 disables), got {}", self.grad_clip);
         }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            bail!("weight_decay must be ≥ 0, got {}", self.weight_decay);
+        }
+        if !(0.0..1.0).contains(&self.beta2) {
+            bail!("beta2 must be in [0, 1), got {}", self.beta2);
+        }
+        let tokens_per_step = self.batch_size.checked_mul(self.seq_len).and_then(|n| n.checked_mul(self.grad_accum));
+        if tokens_per_step.is_none_or(|n| n > MAX_TOKENS_PER_STEP) {
+            bail!(
+                "batch_size × seq_len × grad_accum = {} × {} × {} exceeds {MAX_TOKENS_PER_STEP} tokens per step",
+                self.batch_size,
+                self.seq_len,
+                self.grad_accum
+            );
+        }
         crate::device::check_bf16(self.device, self.bf16)?;
         if self.lazy_tables && self.device != Device::Cpu {
             bail!("lazy_tables (row-sparse table updates) runs on the CPU only; drop it for --device cuda");
@@ -185,15 +215,15 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// The learning-rate schedule this config names.
+    /// The learning-rate schedule this config names, with its warmup and total steps.
     pub fn schedule(&self) -> nn::optim::Schedule {
         use nn::optim::Schedule;
-        match self.schedule.as_str() {
-            "noam" => Schedule::Noam { warmup: self.warmup },
-            "constant" => Schedule::Constant,
-            "linear" => Schedule::LinearDecay { total: self.steps, end_ratio: 0.01 },
-            "onecycle" => Schedule::OneCycle { total: self.steps, pct_start: 0.3 },
-            _ => Schedule::WarmupCosine { warmup: self.warmup, total: self.steps, min_ratio: 0.1 },
+        match self.schedule {
+            ScheduleKind::Cosine => Schedule::WarmupCosine { warmup: self.warmup, total: self.steps, min_ratio: 0.1 },
+            ScheduleKind::Noam => Schedule::Noam { warmup: self.warmup },
+            ScheduleKind::Constant => Schedule::Constant,
+            ScheduleKind::Linear => Schedule::LinearDecay { total: self.steps, end_ratio: 0.01 },
+            ScheduleKind::OneCycle => Schedule::OneCycle { total: self.steps, pct_start: 0.3 },
         }
     }
 }
@@ -205,9 +235,6 @@ mod tests {
     #[test]
     fn validation_names_the_problem() {
         assert!(TrainConfig::default().validate().is_ok());
-        let bad = TrainConfig { optimizer: "lion".into(), ..TrainConfig::default() };
-        let msg = bad.validate().unwrap_err().to_string();
-        assert!(msg.contains("lion") && msg.contains("adamw"), "{msg}");
         let bad = TrainConfig { steps: 0, ..TrainConfig::default() };
         assert!(bad.validate().unwrap_err().to_string().contains("steps"));
         let bad = TrainConfig { lr: f32::NAN, ..TrainConfig::default() };

@@ -7,14 +7,14 @@ use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use nn::Module;
 use tensor::Device;
-use trainer::config::TrainConfig;
-use trainer::data::token_file::TokenFile;
+use trainer::config::{OptimizerKind, Sampling, ScheduleKind, TrainConfig};
+use trainer::data::DataFormat;
 use trainer::device::{device_name, ensure_available, parse_device};
 use trainer::export::{export_hf, ExportKind};
 use trainer::generate::{generate, generate_uncached, load_model, load_model_and_tokenizer, SamplingOptions};
 use trainer::prepare::{prepare_split, ValSplit};
 use trainer::tokenizer::Tokenizer;
-use trainer::train::{evaluate, train};
+use trainer::train::{evaluate, open_eval_data, train};
 use trainer::train_image::{train_image, ImageTrainConfig};
 
 #[derive(Parser)]
@@ -55,6 +55,9 @@ enum Command {
         batch_size: usize,
         #[arg(long, default_value_t = 50)]
         batches: usize,
+        /// Token file format: auto (detect llm.c by its header), llmc or nanogpt.
+        #[arg(long, default_value = "auto")]
+        data_format: DataFormat,
         /// Where the model runs: cpu, cuda or cuda:N.
         #[arg(long, default_value = "cpu", value_parser = parse_device)]
         device: Device,
@@ -184,7 +187,8 @@ struct TrainArgs {
     /// JSON config file (keys as in the run's config.json).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Continue from the checkpoint in --out-dir.
+    /// Continue the run in --out-dir with its saved settings; other flags override only what
+    /// they name (changes that do not fit the checkpoint are refused, others warned about).
     #[arg(long)]
     resume: bool,
     /// Model preset: llama-tiny (default), llama-small, llama-60m, llama-130m, llama-250m, llama-350m, llama-1b.
@@ -226,7 +230,7 @@ struct TrainArgs {
     /// Lazy row-sparse updates of the per-token tables (Adam/AdamW, SGD with momentum).
     #[arg(long)]
     lazy_tables: bool,
-    /// Plain-text corpus, tokenized on first use into <out-dir>/data (default data/tinyshakespeare.txt).
+    /// Plain-text corpus, tokenized on first use into <out-dir>/data (default: the built-in tinyshakespeare).
     #[arg(long)]
     text: Option<PathBuf>,
     /// Training token file (llm.c or nanoGPT format) instead of --text.
@@ -235,6 +239,9 @@ struct TrainArgs {
     /// Validation token file.
     #[arg(long)]
     val_data: Option<PathBuf>,
+    /// Token file format: auto (default; detect llm.c by its header), llmc or nanogpt.
+    #[arg(long)]
+    data_format: Option<DataFormat>,
     /// Tokenizer for --text: byte (default) or gpt2.
     #[arg(long)]
     tokenizer: Option<String>,
@@ -255,13 +262,13 @@ struct TrainArgs {
     lr: Option<f32>,
     /// adamw (default), adam or sgd.
     #[arg(long)]
-    optimizer: Option<String>,
+    optimizer: Option<OptimizerKind>,
     /// Weight decay (default 0.01; decoupled for adamw).
     #[arg(long)]
     weight_decay: Option<f32>,
     /// Learning-rate schedule: cosine (default, with linear warmup), noam, constant, linear, onecycle.
     #[arg(long)]
-    schedule: Option<String>,
+    schedule: Option<ScheduleKind>,
     /// Warmup steps (default 30).
     #[arg(long)]
     warmup: Option<usize>,
@@ -270,7 +277,7 @@ struct TrainArgs {
     grad_clip: Option<f32>,
     /// Batch sampling: random (seeded windows, default) or sequential.
     #[arg(long)]
-    sampling: Option<String>,
+    sampling: Option<Sampling>,
     /// Steps between validations (default 100).
     #[arg(long)]
     eval_every: Option<usize>,
@@ -299,16 +306,14 @@ struct TrainArgs {
 
 impl TrainArgs {
     fn into_config(self) -> Result<TrainConfig> {
-        let mut c = match &self.config {
-            Some(path) => TrainConfig::from_file(path)?,
-            None => TrainConfig::default(),
-        };
+        let mut c = trainer::train::resume::base_config(self.config.as_deref(), self.out_dir.as_deref(), self.resume)?;
         macro_rules! set {
             ($($field:ident),*) => { $( if let Some(v) = self.$field { c.$field = v; } )* };
         }
-        set!(model, variant, text, tokenizer, batch_size, seq_len, grad_accum, steps, lr, optimizer, weight_decay);
+        c.text = self.text.or(c.text);
+        set!(model, variant, tokenizer, batch_size, seq_len, grad_accum, steps, lr, optimizer, weight_decay);
         set!(schedule, warmup, grad_clip, sampling, eval_every, eval_batches, save_every, log_every, seed, out_dir);
-        set!(d_model, d_basis, d_ctx, ccl_mode, ccl_ablation, momentum, rank, coverage, phi, device);
+        set!(d_model, d_basis, d_ctx, ccl_mode, ccl_ablation, momentum, rank, coverage, phi, device, data_format);
         c.lazy_tables |= self.lazy_tables;
         c.bf16 |= self.bf16;
         c.post_ln |= self.post_ln;
@@ -399,12 +404,12 @@ fn run(cli: Cli) -> Result<()> {
             println!("checkpoint: {}", report.checkpoint.display());
             println!("metrics:    {}", report.metrics.display());
         }
-        Command::Eval { checkpoint, data, batch_size, batches, device } => {
+        Command::Eval { checkpoint, data, batch_size, batches, data_format, device } => {
             ensure_available(device)?;
             let (model, config) = load_model(&checkpoint)?;
             model.to_device(device)?;
-            TokenFile::open(&data)?;
-            let loss = evaluate(&model, &data, batch_size, config.seq_len, batches)?;
+            let mut data = open_eval_data(&data, data_format, config.vocab_size, batch_size, config.seq_len)?;
+            let loss = evaluate(&model, &mut data, batches)?;
             println!("val loss {loss:.6} | perplexity {:.3}", loss.exp());
         }
         Command::Sample(args) => sample(*args)?,

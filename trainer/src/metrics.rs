@@ -1,5 +1,6 @@
 //! Training metrics as JSON Lines: one object per logged step, appended and flushed so a
-//! crashed run keeps everything it logged.
+//! crashed run keeps everything it logged. A resumed run first drops the rows logged after
+//! its checkpoint ([`MetricsWriter::resume_at`]), so every step appears once.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
@@ -7,6 +8,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use serde::Serialize;
+
+use crate::safetensors_io::atomic_write;
 
 /// One logged step. Optional fields are omitted when not measured at that step.
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
@@ -41,6 +44,32 @@ impl MetricsWriter {
         Ok(MetricsWriter { path: path.to_path_buf(), out: BufWriter::new(file) })
     }
 
+    /// Starts `path` afresh (a new run in a used directory does not inherit old rows).
+    pub fn create(path: &Path) -> Result<MetricsWriter> {
+        atomic_write(path, b"")?;
+        Self::open(path)
+    }
+
+    /// Opens `path` for a run resumed from a checkpoint at `step`: rows of later steps (logged
+    /// after that checkpoint by the interrupted run, and about to be logged again) are dropped
+    /// first, atomically, so each step appears once. Lines that are not metrics rows are kept.
+    pub fn resume_at(path: &Path, step: usize) -> Result<MetricsWriter> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(e).with_context(|| format!("reading metrics file {}", path.display())),
+        };
+        let kept: String = text
+            .lines()
+            .filter(|line| row_step(line).is_none_or(|s| s <= step))
+            .map(|line| format!("{line}\n"))
+            .collect();
+        if kept.len() != text.len() {
+            atomic_write(path, kept.as_bytes())?;
+        }
+        Self::open(path)
+    }
+
     /// Writes one row and flushes it.
     pub fn write(&mut self, row: &StepMetrics) -> Result<()> {
         let line = serde_json::to_string(row)?;
@@ -53,4 +82,10 @@ impl MetricsWriter {
     pub fn path(&self) -> &Path {
         &self.path
     }
+}
+
+/// The `step` of a metrics row, or `None` for a line that is not one.
+fn row_step(line: &str) -> Option<usize> {
+    let row: serde_json::Value = serde_json::from_str(line).ok()?;
+    row.get("step")?.as_u64().and_then(|s| usize::try_from(s).ok())
 }

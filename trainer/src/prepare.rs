@@ -12,6 +12,9 @@
 //! Large inputs are encoded in ~1 MiB chunks (for the progress bar, shown above 10 MB of text)
 //! cut only where the cut provably does not change GPT-2's pre-tokenization, so chunked and
 //! whole-text encodings are identical. All texts and tokens are held in memory (4 bytes each).
+//!
+//! The built-in corpus, tinyshakespeare, is compiled into the binary ([`TINYSHAKESPEARE`]),
+//! so the default run needs no file from the repository.
 
 use std::fs;
 use std::io::Read;
@@ -69,21 +72,44 @@ pub struct PrepareReport {
 /// Share of a text corpus held out for validation when the trainer prepares it itself.
 pub const DEFAULT_VAL_FRACTION: f64 = 0.1;
 
-/// `out_dir/train.bin` and `out_dir/val.bin` for one text corpus, prepared with
-/// [`DEFAULT_VAL_FRACTION`] unless both files already exist. Returns the token files and,
-/// when it prepared them just now, the report.
+/// The built-in corpus: tinyshakespeare (Karpathy's char-rnn corpus, 1,115,394 bytes),
+/// compiled into the binary so that `transponder train` works from any directory and after
+/// `cargo install`.
+pub const TINYSHAKESPEARE: &str = include_str!("../../data/tinyshakespeare.txt");
+
+/// How messages name a corpus: the file's path, or the built-in one when `text` is `None`.
+pub fn corpus_name(text: Option<&Path>) -> String {
+    text.map_or_else(|| "the built-in tinyshakespeare".into(), |path| path.display().to_string())
+}
+
+/// A short name for a corpus's data folder: the file's stem, or `tinyshakespeare`.
+pub fn corpus_stem(text: Option<&Path>) -> String {
+    text.and_then(Path::file_stem).map_or_else(|| "tinyshakespeare".into(), |stem| stem.to_string_lossy().into_owned())
+}
+
+/// `out_dir/train.bin` and `out_dir/val.bin` for one text corpus (a file, or the built-in
+/// tinyshakespeare when `text` is `None`), prepared with [`DEFAULT_VAL_FRACTION`] unless both
+/// files already exist. Returns the token files and, when it prepared them just now, the report.
 pub fn prepare_once(
-    text: &Path,
+    text: Option<&Path>,
     tokenizer: &Tokenizer,
     out_dir: &Path,
 ) -> Result<(PathBuf, PathBuf, Option<PrepareReport>)> {
-    let (train, val) = (out_dir.join("train.bin"), out_dir.join("val.bin"));
+    let (train, val) = (out_dir.join(TRAIN_FILE), out_dir.join(VAL_FILE));
     let report = if train.exists() && val.exists() {
         None
+    } else if let Some(path) = text {
+        Some(prepare(&[path.to_path_buf()], tokenizer, out_dir, DEFAULT_VAL_FRACTION)?)
     } else {
-        Some(prepare(&[text.to_path_buf()], tokenizer, out_dir, DEFAULT_VAL_FRACTION)?)
+        Some(prepare_builtin(tokenizer, out_dir, DEFAULT_VAL_FRACTION)?)
     };
     Ok((train, val, report))
+}
+
+/// [`prepare`] for the built-in tinyshakespeare ([`TINYSHAKESPEARE`]).
+pub fn prepare_builtin(tokenizer: &Tokenizer, out_dir: &Path, val_fraction: f64) -> Result<PrepareReport> {
+    check_val_fraction(val_fraction)?;
+    tokenize_and_split(&[TINYSHAKESPEARE.to_string()], tokenizer, out_dir, val_fraction, ValSplit::StreamTail)
 }
 
 /// Tokenizes `inputs` with `tokenizer` and writes `out_dir/train.bin` and `out_dir/val.bin`,
@@ -105,17 +131,38 @@ pub fn prepare_split(
     split: ValSplit,
 ) -> Result<PrepareReport> {
     ensure!(!inputs.is_empty(), "prepare needs at least one input text file");
+    check_val_fraction(val_fraction)?;
+    let texts: Vec<String> = inputs.iter().map(|path| read_text(path)).collect::<Result<_>>()?;
+    ensure!(
+        texts.iter().any(|t| !t.is_empty()),
+        "the input files ({}) are all empty: nothing to tokenize",
+        list_paths(inputs)
+    );
+    tokenize_and_split(&texts, tokenizer, out_dir, val_fraction, split)
+}
+
+fn check_val_fraction(val_fraction: f64) -> Result<()> {
     ensure!(
         val_fraction.is_finite() && val_fraction > 0.0 && val_fraction < 1.0,
         "validation fraction must be strictly between 0 and 1, got {val_fraction}"
     );
-    let texts: Vec<String> = inputs.iter().map(|path| read_text(path)).collect::<Result<_>>()?;
-    let input_bytes: u64 = texts.iter().map(|t| t.len() as u64).sum();
-    ensure!(input_bytes > 0, "the input files ({}) are all empty: nothing to tokenize", list_paths(inputs));
+    Ok(())
+}
 
+/// Tokenizes each text (an end-of-text token before each, when the tokenizer has one), holds
+/// out the validation tokens as `split` says, and writes both token files; `out_dir` is
+/// created only now, once every input has been read and tokenized.
+fn tokenize_and_split(
+    texts: &[String],
+    tokenizer: &Tokenizer,
+    out_dir: &Path,
+    val_fraction: f64,
+    split: ValSplit,
+) -> Result<PrepareReport> {
+    let input_bytes: u64 = texts.iter().map(|t| t.len() as u64).sum();
     let bar = progress_bar(input_bytes);
     let (mut train, mut val) = (Vec::new(), Vec::new());
-    for text in &texts {
+    for text in texts {
         if text.is_empty() {
             continue;
         }

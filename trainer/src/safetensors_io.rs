@@ -132,6 +132,19 @@ pub fn load_tensors(path: &Path) -> Result<(Vec<NamedTensor>, BTreeMap<String, S
     Ok((tensors, metadata))
 }
 
+/// Reads only the `__metadata__` of the safetensors file at `path` (empty when it has none):
+/// the header, not the tensors, so it is cheap for any checkpoint size.
+pub fn load_metadata(path: &Path) -> Result<BTreeMap<String, String>> {
+    let file = File::open(path).with_context(|| format!("opening checkpoint {}", path.display()))?;
+    let len = file.metadata().with_context(|| format!("reading the size of {}", path.display()))?.len();
+    ensure!(len > 0, "checkpoint {} is empty (0 bytes): not a safetensors file", path.display());
+    // SAFETY: as in `load_tensors`: read-only, dropped before returning, replaced only by rename.
+    let map = unsafe { Mmap::map(&file) }.with_context(|| format!("memory-mapping checkpoint {}", path.display()))?;
+    let (_, header) = SafeTensors::read_metadata(&map)
+        .with_context(|| format!("{} is not a valid safetensors file (corrupt or truncated header)", path.display()))?;
+    Ok(header.metadata().as_ref().map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()).unwrap_or_default())
+}
+
 /// Converts little-endian `F32`, `BF16` or `F16` bytes to `f32` values.
 fn widen_to_f32(dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>> {
     let values = match dtype {

@@ -48,7 +48,7 @@ use crate::data::images::{
 use crate::device::ensure_available;
 use crate::metrics::{MetricsWriter, StepMetrics};
 use crate::safetensors_io::atomic_write;
-use crate::train::{NonFiniteLoss, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
+use crate::train::{Diverged, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
 
 /// The gradient-flow report inside the run directory.
 pub const GRAD_NORMS_FILE: &str = "grad_norms.jsonl";
@@ -406,7 +406,8 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
             let (loss, logits) = model.loss(&images, &labels, true)?;
             let value = loss.value().to_host()?.item()?;
             if !value.is_finite() {
-                return Err(NonFiniteLoss { value, step, checkpoint: checkpoint_path.clone() }.into());
+                let checkpoint = checkpoint_path.clone();
+                return Err(Diverged { quantity: "loss".into(), value, step: step + 1, checkpoint }.into());
             }
             loss.backward()?;
             add_grad_norms(&optimizer, &mut norm_sums)?;

@@ -126,7 +126,7 @@ fn a_custom_list_records_diverged_runs() {
     let mut options = tiny_options(&dir, None, &["pre-ln", "layer-scalar"], 1);
     options.base.lr = 1e30;
     options.base.grad_clip = 0.0;
-    options.base.schedule = "constant".into();
+    options.base.schedule = trainer::config::ScheduleKind::Constant;
     let outcome = compare(&options).unwrap();
     assert_eq!(outcome.grid.name, "custom");
     assert!(outcome.results.iter().all(|r| r.diverged_at_step.is_some() && r.val_loss.is_none()));

@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use tensor::Device;
-use trainer::config::TrainConfig;
+use trainer::config::{ScheduleKind, TrainConfig};
 use trainer::data::token_file::write_llmc;
 use trainer::train::{train, METRICS_FILE};
 use trainer::train_image::{train_image, ImageTrainConfig};
@@ -163,7 +163,7 @@ fn a_cuda_checkpoint_resumes_on_cuda_and_on_the_cpu() {
         return;
     }
     // A constant rate, so a run of STEPS / 2 steps is the first half of one of STEPS.
-    let constant = |dir: &Path, steps| TrainConfig { schedule: "constant".into(), ..config(dir, GPU, steps) };
+    let constant = |dir: &Path, steps| TrainConfig { schedule: ScheduleKind::Constant, ..config(dir, GPU, steps) };
     let straight_dir = scratch("straight");
     let straight = constant(&straight_dir, STEPS);
     train(&straight, false).unwrap();

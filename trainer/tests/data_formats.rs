@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use trainer::data::token_file::{LLMC_GPT2_MAGIC, LLMC_HEADER_BYTES, LLMC_LLAMA3_MAGIC};
 use trainer::data::{
     check_vocab, load_cifar10, load_cifar100, load_cifar100_dir, load_cifar10_dir, load_digits_csv_gz, write_llmc,
-    write_nanogpt_raw, Augmentation, BatchSampler, Cifar100Labels, ImageLoader, Normalization, RandomSampler,
-    SequentialSampler, Split, SplitMix64, TokenFile, TokenFormat,
+    write_nanogpt_raw, Augmentation, BatchSampler, Cifar100Labels, DataFormat, ImageLoader, Normalization,
+    RandomSampler, SequentialSampler, Split, SplitMix64, TokenFile, TokenFormat,
 };
 use trainer::prepare::{prepare, MIN_SPLIT_TOKENS, PROGRESS_BAR_MIN_BYTES};
 use trainer::tokenizer::Tokenizer;
@@ -159,6 +159,63 @@ fn corrupt_token_files_are_clear_errors() {
     let msg = err_text(TokenFile::open_as(&bad_magic, TokenFormat::LlmcGpt2));
     assert!(msg.contains("bad magic 1234"), "{msg}");
     assert_eq!(LLMC_HEADER_BYTES, 1024);
+}
+
+#[test]
+fn an_llmc_header_with_an_unknown_magic_or_version_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // One flipped bit in the magic, a newer version, both: never 512 header "tokens".
+    for (name, magic, version, tokens, width) in [
+        ("flipped.bin", LLMC_GPT2_MAGIC ^ 1, 1, vec![1, 2, 3], 2),
+        ("newer.bin", 20250101, 2, vec![70_000, 2], 4),
+        ("both.bin", 0x0102_0304, 9, vec![9], 2),
+    ] {
+        let path = write(d, name, &llmc_bytes(magic, version, tokens.len() as i32, &tokens, width));
+        let msg = err_text(TokenFile::open(&path));
+        assert!(msg.contains(&format!("magic {magic}")) && msg.contains(&format!("version {version}")), "{msg}");
+        assert!(msg.contains(name) && msg.contains("--data-format nanogpt"), "{msg}");
+        // Forced raw, the header is read as tokens, as asked.
+        let raw = TokenFile::open_with(&path, DataFormat::NanoGpt).unwrap();
+        assert_eq!((raw.format(), raw.len()), (TokenFormat::NanoGptRaw, (1024 + tokens.len() * width) / 2));
+    }
+    // Not an llm.c header: a count that does not fit the length, or non-zero padding.
+    let mut unfit = llmc_bytes(1234, 1, 5, &[1, 2, 3], 2);
+    assert_eq!(TokenFile::open(&write(d, "unfit.bin", &unfit)).unwrap().format(), TokenFormat::NanoGptRaw);
+    unfit[2 * 4..3 * 4].copy_from_slice(&3i32.to_le_bytes());
+    unfit[100] = 1;
+    assert_eq!(TokenFile::open(&write(d, "padded.bin", &unfit)).unwrap().format(), TokenFormat::NanoGptRaw);
+    // All zeros is raw data (token 0 repeated), not an empty llm.c file.
+    assert_eq!(TokenFile::open(&write(d, "zeros.bin", &[0; 1024])).unwrap().len(), 512);
+}
+
+#[test]
+fn data_format_llmc_refuses_what_is_not_llmc() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("raw.bin");
+    write_nanogpt_raw(&path, &[1, 2, 3]).unwrap();
+    let msg = err_text(TokenFile::open_with(&path, DataFormat::Llmc));
+    assert!(msg.contains("--data-format llmc") && msg.contains("raw.bin"), "{msg}");
+    let llmc = dir.path().join("llmc.bin");
+    write_llmc(&llmc, &[1, 2, 3], 256).unwrap();
+    assert_eq!(TokenFile::open_with(&llmc, DataFormat::Llmc).unwrap().format(), TokenFormat::LlmcGpt2);
+    assert_eq!("nanogpt".parse::<DataFormat>(), Ok(DataFormat::NanoGpt));
+    assert!("npy".parse::<DataFormat>().unwrap_err().contains("auto, llmc, nanogpt"));
+}
+
+#[test]
+fn messages_name_formats_in_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let odd = write(d, "odd.bin", &[1, 2, 3]);
+    let msg = err_text(TokenFile::open(&odd));
+    assert!(msg.contains("(nanoGPT raw uint16)") && !msg.contains("NanoGptRaw"), "{msg}");
+    let short = write(d, "short.bin", &llmc_bytes(LLMC_GPT2_MAGIC, 1, 4, &[1, 2], 2));
+    let msg = err_text(TokenFile::open(&short));
+    assert!(msg.contains("(llm.c GPT-2 kind") && !msg.contains("LlmcGpt2"), "{msg}");
+    write_nanogpt_raw(&odd, &[1, 300]).unwrap();
+    let msg = err_text(check_vocab(&TokenFile::open(&odd).unwrap(), 256));
+    assert!(msg.contains("read as nanoGPT raw uint16"), "{msg}");
 }
 
 #[test]

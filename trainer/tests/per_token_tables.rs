@@ -61,7 +61,7 @@ fn token_scale_rows_of_unseen_tokens_stay_put_with_sparse_updates() {
     // Dense AdamW decays every matrix row, seen or not.
     assert!(unseen().iter().all(|&r| dense[r].iter().all(|&v| v < 1.0)));
     let sgd = trained_table(&dir, "token-scale", "token_scale.weight", |c| {
-        c.optimizer = "sgd".into();
+        c.optimizer = trainer::config::OptimizerKind::Sgd;
         c.momentum = 0.0;
         c.weight_decay = 0.0;
         c.lr = 0.1;

@@ -61,7 +61,7 @@ fn sample_decodes_with_the_tokenizer_the_checkpoint_was_trained_with() {
     std::fs::write(&text, TEXT.repeat(60)).unwrap();
     let config = TrainConfig {
         tokenizer: "gpt2".into(),
-        text,
+        text: Some(text),
         d_model: 32,
         batch_size: 2,
         seq_len: 16,

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use trainer::checkpoint;
-use trainer::config::TrainConfig;
+use trainer::config::{ScheduleKind, TrainConfig};
 use trainer::data::token_file::write_llmc;
 use trainer::train::{train, CHECKPOINT_FILE, METRICS_FILE};
 
@@ -86,7 +86,7 @@ fn non_finite_loss_stops_and_keeps_the_last_good_checkpoint() {
         lr: 1e30,
         grad_clip: 0.0,
         warmup: 0,
-        schedule: "constant".into(),
+        schedule: ScheduleKind::Constant,
         save_every: 1,
         ..tiny_config(&dir, 20)
     };
@@ -115,9 +115,10 @@ fn bad_config_is_rejected_before_training() {
 
 #[test]
 fn trained_checkpoint_samples_evaluates_and_exports() {
+    use trainer::data::DataFormat;
     use trainer::export::export_hf;
     use trainer::generate::{generate, load_model, SamplingOptions};
-    use trainer::train::evaluate;
+    use trainer::train::{evaluate, open_eval_data};
 
     let dir = scratch("sample");
     let config = TrainConfig { save_every: 0, ..tiny_config(&dir, 3) };
@@ -127,7 +128,8 @@ fn trained_checkpoint_samples_evaluates_and_exports() {
     let tokens = generate(&model, &[vec![116, 111]], &options).unwrap().sequences.remove(0);
     assert_eq!(tokens.len(), 7);
     assert!(tokens.iter().all(|&t| t < 256));
-    let val = evaluate(&model, config.val_data.as_ref().unwrap(), 2, 16, 3).unwrap();
+    let mut val_data = open_eval_data(config.val_data.as_ref().unwrap(), DataFormat::Auto, 256, 2, 16).unwrap();
+    let val = evaluate(&model, &mut val_data, 3).unwrap();
     assert!(val.is_finite());
 
     let export_dir = dir.join("hf");

@@ -11,7 +11,7 @@ use anyhow::Result;
 use tensor::Device;
 
 use super::{compare, grids, CompareOptions, RUNS_CSV, TABLE_CSV, TABLE_MD, VAL_CURVES_SVG};
-use crate::config::TrainConfig;
+use crate::config::{OptimizerKind, ScheduleKind, TrainConfig};
 use crate::device::{ensure_available, parse_device};
 use crate::train_image::ImageTrainConfig;
 
@@ -56,10 +56,10 @@ pub struct CompareArgs {
     pub lr: f32,
     /// `adamw`, `adam` or `sgd`.
     #[arg(long, default_value = "adamw")]
-    pub optimizer: String,
+    pub optimizer: OptimizerKind,
     /// `cosine`, `noam`, `constant`, `linear` or `onecycle`.
     #[arg(long, default_value = "cosine")]
-    pub schedule: String,
+    pub schedule: ScheduleKind,
     /// Linear warmup steps.
     #[arg(long, default_value_t = 20)]
     pub warmup: usize,
@@ -72,9 +72,10 @@ pub struct CompareArgs {
     /// Steps between checkpoints (what an interrupted run resumes from).
     #[arg(long, default_value_t = 50)]
     pub save_every: usize,
-    /// Plain-text corpus, tokenized once into <out-dir>/data/ when no token files are given.
-    #[arg(long, default_value = "data/tinyshakespeare.txt")]
-    pub text: PathBuf,
+    /// Plain-text corpus, tokenized once into <out-dir>/data/ when no token files are given
+    /// (default: the built-in tinyshakespeare).
+    #[arg(long)]
+    pub text: Option<PathBuf>,
     /// Token files (llm.c or nanoGPT format) instead of --text.
     #[arg(long, requires = "val_data")]
     pub train_data: Option<PathBuf>,
@@ -114,8 +115,8 @@ impl CompareArgs {
             batch_size: self.batch_size,
             seq_len: self.seq_len,
             lr: self.lr,
-            optimizer: self.optimizer.clone(),
-            schedule: self.schedule.clone(),
+            optimizer: self.optimizer,
+            schedule: self.schedule,
             warmup: self.warmup,
             eval_every: self.eval_every,
             eval_batches: self.eval_batches,

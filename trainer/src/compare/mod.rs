@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, ensure, Context, Result};
 
 use crate::config::TrainConfig;
-use crate::prepare::prepare_once;
+use crate::prepare::{corpus_name, corpus_stem, prepare_once};
 use crate::tokenizer::Tokenizer;
 use crate::train::METRICS_FILE;
 use crate::train_image::ImageTrainConfig;
@@ -100,11 +100,11 @@ fn shared_data(base: &TrainConfig, out_dir: &Path) -> Result<TrainConfig> {
         ensure!(base.val_data.is_some(), "compare needs --val-data with --train-data: rows are ranked on it");
         return Ok(base);
     }
-    let stem = base.text.file_stem().map_or("text".into(), |s| s.to_string_lossy().into_owned());
-    let data_dir = out_dir.join("data").join(format!("{stem}-{}", base.tokenizer));
+    let text = base.text.as_deref();
+    let data_dir = out_dir.join("data").join(format!("{}-{}", corpus_stem(text), base.tokenizer));
     let tokenizer = Tokenizer::from_name(&base.tokenizer)?;
-    let (train, val, _) = prepare_once(&base.text, &tokenizer, &data_dir)
-        .with_context(|| format!("preparing {} for the comparison", base.text.display()))?;
+    let (train, val, _) = prepare_once(text, &tokenizer, &data_dir)
+        .with_context(|| format!("preparing {} for the comparison", corpus_name(text)))?;
     (base.train_data, base.val_data) = (Some(train), Some(val));
     Ok(base)
 }

@@ -21,7 +21,7 @@ use serde_json::Value;
 use crate::config::TrainConfig;
 use crate::safetensors_io::atomic_write;
 use crate::tokenizer::Tokenizer;
-use crate::train::{model_config, train, NonFiniteLoss, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
+use crate::train::{model_config, train, Diverged, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
 use crate::train_image::{train_image, ImageTrainConfig, GRAD_NORMS_FILE};
 
 /// The file a finished run leaves in its directory.
@@ -233,12 +233,12 @@ fn train_run(run: &PlannedRun, resume: bool, parameters: usize) -> Result<RunRes
         }),
     };
     if let Err(error) = outcome {
-        let Some(diverged) = error.downcast_ref::<NonFiniteLoss>() else {
+        let Some(diverged) = error.downcast_ref::<Diverged>() else {
             return Err(error)
                 .with_context(|| format!("training row `{}` seed {} in {}", run.row, run.seed, dir.display()));
         };
         println!("{} seed {}: diverged ({diverged}); recorded as diverged", run.row, run.seed);
-        result.diverged_at_step = Some(diverged.step + 1);
+        result.diverged_at_step = Some(diverged.step);
     }
     result.seconds = started.elapsed().as_secs_f64();
     Ok(result)

@@ -17,4 +17,4 @@ pub use images::{
     ImageBatch, ImageDataset, ImageLoader, Normalization, Split,
 };
 pub use sampler::{BatchSampler, RandomSampler, SequentialSampler, SplitMix64, TokenBatch};
-pub use token_file::{check_vocab, write_llmc, write_nanogpt_raw, TokenFile, TokenFormat};
+pub use token_file::{check_vocab, write_llmc, write_nanogpt_raw, DataFormat, TokenFile, TokenFormat};

@@ -7,9 +7,19 @@
 //!   GPT-2 kind: magic 20240520, version 1, `u16` tokens; LLaMA-3 kind: magic 20240801,
 //!   version 7, `u32` tokens.
 //!
-//! [`TokenFile::open`] detects llm.c files by their magic and treats anything else as raw
-//! `u16`. A raw file whose first two tokens happen to spell an llm.c magic (tokens 53448, 308
-//! or 53697, 308) would be misread; [`TokenFile::open_as`] forces the format.
+//! Detection ([`DataFormat::Auto`], what [`TokenFile::open`] does):
+//! 1. a file starting with a known llm.c magic is llm.c (its version, count and length are then
+//!    checked: a mismatch is an error, never a fallback to raw);
+//! 2. a file that *carries an llm.c header* but whose magic/version pair is not a known one is
+//!    an error naming the magic and the version (a corrupted or foreign llm.c file). A file
+//!    carries an llm.c header when it is at least 1,024 bytes long, slots `[3..256]` are all
+//!    zero, and slot `[2]` is a token count `n ≥ 1` that fits the length for 2- or 4-byte
+//!    tokens: `1024 + 2n` or `1024 + 4n` bytes exactly;
+//! 3. anything else is nanoGPT raw `u16`.
+//!
+//! Raw data is read as an llm.c header only by a coincidence of 1,016 specific bytes; a raw
+//! file whose first two tokens spell an llm.c magic (tokens 53448, 308 or 53697, 308) is
+//! misread, and [`DataFormat::NanoGpt`] (`--data-format nanogpt`) forces the raw reading.
 //!
 //! Files are never loaded whole: the map is paged in by the OS as windows are copied out.
 //! Writers go through [`atomic_replace`], so a killed `prepare` never leaves a torn file.
@@ -20,7 +30,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
 use memmap2::Mmap;
+use serde::{Deserialize, Serialize};
 
+use crate::config::choices::named_choice;
 use crate::safetensors_io::atomic_replace;
 
 /// Magic number of llm.c's GPT-2 kind (`u16` tokens).
@@ -38,6 +50,28 @@ pub const LLMC_HEADER_BYTES: usize = LLMC_HEADER_INTS * std::mem::size_of::<i32>
 /// Vocabularies below this size are written as `u16` (GPT-2 kind), larger ones as `u32`.
 pub const U16_VOCAB_LIMIT: usize = 1 << 16;
 
+/// How to read a token file (`--data-format`): detect, or force one family.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataFormat {
+    /// Detect llm.c by its header, raw `u16` otherwise (the module's rule).
+    #[default]
+    Auto,
+    /// llm.c only: a file without a known magic and version is an error.
+    Llmc,
+    /// nanoGPT raw `u16`, whatever the first bytes say.
+    #[serde(rename = "nanogpt")]
+    NanoGpt,
+}
+
+impl DataFormat {
+    /// Every choice with its flag spelling, in the order errors list them.
+    pub const ALL: [(&'static str, DataFormat); 3] =
+        [("auto", DataFormat::Auto), ("llmc", DataFormat::Llmc), ("nanogpt", DataFormat::NanoGpt)];
+}
+
+named_choice!(DataFormat, "data format");
+
 /// The on-disk layout of a token file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TokenFormat {
@@ -47,6 +81,17 @@ pub enum TokenFormat {
     LlmcGpt2,
     /// llm.c LLaMA-3 kind: 1024-byte header (magic 20240801, version 7), `u32` tokens.
     LlmcLlama3,
+}
+
+impl std::fmt::Display for TokenFormat {
+    /// The format as messages name it: "nanoGPT raw uint16", "llm.c GPT-2 kind", ...
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TokenFormat::NanoGptRaw => "nanoGPT raw uint16",
+            TokenFormat::LlmcGpt2 => "llm.c GPT-2 kind, uint16",
+            TokenFormat::LlmcLlama3 => "llm.c LLaMA-3 kind, uint32",
+        })
+    }
 }
 
 impl TokenFormat {
@@ -77,13 +122,18 @@ pub struct TokenFile {
 }
 
 impl TokenFile {
-    /// Opens `path`, choosing llm.c when the file starts with a known llm.c magic and nanoGPT
-    /// raw otherwise. Errors name the file and what is wrong with it: missing, empty, an odd
-    /// byte length for `u16`, a header shorter than 1024 bytes, an unknown version for a known
-    /// magic, a token count disagreeing with the file's length, or no tokens at all.
+    /// Opens `path`, detecting its format by the module's rule ([`DataFormat::Auto`]).
+    /// Errors name the file and what is wrong with it: missing, empty, an odd byte length for
+    /// `u16`, an llm.c header with an unknown magic or version, a header shorter than 1024
+    /// bytes, a token count disagreeing with the file's length, or no tokens at all.
     pub fn open(path: &Path) -> Result<TokenFile> {
+        Self::open_with(path, DataFormat::Auto)
+    }
+
+    /// Opens `path` as `choice` says: detect, llm.c only, or raw `u16` only.
+    pub fn open_with(path: &Path, choice: DataFormat) -> Result<TokenFile> {
         let map = map_file(path)?;
-        let format = detect_format(&map);
+        let format = choose_format(&map, choice).with_context(|| format!("invalid token file {}", path.display()))?;
         Self::from_map(path, map, format)
     }
 
@@ -95,7 +145,7 @@ impl TokenFile {
 
     fn from_map(path: &Path, map: Mmap, format: TokenFormat) -> Result<TokenFile> {
         let len =
-            validate(&map, format).with_context(|| format!("invalid token file {} ({format:?})", path.display()))?;
+            validate(&map, format).with_context(|| format!("invalid token file {} ({format})", path.display()))?;
         Ok(TokenFile { path: path.to_path_buf(), format, len, map })
     }
 
@@ -183,14 +233,17 @@ impl TokenFile {
     }
 }
 
-/// Errors when `file` holds a token id `>= vocab_size`, naming the file, the id and the vocab.
+/// Errors when `file` holds a token id `>= vocab_size`, naming the file, how it was read,
+/// the id and the vocabulary, with the likely causes.
 pub fn check_vocab(file: &TokenFile, vocab_size: usize) -> Result<()> {
     let max = file.max_token();
     ensure!(
         (max as usize) < vocab_size,
-        "token file {} contains token id {max} but the vocabulary has only {vocab_size} \
-         entries (ids 0..{vocab_size}); was it prepared with a different tokenizer?",
-        file.path.display()
+        "token file {} (read as {}) contains token id {max} but the vocabulary has only \
+         {vocab_size} entries (ids 0..{vocab_size}); was it prepared with a different tokenizer \
+         (--tokenizer), or is it in another format (--data-format)?",
+        file.path.display(),
+        file.format
     );
     Ok(())
 }
@@ -209,12 +262,46 @@ fn header_int(bytes: &[u8], slot: usize) -> Option<i32> {
     Some(i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
 }
 
-fn detect_format(bytes: &[u8]) -> TokenFormat {
-    match header_int(bytes, 0) {
-        Some(LLMC_GPT2_MAGIC) => TokenFormat::LlmcGpt2,
-        Some(LLMC_LLAMA3_MAGIC) => TokenFormat::LlmcLlama3,
-        _ => TokenFormat::NanoGptRaw,
+/// The layout to read `bytes` as, by `choice` and the module's detection rule.
+fn choose_format(bytes: &[u8], choice: DataFormat) -> Result<TokenFormat> {
+    let magic = header_int(bytes, 0);
+    let known = match magic {
+        Some(LLMC_GPT2_MAGIC) => Some(TokenFormat::LlmcGpt2),
+        Some(LLMC_LLAMA3_MAGIC) => Some(TokenFormat::LlmcLlama3),
+        _ => None,
+    };
+    let version = header_int(bytes, 1).unwrap_or(0);
+    let magic = magic.unwrap_or(0);
+    match (choice, known) {
+        (DataFormat::NanoGpt, _) => Ok(TokenFormat::NanoGptRaw),
+        (DataFormat::Auto | DataFormat::Llmc, Some(format)) => Ok(format),
+        (DataFormat::Llmc, None) => bail!(
+            "--data-format llmc: magic {magic} (version {version}) is not an llm.c magic \
+             ({LLMC_GPT2_MAGIC} GPT-2 kind, {LLMC_LLAMA3_MAGIC} LLaMA-3 kind)"
+        ),
+        (DataFormat::Auto, None) if carries_llmc_header(bytes) => bail!(
+            "the file carries an llm.c header (zero padding, a token count of {} that fits its \
+             length) but magic {magic} with version {version} is no known llm.c kind \
+             ({LLMC_GPT2_MAGIC}/{LLMC_GPT2_VERSION} GPT-2, {LLMC_LLAMA3_MAGIC}/{LLMC_LLAMA3_VERSION} \
+             LLaMA-3): a corrupted or newer llm.c file? --data-format nanogpt reads it as raw uint16",
+            header_int(bytes, 2).unwrap_or(0)
+        ),
+        (DataFormat::Auto, None) => Ok(TokenFormat::NanoGptRaw),
     }
+}
+
+/// The module's "carries an llm.c header" rule: ≥ 1024 bytes, slots `[3..256]` zero, and a
+/// count `n ≥ 1` in slot `[2]` with a length of exactly `1024 + 2n` or `1024 + 4n` bytes.
+fn carries_llmc_header(bytes: &[u8]) -> bool {
+    let Some(header) = bytes.get(..LLMC_HEADER_BYTES) else {
+        return false;
+    };
+    if header[3 * 4..].iter().any(|&b| b != 0) {
+        return false;
+    }
+    let count = header_int(bytes, 2).unwrap_or(0);
+    let body = (bytes.len() - LLMC_HEADER_BYTES) as u64;
+    count > 0 && [2u64, 4].iter().any(|&width| count as u64 * width == body)
 }
 
 /// Checks `bytes` against `format` and returns the token count.

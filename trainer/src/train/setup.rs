@@ -1,0 +1,233 @@
+//! Everything a run holds between steps, built once: every input checked before anything is
+//! written (token files: format, vocabulary, at least one window), the model, the optimizer,
+//! the samplers, and on `--resume` the checkpoint's weights, optimizer state, data position
+//! and step.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use models::llama::Llama;
+use nn::optim::{Adam, AdamConfig, Optimizer, RowRule, Schedule, Sgd, SparseRows};
+use nn::{Module, NamedParameter};
+use tensor::Device;
+
+use super::resume::check_continuation;
+use super::{evaluate::open_eval_data, model_config, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
+use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
+use crate::config::{OptimizerKind, Sampling, TrainConfig};
+use crate::data::sampler::{BatchSampler, RandomSampler, SequentialSampler};
+use crate::data::token_file::{check_vocab, TokenFile};
+use crate::device::{device_label, ensure_available, MatmulPrecision};
+use crate::prepare::{corpus_name, corpus_stem, prepare_once};
+use crate::safetensors_io::atomic_write;
+use crate::tokenizer::Tokenizer;
+
+/// A run in progress: what [`super::train`] steps, evaluates and saves.
+pub(super) struct Session<'a> {
+    pub config: &'a TrainConfig,
+    pub model: Llama,
+    pub optimizer: Box<dyn Optimizer>,
+    pub sampler: Box<dyn BatchSampler>,
+    /// Sequential windows of the validation file, when there is one.
+    pub validation: Option<SequentialSampler>,
+    pub schedule: Schedule,
+    pub checkpoint_path: PathBuf,
+    /// Steps already done (the checkpoint's step on resume, else 0).
+    pub start_step: usize,
+    train_json: String,
+    model_json: String,
+    /// bf16 matrix products for as long as the run lives.
+    _precision: MatmulPrecision,
+}
+
+impl<'a> Session<'a> {
+    /// Checks `config` and every input, builds the model, optimizer and samplers, restores
+    /// the checkpoint on `resume`, writes `config.json` and prints what will run. Nothing is
+    /// written to the run directory before every input has been checked.
+    pub fn start(config: &'a TrainConfig, resume: bool) -> Result<Session<'a>> {
+        config.validate()?;
+        ensure_available(config.device)?;
+        let precision = MatmulPrecision::set(config.device, config.bf16)?;
+        let checkpoint_path = config.out_dir.join(CHECKPOINT_FILE);
+        let saved = if resume { Some(load_for_resume(config, &checkpoint_path)?) } else { None };
+
+        let tokenizer = Tokenizer::from_name(&config.tokenizer)?;
+        let vocab_size = tokenizer.vocab_size();
+        let (train_path, val_path) = resolve_data(config, &tokenizer)?;
+        let train_file = TokenFile::open_with(&train_path, config.data_format)?;
+        check_vocab(&train_file, vocab_size)?;
+        let mut sampler = make_sampler(config, train_file)?;
+        let validation = match &val_path {
+            Some(path) => {
+                Some(open_eval_data(path, config.data_format, vocab_size, config.batch_size, config.seq_len)?)
+            }
+            None => None,
+        };
+
+        let model_config = model_config(config, vocab_size)?;
+        let model = Llama::new(&model_config, config.seed)?;
+        let (mut optimizer, table_updates) = make_optimizer(config, &model);
+        let mut start_step = 0;
+        if let Some(saved) = saved {
+            checkpoint::load_weights(&model, &saved.weights)?;
+            optimizer.load_state(&saved.optimizer_state)?;
+            sampler.import_state(&saved.sampler_state)?;
+            start_step = saved.step;
+            println!("resumed from {} at step {start_step}", checkpoint_path.display());
+        }
+        model.to_device(config.device)?;
+        std::fs::create_dir_all(&config.out_dir).with_context(|| format!("creating {}", config.out_dir.display()))?;
+        let train_json = serde_json::to_string_pretty(config)?;
+        let model_json = serde_json::to_string_pretty(&model_config)?;
+        atomic_write(&config.out_dir.join(CONFIG_FILE), train_json.as_bytes())?;
+        print_plan(config, &model, table_updates);
+        Ok(Session {
+            config,
+            model,
+            optimizer,
+            sampler,
+            validation,
+            schedule: config.schedule(),
+            checkpoint_path,
+            start_step,
+            train_json,
+            model_json,
+            _precision: precision,
+        })
+    }
+
+    /// Where the run's metrics go.
+    pub fn metrics_path(&self) -> PathBuf {
+        self.config.out_dir.join(METRICS_FILE)
+    }
+
+    /// Writes the checkpoint of `step` steps done (refused when a value is not finite).
+    pub fn save(&self, step: usize) -> Result<()> {
+        let meta = CheckpointMeta {
+            step,
+            sampler_state: &self.sampler.export_state(),
+            train_config: &self.train_json,
+            model_config: &self.model_json,
+        };
+        checkpoint::save(&self.checkpoint_path, &self.model, self.optimizer.as_ref(), &meta)
+    }
+}
+
+/// The checkpoint to resume from, after checking `config` against the one it was saved with
+/// (refused changes are errors, the others are printed as warnings) and that it is not past
+/// the run's last step (at it, the run has nothing left to do and ends at once).
+fn load_for_resume(config: &TrainConfig, path: &Path) -> Result<Checkpoint> {
+    if !path.exists() {
+        bail!("--resume: no checkpoint at {} (train without --resume to start this run)", path.display());
+    }
+    let saved = checkpoint::load(path)?;
+    let saved_config: TrainConfig = serde_json::from_str(&saved.train_config)
+        .with_context(|| format!("checkpoint {}: its 'train_config' metadata", path.display()))?;
+    for warning in check_continuation(&saved_config, config)? {
+        eprintln!("warning: {warning}");
+    }
+    if config.steps < saved.step {
+        bail!(
+            "--resume: the checkpoint in {} is at step {}, past the run's {} steps \
+             (pass --steps N with N > {} to train further)",
+            config.out_dir.display(),
+            saved.step,
+            config.steps,
+            saved.step
+        );
+    }
+    if config.steps == saved.step {
+        println!(
+            "the checkpoint is at step {} of {}: nothing left to run (pass --steps N with N > {} to train further)",
+            saved.step, config.steps, saved.step
+        );
+    }
+    Ok(saved)
+}
+
+/// Token files for training and (optionally) validation, preparing them from the text
+/// corpus into `out_dir/data/<corpus>-<tokenizer>/` on first use. Nothing is created when the
+/// corpus cannot be read.
+fn resolve_data(config: &TrainConfig, tokenizer: &Tokenizer) -> Result<(PathBuf, Option<PathBuf>)> {
+    if let Some(train) = &config.train_data {
+        return Ok((train.clone(), config.val_data.clone()));
+    }
+    let text = config.text.as_deref();
+    let data_dir = config.out_dir.join("data").join(format!("{}-{}", corpus_stem(text), tokenizer.name()));
+    let (train, val, report) =
+        prepare_once(text, tokenizer, &data_dir).with_context(|| format!("preparing {}", corpus_name(text)))?;
+    if let Some(report) = report {
+        println!(
+            "prepared {} ({} train + {} val tokens, {} tokenizer) into {}",
+            corpus_name(text),
+            report.train_tokens,
+            report.val_tokens,
+            report.tokenizer,
+            data_dir.display()
+        );
+    }
+    Ok((train, Some(val)))
+}
+
+/// Per-token tables (`[V, ...]`, one row per token id): the `per-token` transforms' `M` and
+/// the `token-scale` `E`. The token embedding is left to the dense optimizer.
+fn is_token_table(name: &str) -> bool {
+    name.ends_with(".per_token.table") || name.ends_with(".token_scale.weight")
+}
+
+/// The configured optimizer. Per-token tables get row-sparse updates ([`SparseRows`]) when
+/// that is exact (SGD without momentum and decay) or when `lazy_tables` asks for it, on the
+/// CPU only (on a GPU the dense update, which the exact row-sparse one equals, runs instead).
+fn make_optimizer(config: &TrainConfig, model: &Llama) -> (Box<dyn Optimizer>, Option<&'static str>) {
+    let rule = match config.optimizer {
+        OptimizerKind::Sgd => RowRule::Sgd { momentum: config.momentum, weight_decay: config.weight_decay },
+        OptimizerKind::Adam | OptimizerKind::AdamW => RowRule::Adam(AdamConfig {
+            beta2: config.beta2,
+            weight_decay: config.weight_decay,
+            decoupled: config.optimizer == OptimizerKind::AdamW,
+            ..AdamConfig::default()
+        }),
+    };
+    let build = |params: Vec<NamedParameter>| -> Box<dyn Optimizer> {
+        match rule {
+            RowRule::Sgd { momentum, weight_decay } => Box::new(Sgd::new(params, momentum, weight_decay, false)),
+            RowRule::Adam(adam) => Box::new(Adam::new(params, adam)),
+        }
+    };
+    let (tables, dense): (Vec<_>, Vec<_>) = model.named_parameters().into_iter().partition(|p| is_token_table(&p.name));
+    if tables.is_empty() || !(rule.is_exact() || config.lazy_tables) || config.device != Device::Cpu {
+        return (build(model.named_parameters()), None);
+    }
+    let how = if rule.is_exact() { "row-sparse (exact: plain SGD)" } else { "row-sparse (lazy: unseen rows frozen)" };
+    (Box::new(SparseRows::new(build(dense), tables, rule)), Some(how))
+}
+
+/// The training sampler `config.sampling` names; errors when the file holds no window.
+fn make_sampler(config: &TrainConfig, file: TokenFile) -> Result<Box<dyn BatchSampler>> {
+    Ok(match config.sampling {
+        Sampling::Random => Box::new(RandomSampler::new(file, config.batch_size, config.seq_len, config.seed)?),
+        Sampling::Sequential => Box::new(SequentialSampler::new(file, config.batch_size, config.seq_len)?),
+    })
+}
+
+/// The lines a run starts with: model, size, steps, batch, optimizer, device.
+fn print_plan(config: &TrainConfig, model: &Llama, table_updates: Option<&str>) {
+    println!(
+        "training {} ({}) with {} parameters for {} steps: batch {} x {} tokens, {} optimizer, lr {}",
+        config.model,
+        config.variant,
+        model.num_parameters(),
+        config.steps,
+        config.batch_size * config.grad_accum,
+        config.seq_len,
+        config.optimizer,
+        config.lr
+    );
+    if let Some(how) = table_updates {
+        println!("per-token tables: {how} updates");
+    }
+    if config.device != Device::Cpu {
+        let precision = if config.bf16 { "bf16 matrix products, f32 master weights" } else { "f32" };
+        println!("device {} ({precision})", device_label(config.device));
+    }
+}

@@ -1,0 +1,147 @@
+//! One optimizer step: gradients summed over `grad_accum` micro-batches, then — only when
+//! the mean loss and the global gradient norm are both finite — clipping and the update.
+//! A non-finite loss or norm stops the run before the update ([`Diverged`]), so no NaN ever
+//! reaches the weights, the optimizer state or a checkpoint.
+
+use anyhow::Result;
+use nn::optim::{clip_grad_norm, Optimizer};
+
+use super::evaluate::mean_loss;
+use super::setup::Session;
+use super::Diverged;
+
+/// What a completed step measured.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct StepOutcome {
+    /// Mean training loss over the step's micro-batches.
+    pub loss: f32,
+    /// Global L2 norm of the gradient, before clipping.
+    pub grad_norm: f32,
+}
+
+/// A value that stopped a step before its update.
+#[derive(Debug, PartialEq)]
+pub(super) struct NonFinite {
+    pub quantity: &'static str,
+    pub value: f32,
+}
+
+impl Session<'_> {
+    /// Runs step `done` (counted from 1) at learning rate `lr`; a [`Diverged`] error, with the
+    /// update not applied, when the loss or the gradient norm is not finite.
+    pub fn step(&mut self, done: usize, lr: f32) -> Result<StepOutcome> {
+        let loss = self.accumulate_gradients()?;
+        let grad_clip = self.config.grad_clip;
+        let outcome = finite_update(self.optimizer.as_mut(), loss, grad_clip, lr)?;
+        outcome.map_err(|bad| self.diverged(bad.quantity, bad.value, done).into())
+    }
+
+    /// Validation loss after step `done`; [`Diverged`] when it is not finite.
+    pub fn validation_loss(&mut self, done: usize) -> Result<f32> {
+        let Some(validation) = self.validation.as_mut() else {
+            return Ok(f32::NAN);
+        };
+        let loss = mean_loss(&self.model, validation, self.config.eval_batches)?;
+        if loss.is_finite() {
+            Ok(loss)
+        } else {
+            Err(self.diverged("validation loss", loss, done).into())
+        }
+    }
+
+    /// Whether the run has a validation file.
+    pub fn has_validation(&self) -> bool {
+        self.validation.is_some()
+    }
+
+    fn diverged(&self, quantity: &str, value: f32, step: usize) -> Diverged {
+        Diverged { quantity: quantity.into(), value, step, checkpoint: self.checkpoint_path.clone() }
+    }
+
+    /// Forward and backward passes over `grad_accum` micro-batches, gradients summed (each
+    /// loss scaled by `1 / grad_accum`); returns the mean loss.
+    fn accumulate_gradients(&mut self) -> Result<f32> {
+        let (batch_size, seq_len, accum) = (self.config.batch_size, self.config.seq_len, self.config.grad_accum);
+        // The losses stay where they were computed until every backward pass is queued:
+        // reading one waits for the device, which then idles while the host queues the rest.
+        let mut losses = Vec::with_capacity(accum);
+        for _ in 0..accum {
+            let batch = self.sampler.next_batch()?;
+            let loss = self.model.loss(&batch.inputs, &batch.targets, batch_size, seq_len)?;
+            losses.push(loss.value());
+            loss.mul_scalar(1.0 / accum as f32)?.backward()?;
+        }
+        let mut sum = 0.0f32;
+        for value in losses {
+            sum += value.to_host()?.item()?;
+        }
+        Ok(sum / accum as f32)
+    }
+}
+
+/// Checks `loss` and the gradient norm, then clips to `grad_clip` (0 disables) and applies
+/// the update at `lr`, clearing the gradients. The inner `Err` names the first non-finite
+/// value; the parameters, the optimizer state and the gradients are then left as they were.
+pub(super) fn finite_update(
+    optimizer: &mut dyn Optimizer,
+    loss: f32,
+    grad_clip: f32,
+    lr: f32,
+) -> Result<Result<StepOutcome, NonFinite>> {
+    if !loss.is_finite() {
+        return Ok(Err(NonFinite { quantity: "loss", value: loss }));
+    }
+    let max_norm = if grad_clip > 0.0 { grad_clip } else { f32::INFINITY };
+    // A non-finite norm leaves the gradients unscaled (clip_grad_norm skips them).
+    let grad_norm = clip_grad_norm(optimizer.parameters(), max_norm)?;
+    if !grad_norm.is_finite() {
+        return Ok(Err(NonFinite { quantity: "gradient norm", value: grad_norm }));
+    }
+    optimizer.step(lr)?;
+    optimizer.zero_grad();
+    Ok(Ok(StepOutcome { loss, grad_norm }))
+}
+
+#[cfg(test)]
+mod tests {
+    use autograd::Var;
+    use nn::optim::{Adam, AdamConfig};
+    use nn::NamedParameter;
+    use tensor::Tensor;
+
+    use super::*;
+
+    fn optimizer_with_grad(grad: Vec<f32>) -> (Adam, Var) {
+        let var = Var::parameter(Tensor::from_vec(vec![1.0, 2.0, 3.0], &[3]).unwrap());
+        var.set_grad(Some(Tensor::from_vec(grad, &[3]).unwrap()));
+        let params = vec![NamedParameter { name: "w".into(), var: var.clone() }];
+        (Adam::new(params, AdamConfig::default()), var)
+    }
+
+    #[test]
+    fn a_nan_gradient_norm_stops_the_step_before_the_update() {
+        let (mut adam, var) = optimizer_with_grad(vec![0.5, f32::NAN, 0.5]);
+        let stopped = finite_update(&mut adam, 2.5, 1.0, 0.1).unwrap().unwrap_err();
+        assert_eq!(stopped.quantity, "gradient norm");
+        assert!(stopped.value.is_nan());
+        assert_eq!(var.value().to_vec(), [1.0, 2.0, 3.0], "the update must not be applied");
+        assert!(adam.state().iter().all(|(_, t)| t.to_vec().iter().all(|v| v.is_finite())));
+    }
+
+    #[test]
+    fn an_infinite_loss_stops_before_the_norm_and_the_update() {
+        let (mut adam, var) = optimizer_with_grad(vec![0.5, 0.5, 0.5]);
+        let stopped = finite_update(&mut adam, f32::INFINITY, 0.0, 0.1).unwrap().unwrap_err();
+        assert_eq!(stopped, NonFinite { quantity: "loss", value: f32::INFINITY });
+        assert_eq!(var.value().to_vec(), [1.0, 2.0, 3.0]);
+    }
+
+    #[test]
+    fn a_finite_step_clips_updates_and_clears_the_gradient() {
+        let (mut adam, var) = optimizer_with_grad(vec![3.0, 4.0, 0.0]);
+        let outcome = finite_update(&mut adam, 2.5, 1.0, 0.1).unwrap().unwrap();
+        assert_eq!((outcome.loss, outcome.grad_norm), (2.5, 5.0));
+        assert_ne!(var.value().to_vec(), [1.0, 2.0, 3.0]);
+        assert!(var.grad().is_none_or(|g| g.to_vec().iter().all(|&v| v == 0.0)));
+    }
+}
