@@ -222,3 +222,35 @@ fn max_pool_and_global_avg_pool_agree_forward_and_backward() {
     assert_eq!(gpu_indices.device(), GPU);
     assert_eq!(gpu_indices.to_vec().unwrap(), cpu.to_vec().unwrap());
 }
+
+#[test]
+fn sliding_window_modulated_conv_agrees_forward_and_backward() {
+    if no_gpu() {
+        return;
+    }
+    let mut rng = Rng::new(8);
+    // conv(x) ⊙ 2σ(conv1x1(σ(conv_{3×3}(x)))) at a CoMT ResNet's shapes: batch 32, hidden 1.
+    for (x_shape, out, stride) in [([32, 4, 8, 8], 4, 1), ([32, 8, 8, 8], 16, 2), ([4, 3, 5, 5], 2, 1)] {
+        let c = x_shape[1];
+        let values = [
+            Tensor::rand_normal(&x_shape, 0.0, 1.0, &mut rng),
+            Tensor::rand_normal(&[out, c, 3, 3], 0.0, 0.5, &mut rng),
+            Tensor::rand_normal(&[1, c, 3, 3], 0.0, 0.5, &mut rng),
+            Tensor::rand_normal(&[1], 0.0, 0.5, &mut rng),
+            Tensor::rand_normal(&[1, 1, 1, 1], 0.0, 0.5, &mut rng),
+            Tensor::rand_normal(&[1], 0.0, 0.5, &mut rng),
+        ];
+        let what = format!("sliding window {x_shape:?} -> {out} s{stride}");
+        let window = [values[0].clone(), values[2].clone(), values[3].clone()];
+        check(&format!("{what}: window conv"), &window, F32_REL, |v| v[0].conv2d(&v[1], Some(&v[2]), stride, 1));
+        check(&format!("{what}: broadcast mul"), &values[..3], F32_REL, |v| {
+            v[0].conv2d(&v[1], None, stride, 1)?.mul(&v[0].conv2d(&v[2], None, stride, 1)?)
+        });
+        check(&what, &values, F32_REL, |v| {
+            let y = v[0].conv2d(&v[1], None, stride, 1)?;
+            let hidden = v[0].conv2d(&v[2], Some(&v[3]), stride, 1)?.sigmoid()?;
+            let m = hidden.conv2d(&v[4], Some(&v[5]), 1, 0)?.sigmoid()?.mul_scalar(2.0)?;
+            y.mul(&m)
+        });
+    }
+}
