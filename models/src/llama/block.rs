@@ -16,10 +16,11 @@ use autograd::Var;
 use nn::attention::{Attention, AttentionConfig};
 use nn::ccl::CclFfn;
 use nn::ffn::SwiGlu;
-use nn::layers::DyT;
+use nn::init::WeightInit;
+use nn::layers::{DyT, Norm};
 use nn::modulator::{
-    ComtModulator, DenseGate, Gate, ModulatedProjection, Modulator, ModulatorConfig, NonContextualGate, Norm, Residual,
-    ResidualRule, Resolution, WeightInit,
+    ComtModulator, DenseGate, Gate, ModulatedProjection, Modulator, ModulatorConfig, NonContextualGate, Residual,
+    ResidualRule, Resolution,
 };
 use nn::per_token::{PerTokenTransform, TokenScale};
 use nn::Module;

@@ -32,8 +32,9 @@ pub use trace::GateTrace;
 pub use variant::{Coverage, Variant, COVERAGES, TRANSPONDER_ALIAS, VARIANTS};
 
 use autograd::{no_grad, Var};
+use nn::init::WeightInit;
+use nn::layers::Norm;
 use nn::layers::{DyT, Embedding, Linear};
-use nn::modulator::{Norm, WeightInit};
 use nn::Module;
 use tensor::Rng;
 

@@ -28,10 +28,6 @@ pub use gate::Gate;
 pub use projection::ModulatedProjection;
 pub use residual::{Residual, ResidualRule};
 
-/// Re-exported from their homes (`nn::layers::Norm`, `nn::init::WeightInit`) for the
-/// `models` crate's imports, which name them here.
-pub use crate::{init::WeightInit, layers::Norm};
-
 use autograd::ops::Unary;
 use autograd::{Result, Var};
 

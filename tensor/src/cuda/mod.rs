@@ -1,10 +1,13 @@
-//! Tensors on a CUDA GPU (feature `cuda`): the device registry, device storage, host ↔
-//! device copies, and the CUDA side of every op the LLaMA and ResNet paths use.
+//! Tensors on a CUDA GPU (feature `cuda`): the device registry, device storage and host ↔
+//! device copies. The CUDA half of each op is not here: it sits beside the op's CPU half,
+//! as the `cuda` module at the end of `tensor/src/ops/<family>.rs`, launching
+//! `kernels::cuda::<family>`.
 //!
 //! ```text
-//! mod.rs          device(ordinal): one shared CudaDevice per GPU; Tensor::to_device
+//! mod.rs          device(ordinal): one shared CudaDevice per GPU; Tensor::to_device;
+//!                 output/accumulated: a fresh device tensor filled by a launcher
 //! storage.rs      CudaStorage: a DeviceBuffer (f32 or bf16) and the device that owns it
-//! <family>.rs     the CUDA branch of tensor/src/ops/<family>.rs, launching kernels::cuda
+//! mutate.rs       copy-on-write access to a device buffer for in-place updates
 //! ```
 //!
 //! An op on a CUDA tensor runs on that tensor's GPU: every operand must be on the same
@@ -12,22 +15,8 @@
 //! is copied between host and device behind the caller's back, except the few scalars an
 //! op returns to the host by definition (a loss value, an `item()`).
 
-pub(crate) mod attention;
-pub(crate) mod batch_norm;
-pub(crate) mod concat;
-pub(crate) mod conv;
-pub(crate) mod elementwise;
-pub(crate) mod embedding;
-pub(crate) mod fused_gate;
-pub(crate) mod matmul;
 pub(crate) mod mutate;
-pub(crate) mod norm;
-pub(crate) mod pool;
-pub(crate) mod reduce;
-pub(crate) mod rope;
-pub(crate) mod softmax;
 pub(crate) mod storage;
-pub(crate) mod swiglu;
 
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -35,8 +24,8 @@ use kernels::cuda::{CudaDevice, CudaError, DeviceBuffer};
 
 use crate::{Error, Result, Storage, Tensor};
 
-pub use matmul::{matmul_precision, set_matmul_precision, MatmulPrecision};
-pub use reduce::sum_squares;
+pub use crate::ops::matmul::cuda::{matmul_precision, set_matmul_precision, MatmulPrecision};
+pub use crate::ops::reduce::cuda::sum_squares;
 pub use storage::CudaStorage;
 
 /// The devices opened so far, by ordinal.

@@ -48,7 +48,7 @@ impl Tensor {
         let cols = self.check_targets("cross_entropy", targets, ignore_index)?;
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
-            return crate::cuda::softmax::cross_entropy(self, cols, targets, ignore_index);
+            return cuda::cross_entropy(self, cols, targets, ignore_index);
         }
         let (_, x) = self.rows("cross_entropy")?;
         let rows = targets.len();
@@ -76,7 +76,7 @@ impl Tensor {
         logits.check_row_stats(OP, lse, targets.len())?;
         #[cfg(feature = "cuda")]
         if logits.cuda_storage().is_some() {
-            return crate::cuda::softmax::cross_entropy_backward(logits, cols, targets, ignore_index, lse, scale);
+            return cuda::cross_entropy_backward(logits, cols, targets, ignore_index, lse, scale);
         }
         let (_, logits) = logits.rows(OP)?;
         let mut dlogits = crate::pool::zeros(logits.numel());
@@ -91,5 +91,76 @@ impl Tensor {
             &mut dlogits,
         );
         Tensor::from_vec(dlogits, &logits.shape)
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda {
+    //! The CUDA half of the fused cross-entropy: the loss and its backward over rows of logits.
+
+    use kernels::cuda::elementwise::{scalar_forward, Binary};
+    use kernels::cuda::reduce::sum_axis;
+    use kernels::cuda::softmax as launch;
+
+    use super::CrossEntropy;
+    use crate::cuda::{accumulated, CudaStorage};
+    use crate::{Result, Tensor};
+
+    /// Mean cross-entropy of `[N, cols]` logits against host `targets` (already range-checked):
+    /// the loss stays on the device as a rank-0 tensor, and nothing waits for the device (the
+    /// kept rows are counted on the host).
+    pub(crate) fn cross_entropy(
+        logits: &Tensor,
+        cols: usize,
+        targets: &[u32],
+        ignore_index: Option<u32>,
+    ) -> Result<CrossEntropy> {
+        const OP: &str = "cross_entropy";
+        let dev = logits.cuda_device(OP)?;
+        let logits = logits.dense()?;
+        let rows = targets.len();
+        let count = targets.iter().filter(|&&t| Some(t) != ignore_index).count();
+        let targets = dev.upload(targets)?;
+        let mut losses = CudaStorage::alloc(&dev, rows)?;
+        let mut lse = CudaStorage::alloc(&dev, rows)?;
+        launch::cross_entropy_forward_queued(
+            &dev,
+            logits.cuda_f32(OP)?,
+            cols,
+            &targets,
+            ignore_index,
+            losses.f32_buffer_mut(OP)?,
+            lse.f32_buffer_mut(OP)?,
+        )?;
+        // Ignored rows hold loss 0: the mean over counted rows is Σ losses / count.
+        let loss = if count == 0 {
+            CudaStorage::zeros(&dev, 1)?
+        } else {
+            let mut total = dev.alloc::<f32>(1)?;
+            sum_axis(&dev, losses.f32_buffer(OP)?, 1, rows, 1, &mut total)?;
+            let mut mean = CudaStorage::alloc(&dev, 1)?;
+            scalar_forward(&dev, Binary::Div, &total, count as f32, mean.f32_buffer_mut(OP)?)?;
+            mean
+        };
+        Ok(CrossEntropy { loss: Tensor::from_cuda(loss, &[])?, lse: Tensor::from_cuda(lse, &[rows])?, count })
+    }
+
+    /// `dlogits = scale·(softmax − onehot)` per row not ignored, from the saved `lse`.
+    pub(crate) fn cross_entropy_backward(
+        logits: &Tensor,
+        cols: usize,
+        targets: &[u32],
+        ignore_index: Option<u32>,
+        lse: &Tensor,
+        scale: f32,
+    ) -> Result<Tensor> {
+        const OP: &str = "cross_entropy_backward";
+        let dev = logits.cuda_device(OP)?;
+        let (logits, lse) = (logits.dense()?, lse.dense()?);
+        let targets = dev.upload(targets)?;
+        accumulated(&dev, OP, logits.shape(), |dlogits| {
+            let (logits, lse) = (logits.cuda_f32(OP)?, lse.cuda_f32(OP)?);
+            Ok(launch::cross_entropy_backward(&dev, logits, cols, &targets, ignore_index, lse, scale, dlogits)?)
+        })
     }
 }

@@ -32,7 +32,7 @@ impl Tensor {
         let out_shape = [ids_shape, &[dim]].concat();
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
-            return crate::cuda::embedding::embedding(self, ids, &out_shape);
+            return cuda::embedding(self, ids, &out_shape);
         }
         self.require_cpu("embedding")?;
         let w = self.contiguous()?;
@@ -52,11 +52,44 @@ impl Tensor {
         Tensor::check_ids(OP, ids, vocab)?;
         #[cfg(feature = "cuda")]
         if dy.cuda_storage().is_some() {
-            return crate::cuda::embedding::embedding_backward(ids, dy, vocab, dim);
+            return cuda::embedding_backward(ids, dy, vocab, dim);
         }
         dy.require_cpu(OP)?;
         let mut dw = crate::pool::zeros(vocab * dim);
         embedding::embedding_backward(ids, dy.contiguous()?.as_slice()?, dim, &mut dw);
         Tensor::from_vec(dw, &[vocab, dim])
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda {
+    //! The CUDA branch of the embedding lookup in `ops/embedding.rs` and its scatter-add backward.
+    //! The host ids (already range-checked) are copied to the device for each call.
+
+    use kernels::cuda::embedding as launch;
+
+    use crate::cuda::{accumulated, output};
+    use crate::{Result, Tensor};
+
+    /// Rows of `weight: [V, C]` picked by `ids`, as a tensor of `out_shape` (`ids_shape + [C]`).
+    pub(crate) fn embedding(weight: &Tensor, ids: &[u32], out_shape: &[usize]) -> Result<Tensor> {
+        const OP: &str = "embedding";
+        let dev = weight.cuda_device(OP)?;
+        let dim = weight.dim(OP, 1)?;
+        let weight = weight.dense()?;
+        let ids = dev.upload(ids)?;
+        output(&dev, OP, out_shape, |out| Ok(launch::embedding_forward(&dev, weight.cuda_f32(OP)?, dim, &ids, out)?))
+    }
+
+    /// `dW: [vocab, dim]` with `dW[ids[i]] += dy[i]` (atomic adds: repeated ids agree with the
+    /// CPU to rounding, not bit for bit).
+    pub(crate) fn embedding_backward(ids: &[u32], dy: &Tensor, vocab: usize, dim: usize) -> Result<Tensor> {
+        const OP: &str = "embedding_backward";
+        let dev = dy.cuda_device(OP)?;
+        let dy = dy.dense()?;
+        let ids = dev.upload(ids)?;
+        accumulated(&dev, OP, &[vocab, dim], |dw| {
+            Ok(launch::embedding_backward(&dev, &ids, dy.cuda_f32(OP)?, dim, dw)?)
+        })
     }
 }

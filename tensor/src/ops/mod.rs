@@ -1,5 +1,9 @@
 //! Shape-checked ops: each validates shapes, dtype and device (returning an error that
 //! names the op and the shapes), then dispatches to a kernel. No autograd here.
+//!
+//! One file per op family, named as the kernels' family (`kernels::cpu::<family>`,
+//! `kernels::cuda::<family>`): its CPU half first, then, with feature `cuda`, its CUDA half as
+//! the module `cuda` at the end of the same file, so an op reads top to bottom in one place.
 
 mod attention;
 mod batch_norm;
@@ -9,10 +13,10 @@ mod cross_entropy;
 mod elementwise;
 mod embedding;
 mod fused_gate;
-mod matmul;
+pub(crate) mod matmul;
 mod norm;
 mod pool;
-mod reduce;
+pub(crate) mod reduce;
 mod rope;
 mod rope_table;
 mod row_checks;

@@ -43,7 +43,7 @@ impl Tensor {
         self.check_weight("rms_norm", Some(weight), cols)?;
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
-            return crate::cuda::norm::rms_norm(self, weight, cols, eps);
+            return cuda::rms_norm(self, weight, cols, eps);
         }
         let (_, x) = self.rows("rms_norm")?;
         let rows = x.numel() / cols.max(1);
@@ -63,7 +63,7 @@ impl Tensor {
         x.check_row_stats(OP, rstd, x.numel() / cols.max(1))?;
         #[cfg(feature = "cuda")]
         if x.cuda_storage().is_some() {
-            return crate::cuda::norm::rms_norm_backward(x, weight, rstd, dy, cols);
+            return cuda::rms_norm_backward(x, weight, rstd, dy, cols);
         }
         let (_, x) = x.rows(OP)?;
         let (w, rstd) = (weight.contiguous()?, rstd.contiguous()?);
@@ -88,7 +88,7 @@ impl Tensor {
         self.check_weight("layer_norm", bias, cols)?;
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
-            return crate::cuda::norm::layer_norm(self, weight, bias, cols, eps);
+            return cuda::layer_norm(self, weight, bias, cols, eps);
         }
         let (_, x) = self.rows("layer_norm")?;
         let rows = x.numel() / cols.max(1);
@@ -133,7 +133,7 @@ impl Tensor {
         x.check_row_stats(OP, rstd, rows)?;
         #[cfg(feature = "cuda")]
         if x.cuda_storage().is_some() {
-            return crate::cuda::norm::layer_norm_backward(x, weight, mean, rstd, dy, cols, with_bias);
+            return cuda::layer_norm_backward(x, weight, mean, rstd, dy, cols, with_bias);
         }
         let (_, x) = x.rows(OP)?;
         let w = weight.map(|w| w.contiguous()).transpose()?;
@@ -154,5 +154,115 @@ impl Tensor {
         );
         let column = |g: Vec<f32>| Tensor::from_vec(g, &[cols]);
         Ok((Tensor::from_vec(dx, &x.shape)?, dw.map(column).transpose()?, db.map(column).transpose()?))
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda {
+    //! The CUDA branch of RMSNorm and LayerNorm in `ops/norm.rs`: forwards that keep their
+    //! per-row statistics on the device, and backwards that accumulate into zeroed gradients.
+
+    use kernels::cuda::norm as launch;
+
+    use super::{LayerNormOutput, RmsNormOutput};
+    use crate::cuda::{accumulated, output, CudaStorage};
+    use crate::{Result, Tensor};
+
+    /// Rows of `cols` in `x` (none when `cols` is 0).
+    fn rows(x: &Tensor, cols: usize) -> usize {
+        x.numel() / cols.max(1)
+    }
+
+    /// RMSNorm of `x` (rows of `cols`) with `weight [cols]`; `rstd` saved per row.
+    pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, cols: usize, eps: f32) -> Result<RmsNormOutput> {
+        const OP: &str = "rms_norm";
+        let dev = x.cuda_device(OP)?;
+        let (x, w) = (x.dense()?, weight.dense()?);
+        let rows = rows(&x, cols);
+        let mut rstd = CudaStorage::alloc(&dev, rows)?;
+        let y = output(&dev, OP, x.shape(), |y| {
+            Ok(launch::rms_norm_forward(
+                &dev,
+                x.cuda_f32(OP)?,
+                w.cuda_f32(OP)?,
+                cols,
+                eps,
+                y,
+                rstd.f32_buffer_mut(OP)?,
+            )?)
+        })?;
+        Ok(RmsNormOutput { y, rstd: Tensor::from_cuda(rstd, &[rows])? })
+    }
+
+    /// `(dx, dweight)` of RMSNorm from the saved `rstd`.
+    pub(crate) fn rms_norm_backward(
+        x: &Tensor,
+        weight: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        cols: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        const OP: &str = "rms_norm_backward";
+        let dev = x.cuda_device(OP)?;
+        let (x, w, rstd, dy) = (x.dense()?, weight.dense()?, rstd.dense()?, dy.dense()?);
+        let mut dw = CudaStorage::zeros(&dev, cols)?;
+        let dx = accumulated(&dev, OP, x.shape(), |dx| {
+            let (x, w, rstd, dy) = (x.cuda_f32(OP)?, w.cuda_f32(OP)?, rstd.cuda_f32(OP)?, dy.cuda_f32(OP)?);
+            Ok(launch::rms_norm_backward(&dev, x, w, rstd, dy, cols, dx, dw.f32_buffer_mut(OP)?)?)
+        })?;
+        Ok((dx, Tensor::from_cuda(dw, &[cols])?))
+    }
+
+    /// LayerNorm of `x` (rows of `cols`) with optional `weight`/`bias [cols]`; `mean` and
+    /// `rstd` saved per row.
+    pub(crate) fn layer_norm(
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        cols: usize,
+        eps: f32,
+    ) -> Result<LayerNormOutput> {
+        const OP: &str = "layer_norm";
+        let dev = x.cuda_device(OP)?;
+        let x = x.dense()?;
+        let w = weight.map(Tensor::dense).transpose()?;
+        let b = bias.map(Tensor::dense).transpose()?;
+        let rows = rows(&x, cols);
+        let (mut mean, mut rstd) = (CudaStorage::alloc(&dev, rows)?, CudaStorage::alloc(&dev, rows)?);
+        let y = output(&dev, OP, x.shape(), |y| {
+            let w = w.as_ref().map(|w| w.cuda_f32(OP)).transpose()?;
+            let b = b.as_ref().map(|b| b.cuda_f32(OP)).transpose()?;
+            let (mean, rstd) = (mean.f32_buffer_mut(OP)?, rstd.f32_buffer_mut(OP)?);
+            Ok(launch::layer_norm_forward(&dev, x.cuda_f32(OP)?, w, b, cols, eps, y, mean, rstd)?)
+        })?;
+        Ok(LayerNormOutput { y, mean: Tensor::from_cuda(mean, &[rows])?, rstd: Tensor::from_cuda(rstd, &[rows])? })
+    }
+
+    /// `(dx, dweight, dbias)` of LayerNorm from the saved `mean` and `rstd`; `dweight` when
+    /// `weight` is given, `dbias` when `with_bias`.
+    pub(crate) fn layer_norm_backward(
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        mean: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        cols: usize,
+        with_bias: bool,
+    ) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+        const OP: &str = "layer_norm_backward";
+        let dev = x.cuda_device(OP)?;
+        let (x, mean, rstd, dy) = (x.dense()?, mean.dense()?, rstd.dense()?, dy.dense()?);
+        let w = weight.map(Tensor::dense).transpose()?;
+        let mut dw = w.as_ref().map(|_| CudaStorage::zeros(&dev, cols)).transpose()?;
+        let mut db = with_bias.then(|| CudaStorage::zeros(&dev, cols)).transpose()?;
+        let dx = accumulated(&dev, OP, x.shape(), |dx| {
+            let w = w.as_ref().map(|w| w.cuda_f32(OP)).transpose()?;
+            let dw = dw.as_mut().map(|g| g.f32_buffer_mut(OP)).transpose()?;
+            let db = db.as_mut().map(|g| g.f32_buffer_mut(OP)).transpose()?;
+            let (x, mean, rstd, dy) = (x.cuda_f32(OP)?, mean.cuda_f32(OP)?, rstd.cuda_f32(OP)?, dy.cuda_f32(OP)?);
+            Ok(launch::layer_norm_backward(&dev, x, w, mean, rstd, dy, cols, dx, dw, db)?)
+        })?;
+        let column = |g: CudaStorage| Tensor::from_cuda(g, &[cols]);
+        Ok((dx, dw.map(column).transpose()?, db.map(column).transpose()?))
     }
 }

@@ -10,7 +10,7 @@ impl Tensor {
     pub fn softmax(&self) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
-            return crate::cuda::softmax::softmax(self, self.last_dim("softmax")?, false);
+            return cuda::softmax(self, self.last_dim("softmax")?, false);
         }
         let (cols, x) = self.rows("softmax")?;
         let mut y = crate::pool::buffer(x.numel());
@@ -27,7 +27,7 @@ impl Tensor {
     pub fn log_softmax(&self) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
-            return crate::cuda::softmax::softmax(self, self.last_dim("log_softmax")?, true);
+            return cuda::softmax(self, self.last_dim("log_softmax")?, true);
         }
         let (cols, x) = self.rows("log_softmax")?;
         let mut y = crate::pool::buffer(x.numel());
@@ -45,12 +45,45 @@ impl Tensor {
         y.check_like(op, dy)?;
         #[cfg(feature = "cuda")]
         if y.cuda_storage().is_some() {
-            return crate::cuda::softmax::softmax_backward(y, dy, y.last_dim(op)?, log);
+            return cuda::softmax_backward(y, dy, y.last_dim(op)?, log);
         }
         let (cols, y) = y.rows(op)?;
         let mut dx = crate::pool::zeros(y.numel());
         let backward = if log { softmax::log_softmax_backward } else { softmax::softmax_backward };
         backward(y.as_slice()?, dy.contiguous()?.as_slice()?, cols, &mut dx);
         Tensor::from_vec(dx, &y.shape)
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda {
+    //! The CUDA half of softmax and log-softmax over the last axis, with their backward.
+
+    use kernels::cuda::softmax as launch;
+
+    use crate::cuda::{accumulated, output};
+    use crate::{Result, Tensor};
+
+    /// Softmax (or log-softmax when `log`) over rows of `cols`.
+    pub(crate) fn softmax(x: &Tensor, cols: usize, log: bool) -> Result<Tensor> {
+        const OP: &str = "softmax";
+        let dev = x.cuda_device(OP)?;
+        let x = x.dense()?;
+        output(&dev, OP, x.shape(), |y| {
+            let x = x.cuda_f32(OP)?;
+            let forward = if log { launch::log_softmax_forward } else { launch::softmax_forward };
+            Ok(forward(&dev, x, cols, y)?)
+        })
+    }
+
+    /// The backward of softmax (or log-softmax when `log`) from its saved output `y`.
+    pub(crate) fn softmax_backward(y: &Tensor, dy: &Tensor, cols: usize, log: bool) -> Result<Tensor> {
+        const OP: &str = "softmax_backward";
+        let dev = y.cuda_device(OP)?;
+        let (y, dy) = (y.dense()?, dy.dense()?);
+        accumulated(&dev, OP, y.shape(), |dx| {
+            let backward = if log { launch::log_softmax_backward } else { launch::softmax_backward };
+            Ok(backward(&dev, y.cuda_f32(OP)?, dy.cuda_f32(OP)?, cols, dx)?)
+        })
     }
 }

@@ -16,7 +16,7 @@ impl Tensor {
         }
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
-            return crate::cuda::swiglu::swiglu(self, up);
+            return cuda::swiglu(self, up);
         }
         let (gate, up) = (self.contiguous()?, up.contiguous()?);
         let mut y = crate::pool::buffer(gate.numel());
@@ -37,11 +37,46 @@ impl Tensor {
         }
         #[cfg(feature = "cuda")]
         if gate.cuda_storage().is_some() {
-            return crate::cuda::swiglu::swiglu_backward(gate, up, dy);
+            return cuda::swiglu_backward(gate, up, dy);
         }
         let (g, u, dy) = (gate.contiguous()?, up.contiguous()?, dy.contiguous()?);
         let (mut dg, mut du) = (crate::pool::buffer(g.numel()), crate::pool::buffer(u.numel()));
         swiglu_backward(g.as_slice()?, u.as_slice()?, dy.as_slice()?, &mut dg, &mut du, false);
         Ok((Tensor::from_vec(dg, &g.shape)?, Tensor::from_vec(du, &u.shape)?))
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda {
+    //! The CUDA branch of `ops/swiglu.rs`: SwiGLU gating `silu(g) ⊙ u` and its backward.
+
+    use kernels::cuda::swiglu as launch;
+
+    use crate::cuda::{output, CudaStorage};
+    use crate::{Result, Tensor};
+
+    /// `silu(gate) ⊙ up`, both of one shape.
+    pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        const OP: &str = "swiglu";
+        let dev = gate.cuda_device(OP)?;
+        let (gate, up) = (gate.dense()?, up.dense()?);
+        output(&dev, OP, gate.shape(), |y| Ok(launch::swiglu_forward(&dev, gate.cuda_f32(OP)?, up.cuda_f32(OP)?, y)?))
+    }
+
+    /// `(d/dgate, d/dup)` of `silu(gate) ⊙ up` for the output gradient `dy` (one shape).
+    pub(crate) fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+        const OP: &str = "swiglu_backward";
+        let dev = gate.cuda_device(OP)?;
+        let (gate, up, dy) = (gate.dense()?, up.dense()?, dy.dense()?);
+        let (mut dgate, mut dup) = (CudaStorage::zeros(&dev, gate.numel())?, CudaStorage::zeros(&dev, up.numel())?);
+        launch::swiglu_backward(
+            &dev,
+            gate.cuda_f32(OP)?,
+            up.cuda_f32(OP)?,
+            dy.cuda_f32(OP)?,
+            dgate.f32_buffer_mut(OP)?,
+            dup.f32_buffer_mut(OP)?,
+        )?;
+        Ok((Tensor::from_cuda(dgate, gate.shape())?, Tensor::from_cuda(dup, up.shape())?))
     }
 }
