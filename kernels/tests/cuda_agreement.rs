@@ -15,6 +15,7 @@ use std::sync::OnceLock;
 
 use half::bf16;
 use kernels::cpu;
+use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::binary::Binary;
 use kernels::cpu::conv::Conv2dGeometry;
 use kernels::cpu::fused_gate::{FusedGateDims, FusedGateGrads, FusedGateParams, GateGrads, GateParams};
@@ -554,35 +555,26 @@ fn flash_attention_forward_and_backward_agree() {
     ];
     for c in cases {
         let AttentionCase { batch, q_seq, kv_seq, heads, head_dim } = c;
-        let scale = 1.0 / (head_dim as f32).sqrt();
-        let q = rng.vec(batch * q_seq * heads * head_dim, -1.0, 1.0);
-        let k = rng.vec(batch * kv_seq * heads * head_dim, -1.0, 1.0);
+        let dims = AttentionDims { batch, q_seq, kv_seq, heads, head_dim, scale: 1.0 / (head_dim as f32).sqrt() };
+        let q = rng.vec(dims.q_len(), -1.0, 1.0);
+        let k = rng.vec(dims.kv_len(), -1.0, 1.0);
         let v = rng.vec(k.len(), -1.0, 1.0);
-        let (mut out, mut lse) = (vec![0.0; q.len()], vec![0.0; batch * heads * q_seq]);
-        cpu::attention::causal_attention_forward(
-            &q, &k, &v, batch, q_seq, kv_seq, heads, head_dim, scale, &mut out, &mut lse,
-        );
+        let (mut out, mut lse) = (vec![0.0; q.len()], vec![0.0; dims.lse_len()]);
+        cpu::attention::causal_attention_forward(&q, &k, &v, &dims, &mut out, &mut lse);
         let (gq, gk, gv) = (up(dev, &q), up(dev, &k), up(dev, &v));
         let (mut gout, mut glse) = (dev.alloc(q.len()).unwrap(), dev.alloc(lse.len()).unwrap());
-        cuda::attention::causal_attention_forward(
-            dev, &gq, &gk, &gv, batch, q_seq, kv_seq, heads, head_dim, scale, &mut gout, &mut glse,
-        )
-        .unwrap();
+        cuda::attention::causal_attention_forward(dev, &gq, &gk, &gv, &dims, &mut gout, &mut glse).unwrap();
         assert_reduced(&format!("attention out {c:?}"), &down(dev, &gout), &out);
         assert_reduced(&format!("attention lse {c:?}"), &down(dev, &glse), &lse);
         let mut naive = dev.alloc(q.len()).unwrap();
-        cuda::attention::causal_attention_naive(
-            dev, &gq, &gk, &gv, batch, q_seq, kv_seq, heads, head_dim, scale, &mut naive,
-        )
-        .unwrap();
+        cuda::attention::causal_attention_naive(dev, &gq, &gk, &gv, &dims, &mut naive).unwrap();
         assert_reduced(&format!("naive attention {c:?}"), &down(dev, &naive), &out);
 
         let dout = rng.vec(q.len(), -1.0, 1.0);
         let (sq, sk) = (rng.vec(q.len(), -0.1, 0.1), rng.vec(k.len(), -0.1, 0.1));
         let (mut dq, mut dk, mut dv) = (sq.clone(), sk.clone(), sk.clone());
         cpu::attention::causal_attention_backward(
-            &q, &k, &v, &out, &lse, &dout, batch, q_seq, kv_seq, heads, head_dim, scale, &mut dq, &mut dk, &mut dv,
-            true,
+            &q, &k, &v, &out, &lse, &dout, &dims, &mut dq, &mut dk, &mut dv, true,
         );
         let (mut gdq, mut gdk, mut gdv) = (up(dev, &sq), up(dev, &sk), up(dev, &sk));
         cuda::attention::causal_attention_backward(
@@ -593,12 +585,7 @@ fn flash_attention_forward_and_backward_agree() {
             &up(dev, &out),
             &up(dev, &lse),
             &up(dev, &dout),
-            batch,
-            q_seq,
-            kv_seq,
-            heads,
-            head_dim,
-            scale,
+            &dims,
             &mut gdq,
             &mut gdk,
             &mut gdv,
@@ -611,7 +598,8 @@ fn flash_attention_forward_and_backward_agree() {
     // A head dimension past the kernels' limit is refused.
     let big = dev.alloc(256).unwrap();
     let (mut o, mut l) = (dev.alloc(256).unwrap(), dev.alloc(1).unwrap());
-    let result = cuda::attention::causal_attention_forward(dev, &big, &big, &big, 1, 1, 1, 1, 256, 1.0, &mut o, &mut l);
+    let dims = AttentionDims { batch: 1, q_seq: 1, kv_seq: 1, heads: 1, head_dim: 256, scale: 1.0 };
+    let result = cuda::attention::causal_attention_forward(dev, &big, &big, &big, &dims, &mut o, &mut l);
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }
 

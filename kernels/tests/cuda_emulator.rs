@@ -10,6 +10,7 @@
 #![cfg(feature = "cuda-emu")]
 
 use half::bf16;
+use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::conv::Conv2dGeometry;
 use kernels::cpu::fused_gate::FusedGateDims;
 use kernels::cpu::unary::Unary;
@@ -56,15 +57,11 @@ fn attention_error(dev: &CudaDevice, schedule: Schedule) -> f32 {
     let len = batch * seq * heads * head_dim;
     let (q, k, v) = (values(len, 1), values(len, 2), values(len, 3));
     let (q, k, v) = (dev.upload(&q).unwrap(), dev.upload(&k).unwrap(), dev.upload(&v).unwrap());
-    let scale = 1.0 / (head_dim as f32).sqrt();
+    let dims = AttentionDims { batch, q_seq: seq, kv_seq: seq, heads, head_dim, scale: 1.0 / (head_dim as f32).sqrt() };
     let (mut flash, mut lse, mut naive) =
-        (dev.alloc(len).unwrap(), dev.alloc(batch * heads * seq).unwrap(), dev.alloc(len).unwrap());
-    cuda::attention::causal_attention_forward(
-        dev, &q, &k, &v, batch, seq, seq, heads, head_dim, scale, &mut flash, &mut lse,
-    )
-    .unwrap();
-    cuda::attention::causal_attention_naive(dev, &q, &k, &v, batch, seq, seq, heads, head_dim, scale, &mut naive)
-        .unwrap();
+        (dev.alloc(len).unwrap(), dev.alloc(dims.lse_len()).unwrap(), dev.alloc(len).unwrap());
+    cuda::attention::causal_attention_forward(dev, &q, &k, &v, &dims, &mut flash, &mut lse).unwrap();
+    cuda::attention::causal_attention_naive(dev, &q, &k, &v, &dims, &mut naive).unwrap();
     max_difference(&dev.download(&flash).unwrap(), &dev.download(&naive).unwrap())
 }
 

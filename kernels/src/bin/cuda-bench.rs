@@ -10,6 +10,7 @@
 use std::time::Instant;
 
 use half::bf16;
+use kernels::cpu::attention::AttentionDims;
 use kernels::cuda::attention::{causal_attention_forward, causal_attention_naive};
 use kernels::cuda::fused_gate::{
     fused_gate_forward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateParams, DeviceGateParams,
@@ -150,14 +151,11 @@ fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, hea
         (dev.upload(&values(len, 11, 1.0))?, dev.upload(&values(len, 12, 1.0))?, dev.upload(&values(len, 13, 1.0))?);
     let mut out = dev.alloc::<f32>(len)?;
     let mut naive_out = dev.alloc::<f32>(len)?;
-    let mut lse = dev.alloc::<f32>(batch * heads * seq)?;
     let scale = 1.0 / (head_dim as f32).sqrt();
-    let flash =
-        || causal_attention_forward(dev, &q, &k, &v, batch, seq, seq, heads, head_dim, scale, &mut out, &mut lse);
-    let flash_s = best_seconds(dev, flash)?;
-    let naive_s = best_seconds(dev, || {
-        causal_attention_naive(dev, &q, &k, &v, batch, seq, seq, heads, head_dim, scale, &mut naive_out)
-    })?;
+    let dims = AttentionDims { batch, q_seq: seq, kv_seq: seq, heads, head_dim, scale };
+    let mut lse = dev.alloc::<f32>(dims.lse_len())?;
+    let flash_s = best_seconds(dev, || causal_attention_forward(dev, &q, &k, &v, &dims, &mut out, &mut lse))?;
+    let naive_s = best_seconds(dev, || causal_attention_naive(dev, &q, &k, &v, &dims, &mut naive_out))?;
     let (a, b) = (dev.download(&out)?, dev.download(&naive_out)?);
     let worst = a.iter().zip(&b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
     println!(

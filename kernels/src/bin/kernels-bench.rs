@@ -10,7 +10,9 @@
 
 use std::time::Instant;
 
-use kernels::cpu::attention::{causal_attention_backward, causal_attention_forward, causal_attention_reference};
+use kernels::cpu::attention::{
+    causal_attention_backward, causal_attention_forward, causal_attention_reference, AttentionDims,
+};
 use kernels::cpu::binary::{binary_forward, Binary};
 use kernels::cpu::cross_entropy::cross_entropy_forward;
 use kernels::cpu::matmul::{matmul, MatRef};
@@ -151,20 +153,17 @@ fn bench_attention() {
     let n = batch * seq * heads * head_dim;
     let (q, k, v, dout) = (filled(n, 7), filled(n, 8), filled(n, 9), filled(n, 10));
     let scale = 1.0 / (head_dim as f32).sqrt();
+    let dims = AttentionDims { batch, q_seq: seq, kv_seq: seq, heads, head_dim, scale };
     let mut out = vec![0.0f32; n];
-    let mut lse = vec![0.0f32; batch * heads * seq];
-    let forward = median_seconds(5, || {
-        causal_attention_forward(&q, &k, &v, batch, seq, seq, heads, head_dim, scale, &mut out, &mut lse)
-    });
+    let mut lse = vec![0.0f32; dims.lse_len()];
+    let forward = median_seconds(5, || causal_attention_forward(&q, &k, &v, &dims, &mut out, &mut lse));
     let (mut dq, mut dk, mut dv) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
     let backward = median_seconds(5, || {
-        causal_attention_backward(
-            &q, &k, &v, &out, &lse, &dout, batch, seq, seq, heads, head_dim, scale, &mut dq, &mut dk, &mut dv, false,
-        )
+        causal_attention_backward(&q, &k, &v, &out, &lse, &dout, &dims, &mut dq, &mut dk, &mut dv, false)
     });
     let mut reference = Vec::new();
     let naive = median_seconds(3, || {
-        reference = causal_attention_reference(&q, &k, &v, batch, seq, seq, heads, head_dim, scale);
+        reference = causal_attention_reference(&q, &k, &v, &dims);
     });
     let worst = out.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     // Causal: half of the Tq × Tk scores, two products (Q·Kᵀ and P·V) of 2·D flops each.

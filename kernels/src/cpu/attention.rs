@@ -36,24 +36,21 @@ const Q_TILE: usize = 32;
 /// a sequence of up to 128 keys needs no online-softmax rescaling at all).
 const K_TILE: usize = 128;
 
-/// q: [B, Tq, H, D], k, v: [B, Tk, H, D], out: [B, Tq, H, D], lse: [B, H, Tq] (log-sum-exp of scaled scores per query, saved for backward). Tq ≤ Tk; query i sits at absolute position i + (Tk − Tq) and attends keys s ≤ that position (this makes KV-cache decoding work).
-#[allow(clippy::too_many_arguments)]
+/// `out` and `lse` (the log-sum-exp of each query's scaled scores, saved for backward) of
+/// the operands `dims` describes. Query i attends keys s ≤ its absolute position, which is
+/// what makes KV-cache decoding work.
 pub fn causal_attention_forward(
     q: &[f32],
     k: &[f32],
     v: &[f32],
-    batch: usize,
-    q_seq: usize,
-    kv_seq: usize,
-    heads: usize,
-    head_dim: usize,
-    scale: f32,
+    dims: &AttentionDims,
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    let dims = Dims::new(q, k, v, batch, q_seq, kv_seq, heads, head_dim, scale);
+    dims.assert_fits("causal_attention_forward", q, k, v);
     assert_eq!(out.len(), q.len(), "causal_attention_forward: out has the wrong length");
-    assert_eq!(lse.len(), batch * heads * q_seq, "causal_attention_forward: lse has the wrong length");
+    assert_eq!(lse.len(), dims.lse_len(), "causal_attention_forward: lse has the wrong length");
+    let (q_seq, heads) = (dims.q_seq, dims.heads);
     if out.is_empty() {
         return;
     }
@@ -61,7 +58,7 @@ pub fn causal_attention_forward(
     // rows of Kᵀ) and all its query tiles run in it. Heads interleave in `out`, so each task
     // writes its own rows through `HeadRows`; lse is [B, H, Tq], one run per task.
     let out = HeadRows::new(out);
-    let head = |(index, lse): (usize, &mut [f32])| forward_head(&dims, q, k, v, index / heads, index % heads, out, lse);
+    let head = |(index, lse): (usize, &mut [f32])| forward_head(dims, q, k, v, index / heads, index % heads, out, lse);
     if parallel::should_parallelise(dims.work()) {
         lse.par_chunks_mut(q_seq).enumerate().for_each(head);
     } else {
@@ -79,23 +76,19 @@ pub fn causal_attention_backward(
     out: &[f32],
     lse: &[f32],
     dout: &[f32],
-    batch: usize,
-    q_seq: usize,
-    kv_seq: usize,
-    heads: usize,
-    head_dim: usize,
-    scale: f32,
+    dims: &AttentionDims,
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
     accumulate: bool,
 ) {
-    let dims = Dims::new(q, k, v, batch, q_seq, kv_seq, heads, head_dim, scale);
+    dims.assert_fits("causal_attention_backward", q, k, v);
+    let (batch, heads) = (dims.batch, dims.heads);
     assert!(
         out.len() == q.len() && dout.len() == q.len(),
         "causal_attention_backward: out or dout has the wrong length"
     );
-    assert_eq!(lse.len(), batch * heads * q_seq, "causal_attention_backward: lse has the wrong length");
+    assert_eq!(lse.len(), dims.lse_len(), "causal_attention_backward: lse has the wrong length");
     assert!(
         dq.len() == q.len() && dk.len() == k.len() && dv.len() == v.len(),
         "causal_attention_backward: gradient has the wrong length"
@@ -108,7 +101,7 @@ pub fn causal_attention_backward(
     // One task per (b, h); heads interleave in memory, so each task adds its finished
     // gradient rows into its own rows of dq, dk and dv through `HeadRows`.
     let grads = Grads { dq: HeadRows::new(dq), dk: HeadRows::new(dk), dv: HeadRows::new(dv), accumulate };
-    let pair = |index: usize| backward_pair(&dims, q, k, v, out, lse, dout, index / heads, index % heads, grads);
+    let pair = |index: usize| backward_pair(dims, q, k, v, out, lse, dout, index / heads, index % heads, grads);
     if parallel::should_parallelise(2 * dims.work()) {
         (0..batch * heads).into_par_iter().for_each(pair);
     } else {
@@ -117,19 +110,9 @@ pub fn causal_attention_backward(
 }
 
 /// Naive reference (materialises scores) for tests and the bench.
-#[allow(clippy::too_many_arguments)]
-pub fn causal_attention_reference(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    batch: usize,
-    q_seq: usize,
-    kv_seq: usize,
-    heads: usize,
-    head_dim: usize,
-    scale: f32,
-) -> Vec<f32> {
-    let dims = Dims::new(q, k, v, batch, q_seq, kv_seq, heads, head_dim, scale);
+pub fn causal_attention_reference(q: &[f32], k: &[f32], v: &[f32], dims: &AttentionDims) -> Vec<f32> {
+    dims.assert_fits("causal_attention_reference", q, k, v);
+    let AttentionDims { batch, q_seq, kv_seq, heads, head_dim, scale } = *dims;
     let mut out = vec![0.0; q.len()];
     let mut scores = vec![0.0; kv_seq];
     for b in 0..batch {
@@ -156,37 +139,74 @@ pub fn causal_attention_reference(
     out
 }
 
-/// Problem sizes and the index arithmetic of the [B, T, H, D] layout.
-struct Dims {
-    q_seq: usize,
-    kv_seq: usize,
-    heads: usize,
-    head_dim: usize,
-    scale: f32,
-    batch: usize,
+/// Sizes of one causal attention call, shared by the CPU and CUDA kernels (`cuda::attention`
+/// takes the same struct): q `[B, Tq, H, D]`, k and v `[B, Tk, H, D]`, out like q, lse
+/// `[B, H, Tq]`. Query i sits at absolute position `i + (Tk − Tq)`. [`AttentionDims::check`]
+/// is the one validation both devices run; the private methods below are the CPU kernels'
+/// index arithmetic of the `[B, T, H, D]` layout.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionDims {
+    /// `B`: sequences.
+    pub batch: usize,
+    /// `Tq`: queries per sequence.
+    pub q_seq: usize,
+    /// `Tk ≥ Tq`: keys (and values) per sequence.
+    pub kv_seq: usize,
+    /// `H`: heads.
+    pub heads: usize,
+    /// `D > 0`: dims per head.
+    pub head_dim: usize,
+    /// Scale of the scores `q·k` (usually `1/√D`).
+    pub scale: f32,
 }
 
-impl Dims {
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        batch: usize,
-        q_seq: usize,
-        kv_seq: usize,
-        heads: usize,
-        head_dim: usize,
-        scale: f32,
-    ) -> Self {
-        assert!(q_seq <= kv_seq, "causal_attention: more queries than keys");
-        assert!(head_dim > 0, "causal_attention: zero head_dim");
-        assert_eq!(q.len(), batch * q_seq * heads * head_dim, "causal_attention: q has the wrong length");
-        assert!(
-            k.len() == batch * kv_seq * heads * head_dim && v.len() == k.len(),
-            "causal_attention: k or v has the wrong length"
-        );
-        Self { q_seq, kv_seq, heads, head_dim, scale, batch }
+impl AttentionDims {
+    /// Elements of q (and of out, dout, dq).
+    pub fn q_len(&self) -> usize {
+        self.batch * self.q_seq * self.heads * self.head_dim
+    }
+
+    /// Elements of k, and of v.
+    pub fn kv_len(&self) -> usize {
+        self.batch * self.kv_seq * self.heads * self.head_dim
+    }
+
+    /// Elements of lse.
+    pub fn lse_len(&self) -> usize {
+        self.batch * self.heads * self.q_seq
+    }
+
+    /// Whether these sizes describe operands of `q`, `k` and `v` elements; the error says
+    /// what does not fit.
+    pub fn check(&self, q: usize, k: usize, v: usize) -> Result<(), String> {
+        if self.q_seq > self.kv_seq {
+            return Err(format!("more queries ({}) than keys ({})", self.q_seq, self.kv_seq));
+        }
+        if self.head_dim == 0 {
+            return Err("zero head_dim".into());
+        }
+        if q != self.q_len() {
+            return Err(format!("q has {q} elements, [B, Tq, H, D] = {:?} needs {}", self.q_shape(), self.q_len()));
+        }
+        if k != self.kv_len() || v != self.kv_len() {
+            return Err(format!(
+                "k and v have {k} and {v} elements, [B, Tk, H, D] = {:?} needs {}",
+                [self.batch, self.kv_seq, self.heads, self.head_dim],
+                self.kv_len()
+            ));
+        }
+        Ok(())
+    }
+
+    fn q_shape(&self) -> [usize; 4] {
+        [self.batch, self.q_seq, self.heads, self.head_dim]
+    }
+
+    /// Panics naming `op` unless [`AttentionDims::check`] accepts `q`, `k`, `v`.
+    fn assert_fits(&self, op: &str, q: &[f32], k: &[f32], v: &[f32]) {
+        if let Err(message) = self.check(q.len(), k.len(), v.len()) {
+            panic!("{op}: {message}");
+        }
     }
 
     /// Absolute position of query 0.
@@ -293,7 +313,16 @@ impl<'a> HeadRows<'a> {
 /// Writes the online softmax of every query tile of head `h` of batch entry `b` over all its
 /// visible keys into the head's rows of `out`, and their log-sum-exp into `lse` `[Tq]`.
 #[allow(clippy::too_many_arguments)]
-fn forward_head(d: &Dims, q: &[f32], k: &[f32], v: &[f32], b: usize, h: usize, out: HeadRows, lse: &mut [f32]) {
+fn forward_head(
+    d: &AttentionDims,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    b: usize,
+    h: usize,
+    out: HeadRows,
+    lse: &mut [f32],
+) {
     let dh = d.head_dim;
     let kt_len = dh * d.kv_seq;
     // Reused per thread, so a call allocates (and page-faults) nothing after the first.
@@ -353,7 +382,7 @@ struct Grads<'a> {
 /// the head's dk and dv at the end.
 #[allow(clippy::too_many_arguments)]
 fn backward_pair(
-    d: &Dims,
+    d: &AttentionDims,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -574,11 +603,15 @@ mod tests {
             1.0 / (self.head_dim as f32).sqrt()
         }
 
+        fn dims(&self) -> AttentionDims {
+            let Case { batch, q_seq, kv_seq, heads, head_dim } = *self;
+            AttentionDims { batch, q_seq, kv_seq, heads, head_dim, scale: self.scale() }
+        }
+
         fn forward(&self, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
             let mut out = vec![0.0; q.len()];
             let mut lse = vec![0.0; self.batch * self.heads * self.q_seq];
-            let Case { batch, q_seq, kv_seq, heads, head_dim } = *self;
-            causal_attention_forward(q, k, v, batch, q_seq, kv_seq, heads, head_dim, self.scale(), &mut out, &mut lse);
+            causal_attention_forward(q, k, v, &self.dims(), &mut out, &mut lse);
             (out, lse)
         }
 
@@ -626,8 +659,7 @@ mod tests {
         for c in cases {
             let (q, k, v) = c.inputs();
             let (out, lse) = c.forward(&q, &k, &v);
-            let want =
-                causal_attention_reference(&q, &k, &v, c.batch, c.q_seq, c.kv_seq, c.heads, c.head_dim, c.scale());
+            let want = causal_attention_reference(&q, &k, &v, &c.dims());
             for (a, b) in out.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-5, "{a} vs {b}");
             }
@@ -660,25 +692,7 @@ mod tests {
             let probe = values(q.len(), 4);
             // Stale NaN contents: the overwriting backward must write every element.
             let (mut dq, mut dk, mut dv) = (vec![f32::NAN; q.len()], vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
-            let Case { batch, q_seq, kv_seq, heads, head_dim } = c;
-            causal_attention_backward(
-                &q,
-                &k,
-                &v,
-                &out,
-                &lse,
-                &probe,
-                batch,
-                q_seq,
-                kv_seq,
-                heads,
-                head_dim,
-                c.scale(),
-                &mut dq,
-                &mut dk,
-                &mut dv,
-                false,
-            );
+            causal_attention_backward(&q, &k, &v, &out, &lse, &probe, &c.dims(), &mut dq, &mut dk, &mut dv, false);
             let (q64, k64, v64, probe64) =
                 (oracle::widen(&q), oracle::widen(&k), oracle::widen(&v), oracle::widen(&probe));
             let tol = Dtype::F64.table().gradient;
@@ -708,12 +722,7 @@ mod tests {
                 out,
                 lse,
                 dout,
-                batch,
-                c.q_seq,
-                c.kv_seq,
-                c.heads,
-                c.head_dim,
-                c.scale(),
+                &AttentionDims { batch, ..c.dims() },
                 &mut dq,
                 &mut dk,
                 &mut dv,

@@ -13,6 +13,7 @@ use super::device::{Arg, CudaDevice};
 use super::error::{ensure, ensure_len, Result};
 use super::launch::{check_owners, elementwise, ptr, size};
 use super::module::KernelFamily;
+use crate::cpu::attention::AttentionDims;
 
 /// Largest head dimension of the GPU kernels.
 pub const MAX_HEAD_DIM: usize = 128;
@@ -25,96 +26,72 @@ const MAX_HEADS_TOTAL: usize = 65_535;
 
 const FAMILY: KernelFamily = KernelFamily::Attention;
 
-/// Problem sizes, checked against the buffers.
-#[derive(Clone, Copy)]
-struct Dims {
-    batch: usize,
-    q_seq: usize,
-    kv_seq: usize,
-    heads: usize,
-    head_dim: usize,
+/// The launch geometry of `dims` (the CPU kernels' [`AttentionDims`], checked once by
+/// [`check`]).
+struct Dims(AttentionDims);
+
+/// [`AttentionDims::check`] against the buffers' lengths, then the GPU kernels' own limits.
+fn check(op: &'static str, dims: &AttentionDims, q: usize, k: usize, v: usize) -> Result<Dims> {
+    dims.check(q, k, v).or_else(|message| ensure(false, op, || message))?;
+    let AttentionDims { batch, heads, head_dim, .. } = *dims;
+    ensure(head_dim <= MAX_HEAD_DIM, op, || {
+        format!("head_dim {head_dim} > {MAX_HEAD_DIM} is not supported on the GPU")
+    })?;
+    ensure(batch * heads <= MAX_HEADS_TOTAL, op, || {
+        format!("batch·heads = {} exceeds {MAX_HEADS_TOTAL}", batch * heads)
+    })?;
+    Ok(Dims(*dims))
 }
 
 impl Dims {
-    #[allow(clippy::too_many_arguments)]
-    fn check(
-        op: &'static str,
-        q: usize,
-        k: usize,
-        v: usize,
-        batch: usize,
-        q_seq: usize,
-        kv_seq: usize,
-        heads: usize,
-        head_dim: usize,
-    ) -> Result<Dims> {
-        ensure(q_seq <= kv_seq, op, || format!("more queries ({q_seq}) than keys ({kv_seq})"))?;
-        ensure(head_dim > 0, op, || "zero head_dim".to_string())?;
-        ensure(head_dim <= MAX_HEAD_DIM, op, || {
-            format!("head_dim {head_dim} > {MAX_HEAD_DIM} is not supported on the GPU")
-        })?;
-        ensure(batch * heads <= MAX_HEADS_TOTAL, op, || {
-            format!("batch·heads = {} exceeds {MAX_HEADS_TOTAL}", batch * heads)
-        })?;
-        ensure_len(op, "q", q, batch * q_seq * heads * head_dim)?;
-        ensure_len(op, "k", k, batch * kv_seq * heads * head_dim)?;
-        ensure_len(op, "v", v, k)?;
-        Ok(Dims { batch, q_seq, kv_seq, heads, head_dim })
-    }
-
     /// Odd shared-memory row stride of the tiles.
     fn tile_stride(&self) -> usize {
-        self.head_dim | 1
+        self.0.head_dim | 1
     }
 
     /// One block per `WARPS` rows of `rows`, per (b, h).
     fn grid(&self, rows: usize, shared_floats: usize) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (rows.div_ceil(WARPS) as u32, (self.batch * self.heads) as u32, 1),
+            grid_dim: (rows.div_ceil(WARPS) as u32, (self.0.batch * self.0.heads) as u32, 1),
             block_dim: ((WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: (shared_floats * std::mem::size_of::<f32>()) as u32,
         }
     }
 
     /// The trailing size arguments every kernel takes, then `scale`.
-    fn args(&self, scale: f32) -> [Arg; 6] {
-        [size(self.batch), size(self.q_seq), size(self.kv_seq), size(self.heads), size(self.head_dim), Arg::F32(scale)]
+    fn args(&self) -> [Arg; 6] {
+        let d = &self.0;
+        [size(d.batch), size(d.q_seq), size(d.kv_seq), size(d.heads), size(d.head_dim), Arg::F32(d.scale)]
     }
 
     fn is_empty(&self) -> bool {
-        self.batch * self.q_seq * self.heads == 0
+        self.0.lse_len() == 0
     }
 }
 
-/// q: `[B, Tq, H, D]`, k, v: `[B, Tk, H, D]`, out: `[B, Tq, H, D]`, lse: `[B, H, Tq]` (the
-/// log-sum-exp of each query's scaled scores, saved for backward). `Tq ≤ Tk`.
-#[allow(clippy::too_many_arguments)]
+/// `out` and `lse` (the log-sum-exp of each query's scaled scores, saved for backward) of
+/// the operands `dims` describes, as `cpu::attention::causal_attention_forward`.
 pub fn causal_attention_forward(
     dev: &CudaDevice,
     q: &DeviceBuffer<f32>,
     k: &DeviceBuffer<f32>,
     v: &DeviceBuffer<f32>,
-    batch: usize,
-    q_seq: usize,
-    kv_seq: usize,
-    heads: usize,
-    head_dim: usize,
-    scale: f32,
+    dims: &AttentionDims,
     out: &mut DeviceBuffer<f32>,
     lse: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "causal_attention_forward";
     check_owners(dev, OP, &[q, k, v, out, lse])?;
-    let d = Dims::check(OP, q.len(), k.len(), v.len(), batch, q_seq, kv_seq, heads, head_dim)?;
+    let d = check(OP, dims, q.len(), k.len(), v.len())?;
     ensure_len(OP, "out", out.len(), q.len())?;
-    ensure_len(OP, "lse", lse.len(), batch * heads * q_seq)?;
+    ensure_len(OP, "lse", lse.len(), dims.lse_len())?;
     if d.is_empty() {
         return Ok(());
     }
-    let shared = 2 * TILE * d.tile_stride() + WARPS * head_dim;
+    let shared = 2 * TILE * d.tile_stride() + WARPS * dims.head_dim;
     let mut args = vec![ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse)];
-    args.extend(d.args(scale));
-    dev.launch(FAMILY, "attention_forward", d.grid(q_seq, shared), &args)
+    args.extend(d.args());
+    dev.launch(FAMILY, "attention_forward", d.grid(dims.q_seq, shared), &args)
 }
 
 /// `dq, dk, dv +=` gradients, recomputing probabilities from q, k and `lse`
@@ -128,39 +105,35 @@ pub fn causal_attention_backward(
     out: &DeviceBuffer<f32>,
     lse: &DeviceBuffer<f32>,
     dout: &DeviceBuffer<f32>,
-    batch: usize,
-    q_seq: usize,
-    kv_seq: usize,
-    heads: usize,
-    head_dim: usize,
-    scale: f32,
+    dims: &AttentionDims,
     dq: &mut DeviceBuffer<f32>,
     dk: &mut DeviceBuffer<f32>,
     dv: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "causal_attention_backward";
     check_owners(dev, OP, &[q, k, v, out, lse, dout, dq, dk, dv])?;
-    let d = Dims::check(OP, q.len(), k.len(), v.len(), batch, q_seq, kv_seq, heads, head_dim)?;
+    let d = check(OP, dims, q.len(), k.len(), v.len())?;
     ensure(out.len() == q.len() && dout.len() == q.len(), OP, || "out or dout has the wrong length".to_string())?;
-    ensure_len(OP, "lse", lse.len(), batch * heads * q_seq)?;
+    ensure_len(OP, "lse", lse.len(), dims.lse_len())?;
     ensure(dq.len() == q.len() && dk.len() == k.len() && dv.len() == v.len(), OP, || {
         "a gradient has the wrong length".to_string()
     })?;
     if d.is_empty() {
         return Ok(());
     }
-    let rows = batch * q_seq * heads;
+    let AttentionDims { q_seq, kv_seq, heads, head_dim, .. } = *dims;
+    let rows = dims.lse_len();
     let delta = dev.alloc::<f32>(rows)?;
     let delta_args = [ptr(out), ptr(dout), ptr(&delta), size(rows), size(q_seq), size(heads), size(head_dim)];
     dev.launch(FAMILY, "attention_backward_delta", elementwise(rows * 32), &delta_args)?;
 
     let stride = d.tile_stride();
     let mut dq_args = vec![ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(&delta), ptr(dq)];
-    dq_args.extend(d.args(scale));
+    dq_args.extend(d.args());
     dev.launch(FAMILY, "attention_backward_dq", d.grid(q_seq, 2 * TILE * stride + 2 * WARPS * head_dim), &dq_args)?;
 
     let mut dkv_args = vec![ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(&delta), ptr(dk), ptr(dv)];
-    dkv_args.extend(d.args(scale));
+    dkv_args.extend(d.args());
     let shared = 2 * TILE * stride + 2 * WARPS * head_dim + 2 * TILE;
     // `delta` goes back to the pool on return; later users are queued after these kernels.
     dev.launch(FAMILY, "attention_backward_dkv", d.grid(kv_seq, shared), &dkv_args)
@@ -169,30 +142,24 @@ pub fn causal_attention_backward(
 /// The unfused baseline (for benches): materialises the `[B·H·Tq, Tk]` score matrix in
 /// device memory, one thread per query. Same semantics as [`causal_attention_forward`]
 /// without `lse`.
-#[allow(clippy::too_many_arguments)]
 pub fn causal_attention_naive(
     dev: &CudaDevice,
     q: &DeviceBuffer<f32>,
     k: &DeviceBuffer<f32>,
     v: &DeviceBuffer<f32>,
-    batch: usize,
-    q_seq: usize,
-    kv_seq: usize,
-    heads: usize,
-    head_dim: usize,
-    scale: f32,
+    dims: &AttentionDims,
     out: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "causal_attention_naive";
     check_owners(dev, OP, &[q, k, v, out])?;
-    let d = Dims::check(OP, q.len(), k.len(), v.len(), batch, q_seq, kv_seq, heads, head_dim)?;
+    let d = check(OP, dims, q.len(), k.len(), v.len())?;
     ensure_len(OP, "out", out.len(), q.len())?;
     if d.is_empty() {
         return Ok(());
     }
-    let rows = batch * heads * q_seq;
-    let scores = dev.alloc::<f32>(rows * kv_seq)?;
+    let rows = dims.lse_len();
+    let scores = dev.alloc::<f32>(rows * dims.kv_seq)?;
     let mut args = vec![ptr(q), ptr(k), ptr(v), ptr(out), ptr(&scores)];
-    args.extend(d.args(scale));
+    args.extend(d.args());
     dev.launch(FAMILY, "attention_naive_forward", elementwise(rows), &args)
 }

@@ -3,14 +3,19 @@
 //! the probabilities tile by tile). Kernels: `kernels::cpu::attention`
 //! (`kernels::cuda::attention` on the GPU).
 
-use kernels::cpu::attention;
+use kernels::cpu::attention::{self, AttentionDims};
 
 use crate::{Error, Result, Tensor};
 
+/// `[B, H, Tq]`: the shape of the saved log-sum-exp.
+fn lse_shape(dims: &AttentionDims) -> [usize; 3] {
+    [dims.batch, dims.heads, dims.q_seq]
+}
+
 impl Tensor {
     /// Checks causal-attention operands (`q: [B, Tq, H, D]`, `k, v: [B, Tk, H, D]`,
-    /// `0 < D`, `Tq ≤ Tk`, one device); returns `[B, Tq, Tk, H, D]`.
-    fn attention_dims(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<[usize; 5]> {
+    /// `0 < D`, `Tq ≤ Tk`, one device) once, for either device's kernels; returns their sizes.
+    fn attention_dims(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<AttentionDims> {
         let [b, tq, h, d] = q.dims4(op)?;
         let [kb, tk, kh, kd] = k.dims4(op)?;
         if [kb, kh, kd] != [b, h, d] || v.shape != k.shape || tq > tk {
@@ -21,7 +26,7 @@ impl Tensor {
         }
         q.same_device(op, k)?;
         q.same_device(op, v)?;
-        Ok([b, tq, tk, h, d])
+        Ok(AttentionDims { batch: b, q_seq: tq, kv_seq: tk, heads: h, head_dim: d, scale })
     }
 
     /// Causal scaled-dot-product attention of `q: [B, Tq, H, D]` over `k, v: [B, Tk, H, D]`
@@ -29,29 +34,17 @@ impl Tensor {
     /// and the per-query log-sum-exp `[B, H, Tq]` (on the inputs' device) for backward. No
     /// T×T mask is built.
     pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<(Tensor, Tensor)> {
-        let [b, tq, tk, h, d] = Tensor::attention_dims("causal_attention", q, k, v)?;
+        let dims = Tensor::attention_dims("causal_attention", q, k, v, scale)?;
         #[cfg(feature = "cuda")]
         if q.cuda_storage().is_some() {
-            return cuda::causal_attention(q, k, v, scale);
+            return cuda::causal_attention(q, k, v, &dims);
         }
         q.require_cpu("causal_attention")?;
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
         let mut out = crate::pool::buffer(q.numel());
-        let mut lse = vec![0.0; b * h * tq];
-        attention::causal_attention_forward(
-            q.as_slice()?,
-            k.as_slice()?,
-            v.as_slice()?,
-            b,
-            tq,
-            tk,
-            h,
-            d,
-            scale,
-            &mut out,
-            &mut lse,
-        );
-        Ok((Tensor::from_vec(out, &q.shape)?, Tensor::from_vec(lse, &[b, h, tq])?))
+        let mut lse = vec![0.0; dims.lse_len()];
+        attention::causal_attention_forward(q.as_slice()?, k.as_slice()?, v.as_slice()?, &dims, &mut out, &mut lse);
+        Ok((Tensor::from_vec(out, &q.shape)?, Tensor::from_vec(lse, &lse_shape(&dims))?))
     }
 
     /// `(dq, dk, dv)` of [`Tensor::causal_attention`] from its inputs, output `out`, saved
@@ -67,13 +60,13 @@ impl Tensor {
         scale: f32,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         const OP: &str = "causal_attention_backward";
-        let [b, tq, tk, h, d] = Tensor::attention_dims(OP, q, k, v)?;
+        let dims = Tensor::attention_dims(OP, q, k, v, scale)?;
         q.check_like(OP, out)?;
         q.check_like(OP, dout)?;
-        q.check_row_stats(OP, lse, b * h * tq)?;
+        q.check_row_stats(OP, lse, dims.lse_len())?;
         #[cfg(feature = "cuda")]
         if q.cuda_storage().is_some() {
-            return cuda::causal_attention_backward(q, k, v, out, lse, dout, scale);
+            return cuda::causal_attention_backward(q, k, v, out, lse, dout, &dims);
         }
         q.require_cpu(OP)?;
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
@@ -87,12 +80,7 @@ impl Tensor {
             out.as_slice()?,
             lse.as_slice()?,
             dout.as_slice()?,
-            b,
-            tq,
-            tk,
-            h,
-            d,
-            scale,
+            &dims,
             &mut dq,
             &mut dk,
             &mut dv,
@@ -108,29 +96,28 @@ pub(crate) mod cuda {
     //! per-query log-sum-exp, both left on the device) and its backward. Head dims above
     //! `kernels::cuda::attention::MAX_HEAD_DIM` are refused with an error.
 
+    use kernels::cpu::attention::AttentionDims;
     use kernels::cuda::attention as launch;
 
     use crate::cuda::{accumulated, output, CudaStorage};
     use crate::{Result, Tensor};
 
-    /// `[B, Tq, Tk, H, D]` of shapes the caller has checked.
-    fn dims(op: &'static str, q: &Tensor, k: &Tensor) -> Result<[usize; 5]> {
-        let [b, tq, h, d] = q.dims4(op)?;
-        Ok([b, tq, k.dim(op, 1)?, h, d])
-    }
-
     /// `(out [B, Tq, H, D], lse [B, H, Tq])` of causal attention.
-    pub(crate) fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<(Tensor, Tensor)> {
+    pub(crate) fn causal_attention(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        dims: &AttentionDims,
+    ) -> Result<(Tensor, Tensor)> {
         const OP: &str = "causal_attention";
         let dev = q.cuda_device(OP)?;
-        let [b, tq, tk, h, d] = dims(OP, q, k)?;
         let (q, k, v) = (q.dense()?, k.dense()?, v.dense()?);
-        let mut lse = CudaStorage::alloc(&dev, b * h * tq)?;
+        let mut lse = CudaStorage::alloc(&dev, dims.lse_len())?;
         let out = output(&dev, OP, q.shape(), |out| {
             let (q, k, v) = (q.cuda_f32(OP)?, k.cuda_f32(OP)?, v.cuda_f32(OP)?);
-            Ok(launch::causal_attention_forward(&dev, q, k, v, b, tq, tk, h, d, scale, out, lse.f32_buffer_mut(OP)?)?)
+            Ok(launch::causal_attention_forward(&dev, q, k, v, dims, out, lse.f32_buffer_mut(OP)?)?)
         })?;
-        Ok((out, Tensor::from_cuda(lse, &[b, h, tq])?))
+        Ok((out, Tensor::from_cuda(lse, &super::lse_shape(dims))?))
     }
 
     /// `(dq, dk, dv)` of causal attention from the saved output and `lse`.
@@ -141,11 +128,10 @@ pub(crate) mod cuda {
         out: &Tensor,
         lse: &Tensor,
         dout: &Tensor,
-        scale: f32,
+        dims: &AttentionDims,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         const OP: &str = "causal_attention_backward";
         let dev = q.cuda_device(OP)?;
-        let [b, tq, tk, h, d] = dims(OP, q, k)?;
         let (q, k, v) = (q.dense()?, k.dense()?, v.dense()?);
         let (out, lse, dout) = (out.dense()?, lse.dense()?, dout.dense()?);
         let (mut dk, mut dv) = (CudaStorage::zeros(&dev, k.numel())?, CudaStorage::zeros(&dev, v.numel())?);
@@ -153,7 +139,7 @@ pub(crate) mod cuda {
             let (q, k, v) = (q.cuda_f32(OP)?, k.cuda_f32(OP)?, v.cuda_f32(OP)?);
             let (out, lse, dout) = (out.cuda_f32(OP)?, lse.cuda_f32(OP)?, dout.cuda_f32(OP)?);
             let (dk, dv) = (dk.f32_buffer_mut(OP)?, dv.f32_buffer_mut(OP)?);
-            Ok(launch::causal_attention_backward(&dev, q, k, v, out, lse, dout, b, tq, tk, h, d, scale, dq, dk, dv)?)
+            Ok(launch::causal_attention_backward(&dev, q, k, v, out, lse, dout, dims, dq, dk, dv)?)
         })?;
         Ok((dq, Tensor::from_cuda(dk, k.shape())?, Tensor::from_cuda(dv, v.shape())?))
     }
