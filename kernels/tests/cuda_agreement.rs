@@ -20,6 +20,7 @@ use kernels::cpu::binary::Binary;
 use kernels::cpu::conv::Conv2dGeometry;
 use kernels::cpu::fused_gate::{FusedGateDims, FusedGateGrads, FusedGateParams, GateGrads, GateParams};
 use kernels::cpu::optim::AdamHyper;
+use kernels::cpu::rope::RopeDims;
 use kernels::cpu::unary::Unary;
 use kernels::cuda::fused_gate::{DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams};
 use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer};
@@ -495,16 +496,16 @@ fn rope_agrees() {
         let (cos, sin) = cpu::rope::rope_table(seq + offset, head_dim, 10000.0);
         let x = rng.vec(batch * seq * heads * head_dim, -2.0, 2.0);
         let (gx, gcos, gsin) = (up(dev, &x), up(dev, &cos), up(dev, &sin));
+        let dims = RopeDims { batch, seq, heads, head_dim, pos_offset: offset };
         let mut y = vec![0.0; x.len()];
-        cpu::rope::rope_forward(&x, &cos, &sin, batch, seq, heads, head_dim, offset, &mut y);
+        cpu::rope::rope_forward(&x, &cos, &sin, &dims, &mut y);
         let mut gy = dev.alloc(x.len()).unwrap();
-        cuda::rope::rope_forward(dev, &gx, &gcos, &gsin, batch, seq, heads, head_dim, offset, &mut gy).unwrap();
+        cuda::rope::rope_forward(dev, &gx, &gcos, &gsin, &dims, &mut gy).unwrap();
         assert_elementwise("rope forward", &down(dev, &gy), &y);
         let mut dx = x.clone();
-        cpu::rope::rope_backward(&y, &cos, &sin, batch, seq, heads, head_dim, offset, &mut dx, true);
+        cpu::rope::rope_backward(&y, &cos, &sin, &dims, &mut dx, true);
         let mut gdx = up(dev, &x);
-        cuda::rope::rope_backward(dev, &up(dev, &y), &gcos, &gsin, batch, seq, heads, head_dim, offset, &mut gdx)
-            .unwrap();
+        cuda::rope::rope_backward(dev, &up(dev, &y), &gcos, &gsin, &dims, &mut gdx).unwrap();
         assert_elementwise("rope backward", &down(dev, &gdx), &dx);
     }
 }

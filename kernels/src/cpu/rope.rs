@@ -16,6 +16,60 @@
 use super::parallel;
 use super::unary::{load, store, LANES};
 
+/// Sizes of one rotation, shared by the CPU and CUDA kernels (`cuda::rope` takes the same
+/// struct): `x` is `[B, T, H, D]` with `D` even, and token t reads table row `pos_offset + t`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RopeDims {
+    /// `B`: sequences.
+    pub batch: usize,
+    /// `T`: tokens per sequence.
+    pub seq: usize,
+    /// `H`: heads.
+    pub heads: usize,
+    /// `D`: dims per head (even: element `i` pairs with `i + D/2`).
+    pub head_dim: usize,
+    /// Position of token 0 (nonzero when decoding after a KV cache).
+    pub pos_offset: usize,
+}
+
+impl RopeDims {
+    /// Elements of `x` (and of the output).
+    pub fn len(&self) -> usize {
+        self.batch * self.seq * self.heads * self.head_dim
+    }
+
+    /// True when there is nothing to rotate.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether an `input` and `output` of these lengths and tables (`cos`, `sin` lengths)
+    /// fit these sizes; the error says what does not.
+    pub fn check(&self, input: usize, output: usize, table: (usize, usize)) -> Result<(), String> {
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(format!("head_dim {} must be even", self.head_dim));
+        }
+        if input != self.len() || output != input {
+            return Err(format!(
+                "input and output have {input} and {output} elements, [B, T, H, D] needs {}",
+                self.len()
+            ));
+        }
+        let needed = (self.pos_offset + self.seq) * self.head_dim / 2;
+        if table.0 < needed || table.1 < needed {
+            return Err(format!("cos/sin tables of {} and {} values, pos_offset + T needs {needed}", table.0, table.1));
+        }
+        Ok(())
+    }
+
+    /// Panics naming `op` unless [`RopeDims::check`] accepts the operands.
+    fn assert_fits(&self, op: &str, input: &[f32], output: &[f32], cos: &[f32], sin: &[f32]) {
+        if let Err(message) = self.check(input.len(), output.len(), (cos.len(), sin.len())) {
+            panic!("{op}: {message}");
+        }
+    }
+}
+
 /// cos and sin tables, each [max_seq, D/2] row-major.
 pub fn rope_table(max_seq: usize, head_dim: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
     assert!(head_dim.is_multiple_of(2), "rope_table: head_dim must be even");
@@ -35,53 +89,22 @@ pub fn rope_table(max_seq: usize, head_dim: usize, theta: f32) -> (Vec<f32>, Vec
 }
 
 /// x, y: [B, T, H, D] contiguous; token t uses table row pos_offset + t.
-#[allow(clippy::too_many_arguments)]
-pub fn rope_forward(
-    x: &[f32],
-    cos: &[f32],
-    sin: &[f32],
-    batch: usize,
-    seq: usize,
-    heads: usize,
-    head_dim: usize,
-    pos_offset: usize,
-    y: &mut [f32],
-) {
-    check(x.len(), y.len(), cos, sin, batch, seq, heads, head_dim, pos_offset);
-    rotate(x, cos, sin, seq, heads, head_dim, pos_offset, 1.0, false, y);
+pub fn rope_forward(x: &[f32], cos: &[f32], sin: &[f32], dims: &RopeDims, y: &mut [f32]) {
+    dims.assert_fits("rope_forward", x, y, cos, sin);
+    rotate(x, cos, sin, dims, 1.0, false, y);
 }
 
 /// dx += Rᵀ dy (the inverse rotation), or dx = Rᵀ dy when not `accumulate` (a fresh
 /// gradient buffer then needs no zero-filling first).
-#[allow(clippy::too_many_arguments)]
-pub fn rope_backward(
-    dy: &[f32],
-    cos: &[f32],
-    sin: &[f32],
-    batch: usize,
-    seq: usize,
-    heads: usize,
-    head_dim: usize,
-    pos_offset: usize,
-    dx: &mut [f32],
-    accumulate: bool,
-) {
-    check(dy.len(), dx.len(), cos, sin, batch, seq, heads, head_dim, pos_offset);
+pub fn rope_backward(dy: &[f32], cos: &[f32], sin: &[f32], dims: &RopeDims, dx: &mut [f32], accumulate: bool) {
+    dims.assert_fits("rope_backward", dy, dx, cos, sin);
     // d/dx (R x) = Rᵀ: the rotation by −angle.
-    rotate(dy, cos, sin, seq, heads, head_dim, pos_offset, -1.0, accumulate, dx);
+    rotate(dy, cos, sin, dims, -1.0, accumulate, dx);
 }
 
 /// Scalar reference forward (tests and benches).
-#[allow(clippy::too_many_arguments)]
-pub fn rope_reference(
-    x: &[f32],
-    cos: &[f32],
-    sin: &[f32],
-    seq: usize,
-    heads: usize,
-    head_dim: usize,
-    pos_offset: usize,
-) -> Vec<f32> {
+pub fn rope_reference(x: &[f32], cos: &[f32], sin: &[f32], dims: &RopeDims) -> Vec<f32> {
+    let RopeDims { seq, heads, head_dim, pos_offset, .. } = *dims;
     let half = head_dim / 2;
     let mut y = vec![0.0; x.len()];
     for (row, (xh, yh)) in x.chunks(head_dim).zip(y.chunks_mut(head_dim)).enumerate() {
@@ -96,40 +119,10 @@ pub fn rope_reference(
     y
 }
 
-#[allow(clippy::too_many_arguments)]
-fn check(
-    input: usize,
-    output: usize,
-    cos: &[f32],
-    sin: &[f32],
-    batch: usize,
-    seq: usize,
-    heads: usize,
-    head_dim: usize,
-    pos_offset: usize,
-) {
-    assert!(head_dim.is_multiple_of(2), "rope: head_dim must be even");
-    assert_eq!(input, batch * seq * heads * head_dim, "rope: input has the wrong length");
-    assert_eq!(output, input, "rope: output has the wrong length");
-    let needed = (pos_offset + seq) * head_dim / 2;
-    assert!(cos.len() >= needed && sin.len() >= needed, "rope: table shorter than pos_offset + seq");
-}
-
 /// Rotates every head of `x` by `sign`·angle into `out` (`out += ...` when `accumulate`),
 /// one `[H, D]` token per row, in parallel over tokens.
-#[allow(clippy::too_many_arguments)]
-fn rotate(
-    x: &[f32],
-    cos: &[f32],
-    sin: &[f32],
-    seq: usize,
-    heads: usize,
-    head_dim: usize,
-    pos_offset: usize,
-    sign: f32,
-    accumulate: bool,
-    out: &mut [f32],
-) {
+fn rotate(x: &[f32], cos: &[f32], sin: &[f32], dims: &RopeDims, sign: f32, accumulate: bool, out: &mut [f32]) {
+    let RopeDims { seq, heads, head_dim, pos_offset, .. } = *dims;
     let half = head_dim / 2;
     let token = heads * head_dim;
     parallel::for_each_row_block_mut(out, token, token * 2, |first, block| {
@@ -207,16 +200,17 @@ mod tests {
             let (cos, sin) = rope_table(seq + pos_offset, head_dim, 10000.0);
             let x = values(batch * seq * heads * head_dim, 1);
             let mut y = vec![0.0; x.len()];
-            rope_forward(&x, &cos, &sin, batch, seq, heads, head_dim, pos_offset, &mut y);
-            let want = rope_reference(&x, &cos, &sin, seq, heads, head_dim, pos_offset);
+            let dims = RopeDims { batch, seq, heads, head_dim, pos_offset };
+            rope_forward(&x, &cos, &sin, &dims, &mut y);
+            let want = rope_reference(&x, &cos, &sin, &dims);
             prop_assert!(y.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-6));
             // Rᵀ R = I, and the backward accumulates.
             let mut back = x.clone();
-            rope_backward(&y, &cos, &sin, batch, seq, heads, head_dim, pos_offset, &mut back, true);
+            rope_backward(&y, &cos, &sin, &dims, &mut back, true);
             prop_assert!(back.iter().zip(&x).all(|(a, b)| (a - 2.0 * b).abs() < 1e-5));
             // Without accumulating, the stale contents of dx are overwritten.
             let mut fresh = vec![f32::NAN; x.len()];
-            rope_backward(&y, &cos, &sin, batch, seq, heads, head_dim, pos_offset, &mut fresh, false);
+            rope_backward(&y, &cos, &sin, &dims, &mut fresh, false);
             prop_assert!(fresh.iter().zip(&x).all(|(a, b)| (a - b).abs() < 1e-5));
         }
     }
@@ -228,7 +222,7 @@ mod tests {
         let x = values(batch * seq * heads * head_dim, 2);
         let probe = values(x.len(), 3);
         let mut dx = vec![0.0; x.len()];
-        rope_backward(&probe, &cos, &sin, batch, seq, heads, head_dim, offset, &mut dx, true);
+        rope_backward(&probe, &cos, &sin, &RopeDims { batch, seq, heads, head_dim, pos_offset: offset }, &mut dx, true);
         // L = Σ probe ⊙ R x with the rotation applied in f64 from the f32 table.
         let (cos64, sin64, probe64) = (oracle::widen(&cos), oracle::widen(&sin), oracle::widen(&probe));
         let loss = |x: &[f64]| oracle::dot(&oracle::rope(x, &cos64, &sin64, seq, heads, head_dim, offset), &probe64);
@@ -242,8 +236,9 @@ mod tests {
         let (cos, sin) = rope_table(seq, head_dim, 10000.0);
         let x = values(batch * seq * heads * head_dim, 4);
         let mut y = vec![0.0; x.len()];
-        rope_forward(&x, &cos, &sin, batch, seq, heads, head_dim, 0, &mut y);
-        let want = rope_reference(&x, &cos, &sin, seq, heads, head_dim, 0);
+        let dims = RopeDims { batch, seq, heads, head_dim, pos_offset: 0 };
+        rope_forward(&x, &cos, &sin, &dims, &mut y);
+        let want = rope_reference(&x, &cos, &sin, &dims);
         assert!(y.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-6));
     }
 }

@@ -2,48 +2,49 @@
 //! backward, the inverse rotation. Kernels: `kernels::cpu::rope` (`kernels::cuda::rope` on
 //! the GPU); the cos/sin tables come from [`super::rope_table`].
 
-use kernels::cpu::rope;
+use kernels::cpu::rope::{self, RopeDims};
 
 use super::rope_table::rope_table;
 use crate::{Error, Result, Tensor};
 
 impl Tensor {
-    /// [`Tensor::dims4`] with an even head dim (rotary embedding pairs its halves).
-    fn rope_dims(&self, op: &'static str) -> Result<[usize; 4]> {
-        let dims = self.dims4(op)?;
-        if dims[3] % 2 != 0 {
+    /// The sizes of a rotation of `self: [B, T, H, D]` from `pos_offset`, checked once for
+    /// either device's kernels: rank 4 and an even head dim (rotary embedding pairs its halves).
+    fn rope_dims(&self, op: &'static str, pos_offset: usize) -> Result<RopeDims> {
+        let [batch, seq, heads, head_dim] = self.dims4(op)?;
+        if head_dim % 2 != 0 {
             return Err(Error::InvalidShape { op, shape: self.shape.clone(), reason: "head dim must be even".into() });
         }
-        Ok(dims)
+        Ok(RopeDims { batch, seq, heads, head_dim, pos_offset })
     }
 
     /// Rotary position embedding of `x: [B, T, H, D]` (HF LLaMA rotate-half convention),
     /// token t at position `pos_offset + t`, base `theta` (10000 in LLaMA).
     pub fn rope(&self, theta: f32, pos_offset: usize) -> Result<Tensor> {
-        let [b, t, h, d] = self.rope_dims("rope")?;
+        let dims = self.rope_dims("rope", pos_offset)?;
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
-            return cuda::rope(self, theta, pos_offset, false);
+            return cuda::rope(self, theta, &dims, false);
         }
         let x = self.contiguous()?;
-        let table = rope_table(pos_offset + t, d, theta);
+        let table = rope_table(pos_offset + dims.seq, dims.head_dim, theta);
         let mut y = crate::pool::buffer(x.numel());
-        rope::rope_forward(x.as_slice()?, &table.cos, &table.sin, b, t, h, d, pos_offset, &mut y);
+        rope::rope_forward(x.as_slice()?, &table.cos, &table.sin, &dims, &mut y);
         Tensor::from_vec(y, &self.shape)
     }
 
     /// The backward of [`Tensor::rope`] for the gradient `self = dy` of its output: the
     /// inverse rotation `dx = Rᵀ dy` (a rotation is orthogonal; nothing is saved).
     pub fn rope_backward(&self, theta: f32, pos_offset: usize) -> Result<Tensor> {
-        let [b, t, h, d] = self.rope_dims("rope_backward")?;
+        let dims = self.rope_dims("rope_backward", pos_offset)?;
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
-            return cuda::rope(self, theta, pos_offset, true);
+            return cuda::rope(self, theta, &dims, true);
         }
         let dy = self.contiguous()?;
-        let table = rope_table(pos_offset + t, d, theta);
+        let table = rope_table(pos_offset + dims.seq, dims.head_dim, theta);
         let mut dx = crate::pool::buffer(dy.numel());
-        rope::rope_backward(dy.as_slice()?, &table.cos, &table.sin, b, t, h, d, pos_offset, &mut dx, false);
+        rope::rope_backward(dy.as_slice()?, &table.cos, &table.sin, &dims, &mut dx, false);
         Tensor::from_vec(dx, &self.shape)
     }
 }
@@ -59,7 +60,7 @@ pub(crate) mod cuda {
 
     use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-    use kernels::cpu::rope::rope_table;
+    use kernels::cpu::rope::{rope_table, RopeDims};
     use kernels::cuda::{rope as launch, CudaDevice, DeviceBuffer};
 
     use crate::cuda::{accumulated, output};
@@ -106,24 +107,18 @@ pub(crate) mod cuda {
         Ok(table)
     }
 
-    /// Rotates `x: [B, T, H, D]` (D even, checked by the caller), token t at position
-    /// `pos_offset + t`; with `backward`, `x` is the output gradient and the result is the
-    /// inverse rotation `Rᵀ dy`.
-    pub(crate) fn rope(x: &Tensor, theta: f32, pos_offset: usize, backward: bool) -> Result<Tensor> {
+    /// Rotates `x` of the sizes `dims` (checked by the caller); with `backward`, `x` is the
+    /// output gradient and the result is the inverse rotation `Rᵀ dy`.
+    pub(crate) fn rope(x: &Tensor, theta: f32, dims: &RopeDims, backward: bool) -> Result<Tensor> {
         let op = if backward { "rope_backward" } else { "rope" };
-        let [b, t, h, d] = x.dims4(op)?;
         let dev = x.cuda_device(op)?;
         let x = x.dense()?;
-        let table = table(&dev, pos_offset + t, d, theta)?;
+        let table = table(&dev, dims.pos_offset + dims.seq, dims.head_dim, theta)?;
         let (cos, sin) = (&table.cos, &table.sin);
         if backward {
-            accumulated(&dev, op, x.shape(), |dx| {
-                Ok(launch::rope_backward(&dev, x.cuda_f32(op)?, cos, sin, b, t, h, d, pos_offset, dx)?)
-            })
+            accumulated(&dev, op, x.shape(), |dx| Ok(launch::rope_backward(&dev, x.cuda_f32(op)?, cos, sin, dims, dx)?))
         } else {
-            output(&dev, op, x.shape(), |y| {
-                Ok(launch::rope_forward(&dev, x.cuda_f32(op)?, cos, sin, b, t, h, d, pos_offset, y)?)
-            })
+            output(&dev, op, x.shape(), |y| Ok(launch::rope_forward(&dev, x.cuda_f32(op)?, cos, sin, dims, y)?))
         }
     }
 }
