@@ -524,11 +524,21 @@ fn embedding_agrees() {
     let mut gout = dev.alloc(n * dim).unwrap();
     cuda::embedding::embedding_forward(dev, &gw, dim, &gids, &mut gout).unwrap();
     assert_eq!(down(dev, &gout), out, "gather is exact");
+    // The backward sums each id's rows in position order, as the CPU does: from zero (as the
+    // tensor layer calls it) the two agree bit for bit, and every run gives the same bits.
     let dy = rng.vec(n * dim, -1.0, 1.0);
+    let mut dweight = vec![0.0; vocab * dim];
+    cpu::embedding::embedding_backward(&ids, &dy, dim, &mut dweight);
+    for _ in 0..2 {
+        let mut gdw = dev.zeros(vocab * dim).unwrap();
+        cuda::embedding::embedding_backward(dev, &ids, &up(dev, &dy), dim, &mut gdw).unwrap();
+        assert_eq!(down(dev, &gdw), dweight, "embedding backward is the CPU's, bit for bit");
+    }
+    // Onto existing values it adds each id's sum once: equal to rounding.
     let mut dweight = weight.clone();
     cpu::embedding::embedding_backward(&ids, &dy, dim, &mut dweight);
     let mut gdw = up(dev, &weight);
-    cuda::embedding::embedding_backward(dev, &gids, &up(dev, &dy), dim, &mut gdw).unwrap();
+    cuda::embedding::embedding_backward(dev, &ids, &up(dev, &dy), dim, &mut gdw).unwrap();
     assert_reduced("embedding backward", &down(dev, &gdw), &dweight);
 }
 

@@ -252,7 +252,8 @@ fn a_cuda_checkpoint_resumes_on_cuda_and_on_the_cpu() {
         std::fs::copy(&path, cpu_copy.join(path.file_name().unwrap())).unwrap();
     }
     train(&TrainConfig { steps: STEPS, ..half.clone() }, true).unwrap();
-    assert_agree("resumed on cuda", &reference, &losses(&half.out_dir));
+    // Same device, same seed: the same losses, bit for bit (no kernel sums in a varying order).
+    assert_eq!(losses(&half.out_dir), reference, "resumed on cuda");
     train(&TrainConfig { steps: STEPS, device: Device::Cpu, out_dir: cpu_copy.clone(), ..half }, true).unwrap();
     assert_agree("resumed on the cpu", &reference, &losses(&cpu_copy));
 }

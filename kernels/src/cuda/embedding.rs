@@ -1,9 +1,11 @@
 //! Launchers of `embedding.cu`: the row gather and its scatter-add backward.
 //!
-//! Mirrors `cpu::embedding` with `ids` as a `u32` device buffer. The backward adds with
-//! `atomicAdd`, so the order of additions into a repeated row is not fixed (the CPU's is):
-//! results agree to rounding, not bit for bit. Ids are not range-checked on the device
-//! (that would need a wait): an id ≥ V reads as a zero row and its gradient is dropped.
+//! Mirrors `cpu::embedding`. The forward reads `ids` from a `u32` device buffer; the
+//! backward takes them on the host, groups the positions of each distinct id there and sums
+//! each id's rows in increasing position order, without atomics: deterministic, and equal to
+//! the CPU's bit for bit when `dweight` starts at zero. Ids are not range-checked on the
+//! device (that would need a wait): an id ≥ V reads as a zero row and its gradient is
+//! dropped.
 
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
@@ -35,18 +37,51 @@ pub fn embedding_forward(
     dev.launch(KernelFamily::Embedding, "embedding_forward", elementwise(out.len()), &args)
 }
 
-/// `dweight[ids[i], :] += dy[i, :]` (scatter-add; ids may repeat).
+/// `dweight[ids[i], :] += dy[i, :]` for every `i` (ids may repeat; host `ids`), each id's
+/// rows summed in increasing `i` (see the module doc).
 pub fn embedding_backward(
     dev: &CudaDevice,
-    ids: &DeviceBuffer<u32>,
+    ids: &[u32],
     dy: &DeviceBuffer<f32>,
     dim: usize,
     dweight: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "embedding_backward";
     check_owners(dev, OP, &[dy, dweight])?;
-    dev.check_owner(OP, ids)?;
     let vocab = check(OP, dweight.len(), dim, ids.len(), dy.len())?;
-    let args = [ptr(ids), ptr(dy), ptr(dweight), size(ids.len()), size(dim), size(vocab)];
-    dev.launch(KernelFamily::Embedding, "embedding_backward", elementwise(dy.len()), &args)
+    let grouped = group_positions(ids, vocab);
+    if grouped.rows.is_empty() || dim == 0 {
+        return Ok(());
+    }
+    let (rows, starts, positions) =
+        (dev.upload(&grouped.rows)?, dev.upload(&grouped.starts)?, dev.upload(&grouped.positions)?);
+    let distinct = grouped.rows.len();
+    let args = [ptr(&rows), ptr(&starts), ptr(&positions), ptr(dy), ptr(dweight), size(distinct), size(dim)];
+    // The three index buffers go back to the pool on return; later users queue after this kernel.
+    dev.launch(KernelFamily::Embedding, "embedding_backward", elementwise(distinct * dim), &args)
+}
+
+/// The positions of each distinct id in CSR form: id `rows[u]` sits at
+/// `positions[starts[u]..starts[u + 1]]`, in increasing order.
+struct GroupedPositions {
+    rows: Vec<u32>,
+    starts: Vec<u32>,
+    positions: Vec<u32>,
+}
+
+/// Groups the positions of `ids` by id (ids ≥ `vocab` dropped), keeping each id's positions
+/// in increasing order (a stable sort).
+fn group_positions(ids: &[u32], vocab: usize) -> GroupedPositions {
+    let mut positions: Vec<u32> = (0..ids.len() as u32).filter(|&i| (ids[i as usize] as usize) < vocab).collect();
+    positions.sort_by_key(|&i| ids[i as usize]);
+    let (mut rows, mut starts) = (Vec::new(), Vec::new());
+    for (p, &i) in positions.iter().enumerate() {
+        let id = ids[i as usize];
+        if rows.last() != Some(&id) {
+            rows.push(id);
+            starts.push(p as u32);
+        }
+    }
+    starts.push(positions.len() as u32);
+    GroupedPositions { rows, starts, positions }
 }

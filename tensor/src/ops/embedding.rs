@@ -81,15 +81,12 @@ pub(crate) mod cuda {
         output(&dev, OP, out_shape, |out| Ok(launch::embedding_forward(&dev, weight.cuda_f32(OP)?, dim, &ids, out)?))
     }
 
-    /// `dW: [vocab, dim]` with `dW[ids[i]] += dy[i]` (atomic adds: repeated ids agree with the
-    /// CPU to rounding, not bit for bit).
+    /// `dW: [vocab, dim]` with `dW[ids[i]] += dy[i]`, each id's rows summed in position
+    /// order: the CPU's result bit for bit, the same on every run.
     pub(crate) fn embedding_backward(ids: &[u32], dy: &Tensor, vocab: usize, dim: usize) -> Result<Tensor> {
         const OP: &str = "embedding_backward";
         let dev = dy.cuda_device(OP)?;
         let dy = dy.dense()?;
-        let ids = dev.upload(ids)?;
-        accumulated(&dev, OP, &[vocab, dim], |dw| {
-            Ok(launch::embedding_backward(&dev, &ids, dy.cuda_f32(OP)?, dim, dw)?)
-        })
+        accumulated(&dev, OP, &[vocab, dim], |dw| Ok(launch::embedding_backward(&dev, ids, dy.cuda_f32(OP)?, dim, dw)?))
     }
 }

@@ -218,7 +218,6 @@ pub(crate) mod cuda {
             .enumerate()
             .map(|(slot, &j)| ((slot / inner * n + j) * inner + slot % inner) as u32)
             .collect();
-        let positions = dev.upload(&positions).map_err(|e| cuda_error(OP, e))?;
         accumulated(&dev, OP, shape, |dx| Ok(embedding_backward(&dev, &positions, dy.cuda_f32(OP)?, 1, dx)?))
     }
 

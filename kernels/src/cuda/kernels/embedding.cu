@@ -1,6 +1,7 @@
 // Embedding lookup and its backward (cpu/embedding.rs): weight [V, C], ids [N], out [N, C].
-// The forward gathers rows; the backward scatter-adds rows of dy into dweight with
-// atomicAdd (ids repeat), so the order of additions into a repeated row is not fixed.
+// The forward gathers rows; the backward sums the rows of dy of each distinct id in
+// increasing position order (the launcher groups the positions on the host), with no
+// atomics: the result is the same on every run, and the CPU's bit for bit.
 // Ids ≥ V are not read: their output rows are zero and their gradients are dropped (the
 // launcher cannot check ids on the device without waiting for it).
 
@@ -14,12 +15,16 @@ extern "C" __global__ void embedding_forward(const float* weight, const unsigned
     }
 }
 
-// d/dweight[v] Σ_i dy_i·weight[ids_i] = Σ_{i : ids_i = v} dy_i:  dweight[ids[i], :] += dy[i, :]
-extern "C" __global__ void embedding_backward(const unsigned int* ids, const float* dy, float* dweight, i64 n, i64 dim,
-                                              i64 vocab) {
-    GRID_STRIDE(e, n * dim) {
-        i64 i = e / dim, j = e % dim;
-        i64 id = (i64)ids[i];
-        if (id < vocab) atomicAdd(&dweight[id * dim + j], dy[e]);
+// d/dweight[v] Σ_i dy_i·weight[ids_i] = Σ_{i : ids_i = v} dy_i. Distinct id u is rows[u]; its
+// positions are positions[starts[u] .. starts[u + 1]], increasing. One thread per (u, column):
+// dweight[rows[u], j] += Σ_p dy[positions[p], j], summed in that order.
+extern "C" __global__ void embedding_backward(const unsigned int* rows, const unsigned int* starts,
+                                              const unsigned int* positions, const float* dy, float* dweight,
+                                              i64 distinct, i64 dim) {
+    GRID_STRIDE(e, distinct * dim) {
+        i64 u = e / dim, j = e % dim;
+        float sum = 0.0f;
+        for (unsigned int p = starts[u]; p < starts[u + 1]; ++p) sum += dy[(i64)positions[p] * dim + j];
+        dweight[(i64)rows[u] * dim + j] += sum;
     }
 }
