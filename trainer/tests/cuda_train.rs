@@ -7,6 +7,7 @@
 #![cfg(feature = "cuda")]
 
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use autograd::Var;
 use models::resnet::ResNet;
@@ -24,13 +25,17 @@ const GPU: Device = Device::Cuda(0);
 const STEPS: usize = 20;
 const RTOL: f32 = 1e-2;
 
-fn no_gpu() -> bool {
+/// GPU 0 for one test at a time, or `None` (saying so) without a GPU. The tests take turns
+/// because `--bf16` sets a process-wide GEMM precision for the length of its run: a bf16 run
+/// beside an f32 one would change the f32 run's products.
+fn gpu_to_myself() -> Option<MutexGuard<'static, ()>> {
+    static TURN: Mutex<()> = Mutex::new(());
     if tensor::cuda::is_available() {
-        return false;
+        return Some(TURN.lock().unwrap_or_else(PoisonError::into_inner));
     }
     assert!(std::env::var_os("TRANSPONDER_REQUIRE_CUDA").is_none(), "TRANSPONDER_REQUIRE_CUDA is set: no CUDA device");
     eprintln!("skipping: no CUDA device");
-    true
+    None
 }
 
 /// A fresh directory under the system temp dir for one test.
@@ -94,9 +99,9 @@ const BF16_RTOL: f32 = 5e-2;
 
 #[test]
 fn bf16_cuda_training_stays_near_the_f32_cpu_run() {
-    if no_gpu() {
+    let Some(_turn) = gpu_to_myself() else {
         return;
-    }
+    };
     let (cpu_dir, gpu_dir) = (scratch("bf16-cpu"), scratch("bf16-gpu"));
     let cpu = config(&cpu_dir, Device::Cpu, 8);
     let gpu = TrainConfig { bf16: true, ..config(&gpu_dir, GPU, 8) };
@@ -135,9 +140,9 @@ fn resnet_config(modulator: &str, device: Device) -> ImageTrainConfig {
 
 #[test]
 fn resnet_with_modulators_trains_on_cuda_as_on_the_cpu() {
-    if no_gpu() {
+    let Some(_turn) = gpu_to_myself() else {
         return;
-    }
+    };
     for modulator in ["pixel", "sliding-window"] {
         let run = |device: Device| {
             let config = resnet_config(modulator, device);
@@ -160,9 +165,9 @@ fn resnet_with_modulators_trains_on_cuda_as_on_the_cpu() {
 /// only for the states a trained model reaches cannot hide behind the free-running drift.
 #[test]
 fn resnet_steps_agree_in_lockstep() {
-    if no_gpu() {
+    let Some(_turn) = gpu_to_myself() else {
         return;
-    }
+    };
     let config = resnet_config("sliding-window", Device::Cpu);
     let (train_set, _) = config.datasets().unwrap();
     let norm = Normalization::from_dataset(&train_set);
@@ -210,9 +215,9 @@ fn device_name(device: Device) -> &'static str {
 
 #[test]
 fn cuda_training_matches_the_cpu_and_learns() {
-    if no_gpu() {
+    let Some(_turn) = gpu_to_myself() else {
         return;
-    }
+    };
     let (cpu_dir, gpu_dir) = (scratch("cpu"), scratch("gpu"));
     let cpu = config(&cpu_dir, Device::Cpu, STEPS);
     let gpu = config(&gpu_dir, GPU, STEPS);
@@ -232,9 +237,9 @@ fn cuda_training_matches_the_cpu_and_learns() {
 
 #[test]
 fn a_cuda_checkpoint_resumes_on_cuda_and_on_the_cpu() {
-    if no_gpu() {
+    let Some(_turn) = gpu_to_myself() else {
         return;
-    }
+    };
     // A constant rate, so a run of STEPS / 2 steps is the first half of one of STEPS.
     let constant = |dir: &Path, steps| TrainConfig { schedule: ScheduleKind::Constant, ..config(dir, GPU, steps) };
     let straight_dir = scratch("straight");
