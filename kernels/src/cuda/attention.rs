@@ -10,7 +10,7 @@ use cudarc::driver::LaunchConfig;
 
 use super::allocator::DeviceBuffer;
 use super::device::{Arg, CudaDevice};
-use super::error::{ensure, ensure_len, Result};
+use super::error::{ensure, ensure_len, CudaError, Result};
 use super::launch::{check_owners, elementwise, ptr, size};
 use super::module::KernelFamily;
 use crate::cpu::attention::AttentionDims;
@@ -32,7 +32,7 @@ struct Dims(AttentionDims);
 
 /// [`AttentionDims::check`] against the buffers' lengths, then the GPU kernels' own limits.
 fn check(op: &'static str, dims: &AttentionDims, q: usize, k: usize, v: usize) -> Result<Dims> {
-    dims.check(q, k, v).or_else(|message| ensure(false, op, || message))?;
+    dims.check(q, k, v).map_err(|message| CudaError::shape(op, message))?;
     let AttentionDims { batch, heads, head_dim, .. } = *dims;
     ensure(head_dim <= MAX_HEAD_DIM, op, || {
         format!("head_dim {head_dim} > {MAX_HEAD_DIM} is not supported on the GPU")

@@ -6,7 +6,7 @@
 
 use super::allocator::DeviceBuffer;
 use super::device::{Arg, CudaDevice};
-use super::error::{ensure, Result};
+use super::error::{CudaError, Result};
 use super::launch::{check_owners, elementwise, int, ptr, size};
 use super::module::KernelFamily;
 use crate::cpu::rope::RopeDims;
@@ -21,7 +21,7 @@ fn rotate(
     out: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     check_owners(dev, op, &[x, cos, sin, out])?;
-    dims.check(x.len(), out.len(), (cos.len(), sin.len())).or_else(|message| ensure(false, op, || message))?;
+    dims.check(x.len(), out.len(), (cos.len(), sin.len())).map_err(|message| CudaError::shape(op, message))?;
     let RopeDims { batch, seq, heads, head_dim, pos_offset } = *dims;
     // The backward rotates by −angle (sin negated) and accumulates.
     let sign = if backward { -1.0 } else { 1.0 };
