@@ -185,7 +185,13 @@ proptest! {
             (gated.value().to_vec(), y.value().to_vec(), grads)
         };
         let (fused, composite) = (run(true), run(false));
-        let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-6 + 1e-5 * y.abs());
+        // Elementwise to 1e-5 relative, plus rounding of the vector's largest entry: a
+        // gradient is a sum whose terms can be far larger than the result, and the two paths
+        // sum them in different orders (seen: 4.3e-6 on an entry of 0.287 beside one of 47.7).
+        let close = |a: &[f32], b: &[f32]| {
+            let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-6 + 1e-5 * y.abs() + 1e-6 * scale)
+        };
         prop_assert!(close(&fused.0, &composite.0), "swiglu forward differs");
         prop_assert!(close(&fused.1, &composite.1), "FFN forward differs");
         for (i, (a, b)) in fused.2.iter().zip(&composite.2).enumerate() {
