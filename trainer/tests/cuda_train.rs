@@ -3,7 +3,7 @@
 //! and the loss must fall; a CUDA checkpoint (weights and AdamW state downloaded) resumes
 //! on CUDA and on the CPU to the same losses; bf16 stays near the f32 CPU run; a ResNet-18
 //! with CoMT modulators agrees with the CPU (its first steps free-running, every step of
-//! an epoch in lockstep). Skips without a GPU.
+//! 30 steps in lockstep). Skips without a GPU.
 #![cfg(feature = "cuda")]
 
 use std::path::{Path, PathBuf};
