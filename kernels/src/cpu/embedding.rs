@@ -34,22 +34,8 @@ pub fn embedding_backward(ids: &[u32], dy: &[f32], dim: usize, dweight: &mut [f3
         }
         return;
     }
-    // Counting sort of positions by id: positions[starts[v]..starts[v + 1]] are the i with
-    // ids[i] == v, in increasing order.
     let vocab = dweight.len() / dim;
-    let mut starts = vec![0usize; vocab + 1];
-    for &id in ids {
-        starts[id as usize + 1] += 1;
-    }
-    for v in 0..vocab {
-        starts[v + 1] += starts[v];
-    }
-    let mut next = starts.clone();
-    let mut positions = vec![0usize; ids.len()];
-    for (i, &id) in ids.iter().enumerate() {
-        positions[next[id as usize]] = i;
-        next[id as usize] += 1;
-    }
+    let PositionsById { starts, positions } = positions_by_id(ids, vocab);
     // Rows with no updates cost one comparison, so a row's work is counted as 1 + its share.
     let work_per_row = 1 + dy.len() / vocab;
     parallel::for_each_row_block_mut(dweight, dim, work_per_row, |first, block| {
@@ -59,6 +45,34 @@ pub fn embedding_backward(ids: &[u32], dy: &[f32], dim: usize, dweight: &mut [f3
             }
         }
     });
+}
+
+/// The positions of each id in CSR form: `positions[starts[v]..starts[v + 1]]` are the `i`
+/// with `ids[i] == v`, in increasing order, so a row's additions run in position order (the
+/// CPU backward and the CUDA launcher both sum in that order, and agree bit for bit).
+pub struct PositionsById {
+    /// `V + 1` offsets into `positions`.
+    pub starts: Vec<usize>,
+    /// Every position whose id is below `V`, grouped by id.
+    pub positions: Vec<usize>,
+}
+
+/// Counting sort of the positions of `ids` by id (ids ≥ `vocab` are dropped).
+pub fn positions_by_id(ids: &[u32], vocab: usize) -> PositionsById {
+    let mut starts = vec![0usize; vocab + 1];
+    for &id in ids.iter().filter(|&&id| (id as usize) < vocab) {
+        starts[id as usize + 1] += 1;
+    }
+    for v in 0..vocab {
+        starts[v + 1] += starts[v];
+    }
+    let mut next = starts.clone();
+    let mut positions = vec![0usize; starts[vocab]];
+    for (i, &id) in ids.iter().enumerate().filter(|&(_, &id)| (id as usize) < vocab) {
+        positions[next[id as usize]] = i;
+        next[id as usize] += 1;
+    }
+    PositionsById { starts, positions }
 }
 
 /// Scalar reference gather (tests and benches).

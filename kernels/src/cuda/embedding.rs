@@ -12,6 +12,7 @@ use super::device::CudaDevice;
 use super::error::{ensure, Result};
 use super::launch::{check_owners, elementwise, ptr, size};
 use super::module::KernelFamily;
+use crate::cpu::embedding::{positions_by_id, PositionsById};
 
 /// Checks the table is whole rows of `dim` and `rows` holds one row per id; returns V.
 fn check(op: &'static str, table: usize, dim: usize, ids: usize, rows: usize) -> Result<usize> {
@@ -61,27 +62,21 @@ pub fn embedding_backward(
     dev.launch(KernelFamily::Embedding, "embedding_backward", elementwise(distinct * dim), &args)
 }
 
-/// The positions of each distinct id in CSR form: id `rows[u]` sits at
-/// `positions[starts[u]..starts[u + 1]]`, in increasing order.
+/// The distinct ids (`rows`) of [`positions_by_id`]'s grouping, with `starts` compacted to
+/// them, as the kernel reads them: id `rows[u]` sits at `positions[starts[u]..starts[u + 1]]`.
 struct GroupedPositions {
     rows: Vec<u32>,
     starts: Vec<u32>,
     positions: Vec<u32>,
 }
 
-/// Groups the positions of `ids` by id (ids ≥ `vocab` dropped), keeping each id's positions
-/// in increasing order (a stable sort).
 fn group_positions(ids: &[u32], vocab: usize) -> GroupedPositions {
-    let mut positions: Vec<u32> = (0..ids.len() as u32).filter(|&i| (ids[i as usize] as usize) < vocab).collect();
-    positions.sort_by_key(|&i| ids[i as usize]);
+    let PositionsById { starts: by_id, positions } = positions_by_id(ids, vocab);
     let (mut rows, mut starts) = (Vec::new(), Vec::new());
-    for (p, &i) in positions.iter().enumerate() {
-        let id = ids[i as usize];
-        if rows.last() != Some(&id) {
-            rows.push(id);
-            starts.push(p as u32);
-        }
+    for (v, bounds) in by_id.windows(2).enumerate().filter(|(_, b)| b[1] > b[0]) {
+        rows.push(v as u32);
+        starts.push(bounds[0] as u32);
     }
     starts.push(positions.len() as u32);
-    GroupedPositions { rows, starts, positions }
+    GroupedPositions { rows, starts, positions: positions.into_iter().map(|i| i as u32).collect() }
 }
