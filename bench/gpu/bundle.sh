@@ -15,7 +15,8 @@ rm -rf .gpu/bin && mkdir -p .gpu/bin
 cargo build --release --workspace --features "$FEATURES" --bins
 cp target/gpu/release/{transponder,train-bench,cuda-bench} .gpu/bin/
 # Every test binary whose name says cuda (kernels' cuda_agreement, tests/cuda_*), plus the
-# nn and trainer unit-test binaries, which hold their own cuda-gated tests.
+# binaries that hold cuda-gated tests among others (the kernels, nn and trainer unit tests,
+# models' decode_cache), which run.sh filters by name.
 cargo test --release --workspace --features "$FEATURES" --no-run --message-format=json 2>/dev/null |
     python3 -c '
 import json, shutil, sys
@@ -23,7 +24,7 @@ for line in sys.stdin:
     msg = json.loads(line)
     exe, target = msg.get("executable"), msg.get("target", {})
     name = target.get("name", "")
-    if exe and msg.get("profile", {}).get("test") and ("cuda" in name or name in ("nn", "trainer")):
+    if exe and msg.get("profile", {}).get("test") and ("cuda" in name or name in ("kernels", "nn", "trainer", "decode_cache")):
         shutil.copy(exe, ".gpu/bin/test-" + name)
         print("bundled", name)
 '

@@ -5,20 +5,40 @@
 # files), with each step's tail on stdout; a failing step does not stop the others. Each
 # step runs under `timeout` (STEP_TIMEOUT seconds, default 240) and the logs are packed
 # after every step, so a hung kernel costs one step, not the device call's whole output.
+# DEADLINE (seconds, default none) caps the whole script: each step's timeout shrinks to
+# what is left of it, and a step with under 10 s left is skipped, saying so.
 #
 #     bash bench/gpu/run.sh [steps...]     # steps: tests bench compare train (default: all)
+#     DEADLINE=300 TRAIN_STEPS=100 COMPARE_ARGS="--repeats 1" bash bench/gpu/run.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 LOGS=/tmp/gpu/logs
 mkdir -p "$OUT" "$LOGS" && tar -C /tmp/gpu -xJf .gpu/bundle.tar.xz
 BIN=/tmp/gpu/bin
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$LOGS/gpu.txt"
+# cudarc opens libnvrtc.so.13 and libcublas.so.13 by name: where the loader's cache lacks
+# one, put the first directory holding it (the toolkit's lib64, PyTorch's wheels) on the path.
+for lib in libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13; do
+    ldconfig -p | grep -q "$lib" && continue
+    dir=$(find /usr/local /opt /usr/lib -name "$lib*" -print -quit 2>/dev/null)
+    [ -n "$dir" ] && export LD_LIBRARY_PATH="$(dirname "$dir")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+done
+echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}" | tee -a "$LOGS/gpu.txt"
 step() {
     local name=$1
     shift
-    echo "=== $name: $*"
+    local limit=${STEP_TIMEOUT:-240}
+    if [ -n "${DEADLINE:-}" ]; then
+        local left=$((DEADLINE - SECONDS))
+        if [ "$left" -lt 10 ]; then
+            echo "=== $name: skipped, ${left} s left of DEADLINE=$DEADLINE"
+            return
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
+    echo "=== $name (limit $limit s): $*"
     local start=$SECONDS
-    timeout "${STEP_TIMEOUT:-240}" "$@" >"$LOGS/$name.log" 2>&1
+    timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
     echo "=== $name: exit $? after $((SECONDS - start)) s"
     tail -n 25 "$LOGS/$name.log"
     tar -C /tmp/gpu -czf "$OUT/logs.tgz" logs
@@ -31,16 +51,17 @@ for s in $steps; do
         for t in "$BIN"/test-cuda_*; do
             step "$(basename "$t")" "$t" --test-threads 1 --nocapture
         done
-        for t in "$BIN"/test-nn "$BIN"/test-trainer; do
+        for t in "$BIN"/test-kernels "$BIN"/test-nn "$BIN"/test-trainer "$BIN"/test-decode_cache; do
             [ -x "$t" ] && step "$(basename "$t")" "$t" cuda --test-threads 1 --nocapture
         done
         ;;
     bench) step cuda-bench "$BIN/cuda-bench" ;;
-    compare) step gpu-compare python3 bench/gpu_compare.py --transponder-bin "$BIN/train-bench" ;;
+    # COMPARE_ARGS: more gpu_compare.py flags, e.g. "--repeats 1" when time is short.
+    compare) step gpu-compare python3 bench/gpu_compare.py --transponder-bin "$BIN/train-bench" ${COMPARE_ARGS:-} ;;
     train)
         # llama-60m + Transponder on tinyshakespeare with GPT-2 tokens, 64 x 256 tokens a step.
         step train-60m "$BIN/transponder" train --device cuda --bf16 --model llama-60m --variant transponder \
-            --tokenizer gpt2 --batch-size 64 --seq-len 256 --lr 1e-3 --steps 300 --out-dir /tmp/gpu/run-60m
+            --tokenizer gpt2 --batch-size 64 --seq-len 256 --lr 1e-3 --steps "${TRAIN_STEPS:-300}" --out-dir /tmp/gpu/run-60m
         cp /tmp/gpu/run-60m/metrics.jsonl "$LOGS/train-60m-metrics.jsonl"
         ;;
     *) echo "unknown step $s" ;;
