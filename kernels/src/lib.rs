@@ -1,8 +1,17 @@
 //! Raw compute for Transponder: functions over slices, no shapes and no autograd.
 //!
 //! Every kernel takes plain `&[f32]` inputs and writes into caller-owned `&mut [f32]`
-//! outputs. Backward kernels *accumulate* into their gradient buffers (`dx += ...`), so a
-//! value used twice just works and the caller never allocates-then-adds.
+//! outputs.
+//!
+//! The gradient contract, one for every backward kernel on both devices: a backward kernel
+//! *writes* its gradients (`dx = ∂L/∂x`). Whatever a gradient buffer holds on entry is
+//! ignored and every element is overwritten (zeros where nothing flows back), so callers
+//! hand over fresh, uninitialised buffers and never zero-fill them. A value used twice gets
+//! one gradient per use, and the autograd engine sums them (`Var::backward_with` in
+//! `autograd/src/var.rs`, through `Tensor::accumulate`). Tests pass NaN-filled buffers, so a
+//! kernel that reads or skips an element fails them. The one kind of function that adds into
+//! its output on purpose is a building block of a reduction: the GEMM's `accumulate` flag
+//! (`C (+)= A·B`, BLAS's β), the fused gate's row passes; each says so where it is declared.
 //!
 //! Dimension legend used in doc comments: `B` batch, `T` sequence, `C` channels / width,
 //! `H` heads, `D` head dim, `V` vocabulary, `N` rows.

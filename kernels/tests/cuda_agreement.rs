@@ -81,15 +81,20 @@ impl Rng {
 
 /// Asserts `|got − want| ≤ abs_frac·max|want| + rel·|want|` element by element (NaN matches NaN).
 fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32, abs_frac: f32) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
     let scale = want.iter().filter(|v| v.is_finite()).fold(0.0f32, |m, v| m.max(v.abs()));
-    let abs = abs_frac * scale.max(f32::MIN_POSITIVE);
+    assert_close_to(what, got, want, rel, abs_frac * scale.max(f32::MIN_POSITIVE));
+}
+
+/// Asserts `|got − want| ≤ abs + rel·|want|` element by element (NaN matches NaN), for
+/// results that cancel: their rounding is relative to the terms summed, not to the result.
+fn assert_close_to(what: &str, got: &[f32], want: &[f32], rel: f32, abs: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         if w.is_nan() && g.is_nan() || g == w {
             continue;
         }
         let err = (g - w).abs();
-        assert!(err <= abs + rel * w.abs(), "{what}[{i}]: gpu {g} vs cpu {w} (error {err}, scale {scale})");
+        assert!(err <= abs + rel * w.abs(), "{what}[{i}]: gpu {g} vs cpu {w} (error {err}, bound {abs} + {rel}·|cpu|)");
     }
 }
 
@@ -101,6 +106,12 @@ fn assert_elementwise(what: &str, got: &[f32], want: &[f32]) {
 /// Reduction / accumulation bound.
 fn assert_reduced(what: &str, got: &[f32], want: &[f32]) {
     assert_close(what, got, want, 1e-4, 1e-4);
+}
+
+/// A gradient buffer with stale contents (NaN): backward kernels overwrite their outputs
+/// and never read them (the crate's contract), so any element they skip or read shows.
+fn stale(len: usize) -> Vec<f32> {
+    vec![f32::NAN; len]
 }
 
 fn up(dev: &CudaDevice, host: &[f32]) -> DeviceBuffer<f32> {
@@ -202,7 +213,7 @@ fn unary_forward_and_backward_agree() {
         let positive = matches!(op, Unary::Log | Unary::Sqrt | Unary::Rsqrt | Unary::Powf(_));
         let x: Vec<f32> =
             rng.vec(5003, -6.0, 6.0).into_iter().map(|v| if positive { v.abs() + 0.1 } else { v }).collect();
-        let (mut y, mut dx) = (vec![0.0; x.len()], rng.vec(x.len(), -1.0, 1.0));
+        let (mut y, mut dx) = (vec![0.0; x.len()], stale(x.len()));
         let dy = rng.vec(x.len(), -1.0, 1.0);
         let (gx, gdy, mut gy, mut gdx) = (up(dev, &x), up(dev, &dy), dev.zeros(x.len()).unwrap(), up(dev, &dx));
         cpu::unary::unary_forward(op, &x, &mut y);
@@ -372,7 +383,7 @@ fn softmax_and_log_softmax_agree() {
     for (rows, cols) in [(300, 257), (7, 1), (3, 5000), (64, 33)] {
         let x = rng.vec(rows * cols, -20.0, 20.0);
         let dy = rng.vec(rows * cols, -1.0, 1.0);
-        let start = rng.vec(rows * cols, -1.0, 1.0);
+        let start = stale(rows * cols);
         let (gx, gdy) = (up(dev, &x), up(dev, &dy));
         for log in [false, true] {
             let mut y = vec![0.0; x.len()];
@@ -413,7 +424,7 @@ fn cross_entropy_agrees_with_ignore_index() {
         assert_eq!(gkept, kept);
         assert_close("cross-entropy losses", &down(dev, &glosses), &losses, 1e-5, 1e-6);
         assert_close("cross-entropy lse", &down(dev, &glse), &lse, 1e-5, 1e-6);
-        let start = rng.vec(rows * cols, -0.5, 0.5);
+        let start = stale(rows * cols);
         let mut dlogits = start.clone();
         cpu::cross_entropy::cross_entropy_backward(&logits, cols, &targets, ignore, &lse, 0.25, &mut dlogits);
         let mut gd = up(dev, &start);
@@ -439,8 +450,9 @@ fn rms_norm_and_layer_norm_agree() {
             rng.vec(rows * cols, -1.0, 1.0),
         );
         let (gx, gw, gb, gdy) = (up(dev, &x), up(dev, &w), up(dev, &b), up(dev, &dy));
-        let start = rng.vec(rows * cols, -0.1, 0.1);
-        let wstart = rng.vec(cols, -0.1, 0.1);
+        // Stale gradient buffers (NaN): both devices must overwrite them.
+        let start = stale(rows * cols);
+        let wstart = stale(cols);
         // RMSNorm
         let (mut y, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows]);
         cpu::norm::rms_norm_forward(&x, &w, cols, 1e-5, &mut y, &mut rstd);
@@ -449,7 +461,7 @@ fn rms_norm_and_layer_norm_agree() {
         assert_reduced("rms y", &down(dev, &gy), &y);
         assert_reduced("rms rstd", &down(dev, &grstd), &rstd);
         let (mut dx, mut dw) = (start.clone(), wstart.clone());
-        cpu::norm::rms_norm_backward(&x, &w, &rstd, &dy, cols, &mut dx, &mut dw, true);
+        cpu::norm::rms_norm_backward(&x, &w, &rstd, &dy, cols, &mut dx, &mut dw);
         let (mut gdx, mut gdw) = (up(dev, &start), up(dev, &wstart));
         cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), &gdy, cols, &mut gdx, &mut gdw).unwrap();
         assert_reduced("rms dx", &down(dev, &gdx), &dx);
@@ -502,9 +514,9 @@ fn rope_agrees() {
         let mut gy = dev.alloc(x.len()).unwrap();
         cuda::rope::rope_forward(dev, &gx, &gcos, &gsin, &dims, &mut gy).unwrap();
         assert_elementwise("rope forward", &down(dev, &gy), &y);
-        let mut dx = x.clone();
-        cpu::rope::rope_backward(&y, &cos, &sin, &dims, &mut dx, true);
-        let mut gdx = up(dev, &x);
+        let mut dx = stale(x.len());
+        cpu::rope::rope_backward(&y, &cos, &sin, &dims, &mut dx);
+        let mut gdx = up(dev, &dx);
         cuda::rope::rope_backward(dev, &up(dev, &y), &gcos, &gsin, &dims, &mut gdx).unwrap();
         assert_elementwise("rope backward", &down(dev, &gdx), &dx);
     }
@@ -559,6 +571,8 @@ fn flash_attention_forward_and_backward_agree() {
     let cases = [
         AttentionCase { batch: 2, q_seq: 70, kv_seq: 70, heads: 3, head_dim: 16 },
         AttentionCase { batch: 1, q_seq: 1, kv_seq: 1, heads: 1, head_dim: 1 },
+        // No queries: dk and dv must still be written (zeros).
+        AttentionCase { batch: 1, q_seq: 0, kv_seq: 4, heads: 2, head_dim: 8 },
         AttentionCase { batch: 2, q_seq: 5, kv_seq: 133, heads: 2, head_dim: 12 },
         AttentionCase { batch: 3, q_seq: 129, kv_seq: 200, heads: 2, head_dim: 7 },
         AttentionCase { batch: 2, q_seq: 256, kv_seq: 256, heads: 4, head_dim: 64 },
@@ -582,11 +596,9 @@ fn flash_attention_forward_and_backward_agree() {
         assert_reduced(&format!("naive attention {c:?}"), &down(dev, &naive), &out);
 
         let dout = rng.vec(q.len(), -1.0, 1.0);
-        let (sq, sk) = (rng.vec(q.len(), -0.1, 0.1), rng.vec(k.len(), -0.1, 0.1));
+        let (sq, sk) = (stale(q.len()), stale(k.len()));
         let (mut dq, mut dk, mut dv) = (sq.clone(), sk.clone(), sk.clone());
-        cpu::attention::causal_attention_backward(
-            &q, &k, &v, &out, &lse, &dout, &dims, &mut dq, &mut dk, &mut dv, true,
-        );
+        cpu::attention::causal_attention_backward(&q, &k, &v, &out, &lse, &dout, &dims, &mut dq, &mut dk, &mut dv);
         let (mut gdq, mut gdk, mut gdv) = (up(dev, &sq), up(dev, &sk), up(dev, &sk));
         cuda::attention::causal_attention_backward(
             dev,
@@ -650,7 +662,7 @@ fn conv2d_agrees() {
             assert_reduced(&format!("conv forward {g:?}"), &down(dev, &gy), &y);
         }
         let dy = rng.vec(y_len, -1.0, 1.0);
-        let (sx, sw, sb) = (rng.vec(x.len(), -0.1, 0.1), rng.vec(w.len(), -0.1, 0.1), rng.vec(bias.len(), -0.1, 0.1));
+        let (sx, sw, sb) = (stale(x.len()), stale(w.len()), stale(bias.len()));
         let (mut dx, mut dw, mut db) = (sx.clone(), sw.clone(), sb.clone());
         cpu::conv::conv2d_backward(&g, &x, &w, &dy, Some(&mut dx), Some(&mut dw), Some(&mut db));
         let (mut gdx, mut gdw, mut gdb) = (up(dev, &sx), up(dev, &sw), up(dev, &sb));
@@ -702,7 +714,7 @@ fn batch_norm_agrees() {
             assert_reduced("bn eval y", &down(dev, &gy), &y_eval);
 
             let dy = rng.vec(x.len(), -1.0, 1.0);
-            let (sx, sc) = (rng.vec(x.len(), -0.1, 0.1), rng.vec(channels, -0.1, 0.1));
+            let (sx, sc) = (stale(x.len()), stale(channels));
             let (mut dx, mut dw, mut db) = (sx.clone(), sc.clone(), sc.clone());
             cpu::batch_norm::batch_norm_train_backward(
                 &x,
@@ -734,7 +746,13 @@ fn batch_norm_agrees() {
                 Some(&mut gdb),
             )
             .unwrap();
-            assert_reduced("bn dx", &down(dev, &gdx), &dx);
+            // dx = k·dy + slope·x + offset (k = rstd·w) nearly cancels where a channel holds
+            // few values (two values normalise to ±1 whatever x is, so dx is 0 up to eps): its
+            // rounding is relative to the terms, and the GPU fuses them into FMAs. An H100 gave
+            // an error of 1.2e-7 on a dx of 2.8e-5 with terms near 0.9.
+            let gain = |c: usize| rstd[c] * wo.map_or(1.0, |w| w[c]);
+            let terms = (0..channels).map(gain).fold(0.0f32, f32::max) * dy.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            assert_close_to("bn dx", &down(dev, &gdx), &dx, 1e-4, 2e-6 * terms);
             assert_reduced("bn dw", &down(dev, &gdw), &dw);
             assert_reduced("bn db", &down(dev, &gdb), &db);
         }
@@ -1033,15 +1051,15 @@ fn swiglu_forward_and_backward_agree() {
     // 5003: many blocks and a length that is no multiple of the CPU's SIMD width.
     let n = 5003;
     let (gate, upv, dout) = (rng.vec(n, -12.0, 12.0), rng.vec(n, -3.0, 3.0), rng.vec(n, -2.0, 2.0));
-    let (mut y, mut dgate, mut dup) = (vec![0.0; n], rng.vec(n, -1.0, 1.0), rng.vec(n, -1.0, 1.0));
+    let (mut y, mut dgate, mut dup) = (vec![0.0; n], stale(n), stale(n));
     let (gg, gu, gdout, mut gy) = (up(dev, &gate), up(dev, &upv), up(dev, &dout), dev.alloc(n).unwrap());
     let (mut gdgate, mut gdup) = (up(dev, &dgate), up(dev, &dup));
     cpu::swiglu::swiglu_forward(&gate, &upv, &mut y);
-    cpu::swiglu::swiglu_backward(&gate, &upv, &dout, &mut dgate, &mut dup, true);
+    cpu::swiglu::swiglu_backward(&gate, &upv, &dout, &mut dgate, &mut dup);
     cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut gy).unwrap();
     cuda::swiglu::swiglu_backward(dev, &gg, &gu, &gdout, &mut gdgate, &mut gdup).unwrap();
     assert_elementwise("swiglu forward", &down(dev, &gy), &y);
-    // The backward accumulates onto the random starting gradients on both sides.
+    // Both sides overwrite their stale gradient buffers.
     assert_elementwise("swiglu dgate", &down(dev, &gdgate), &dgate);
     assert_elementwise("swiglu dup", &down(dev, &gdup), &dup);
     let mut short = dev.alloc(n - 1).unwrap();
@@ -1069,7 +1087,7 @@ fn max_pool_and_global_avg_pool_agree() {
         assert_eq!(down(dev, &gy), y, "{what}: y");
         let argmax_gpu: Vec<usize> = dev.download(&gargmax).unwrap().into_iter().map(|a| a as usize).collect();
         assert_eq!(argmax_gpu, argmax, "{what}: argmax");
-        let (dy, dx0) = (rng.vec(y.len(), -1.0, 1.0), rng.vec(x.len(), -0.1, 0.1));
+        let (dy, dx0) = (rng.vec(y.len(), -1.0, 1.0), stale(x.len()));
         let mut dx = dx0.clone();
         cpu::pool::max_pool2d_backward(&argmax, &dy, planes, 1, height, width, out_h, out_w, &mut dx);
         let mut gdx = up(dev, &dx0);
@@ -1083,7 +1101,7 @@ fn max_pool_and_global_avg_pool_agree() {
         let mut gy = dev.alloc(planes).unwrap();
         cuda::pool::global_avg_pool_forward(dev, &up(dev, &x), planes, spatial, &mut gy).unwrap();
         assert_elementwise("global_avg_pool", &down(dev, &gy), &y);
-        let (dy, dx0) = (rng.vec(planes, -1.0, 1.0), rng.vec(x.len(), -0.1, 0.1));
+        let (dy, dx0) = (rng.vec(planes, -1.0, 1.0), stale(x.len()));
         let mut dx = dx0.clone();
         cpu::pool::global_avg_pool_backward(&dy, planes, 1, spatial, &mut dx);
         let mut gdx = up(dev, &dx0);

@@ -143,9 +143,9 @@ fn bench_swiglu(gate: &[f32], up: &[f32], cols: usize, report: &impl Fn(&str, us
         binary_forward(Binary::Mul, &dout, 0, &strides, &silu, 0, &strides, &shape, &mut dup);
         unary_backward(Unary::Silu, gate, &silu, &dsilu, &mut dgate);
     });
-    report("silu + mul backward", 11 * n, pair_backward);
-    let fused_backward = median_seconds(9, || swiglu_backward(gate, up, &dout, &mut dgate, &mut dup, true));
-    report("swiglu backward (fused)", 7 * n, fused_backward);
+    report("silu + mul backward", 10 * n, pair_backward);
+    let fused_backward = median_seconds(9, || swiglu_backward(gate, up, &dout, &mut dgate, &mut dup));
+    report("swiglu backward (fused)", 5 * n, fused_backward);
 }
 
 fn bench_attention() {
@@ -159,7 +159,7 @@ fn bench_attention() {
     let forward = median_seconds(5, || causal_attention_forward(&q, &k, &v, &dims, &mut out, &mut lse));
     let (mut dq, mut dk, mut dv) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
     let backward = median_seconds(5, || {
-        causal_attention_backward(&q, &k, &v, &out, &lse, &dout, &dims, &mut dq, &mut dk, &mut dv, false)
+        causal_attention_backward(&q, &k, &v, &out, &lse, &dout, &dims, &mut dq, &mut dk, &mut dv)
     });
     let mut reference = Vec::new();
     let naive = median_seconds(3, || {

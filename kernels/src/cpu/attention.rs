@@ -8,7 +8,7 @@
 //! The forward walks key tiles with an online softmax (running max and sum per query) and
 //! never builds the `Tq × Tk` score matrix or a mask; it saves only `lse` `[B, H, Tq]`, the
 //! log-sum-exp of each query's scaled scores. The backward recomputes each probability tile
-//! as e^(score − lse) and accumulates `dq, dk, dv += ...`. Tile products run in registers
+//! as e^(score − lse) and writes `dq, dk, dv = ...` (the crate's contract, see `lib.rs`). Tile products run in registers
 //! (`tile_gemm`) on the heads in place; only each head's keys (and, in backward, values)
 //! are copied once, transposed to `[D, T]`, so score tiles are products with rows of Kᵀ.
 //!
@@ -23,7 +23,6 @@ use std::marker::PhantomData;
 use rayon::prelude::*;
 use wide::f32x8;
 
-use super::binary::add_assign;
 use super::parallel;
 use super::reduce::{dot, slice_max};
 use super::scratch::with_scratch;
@@ -66,8 +65,7 @@ pub fn causal_attention_forward(
     }
 }
 
-/// dq, dk, dv += gradients (recompute probabilities from q, k and lse; delta_i = Σ dout_i ⊙ out_i);
-/// `=` instead of `+=` when not `accumulate` (fresh gradient buffers then need no zeroing).
+/// dq, dk, dv = gradients (recompute probabilities from q, k and lse; delta_i = Σ dout_i ⊙ out_i).
 #[allow(clippy::too_many_arguments)]
 pub fn causal_attention_backward(
     q: &[f32],
@@ -80,7 +78,6 @@ pub fn causal_attention_backward(
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
-    accumulate: bool,
 ) {
     dims.assert_fits("causal_attention_backward", q, k, v);
     let (batch, heads) = (dims.batch, dims.heads);
@@ -94,13 +91,16 @@ pub fn causal_attention_backward(
         "causal_attention_backward: gradient has the wrong length"
     );
     if q.is_empty() {
+        // No queries: keys and values that nothing attends to have zero gradients.
+        dk.fill(0.0);
+        dv.fill(0.0);
         return;
     }
     // With P = softmax(S), S = scale·Q·Kᵀ, O = P·V:  d/dV = Pᵀ·dO,  d/dS = P ⊙ (dO·Vᵀ − δ),
     // d/dQ = scale·dS·K,  d/dK = scale·dSᵀ·Q,  δ_i = Σ_d dO_id·O_id.
     // One task per (b, h); heads interleave in memory, so each task adds its finished
     // gradient rows into its own rows of dq, dk and dv through `HeadRows`.
-    let grads = Grads { dq: HeadRows::new(dq), dk: HeadRows::new(dk), dv: HeadRows::new(dv), accumulate };
+    let grads = Grads { dq: HeadRows::new(dq), dk: HeadRows::new(dk), dv: HeadRows::new(dv) };
     let pair = |index: usize| backward_pair(dims, q, k, v, out, lse, dout, index / heads, index % heads, grads);
     if parallel::should_parallelise(2 * dims.work()) {
         (0..batch * heads).into_par_iter().for_each(pair);
@@ -366,20 +366,18 @@ fn forward_head(
     });
 }
 
-/// The gradient tensors, written by the per-(b, h) tasks of the backward.
+/// The gradient tensors, written by the per-(b, h) tasks of the backward: every row once.
 #[derive(Clone, Copy)]
 struct Grads<'a> {
     dq: HeadRows<'a>,
     dk: HeadRows<'a>,
     dv: HeadRows<'a>,
-    /// Add into the rows (`+=`) rather than overwrite them; every row is written once.
-    accumulate: bool,
 }
 
 /// FlashAttention-2 style backward of one (b, h): for each query tile and each visible key
 /// tile, P = e^(S − lse), then dv += Pᵀ·dO, dS = P ⊙ (dO·Vᵀ − δ), dq += scale·dS·K,
-/// dk += scale·dSᵀ·Q. A query tile's dq is added to the output when its key tiles are done,
-/// the head's dk and dv at the end.
+/// dk += scale·dSᵀ·Q in scratch tiles. A query tile's dq is written to the output when its
+/// key tiles are done, the head's dk and dv at the end.
 #[allow(clippy::too_many_arguments)]
 fn backward_pair(
     d: &AttentionDims,
@@ -442,26 +440,17 @@ fn backward_pair(
             }
             for (r, grad) in dq_tile[..rows * dh].chunks(dh).enumerate() {
                 // SAFETY: query row i0 + r of head h of batch entry b belongs to this task.
-                put(unsafe { grads.dq.row(d.q_at(b, i0 + r, h), dh) }, grad, grads.accumulate);
+                unsafe { grads.dq.row(d.q_at(b, i0 + r, h), dh) }.copy_from_slice(grad);
             }
         }
         for (s, (dk_row, dv_row)) in dk_head.chunks(dh).zip(dv_head.chunks(dh)).enumerate() {
             // SAFETY: key row s of head h of batch entry b belongs to this task, and dk and
             // dv are distinct tensors.
             let (dk, dv) = unsafe { (grads.dk.row(d.kv_at(b, s, h), dh), grads.dv.row(d.kv_at(b, s, h), dh)) };
-            put(dk, dk_row, grads.accumulate);
-            put(dv, dv_row, grads.accumulate);
+            dk.copy_from_slice(dk_row);
+            dv.copy_from_slice(dv_row);
         }
     });
-}
-
-/// dst += src, or dst = src when not `accumulate`.
-fn put(dst: &mut [f32], src: &[f32], accumulate: bool) {
-    if accumulate {
-        add_assign(dst, src);
-    } else {
-        dst.copy_from_slice(src);
-    }
 }
 
 /// Largest score of a row (−∞ when empty).
@@ -692,7 +681,7 @@ mod tests {
             let probe = values(q.len(), 4);
             // Stale NaN contents: the overwriting backward must write every element.
             let (mut dq, mut dk, mut dv) = (vec![f32::NAN; q.len()], vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
-            causal_attention_backward(&q, &k, &v, &out, &lse, &probe, &c.dims(), &mut dq, &mut dk, &mut dv, false);
+            causal_attention_backward(&q, &k, &v, &out, &lse, &probe, &c.dims(), &mut dq, &mut dk, &mut dv);
             let (q64, k64, v64, probe64) =
                 (oracle::widen(&q), oracle::widen(&k), oracle::widen(&v), oracle::widen(&probe));
             let tol = Dtype::F64.table().gradient;
@@ -706,15 +695,15 @@ mod tests {
     }
 
     #[test]
-    fn large_backward_accumulates_and_matches_small_tiles() {
+    fn large_backward_overwrites_and_matches_small_tiles() {
         // Several tiles per head and enough work for the parallel path: batch entry 1 must get
-        // the same gradients as when it is run alone, added onto the initial ones.
+        // the same gradients as when it is run alone, written over stale (NaN) buffers.
         let c = Case { batch: 2, q_seq: 150, kv_seq: 150, heads: 3, head_dim: 16 };
         let (q, k, v) = c.inputs();
         let (out, lse) = c.forward(&q, &k, &v);
         let dout = values(q.len(), 5);
         let grads = |q: &[f32], k: &[f32], v: &[f32], out: &[f32], lse: &[f32], dout: &[f32], batch: usize| {
-            let (mut dq, mut dk, mut dv) = (vec![1.0; q.len()], vec![1.0; k.len()], vec![1.0; v.len()]);
+            let (mut dq, mut dk, mut dv) = (vec![f32::NAN; q.len()], vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
             causal_attention_backward(
                 q,
                 k,
@@ -726,7 +715,6 @@ mod tests {
                 &mut dq,
                 &mut dk,
                 &mut dv,
-                true,
             );
             (dq, dk, dv)
         };

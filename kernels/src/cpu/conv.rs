@@ -9,7 +9,8 @@
 //!
 //! PyTorch equivalent: `torch.nn.functional.conv2d(x, w, bias, stride, padding)`.
 //! Backward saves nothing beyond the inputs `x` and `w`: `col_n` is rebuilt from `x`.
-//! Gradients accumulate: `dx += ...`, `dw += ...`, `dbias += ...`.
+//! The backward writes its gradients: `dx = ...`, `dw = ...`, `dbias = ...` (the crate's
+//! contract, see `lib.rs`).
 
 use rayon::prelude::*;
 
@@ -152,7 +153,7 @@ pub fn conv2d_forward(g: &Conv2dGeometry, x: &[f32], w: &[f32], bias: Option<&[f
 }
 
 // d/dx_n = col2im(wᵀ · dy_n),  d/dw = Σ_n dy_n · col_nᵀ,  d/dbias[o] = Σ_{n,p} dy[n, o, p]
-/// dx += ..., dw += ..., dbias += ... (each optional: None skips that gradient).
+/// dx = ..., dw = ..., dbias = ... (each optional: None skips that gradient).
 pub fn conv2d_backward(
     g: &Conv2dGeometry,
     x: &[f32],
@@ -174,10 +175,16 @@ pub fn conv2d_backward(
     if let Some(dx) = &dx {
         assert_len(dx.len(), x.len(), what, "dx");
     }
-    if let Some(dw) = &dw {
+    let mut dw = dw;
+    if let Some(dw) = dw.as_deref_mut() {
         assert_len(dw.len(), w.len(), what, "dw");
+        dw.fill(0.0);
     }
     if dy_image == 0 || x_image == 0 || (dx.is_none() && dw.is_none()) {
+        // Nothing flows back: the gradients are zeros.
+        if let Some(dx) = dx {
+            dx.fill(0.0);
+        }
         return;
     }
     // Each run sums its own partial dw; the partials are then reduced once, in run order.
@@ -204,10 +211,11 @@ pub fn conv2d_backward(
     }
 }
 
-/// `dbias[o] += Σ_{n,p} dy[n, o, p]`: the row sums of `dy[N·O, P]` as a product with a
+/// `dbias[o] = Σ_{n,p} dy[n, o, p]`: the row sums of `dy[N·O, P]` as a product with a
 /// column of ones, then a sum over the batch.
 fn bias_grad(g: &Conv2dGeometry, dy: &[f32], dbias: &mut [f32]) {
     let (o, positions) = (g.out_channels, g.positions());
+    dbias.fill(0.0);
     if o == 0 || positions == 0 {
         return;
     }
@@ -222,8 +230,8 @@ fn bias_grad(g: &Conv2dGeometry, dy: &[f32], dbias: &mut [f32]) {
     }
 }
 
-/// Backward over a run of images: `dx_run` holds exactly their input gradients, `dw_part`
-/// receives their summed weight gradient.
+/// Backward over a run of images: `dx_run` holds exactly their input gradients (written),
+/// `dw_part` (zeroed) receives their summed weight gradient.
 fn backward_images(
     g: &Conv2dGeometry,
     x: &[f32],
@@ -255,9 +263,10 @@ fn backward_images(
         if let Some(dx_run) = dx_run.as_deref_mut() {
             let dx_n = &mut dx_run[(n - first) * x_image..(n - first + 1) * x_image];
             if g.is_pointwise() {
-                matmul(dx_n, 0, w_t, dy_n, depth, positions, o, true);
+                matmul(dx_n, 0, w_t, dy_n, depth, positions, o, false);
             } else {
                 matmul(&mut dcol, 0, w_t, dy_n, depth, positions, o, false);
+                dx_n.fill(0.0);
                 col2im(g, &dcol, dx_n);
             }
         }
@@ -425,11 +434,11 @@ mod tests {
         }
     }
 
-    /// A gradient (minus its starting value) against the toolkit's differences of `loss`
-    /// (`L = Σ r·direct_f64(x, w, bias)`) with respect to `param`.
-    fn check_gradient(what: &str, grad: &[f32], start: f32, param: &[f32], loss: impl FnMut(&[f64]) -> f64) {
+    /// A gradient against the toolkit's differences of `loss` (`L = Σ r·direct_f64(x, w,
+    /// bias)`) with respect to `param`.
+    fn check_gradient(what: &str, grad: &[f32], param: &[f32], loss: impl FnMut(&[f64]) -> f64) {
         let numeric = gradient(&widen(param), Dtype::F64, loss);
-        let analytic = grad.iter().map(|&d| f64::from(d) - f64::from(start));
+        let analytic = grad.iter().map(|&d| f64::from(d));
         assert_within(what, analytic, numeric, Dtype::F64.table().gradient);
     }
 
@@ -490,7 +499,7 @@ mod tests {
             let expected = direct_f64(&g, &widen(&x), &widen(&w), Some(&widen(&bias)));
             close(&y, &expected, 1e-5);
 
-            let (mut dx, mut dw, mut dbias) = (vec![0.0; x.len()], vec![0.0; w.len()], vec![0.0; o]);
+            let (mut dx, mut dw, mut dbias) = (vec![f32::NAN; x.len()], vec![f32::NAN; w.len()], vec![f32::NAN; o]);
             conv2d_backward(&g, &x, &w, &dy, Some(&mut dx), Some(&mut dw), Some(&mut dbias));
             let (x64, w64, dy64) = (widen(&x), widen(&w), widen(&dy));
             for probe in 1..=3 {
@@ -533,23 +542,22 @@ mod tests {
                 (Just(g), values(g.batch * g.input_len()), values(g.out_channels * g.depth()),
                  values(g.out_channels), values(out))
             }),
-            start in -1.0f32..1.0,
         ) {
-            // The grads start from a non-zero value to check that backward adds onto them.
-            let mut dx = vec![start; x.len()];
-            let mut dw = vec![start; w.len()];
-            let mut dbias = vec![start; bias.len()];
+            // Stale (NaN) gradient buffers: the backward must overwrite every element.
+            let mut dx = vec![f32::NAN; x.len()];
+            let mut dw = vec![f32::NAN; w.len()];
+            let mut dbias = vec![f32::NAN; bias.len()];
             conv2d_backward(&g, &x, &w, &r, Some(&mut dx), Some(&mut dw), Some(&mut dbias));
             let (r64, x64, w64, b64) = (widen(&r), widen(&x), widen(&w), widen(&bias));
-            check_gradient("conv dx", &dx, start, &x, |p| dot(&r64, &direct_f64(&g, p, &w64, Some(&b64))));
-            check_gradient("conv dw", &dw, start, &w, |p| dot(&r64, &direct_f64(&g, &x64, p, Some(&b64))));
-            check_gradient("conv dbias", &dbias, start, &bias, |p| dot(&r64, &direct_f64(&g, &x64, &w64, Some(p))));
+            check_gradient("conv dx", &dx, &x, |p| dot(&r64, &direct_f64(&g, p, &w64, Some(&b64))));
+            check_gradient("conv dw", &dw, &w, |p| dot(&r64, &direct_f64(&g, &x64, p, Some(&b64))));
+            check_gradient("conv dbias", &dbias, &bias, |p| dot(&r64, &direct_f64(&g, &x64, &w64, Some(p))));
 
             // Each gradient alone gives the same result as all three together.
-            let mut dw_alone = vec![start; w.len()];
+            let mut dw_alone = vec![f32::NAN; w.len()];
             conv2d_backward(&g, &x, &w, &r, None, Some(&mut dw_alone), None);
             prop_assert_eq!(&dw_alone, &dw);
-            let mut dx_alone = vec![start; x.len()];
+            let mut dx_alone = vec![f32::NAN; x.len()];
             conv2d_backward(&g, &x, &w, &r, Some(&mut dx_alone), None, None);
             prop_assert_eq!(&dx_alone, &dx);
         }

@@ -5,7 +5,8 @@
 //! The forward saves `lse` (one float per row); the backward rebuilds softmax from it.
 //!
 //! PyTorch equivalent: `F.cross_entropy(logits, targets, ignore_index=..., reduction='none')`
-//! (the caller applies the mean through `scale`). Gradients accumulate: `dlogits += ...`.
+//! (the caller applies the mean through `scale`). The backward writes `dlogits = ...` (zeros
+//! in ignored rows; the crate's contract, see `lib.rs`).
 
 use rayon::prelude::*;
 
@@ -52,7 +53,7 @@ pub fn cross_entropy_forward(
     targets.iter().filter(|&&t| Some(t) != ignore_index).count()
 }
 
-/// dlogits[r] += scale · (softmax(logits[r]) − onehot(targets[r])) for rows not ignored.
+/// dlogits[r] = scale · (softmax(logits[r]) − onehot(targets[r])), or 0 for ignored rows.
 pub fn cross_entropy_backward(
     logits: &[f32],
     cols: usize,
@@ -71,17 +72,17 @@ pub fn cross_entropy_backward(
             let r = first + i;
             let target = targets[r];
             if Some(target) == ignore_index {
+                dlogits.fill(0.0);
                 continue;
             }
             let row = &logits[r * cols..][..cols];
             let shift = lse[r];
             let simd_end = cols - cols % LANES;
             for j in (0..simd_end).step_by(LANES) {
-                let p = exp8(load(&row[j..]) - shift);
-                store(p.mul_add(scale.into(), load(&dlogits[j..])), &mut dlogits[j..]);
+                store(exp8(load(&row[j..]) - shift) * scale, &mut dlogits[j..]);
             }
             for j in simd_end..cols {
-                dlogits[j] += scale * (row[j] - shift).exp();
+                dlogits[j] = scale * (row[j] - shift).exp();
             }
             dlogits[target as usize] -= scale;
         }
@@ -143,7 +144,8 @@ mod tests {
             for (a, b) in losses.iter().zip(&want) {
                 prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()));
             }
-            let mut dlogits = vec![0.5; x.len()];
+            // Stale (NaN) contents: every element is overwritten, ignored rows with zeros.
+            let mut dlogits = vec![f32::NAN; x.len()];
             cross_entropy_backward(&x, cols, &targets, ignore_index, &lse, 0.75, &mut dlogits);
             for r in 0..rows {
                 let row = &x[r * cols..][..cols];
@@ -153,7 +155,7 @@ mod tests {
                     let ignored = Some(targets[r]) == ignore_index;
                     let onehot = if j == targets[r] as usize { 1.0 } else { 0.0 };
                     let grad = (row[j] - max).exp() / total - onehot;
-                    let want = if ignored { 0.5 } else { 0.5 + 0.75 * grad };
+                    let want = if ignored { 0.0 } else { 0.75 * grad };
                     prop_assert!((dlogits[r * cols + j] - want).abs() <= 1e-5);
                 }
             }

@@ -3,10 +3,11 @@
 //! weight `[V, C]`, ids `[N]`, out `[N, C]`: out[i, :] = weight[ids[i], :].
 //!
 //! PyTorch equivalent: `F.embedding(ids, weight)`, also `weight.index_select(0, ids)`.
-//! Nothing is saved but the ids. The backward accumulates, `dweight[ids[i], :] += dy[i, :]`,
-//! and since ids repeat, the parallel version first groups positions by id (a counting sort)
-//! and then gives each thread whole rows of `dweight`: no two threads touch the same row,
-//! and every row receives its updates in increasing `i`, exactly as the sequential loop does.
+//! Nothing is saved but the ids. The backward writes `dweight[v, :] = Σ_{i : ids[i] = v} dy[i, :]`
+//! (zeros for ids that never occur; the crate's contract, see `lib.rs`). Since ids repeat,
+//! the parallel version first groups positions by id (a counting sort) and then gives each
+//! thread whole rows of `dweight`: no two threads touch the same row, and every row receives
+//! its updates in increasing `i`, exactly as the sequential loop does.
 
 use super::binary::add_assign;
 use super::parallel;
@@ -21,7 +22,8 @@ pub fn embedding_forward(weight: &[f32], dim: usize, ids: &[u32], out: &mut [f32
     });
 }
 
-/// dweight[ids[i], :] += dy[i, :]  (scatter-add; ids may repeat — must be correct when parallel, e.g. parallelise over columns chunks or sequential)
+/// `dweight[v, :] = Σ_{i : ids[i] = v} dy[i, :]`: a scatter-add of rows over a zeroed table
+/// (ids repeat, so the parallel path groups positions by id first).
 pub fn embedding_backward(ids: &[u32], dy: &[f32], dim: usize, dweight: &mut [f32]) {
     check(dweight.len(), dim, ids, dy.len(), "embedding_backward");
     // d/dweight[v] Σ_i dy_i · weight[ids_i] = Σ_{i : ids_i = v} dy_i
@@ -29,6 +31,7 @@ pub fn embedding_backward(ids: &[u32], dy: &[f32], dim: usize, dweight: &mut [f3
         return;
     }
     if !parallel::should_parallelise(dy.len()) {
+        dweight.fill(0.0);
         for (&id, row) in ids.iter().zip(dy.chunks(dim)) {
             add_assign(&mut dweight[id as usize * dim..][..dim], row);
         }
@@ -40,6 +43,7 @@ pub fn embedding_backward(ids: &[u32], dy: &[f32], dim: usize, dweight: &mut [f3
     let work_per_row = 1 + dy.len() / vocab;
     parallel::for_each_row_block_mut(dweight, dim, work_per_row, |first, block| {
         for (v, row) in (first..).zip(block.chunks_mut(dim)) {
+            row.fill(0.0);
             for &i in &positions[starts[v]..starts[v + 1]] {
                 add_assign(row, &dy[i * dim..][..dim]);
             }
@@ -114,7 +118,8 @@ mod tests {
             embedding_forward(&weight, dim, &ids, &mut out);
             prop_assert_eq!(&out, &embedding_reference(&weight, dim, &ids));
             let dy: Vec<f32> = (0..out.len()).map(|i| (i % 9) as f32 - 4.0).collect();
-            let mut dweight = vec![0.0; vocab * dim];
+            // Stale (NaN) contents: every row is written, unused ids with zeros.
+            let mut dweight = vec![f32::NAN; vocab * dim];
             embedding_backward(&ids, &dy, dim, &mut dweight);
             prop_assert_eq!(dweight, scatter_reference(&ids, &dy, dim, vec![0.0; vocab * dim]));
         }
@@ -125,9 +130,9 @@ mod tests {
         let (vocab, dim, n) = (1000, 64, 4096);
         let ids: Vec<u32> = (0..n as u32).map(|i| (i * i + 3 * i) % 97).collect();
         let dy: Vec<f32> = (0..n * dim).map(|i| ((i * 7) % 13) as f32 * 0.37 - 2.0).collect();
-        let mut dweight = vec![1.0; vocab * dim];
+        let mut dweight = vec![f32::NAN; vocab * dim];
         embedding_backward(&ids, &dy, dim, &mut dweight);
-        let want = scatter_reference(&ids, &dy, dim, vec![1.0; vocab * dim]);
+        let want = scatter_reference(&ids, &dy, dim, vec![0.0; vocab * dim]);
         // Same order of additions per row as the sequential loop: bit-identical.
         assert_eq!(dweight, want);
         let mut out = vec![0.0; n * dim];

@@ -19,7 +19,7 @@
 //! materialising γ or an `N × d_out` logit buffer. PyTorch equivalent of the whole
 //! op: `(x @ W.T) * 2*sigmoid(αc*(phi(x @ Ac.T + ac) @ Bc.T + bc)) * 2*sigmoid(αs*(...))`.
 //!
-//! Backward kernels accumulate into their gradient buffers (`dx += ...`).
+//! The backward writes its gradient buffers (`dx = ...`; the crate's contract, see `lib.rs`).
 
 use rayon::prelude::*;
 
@@ -80,7 +80,7 @@ pub struct FusedGateParams<'a> {
     pub phi: Unary,
 }
 
-/// Gradient buffers of one modulator, accumulated into (`+=`).
+/// Gradient buffers of one modulator, written by the backward.
 #[derive(Debug)]
 pub struct GateGrads<'a> {
     /// `dA: [r, d_in]`.
@@ -95,7 +95,7 @@ pub struct GateGrads<'a> {
     pub alpha: &'a mut f32,
 }
 
-/// Gradient buffers of the fused projection, accumulated into (`+=`).
+/// Gradient buffers of the fused projection, written by the backward.
 #[derive(Debug)]
 pub struct FusedGateGrads<'a> {
     /// `dx: [N, d_in]`.
@@ -316,9 +316,18 @@ impl BlockSums {
         }
     }
 
-    /// Adds the block sums in order into the gradient buffers.
-    fn add_into(blocks: &[BlockSums], dims: &FusedGateDims, d_pad: usize, grads: &mut FusedGateGrads) {
+    /// Writes the block sums, added in order, into the gradient buffers.
+    fn write_into(blocks: &[BlockSums], dims: &FusedGateDims, d_pad: usize, grads: &mut FusedGateGrads) {
         let (d_out, rc) = (dims.d_out, dims.rank_channel);
+        for sum in [
+            &mut *grads.channel.b_weight,
+            &mut *grads.channel.b_bias,
+            &mut *grads.channel.a_bias,
+            &mut *grads.scalar.a_bias,
+            &mut *grads.scalar.b_weight,
+        ] {
+            sum.fill(0.0);
+        }
         let (mut db_scalar, mut dalpha_c, mut dalpha_s) = (0.0f64, 0.0f64, 0.0f64);
         for s in blocks {
             for (j, db_row) in grads.channel.b_weight.chunks_exact_mut(rc.max(1)).take(d_out).enumerate() {
@@ -332,9 +341,9 @@ impl BlockSums {
             dalpha_c += s.dalpha_channel;
             dalpha_s += s.dalpha_scalar;
         }
-        grads.scalar.b_bias[0] += db_scalar as f32;
-        *grads.channel.alpha += dalpha_c as f32;
-        *grads.scalar.alpha += dalpha_s as f32;
+        grads.scalar.b_bias[0] = db_scalar as f32;
+        *grads.channel.alpha = dalpha_c as f32;
+        *grads.scalar.alpha = dalpha_s as f32;
     }
 }
 
@@ -355,7 +364,7 @@ struct RowPass<'a> {
 }
 
 impl RowPass<'_> {
-    /// Writes the rows `first..` of `dZU = [dZ | dU_c | dU_s]` into `dzu`, adds their
+    /// Writes the rows `first..` of `dZU = [dZ | dU_c | dU_s]` into `dzu`, writes their
     /// `dZU·[W; A_c; A_s]` into `dx` (the same rows of the input gradient) and returns the
     /// block's share of the sums over rows.
     fn block(&self, first: usize, dzu: &mut [f32], dx: &mut [f32]) -> BlockSums {
@@ -399,7 +408,7 @@ impl RowPass<'_> {
             add_assign(&mut sums.da, du_row);
         }
         let d_in = self.dims.d_in;
-        matmul_serial(dx, 0, rows_of(dzu, 0, k), rows_of(&self.weights, 0, d_in), rows, d_in, k, true);
+        matmul_serial(dx, 0, rows_of(dzu, 0, k), rows_of(&self.weights, 0, d_in), rows, d_in, k, false);
         sums
     }
 
@@ -441,8 +450,8 @@ impl RowPass<'_> {
 ///
 /// One parallel pass over row blocks gives `dZU = [dZ | dU_c | dU_s]`, each block's share of
 /// the sums over rows (`dB`, `db`, `da`, `dα`), recomputing the channel gate from `H_c`, and
-/// the block's rows of `dx += dZU·[W; A_c; A_s]`; one GEMM then gives
-/// `[dW; dA_c; dA_s] += dZUᵀ·x`.
+/// the block's rows of `dx = dZU·[W; A_c; A_s]`; one GEMM then gives
+/// `[dW; dA_c; dA_s] = dZUᵀ·x`.
 #[allow(clippy::too_many_arguments)]
 pub fn fused_gate_backward(
     dims: &FusedGateDims,
@@ -469,7 +478,7 @@ pub fn fused_gate_backward(
         .enumerate()
         .map(|(b, (dzu_rows, dx_rows))| pass.block(b * BLOCK_ROWS, dzu_rows, dx_rows))
         .collect();
-    BlockSums::add_into(&sums, dims, pass.gate.d_pad, grads);
+    BlockSums::write_into(&sums, dims, pass.gate.d_pad, grads);
 
     // The weight gradients are the row blocks of one GEMM dZUᵀ·x over all rows.
     let mut dc = vec![0.0; k * d_in];
@@ -479,7 +488,7 @@ pub fn fused_gate_backward(
     for (dst, src) in
         [(&mut *grads.weight, dw), (&mut *grads.channel.a_weight, da_c), (&mut *grads.scalar.a_weight, da_s)]
     {
-        add_assign(dst, src);
+        dst.copy_from_slice(src);
     }
 }
 

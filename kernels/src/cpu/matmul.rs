@@ -1,8 +1,9 @@
 //! Matrix multiply through the `gemm` crate: `dst = beta·(lhs · rhs) (+ dst if accumulate)`.
 //!
 //! Operands are described by row and column strides, so transposed operands cost nothing:
-//! `Aᵀ` is `A` with its strides swapped. Backward passes use `accumulate = true` to add
-//! straight into a gradient buffer (no transposed copies, no alloc-then-add).
+//! `Aᵀ` is `A` with its strides swapped. `accumulate` (BLAS's β = 1) is for building blocks
+//! that sum several products into one buffer, such as the convolution's weight gradient
+//! over the images of a run; gradients themselves are written (`lib.rs`).
 //!
 //! PyTorch equivalent: `torch.addmm(dst, lhs, rhs)`.
 

@@ -6,9 +6,10 @@
 //!
 //! PyTorch equivalents: `torch.nn.functional.rms_norm(x, (C,), w, eps)` and
 //! `F.layer_norm(x, (C,), w, b, eps)`. The forward saves `rstd` (and `mean`) per row, which
-//! is all the backward reads besides `x` and the weight. Gradients accumulate (`dx += ...`,
-//! `dweight += ...`); the weight gradients are summed per block of rows and the blocks are
-//! added in order, so the result does not depend on the thread count.
+//! is all the backward reads besides `x` and the weight. The backward writes its gradients
+//! (`dx = ...`, `dweight = ...`; the crate's contract, see `lib.rs`); the weight gradients are
+//! summed per block of rows and the blocks are added in order, so the result does not depend
+//! on the thread count.
 
 use rayon::prelude::*;
 use wide::f32x8;
@@ -44,8 +45,7 @@ pub fn rms_norm_forward(x: &[f32], weight: &[f32], cols: usize, eps: f32, y: &mu
     }
 }
 
-/// dx += ∂L/∂x and dweight += ∂L/∂weight for RMSNorm, from the saved `rstd`; with
-/// `accumulate_dx = false`, dx = ∂L/∂x instead (a fresh buffer then needs no zero-filling).
+/// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` for RMSNorm, from the saved `rstd`.
 #[allow(clippy::too_many_arguments)]
 pub fn rms_norm_backward(
     x: &[f32],
@@ -55,11 +55,11 @@ pub fn rms_norm_backward(
     cols: usize,
     dx: &mut [f32],
     dweight: &mut [f32],
-    accumulate_dx: bool,
 ) {
     let rows = check_rows(x, cols, dx.len(), rstd.len(), "rms_norm_backward");
     assert!(weight.len() == cols && dweight.len() == cols, "rms_norm_backward: weight length differs from cols");
     assert_eq!(dy.len(), x.len(), "rms_norm_backward: dy and x differ in length");
+    dweight.fill(0.0);
     if rows == 0 {
         return;
     }
@@ -75,12 +75,11 @@ pub fn rms_norm_backward(
             for j in (0..simd_end).step_by(LANES) {
                 let (xv, dyv) = (load(&x[j..]), load(&dy[j..]));
                 let grad = dyv * load(&weight[j..]) * rs - xv * c;
-                store(if accumulate_dx { load(&dx[j..]) + grad } else { grad }, &mut dx[j..]);
+                store(grad, &mut dx[j..]);
                 store(load(&dw[j..]) + dyv * xv * rs, &mut dw[j..]);
             }
             for j in simd_end..cols {
-                let grad = dy[j] * weight[j] * rs - x[j] * c;
-                dx[j] = if accumulate_dx { dx[j] + grad } else { grad };
+                dx[j] = dy[j] * weight[j] * rs - x[j] * c;
                 dw[j] += dy[j] * x[j] * rs;
             }
         }
@@ -131,7 +130,7 @@ pub fn layer_norm_forward(
     }
 }
 
-/// dx += ∂L/∂x, and dweight/dbias += their gradients when given, for LayerNorm.
+/// `dx = ∂L/∂x`, and `dweight`/`dbias` = their gradients when given, for LayerNorm.
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm_backward(
     x: &[f32],
@@ -149,6 +148,10 @@ pub fn layer_norm_backward(
     assert!(weight.is_none_or(|w| w.len() == cols), "layer_norm_backward: weight length differs from cols");
     assert!(dweight.as_ref().is_none_or(|w| w.len() == cols), "layer_norm_backward: dweight length differs from cols");
     assert!(dbias.as_ref().is_none_or(|b| b.len() == cols), "layer_norm_backward: dbias length differs from cols");
+    let (mut dweight, mut dbias) = (dweight, dbias);
+    for grad in dweight.iter_mut().chain(dbias.iter_mut()) {
+        grad.fill(0.0);
+    }
     if rows == 0 {
         return;
     }
@@ -173,10 +176,10 @@ pub fn layer_norm_backward(
             let simd_end = cols - cols % LANES;
             for j in (0..simd_end).step_by(LANES) {
                 let grad = (load(&g[j..]) - mean_g - load(&x_hat[j..]) * mean_gx) * rs;
-                store(load(&dx[j..]) + grad, &mut dx[j..]);
+                store(grad, &mut dx[j..]);
             }
             for j in simd_end..cols {
-                dx[j] += (g[j] - mean_g - x_hat[j] * mean_gx) * rs;
+                dx[j] = (g[j] - mean_g - x_hat[j] * mean_gx) * rs;
             }
             if want_dw {
                 multiply_add(dy, &x_hat, &mut dw);
@@ -336,19 +339,15 @@ mod tests {
         let eps = 1e-5;
         let (x, w, b, dy) = (values(rows * cols, 4), values(cols, 5), values(cols, 6), values(rows * cols, 7));
         let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows], vec![0.0; rows]);
-        let mut dx = vec![0.0; x.len()];
-        let (mut dw, mut db) = (vec![0.0; cols], vec![0.0; cols]);
+        // Stale gradient buffers: the backward must overwrite every element, never read one.
+        let mut dx = vec![f32::NAN; x.len()];
+        let (mut dw, mut db) = (vec![f32::NAN; cols], vec![f32::NAN; cols]);
         if layer {
             layer_norm_forward(&x, Some(&w), Some(&b), cols, eps, &mut y, &mut mean, &mut rstd);
             layer_norm_backward(&x, Some(&w), &mean, &rstd, &dy, cols, &mut dx, Some(&mut dw), Some(&mut db));
         } else {
             rms_norm_forward(&x, &w, cols, eps, &mut y, &mut rstd);
-            // dx overwrites its stale contents; accumulating adds onto them.
-            dx.fill(f32::NAN);
-            rms_norm_backward(&x, &w, &rstd, &dy, cols, &mut dx, &mut dw, false);
-            let mut dx_plus_one = vec![1.0; x.len()];
-            rms_norm_backward(&x, &w, &rstd, &dy, cols, &mut dx_plus_one, &mut vec![0.0; cols], true);
-            assert!(dx.iter().zip(&dx_plus_one).all(|(a, b)| a + 1.0 == *b), "accumulating dx differs");
+            rms_norm_backward(&x, &w, &rstd, &dy, cols, &mut dx, &mut dw);
         }
         let (x64, w64, b64, dy64) = (oracle::widen(&x), oracle::widen(&w), oracle::widen(&b), oracle::widen(&dy));
         let loss = |x: &[f64], w: &[f64], b: &[f64]| {
@@ -384,8 +383,8 @@ mod tests {
         layer_norm_forward(&x, Some(&w), None, cols, 1e-5, &mut y, &mut mean, &mut rstd);
         let (y_ref, _, _) = layer_norm_reference(&x, Some(&w), None, cols, 1e-5);
         assert!(close(&y, &y_ref, 1e-4));
-        let mut dx = vec![0.0; x.len()];
-        let (mut dw, mut db) = (vec![0.0; cols], vec![0.0; cols]);
+        let mut dx = vec![f32::NAN; x.len()];
+        let (mut dw, mut db) = (vec![f32::NAN; cols], vec![f32::NAN; cols]);
         layer_norm_backward(&x, Some(&w), &mean, &rstd, &dy, cols, &mut dx, Some(&mut dw), Some(&mut db));
         for j in 0..cols {
             let want_db: f32 = (0..rows).map(|r| dy[r * cols + j]).sum();
@@ -394,7 +393,7 @@ mod tests {
             assert!((dw[j] - want_dw).abs() < 1e-3 * (1.0 + want_dw.abs()));
         }
         // Without affine parameters only dx is produced.
-        let mut dx2 = vec![0.0; x.len()];
+        let mut dx2 = vec![f32::NAN; x.len()];
         layer_norm_backward(&x, None, &mean, &rstd, &dy, cols, &mut dx2, None, None);
         assert!(dx2.iter().all(|v| v.is_finite()));
     }

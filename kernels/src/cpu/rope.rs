@@ -9,7 +9,8 @@
 //!
 //! PyTorch equivalent: `q * cos + rotate_half(q) * sin` from `transformers`'
 //! `apply_rotary_pos_emb`. Nothing is saved: the backward applies the inverse rotation
-//! (`Rᵀ`, the same with −sin) and accumulates into `dx`.
+//! (`Rᵀ`, the same with −sin) and writes it into `dx` (gradients are written, not added: the
+//! crate's contract, see `lib.rs`).
 //!
 //! Layout legend: `B` batch, `T` sequence, `H` heads, `D` head dim.
 
@@ -91,15 +92,14 @@ pub fn rope_table(max_seq: usize, head_dim: usize, theta: f32) -> (Vec<f32>, Vec
 /// x, y: [B, T, H, D] contiguous; token t uses table row pos_offset + t.
 pub fn rope_forward(x: &[f32], cos: &[f32], sin: &[f32], dims: &RopeDims, y: &mut [f32]) {
     dims.assert_fits("rope_forward", x, y, cos, sin);
-    rotate(x, cos, sin, dims, 1.0, false, y);
+    rotate(x, cos, sin, dims, 1.0, y);
 }
 
-/// dx += Rᵀ dy (the inverse rotation), or dx = Rᵀ dy when not `accumulate` (a fresh
-/// gradient buffer then needs no zero-filling first).
-pub fn rope_backward(dy: &[f32], cos: &[f32], sin: &[f32], dims: &RopeDims, dx: &mut [f32], accumulate: bool) {
+/// dx = Rᵀ dy (the inverse rotation).
+pub fn rope_backward(dy: &[f32], cos: &[f32], sin: &[f32], dims: &RopeDims, dx: &mut [f32]) {
     dims.assert_fits("rope_backward", dy, dx, cos, sin);
     // d/dx (R x) = Rᵀ: the rotation by −angle.
-    rotate(dy, cos, sin, dims, -1.0, accumulate, dx);
+    rotate(dy, cos, sin, dims, -1.0, dx);
 }
 
 /// Scalar reference forward (tests and benches).
@@ -119,9 +119,9 @@ pub fn rope_reference(x: &[f32], cos: &[f32], sin: &[f32], dims: &RopeDims) -> V
     y
 }
 
-/// Rotates every head of `x` by `sign`·angle into `out` (`out += ...` when `accumulate`),
-/// one `[H, D]` token per row, in parallel over tokens.
-fn rotate(x: &[f32], cos: &[f32], sin: &[f32], dims: &RopeDims, sign: f32, accumulate: bool, out: &mut [f32]) {
+/// Rotates every head of `x` by `sign`·angle into `out`, one `[H, D]` token per row, in
+/// parallel over tokens.
+fn rotate(x: &[f32], cos: &[f32], sin: &[f32], dims: &RopeDims, sign: f32, out: &mut [f32]) {
     let RopeDims { seq, heads, head_dim, pos_offset, .. } = *dims;
     let half = head_dim / 2;
     let token = heads * head_dim;
@@ -132,13 +132,13 @@ fn rotate(x: &[f32], cos: &[f32], sin: &[f32], dims: &RopeDims, sign: f32, accum
             let s = &sin[(pos_offset + t) * half..][..half];
             let x_token = &x[(first + i) * token..][..token];
             for (xh, oh) in x_token.chunks(head_dim).zip(out_token.chunks_mut(head_dim)) {
-                rotate_head(xh, c, s, sign, accumulate, oh);
+                rotate_head(xh, c, s, sign, oh);
             }
         }
     });
 }
 
-fn rotate_head(x: &[f32], cos: &[f32], sin: &[f32], sign: f32, accumulate: bool, out: &mut [f32]) {
+fn rotate_head(x: &[f32], cos: &[f32], sin: &[f32], sign: f32, out: &mut [f32]) {
     let half = cos.len();
     let (x1, x2) = x.split_at(half);
     let (o1, o2) = out.split_at_mut(half);
@@ -146,24 +146,13 @@ fn rotate_head(x: &[f32], cos: &[f32], sin: &[f32], sign: f32, accumulate: bool,
     for i in (0..simd_end).step_by(LANES) {
         let (c, s) = (load(&cos[i..]), load(&sin[i..]) * sign);
         let (a, b) = (load(&x1[i..]), load(&x2[i..]));
-        let (mut y1, mut y2) = (a * c - b * s, b * c + a * s);
-        if accumulate {
-            y1 += load(&o1[i..]);
-            y2 += load(&o2[i..]);
-        }
-        store(y1, &mut o1[i..]);
-        store(y2, &mut o2[i..]);
+        store(a * c - b * s, &mut o1[i..]);
+        store(b * c + a * s, &mut o2[i..]);
     }
     for i in simd_end..half {
         let (c, s) = (cos[i], sin[i] * sign);
-        let (y1, y2) = (x1[i] * c - x2[i] * s, x2[i] * c + x1[i] * s);
-        if accumulate {
-            o1[i] += y1;
-            o2[i] += y2;
-        } else {
-            o1[i] = y1;
-            o2[i] = y2;
-        }
+        o1[i] = x1[i] * c - x2[i] * s;
+        o2[i] = x2[i] * c + x1[i] * s;
     }
 }
 
@@ -204,14 +193,10 @@ mod tests {
             rope_forward(&x, &cos, &sin, &dims, &mut y);
             let want = rope_reference(&x, &cos, &sin, &dims);
             prop_assert!(y.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-6));
-            // Rᵀ R = I, and the backward accumulates.
-            let mut back = x.clone();
-            rope_backward(&y, &cos, &sin, &dims, &mut back, true);
-            prop_assert!(back.iter().zip(&x).all(|(a, b)| (a - 2.0 * b).abs() < 1e-5));
-            // Without accumulating, the stale contents of dx are overwritten.
-            let mut fresh = vec![f32::NAN; x.len()];
-            rope_backward(&y, &cos, &sin, &dims, &mut fresh, false);
-            prop_assert!(fresh.iter().zip(&x).all(|(a, b)| (a - b).abs() < 1e-5));
+            // Rᵀ R = I, written over the stale (NaN) contents of dx.
+            let mut back = vec![f32::NAN; x.len()];
+            rope_backward(&y, &cos, &sin, &dims, &mut back);
+            prop_assert!(back.iter().zip(&x).all(|(a, b)| (a - b).abs() < 1e-5));
         }
     }
 
@@ -221,8 +206,8 @@ mod tests {
         let (cos, sin) = rope_table(seq + offset, head_dim, 500.0);
         let x = values(batch * seq * heads * head_dim, 2);
         let probe = values(x.len(), 3);
-        let mut dx = vec![0.0; x.len()];
-        rope_backward(&probe, &cos, &sin, &RopeDims { batch, seq, heads, head_dim, pos_offset: offset }, &mut dx, true);
+        let mut dx = vec![f32::NAN; x.len()];
+        rope_backward(&probe, &cos, &sin, &RopeDims { batch, seq, heads, head_dim, pos_offset: offset }, &mut dx);
         // L = Σ probe ⊙ R x with the rotation applied in f64 from the f32 table.
         let (cos64, sin64, probe64) = (oracle::widen(&cos), oracle::widen(&sin), oracle::widen(&probe));
         let loss = |x: &[f64]| oracle::dot(&oracle::rope(x, &cos64, &sin64, seq, heads, head_dim, offset), &probe64);

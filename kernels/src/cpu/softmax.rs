@@ -4,7 +4,7 @@
 //! log_softmax(x)_j = x_j − m − ln Σ_k e^(x_k − m).
 //!
 //! PyTorch equivalents: `torch.softmax(x, -1)` and `torch.log_softmax(x, -1)`. The backward
-//! reads only the saved output `y` and accumulates: `dx += ...`.
+//! reads only the saved output `y` and writes `dx = ...` (the crate's contract, see `lib.rs`).
 
 use wide::f32x8;
 
@@ -27,7 +27,7 @@ pub fn softmax_forward(x: &[f32], cols: usize, y: &mut [f32]) {
     });
 }
 
-/// dx += y ⊙ (dy − Σ dy⊙y)
+/// dx = y ⊙ (dy − Σ dy⊙y)
 pub fn softmax_backward(y: &[f32], dy: &[f32], cols: usize, dx: &mut [f32]) {
     check(y.len(), dx.len(), cols, "softmax_backward");
     assert_eq!(dy.len(), dx.len(), "softmax_backward: dy and dx differ in length");
@@ -39,11 +39,10 @@ pub fn softmax_backward(y: &[f32], dy: &[f32], cols: usize, dx: &mut [f32]) {
             let inner = dot(dy, y);
             let simd_end = cols - cols % LANES;
             for i in (0..simd_end).step_by(LANES) {
-                let grad = load(&y[i..]) * (load(&dy[i..]) - inner);
-                store(load(&dx[i..]) + grad, &mut dx[i..]);
+                store(load(&y[i..]) * (load(&dy[i..]) - inner), &mut dx[i..]);
             }
             for i in simd_end..cols {
-                dx[i] += y[i] * (dy[i] - inner);
+                dx[i] = y[i] * (dy[i] - inner);
             }
         }
     });
@@ -68,7 +67,7 @@ pub fn log_softmax_forward(x: &[f32], cols: usize, y: &mut [f32]) {
     });
 }
 
-/// dx += dy − exp(y)·Σ dy
+/// dx = dy − exp(y)·Σ dy
 pub fn log_softmax_backward(y: &[f32], dy: &[f32], cols: usize, dx: &mut [f32]) {
     check(y.len(), dx.len(), cols, "log_softmax_backward");
     assert_eq!(dy.len(), dx.len(), "log_softmax_backward: dy and dx differ in length");
@@ -80,11 +79,10 @@ pub fn log_softmax_backward(y: &[f32], dy: &[f32], cols: usize, dx: &mut [f32]) 
             let total = slice_sum(dy);
             let simd_end = cols - cols % LANES;
             for i in (0..simd_end).step_by(LANES) {
-                let grad = load(&dy[i..]) - exp8(load(&y[i..])) * total;
-                store(load(&dx[i..]) + grad, &mut dx[i..]);
+                store(load(&dy[i..]) - exp8(load(&y[i..])) * total, &mut dx[i..]);
             }
             for i in simd_end..cols {
-                dx[i] += dy[i] - y[i].exp() * total;
+                dx[i] = dy[i] - y[i].exp() * total;
             }
         }
     });
@@ -183,20 +181,21 @@ mod tests {
             prop_assert!(close(&log_y, &log_softmax_reference(&x, cols), 1e-6));
 
             let dy = row_values(x.len(), seed + 7);
-            let mut dx = vec![0.25; x.len()];
+            // Stale (NaN) contents: the backward overwrites every element.
+            let mut dx = vec![f32::NAN; x.len()];
             softmax_backward(&y, &dy, cols, &mut dx);
             for (r, row) in dx.chunks(cols).enumerate() {
                 let (yr, dyr) = (&y[r * cols..][..cols], &dy[r * cols..][..cols]);
                 let inner: f32 = yr.iter().zip(dyr).map(|(a, b)| a * b).sum();
-                let want: Vec<f32> = yr.iter().zip(dyr).map(|(a, b)| 0.25 + a * (b - inner)).collect();
+                let want: Vec<f32> = yr.iter().zip(dyr).map(|(a, b)| a * (b - inner)).collect();
                 prop_assert!(close(row, &want, 1e-5));
             }
-            let mut dx = vec![0.25; x.len()];
+            let mut dx = vec![f32::NAN; x.len()];
             log_softmax_backward(&log_y, &dy, cols, &mut dx);
             for (r, row) in dx.chunks(cols).enumerate() {
                 let (yr, dyr) = (&log_y[r * cols..][..cols], &dy[r * cols..][..cols]);
                 let total: f32 = dyr.iter().sum();
-                let want: Vec<f32> = yr.iter().zip(dyr).map(|(a, b)| 0.25 + b - a.exp() * total).collect();
+                let want: Vec<f32> = yr.iter().zip(dyr).map(|(a, b)| b - a.exp() * total).collect();
                 prop_assert!(close(row, &want, 1e-5));
             }
         }

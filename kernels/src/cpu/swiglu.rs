@@ -3,17 +3,17 @@
 //!
 //! ```text
 //! y  = silu(g) ⊙ u = g·σ(g)·u,                 σ(g) = 1 / (1 + e^-g)
-//! dg += dy ⊙ u ⊙ σ(g)·(1 + g·(1 − σ(g)))       (d/dg g·σ(g) = σ(g) + g·σ(g)·(1 − σ(g)))
-//! du += dy ⊙ g·σ(g)
+//! dg = dy ⊙ u ⊙ σ(g)·(1 + g·(1 − σ(g)))        (d/dg g·σ(g) = σ(g) + g·σ(g)·(1 − σ(g)))
+//! du = dy ⊙ g·σ(g)
 //! ```
 //!
 //! PyTorch equivalent: `F.silu(g) * u` (Hugging Face `LlamaMLP`'s `act_fn(gate_proj(x)) *
 //! up_proj(x)`), which runs two kernels and keeps `silu(g)` for the product's backward. Here
 //! the forward reads `g` and `u` once and writes `y`; the backward recomputes σ(g) from `g`,
 //! so it needs only the inputs, never `y` or `silu(g)`. All buffers are `N` elements (any
-//! shape, flattened); gradients accumulate (`dg += ...`, `du += ...`), like every backward
-//! kernel here, or overwrite fresh buffers (`accumulate = false`), which then need no
-//! zero-filling: two fewer passes over the FFN's widest tensors.
+//! shape, flattened); the backward writes its gradients (`dg = ...`, `du = ...`; the crate's
+//! contract, see `lib.rs`), so fresh buffers need no zero-filling: two fewer passes over the
+//! FFN's widest tensors.
 //!
 //! σ goes through `e^-|g|` ≤ 1 ([`sigmoid8`]), so a large `|g|` saturates to 0 or 1: no
 //! overflow, no NaN. Scalar references ([`swiglu_reference`],
@@ -58,9 +58,8 @@ fn forward_portable(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
-/// `dgate += dout · up · silu'(gate)` and `dup += dout · silu(gate)`, recomputing σ(gate);
-/// `=` instead of `+=` when not `accumulate`.
-pub fn swiglu_backward(gate: &[f32], up: &[f32], dout: &[f32], dgate: &mut [f32], dup: &mut [f32], accumulate: bool) {
+/// `dgate = dout · up · silu'(gate)` and `dup = dout · silu(gate)`, recomputing σ(gate).
+pub fn swiglu_backward(gate: &[f32], up: &[f32], dout: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
     let n = dgate.len();
     assert!(
         gate.len() == n && up.len() == n && dout.len() == n && dup.len() == n,
@@ -72,34 +71,27 @@ pub fn swiglu_backward(gate: &[f32], up: &[f32], dout: &[f32], dgate: &mut [f32]
         #[cfg(target_arch = "x86_64")]
         if super::avx512_available() {
             // SAFETY: the CPU has AVX-512F; the five chunks have the same length.
-            return unsafe { avx512::backward(gate, up, dout, dgate, dup, accumulate) };
+            return unsafe { avx512::backward(gate, up, dout, dgate, dup) };
         }
-        backward_portable(gate, up, dout, dgate, dup, accumulate);
+        backward_portable(gate, up, dout, dgate, dup);
     });
 }
 
 /// The backward on one chunk with 8-lane vectors, for CPUs without AVX-512.
-fn backward_portable(gate: &[f32], up: &[f32], dout: &[f32], dgate: &mut [f32], dup: &mut [f32], accumulate: bool) {
+fn backward_portable(gate: &[f32], up: &[f32], dout: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
     let simd_end = dgate.len() - dgate.len() % LANES;
     for i in (0..simd_end).step_by(LANES) {
         let (g, dy) = (load(&gate[i..]), load(&dout[i..]));
         let s = sigmoid8(g);
         // d/dg silu(g) = σ(g)·(1 + g·(1 − σ(g)))
         let dsilu = s * (f32x8::ONE + g * (f32x8::ONE - s));
-        let (dg, du) = (dy * load(&up[i..]) * dsilu, dy * (g * s));
-        if accumulate {
-            store(load(&dgate[i..]) + dg, &mut dgate[i..]);
-            store(load(&dup[i..]) + du, &mut dup[i..]);
-        } else {
-            store(dg, &mut dgate[i..]);
-            store(du, &mut dup[i..]);
-        }
+        store(dy * load(&up[i..]) * dsilu, &mut dgate[i..]);
+        store(dy * (g * s), &mut dup[i..]);
     }
     for i in simd_end..dgate.len() {
         let (dy_dg, dy_du) = swiglu_derivative_reference(gate[i], up[i]);
-        let (old_dg, old_du) = if accumulate { (dgate[i], dup[i]) } else { (0.0, 0.0) };
-        dgate[i] = old_dg + dout[i] * dy_dg;
-        dup[i] = old_du + dout[i] * dy_du;
+        dgate[i] = dout[i] * dy_dg;
+        dup[i] = dout[i] * dy_du;
     }
 }
 
@@ -107,8 +99,7 @@ fn backward_portable(gate: &[f32], up: &[f32], dout: &[f32], dgate: &mut [f32], 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::{
-        _mm512_add_ps, _mm512_fmadd_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps, _mm512_mul_ps, _mm512_set1_ps,
-        _mm512_sub_ps,
+        _mm512_fmadd_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps, _mm512_mul_ps, _mm512_set1_ps, _mm512_sub_ps,
     };
 
     use super::super::simd16::{first_lanes, sigmoid16, LANES};
@@ -133,14 +124,7 @@ mod avx512 {
     /// # Safety
     /// The CPU must have AVX-512F; all five slices must have the same length.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn backward(
-        gate: &[f32],
-        up: &[f32],
-        dout: &[f32],
-        dgate: &mut [f32],
-        dup: &mut [f32],
-        accumulate: bool,
-    ) {
+    pub unsafe fn backward(gate: &[f32], up: &[f32], dout: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
         let one = _mm512_set1_ps(1.0);
         for c in (0..dgate.len()).step_by(LANES) {
             let lanes = first_lanes(dgate.len() - c);
@@ -150,12 +134,8 @@ mod avx512 {
             let s = sigmoid16(g);
             // d/dg silu(g) = σ(g)·(1 + g·(1 − σ(g)))
             let dsilu = _mm512_mul_ps(s, _mm512_fmadd_ps(g, _mm512_sub_ps(one, s), one));
-            let mut dg = _mm512_mul_ps(_mm512_mul_ps(dy, u), dsilu);
-            let mut du = _mm512_mul_ps(dy, _mm512_mul_ps(g, s));
-            if accumulate {
-                dg = _mm512_add_ps(dg, _mm512_maskz_loadu_ps(lanes, dgate.as_ptr().add(c)));
-                du = _mm512_add_ps(du, _mm512_maskz_loadu_ps(lanes, dup.as_ptr().add(c)));
-            }
+            let dg = _mm512_mul_ps(_mm512_mul_ps(dy, u), dsilu);
+            let du = _mm512_mul_ps(dy, _mm512_mul_ps(g, s));
             _mm512_mask_storeu_ps(dgate.as_mut_ptr().add(c), lanes, dg);
             _mm512_mask_storeu_ps(dup.as_mut_ptr().add(c), lanes, du);
         }
@@ -198,20 +178,17 @@ mod tests {
         let n = gate.len();
         let mut y = vec![0.0; n];
         swiglu_forward(gate, up, &mut y);
-        let (mut dgate, mut dup) = (vec![0.5; n], vec![0.5; n]);
-        swiglu_backward(gate, up, dout, &mut dgate, &mut dup, true);
-        let (mut fresh_dgate, mut fresh_dup) = (vec![f32::NAN; n], vec![f32::NAN; n]);
-        swiglu_backward(gate, up, dout, &mut fresh_dgate, &mut fresh_dup, false);
+        // Stale (NaN) gradient buffers: the backward must overwrite every element.
+        let (mut dgate, mut dup) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+        swiglu_backward(gate, up, dout, &mut dgate, &mut dup);
         for i in 0..n {
-            assert_eq!(fresh_dgate[i] + 0.5, dgate[i], "n = {n}: overwriting dgate[{i}] differs from accumulating");
-            assert_eq!(fresh_dup[i] + 0.5, dup[i], "n = {n}: overwriting dup[{i}] differs from accumulating");
             let (want_y, dy_dg, dy_du) = f64_reference(gate[i], up[i]);
             let dy = dout[i] as f64;
             let (g, u) = (gate[i], up[i]);
             assert!(close(y[i], want_y, 2e-6), "n = {n}: swiglu({g}, {u}) = {}, want {want_y}", y[i]);
-            let want_dg = 0.5 + dy * dy_dg;
+            let want_dg = dy * dy_dg;
             assert!(close(dgate[i], want_dg, 1e-5), "n = {n}: dgate({g}, {u}) = {}, want {want_dg}", dgate[i]);
-            let want_du = 0.5 + dy * dy_du;
+            let want_du = dy * dy_du;
             assert!(close(dup[i], want_du, 1e-5), "n = {n}: dup({g}, {u}) = {}, want {want_du}", dup[i]);
         }
     }
@@ -250,7 +227,7 @@ mod tests {
         let mut y = [0.0; 9];
         swiglu_forward(&gate, &up, &mut y);
         let (mut dgate, mut dup) = ([0.0; 9], [0.0; 9]);
-        swiglu_backward(&gate, &up, &dout, &mut dgate, &mut dup, true);
+        swiglu_backward(&gate, &up, &dout, &mut dgate, &mut dup);
         assert!(y.iter().chain(&dgate).chain(&dup).all(|v| v.is_finite()), "{y:?} {dgate:?} {dup:?}");
         // silu(g) → g as g → ∞ and → 0 as g → −∞; the same for the slopes.
         assert_eq!((y[0], dgate[0], dup[0]), (200.0, 3.0, 150.0));
@@ -269,7 +246,7 @@ mod tests {
         let gate: Vec<f32> = (-30..=30).map(|i| i as f32 * 0.25 + 0.013).collect();
         let up: Vec<f32> = (-30..=30).map(|i| 1.5 - i as f32 * 0.05).collect();
         let (mut dgate, mut dup) = (vec![0.0; gate.len()], vec![0.0; gate.len()]);
-        swiglu_backward(&gate, &up, &vec![1.0; gate.len()], &mut dgate, &mut dup, false);
+        swiglu_backward(&gate, &up, &vec![1.0; gate.len()], &mut dgate, &mut dup);
         // The loss Σ swiglu(g, u) (dout = 1 everywhere) from the toolkit's f64 oracle.
         let (g64, u64) = (oracle::widen(&gate), oracle::widen(&up));
         let tol = Dtype::F64.table().gradient;
@@ -298,14 +275,12 @@ mod tests {
                 unsafe { avx512::forward(&gate, &up, &mut fast) };
                 forward_portable(&gate, &up, &mut portable);
                 assert!(close(&fast, &portable), "forward, n = {n}");
-                for accumulate in [false, true] {
-                    let (mut dg_fast, mut du_fast) = (vec![0.5; n], vec![0.5; n]);
-                    let (mut dg_portable, mut du_portable) = (vec![0.5; n], vec![0.5; n]);
-                    // SAFETY: as above.
-                    unsafe { avx512::backward(&gate, &up, &dout, &mut dg_fast, &mut du_fast, accumulate) };
-                    backward_portable(&gate, &up, &dout, &mut dg_portable, &mut du_portable, accumulate);
-                    assert!(close(&dg_fast, &dg_portable) && close(&du_fast, &du_portable), "backward, n = {n}");
-                }
+                let (mut dg_fast, mut du_fast) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+                let (mut dg_portable, mut du_portable) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+                // SAFETY: as above.
+                unsafe { avx512::backward(&gate, &up, &dout, &mut dg_fast, &mut du_fast) };
+                backward_portable(&gate, &up, &dout, &mut dg_portable, &mut du_portable);
+                assert!(close(&dg_fast, &dg_portable) && close(&du_fast, &du_portable), "backward, n = {n}");
             }
         }
     }

@@ -1,12 +1,12 @@
-//! Elementwise unary ops `y = f(x)` and their backward `dx += dy · f'(x)`.
+//! Elementwise unary ops `y = f(x)` and their backward `dx = dy · f'(x)`.
 //!
 //! PyTorch equivalents: `torch.neg`, `exp`, `log`, `sqrt`, `rsqrt`, `abs`, `sigmoid`, `tanh`,
 //! `relu`, `F.silu`, `F.gelu` (exact erf form, `approximate='none'`), `F.gelu(approximate=
 //! 'tanh')`, `torch.pow(x, p)` and `torch.square`.
 //!
 //! The backward receives both `x` and the saved output `y = f(x)`, so exp, sigmoid, tanh,
-//! sqrt and rsqrt reuse `y` instead of recomputing the transcendental. Gradients accumulate:
-//! `dx += ...`, never `dx = ...`.
+//! sqrt and rsqrt reuse `y` instead of recomputing the transcendental. The backward writes its
+//! gradient (`dx = ...`; the crate's contract, see `lib.rs`).
 //!
 //! Every op has a scalar reference ([`unary_reference`], [`unary_derivative_reference`]) that
 //! also handles the tail of each SIMD loop, and an `f32x8` body. This module also holds the
@@ -58,7 +58,7 @@ pub fn unary_forward(op: Unary, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// dx += dy · f'(x); y = f(x) is passed so exp/sigmoid/tanh/sqrt/rsqrt can reuse it.
+/// dx = dy · f'(x); y = f(x) is passed so exp/sigmoid/tanh/sqrt/rsqrt can reuse it.
 pub fn unary_backward(op: Unary, x: &[f32], y: &[f32], dy: &[f32], dx: &mut [f32]) {
     let n = dx.len();
     assert!(x.len() == n && y.len() == n && dy.len() == n, "unary_backward: x, y, dy and dx differ in length");
@@ -163,11 +163,10 @@ where
         let (x, y, dy) = (&x[start..end], &y[start..end], &dy[start..end]);
         let simd_end = dx.len() - dx.len() % LANES;
         for i in (0..simd_end).step_by(LANES) {
-            let grad = load(&dy[i..]) * df8(load(&x[i..]), load(&y[i..]));
-            store(load(&dx[i..]) + grad, &mut dx[i..]);
+            store(load(&dy[i..]) * df8(load(&x[i..]), load(&y[i..])), &mut dx[i..]);
         }
         for i in simd_end..dx.len() {
-            dx[i] += dy[i] * unary_derivative_reference(op, x[i], y[i]);
+            dx[i] = dy[i] * unary_derivative_reference(op, x[i], y[i]);
         }
     });
 }
@@ -542,10 +541,11 @@ mod tests {
                 prop_assert!(close(yv, want, 2e-6), "{:?}({}) = {}, want {}", op, xv, yv, want);
             }
             let dy: Vec<f32> = (0..x.len()).map(|i| (i % 5) as f32 - 2.0).collect();
-            let mut dx = vec![0.5; x.len()];
+            // Stale (NaN) contents: the backward overwrites every element.
+            let mut dx = vec![f32::NAN; x.len()];
             unary_backward(op, &x, &y, &dy, &mut dx);
             for i in 0..x.len() {
-                let want = 0.5 + dy[i] * unary_derivative_reference(op, x[i], y[i]);
+                let want = dy[i] * unary_derivative_reference(op, x[i], y[i]);
                 prop_assert!(close(dx[i], want, 1e-5), "{:?}'({}) = {}, want {}", op, x[i], dx[i], want);
             }
         }

@@ -3,8 +3,8 @@
 //!
 //! Mirrors `cpu::attention`: q `[B, Tq, H, D]`, k and v `[B, Tk, H, D]`, `lse [B, H, Tq]`;
 //! query i sits at position `i + (Tk − Tq)`. The GPU kernels keep four head dims per lane,
-//! so `D ≤` [`MAX_HEAD_DIM`]; `B·H` is a grid dimension (≤ 65 535). Backward accumulates
-//! into `dq`, `dk`, `dv`.
+//! so `D ≤` [`MAX_HEAD_DIM`]; `B·H` is a grid dimension (≤ 65 535). Backward writes
+//! `dq`, `dk`, `dv` (every row once).
 
 use cudarc::driver::LaunchConfig;
 
@@ -94,7 +94,7 @@ pub fn causal_attention_forward(
     dev.launch(FAMILY, "attention_forward", d.grid(dims.q_seq, shared), &args)
 }
 
-/// `dq, dk, dv +=` gradients, recomputing probabilities from q, k and `lse`
+/// `dq, dk, dv =` gradients, recomputing probabilities from q, k and `lse`
 /// (`δ_i = Σ dout_i ⊙ out_i`).
 #[allow(clippy::too_many_arguments)]
 pub fn causal_attention_backward(
@@ -119,7 +119,9 @@ pub fn causal_attention_backward(
         "a gradient has the wrong length".to_string()
     })?;
     if d.is_empty() {
-        return Ok(());
+        // No queries: keys and values that nothing attends to have zero gradients.
+        dev.fill_zero(dk)?;
+        return dev.fill_zero(dv);
     }
     let AttentionDims { q_seq, kv_seq, heads, head_dim, .. } = *dims;
     let rows = dims.lse_len();

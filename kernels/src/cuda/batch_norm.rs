@@ -2,7 +2,8 @@
 //! and eval forward, training backward.
 //!
 //! Mirrors `cpu::batch_norm`: training saves `mean[C]` and `rstd[C]` and updates the running
-//! statistics (unbiased variance); gradients accumulate. Statistics are summed in f64.
+//! statistics (unbiased variance); gradients are written, not added. Statistics are summed
+//! in f64.
 
 use super::allocator::DeviceBuffer;
 use super::device::{Arg, CudaDevice};
@@ -124,7 +125,7 @@ pub fn batch_norm_eval_forward(
     dev.launch(FAMILY, "batch_norm_eval_forward", elementwise(x.len()), &args)
 }
 
-/// Training-mode backward: `dx += ...`, `dweight += Σ dy·x̂`, `dbias += Σ dy` (each optional
+/// Training-mode backward: `dx = ...`, `dweight = Σ dy·x̂`, `dbias = Σ dy` (each optional
 /// gradient skipped when `None`).
 #[allow(clippy::too_many_arguments)]
 pub fn batch_norm_train_backward(

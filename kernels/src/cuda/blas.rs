@@ -255,8 +255,8 @@ impl<T: DeviceScalar> DeviceMat<'_, T> {
     }
 }
 
-/// `dst[m×n] (+)= lhs[m×k]·rhs[k×n]`, `dst` row-major contiguous at `dst_offset`; mirrors
-/// `cpu::matmul::matmul`.
+/// `dst[m×n] (+)= lhs[m×k]·rhs[k×n]` (`+=` with `accumulate`, BLAS's β = 1), `dst`
+/// row-major contiguous at `dst_offset`; mirrors `cpu::matmul::matmul`.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     dev: &CudaDevice,

@@ -3,9 +3,9 @@
 //! `P = OH·OW`. A 1×1 stride-1 unpadded convolution reads `x_n[C, H·W]` as `col_n`.
 //!
 //! Images are processed in chunks whose im2col buffer stays under [`COL_BUDGET`] floats:
-//! one im2col launch and one strided-batched GEMM per chunk. The backward accumulates
-//! `dx += col2im(wᵀ·dy_n)`, `dw += Σ_n dy_n·col_nᵀ` (one GEMM per image, in image order)
-//! and `dbias += Σ dy`.
+//! one im2col launch and one strided-batched GEMM per chunk. The backward writes
+//! `dx = col2im(wᵀ·dy_n)`, `dw = Σ_n dy_n·col_nᵀ` (zeroed, then one GEMM per image adding
+//! onto it, in image order) and `dbias = Σ dy`.
 
 pub use crate::cpu::conv::Conv2dGeometry;
 
@@ -128,7 +128,7 @@ pub fn conv2d_forward(
 }
 
 // d/dx_n = col2im(wᵀ·dy_n),  d/dw = Σ_n dy_n·col_nᵀ,  d/dbias[o] = Σ_{n,p} dy[n, o, p]
-/// `dx += ...`, `dw += ...`, `dbias += ...` (each optional: `None` skips that gradient).
+/// `dx = ...`, `dw = ...`, `dbias = ...` (each optional: `None` skips that gradient).
 #[allow(clippy::too_many_arguments)]
 pub fn conv2d_backward(
     dev: &CudaDevice,
@@ -149,8 +149,11 @@ pub fn conv2d_backward(
     if let Some(dx) = &dx {
         ensure_len(OP, "dx", dx.len(), x.len())?;
     }
-    if let Some(dw) = &dw {
+    let mut dw = dw;
+    if let Some(dw) = dw.as_deref_mut() {
         ensure_len(OP, "dw", dw.len(), w.len())?;
+        // The per-image products add onto it in order.
+        dev.fill_zero(dw)?;
     }
     if let Some(dbias) = dbias {
         ensure_len(OP, "dbias", dbias.len(), g.out_channels)?;
@@ -158,7 +161,8 @@ pub fn conv2d_backward(
         dev.launch(FAMILY, "conv_bias_grad", per_row(g.out_channels, THREADS), &args)?;
     }
     if s.y_image == 0 || s.x_image == 0 || (dx.is_none() && dw.is_none()) {
-        return Ok(());
+        // Nothing flows back: the gradients are zeros.
+        return dx.map_or(Ok(()), |dx| dev.fill_zero(dx));
     }
     let per_chunk = s.images_per_chunk(g.batch);
     let chunk_col = per_chunk * s.depth * s.positions;
@@ -186,13 +190,13 @@ pub fn conv2d_backward(
             }
         }
         if let Some(dx) = dx.as_deref() {
-            // d/dcol_n = wᵀ[K, O]·dy_n[O, P]; pointwise convolutions add straight into dx.
+            // d/dcol_n = wᵀ[K, O]·dy_n[O, P]; pointwise convolutions write straight into dx.
             let w_t = (Operand::transposed(w.device_ptr(), depth), 0);
             let dy_rows = (Operand::rows(dy_chunk, positions), s.y_image);
             match &mut dcol {
                 None => {
                     let out = (dx.ptr_at(first * s.x_image), positions, s.x_image);
-                    gemm_strided_batched(dev, depth, positions, o, 1.0, w_t, dy_rows, 1.0, out, images)?;
+                    gemm_strided_batched(dev, depth, positions, o, 1.0, w_t, dy_rows, 0.0, out, images)?;
                 }
                 Some(dcol) => {
                     let out = (dcol.device_ptr(), positions, depth * positions);

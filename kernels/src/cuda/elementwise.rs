@@ -2,7 +2,7 @@
 //! axpy / add_assign, select, strided copy, and f32 ↔ bf16 conversion.
 //!
 //! Signatures mirror `cpu::unary`, `cpu::binary` and `cpu::copy` with slices replaced by
-//! device buffers; gradients accumulate (`dx += ...`). Broadcast shapes are coalesced on
+//! device buffers; the unary backward writes its gradient (`dx = ...`). Broadcast shapes are coalesced on
 //! the host exactly as the CPU does (size-1 dims dropped, contiguous neighbours merged);
 //! the GPU kernels take at most [`MAX_RANK`] dimensions after that.
 
@@ -63,7 +63,7 @@ pub fn unary_forward(dev: &CudaDevice, op: Unary, x: &DeviceBuffer<f32>, y: &mut
     dev.launch(FAMILY, "unary_forward", elementwise(x.len()), &args)
 }
 
-/// `dx += dy · f'(x)`; `y = f(x)` is the saved forward output.
+/// `dx = dy · f'(x)`; `y = f(x)` is the saved forward output.
 pub fn unary_backward(
     dev: &CudaDevice,
     op: Unary,
@@ -179,7 +179,7 @@ pub fn scalar_forward(
     dev.launch(FAMILY, "scalar_forward", elementwise(x.len()), &args)
 }
 
-/// `dst[i] += src[i]` (gradient accumulation).
+/// `dst[i] += src[i]`: the autograd engine's sum of two gradients of one value.
 pub fn add_assign(dev: &CudaDevice, dst: &mut DeviceBuffer<f32>, src: &DeviceBuffer<f32>) -> Result<()> {
     axpy(dev, 1.0, src, dst)
 }

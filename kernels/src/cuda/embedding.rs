@@ -38,8 +38,8 @@ pub fn embedding_forward(
     dev.launch(KernelFamily::Embedding, "embedding_forward", elementwise(out.len()), &args)
 }
 
-/// `dweight[ids[i], :] += dy[i, :]` for every `i` (ids may repeat; host `ids`), each id's
-/// rows summed in increasing `i` (see the module doc).
+/// `dweight[v, :] = Σ_{i : ids[i] = v} dy[i, :]` (zeros for ids that never occur; host
+/// `ids`), each id's rows summed in increasing `i` (see the module doc).
 pub fn embedding_backward(
     dev: &CudaDevice,
     ids: &[u32],
@@ -50,6 +50,7 @@ pub fn embedding_backward(
     const OP: &str = "embedding_backward";
     check_owners(dev, OP, &[dy, dweight])?;
     let vocab = check(OP, dweight.len(), dim, ids.len(), dy.len())?;
+    dev.fill_zero(dweight)?;
     let grouped = group_positions(ids, vocab);
     if grouped.rows.is_empty() || dim == 0 {
         return Ok(());

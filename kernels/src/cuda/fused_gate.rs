@@ -16,7 +16,8 @@
 //! [`fused_gate_apply`]); both give the same result to f32 rounding. The backward
 //! ([`fused_gate_backward`]) reads `zu`, the f32 `x` and f32 weights: two small kernels
 //! (the gate's elementwise backward) plus cuBLAS f32 products and column sums for
-//! `dx, dW, dA, dB`, and deterministic sums for `da, db, dα`. Gradients accumulate.
+//! `dx, dW, dA, dB`, and deterministic sums for `da, db, dα`. Gradients are written, not
+//! added.
 
 use half::bf16;
 
@@ -69,7 +70,7 @@ pub struct DeviceFusedGateParams<'a> {
     pub phi: Unary,
 }
 
-/// Gradient buffers of one modulator, accumulated into.
+/// Gradient buffers of one modulator, written by the backward.
 #[derive(Debug)]
 pub struct DeviceGateGrads<'a> {
     /// `dA: [r, d_in]`.
@@ -84,7 +85,14 @@ pub struct DeviceGateGrads<'a> {
     pub alpha: &'a mut DeviceBuffer<f32>,
 }
 
-/// Gradient buffers of the fused projection, accumulated into.
+impl DeviceGateGrads<'_> {
+    /// The five buffers, in field order.
+    fn buffers(&mut self) -> [&mut DeviceBuffer<f32>; 5] {
+        [&mut *self.a_weight, &mut *self.a_bias, &mut *self.b_weight, &mut *self.b_bias, &mut *self.alpha]
+    }
+}
+
+/// Gradient buffers of the fused projection, written by the backward.
 #[derive(Debug)]
 pub struct DeviceFusedGateGrads<'a> {
     /// `dx: [N, d_in]`.
@@ -298,12 +306,12 @@ fn check_grads(dev: &CudaDevice, op: &'static str, dims: &FusedGateDims, g: &Dev
 }
 
 /// Backward of the fused projection from the saved `zu` and the output gradient `dout`;
-/// `x` is the f32 input `[N, d_in]`. Accumulates into every buffer of `grads`.
+/// `x` is the f32 input `[N, d_in]`. Writes every buffer of `grads`.
 ///
 /// Recomputes `H`, `γ_s` and the channel logits from `zu` (row kernel: `dZ`, the channel
 /// logits' gradient `dL_c`, per-row `dγ_s` and `dα_c`); then `dH_c = dL_c·B_c` (cuBLAS), the
-/// summaries' kernel (`dU`), and `dB_c += dL_cᵀ·H_c`, `dB_s += dl_sᵀ·H_s`,
-/// `dx += dZU·[W; A_c; A_s]`, `dW += dZᵀ·x`, `dA += dUᵀ·x` (cuBLAS, f32), with the bias and α
+/// summaries' kernel (`dU`), and `dB_c = dL_cᵀ·H_c`, `dB_s = dl_sᵀ·H_s`,
+/// `dx = dZU·[W; A_c; A_s]`, `dW = dZᵀ·x`, `dA = dUᵀ·x` (cuBLAS, f32), with the bias and α
 /// gradients as column sums in a fixed order.
 #[allow(clippy::too_many_arguments)]
 pub fn fused_gate_backward(
@@ -327,6 +335,11 @@ pub fn fused_gate_backward(
     ensure_len(OP, "zu", zu.len(), rows * k)?;
     ensure_len(OP, "dout", dout.len(), rows * d_out)?;
     if rows == 0 {
+        // No rows: every gradient is an empty sum.
+        let g = grads;
+        for buffer in [&mut *g.x, &mut *g.weight].into_iter().chain(g.channel.buffers()).chain(g.scalar.buffers()) {
+            dev.fill_zero(buffer)?;
+        }
         return Ok(());
     }
     // dzu rows: [dZ | dU_c | dU_s]; row_terms rows: [dγ_s, dα_c, dα_s].
@@ -386,14 +399,14 @@ pub fn fused_gate_backward(
 
     // Cross-row sums: db_c = Σ dL_c, da = Σ dU, db_s = Σ dl_s, dα = Σ row terms.
     let g = grads;
-    column_sums(dev, dlogits.device_ptr(), 1, rows, d_out, d_out, 0, g.channel.b_bias.device_ptr(), true)?;
-    column_sums(dev, dzu.ptr_at(d_out), 1, rows, rc, k, 0, g.channel.a_bias.device_ptr(), true)?;
-    column_sums(dev, dzu.ptr_at(d_out + rc), 1, rows, rs, k, 0, g.scalar.a_bias.device_ptr(), true)?;
-    column_sums(dev, dlogit_s.device_ptr(), 1, rows, 1, 1, 0, g.scalar.b_bias.device_ptr(), true)?;
-    column_sums(dev, row_terms.ptr_at(1), 1, rows, 1, 3, 0, g.channel.alpha.device_ptr(), true)?;
-    column_sums(dev, row_terms.ptr_at(2), 1, rows, 1, 3, 0, g.scalar.alpha.device_ptr(), true)?;
+    column_sums(dev, dlogits.device_ptr(), 1, rows, d_out, d_out, 0, g.channel.b_bias.device_ptr())?;
+    column_sums(dev, dzu.ptr_at(d_out), 1, rows, rc, k, 0, g.channel.a_bias.device_ptr())?;
+    column_sums(dev, dzu.ptr_at(d_out + rc), 1, rows, rs, k, 0, g.scalar.a_bias.device_ptr())?;
+    column_sums(dev, dlogit_s.device_ptr(), 1, rows, 1, 1, 0, g.scalar.b_bias.device_ptr())?;
+    column_sums(dev, row_terms.ptr_at(1), 1, rows, 1, 3, 0, g.channel.alpha.device_ptr())?;
+    column_sums(dev, row_terms.ptr_at(2), 1, rows, 1, 3, 0, g.scalar.alpha.device_ptr())?;
 
-    // dB_c += dL_cᵀ·H_c;  dB_s += dl_sᵀ·H_s
+    // dB_c = dL_cᵀ·H_c;  dB_s = dl_sᵀ·H_s
     let h_c = Operand::rows(hidden.device_ptr(), r);
     let h_s = Operand::rows(hidden.ptr_at(rc), r);
     f32_gemm(
@@ -402,20 +415,21 @@ pub fn fused_gate_backward(
         rows,
         Operand::transposed(dlogits.device_ptr(), d_out),
         h_c,
-        1.0,
+        0.0,
         g.channel.b_weight.device_ptr(),
         rc,
     )?;
-    f32_gemm(1, rs, rows, Operand::rows(dlogit_s.device_ptr(), rows), h_s, 1.0, g.scalar.b_weight.device_ptr(), rs)?;
+    f32_gemm(1, rs, rows, Operand::rows(dlogit_s.device_ptr(), rows), h_s, 0.0, g.scalar.b_weight.device_ptr(), rs)?;
 
-    // dx += dZ·W + dU_c·A_c + dU_s·A_s;  dW += dZᵀ·x;  dA_c += dU_cᵀ·x;  dA_s += dU_sᵀ·x
+    // dx = dZ·W + dU_c·A_c + dU_s·A_s (the first product written, the others added onto it);
+    // dW = dZᵀ·x;  dA_c = dU_cᵀ·x;  dA_s = dU_sᵀ·x
     let parts = [
         (0, d_out, p.weight, &mut *g.weight),
         (d_out, rc, p.channel.a_weight, &mut *g.channel.a_weight),
         (d_out + rc, rs, p.scalar.a_weight, &mut *g.scalar.a_weight),
     ];
     let x_rows = Operand::rows(x.device_ptr(), d_in);
-    for (offset, width, weight, dweight) in parts {
+    for (part, (offset, width, weight, dweight)) in parts.into_iter().enumerate() {
         let block = dzu.ptr_at(offset);
         f32_gemm(
             rows,
@@ -423,11 +437,11 @@ pub fn fused_gate_backward(
             width,
             Operand::rows(block, k),
             Operand::rows(weight.device_ptr(), d_in),
-            1.0,
+            if part == 0 { 0.0 } else { 1.0 },
             g.x.device_ptr(),
             d_in,
         )?;
-        f32_gemm(width, d_in, rows, Operand::transposed(block, k), x_rows, 1.0, dweight.device_ptr(), d_in)?;
+        f32_gemm(width, d_in, rows, Operand::transposed(block, k), x_rows, 0.0, dweight.device_ptr(), d_in)?;
     }
     Ok(())
 }

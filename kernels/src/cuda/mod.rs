@@ -12,8 +12,8 @@
 //! ```
 //!
 //! Launchers take the device first and device buffers where the CPU kernels take slices;
-//! backward launchers accumulate into their gradient buffers (`dx += ...`) exactly like the
-//! CPU ones. Everything is queued on the device's single stream: a launcher returns once
+//! backward launchers write their gradient buffers (`dx = ...`, never read; the crate's
+//! gradient contract in `lib.rs`) exactly like the CPU ones. Everything is queued on the device's single stream: a launcher returns once
 //! its work is queued, and a download waits for it. Argument errors are returned as
 //! [`CudaError::Shape`] before anything is launched.
 //!

@@ -1,7 +1,7 @@
 //! Launchers of `norm.cu`: RMSNorm and LayerNorm over the last axis (`x` is `[N, C]`).
 //!
-//! Mirrors `cpu::norm`: the forward saves `rstd` (and `mean`) per row; the backward
-//! accumulates `dx += ...` and `dweight`/`dbias += ...`. The parameter gradients are column
+//! Mirrors `cpu::norm`: the forward saves `rstd` (and `mean`) per row; the backward writes
+//! `dx = ...` and `dweight`/`dbias = ...` (never reads them). The parameter gradients are column
 //! sums over rows in a fixed order (partial sums per chunk of rows, then the chunks in
 //! order), so they repeat bit for bit.
 
@@ -44,7 +44,7 @@ pub fn rms_norm_forward(
     dev.launch(FAMILY, "rms_norm_forward", per_row(rows, row_threads(cols)), &args)
 }
 
-/// `dx += ∂L/∂x` and `dweight += ∂L/∂weight` for RMSNorm, from the saved `rstd`.
+/// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` for RMSNorm, from the saved `rstd`.
 #[allow(clippy::too_many_arguments)]
 pub fn rms_norm_backward(
     dev: &CudaDevice,
@@ -91,7 +91,7 @@ pub fn layer_norm_forward(
     dev.launch(FAMILY, "layer_norm_forward", per_row(rows, row_threads(cols)), &args)
 }
 
-/// `dx += ∂L/∂x`, and `dweight`/`dbias += ` their gradients when given, for LayerNorm.
+/// `dx = ∂L/∂x`, and `dweight`/`dbias` = their gradients when given, for LayerNorm.
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm_backward(
     dev: &CudaDevice,
@@ -120,7 +120,7 @@ pub fn layer_norm_backward(
     param_grads(dev, x, dy, Some(mean), rstd, rows, cols, dweight, dbias)
 }
 
-/// `dweight += Σ_rows dy ⊙ x̂`, `dbias += Σ_rows dy` (either may be absent).
+/// `dweight = Σ_rows dy ⊙ x̂`, `dbias = Σ_rows dy` (either may be absent).
 #[allow(clippy::too_many_arguments)]
 fn param_grads(
     dev: &CudaDevice,
@@ -161,10 +161,10 @@ fn param_grads(
     ];
     dev.launch(FAMILY, "norm_param_grads_partial", cfg, &args)?;
     if let (Some(partial), Some(dw)) = (&partial_w, dweight) {
-        finish_column_sums(dev, partial, 1, chunks, cols, dw.device_ptr(), true)?;
+        finish_column_sums(dev, partial, 1, chunks, cols, dw.device_ptr())?;
     }
     if let (Some(partial), Some(db)) = (&partial_b, dbias) {
-        finish_column_sums(dev, partial, 1, chunks, cols, db.device_ptr(), true)?;
+        finish_column_sums(dev, partial, 1, chunks, cols, db.device_ptr())?;
     }
     Ok(())
 }

@@ -6,7 +6,7 @@
 //! from the windows that can hold it, so it also takes the window geometry. Results are
 //! those of the CPU: the same scan order in the forward (a NaN wins its window), the same
 //! order of additions in the backward, and per-plane means summed in order in f64.
-//! Gradients accumulate (`dx += ...`).
+//! Gradients are written (`dx = ...`), never added.
 
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
@@ -89,7 +89,7 @@ pub fn max_pool2d_forward(
 }
 
 // d/dx[n, c, argmax[n, c, o]] = dy[n, c, o]   (summed where windows share a winner)
-/// `dx[argmax] += dy`, from the forward's `argmax`.
+/// `dx = 0`, then `dx[argmax] += dy`, from the forward's `argmax`.
 pub fn max_pool2d_backward(
     dev: &CudaDevice,
     g: &MaxPool2d,
@@ -105,7 +105,8 @@ pub fn max_pool2d_backward(
     ensure_len(OP, "argmax", argmax.len(), dy.len())?;
     ensure_len(OP, "dx", dx.len(), g.planes * g.height * g.width)?;
     if dy.is_empty() {
-        return Ok(());
+        // No windows: nothing reaches the input.
+        return dev.fill_zero(dx);
     }
     let args = [
         ptr(argmax),
@@ -141,7 +142,7 @@ pub fn global_avg_pool_forward(
 }
 
 // d/dx[n, c, s] = dy[n, c] / S
-/// `dx += dy / spatial`, broadcast over each plane.
+/// `dx = dy / spatial`, broadcast over each plane.
 pub fn global_avg_pool_backward(
     dev: &CudaDevice,
     dy: &DeviceBuffer<f32>,

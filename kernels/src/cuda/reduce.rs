@@ -10,7 +10,7 @@ use cudarc::driver::LaunchConfig;
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
-use super::launch::{check_owners, elementwise, int, per_row, ptr, ptr_at, size, THREADS};
+use super::launch::{check_owners, elementwise, per_row, ptr, ptr_at, size, THREADS};
 use super::module::KernelFamily;
 
 const FAMILY: KernelFamily = KernelFamily::Reduce;
@@ -31,7 +31,7 @@ pub(crate) fn chunking(rows: usize, outer: usize) -> (usize, usize) {
     (per_chunk, rows.div_ceil(per_chunk))
 }
 
-/// `dst[o·cols + c] (+)= Σ_r src[o·outer_stride + r·ld + c]` for `r < rows`, from raw
+/// `dst[o·cols + c] = Σ_r src[o·outer_stride + r·ld + c]` for `r < rows`, from raw
 /// addresses; the caller has checked that every address is inside its buffer.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn column_sums(
@@ -43,7 +43,6 @@ pub(crate) fn column_sums(
     ld: usize,
     outer_stride: usize,
     dst: u64,
-    accumulate: bool,
 ) -> Result<()> {
     if outer == 0 || cols == 0 {
         return Ok(());
@@ -66,10 +65,10 @@ pub(crate) fn column_sums(
         ptr(&partial),
     ];
     dev.launch(FAMILY, "column_sums_partial", cfg, &args)?;
-    finish_column_sums(dev, &partial, outer, chunks, cols, dst, accumulate)
+    finish_column_sums(dev, &partial, outer, chunks, cols, dst)
 }
 
-/// `dst[o·cols + c] (+)= Σ_chunk partial[(o·chunks + chunk)·cols + c]`.
+/// `dst[o·cols + c] = Σ_chunk partial[(o·chunks + chunk)·cols + c]`.
 pub(crate) fn finish_column_sums(
     dev: &CudaDevice,
     partial: &DeviceBuffer<f32>,
@@ -77,10 +76,8 @@ pub(crate) fn finish_column_sums(
     chunks: usize,
     cols: usize,
     dst: u64,
-    accumulate: bool,
 ) -> Result<()> {
-    let args =
-        [ptr(partial), size(outer), size(chunks), size(cols), super::device::Arg::Ptr(dst), int(i32::from(accumulate))];
+    let args = [ptr(partial), size(outer), size(chunks), size(cols), super::device::Arg::Ptr(dst)];
     dev.launch(FAMILY, "column_sums_finish", elementwise(outer * cols), &args)
 }
 
@@ -104,7 +101,7 @@ pub fn sum_axis(
         let args = [ptr(x), size(outer), size(n), ptr(out)];
         return dev.launch(FAMILY, "sum_rows", per_row(outer, THREADS), &args);
     }
-    column_sums(dev, x.device_ptr(), outer, n, inner, inner, n * inner, out.device_ptr(), false)
+    column_sums(dev, x.device_ptr(), outer, n, inner, inner, n * inner, out.device_ptr())
 }
 
 /// Same layout: the maximum over `j` and the index of its first occurrence (NaN counts as

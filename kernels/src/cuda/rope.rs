@@ -1,5 +1,5 @@
 //! Launchers of `rope.cu`: rotary position embedding in the Hugging Face "rotate_half"
-//! layout, forward and backward (the inverse rotation, accumulated into `dx`).
+//! layout, forward and backward (the inverse rotation, written into `dx`).
 //!
 //! Mirrors `cpu::rope`; the cos/sin tables are the CPU's `rope_table` uploaded once
 //! (`[max_seq, D/2]` each).
@@ -7,7 +7,7 @@
 use super::allocator::DeviceBuffer;
 use super::device::{Arg, CudaDevice};
 use super::error::{CudaError, Result};
-use super::launch::{check_owners, elementwise, int, ptr, size};
+use super::launch::{check_owners, elementwise, ptr, size};
 use super::module::KernelFamily;
 use crate::cpu::rope::RopeDims;
 
@@ -23,7 +23,7 @@ fn rotate(
     check_owners(dev, op, &[x, cos, sin, out])?;
     dims.check(x.len(), out.len(), (cos.len(), sin.len())).map_err(|message| CudaError::shape(op, message))?;
     let RopeDims { batch, seq, heads, head_dim, pos_offset } = *dims;
-    // The backward rotates by −angle (sin negated) and accumulates.
+    // The backward rotates by −angle (sin negated).
     let sign = if backward { -1.0 } else { 1.0 };
     let pairs = batch * seq * heads * (head_dim / 2);
     let args = [
@@ -37,7 +37,6 @@ fn rotate(
         size(head_dim),
         size(pos_offset),
         Arg::F32(sign),
-        int(i32::from(backward)),
     ];
     dev.launch(KernelFamily::Rope, "rope_rotate", elementwise(pairs), &args)
 }
@@ -54,7 +53,7 @@ pub fn rope_forward(
     rotate(dev, "rope_forward", [x, cos, sin], dims, false, y)
 }
 
-/// `dx += Rᵀ dy` (the inverse rotation).
+/// `dx = Rᵀ dy` (the inverse rotation).
 pub fn rope_backward(
     dev: &CudaDevice,
     dy: &DeviceBuffer<f32>,

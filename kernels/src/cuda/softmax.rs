@@ -1,7 +1,7 @@
 //! Launchers of `softmax.cu`: softmax and log-softmax over rows of `cols`, and the fused
 //! cross-entropy with an ignore index.
 //!
-//! Mirrors `cpu::softmax` and `cpu::cross_entropy`. The backward kernels accumulate. The
+//! Mirrors `cpu::softmax` and `cpu::cross_entropy`. The backward kernels write their gradients. The
 //! cross-entropy forward returns the number of rows not ignored, so it waits for the
 //! device; a target ≥ `cols` is reported as [`CudaError::Invalid`] (the CPU asserts).
 
@@ -58,7 +58,7 @@ pub fn softmax_forward(dev: &CudaDevice, x: &DeviceBuffer<f32>, cols: usize, y: 
     forward(dev, "softmax_forward", x, cols, y, false)
 }
 
-/// `dx += y ⊙ (dy − Σ dy⊙y)` from the saved output `y`.
+/// `dx = y ⊙ (dy − Σ dy⊙y)` from the saved output `y`.
 pub fn softmax_backward(
     dev: &CudaDevice,
     y: &DeviceBuffer<f32>,
@@ -79,7 +79,7 @@ pub fn log_softmax_forward(
     forward(dev, "log_softmax_forward", x, cols, y, true)
 }
 
-/// `dx += dy − exp(y)·Σ dy` from the saved output `y`.
+/// `dx = dy − exp(y)·Σ dy` from the saved output `y`.
 pub fn log_softmax_backward(
     dev: &CudaDevice,
     y: &DeviceBuffer<f32>,
@@ -173,8 +173,8 @@ fn launch_cross_entropy(
     Ok(Some(counters))
 }
 
-/// `dlogits[r] += scale·(softmax(logits[r]) − onehot(targets[r]))` for rows not ignored,
-/// from the saved `lse`. Rows whose target is ≥ `cols` are skipped (the forward reports them).
+/// `dlogits[r] = scale·(softmax(logits[r]) − onehot(targets[r]))` from the saved `lse`, zeros
+/// for ignored rows and rows whose target is ≥ `cols` (the forward reports those).
 #[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_backward(
     dev: &CudaDevice,

@@ -2,8 +2,8 @@
 //! elementwise half of LLaMA's FFN.
 //!
 //! Mirrors `cpu::swiglu` with slices replaced by device buffers: the forward reads `g` and
-//! `u` once, the backward recomputes σ(g) from `g` and accumulates (`dg += ...`,
-//! `du += ...`). All buffers hold the same number of elements (any shape, flattened).
+//! `u` once, the backward recomputes σ(g) from `g` and writes (`dg = ...`,
+//! `du = ...`). All buffers hold the same number of elements (any shape, flattened).
 
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
@@ -30,7 +30,7 @@ pub fn swiglu_forward(
     dev.launch(FAMILY, "swiglu_forward", elementwise(n), &args)
 }
 
-/// `dgate += dout · up · silu'(gate)` and `dup += dout · silu(gate)`, recomputing σ(gate).
+/// `dgate = dout · up · silu'(gate)` and `dup = dout · silu(gate)`, recomputing σ(gate).
 pub fn swiglu_backward(
     dev: &CudaDevice,
     gate: &DeviceBuffer<f32>,

@@ -132,19 +132,6 @@ pub(crate) fn output(
     Tensor::from_cuda(out, shape)
 }
 
-/// A new f32 tensor of `shape` on `dev`, zero-filled and then accumulated into by `launch`
-/// (backward launchers add `dx += ...`).
-pub(crate) fn accumulated(
-    dev: &Arc<CudaDevice>,
-    op: &'static str,
-    shape: &[usize],
-    launch: impl FnOnce(&mut DeviceBuffer<f32>) -> Result<()>,
-) -> Result<Tensor> {
-    let mut out = CudaStorage::zeros(dev, shape.iter().product())?;
-    launch(out.f32_buffer_mut(op)?)?;
-    Tensor::from_cuda(out, shape)
-}
-
 /// Copies a host tensor to GPU `ordinal` (f32 and bf16 keep their type; f16 is widened).
 pub(crate) fn upload(t: &Tensor, ordinal: usize) -> Result<Tensor> {
     let dev = device(ordinal)?;

@@ -84,7 +84,6 @@ impl Tensor {
             &mut dq,
             &mut dk,
             &mut dv,
-            false,
         );
         Ok((Tensor::from_vec(dq, &q.shape)?, Tensor::from_vec(dk, &k.shape)?, Tensor::from_vec(dv, &v.shape)?))
     }
@@ -99,7 +98,7 @@ pub(crate) mod cuda {
     use kernels::cpu::attention::AttentionDims;
     use kernels::cuda::attention as launch;
 
-    use crate::cuda::{accumulated, output, CudaStorage};
+    use crate::cuda::{output, CudaStorage};
     use crate::{Result, Tensor};
 
     /// `(out [B, Tq, H, D], lse [B, H, Tq])` of causal attention.
@@ -134,8 +133,8 @@ pub(crate) mod cuda {
         let dev = q.cuda_device(OP)?;
         let (q, k, v) = (q.dense()?, k.dense()?, v.dense()?);
         let (out, lse, dout) = (out.dense()?, lse.dense()?, dout.dense()?);
-        let (mut dk, mut dv) = (CudaStorage::zeros(&dev, k.numel())?, CudaStorage::zeros(&dev, v.numel())?);
-        let dq = accumulated(&dev, OP, q.shape(), |dq| {
+        let (mut dk, mut dv) = (CudaStorage::alloc(&dev, k.numel())?, CudaStorage::alloc(&dev, v.numel())?);
+        let dq = output(&dev, OP, q.shape(), |dq| {
             let (q, k, v) = (q.cuda_f32(OP)?, k.cuda_f32(OP)?, v.cuda_f32(OP)?);
             let (out, lse, dout) = (out.cuda_f32(OP)?, lse.cuda_f32(OP)?, dout.cuda_f32(OP)?);
             let (dk, dv) = (dk.f32_buffer_mut(OP)?, dv.f32_buffer_mut(OP)?);

@@ -179,9 +179,9 @@ impl Tensor {
         let (x, dy) = (x.contiguous()?, dy.contiguous()?);
         let w = weight.map(Tensor::contiguous).transpose()?;
         let (mean, rstd) = (mean.contiguous()?, rstd.contiguous()?);
-        let mut dx = crate::pool::zeros(x.numel());
-        let mut dw = w.as_ref().map(|_| crate::pool::zeros(c));
-        let mut db = bias.then(|| crate::pool::zeros(c));
+        let mut dx = crate::pool::buffer(x.numel());
+        let mut dw = w.as_ref().map(|_| crate::pool::buffer(c));
+        let mut db = bias.then(|| crate::pool::buffer(c));
         batch_norm_train_backward(
             x.as_slice()?,
             n,
@@ -229,7 +229,7 @@ impl Tensor {
         let (xs, dys) = (x.as_slice()?, dy.as_slice()?);
         let (rm, rv) = (rm.as_slice()?, rv.as_slice()?);
         let gain = |ch: usize| w.as_ref().map_or(Ok(1.0), |w| w.as_slice().map(|w| w[ch]));
-        let mut dx = crate::pool::zeros(x.numel());
+        let mut dx = crate::pool::buffer(x.numel());
         let (mut dw_sum, mut db_sum) = (vec![0.0f64; c], vec![0.0f64; c]);
         for i in 0..n * c {
             let ch = i % c;
@@ -403,15 +403,16 @@ pub(crate) mod cuda {
         })
     }
 
-    /// Zeroed `[C]` gradients for the weight (when there is one) and the bias (when asked).
-    fn per_channel_zeros(
+    /// Fresh `[C]` gradients for the weight (when there is one) and the bias (when asked),
+    /// for a backward launcher to write.
+    fn per_channel_grads(
         dev: &Arc<kernels::cuda::CudaDevice>,
         c: usize,
         weight: bool,
         bias: bool,
     ) -> Result<[Option<CudaStorage>; 2]> {
-        let zeros = |need: bool| need.then(|| CudaStorage::zeros(dev, c)).transpose();
-        Ok([zeros(weight)?, zeros(bias)?])
+        let fresh = |need: bool| need.then(|| CudaStorage::alloc(dev, c)).transpose();
+        Ok([fresh(weight)?, fresh(bias)?])
     }
 
     /// The f32 buffer of an optional gradient storage, for writing.
@@ -441,8 +442,8 @@ pub(crate) mod cuda {
         let dev = x.cuda_device(OP)?;
         let (x, dy, mean, rstd) = (x.dense()?, dy.dense()?, mean.dense()?, rstd.dense()?);
         let [w] = dense_all([weight])?;
-        let mut dx = CudaStorage::zeros(&dev, x.numel())?;
-        let mut per_channel = per_channel_zeros(&dev, c, w.is_some(), bias)?;
+        let mut dx = CudaStorage::alloc(&dev, x.numel())?;
+        let mut per_channel = per_channel_grads(&dev, c, w.is_some(), bias)?;
         {
             let [dw, db] = &mut per_channel;
             launch::batch_norm_train_backward(
@@ -497,7 +498,7 @@ pub(crate) mod cuda {
                 dx,
             )?)
         })?;
-        let mut per_channel = per_channel_zeros(&dev, c, w.is_some(), bias)?;
+        let mut per_channel = per_channel_grads(&dev, c, w.is_some(), bias)?;
         if w.is_some() || bias {
             // d/dweight = Σ dy·(x − rm)·rstd, d/dbias = Σ dy: the training backward's sums at
             // mean rm and rstd = 1/√(rv + eps).

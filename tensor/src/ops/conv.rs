@@ -106,9 +106,9 @@ impl Tensor {
             return cuda::conv2d_backward(&g, x, weight, dy, needs);
         }
         let (x, w, dy) = (x.contiguous()?, weight.contiguous()?, dy.contiguous()?);
-        let mut dx = needs[0].then(|| crate::pool::zeros(x.numel()));
-        let mut dw = needs[1].then(|| crate::pool::zeros(w.numel()));
-        let mut db = needs[2].then(|| crate::pool::zeros(g.out_channels));
+        let mut dx = needs[0].then(|| crate::pool::buffer(x.numel()));
+        let mut dw = needs[1].then(|| crate::pool::buffer(w.numel()));
+        let mut db = needs[2].then(|| crate::pool::buffer(g.out_channels));
         conv2d_backward(
             &g,
             x.as_slice()?,
@@ -181,10 +181,10 @@ pub(crate) mod cuda {
         const OP: &str = "conv2d_backward";
         let dev = x.cuda_device(OP)?;
         let (x, w, dy) = (x.dense()?, w.dense()?, dy.dense()?);
-        let zeros = |need: bool, len: usize| need.then(|| CudaStorage::zeros(&dev, len)).transpose();
-        let mut dx = zeros(needs[0], x.numel())?;
-        let mut dw = zeros(needs[1], w.numel())?;
-        let mut db = zeros(needs[2], g.out_channels)?;
+        let fresh = |need: bool, len: usize| need.then(|| CudaStorage::alloc(&dev, len)).transpose();
+        let mut dx = fresh(needs[0], x.numel())?;
+        let mut dw = fresh(needs[1], w.numel())?;
+        let mut db = fresh(needs[2], g.out_channels)?;
         launch::conv2d_backward(
             &dev,
             g,

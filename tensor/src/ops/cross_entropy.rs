@@ -79,7 +79,7 @@ impl Tensor {
             return cuda::cross_entropy_backward(logits, cols, targets, ignore_index, lse, scale);
         }
         let (_, logits) = logits.rows(OP)?;
-        let mut dlogits = crate::pool::zeros(logits.numel());
+        let mut dlogits = crate::pool::buffer(logits.numel());
         let lse = lse.contiguous()?;
         cross_entropy::cross_entropy_backward(
             logits.as_slice()?,
@@ -103,7 +103,7 @@ pub(crate) mod cuda {
     use kernels::cuda::softmax as launch;
 
     use super::CrossEntropy;
-    use crate::cuda::{accumulated, CudaStorage};
+    use crate::cuda::{output, CudaStorage};
     use crate::{Result, Tensor};
 
     /// Mean cross-entropy of `[N, cols]` logits against host `targets` (already range-checked):
@@ -158,7 +158,7 @@ pub(crate) mod cuda {
         let dev = logits.cuda_device(OP)?;
         let (logits, lse) = (logits.dense()?, lse.dense()?);
         let targets = dev.upload(targets)?;
-        accumulated(&dev, OP, logits.shape(), |dlogits| {
+        output(&dev, OP, logits.shape(), |dlogits| {
             let (logits, lse) = (logits.cuda_f32(OP)?, lse.cuda_f32(OP)?);
             Ok(launch::cross_entropy_backward(&dev, logits, cols, &targets, ignore_index, lse, scale, dlogits)?)
         })

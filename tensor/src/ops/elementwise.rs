@@ -35,7 +35,7 @@ impl Tensor {
             return cuda::unary_backward(op, x, y, dy);
         }
         let (x, y, dy) = (x.contiguous()?, y.contiguous()?, dy.contiguous()?);
-        let mut dx = crate::pool::zeros(x.numel());
+        let mut dx = crate::pool::buffer(x.numel());
         unary_backward(op, x.as_slice()?, y.as_slice()?, dy.as_slice()?, &mut dx);
         Tensor::from_vec(dx, &x.shape)
     }
@@ -173,7 +173,7 @@ pub(crate) mod cuda {
     use kernels::cuda::elementwise as launch;
     use kernels::cuda::elementwise::{Binary, Unary};
 
-    use crate::cuda::{accumulated, output};
+    use crate::cuda::output;
     use crate::{Result, Tensor};
 
     /// `f(x)` elementwise.
@@ -188,7 +188,7 @@ pub(crate) mod cuda {
         const OP: &str = "unary_backward";
         let dev = x.cuda_device(OP)?;
         let (x, y, dy) = (x.dense()?, y.dense()?, dy.dense()?);
-        accumulated(&dev, OP, x.shape(), |dx| {
+        output(&dev, OP, x.shape(), |dx| {
             Ok(launch::unary_backward(&dev, op, x.cuda_f32(OP)?, y.cuda_f32(OP)?, dy.cuda_f32(OP)?, dx)?)
         })
     }

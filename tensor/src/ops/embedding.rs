@@ -55,7 +55,7 @@ impl Tensor {
             return cuda::embedding_backward(ids, dy, vocab, dim);
         }
         dy.require_cpu(OP)?;
-        let mut dw = crate::pool::zeros(vocab * dim);
+        let mut dw = crate::pool::buffer(vocab * dim);
         embedding::embedding_backward(ids, dy.contiguous()?.as_slice()?, dim, &mut dw);
         Tensor::from_vec(dw, &[vocab, dim])
     }
@@ -68,7 +68,7 @@ pub(crate) mod cuda {
 
     use kernels::cuda::embedding as launch;
 
-    use crate::cuda::{accumulated, output};
+    use crate::cuda::output;
     use crate::{Result, Tensor};
 
     /// Rows of `weight: [V, C]` picked by `ids`, as a tensor of `out_shape` (`ids_shape + [C]`).
@@ -81,12 +81,12 @@ pub(crate) mod cuda {
         output(&dev, OP, out_shape, |out| Ok(launch::embedding_forward(&dev, weight.cuda_f32(OP)?, dim, &ids, out)?))
     }
 
-    /// `dW: [vocab, dim]` with `dW[ids[i]] += dy[i]`, each id's rows summed in position
+    /// `dW: [vocab, dim]` with `dW[v] = Σ_{i : ids[i] = v} dy[i]`, each id's rows summed in position
     /// order: the CPU's result bit for bit, the same on every run.
     pub(crate) fn embedding_backward(ids: &[u32], dy: &Tensor, vocab: usize, dim: usize) -> Result<Tensor> {
         const OP: &str = "embedding_backward";
         let dev = dy.cuda_device(OP)?;
         let dy = dy.dense()?;
-        accumulated(&dev, OP, &[vocab, dim], |dw| Ok(launch::embedding_backward(&dev, ids, dy.cuda_f32(OP)?, dim, dw)?))
+        output(&dev, OP, &[vocab, dim], |dw| Ok(launch::embedding_backward(&dev, ids, dy.cuda_f32(OP)?, dim, dw)?))
     }
 }

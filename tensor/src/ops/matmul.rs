@@ -93,7 +93,7 @@ pub(crate) mod cuda {
     use kernels::cuda::blas::{self as launch, DeviceMat};
     use kernels::cuda::{DeviceBuffer, DeviceScalar};
 
-    use crate::cuda::{accumulated, output};
+    use crate::cuda::{output, CudaStorage};
     use crate::{DType, Error, Result, Storage, Tensor};
 
     /// The operand type of every matmul on a GPU (see [`set_matmul_precision`]).
@@ -146,7 +146,7 @@ pub(crate) mod cuda {
         let out_shape = [batch, &[m, n]].concat();
         if k == 0 {
             // An empty sum: zeros (cuBLAS is not asked to scale an uninitialised output).
-            return accumulated(&dev, OP, &out_shape, |_| Ok(()));
+            return Tensor::from_cuda(CudaStorage::zeros(&dev, out_shape.iter().product())?, &out_shape);
         }
         let (lhs, rhs) = (gemm_view(lhs, m, k)?, gemm_view(rhs, k, n)?);
         let bf16 = matmul_precision() == MatmulPrecision::Bf16;

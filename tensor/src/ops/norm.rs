@@ -67,7 +67,7 @@ impl Tensor {
         }
         let (_, x) = x.rows(OP)?;
         let (w, rstd) = (weight.contiguous()?, rstd.contiguous()?);
-        let (mut dx, mut dw) = (crate::pool::buffer(x.numel()), crate::pool::zeros(cols));
+        let (mut dx, mut dw) = (crate::pool::buffer(x.numel()), crate::pool::buffer(cols));
         norm::rms_norm_backward(
             x.as_slice()?,
             w.as_slice()?,
@@ -76,7 +76,6 @@ impl Tensor {
             cols,
             &mut dx,
             &mut dw,
-            false,
         );
         Ok((Tensor::from_vec(dx, &x.shape)?, Tensor::from_vec(dw, &w.shape)?))
     }
@@ -138,9 +137,9 @@ impl Tensor {
         let (_, x) = x.rows(OP)?;
         let w = weight.map(|w| w.contiguous()).transpose()?;
         let (mean, rstd) = (mean.contiguous()?, rstd.contiguous()?);
-        let mut dx = crate::pool::zeros(x.numel());
-        let mut dw = w.as_ref().map(|_| crate::pool::zeros(cols));
-        let mut db = with_bias.then(|| crate::pool::zeros(cols));
+        let mut dx = crate::pool::buffer(x.numel());
+        let mut dw = w.as_ref().map(|_| crate::pool::buffer(cols));
+        let mut db = with_bias.then(|| crate::pool::buffer(cols));
         norm::layer_norm_backward(
             x.as_slice()?,
             w.as_ref().map(|w| w.as_slice()).transpose()?,
@@ -160,12 +159,12 @@ impl Tensor {
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda {
     //! The CUDA branch of RMSNorm and LayerNorm in `ops/norm.rs`: forwards that keep their
-    //! per-row statistics on the device, and backwards that accumulate into zeroed gradients.
+    //! per-row statistics on the device, and backwards that write fresh gradients.
 
     use kernels::cuda::norm as launch;
 
     use super::{LayerNormOutput, RmsNormOutput};
-    use crate::cuda::{accumulated, output, CudaStorage};
+    use crate::cuda::{output, CudaStorage};
     use crate::{Result, Tensor};
 
     /// Rows of `cols` in `x` (none when `cols` is 0).
@@ -205,8 +204,8 @@ pub(crate) mod cuda {
         const OP: &str = "rms_norm_backward";
         let dev = x.cuda_device(OP)?;
         let (x, w, rstd, dy) = (x.dense()?, weight.dense()?, rstd.dense()?, dy.dense()?);
-        let mut dw = CudaStorage::zeros(&dev, cols)?;
-        let dx = accumulated(&dev, OP, x.shape(), |dx| {
+        let mut dw = CudaStorage::alloc(&dev, cols)?;
+        let dx = output(&dev, OP, x.shape(), |dx| {
             let (x, w, rstd, dy) = (x.cuda_f32(OP)?, w.cuda_f32(OP)?, rstd.cuda_f32(OP)?, dy.cuda_f32(OP)?);
             Ok(launch::rms_norm_backward(&dev, x, w, rstd, dy, cols, dx, dw.f32_buffer_mut(OP)?)?)
         })?;
@@ -253,9 +252,9 @@ pub(crate) mod cuda {
         let dev = x.cuda_device(OP)?;
         let (x, mean, rstd, dy) = (x.dense()?, mean.dense()?, rstd.dense()?, dy.dense()?);
         let w = weight.map(Tensor::dense).transpose()?;
-        let mut dw = w.as_ref().map(|_| CudaStorage::zeros(&dev, cols)).transpose()?;
-        let mut db = with_bias.then(|| CudaStorage::zeros(&dev, cols)).transpose()?;
-        let dx = accumulated(&dev, OP, x.shape(), |dx| {
+        let mut dw = w.as_ref().map(|_| CudaStorage::alloc(&dev, cols)).transpose()?;
+        let mut db = with_bias.then(|| CudaStorage::alloc(&dev, cols)).transpose()?;
+        let dx = output(&dev, OP, x.shape(), |dx| {
             let w = w.as_ref().map(|w| w.cuda_f32(OP)).transpose()?;
             let dw = dw.as_mut().map(|g| g.f32_buffer_mut(OP)).transpose()?;
             let db = db.as_mut().map(|g| g.f32_buffer_mut(OP)).transpose()?;

@@ -128,7 +128,7 @@ impl Tensor {
         }
         match &indices.0 {
             Indices::Host(argmax) => {
-                let mut dx = crate::pool::zeros(x_shape.iter().product());
+                let mut dx = crate::pool::buffer(x_shape.iter().product());
                 max_pool2d_backward(argmax, dy.contiguous()?.as_slice()?, n, c, h, w, out_h, out_w, &mut dx);
                 Tensor::from_vec(dx, x_shape)
             }
@@ -172,7 +172,7 @@ impl Tensor {
         if dy.cuda_storage().is_some() {
             return cuda::global_avg_pool_backward(x_shape, dy);
         }
-        let mut dx = crate::pool::zeros(n * c * h * w);
+        let mut dx = crate::pool::buffer(n * c * h * w);
         global_avg_pool_backward(dy.contiguous()?.as_slice()?, n, c, h * w, &mut dx);
         Tensor::from_vec(dx, x_shape)
     }
@@ -207,7 +207,7 @@ pub(crate) mod cuda {
     use kernels::cuda::pool::{self as launch, MaxPool2d};
     use kernels::cuda::{CudaDevice, DeviceBuffer};
 
-    use crate::cuda::{accumulated, cuda_error, output};
+    use crate::cuda::{cuda_error, output};
     use crate::{Device, Result, Tensor};
 
     /// The winners of a max pooling on a GPU, with the device that holds them.
@@ -273,7 +273,7 @@ pub(crate) mod cuda {
         let dev = dy.cuda_device(OP)?;
         let dy = dy.dense()?;
         let g = geometry(x_shape, kernel, stride, padding);
-        accumulated(&dev, OP, x_shape, |dx| {
+        output(&dev, OP, x_shape, |dx| {
             Ok(launch::max_pool2d_backward(&dev, &g, &indices.buffer, dy.cuda_f32(OP)?, dx)?)
         })
     }
@@ -293,7 +293,7 @@ pub(crate) mod cuda {
         let dev = dy.cuda_device(OP)?;
         let dy = dy.dense()?;
         let (planes, spatial) = (x_shape[0] * x_shape[1], x_shape[2] * x_shape[3]);
-        accumulated(&dev, OP, x_shape, |dx| {
+        output(&dev, OP, x_shape, |dx| {
             Ok(launch::global_avg_pool_backward(&dev, dy.cuda_f32(OP)?, planes, spatial, dx)?)
         })
     }

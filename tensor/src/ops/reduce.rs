@@ -160,7 +160,7 @@ pub(crate) mod cuda {
     use kernels::cuda::embedding::embedding_backward;
     use kernels::cuda::reduce as launch;
 
-    use crate::cuda::{accumulated, cuda_error, output};
+    use crate::cuda::{cuda_error, output, CudaStorage};
     use crate::{DType, Error, Result, Tensor};
 
     /// `Σ_j x[o, j, i]` as a tensor of `shape` (`outer·inner` elements).
@@ -170,7 +170,7 @@ pub(crate) mod cuda {
         let x = dense_f32(x, OP)?;
         if n == 0 {
             // The sum of nothing is 0 (and the column-sum kernel takes no empty grid).
-            return accumulated(&dev, OP, shape, |_| Ok(()));
+            return Tensor::from_cuda(CudaStorage::zeros(&dev, shape.iter().product())?, shape);
         }
         output(&dev, OP, shape, |out| Ok(launch::sum_axis(&dev, x.cuda_f32(OP)?, outer, n, inner, out)?))
     }
@@ -218,7 +218,7 @@ pub(crate) mod cuda {
             .enumerate()
             .map(|(slot, &j)| ((slot / inner * n + j) * inner + slot % inner) as u32)
             .collect();
-        accumulated(&dev, OP, shape, |dx| Ok(embedding_backward(&dev, &positions, dy.cuda_f32(OP)?, 1, dx)?))
+        output(&dev, OP, shape, |dx| Ok(embedding_backward(&dev, &positions, dy.cuda_f32(OP)?, 1, dx)?))
     }
 
     /// A dense view of an f32 tensor (the CPU kernels take f32 only; so do these).

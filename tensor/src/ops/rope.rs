@@ -44,7 +44,7 @@ impl Tensor {
         let dy = self.contiguous()?;
         let table = rope_table(pos_offset + dims.seq, dims.head_dim, theta);
         let mut dx = crate::pool::buffer(dy.numel());
-        rope::rope_backward(dy.as_slice()?, &table.cos, &table.sin, &dims, &mut dx, false);
+        rope::rope_backward(dy.as_slice()?, &table.cos, &table.sin, &dims, &mut dx);
         Tensor::from_vec(dx, &self.shape)
     }
 }
@@ -63,7 +63,7 @@ pub(crate) mod cuda {
     use kernels::cpu::rope::{rope_table, RopeDims};
     use kernels::cuda::{rope as launch, CudaDevice, DeviceBuffer};
 
-    use crate::cuda::{accumulated, output};
+    use crate::cuda::output;
     use crate::{Result, Tensor};
 
     /// Fewest positions of a cached table (short sequences share one upload).
@@ -116,7 +116,7 @@ pub(crate) mod cuda {
         let table = table(&dev, dims.pos_offset + dims.seq, dims.head_dim, theta)?;
         let (cos, sin) = (&table.cos, &table.sin);
         if backward {
-            accumulated(&dev, op, x.shape(), |dx| Ok(launch::rope_backward(&dev, x.cuda_f32(op)?, cos, sin, dims, dx)?))
+            output(&dev, op, x.shape(), |dx| Ok(launch::rope_backward(&dev, x.cuda_f32(op)?, cos, sin, dims, dx)?))
         } else {
             output(&dev, op, x.shape(), |y| Ok(launch::rope_forward(&dev, x.cuda_f32(op)?, cos, sin, dims, y)?))
         }

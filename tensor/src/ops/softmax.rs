@@ -48,7 +48,7 @@ impl Tensor {
             return cuda::softmax_backward(y, dy, y.last_dim(op)?, log);
         }
         let (cols, y) = y.rows(op)?;
-        let mut dx = crate::pool::zeros(y.numel());
+        let mut dx = crate::pool::buffer(y.numel());
         let backward = if log { softmax::log_softmax_backward } else { softmax::softmax_backward };
         backward(y.as_slice()?, dy.contiguous()?.as_slice()?, cols, &mut dx);
         Tensor::from_vec(dx, &y.shape)
@@ -61,7 +61,7 @@ pub(crate) mod cuda {
 
     use kernels::cuda::softmax as launch;
 
-    use crate::cuda::{accumulated, output};
+    use crate::cuda::output;
     use crate::{Result, Tensor};
 
     /// Softmax (or log-softmax when `log`) over rows of `cols`.
@@ -81,7 +81,7 @@ pub(crate) mod cuda {
         const OP: &str = "softmax_backward";
         let dev = y.cuda_device(OP)?;
         let (y, dy) = (y.dense()?, dy.dense()?);
-        accumulated(&dev, OP, y.shape(), |dx| {
+        output(&dev, OP, y.shape(), |dx| {
             let backward = if log { launch::log_softmax_backward } else { launch::softmax_backward };
             Ok(backward(&dev, y.cuda_f32(OP)?, dy.cuda_f32(OP)?, cols, dx)?)
         })

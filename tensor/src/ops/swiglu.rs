@@ -41,7 +41,7 @@ impl Tensor {
         }
         let (g, u, dy) = (gate.contiguous()?, up.contiguous()?, dy.contiguous()?);
         let (mut dg, mut du) = (crate::pool::buffer(g.numel()), crate::pool::buffer(u.numel()));
-        swiglu_backward(g.as_slice()?, u.as_slice()?, dy.as_slice()?, &mut dg, &mut du, false);
+        swiglu_backward(g.as_slice()?, u.as_slice()?, dy.as_slice()?, &mut dg, &mut du);
         Ok((Tensor::from_vec(dg, &g.shape)?, Tensor::from_vec(du, &u.shape)?))
     }
 }
@@ -68,7 +68,7 @@ pub(crate) mod cuda {
         const OP: &str = "swiglu_backward";
         let dev = gate.cuda_device(OP)?;
         let (gate, up, dy) = (gate.dense()?, up.dense()?, dy.dense()?);
-        let (mut dgate, mut dup) = (CudaStorage::zeros(&dev, gate.numel())?, CudaStorage::zeros(&dev, up.numel())?);
+        let (mut dgate, mut dup) = (CudaStorage::alloc(&dev, gate.numel())?, CudaStorage::alloc(&dev, up.numel())?);
         launch::swiglu_backward(
             &dev,
             gate.cuda_f32(OP)?,

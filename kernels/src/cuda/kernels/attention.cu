@@ -118,7 +118,8 @@ extern "C" __global__ void attention_backward_delta(const float* out, const floa
     }
 }
 
-// dq += scale·Σ_s dS_is·k_s, one warp per query (as the forward).
+// dq = scale·Σ_s dS_is·k_s, one warp per query (as the forward). Gradients are written, not
+// added (kernels/src/lib.rs): every row of dq, dk and dv is written once.
 // Dynamic shared memory: K tile [32][KS], V tile [32][KS], q rows [QB][D], dout rows [QB][D].
 extern "C" __global__ void __launch_bounds__(QB * 32)
     attention_backward_dq(const float* q, const float* k, const float* v, const float* dout, const float* lse,
@@ -185,12 +186,12 @@ extern "C" __global__ void __launch_bounds__(QB * 32)
         i64 at = row_at(b, i, h, q_seq, heads, head_dim);
         for (int j = 0; j < DIMS_PER_LANE; ++j) {
             int d = lane + 32 * j;
-            if (d < head_dim) dq[at + d] += scale * acc[j];
+            if (d < head_dim) dq[at + d] = scale * acc[j];
         }
     }
 }
 
-// dv += Σ_i P_is·dO_i and dk += scale·Σ_i dS_is·q_i, one warp per key s, QB keys per block,
+// dv = Σ_i P_is·dO_i and dk = scale·Σ_i dS_is·q_i, one warp per key s, QB keys per block,
 // walking the query tiles that see those keys (queries i with i + offset ≥ s).
 // Dynamic shared memory: q tile [32][KS], dout tile [32][KS], k rows [QB][D], v rows
 // [QB][D], lse [32], delta [32].
@@ -270,8 +271,8 @@ extern "C" __global__ void __launch_bounds__(QB * 32)
         for (int j = 0; j < DIMS_PER_LANE; ++j) {
             int d = lane + 32 * j;
             if (d < head_dim) {
-                dv[at + d] += acc_v[j];
-                dk[at + d] += scale * acc_k[j];
+                dv[at + d] = acc_v[j];
+                dk[at + d] = scale * acc_k[j];
             }
         }
     }

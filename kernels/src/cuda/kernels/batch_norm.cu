@@ -1,7 +1,8 @@
 // Batch normalisation over N and H·W for each channel of x [N, C, S] (cpu/batch_norm.rs):
 // y = (x − mean[c])·rstd[c]·w[c] + b[c], rstd = 1/√(var + eps). One block per channel for
 // the training passes (statistics summed in f64, two passes for a stable variance); the
-// eval pass is elementwise. Gradients accumulate: dx += ..., dweight += ..., dbias += ...
+// eval pass is elementwise. Gradients are written, not added (kernels/src/lib.rs):
+// dx = ..., dweight = ..., dbias = ...
 
 __device__ __forceinline__ i64 bn_index(i64 e, i64 c, i64 channels, i64 spatial) {
     return ((e / spatial) * channels + c) * spatial + e % spatial;
@@ -56,7 +57,7 @@ extern "C" __global__ void batch_norm_eval_forward(const float* x, const float* 
 }
 
 // d/dx = w·rstd/n · (n·dy − Σdy − x̂·Σ(dy·x̂)),  d/dw = Σ dy·x̂,  d/db = Σ dy
-// (sums over the n = N·S values of a channel), expanded to dx += k·dy + slope·x + offset.
+// (sums over the n = N·S values of a channel), expanded to dx = k·dy + slope·x + offset.
 extern "C" __global__ void batch_norm_train_backward(const float* x, const float* w, const float* mean,
                                                      const float* rstd, const float* dy, float* dx, float* dweight,
                                                      float* dbias, i64 batch, i64 channels, i64 spatial) {
@@ -73,8 +74,8 @@ extern "C" __global__ void batch_norm_train_backward(const float* x, const float
         double dy_sum = block_sum_d(s);
         double dy_xhat = block_sum_d(sd) * (double)rstd[c];
         if (threadIdx.x == 0) {
-            if (dweight) dweight[c] += (float)dy_xhat;
-            if (dbias) dbias[c] += (float)dy_sum;
+            if (dweight) dweight[c] = (float)dy_xhat;
+            if (dbias) dbias[c] = (float)dy_sum;
         }
         double r = (double)rstd[c];
         double k = r * (w ? (double)w[c] : 1.0);
@@ -83,7 +84,7 @@ extern "C" __global__ void batch_norm_train_backward(const float* x, const float
         float k32 = (float)k, slope32 = (float)slope, offset32 = (float)offset;
         for (i64 e = threadIdx.x; e < count; e += blockDim.x) {
             i64 at = bn_index(e, c, channels, spatial);
-            dx[at] += k32 * dy[at] + slope32 * x[at] + offset32;
+            dx[at] = k32 * dy[at] + slope32 * x[at] + offset32;
         }
     }
 }

@@ -3,7 +3,8 @@
 // compiling needs no CUDA toolkit headers on the machine.
 //
 // Conventions: sizes and flat indices are `long long` (i64); kernels walk their elements
-// with grid-stride loops; backward kernels accumulate (`dx[i] += ...`) like the CPU ones.
+// with grid-stride loops; backward kernels write their gradients (`dx[i] = ...`, never
+// reading them) like the CPU ones: the gradient contract of kernels/src/lib.rs.
 
 typedef long long i64;
 typedef unsigned short bf16_t;

@@ -19,7 +19,7 @@ extern "C" __global__ void im2col(const float* x, float* col, i64 images, i64 ch
     }
 }
 
-// The adjoint of im2col: dx[n, c, ih, iw] += Σ of the col entries that read it (taps in
+// The adjoint of im2col: dx[n, c, ih, iw] = Σ of the col entries that read it (taps in
 // increasing (ky, kx) order, as the CPU adds them). One thread per input element: a
 // gather, so no two threads write the same element.
 extern "C" __global__ void col2im(const float* col, float* dx, i64 images, i64 channels, i64 height, i64 width,
@@ -42,7 +42,7 @@ extern "C" __global__ void col2im(const float* col, float* dx, i64 images, i64 c
                 acc += col_n[row * positions + (y / stride) * out_w + xx / stride];
             }
         }
-        dx[i] += acc;
+        dx[i] = acc;
     }
 }
 
@@ -51,7 +51,8 @@ extern "C" __global__ void fill_bias(const float* bias, float* y, i64 n, i64 out
     GRID_STRIDE(i, n) { y[i] = bias[(i / positions) % out_channels]; }
 }
 
-// d/dbias[o] = Σ_{n,p} dy[n, o, p]: one block per output channel, f64, dbias += ...
+// d/dbias[o] = Σ_{n,p} dy[n, o, p]: one block per output channel, f64, dbias = ... (gradients
+// are written, not added: kernels/src/lib.rs)
 extern "C" __global__ void conv_bias_grad(const float* dy, float* dbias, i64 batch, i64 out_channels, i64 positions) {
     i64 count = batch * positions;
     for (i64 o = blockIdx.x; o < out_channels; o += gridDim.x) {
@@ -60,6 +61,6 @@ extern "C" __global__ void conv_bias_grad(const float* dy, float* dbias, i64 bat
             s += (double)dy[((e / positions) * out_channels + o) * positions + e % positions];
         }
         s = block_sum_d(s);
-        if (threadIdx.x == 0) dbias[o] += (float)s;
+        if (threadIdx.x == 0) dbias[o] = (float)s;
     }
 }

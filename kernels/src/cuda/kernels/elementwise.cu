@@ -35,10 +35,11 @@ extern "C" __global__ void unary_forward(int op, float p, const float* x, float*
     GRID_STRIDE(i, n) { y[i] = unary_f(op, x[i], p); }
 }
 
-// dx[i] += dy[i]·f'(x[i]), with y = f(x) saved by the forward
+// dx[i] = dy[i]·f'(x[i]), with y = f(x) saved by the forward (gradients are written, not
+// added: kernels/src/lib.rs)
 extern "C" __global__ void unary_backward(int op, float p, const float* x, const float* y, const float* dy,
                                           float* dx, i64 n) {
-    GRID_STRIDE(i, n) { dx[i] += dy[i] * unary_df(op, x[i], y[i], p); }
+    GRID_STRIDE(i, n) { dx[i] = dy[i] * unary_df(op, x[i], y[i], p); }
 }
 
 // out[idx] = a[Σ idx_d·sa_d] op b[Σ idx_d·sb_d] over a (coalesced) shape of `rank` dims:

@@ -17,7 +17,8 @@ extern "C" __global__ void embedding_forward(const float* weight, const unsigned
 
 // d/dweight[v] Σ_i dy_i·weight[ids_i] = Σ_{i : ids_i = v} dy_i. Distinct id u is rows[u]; its
 // positions are positions[starts[u] .. starts[u + 1]], increasing. One thread per (u, column):
-// dweight[rows[u], j] += Σ_p dy[positions[p], j], summed in that order.
+// dweight[rows[u], j] = Σ_p dy[positions[p], j], summed in that order. The launcher zeroes
+// dweight first, so rows of ids that never occur are 0 (gradients are written, not added).
 extern "C" __global__ void embedding_backward(const unsigned int* rows, const unsigned int* starts,
                                               const unsigned int* positions, const float* dy, float* dweight,
                                               i64 distinct, i64 dim) {
@@ -25,6 +26,6 @@ extern "C" __global__ void embedding_backward(const unsigned int* rows, const un
         i64 u = e / dim, j = e % dim;
         float sum = 0.0f;
         for (unsigned int p = starts[u]; p < starts[u + 1]; ++p) sum += dy[(i64)positions[p] * dim + j];
-        dweight[(i64)rows[u] * dim + j] += sum;
+        dweight[(i64)rows[u] * dim + j] = sum;
     }
 }

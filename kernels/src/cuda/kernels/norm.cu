@@ -1,6 +1,6 @@
 // RMSNorm and LayerNorm over the last axis (cpu/norm.rs): x is [N, C], one block per row.
-// The forward saves rstd (and mean) per row; the backward writes dx += ... per row, and the
-// weight/bias gradients come from norm_param_grads_partial, a column sum over rows in a
+// The forward saves rstd (and mean) per row; the backward writes dx = ... per row (gradients are
+// written, not added: kernels/src/lib.rs), and the weight/bias gradients come from norm_param_grads_partial, a column sum over rows in a
 // fixed order (no atomics), finished by reduce.cu's column_sums_finish.
 
 // y = x·rstd·w, rstd = 1/√(mean(x²) + eps)
@@ -30,7 +30,7 @@ extern "C" __global__ void rms_norm_backward(const float* x, const float* w, con
         for (i64 j = threadIdx.x; j < cols; j += blockDim.x) gx += dyr[j] * w[j] * xr[j];
         gx = block_sum(gx);
         float c = rs * rs * rs * gx / (float)cols;
-        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) dxr[j] += dyr[j] * w[j] * rs - xr[j] * c;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) dxr[j] = dyr[j] * w[j] * rs - xr[j] * c;
     }
 }
 
@@ -83,7 +83,7 @@ extern "C" __global__ void layer_norm_backward(const float* x, const float* w, c
         for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
             float g = w ? dyr[j] * w[j] : dyr[j];
             float x_hat = (xr[j] - mu) * rs;
-            dxr[j] += (g - mean_g - x_hat * mean_gx) * rs;
+            dxr[j] = (g - mean_g - x_hat * mean_gx) * rs;
         }
     }
 }

@@ -1,6 +1,7 @@
 // Pooling over the H×W planes of x [N, C, H, W] (cpu/pool.rs): max pooling with a square
 // window (−∞ padding, floor mode, argmax saved as the winner's index in its plane) and
-// global average pooling. Backward kernels accumulate (dx += ...).
+// global average pooling. Backward kernels write their gradients (dx = ...; not added:
+// kernels/src/lib.rs).
 
 // One output per thread: the window's maximum, scanned row by row like the CPU (a later
 // value wins only when larger, or when it is NaN), and its index in the plane.
@@ -33,8 +34,8 @@ extern "C" __global__ void max_pool2d_forward(const float* x, i64 planes, i64 he
 }
 
 // One input per thread, gathering dy from every window that can hold it and chose it, in
-// increasing output order (the order of the CPU's scatter): dx[n, c, a] += Σ dy[n, c, o]
-// over the o with argmax[n, c, o] = a.
+// increasing output order (the order of the CPU's scatter): dx[n, c, a] = Σ dy[n, c, o]
+// over the o with argmax[n, c, o] = a (0 when no window chose it).
 extern "C" __global__ void max_pool2d_backward(const unsigned int* argmax, const float* dy, i64 planes, i64 height,
                                                i64 width, i64 kernel, i64 stride, i64 padding, i64 out_h,
                                                i64 out_w, float* dx) {
@@ -47,7 +48,7 @@ extern "C" __global__ void max_pool2d_backward(const unsigned int* argmax, const
         const i64 ow_lo = max(iw + padding - kernel + stride, (i64)0) / stride;
         const i64 ow_hi = min((iw + padding) / stride, out_w - 1);
         const i64 base = plane * out_h * out_w;
-        float acc = dx[i];
+        float acc = 0.0f;
         for (i64 oh = oh_lo; oh <= oh_hi; ++oh) {
             for (i64 ow = ow_lo; ow <= ow_hi; ++ow) {
                 const i64 o = base + oh * out_w + ow;
@@ -68,8 +69,8 @@ extern "C" __global__ void global_avg_pool_forward(const float* x, i64 planes, i
     }
 }
 
-// dx[p, s] += dy[p] / S
+// dx[p, s] = dy[p] / S
 extern "C" __global__ void global_avg_pool_backward(const float* dy, i64 planes, i64 spatial, float* dx) {
     const float inv = 1.0f / (float)spatial;
-    GRID_STRIDE(i, planes * spatial) { dx[i] += dy[i / spatial] * inv; }
+    GRID_STRIDE(i, planes * spatial) { dx[i] = dy[i / spatial] * inv; }
 }

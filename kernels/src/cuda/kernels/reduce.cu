@@ -41,14 +41,13 @@ extern "C" __global__ void column_sums_partial(const float* x, i64 outer, i64 ro
     }
 }
 
-// dst[o·cols + col] (+)= Σ_chunk partial[(o·chunks + chunk)·cols + col], in chunk order, f64.
-extern "C" __global__ void column_sums_finish(const float* partial, i64 outer, i64 chunks, i64 cols, float* dst,
-                                              int accumulate) {
+// dst[o·cols + col] = Σ_chunk partial[(o·chunks + chunk)·cols + col], in chunk order, f64.
+extern "C" __global__ void column_sums_finish(const float* partial, i64 outer, i64 chunks, i64 cols, float* dst) {
     GRID_STRIDE(i, outer * cols) {
         i64 o = i / cols, col = i % cols;
         double s = 0.0;
         for (i64 c = 0; c < chunks; ++c) s += (double)partial[(o * chunks + c) * cols + col];
-        dst[i] = accumulate ? dst[i] + (float)s : (float)s;
+        dst[i] = (float)s;
     }
 }
 

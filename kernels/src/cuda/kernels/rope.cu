@@ -3,12 +3,12 @@
 // the angle of table row p:
 //   y[i]       = x[i]·cos − x[i + D/2]·sin
 //   y[i + D/2] = x[i + D/2]·cos + x[i]·sin
-// The backward is the inverse rotation (sign = −1) accumulated into dx. One thread per pair.
+// The backward is the inverse rotation (sign = −1) written into dx (gradients are written,
+// not added: kernels/src/lib.rs). One thread per pair.
 
 // x, out: [tokens = B·T, H, D]; token t of a sequence uses table row pos_offset + t % seq.
 extern "C" __global__ void rope_rotate(const float* x, const float* cos_table, const float* sin_table, float* out,
-                                       i64 tokens, i64 seq, i64 heads, i64 head_dim, i64 pos_offset, float sign,
-                                       int accumulate) {
+                                       i64 tokens, i64 seq, i64 heads, i64 head_dim, i64 pos_offset, float sign) {
     i64 half = head_dim / 2;
     GRID_STRIDE(idx, tokens * heads * half) {
         i64 i = idx % half;
@@ -18,13 +18,7 @@ extern "C" __global__ void rope_rotate(const float* x, const float* cos_table, c
         float c = cos_table[row], s = sin_table[row] * sign;
         i64 at = token_head * head_dim + i;
         float a = x[at], b = x[at + half];
-        float y1 = a * c - b * s, y2 = b * c + a * s;
-        if (accumulate) {
-            out[at] += y1;
-            out[at + half] += y2;
-        } else {
-            out[at] = y1;
-            out[at + half] = y2;
-        }
+        out[at] = a * c - b * s;
+        out[at + half] = b * c + a * s;
     }
 }

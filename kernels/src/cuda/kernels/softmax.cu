@@ -1,6 +1,6 @@
 // Softmax, log-softmax (cpu/softmax.rs) and the fused cross-entropy (cpu/cross_entropy.rs)
 // over rows of `cols`: one block per row, the row read from global memory once per pass.
-// Backward kernels accumulate: dx += ...
+// Backward kernels write their gradients, dx = ... (not added: kernels/src/lib.rs).
 
 // y = softmax(x) (log = 0) or log_softmax(x) (log = 1) of each row.
 extern "C" __global__ void softmax_forward(const float* x, float* y, i64 rows, i64 cols, int log) {
@@ -35,7 +35,7 @@ extern "C" __global__ void softmax_backward(const float* y, const float* dy, flo
         for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += log ? dyr[j] : dyr[j] * yr[j];
         s = block_sum(s);
         for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
-            dxr[j] += log ? dyr[j] - expf(yr[j]) * s : yr[j] * (dyr[j] - s);
+            dxr[j] = log ? dyr[j] - expf(yr[j]) * s : yr[j] * (dyr[j] - s);
         }
     }
 }
@@ -71,20 +71,23 @@ extern "C" __global__ void cross_entropy_forward(const float* logits, const unsi
     }
 }
 
-// d/dlogits_j (lse − logits_t) = softmax_j − [j = t]:  dlogits[r] += scale·(softmax − onehot)
-// for rows not ignored (rows with a target ≥ cols are skipped as well).
+// d/dlogits_j (lse − logits_t) = softmax_j − [j = t]:  dlogits[r] = scale·(softmax − onehot)
+// for rows not ignored, zeros for ignored rows (and rows with a target ≥ cols).
 extern "C" __global__ void cross_entropy_backward(const float* logits, const unsigned int* targets,
                                                   const float* lse, i64 rows, i64 cols, i64 ignore, float scale,
                                                   float* dlogits) {
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         i64 t = (i64)targets[r];
-        if (t == ignore || t >= cols) continue;  // uniform across the block
-        const float* xr = logits + r * cols;
         float* dr = dlogits + r * cols;
+        if (t == ignore || t >= cols) {  // uniform across the block
+            for (i64 j = threadIdx.x; j < cols; j += blockDim.x) dr[j] = 0.0f;
+            continue;
+        }
+        const float* xr = logits + r * cols;
         float shift = lse[r];
         for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
             float p = expf(xr[j] - shift);
-            dr[j] += scale * (j == t ? p - 1.0f : p);
+            dr[j] = scale * (j == t ? p - 1.0f : p);
         }
     }
 }
