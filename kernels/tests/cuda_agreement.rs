@@ -1080,7 +1080,7 @@ fn max_pool_and_global_avg_pool_agree() {
         // Values on a coarse grid, so that windows hold ties (the first maximum wins).
         let x: Vec<f32> = (0..planes * height * width).map(|_| rng.below(7) as f32 - 3.0).collect();
         let (mut y, mut argmax) = (vec![0.0; planes * out_h * out_w], vec![0usize; planes * out_h * out_w]);
-        cpu::pool::max_pool2d_forward(&x, planes, 1, height, width, kernel, stride, padding, &mut y, &mut argmax);
+        cpu::pool::max_pool2d_forward(&g, &x, &mut y, &mut argmax);
         let (gx, mut gy, mut gargmax) = (up(dev, &x), dev.alloc(y.len()).unwrap(), dev.alloc::<u32>(y.len()).unwrap());
         cuda::pool::max_pool2d_forward(dev, &g, &gx, &mut gy, &mut gargmax).unwrap();
         let what = format!("max_pool2d {g:?}");
@@ -1089,7 +1089,7 @@ fn max_pool_and_global_avg_pool_agree() {
         assert_eq!(argmax_gpu, argmax, "{what}: argmax");
         let (dy, dx0) = (rng.vec(y.len(), -1.0, 1.0), stale(x.len()));
         let mut dx = dx0.clone();
-        cpu::pool::max_pool2d_backward(&argmax, &dy, planes, 1, height, width, out_h, out_w, &mut dx);
+        cpu::pool::max_pool2d_backward(&g, &argmax, &dy, &mut dx);
         let mut gdx = up(dev, &dx0);
         cuda::pool::max_pool2d_backward(dev, &g, &gargmax, &up(dev, &dy), &mut gdx).unwrap();
         assert_elementwise(&format!("{what}: dx"), &down(dev, &gdx), &dx);

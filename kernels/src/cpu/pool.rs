@@ -22,30 +22,77 @@ pub fn max_pool2d_output_size(size: usize, kernel: usize, stride: usize, padding
     }
 }
 
-/// Max pooling (kernel k, stride s, padding p with -inf padding, PyTorch MaxPool2d semantics). y[N,C,OH,OW]; argmax[i] = flat index into the H*W plane of the chosen input.
-///
-/// As in PyTorch, `padding ≤ kernel / 2`, so every window holds at least one input, and a
-/// NaN in a window wins it.
-#[allow(clippy::too_many_arguments)]
-pub fn max_pool2d_forward(
-    x: &[f32],
-    batch: usize,
-    channels: usize,
-    height: usize,
-    width: usize,
-    kernel: usize,
-    stride: usize,
-    padding: usize,
-    y: &mut [f32],
-    argmax: &mut [usize],
-) {
-    let out_h = max_pool2d_output_size(height, kernel, stride, padding);
-    let out_w = max_pool2d_output_size(width, kernel, stride, padding);
-    let (plane_in, plane_out) = (height * width, out_h * out_w);
-    let planes = batch * channels;
-    assert_eq!(x.len(), planes * plane_in, "max_pool2d_forward: x has the wrong length");
-    assert_eq!(y.len(), planes * plane_out, "max_pool2d_forward: y has the wrong length");
+/// The geometry of one max pooling, shared by the CPU kernels and the CUDA launchers:
+/// `x[planes, height, width]` (planes = N·C), a square window of `kernel` with `stride` and
+/// −∞ `padding`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaxPool2d {
+    /// `N·C`, the number of planes.
+    pub planes: usize,
+    /// `H`.
+    pub height: usize,
+    /// `W`.
+    pub width: usize,
+    /// Window side.
+    pub kernel: usize,
+    /// Step between windows.
+    pub stride: usize,
+    /// −∞ padding on every side (at most `kernel / 2`).
+    pub padding: usize,
+}
+
+impl MaxPool2d {
+    /// `(OH, OW)`, PyTorch's floor mode.
+    pub fn output_size(&self) -> (usize, usize) {
+        (
+            max_pool2d_output_size(self.height, self.kernel, self.stride, self.padding),
+            max_pool2d_output_size(self.width, self.kernel, self.stride, self.padding),
+        )
+    }
+
+    /// `N·H·W`, the length of `x` (and `dx`).
+    pub fn input_len(&self) -> usize {
+        self.planes * self.height * self.width
+    }
+
+    /// `N·OH·OW`, the length of `y`, `argmax` and `dy`.
+    pub fn output_len(&self) -> usize {
+        let (out_h, out_w) = self.output_size();
+        self.planes * out_h * out_w
+    }
+
+    /// The window rule, checked once for both devices (the tensor layer turns the message
+    /// into its error, the CUDA launchers into theirs): kernel and stride ≥ 1 and, as in
+    /// PyTorch, `padding ≤ kernel / 2`, so every window holds at least one input.
+    pub fn check(&self) -> Result<(), String> {
+        let MaxPool2d { kernel, stride, padding, .. } = *self;
+        if kernel == 0 || stride == 0 || padding > kernel / 2 {
+            return Err(format!(
+                "kernel {kernel}, stride {stride}, padding {padding}: needs kernel, stride ≥ 1, padding ≤ kernel/2"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Panics (naming `op`) unless the geometry holds and `x` and `y` have its lengths.
+    fn assert_fits(&self, op: &str, x_len: usize, y_len: usize) {
+        if let Err(message) = self.check() {
+            panic!("{op}: {message}");
+        }
+        assert_eq!(x_len, self.input_len(), "{op}: x (or dx) has the wrong length");
+        assert_eq!(y_len, self.output_len(), "{op}: y (or dy) has the wrong length");
+    }
+}
+
+/// Max pooling with −∞ padding (PyTorch `MaxPool2d` semantics): `y[N·C, OH, OW]`, and
+/// `argmax[i]` = the flat index of the chosen input in its `H·W` plane. A NaN in a window
+/// wins it.
+pub fn max_pool2d_forward(g: &MaxPool2d, x: &[f32], y: &mut [f32], argmax: &mut [usize]) {
+    g.assert_fits("max_pool2d_forward", x.len(), y.len());
     assert_eq!(argmax.len(), y.len(), "max_pool2d_forward: argmax has the wrong length");
+    let MaxPool2d { planes, height, width, kernel, stride, padding } = *g;
+    let (out_h, out_w) = g.output_size();
+    let (plane_in, plane_out) = (height * width, out_h * out_w);
     if plane_out == 0 {
         return;
     }
@@ -87,31 +134,19 @@ pub fn max_pool2d_forward(
 
 // d/dx[n, c, argmax[n, c, o]] = dy[n, c, o]   (summed where windows share a winner)
 /// `dx = 0`, then `dx[argmax] += dy` (a winner shared by windows gets every one's gradient)
-#[allow(clippy::too_many_arguments)]
-pub fn max_pool2d_backward(
-    argmax: &[usize],
-    dy: &[f32],
-    batch: usize,
-    channels: usize,
-    height: usize,
-    width: usize,
-    out_h: usize,
-    out_w: usize,
-    dx: &mut [f32],
-) {
-    let (plane_in, plane_out) = (height * width, out_h * out_w);
-    let planes = batch * channels;
-    assert_eq!(dy.len(), planes * plane_out, "max_pool2d_backward: dy has the wrong length");
+pub fn max_pool2d_backward(g: &MaxPool2d, argmax: &[usize], dy: &[f32], dx: &mut [f32]) {
+    g.assert_fits("max_pool2d_backward", dx.len(), dy.len());
     assert_eq!(argmax.len(), dy.len(), "max_pool2d_backward: argmax has the wrong length");
-    assert_eq!(dx.len(), planes * plane_in, "max_pool2d_backward: dx has the wrong length");
+    let (out_h, out_w) = g.output_size();
+    let (plane_in, plane_out) = (g.height * g.width, out_h * out_w);
     if plane_in == 0 || plane_out == 0 {
         dx.fill(0.0);
         return;
     }
     let scatter = |(dx_p, (dy_p, a_p)): (&mut [f32], (&[f32], &[usize]))| {
         dx_p.fill(0.0);
-        for (&g, &at) in dy_p.iter().zip(a_p) {
-            dx_p[at] += g;
+        for (&grad, &at) in dy_p.iter().zip(a_p) {
+            dx_p[at] += grad;
         }
     };
     if parallel::should_parallelise(dy.len()) {
@@ -177,6 +212,11 @@ mod tests {
             })
     }
 
+    /// The kernels' geometry of a test geometry.
+    fn pooling((n, c, h, w, k, s, p): Geometry) -> MaxPool2d {
+        MaxPool2d { planes: n * c, height: h, width: w, kernel: k, stride: s, padding: p }
+    }
+
     /// The input as distinct values `i/100` in shuffled order, so no window has a tie
     /// and a small step never changes a winner.
     fn distinct(len: usize) -> impl Strategy<Value = Vec<f32>> {
@@ -234,7 +274,8 @@ mod tests {
     fn nan_wins_its_window() {
         let x = [1.0, f32::NAN, 3.0, 2.0];
         let (mut y, mut argmax) = ([0.0; 1], [0; 1]);
-        max_pool2d_forward(&x, 1, 1, 2, 2, 2, 2, 0, &mut y, &mut argmax);
+        let g = MaxPool2d { planes: 1, height: 2, width: 2, kernel: 2, stride: 2, padding: 0 };
+        max_pool2d_forward(&g, &x, &mut y, &mut argmax);
         assert!(y[0].is_nan());
         assert_eq!(argmax[0], 1);
     }
@@ -250,13 +291,14 @@ mod tests {
         let x: Vec<f32> = (0..len).map(|i| ((i * 7919) % len) as f32).collect();
         let dy: Vec<f32> = (0..n * c * oh * ow).map(|i| (i as f32 * 0.3).sin()).collect();
         let (mut y, mut argmax) = (vec![0.0; dy.len()], vec![0; dy.len()]);
-        max_pool2d_forward(&x, n, c, h, w, k, s, p, &mut y, &mut argmax);
+        let pool = pooling(g);
+        max_pool2d_forward(&pool, &x, &mut y, &mut argmax);
         let (want_y, want_arg) = max_pool_reference(&widen(&x), g);
         assert_eq!(widen(&y), want_y);
         assert_eq!(argmax, want_arg);
 
         let mut dx = vec![f32::NAN; len];
-        max_pool2d_backward(&argmax, &dy, n, c, h, w, oh, ow, &mut dx);
+        max_pool2d_backward(&pool, &argmax, &dy, &mut dx);
         let mut want = vec![0.0; len];
         for (i, (&g, &at)) in dy.iter().zip(&want_arg).enumerate() {
             want[i / (oh * ow) * h * w + at] += f64::from(g);
@@ -275,17 +317,15 @@ mod tests {
                 (Just(g), distinct(n * c * h * w), prop::collection::vec(-2.0f32..2.0, out))
             })
         ) {
-            let (n, c, h, w, k, s, p) = g;
-            let (oh, ow) = (max_pool2d_output_size(h, k, s, p), max_pool2d_output_size(w, k, s, p));
             let (mut y, mut argmax) = (vec![0.0; r.len()], vec![0; r.len()]);
-            max_pool2d_forward(&x, n, c, h, w, k, s, p, &mut y, &mut argmax);
+            max_pool2d_forward(&pooling(g), &x, &mut y, &mut argmax);
             let (want_y, want_arg) = max_pool_reference(&widen(&x), g);
             prop_assert_eq!(widen(&y), want_y);
             prop_assert_eq!(&argmax, &want_arg);
 
             // Stale (NaN) contents: every element is written, zeros where nothing wins.
             let mut dx = vec![f32::NAN; x.len()];
-            max_pool2d_backward(&argmax, &r, n, c, h, w, oh, ow, &mut dx);
+            max_pool2d_backward(&pooling(g), &argmax, &r, &mut dx);
             let r64 = widen(&r);
             check_gradient("d max_pool", &dx, &x, |x| oracle::dot(&r64, &max_pool_reference(x, g).0));
         }

@@ -10,51 +10,21 @@
 
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
-use super::error::{ensure, ensure_len, Result};
+use super::error::{ensure, ensure_len, CudaError, Result};
 use super::launch::{check_owners, elementwise, ptr, size};
 use super::module::KernelFamily;
 
-pub use crate::cpu::pool::max_pool2d_output_size;
+pub use crate::cpu::pool::{max_pool2d_output_size, MaxPool2d};
 
 const FAMILY: KernelFamily = KernelFamily::Pool;
 
-/// The geometry of one max pooling: `x[planes, height, width]` (planes = N·C), a square
-/// window of `kernel` with `stride` and `padding`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MaxPool2d {
-    /// `N·C`, the number of planes.
-    pub planes: usize,
-    /// `H`.
-    pub height: usize,
-    /// `W`.
-    pub width: usize,
-    /// Window side.
-    pub kernel: usize,
-    /// Step between windows.
-    pub stride: usize,
-    /// −∞ padding on every side (at most `kernel / 2`).
-    pub padding: usize,
-}
-
-impl MaxPool2d {
-    /// `(OH, OW)`, PyTorch's floor mode.
-    pub fn output_size(&self) -> (usize, usize) {
-        (
-            max_pool2d_output_size(self.height, self.kernel, self.stride, self.padding),
-            max_pool2d_output_size(self.width, self.kernel, self.stride, self.padding),
-        )
-    }
-
-    /// Checks the geometry (every window holds at least one input) and the plane index
-    /// range of `argmax`; returns `(OH, OW)`.
-    fn check(&self, op: &'static str) -> Result<(usize, usize)> {
-        let MaxPool2d { height, width, kernel, stride, padding, .. } = *self;
-        ensure(kernel >= 1 && stride >= 1 && padding <= kernel / 2, op, || {
-            format!("kernel {kernel}, stride {stride}, padding {padding}: needs kernel, stride ≥ 1, padding ≤ kernel/2")
-        })?;
-        ensure(u32::try_from(height * width).is_ok(), op, || format!("a {height}×{width} plane exceeds u32 indices"))?;
-        Ok(self.output_size())
-    }
+/// Checks the geometry ([`MaxPool2d::check`], as on the CPU) and that a plane's indices fit
+/// the device's `u32` `argmax`; returns `(OH, OW)`.
+fn check(g: &MaxPool2d, op: &'static str) -> Result<(usize, usize)> {
+    g.check().map_err(|message| CudaError::shape(op, message))?;
+    let (height, width) = (g.height, g.width);
+    ensure(u32::try_from(height * width).is_ok(), op, || format!("a {height}×{width} plane exceeds u32 indices"))?;
+    Ok(g.output_size())
 }
 
 /// `y[N, C, OH, OW]` = the window maxima and `argmax` = each winner's index in its plane.
@@ -68,7 +38,7 @@ pub fn max_pool2d_forward(
     const OP: &str = "max_pool2d_forward";
     check_owners(dev, OP, &[x, y])?;
     dev.check_owner(OP, argmax)?;
-    let (out_h, out_w) = g.check(OP)?;
+    let (out_h, out_w) = check(g, OP)?;
     ensure_len(OP, "x", x.len(), g.planes * g.height * g.width)?;
     ensure_len(OP, "y", y.len(), g.planes * out_h * out_w)?;
     ensure_len(OP, "argmax", argmax.len(), y.len())?;
@@ -100,7 +70,7 @@ pub fn max_pool2d_backward(
     const OP: &str = "max_pool2d_backward";
     check_owners(dev, OP, &[dy, dx])?;
     dev.check_owner(OP, argmax)?;
-    let (out_h, out_w) = g.check(OP)?;
+    let (out_h, out_w) = check(g, OP)?;
     ensure_len(OP, "dy", dy.len(), g.planes * out_h * out_w)?;
     ensure_len(OP, "argmax", argmax.len(), dy.len())?;
     ensure_len(OP, "dx", dx.len(), g.planes * g.height * g.width)?;

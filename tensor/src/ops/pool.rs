@@ -7,7 +7,7 @@
 //! winners' indices beside its output, exactly what its backward reads.
 
 use kernels::cpu::pool::{
-    global_avg_pool_backward, global_avg_pool_forward, max_pool2d_backward, max_pool2d_forward, max_pool2d_output_size,
+    global_avg_pool_backward, global_avg_pool_forward, max_pool2d_backward, max_pool2d_forward, MaxPool2d,
 };
 
 use crate::{Device, Error, Result, Tensor};
@@ -57,31 +57,26 @@ impl MaxPoolIndices {
     }
 }
 
-/// `(OH, OW)` of a max pooling of `[N, C, H, W]`, or an error when the window is invalid
-/// (zero kernel or stride, padding over kernel/2, or no output).
+/// The kernels' geometry of a max pooling of `[N, C, H, W]` ([`MaxPool2d`], the same for
+/// both devices), or an error when the window is invalid ([`MaxPool2d::check`]) or the
+/// kernel is larger than the padded input (no output).
 fn max_pool2d_geometry(
     op: &'static str,
     shape: &[usize],
     kernel: usize,
     stride: usize,
     padding: usize,
-) -> Result<(usize, usize)> {
-    let &[_, _, h, w] = shape else {
+) -> Result<MaxPool2d> {
+    let &[n, c, height, width] = shape else {
         return Err(Error::InvalidShape { op, shape: shape.to_vec(), reason: "expected [N, C, H, W]".into() });
     };
-    let (out_h, out_w) =
-        (max_pool2d_output_size(h, kernel, stride, padding), max_pool2d_output_size(w, kernel, stride, padding));
-    if kernel == 0 || stride == 0 || padding > kernel / 2 || out_h == 0 || out_w == 0 {
-        return Err(Error::InvalidShape {
-            op,
-            shape: shape.to_vec(),
-            reason: format!(
-                "kernel {kernel}, stride {stride}, padding {padding}: needs kernel, stride ≥ 1, \
-                 padding ≤ kernel/2 and a kernel no larger than the padded input"
-            ),
-        });
+    let g = MaxPool2d { planes: n * c, height, width, kernel, stride, padding };
+    let invalid = |reason: String| Error::InvalidShape { op, shape: shape.to_vec(), reason };
+    g.check().map_err(invalid)?;
+    if g.output_size().0 == 0 || g.output_size().1 == 0 {
+        return Err(invalid(format!("a {kernel}×{kernel} window is larger than the padded {height}×{width} input")));
     }
-    Ok((out_h, out_w))
+    Ok(g)
 }
 
 impl Tensor {
@@ -90,17 +85,18 @@ impl Tensor {
     /// the winning input within its `H·W` plane (what backward scatters to).
     pub fn max_pool2d(&self, kernel: usize, stride: usize, padding: usize) -> Result<(Tensor, MaxPoolIndices)> {
         let op = "max_pool2d";
-        let [n, c, h, w] = self.dims_nchw(op)?;
-        let (out_h, out_w) = max_pool2d_geometry(op, &self.shape, kernel, stride, padding)?;
+        let [n, c, _, _] = self.dims_nchw(op)?;
+        let g = max_pool2d_geometry(op, &self.shape, kernel, stride, padding)?;
+        let (out_h, out_w) = g.output_size();
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
-            let (y, indices) = cuda::max_pool2d(self, kernel, stride, padding, [out_h, out_w])?;
+            let (y, indices) = cuda::max_pool2d(self, &g)?;
             return Ok((y, MaxPoolIndices(Indices::Cuda(indices))));
         }
         let x = self.contiguous()?;
-        let mut y = vec![0.0; n * c * out_h * out_w];
+        let mut y = vec![0.0; g.output_len()];
         let mut argmax = vec![0; y.len()];
-        max_pool2d_forward(x.as_slice()?, n, c, h, w, kernel, stride, padding, &mut y, &mut argmax);
+        max_pool2d_forward(&g, x.as_slice()?, &mut y, &mut argmax);
         Ok((Tensor::from_vec(y, &[n, c, out_h, out_w])?, MaxPoolIndices(Indices::Host(argmax))))
     }
 
@@ -116,10 +112,9 @@ impl Tensor {
         padding: usize,
     ) -> Result<Tensor> {
         let op = "max_pool2d_backward";
-        let (out_h, out_w) = max_pool2d_geometry(op, x_shape, kernel, stride, padding)?;
-        let &[n, c, h, w] = x_shape else {
-            return Err(Error::InvalidShape { op, shape: x_shape.to_vec(), reason: "expected [N, C, H, W]".into() });
-        };
+        // A 4-D shape: max_pool2d_geometry checked it.
+        let g = max_pool2d_geometry(op, x_shape, kernel, stride, padding)?;
+        let ((out_h, out_w), (n, c)) = (g.output_size(), (x_shape[0], x_shape[1]));
         if dy.shape != [n, c, out_h, out_w] || indices.len() != dy.numel() {
             return Err(Error::ShapeMismatch { op, lhs: vec![n, c, out_h, out_w], rhs: dy.shape.clone() });
         }
@@ -128,12 +123,12 @@ impl Tensor {
         }
         match &indices.0 {
             Indices::Host(argmax) => {
-                let mut dx = crate::pool::buffer(x_shape.iter().product());
-                max_pool2d_backward(argmax, dy.contiguous()?.as_slice()?, n, c, h, w, out_h, out_w, &mut dx);
+                let mut dx = crate::pool::buffer(g.input_len());
+                max_pool2d_backward(&g, argmax, dy.contiguous()?.as_slice()?, &mut dx);
                 Tensor::from_vec(dx, x_shape)
             }
             #[cfg(feature = "cuda")]
-            Indices::Cuda(argmax) => cuda::max_pool2d_backward(x_shape, argmax, dy, kernel, stride, padding),
+            Indices::Cuda(argmax) => cuda::max_pool2d_backward(x_shape, &g, argmax, dy),
         }
     }
 
@@ -234,27 +229,15 @@ pub(crate) mod cuda {
         }
     }
 
-    /// The launchers' geometry of a max pooling of `x_shape = [N, C, H, W]` (checked by the caller).
-    fn geometry(x_shape: &[usize], kernel: usize, stride: usize, padding: usize) -> MaxPool2d {
-        let planes = x_shape[..2].iter().product();
-        MaxPool2d { planes, height: x_shape[2], width: x_shape[3], kernel, stride, padding }
-    }
-
-    /// `y[N, C, OH, OW]` and the winners' indices; `[OH, OW]` checked by the caller.
-    pub(crate) fn max_pool2d(
-        x: &Tensor,
-        kernel: usize,
-        stride: usize,
-        padding: usize,
-        [out_h, out_w]: [usize; 2],
-    ) -> Result<(Tensor, DeviceIndices)> {
+    /// `y[N, C, OH, OW]` and the winners' indices, for the geometry `g` (checked by the caller).
+    pub(crate) fn max_pool2d(x: &Tensor, g: &MaxPool2d) -> Result<(Tensor, DeviceIndices)> {
         const OP: &str = "max_pool2d";
         let dev = x.cuda_device(OP)?;
         let x = x.dense()?;
-        let g = geometry(x.shape(), kernel, stride, padding);
-        let mut argmax = dev.alloc::<u32>(g.planes * out_h * out_w).map_err(|e| cuda_error(OP, e))?;
+        let (out_h, out_w) = g.output_size();
+        let mut argmax = dev.alloc::<u32>(g.output_len()).map_err(|e| cuda_error(OP, e))?;
         let y = output(&dev, OP, &[x.shape()[0], x.shape()[1], out_h, out_w], |y| {
-            Ok(launch::max_pool2d_forward(&dev, &g, x.cuda_f32(OP)?, y, &mut argmax)?)
+            Ok(launch::max_pool2d_forward(&dev, g, x.cuda_f32(OP)?, y, &mut argmax)?)
         })?;
         Ok((y, DeviceIndices { buffer: argmax, device: dev }))
     }
@@ -263,19 +246,14 @@ pub(crate) mod cuda {
     /// the caller).
     pub(crate) fn max_pool2d_backward(
         x_shape: &[usize],
+        g: &MaxPool2d,
         indices: &DeviceIndices,
         dy: &Tensor,
-        kernel: usize,
-        stride: usize,
-        padding: usize,
     ) -> Result<Tensor> {
         const OP: &str = "max_pool2d_backward";
         let dev = dy.cuda_device(OP)?;
         let dy = dy.dense()?;
-        let g = geometry(x_shape, kernel, stride, padding);
-        output(&dev, OP, x_shape, |dx| {
-            Ok(launch::max_pool2d_backward(&dev, &g, &indices.buffer, dy.cuda_f32(OP)?, dx)?)
-        })
+        output(&dev, OP, x_shape, |dx| Ok(launch::max_pool2d_backward(&dev, g, &indices.buffer, dy.cuda_f32(OP)?, dx)?))
     }
 
     /// `y[N, C]`, the mean of each of the `planes` planes of `spatial` values.
