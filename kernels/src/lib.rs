@@ -10,8 +10,9 @@
 //! one gradient per use, and the autograd engine sums them (`Var::backward_with` in
 //! `autograd/src/var.rs`, through `Tensor::accumulate`). Tests pass NaN-filled buffers, so a
 //! kernel that reads or skips an element fails them. The one kind of function that adds into
-//! its output on purpose is a building block of a reduction: the GEMM's `accumulate` flag
-//! (`C (+)= A·B`, BLAS's β), the fused gate's row passes; each says so where it is declared.
+//! its output on purpose is a building block of a reduction: a GEMM with
+//! `Store::Accumulate` (`C += A·B`, BLAS's β = 1), the fused gate's row passes; each says so
+//! where it is declared.
 //!
 //! Dimension legend used in doc comments: `B` batch, `T` sequence, `C` channels / width,
 //! `H` heads, `D` head dim, `V` vocabulary, `N` rows.

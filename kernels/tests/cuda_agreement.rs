@@ -19,6 +19,7 @@ use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::binary::Binary;
 use kernels::cpu::conv::Conv2dGeometry;
 use kernels::cpu::fused_gate::{FusedGateDims, FusedGateGrads, FusedGateParams, GateGrads, GateParams};
+use kernels::cpu::matmul::Store;
 use kernels::cpu::optim::AdamHyper;
 use kernels::cpu::rope::RopeDims;
 use kernels::cpu::unary::Unary;
@@ -807,12 +808,12 @@ fn cublas_matmul_agrees() {
     let mut want = start.clone();
     let lhs = cpu::matmul::MatRef { data: &a, offset: 0, row_stride: k as isize, col_stride: 1 };
     let rhs = cpu::matmul::MatRef { data: &b_t, offset: 0, row_stride: 1, col_stride: k as isize };
-    cpu::matmul::matmul(&mut want, 3, lhs, rhs, m, n, k, true);
+    cpu::matmul::matmul(&mut want, 3, lhs, rhs, m, n, k, Store::Accumulate);
     let (ga, gb) = (up(dev, &a), up(dev, &b_t));
     let mut got = up(dev, &start);
     let glhs = cuda::blas::DeviceMat { buffer: &ga, offset: 0, row_stride: k, col_stride: 1 };
     let grhs = cuda::blas::DeviceMat { buffer: &gb, offset: 0, row_stride: 1, col_stride: k };
-    cuda::blas::matmul(dev, &mut got, 3, glhs, grhs, m, n, k, true).unwrap();
+    cuda::blas::matmul(dev, &mut got, 3, glhs, grhs, m, n, k, Store::Accumulate).unwrap();
     assert_reduced("matmul", &down(dev, &got), &want);
 }
 

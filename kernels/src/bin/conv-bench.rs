@@ -11,7 +11,7 @@
 use std::time::Instant;
 
 use kernels::cpu::conv::{conv2d_backward, conv2d_forward, conv2d_reference, Conv2dGeometry};
-use kernels::cpu::matmul::{matmul, MatRef};
+use kernels::cpu::matmul::{matmul, MatRef, Store};
 use rayon::prelude::*;
 
 /// Timed repetitions per measurement; the best one is reported.
@@ -83,12 +83,12 @@ fn main() {
         let mut out = vec![0.0; m * n];
         let lhs = MatRef { data: &w, offset: 0, row_stride: depth as isize, col_stride: 1 };
         let rhs = MatRef { data: &col, offset: 0, row_stride: n as isize, col_stride: 1 };
-        let mm_batch = flops / best_seconds(|| matmul(&mut out, 0, lhs, rhs, m, n, depth, false));
+        let mm_batch = flops / best_seconds(|| matmul(&mut out, 0, lhs, rhs, m, n, depth, Store::Overwrite));
         let rhs = MatRef { data: &col, offset: 0, row_stride: positions as isize, col_stride: 1 };
         let mm_image = flops
             / best_seconds(|| {
                 out.par_chunks_mut(m * positions).for_each(|out_n| {
-                    matmul(out_n, 0, lhs, rhs, m, positions, depth, false);
+                    matmul(out_n, 0, lhs, rhs, m, positions, depth, Store::Overwrite);
                 })
             });
         let mm = mm_batch.max(mm_image);

@@ -15,7 +15,7 @@ use kernels::cpu::attention::{
 };
 use kernels::cpu::binary::{binary_forward, Binary};
 use kernels::cpu::cross_entropy::cross_entropy_forward;
-use kernels::cpu::matmul::{matmul, MatRef};
+use kernels::cpu::matmul::{matmul, MatRef, Store};
 use kernels::cpu::norm::{layer_norm_forward, rms_norm_forward};
 use kernels::cpu::softmax::softmax_forward;
 use kernels::cpu::swiglu::{swiglu_backward, swiglu_forward};
@@ -51,7 +51,7 @@ fn bench_matmul() {
         let mut c = vec![0.0f32; m * n];
         let reps = if m * n * k > 1 << 28 { 5 } else { 9 };
         let ours = median_seconds(reps, || {
-            matmul(&mut c, 0, contiguous(&a, k), contiguous(&b, n), m, n, k, false);
+            matmul(&mut c, 0, contiguous(&a, k), contiguous(&b, n), m, n, k, Store::Overwrite);
         });
         let parallelism = gemm::Parallelism::Rayon(rayon::current_num_threads());
         let direct = median_seconds(reps, || {

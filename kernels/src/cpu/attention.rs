@@ -23,6 +23,7 @@ use std::marker::PhantomData;
 use rayon::prelude::*;
 use wide::f32x8;
 
+use super::matmul::Store;
 use super::parallel;
 use super::reduce::{dot, slice_max};
 use super::scratch::with_scratch;
@@ -341,7 +342,7 @@ fn forward_head(
             for s0 in (0..end).step_by(K_TILE) {
                 let cols = K_TILE.min(end - s0);
                 let scores = &mut scores[..rows * cols];
-                tile_gemm(scores, cols, q_tile, d.kt_columns(kt, s0), rows, cols, dh, d.scale, false);
+                tile_gemm(scores, cols, q_tile, d.kt_columns(kt, s0), rows, cols, dh, d.scale, Store::Overwrite);
                 for (r, row) in scores.chunks_mut(cols).enumerate() {
                     let visible = d.visible_keys(i0 + r, s0, cols);
                     let new_max = max[r].max(row_max(&row[..visible]));
@@ -354,7 +355,17 @@ fn forward_head(
                         acc[r * dh..][..dh].iter_mut().for_each(|a| *a *= correction);
                     }
                 }
-                tile_gemm(acc, dh, dense(scores, cols), d.kv_rows(v, b, s0, h), rows, dh, cols, 1.0, s0 > 0);
+                tile_gemm(
+                    acc,
+                    dh,
+                    dense(scores, cols),
+                    d.kv_rows(v, b, s0, h),
+                    rows,
+                    dh,
+                    cols,
+                    1.0,
+                    if s0 > 0 { Store::Accumulate } else { Store::Overwrite },
+                );
             }
             for (r, acc_row) in acc.chunks(dh).enumerate() {
                 // SAFETY: query row i0 + r of head h of batch entry b belongs to this task.
@@ -420,14 +431,24 @@ fn backward_pair(
             for s0 in (0..end).step_by(K_TILE) {
                 let cols = K_TILE.min(end - s0);
                 let (p, dp) = (&mut p[..rows * cols], &mut dp[..rows * cols]);
-                tile_gemm(p, cols, q_tile, d.kt_columns(kt, s0), rows, cols, dh, d.scale, false);
+                tile_gemm(p, cols, q_tile, d.kt_columns(kt, s0), rows, cols, dh, d.scale, Store::Overwrite);
                 for (r, row) in p.chunks_mut(cols).enumerate() {
                     exp_row(row, d.visible_keys(i0 + r, s0, cols), lse[i0 + r]);
                 }
                 // d/dV = Pᵀ·dO
-                tile_gemm(&mut dv_head[s0 * dh..], dh, transposed(p, cols), do_rows, cols, dh, rows, 1.0, true);
+                tile_gemm(
+                    &mut dv_head[s0 * dh..],
+                    dh,
+                    transposed(p, cols),
+                    do_rows,
+                    cols,
+                    dh,
+                    rows,
+                    1.0,
+                    Store::Accumulate,
+                );
                 // d/dP = dO·Vᵀ;  d/dS = P ⊙ (dP − δ)
-                tile_gemm(dp, cols, do_tile, d.kt_columns(vt, s0), rows, cols, dh, 1.0, false);
+                tile_gemm(dp, cols, do_tile, d.kt_columns(vt, s0), rows, cols, dh, 1.0, Store::Overwrite);
                 for r in 0..rows {
                     let (pr, dpr) = (&p[r * cols..][..cols], &mut dp[r * cols..][..cols]);
                     softmax_grad_in_place(pr, dpr, delta[i0 + r]);
@@ -435,8 +456,28 @@ fn backward_pair(
                 // d/dQ = scale·dS·K (the first key tile overwrites the stale dq tile);
                 // d/dK = scale·dSᵀ·Q
                 let (dq_tile, k_rows) = (&mut dq_tile[..rows * dh], d.kv_rows(k, b, s0, h));
-                tile_gemm(dq_tile, dh, dense(dp, cols), k_rows, rows, dh, cols, d.scale, s0 > 0);
-                tile_gemm(&mut dk_head[s0 * dh..], dh, transposed(dp, cols), q_rows, cols, dh, rows, d.scale, true);
+                tile_gemm(
+                    dq_tile,
+                    dh,
+                    dense(dp, cols),
+                    k_rows,
+                    rows,
+                    dh,
+                    cols,
+                    d.scale,
+                    if s0 > 0 { Store::Accumulate } else { Store::Overwrite },
+                );
+                tile_gemm(
+                    &mut dk_head[s0 * dh..],
+                    dh,
+                    transposed(dp, cols),
+                    q_rows,
+                    cols,
+                    dh,
+                    rows,
+                    d.scale,
+                    Store::Accumulate,
+                );
             }
             for (r, grad) in dq_tile[..rows * dh].chunks(dh).enumerate() {
                 // SAFETY: query row i0 + r of head h of batch entry b belongs to this task.

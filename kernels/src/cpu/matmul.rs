@@ -1,7 +1,8 @@
-//! Matrix multiply through the `gemm` crate: `dst = beta·(lhs · rhs) (+ dst if accumulate)`.
+//! Matrix multiply through the `gemm` crate: `dst = lhs · rhs`, or `dst += lhs · rhs` with
+//! [`Store::Accumulate`].
 //!
 //! Operands are described by row and column strides, so transposed operands cost nothing:
-//! `Aᵀ` is `A` with its strides swapped. `accumulate` (BLAS's β = 1) is for building blocks
+//! `Aᵀ` is `A` with its strides swapped. [`Store::Accumulate`] (BLAS's β = 1) is for building blocks
 //! that sum several products into one buffer, such as the convolution's weight gradient
 //! over the images of a run; gradients themselves are written (`lib.rs`).
 //!
@@ -64,7 +65,19 @@ fn split_for(m: usize, n: usize, k: usize) -> Split {
     }
 }
 
-/// `dst[m×n] (+)= lhs[m×k] · rhs[k×n]`, with `dst` row-major contiguous at `dst_offset`.
+/// What a product does with its destination: overwrite it (`C = A·B`, BLAS's β = 0), or add
+/// onto it (`C += A·B`, β = 1) in a building block that sums several products into one
+/// buffer (the convolution's weight gradient over a run of images, attention's tiles).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Store {
+    /// `C = A·B`: the destination's contents are ignored.
+    Overwrite,
+    /// `C += A·B`.
+    Accumulate,
+}
+
+/// `dst[m×n] = lhs[m×k] · rhs[k×n]` (or `+=` with [`Store::Accumulate`]), with `dst`
+/// row-major contiguous at `dst_offset`.
 ///
 /// Panics if an operand's strides reach outside its slice: callers (the tensor crate)
 /// check shapes and return errors before calling.
@@ -77,8 +90,9 @@ pub fn matmul(
     m: usize,
     n: usize,
     k: usize,
-    accumulate: bool,
+    store: Store,
 ) {
+    let accumulate = store == Store::Accumulate;
     let Some(dst) = checked_dst(dst, dst_offset, &lhs, &rhs, m, n, k, accumulate) else {
         return;
     };
@@ -163,8 +177,9 @@ pub fn matmul_serial(
     m: usize,
     n: usize,
     k: usize,
-    accumulate: bool,
+    store: Store,
 ) {
+    let accumulate = store == Store::Accumulate;
     if let Some(dst) = checked_dst(dst, dst_offset, &lhs, &rhs, m, n, k, accumulate) {
         // SAFETY: dst is an exclusively borrowed m×n row-major block; lhs and rhs were
         // bounds-checked for m×k and k×n.
@@ -299,9 +314,9 @@ mod tests {
         let b: Vec<f32> = (0..k * n).map(|i| ((i * 5) % 11) as f32 - 5.0).collect();
         let expected = matmul_reference(&a, &b, m, n, k);
         let mut dst = vec![0.0; m * n];
-        matmul(&mut dst, 0, contiguous(&a, k), contiguous(&b, n), m, n, k, false);
+        matmul(&mut dst, 0, contiguous(&a, k), contiguous(&b, n), m, n, k, Store::Overwrite);
         assert_eq!(dst, expected);
-        matmul(&mut dst, 0, contiguous(&a, k), contiguous(&b, n), m, n, k, true);
+        matmul(&mut dst, 0, contiguous(&a, k), contiguous(&b, n), m, n, k, Store::Accumulate);
         let doubled: Vec<f32> = expected.iter().map(|x| 2.0 * x).collect();
         assert_eq!(dst, doubled);
     }
@@ -316,7 +331,7 @@ mod tests {
         let expected = matmul_reference(&a, &b, m, n, k);
         let mut dst = vec![0.0; m * n];
         let rhs = MatRef { data: &bt, offset: 0, row_stride: 1, col_stride: k as isize };
-        matmul(&mut dst, 0, contiguous(&a, k), rhs, m, n, k, false);
+        matmul(&mut dst, 0, contiguous(&a, k), rhs, m, n, k, Store::Overwrite);
         assert_eq!(dst, expected);
     }
 
@@ -343,9 +358,9 @@ mod tests {
             let lhs = MatRef { data: &at, offset: 0, row_stride: 1, col_stride: m as isize };
             let expected = matmul_reference(&a, &b, m, n, k);
             let mut dst = vec![1.0; 3 + m * n];
-            matmul(&mut dst, 3, lhs, contiguous(&b, n), m, n, k, false);
+            matmul(&mut dst, 3, lhs, contiguous(&b, n), m, n, k, Store::Overwrite);
             assert_eq!(dst[3..], expected[..], "{split:?}");
-            matmul(&mut dst, 3, lhs, contiguous(&b, n), m, n, k, true);
+            matmul(&mut dst, 3, lhs, contiguous(&b, n), m, n, k, Store::Accumulate);
             let doubled: Vec<f32> = expected.iter().map(|x| 2.0 * x).collect();
             assert_eq!(dst[3..], doubled[..], "{split:?} accumulate");
             assert_eq!(dst[..3], [1.0; 3], "{split:?} wrote before dst_offset");
@@ -360,7 +375,7 @@ mod tests {
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             let mut dst = vec![0.0; m * n];
-            pool.install(|| matmul(&mut dst, 0, contiguous(&a, k), contiguous(&b, n), m, n, k, false));
+            pool.install(|| matmul(&mut dst, 0, contiguous(&a, k), contiguous(&b, n), m, n, k, Store::Overwrite));
             dst
         };
         assert_eq!(run(1), run(3));

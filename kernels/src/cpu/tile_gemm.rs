@@ -14,6 +14,7 @@
 
 use wide::f32x8;
 
+use super::matmul::Store;
 use super::unary::LANES;
 
 /// Row tile of the micro-kernel.
@@ -36,7 +37,7 @@ pub struct TileB<'a> {
     pub row_stride: usize,
 }
 
-/// `c[i·c_stride + j] = alpha·Σ_p a(i, p)·b(p, j) (+ c[...] if accumulate)` for `i < m`,
+/// `c[i·c_stride + j] = alpha·Σ_p a(i, p)·b(p, j)` (`+=` with [`Store::Accumulate`]) for `i < m`,
 /// `j < n`. Panics if an operand is too short for its strides.
 #[allow(clippy::too_many_arguments)]
 pub fn tile_gemm(
@@ -48,8 +49,9 @@ pub fn tile_gemm(
     n: usize,
     k: usize,
     alpha: f32,
-    accumulate: bool,
+    store: Store,
 ) {
+    let accumulate = store == Store::Accumulate;
     if m == 0 || n == 0 {
         return;
     }
@@ -342,7 +344,7 @@ mod tests {
             let want = reference(&a, &b, m, n, k);
             let c_stride = n + 1;
             let mut c = vec![1.0f32; m * c_stride];
-            tile_gemm(&mut c, c_stride, a, b, m, n, k, 0.5, true);
+            tile_gemm(&mut c, c_stride, a, b, m, n, k, 0.5, Store::Accumulate);
             for i in 0..m {
                 for j in 0..n {
                     let expected = 1.0 + 0.5 * want[i * n + j];
@@ -352,7 +354,7 @@ mod tests {
                     assert_eq!(c[i * c_stride + n], 1.0, "wrote past column n");
                 }
             }
-            tile_gemm(&mut c, c_stride, a, b, m, n, k, 2.0, false);
+            tile_gemm(&mut c, c_stride, a, b, m, n, k, 2.0, Store::Overwrite);
             for i in 0..m {
                 for j in 0..n {
                     assert!((c[i * c_stride + j] as f64 - 2.0 * want[i * n + j]).abs() < 1e-4);

@@ -19,6 +19,7 @@ use super::allocator::{DeviceBuffer, DeviceScalar};
 use super::device::CudaDevice;
 use super::error::{ensure, CudaError, Result};
 use super::launch::to_i32;
+use crate::cpu::matmul::Store;
 
 /// One operand of a row-major product: `ptr` is element (0, 0) of the stored matrix, `ld`
 /// its row stride, and `trans` says the stored matrix is the transpose of the operand.
@@ -255,7 +256,7 @@ impl<T: DeviceScalar> DeviceMat<'_, T> {
     }
 }
 
-/// `dst[m×n] (+)= lhs[m×k]·rhs[k×n]` (`+=` with `accumulate`, BLAS's β = 1), `dst`
+/// `dst[m×n] = lhs[m×k]·rhs[k×n]` (`+=` with [`Store::Accumulate`], BLAS's β = 1), `dst`
 /// row-major contiguous at `dst_offset`; mirrors `cpu::matmul::matmul`.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
@@ -267,9 +268,9 @@ pub fn matmul(
     m: usize,
     n: usize,
     k: usize,
-    accumulate: bool,
+    store: Store,
 ) -> Result<()> {
-    product(dev, Precision::F32, dst, dst_offset, lhs, rhs, (m, n, k), accumulate)
+    product(dev, Precision::F32, dst, dst_offset, lhs, rhs, (m, n, k), store)
 }
 
 /// [`matmul`] with bf16 operands: tensor-core products accumulated and written in f32
@@ -284,9 +285,9 @@ pub fn matmul_bf16(
     m: usize,
     n: usize,
     k: usize,
-    accumulate: bool,
+    store: Store,
 ) -> Result<()> {
-    product(dev, Precision::Bf16, dst, dst_offset, lhs, rhs, (m, n, k), accumulate)
+    product(dev, Precision::Bf16, dst, dst_offset, lhs, rhs, (m, n, k), store)
 }
 
 /// The body of [`matmul`] and [`matmul_bf16`]: checks `dst` and both operands, then one gemm.
@@ -299,7 +300,7 @@ fn product<T: DeviceScalar>(
     lhs: DeviceMat<T>,
     rhs: DeviceMat<T>,
     (m, n, k): (usize, usize, usize),
-    accumulate: bool,
+    store: Store,
 ) -> Result<()> {
     dev.check_owner("matmul", dst)?;
     ensure(dst.len() >= dst_offset + m * n, "matmul", || format!("dst too short for {m}×{n} at {dst_offset}"))?;
@@ -307,6 +308,6 @@ fn product<T: DeviceScalar>(
         return Ok(());
     }
     let (a, b) = (lhs.operand(dev, m, k, "lhs")?, rhs.operand(dev, k, n, "rhs")?);
-    let beta = if accumulate { 1.0 } else { 0.0 };
+    let beta = if store == Store::Accumulate { 1.0 } else { 0.0 };
     gemm(dev, precision, m, n, k, 1.0, a, b, beta, dst.ptr_at(dst_offset), n)
 }
