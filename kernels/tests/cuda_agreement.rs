@@ -946,15 +946,13 @@ fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
     assert_close(&format!("unfused vs fused {what}"), &down(dev, &gout_ref), &fused, 0.0, 1e-4);
     assert_close(&format!("unfused vs fused zu {what}"), &down(dev, &gzu_ref), &down(dev, &gzu), 0.0, 1e-4);
 
-    // Backward onto non-zero gradients (they accumulate).
+    // Backward into stale (NaN) gradient buffers: both devices must write every element.
     let dout = Rng::new(rows as u64).vec(rows * d_out, -1.0, 1.0);
-    let starts = |len: usize, seed: u64| Rng::new(seed).vec(len, -0.1, 0.1);
-    let mut dx = starts(rows * d_in, 1);
-    let mut dw = starts(d_out * d_in, 2);
-    let mut dc: Vec<Vec<f32>> =
-        [rc * d_in, rc, d_out * rc, d_out].iter().zip(3..).map(|(&l, s)| starts(l, s)).collect();
-    let mut ds: Vec<Vec<f32>> = [rs * d_in, rs, rs, 1].iter().zip(7..).map(|(&l, s)| starts(l, s)).collect();
-    let (mut dalpha_c, mut dalpha_s) = (0.25f32, -0.5f32);
+    let mut dx = stale(rows * d_in);
+    let mut dw = stale(d_out * d_in);
+    let mut dc: Vec<Vec<f32>> = [rc * d_in, rc, d_out * rc, d_out].iter().map(|&l| stale(l)).collect();
+    let mut ds: Vec<Vec<f32>> = [rs * d_in, rs, rs, 1].iter().map(|&l| stale(l)).collect();
+    let (mut dalpha_c, mut dalpha_s) = (f32::NAN, f32::NAN);
     let mut gdx = up(dev, &dx);
     let mut gdw = up(dev, &dw);
     let mut gdc: Vec<DeviceBuffer<f32>> = dc.iter().map(|v| up(dev, v)).collect();

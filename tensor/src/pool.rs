@@ -8,7 +8,8 @@
 //! that length takes it:
 //! - [`buffer`] hands it out as it is (stale values), for outputs a kernel overwrites
 //!   entirely (matmul, elementwise, norms, softmax, RoPE, attention);
-//! - [`zeros`] zero-fills it first, for kernels that accumulate (`dx += ...`).
+//! - [`zeros`] zero-fills it first, for outputs a caller scatters into (the backward of
+//!   a maximum, a sum whose result starts at 0).
 //!
 //! After the first step, a step's tensor buffers all come from the pool. Small buffers
 //! (below [`MIN_POOLED_LEN`]) go straight to the allocator, and the pool holds at most
@@ -82,7 +83,7 @@ pub fn buffer(len: usize) -> Vec<f32> {
     }
 }
 
-/// A buffer of `len` zeros: for outputs the caller accumulates into. Only a reused buffer
+/// A buffer of `len` zeros: for outputs the caller scatters or adds into. Only a reused buffer
 /// is cleared; a new one comes zeroed from the allocator.
 pub fn zeros(len: usize) -> Vec<f32> {
     match take(len) {

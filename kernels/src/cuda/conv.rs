@@ -173,7 +173,7 @@ pub fn conv2d_backward(
         let images = per_chunk.min(g.batch - first);
         let dy_chunk = dy.ptr_at(first * s.y_image);
         if let Some(dw) = dw.as_deref() {
-            // d/dw += dy_n[O, P]·col_nᵀ[P, K], image by image in order.
+            // d/dw = Σ_n dy_n[O, P]·col_nᵀ[P, K], image by image in order onto the zeroed dw.
             let (cols, col_stride) = match &mut col {
                 None => (x.ptr_at(first * s.x_image), s.x_image),
                 Some(col) => {

@@ -41,7 +41,7 @@ impl CudaStorage {
         Ok(CudaStorage::f32(device, buffer))
     }
 
-    /// `len` f32 zeros on `device` (for outputs that launchers accumulate into).
+    /// `len` f32 zeros on `device` (zeros that are the result: an empty sum, a fresh tensor).
     pub fn zeros(device: &Arc<CudaDevice>, len: usize) -> Result<CudaStorage> {
         let buffer = device.zeros(len).map_err(|e| cuda_error("zeros", e))?;
         Ok(CudaStorage::f32(device, buffer))

@@ -75,9 +75,9 @@ fn gate_params(v: &[Tensor]) -> Result<GateParams<'_>> {
     })
 }
 
-/// Zeroed gradient buffers shaped like a modulator's five parameters.
-fn zeros_like_all(v: &[Tensor]) -> Vec<Vec<f32>> {
-    v.iter().map(|t| crate::pool::zeros(t.numel())).collect()
+/// Fresh gradient buffers shaped like a modulator's five parameters (the backward writes them).
+fn fresh_like_all(v: &[Tensor]) -> Vec<Vec<f32>> {
+    v.iter().map(|t| crate::pool::buffer(t.numel())).collect()
 }
 
 fn gate_grads(g: &mut [Vec<f32>]) -> Result<GateGrads<'_>> {
@@ -171,8 +171,8 @@ fn cpu_backward(
 ) -> Result<Vec<Tensor>> {
     let FusedGateSaved { dims, x, weight: w, channel: cv, scalar: sv, phi, zu, .. } = saved;
     let dy = dy.contiguous()?;
-    let (mut dx, mut dw) = (crate::pool::zeros(x.numel()), crate::pool::zeros(w.numel()));
-    let (mut dc, mut ds) = (zeros_like_all(cv), zeros_like_all(sv));
+    let (mut dx, mut dw) = (crate::pool::buffer(x.numel()), crate::pool::buffer(w.numel()));
+    let (mut dc, mut ds) = (fresh_like_all(cv), fresh_like_all(sv));
     let p = FusedGateParams { weight: w.as_slice()?, channel: gate_params(cv)?, scalar: gate_params(sv)?, phi: *phi };
     let mut grads =
         FusedGateGrads { x: &mut dx, weight: &mut dw, channel: gate_grads(&mut dc)?, scalar: gate_grads(&mut ds)? };
@@ -265,9 +265,9 @@ pub(crate) mod cuda {
         Ok((out, x.to_dtype(DType::F32)?.dense()?, zu))
     }
 
-    /// Zeroed device gradients shaped like a modulator's five parameters.
-    fn zeros_like_all(dev: &std::sync::Arc<kernels::cuda::CudaDevice>, values: &[Tensor]) -> Result<Vec<CudaStorage>> {
-        values.iter().map(|t| CudaStorage::zeros(dev, t.numel())).collect()
+    /// Fresh device gradients shaped like a modulator's five parameters (the backward writes them).
+    fn fresh_like_all(dev: &std::sync::Arc<kernels::cuda::CudaDevice>, values: &[Tensor]) -> Result<Vec<CudaStorage>> {
+        values.iter().map(|t| CudaStorage::alloc(dev, t.numel())).collect()
     }
 
     /// The five gradient buffers of one modulator, borrowed together.
@@ -310,8 +310,8 @@ pub(crate) mod cuda {
             scalar: device_gate(&sv)?,
             phi,
         };
-        let (mut dx, mut dw) = (CudaStorage::zeros(&dev, x.numel())?, CudaStorage::zeros(&dev, w.numel())?);
-        let (mut dc, mut ds) = (zeros_like_all(&dev, &cv)?, zeros_like_all(&dev, &sv)?);
+        let (mut dx, mut dw) = (CudaStorage::alloc(&dev, x.numel())?, CudaStorage::alloc(&dev, w.numel())?);
+        let (mut dc, mut ds) = (fresh_like_all(&dev, &cv)?, fresh_like_all(&dev, &sv)?);
         {
             let mut grads = DeviceFusedGateGrads {
                 x: dx.f32_buffer_mut(OP)?,
