@@ -46,7 +46,6 @@ pub fn rms_norm_forward(x: &[f32], weight: &[f32], cols: usize, eps: f32, y: &mu
 }
 
 /// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` for RMSNorm, from the saved `rstd`.
-#[allow(clippy::too_many_arguments)]
 pub fn rms_norm_backward(
     x: &[f32],
     weight: &[f32],

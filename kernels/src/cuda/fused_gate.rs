@@ -192,7 +192,6 @@ fn check_forward(
 /// The fused forward: `out[N×d_out] = Ẑ` from one tensor-core GEMM whose epilogue computes
 /// the gate; `zu[N×K] = x·[W; A_c; A_s]ᵀ` is written only when given (save it for backward).
 /// `x` is bf16 `[N, d_in]`, `packed` is [`pack_weight`]'s output. Needs compute capability 8.0+.
-#[allow(clippy::too_many_arguments)]
 pub fn fused_gate_forward(
     dev: &CudaDevice,
     dims: &FusedGateDims,
@@ -262,7 +261,6 @@ pub fn fused_gate_apply(
 
 /// The unfused reference path: a cuBLAS bf16 GEMM `zu = x·[W; A_c; A_s]ᵀ` (f32 output), then
 /// [`fused_gate_apply`]. Same inputs and outputs as [`fused_gate_forward`] with `zu` given.
-#[allow(clippy::too_many_arguments)]
 pub fn fused_gate_forward_unfused(
     dev: &CudaDevice,
     dims: &FusedGateDims,
@@ -313,7 +311,6 @@ fn check_grads(dev: &CudaDevice, op: &'static str, dims: &FusedGateDims, g: &Dev
 /// summaries' kernel (`dU`), and `dB_c = dL_cᵀ·H_c`, `dB_s = dl_sᵀ·H_s`,
 /// `dx = dZU·[W; A_c; A_s]`, `dW = dZᵀ·x`, `dA = dUᵀ·x` (cuBLAS, f32), with the bias and α
 /// gradients as column sums in a fixed order.
-#[allow(clippy::too_many_arguments)]
 pub fn fused_gate_backward(
     dev: &CudaDevice,
     dims: &FusedGateDims,

@@ -35,7 +35,6 @@ fn forward(
     dev.launch(FAMILY, "softmax_forward", per_row(rows, row_threads(cols)), &args)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn backward(
     dev: &CudaDevice,
     op: &'static str,

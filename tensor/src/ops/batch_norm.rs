@@ -201,7 +201,6 @@ impl Tensor {
     /// The backward of [`Tensor::batch_norm_eval`], an affine map per channel:
     /// `y = x̂·weight + bias`, `x̂ = (x − rm)/√(rv + eps)`; `d/dx = dy·weight/√(rv + eps)`,
     /// `d/dweight = Σ dy·x̂` (when `weight` is given), `d/dbias = Σ dy` (when `bias`).
-    #[allow(clippy::too_many_arguments)]
     pub fn batch_norm_eval_backward(
         x: &Tensor,
         weight: Option<&Tensor>,
@@ -465,7 +464,6 @@ pub(crate) mod cuda {
     }
 
     /// Evaluation backward with the running statistics `[mean, var]` (see the module doc).
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn eval_backward(
         x: &Tensor,
         (n, c, s): Dims,

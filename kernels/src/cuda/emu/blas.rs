@@ -203,7 +203,6 @@ mod tests {
     use crate::cuda::CudaDevice;
 
     /// Naive column-major `alpha·op(A)·op(B) + beta·C` in f64.
-    #[allow(clippy::too_many_arguments)]
     fn reference(
         (m, n, k): (usize, usize, usize),
         alpha: f32,
