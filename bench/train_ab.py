@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 
-def step_ms(binary, variant, extra):
+def step_times(binary, variant, extra):
     """(median wall ms, CPU ms) per step of one `train-bench` process."""
     cmd = [binary, "--variant", variant, *extra]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -45,7 +45,7 @@ def main():
         runs = {"a": [], "b": []}
         for _ in range(args.rounds):
             for build in ("a", "b"):
-                runs[build].append(step_ms(getattr(args, build), variant, extra))
+                runs[build].append(step_times(getattr(args, build), variant, extra))
         wall = {k: [w for w, _ in v] for k, v in runs.items()}
         cpu = {k: statistics.median(c for _, c in v) for k, v in runs.items()}
         a, b = statistics.median(wall["a"]), statistics.median(wall["b"])

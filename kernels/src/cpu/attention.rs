@@ -8,9 +8,10 @@
 //! The forward walks key tiles with an online softmax (running max and sum per query) and
 //! never builds the `Tq × Tk` score matrix or a mask; it saves only `lse` `[B, H, Tq]`, the
 //! log-sum-exp of each query's scaled scores. The backward recomputes each probability tile
-//! as e^(score − lse) and writes `dq, dk, dv = ...` (the crate's contract, see `lib.rs`). Tile products run in registers
-//! (`tile_gemm`) on the heads in place; only each head's keys (and, in backward, values)
-//! are copied once, transposed to `[D, T]`, so score tiles are products with rows of Kᵀ.
+//! as e^(score − lse) and writes `dq, dk, dv = ...` (the crate's contract, see `lib.rs`).
+//! Tile products run in registers (`tile_gemm`) on the heads in place; only each head's keys
+//! (and, in backward, values) are copied once, transposed to `[D, T]`, so score tiles are
+//! products with rows of Kᵀ.
 //!
 //! PyTorch equivalent: `F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)`
 //! on `[B, H, T, D]` tensors (PyTorch aligns the causal mask top-left when Tq < Tk; here it

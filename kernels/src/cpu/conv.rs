@@ -169,7 +169,7 @@ pub fn conv2d_backward(
     w: &[f32],
     dy: &[f32],
     dx: Option<&mut [f32]>,
-    dw: Option<&mut [f32]>,
+    mut dw: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
 ) {
     let what = "conv2d_backward";
@@ -184,7 +184,6 @@ pub fn conv2d_backward(
     if let Some(dx) = &dx {
         assert_len(dx.len(), x.len(), what, "dx");
     }
-    let mut dw = dw;
     if let Some(dw) = dw.as_deref_mut() {
         assert_len(dw.len(), w.len(), what, "dw");
         dw.fill(0.0);

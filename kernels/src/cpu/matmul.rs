@@ -2,9 +2,9 @@
 //! [`Store::Accumulate`].
 //!
 //! Operands are described by row and column strides, so transposed operands cost nothing:
-//! `Aᵀ` is `A` with its strides swapped. [`Store::Accumulate`] (BLAS's β = 1) is for building blocks
-//! that sum several products into one buffer, such as the convolution's weight gradient
-//! over the images of a run; gradients themselves are written (`lib.rs`).
+//! `Aᵀ` is `A` with its strides swapped. [`Store::Accumulate`] (BLAS's β = 1) is for
+//! building blocks that sum several products into one buffer, such as the convolution's
+//! weight gradient over the images of a run; gradients themselves are written (`lib.rs`).
 //!
 //! PyTorch equivalent: `torch.addmm(dst, lhs, rhs)`.
 

@@ -139,16 +139,15 @@ pub fn layer_norm_backward(
     dy: &[f32],
     cols: usize,
     dx: &mut [f32],
-    dweight: Option<&mut [f32]>,
-    dbias: Option<&mut [f32]>,
+    mut dweight: Option<&mut [f32]>,
+    mut dbias: Option<&mut [f32]>,
 ) {
     let rows = check_rows(x, cols, dx.len(), rstd.len(), "layer_norm_backward");
     assert!(mean.len() == rows && dy.len() == x.len(), "layer_norm_backward: mean or dy has the wrong length");
     assert!(weight.is_none_or(|w| w.len() == cols), "layer_norm_backward: weight length differs from cols");
     assert!(dweight.as_ref().is_none_or(|w| w.len() == cols), "layer_norm_backward: dweight length differs from cols");
     assert!(dbias.as_ref().is_none_or(|b| b.len() == cols), "layer_norm_backward: dbias length differs from cols");
-    let (mut dweight, mut dbias) = (dweight, dbias);
-    for grad in dweight.iter_mut().chain(dbias.iter_mut()) {
+    for grad in dweight.as_deref_mut().into_iter().chain(dbias.as_deref_mut()) {
         grad.fill(0.0);
     }
     if rows == 0 {

@@ -37,8 +37,8 @@ pub struct TileB<'a> {
     pub row_stride: usize,
 }
 
-/// `c[i·c_stride + j] = alpha·Σ_p a(i, p)·b(p, j)` (`+=` with [`Store::Accumulate`]) for `i < m`,
-/// `j < n`. Panics if an operand is too short for its strides.
+/// `c[i·c_stride + j] = alpha·Σ_p a(i, p)·b(p, j)` (`+=` with [`Store::Accumulate`]) for
+/// `i < m`, `j < n`. Panics if an operand is too short for its strides.
 #[allow(clippy::too_many_arguments)]
 pub fn tile_gemm(
     c: &mut [f32],

@@ -137,7 +137,7 @@ pub fn conv2d_backward(
     w: &DeviceBuffer<f32>,
     dy: &DeviceBuffer<f32>,
     dx: Option<&mut DeviceBuffer<f32>>,
-    dw: Option<&mut DeviceBuffer<f32>>,
+    mut dw: Option<&mut DeviceBuffer<f32>>,
     dbias: Option<&mut DeviceBuffer<f32>>,
 ) -> Result<()> {
     const OP: &str = "conv2d_backward";
@@ -149,7 +149,6 @@ pub fn conv2d_backward(
     if let Some(dx) = &dx {
         ensure_len(OP, "dx", dx.len(), x.len())?;
     }
-    let mut dw = dw;
     if let Some(dw) = dw.as_deref_mut() {
         ensure_len(OP, "dw", dw.len(), w.len())?;
         // The per-image products add onto it in order.

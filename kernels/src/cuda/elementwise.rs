@@ -2,9 +2,9 @@
 //! axpy / add_assign, select, strided copy, and f32 ↔ bf16 conversion.
 //!
 //! Signatures mirror `cpu::unary`, `cpu::binary` and `cpu::copy` with slices replaced by
-//! device buffers; the unary backward writes its gradient (`dx = ...`). Broadcast shapes are coalesced on
-//! the host exactly as the CPU does (size-1 dims dropped, contiguous neighbours merged);
-//! the GPU kernels take at most [`MAX_RANK`] dimensions after that.
+//! device buffers; the unary backward writes its gradient (`dx = ...`). Broadcast shapes are
+//! coalesced on the host exactly as the CPU does (size-1 dims dropped, contiguous neighbours
+//! merged); the GPU kernels take at most [`MAX_RANK`] dimensions after that.
 
 use half::bf16;
 

@@ -13,9 +13,9 @@
 //!
 //! Launchers take the device first and device buffers where the CPU kernels take slices;
 //! backward launchers write their gradient buffers (`dx = ...`, never read; the crate's
-//! gradient contract in `lib.rs`) exactly like the CPU ones. Everything is queued on the device's single stream: a launcher returns once
-//! its work is queued, and a download waits for it. Argument errors are returned as
-//! [`CudaError::Shape`] before anything is launched.
+//! gradient contract in `lib.rs`) exactly like the CPU ones. Everything is queued on the
+//! device's single stream: a launcher returns once its work is queued, and a download waits
+//! for it. Argument errors are returned as [`CudaError::Shape`] before anything is launched.
 //!
 //! The fused gated projection (Transponder eq. 8-10) lives in [`fused_gate`]: a bf16
 //! tensor-core GEMM over `[W | A_cᵀ | A_sᵀ]` whose epilogue computes the gate.

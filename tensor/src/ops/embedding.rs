@@ -81,8 +81,8 @@ pub(crate) mod cuda {
         output(&dev, OP, out_shape, |out| Ok(launch::embedding_forward(&dev, weight.cuda_f32(OP)?, dim, &ids, out)?))
     }
 
-    /// `dW: [vocab, dim]` with `dW[v] = Σ_{i : ids[i] = v} dy[i]`, each id's rows summed in position
-    /// order: the CPU's result bit for bit, the same on every run.
+    /// `dW: [vocab, dim]` with `dW[v] = Σ_{i : ids[i] = v} dy[i]`, each id's rows summed in
+    /// position order: the CPU's result bit for bit, the same on every run.
     pub(crate) fn embedding_backward(ids: &[u32], dy: &Tensor, vocab: usize, dim: usize) -> Result<Tensor> {
         const OP: &str = "embedding_backward";
         let dev = dy.cuda_device(OP)?;

@@ -73,7 +73,8 @@ fn max_pool2d_geometry(
     let g = MaxPool2d { planes: n * c, height, width, kernel, stride, padding };
     let invalid = |reason: String| Error::InvalidShape { op, shape: shape.to_vec(), reason };
     g.check().map_err(invalid)?;
-    if g.output_size().0 == 0 || g.output_size().1 == 0 {
+    let (out_h, out_w) = g.output_size();
+    if out_h == 0 || out_w == 0 {
         return Err(invalid(format!("a {kernel}×{kernel} window is larger than the padded {height}×{width} input")));
     }
     Ok(g)
@@ -85,9 +86,9 @@ impl Tensor {
     /// the winning input within its `H·W` plane (what backward scatters to).
     pub fn max_pool2d(&self, kernel: usize, stride: usize, padding: usize) -> Result<(Tensor, MaxPoolIndices)> {
         let op = "max_pool2d";
-        let [n, c, _, _] = self.dims_nchw(op)?;
+        // A 4-D shape: max_pool2d_geometry checks it.
         let g = max_pool2d_geometry(op, &self.shape, kernel, stride, padding)?;
-        let (out_h, out_w) = g.output_size();
+        let ((out_h, out_w), (n, c)) = (g.output_size(), (self.shape[0], self.shape[1]));
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
             let (y, indices) = cuda::max_pool2d(self, &g)?;
@@ -112,7 +113,7 @@ impl Tensor {
         padding: usize,
     ) -> Result<Tensor> {
         let op = "max_pool2d_backward";
-        // A 4-D shape: max_pool2d_geometry checked it.
+        // A 4-D shape: max_pool2d_geometry checks it.
         let g = max_pool2d_geometry(op, x_shape, kernel, stride, padding)?;
         let ((out_h, out_w), (n, c)) = (g.output_size(), (x_shape[0], x_shape[1]));
         if dy.shape != [n, c, out_h, out_w] || indices.len() != dy.numel() {

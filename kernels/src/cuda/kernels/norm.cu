@@ -1,7 +1,8 @@
 // RMSNorm and LayerNorm over the last axis (cpu/norm.rs): x is [N, C], one block per row.
-// The forward saves rstd (and mean) per row; the backward writes dx = ... per row (gradients are
-// written, not added: kernels/src/lib.rs), and the weight/bias gradients come from norm_param_grads_partial, a column sum over rows in a
-// fixed order (no atomics), finished by reduce.cu's column_sums_finish.
+// The forward saves rstd (and mean) per row; the backward writes dx = ... per row (gradients
+// are written, not added: kernels/src/lib.rs), and the weight/bias gradients come from
+// norm_param_grads_partial, a column sum over rows in a fixed order (no atomics), finished by
+// reduce.cu's column_sums_finish.
 
 // y = x·rstd·w, rstd = 1/√(mean(x²) + eps)
 extern "C" __global__ void rms_norm_forward(const float* x, const float* w, float* y, float* rstd, i64 rows, i64 cols,
