@@ -6,15 +6,18 @@
 # (carry it) and takes the same arguments as bench/real-data-grids.sh's image grids.
 # Finished runs' small files (no checkpoints) are packed into $OUT/comt-grid.tgz when the
 # workers end or GRID_TIMEOUT (seconds, default 900) runs out; rerunning resumes. On an H100
-# with the six processes side by side, a ResNet-18 run took 99 s and a ResNet-50 run 156 s,
-# so the whole grid needs about 8 minutes (3 rows each); copy the run directories into
-# runs/compare/ (fixing `out_dir` in config.json and result.json) to reuse them there.
+# with the six processes side by side, a ResNet-18 run took 99-150 s and a ResNet-50 run
+# 155-270 s (one ResNet-18 run alone: 21 s), so the whole grid needs about 10 minutes;
+# runs/compare-h100/ holds such a grid (`out_dir` in config.json and result.json rewritten).
+# A fresh machine resumes an earlier call's grid: unpack its comt-grid.tgz into .gpu/ (so
+# .gpu/comt/ holds the finished runs) and carry .gpu; those runs are skipped.
 #
 #     bash bench/gpu/comt_grid.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT" /tmp/gpu && tar -C /tmp/gpu -xJf .gpu/bundle.tar.xz
 bin=/tmp/gpu/bin/transponder
+if [ -d .gpu/comt ] && [ ! -d /tmp/comt ]; then cp -r .gpu/comt /tmp/comt; fi
 grid_args=(--data-dir data/external/fashion-mnist --train-images 10000 --epochs 3 --device cuda --out-dir /tmp/comt)
 for grid in fashion-resnet50 fashion-resnet18; do
     for seed in 1337 1338 1339; do

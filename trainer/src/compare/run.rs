@@ -131,14 +131,15 @@ impl RunConfig {
     }
 }
 
-/// Errors unless `stored` (read from `origin`) is the same config as `current`, naming
-/// the fields that differ.
+/// Errors unless `stored` (read from `origin`) holds the same settings as `current`, naming
+/// the fields that differ. Only saved settings count: the device is not one, so a run
+/// finished or checkpointed on one device is reused or resumed on another.
 fn check_same_config(current: &RunConfig, stored: Value, origin: &Path) -> Result<()> {
     let stored = current.parse_like(stored).with_context(|| format!("parsing the config in {}", origin.display()))?;
-    if stored == *current {
+    let (old, new) = (stored.to_json()?, current.to_json()?);
+    if old == new {
         return Ok(());
     }
-    let (old, new) = (stored.to_json()?, current.to_json()?);
     let (old, new) = (old.as_object().cloned().unwrap_or_default(), new.as_object().cloned().unwrap_or_default());
     let changed: Vec<String> = new
         .iter()
@@ -280,5 +281,29 @@ fn remove_if_present(path: &Path) -> Result<()> {
             Err(e).with_context(|| format!("removing stale {}", path.display()))
         }
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tensor::Device;
+
+    fn image_config(device: Device) -> RunConfig {
+        RunConfig::Image(ImageTrainConfig { device, ..ImageTrainConfig::default() })
+    }
+
+    #[test]
+    fn a_run_saved_on_one_device_matches_the_same_settings_on_another() {
+        let saved = image_config(Device::Cpu).to_json().unwrap();
+        check_same_config(&image_config(Device::Cuda(0)), saved, Path::new("result.json")).unwrap();
+    }
+
+    #[test]
+    fn a_changed_setting_is_named() {
+        let saved = image_config(Device::Cpu).to_json().unwrap();
+        let current = RunConfig::Image(ImageTrainConfig { epochs: 7, ..ImageTrainConfig::default() });
+        let error = check_same_config(&current, saved, Path::new("result.json")).unwrap_err().to_string();
+        assert!(error.contains("epochs: ") && error.contains(" -> 7"), "{error}");
     }
 }
