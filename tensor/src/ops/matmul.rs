@@ -94,7 +94,7 @@ pub(crate) mod cuda {
     use kernels::cuda::blas::{self as launch, DeviceMat};
     use kernels::cuda::{DeviceBuffer, DeviceScalar};
 
-    use crate::cuda::{output, CudaStorage};
+    use crate::cuda::output;
     use crate::{DType, Error, Result, Storage, Tensor};
 
     /// The operand type of every matmul on a GPU (see [`set_matmul_precision`]).
@@ -147,7 +147,7 @@ pub(crate) mod cuda {
         let out_shape = [batch, &[m, n]].concat();
         if k == 0 {
             // An empty sum: zeros (cuBLAS is not asked to scale an uninitialised output).
-            return Tensor::from_cuda(CudaStorage::zeros(&dev, out_shape.iter().product())?, &out_shape);
+            return Tensor::zeros_on(&out_shape, lhs.device);
         }
         let (lhs, rhs) = (gemm_view(lhs, m, k)?, gemm_view(rhs, k, n)?);
         let bf16 = matmul_precision() == MatmulPrecision::Bf16;

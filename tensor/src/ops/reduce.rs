@@ -160,7 +160,7 @@ pub(crate) mod cuda {
     use kernels::cuda::embedding::embedding_backward;
     use kernels::cuda::reduce as launch;
 
-    use crate::cuda::{cuda_error, output, CudaStorage};
+    use crate::cuda::{cuda_error, output};
     use crate::{DType, Error, Result, Tensor};
 
     /// `Σ_j x[o, j, i]` as a tensor of `shape` (`outer·inner` elements).
@@ -170,7 +170,7 @@ pub(crate) mod cuda {
         let x = dense_f32(x, OP)?;
         if n == 0 {
             // The sum of nothing is 0 (and the column-sum kernel takes no empty grid).
-            return Tensor::from_cuda(CudaStorage::zeros(&dev, shape.iter().product())?, shape);
+            return Tensor::zeros_on(shape, x.device);
         }
         output(&dev, OP, shape, |out| Ok(launch::sum_axis(&dev, x.cuda_f32(OP)?, outer, n, inner, out)?))
     }

@@ -28,7 +28,7 @@ use crate::train_image::{train_image, ImageTrainConfig, GRAD_NORMS_FILE};
 pub const RESULT_FILE: &str = "result.json";
 
 /// The full training config of one run.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub enum RunConfig {
     Language(TrainConfig),
     Image(ImageTrainConfig),
