@@ -9,6 +9,7 @@ pub mod data;
 pub mod device;
 pub mod export;
 pub mod generate;
+pub mod gpu_counters;
 pub mod metrics;
 pub mod prepare;
 pub mod safetensors_io;

@@ -14,7 +14,7 @@
 //! (`emu/memory.rs`); a buffer then sits at the end of its block, and every fresh or reused
 //! block is poisoned, so out-of-bounds accesses and reads of unwritten memory show.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -69,7 +69,15 @@ struct Block {
 
 struct PoolState {
     free: HashMap<usize, Vec<Block>>,
+    /// The live buffers (address of element 0 → bytes), for the bytes a launch touches.
+    live: BTreeMap<u64, usize>,
     stats: AllocatorStats,
+}
+
+impl PoolState {
+    fn new() -> PoolState {
+        PoolState { free: HashMap::new(), live: BTreeMap::new(), stats: AllocatorStats::default() }
+    }
 }
 
 /// The per-device pool behind every [`DeviceBuffer`].
@@ -84,7 +92,7 @@ impl Allocator {
     pub(crate) fn new(stream: Arc<CudaStream>) -> Allocator {
         Allocator {
             stream: Some(stream),
-            state: Mutex::new(PoolState { free: HashMap::new(), stats: AllocatorStats::default() }),
+            state: Mutex::new(PoolState::new()),
         }
     }
 
@@ -93,7 +101,7 @@ impl Allocator {
     pub(crate) fn emulated() -> Allocator {
         Allocator {
             stream: None,
-            state: Mutex::new(PoolState { free: HashMap::new(), stats: AllocatorStats::default() }),
+            state: Mutex::new(PoolState::new()),
         }
     }
 
@@ -209,6 +217,19 @@ impl Allocator {
     pub(crate) fn stats(&self) -> AllocatorStats {
         self.lock().stats
     }
+
+    /// The bytes of the distinct live buffers that the addresses `ptrs` point into
+    /// (addresses outside every buffer count nothing).
+    pub(crate) fn bytes_referenced(&self, ptrs: impl Iterator<Item = u64>) -> u64 {
+        let state = self.lock();
+        let mut starts: Vec<(u64, usize)> = ptrs
+            .filter_map(|p| state.live.range(..=p).next_back().filter(|(&start, &bytes)| p < start + bytes as u64))
+            .map(|(&start, &bytes)| (start, bytes))
+            .collect();
+        starts.sort_unstable();
+        starts.dedup();
+        starts.iter().map(|&(_, bytes)| bytes as u64).sum()
+    }
 }
 
 /// Element types a [`DeviceBuffer`] can hold.
@@ -263,6 +284,9 @@ impl<T: DeviceScalar> DeviceBuffer<T> {
             .ok_or_else(|| CudaError::shape("alloc", format!("{len} elements of {} overflow", T::NAME)))?;
         let block = if bytes == 0 { None } else { Some(allocator.take(bytes)?) };
         let ptr = block.as_ref().map_or(0, |b| Allocator::place(b, bytes));
+        if block.is_some() {
+            allocator.lock().live.insert(ptr, bytes);
+        }
         #[cfg(feature = "cuda-emu")]
         if let Some(Block { memory: Memory::Emulated(host), .. }) = &block {
             super::emu::memory::register(host, ptr, len, std::mem::size_of::<T>(), T::NAME);
@@ -305,6 +329,7 @@ impl<T: DeviceScalar> DeviceBuffer<T> {
 impl<T: DeviceScalar> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         if let Some(block) = self.block.take() {
+            self.allocator.lock().live.remove(&self.ptr);
             #[cfg(feature = "cuda-emu")]
             if matches!(block.memory, Memory::Emulated(_)) {
                 super::emu::memory::unregister(self.ptr);

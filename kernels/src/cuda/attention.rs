@@ -9,10 +9,10 @@
 use cudarc::driver::LaunchConfig;
 
 use super::allocator::DeviceBuffer;
-use super::device::{Arg, CudaDevice};
+use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, CudaError, Result};
 use super::launch::{check_owners, elementwise, ptr, size};
-use super::module::KernelFamily;
+use super::module::{Arg, KernelFamily};
 use crate::cpu::attention::AttentionDims;
 
 /// Largest head dimension of the GPU kernels.

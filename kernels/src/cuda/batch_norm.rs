@@ -6,10 +6,10 @@
 //! in f64.
 
 use super::allocator::DeviceBuffer;
-use super::device::{Arg, CudaDevice};
+use super::device::CudaDevice;
 use super::error::{ensure_len, Result};
 use super::launch::{check_owners, elementwise, opt_ptr, per_row, ptr, size, THREADS};
-use super::module::KernelFamily;
+use super::module::{Arg, KernelFamily};
 
 const FAMILY: KernelFamily = KernelFamily::BatchNorm;
 

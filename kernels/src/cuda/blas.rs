@@ -16,6 +16,7 @@ use cudarc::cublas::{result as cublas, sys};
 use half::bf16;
 
 use super::allocator::{DeviceBuffer, DeviceScalar};
+use super::counters::GemmKind;
 use super::device::CudaDevice;
 use super::error::{ensure, CudaError, Result};
 use super::launch::to_i32;
@@ -62,6 +63,35 @@ pub(crate) enum Precision {
     Bf16,
 }
 
+impl Precision {
+    /// The cuBLAS function a single product of this precision calls.
+    fn function(self) -> &'static str {
+        match self {
+            Precision::F32 => "cublasSgemm",
+            Precision::Bf16 => "cublasGemmEx",
+        }
+    }
+
+    fn kind(self) -> GemmKind {
+        match self {
+            Precision::F32 => GemmKind::F32Simt,
+            Precision::Bf16 => GemmKind::Bf16TensorCore,
+        }
+    }
+
+    /// FLOPs and bytes referenced of `batch` products `m×n×k` (the output read too when
+    /// `beta` is not 0), for the device counters.
+    fn cost(self, (m, n, k): (usize, usize, usize), beta: f32, batch: usize) -> (u64, u64) {
+        let operand_bytes = match self {
+            Precision::F32 => 4,
+            Precision::Bf16 => 2,
+        };
+        let output_passes = if beta == 0.0 { 1 } else { 2 };
+        let bytes = (m * k + k * n) * operand_bytes + m * n * 4 * output_passes;
+        ((2 * m * n * k * batch) as u64, (bytes * batch) as u64)
+    }
+}
+
 /// Row-major `C[m×n] = alpha·op(A)[m×k]·op(B)[k×n] + beta·C` with `C`'s row stride `ldc`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm(
@@ -84,57 +114,60 @@ pub(crate) fn gemm(
     }
     let (mi, ni, ki) = (to_i32(OP, "m", m)?, to_i32(OP, "n", n)?, to_i32(OP, "k", k)?);
     let (lda, ldb, ldc) = (to_i32(OP, "lda", a.ld.max(1))?, to_i32(OP, "ldb", b.ld.max(1))?, to_i32(OP, "ldc", ldc)?);
-    let Some(gpu) = dev.driver() else {
-        return emulated(precision, (n, m, k), alpha, (b, 0), (a, 0), beta, (c, ldc as usize, 0), 1);
-    };
-    gpu.bind()?;
-    let handle = *gpu.blas().handle();
-    // Column-major Cᵀ[n×m] = op(B)ᵀ[n×k]·op(A)ᵀ[k×m]: B first, then A.
-    // SAFETY: callers pass addresses of device buffers that hold the m×k, k×n and m×n
-    // operands at the given strides (checked by the public launchers); alpha and beta are
-    // host scalars, cuBLAS's default pointer mode.
-    let status = unsafe {
-        match precision {
-            Precision::F32 => cublas::sgemm(
-                handle,
-                b.op(),
-                a.op(),
-                ni,
-                mi,
-                ki,
-                &alpha,
-                b.ptr as *const f32,
-                ldb,
-                a.ptr as *const f32,
-                lda,
-                &beta,
-                c as *mut f32,
-                ldc,
-            ),
-            Precision::Bf16 => cublas::gemm_ex(
-                handle,
-                b.op(),
-                a.op(),
-                ni,
-                mi,
-                ki,
-                &alpha as *const f32 as *const c_void,
-                b.ptr as *const c_void,
-                sys::cudaDataType::CUDA_R_16BF,
-                ldb,
-                a.ptr as *const c_void,
-                sys::cudaDataType::CUDA_R_16BF,
-                lda,
-                &beta as *const f32 as *const c_void,
-                c as *mut c_void,
-                sys::cudaDataType::CUDA_R_32F,
-                ldc,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
-            ),
-        }
-    };
-    status.map_err(|e| CudaError::blas(format!("{precision:?} gemm {m}×{n}×{k}"), e))
+    let cost = precision.cost((m, n, k), beta, 1);
+    dev.cublas_call(precision.function(), precision.kind(), cost, || {
+        let Some(gpu) = dev.driver() else {
+            return emulated(precision, (n, m, k), alpha, (b, 0), (a, 0), beta, (c, ldc as usize, 0), 1);
+        };
+        gpu.bind()?;
+        let handle = *gpu.blas().handle();
+        // Column-major Cᵀ[n×m] = op(B)ᵀ[n×k]·op(A)ᵀ[k×m]: B first, then A.
+        // SAFETY: callers pass addresses of device buffers that hold the m×k, k×n and m×n
+        // operands at the given strides (checked by the public launchers); alpha and beta
+        // are host scalars, cuBLAS's default pointer mode.
+        let status = unsafe {
+            match precision {
+                Precision::F32 => cublas::sgemm(
+                    handle,
+                    b.op(),
+                    a.op(),
+                    ni,
+                    mi,
+                    ki,
+                    &alpha,
+                    b.ptr as *const f32,
+                    ldb,
+                    a.ptr as *const f32,
+                    lda,
+                    &beta,
+                    c as *mut f32,
+                    ldc,
+                ),
+                Precision::Bf16 => cublas::gemm_ex(
+                    handle,
+                    b.op(),
+                    a.op(),
+                    ni,
+                    mi,
+                    ki,
+                    &alpha as *const f32 as *const c_void,
+                    b.ptr as *const c_void,
+                    sys::cudaDataType::CUDA_R_16BF,
+                    ldb,
+                    a.ptr as *const c_void,
+                    sys::cudaDataType::CUDA_R_16BF,
+                    lda,
+                    &beta as *const f32 as *const c_void,
+                    c as *mut c_void,
+                    sys::cudaDataType::CUDA_R_32F,
+                    ldc,
+                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+                ),
+            }
+        };
+        status.map_err(|e| CudaError::blas(format!("{precision:?} gemm {m}×{n}×{k}"), e))
+    })
 }
 
 /// `batch` row-major f32 products `C_i = alpha·op(A_i)·op(B_i) + beta·C_i`, where operand
@@ -159,35 +192,38 @@ pub(crate) fn gemm_strided_batched(
     let (mi, ni, ki) = (to_i32(OP, "m", m)?, to_i32(OP, "n", n)?, to_i32(OP, "k", k)?);
     let (lda, ldb, ldc) = (to_i32(OP, "lda", a.ld.max(1))?, to_i32(OP, "ldb", b.ld.max(1))?, to_i32(OP, "ldc", ldc)?);
     let batch_i = to_i32(OP, "batch", batch)?;
-    let Some(gpu) = dev.driver() else {
-        let c = (c, ldc as usize, stride_c);
-        return emulated(Precision::F32, (n, m, k), alpha, (b, stride_b), (a, stride_a), beta, c, batch);
-    };
-    gpu.bind()?;
-    // SAFETY: as in `gemm`, for each of the `batch` products at the given strides.
-    unsafe {
-        cublas::sgemm_strided_batched(
-            *gpu.blas().handle(),
-            b.op(),
-            a.op(),
-            ni,
-            mi,
-            ki,
-            &alpha,
-            b.ptr as *const f32,
-            ldb,
-            stride_b as i64,
-            a.ptr as *const f32,
-            lda,
-            stride_a as i64,
-            &beta,
-            c as *mut f32,
-            ldc,
-            stride_c as i64,
-            batch_i,
-        )
-    }
-    .map_err(|e| CudaError::blas(format!("batched gemm {batch}×({m}×{n}×{k})"), e))
+    let cost = Precision::F32.cost((m, n, k), beta, batch);
+    dev.cublas_call("cublasSgemmStridedBatched", GemmKind::F32Simt, cost, || {
+        let Some(gpu) = dev.driver() else {
+            let c = (c, ldc as usize, stride_c);
+            return emulated(Precision::F32, (n, m, k), alpha, (b, stride_b), (a, stride_a), beta, c, batch);
+        };
+        gpu.bind()?;
+        // SAFETY: as in `gemm`, for each of the `batch` products at the given strides.
+        unsafe {
+            cublas::sgemm_strided_batched(
+                *gpu.blas().handle(),
+                b.op(),
+                a.op(),
+                ni,
+                mi,
+                ki,
+                &alpha,
+                b.ptr as *const f32,
+                ldb,
+                stride_b as i64,
+                a.ptr as *const f32,
+                lda,
+                stride_a as i64,
+                &beta,
+                c as *mut f32,
+                ldc,
+                stride_c as i64,
+                batch_i,
+            )
+        }
+        .map_err(|e| CudaError::blas(format!("batched gemm {batch}×({m}×{n}×{k})"), e))
+    })
 }
 
 /// The column-major cuBLAS call above (`first` is cuBLAS's A: our B) on the emulated device.

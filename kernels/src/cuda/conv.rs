@@ -59,7 +59,7 @@ fn check(op: &'static str, g: &Conv2dGeometry, x: usize, w: usize) -> Result<Siz
 }
 
 /// The im2col (or col2im) kernel's geometry arguments after its two buffers.
-fn geometry_args(g: &Conv2dGeometry, images: usize) -> [super::device::Arg; 10] {
+fn geometry_args(g: &Conv2dGeometry, images: usize) -> [super::module::Arg; 10] {
     [
         size(images),
         size(g.in_channels),

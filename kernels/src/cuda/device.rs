@@ -21,8 +21,10 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{result as driver, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
 use super::allocator::{Allocator, AllocatorStats, DeviceBuffer, DeviceScalar};
+use super::counters::{Counters, DeviceCounters, GemmKind};
 use super::error::{ensure, CudaError, Result};
-use super::module::{panic_message, KernelCache, KernelFamily};
+use super::module::{panic_message, Arg, KernelCache, KernelFamily};
+use super::timer::{KernelTime, KernelTimer};
 
 /// A CUDA device with its stream, cuBLAS handle, kernels and memory pool.
 pub struct CudaDevice {
@@ -31,6 +33,8 @@ pub struct CudaDevice {
     capability: (i32, i32),
     backend: Backend,
     allocator: Arc<Allocator>,
+    counters: Counters,
+    timer: KernelTimer,
 }
 
 /// What runs the device's work.
@@ -64,21 +68,6 @@ impl Driver {
     fn stream(&self) -> cudarc::driver::sys::CUstream {
         self.stream.cu_stream()
     }
-}
-
-/// One kernel argument, kept alive (in a slice) until the launch has read it.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Arg {
-    /// A device address (`T*` in the kernel).
-    Ptr(u64),
-    /// `int`.
-    I32(i32),
-    /// `long long`.
-    I64(i64),
-    /// `float`.
-    F32(f32),
-    /// A `struct { long long v[24]; }` passed by value (shapes and strides).
-    Dims([i64; 24]),
 }
 
 /// Checks that the CUDA libraries can be loaded, so cudarc's loader will not panic.
@@ -148,6 +137,8 @@ impl CudaDevice {
             capability: (8, 0),
             backend: Backend::Emulated(super::emu::Emulator::new()?),
             allocator: Arc::new(Allocator::emulated()),
+            counters: Counters::default(),
+            timer: KernelTimer::default(),
         })
     }
 
@@ -217,7 +208,15 @@ impl CudaDevice {
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".to_string());
         let allocator = Arc::new(Allocator::new(Arc::clone(&stream)));
         let driver = Driver { ctx, stream, blas, kernels: KernelCache::new(capability) };
-        Ok(CudaDevice { ordinal, name, capability, backend: Backend::Driver(driver), allocator })
+        Ok(CudaDevice {
+            ordinal,
+            name,
+            capability,
+            backend: Backend::Driver(driver),
+            allocator,
+            counters: Counters::default(),
+            timer: KernelTimer::default(),
+        })
     }
 
     /// The device ordinal.
@@ -248,6 +247,7 @@ impl CudaDevice {
 
     /// Waits until all queued work has finished; reports errors of asynchronous work.
     pub fn synchronize(&self) -> Result<()> {
+        self.counters.sync();
         match self.driver() {
             Some(driver) => driver.stream.synchronize().map_err(|e| CudaError::driver("stream synchronize", e)),
             None => Ok(()),
@@ -257,6 +257,50 @@ impl CudaDevice {
     /// The caching allocator's counters.
     pub fn allocator_stats(&self) -> AllocatorStats {
         self.allocator.stats()
+    }
+
+    /// The work counted on this device since it was opened: take one snapshot before and
+    /// one after a step and subtract ([`DeviceCounters::since`]).
+    pub fn counters(&self) -> DeviceCounters {
+        let stats = self.allocator.stats();
+        self.counters.snapshot(stats.allocations + stats.reuses, stats.allocations)
+    }
+
+    /// Starts timing every launch and cuBLAS call with a pair of CUDA events (the host's
+    /// clock on the emulated device), until [`CudaDevice::stop_kernel_timer`].
+    pub fn start_kernel_timer(&self) {
+        self.timer.start();
+    }
+
+    /// Stops the kernel timer and returns the time of each kernel since it started,
+    /// slowest first; waits for the device.
+    pub fn stop_kernel_timer(&self) -> Result<Vec<KernelTime>> {
+        if self.timer.is_running() {
+            self.synchronize()?;
+        }
+        self.timer.stop()
+    }
+
+    /// Runs `queue` (which queues one launch or cuBLAS call of `name`) under the kernel
+    /// timer when it runs.
+    fn timed(&self, name: &'static str, family: &'static str, queue: impl FnOnce() -> Result<()>) -> Result<()> {
+        let stream = self.driver().map(|gpu| gpu.stream.as_ref());
+        let span = self.timer.begin(stream, name, family)?;
+        queue()?;
+        self.timer.end(stream, span)
+    }
+
+    /// Counts and (under the kernel timer) times one cuBLAS call `name` of `kind`, doing
+    /// `flops` over `bytes`, queued by `call`.
+    pub(crate) fn cublas_call(
+        &self,
+        name: &'static str,
+        kind: GemmKind,
+        (flops, bytes): (u64, u64),
+        call: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        self.counters.gemm(name, kind, flops, bytes);
+        self.timed(name, "cublas", call)
     }
 
     /// Returns the allocator's cached (unused) blocks to the driver.
@@ -282,6 +326,7 @@ impl CudaDevice {
         if buffer.is_empty() {
             return Ok(());
         }
+        self.counters.memset(buffer.num_bytes());
         let Some(gpu) = self.driver() else {
             // SAFETY: the emulated buffer's own host range.
             unsafe { std::ptr::write_bytes(buffer.device_ptr() as *mut u8, 0, buffer.num_bytes()) };
@@ -310,6 +355,7 @@ impl CudaDevice {
         if host.is_empty() {
             return Ok(());
         }
+        self.counters.upload(std::mem::size_of_val(host));
         let Some(gpu) = self.driver() else {
             // SAFETY: the emulated buffer's own host range of host.len() elements.
             unsafe { std::ptr::copy_nonoverlapping(host.as_ptr(), buffer.device_ptr() as *mut T, host.len()) };
@@ -338,7 +384,9 @@ impl CudaDevice {
         if host.is_empty() {
             return Ok(());
         }
+        self.counters.download(std::mem::size_of_val(host));
         let Some(gpu) = self.driver() else {
+            self.counters.sync();
             // SAFETY: the emulated buffer's own host range of host.len() elements.
             unsafe { std::ptr::copy_nonoverlapping(buffer.device_ptr() as *const T, host.as_mut_ptr(), host.len()) };
             return Ok(());
@@ -369,6 +417,7 @@ impl CudaDevice {
             return Ok(());
         }
         let bytes = count * std::mem::size_of::<T>();
+        self.counters.device_copy(bytes);
         let Some(gpu) = self.driver() else {
             // SAFETY: both ranges were checked against their (emulated, host) buffers above;
             // `copy` allows the two to overlap.
@@ -397,6 +446,16 @@ impl CudaDevice {
         if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
             return Ok(());
         }
+        let pointers = args.iter().filter_map(|arg| match arg {
+            Arg::Ptr(ptr) => Some(*ptr),
+            _ => None,
+        });
+        self.counters.kernel(name, self.allocator.bytes_referenced(pointers));
+        self.timed(name, family.name(), || self.queue_launch(family, name, cfg, args))
+    }
+
+    /// Queues the launch on the GPU, or runs it on the emulator.
+    fn queue_launch(&self, family: KernelFamily, name: &'static str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         let gpu = match &self.backend {
             Backend::Driver(gpu) => gpu,
             #[cfg(feature = "cuda-emu")]

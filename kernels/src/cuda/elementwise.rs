@@ -12,10 +12,10 @@ pub use crate::cpu::binary::Binary;
 pub use crate::cpu::unary::Unary;
 
 use super::allocator::DeviceBuffer;
-use super::device::{Arg, CudaDevice};
+use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
 use super::launch::{check_owners, elementwise, int, ptr, ptr_at, size};
-use super::module::KernelFamily;
+use super::module::{Arg, KernelFamily};
 
 /// Most dimensions a broadcast or strided copy may keep after coalescing.
 pub const MAX_RANK: usize = 8;

@@ -26,11 +26,11 @@ pub use crate::cpu::unary::Unary;
 
 use super::allocator::DeviceBuffer;
 use super::blas::{gemm, Operand, Precision};
-use super::device::{Arg, CudaDevice};
+use super::device::CudaDevice;
 use super::elementwise::unary_code;
 use super::error::{ensure, ensure_len, CudaError, Result};
 use super::launch::{elementwise, int, per_row, ptr, ptr_at, size, THREADS};
-use super::module::KernelFamily;
+use super::module::{Arg, KernelFamily};
 use super::reduce::column_sums;
 
 /// Largest `r_c + r_s` the kernels take (the summary tile is padded to 16, 32 or 64).

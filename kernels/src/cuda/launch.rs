@@ -3,7 +3,8 @@
 use cudarc::driver::LaunchConfig;
 
 use super::allocator::{DeviceBuffer, DeviceScalar};
-use super::device::{Arg, CudaDevice};
+use super::device::CudaDevice;
+use super::module::Arg;
 use super::error::{CudaError, Result};
 
 /// Threads per block of the elementwise and row kernels.

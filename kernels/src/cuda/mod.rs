@@ -3,7 +3,9 @@
 //! ```text
 //! device.rs      CudaDevice: context, one stream, cuBLAS, copies; errors, not panics, without a GPU
 //! allocator.rs   DeviceBuffer<T> and the caching allocator (free lists per size class)
-//! module.rs      NVRTC compilation of kernels/*.cu for the device's compute capability, cached
+//! counters.rs    per-device counts of launches, products by precision, syncs, copies, bytes
+//! timer.rs       the per-kernel timer (a CUDA event pair around each launch)
+//! module.rs      kernel families and launch arguments; NVRTC compilation of kernels/*.cu, cached
 //! nvrtc.rs       one NVRTC compile to CUBIN (or PTX), with the log on failure
 //! blas.rs        row-major cuBLAS products (f32 and bf16 → f32)
 //! <family>.rs    launchers mirroring cpu/<family>.rs, shapes checked before launch
@@ -32,6 +34,7 @@ pub mod attention;
 pub mod batch_norm;
 pub mod blas;
 pub mod conv;
+pub mod counters;
 pub mod device;
 pub mod elementwise;
 pub mod embedding;
@@ -49,7 +52,10 @@ pub mod reduce;
 pub mod rope;
 pub mod softmax;
 pub mod swiglu;
+pub mod timer;
 
 pub use allocator::{AllocatorStats, DeviceBuffer, DeviceScalar};
+pub use counters::DeviceCounters;
 pub use device::CudaDevice;
+pub use timer::KernelTime;
 pub use error::{CudaError, Result};

@@ -110,10 +110,30 @@ impl KernelFamily {
         }
     }
 
+    /// The family's name: its file without `.cu` (for reports).
+    pub fn name(self) -> &'static str {
+        self.file().trim_end_matches(".cu")
+    }
+
     /// The full translation unit: `common.cuh`, then the family's file.
     pub fn translation_unit(self) -> String {
         format!("#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{}\"\n{}", self.file(), self.source())
     }
+}
+
+/// One kernel argument, kept alive (in a slice) until the launch has read it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Arg {
+    /// A device address (`T*` in the kernel).
+    Ptr(u64),
+    /// `int`.
+    I32(i32),
+    /// `long long`.
+    I64(i64),
+    /// `float`.
+    F32(f32),
+    /// A `struct { long long v[24]; }` passed by value (shapes and strides).
+    Dims([i64; 24]),
 }
 
 /// Images per (family, compute capability), shared by every device of the process.

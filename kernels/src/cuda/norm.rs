@@ -8,10 +8,10 @@
 use cudarc::driver::LaunchConfig;
 
 use super::allocator::DeviceBuffer;
-use super::device::{Arg, CudaDevice};
+use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
 use super::launch::{check_owners, opt_ptr, per_row, ptr, row_threads, size};
-use super::module::KernelFamily;
+use super::module::{Arg, KernelFamily};
 use super::reduce::{chunking, finish_column_sums};
 
 const FAMILY: KernelFamily = KernelFamily::Norm;

@@ -6,10 +6,10 @@
 pub use crate::cpu::optim::AdamHyper;
 
 use super::allocator::DeviceBuffer;
-use super::device::{Arg, CudaDevice};
+use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
 use super::launch::{check_owners, elementwise, int, ptr, size};
-use super::module::KernelFamily;
+use super::module::{Arg, KernelFamily};
 
 /// The per-step scalars of Adam: `[step_size, 1/√(1 − β2ᵗ), decay, l2]`.
 fn adam_constants(op: &'static str, h: &AdamHyper, decoupled: bool) -> Result<[f32; 4]> {

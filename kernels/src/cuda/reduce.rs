@@ -55,7 +55,7 @@ pub(crate) fn column_sums(
         shared_mem_bytes: 0,
     };
     let args = [
-        super::device::Arg::Ptr(src),
+        super::module::Arg::Ptr(src),
         size(outer),
         size(rows),
         size(cols),
@@ -77,7 +77,7 @@ pub(crate) fn finish_column_sums(
     cols: usize,
     dst: u64,
 ) -> Result<()> {
-    let args = [ptr(partial), size(outer), size(chunks), size(cols), super::device::Arg::Ptr(dst)];
+    let args = [ptr(partial), size(outer), size(chunks), size(cols), super::module::Arg::Ptr(dst)];
     dev.launch(FAMILY, "column_sums_finish", elementwise(outer * cols), &args)
 }
 

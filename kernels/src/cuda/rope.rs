@@ -5,10 +5,10 @@
 //! (`[max_seq, D/2]` each).
 
 use super::allocator::DeviceBuffer;
-use super::device::{Arg, CudaDevice};
+use super::device::CudaDevice;
 use super::error::{CudaError, Result};
 use super::launch::{check_owners, elementwise, ptr, size};
-use super::module::KernelFamily;
+use super::module::{Arg, KernelFamily};
 use crate::cpu::rope::RopeDims;
 
 /// Checks `dims` against the buffers ([`RopeDims::check`], as on the CPU), then rotates.

@@ -6,10 +6,10 @@
 //! device; a target ≥ `cols` is reported as [`CudaError::Invalid`] (the CPU asserts).
 
 use super::allocator::DeviceBuffer;
-use super::device::{Arg, CudaDevice};
+use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, CudaError, Result};
 use super::launch::{check_owners, int, per_row, ptr, row_threads, size};
-use super::module::KernelFamily;
+use super::module::{Arg, KernelFamily};
 
 const FAMILY: KernelFamily = KernelFamily::Softmax;
 

@@ -19,9 +19,20 @@
 //! GPU allocator's reserved MiB. `--bf16` feeds bf16 inputs to the GPU's matrix products
 //! (f32 master weights), the setting `bench/gpu_compare.py` compares with PyTorch autocast.
 //!
+//! On a GPU (or the emulated device) one more, untimed, steady-state step runs after the
+//! timed ones without the bench's own waits (forward, backward, AdamW; the loss stays on the
+//! device), and the JSON's `"counters"` holds what the device was
+//! asked to do in it: launches (by kernel in `launches_by_kernel`), cuBLAS calls and FLOPs
+//! by precision (`f32_simt_gemm_flops`: products off the tensor cores), host
+//! synchronisations, pageable copies, driver allocations, bytes touched
+//! (`kernels::cuda::counters`). `--kernel-timer` runs one more step under the per-kernel
+//! timer (a CUDA event pair around every launch) and adds its time per kernel family
+//! (`"kernel_ms"`), printing the slowest kernels to stderr.
+//!
 //! ```text
 //! cargo run --release -p trainer --bin train-bench -- --model llama-tiny --variant pre-ln \
-//!     --batch 16 --seq 256 --steps 10 [--forward-only] [--threads 2] [--device cuda --bf16]
+//!     --batch 16 --seq 256 --steps 10 [--forward-only] [--threads 2] [--device cuda --bf16] \
+//!     [--kernel-timer]
 //! ```
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -35,6 +46,7 @@ use nn::optim::{Adam, AdamConfig, Optimizer};
 use nn::Module;
 use tensor::{Device, Rng};
 use trainer::device::{device_name, ensure_available, parse_device, synchronize, MatmulPrecision};
+use trainer::gpu_counters::{time_kernels, CounterSnapshot};
 
 struct Args {
     model: String,
@@ -49,6 +61,7 @@ struct Args {
     profile: bool,
     device: Device,
     bf16: bool,
+    kernel_timer: bool,
 }
 
 fn parse_args() -> Result<Args> {
@@ -65,6 +78,7 @@ fn parse_args() -> Result<Args> {
         profile: false,
         device: Device::Cpu,
         bf16: false,
+        kernel_timer: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -82,10 +96,12 @@ fn parse_args() -> Result<Args> {
             "--forward-only" => args.forward_only = true,
             "--profile" => args.profile = true,
             "--bf16" => args.bf16 = true,
+            "--kernel-timer" => args.kernel_timer = true,
             "-h" | "--help" => {
                 println!(
                     "train-bench --model NAME --variant NAME --batch B --seq T --steps N [--warmup N] \
-                     [--threads N] [--seed S] [--forward-only] [--profile] [--device cpu|cuda|cuda:N] [--bf16]"
+                     [--threads N] [--seed S] [--forward-only] [--profile] [--device cpu|cuda|cuda:N] [--bf16] \
+                     [--kernel-timer]"
                 );
                 std::process::exit(0);
             }
@@ -94,6 +110,9 @@ fn parse_args() -> Result<Args> {
     }
     if args.steps == 0 || args.batch == 0 || args.seq == 0 {
         bail!("--steps, --batch and --seq must be positive");
+    }
+    if args.kernel_timer && args.device == Device::Cpu {
+        bail!("--kernel-timer times GPU kernels: it needs --device cuda");
     }
     Ok(args)
 }
@@ -267,6 +286,27 @@ fn run(args: Args) -> Result<()> {
     }
     let cpu_per_step = (process_cpu_seconds() - cpu_start) / args.steps as f64;
     let allocations_end = allocation_counts();
+
+    // One more steady-state step, counted on the device: as the trainer runs it, without
+    // the waits the timing above adds.
+    let mut untimed_step = || -> Result<()> {
+        let (ids, targets) = batch();
+        if args.forward_only {
+            no_grad(|| model.loss(&ids, &targets, args.batch, args.seq))?;
+        } else {
+            let l = model.loss(&ids, &targets, args.batch, args.seq)?;
+            l.backward()?;
+            drop(l);
+            optimizer.step(1e-3)?;
+            optimizer.zero_grad();
+        }
+        Ok(())
+    };
+    let before = CounterSnapshot::take(args.device)?;
+    untimed_step()?;
+    let counters = CounterSnapshot::take(args.device)?.since_json(&before);
+    synchronize(args.device)?;
+    let kernel_ms = if args.kernel_timer { time_kernels(args.device, untimed_step)? } else { serde_json::Value::Null };
     let per_step = |end: u64, start: u64| (end - start) as f64 / args.steps as f64;
     if args.profile {
         print_profile(&Var::profile_stop(), args.steps);
@@ -299,6 +339,8 @@ fn run(args: Args) -> Result<()> {
         "peak_rss_over_start_mib": peak - rss_start,
         "gpu_reserved_mib": gpu_reserved_mib(args.device)?,
         "final_loss": loss,
+        "counters": counters,
+        "kernel_ms": kernel_ms,
     });
     println!("{line}");
     Ok(())

@@ -1,0 +1,278 @@
+//! Per-device counters of the work a device is asked to do: kernel launches by kernel,
+//! cuBLAS products and their FLOPs by precision, memsets, host synchronisations, copies and
+//! the bytes each launch touches.
+//!
+//! They are counted where the work is queued (`CudaDevice::launch`, the cuBLAS wrappers,
+//! the copy and fill methods, `synchronize`), before the backend is chosen, so a GPU and the
+//! emulated device count the same step alike: a step's counts can be read in CPU CI and
+//! checked against budgets (launches per step, no synchronisation, no driver allocation, no
+//! f32 product off the tensor cores), and set beside the GPU's timings.
+//!
+//! Take a snapshot with `CudaDevice::counters` before and after the work of interest and
+//! subtract: [`DeviceCounters::since`].
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard};
+
+/// What a device has been asked to do since it was opened (a snapshot).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceCounters {
+    /// Kernel launches and cuBLAS calls, by kernel name (cuBLAS calls by function).
+    pub launches_by_kernel: BTreeMap<&'static str, u64>,
+    /// Every launch: kernels plus cuBLAS calls (the sum of `launches_by_kernel`).
+    pub launches: u64,
+    /// cuBLAS products with bf16 operands on the tensor cores (`cublasGemmEx`).
+    pub bf16_gemm_calls: u64,
+    /// cuBLAS products in f32 on the CUDA cores (`cublasSgemm`, default math mode: no TF32).
+    pub f32_gemm_calls: u64,
+    /// FLOPs (2·m·n·k per product) of the bf16 tensor-core products.
+    pub bf16_tensor_core_gemm_flops: u64,
+    /// FLOPs of the f32 products, which run without tensor cores.
+    pub f32_simt_gemm_flops: u64,
+    /// Device memsets (`fill_zero`).
+    pub memsets: u64,
+    /// Waits of the host for the device: `synchronize`, and every download (which waits).
+    pub syncs: u64,
+    /// Host → device copies.
+    pub host_to_device_copies: u64,
+    /// Bytes copied host → device.
+    pub host_to_device_bytes: u64,
+    /// Device → host copies.
+    pub device_to_host_copies: u64,
+    /// Bytes copied device → host.
+    pub device_to_host_bytes: u64,
+    /// Host ↔ device copies from or to pageable host memory (today every such copy: the
+    /// driver stages them, and a CUDA graph cannot capture them).
+    pub pageable_copies: u64,
+    /// Device → device copies.
+    pub device_copies: u64,
+    /// Buffers asked of the caching allocator.
+    pub buffer_requests: u64,
+    /// Blocks the caching allocator had to get from the driver (`cuMemAllocAsync`).
+    pub driver_allocations: u64,
+    /// Bytes of memory referenced: for a kernel, the sizes of the distinct live buffers its
+    /// pointer arguments point into; for a product, its operands and output (twice the
+    /// output when it accumulates); for a copy or memset, its bytes. An upper bound on the
+    /// traffic (a kernel may touch part of a buffer), exact for whole-buffer kernels.
+    pub bytes_touched: u64,
+}
+
+/// The names of [`DeviceCounters`]' scalar fields, in the order of `DeviceCounters::fields`.
+const FIELD_NAMES: [&str; 16] = [
+    "launches",
+    "bf16_gemm_calls",
+    "f32_gemm_calls",
+    "bf16_tensor_core_gemm_flops",
+    "f32_simt_gemm_flops",
+    "memsets",
+    "syncs",
+    "host_to_device_copies",
+    "host_to_device_bytes",
+    "device_to_host_copies",
+    "device_to_host_bytes",
+    "pageable_copies",
+    "device_copies",
+    "buffer_requests",
+    "driver_allocations",
+    "bytes_touched",
+];
+
+impl DeviceCounters {
+    /// What was counted after `earlier` (a snapshot of the same device): `self - earlier`.
+    pub fn since(&self, earlier: &DeviceCounters) -> DeviceCounters {
+        let mut delta = self.clone();
+        for (name, count) in delta.launches_by_kernel.iter_mut() {
+            *count = count.saturating_sub(earlier.launches_by_kernel.get(name).copied().unwrap_or(0));
+        }
+        delta.launches_by_kernel.retain(|_, count| *count > 0);
+        for (field, before) in delta.fields_mut().into_iter().zip(earlier.fields()) {
+            *field = field.saturating_sub(before);
+        }
+        delta
+    }
+
+    /// The scalar counters with their field names, for reports and JSON.
+    pub fn totals(&self) -> [(&'static str, u64); 16] {
+        let values = self.fields();
+        std::array::from_fn(|i| (FIELD_NAMES[i], values[i]))
+    }
+
+    fn fields(&self) -> [u64; 16] {
+        self.fields_ref().map(|field| *field)
+    }
+
+    fn fields_ref(&self) -> [&u64; 16] {
+        [
+            &self.launches,
+            &self.bf16_gemm_calls,
+            &self.f32_gemm_calls,
+            &self.bf16_tensor_core_gemm_flops,
+            &self.f32_simt_gemm_flops,
+            &self.memsets,
+            &self.syncs,
+            &self.host_to_device_copies,
+            &self.host_to_device_bytes,
+            &self.device_to_host_copies,
+            &self.device_to_host_bytes,
+            &self.pageable_copies,
+            &self.device_copies,
+            &self.buffer_requests,
+            &self.driver_allocations,
+            &self.bytes_touched,
+        ]
+    }
+
+    fn fields_mut(&mut self) -> [&mut u64; 16] {
+        [
+            &mut self.launches,
+            &mut self.bf16_gemm_calls,
+            &mut self.f32_gemm_calls,
+            &mut self.bf16_tensor_core_gemm_flops,
+            &mut self.f32_simt_gemm_flops,
+            &mut self.memsets,
+            &mut self.syncs,
+            &mut self.host_to_device_copies,
+            &mut self.host_to_device_bytes,
+            &mut self.device_to_host_copies,
+            &mut self.device_to_host_bytes,
+            &mut self.pageable_copies,
+            &mut self.device_copies,
+            &mut self.buffer_requests,
+            &mut self.driver_allocations,
+            &mut self.bytes_touched,
+        ]
+    }
+}
+
+/// The precision of a cuBLAS product, for counting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GemmKind {
+    /// bf16 operands on the tensor cores.
+    Bf16TensorCore,
+    /// f32 on the CUDA cores.
+    F32Simt,
+}
+
+/// The live counters of one device (everything but the allocator's, read at snapshot time).
+#[derive(Default)]
+pub(crate) struct Counters {
+    state: Mutex<DeviceCounters>,
+}
+
+impl Counters {
+    fn lock(&self) -> MutexGuard<'_, DeviceCounters> {
+        // Every update is a few additions: a poisoned lock still holds consistent counts.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A snapshot, with the allocator's `buffer_requests` and `driver_allocations` filled in.
+    pub(crate) fn snapshot(&self, buffer_requests: u64, driver_allocations: u64) -> DeviceCounters {
+        DeviceCounters { buffer_requests, driver_allocations, ..self.lock().clone() }
+    }
+
+    /// One kernel launch of `name` referencing `bytes`.
+    pub(crate) fn kernel(&self, name: &'static str, bytes: u64) {
+        let mut c = self.lock();
+        c.launches += 1;
+        *c.launches_by_kernel.entry(name).or_default() += 1;
+        c.bytes_touched += bytes;
+    }
+
+    /// One cuBLAS call `name` of `kind` doing `flops` over `bytes`.
+    pub(crate) fn gemm(&self, name: &'static str, kind: GemmKind, flops: u64, bytes: u64) {
+        let mut c = self.lock();
+        c.launches += 1;
+        *c.launches_by_kernel.entry(name).or_default() += 1;
+        c.bytes_touched += bytes;
+        match kind {
+            GemmKind::Bf16TensorCore => {
+                c.bf16_gemm_calls += 1;
+                c.bf16_tensor_core_gemm_flops += flops;
+            }
+            GemmKind::F32Simt => {
+                c.f32_gemm_calls += 1;
+                c.f32_simt_gemm_flops += flops;
+            }
+        }
+    }
+
+    /// One memset of `bytes`.
+    pub(crate) fn memset(&self, bytes: usize) {
+        let mut c = self.lock();
+        c.memsets += 1;
+        c.bytes_touched += bytes as u64;
+    }
+
+    /// One wait of the host for the device.
+    pub(crate) fn sync(&self) {
+        self.lock().syncs += 1;
+    }
+
+    /// One copy of `bytes` from pageable host memory to the device.
+    pub(crate) fn upload(&self, bytes: usize) {
+        let mut c = self.lock();
+        c.host_to_device_copies += 1;
+        c.host_to_device_bytes += bytes as u64;
+        c.pageable_copies += 1;
+        c.bytes_touched += bytes as u64;
+    }
+
+    /// One copy of `bytes` from the device to pageable host memory.
+    pub(crate) fn download(&self, bytes: usize) {
+        let mut c = self.lock();
+        c.device_to_host_copies += 1;
+        c.device_to_host_bytes += bytes as u64;
+        c.pageable_copies += 1;
+        c.bytes_touched += bytes as u64;
+    }
+
+    /// One device → device copy of `bytes` (read and written: twice the bytes touched).
+    pub(crate) fn device_copy(&self, bytes: usize) {
+        let mut c = self.lock();
+        c.device_copies += 1;
+        c.bytes_touched += 2 * bytes as u64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn since_subtracts_every_field_and_drops_kernels_not_launched_in_between() {
+        let counters = Counters::default();
+        counters.kernel("a", 100);
+        counters.gemm("cublasSgemm", GemmKind::F32Simt, 2_000, 48);
+        let before = counters.snapshot(3, 1);
+        counters.kernel("b", 10);
+        counters.kernel("b", 10);
+        counters.gemm("cublasGemmEx", GemmKind::Bf16TensorCore, 4_000, 24);
+        counters.upload(8);
+        counters.download(4);
+        counters.sync();
+        counters.memset(16);
+        counters.device_copy(32);
+        let delta = counters.snapshot(5, 1).since(&before);
+        assert_eq!(delta.launches_by_kernel, BTreeMap::from([("b", 2), ("cublasGemmEx", 1)]));
+        let totals: BTreeMap<&str, u64> = delta.totals().into_iter().collect();
+        let expected = [
+            ("launches", 3),
+            ("bf16_gemm_calls", 1),
+            ("f32_gemm_calls", 0),
+            ("bf16_tensor_core_gemm_flops", 4_000),
+            ("f32_simt_gemm_flops", 0),
+            ("memsets", 1),
+            ("syncs", 1),
+            ("host_to_device_copies", 1),
+            ("host_to_device_bytes", 8),
+            ("device_to_host_copies", 1),
+            ("device_to_host_bytes", 4),
+            ("pageable_copies", 2),
+            ("device_copies", 1),
+            ("buffer_requests", 2),
+            ("driver_allocations", 0),
+            ("bytes_touched", 20 + 24 + 8 + 4 + 16 + 64),
+        ];
+        assert_eq!(totals, BTreeMap::from(expected));
+    }
+}
