@@ -213,9 +213,12 @@ impl Tensor {
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
             let dense = self.dense()?;
-            let storage = dense.cuda_storage().map(|s| s.converted(dtype)).transpose()?;
-            let storage = storage.ok_or(Error::UnsupportedDevice { op: "to_dtype", device: self.device })?;
-            return Tensor::from_cuda(storage, &self.shape);
+            let source = dense.cuda_storage().ok_or(Error::UnsupportedDevice { op: "to_dtype", device: self.device })?;
+            if dtype == DType::BF16 && dense.offset == 0 && source.len() == dense.numel() {
+                // The whole buffer: its shared bf16 copy (made once per storage).
+                return Ok(Tensor { storage: source.bf16_copy()?, ..dense });
+            }
+            return Tensor::from_cuda(source.converted(dtype)?, &self.shape);
         }
         Tensor::from_storage(Storage::from_f32(self.to_vec(), dtype), &self.shape)
     }

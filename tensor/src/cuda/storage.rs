@@ -1,6 +1,6 @@
 //! Device storage: one buffer on one GPU, f32 or bf16, and the device that owns it.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use half::bf16;
 use kernels::cuda::{elementwise, CudaDevice, DeviceBuffer};
@@ -17,21 +17,28 @@ pub enum CudaData {
 
 /// A device buffer together with the [`CudaDevice`] it was allocated on (kept alive as
 /// long as any tensor uses it).
+///
+/// An f32 storage also remembers its bf16 copy once one is made ([`CudaStorage::bf16_copy`]):
+/// under bf16 matrix products a weight is converted once per step, not once per product
+/// that reads it (forward and backward), and so are an activation that feeds several
+/// products (q, k and v) or is read again by its weight's gradient, and an output gradient
+/// read by both of its layer's backward products. Writing the f32 buffer forgets the copy.
 #[derive(Debug)]
 pub struct CudaStorage {
     device: Arc<CudaDevice>,
     data: CudaData,
+    bf16_copy: OnceLock<Arc<Storage>>,
 }
 
 impl CudaStorage {
     /// Wraps an f32 buffer of `device`.
     pub fn f32(device: &Arc<CudaDevice>, buffer: DeviceBuffer<f32>) -> CudaStorage {
-        CudaStorage { device: Arc::clone(device), data: CudaData::F32(buffer) }
+        CudaStorage { device: Arc::clone(device), data: CudaData::F32(buffer), bf16_copy: OnceLock::new() }
     }
 
     /// Wraps a bf16 buffer of `device`.
     pub fn bf16(device: &Arc<CudaDevice>, buffer: DeviceBuffer<bf16>) -> CudaStorage {
-        CudaStorage { device: Arc::clone(device), data: CudaData::BF16(buffer) }
+        CudaStorage { device: Arc::clone(device), data: CudaData::BF16(buffer), bf16_copy: OnceLock::new() }
     }
 
     /// An uninitialised f32 buffer of `len` elements on `device` (every launcher that takes
@@ -93,8 +100,10 @@ impl CudaStorage {
         }
     }
 
-    /// The f32 buffer for writing, or an error naming `op` for bf16 storage.
+    /// The f32 buffer for writing, or an error naming `op` for bf16 storage. Forgets the
+    /// bf16 copy, which the write makes stale.
     pub fn f32_buffer_mut(&mut self, op: &'static str) -> Result<&mut DeviceBuffer<f32>> {
+        self.bf16_copy.take();
         match &mut self.data {
             CudaData::F32(b) => Ok(b),
             CudaData::BF16(_) => Err(crate::Error::DTypeMismatch { op, expected: DType::F32, got: DType::BF16 }),
@@ -132,6 +141,17 @@ impl CudaStorage {
         elementwise::copy_strided(&self.device, src, offset, shape, strides, out.f32_buffer_mut("copy_strided")?)
             .map_err(|e| cuda_error("copy_strided", e))?;
         Ok(out)
+    }
+
+    /// The whole buffer in bf16, converted on first use and then shared: the storage of a
+    /// tensor read by bf16 products. Each write of the f32 buffer goes through
+    /// [`CudaStorage::f32_buffer_mut`], which forgets the copy, so it never goes stale.
+    pub fn bf16_copy(&self) -> Result<Arc<Storage>> {
+        if let Some(copy) = self.bf16_copy.get() {
+            return Ok(Arc::clone(copy));
+        }
+        let copy = Arc::new(Storage::Cuda(self.converted(DType::BF16)?));
+        Ok(Arc::clone(self.bf16_copy.get_or_init(|| copy)))
     }
 
     /// The whole buffer converted to `dtype` on the device (f32 ↔ bf16, rounding to nearest

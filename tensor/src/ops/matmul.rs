@@ -88,14 +88,13 @@ pub(crate) mod cuda {
     //! read in place where cuBLAS can take them) and the process-wide matmul precision.
 
     use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
 
     use kernels::cpu::matmul::Store;
     use kernels::cuda::blas::{self as launch, DeviceMat};
     use kernels::cuda::{DeviceBuffer, DeviceScalar};
 
     use crate::cuda::output;
-    use crate::{DType, Error, Result, Storage, Tensor};
+    use crate::{DType, Error, Result, Tensor};
 
     /// The operand type of every matmul on a GPU (see [`set_matmul_precision`]).
     #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -190,16 +189,16 @@ pub(crate) mod cuda {
         }
     }
 
-    /// The same view over a bf16 copy of the storage. The whole buffer is converted when it
-    /// holds no more elements than the view (the usual case: a weight or its transpose);
+    /// The same view over the bf16 copy of the storage (made once per storage and shared:
+    /// `CudaStorage::bf16_copy`). The whole buffer is converted when it holds no more
+    /// elements than the view (the usual case: a weight or its transpose, an activation);
     /// otherwise only the view's elements, made dense first.
     fn to_bf16(t: &Tensor) -> Result<Tensor> {
         let storage = t.cuda_storage().ok_or(Error::UnsupportedDevice { op: "matmul", device: t.device })?;
         if storage.len() > t.numel() {
             return to_bf16(&t.dense()?);
         }
-        let converted = storage.converted(DType::BF16)?;
-        Ok(Tensor { storage: Arc::new(Storage::Cuda(converted)), ..t.clone() })
+        Ok(Tensor { storage: storage.bf16_copy()?, ..t.clone() })
     }
 
     /// The device storage behind `t`.
