@@ -52,7 +52,7 @@ impl Tensor {
     }
 
     /// A tensor of `shape` filled with `value` on `device` (for constants and gradient
-    /// seeds next to tensors on a GPU). On a GPU: an upload, or a memset for 0.0.
+    /// seeds next to tensors on a GPU). On a GPU: one `fill` launch, or a memset for 0.0.
     pub fn full_on(shape: &[usize], value: f32, device: Device) -> Result<Tensor> {
         match device {
             Device::Cpu => Ok(Tensor::full(shape, value)),
@@ -63,7 +63,10 @@ impl Tensor {
                 let storage = if value.to_bits() == 0 {
                     crate::cuda::CudaStorage::zeros(&dev, numel)?
                 } else {
-                    crate::cuda::CudaStorage::upload_f32(&dev, &vec![value; numel])?
+                    let mut storage = crate::cuda::CudaStorage::alloc(&dev, numel)?;
+                    kernels::cuda::elementwise::fill(&dev, value, storage.f32_buffer_mut("full_on")?)
+                        .map_err(|e| crate::cuda::cuda_error("full_on", e))?;
+                    storage
                 };
                 Tensor::from_storage(crate::Storage::Cuda(storage), shape)
             }

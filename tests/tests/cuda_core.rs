@@ -302,6 +302,36 @@ fn bf16_matmul_precision() {
     assert_close(&wv.grad().unwrap(), &wc.grad().unwrap(), BF16_REL, 0.0, "bf16 dW");
 }
 
+/// Under bf16 products a weight is converted once however many products read it, and an
+/// in-place write (the optimizer's) makes the next product convert the new values.
+#[test]
+fn a_bf16_copy_is_shared_by_products_and_forgotten_after_a_write() {
+    if no_gpu() {
+        return;
+    }
+    let _precision = Precision::set(MatmulPrecision::Bf16);
+    let dev = tensor::cuda::device(0).unwrap();
+    let conversions = |since: &kernels::cuda::DeviceCounters| {
+        dev.counters().since(since).launches_by_kernel.get("f32_to_bf16_kernel").copied().unwrap_or(0)
+    };
+    let (x, w) = (gpu(&rand(&[8, 16], 0.5, 1.5, 31)), rand(&[4, 16], 0.5, 1.5, 32));
+    let mut w_gpu = gpu(&w);
+    let before = dev.counters();
+    let first = x.matmul(&w_gpu.transpose(0, 1).unwrap()).unwrap();
+    let second = x.matmul(&w_gpu.transpose(0, 1).unwrap()).unwrap();
+    assert_eq!(conversions(&before), 2, "x and W once each, for both products");
+    assert_eq!(first.to_host().unwrap().to_vec(), second.to_host().unwrap().to_vec());
+
+    // Write W in place (as AdamW does): the next product must read the new values.
+    let (dev_w, buffer) = w_gpu.cuda_f32_mut("test").unwrap();
+    kernels::cuda::elementwise::fill(&dev_w, 2.0, buffer).unwrap();
+    let before = dev.counters();
+    let after_write = x.matmul(&w_gpu.transpose(0, 1).unwrap()).unwrap();
+    assert_eq!(conversions(&before), 1, "only W is converted again");
+    let want = x.to_host().unwrap().matmul(&Tensor::full(&[16, 4], 2.0)).unwrap();
+    assert_close(&after_write, &want, BF16_REL, 0.0, "product after the write");
+}
+
 #[test]
 fn cat_agrees() {
     if no_gpu() {

@@ -1,6 +1,7 @@
 //! Fused cross-entropy (log-softmax + negative log-likelihood, mean over counted rows).
-//! Saves the logits and the per-row log-sum-exp; probabilities are recomputed in backward
-//! (`Tensor::cross_entropy_backward`).
+//! Saves the logits, the per-row log-sum-exp and the targets (on a GPU, the device copy the
+//! forward uploaded); probabilities are recomputed in backward (`Tensor::cross_entropy_backward`),
+//! which reads the loss gradient where it lives (no wait for a GPU).
 
 use tensor::{Result, Tensor};
 
@@ -13,12 +14,10 @@ impl Var {
     pub fn cross_entropy(&self, targets: &[u32], ignore_index: Option<u32>) -> Result<Var> {
         let logits = self.value().contiguous()?;
         let out = logits.cross_entropy(targets, ignore_index)?;
-        let targets = targets.to_vec();
-        let (lse, count) = (out.lse, out.count);
-        // d loss/d logits = (softmax(logits) − onehot(target)) / count
+        let (lse, count, targets) = (out.lse, out.count, out.targets);
+        // d loss/d logits = dy · (softmax(logits) − onehot(target)) / count
         Ok(Var::from_op(out.loss, vec![self.clone()], move |dy| {
-            let scale = if count > 0 { dy.to_host()?.item()? / count as f32 } else { 0.0 };
-            Ok(vec![Tensor::cross_entropy_backward(&logits, &targets, ignore_index, &lse, scale)?])
+            Ok(vec![Tensor::cross_entropy_backward(&logits, &targets, ignore_index, &lse, dy, count)?])
         }))
     }
 }

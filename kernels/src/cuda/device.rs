@@ -446,11 +446,8 @@ impl CudaDevice {
         if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
             return Ok(());
         }
-        let pointers = args.iter().filter_map(|arg| match arg {
-            Arg::Ptr(ptr) => Some(*ptr),
-            _ => None,
-        });
-        self.counters.kernel(name, self.allocator.bytes_referenced(pointers));
+        let addresses = args.iter().flat_map(Arg::addresses);
+        self.counters.kernel(name, self.allocator.bytes_referenced(addresses));
         self.timed(name, family.name(), || self.queue_launch(family, name, cfg, args))
     }
 
@@ -470,6 +467,7 @@ impl CudaDevice {
                 Arg::I64(v) => builder.arg(v),
                 Arg::F32(v) => builder.arg(v),
                 Arg::Dims(v) => builder.arg(v),
+                Arg::Ptrs(v) => builder.arg(v),
             };
         }
         // SAFETY: every launcher checks buffer lengths and shapes against the kernel's

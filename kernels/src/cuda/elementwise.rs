@@ -179,6 +179,14 @@ pub fn scalar_forward(
     dev.launch(FAMILY, "scalar_forward", elementwise(x.len()), &args)
 }
 
+/// `y[i] = value` for every element (one launch, no host upload; zeros are a memset:
+/// `CudaDevice::fill_zero`).
+pub fn fill(dev: &CudaDevice, value: f32, y: &mut DeviceBuffer<f32>) -> Result<()> {
+    check_owners(dev, "fill", &[y])?;
+    let args = [Arg::F32(value), ptr(y), size(y.len())];
+    dev.launch(FAMILY, "fill", elementwise(y.len()), &args)
+}
+
 /// `dst[i] += src[i]`: the autograd engine's sum of two gradients of one value.
 pub fn add_assign(dev: &CudaDevice, dst: &mut DeviceBuffer<f32>, src: &DeviceBuffer<f32>) -> Result<()> {
     axpy(dev, 1.0, src, dst)

@@ -134,6 +134,21 @@ pub(crate) enum Arg {
     F32(f32),
     /// A `struct { long long v[24]; }` passed by value (shapes and strides).
     Dims([i64; 24]),
+    /// Up to 24 device addresses in a `struct { long long v[24]; }` passed by value (the
+    /// tensors of a multi-tensor launch); unused entries are 0.
+    Ptrs([u64; 24]),
+}
+
+impl Arg {
+    /// The device addresses this argument passes (none for a number or a dims struct).
+    pub(crate) fn addresses(&self) -> impl Iterator<Item = u64> + '_ {
+        let list: &[u64] = match self {
+            Arg::Ptr(ptr) => std::slice::from_ref(ptr),
+            Arg::Ptrs(ptrs) => ptrs,
+            _ => &[],
+        };
+        list.iter().copied().filter(|&ptr| ptr != 0)
+    }
 }
 
 /// Images per (family, compute capability), shared by every device of the process.

@@ -1,4 +1,5 @@
-//! Launchers of `optim.cu`: fused AdamW / Adam and SGD-with-momentum updates in place.
+//! Launchers of `optim.cu`: fused AdamW / Adam (up to [`TENSORS_PER_LAUNCH`] tensors per
+//! launch) and SGD-with-momentum updates in place.
 //!
 //! Mirrors `cpu::optim` (same [`AdamHyper`], same per-step constants computed in f64 on the
 //! host), so the two backends agree to f32 rounding. There is no backward.
@@ -23,61 +24,91 @@ fn adam_constants(op: &'static str, h: &AdamHyper, decoupled: bool) -> Result<[f
     Ok([step_size, inv_sqrt_correction2, decay, l2])
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Tensors one `adam_step` launch updates (`ADAM_TENSORS` in optim.cu: 24 addresses fill
+/// the kernel's 192-byte `TensorList` argument).
+pub const TENSORS_PER_LAUNCH: usize = 24;
+
+/// One tensor of an Adam update: the parameter and its moments, updated in place, and its
+/// gradient (all of one length).
+#[derive(Debug)]
+pub struct AdamTensor<'a> {
+    /// The parameter.
+    pub param: &'a mut DeviceBuffer<f32>,
+    /// Its gradient.
+    pub grad: &'a DeviceBuffer<f32>,
+    /// The first moment.
+    pub m: &'a mut DeviceBuffer<f32>,
+    /// The second moment.
+    pub v: &'a mut DeviceBuffer<f32>,
+}
+
+/// The device addresses of up to [`TENSORS_PER_LAUNCH`] buffers as a `TensorList`.
+fn address_list(addresses: impl Iterator<Item = u64>) -> Arg {
+    let mut v = [0u64; TENSORS_PER_LAUNCH];
+    for (slot, address) in v.iter_mut().zip(addresses) {
+        *slot = address;
+    }
+    Arg::Ptrs(v)
+}
+
+/// The lengths of up to [`TENSORS_PER_LAUNCH`] buffers as a `TensorList`.
+fn length_list(lengths: impl Iterator<Item = usize>) -> Arg {
+    let mut v = [0i64; TENSORS_PER_LAUNCH];
+    for (slot, len) in v.iter_mut().zip(lengths) {
+        *slot = len as i64;
+    }
+    Arg::Dims(v)
+}
+
+/// Adam (`decoupled = false`) or AdamW over `tensors`, all with the hyper-parameters `h`:
+/// one launch per [`TENSORS_PER_LAUNCH`] tensors.
 fn adam_update(
     dev: &CudaDevice,
     op: &'static str,
-    param: &mut DeviceBuffer<f32>,
-    grad: &DeviceBuffer<f32>,
-    m: &mut DeviceBuffer<f32>,
-    v: &mut DeviceBuffer<f32>,
+    tensors: &mut [AdamTensor],
     h: &AdamHyper,
     decoupled: bool,
 ) -> Result<()> {
-    check_owners(dev, op, &[param, grad, m, v])?;
-    ensure_len(op, "grad", grad.len(), param.len())?;
-    ensure_len(op, "m", m.len(), param.len())?;
-    ensure_len(op, "v", v.len(), param.len())?;
+    for t in tensors.iter() {
+        check_owners(dev, op, &[t.param, t.grad, t.m, t.v])?;
+        ensure_len(op, "grad", t.grad.len(), t.param.len())?;
+        ensure_len(op, "m", t.m.len(), t.param.len())?;
+        ensure_len(op, "v", t.v.len(), t.param.len())?;
+    }
     let [step_size, inv_sqrt_correction2, decay, l2] = adam_constants(op, h, decoupled)?;
-    let args = [
-        ptr(param),
-        ptr(grad),
-        ptr(m),
-        ptr(v),
-        size(param.len()),
-        Arg::F32(h.beta1),
-        Arg::F32(h.beta2),
-        Arg::F32(h.eps),
-        Arg::F32(step_size),
-        Arg::F32(inv_sqrt_correction2),
-        Arg::F32(decay),
-        Arg::F32(l2),
-    ];
-    dev.launch(KernelFamily::Optim, "adam_step", elementwise(param.len()), &args)
+    for chunk in tensors.chunks_mut(TENSORS_PER_LAUNCH) {
+        let longest = chunk.iter().map(|t| t.param.len()).max().unwrap_or(0);
+        let mut cfg = elementwise(longest);
+        cfg.grid_dim.1 = chunk.len() as u32;
+        let args = [
+            address_list(chunk.iter().map(|t| t.param.device_ptr())),
+            address_list(chunk.iter().map(|t| t.grad.device_ptr())),
+            address_list(chunk.iter().map(|t| t.m.device_ptr())),
+            address_list(chunk.iter().map(|t| t.v.device_ptr())),
+            length_list(chunk.iter().map(|t| t.param.len())),
+            Arg::F32(h.beta1),
+            Arg::F32(h.beta2),
+            Arg::F32(h.eps),
+            Arg::F32(step_size),
+            Arg::F32(inv_sqrt_correction2),
+            Arg::F32(decay),
+            Arg::F32(l2),
+        ];
+        dev.launch(KernelFamily::Optim, "adam_step", cfg, &args)?;
+    }
+    Ok(())
 }
 
-/// AdamW (decoupled weight decay: `param -= lr·wd·param`), in place on `param`, `m`, `v`.
-pub fn adamw_step(
-    dev: &CudaDevice,
-    param: &mut DeviceBuffer<f32>,
-    grad: &DeviceBuffer<f32>,
-    m: &mut DeviceBuffer<f32>,
-    v: &mut DeviceBuffer<f32>,
-    h: &AdamHyper,
-) -> Result<()> {
-    adam_update(dev, "adamw_step", param, grad, m, v, h, true)
+/// AdamW (decoupled weight decay: `param -= lr·wd·param`), in place on every tensor's
+/// parameter and moments; one launch per [`TENSORS_PER_LAUNCH`] tensors.
+pub fn adamw_step(dev: &CudaDevice, tensors: &mut [AdamTensor], h: &AdamHyper) -> Result<()> {
+    adam_update(dev, "adamw_step", tensors, h, true)
 }
 
-/// Adam with L2 decay folded into the gradient (`g + wd·param`), `torch.optim.Adam`.
-pub fn adam_step(
-    dev: &CudaDevice,
-    param: &mut DeviceBuffer<f32>,
-    grad: &DeviceBuffer<f32>,
-    m: &mut DeviceBuffer<f32>,
-    v: &mut DeviceBuffer<f32>,
-    h: &AdamHyper,
-) -> Result<()> {
-    adam_update(dev, "adam_step", param, grad, m, v, h, false)
+/// Adam with L2 decay folded into the gradient (`g + wd·param`), `torch.optim.Adam`; as
+/// [`adamw_step`] otherwise.
+pub fn adam_step(dev: &CudaDevice, tensors: &mut [AdamTensor], h: &AdamHyper) -> Result<()> {
+    adam_update(dev, "adam_step", tensors, h, false)
 }
 
 /// SGD with momentum (PyTorch semantics, dampening 0; `nesterov` optional). A zeroed buffer

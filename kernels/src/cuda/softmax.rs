@@ -172,8 +172,20 @@ fn launch_cross_entropy(
     Ok(Some(counters))
 }
 
+/// The factor of [`cross_entropy_backward`]: `upstream[0] / count`, the gradient of the mean
+/// loss (a one-element device buffer, read by the kernel: the host does not wait for it)
+/// over the rows it averaged (0 rows: a factor of 0).
+#[derive(Clone, Copy, Debug)]
+pub struct MeanLossGrad<'a> {
+    /// `d L / d loss`, one element.
+    pub upstream: &'a DeviceBuffer<f32>,
+    /// The rows the loss averaged.
+    pub count: usize,
+}
+
 /// `dlogits[r] = scale·(softmax(logits[r]) − onehot(targets[r]))` from the saved `lse`, zeros
-/// for ignored rows and rows whose target is ≥ `cols` (the forward reports those).
+/// for ignored rows and rows whose target is ≥ `cols` (the forward reports those), with
+/// `scale = upstream[0] / count` computed on the device ([`MeanLossGrad`]).
 #[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_backward(
     dev: &CudaDevice,
@@ -182,15 +194,16 @@ pub fn cross_entropy_backward(
     targets: &DeviceBuffer<u32>,
     ignore_index: Option<u32>,
     lse: &DeviceBuffer<f32>,
-    scale: f32,
+    scale: MeanLossGrad,
     dlogits: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "cross_entropy_backward";
-    check_owners(dev, OP, &[logits, lse, dlogits])?;
+    check_owners(dev, OP, &[logits, lse, scale.upstream, dlogits])?;
     dev.check_owner(OP, targets)?;
     let rows = targets.len();
     ensure_len(OP, "logits", logits.len(), rows * cols)?;
     ensure_len(OP, "lse", lse.len(), rows)?;
+    ensure_len(OP, "upstream", scale.upstream.len(), 1)?;
     ensure_len(OP, "dlogits", dlogits.len(), logits.len())?;
     let args = [
         ptr(logits),
@@ -199,7 +212,8 @@ pub fn cross_entropy_backward(
         size(rows),
         size(cols),
         ignore_code(ignore_index),
-        Arg::F32(scale),
+        ptr(scale.upstream),
+        Arg::F32(scale.count as f32),
         ptr(dlogits),
     ];
     dev.launch(FAMILY, "cross_entropy_backward", per_row(rows, row_threads(cols)), &args)

@@ -58,31 +58,44 @@ impl Adam {
     }
 }
 
+/// The update's hyper-parameters for parameter `p` at step `step` and learning rate `lr`.
+fn hyper(config: &AdamConfig, step: u64, p: &NamedParameter, lr: f32) -> AdamHyper {
+    let decays = p.var.value_ref().rank() >= 2;
+    AdamHyper {
+        lr,
+        beta1: config.beta1,
+        beta2: config.beta2,
+        eps: config.eps,
+        weight_decay: if decays { config.weight_decay } else { 0.0 },
+        step,
+    }
+}
+
 impl Optimizer for Adam {
+    /// Updates every parameter with a gradient: on the CPU one at a time, on a GPU all
+    /// together (one multi-tensor launch per group of parameters sharing a device and
+    /// hyper-parameters: `super::cuda::adam_update`).
     fn step(&mut self, lr: f32) -> Result<()> {
         self.step += 1;
-        for (i, p) in self.params.iter().enumerate() {
+        let (config, step) = (self.config, self.step);
+        #[cfg(feature = "cuda")]
+        let mut on_gpu = Vec::new();
+        let moments = self.first_moment.iter_mut().zip(self.second_moment.iter_mut());
+        for (p, (m, v)) in self.params.iter().zip(moments) {
             let Some(grad) = gradient_of(p)? else { continue };
-            let decays = p.var.value_ref().rank() >= 2;
-            let hyper = AdamHyper {
-                lr,
-                beta1: self.config.beta1,
-                beta2: self.config.beta2,
-                eps: self.config.eps,
-                weight_decay: if decays { self.config.weight_decay } else { 0.0 },
-                step: self.step,
-            };
-            let mut value = p.var.value_mut();
-            let (m, v) = (&mut self.first_moment[i], &mut self.second_moment[i]);
+            let hyper = hyper(&config, step, p, lr);
             #[cfg(feature = "cuda")]
-            if value.device() != tensor::Device::Cpu {
-                super::cuda::adam_update(&mut value, &grad, m, v, &hyper, self.config.decoupled)?;
+            if p.var.value_ref().device() != tensor::Device::Cpu {
+                on_gpu.push(super::cuda::AdamParam { var: &p.var, grad, m, v, hyper });
                 continue;
             }
+            let mut value = p.var.value_mut();
             let param = value.as_mut_slice()?;
-            let update = if self.config.decoupled { adamw_step } else { adam_step };
+            let update = if config.decoupled { adamw_step } else { adam_step };
             update(param, grad.as_slice()?, m.host()?, v.host()?, &hyper);
         }
+        #[cfg(feature = "cuda")]
+        super::cuda::adam_update(on_gpu, config.decoupled)?;
         Ok(())
     }
 

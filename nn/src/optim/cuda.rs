@@ -1,10 +1,12 @@
-//! The GPU branch of the optimizers (feature `cuda`): one fused `kernels::cuda::optim`
-//! launch per parameter tensor, in place on the parameter's device, with the state in
-//! [`Slot::Device`]s beside it; and the squared gradient norm for clipping. Same update
+//! The GPU branch of the optimizers (feature `cuda`): fused `kernels::cuda::optim` updates
+//! in place on the parameters' device, with the state in [`Slot::Device`]s beside it (Adam:
+//! one multi-tensor launch per group of up to 24 parameters; SGD: one launch per parameter). Same update
 //! rules and per-step constants as the CPU kernels, so both agree to f32 rounding.
 
-use autograd::Result;
-use kernels::cuda::optim::{adam_step, adamw_step, sgd_step, AdamHyper};
+use std::cell::RefMut;
+
+use autograd::{Result, Var};
+use kernels::cuda::optim::{adam_step, adamw_step, sgd_step, AdamHyper, AdamTensor};
 use tensor::Tensor;
 
 use super::slot::Slot;
@@ -18,22 +20,57 @@ fn check_same_device(op: &'static str, param: &Tensor, grad: &Tensor) -> Result<
     }
 }
 
-/// One Adam (`decoupled = false`) or AdamW update of a GPU `param` from its `grad`.
-pub(crate) fn adam_update(
-    param: &mut Tensor,
-    grad: &Tensor,
-    first_moment: &mut Slot,
-    second_moment: &mut Slot,
-    hyper: &AdamHyper,
-    decoupled: bool,
-) -> Result<()> {
+/// A GPU parameter's part in an Adam step: the parameter, its gradient, its moments and
+/// its hyper-parameters.
+pub(crate) struct AdamParam<'a> {
+    pub var: &'a Var,
+    pub grad: Tensor,
+    pub m: &'a mut Slot,
+    pub v: &'a mut Slot,
+    pub hyper: AdamHyper,
+}
+
+/// One Adam (`decoupled = false`) or AdamW step of GPU parameters: grouped by device and
+/// hyper-parameters (matrices decay, vectors do not), each group updated by the
+/// multi-tensor kernel, one launch per `TENSORS_PER_LAUNCH` tensors (not one per tensor).
+pub(crate) fn adam_update(params: Vec<AdamParam>, decoupled: bool) -> Result<()> {
     const OP: &str = "adam step";
-    check_same_device(OP, param, grad)?;
-    let m = first_moment.device_buffer(param, OP)?;
-    let v = second_moment.device_buffer(param, OP)?;
-    let (dev, p) = param.cuda_f32_mut(OP)?;
+    let mut groups: Vec<Vec<AdamParam>> = Vec::new();
+    for p in params {
+        let device = p.var.value_ref().device();
+        check_same_device(OP, &p.var.value_ref(), &p.grad)?;
+        let key = |q: &AdamParam| (q.var.value_ref().device(), q.hyper.weight_decay.to_bits());
+        match groups.iter_mut().find(|g| key(&g[0]) == (device, p.hyper.weight_decay.to_bits())) {
+            Some(group) => group.push(p),
+            None => groups.push(vec![p]),
+        }
+    }
+    for group in groups {
+        update_group(group, decoupled)?;
+    }
+    Ok(())
+}
+
+/// One multi-tensor update of parameters that share a device and hyper-parameters.
+fn update_group(group: Vec<AdamParam>, decoupled: bool) -> Result<()> {
+    const OP: &str = "adam step";
+    let hyper = group[0].hyper;
+    let mut values: Vec<RefMut<Tensor>> = group.iter().map(|p| p.var.value_mut()).collect();
+    let grads: Vec<Tensor> = group.iter().map(|p| p.grad.dense()).collect::<Result<_>>()?;
+    let mut moments = Vec::with_capacity(group.len());
+    for (p, value) in group.into_iter().zip(&values) {
+        moments.push((p.m.device_buffer(value, OP)?, p.v.device_buffer(value, OP)?));
+    }
+    let mut device = None;
+    let mut tensors = Vec::with_capacity(values.len());
+    for ((value, grad), (m, v)) in values.iter_mut().zip(&grads).zip(moments) {
+        let (dev, param) = value.cuda_f32_mut(OP)?;
+        tensors.push(AdamTensor { param, grad: grad.cuda_f32(OP)?, m, v });
+        device = Some(dev);
+    }
+    let Some(dev) = device else { return Ok(()) };
     let update = if decoupled { adamw_step } else { adam_step };
-    grad.with_cuda_f32(OP, |_, g| Ok(update(&dev, p, g, m, v, hyper)?))
+    Ok(update(&dev, &mut tensors, &hyper)?)
 }
 
 /// One SGD-with-momentum update of a GPU `param` from its `grad` (PyTorch semantics).

@@ -87,7 +87,7 @@ impl Tensor {
 
     /// The f32 device buffer of a [`Tensor::dense`] view (call that first), or an error
     /// naming `op` for CPU, bf16 or non-dense tensors.
-    pub(crate) fn cuda_f32(&self, op: &'static str) -> Result<&DeviceBuffer<f32>> {
+    pub fn cuda_f32(&self, op: &'static str) -> Result<&DeviceBuffer<f32>> {
         let storage = self.cuda_storage().ok_or(Error::UnsupportedDevice { op, device: self.device })?;
         if !self.is_contiguous() || self.offset != 0 || storage.len() != self.numel() {
             return Err(Error::InvalidShape {
@@ -109,7 +109,7 @@ impl Tensor {
     /// A view whose device buffer holds exactly its elements in row-major order (offset 0),
     /// copying on the device when this view is strided, offset or a part of a larger buffer.
     /// The layout every CUDA launcher takes.
-    pub(crate) fn dense(&self) -> Result<Tensor> {
+    pub fn dense(&self) -> Result<Tensor> {
         let storage = self.cuda_storage().ok_or(Error::UnsupportedDevice { op: "dense", device: self.device })?;
         if self.is_contiguous() && self.offset == 0 && storage.len() == self.numel() {
             return Ok(self.clone());

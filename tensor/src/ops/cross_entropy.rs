@@ -1,14 +1,15 @@
 //! Mean cross-entropy of logits against class ids (PyTorch `F.cross_entropy`, with an
-//! ignore index), returning the per-row log-sum-exp its backward needs. On a GPU only this
-//! op waits for the device (its kernel reports the counted rows). Kernels:
-//! `kernels::cpu::cross_entropy` (`kernels::cuda::softmax` on the GPU).
+//! ignore index), returning the per-row log-sum-exp and the targets its backward needs. On
+//! a GPU neither direction waits for the device: the rows are counted on the host, the
+//! targets are uploaded once (by the forward), and the backward reads the loss's gradient
+//! on the device. Kernels: `kernels::cpu::cross_entropy` (`kernels::cuda::softmax` on the GPU).
 
 use kernels::cpu::cross_entropy;
 
 use crate::{Error, Result, Tensor};
 
 /// Output of [`Tensor::cross_entropy`]: the mean loss over counted rows, with the per-row
-/// log-sum-exp and the count saved for backward.
+/// log-sum-exp, the targets and the count saved for backward.
 pub struct CrossEntropy {
     /// The mean loss, rank 0 on the logits' device (a GPU loss stays there until asked for;
     /// see [`CrossEntropy::loss_value`]).
@@ -17,6 +18,27 @@ pub struct CrossEntropy {
     pub lse: Tensor,
     /// Rows whose target is not the ignore index.
     pub count: usize,
+    /// The targets, where the backward reads them.
+    pub targets: SavedTargets,
+}
+
+/// The targets of a cross-entropy as its backward reads them: on the host, and for logits
+/// on a GPU also on the device (uploaded once, by the forward).
+pub struct SavedTargets {
+    host: Vec<u32>,
+    #[cfg(feature = "cuda")]
+    device: Option<kernels::cuda::DeviceBuffer<u32>>,
+}
+
+impl SavedTargets {
+    /// Host targets (for logits on the CPU).
+    fn host(targets: &[u32]) -> SavedTargets {
+        SavedTargets {
+            host: targets.to_vec(),
+            #[cfg(feature = "cuda")]
+            device: None,
+        }
+    }
 }
 
 impl CrossEntropy {
@@ -58,26 +80,35 @@ impl Tensor {
             cross_entropy::cross_entropy_forward(x.as_slice()?, cols, targets, ignore_index, &mut losses, &mut lse);
         let total: f64 = losses.iter().map(|&l| l as f64).sum();
         let loss = if count == 0 { 0.0 } else { (total / count as f64) as f32 };
-        Ok(CrossEntropy { loss: Tensor::scalar(loss), lse: Tensor::from_vec(lse, &[rows])?, count })
+        let lse = Tensor::from_vec(lse, &[rows])?;
+        Ok(CrossEntropy { loss: Tensor::scalar(loss), lse, count, targets: SavedTargets::host(targets) })
     }
 
-    /// `scale · (softmax(logits) − onehot(target))` for every row not ignored (ignored rows
-    /// get zeros): the backward of [`Tensor::cross_entropy`] from its saved `lse`, with
-    /// `scale = d loss / count`.
+    /// `(dy / count) · (softmax(logits) − onehot(target))` for every row not ignored (ignored
+    /// rows get zeros): the backward of [`Tensor::cross_entropy`] from its saved `lse`,
+    /// targets and count, for the rank-0 gradient `dy` of the mean loss (on a GPU read there:
+    /// nothing waits).
     pub fn cross_entropy_backward(
         logits: &Tensor,
-        targets: &[u32],
+        targets: &SavedTargets,
         ignore_index: Option<u32>,
         lse: &Tensor,
-        scale: f32,
+        dy: &Tensor,
+        count: usize,
     ) -> Result<Tensor> {
         const OP: &str = "cross_entropy_backward";
-        let cols = logits.check_targets(OP, targets, ignore_index)?;
-        logits.check_row_stats(OP, lse, targets.len())?;
+        let cols = logits.check_targets(OP, &targets.host, ignore_index)?;
+        logits.check_row_stats(OP, lse, targets.host.len())?;
+        logits.same_device(OP, dy)?;
+        if dy.numel() != 1 {
+            return Err(Error::ShapeMismatch { op: OP, lhs: vec![], rhs: dy.shape.clone() });
+        }
         #[cfg(feature = "cuda")]
         if logits.cuda_storage().is_some() {
-            return cuda::cross_entropy_backward(logits, cols, targets, ignore_index, lse, scale);
+            return cuda::cross_entropy_backward(logits, cols, targets, ignore_index, lse, dy, count);
         }
+        let scale = if count > 0 { dy.item()? / count as f32 } else { 0.0 };
+        let targets = &targets.host;
         let (_, logits) = logits.rows(OP)?;
         let mut dlogits = crate::pool::buffer(logits.numel());
         let lse = lse.contiguous()?;
@@ -102,13 +133,13 @@ pub(crate) mod cuda {
     use kernels::cuda::reduce::sum_axis;
     use kernels::cuda::softmax as launch;
 
-    use super::CrossEntropy;
+    use super::{CrossEntropy, SavedTargets};
     use crate::cuda::{output, CudaStorage};
     use crate::{Result, Tensor};
 
     /// Mean cross-entropy of `[N, cols]` logits against host `targets` (already range-checked):
     /// the loss stays on the device as a rank-0 tensor, and nothing waits for the device (the
-    /// kept rows are counted on the host).
+    /// kept rows are counted on the host). The targets are uploaded once, for both directions.
     pub(crate) fn cross_entropy(
         logits: &Tensor,
         cols: usize,
@@ -120,14 +151,14 @@ pub(crate) mod cuda {
         let logits = logits.dense()?;
         let rows = targets.len();
         let count = targets.iter().filter(|&&t| Some(t) != ignore_index).count();
-        let targets = dev.upload(targets)?;
+        let device_targets = dev.upload(targets)?;
         let mut losses = CudaStorage::alloc(&dev, rows)?;
         let mut lse = CudaStorage::alloc(&dev, rows)?;
         launch::cross_entropy_forward_queued(
             &dev,
             logits.cuda_f32(OP)?,
             cols,
-            &targets,
+            &device_targets,
             ignore_index,
             losses.f32_buffer_mut(OP)?,
             lse.f32_buffer_mut(OP)?,
@@ -142,25 +173,41 @@ pub(crate) mod cuda {
             scalar_forward(&dev, Binary::Div, &total, count as f32, mean.f32_buffer_mut(OP)?)?;
             mean
         };
-        Ok(CrossEntropy { loss: Tensor::from_cuda(loss, &[])?, lse: Tensor::from_cuda(lse, &[rows])?, count })
+        let targets = SavedTargets { host: targets.to_vec(), device: Some(device_targets) };
+        Ok(CrossEntropy {
+            loss: Tensor::from_cuda(loss, &[])?,
+            lse: Tensor::from_cuda(lse, &[rows])?,
+            count,
+            targets,
+        })
     }
 
-    /// `dlogits = scale·(softmax − onehot)` per row not ignored, from the saved `lse`.
+    /// `dlogits = (dy / count)·(softmax − onehot)` per row not ignored, from the saved `lse`
+    /// and targets; `dy` is read on the device.
     pub(crate) fn cross_entropy_backward(
         logits: &Tensor,
         cols: usize,
-        targets: &[u32],
+        targets: &SavedTargets,
         ignore_index: Option<u32>,
         lse: &Tensor,
-        scale: f32,
+        dy: &Tensor,
+        count: usize,
     ) -> Result<Tensor> {
         const OP: &str = "cross_entropy_backward";
         let dev = logits.cuda_device(OP)?;
-        let (logits, lse) = (logits.dense()?, lse.dense()?);
-        let targets = dev.upload(targets)?;
+        let (logits, lse, dy) = (logits.dense()?, lse.dense()?, dy.to_dtype(crate::DType::F32)?.dense()?);
+        let uploaded;
+        let device_targets = match &targets.device {
+            Some(buffer) => buffer,
+            None => {
+                uploaded = dev.upload(&targets.host)?;
+                &uploaded
+            }
+        };
         output(&dev, OP, logits.shape(), |dlogits| {
             let (logits, lse) = (logits.cuda_f32(OP)?, lse.cuda_f32(OP)?);
-            Ok(launch::cross_entropy_backward(&dev, logits, cols, &targets, ignore_index, lse, scale, dlogits)?)
+            let scale = launch::MeanLossGrad { upstream: dy.cuda_f32(OP)?, count };
+            Ok(launch::cross_entropy_backward(&dev, logits, cols, device_targets, ignore_index, lse, scale, dlogits)?)
         })
     }
 }

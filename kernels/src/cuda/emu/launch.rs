@@ -91,6 +91,11 @@ fn pack(args: &[Arg]) -> ArgList {
                         chunk.copy_from_slice(&v.to_ne_bytes());
                     }
                 }
+                Arg::Ptrs(ptrs) => {
+                    for (chunk, v) in bytes.0.chunks_exact_mut(8).zip(ptrs) {
+                        chunk.copy_from_slice(&v.to_ne_bytes());
+                    }
+                }
             }
             bytes
         })
@@ -105,7 +110,7 @@ fn arg_kind(arg: &Arg) -> char {
         Arg::I32(_) => 'i',
         Arg::I64(_) => 'l',
         Arg::F32(_) => 'f',
-        Arg::Dims(_) => 'd',
+        Arg::Dims(_) | Arg::Ptrs(_) => 'd',
     }
 }
 
@@ -228,7 +233,7 @@ fn argument_of(kernel: &TpKernel, args: &[Arg], buffer: &LiveBuffer) -> String {
     let params = kernel.params();
     args.iter()
         .enumerate()
-        .find(|(_, arg)| matches!(arg, Arg::Ptr(p) if *p >= buffer.ptr && *p <= buffer.ptr + buffer.bytes as u64))
+        .find(|(_, arg)| arg.addresses().any(|p| p >= buffer.ptr && p <= buffer.ptr + buffer.bytes as u64))
         .map_or_else(
             || "a buffer no argument points into".to_string(),
             |(i, _)| format!("argument {i} `{}`", params.get(i).unwrap_or(&"?")),
@@ -263,9 +268,8 @@ fn describe(kernel: &TpKernel, args: &[Arg], index: Dim3, report: &TpBlockError,
 
 /// Checks the poison around every buffer the launch was given.
 fn check_launch_canaries(kernel: &TpKernel, args: &[Arg]) -> Result<()> {
-    for arg in args {
-        let Arg::Ptr(ptr) = arg else { continue };
-        let Some(buffer) = containing(*ptr) else { continue };
+    for ptr in args.iter().flat_map(Arg::addresses) {
+        let Some(buffer) = containing(ptr) else { continue };
         if let Some(offset) = check_canaries(&buffer) {
             let element = offset.div_euclid(buffer.elem_bytes as i64);
             return Err(error(

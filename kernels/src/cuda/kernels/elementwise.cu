@@ -65,6 +65,11 @@ extern "C" __global__ void scalar_forward(int op, const float* x, float s, float
     GRID_STRIDE(i, n) { out[i] = binary_f(op, x[i], s); }
 }
 
+// y[i] = value (a constant tensor without a host upload: the seed of a backward pass)
+extern "C" __global__ void fill(float value, float* y, i64 n) {
+    GRID_STRIDE(i, n) { y[i] = value; }
+}
+
 // dst[i] += alpha·src[i]
 extern "C" __global__ void axpy(float alpha, const float* src, float* dst, i64 n) {
     GRID_STRIDE(i, n) { dst[i] = fmaf(src[i], alpha, dst[i]); }

@@ -6,11 +6,27 @@
 //   p ← p − step_size·m / (√v·inv_sqrt_correction2 + eps)
 // AdamW passes decay = 1 − lr·wd, l2 = 0; Adam passes decay = 1, l2 = wd. The per-step
 // scalars (step_size = lr/(1 − β1ᵗ), 1/√(1 − β2ᵗ)) are computed on the host in f64.
+//
+// One launch updates up to ADAM_TENSORS tensors that share these scalars (PyTorch's
+// multi-tensor apply): their addresses and lengths come by value in TensorList structs,
+// tensor t = blockIdx.y, its elements spread over the blocks of the grid's x dimension.
 
-extern "C" __global__ void adam_step(float* param, const float* grad, float* m, float* v, i64 n, float beta1,
-                                     float beta2, float eps, float step_size, float inv_sqrt_correction2, float decay,
-                                     float l2) {
-    GRID_STRIDE(i, n) {
+#define ADAM_TENSORS 24
+
+// One device address (or length) per tensor of the launch, passed by value.
+struct TensorList {
+    i64 v[ADAM_TENSORS];
+};
+
+extern "C" __global__ void adam_step(TensorList params, TensorList grads, TensorList ms, TensorList vs,
+                                     TensorList lens, float beta1, float beta2, float eps, float step_size,
+                                     float inv_sqrt_correction2, float decay, float l2) {
+    const int t = blockIdx.y;
+    float* param = (float*)params.v[t];
+    const float* grad = (const float*)grads.v[t];
+    float* m = (float*)ms.v[t];
+    float* v = (float*)vs.v[t];
+    GRID_STRIDE(i, lens.v[t]) {
         float p = param[i] * decay;
         float g = fmaf(p, l2, grad[i]);
         float mi = beta1 * m[i] + g * (1.0f - beta1);

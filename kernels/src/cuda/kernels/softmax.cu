@@ -72,10 +72,12 @@ extern "C" __global__ void cross_entropy_forward(const float* logits, const unsi
 }
 
 // d/dlogits_j (lse − logits_t) = softmax_j − [j = t]:  dlogits[r] = scale·(softmax − onehot)
-// for rows not ignored, zeros for ignored rows (and rows with a target ≥ cols).
+// for rows not ignored, zeros for ignored rows (and rows with a target ≥ cols), with
+// scale = upstream[0] / count: the mean loss's gradient, read here so the host never waits.
 extern "C" __global__ void cross_entropy_backward(const float* logits, const unsigned int* targets,
-                                                  const float* lse, i64 rows, i64 cols, i64 ignore, float scale,
-                                                  float* dlogits) {
+                                                  const float* lse, i64 rows, i64 cols, i64 ignore,
+                                                  const float* upstream, float count, float* dlogits) {
+    const float scale = count > 0.0f ? upstream[0] / count : 0.0f;
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         i64 t = (i64)targets[r];
         float* dr = dlogits + r * cols;
