@@ -8,7 +8,7 @@
 # DEADLINE (seconds, default none) caps the whole script: each step's timeout shrinks to
 # what is left of it, and a step with under 10 s left is skipped, saying so.
 #
-#     bash bench/gpu/run.sh [steps...]     # steps: tests bench compare train (default: all)
+#     bash bench/gpu/run.sh [steps...]     # steps: tests bench timer compare train (default: all)
 #     DEADLINE=300 TRAIN_STEPS=100 COMPARE_ARGS="--repeats 1" bash bench/gpu/run.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -43,7 +43,7 @@ step() {
     tail -n 25 "$LOGS/$name.log"
     tar -C /tmp/gpu -czf "$OUT/logs.tgz" logs
 }
-steps=${*:-tests bench compare train}
+steps=${*:-tests bench timer compare train}
 for s in $steps; do
     case $s in
     tests)
@@ -56,8 +56,22 @@ for s in $steps; do
         done
         ;;
     bench) step cuda-bench "$BIN/cuda-bench" ;;
-    # COMPARE_ARGS: more gpu_compare.py flags, e.g. "--repeats 1" when time is short.
-    compare) step gpu-compare python3 bench/gpu_compare.py --transponder-bin "$BIN/train-bench" ${COMPARE_ARGS:-} ;;
+    timer)
+        # One step's time per kernel family (CUDA events around every launch) and the step's
+        # device counters, for both variants at the measured setting (vocab 256, 32 x 256).
+        for variant in pre-ln transponder; do
+            step "timer-$variant" "$BIN/train-bench" --model llama-60m --variant "$variant" --batch 32 --seq 256 \
+                --steps 3 --warmup 2 --device cuda --bf16 --kernel-timer
+        done
+        ;;
+    # The issue-28 anchor (vocab 32,000, batch 64 x 256), ours beside PyTorch eager, compile and
+    # compile + CUDA graphs, one process each (compiling takes most of the time: its own limit,
+    # COMPARE_TIMEOUT, default 480 s). COMPARE_ARGS: other gpu_compare.py flags, e.g.
+    # "--repeats 2" or "--vocab 256 --batch 32" (the setting of the 2026-11-26 numbers).
+    compare)
+        STEP_TIMEOUT=${COMPARE_TIMEOUT:-480} step gpu-compare python3 bench/gpu_compare.py \
+            --transponder-bin "$BIN/train-bench" --anchor --repeats 1 ${COMPARE_ARGS:-}
+        ;;
     train)
         # llama-60m + Transponder on tinyshakespeare with GPT-2 tokens, 64 x 256 tokens a step.
         step train-60m "$BIN/transponder" train --device cuda --bf16 --model llama-60m --variant transponder \

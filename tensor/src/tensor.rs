@@ -213,7 +213,8 @@ impl Tensor {
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
             let dense = self.dense()?;
-            let source = dense.cuda_storage().ok_or(Error::UnsupportedDevice { op: "to_dtype", device: self.device })?;
+            let source =
+                dense.cuda_storage().ok_or(Error::UnsupportedDevice { op: "to_dtype", device: self.device })?;
             if dtype == DType::BF16 && dense.offset == 0 && source.len() == dense.numel() {
                 // The whole buffer: its shared bf16 copy (made once per storage).
                 return Ok(Tensor { storage: source.bf16_copy()?, ..dense });

@@ -90,19 +90,13 @@ pub(crate) struct Allocator {
 impl Allocator {
     /// An empty pool allocating on `stream`.
     pub(crate) fn new(stream: Arc<CudaStream>) -> Allocator {
-        Allocator {
-            stream: Some(stream),
-            state: Mutex::new(PoolState::new()),
-        }
+        Allocator { stream: Some(stream), state: Mutex::new(PoolState::new()) }
     }
 
     /// An empty pool of emulated device memory.
     #[cfg(feature = "cuda-emu")]
     pub(crate) fn emulated() -> Allocator {
-        Allocator {
-            stream: None,
-            state: Mutex::new(PoolState::new()),
-        }
+        Allocator { stream: None, state: Mutex::new(PoolState::new()) }
     }
 
     fn lock(&self) -> MutexGuard<'_, PoolState> {

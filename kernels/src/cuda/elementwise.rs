@@ -14,7 +14,7 @@ pub use crate::cpu::unary::Unary;
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
-use super::launch::{check_owners, elementwise, int, ptr, ptr_at, size};
+use super::launch::{address_list, check_owners, elementwise, int, length_list, ptr, ptr_at, size, LIST_LEN};
 use super::module::{Arg, KernelFamily};
 
 /// Most dimensions a broadcast or strided copy may keep after coalescing.
@@ -252,6 +252,38 @@ pub fn to_bf16(dev: &CudaDevice, src: &DeviceBuffer<f32>, dst: &mut DeviceBuffer
     ensure_len(OP, "dst", dst.len(), src.len())?;
     let args = [ptr(src), ptr(dst), size(src.len())];
     dev.launch(FAMILY, "f32_to_bf16_kernel", elementwise(src.len()), &args)
+}
+
+/// One range of [`to_bf16_packed`]: `len` f32 values at device address `src` (checked by the
+/// caller against its buffer), written as bf16 from element `at` of the packed buffer.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PackedPart {
+    /// The first f32 value.
+    pub src: u64,
+    /// Values converted.
+    pub len: usize,
+    /// Where they start in the packed buffer.
+    pub at: usize,
+}
+
+/// Up to [`LIST_LEN`] f32 ranges rounded to bf16 into their places of `dst`, in one launch
+/// (a packed weight `[W; A_c; A_s]`, a backward pass's bf16 operands).
+pub(crate) fn to_bf16_packed(dev: &CudaDevice, parts: &[PackedPart], dst: &mut DeviceBuffer<bf16>) -> Result<()> {
+    const OP: &str = "to_bf16_packed";
+    dev.check_owner(OP, dst)?;
+    ensure(parts.len() <= LIST_LEN, OP, || format!("{} parts, at most {LIST_LEN}", parts.len()))?;
+    for part in parts {
+        ensure(part.at + part.len <= dst.len(), OP, || format!("{part:?} past the end of {} elements", dst.len()))?;
+    }
+    let mut cfg = elementwise(parts.iter().map(|part| part.len).max().unwrap_or(0));
+    cfg.grid_dim.1 = parts.len() as u32;
+    let args = [
+        address_list(parts.iter().map(|part| part.src)),
+        length_list(parts.iter().map(|part| part.len)),
+        length_list(parts.iter().map(|part| part.at)),
+        ptr(dst),
+    ];
+    dev.launch(FAMILY, "f32_to_bf16_packed", cfg, &args)
 }
 
 /// `dst[i] = f32(src[i])` (exact).

@@ -27,11 +27,11 @@ pub use crate::cpu::unary::Unary;
 use super::allocator::DeviceBuffer;
 use super::blas::{gemm, Operand, Precision};
 use super::device::CudaDevice;
-use super::elementwise::unary_code;
+use super::elementwise::{to_bf16_packed, unary_code, PackedPart};
 use super::error::{ensure, ensure_len, CudaError, Result};
-use super::launch::{elementwise, int, per_row, ptr, ptr_at, size, THREADS};
+use super::launch::{elementwise, int, per_row, ptr, size, THREADS};
 use super::module::{Arg, KernelFamily};
-use super::reduce::column_sums;
+use super::reduce::{column_sums_many, ColumnSum};
 
 /// Largest `r_c + r_s` the kernels take (the summary tile is padded to 16, 32 or 64).
 pub const MAX_RANK: usize = 64;
@@ -149,18 +149,26 @@ fn gate_args(p: &DeviceFusedGateParams) -> [Arg; 10] {
 }
 
 /// The concatenated weight `[W; A_c; A_s]` as one bf16 `[K, d_in]` buffer (row-major), the
-/// operand of [`fused_gate_forward`]. Rounds to nearest even.
+/// operand of [`fused_gate_forward`], in one launch. Rounds to nearest even.
 pub fn pack_weight(dev: &CudaDevice, dims: &FusedGateDims, p: &DeviceFusedGateParams) -> Result<DeviceBuffer<bf16>> {
     const OP: &str = "fused_gate pack_weight";
     check_params(dev, OP, dims, p)?;
-    let packed = dev.alloc::<bf16>(dims.width() * dims.d_in)?;
-    let mut at = 0;
-    for part in [p.weight, p.channel.a_weight, p.scalar.a_weight] {
-        let args = [ptr(part), ptr_at(&packed, at), size(part.len())];
-        dev.launch(KernelFamily::Elementwise, "f32_to_bf16_kernel", elementwise(part.len()), &args)?;
-        at += part.len();
-    }
+    let mut packed = dev.alloc::<bf16>(dims.width() * dims.d_in)?;
+    to_bf16_packed(dev, &weight_parts(p), &mut packed)?;
     Ok(packed)
+}
+
+/// `[W; A_c; A_s]` as the first parts of a packed bf16 buffer, back to back.
+fn weight_parts(p: &DeviceFusedGateParams) -> Vec<PackedPart> {
+    let mut at = 0;
+    [p.weight, p.channel.a_weight, p.scalar.a_weight]
+        .into_iter()
+        .map(|w| {
+            let part = PackedPart { src: w.device_ptr(), len: w.len(), at };
+            at += w.len();
+            part
+        })
+        .collect()
 }
 
 /// Checks `x` (bf16), the packed weight and the outputs of a forward.
@@ -303,14 +311,29 @@ fn check_grads(dev: &CudaDevice, op: &'static str, dims: &FusedGateDims, g: &Dev
     Ok(())
 }
 
+/// The precision of [`fused_gate_backward`]'s products.
+#[derive(Clone, Copy, Debug)]
+pub enum GateProducts<'a> {
+    /// f32 operands and products (cuBLAS's default math mode: the CUDA cores, no TF32).
+    F32,
+    /// bf16 operands on the tensor cores, f32 accumulation and outputs (mixed precision, as
+    /// every other product under `--bf16`). `x` is the input's bf16 copy (the forward's
+    /// operand); the backward rounds its other operands to bf16 itself.
+    Bf16 {
+        /// `x` in bf16, `[N, d_in]`.
+        x: &'a DeviceBuffer<bf16>,
+    },
+}
+
 /// Backward of the fused projection from the saved `zu` and the output gradient `dout`;
 /// `x` is the f32 input `[N, d_in]`. Writes every buffer of `grads`.
 ///
 /// Recomputes `H`, `γ_s` and the channel logits from `zu` (row kernel: `dZ`, the channel
 /// logits' gradient `dL_c`, per-row `dγ_s` and `dα_c`); then `dH_c = dL_c·B_c` (cuBLAS), the
 /// summaries' kernel (`dU`), and `dB_c = dL_cᵀ·H_c`, `dB_s = dl_sᵀ·H_s`,
-/// `dx = dZU·[W; A_c; A_s]`, `dW = dZᵀ·x`, `dA = dUᵀ·x` (cuBLAS, f32), with the bias and α
-/// gradients as column sums in a fixed order.
+/// `dx = dZU·[W; A_c; A_s]`, `dW = dZᵀ·x`, `dA = dUᵀ·x` (cuBLAS, in the precision of
+/// `products`), with the bias and α gradients as column sums in a fixed order.
+#[allow(clippy::too_many_arguments)]
 pub fn fused_gate_backward(
     dev: &CudaDevice,
     dims: &FusedGateDims,
@@ -318,6 +341,7 @@ pub fn fused_gate_backward(
     p: &DeviceFusedGateParams,
     zu: &DeviceBuffer<f32>,
     dout: &DeviceBuffer<f32>,
+    products: GateProducts,
     grads: &mut DeviceFusedGateGrads,
 ) -> Result<()> {
     const OP: &str = "fused_gate_backward";
@@ -331,6 +355,10 @@ pub fn fused_gate_backward(
     ensure_len(OP, "x", x.len(), rows * d_in)?;
     ensure_len(OP, "zu", zu.len(), rows * k)?;
     ensure_len(OP, "dout", dout.len(), rows * d_out)?;
+    if let GateProducts::Bf16 { x: x_bf16 } = products {
+        dev.check_owner(OP, x_bf16)?;
+        ensure_len(OP, "x (bf16)", x_bf16.len(), rows * d_in)?;
+    }
     if rows == 0 {
         // No rows: every gradient is an empty sum.
         let g = grads;
@@ -361,14 +389,28 @@ pub fn fused_gate_backward(
     ]);
     dev.launch(FAMILY, "fused_gate_backward_rows", per_row(rows, THREADS), &args)?;
 
+    let sources = Sources {
+        x,
+        b_channel: p.channel.b_weight,
+        dlogits: &dlogits,
+        hidden: &hidden,
+        dzu: &dzu,
+        dlogit_s: &dlogit_s,
+    };
+    let mut operands = match products {
+        GateProducts::F32 => Operands::F32(sources),
+        GateProducts::Bf16 { x } => Operands::bf16(dev, p, x, &sources)?,
+    };
+    let precision = operands.precision();
+    let gemm = |m, n, kk, a, b, beta, c: u64, ldc| gemm(dev, precision, m, n, kk, 1.0, a, b, beta, c, ldc);
+
     // d/dH_c = dL_c·B_c
-    let f32_gemm = |m, n, kk, a, b, beta, c, ldc| gemm(dev, Precision::F32, m, n, kk, 1.0, a, b, beta, c, ldc);
-    f32_gemm(
+    gemm(
         rows,
         rc,
         d_out,
-        Operand::rows(dlogits.device_ptr(), d_out),
-        Operand::rows(p.channel.b_weight.device_ptr(), rc),
+        operands.rows(Part::DLogits, 0, d_out),
+        operands.rows(Part::BChannel, 0, rc),
         0.0,
         dhidden_c.device_ptr(),
         rc,
@@ -393,52 +435,165 @@ pub fn fused_gate_backward(
         ptr(&dlogit_s),
     ];
     dev.launch(FAMILY, "fused_gate_backward_summaries", elementwise(rows), &summary_args)?;
+    operands.convert_after_summaries(dev)?;
 
-    // Cross-row sums: db_c = Σ dL_c, da = Σ dU, db_s = Σ dl_s, dα = Σ row terms.
+    // Cross-row sums: db_c = Σ dL_c, da = Σ dU, db_s = Σ dl_s, dα = Σ row terms; all six in
+    // one pair of launches.
     let g = grads;
-    column_sums(dev, dlogits.device_ptr(), 1, rows, d_out, d_out, 0, g.channel.b_bias.device_ptr())?;
-    column_sums(dev, dzu.ptr_at(d_out), 1, rows, rc, k, 0, g.channel.a_bias.device_ptr())?;
-    column_sums(dev, dzu.ptr_at(d_out + rc), 1, rows, rs, k, 0, g.scalar.a_bias.device_ptr())?;
-    column_sums(dev, dlogit_s.device_ptr(), 1, rows, 1, 1, 0, g.scalar.b_bias.device_ptr())?;
-    column_sums(dev, row_terms.ptr_at(1), 1, rows, 1, 3, 0, g.channel.alpha.device_ptr())?;
-    column_sums(dev, row_terms.ptr_at(2), 1, rows, 1, 3, 0, g.scalar.alpha.device_ptr())?;
+    let sum = |src, cols, ld, dst: &DeviceBuffer<f32>| ColumnSum { src, cols, ld, dst: dst.device_ptr() };
+    let sums = [
+        sum(dlogits.device_ptr(), d_out, d_out, g.channel.b_bias),
+        sum(dzu.ptr_at(d_out), rc, k, g.channel.a_bias),
+        sum(dzu.ptr_at(d_out + rc), rs, k, g.scalar.a_bias),
+        sum(dlogit_s.device_ptr(), 1, 1, g.scalar.b_bias),
+        sum(row_terms.ptr_at(1), 1, 3, g.channel.alpha),
+        sum(row_terms.ptr_at(2), 1, 3, g.scalar.alpha),
+    ];
+    column_sums_many(dev, rows, &sums)?;
 
     // dB_c = dL_cᵀ·H_c;  dB_s = dl_sᵀ·H_s
-    let h_c = Operand::rows(hidden.device_ptr(), r);
-    let h_s = Operand::rows(hidden.ptr_at(rc), r);
-    f32_gemm(
-        d_out,
-        rc,
-        rows,
-        Operand::transposed(dlogits.device_ptr(), d_out),
-        h_c,
-        0.0,
-        g.channel.b_weight.device_ptr(),
-        rc,
-    )?;
-    f32_gemm(1, rs, rows, Operand::rows(dlogit_s.device_ptr(), rows), h_s, 0.0, g.scalar.b_weight.device_ptr(), rs)?;
+    let dlogits_t = operands.transposed(Part::DLogits, 0, d_out);
+    gemm(d_out, rc, rows, dlogits_t, operands.rows(Part::Hidden, 0, r), 0.0, g.channel.b_weight.device_ptr(), rc)?;
+    let (dl_s, h_s) = (operands.rows(Part::DLogitS, 0, rows), operands.rows(Part::Hidden, rc, r));
+    gemm(1, rs, rows, dl_s, h_s, 0.0, g.scalar.b_weight.device_ptr(), rs)?;
 
-    // dx = dZ·W + dU_c·A_c + dU_s·A_s (the first product written, the others added onto it);
-    // dW = dZᵀ·x;  dA_c = dU_cᵀ·x;  dA_s = dU_sᵀ·x
+    // dx = dZU·[W; A_c; A_s];  dW = dZᵀ·x;  dA_c = dU_cᵀ·x;  dA_s = dU_sᵀ·x
     let parts = [
         (0, d_out, p.weight, &mut *g.weight),
         (d_out, rc, p.channel.a_weight, &mut *g.channel.a_weight),
         (d_out + rc, rs, p.scalar.a_weight, &mut *g.scalar.a_weight),
     ];
-    let x_rows = Operand::rows(x.device_ptr(), d_in);
-    for (part, (offset, width, weight, dweight)) in parts.into_iter().enumerate() {
-        let block = dzu.ptr_at(offset);
-        f32_gemm(
-            rows,
-            d_in,
-            width,
-            Operand::rows(block, k),
-            Operand::rows(weight.device_ptr(), d_in),
-            if part == 0 { 0.0 } else { 1.0 },
-            g.x.device_ptr(),
-            d_in,
-        )?;
-        f32_gemm(width, d_in, rows, Operand::transposed(block, k), x_rows, 0.0, dweight.device_ptr(), d_in)?;
+    if let Operands::Bf16 { scratch, .. } = &operands {
+        // The packed bf16 weight (at the scratch's start) makes dx one product over K = d_out + r.
+        let weight = Operand::rows(scratch.device_ptr(), d_in);
+        gemm(rows, d_in, k, operands.rows(Part::Dzu, 0, k), weight, 0.0, g.x.device_ptr(), d_in)?;
+    } else {
+        // Three f32 weight buffers: the first product written, the others added onto it.
+        for (i, (offset, width, weight, _)) in parts.iter().enumerate() {
+            let (a, b) = (operands.rows(Part::Dzu, *offset, k), Operand::rows(weight.device_ptr(), d_in));
+            gemm(rows, d_in, *width, a, b, if i == 0 { 0.0 } else { 1.0 }, g.x.device_ptr(), d_in)?;
+        }
+    }
+    let x_rows = operands.rows(Part::X, 0, d_in);
+    for (offset, width, _, dweight) in parts {
+        gemm(width, d_in, rows, operands.transposed(Part::Dzu, offset, k), x_rows, 0.0, dweight.device_ptr(), d_in)?;
     }
     Ok(())
+}
+
+/// The f32 operands of the backward's products.
+struct Sources<'a> {
+    x: &'a DeviceBuffer<f32>,
+    b_channel: &'a DeviceBuffer<f32>,
+    dlogits: &'a DeviceBuffer<f32>,
+    hidden: &'a DeviceBuffer<f32>,
+    dzu: &'a DeviceBuffer<f32>,
+    dlogit_s: &'a DeviceBuffer<f32>,
+}
+
+/// An operand of the backward's products (the packed weight is reached through
+/// [`Operands::Bf16`] directly: the f32 weights are separate buffers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    BChannel,
+    DLogits,
+    Hidden,
+    Dzu,
+    DLogitS,
+    X,
+}
+
+/// Where the backward's products read their operands: the f32 buffers, or bf16 copies in
+/// one scratch buffer (`[W; A_c; A_s] | B_c | dL_c | H | dZU | dl_s`, each part on a 16-byte
+/// boundary) made by two launches, the second after the summaries' kernel has written the
+/// `dU` columns of `dZU` and `dl_s`.
+enum Operands<'a> {
+    F32(Sources<'a>),
+    Bf16 {
+        x: &'a DeviceBuffer<bf16>,
+        scratch: DeviceBuffer<bf16>,
+        /// Where `B_c`, `dL_c`, `H`, `dZU` and `dl_s` start in `scratch` (the weight at 0).
+        at: [usize; 5],
+        /// `dZU` and `dl_s`, converted after the summaries' kernel.
+        late: [PackedPart; 2],
+    },
+}
+
+impl<'a> Operands<'a> {
+    /// bf16 copies of the f32 operands (`x` comes converted): the weights, `B_c`, `dL_c` and
+    /// `H` now, `dZU` and `dl_s` by [`Operands::convert_after_summaries`].
+    fn bf16(
+        dev: &CudaDevice,
+        p: &DeviceFusedGateParams,
+        x: &'a DeviceBuffer<bf16>,
+        s: &Sources,
+    ) -> Result<Operands<'a>> {
+        let weights = weight_parts(p);
+        let mut end = weights.iter().map(|w| w.len).sum::<usize>().next_multiple_of(8);
+        let mut at = [0; 5];
+        for (slot, buffer) in at.iter_mut().zip([s.b_channel, s.dlogits, s.hidden, s.dzu, s.dlogit_s]) {
+            *slot = end;
+            end = (end + buffer.len()).next_multiple_of(8);
+        }
+        let mut scratch = dev.alloc::<bf16>(end)?;
+        let part = |buffer: &DeviceBuffer<f32>, at| PackedPart { src: buffer.device_ptr(), len: buffer.len(), at };
+        let mut early = weights;
+        early.extend([part(s.b_channel, at[0]), part(s.dlogits, at[1]), part(s.hidden, at[2])]);
+        to_bf16_packed(dev, &early, &mut scratch)?;
+        let late = [part(s.dzu, at[3]), part(s.dlogit_s, at[4])];
+        Ok(Operands::Bf16 { x, scratch, at, late })
+    }
+
+    /// Converts `dZU` and `dl_s` (bf16 products only), once the summaries' kernel wrote them.
+    fn convert_after_summaries(&mut self, dev: &CudaDevice) -> Result<()> {
+        match self {
+            Operands::F32(_) => Ok(()),
+            Operands::Bf16 { scratch, late, .. } => to_bf16_packed(dev, late, scratch),
+        }
+    }
+
+    fn precision(&self) -> Precision {
+        match self {
+            Operands::F32(_) => Precision::F32,
+            Operands::Bf16 { .. } => Precision::Bf16,
+        }
+    }
+
+    /// The device address of element `offset` of `part`.
+    fn address(&self, part: Part, offset: usize) -> u64 {
+        match self {
+            Operands::F32(s) => {
+                let buffer = match part {
+                    Part::BChannel => s.b_channel,
+                    Part::DLogits => s.dlogits,
+                    Part::Hidden => s.hidden,
+                    Part::Dzu => s.dzu,
+                    Part::DLogitS => s.dlogit_s,
+                    Part::X => s.x,
+                };
+                buffer.ptr_at(offset)
+            }
+            Operands::Bf16 { x, scratch, at, .. } => {
+                let start = match part {
+                    Part::BChannel => at[0],
+                    Part::DLogits => at[1],
+                    Part::Hidden => at[2],
+                    Part::Dzu => at[3],
+                    Part::DLogitS => at[4],
+                    Part::X => return x.ptr_at(offset),
+                };
+                scratch.ptr_at(start + offset)
+            }
+        }
+    }
+
+    /// `part` from element `offset` as a row-major operand with row stride `ld`.
+    fn rows(&self, part: Part, offset: usize, ld: usize) -> Operand {
+        Operand::rows(self.address(part, offset), ld)
+    }
+
+    /// The transpose of [`Operands::rows`].
+    fn transposed(&self, part: Part, offset: usize, ld: usize) -> Operand {
+        Operand::transposed(self.address(part, offset), ld)
+    }
 }

@@ -4,8 +4,29 @@ use cudarc::driver::LaunchConfig;
 
 use super::allocator::{DeviceBuffer, DeviceScalar};
 use super::device::CudaDevice;
-use super::module::Arg;
 use super::error::{CudaError, Result};
+use super::module::Arg;
+
+/// Entries of a `TensorList` (common.cuh): the tensors one multi-tensor launch takes.
+pub(crate) const LIST_LEN: usize = 24;
+
+/// The device addresses of up to [`LIST_LEN`] buffers as a `TensorList` argument.
+pub(crate) fn address_list(addresses: impl Iterator<Item = u64>) -> Arg {
+    let mut v = [0u64; LIST_LEN];
+    for (slot, address) in v.iter_mut().zip(addresses) {
+        *slot = address;
+    }
+    Arg::Ptrs(v)
+}
+
+/// Up to [`LIST_LEN`] sizes as a `TensorList` argument.
+pub(crate) fn length_list(lengths: impl Iterator<Item = usize>) -> Arg {
+    let mut v = [0i64; LIST_LEN];
+    for (slot, len) in v.iter_mut().zip(lengths) {
+        *slot = len as i64;
+    }
+    Arg::Dims(v)
+}
 
 /// Threads per block of the elementwise and row kernels.
 pub(crate) const THREADS: u32 = 256;

@@ -57,5 +57,5 @@ pub mod timer;
 pub use allocator::{AllocatorStats, DeviceBuffer, DeviceScalar};
 pub use counters::DeviceCounters;
 pub use device::CudaDevice;
-pub use timer::KernelTime;
 pub use error::{CudaError, Result};
+pub use timer::KernelTime;

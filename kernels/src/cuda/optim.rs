@@ -9,7 +9,7 @@ pub use crate::cpu::optim::AdamHyper;
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
-use super::launch::{check_owners, elementwise, int, ptr, size};
+use super::launch::{address_list, check_owners, elementwise, int, length_list, ptr, size, LIST_LEN};
 use super::module::{Arg, KernelFamily};
 
 /// The per-step scalars of Adam: `[step_size, 1/√(1 − β2ᵗ), decay, l2]`.
@@ -24,9 +24,8 @@ fn adam_constants(op: &'static str, h: &AdamHyper, decoupled: bool) -> Result<[f
     Ok([step_size, inv_sqrt_correction2, decay, l2])
 }
 
-/// Tensors one `adam_step` launch updates (`ADAM_TENSORS` in optim.cu: 24 addresses fill
-/// the kernel's 192-byte `TensorList` argument).
-pub const TENSORS_PER_LAUNCH: usize = 24;
+/// Tensors one `adam_step` launch updates (a `TensorList` of common.cuh holds 24).
+pub const TENSORS_PER_LAUNCH: usize = LIST_LEN;
 
 /// One tensor of an Adam update: the parameter and its moments, updated in place, and its
 /// gradient (all of one length).
@@ -40,24 +39,6 @@ pub struct AdamTensor<'a> {
     pub m: &'a mut DeviceBuffer<f32>,
     /// The second moment.
     pub v: &'a mut DeviceBuffer<f32>,
-}
-
-/// The device addresses of up to [`TENSORS_PER_LAUNCH`] buffers as a `TensorList`.
-fn address_list(addresses: impl Iterator<Item = u64>) -> Arg {
-    let mut v = [0u64; TENSORS_PER_LAUNCH];
-    for (slot, address) in v.iter_mut().zip(addresses) {
-        *slot = address;
-    }
-    Arg::Ptrs(v)
-}
-
-/// The lengths of up to [`TENSORS_PER_LAUNCH`] buffers as a `TensorList`.
-fn length_list(lengths: impl Iterator<Item = usize>) -> Arg {
-    let mut v = [0i64; TENSORS_PER_LAUNCH];
-    for (slot, len) in v.iter_mut().zip(lengths) {
-        *slot = len as i64;
-    }
-    Arg::Dims(v)
 }
 
 /// Adam (`decoupled = false`) or AdamW over `tensors`, all with the hyper-parameters `h`:

@@ -10,7 +10,9 @@ use cudarc::driver::LaunchConfig;
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
-use super::launch::{check_owners, elementwise, per_row, ptr, ptr_at, size, THREADS};
+use super::launch::{
+    address_list, check_owners, elementwise, length_list, per_row, ptr, ptr_at, size, LIST_LEN, THREADS,
+};
 use super::module::KernelFamily;
 
 const FAMILY: KernelFamily = KernelFamily::Reduce;
@@ -79,6 +81,60 @@ pub(crate) fn finish_column_sums(
 ) -> Result<()> {
     let args = [ptr(partial), size(outer), size(chunks), size(cols), super::module::Arg::Ptr(dst)];
     dev.launch(FAMILY, "column_sums_finish", elementwise(outer * cols), &args)
+}
+
+/// One sum of [`column_sums_many`]: `dst[c] = Σ_r src[r·ld + c]` for `c < cols`, from raw
+/// addresses the caller has checked against their buffers.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ColumnSum {
+    /// Element (0, 0) of the summed matrix.
+    pub src: u64,
+    /// Columns summed.
+    pub cols: usize,
+    /// Row stride of `src`.
+    pub ld: usize,
+    /// Where the `cols` sums go.
+    pub dst: u64,
+}
+
+/// Several column sums over the same `rows`: two launches per [`LIST_LEN`] sums instead of
+/// two per sum. Each sum has [`column_sums`]' chunks and order (f32 within a chunk, f64
+/// across chunks), so it gives the same bits.
+pub(crate) fn column_sums_many(dev: &CudaDevice, rows: usize, sums: &[ColumnSum]) -> Result<()> {
+    for group in sums.chunks(LIST_LEN) {
+        let max_cols = group.iter().map(|s| s.cols).max().unwrap_or(0);
+        if max_cols == 0 {
+            continue;
+        }
+        let (per_chunk, chunks) = chunking(rows, 1);
+        let partial = dev.alloc::<f32>(group.len() * chunks * max_cols)?;
+        let cfg = LaunchConfig {
+            grid_dim: (max_cols.div_ceil(32) as u32, chunks as u32, group.len() as u32),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
+        let cols = || length_list(group.iter().map(|s| s.cols));
+        let args = [
+            address_list(group.iter().map(|s| s.src)),
+            cols(),
+            length_list(group.iter().map(|s| s.ld)),
+            size(rows),
+            size(per_chunk),
+            size(max_cols),
+            ptr(&partial),
+        ];
+        dev.launch(FAMILY, "column_sums_many_partial", cfg, &args)?;
+        let args = [
+            ptr(&partial),
+            address_list(group.iter().map(|s| s.dst)),
+            cols(),
+            size(group.len()),
+            size(chunks),
+            size(max_cols),
+        ];
+        dev.launch(FAMILY, "column_sums_many_finish", elementwise(group.len() * max_cols), &args)?;
+    }
+    Ok(())
 }
 
 /// `x` viewed as `[outer, n, inner]`: `out[o·inner + i] = Σ_j x[(o·n + j)·inner + i]`.

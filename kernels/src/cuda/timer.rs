@@ -118,10 +118,8 @@ impl KernelTimer {
             entry.0 += 1;
             entry.1 += ms;
         }
-        let mut times: Vec<KernelTime> = by_kernel
-            .into_iter()
-            .map(|((family, name), (calls, ms))| KernelTime { name, family, calls, ms })
-            .collect();
+        let mut times: Vec<KernelTime> =
+            by_kernel.into_iter().map(|((family, name), (calls, ms))| KernelTime { name, family, calls, ms }).collect();
         times.sort_by(|a, b| b.ms.total_cmp(&a.ms));
         Ok(times)
     }

@@ -174,12 +174,7 @@ pub(crate) mod cuda {
             mean
         };
         let targets = SavedTargets { host: targets.to_vec(), device: Some(device_targets) };
-        Ok(CrossEntropy {
-            loss: Tensor::from_cuda(loss, &[])?,
-            lse: Tensor::from_cuda(lse, &[rows])?,
-            count,
-            targets,
-        })
+        Ok(CrossEntropy { loss: Tensor::from_cuda(loss, &[])?, lse: Tensor::from_cuda(lse, &[rows])?, count, targets })
     }
 
     /// `dlogits = (dy / count)·(softmax − onehot)` per row not ignored, from the saved `lse`

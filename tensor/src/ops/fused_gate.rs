@@ -193,15 +193,16 @@ pub(crate) mod cuda {
     //! through `kernels::cuda::fused_gate`.
     //!
     //! The forward packs `[W; A_c; A_s]` into one bf16 buffer on every call (the weights change
-    //! after each optimizer step, and packing is one cheap conversion pass next to the GEMM),
-    //! converts `x` to bf16, and runs the tensor-core kernel, which also writes the f32 GEMM
-    //! output `ZU` for the backward. The backward reads `ZU`, the f32 `x` and the f32 weights.
-    //! The launchers take α_c and α_s as host floats: the forward reads both one-element
-    //! tensors back from the device (a wait for the queued work) and saves them for the backward.
+    //! after each optimizer step, and packing is one conversion launch next to the GEMM),
+    //! converts `x` to bf16 (the copy its storage keeps, shared with the other projections of
+    //! the same input), and runs the tensor-core kernel, which also writes the f32 GEMM output
+    //! `ZU` for the backward. The backward reads `ZU`, the f32 `x` and the f32 weights; its
+    //! products run in f32, or under bf16 products (`--bf16`) on the tensor cores from the
+    //! same bf16 copy of `x`. α_c and α_s are read on the device by the kernels.
 
     use kernels::cuda::fused_gate::{
         fused_gate_backward, fused_gate_forward, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams,
-        DeviceGateGrads, DeviceGateParams, FusedGateDims, Unary,
+        DeviceGateGrads, DeviceGateParams, FusedGateDims, GateProducts, Unary,
     };
 
     use crate::cuda::CudaStorage;
@@ -265,6 +266,11 @@ pub(crate) mod cuda {
         Ok((out, x.to_dtype(DType::F32)?.dense()?, zu))
     }
 
+    /// The device storage of a GPU tensor.
+    fn storage_of(t: &Tensor) -> Result<&CudaStorage> {
+        t.cuda_storage().ok_or(Error::UnsupportedDevice { op: OP, device: t.device })
+    }
+
     /// Fresh device gradients shaped like a modulator's five parameters (the backward writes them).
     fn fresh_like_all(dev: &std::sync::Arc<kernels::cuda::CudaDevice>, values: &[Tensor]) -> Result<Vec<CudaStorage>> {
         values.iter().map(|t| CudaStorage::alloc(dev, t.numel())).collect()
@@ -310,6 +316,8 @@ pub(crate) mod cuda {
             scalar: device_gate(&sv)?,
             phi,
         };
+        let bf16_products = crate::cuda::matmul_precision() == crate::cuda::MatmulPrecision::Bf16;
+        let x_bf16 = if bf16_products { Some(x.to_dtype(DType::BF16)?) } else { None };
         let (mut dx, mut dw) = (CudaStorage::alloc(&dev, x.numel())?, CudaStorage::alloc(&dev, w.numel())?);
         let (mut dc, mut ds) = (fresh_like_all(&dev, &cv)?, fresh_like_all(&dev, &sv)?);
         {
@@ -319,8 +327,15 @@ pub(crate) mod cuda {
                 channel: device_grads(&mut dc)?,
                 scalar: device_grads(&mut ds)?,
             };
+            // Under bf16 products (`--bf16`) the backward's products run on the tensor cores too,
+            // reading the bf16 copy of x the forward made (the storage keeps it).
+            let products = match &x_bf16 {
+                Some(x_bf16) => GateProducts::Bf16 { x: storage_of(x_bf16)?.bf16_buffer(OP)? },
+                None => GateProducts::F32,
+            };
             // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cuda::fused_gate::fused_gate_backward
-            fused_gate_backward(&dev, dims, x.cuda_f32(OP)?, &p, zu.cuda_f32(OP)?, dy.cuda_f32(OP)?, &mut grads)?;
+            let (x, zu, dy) = (x.cuda_f32(OP)?, zu.cuda_f32(OP)?, dy.cuda_f32(OP)?);
+            fused_gate_backward(&dev, dims, x, &p, zu, dy, products, &mut grads)?;
         }
         let mut out = vec![Tensor::from_cuda(dx, x.shape())?, Tensor::from_cuda(dw, w.shape())?];
         for (g, t) in dc.into_iter().zip(&cv).chain(ds.into_iter().zip(&sv)) {

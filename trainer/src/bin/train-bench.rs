@@ -1,7 +1,7 @@
 //! `train-bench`: training and forward-only throughput of a LLaMA preset on random byte
 //! tokens, the number `bench/compare.py` sets beside PyTorch's (`bench/torch_llama.py`).
 //!
-//! Protocol (identical in both engines): build the model (vocab 256), AdamW (PyTorch
+//! Protocol (identical in both engines): build the model (vocab 256, or `--vocab V`), AdamW (PyTorch
 //! defaults, decay 0.01, no clipping), `--warmup` untimed steps, then `--steps` timed steps
 //! of `forward → loss → backward → optimizer step → zero_grad`, each timed on its own;
 //! tokens/s = B·T / median step time. Forward-only runs the same forward and loss under
@@ -62,6 +62,7 @@ struct Args {
     device: Device,
     bf16: bool,
     kernel_timer: bool,
+    vocab: usize,
 }
 
 fn parse_args() -> Result<Args> {
@@ -79,6 +80,7 @@ fn parse_args() -> Result<Args> {
         device: Device::Cpu,
         bf16: false,
         kernel_timer: false,
+        vocab: 256,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -92,6 +94,7 @@ fn parse_args() -> Result<Args> {
             "--warmup" => args.warmup = value()?.parse()?,
             "--threads" => args.threads = value()?.parse()?,
             "--seed" => args.seed = value()?.parse()?,
+            "--vocab" => args.vocab = value()?.parse()?,
             "--device" => args.device = parse_device(&value()?).map_err(anyhow::Error::msg)?,
             "--forward-only" => args.forward_only = true,
             "--profile" => args.profile = true,
@@ -100,7 +103,7 @@ fn parse_args() -> Result<Args> {
             "-h" | "--help" => {
                 println!(
                     "train-bench --model NAME --variant NAME --batch B --seq T --steps N [--warmup N] \
-                     [--threads N] [--seed S] [--forward-only] [--profile] [--device cpu|cuda|cuda:N] [--bf16] \
+                     [--threads N] [--seed S] [--vocab V] [--forward-only] [--profile] [--device cpu|cuda|cuda:N] [--bf16] \
                      [--kernel-timer]"
                 );
                 std::process::exit(0);
@@ -108,8 +111,8 @@ fn parse_args() -> Result<Args> {
             other => bail!("unknown argument `{other}` (try --help)"),
         }
     }
-    if args.steps == 0 || args.batch == 0 || args.seq == 0 {
-        bail!("--steps, --batch and --seq must be positive");
+    if args.steps == 0 || args.batch == 0 || args.seq == 0 || args.vocab == 0 {
+        bail!("--steps, --batch, --seq and --vocab must be positive");
     }
     if args.kernel_timer && args.device == Device::Cpu {
         bail!("--kernel-timer times GPU kernels: it needs --device cuda");
@@ -229,7 +232,7 @@ fn run(args: Args) -> Result<()> {
     let rss_start = proc_status_mib("VmRSS");
 
     let mut config = LlamaConfig::preset(&args.model)?;
-    config.vocab_size = 256;
+    config.vocab_size = args.vocab;
     config.seq_len = args.seq;
     config.variant = args.variant.clone();
     config.validate()?;
@@ -240,7 +243,7 @@ fn run(args: Args) -> Result<()> {
     let tokens = args.batch * args.seq;
     let mut rng = Rng::new(args.seed + 1);
     let mut batch = || -> (Vec<u32>, Vec<u32>) {
-        let ids: Vec<u32> = (0..tokens + 1).map(|_| rng.below(256) as u32).collect();
+        let ids: Vec<u32> = (0..tokens + 1).map(|_| rng.below(args.vocab as u64) as u32).collect();
         (ids[..tokens].to_vec(), ids[1..].to_vec())
     };
 
@@ -320,6 +323,7 @@ fn run(args: Args) -> Result<()> {
         "variant": args.variant,
         "mode": mode,
         "batch": args.batch,
+        "vocab": args.vocab,
         "seq": args.seq,
         "threads": args.threads,
         "device": device_name(args.device),

@@ -10,8 +10,8 @@ use rayon::prelude::*;
 use super::ffi::{kind, tp_emu_run_block, Dim3, TpBlockError, TpKernel};
 use super::memory::{check_canaries, containing, nearest, LiveBuffer};
 use super::Emulator;
-use crate::cuda::module::{Arg, KernelFamily};
 use crate::cuda::error::{CudaError, Result};
+use crate::cuda::module::{Arg, KernelFamily};
 
 /// Threads a block may have (every CUDA GPU since compute capability 2.0).
 const MAX_THREADS: u32 = 1024;

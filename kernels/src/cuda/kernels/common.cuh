@@ -37,6 +37,13 @@ typedef unsigned short bf16_t;
 #define MMA_M16N8K16_BF16(d, a, b) __trap()  // the launcher refuses devices below compute capability 8.0
 #endif
 
+// Up to 24 device addresses or lengths, passed by value: the tensors of a multi-tensor
+// launch (optimizer steps, several column sums at once); unused entries are 0.
+#define LIST_LEN 24
+struct TensorList {
+    i64 v[LIST_LEN];
+};
+
 // Grid-stride loop over [0, n).
 #define GRID_STRIDE(i, n) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)

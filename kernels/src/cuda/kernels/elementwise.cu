@@ -99,6 +99,15 @@ extern "C" __global__ void f32_to_bf16_kernel(const float* src, bf16_t* dst, i64
     GRID_STRIDE(i, n) { dst[i] = f32_to_bf16(src[i]); }
 }
 
+// dst[offsets.v[s] + i] = bf16(srcs.v[s][i]) for i < lens.v[s]: several f32 buffers rounded
+// to nearest even into their places of one bf16 buffer in one launch. Part s = blockIdx.y.
+extern "C" __global__ void f32_to_bf16_packed(TensorList srcs, TensorList lens, TensorList offsets, bf16_t* dst) {
+    const int s = blockIdx.y;
+    const float* src = (const float*)srcs.v[s];
+    bf16_t* out = dst + offsets.v[s];
+    GRID_STRIDE(i, lens.v[s]) { out[i] = f32_to_bf16(src[i]); }
+}
+
 // dst[i] = f32(src[i]) (exact)
 extern "C" __global__ void bf16_to_f32_kernel(const bf16_t* src, float* dst, i64 n) {
     GRID_STRIDE(i, n) { dst[i] = bf16_to_f32(src[i]); }

@@ -7,16 +7,9 @@
 // AdamW passes decay = 1 − lr·wd, l2 = 0; Adam passes decay = 1, l2 = wd. The per-step
 // scalars (step_size = lr/(1 − β1ᵗ), 1/√(1 − β2ᵗ)) are computed on the host in f64.
 //
-// One launch updates up to ADAM_TENSORS tensors that share these scalars (PyTorch's
-// multi-tensor apply): their addresses and lengths come by value in TensorList structs,
-// tensor t = blockIdx.y, its elements spread over the blocks of the grid's x dimension.
-
-#define ADAM_TENSORS 24
-
-// One device address (or length) per tensor of the launch, passed by value.
-struct TensorList {
-    i64 v[ADAM_TENSORS];
-};
+// One launch updates up to LIST_LEN tensors that share these scalars (PyTorch's
+// multi-tensor apply): their addresses and lengths come by value in TensorList structs
+// (common.cuh), tensor t = blockIdx.y, its elements spread over the grid's x dimension.
 
 extern "C" __global__ void adam_step(TensorList params, TensorList grads, TensorList ms, TensorList vs,
                                      TensorList lens, float beta1, float beta2, float eps, float step_size,

@@ -51,6 +51,44 @@ extern "C" __global__ void column_sums_finish(const float* partial, i64 outer, i
     }
 }
 
+// Several column sums over the same rows in one launch (the fused gate's bias and α
+// gradients), sum s = blockIdx.z over srcs.v[s] (cols.v[s] columns, row stride lds.v[s]),
+// each in column_sums_partial's order: partial[(s·chunks + chunk)·max_cols + col].
+extern "C" __global__ void column_sums_many_partial(TensorList srcs, TensorList cols, TensorList lds, i64 rows,
+                                                    i64 rows_per_chunk, i64 max_cols, float* partial) {
+    __shared__ float tile[8][33];
+    const int s = blockIdx.z;
+    const float* x = (const float*)srcs.v[s];
+    i64 ncols = cols.v[s], ld = lds.v[s];
+    i64 col = (i64)blockIdx.x * 32 + threadIdx.x;
+    i64 chunk = blockIdx.y, chunks = gridDim.y;
+    i64 r0 = chunk * rows_per_chunk;
+    i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+    float acc = 0.0f;
+    if (col < ncols) {
+        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) acc += x[r * ld + col];
+    }
+    tile[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < ncols) {
+        float sum = 0.0f;
+        for (int j = 0; j < 8; ++j) sum += tile[j][threadIdx.x];
+        partial[(s * chunks + chunk) * max_cols + col] = sum;
+    }
+}
+
+// dsts.v[s][col] = Σ_chunk partial[(s·chunks + chunk)·max_cols + col], in chunk order, f64.
+extern "C" __global__ void column_sums_many_finish(const float* partial, TensorList dsts, TensorList cols, i64 count,
+                                                   i64 chunks, i64 max_cols) {
+    GRID_STRIDE(i, count * max_cols) {
+        i64 s = i / max_cols, col = i % max_cols;
+        if (col >= cols.v[s]) continue;
+        double sum = 0.0;
+        for (i64 c = 0; c < chunks; ++c) sum += (double)partial[(s * chunks + c) * max_cols + col];
+        ((float*)dsts.v[s])[col] = (float)sum;
+    }
+}
+
 // Whether (v, i) beats (best, bi): NaN beats numbers, larger beats smaller, and among
 // equals the lower index wins — so the reduction finds the first maximum, or the first NaN.
 __device__ __forceinline__ bool beats(float v, i64 i, float best, i64 bi) {
