@@ -28,8 +28,8 @@ use super::matmul::Store;
 use super::parallel;
 use super::reduce::{dot, slice_max};
 use super::scratch::with_scratch;
+use super::simd::{exp8, load, store, LANES};
 use super::tile_gemm::{tile_gemm, TileA, TileB};
-use super::unary::{exp8, load, store, LANES};
 
 /// Queries per tile: the rows of one score block.
 const Q_TILE: usize = 32;

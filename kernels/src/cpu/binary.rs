@@ -18,7 +18,7 @@
 use wide::{f32x8, CmpEq};
 
 use super::parallel;
-use super::unary::{load, store, LANES};
+use super::simd::{load, store, LANES};
 
 /// An elementwise binary operator.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -12,8 +12,8 @@ use rayon::prelude::*;
 
 use super::parallel;
 use super::reduce::slice_max;
+use super::simd::{exp8, load, store, LANES};
 use super::softmax::sum_exp;
-use super::unary::{exp8, load, store, LANES};
 
 /// Rough cost of one logit (an exponential and a few multiply-adds).
 const WORK_PER_ELEMENT: usize = 8;

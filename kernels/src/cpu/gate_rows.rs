@@ -10,7 +10,7 @@
 
 use wide::f32x8;
 
-use super::unary::{load, sigmoid8, store, LANES};
+use super::simd::{load, sigmoid8, store, LANES};
 
 /// `y = σ(α·(l + b)) · scale · z` for one row, with `scale = 2γ_s` (the calibrated
 /// sigmoid's factor 2 times the row's scalar gate).

@@ -16,7 +16,7 @@ use wide::f32x8;
 
 use super::parallel;
 use super::reduce::{dot, slice_sum};
-use super::unary::{load, store, LANES};
+use super::simd::{load, store, LANES};
 
 /// Rough cost of one element in the forward (two passes of multiply-adds).
 const FORWARD_WORK: usize = 4;

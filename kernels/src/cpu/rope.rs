@@ -15,7 +15,7 @@
 //! Layout legend: `B` batch, `T` sequence, `H` heads, `D` head dim.
 
 use super::parallel;
-use super::unary::{load, store, LANES};
+use super::simd::{load, store, LANES};
 
 /// Sizes of one rotation, shared by the CPU and CUDA kernels (`cuda::rope` takes the same
 /// struct): `x` is `[B, T, H, D]` with `D` even, and token t reads table row `pos_offset + t`.

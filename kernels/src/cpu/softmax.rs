@@ -10,7 +10,7 @@ use wide::f32x8;
 
 use super::parallel;
 use super::reduce::{dot, slice_max, slice_sum};
-use super::unary::{exp8, load, store, LANES};
+use super::simd::{exp8, load, store, LANES};
 
 /// Rough cost of one element (an exponential and a few multiply-adds).
 const WORK_PER_ELEMENT: usize = 8;

@@ -24,7 +24,8 @@
 use wide::f32x8;
 
 use super::parallel;
-use super::unary::{load, sigmoid8, store, unary_reference, Unary, LANES};
+use super::simd::{load, sigmoid8, store, LANES};
+use super::unary::{unary_reference, Unary};
 
 /// Cost of one element in the units of [`parallel::should_parallelise`]: one exponential,
 /// like the transcendental unary ops.

@@ -15,7 +15,7 @@
 use wide::f32x8;
 
 use super::matmul::Store;
-use super::unary::LANES;
+use super::simd::LANES;
 
 /// Row tile of the micro-kernel.
 const MR: usize = 6;

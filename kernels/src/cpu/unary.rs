@@ -9,14 +9,15 @@
 //! gradient (`dx = ...`; the crate's contract, see `lib.rs`).
 //!
 //! Every op has a scalar reference ([`unary_reference`], [`unary_derivative_reference`]) that
-//! also handles the tail of each SIMD loop, and an `f32x8` body. This module also holds the
-//! SIMD building blocks other kernels share: [`load`], [`store`], [`exp8`] and [`sigmoid8`].
+//! also handles the tail of each SIMD loop, and an `f32x8` body built on the shared 8-lane
+//! helpers of [`super::simd`].
 
 use std::f64::consts as f64c;
 
 use wide::{f32x8, CmpGe, CmpGt, CmpLt};
 
 use super::parallel;
+use super::simd::{exp8, load, per_lane, sigmoid8, store, LANES};
 
 /// An elementwise function with a known derivative.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -171,40 +172,6 @@ where
     });
 }
 
-// ---------------------------------------------------------------------------------------
-// SIMD building blocks (also used by softmax, norm, attention, ...).
-
-/// Width of an `f32x8` register.
-pub const LANES: usize = 8;
-
-/// Loads the first [`LANES`] elements of `chunk`.
-#[inline(always)]
-pub fn load(chunk: &[f32]) -> f32x8 {
-    let mut lanes = [0.0; LANES];
-    lanes.copy_from_slice(&chunk[..LANES]);
-    f32x8::from(lanes)
-}
-
-/// Stores `v` into the first [`LANES`] elements of `chunk`.
-#[inline(always)]
-pub fn store(v: f32x8, chunk: &mut [f32]) {
-    chunk[..LANES].copy_from_slice(v.as_array_ref());
-}
-
-/// `f32x8::exp` returns 0 from here up (its overflow guard), so such lanes go scalar.
-const EXP_FAST_LIMIT: f32 = 87.0;
-
-/// `e^x` per lane (~1 ulp). Lanes that are NaN or ≥ [`EXP_FAST_LIMIT`] use `f32::exp`, so
-/// overflow gives `inf` and NaN propagates; lanes below −87 flush to 0 (true value < 2⁻¹²⁵).
-#[inline(always)]
-pub fn exp8(x: f32x8) -> f32x8 {
-    if x.cmp_lt(f32x8::splat(EXP_FAST_LIMIT)).all() {
-        x.exp()
-    } else {
-        per_lane(x, f32::exp)
-    }
-}
-
 /// Natural log per lane; zero, negative, subnormal, infinite and NaN lanes use `f32::ln`
 /// because `f32x8::ln` maps 0 to +inf.
 fn ln8(x: f32x8) -> f32x8 {
@@ -214,10 +181,6 @@ fn ln8(x: f32x8) -> f32x8 {
     } else {
         per_lane(x, f32::ln)
     }
-}
-
-fn per_lane(x: f32x8, f: impl Fn(f32) -> f32) -> f32x8 {
-    f32x8::from(x.to_array().map(f))
 }
 
 /// Horner evaluation of `coeffs` (highest degree first) at `z`.
@@ -264,14 +227,6 @@ fn sigmoid(x: f32) -> f32 {
     } else {
         e * s
     }
-}
-
-/// `σ(x)` per lane through `e^-|x|`: saturates to 0 or 1 for large `|x|`, never NaN.
-#[inline]
-pub fn sigmoid8(x: f32x8) -> f32x8 {
-    let e = exp8(-x.abs());
-    let s = f32x8::ONE / (f32x8::ONE + e);
-    x.cmp_ge(f32x8::ZERO).blend(s, e * s)
 }
 
 // d/dx x·σ(x) = σ(x)·(1 + x·(1 − σ(x)))
