@@ -608,7 +608,7 @@ fn transposed(data: &[f32], cols: usize) -> TileA<'_> {
 mod tests {
     use super::*;
     use gradcheck::oracle::{self, AttentionShape};
-    use gradcheck::{assert_within, gradient, Dtype};
+    use gradcheck::{assert_close, assert_within, gradient, Dtype, Tolerance};
 
     fn values(len: usize, seed: usize) -> Vec<f32> {
         (0..len).map(|i| (((i * 37 + seed * 101) % 61) as f32 / 61.0 - 0.5) * 2.0).collect()
@@ -766,8 +766,10 @@ mod tests {
         let half_lse = lse.len() / 2;
         let (dq1, dk1, dv1) =
             grads(&q[half_q..], &k[half_k..], &v[half_k..], &out[half_q..], &lse[half_lse..], &dout[half_q..], 1);
-        let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-5);
-        assert!(close(&dq[half_q..], &dq1) && close(&dk[half_k..], &dk1) && close(&dv[half_k..], &dv1));
+        let tol = Tolerance { atol: 1e-5, rtol: 0.0 };
+        assert_close("dq", &dq[half_q..], &dq1, tol);
+        assert_close("dk", &dk[half_k..], &dk1, tol);
+        assert_close("dv", &dv[half_k..], &dv1, tol);
         assert!(dq.iter().chain(&dk).chain(&dv).all(|g| g.is_finite()));
     }
 }

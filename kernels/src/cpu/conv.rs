@@ -400,7 +400,7 @@ fn direct_f64(g: &Conv2dGeometry, x: &[f64], w: &[f64], bias: Option<&[f64]>) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gradcheck::{assert_within, gradient, Dtype};
+    use gradcheck::{assert_close, check_gradient, oracle, Tolerance};
     use proptest::prelude::*;
 
     /// Small geometries, always with at least one output position.
@@ -432,30 +432,6 @@ mod tests {
 
     fn values(len: usize) -> impl Strategy<Value = Vec<f32>> {
         prop::collection::vec(-2.0f32..2.0, len)
-    }
-
-    fn close(got: &[f32], want: &[f64], tol: f64) {
-        assert_eq!(got.len(), want.len());
-        let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-            assert!((f64::from(g) - w).abs() <= tol * scale, "index {i}: got {g}, want {w}");
-        }
-    }
-
-    /// A gradient against the toolkit's differences of `loss` (`L = Σ r·direct_f64(x, w,
-    /// bias)`) with respect to `param`.
-    fn check_gradient(what: &str, grad: &[f32], param: &[f32], loss: impl FnMut(&[f64]) -> f64) {
-        let numeric = gradient(&widen(param), Dtype::F64, loss);
-        let analytic = grad.iter().map(|&d| f64::from(d));
-        assert_within(what, analytic, numeric, Dtype::F64.table().gradient);
-    }
-
-    fn widen(v: &[f32]) -> Vec<f64> {
-        v.iter().map(|&a| f64::from(a)).collect()
-    }
-
-    fn dot(a: &[f64], b: &[f64]) -> f64 {
-        a.iter().zip(b).map(|(x, y)| x * y).sum()
     }
 
     #[test]
@@ -504,23 +480,33 @@ mod tests {
             let (bias, dy) = (wave(o, 1.7), wave(g.batch * o * g.positions(), 0.23));
             let mut y = vec![f32::NAN; dy.len()];
             conv2d_forward(&g, &x, &w, Some(&bias), &mut y);
-            let expected = direct_f64(&g, &widen(&x), &widen(&w), Some(&widen(&bias)));
-            close(&y, &expected, 1e-5);
+            let expected = direct_f64(&g, &oracle::widen(&x), &oracle::widen(&w), Some(&oracle::widen(&bias)));
+            assert_close("y", &y, &expected, Tolerance::uniform(1e-5));
 
             let (mut dx, mut dw, mut dbias) = (vec![f32::NAN; x.len()], vec![f32::NAN; w.len()], vec![f32::NAN; o]);
             conv2d_backward(&g, &x, &w, &dy, Some(&mut dx), Some(&mut dw), Some(&mut dbias));
-            let (x64, w64, dy64) = (widen(&x), widen(&w), widen(&dy));
+            let (x64, w64, dy64) = (oracle::widen(&x), oracle::widen(&w), oracle::widen(&dy));
             for probe in 1..=3 {
-                let v = widen(&wave(x.len(), 0.5 + probe as f32));
-                let u = widen(&wave(w.len(), 0.2 + probe as f32));
-                let want_dx = dot(&dy64, &direct_f64(&g, &v, &w64, None));
-                let want_dw = dot(&dy64, &direct_f64(&g, &x64, &u, None));
-                close(&[dot(&widen(&dx), &v) as f32], &[want_dx], 1e-5);
-                close(&[dot(&widen(&dw), &u) as f32], &[want_dw], 1e-5);
+                let v = oracle::widen(&wave(x.len(), 0.5 + probe as f32));
+                let u = oracle::widen(&wave(w.len(), 0.2 + probe as f32));
+                let want_dx = oracle::dot(&dy64, &direct_f64(&g, &v, &w64, None));
+                let want_dw = oracle::dot(&dy64, &direct_f64(&g, &x64, &u, None));
+                assert_close(
+                    "dx·probe",
+                    &[oracle::dot(&oracle::widen(&dx), &v) as f32],
+                    &[want_dx],
+                    Tolerance::uniform(1e-5),
+                );
+                assert_close(
+                    "dw·probe",
+                    &[oracle::dot(&oracle::widen(&dw), &u) as f32],
+                    &[want_dw],
+                    Tolerance::uniform(1e-5),
+                );
             }
             let want_dbias: Vec<f64> =
                 (0..o).map(|ch| dy64.chunks(g.positions()).skip(ch).step_by(o).flatten().sum()).collect();
-            close(&dbias, &want_dbias, 1e-5);
+            assert_close("dbias", &dbias, &want_dbias, Tolerance::uniform(1e-5));
         }
     }
 
@@ -537,10 +523,10 @@ mod tests {
             let bias = with_bias.then_some(&bias[..]);
             let mut y = vec![f32::NAN; g.batch * g.out_channels * g.positions()];
             conv2d_forward(&g, &x, &w, bias, &mut y);
-            let expected = direct_f64(&g, &widen(&x), &widen(&w), bias.map(widen).as_deref());
-            close(&y, &expected, 1e-5);
+            let expected = direct_f64(&g, &oracle::widen(&x), &oracle::widen(&w), bias.map(oracle::widen).as_deref());
+            assert_close("y", &y, &expected, Tolerance::uniform(1e-5));
             let reference = conv2d_reference(&g, &x, &w, bias);
-            close(&reference, &expected, 1e-6);
+            assert_close("reference", &reference, &expected, Tolerance::uniform(1e-6));
         }
 
         #[test]
@@ -556,10 +542,10 @@ mod tests {
             let mut dw = vec![f32::NAN; w.len()];
             let mut dbias = vec![f32::NAN; bias.len()];
             conv2d_backward(&g, &x, &w, &r, Some(&mut dx), Some(&mut dw), Some(&mut dbias));
-            let (r64, x64, w64, b64) = (widen(&r), widen(&x), widen(&w), widen(&bias));
-            check_gradient("conv dx", &dx, &x, |p| dot(&r64, &direct_f64(&g, p, &w64, Some(&b64))));
-            check_gradient("conv dw", &dw, &w, |p| dot(&r64, &direct_f64(&g, &x64, p, Some(&b64))));
-            check_gradient("conv dbias", &dbias, &bias, |p| dot(&r64, &direct_f64(&g, &x64, &w64, Some(p))));
+            let (r64, x64, w64, b64) = (oracle::widen(&r), oracle::widen(&x), oracle::widen(&w), oracle::widen(&bias));
+            check_gradient("conv dx", &dx, &x64, |p| oracle::dot(&r64, &direct_f64(&g, p, &w64, Some(&b64))));
+            check_gradient("conv dw", &dw, &w64, |p| oracle::dot(&r64, &direct_f64(&g, &x64, p, Some(&b64))));
+            check_gradient("conv dbias", &dbias, &b64, |p| oracle::dot(&r64, &direct_f64(&g, &x64, &w64, Some(p))));
 
             // Each gradient alone gives the same result as all three together.
             let mut dw_alone = vec![f32::NAN; w.len()];
