@@ -167,7 +167,12 @@ pub enum Domain {
     /// Rows of `cols` values, each a shuffled lattice `spacing` apart centred on 0 with
     /// jitter below `spacing/8`: every row of ≥ 2 values has a variance bounded away from
     /// 0 and small magnitudes (LayerNorm inputs).
-    DistinctRows { cols: usize, spacing: f32 },
+    DistinctRows {
+        /// Values per row.
+        cols: usize,
+        /// Distance between neighbouring lattice points.
+        spacing: f32,
+    },
 }
 
 impl Domain {

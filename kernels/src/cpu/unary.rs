@@ -22,19 +22,33 @@ use super::simd::{exp8, load, per_lane, sigmoid8, store, LANES};
 /// An elementwise function with a known derivative.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Unary {
+    /// `−x`.
     Neg,
+    /// `e^x`.
     Exp,
+    /// `ln x`.
     Log,
+    /// `√x`.
     Sqrt,
+    /// `1/√x`.
     Rsqrt,
+    /// `|x|`.
     Abs,
+    /// `σ(x) = 1/(1 + e^−x)`.
     Sigmoid,
+    /// `tanh x`.
     Tanh,
+    /// `max(x, 0)`.
     Relu,
+    /// `x·σ(x)`.
     Silu,
+    /// `x·Φ(x)`, the exact (erf) GELU.
     Gelu,
+    /// GELU's tanh approximation, `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`.
     GeluTanh,
+    /// `x^p` for the exponent `p`.
     Powf(f32),
+    /// `x²`.
     Square,
 }
 
