@@ -364,37 +364,70 @@ pub fn conv2d_reference(g: &Conv2dGeometry, x: &[f32], w: &[f32], bias: Option<&
     y.into_iter().map(|v| v as f32).collect()
 }
 
+/// Naive `(dx, dw, dbias)` of [`conv2d_backward`] for the bench and the tests, summed in f64
+/// from the definition: every term `x[i]·w[j]` of `y[t]` sends `dy[t]·w[j]` to `dx[i]` and
+/// `dy[t]·x[i]` to `dw[j]`; `dbias[o]` sums channel `o` of `dy`.
+pub fn conv2d_backward_reference(
+    g: &Conv2dGeometry,
+    x: &[f32],
+    w: &[f32],
+    dy: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    g.check_lengths(x, w, "conv2d_backward_reference");
+    let positions = g.out_height() * g.out_width();
+    assert_eq!(dy.len(), g.batch * g.out_channels * positions, "conv2d_backward_reference: dy has the wrong length");
+    let (mut dx, mut dw, mut dbias) = (vec![0.0f64; x.len()], vec![0.0f64; w.len()], vec![0.0f64; g.out_channels]);
+    for (t, &d) in dy.iter().enumerate() {
+        dbias[t / positions % g.out_channels] += f64::from(d);
+    }
+    for_each_term(g, |t, i, j| {
+        let d = f64::from(dy[t]);
+        dx[i] += d * f64::from(w[j]);
+        dw[j] += d * f64::from(x[i]);
+    });
+    let narrow = |v: Vec<f64>| v.into_iter().map(|a| a as f32).collect();
+    (narrow(dx), narrow(dw), narrow(dbias))
+}
+
 /// The definition, summed in f64: `y[n,o,oh,ow] = bias[o] + Σ_{c,kh,kw} x[n,c,ih,iw]·w[o,c,kh,kw]`
 /// with `ih = oh·s + kh − p`, `iw = ow·s + kw − p`.
 fn direct_f64(g: &Conv2dGeometry, x: &[f64], w: &[f64], bias: Option<&[f64]>) -> Vec<f64> {
+    let positions = g.out_height() * g.out_width();
+    let mut y: Vec<f64> = (0..g.batch * g.out_channels * positions)
+        .map(|t| bias.map_or(0.0, |b| b[t / positions % g.out_channels]))
+        .collect();
+    for_each_term(g, |t, i, j| y[t] += x[i] * w[j]);
+    y
+}
+
+/// Calls `term(t, i, j)` for every product `x[i]·w[j]` of the sum that is `y[t]`, outputs in
+/// row-major order and each output's terms in `(c, kh, kw)` order; taps in the padding have
+/// no term.
+fn for_each_term(g: &Conv2dGeometry, mut term: impl FnMut(usize, usize, usize)) {
     let (out_h, out_w) = (g.out_height(), g.out_width());
-    let mut y = vec![0.0; g.batch * g.out_channels * out_h * out_w];
-    let mut at = 0;
+    let mut t = 0;
     for n in 0..g.batch {
         for o in 0..g.out_channels {
             for oh in 0..out_h {
                 for ow in 0..out_w {
-                    let mut acc = bias.map_or(0.0, |b| b[o]);
                     for c in 0..g.in_channels {
                         for kh in 0..g.kernel_h {
                             for kw in 0..g.kernel_w {
                                 let ih = (oh * g.stride + kh).wrapping_sub(g.padding);
                                 let iw = (ow * g.stride + kw).wrapping_sub(g.padding);
                                 if ih < g.height && iw < g.width {
-                                    let xi = ((n * g.in_channels + c) * g.height + ih) * g.width;
-                                    let wi = ((o * g.in_channels + c) * g.kernel_h + kh) * g.kernel_w + kw;
-                                    acc += x[xi + iw] * w[wi];
+                                    let i = ((n * g.in_channels + c) * g.height + ih) * g.width + iw;
+                                    let j = ((o * g.in_channels + c) * g.kernel_h + kh) * g.kernel_w + kw;
+                                    term(t, i, j);
                                 }
                             }
                         }
                     }
-                    y[at] = acc;
-                    at += 1;
+                    t += 1;
                 }
             }
         }
     }
-    y
 }
 
 #[cfg(test)]
@@ -546,6 +579,11 @@ mod tests {
             check_gradient("conv dx", &dx, &x64, |p| oracle::dot(&r64, &direct_f64(&g, p, &w64, Some(&b64))));
             check_gradient("conv dw", &dw, &w64, |p| oracle::dot(&r64, &direct_f64(&g, &x64, p, Some(&b64))));
             check_gradient("conv dbias", &dbias, &b64, |p| oracle::dot(&r64, &direct_f64(&g, &x64, &w64, Some(p))));
+            // The naive backward the bench checks against agrees.
+            let (want_dx, want_dw, want_dbias) = conv2d_backward_reference(&g, &x, &w, &r);
+            assert_close("reference dx", &want_dx, &dx, Tolerance::uniform(1e-5));
+            assert_close("reference dw", &want_dw, &dw, Tolerance::uniform(1e-5));
+            assert_close("reference dbias", &want_dbias, &dbias, Tolerance::uniform(1e-5));
 
             // Each gradient alone gives the same result as all three together.
             let mut dw_alone = vec![f32::NAN; w.len()];
