@@ -4,7 +4,7 @@
 //! (or in a build without CUDA) there is nothing to count and both report `null`.
 
 use anyhow::Result;
-use serde_json::{json, Value};
+use serde_json::Value;
 use tensor::Device;
 
 /// A device's counters at one moment; two give the counts of the work in between.
@@ -35,9 +35,9 @@ impl CounterSnapshot {
         let Some(delta) = self.since(earlier) else { return Value::Null };
         let mut object = serde_json::Map::new();
         for (name, value) in delta.totals() {
-            object.insert(name.to_string(), json!(value));
+            object.insert(name.to_string(), Value::from(value));
         }
-        object.insert("launches_by_kernel".to_string(), json!(delta.launches_by_kernel));
+        object.insert("launches_by_kernel".to_string(), serde_json::json!(delta.launches_by_kernel));
         Value::Object(object)
     }
 }
@@ -77,7 +77,9 @@ pub fn time_kernels(device: Device, work: impl FnOnce() -> Result<()>) -> Result
         eprintln!("{:<40} {:<12} {:>7} {:>10.3}", t.name, t.family, t.calls, t.ms);
     }
     let families = kernels::cuda::timer::by_family(&times);
-    Ok(families.into_iter().map(|(family, calls, ms)| json!({"family": family, "calls": calls, "ms": ms})).collect())
+    let rows =
+        families.into_iter().map(|(family, calls, ms)| serde_json::json!({"family": family, "calls": calls, "ms": ms}));
+    Ok(rows.collect())
 }
 
 /// Without the CUDA backend there is no timer: runs `work` and returns `null`.
