@@ -24,97 +24,74 @@ use super::nvrtc::{compile, KernelImage, Output};
 /// Helpers shared by every kernel file.
 const COMMON: &str = include_str!("kernels/common.cuh");
 
-/// One `.cu` file of kernels.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum KernelFamily {
-    /// Unary and binary elementwise ops, axpy, select, strided copy, dtype conversion.
-    Elementwise,
+/// Declares the kernel families from one table, `Variant => "stem"` with its doc: the enum,
+/// [`KernelFamily::ALL`], the file name (`kernels/<stem>.cu`) and the embedded source all come
+/// from the same line, so a new family is one line here plus its `.cu` file.
+macro_rules! kernel_families {
+    ($($(#[doc = $doc:literal])* $variant:ident => $stem:literal,)*) => {
+        /// One `.cu` file of kernels.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum KernelFamily {
+            $($(#[doc = $doc])* $variant,)*
+        }
+
+        impl KernelFamily {
+            /// Every family, for precompiling.
+            pub const ALL: [KernelFamily; [$($stem),*].len()] = [$(KernelFamily::$variant),*];
+
+            /// The family's name: its file without `.cu` (for reports).
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(KernelFamily::$variant => $stem,)*
+                }
+            }
+
+            /// The source file's name.
+            pub fn file(self) -> &'static str {
+                match self {
+                    $(KernelFamily::$variant => concat!($stem, ".cu"),)*
+                }
+            }
+
+            fn source(self) -> &'static str {
+                match self {
+                    $(KernelFamily::$variant => include_str!(concat!("kernels/", $stem, ".cu")),)*
+                }
+            }
+        }
+    };
+}
+
+kernel_families! {
+    /// Unary and binary elementwise ops, axpy, fill, select, strided copy, dtype conversion.
+    Elementwise => "elementwise",
     /// Axis sums, max/argmax, squared norm, column sums.
-    Reduce,
+    Reduce => "reduce",
     /// Softmax, log-softmax and the fused cross-entropy.
-    Softmax,
+    Softmax => "softmax",
     /// RMSNorm and LayerNorm.
-    Norm,
+    Norm => "norm",
     /// Rotary position embedding.
-    Rope,
+    Rope => "rope",
     /// Embedding gather and scatter-add.
-    Embedding,
+    Embedding => "embedding",
     /// Flash-style causal attention.
-    Attention,
+    Attention => "attention",
     /// im2col / col2im and the convolution's bias.
-    Conv,
+    Conv => "conv",
     /// Batch normalisation.
-    BatchNorm,
-    /// Fused optimizer updates.
-    Optim,
+    BatchNorm => "batch_norm",
+    /// Fused optimizer updates (multi-tensor AdamW / Adam, SGD).
+    Optim => "optim",
     /// The fused gated projection (tensor-core GEMM with the gate in its epilogue).
-    FusedGate,
+    FusedGate => "fused_gate",
     /// SwiGLU gating `silu(g) ⊙ u` and its backward.
-    Swiglu,
+    Swiglu => "swiglu",
     /// Max pooling and global average pooling.
-    Pool,
+    Pool => "pool",
 }
 
 impl KernelFamily {
-    /// Every family, for precompiling.
-    pub const ALL: [KernelFamily; 13] = [
-        KernelFamily::Elementwise,
-        KernelFamily::Reduce,
-        KernelFamily::Softmax,
-        KernelFamily::Norm,
-        KernelFamily::Rope,
-        KernelFamily::Embedding,
-        KernelFamily::Attention,
-        KernelFamily::Conv,
-        KernelFamily::BatchNorm,
-        KernelFamily::Optim,
-        KernelFamily::FusedGate,
-        KernelFamily::Swiglu,
-        KernelFamily::Pool,
-    ];
-
-    /// The source file's name.
-    pub fn file(self) -> &'static str {
-        match self {
-            KernelFamily::Elementwise => "elementwise.cu",
-            KernelFamily::Reduce => "reduce.cu",
-            KernelFamily::Softmax => "softmax.cu",
-            KernelFamily::Norm => "norm.cu",
-            KernelFamily::Rope => "rope.cu",
-            KernelFamily::Embedding => "embedding.cu",
-            KernelFamily::Attention => "attention.cu",
-            KernelFamily::Conv => "conv.cu",
-            KernelFamily::BatchNorm => "batch_norm.cu",
-            KernelFamily::Optim => "optim.cu",
-            KernelFamily::FusedGate => "fused_gate.cu",
-            KernelFamily::Swiglu => "swiglu.cu",
-            KernelFamily::Pool => "pool.cu",
-        }
-    }
-
-    fn source(self) -> &'static str {
-        match self {
-            KernelFamily::Elementwise => include_str!("kernels/elementwise.cu"),
-            KernelFamily::Reduce => include_str!("kernels/reduce.cu"),
-            KernelFamily::Softmax => include_str!("kernels/softmax.cu"),
-            KernelFamily::Norm => include_str!("kernels/norm.cu"),
-            KernelFamily::Rope => include_str!("kernels/rope.cu"),
-            KernelFamily::Embedding => include_str!("kernels/embedding.cu"),
-            KernelFamily::Attention => include_str!("kernels/attention.cu"),
-            KernelFamily::Conv => include_str!("kernels/conv.cu"),
-            KernelFamily::BatchNorm => include_str!("kernels/batch_norm.cu"),
-            KernelFamily::Optim => include_str!("kernels/optim.cu"),
-            KernelFamily::FusedGate => include_str!("kernels/fused_gate.cu"),
-            KernelFamily::Swiglu => include_str!("kernels/swiglu.cu"),
-            KernelFamily::Pool => include_str!("kernels/pool.cu"),
-        }
-    }
-
-    /// The family's name: its file without `.cu` (for reports).
-    pub fn name(self) -> &'static str {
-        self.file().trim_end_matches(".cu")
-    }
-
     /// The full translation unit: `common.cuh`, then the family's file.
     pub fn translation_unit(self) -> String {
         format!("#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{}\"\n{}", self.file(), self.source())
