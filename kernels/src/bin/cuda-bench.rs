@@ -1,17 +1,23 @@
-//! GPU timings of the fused gated projection (Transponder eq. 8-10) against the unfused
-//! path (cuBLAS bf16 GEMM into `ZU`, then the gate kernel) and the bare cuBLAS GEMM, at the
-//! llama-60m / llama-130m projection shapes; then flash attention against the naive
-//! kernel that materialises the score matrix.
+//! GPU timings of the fused gated projection (Transponder eq. 8-10) against the bare cuBLAS
+//! GEMM of the same shape (`x·[W; A_c; A_s]ᵀ`, the floor) and the unfused path (that GEMM
+//! into `ZU`, then the gate kernel), at the llama-60m / llama-130m projection shapes; then
+//! flash attention, forward and forward + backward (the time per layer of a training step),
+//! against the naive kernel that materialises the score matrix.
 //!
 //! Run: `cargo run --release -p kernels --features cuda --bin cuda-bench [-- --tokens N]`
-//! (default N = 512·256 = 131 072 tokens). Each figure is the best of several timed runs
-//! after a warm-up; the fused output is checked against the unfused one first.
+//! (default N = 512·256 = 131 072 tokens; the attention batches are N/2048 and N/4096
+//! sequences of 256). Each figure is the best of several timed runs after a warm-up. Every
+//! line checks its results first, as llm.c's `dev/cuda` does: the fused output against the
+//! unfused one, flash attention against the naive kernel; a disagreement ends the run with
+//! exit status 1 before any time is printed.
 
 use std::time::Instant;
 
 use half::bf16;
 use kernels::cpu::attention::AttentionDims;
-use kernels::cuda::attention::{causal_attention_forward, causal_attention_naive};
+use kernels::cpu::matmul::Store;
+use kernels::cuda::attention::{causal_attention_backward, causal_attention_forward, causal_attention_naive};
+use kernels::cuda::blas::{matmul_bf16, DeviceMat};
 use kernels::cuda::fused_gate::{
     fused_gate_forward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateParams, DeviceGateParams,
     FusedGateDims, Unary,
@@ -22,6 +28,24 @@ use kernels::cuda::{CudaDevice, DeviceBuffer, Result};
 const REPEATS: usize = 5;
 /// Calls per timed repetition.
 const CALLS: usize = 10;
+
+/// Ends the run (status 1) unless `got` is within `tolerance` of `want` relative to the
+/// largest `|want|`; returns that worst relative difference.
+fn check(what: &str, got: &[f32], want: &[f32], tolerance: f32) -> f32 {
+    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+    let worst =
+        got.iter()
+            .zip(want)
+            .fold(0.0f32, |m, (a, b)| if a.is_nan() != b.is_nan() { f32::INFINITY } else { m.max((a - b).abs()) });
+    let relative = worst / scale;
+    if relative > tolerance {
+        eprintln!(
+            "cuda-bench: {what} disagrees with its reference: max relative difference {relative:.2e} > {tolerance:.0e}"
+        );
+        std::process::exit(1);
+    }
+    relative
+}
 
 /// Deterministic pseudo-random values in [-bound, bound).
 fn values(len: usize, seed: u64, bound: f32) -> Vec<f32> {
@@ -121,10 +145,14 @@ fn bench_projection(dev: &CudaDevice, tokens: usize, d_in: usize, d_out: usize) 
 
     fused_gate_forward_unfused(dev, &dims, &x, &packed, &p, &mut zu, &mut out_ref)?;
     fused_gate_forward(dev, &dims, &x, &packed, &p, None, &mut out)?;
-    let (fused, unfused) = (dev.download(&out)?, dev.download(&out_ref)?);
-    let scale = unfused.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
-    let worst = fused.iter().zip(&unfused).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+    let what = format!("fused projection {d_in}→{d_out}");
+    let worst = check(&what, &dev.download(&out)?, &dev.download(&out_ref)?, 1e-3);
 
+    // The floor: the bare product ZU = x·[W; A_c; A_s]ᵀ, bf16 in, f32 out, as the unfused path runs it.
+    let x_mat = DeviceMat { buffer: &x, offset: 0, row_stride: d_in, col_stride: 1 };
+    let weight_t = DeviceMat { buffer: &packed, offset: 0, row_stride: 1, col_stride: d_in };
+    let (k, n) = (d_in, dims.width());
+    let gemm_s = best_seconds(dev, || matmul_bf16(dev, &mut zu, 0, x_mat, weight_t, tokens, n, k, Store::Overwrite))?;
     let unfused_s =
         best_seconds(dev, || fused_gate_forward_unfused(dev, &dims, &x, &packed, &p, &mut zu, &mut out_ref))?;
     let fused_save_s = best_seconds(dev, || fused_gate_forward(dev, &dims, &x, &packed, &p, Some(&mut zu), &mut out))?;
@@ -132,15 +160,16 @@ fn bench_projection(dev: &CudaDevice, tokens: usize, d_in: usize, d_out: usize) 
     let flops = 2.0 * tokens as f64 * dims.width() as f64 * d_in as f64;
     let tflops = |s: f64| flops / s / 1e12;
     println!(
-        "{d_in:>5}→{d_out:<5} {tokens:>7} tokens | unfused {:>7.3} ms ({:>5.1} TFLOP/s) | fused+save {:>7.3} ms ({:>5.1}) \
-         | fused {:>7.3} ms ({:>5.1}) | speedup {:.2}× | max rel diff {worst:.1e}",
+        "{d_in:>5}→{d_out:<5} {tokens:>7} tokens | bare GEMM {:>7.3} ms ({:>5.1} TFLOP/s) | unfused {:>7.3} ms ({:.2}× GEMM) \
+         | fused+save {:>7.3} ms ({:.2}×) | fused {:>7.3} ms ({:.2}×) | max rel diff {worst:.1e}",
+        gemm_s * 1e3,
+        tflops(gemm_s),
         unfused_s * 1e3,
-        tflops(unfused_s),
+        unfused_s / gemm_s,
         fused_save_s * 1e3,
-        tflops(fused_save_s),
+        fused_save_s / gemm_s,
         fused_s * 1e3,
-        tflops(fused_s),
-        unfused_s / fused_s,
+        fused_s / gemm_s,
     );
     Ok(())
 }
@@ -154,15 +183,27 @@ fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, hea
     let scale = 1.0 / (head_dim as f32).sqrt();
     let dims = AttentionDims { batch, q_seq: seq, kv_seq: seq, heads, head_dim, scale };
     let mut lse = dev.alloc::<f32>(dims.lse_len())?;
+    causal_attention_forward(dev, &q, &k, &v, &dims, &mut out, &mut lse)?;
+    causal_attention_naive(dev, &q, &k, &v, &dims, &mut naive_out)?;
+    let what = format!("flash attention B={batch} T={seq} H={heads} D={head_dim}");
+    let worst = check(&what, &dev.download(&out)?, &dev.download(&naive_out)?, 1e-4);
     let flash_s = best_seconds(dev, || causal_attention_forward(dev, &q, &k, &v, &dims, &mut out, &mut lse))?;
     let naive_s = best_seconds(dev, || causal_attention_naive(dev, &q, &k, &v, &dims, &mut naive_out))?;
-    let (a, b) = (dev.download(&out)?, dev.download(&naive_out)?);
-    let worst = a.iter().zip(&b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    // Forward + backward, what one layer of a training step runs (PyTorch SDPA's 481 µs at B 64,
+    // T 256, 8 heads of 64 on the H100 is the bar; gpu_compare.py measures it beside us).
+    let dout = dev.upload(&values(len, 14, 1.0))?;
+    let (mut dq, mut dk, mut dv) = (dev.alloc::<f32>(len)?, dev.alloc::<f32>(len)?, dev.alloc::<f32>(len)?);
+    let train_s = best_seconds(dev, || {
+        causal_attention_forward(dev, &q, &k, &v, &dims, &mut out, &mut lse)?;
+        causal_attention_backward(dev, &q, &k, &v, &out, &lse, &dout, &dims, &mut dq, &mut dk, &mut dv)
+    })?;
     println!(
-        "attention B={batch} T={seq} H={heads} D={head_dim} | flash {:>8.3} ms | naive {:>8.3} ms | speedup {:.1}× | max diff {worst:.1e}",
+        "attention B={batch} T={seq} H={heads} D={head_dim} | flash {:>8.3} ms | naive {:>8.3} ms | speedup {:.1}× \
+         | flash fwd+bwd {:>8.1} µs | max rel diff {worst:.1e}",
         flash_s * 1e3,
         naive_s * 1e3,
         naive_s / flash_s,
+        train_s * 1e6,
     );
     Ok(())
 }
@@ -182,8 +223,8 @@ fn main() {
         for (d_in, d_out) in [(512, 512), (512, 1376), (768, 768), (768, 2048)] {
             bench_projection(&dev, tokens, d_in, d_out)?;
         }
-        bench_attention(&dev, 64, 256, 8, 64)?;
-        bench_attention(&dev, 32, 256, 12, 64)?;
+        bench_attention(&dev, (tokens / 2048).max(1), 256, 8, 64)?;
+        bench_attention(&dev, (tokens / 4096).max(1), 256, 12, 64)?;
         Ok(())
     };
     if let Err(e) = run() {
