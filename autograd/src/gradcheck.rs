@@ -25,7 +25,9 @@ pub struct GradcheckReport {
     pub leaf: String,
     /// Flat index into that leaf.
     pub index: usize,
+    /// The gradient from the tape.
     pub analytic: f64,
+    /// The gradient from finite differences of the forward.
     pub numeric: f64,
     /// The finite difference's own error estimate (the extrapolation table's spread).
     pub numeric_error: f64,
@@ -42,7 +44,10 @@ pub enum GradcheckFailure {
     /// The function itself returned an error.
     Op(tensor::Error),
     /// A leaf received no gradient although the output depends on it.
-    MissingGradient { leaf: String },
+    MissingGradient {
+        /// The leaf's name (or `input {i}`).
+        leaf: String,
+    },
     /// The worst element is outside the tolerance.
     Mismatch(GradcheckReport),
 }
@@ -89,7 +94,12 @@ pub enum Elements {
     All,
     /// Up to `per_leaf` elements drawn at random (with replacement) from `seed`: for
     /// modules whose parameters are too many to probe one by one.
-    Sample { per_leaf: usize, seed: u64 },
+    Sample {
+        /// How many elements each leaf gets probed at.
+        per_leaf: usize,
+        /// The seed of the draw.
+        seed: u64,
+    },
 }
 
 /// Checks the gradients of `f` at `inputs`, every element of every input, and returns the

@@ -1,7 +1,8 @@
 //! The one comparison: every element of an analytic gradient (or any computed vector)
-//! against its reference, reporting the worst element.
+//! against its reference, reporting the worst element ([`compare`]); [`close`] is the same
+//! bound for computed values, where special values must come out as the reference's.
 
-use crate::Tolerance;
+use crate::{gradient, Dtype, Tolerance};
 
 /// The element furthest from its reference, in tolerances.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -82,6 +83,43 @@ pub fn assert_within(
     compare(what, got, want, tolerance).unwrap_or_else(|mismatch| panic!("{mismatch}"))
 }
 
+/// Whether a computed value matches its reference: `|got − want| ≤ atol + rtol·|want|`,
+/// where equal values match (so an infinite reference needs the same infinity) and NaN
+/// matches NaN (a forward must propagate it). The one comparison of values in the tests;
+/// gradients go through [`compare`], where a NaN never passes.
+pub fn close(got: f64, want: f64, tolerance: Tolerance) -> bool {
+    got == want
+        || (got.is_nan() && want.is_nan())
+        || (want.is_finite() && (got - want).abs() <= tolerance.atol + tolerance.rtol * want.abs())
+}
+
+/// Panics naming the first element of `got` that is not [`close`] to `want` (and when the
+/// lengths differ). Either side may be f32 or f64.
+pub fn assert_close<G, W>(what: &str, got: &[G], want: &[W], tolerance: Tolerance)
+where
+    G: Copy + Into<f64>,
+    W: Copy + Into<f64>,
+{
+    assert_eq!(got.len(), want.len(), "{what}: {} values, want {}", got.len(), want.len());
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let (g, w) = (g.into(), w.into());
+        assert!(
+            close(g, w, tolerance),
+            "{what}: element {i}: got {g}, want {w} (atol {:e}, rtol {:e})",
+            tolerance.atol,
+            tolerance.rtol
+        );
+    }
+}
+
+/// A kernel's analytic gradient against the toolkit's differences of `loss` (an f64
+/// oracle) at `point`, held to the [`Dtype::F64`] gradient tolerance; panics with the worst
+/// element.
+pub fn check_gradient(what: &str, analytic: &[f32], point: &[f64], loss: impl FnMut(&[f64]) -> f64) {
+    let numeric = gradient(point, Dtype::F64, loss);
+    assert_within(what, analytic.iter().map(|&d| f64::from(d)), numeric, Dtype::F64.table().gradient);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,5 +133,14 @@ mod tests {
         assert!(err.to_string().contains("v: element 2"), "{err}");
         assert!(compare("v", [f64::NAN], [1.0], tol).is_err());
         assert!(compare("v", [1.0], [1.0, 2.0], tol).is_err());
+    }
+
+    #[test]
+    fn close_matches_special_values_only_exactly() {
+        let tol = Tolerance::uniform(1e-3);
+        assert!(close(1.0005, 1.0, tol) && !close(1.01, 1.0, tol));
+        assert!(close(f64::NAN, f64::NAN, tol) && !close(f64::NAN, 1.0, tol) && !close(1.0, f64::NAN, tol));
+        assert!(close(f64::INFINITY, f64::INFINITY, tol) && !close(1e300, f64::INFINITY, tol));
+        assert!(!close(f64::NEG_INFINITY, f64::INFINITY, tol) && !close(f64::INFINITY, 1.0, tol));
     }
 }

@@ -1,7 +1,8 @@
 //! The gradient-check toolkit every crate's tests share: one finite-difference helper
 //! ([`derivative`], [`gradient`]), one set of f64 reference functions ([`oracle`]), one
-//! tolerance table per dtype ([`Dtype::table`]) and one comparison ([`compare`]) that names
-//! the worst element.
+//! tolerance table per dtype ([`Dtype::table`]), one comparison of gradients ([`compare`],
+//! [`check_gradient`]) that names the worst element and one of computed values ([`close`],
+//! [`assert_close`]).
 //!
 //! Two kinds of check use it:
 //! - kernel checks (`kernels`' unit tests): the analytic gradient of an f32 kernel against
@@ -17,6 +18,6 @@ mod difference;
 pub mod oracle;
 mod tolerance;
 
-pub use compare::{assert_within, compare, Mismatch, Worst};
+pub use compare::{assert_close, assert_within, check_gradient, close, compare, Mismatch, Worst};
 pub use difference::{derivative, derivative_with_noise, gradient, Estimate};
 pub use tolerance::{Dtype, Table, Tolerance};

@@ -87,7 +87,8 @@ pub fn log_softmax(x: &[f64], cols: usize) -> Vec<f64> {
         .collect()
 }
 
-fn logsumexp(row: &[f64]) -> f64 {
+/// `log Σ e^x` of one row, max-subtracted.
+pub fn logsumexp(row: &[f64]) -> f64 {
     let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln()
 }

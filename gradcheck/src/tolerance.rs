@@ -23,6 +23,12 @@ pub struct Tolerance {
 }
 
 impl Tolerance {
+    /// The same bound absolute and relative, `|got − want| ≤ tol·(1 + |want|)`: absolute near
+    /// 0, relative for large values.
+    pub const fn uniform(tol: f64) -> Tolerance {
+        Tolerance { atol: tol, rtol: tol }
+    }
+
     /// How many tolerances `got` is away from `want`: above 1 fails.
     pub fn ratio(self, got: f64, want: f64) -> f64 {
         let bound = self.atol + self.rtol * want.abs();

@@ -7,7 +7,9 @@ use tensor::Device;
 /// A parameter with its hierarchical name.
 #[derive(Clone, Debug)]
 pub struct NamedParameter {
+    /// The dotted name (`blocks.0.attn.wq.weight`).
     pub name: String,
+    /// The parameter itself.
     pub var: Var,
 }
 

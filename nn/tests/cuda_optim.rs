@@ -6,6 +6,7 @@
 #![cfg(feature = "cuda")]
 
 use autograd::Var;
+use gradcheck::Tolerance;
 use nn::layers::Linear;
 use nn::optim::{clip_grad_norm, Adam, AdamConfig, Optimizer, Sgd};
 use nn::{Module, NamedParameter};
@@ -48,11 +49,8 @@ fn set_gradients(params: &[NamedParameter], step: u64) {
 
 fn assert_close(what: &str, cpu: &Tensor, gpu: &Tensor) {
     assert_eq!(gpu.device(), GPU, "{what} left the GPU");
-    let (a, b) = (cpu.to_vec(), gpu.to_host().unwrap().to_vec());
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert!((x - y).abs() <= ATOL + RTOL * x.abs(), "{what}[{i}]: cpu {x} vs cuda {y}");
-    }
+    let tolerance = Tolerance { atol: f64::from(ATOL), rtol: f64::from(RTOL) };
+    gradcheck::assert_close(what, &gpu.to_host().unwrap().to_vec(), &cpu.to_vec(), tolerance);
 }
 
 /// Runs three steps of the optimizer `make` builds on both devices and compares.

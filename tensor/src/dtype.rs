@@ -4,8 +4,11 @@
 /// storage (checkpoints, memory) and convert through [`crate::Tensor::to_dtype`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// IEEE single precision, the compute type.
     F32,
+    /// bfloat16: f32's exponent range with 8 significand bits.
     BF16,
+    /// IEEE half precision: 11 significand bits, range ±65504.
     F16,
 }
 
@@ -23,6 +26,8 @@ impl DType {
 /// for a device returns [`crate::Error::UnsupportedDevice`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Device {
+    /// Host memory.
     Cpu,
+    /// The GPU with this ordinal.
     Cuda(usize),
 }

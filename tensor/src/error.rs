@@ -5,28 +5,80 @@
 pub enum Error {
     /// Two operands whose shapes do not fit together.
     #[error("{op}: shapes {lhs:?} and {rhs:?} do not match")]
-    ShapeMismatch { op: &'static str, lhs: Vec<usize>, rhs: Vec<usize> },
+    ShapeMismatch {
+        /// The op that failed.
+        op: &'static str,
+        /// The first operand's shape.
+        lhs: Vec<usize>,
+        /// The second operand's shape.
+        rhs: Vec<usize>,
+    },
     /// One operand whose shape the op cannot take.
     #[error("{op}: invalid shape {shape:?}: {reason}")]
-    InvalidShape { op: &'static str, shape: Vec<usize>, reason: String },
+    InvalidShape {
+        /// The op that failed.
+        op: &'static str,
+        /// The shape it was given.
+        shape: Vec<usize>,
+        /// What the op needs instead.
+        reason: String,
+    },
     /// An axis outside `0..rank`.
     #[error("{op}: axis {axis} out of range for a tensor of rank {rank}")]
-    AxisOutOfRange { op: &'static str, axis: usize, rank: usize },
+    AxisOutOfRange {
+        /// The op that failed.
+        op: &'static str,
+        /// The axis asked for.
+        axis: usize,
+        /// The tensor's rank.
+        rank: usize,
+    },
     /// An index (token id, target, position) outside its range.
     #[error("{op}: index {index} out of range for size {size}")]
-    IndexOutOfRange { op: &'static str, index: usize, size: usize },
+    IndexOutOfRange {
+        /// The op that failed.
+        op: &'static str,
+        /// The index given.
+        index: usize,
+        /// How many there are (valid indices are `0..size`).
+        size: usize,
+    },
     /// The op computes in f32 only; convert with `to_dtype` first.
     #[error("{op}: needs dtype {expected:?}, got {got:?}")]
-    DTypeMismatch { op: &'static str, expected: crate::DType, got: crate::DType },
+    DTypeMismatch {
+        /// The op that failed.
+        op: &'static str,
+        /// The dtype the op computes in.
+        expected: crate::DType,
+        /// The operand's dtype.
+        got: crate::DType,
+    },
     /// The op has no implementation on this device (yet).
     #[error("{op}: not available on device {device:?}")]
-    UnsupportedDevice { op: &'static str, device: crate::Device },
+    UnsupportedDevice {
+        /// The op that failed.
+        op: &'static str,
+        /// The operand's device.
+        device: crate::Device,
+    },
     /// Operands on different devices (move one with `to_device` first).
     #[error("{op}: operands on different devices ({lhs:?} and {rhs:?})")]
-    DeviceMismatch { op: &'static str, lhs: crate::Device, rhs: crate::Device },
+    DeviceMismatch {
+        /// The op that failed.
+        op: &'static str,
+        /// The first operand's device.
+        lhs: crate::Device,
+        /// The second operand's device.
+        rhs: crate::Device,
+    },
     /// The CUDA backend failed (no GPU, driver or library error, out of memory).
     #[error("{op} on the GPU: {message}")]
-    Cuda { op: &'static str, message: String },
+    Cuda {
+        /// The op that failed.
+        op: &'static str,
+        /// The backend's message.
+        message: String,
+    },
 }
 
 /// Result of a tensor operation.

@@ -5,8 +5,11 @@ use half::{bf16, f16};
 /// A tensor's elements. Shared between views through an `Arc`.
 #[derive(Debug)]
 pub enum Storage {
+    /// f32 elements in host memory.
     F32(Vec<f32>),
+    /// bf16 elements in host memory.
     BF16(Vec<bf16>),
+    /// f16 elements in host memory.
     F16(Vec<f16>),
     /// A buffer on a GPU (feature `cuda`).
     #[cfg(feature = "cuda")]

@@ -15,6 +15,7 @@
 
 use std::ops::RangeInclusive;
 
+use ::gradcheck::Tolerance;
 use autograd::{gradcheck, GradcheckReport, Var};
 use proptest::prelude::*;
 use tensor::{Result, Tensor};
@@ -166,7 +167,12 @@ pub enum Domain {
     /// Rows of `cols` values, each a shuffled lattice `spacing` apart centred on 0 with
     /// jitter below `spacing/8`: every row of ≥ 2 values has a variance bounded away from
     /// 0 and small magnitudes (LayerNorm inputs).
-    DistinctRows { cols: usize, spacing: f32 },
+    DistinctRows {
+        /// Values per row.
+        cols: usize,
+        /// Distance between neighbouring lattice points.
+        spacing: f32,
+    },
 }
 
 impl Domain {
@@ -327,19 +333,13 @@ pub fn assert_gradcheck(f: impl Fn(&[Var]) -> Result<Var>, inputs: &[Tensor]) ->
     }
 }
 
-/// Asserts `got` matches `expected` elementwise within `atol + rtol·|expected|`, naming
-/// the first bad index. Lengths must agree.
+/// Asserts `got` matches `expected` elementwise within `atol + rtol·|expected|`
+/// ([`close`](::gradcheck::close)), naming the first bad index. Lengths must agree. A reference
+/// beyond f32's range stands for the infinity f32 rounds it to, which `got` must then be.
 pub fn assert_close(what: &str, got: &[f32], expected: &[f64], rtol: f64, atol: f64) {
-    assert_eq!(got.len(), expected.len(), "{what}: {} values, expected {}", got.len(), expected.len());
-    for (i, (&g, &e)) in got.iter().zip(expected).enumerate() {
-        let ok = if (e as f32).is_infinite() || e.is_nan() {
-            // Overflow must give the same infinity (and NaN must stay NaN), not a finite value.
-            g.to_bits() == (e as f32).to_bits() || (g.is_nan() && e.is_nan())
-        } else {
-            (g as f64 - e).abs() <= atol + rtol * e.abs()
-        };
-        assert!(ok, "{what}: element {i}: got {g}, expected {e} (rtol {rtol}, atol {atol})");
-    }
+    let expected: Vec<f64> =
+        expected.iter().map(|&e| if (e as f32).is_infinite() { f64::from(e as f32) } else { e }).collect();
+    ::gradcheck::assert_close(what, got, &expected, Tolerance { atol, rtol });
 }
 
 /// [`assert_close`] for two f32 slices.

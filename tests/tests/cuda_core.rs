@@ -9,6 +9,7 @@
 use std::sync::{Mutex, MutexGuard};
 
 use autograd::Var;
+use gradcheck::Tolerance;
 use tensor::cuda::{matmul_precision, set_matmul_precision, MatmulPrecision};
 use tensor::ops::{Binary, Unary};
 use tensor::{DType, Device, Error, Rng, Tensor};
@@ -23,14 +24,13 @@ fn rand(shape: &[usize], low: f32, high: f32, seed: u64) -> Tensor {
     Tensor::rand_uniform(shape, low, high, &mut Rng::new(seed))
 }
 
-/// `got` (on the GPU) is within `abs + rel·|want|` of `want` (on the CPU) everywhere.
+/// `got` (on the GPU) is within `abs + rel·|want|` of `want` (on the CPU) everywhere (the
+/// toolkit's [`close`](gradcheck::close)).
 fn assert_close(got: &Tensor, want: &Tensor, rel: f32, abs: f32, what: &str) {
     assert_eq!(got.device(), GPU, "{what}: result left the GPU");
     assert_eq!(got.shape(), want.shape(), "{what}: shape");
-    let (got, want) = (got.to_host().unwrap().to_vec(), want.to_vec());
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert!((g - w).abs() <= abs + rel * w.abs(), "{what}: element {i}: GPU {g}, CPU {w}");
-    }
+    let tolerance = Tolerance { atol: f64::from(abs), rtol: f64::from(rel) };
+    gradcheck::assert_close(what, &got.to_host().unwrap().to_vec(), &want.to_vec(), tolerance);
 }
 
 fn assert_f32_close(got: &Tensor, want: &Tensor, what: &str) {

@@ -9,6 +9,7 @@
 #![cfg(feature = "cuda")]
 
 use autograd::Var;
+use gradcheck::Tolerance;
 use tensor::ops::Unary;
 use tensor::{DType, Device, Error, Rng, Tensor};
 use transponder_tests::{gpu, no_gpu, GPU};
@@ -23,11 +24,10 @@ fn assert_close(what: &str, got: &Tensor, want: &Tensor, rel: f32) {
     assert_eq!(got.device(), GPU, "{what}: the result left the GPU");
     assert_eq!(got.shape(), want.shape(), "{what}: shapes differ");
     let (got, want) = (got.to_host().unwrap().to_vec(), want.to_vec());
+    // `rel·(|want| + scale)`, scale the largest |want|, in the toolkit's comparison.
     let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
-        let err = (g - w).abs();
-        assert!(err <= rel * (w.abs() + scale), "{what}[{i}]: gpu {g} vs cpu {w} (error {err}, scale {scale})");
-    }
+    let tolerance = Tolerance { atol: f64::from(rel * scale), rtol: f64::from(rel) };
+    gradcheck::assert_close(what, &got, &want, tolerance);
 }
 
 /// Leaves on the CPU and their copies on the GPU: `(cpu, gpu)`.

@@ -4,15 +4,29 @@
 //! one product (`P` = N·OH·OW), and one product per image spread over the threads as the
 //! convolution does it. The peak is the better of the two; the ratios are conv GFLOP/s over it.
 //! Backward counts dx and dw (two products the size of the forward one; dbias is negligible).
-//! Each shape is first checked against `conv2d_reference` on one image.
+//!
+//! Before a line is printed its results are checked against the naive references (the naive
+//! convolution of the whole batch would take longer than the bench): the products' first
+//! rows against `matmul_reference`; the timed forward's and backward's first image (`y`, `dx`)
+//! against `conv2d_reference` and `conv2d_backward_reference`, and `dw`, `dbias` of a
+//! one-image backward against the latter. A disagreement ends the run with exit status 1 and
+//! the worst element.
 //!
 //! Run: `cargo run --release -p kernels --bin conv-bench` (about 10 s on two cores).
 
+mod validate;
+
 use std::time::Instant;
 
-use kernels::cpu::conv::{conv2d_backward, conv2d_forward, conv2d_reference, Conv2dGeometry};
+use kernels::cpu::conv::{
+    conv2d_backward, conv2d_backward_reference, conv2d_forward, conv2d_reference, Conv2dGeometry,
+};
 use kernels::cpu::matmul::{matmul, MatRef, Store};
 use rayon::prelude::*;
+use validate::{products, validate, validate_product};
+
+/// Rows of each matmul result checked against `matmul_reference`.
+const CHECKED_ROWS: usize = 4;
 
 /// Timed repetitions per measurement; the best one is reported.
 const REPEATS: usize = 3;
@@ -70,20 +84,15 @@ fn main() {
         let dy = filled(batch * o * positions, 4);
         let flops = 2.0 * (o * batch * positions * depth) as f64;
 
-        let one = Conv2dGeometry { batch: 1, ..g };
-        let mut y_one = vec![0.0; o * positions];
-        conv2d_forward(&one, &x[..c * size * size], &w, Some(&bias), &mut y_one);
-        let want = conv2d_reference(&one, &x[..c * size * size], &w, Some(&bias));
-        let error = y_one.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-        assert!(error < 1e-3, "conv2d_forward disagrees with conv2d_reference by {error}");
-
         // The per-image products share one column matrix, so they run cache-warm.
         let (m, n) = (o, batch * positions);
         let col = filled(depth * n, 5);
         let mut out = vec![0.0; m * n];
         let lhs = MatRef { data: &w, offset: 0, row_stride: depth as isize, col_stride: 1 };
         let rhs = MatRef { data: &col, offset: 0, row_stride: n as isize, col_stride: 1 };
+        let name = format!("{c}→{o} {size}×{size} {k}×{k} s{stride} p{padding}");
         let mm_batch = flops / best_seconds(|| matmul(&mut out, 0, lhs, rhs, m, n, depth, Store::Overwrite));
+        validate_product(&format!("{name}: mm batch"), &out, &w, &col, depth, n, CHECKED_ROWS);
         let rhs = MatRef { data: &col, offset: 0, row_stride: positions as isize, col_stride: 1 };
         let mm_image = flops
             / best_seconds(|| {
@@ -91,16 +100,30 @@ fn main() {
                     matmul(out_n, 0, lhs, rhs, m, positions, depth, Store::Overwrite);
                 })
             });
+        // Every image's product reads the same columns: check the first and the last.
+        let (first, last) = (&out[..m * positions], &out[(batch - 1) * m * positions..]);
+        validate_product(&format!("{name}: mm image 0"), first, &w, &col, depth, positions, CHECKED_ROWS);
+        validate_product(&format!("{name}: mm image {}", batch - 1), last, &w, &col, depth, positions, CHECKED_ROWS);
         let mm = mm_batch.max(mm_image);
         drop((col, out));
 
+        // The first image: its input, output and output gradient.
+        let one = Conv2dGeometry { batch: 1, ..g };
+        let (x_one, dy_one) = (&x[..c * size * size], &dy[..o * positions]);
+        let tolerance = products(depth);
         let mut y = vec![0.0; batch * o * positions];
         let fwd = flops / best_seconds(|| conv2d_forward(&g, &x, &w, Some(&bias), &mut y));
+        let want_y = conv2d_reference(&one, x_one, &w, Some(&bias));
+        validate(&format!("{name}: forward"), &y[..o * positions], &want_y, tolerance);
         let (mut dx, mut dw, mut db) = (vec![0.0; x.len()], vec![0.0; w.len()], vec![0.0; o]);
         let bwd = 2.0 * flops
             / best_seconds(|| conv2d_backward(&g, &x, &w, &dy, Some(&mut dx), Some(&mut dw), Some(&mut db)));
+        let (want_dx, want_dw, want_db) = conv2d_backward_reference(&one, x_one, &w, dy_one);
+        validate(&format!("{name}: backward dx"), &dx[..c * size * size], &want_dx, products(o * k * k));
+        conv2d_backward(&one, x_one, &w, dy_one, None, Some(&mut dw), Some(&mut db));
+        validate(&format!("{name}: backward dw"), &dw, &want_dw, products(positions));
+        validate(&format!("{name}: backward dbias"), &db, &want_db, products(positions));
 
-        let name = format!("{c}→{o} {size}×{size} {k}×{k} s{stride} p{padding}");
         let shape = format!("{m}×{n}×{depth}");
         let giga = 1e-9;
         println!(

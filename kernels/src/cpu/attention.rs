@@ -28,8 +28,8 @@ use super::matmul::Store;
 use super::parallel;
 use super::reduce::{dot, slice_max};
 use super::scratch::with_scratch;
+use super::simd::{exp8, load, store, LANES};
 use super::tile_gemm::{tile_gemm, TileA, TileB};
-use super::unary::{exp8, load, store, LANES};
 
 /// Queries per tile: the rows of one score block.
 const Q_TILE: usize = 32;
@@ -139,6 +139,54 @@ pub fn causal_attention_reference(q: &[f32], k: &[f32], v: &[f32], dims: &Attent
         }
     }
     out
+}
+
+/// Naive reference of [`causal_attention_backward`] (materialises each query's probabilities
+/// and recomputes the output it needs) for tests and the bench: `(dq, dk, dv)`.
+pub fn causal_attention_backward_reference(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dout: &[f32],
+    dims: &AttentionDims,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    dims.assert_fits("causal_attention_backward_reference", q, k, v);
+    assert_eq!(dout.len(), q.len(), "causal_attention_backward_reference: dout has the wrong length");
+    let AttentionDims { batch, q_seq, kv_seq, heads, head_dim, scale } = *dims;
+    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+    let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+    let (mut probs, mut dprobs) = (vec![0.0; kv_seq], vec![0.0; kv_seq]);
+    for b in 0..batch {
+        for h in 0..heads {
+            for i in 0..q_seq {
+                let keys = i + dims.offset() + 1;
+                let at = dims.q_at(b, i, h);
+                let (qi, doi) = (&q[at..][..head_dim], &dout[at..][..head_dim]);
+                for s in 0..keys {
+                    let kv = dims.kv_at(b, s, h);
+                    probs[s] = scale * dot(qi, &k[kv..][..head_dim]);
+                    // dP_s = dO_i · v_s.
+                    dprobs[s] = dot(doi, &v[kv..][..head_dim]);
+                }
+                let max = probs[..keys].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                probs[..keys].iter_mut().for_each(|p| *p = (*p - max).exp());
+                let total: f32 = probs[..keys].iter().sum();
+                probs[..keys].iter_mut().for_each(|p| *p /= total);
+                // δ = Σ_s P_s·dP_s = dO_i · O_i.
+                let delta = dot(&probs[..keys], &dprobs[..keys]);
+                for s in 0..keys {
+                    let kv = dims.kv_at(b, s, h);
+                    let ds = probs[s] * (dprobs[s] - delta) * scale;
+                    for d in 0..head_dim {
+                        dv[kv + d] += probs[s] * doi[d];
+                        dq[at + d] += ds * k[kv + d];
+                        dk[kv + d] += ds * qi[d];
+                    }
+                }
+            }
+        }
+    }
+    (dq, dk, dv)
 }
 
 /// Sizes of one causal attention call, shared by the CPU and CUDA kernels (`cuda::attention`
@@ -608,7 +656,7 @@ fn transposed(data: &[f32], cols: usize) -> TileA<'_> {
 mod tests {
     use super::*;
     use gradcheck::oracle::{self, AttentionShape};
-    use gradcheck::{assert_within, gradient, Dtype};
+    use gradcheck::{assert_close, assert_within, gradient, Dtype, Tolerance};
 
     fn values(len: usize, seed: usize) -> Vec<f32> {
         (0..len).map(|i| (((i * 37 + seed * 101) % 61) as f32 / 61.0 - 0.5) * 2.0).collect()
@@ -733,6 +781,11 @@ mod tests {
             assert_within(&format!("dk of {c:?}"), oracle::widen(&dk), numeric, tol);
             let numeric = gradient(&v64, Dtype::F64, |v| c.loss_f64(&q64, &k64, v, &probe64));
             assert_within(&format!("dv of {c:?}"), oracle::widen(&dv), numeric, tol);
+            // The naive backward the bench checks against agrees.
+            let (want_dq, want_dk, want_dv) = causal_attention_backward_reference(&q, &k, &v, &probe, &c.dims());
+            assert_close("reference dq", &want_dq, &dq, Tolerance::uniform(1e-5));
+            assert_close("reference dk", &want_dk, &dk, Tolerance::uniform(1e-5));
+            assert_close("reference dv", &want_dv, &dv, Tolerance::uniform(1e-5));
         }
     }
 
@@ -766,8 +819,10 @@ mod tests {
         let half_lse = lse.len() / 2;
         let (dq1, dk1, dv1) =
             grads(&q[half_q..], &k[half_k..], &v[half_k..], &out[half_q..], &lse[half_lse..], &dout[half_q..], 1);
-        let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-5);
-        assert!(close(&dq[half_q..], &dq1) && close(&dk[half_k..], &dk1) && close(&dv[half_k..], &dv1));
+        let tol = Tolerance { atol: 1e-5, rtol: 0.0 };
+        assert_close("dq", &dq[half_q..], &dq1, tol);
+        assert_close("dk", &dk[half_k..], &dk1, tol);
+        assert_close("dv", &dv[half_k..], &dv1, tol);
         assert!(dq.iter().chain(&dk).chain(&dv).all(|g| g.is_finite()));
     }
 }

@@ -222,7 +222,7 @@ fn scale_and_shift(x: &[f32], channels: usize, spatial: usize, scale: &[f32], sh
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gradcheck::{assert_within, gradient, Dtype};
+    use gradcheck::{assert_close, check_gradient, oracle, Tolerance};
     use proptest::prelude::*;
 
     /// One random problem: `x` and `dy` are `[n, c, s]`, the rest `[c]`.
@@ -285,25 +285,6 @@ mod tests {
         x.iter().enumerate().map(normalise).collect()
     }
 
-    fn widen(v: &[f32]) -> Vec<f64> {
-        v.iter().map(|&a| f64::from(a)).collect()
-    }
-
-    fn close(got: &[f32], want: &[f64], tol: f64) {
-        assert_eq!(got.len(), want.len());
-        let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-            assert!((f64::from(g) - w).abs() <= tol * scale, "index {i}: got {g}, want {w}");
-        }
-    }
-
-    /// A gradient against the toolkit's differences of `loss`.
-    fn check_gradient(what: &str, grad: &[f32], param: &[f64], loss: impl FnMut(&[f64]) -> f64) {
-        let numeric = gradient(param, Dtype::F64, loss);
-        let analytic = grad.iter().map(|&d| f64::from(d));
-        assert_within(what, analytic, numeric, Dtype::F64.table().gradient);
-    }
-
     /// Runs the training forward pass; returns (y, mean, rstd) and updates the running stats.
     fn train_forward(case: &mut Case, affine: bool, eps: f32, momentum: f32) -> [Vec<f32>; 3] {
         let (n, c, s) = case.dims;
@@ -319,7 +300,7 @@ mod tests {
     fn affine_params(case: &Case, affine: bool) -> (Vec<f64>, Vec<f64>) {
         let c = case.dims.1;
         if affine {
-            (widen(&case.weight), widen(&case.bias))
+            (oracle::widen(&case.weight), oracle::widen(&case.bias))
         } else {
             (vec![1.0; c], vec![0.0; c])
         }
@@ -336,7 +317,7 @@ mod tests {
         let (x, dy) = (&case.x, &case.dy);
         batch_norm_train_backward(x, n, c, s, weight, &mean, &rstd, dy, &mut dx, Some(&mut dw), Some(&mut db));
 
-        let (x64, dy64) = (widen(x), widen(dy));
+        let (x64, dy64) = (oracle::widen(x), oracle::widen(dy));
         let (w64, b64) = affine_params(&case, affine);
         let loss = |x: &[f64], w: &[f64], b: &[f64]| -> f64 {
             let y = train_reference(x, case.dims, w, b, f64::from(eps));
@@ -363,14 +344,19 @@ mod tests {
         };
         let [y, ..] = train_forward(&mut case.clone(), true, 1e-5, 0.1);
         let (w64, b64) = affine_params(&case, true);
-        close(&y, &train_reference(&widen(&case.x), case.dims, &w64, &b64, 1e-5), 1e-5);
+        assert_close(
+            "y",
+            &y,
+            &train_reference(&oracle::widen(&case.x), case.dims, &w64, &b64, 1e-5),
+            Tolerance::uniform(1e-5),
+        );
         // Closed form, checked by finite differences on small sizes below.
         let eps = 1e-2;
         let [_, mean, rstd] = train_forward(&mut case, true, eps, 0.1);
         let mut dx = vec![0.0; n * c * s];
         let weight = Some(&case.weight[..]);
         batch_norm_train_backward(&case.x, n, c, s, weight, &mean, &rstd, &case.dy, &mut dx, None, None);
-        let (x64, dy64) = (widen(&case.x), widen(&case.dy));
+        let (x64, dy64) = (oracle::widen(&case.x), oracle::widen(&case.dy));
         let stats = stats(&x64, case.dims);
         let count = (n * s) as f64;
         let mut sums = vec![(0.0, 0.0); c];
@@ -387,7 +373,7 @@ mod tests {
                 w64[ch] * r / count * (count * dy64[i] - sums[ch].0 - xhat * sums[ch].1)
             })
             .collect();
-        close(&dx, &want, 1e-4);
+        assert_close("dx", &dx, &want, Tolerance::uniform(1e-4));
     }
 
     proptest! {
@@ -403,8 +389,8 @@ mod tests {
             let mut updated = case.clone();
             let [y, mean, rstd] = train_forward(&mut updated, affine, eps, momentum);
             let (w64, b64) = affine_params(&case, affine);
-            let x64 = widen(&case.x);
-            close(&y, &train_reference(&x64, case.dims, &w64, &b64, f64::from(eps)), 1e-4);
+            let x64 = oracle::widen(&case.x);
+            assert_close("y", &y, &train_reference(&x64, case.dims, &w64, &b64, f64::from(eps)), Tolerance::uniform(1e-4));
 
             let stats = stats(&x64, case.dims);
             let count = (case.dims.0 * case.dims.2) as f64;
@@ -416,10 +402,10 @@ mod tests {
                 .map(|(&old, &(_, var))| blend(old, var * count / (count - 1.0))).collect();
             let means: Vec<f64> = stats.iter().map(|st| st.0).collect();
             let rstds: Vec<f64> = stats.iter().map(|st| 1.0 / (st.1 + f64::from(eps)).sqrt()).collect();
-            close(&mean, &means, 1e-5);
-            close(&rstd, &rstds, 1e-4);
-            close(&updated.running_mean, &want_running_mean, 1e-5);
-            close(&updated.running_var, &want_running_var, 1e-5);
+            assert_close("mean", &mean, &means, Tolerance::uniform(1e-5));
+            assert_close("rstd", &rstd, &rstds, Tolerance::uniform(1e-4));
+            assert_close("running_mean", &updated.running_mean, &want_running_mean, Tolerance::uniform(1e-5));
+            assert_close("running_var", &updated.running_var, &want_running_var, Tolerance::uniform(1e-5));
         }
 
         #[test]
@@ -437,7 +423,7 @@ mod tests {
                 let std = (f64::from(rv[ch]) + f64::from(eps)).sqrt();
                 (f64::from(v) - f64::from(rm[ch])) / std * w64[ch] + b64[ch]
             }).collect();
-            close(&y, &want, 1e-5);
+            assert_close("y", &y, &want, Tolerance::uniform(1e-5));
         }
 
         #[test]

@@ -18,16 +18,22 @@
 use wide::{f32x8, CmpEq};
 
 use super::parallel;
-use super::unary::{load, store, LANES};
+use super::simd::{load, store, LANES};
 
 /// An elementwise binary operator.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Binary {
+    /// `a + b`.
     Add,
+    /// `a − b`.
     Sub,
+    /// `a · b`.
     Mul,
+    /// `a / b`.
     Div,
+    /// `max(a, b)`.
     Maximum,
+    /// `min(a, b)`.
     Minimum,
 }
 

@@ -364,43 +364,76 @@ pub fn conv2d_reference(g: &Conv2dGeometry, x: &[f32], w: &[f32], bias: Option<&
     y.into_iter().map(|v| v as f32).collect()
 }
 
+/// Naive `(dx, dw, dbias)` of [`conv2d_backward`] for the bench and the tests, summed in f64
+/// from the definition: every term `x[i]·w[j]` of `y[t]` sends `dy[t]·w[j]` to `dx[i]` and
+/// `dy[t]·x[i]` to `dw[j]`; `dbias[o]` sums channel `o` of `dy`.
+pub fn conv2d_backward_reference(
+    g: &Conv2dGeometry,
+    x: &[f32],
+    w: &[f32],
+    dy: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    g.check_lengths(x, w, "conv2d_backward_reference");
+    let positions = g.out_height() * g.out_width();
+    assert_eq!(dy.len(), g.batch * g.out_channels * positions, "conv2d_backward_reference: dy has the wrong length");
+    let (mut dx, mut dw, mut dbias) = (vec![0.0f64; x.len()], vec![0.0f64; w.len()], vec![0.0f64; g.out_channels]);
+    for (t, &d) in dy.iter().enumerate() {
+        dbias[t / positions % g.out_channels] += f64::from(d);
+    }
+    for_each_term(g, |t, i, j| {
+        let d = f64::from(dy[t]);
+        dx[i] += d * f64::from(w[j]);
+        dw[j] += d * f64::from(x[i]);
+    });
+    let narrow = |v: Vec<f64>| v.into_iter().map(|a| a as f32).collect();
+    (narrow(dx), narrow(dw), narrow(dbias))
+}
+
 /// The definition, summed in f64: `y[n,o,oh,ow] = bias[o] + Σ_{c,kh,kw} x[n,c,ih,iw]·w[o,c,kh,kw]`
 /// with `ih = oh·s + kh − p`, `iw = ow·s + kw − p`.
 fn direct_f64(g: &Conv2dGeometry, x: &[f64], w: &[f64], bias: Option<&[f64]>) -> Vec<f64> {
+    let positions = g.out_height() * g.out_width();
+    let mut y: Vec<f64> = (0..g.batch * g.out_channels * positions)
+        .map(|t| bias.map_or(0.0, |b| b[t / positions % g.out_channels]))
+        .collect();
+    for_each_term(g, |t, i, j| y[t] += x[i] * w[j]);
+    y
+}
+
+/// Calls `term(t, i, j)` for every product `x[i]·w[j]` of the sum that is `y[t]`, outputs in
+/// row-major order and each output's terms in `(c, kh, kw)` order; taps in the padding have
+/// no term.
+fn for_each_term(g: &Conv2dGeometry, mut term: impl FnMut(usize, usize, usize)) {
     let (out_h, out_w) = (g.out_height(), g.out_width());
-    let mut y = vec![0.0; g.batch * g.out_channels * out_h * out_w];
-    let mut at = 0;
+    let mut t = 0;
     for n in 0..g.batch {
         for o in 0..g.out_channels {
             for oh in 0..out_h {
                 for ow in 0..out_w {
-                    let mut acc = bias.map_or(0.0, |b| b[o]);
                     for c in 0..g.in_channels {
                         for kh in 0..g.kernel_h {
                             for kw in 0..g.kernel_w {
                                 let ih = (oh * g.stride + kh).wrapping_sub(g.padding);
                                 let iw = (ow * g.stride + kw).wrapping_sub(g.padding);
                                 if ih < g.height && iw < g.width {
-                                    let xi = ((n * g.in_channels + c) * g.height + ih) * g.width;
-                                    let wi = ((o * g.in_channels + c) * g.kernel_h + kh) * g.kernel_w + kw;
-                                    acc += x[xi + iw] * w[wi];
+                                    let i = ((n * g.in_channels + c) * g.height + ih) * g.width + iw;
+                                    let j = ((o * g.in_channels + c) * g.kernel_h + kh) * g.kernel_w + kw;
+                                    term(t, i, j);
                                 }
                             }
                         }
                     }
-                    y[at] = acc;
-                    at += 1;
+                    t += 1;
                 }
             }
         }
     }
-    y
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gradcheck::{assert_within, gradient, Dtype};
+    use gradcheck::{assert_close, check_gradient, oracle, Tolerance};
     use proptest::prelude::*;
 
     /// Small geometries, always with at least one output position.
@@ -432,30 +465,6 @@ mod tests {
 
     fn values(len: usize) -> impl Strategy<Value = Vec<f32>> {
         prop::collection::vec(-2.0f32..2.0, len)
-    }
-
-    fn close(got: &[f32], want: &[f64], tol: f64) {
-        assert_eq!(got.len(), want.len());
-        let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-            assert!((f64::from(g) - w).abs() <= tol * scale, "index {i}: got {g}, want {w}");
-        }
-    }
-
-    /// A gradient against the toolkit's differences of `loss` (`L = Σ r·direct_f64(x, w,
-    /// bias)`) with respect to `param`.
-    fn check_gradient(what: &str, grad: &[f32], param: &[f32], loss: impl FnMut(&[f64]) -> f64) {
-        let numeric = gradient(&widen(param), Dtype::F64, loss);
-        let analytic = grad.iter().map(|&d| f64::from(d));
-        assert_within(what, analytic, numeric, Dtype::F64.table().gradient);
-    }
-
-    fn widen(v: &[f32]) -> Vec<f64> {
-        v.iter().map(|&a| f64::from(a)).collect()
-    }
-
-    fn dot(a: &[f64], b: &[f64]) -> f64 {
-        a.iter().zip(b).map(|(x, y)| x * y).sum()
     }
 
     #[test]
@@ -504,23 +513,33 @@ mod tests {
             let (bias, dy) = (wave(o, 1.7), wave(g.batch * o * g.positions(), 0.23));
             let mut y = vec![f32::NAN; dy.len()];
             conv2d_forward(&g, &x, &w, Some(&bias), &mut y);
-            let expected = direct_f64(&g, &widen(&x), &widen(&w), Some(&widen(&bias)));
-            close(&y, &expected, 1e-5);
+            let expected = direct_f64(&g, &oracle::widen(&x), &oracle::widen(&w), Some(&oracle::widen(&bias)));
+            assert_close("y", &y, &expected, Tolerance::uniform(1e-5));
 
             let (mut dx, mut dw, mut dbias) = (vec![f32::NAN; x.len()], vec![f32::NAN; w.len()], vec![f32::NAN; o]);
             conv2d_backward(&g, &x, &w, &dy, Some(&mut dx), Some(&mut dw), Some(&mut dbias));
-            let (x64, w64, dy64) = (widen(&x), widen(&w), widen(&dy));
+            let (x64, w64, dy64) = (oracle::widen(&x), oracle::widen(&w), oracle::widen(&dy));
             for probe in 1..=3 {
-                let v = widen(&wave(x.len(), 0.5 + probe as f32));
-                let u = widen(&wave(w.len(), 0.2 + probe as f32));
-                let want_dx = dot(&dy64, &direct_f64(&g, &v, &w64, None));
-                let want_dw = dot(&dy64, &direct_f64(&g, &x64, &u, None));
-                close(&[dot(&widen(&dx), &v) as f32], &[want_dx], 1e-5);
-                close(&[dot(&widen(&dw), &u) as f32], &[want_dw], 1e-5);
+                let v = oracle::widen(&wave(x.len(), 0.5 + probe as f32));
+                let u = oracle::widen(&wave(w.len(), 0.2 + probe as f32));
+                let want_dx = oracle::dot(&dy64, &direct_f64(&g, &v, &w64, None));
+                let want_dw = oracle::dot(&dy64, &direct_f64(&g, &x64, &u, None));
+                assert_close(
+                    "dx·probe",
+                    &[oracle::dot(&oracle::widen(&dx), &v) as f32],
+                    &[want_dx],
+                    Tolerance::uniform(1e-5),
+                );
+                assert_close(
+                    "dw·probe",
+                    &[oracle::dot(&oracle::widen(&dw), &u) as f32],
+                    &[want_dw],
+                    Tolerance::uniform(1e-5),
+                );
             }
             let want_dbias: Vec<f64> =
                 (0..o).map(|ch| dy64.chunks(g.positions()).skip(ch).step_by(o).flatten().sum()).collect();
-            close(&dbias, &want_dbias, 1e-5);
+            assert_close("dbias", &dbias, &want_dbias, Tolerance::uniform(1e-5));
         }
     }
 
@@ -537,10 +556,10 @@ mod tests {
             let bias = with_bias.then_some(&bias[..]);
             let mut y = vec![f32::NAN; g.batch * g.out_channels * g.positions()];
             conv2d_forward(&g, &x, &w, bias, &mut y);
-            let expected = direct_f64(&g, &widen(&x), &widen(&w), bias.map(widen).as_deref());
-            close(&y, &expected, 1e-5);
+            let expected = direct_f64(&g, &oracle::widen(&x), &oracle::widen(&w), bias.map(oracle::widen).as_deref());
+            assert_close("y", &y, &expected, Tolerance::uniform(1e-5));
             let reference = conv2d_reference(&g, &x, &w, bias);
-            close(&reference, &expected, 1e-6);
+            assert_close("reference", &reference, &expected, Tolerance::uniform(1e-6));
         }
 
         #[test]
@@ -556,10 +575,15 @@ mod tests {
             let mut dw = vec![f32::NAN; w.len()];
             let mut dbias = vec![f32::NAN; bias.len()];
             conv2d_backward(&g, &x, &w, &r, Some(&mut dx), Some(&mut dw), Some(&mut dbias));
-            let (r64, x64, w64, b64) = (widen(&r), widen(&x), widen(&w), widen(&bias));
-            check_gradient("conv dx", &dx, &x, |p| dot(&r64, &direct_f64(&g, p, &w64, Some(&b64))));
-            check_gradient("conv dw", &dw, &w, |p| dot(&r64, &direct_f64(&g, &x64, p, Some(&b64))));
-            check_gradient("conv dbias", &dbias, &bias, |p| dot(&r64, &direct_f64(&g, &x64, &w64, Some(p))));
+            let (r64, x64, w64, b64) = (oracle::widen(&r), oracle::widen(&x), oracle::widen(&w), oracle::widen(&bias));
+            check_gradient("conv dx", &dx, &x64, |p| oracle::dot(&r64, &direct_f64(&g, p, &w64, Some(&b64))));
+            check_gradient("conv dw", &dw, &w64, |p| oracle::dot(&r64, &direct_f64(&g, &x64, p, Some(&b64))));
+            check_gradient("conv dbias", &dbias, &b64, |p| oracle::dot(&r64, &direct_f64(&g, &x64, &w64, Some(p))));
+            // The naive backward the bench checks against agrees.
+            let (want_dx, want_dw, want_dbias) = conv2d_backward_reference(&g, &x, &w, &r);
+            assert_close("reference dx", &want_dx, &dx, Tolerance::uniform(1e-5));
+            assert_close("reference dw", &want_dw, &dw, Tolerance::uniform(1e-5));
+            assert_close("reference dbias", &want_dbias, &dbias, Tolerance::uniform(1e-5));
 
             // Each gradient alone gives the same result as all three together.
             let mut dw_alone = vec![f32::NAN; w.len()];

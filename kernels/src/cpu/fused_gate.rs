@@ -26,8 +26,9 @@ use rayon::prelude::*;
 use super::gate_rows::{gate_row_backward, gate_row_forward};
 use super::matmul::{matmul, matmul_serial, MatRef, Store};
 use super::scratch::with_scratch;
+use super::simd::LANES;
 use super::tile_gemm::{tile_gemm, TileA, TileB};
-use super::unary::{unary_backward, unary_forward, unary_reference, Unary, LANES};
+use super::unary::{unary_backward, unary_forward, unary_reference, Unary};
 
 /// Sizes of one fused projection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -10,7 +10,7 @@
 
 use wide::f32x8;
 
-use super::unary::{load, sigmoid8, store, LANES};
+use super::simd::{load, sigmoid8, store, LANES};
 
 /// `y = σ(α·(l + b)) · scale · z` for one row, with `scale = 2γ_s` (the calibrated
 /// sigmoid's factor 2 times the row's scalar gate).
@@ -199,6 +199,7 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gradcheck::{assert_close, close, Tolerance};
 
     /// A row of `d_out` lanes padded to `d_pad`: (logits, bias, dy, z), logits and bias zero
     /// in the padding, as the fused projection builds them.
@@ -245,17 +246,18 @@ mod tests {
             let (l, b, dy, z) = row(d_out, 0.37);
             let (alpha, gate_s) = (1.3, 0.8);
             let (want_y, want_dz, want_dl, want_dgate_s, want_dalpha) = reference(&l, &b, alpha, gate_s, &dy, &z);
-            let close = |a: f32, b: f64| (a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs());
+            let tol = Tolerance::uniform(1e-5);
             let mut y = vec![f32::NAN; d_out];
             gate_row_forward(&l, &b, alpha, 2.0 * gate_s, &z, &mut y);
-            assert!(y.iter().zip(&want_y).all(|(&a, &b)| close(a, b)), "forward, d_out = {d_out}");
+            assert_close(&format!("forward, d_out = {d_out}"), &y, &want_y, tol);
             let (mut dl, mut dz, mut db) = (l.clone(), vec![f32::NAN; d_out], vec![1.0; l.len()]);
             let (dgate_s, dalpha) = gate_row_backward(&mut dl, &b, alpha, gate_s, &dy, &z, &mut dz, &mut db);
-            assert!(dz.iter().zip(&want_dz).all(|(&a, &b)| close(a, b)), "dz, d_out = {d_out}");
-            assert!(dl.iter().zip(&want_dl).all(|(&a, &b)| close(a, b)), "dl, d_out = {d_out}");
-            assert!(db.iter().zip(&want_dl).all(|(&a, &b)| close(a - 1.0, b)), "db, d_out = {d_out}");
+            assert_close(&format!("dz, d_out = {d_out}"), &dz, &want_dz, tol);
+            assert_close(&format!("dl, d_out = {d_out}"), &dl, &want_dl, tol);
+            let db_added: Vec<f32> = db.iter().map(|g| g - 1.0).collect();
+            assert_close(&format!("db, d_out = {d_out}"), &db_added, &want_dl, tol);
             assert!(
-                close(dgate_s, want_dgate_s) && (dalpha as f64 - want_dalpha).abs() <= 1e-4 * (1.0 + want_dalpha.abs())
+                close(dgate_s.into(), want_dgate_s, tol) && close(dalpha.into(), want_dalpha, Tolerance::uniform(1e-4))
             );
         }
     }
@@ -270,13 +272,12 @@ mod tests {
             }
             for d_out in [3, 8, 17, 40, 128] {
                 let (l, b, dy, z) = row(d_out, 0.91);
-                let close =
-                    |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 2e-6 * (1.0 + y.abs()));
+                let tol = Tolerance::uniform(2e-6);
                 let (mut fast, mut portable) = (vec![0.0; d_out], vec![0.0; d_out]);
                 // SAFETY: the CPU has AVX-512F (checked above); the row lengths are consistent.
                 unsafe { avx512::forward(&l, &b, 0.7, 1.6, &z, &mut fast) };
                 forward_portable(&l, &b, 0.7, 1.6, &z, &mut portable);
-                assert!(close(&fast, &portable), "forward, d_out = {d_out}");
+                assert_close(&format!("forward, d_out = {d_out}"), &fast, &portable, tol);
                 let (mut dl_fast, mut dz_fast, mut db_fast) = (l.clone(), vec![0.0; d_out], vec![0.5; l.len()]);
                 let (mut dl_portable, mut dz_portable, mut db_portable) =
                     (l.clone(), vec![0.0; d_out], vec![0.5; l.len()]);
@@ -285,12 +286,17 @@ mod tests {
                     unsafe { avx512::backward(&mut dl_fast, &b, 0.7, 0.9, &dy, &z, &mut dz_fast, &mut db_fast) };
                 let sums_portable =
                     backward_portable(&mut dl_portable, &b, 0.7, 0.9, &dy, &z, &mut dz_portable, &mut db_portable);
-                assert!(
-                    close(&dl_fast, &dl_portable) && close(&dz_fast, &dz_portable) && close(&db_fast, &db_portable)
-                );
+                assert_close("dl", &dl_fast, &dl_portable, tol);
+                assert_close("dz", &dz_fast, &dz_portable, tol);
+                assert_close("db", &db_fast, &db_portable, tol);
                 // The row sums add their terms in another order (16 lanes, not 8).
-                let near = |a: f32, b: f32| (a - b).abs() <= 1e-4 * (1.0 + b.abs());
-                assert!(near(sums_fast.0, sums_portable.0) && near(sums_fast.1, sums_portable.1), "d_out = {d_out}");
+                let sums = [sums_fast.0, sums_fast.1];
+                assert_close(
+                    &format!("row sums, d_out = {d_out}"),
+                    &sums,
+                    &[sums_portable.0, sums_portable.1],
+                    Tolerance::uniform(1e-4),
+                );
             }
         }
     }

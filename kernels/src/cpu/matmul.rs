@@ -14,9 +14,13 @@ use rayon::prelude::*;
 /// A strided matrix operand: `data[offset + i·row_stride + j·col_stride]` is element (i, j).
 #[derive(Clone, Copy, Debug)]
 pub struct MatRef<'a> {
+    /// The storage the matrix is a view of.
     pub data: &'a [f32],
+    /// Where element (0, 0) is in `data`.
     pub offset: usize,
+    /// Step in `data` from one row to the next (negative for a reversed view).
     pub row_stride: isize,
+    /// Step in `data` from one column to the next.
     pub col_stride: isize,
 }
 

@@ -18,6 +18,7 @@ pub mod pool;
 pub mod reduce;
 pub mod rope;
 pub mod scratch;
+pub mod simd;
 #[cfg(target_arch = "x86_64")]
 pub mod simd16;
 pub mod softmax;

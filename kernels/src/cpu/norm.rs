@@ -16,7 +16,7 @@ use wide::f32x8;
 
 use super::parallel;
 use super::reduce::{dot, slice_sum};
-use super::unary::{load, store, LANES};
+use super::simd::{load, store, LANES};
 
 /// Rough cost of one element in the forward (two passes of multiply-adds).
 const FORWARD_WORK: usize = 4;
@@ -305,15 +305,11 @@ fn add_into(acc: &mut [f32], v: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gradcheck::{assert_within, gradient, oracle, Dtype};
+    use gradcheck::{assert_close, assert_within, gradient, oracle, Dtype, Tolerance};
     use proptest::prelude::*;
 
     fn values(len: usize, seed: usize) -> Vec<f32> {
         (0..len).map(|i| ((i * 29 + seed * 11) % 41) as f32 * 0.1 - 1.7).collect()
-    }
-
-    fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
-        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol * (1.0 + y.abs()))
     }
 
     proptest! {
@@ -323,12 +319,14 @@ mod tests {
             let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows], vec![0.0; rows]);
             rms_norm_forward(&x, &w, cols, 1e-5, &mut y, &mut rstd);
             let (y_ref, rstd_ref) = rms_norm_reference(&x, &w, cols, 1e-5);
-            prop_assert!(close(&y, &y_ref, 1e-5) && close(&rstd, &rstd_ref, 1e-5));
+            assert_close("rms_norm y", &y, &y_ref, Tolerance::uniform(1e-5));
+            assert_close("rms_norm rstd", &rstd, &rstd_ref, Tolerance::uniform(1e-5));
             let (w, b) = if affine { (Some(&w[..]), Some(&b[..])) } else { (None, None) };
             layer_norm_forward(&x, w, b, cols, 1e-5, &mut y, &mut mean, &mut rstd);
             let (y_ref, mean_ref, rstd_ref) = layer_norm_reference(&x, w, b, cols, 1e-5);
-            prop_assert!(close(&y, &y_ref, 1e-4) && close(&mean, &mean_ref, 1e-5));
-            prop_assert!(close(&rstd, &rstd_ref, 1e-4));
+            assert_close("layer_norm y", &y, &y_ref, Tolerance::uniform(1e-4));
+            assert_close("layer_norm mean", &mean, &mean_ref, Tolerance::uniform(1e-5));
+            assert_close("layer_norm rstd", &rstd, &rstd_ref, Tolerance::uniform(1e-4));
         }
     }
 
@@ -380,7 +378,7 @@ mod tests {
         let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows], vec![0.0; rows]);
         layer_norm_forward(&x, Some(&w), None, cols, 1e-5, &mut y, &mut mean, &mut rstd);
         let (y_ref, _, _) = layer_norm_reference(&x, Some(&w), None, cols, 1e-5);
-        assert!(close(&y, &y_ref, 1e-4));
+        assert_close("layer_norm y", &y, &y_ref, Tolerance::uniform(1e-4));
         let mut dx = vec![f32::NAN; x.len()];
         let (mut dw, mut db) = (vec![f32::NAN; cols], vec![f32::NAN; cols]);
         layer_norm_backward(&x, Some(&w), &mean, &rstd, &dy, cols, &mut dx, Some(&mut dw), Some(&mut db));

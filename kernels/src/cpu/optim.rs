@@ -17,7 +17,7 @@
 use wide::f32x8;
 
 use super::parallel;
-use super::unary::{load, store, LANES};
+use super::simd::{load, store, LANES};
 
 /// Rough cost of one Adam element (a square root, a division and several multiply-adds).
 const ADAM_WORK: usize = 8;

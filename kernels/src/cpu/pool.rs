@@ -189,7 +189,7 @@ pub fn global_avg_pool_backward(dy: &[f32], batch: usize, channels: usize, spati
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gradcheck::{assert_within, gradient, oracle, Dtype};
+    use gradcheck::{assert_close, check_gradient, oracle, Tolerance};
     use proptest::prelude::*;
 
     /// (batch, channels, height, width, kernel, stride, padding), with a valid window.
@@ -244,24 +244,6 @@ mod tests {
         (y, arg)
     }
 
-    fn widen(v: &[f32]) -> Vec<f64> {
-        v.iter().map(|&a| f64::from(a)).collect()
-    }
-
-    fn close(got: &[f32], want: &[f64], tol: f64) {
-        assert_eq!(got.len(), want.len());
-        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-            assert!((f64::from(g) - w).abs() <= tol * (1.0 + w.abs()), "index {i}: got {g}, want {w}");
-        }
-    }
-
-    /// `dx` against the toolkit's differences of `loss` at `x`.
-    fn check_gradient(what: &str, dx: &[f32], x: &[f32], loss: impl FnMut(&[f64]) -> f64) {
-        let numeric = gradient(&widen(x), Dtype::F64, loss);
-        let analytic = dx.iter().map(|&d| f64::from(d));
-        assert_within(what, analytic, numeric, Dtype::F64.table().gradient);
-    }
-
     #[test]
     fn output_size_matches_pytorch() {
         assert_eq!(max_pool2d_output_size(32, 3, 2, 1), 16);
@@ -293,8 +275,8 @@ mod tests {
         let (mut y, mut argmax) = (vec![0.0; dy.len()], vec![0; dy.len()]);
         let pool = pooling(g);
         max_pool2d_forward(&pool, &x, &mut y, &mut argmax);
-        let (want_y, want_arg) = max_pool_reference(&widen(&x), g);
-        assert_eq!(widen(&y), want_y);
+        let (want_y, want_arg) = max_pool_reference(&oracle::widen(&x), g);
+        assert_eq!(oracle::widen(&y), want_y);
         assert_eq!(argmax, want_arg);
 
         let mut dx = vec![f32::NAN; len];
@@ -303,7 +285,7 @@ mod tests {
         for (i, (&g, &at)) in dy.iter().zip(&want_arg).enumerate() {
             want[i / (oh * ow) * h * w + at] += f64::from(g);
         }
-        close(&dx, &want, 1e-6);
+        assert_close("dx", &dx, &want, Tolerance::uniform(1e-6));
     }
 
     proptest! {
@@ -319,15 +301,15 @@ mod tests {
         ) {
             let (mut y, mut argmax) = (vec![0.0; r.len()], vec![0; r.len()]);
             max_pool2d_forward(&pooling(g), &x, &mut y, &mut argmax);
-            let (want_y, want_arg) = max_pool_reference(&widen(&x), g);
-            prop_assert_eq!(widen(&y), want_y);
+            let (want_y, want_arg) = max_pool_reference(&oracle::widen(&x), g);
+            prop_assert_eq!(oracle::widen(&y), want_y);
             prop_assert_eq!(&argmax, &want_arg);
 
             // Stale (NaN) contents: every element is written, zeros where nothing wins.
             let mut dx = vec![f32::NAN; x.len()];
             max_pool2d_backward(&pooling(g), &argmax, &r, &mut dx);
-            let r64 = widen(&r);
-            check_gradient("d max_pool", &dx, &x, |x| oracle::dot(&r64, &max_pool_reference(x, g).0));
+            let r64 = oracle::widen(&r);
+            check_gradient("d max_pool", &dx, &oracle::widen(&x), |x| oracle::dot(&r64, &max_pool_reference(x, g).0));
         }
 
         #[test]
@@ -342,12 +324,12 @@ mod tests {
             };
             let mut y = vec![0.0; n * c];
             global_avg_pool_forward(&x, n, c, s, &mut y);
-            close(&y, &mean(&widen(&x)), 1e-6);
+            assert_close("y", &y, &mean(&oracle::widen(&x)), Tolerance::uniform(1e-6));
 
             let mut dx = vec![f32::NAN; x.len()];
             global_avg_pool_backward(&r, n, c, s, &mut dx);
-            let r64 = widen(&r);
-            check_gradient("d global_avg_pool", &dx, &x, |x| oracle::dot(&r64, &mean(x)));
+            let r64 = oracle::widen(&r);
+            check_gradient("d global_avg_pool", &dx, &oracle::widen(&x), |x| oracle::dot(&r64, &mean(x)));
         }
     }
 }

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use wide::f32x8;
 
 use super::parallel;
-use super::unary::{load, LANES};
+use super::simd::{load, LANES};
 
 /// Elements summed in f32 before the running total takes over.
 const SUM_BLOCK: usize = 1 << 12;

@@ -2,7 +2,7 @@
 //! ([`sigmoid16`]) and the lane mask of a row's last partial vector ([`first_lanes`]). The
 //! softmax rows of flash attention, SwiGLU and the Transponder gates use them on CPUs that
 //! have AVX-512, where the exponentials cost about as much as the memory traffic or the
-//! tile products around them. Twice the width of [`super::unary::exp8`] and no per-lane
+//! tile products around them. Twice the width of [`super::simd::exp8`] and no per-lane
 //! fallback: out-of-range lanes are clamped instead.
 //!
 //! Method (Cephes `expf`): x = n·ln 2 + r with n = round(x / ln 2) and |r| ≤ ln 2 / 2, e^r

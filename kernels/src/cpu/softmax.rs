@@ -10,7 +10,7 @@ use wide::f32x8;
 
 use super::parallel;
 use super::reduce::{dot, slice_max, slice_sum};
-use super::unary::{exp8, load, store, LANES};
+use super::simd::{exp8, load, store, LANES};
 
 /// Rough cost of one element (an exponential and a few multiply-adds).
 const WORK_PER_ELEMENT: usize = 8;
@@ -158,12 +158,8 @@ fn check(input: usize, output: usize, cols: usize, what: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gradcheck::{assert_within, gradient, oracle, Dtype};
+    use gradcheck::{assert_close, assert_within, gradient, oracle, Dtype, Tolerance};
     use proptest::prelude::*;
-
-    fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
-        a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol * (1.0 + y.abs()))
-    }
 
     fn row_values(len: usize, seed: u32) -> Vec<f32> {
         (0..len).map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 * 0.01 - 5.0).collect()
@@ -175,10 +171,10 @@ mod tests {
             let x = row_values(rows * cols, seed);
             let mut y = vec![0.0; x.len()];
             softmax_forward(&x, cols, &mut y);
-            prop_assert!(close(&y, &softmax_reference(&x, cols), 1e-6));
+            assert_close("softmax", &y, &softmax_reference(&x, cols), Tolerance::uniform(1e-6));
             let mut log_y = vec![0.0; x.len()];
             log_softmax_forward(&x, cols, &mut log_y);
-            prop_assert!(close(&log_y, &log_softmax_reference(&x, cols), 1e-6));
+            assert_close("log_softmax", &log_y, &log_softmax_reference(&x, cols), Tolerance::uniform(1e-6));
 
             let dy = row_values(x.len(), seed + 7);
             // Stale (NaN) contents: the backward overwrites every element.
@@ -188,7 +184,7 @@ mod tests {
                 let (yr, dyr) = (&y[r * cols..][..cols], &dy[r * cols..][..cols]);
                 let inner: f32 = yr.iter().zip(dyr).map(|(a, b)| a * b).sum();
                 let want: Vec<f32> = yr.iter().zip(dyr).map(|(a, b)| a * (b - inner)).collect();
-                prop_assert!(close(row, &want, 1e-5));
+                assert_close("d softmax", row, &want, Tolerance::uniform(1e-5));
             }
             let mut dx = vec![f32::NAN; x.len()];
             log_softmax_backward(&log_y, &dy, cols, &mut dx);
@@ -196,7 +192,7 @@ mod tests {
                 let (yr, dyr) = (&log_y[r * cols..][..cols], &dy[r * cols..][..cols]);
                 let total: f32 = dyr.iter().sum();
                 let want: Vec<f32> = yr.iter().zip(dyr).map(|(a, b)| b - a.exp() * total).collect();
-                prop_assert!(close(row, &want, 1e-5));
+                assert_close("d log_softmax", row, &want, Tolerance::uniform(1e-5));
             }
         }
     }
@@ -233,7 +229,7 @@ mod tests {
         let x: Vec<f32> = row_values(rows * cols, 5).iter().map(|v| v * 40.0).collect();
         let mut y = vec![0.0; x.len()];
         softmax_forward(&x, cols, &mut y);
-        assert!(close(&y, &softmax_reference(&x, cols), 1e-6));
+        assert_close("softmax", &y, &softmax_reference(&x, cols), Tolerance::uniform(1e-6));
         for row in y.chunks(cols) {
             assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5);
         }

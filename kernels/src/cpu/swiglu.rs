@@ -24,7 +24,8 @@
 use wide::f32x8;
 
 use super::parallel;
-use super::unary::{load, sigmoid8, store, unary_reference, Unary, LANES};
+use super::simd::{load, sigmoid8, store, LANES};
+use super::unary::{unary_reference, Unary};
 
 /// Cost of one element in the units of [`parallel::should_parallelise`]: one exponential,
 /// like the transcendental unary ops.
@@ -157,7 +158,7 @@ pub fn swiglu_derivative_reference(g: f32, u: f32) -> (f32, f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gradcheck::{assert_within, gradient, oracle, Dtype};
+    use gradcheck::{assert_close, assert_within, close, gradient, oracle, Dtype, Tolerance};
     use proptest::prelude::*;
 
     /// `(y, ∂y/∂g, ∂y/∂u)` in f64.
@@ -165,10 +166,6 @@ mod tests {
         let (g, u) = (g as f64, u as f64);
         let s = 1.0 / (1.0 + (-g).exp());
         (g * s * u, u * s * (1.0 + g * (1.0 - s)), g * s)
-    }
-
-    fn close(a: f32, b: f64, tol: f64) -> bool {
-        (a as f64 - b).abs() <= tol * (1.0 + b.abs())
     }
 
     /// Runs forward, then backward with `dout` into gradients that start at 0.5 (accumulating)
@@ -185,11 +182,23 @@ mod tests {
             let (want_y, dy_dg, dy_du) = f64_reference(gate[i], up[i]);
             let dy = dout[i] as f64;
             let (g, u) = (gate[i], up[i]);
-            assert!(close(y[i], want_y, 2e-6), "n = {n}: swiglu({g}, {u}) = {}, want {want_y}", y[i]);
+            assert!(
+                close(y[i].into(), want_y, Tolerance::uniform(2e-6)),
+                "n = {n}: swiglu({g}, {u}) = {}, want {want_y}",
+                y[i]
+            );
             let want_dg = dy * dy_dg;
-            assert!(close(dgate[i], want_dg, 1e-5), "n = {n}: dgate({g}, {u}) = {}, want {want_dg}", dgate[i]);
+            assert!(
+                close(dgate[i].into(), want_dg, Tolerance::uniform(1e-5)),
+                "n = {n}: dgate({g}, {u}) = {}, want {want_dg}",
+                dgate[i]
+            );
             let want_du = dy * dy_du;
-            assert!(close(dup[i], want_du, 1e-5), "n = {n}: dup({g}, {u}) = {}, want {want_du}", dup[i]);
+            assert!(
+                close(dup[i].into(), want_du, Tolerance::uniform(1e-5)),
+                "n = {n}: dup({g}, {u}) = {}, want {want_du}",
+                dup[i]
+            );
         }
     }
 
@@ -268,19 +277,19 @@ mod tests {
                 let gate: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 12.0).collect();
                 let up: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos() * 3.0).collect();
                 let dout: Vec<f32> = (0..n).map(|i| 1.0 - i as f32 * 0.02).collect();
-                let close =
-                    |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 2e-6 * (1.0 + y.abs()));
+                let tol = Tolerance::uniform(2e-6);
                 let (mut fast, mut portable) = (vec![0.0; n], vec![0.0; n]);
                 // SAFETY: the CPU has AVX-512F (checked above); all slices have length n.
                 unsafe { avx512::forward(&gate, &up, &mut fast) };
                 forward_portable(&gate, &up, &mut portable);
-                assert!(close(&fast, &portable), "forward, n = {n}");
+                assert_close(&format!("forward, n = {n}"), &fast, &portable, tol);
                 let (mut dg_fast, mut du_fast) = (vec![f32::NAN; n], vec![f32::NAN; n]);
                 let (mut dg_portable, mut du_portable) = (vec![f32::NAN; n], vec![f32::NAN; n]);
                 // SAFETY: as above.
                 unsafe { avx512::backward(&gate, &up, &dout, &mut dg_fast, &mut du_fast) };
                 backward_portable(&gate, &up, &dout, &mut dg_portable, &mut du_portable);
-                assert!(close(&dg_fast, &dg_portable) && close(&du_fast, &du_portable), "backward, n = {n}");
+                assert_close(&format!("dgate, n = {n}"), &dg_fast, &dg_portable, tol);
+                assert_close(&format!("dup, n = {n}"), &du_fast, &du_portable, tol);
             }
         }
     }

@@ -15,7 +15,7 @@
 use wide::f32x8;
 
 use super::matmul::Store;
-use super::unary::LANES;
+use super::simd::LANES;
 
 /// Row tile of the micro-kernel.
 const MR: usize = 6;
@@ -23,17 +23,24 @@ const MR: usize = 6;
 /// `a(i, p) = data[offset + i·row_stride + p·col_stride]`: any layout.
 #[derive(Clone, Copy, Debug)]
 pub struct TileA<'a> {
+    /// The storage the operand is a view of.
     pub data: &'a [f32],
+    /// Where a(0, 0) is in `data`.
     pub offset: usize,
+    /// Step in `data` from one row `i` to the next.
     pub row_stride: usize,
+    /// Step in `data` from one column `p` to the next.
     pub col_stride: usize,
 }
 
 /// `b(p, j) = data[offset + p·row_stride + j]`: rows are contiguous runs.
 #[derive(Clone, Copy, Debug)]
 pub struct TileB<'a> {
+    /// The storage the operand is a view of.
     pub data: &'a [f32],
+    /// Where b(0, 0) is in `data`.
     pub offset: usize,
+    /// Step in `data` from one row `p` to the next (a row's elements are adjacent).
     pub row_stride: usize,
 }
 

@@ -9,32 +9,70 @@
 //! gradient (`dx = ...`; the crate's contract, see `lib.rs`).
 //!
 //! Every op has a scalar reference ([`unary_reference`], [`unary_derivative_reference`]) that
-//! also handles the tail of each SIMD loop, and an `f32x8` body. This module also holds the
-//! SIMD building blocks other kernels share: [`load`], [`store`], [`exp8`] and [`sigmoid8`].
+//! also handles the tail of each SIMD loop, and an `f32x8` body built on the shared 8-lane
+//! helpers of [`super::simd`].
 
 use std::f64::consts as f64c;
 
 use wide::{f32x8, CmpGe, CmpGt, CmpLt};
 
 use super::parallel;
+use super::simd::{exp8, load, per_lane, sigmoid8, store, LANES};
 
 /// An elementwise function with a known derivative.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Unary {
+    /// `−x`.
     Neg,
+    /// `e^x`.
     Exp,
+    /// `ln x`.
     Log,
+    /// `√x`.
     Sqrt,
+    /// `1/√x`.
     Rsqrt,
+    /// `|x|`.
     Abs,
+    /// `σ(x) = 1/(1 + e^−x)`.
     Sigmoid,
+    /// `tanh x`.
     Tanh,
+    /// `max(x, 0)`.
     Relu,
+    /// `x·σ(x)`.
     Silu,
+    /// `x·Φ(x)`, the exact (erf) GELU.
     Gelu,
+    /// GELU's tanh approximation, `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`.
     GeluTanh,
+    /// `x^p` for the exponent `p`.
     Powf(f32),
+    /// `x²`.
     Square,
+}
+
+impl Unary {
+    /// Every op once, in declaration order (`Powf` with the exponent 2.5, neither an integer
+    /// nor a half), for the tests that must cover each op. The unit tests map each variant to
+    /// its position here by a match without a wildcard, so adding a variant stops at that
+    /// match until it is given a position in this list.
+    pub const ALL: [Unary; 14] = [
+        Unary::Neg,
+        Unary::Exp,
+        Unary::Log,
+        Unary::Sqrt,
+        Unary::Rsqrt,
+        Unary::Abs,
+        Unary::Sigmoid,
+        Unary::Tanh,
+        Unary::Relu,
+        Unary::Silu,
+        Unary::Gelu,
+        Unary::GeluTanh,
+        Unary::Powf(2.5),
+        Unary::Square,
+    ];
 }
 
 /// `y[i] = f(x[i])`.
@@ -171,40 +209,6 @@ where
     });
 }
 
-// ---------------------------------------------------------------------------------------
-// SIMD building blocks (also used by softmax, norm, attention, ...).
-
-/// Width of an `f32x8` register.
-pub const LANES: usize = 8;
-
-/// Loads the first [`LANES`] elements of `chunk`.
-#[inline(always)]
-pub fn load(chunk: &[f32]) -> f32x8 {
-    let mut lanes = [0.0; LANES];
-    lanes.copy_from_slice(&chunk[..LANES]);
-    f32x8::from(lanes)
-}
-
-/// Stores `v` into the first [`LANES`] elements of `chunk`.
-#[inline(always)]
-pub fn store(v: f32x8, chunk: &mut [f32]) {
-    chunk[..LANES].copy_from_slice(v.as_array_ref());
-}
-
-/// `f32x8::exp` returns 0 from here up (its overflow guard), so such lanes go scalar.
-const EXP_FAST_LIMIT: f32 = 87.0;
-
-/// `e^x` per lane (~1 ulp). Lanes that are NaN or ≥ [`EXP_FAST_LIMIT`] use `f32::exp`, so
-/// overflow gives `inf` and NaN propagates; lanes below −87 flush to 0 (true value < 2⁻¹²⁵).
-#[inline(always)]
-pub fn exp8(x: f32x8) -> f32x8 {
-    if x.cmp_lt(f32x8::splat(EXP_FAST_LIMIT)).all() {
-        x.exp()
-    } else {
-        per_lane(x, f32::exp)
-    }
-}
-
 /// Natural log per lane; zero, negative, subnormal, infinite and NaN lanes use `f32::ln`
 /// because `f32x8::ln` maps 0 to +inf.
 fn ln8(x: f32x8) -> f32x8 {
@@ -214,10 +218,6 @@ fn ln8(x: f32x8) -> f32x8 {
     } else {
         per_lane(x, f32::ln)
     }
-}
-
-fn per_lane(x: f32x8, f: impl Fn(f32) -> f32) -> f32x8 {
-    f32x8::from(x.to_array().map(f))
 }
 
 /// Horner evaluation of `coeffs` (highest degree first) at `z`.
@@ -264,14 +264,6 @@ fn sigmoid(x: f32) -> f32 {
     } else {
         e * s
     }
-}
-
-/// `σ(x)` per lane through `e^-|x|`: saturates to 0 or 1 for large `|x|`, never NaN.
-#[inline]
-pub fn sigmoid8(x: f32x8) -> f32x8 {
-    let e = exp8(-x.abs());
-    let s = f32x8::ONE / (f32x8::ONE + e);
-    x.cmp_ge(f32x8::ZERO).blend(s, e * s)
 }
 
 // d/dx x·σ(x) = σ(x)·(1 + x·(1 − σ(x)))
@@ -417,25 +409,8 @@ fn gelu_tanh_derivative8(x: f32x8) -> f32x8 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gradcheck::{assert_within, compare, derivative, oracle, Dtype};
+    use gradcheck::{assert_within, close, compare, derivative, oracle, Dtype, Tolerance};
     use proptest::prelude::*;
-
-    const ALL: [Unary; 14] = [
-        Unary::Neg,
-        Unary::Exp,
-        Unary::Log,
-        Unary::Sqrt,
-        Unary::Rsqrt,
-        Unary::Abs,
-        Unary::Sigmoid,
-        Unary::Tanh,
-        Unary::Relu,
-        Unary::Silu,
-        Unary::Gelu,
-        Unary::GeluTanh,
-        Unary::Powf(2.5),
-        Unary::Square,
-    ];
 
     /// Ops defined only for positive inputs get |x| + 0.1.
     fn domain(op: Unary, x: f32) -> f32 {
@@ -476,8 +451,32 @@ mod tests {
         (oracle::widen(&dx), numeric)
     }
 
-    fn close(a: f32, b: f32, tol: f32) -> bool {
-        (a - b).abs() <= tol * (1.0 + b.abs()) || (a.is_nan() && b.is_nan()) || a == b
+    /// The position of `op` in [`Unary::ALL`], by a match without a wildcard: a new variant
+    /// does not compile until it is given the next position here, which is where `ALL` must
+    /// list it.
+    fn position(op: Unary) -> usize {
+        match op {
+            Unary::Neg => 0,
+            Unary::Exp => 1,
+            Unary::Log => 2,
+            Unary::Sqrt => 3,
+            Unary::Rsqrt => 4,
+            Unary::Abs => 5,
+            Unary::Sigmoid => 6,
+            Unary::Tanh => 7,
+            Unary::Relu => 8,
+            Unary::Silu => 9,
+            Unary::Gelu => 10,
+            Unary::GeluTanh => 11,
+            Unary::Powf(_) => 12,
+            Unary::Square => 13,
+        }
+    }
+
+    #[test]
+    fn all_lists_every_op_once() {
+        let positions: Vec<usize> = Unary::ALL.iter().map(|&op| position(op)).collect();
+        assert_eq!(positions, (0..Unary::ALL.len()).collect::<Vec<_>>());
     }
 
     #[test]
@@ -503,12 +502,12 @@ mod tests {
 
     #[test]
     fn scalar_reference_matches_f64() {
-        for op in ALL {
+        for op in Unary::ALL {
             for i in -400..=400 {
                 let x = domain(op, i as f32 * 0.02);
                 let want = f64_reference(op, x as f64) as f32;
                 let got = unary_reference(op, x);
-                assert!(close(got, want, 2e-6), "{op:?}({x}) = {got}, want {want}");
+                assert!(close(got.into(), want.into(), Tolerance::uniform(2e-6)), "{op:?}({x}) = {got}, want {want}");
             }
         }
     }
@@ -516,12 +515,12 @@ mod tests {
     #[test]
     fn special_values() {
         let x = [0.0, -0.0, 100.0, -100.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e-40];
-        for op in ALL {
+        for op in Unary::ALL {
             let mut y = [0.0; 8];
             unary_forward(op, &x, &mut y);
             for (&xv, &yv) in x.iter().zip(&y) {
                 let want = unary_reference(op, xv);
-                assert!(close(yv, want, 1e-6), "{op:?}({xv}) = {yv}, want {want}");
+                assert!(close(yv.into(), want.into(), Tolerance::uniform(1e-6)), "{op:?}({xv}) = {yv}, want {want}");
             }
         }
     }
@@ -530,15 +529,15 @@ mod tests {
         #[test]
         fn simd_matches_reference(
             values in prop::collection::vec(-12.0f32..12.0, 1..100),
-            seed in 0usize..14,
+            seed in 0usize..Unary::ALL.len(),
         ) {
-            let op = ALL[seed];
+            let op = Unary::ALL[seed];
             let x: Vec<f32> = values.iter().map(|&v| domain(op, v)).collect();
             let mut y = vec![0.0; x.len()];
             unary_forward(op, &x, &mut y);
             for (&xv, &yv) in x.iter().zip(&y) {
                 let want = unary_reference(op, xv);
-                prop_assert!(close(yv, want, 2e-6), "{:?}({}) = {}, want {}", op, xv, yv, want);
+                prop_assert!(close(yv.into(), want.into(), Tolerance::uniform(2e-6)), "{:?}({}) = {}, want {}", op, xv, yv, want);
             }
             let dy: Vec<f32> = (0..x.len()).map(|i| (i % 5) as f32 - 2.0).collect();
             // Stale (NaN) contents: the backward overwrites every element.
@@ -546,7 +545,7 @@ mod tests {
             unary_backward(op, &x, &y, &dy, &mut dx);
             for i in 0..x.len() {
                 let want = dy[i] * unary_derivative_reference(op, x[i], y[i]);
-                prop_assert!(close(dx[i], want, 1e-5), "{:?}'({}) = {}, want {}", op, x[i], dx[i], want);
+                prop_assert!(close(dx[i].into(), want.into(), Tolerance::uniform(1e-5)), "{:?}'({}) = {}, want {}", op, x[i], dx[i], want);
             }
         }
     }
@@ -557,13 +556,17 @@ mod tests {
         for op in [Unary::Gelu, Unary::Silu, Unary::Tanh] {
             let mut y = vec![0.0; x.len()];
             unary_forward(op, &x, &mut y);
-            assert!(x.iter().zip(&y).all(|(&a, &b)| close(b, unary_reference(op, a), 2e-6)));
+            assert!(x.iter().zip(&y).all(|(&a, &b)| close(
+                b.into(),
+                unary_reference(op, a).into(),
+                Tolerance::uniform(2e-6)
+            )));
         }
     }
 
     #[test]
     fn backward_matches_finite_differences() {
-        for op in ALL {
+        for op in Unary::ALL {
             let (analytic, numeric) = slopes(op, |x| f64_reference(op, x));
             assert_within(&format!("{op:?}'"), analytic, numeric, Dtype::F64.table().gradient);
         }

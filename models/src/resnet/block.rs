@@ -32,7 +32,9 @@ pub const BOTTLENECK_EXPANSION: usize = 4;
 
 /// A convolution of a residual branch: plain or sliding-window modulated.
 pub enum BranchConv {
+    /// A plain convolution.
     Plain(Conv2d),
+    /// A convolution whose output a sliding-window modulator gates.
     SlidingWindow(SlidingWindowConv2d),
 }
 
@@ -57,7 +59,9 @@ impl Module for BranchConv {
 
 /// A BatchNorm of a residual branch: plain (affine) or pixel-modulated.
 pub enum BranchNorm {
+    /// A plain affine BatchNorm.
     Plain(BatchNorm2d),
+    /// A BatchNorm whose affine transform a pixel modulator gates.
     Pixel(PixelBatchNorm2d),
 }
 

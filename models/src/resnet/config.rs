@@ -41,6 +41,7 @@ pub struct ResNetConfig {
     pub base_width: usize,
     /// Image channels (1 for digits, 3 for CIFAR).
     pub in_channels: usize,
+    /// Classes of the final linear layer.
     pub num_classes: usize,
     /// A name from [`STEMS`].
     pub stem: String,
@@ -86,13 +87,16 @@ impl Default for ResNetConfig {
 /// Which modulator a validated config asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Modulation {
+    /// No modulators: the plain ResNet.
     None,
     /// Pixel modulators with this hidden width.
     Pixel {
+        /// The modulators' hidden width.
         hidden: usize,
     },
     /// Sliding-window modulators with `h = max(1, C_in / divisor)`.
     SlidingWindow {
+        /// Divides a convolution's input channels into the modulator's hidden width.
         divisor: usize,
     },
 }
@@ -104,8 +108,11 @@ pub struct Parsed {
     pub bottleneck: bool,
     /// True for the ImageNet stem.
     pub imagenet_stem: bool,
+    /// Which modulators the blocks get.
     pub modulation: Modulation,
+    /// The modulators' nonlinearity.
     pub phi: Phi,
+    /// The modulators' output range.
     pub gate_range: GateRange,
 }
 

@@ -39,6 +39,7 @@ pub const MODULATOR_MARKER: &str = ".modulator.";
 
 /// A ResNet built from a [`ResNetConfig`].
 pub struct ResNet {
+    /// The config it was built from.
     pub config: ResNetConfig,
     /// Stem convolution (3×3/1 or 7×7/2).
     pub conv1: Conv2d,

@@ -8,6 +8,7 @@ use crate::module::{join, Module};
 
 /// Looks up rows of a `[vocab, dim]` table (PyTorch `nn.Embedding`, init N(0, 1)·std).
 pub struct Embedding {
+    /// The table `[vocab, dim]`: row `i` is token `i`'s vector.
     pub weight: Var,
 }
 

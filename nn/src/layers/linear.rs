@@ -8,7 +8,9 @@ use crate::module::{join, Module};
 
 /// A fully connected layer (no bias by default, as in LLaMA).
 pub struct Linear {
+    /// `w[out, in]` (PyTorch's layout: `y = x·wᵀ + b`).
     pub weight: Var,
+    /// `b[out]`, if any.
     pub bias: Option<Var>,
 }
 

@@ -9,7 +9,9 @@ use crate::module::{join, Module};
 
 /// RMSNorm with a learnable gain (init 1), eps 1e-6 as LLaMA.
 pub struct RmsNorm {
+    /// The gain `[dim]`.
     pub weight: Var,
+    /// Added to the mean square before the square root.
     pub eps: f32,
 }
 
@@ -33,8 +35,11 @@ impl Module for RmsNorm {
 
 /// LayerNorm with optional affine parameters (weight 1, bias 0), eps 1e-5 as PyTorch.
 pub struct LayerNorm {
+    /// The gain `[dim]`, if affine.
     pub weight: Option<Var>,
+    /// The shift `[dim]`, if affine.
     pub bias: Option<Var>,
+    /// Added to the variance before the square root.
     pub eps: f32,
 }
 
@@ -63,8 +68,11 @@ impl Module for LayerNorm {
 
 /// Dynamic Tanh: `γ ⊙ tanh(α·x) + β`, α a learnable scalar (init 0.5), γ = 1, β = 0.
 pub struct DyT {
+    /// The scalar `α` inside the tanh (a one-element parameter).
     pub alpha: Var,
+    /// The gain `γ[dim]`.
     pub weight: Var,
+    /// The shift `β[dim]`.
     pub bias: Var,
 }
 

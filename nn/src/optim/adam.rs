@@ -14,9 +14,13 @@ use crate::NamedParameter;
 /// Hyper-parameters of Adam / AdamW.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamConfig {
+    /// Decay of the first-moment (mean) estimate.
     pub beta1: f32,
+    /// Decay of the second-moment (uncentred variance) estimate.
     pub beta2: f32,
+    /// Added to `√v̂` in the denominator.
     pub eps: f32,
+    /// The weight decay coefficient (see `decoupled`).
     pub weight_decay: f32,
     /// true = AdamW (decoupled decay), false = Adam (L2 decay added to the gradient).
     pub decoupled: bool,

@@ -6,15 +6,35 @@ pub enum Schedule {
     /// The base rate throughout.
     Constant,
     /// Linear warmup from 0, then cosine decay to `min_ratio · base` at `total`.
-    WarmupCosine { warmup: usize, total: usize, min_ratio: f32 },
+    WarmupCosine {
+        /// Steps of the linear warmup.
+        warmup: usize,
+        /// The step at which the decay ends.
+        total: usize,
+        /// The final rate as a fraction of the base.
+        min_ratio: f32,
+    },
     /// Noam (Vaswani et al. 2017): linear warmup, then ∝ 1/√step, normalised so the
     /// peak at `warmup` is the base rate (the Transponder paper's schedule).
-    Noam { warmup: usize },
+    Noam {
+        /// Steps of the linear warmup (the peak).
+        warmup: usize,
+    },
     /// Linear decay from base to `end_ratio · base` over `total` steps (CoMT CIFAR).
-    LinearDecay { total: usize, end_ratio: f32 },
+    LinearDecay {
+        /// Steps of the decay.
+        total: usize,
+        /// The final rate as a fraction of the base.
+        end_ratio: f32,
+    },
     /// OneCycle (Smith 2018, PyTorch defaults): cosine up from base/25 to base over
     /// `pct_start · total`, then cosine down to base/(25·1e4).
-    OneCycle { total: usize, pct_start: f32 },
+    OneCycle {
+        /// Steps of the whole cycle.
+        total: usize,
+        /// The fraction of `total` spent rising.
+        pct_start: f32,
+    },
 }
 
 impl Schedule {

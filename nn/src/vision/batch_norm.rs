@@ -26,6 +26,7 @@ pub struct BatchNorm2d {
     pub running_var: Var,
     /// Weight of the newest batch in the running statistics (0.1).
     pub momentum: f32,
+    /// Added to the variance before the square root.
     pub eps: f32,
 }
 

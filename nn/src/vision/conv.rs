@@ -18,7 +18,9 @@ pub struct Conv2d {
     pub weight: Var,
     /// `b[O]`, if any.
     pub bias: Option<Var>,
+    /// Step of the window, both axes.
     pub stride: usize,
+    /// Zeros added on each side, both axes.
     pub padding: usize,
 }
 

@@ -30,7 +30,9 @@ pub struct PixelModulator {
     pub conv1: Conv2d,
     /// `conv1x1_{h→1}` with bias.
     pub conv2: Conv2d,
+    /// The nonlinearity `φ` between the two convolutions.
     pub phi: Phi,
+    /// The final squashing `σ̃`.
     pub range: GateRange,
 }
 
@@ -65,6 +67,7 @@ pub struct PixelBatchNorm2d {
     pub norm: BatchNorm2d,
     /// `β[C]` (init 0).
     pub bias: Var,
+    /// `m`, the per-pixel scale that replaces `γ`.
     pub modulator: PixelModulator,
 }
 

@@ -33,7 +33,9 @@ pub struct SlidingWindowModulator {
     pub window: Conv2d,
     /// `conv1x1_{h→1}` with bias.
     pub conv2: Conv2d,
+    /// The nonlinearity `φ` between the two convolutions.
     pub phi: Phi,
+    /// The final squashing `σ̃`.
     pub range: GateRange,
 }
 
@@ -66,7 +68,9 @@ impl Module for SlidingWindowModulator {
 
 /// A convolution whose output is scaled per sliding window: `conv(x) ⊙ m(x)`.
 pub struct SlidingWindowConv2d {
+    /// The modulated convolution.
     pub conv: Conv2d,
+    /// `m`, one scale per output position of `conv`.
     pub modulator: SlidingWindowModulator,
 }
 

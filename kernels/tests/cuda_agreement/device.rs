@@ -1,0 +1,73 @@
+//! The device itself: every kernel family compiles, the caching allocator reuses its blocks,
+//! and copies (host ↔ device, within the device, f32 ↔ bf16) round-trip.
+
+use half::bf16;
+use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer};
+
+use super::{down, up, Rng};
+
+#[test]
+fn every_kernel_family_compiles() {
+    let dev = device_or_skip!();
+    println!("{dev:?}");
+    dev.compile_all().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn caching_allocator_reuses_blocks_across_steps() {
+    let dev = match CudaDevice::new(0) {
+        Ok(dev) => dev,
+        Err(e) => return println!("skipping: no CUDA device ({e})"),
+    };
+    let sizes = [1000usize, 4096, 123_457, 1 << 20];
+    let step = |dev: &CudaDevice| {
+        let buffers: Vec<DeviceBuffer<f32>> = sizes.iter().map(|&n| dev.alloc(n).expect("alloc")).collect();
+        let tail: DeviceBuffer<bf16> = dev.alloc(777).expect("alloc");
+        drop(tail);
+        buffers
+    };
+    drop(step(&dev));
+    let first = dev.allocator_stats();
+    assert_eq!(first.allocations, sizes.len() as u64 + 1, "{first:?}");
+    for _ in 0..3 {
+        drop(step(&dev));
+    }
+    let after = dev.allocator_stats();
+    assert_eq!(after.allocations, first.allocations, "a repeated step allocated again: {after:?}");
+    assert_eq!(after.reuses, first.reuses + 3 * (sizes.len() as u64 + 1), "{after:?}");
+    assert_eq!(after.cached_bytes, after.reserved_bytes, "everything is back in the cache");
+    // A size of the same class is served from the cache too.
+    let again: DeviceBuffer<f32> = dev.alloc(1001).expect("alloc");
+    assert_eq!(dev.allocator_stats().allocations, first.allocations);
+    drop(again);
+    dev.release_cached_memory();
+    let released = dev.allocator_stats();
+    assert_eq!((released.reserved_bytes, released.cached_bytes), (0, 0), "{released:?}");
+}
+
+#[test]
+fn copies_round_trip_and_zero() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(1);
+    let host = rng.vec(1003, -3.0, 3.0);
+    let buffer = up(dev, &host);
+    assert_eq!(down(dev, &buffer), host);
+    let halves: Vec<bf16> = host.iter().map(|&v| bf16::from_f32(v)).collect();
+    assert_eq!(dev.download(&dev.upload(&halves).unwrap()).unwrap(), halves);
+    let ids: Vec<u32> = (0..77).map(|i| i * 3).collect();
+    assert_eq!(dev.download(&dev.upload(&ids).unwrap()).unwrap(), ids);
+    let mut target = dev.zeros::<f32>(10).unwrap();
+    assert_eq!(down(dev, &target), vec![0.0; 10]);
+    dev.copy_within_device(&buffer, 5, &mut target, 2, 8).unwrap();
+    assert_eq!(&down(dev, &target)[2..], &host[5..13]);
+    // f32 → bf16 on the device rounds like half::bf16::from_f32, and back is exact.
+    let mut converted = dev.alloc::<bf16>(host.len()).unwrap();
+    cuda::elementwise::to_bf16(dev, &buffer, &mut converted).unwrap();
+    let got = dev.download(&converted).unwrap();
+    assert!(got.iter().zip(&halves).all(|(a, b)| a.to_bits() == b.to_bits()), "bf16 rounding differs");
+    let mut widened = dev.alloc::<f32>(host.len()).unwrap();
+    cuda::elementwise::to_f32(dev, &converted, &mut widened).unwrap();
+    assert_eq!(down(dev, &widened), halves.iter().map(|h| h.to_f32()).collect::<Vec<f32>>());
+    // Mismatched lengths are errors, not panics.
+    assert!(matches!(dev.copy_to_device(&host[..5], &mut target), Err(CudaError::Shape { .. })));
+}

@@ -1,0 +1,170 @@
+//! Elementwise kernels: every unary op forward and backward, broadcast binary ops, scalar
+//! ops, axpy, select, strided copies and SwiGLU.
+
+use kernels::cpu;
+use kernels::cpu::binary::Binary;
+use kernels::cpu::unary::Unary;
+use kernels::cuda::{self, CudaError, DeviceBuffer};
+
+use super::{assert_elementwise, down, stale, up, Rng};
+
+#[test]
+fn unary_forward_and_backward_agree() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(2);
+    for op in Unary::ALL {
+        let positive = matches!(op, Unary::Log | Unary::Sqrt | Unary::Rsqrt | Unary::Powf(_));
+        let x: Vec<f32> =
+            rng.vec(5003, -6.0, 6.0).into_iter().map(|v| if positive { v.abs() + 0.1 } else { v }).collect();
+        let (mut y, mut dx) = (vec![0.0; x.len()], stale(x.len()));
+        let dy = rng.vec(x.len(), -1.0, 1.0);
+        let (gx, gdy, mut gy, mut gdx) = (up(dev, &x), up(dev, &dy), dev.zeros(x.len()).unwrap(), up(dev, &dx));
+        cpu::unary::unary_forward(op, &x, &mut y);
+        cpu::unary::unary_backward(op, &x, &y, &dy, &mut dx);
+        cuda::elementwise::unary_forward(dev, op, &gx, &mut gy).unwrap();
+        assert_elementwise(&format!("{op:?} forward"), &down(dev, &gy), &y);
+        // The backward reads the CPU's y so that only the derivative is compared.
+        cuda::elementwise::unary_backward(dev, op, &gx, &up(dev, &y), &gdy, &mut gdx).unwrap();
+        assert_elementwise(&format!("{op:?} backward"), &down(dev, &gdx), &dx);
+    }
+}
+
+/// One broadcast of `binary_forward`: each operand on the host and on the device.
+struct Broadcast<'a> {
+    a: (&'a [f32], &'a DeviceBuffer<f32>),
+    a_offset: usize,
+    a_strides: Vec<usize>,
+    b: (&'a [f32], &'a DeviceBuffer<f32>),
+    b_strides: Vec<usize>,
+    shape: Vec<usize>,
+}
+
+#[test]
+fn binary_broadcasts_scalar_axpy_select_and_copy_agree() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(3);
+    let (n, c) = (301, 67);
+    let x = rng.vec(n * c + 3, -4.0, 4.0);
+    let bias = rng.vec(c, -2.0, 2.0);
+    let per_row = rng.vec(n, 0.5, 2.0);
+    let (gx, gbias, grow) = (up(dev, &x), up(dev, &bias), up(dev, &per_row));
+    let ops = [Binary::Add, Binary::Sub, Binary::Mul, Binary::Div, Binary::Maximum, Binary::Minimum];
+    // Contiguous with an offset, a bias over rows, a per-row scale, and transposed operands.
+    let cases = [
+        Broadcast {
+            a: (&x, &gx),
+            a_offset: 3,
+            a_strides: vec![c, 1],
+            b: (&x, &gx),
+            b_strides: vec![c, 1],
+            shape: vec![n, c],
+        },
+        Broadcast {
+            a: (&x, &gx),
+            a_offset: 0,
+            a_strides: vec![c, 1],
+            b: (&bias, &gbias),
+            b_strides: vec![0, 1],
+            shape: vec![n, c],
+        },
+        Broadcast {
+            a: (&per_row, &grow),
+            a_offset: 0,
+            a_strides: vec![1, 0],
+            b: (&x, &gx),
+            b_strides: vec![c, 1],
+            shape: vec![n, c],
+        },
+        Broadcast {
+            a: (&x, &gx),
+            a_offset: 1,
+            a_strides: vec![1, c],
+            b: (&x, &gx),
+            b_strides: vec![1, c],
+            shape: vec![c, n],
+        },
+    ];
+    for op in ops {
+        for case in &cases {
+            let numel: usize = case.shape.iter().product();
+            let mut want = vec![0.0; numel];
+            let (a, b) = (case.a.0, case.b.0);
+            cpu::binary::binary_forward(
+                op,
+                a,
+                case.a_offset,
+                &case.a_strides,
+                b,
+                0,
+                &case.b_strides,
+                &case.shape,
+                &mut want,
+            );
+            let mut out = dev.alloc(numel).unwrap();
+            let (ga, gb) = (case.a.1, case.b.1);
+            cuda::elementwise::binary_forward(
+                dev,
+                op,
+                ga,
+                case.a_offset,
+                &case.a_strides,
+                gb,
+                0,
+                &case.b_strides,
+                &case.shape,
+                &mut out,
+            )
+            .unwrap();
+            assert_elementwise(&format!("{op:?} {:?}", case.shape), &down(dev, &out), &want);
+        }
+        let mut want = vec![0.0; x.len()];
+        cpu::binary::scalar_forward(op, &x, 1.5, &mut want);
+        let mut out = dev.alloc(x.len()).unwrap();
+        cuda::elementwise::scalar_forward(dev, op, &gx, 1.5, &mut out).unwrap();
+        assert_elementwise(&format!("{op:?} scalar"), &down(dev, &out), &want);
+    }
+    let mut dst = rng.vec(x.len(), -1.0, 1.0);
+    let mut gdst = up(dev, &dst);
+    cpu::binary::axpy(-0.75, &x, &mut dst);
+    cuda::elementwise::axpy(dev, -0.75, &gx, &mut gdst).unwrap();
+    cpu::binary::add_assign(&mut dst, &x);
+    cuda::elementwise::add_assign(dev, &mut gdst, &gx).unwrap();
+    assert_elementwise("axpy + add_assign", &down(dev, &gdst), &dst);
+    let cond: Vec<f32> = (0..x.len()).map(|i| (i % 3 == 0) as u8 as f32).collect();
+    let mut want = vec![0.0; x.len()];
+    cpu::binary::select(&cond, &x, &dst, &mut want);
+    let mut out = dev.alloc(x.len()).unwrap();
+    cuda::elementwise::select(dev, &up(dev, &cond), &gx, &gdst, &mut out).unwrap();
+    assert_eq!(down(dev, &out), want, "select");
+    // A transposed, offset view and a broadcast view.
+    for (offset, shape, strides) in [(2usize, vec![c, n], vec![1usize, c]), (0, vec![4, n, c], vec![0, c, 1])] {
+        let numel: usize = shape.iter().product();
+        let mut want = vec![0.0; numel];
+        cpu::copy::copy_strided(&x, offset, &shape, &strides, &mut want);
+        let mut out = dev.alloc(numel).unwrap();
+        cuda::elementwise::copy_strided(dev, &gx, offset, &shape, &strides, &mut out).unwrap();
+        assert_eq!(down(dev, &out), want, "copy_strided {shape:?}");
+    }
+}
+
+#[test]
+fn swiglu_forward_and_backward_agree() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(18);
+    // 5003: many blocks and a length that is no multiple of the CPU's SIMD width.
+    let n = 5003;
+    let (gate, upv, dout) = (rng.vec(n, -12.0, 12.0), rng.vec(n, -3.0, 3.0), rng.vec(n, -2.0, 2.0));
+    let (mut y, mut dgate, mut dup) = (vec![0.0; n], stale(n), stale(n));
+    let (gg, gu, gdout, mut gy) = (up(dev, &gate), up(dev, &upv), up(dev, &dout), dev.alloc(n).unwrap());
+    let (mut gdgate, mut gdup) = (up(dev, &dgate), up(dev, &dup));
+    cpu::swiglu::swiglu_forward(&gate, &upv, &mut y);
+    cpu::swiglu::swiglu_backward(&gate, &upv, &dout, &mut dgate, &mut dup);
+    cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut gy).unwrap();
+    cuda::swiglu::swiglu_backward(dev, &gg, &gu, &gdout, &mut gdgate, &mut gdup).unwrap();
+    assert_elementwise("swiglu forward", &down(dev, &gy), &y);
+    // Both sides overwrite their stale gradient buffers.
+    assert_elementwise("swiglu dgate", &down(dev, &gdgate), &dgate);
+    assert_elementwise("swiglu dup", &down(dev, &gdup), &dup);
+    let mut short = dev.alloc(n - 1).unwrap();
+    assert!(matches!(cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut short), Err(CudaError::Shape { .. })));
+}

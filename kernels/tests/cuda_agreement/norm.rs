@@ -1,0 +1,153 @@
+//! RMSNorm, LayerNorm and batch norm (training and evaluation), forward and backward.
+
+use kernels::cpu;
+use kernels::cuda::{self, CudaError};
+
+use super::{assert_close_to, assert_reduced, down, stale, up, Rng};
+
+#[test]
+fn rms_norm_and_layer_norm_agree() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(7);
+    for (rows, cols) in [(2048, 67), (3, 768), (1, 1), (5000, 32)] {
+        let (x, w, b, dy) = (
+            rng.vec(rows * cols, -2.0, 2.0),
+            rng.vec(cols, 0.5, 1.5),
+            rng.vec(cols, -1.0, 1.0),
+            rng.vec(rows * cols, -1.0, 1.0),
+        );
+        let (gx, gw, gb, gdy) = (up(dev, &x), up(dev, &w), up(dev, &b), up(dev, &dy));
+        // Stale gradient buffers (NaN): both devices must overwrite them.
+        let start = stale(rows * cols);
+        let wstart = stale(cols);
+        // RMSNorm
+        let (mut y, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows]);
+        cpu::norm::rms_norm_forward(&x, &w, cols, 1e-5, &mut y, &mut rstd);
+        let (mut gy, mut grstd) = (dev.alloc(x.len()).unwrap(), dev.alloc(rows).unwrap());
+        cuda::norm::rms_norm_forward(dev, &gx, &gw, cols, 1e-5, &mut gy, &mut grstd).unwrap();
+        assert_reduced("rms y", &down(dev, &gy), &y);
+        assert_reduced("rms rstd", &down(dev, &grstd), &rstd);
+        let (mut dx, mut dw) = (start.clone(), wstart.clone());
+        cpu::norm::rms_norm_backward(&x, &w, &rstd, &dy, cols, &mut dx, &mut dw);
+        let (mut gdx, mut gdw) = (up(dev, &start), up(dev, &wstart));
+        cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), &gdy, cols, &mut gdx, &mut gdw).unwrap();
+        assert_reduced("rms dx", &down(dev, &gdx), &dx);
+        assert_reduced("rms dw", &down(dev, &gdw), &dw);
+        // LayerNorm, with and without the affine parameters. Not over one column: there x̂ is
+        // 0 up to the rounding of the mean, which rstd = 1/√eps amplifies twice, so dx (= the
+        // starting gradient in exact arithmetic) differs between any two summation orders by
+        // more than the tolerance (an H100 gave 3.9e-6 on a value of 0.0115).
+        for affine in [true, false].into_iter().filter(|_| cols > 1) {
+            let (wo, bo) = if affine { (Some(&w[..]), Some(&b[..])) } else { (None, None) };
+            let (gwo, gbo) = if affine { (Some(&gw), Some(&gb)) } else { (None, None) };
+            let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows], vec![0.0; rows]);
+            cpu::norm::layer_norm_forward(&x, wo, bo, cols, 1e-5, &mut y, &mut mean, &mut rstd);
+            let (mut gy, mut gmean, mut grstd) =
+                (dev.alloc(x.len()).unwrap(), dev.alloc(rows).unwrap(), dev.alloc(rows).unwrap());
+            cuda::norm::layer_norm_forward(dev, &gx, gwo, gbo, cols, 1e-5, &mut gy, &mut gmean, &mut grstd).unwrap();
+            assert_reduced("layer y", &down(dev, &gy), &y);
+            assert_reduced("layer mean", &down(dev, &gmean), &mean);
+            assert_reduced("layer rstd", &down(dev, &grstd), &rstd);
+            let (mut dx, mut dw, mut db) = (start.clone(), wstart.clone(), wstart.clone());
+            let (dwo, dbo) = if affine { (Some(&mut dw[..]), Some(&mut db[..])) } else { (None, None) };
+            cpu::norm::layer_norm_backward(&x, wo, &mean, &rstd, &dy, cols, &mut dx, dwo, dbo);
+            let (mut gdx, mut gdw, mut gdb) = (up(dev, &start), up(dev, &wstart), up(dev, &wstart));
+            let (gdwo, gdbo) = if affine { (Some(&mut gdw), Some(&mut gdb)) } else { (None, None) };
+            let (gm, gr) = (up(dev, &mean), up(dev, &rstd));
+            cuda::norm::layer_norm_backward(dev, &gx, gwo, &gm, &gr, &gdy, cols, &mut gdx, gdwo, gdbo).unwrap();
+            assert_reduced("layer dx", &down(dev, &gdx), &dx);
+            assert_reduced("layer dw", &down(dev, &gdw), &dw);
+            assert_reduced("layer db", &down(dev, &gdb), &db);
+        }
+    }
+    // Shape errors come back before any launch.
+    let (gx, gw) = (up(dev, &[1.0; 10]), up(dev, &[1.0; 3]));
+    let (mut gy, mut gr) = (dev.alloc(10).unwrap(), dev.alloc(2).unwrap());
+    let result = cuda::norm::rms_norm_forward(dev, &gx, &gw, 5, 1e-5, &mut gy, &mut gr);
+    assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
+}
+
+#[test]
+fn batch_norm_agrees() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(12);
+    for (batch, channels, spatial) in [(8, 16, 64), (3, 4, 3001), (2, 3, 1)] {
+        let x = rng.vec(batch * channels * spatial, -3.0, 3.0);
+        let (w, b) = (rng.vec(channels, 0.5, 1.5), rng.vec(channels, -1.0, 1.0));
+        let (rm0, rv0) = (rng.vec(channels, -0.5, 0.5), rng.vec(channels, 0.5, 2.0));
+        let (gx, gw, gb) = (up(dev, &x), up(dev, &w), up(dev, &b));
+        for affine in [true, false] {
+            let (wo, bo) = if affine { (Some(&w[..]), Some(&b[..])) } else { (None, None) };
+            let (gwo, gbo) = if affine { (Some(&gw), Some(&gb)) } else { (None, None) };
+            let (mut rm, mut rv) = (rm0.clone(), rv0.clone());
+            let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; channels], vec![0.0; channels]);
+            cpu::batch_norm::batch_norm_train_forward(
+                &x, batch, channels, spatial, wo, bo, 1e-5, 0.1, &mut rm, &mut rv, &mut y, &mut mean, &mut rstd,
+            );
+            let (mut grm, mut grv) = (up(dev, &rm0), up(dev, &rv0));
+            let (mut gy, mut gmean, mut grstd) =
+                (dev.alloc(x.len()).unwrap(), dev.alloc(channels).unwrap(), dev.alloc(channels).unwrap());
+            cuda::batch_norm::batch_norm_train_forward(
+                dev, &gx, batch, channels, spatial, gwo, gbo, 1e-5, 0.1, &mut grm, &mut grv, &mut gy, &mut gmean,
+                &mut grstd,
+            )
+            .unwrap();
+            assert_reduced("bn y", &down(dev, &gy), &y);
+            assert_reduced("bn mean", &down(dev, &gmean), &mean);
+            assert_reduced("bn rstd", &down(dev, &grstd), &rstd);
+            assert_reduced("bn running mean", &down(dev, &grm), &rm);
+            assert_reduced("bn running var", &down(dev, &grv), &rv);
+
+            let mut y_eval = vec![0.0; x.len()];
+            cpu::batch_norm::batch_norm_eval_forward(&x, batch, channels, spatial, wo, bo, 1e-5, &rm, &rv, &mut y_eval);
+            cuda::batch_norm::batch_norm_eval_forward(
+                dev, &gx, batch, channels, spatial, gwo, gbo, 1e-5, &grm, &grv, &mut gy,
+            )
+            .unwrap();
+            assert_reduced("bn eval y", &down(dev, &gy), &y_eval);
+
+            let dy = rng.vec(x.len(), -1.0, 1.0);
+            let (sx, sc) = (stale(x.len()), stale(channels));
+            let (mut dx, mut dw, mut db) = (sx.clone(), sc.clone(), sc.clone());
+            cpu::batch_norm::batch_norm_train_backward(
+                &x,
+                batch,
+                channels,
+                spatial,
+                wo,
+                &mean,
+                &rstd,
+                &dy,
+                &mut dx,
+                Some(&mut dw),
+                Some(&mut db),
+            );
+            let (mut gdx, mut gdw, mut gdb) = (up(dev, &sx), up(dev, &sc), up(dev, &sc));
+            let (gm, gr) = (up(dev, &mean), up(dev, &rstd));
+            cuda::batch_norm::batch_norm_train_backward(
+                dev,
+                &gx,
+                batch,
+                channels,
+                spatial,
+                gwo,
+                &gm,
+                &gr,
+                &up(dev, &dy),
+                &mut gdx,
+                Some(&mut gdw),
+                Some(&mut gdb),
+            )
+            .unwrap();
+            // dx = k·dy + slope·x + offset (k = rstd·w) nearly cancels where a channel holds
+            // few values (two values normalise to ±1 whatever x is, so dx is 0 up to eps): its
+            // rounding is relative to the terms, and the GPU fuses them into FMAs. An H100 gave
+            // an error of 1.2e-7 on a dx of 2.8e-5 with terms near 0.9.
+            let gain = |c: usize| rstd[c] * wo.map_or(1.0, |w| w[c]);
+            let terms = (0..channels).map(gain).fold(0.0f32, f32::max) * dy.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            assert_close_to("bn dx", &down(dev, &gdx), &dx, 1e-4, 2e-6 * terms);
+            assert_reduced("bn dw", &down(dev, &gdw), &dw);
+            assert_reduced("bn db", &down(dev, &gdb), &db);
+        }
+    }
+}

@@ -1,0 +1,68 @@
+//! Softmax and log-softmax forward and backward; cross-entropy with `ignore_index`.
+
+use kernels::cpu;
+use kernels::cuda::{self, CudaError};
+
+use super::{assert_close, assert_reduced, down, stale, up, Rng};
+
+#[test]
+fn softmax_and_log_softmax_agree() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(5);
+    for (rows, cols) in [(300, 257), (7, 1), (3, 5000), (64, 33)] {
+        let x = rng.vec(rows * cols, -20.0, 20.0);
+        let dy = rng.vec(rows * cols, -1.0, 1.0);
+        let start = stale(rows * cols);
+        let (gx, gdy) = (up(dev, &x), up(dev, &dy));
+        for log in [false, true] {
+            let mut y = vec![0.0; x.len()];
+            let mut dx = start.clone();
+            let mut gy = dev.alloc(x.len()).unwrap();
+            let mut gdx = up(dev, &start);
+            if log {
+                cpu::softmax::log_softmax_forward(&x, cols, &mut y);
+                cpu::softmax::log_softmax_backward(&y, &dy, cols, &mut dx);
+                cuda::softmax::log_softmax_forward(dev, &gx, cols, &mut gy).unwrap();
+                cuda::softmax::log_softmax_backward(dev, &up(dev, &y), &gdy, cols, &mut gdx).unwrap();
+            } else {
+                cpu::softmax::softmax_forward(&x, cols, &mut y);
+                cpu::softmax::softmax_backward(&y, &dy, cols, &mut dx);
+                cuda::softmax::softmax_forward(dev, &gx, cols, &mut gy).unwrap();
+                cuda::softmax::softmax_backward(dev, &up(dev, &y), &gdy, cols, &mut gdx).unwrap();
+            }
+            assert_close(&format!("softmax(log {log}) {rows}×{cols}"), &down(dev, &gy), &y, 1e-5, 1e-6);
+            assert_reduced(&format!("softmax backward(log {log}) {rows}×{cols}"), &down(dev, &gdx), &dx);
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_agrees_with_ignore_index() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(6);
+    for (rows, cols, ignore) in [(64, 5003, None), (300, 37, Some(3u32)), (5, 1, None)] {
+        let logits = rng.vec(rows * cols, -8.0, 8.0);
+        let targets: Vec<u32> = (0..rows).map(|_| rng.below(cols as u32)).collect();
+        let (mut losses, mut lse) = (vec![0.0; rows], vec![0.0; rows]);
+        let kept = cpu::cross_entropy::cross_entropy_forward(&logits, cols, &targets, ignore, &mut losses, &mut lse);
+        let (glogits, gtargets) = (up(dev, &logits), dev.upload(&targets).unwrap());
+        let (mut glosses, mut glse) = (dev.alloc(rows).unwrap(), dev.alloc(rows).unwrap());
+        let gkept =
+            cuda::softmax::cross_entropy_forward(dev, &glogits, cols, &gtargets, ignore, &mut glosses, &mut glse)
+                .unwrap();
+        assert_eq!(gkept, kept);
+        assert_close("cross-entropy losses", &down(dev, &glosses), &losses, 1e-5, 1e-6);
+        assert_close("cross-entropy lse", &down(dev, &glse), &lse, 1e-5, 1e-6);
+        let start = stale(rows * cols);
+        let mut dlogits = start.clone();
+        cpu::cross_entropy::cross_entropy_backward(&logits, cols, &targets, ignore, &lse, 0.25, &mut dlogits);
+        let mut gd = up(dev, &start);
+        cuda::softmax::cross_entropy_backward(dev, &glogits, cols, &gtargets, ignore, &glse, 0.25, &mut gd).unwrap();
+        assert_close("cross-entropy backward", &down(dev, &gd), &dlogits, 1e-5, 1e-6);
+    }
+    // A target out of range is an error, not a panic.
+    let (glogits, bad) = (up(dev, &[0.0, 1.0]), dev.upload(&[2u32]).unwrap());
+    let (mut l, mut s) = (dev.alloc(1).unwrap(), dev.alloc(1).unwrap());
+    let result = cuda::softmax::cross_entropy_forward(dev, &glogits, 2, &bad, None, &mut l, &mut s);
+    assert!(matches!(result, Err(CudaError::Invalid { .. })), "{result:?}");
+}
