@@ -5,7 +5,9 @@ use half::bf16;
 use kernels::cpu;
 use kernels::cpu::fused_gate::{FusedGateDims, FusedGateGrads, FusedGateParams, GateGrads, GateParams};
 use kernels::cpu::unary::Unary;
-use kernels::cuda::fused_gate::{DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams};
+use kernels::cuda::fused_gate::{
+    DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, GateProducts,
+};
 use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer};
 
 use super::{assert_close, down, stale, up, Rng};
@@ -146,11 +148,6 @@ fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
     let mut dc: Vec<Vec<f32>> = [rc * d_in, rc, d_out * rc, d_out].iter().map(|&l| stale(l)).collect();
     let mut ds: Vec<Vec<f32>> = [rs * d_in, rs, rs, 1].iter().map(|&l| stale(l)).collect();
     let (mut dalpha_c, mut dalpha_s) = (f32::NAN, f32::NAN);
-    let mut gdx = up(dev, &dx);
-    let mut gdw = up(dev, &dw);
-    let mut gdc: Vec<DeviceBuffer<f32>> = dc.iter().map(|v| up(dev, v)).collect();
-    let mut gds: Vec<DeviceBuffer<f32>> = ds.iter().map(|v| up(dev, v)).collect();
-    let (mut gdac, mut gdas) = (up(dev, &[dalpha_c]), up(dev, &[dalpha_s]));
     {
         let [ca, cab, cb, cbb] = &mut dc[..] else { unreachable!() };
         let [sa, sab, sb, sbb] = &mut ds[..] else { unreachable!() };
@@ -163,27 +160,45 @@ fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
         let mut dzu = vec![0.0; zu.len()];
         cpu::fused_gate::fused_gate_backward(&dims, &case.x, &p, &zu, &saved, &dout, &mut dzu, &mut grads);
     }
-    {
-        let [ca, cab, cb, cbb] = &mut gdc[..] else { unreachable!() };
-        let [sa, sab, sb, sbb] = &mut gds[..] else { unreachable!() };
-        let mut grads = DeviceFusedGateGrads {
-            x: &mut gdx,
-            weight: &mut gdw,
-            channel: DeviceGateGrads { a_weight: ca, a_bias: cab, b_weight: cb, b_bias: cbb, alpha: &mut gdac },
-            scalar: DeviceGateGrads { a_weight: sa, a_bias: sab, b_weight: sb, b_bias: sbb, alpha: &mut gdas },
-        };
-        let gx = up(dev, &case.x);
-        cuda::fused_gate::fused_gate_backward(dev, &dims, &gx, &gp, &gzu, &up(dev, &dout), &mut grads).unwrap();
+    let mut want = vec![dx, dw];
+    want.extend(dc);
+    want.extend(ds);
+    want.extend([vec![dalpha_c], vec![dalpha_s]]);
+    // The same gradients from the GPU, into stale buffers, with products of `precision`.
+    let gpu_backward = |products: GateProducts| -> Vec<Vec<f32>> {
+        let mut gdx = up(dev, &stale(rows * d_in));
+        let mut gdw = up(dev, &stale(d_out * d_in));
+        let mut gdc: Vec<DeviceBuffer<f32>> =
+            [rc * d_in, rc, d_out * rc, d_out].iter().map(|&l| up(dev, &stale(l))).collect();
+        let mut gds: Vec<DeviceBuffer<f32>> = [rs * d_in, rs, rs, 1].iter().map(|&l| up(dev, &stale(l))).collect();
+        let (mut gdac, mut gdas) = (up(dev, &[f32::NAN]), up(dev, &[f32::NAN]));
+        {
+            let [ca, cab, cb, cbb] = &mut gdc[..] else { unreachable!() };
+            let [sa, sab, sb, sbb] = &mut gds[..] else { unreachable!() };
+            let mut grads = DeviceFusedGateGrads {
+                x: &mut gdx,
+                weight: &mut gdw,
+                channel: DeviceGateGrads { a_weight: ca, a_bias: cab, b_weight: cb, b_bias: cbb, alpha: &mut gdac },
+                scalar: DeviceGateGrads { a_weight: sa, a_bias: sab, b_weight: sb, b_bias: sbb, alpha: &mut gdas },
+            };
+            let gx = up(dev, &case.x);
+            let gdout = up(dev, &dout);
+            cuda::fused_gate::fused_gate_backward(dev, &dims, &gx, &gp, &gzu, &gdout, products, &mut grads).unwrap();
+        }
+        let mut got = vec![down(dev, &gdx), down(dev, &gdw)];
+        got.extend(gdc.iter().chain(&gds).chain([&gdac, &gdas]).map(|g| down(dev, g)));
+        got
+    };
+    let names = ["dx", "dW", "channel dA", "channel da", "channel dB", "channel db"];
+    let names = names.iter().chain(&["scalar dA", "scalar da", "scalar dB", "scalar db", "channel dα", "scalar dα"]);
+    // bf16 operands: about 8 significant bits each, so a bound relative to the largest entry.
+    let bf16 = GateProducts::Bf16 { x: &gx16 };
+    for (products, bound) in [(GateProducts::F32, rel), (bf16, 3e-2)] {
+        let got = gpu_backward(products);
+        for ((name, got), want) in names.clone().zip(&got).zip(&want) {
+            assert_close(&format!("{name} {what} ({products:?})"), got, want, 0.0, bound);
+        }
     }
-    assert_close(&format!("dx {what}"), &down(dev, &gdx), &dx, 0.0, rel);
-    assert_close(&format!("dW {what}"), &down(dev, &gdw), &dw, 0.0, rel);
-    let names = ["dA", "da", "dB", "db"];
-    for (i, name) in names.iter().enumerate() {
-        assert_close(&format!("channel {name} {what}"), &down(dev, &gdc[i]), &dc[i], 0.0, rel);
-        assert_close(&format!("scalar {name} {what}"), &down(dev, &gds[i]), &ds[i], 0.0, rel);
-    }
-    assert_close(&format!("channel dα {what}"), &down(dev, &gdac), &[dalpha_c], 0.0, rel);
-    assert_close(&format!("scalar dα {what}"), &down(dev, &gdas), &[dalpha_s], 0.0, rel);
 }
 
 #[test]

@@ -55,9 +55,13 @@ fn cross_entropy_agrees_with_ignore_index() {
         assert_close("cross-entropy lse", &down(dev, &glse), &lse, 1e-5, 1e-6);
         let start = stale(rows * cols);
         let mut dlogits = start.clone();
-        cpu::cross_entropy::cross_entropy_backward(&logits, cols, &targets, ignore, &lse, 0.25, &mut dlogits);
+        // The GPU reads the mean loss's gradient (0.75) on the device and divides by the count.
+        let scale = 0.75 / kept as f32;
+        cpu::cross_entropy::cross_entropy_backward(&logits, cols, &targets, ignore, &lse, scale, &mut dlogits);
         let mut gd = up(dev, &start);
-        cuda::softmax::cross_entropy_backward(dev, &glogits, cols, &gtargets, ignore, &glse, 0.25, &mut gd).unwrap();
+        let (upstream, count) = (up(dev, &[0.75]), kept);
+        let g_scale = cuda::softmax::MeanLossGrad { upstream: &upstream, count };
+        cuda::softmax::cross_entropy_backward(dev, &glogits, cols, &gtargets, ignore, &glse, g_scale, &mut gd).unwrap();
         assert_close("cross-entropy backward", &down(dev, &gd), &dlogits, 1e-5, 1e-6);
     }
     // A target out of range is an error, not a panic.
