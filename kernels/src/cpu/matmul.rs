@@ -80,6 +80,13 @@ pub enum Store {
     Accumulate,
 }
 
+impl Store {
+    /// Whether the destination's old contents are read (BLAS's β = 1).
+    pub(crate) fn reads_dst(self) -> bool {
+        self == Store::Accumulate
+    }
+}
+
 /// `dst[m×n] = lhs[m×k] · rhs[k×n]` (or `+=` with [`Store::Accumulate`]), with `dst`
 /// row-major contiguous at `dst_offset`.
 ///
@@ -96,8 +103,7 @@ pub fn matmul(
     k: usize,
     store: Store,
 ) {
-    let accumulate = store == Store::Accumulate;
-    let Some(dst) = checked_dst(dst, dst_offset, &lhs, &rhs, m, n, k, accumulate) else {
+    let Some(dst) = checked_dst(dst, dst_offset, &lhs, &rhs, m, n, k, store) else {
         return;
     };
     let parallel = m * n * k >= PARALLEL_MIN_FLOPS && rayon::current_num_threads() > 1;
@@ -107,16 +113,14 @@ pub fn matmul(
                 if parallel { Parallelism::Rayon(rayon::current_num_threads()) } else { Parallelism::None };
             // SAFETY: dst is an exclusively borrowed m×n row-major block; lhs and rhs were
             // bounds-checked above for m×k and k×n.
-            unsafe { gemm_block(dst.as_mut_ptr(), n, lhs, rhs, m, n, k, accumulate, parallelism) }
+            unsafe { gemm_block(dst.as_mut_ptr(), n, lhs, rhs, m, n, k, store, parallelism) }
         }
         Split::Rows => {
             let block = |(i, rows): (usize, &mut [f32])| {
                 let lhs = MatRef { offset: offset_by(lhs.offset, i * OUT_BLOCK, lhs.row_stride), ..lhs };
                 // SAFETY: `rows` is this task's own run of whole dst rows (row stride n);
                 // the lhs rows it reads lie inside the m×k block checked above.
-                unsafe {
-                    gemm_block(rows.as_mut_ptr(), n, lhs, rhs, rows.len() / n, n, k, accumulate, Parallelism::None)
-                }
+                unsafe { gemm_block(rows.as_mut_ptr(), n, lhs, rhs, rows.len() / n, n, k, store, Parallelism::None) }
             };
             if parallel {
                 dst.par_chunks_mut(OUT_BLOCK * n).enumerate().for_each(block);
@@ -133,7 +137,7 @@ pub fn matmul(
                 // which no other task touches; the rhs columns lie inside the checked block.
                 unsafe {
                     let at = dst.get().add(j * OUT_BLOCK);
-                    gemm_block(at, n, lhs, rhs, m, cols, k, accumulate, Parallelism::None)
+                    gemm_block(at, n, lhs, rhs, m, cols, k, store, Parallelism::None)
                 }
             };
             let blocks = n.div_ceil(OUT_BLOCK);
@@ -145,21 +149,21 @@ pub fn matmul(
         }
         Split::Depth => {
             // Part p = lhs[:, p·D..] · rhs[p·D.., :]; part 0 goes (or adds) straight into dst.
-            let part = |p: usize, out: &mut [f32], read_dst: bool| {
+            let part = |p: usize, out: &mut [f32], store: Store| {
                 let depth = DEPTH_BLOCK.min(k - p * DEPTH_BLOCK);
                 let lhs = MatRef { offset: offset_by(lhs.offset, p * DEPTH_BLOCK, lhs.col_stride), ..lhs };
                 let rhs = MatRef { offset: offset_by(rhs.offset, p * DEPTH_BLOCK, rhs.row_stride), ..rhs };
                 // SAFETY: `out` is an exclusively borrowed m×n buffer; the operands' depth
                 // slices lie inside the m×k and k×n blocks checked above.
-                unsafe { gemm_block(out.as_mut_ptr(), n, lhs, rhs, m, n, depth, read_dst, Parallelism::None) }
+                unsafe { gemm_block(out.as_mut_ptr(), n, lhs, rhs, m, n, depth, store, Parallelism::None) }
             };
             let parts = k.div_ceil(DEPTH_BLOCK);
             let mut partials = vec![0.0f32; (parts - 1) * m * n];
-            let run = |(p, out): (usize, &mut [f32])| part(p + 1, out, false);
+            let run = |(p, out): (usize, &mut [f32])| part(p + 1, out, Store::Overwrite);
             if parallel {
-                rayon::join(|| part(0, dst, accumulate), || partials.par_chunks_mut(m * n).enumerate().for_each(run));
+                rayon::join(|| part(0, dst, store), || partials.par_chunks_mut(m * n).enumerate().for_each(run));
             } else {
-                part(0, dst, accumulate);
+                part(0, dst, store);
                 partials.chunks_mut(m * n).enumerate().for_each(run);
             }
             for partial in partials.chunks(m * n) {
@@ -183,11 +187,10 @@ pub fn matmul_serial(
     k: usize,
     store: Store,
 ) {
-    let accumulate = store == Store::Accumulate;
-    if let Some(dst) = checked_dst(dst, dst_offset, &lhs, &rhs, m, n, k, accumulate) {
+    if let Some(dst) = checked_dst(dst, dst_offset, &lhs, &rhs, m, n, k, store) {
         // SAFETY: dst is an exclusively borrowed m×n row-major block; lhs and rhs were
         // bounds-checked for m×k and k×n.
-        unsafe { gemm_block(dst.as_mut_ptr(), n, lhs, rhs, m, n, k, accumulate, Parallelism::None) }
+        unsafe { gemm_block(dst.as_mut_ptr(), n, lhs, rhs, m, n, k, store, Parallelism::None) }
     }
 }
 
@@ -202,7 +205,7 @@ fn checked_dst<'a>(
     m: usize,
     n: usize,
     k: usize,
-    accumulate: bool,
+    store: Store,
 ) -> Option<&'a mut [f32]> {
     if m == 0 || n == 0 {
         return None;
@@ -212,7 +215,7 @@ fn checked_dst<'a>(
     check_bounds(rhs, k, n, "rhs");
     let dst = &mut dst[dst_offset..dst_offset + m * n];
     if k == 0 {
-        if !accumulate {
+        if store == Store::Overwrite {
             dst.fill(0.0);
         }
         return None;
@@ -239,7 +242,7 @@ fn offset_by(offset: usize, index: usize, stride: isize) -> usize {
     offset + index * stride as usize
 }
 
-/// One `gemm` call: `dst (+)= lhs·rhs` for an `m×n` block of a row-major buffer with row
+/// One `gemm` call: `dst = lhs·rhs` (`+=` with [`Store::Accumulate`]) for an `m×n` block of a row-major buffer with row
 /// stride `dst_stride`.
 ///
 /// # Safety
@@ -255,7 +258,7 @@ unsafe fn gemm_block(
     m: usize,
     n: usize,
     k: usize,
-    accumulate: bool,
+    store: Store,
     parallelism: Parallelism,
 ) {
     gemm::gemm(
@@ -265,7 +268,7 @@ unsafe fn gemm_block(
         dst,
         1,
         dst_stride as isize,
-        accumulate,
+        store.reads_dst(),
         lhs.data.as_ptr().add(lhs.offset),
         lhs.col_stride,
         lhs.row_stride,

@@ -58,13 +58,12 @@ pub fn tile_gemm(
     alpha: f32,
     store: Store,
 ) {
-    let accumulate = store == Store::Accumulate;
     if m == 0 || n == 0 {
         return;
     }
     assert!((m - 1) * c_stride + n <= c.len(), "tile_gemm: c too short");
     if k == 0 {
-        if !accumulate {
+        if store == Store::Overwrite {
             (0..m).for_each(|i| c[i * c_stride..][..n].fill(0.0));
         }
         return;
@@ -72,7 +71,7 @@ pub fn tile_gemm(
     assert!(a.offset + (m - 1) * a.row_stride + (k - 1) * a.col_stride < a.data.len(), "tile_gemm: a too short");
     assert!(b.offset + (k - 1) * b.row_stride + n <= b.data.len(), "tile_gemm: b too short");
     columns_from(
-        leading_wide_columns(c, c_stride, a, b, m, n, k, alpha, accumulate),
+        leading_wide_columns(c, c_stride, a, b, m, n, k, alpha, store),
         c,
         c_stride,
         a,
@@ -81,7 +80,7 @@ pub fn tile_gemm(
         n,
         k,
         alpha,
-        accumulate,
+        store,
     );
 }
 
@@ -97,12 +96,12 @@ fn leading_wide_columns(
     n: usize,
     k: usize,
     alpha: f32,
-    accumulate: bool,
+    store: Store,
 ) -> usize {
     #[cfg(target_arch = "x86_64")]
     if super::avx512_available() {
         // SAFETY: the CPU has AVX-512F, and tile_gemm asserted the operands' bounds.
-        return unsafe { avx512::leading_columns(c, c_stride, a, b, m, n, k, alpha, accumulate) };
+        return unsafe { avx512::leading_columns(c, c_stride, a, b, m, n, k, alpha, store) };
     }
     0
 }
@@ -120,7 +119,7 @@ fn columns_from(
     n: usize,
     k: usize,
     alpha: f32,
-    accumulate: bool,
+    store: Store,
 ) {
     let vector_end = j0.max(n - n % LANES);
     let mut j = j0;
@@ -137,18 +136,18 @@ fn columns_from(
                 let b_at = b.data.as_ptr().add(b.offset + j);
                 let tile = Tile { c: c_at, c_stride, a: a_at, a_rs: a.row_stride, a_cs: a.col_stride, b: b_at };
                 match (rows, wide) {
-                    (6, true) => micro::<6, 2>(tile, b.row_stride, k, alpha, accumulate),
-                    (5, true) => micro::<5, 2>(tile, b.row_stride, k, alpha, accumulate),
-                    (4, true) => micro::<4, 2>(tile, b.row_stride, k, alpha, accumulate),
-                    (3, true) => micro::<3, 2>(tile, b.row_stride, k, alpha, accumulate),
-                    (2, true) => micro::<2, 2>(tile, b.row_stride, k, alpha, accumulate),
-                    (_, true) => micro::<1, 2>(tile, b.row_stride, k, alpha, accumulate),
-                    (6, false) => micro::<6, 1>(tile, b.row_stride, k, alpha, accumulate),
-                    (5, false) => micro::<5, 1>(tile, b.row_stride, k, alpha, accumulate),
-                    (4, false) => micro::<4, 1>(tile, b.row_stride, k, alpha, accumulate),
-                    (3, false) => micro::<3, 1>(tile, b.row_stride, k, alpha, accumulate),
-                    (2, false) => micro::<2, 1>(tile, b.row_stride, k, alpha, accumulate),
-                    (_, false) => micro::<1, 1>(tile, b.row_stride, k, alpha, accumulate),
+                    (6, true) => micro::<6, 2>(tile, b.row_stride, k, alpha, store),
+                    (5, true) => micro::<5, 2>(tile, b.row_stride, k, alpha, store),
+                    (4, true) => micro::<4, 2>(tile, b.row_stride, k, alpha, store),
+                    (3, true) => micro::<3, 2>(tile, b.row_stride, k, alpha, store),
+                    (2, true) => micro::<2, 2>(tile, b.row_stride, k, alpha, store),
+                    (_, true) => micro::<1, 2>(tile, b.row_stride, k, alpha, store),
+                    (6, false) => micro::<6, 1>(tile, b.row_stride, k, alpha, store),
+                    (5, false) => micro::<5, 1>(tile, b.row_stride, k, alpha, store),
+                    (4, false) => micro::<4, 1>(tile, b.row_stride, k, alpha, store),
+                    (3, false) => micro::<3, 1>(tile, b.row_stride, k, alpha, store),
+                    (2, false) => micro::<2, 1>(tile, b.row_stride, k, alpha, store),
+                    (_, false) => micro::<1, 1>(tile, b.row_stride, k, alpha, store),
                 }
             }
             i += rows;
@@ -163,7 +162,7 @@ fn columns_from(
                 })
                 .sum();
             let out = &mut c[i * c_stride + j];
-            *out = alpha * dot + if accumulate { *out } else { 0.0 };
+            *out = alpha * dot + if store.reads_dst() { *out } else { 0.0 };
         }
     }
 }
@@ -175,7 +174,7 @@ mod avx512 {
     use std::arch::x86_64::{__m512, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mul_ps, _mm512_set1_ps};
     use std::arch::x86_64::{_mm512_setzero_ps, _mm512_storeu_ps};
 
-    use super::{Tile, TileA, TileB};
+    use super::{Store, Tile, TileA, TileB};
 
     const LANES: usize = 16;
     const MR: usize = 8;
@@ -195,7 +194,7 @@ mod avx512 {
         n: usize,
         k: usize,
         alpha: f32,
-        accumulate: bool,
+        store: Store,
     ) -> usize {
         let end = n - n % LANES;
         let mut j = 0;
@@ -210,22 +209,22 @@ mod avx512 {
                 let t = Tile { c: c_at, c_stride, a: a_at, a_rs: a.row_stride, a_cs: a.col_stride, b: b_at };
                 let s = b.row_stride;
                 match (rows, wide) {
-                    (8, true) => micro::<8, 2>(t, s, k, alpha, accumulate),
-                    (7, true) => micro::<7, 2>(t, s, k, alpha, accumulate),
-                    (6, true) => micro::<6, 2>(t, s, k, alpha, accumulate),
-                    (5, true) => micro::<5, 2>(t, s, k, alpha, accumulate),
-                    (4, true) => micro::<4, 2>(t, s, k, alpha, accumulate),
-                    (3, true) => micro::<3, 2>(t, s, k, alpha, accumulate),
-                    (2, true) => micro::<2, 2>(t, s, k, alpha, accumulate),
-                    (_, true) => micro::<1, 2>(t, s, k, alpha, accumulate),
-                    (8, false) => micro::<8, 1>(t, s, k, alpha, accumulate),
-                    (7, false) => micro::<7, 1>(t, s, k, alpha, accumulate),
-                    (6, false) => micro::<6, 1>(t, s, k, alpha, accumulate),
-                    (5, false) => micro::<5, 1>(t, s, k, alpha, accumulate),
-                    (4, false) => micro::<4, 1>(t, s, k, alpha, accumulate),
-                    (3, false) => micro::<3, 1>(t, s, k, alpha, accumulate),
-                    (2, false) => micro::<2, 1>(t, s, k, alpha, accumulate),
-                    (_, false) => micro::<1, 1>(t, s, k, alpha, accumulate),
+                    (8, true) => micro::<8, 2>(t, s, k, alpha, store),
+                    (7, true) => micro::<7, 2>(t, s, k, alpha, store),
+                    (6, true) => micro::<6, 2>(t, s, k, alpha, store),
+                    (5, true) => micro::<5, 2>(t, s, k, alpha, store),
+                    (4, true) => micro::<4, 2>(t, s, k, alpha, store),
+                    (3, true) => micro::<3, 2>(t, s, k, alpha, store),
+                    (2, true) => micro::<2, 2>(t, s, k, alpha, store),
+                    (_, true) => micro::<1, 2>(t, s, k, alpha, store),
+                    (8, false) => micro::<8, 1>(t, s, k, alpha, store),
+                    (7, false) => micro::<7, 1>(t, s, k, alpha, store),
+                    (6, false) => micro::<6, 1>(t, s, k, alpha, store),
+                    (5, false) => micro::<5, 1>(t, s, k, alpha, store),
+                    (4, false) => micro::<4, 1>(t, s, k, alpha, store),
+                    (3, false) => micro::<3, 1>(t, s, k, alpha, store),
+                    (2, false) => micro::<2, 1>(t, s, k, alpha, store),
+                    (_, false) => micro::<1, 1>(t, s, k, alpha, store),
                 }
                 i += rows;
             }
@@ -240,7 +239,7 @@ mod avx512 {
     /// As `super::micro`, with 16-float rows, on a CPU with AVX-512F.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn micro<const R: usize, const NV: usize>(t: Tile, b_stride: usize, k: usize, alpha: f32, accumulate: bool) {
+    unsafe fn micro<const R: usize, const NV: usize>(t: Tile, b_stride: usize, k: usize, alpha: f32, store: Store) {
         let mut acc: [[__m512; NV]; R] = [[_mm512_setzero_ps(); NV]; R];
         for p in 0..k {
             let b_row = t.b.add(p * b_stride);
@@ -260,7 +259,7 @@ mod avx512 {
         for (r, acc_row) in acc.iter().enumerate() {
             for (v, &sum) in acc_row.iter().enumerate() {
                 let at = t.c.add(r * t.c_stride + v * LANES);
-                let out = if accumulate {
+                let out = if store.reads_dst() {
                     _mm512_fmadd_ps(sum, alpha, _mm512_loadu_ps(at))
                 } else {
                     _mm512_mul_ps(sum, alpha)
@@ -289,7 +288,7 @@ struct Tile {
 /// borrowed), `t.a` for `R × k` reads with its strides, `t.b` for `k` rows of `8·NV`
 /// elements `b_stride` apart.
 #[inline(always)]
-unsafe fn micro<const R: usize, const NV: usize>(t: Tile, b_stride: usize, k: usize, alpha: f32, accumulate: bool) {
+unsafe fn micro<const R: usize, const NV: usize>(t: Tile, b_stride: usize, k: usize, alpha: f32, store: Store) {
     let mut acc = [[f32x8::ZERO; NV]; R];
     for p in 0..k {
         let b_row = t.b.add(p * b_stride);
@@ -306,7 +305,7 @@ unsafe fn micro<const R: usize, const NV: usize>(t: Tile, b_stride: usize, k: us
     for (r, acc_row) in acc.iter().enumerate() {
         for (v, &sum) in acc_row.iter().enumerate() {
             let at = t.c.add(r * t.c_stride + v * LANES);
-            let out = if accumulate { sum.mul_add(alpha, load_raw(at)) } else { sum * alpha };
+            let out = if store.reads_dst() { sum.mul_add(alpha, load_raw(at)) } else { sum * alpha };
             (at as *mut [f32; LANES]).write_unaligned(out.to_array());
         }
     }
@@ -369,7 +368,7 @@ mod tests {
             }
             // The 8-wide kernel alone over every column (what a CPU without AVX-512 runs).
             if k > 0 {
-                columns_from(0, &mut c, c_stride, a, b, m, n, k, 2.0, false);
+                columns_from(0, &mut c, c_stride, a, b, m, n, k, 2.0, Store::Overwrite);
                 for i in 0..m {
                     for j in 0..n {
                         assert!((c[i * c_stride + j] as f64 - 2.0 * want[i * n + j]).abs() < 1e-4, "portable");
