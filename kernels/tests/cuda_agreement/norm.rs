@@ -1,6 +1,7 @@
 //! RMSNorm, LayerNorm and batch norm (training and evaluation), forward and backward.
 
 use kernels::cpu;
+use kernels::cpu::norm::{NormGrads, RowStats};
 use kernels::cuda::{self, CudaError};
 
 use super::{assert_close_to, assert_reduced, down, stale, up, Rng};
@@ -20,17 +21,20 @@ fn rms_norm_and_layer_norm_agree() {
         // Stale gradient buffers (NaN): both devices must overwrite them.
         let start = stale(rows * cols);
         let wstart = stale(cols);
+        let dims = cpu::norm::NormDims { rows, cols, eps: 1e-5 };
         // RMSNorm
         let (mut y, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows]);
-        cpu::norm::rms_norm_forward(&x, &w, cols, 1e-5, &mut y, &mut rstd);
+        cpu::norm::rms_norm_forward(&x, &w, &dims, &mut y, &mut rstd);
         let (mut gy, mut grstd) = (dev.alloc(x.len()).unwrap(), dev.alloc(rows).unwrap());
-        cuda::norm::rms_norm_forward(dev, &gx, &gw, cols, 1e-5, &mut gy, &mut grstd).unwrap();
+        cuda::norm::rms_norm_forward(dev, &gx, &gw, &dims, &mut gy, &mut grstd).unwrap();
         assert_reduced("rms y", &down(dev, &gy), &y);
         assert_reduced("rms rstd", &down(dev, &grstd), &rstd);
         let (mut dx, mut dw) = (start.clone(), wstart.clone());
-        cpu::norm::rms_norm_backward(&x, &w, &rstd, &dy, cols, &mut dx, &mut dw);
+        let grads = NormGrads { dx: &mut dx[..], dweight: Some(&mut dw[..]), dbias: None };
+        cpu::norm::rms_norm_backward(&x, &w, &rstd, &dy, &dims, grads);
         let (mut gdx, mut gdw) = (up(dev, &start), up(dev, &wstart));
-        cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), &gdy, cols, &mut gdx, &mut gdw).unwrap();
+        let grads = NormGrads { dx: &mut gdx, dweight: Some(&mut gdw), dbias: None };
+        cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), &gdy, &dims, grads).unwrap();
         assert_reduced("rms dx", &down(dev, &gdx), &dx);
         assert_reduced("rms dw", &down(dev, &gdw), &dw);
         // LayerNorm, with and without the affine parameters. Not over one column: there x̂ is
@@ -41,20 +45,34 @@ fn rms_norm_and_layer_norm_agree() {
             let (wo, bo) = if affine { (Some(&w[..]), Some(&b[..])) } else { (None, None) };
             let (gwo, gbo) = if affine { (Some(&gw), Some(&gb)) } else { (None, None) };
             let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows], vec![0.0; rows]);
-            cpu::norm::layer_norm_forward(&x, wo, bo, cols, 1e-5, &mut y, &mut mean, &mut rstd);
+            cpu::norm::layer_norm_forward(
+                &x,
+                wo,
+                bo,
+                &dims,
+                &mut y,
+                RowStats { mean: &mut mean[..], rstd: &mut rstd[..] },
+            );
             let (mut gy, mut gmean, mut grstd) =
                 (dev.alloc(x.len()).unwrap(), dev.alloc(rows).unwrap(), dev.alloc(rows).unwrap());
-            cuda::norm::layer_norm_forward(dev, &gx, gwo, gbo, cols, 1e-5, &mut gy, &mut gmean, &mut grstd).unwrap();
+            let stats = RowStats { mean: &mut gmean, rstd: &mut grstd };
+            cuda::norm::layer_norm_forward(dev, &gx, gwo, gbo, &dims, &mut gy, stats).unwrap();
             assert_reduced("layer y", &down(dev, &gy), &y);
             assert_reduced("layer mean", &down(dev, &gmean), &mean);
             assert_reduced("layer rstd", &down(dev, &grstd), &rstd);
             let (mut dx, mut dw, mut db) = (start.clone(), wstart.clone(), wstart.clone());
             let (dwo, dbo) = if affine { (Some(&mut dw[..]), Some(&mut db[..])) } else { (None, None) };
-            cpu::norm::layer_norm_backward(&x, wo, &mean, &rstd, &dy, cols, &mut dx, dwo, dbo);
+            let (stats, grads) = (
+                RowStats { mean: &mean[..], rstd: &rstd[..] },
+                NormGrads { dx: &mut dx[..], dweight: dwo, dbias: dbo },
+            );
+            cpu::norm::layer_norm_backward(&x, wo, stats, &dy, &dims, grads);
             let (mut gdx, mut gdw, mut gdb) = (up(dev, &start), up(dev, &wstart), up(dev, &wstart));
             let (gdwo, gdbo) = if affine { (Some(&mut gdw), Some(&mut gdb)) } else { (None, None) };
             let (gm, gr) = (up(dev, &mean), up(dev, &rstd));
-            cuda::norm::layer_norm_backward(dev, &gx, gwo, &gm, &gr, &gdy, cols, &mut gdx, gdwo, gdbo).unwrap();
+            let (stats, grads) =
+                (RowStats { mean: &gm, rstd: &gr }, NormGrads { dx: &mut gdx, dweight: gdwo, dbias: gdbo });
+            cuda::norm::layer_norm_backward(dev, &gx, gwo, stats, &gdy, &dims, grads).unwrap();
             assert_reduced("layer dx", &down(dev, &gdx), &dx);
             assert_reduced("layer dw", &down(dev, &gdw), &dw);
             assert_reduced("layer db", &down(dev, &gdb), &db);
@@ -63,7 +81,7 @@ fn rms_norm_and_layer_norm_agree() {
     // Shape errors come back before any launch.
     let (gx, gw) = (up(dev, &[1.0; 10]), up(dev, &[1.0; 3]));
     let (mut gy, mut gr) = (dev.alloc(10).unwrap(), dev.alloc(2).unwrap());
-    let result = cuda::norm::rms_norm_forward(dev, &gx, &gw, 5, 1e-5, &mut gy, &mut gr);
+    let result = cuda::norm::rms_norm_forward(dev, &gx, &gw, &cpu::norm::NormDims::of(10, 5, 1e-5), &mut gy, &mut gr);
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }
 
