@@ -22,7 +22,7 @@ use kernels::cpu::attention::{
 };
 use kernels::cpu::binary::{binary_forward, binary_reference, Binary};
 use kernels::cpu::cross_entropy::{cross_entropy_forward, cross_entropy_reference};
-use kernels::cpu::matmul::{matmul, MatRef, Store};
+use kernels::cpu::matmul::{matmul, GemmDims, MatRef, Store};
 use kernels::cpu::norm::{layer_norm_forward, layer_norm_reference, rms_norm_forward, rms_norm_reference};
 use kernels::cpu::norm::{NormDims, RowStats};
 use kernels::cpu::softmax::{softmax_forward, softmax_reference};
@@ -64,7 +64,7 @@ fn bench_matmul() {
         let reps = if m * n * k > 1 << 28 { 5 } else { 9 };
         let label = format!("{m}×{k} · {k}×{n}");
         let ours = median_seconds(reps, || {
-            matmul(&mut c, 0, contiguous(&a, k), contiguous(&b, n), m, n, k, Store::Overwrite);
+            matmul(&mut c, 0, contiguous(&a, k), contiguous(&b, n), GemmDims { m, n, k }, Store::Overwrite);
         });
         validate_product(&format!("matmul {label}"), &c, &a, &b, k, n, CHECKED_ROWS);
         let parallelism = gemm::Parallelism::Rayon(rayon::current_num_threads());

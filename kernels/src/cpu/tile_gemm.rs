@@ -14,7 +14,7 @@
 
 use wide::f32x8;
 
-use super::matmul::Store;
+use super::matmul::{GemmDims, Store};
 use super::simd::LANES;
 
 /// Row tile of the micro-kernel.
@@ -45,19 +45,9 @@ pub struct TileB<'a> {
 }
 
 /// `c[i·c_stride + j] = alpha·Σ_p a(i, p)·b(p, j)` (`+=` with [`Store::Accumulate`]) for
-/// `i < m`, `j < n`. Panics if an operand is too short for its strides.
-#[allow(clippy::too_many_arguments)]
-pub fn tile_gemm(
-    c: &mut [f32],
-    c_stride: usize,
-    a: TileA,
-    b: TileB,
-    m: usize,
-    n: usize,
-    k: usize,
-    alpha: f32,
-    store: Store,
-) {
+/// `i < m`, `j < n` of `dims`. Panics if an operand is too short for its strides.
+pub fn tile_gemm(c: &mut [f32], c_stride: usize, a: TileA, b: TileB, dims: GemmDims, alpha: f32, store: Store) {
+    let GemmDims { m, n, k } = dims;
     if m == 0 || n == 0 {
         return;
     }
@@ -68,59 +58,45 @@ pub fn tile_gemm(
         }
         return;
     }
-    assert!(a.offset + (m - 1) * a.row_stride + (k - 1) * a.col_stride < a.data.len(), "tile_gemm: a too short");
-    assert!(b.offset + (k - 1) * b.row_stride + n <= b.data.len(), "tile_gemm: b too short");
-    columns_from(
-        leading_wide_columns(c, c_stride, a, b, m, n, k, alpha, store),
-        c,
-        c_stride,
-        a,
-        b,
-        m,
-        n,
-        k,
-        alpha,
-        store,
-    );
+    // The bounds checks of every product (rows of b are contiguous: column stride 1).
+    let fits = dims.check_lhs(a.data.len(), a.offset, (a.row_stride, a.col_stride));
+    if let Err(message) = fits.and(dims.check_rhs(b.data.len(), b.offset, (b.row_stride, 1))) {
+        panic!("tile_gemm: {message}");
+    }
+    columns_from(leading_wide_columns(c, c_stride, a, b, dims, alpha, store), (c, c_stride), a, b, dims, alpha, store);
 }
 
 /// Runs the AVX-512 kernel over the leading columns where the CPU has it; returns how many
 /// columns of `c` it wrote (0 without AVX-512).
-#[allow(clippy::too_many_arguments)]
 fn leading_wide_columns(
     c: &mut [f32],
     c_stride: usize,
     a: TileA,
     b: TileB,
-    m: usize,
-    n: usize,
-    k: usize,
+    dims: GemmDims,
     alpha: f32,
     store: Store,
 ) -> usize {
     #[cfg(target_arch = "x86_64")]
     if super::avx512_available() {
         // SAFETY: the CPU has AVX-512F, and tile_gemm asserted the operands' bounds.
-        return unsafe { avx512::leading_columns(c, c_stride, a, b, m, n, k, alpha, store) };
+        return unsafe { avx512::leading_columns(c, c_stride, a, b, dims, alpha, store) };
     }
     0
 }
 
-/// Columns `j0..n` of `c` with 8-wide vectors, then scalar dot products past the last
-/// multiple of 8. The caller has checked the operands' bounds.
-#[allow(clippy::too_many_arguments)]
+/// Columns `j0..n` of `c` (row stride `c_stride`) with 8-wide vectors, then scalar dot
+/// products past the last multiple of 8. The caller has checked the operands' bounds.
 fn columns_from(
     j0: usize,
-    c: &mut [f32],
-    c_stride: usize,
+    (c, c_stride): (&mut [f32], usize),
     a: TileA,
     b: TileB,
-    m: usize,
-    n: usize,
-    k: usize,
+    dims: GemmDims,
     alpha: f32,
     store: Store,
 ) {
+    let GemmDims { m, n, k } = dims;
     let vector_end = j0.max(n - n % LANES);
     let mut j = j0;
     while j < vector_end {
@@ -174,7 +150,7 @@ mod avx512 {
     use std::arch::x86_64::{__m512, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mul_ps, _mm512_set1_ps};
     use std::arch::x86_64::{_mm512_setzero_ps, _mm512_storeu_ps};
 
-    use super::{Store, Tile, TileA, TileB};
+    use super::{GemmDims, Store, Tile, TileA, TileB};
 
     const LANES: usize = 16;
     const MR: usize = 8;
@@ -183,19 +159,17 @@ mod avx512 {
     ///
     /// # Safety
     /// The CPU must have AVX-512F, and the operands must pass `tile_gemm`'s bounds checks.
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
     pub unsafe fn leading_columns(
         c: &mut [f32],
         c_stride: usize,
         a: TileA,
         b: TileB,
-        m: usize,
-        n: usize,
-        k: usize,
+        dims: GemmDims,
         alpha: f32,
         store: Store,
     ) -> usize {
+        let GemmDims { m, n, k } = dims;
         let end = n - n % LANES;
         let mut j = 0;
         while j < end {
@@ -350,7 +324,7 @@ mod tests {
             let want = reference(&a, &b, m, n, k);
             let c_stride = n + 1;
             let mut c = vec![1.0f32; m * c_stride];
-            tile_gemm(&mut c, c_stride, a, b, m, n, k, 0.5, Store::Accumulate);
+            tile_gemm(&mut c, c_stride, a, b, GemmDims { m, n, k }, 0.5, Store::Accumulate);
             for i in 0..m {
                 for j in 0..n {
                     let expected = 1.0 + 0.5 * want[i * n + j];
@@ -360,7 +334,7 @@ mod tests {
                     assert_eq!(c[i * c_stride + n], 1.0, "wrote past column n");
                 }
             }
-            tile_gemm(&mut c, c_stride, a, b, m, n, k, 2.0, Store::Overwrite);
+            tile_gemm(&mut c, c_stride, a, b, GemmDims { m, n, k }, 2.0, Store::Overwrite);
             for i in 0..m {
                 for j in 0..n {
                     assert!((c[i * c_stride + j] as f64 - 2.0 * want[i * n + j]).abs() < 1e-4);
@@ -368,7 +342,7 @@ mod tests {
             }
             // The 8-wide kernel alone over every column (what a CPU without AVX-512 runs).
             if k > 0 {
-                columns_from(0, &mut c, c_stride, a, b, m, n, k, 2.0, Store::Overwrite);
+                columns_from(0, (&mut c, c_stride), a, b, GemmDims { m, n, k }, 2.0, Store::Overwrite);
                 for i in 0..m {
                     for j in 0..n {
                         assert!((c[i * c_stride + j] as f64 - 2.0 * want[i * n + j]).abs() < 1e-4, "portable");
