@@ -1,6 +1,7 @@
 //! RMSNorm, LayerNorm and batch norm (training and evaluation), forward and backward.
 
 use kernels::cpu;
+use kernels::cpu::batch_norm::{Affine, BatchNormDims, BatchStats, RunningStats};
 use kernels::cpu::norm::{NormGrads, RowStats};
 use kernels::cuda::{self, CudaError};
 
@@ -99,17 +100,24 @@ fn batch_norm_agrees() {
             let (gwo, gbo) = if affine { (Some(&gw), Some(&gb)) } else { (None, None) };
             let (mut rm, mut rv) = (rm0.clone(), rv0.clone());
             let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; channels], vec![0.0; channels]);
+            let dims = BatchNormDims { batch, channels, spatial, eps: 1e-5, momentum: 0.1 };
+            let running = RunningStats { mean: &mut rm[..], var: &mut rv[..] };
+            let stats = BatchStats { mean: &mut mean[..], rstd: &mut rstd[..] };
             cpu::batch_norm::batch_norm_train_forward(
-                &x, batch, channels, spatial, wo, bo, 1e-5, 0.1, &mut rm, &mut rv, &mut y, &mut mean, &mut rstd,
+                &x,
+                Affine { weight: wo, bias: bo },
+                &dims,
+                running,
+                &mut y,
+                stats,
             );
             let (mut grm, mut grv) = (up(dev, &rm0), up(dev, &rv0));
             let (mut gy, mut gmean, mut grstd) =
                 (dev.alloc(x.len()).unwrap(), dev.alloc(channels).unwrap(), dev.alloc(channels).unwrap());
-            cuda::batch_norm::batch_norm_train_forward(
-                dev, &gx, batch, channels, spatial, gwo, gbo, 1e-5, 0.1, &mut grm, &mut grv, &mut gy, &mut gmean,
-                &mut grstd,
-            )
-            .unwrap();
+            let running = RunningStats { mean: &mut grm, var: &mut grv };
+            let stats = BatchStats { mean: &mut gmean, rstd: &mut grstd };
+            let affine = Affine { weight: gwo, bias: gbo };
+            cuda::batch_norm::batch_norm_train_forward(dev, &gx, affine, &dims, running, &mut gy, stats).unwrap();
             assert_reduced("bn y", &down(dev, &gy), &y);
             assert_reduced("bn mean", &down(dev, &gmean), &mean);
             assert_reduced("bn rstd", &down(dev, &grstd), &rstd);
@@ -117,46 +125,23 @@ fn batch_norm_agrees() {
             assert_reduced("bn running var", &down(dev, &grv), &rv);
 
             let mut y_eval = vec![0.0; x.len()];
-            cpu::batch_norm::batch_norm_eval_forward(&x, batch, channels, spatial, wo, bo, 1e-5, &rm, &rv, &mut y_eval);
-            cuda::batch_norm::batch_norm_eval_forward(
-                dev, &gx, batch, channels, spatial, gwo, gbo, 1e-5, &grm, &grv, &mut gy,
-            )
-            .unwrap();
+            let running = RunningStats { mean: &rm[..], var: &rv[..] };
+            cpu::batch_norm::batch_norm_eval_forward(&x, Affine { weight: wo, bias: bo }, &dims, running, &mut y_eval);
+            let (affine, running) = (Affine { weight: gwo, bias: gbo }, RunningStats { mean: &grm, var: &grv });
+            cuda::batch_norm::batch_norm_eval_forward(dev, &gx, affine, &dims, running, &mut gy).unwrap();
             assert_reduced("bn eval y", &down(dev, &gy), &y_eval);
 
             let dy = rng.vec(x.len(), -1.0, 1.0);
             let (sx, sc) = (stale(x.len()), stale(channels));
             let (mut dx, mut dw, mut db) = (sx.clone(), sc.clone(), sc.clone());
-            cpu::batch_norm::batch_norm_train_backward(
-                &x,
-                batch,
-                channels,
-                spatial,
-                wo,
-                &mean,
-                &rstd,
-                &dy,
-                &mut dx,
-                Some(&mut dw),
-                Some(&mut db),
-            );
+            let stats = BatchStats { mean: &mean[..], rstd: &rstd[..] };
+            let grads = NormGrads { dx: &mut dx[..], dweight: Some(&mut dw[..]), dbias: Some(&mut db[..]) };
+            cpu::batch_norm::batch_norm_train_backward(&x, wo, stats, &dy, &dims, grads);
             let (mut gdx, mut gdw, mut gdb) = (up(dev, &sx), up(dev, &sc), up(dev, &sc));
             let (gm, gr) = (up(dev, &mean), up(dev, &rstd));
-            cuda::batch_norm::batch_norm_train_backward(
-                dev,
-                &gx,
-                batch,
-                channels,
-                spatial,
-                gwo,
-                &gm,
-                &gr,
-                &up(dev, &dy),
-                &mut gdx,
-                Some(&mut gdw),
-                Some(&mut gdb),
-            )
-            .unwrap();
+            let stats = BatchStats { mean: &gm, rstd: &gr };
+            let grads = NormGrads { dx: &mut gdx, dweight: Some(&mut gdw), dbias: Some(&mut gdb) };
+            cuda::batch_norm::batch_norm_train_backward(dev, &gx, gwo, stats, &up(dev, &dy), &dims, grads).unwrap();
             // dx = k·dy + slope·x + offset (k = rstd·w) nearly cancels where a channel holds
             // few values (two values normalise to ±1 whatever x is, so dx is 0 up to eps): its
             // rounding is relative to the terms, and the GPU fuses them into FMAs. An H100 gave
