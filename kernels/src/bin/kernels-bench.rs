@@ -21,7 +21,7 @@ use kernels::cpu::attention::{
     causal_attention_reference, AttentionDims,
 };
 use kernels::cpu::binary::{binary_forward, binary_reference, Binary};
-use kernels::cpu::cross_entropy::{cross_entropy_forward, cross_entropy_reference};
+use kernels::cpu::cross_entropy::{cross_entropy_forward, cross_entropy_reference, CrossEntropyDims};
 use kernels::cpu::matmul::{matmul, GemmDims, MatRef, Store};
 use kernels::cpu::norm::{layer_norm_forward, layer_norm_reference, rms_norm_forward, rms_norm_reference};
 use kernels::cpu::norm::{NormDims, RowStats};
@@ -154,7 +154,8 @@ fn bench_memory_bound() {
     validate("layer_norm rstd", &rstd, &want_rstd, Tolerance::uniform(1e-4));
     report("layer_norm", 2 * n, layer);
     let ce = median_seconds(9, || {
-        cross_entropy_forward(&x, cols, &targets, None, &mut losses, &mut lse);
+        let dims = CrossEntropyDims { rows: targets.len(), cols, ignore_index: None };
+        cross_entropy_forward(&x, &targets, &dims, &mut losses, &mut lse);
     });
     validate("cross_entropy", &losses, &cross_entropy_reference(&x, cols, &targets, None), Tolerance::uniform(1e-5));
     report("cross_entropy", n, ce);
