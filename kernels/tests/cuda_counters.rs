@@ -4,7 +4,7 @@
 //! counting code runs before the backend is chosen, so a GPU counts the same).
 #![cfg(feature = "cuda-emu")]
 
-use kernels::cpu::matmul::Store;
+use kernels::cpu::matmul::{GemmDims, Store};
 use kernels::cuda::blas::{matmul, matmul_bf16, DeviceMat};
 use kernels::cuda::elementwise::{axpy, to_bf16};
 use kernels::cuda::{CudaDevice, DeviceBuffer, DeviceCounters};
@@ -43,11 +43,11 @@ fn each_entry_point_counts_what_it_queues() {
     let a = dev.upload(&vec![1.0f32; m * k]).unwrap();
     let b = dev.upload(&vec![1.0f32; k * n]).unwrap();
     let mut c = dev.alloc::<f32>(m * n).unwrap();
-    matmul(&dev, &mut c, 0, mat(&a, k), mat(&b, n), m, n, k, Store::Overwrite).unwrap();
+    matmul(&dev, &mut c, 0, mat(&a, k), mat(&b, n), GemmDims { m, n, k }, Store::Overwrite).unwrap();
     let (mut a16, mut b16) = (dev.alloc(m * k).unwrap(), dev.alloc(k * n).unwrap());
     to_bf16(&dev, &a, &mut a16).unwrap();
     to_bf16(&dev, &b, &mut b16).unwrap();
-    matmul_bf16(&dev, &mut c, 0, mat(&a16, k), mat(&b16, n), m, n, k, Store::Accumulate).unwrap();
+    matmul_bf16(&dev, &mut c, 0, mat(&a16, k), mat(&b16, n), GemmDims { m, n, k }, Store::Accumulate).unwrap();
     let delta = dev.counters().since(&before);
     assert_eq!(delta.f32_gemm_calls, 1);
     assert_eq!(delta.f32_simt_gemm_flops, (2 * m * n * k) as u64);

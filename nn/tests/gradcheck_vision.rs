@@ -99,7 +99,7 @@ proptest! {
         }
         assert_gradcheck(
             &format!("batch_norm2d train, affine {affine}"),
-            |v| v[0].batch_norm2d(v.get(1), v.get(2), &mean, &var, true, 0.1, 1e-5),
+            |v| v[0].batch_norm2d(v.get(1), v.get(2), [&mean, &var], true, 0.1, 1e-5),
             &inputs,
         );
     }
@@ -116,7 +116,7 @@ proptest! {
         let before = (mean.value().to_vec(), var.value().to_vec());
         assert_gradcheck(
             &format!("batch_norm2d eval, affine {affine}"),
-            |v| v[0].batch_norm2d(v.get(1), v.get(2), &mean, &var, false, 0.1, 1e-5),
+            |v| v[0].batch_norm2d(v.get(1), v.get(2), [&mean, &var], false, 0.1, 1e-5),
             &inputs,
         );
         prop_assert_eq!(before, (mean.value().to_vec(), var.value().to_vec()), "eval must not touch the running statistics");

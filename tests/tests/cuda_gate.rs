@@ -191,14 +191,14 @@ fn batch_norm_agrees_in_training_and_evaluation() {
         let what = if training { "batch norm (training)" } else { "batch norm (evaluation)" };
         check(what, &values, F32_REL, |v| {
             let (rm, rv) = on_device(v);
-            v[0].batch_norm2d(Some(&v[1]), Some(&v[2]), rm, rv, training, 0.1, 1e-5)
+            v[0].batch_norm2d(Some(&v[1]), Some(&v[2]), [rm, rv], training, 0.1, 1e-5)
         });
         assert_close(&format!("{what} running mean"), &gpu_stats.0.value(), &cpu_stats.0.value(), F32_REL);
         assert_close(&format!("{what} running var"), &gpu_stats.1.value(), &cpu_stats.1.value(), F32_REL);
         // Without the affine parameters.
         check(&format!("{what} without affine"), &values[..1], F32_REL, |v| {
             let (rm, rv) = on_device(v);
-            v[0].batch_norm2d(None, None, rm, rv, training, 0.1, 1e-5)
+            v[0].batch_norm2d(None, None, [rm, rv], training, 0.1, 1e-5)
         });
     }
 }

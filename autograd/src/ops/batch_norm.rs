@@ -18,16 +18,14 @@ use crate::Var;
 
 impl Var {
     /// Batch norm of `self: [N, C, H, W]` with optional affine `weight[C]`, `bias[C]` and the
-    /// running statistics `running_mean[C]`, `running_var[C]` (updated in place when
+    /// running statistics `[running_mean[C], running_var[C]]` (updated in place when
     /// `training`). Weight and bias come first, as in [`Var::layer_norm`]; PyTorch's
     /// `F.batch_norm` puts the running statistics first.
-    #[allow(clippy::too_many_arguments)]
     pub fn batch_norm2d(
         &self,
         weight: Option<&Var>,
         bias: Option<&Var>,
-        running_mean: &Var,
-        running_var: &Var,
+        [running_mean, running_var]: [&Var; 2],
         training: bool,
         momentum: f32,
         eps: f32,

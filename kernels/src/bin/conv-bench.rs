@@ -21,7 +21,7 @@ use std::time::Instant;
 use kernels::cpu::conv::{
     conv2d_backward, conv2d_backward_reference, conv2d_forward, conv2d_reference, Conv2dGeometry,
 };
-use kernels::cpu::matmul::{matmul, MatRef, Store};
+use kernels::cpu::matmul::{matmul, GemmDims, MatRef, Store};
 use rayon::prelude::*;
 use validate::{products, validate, validate_product};
 
@@ -91,13 +91,14 @@ fn main() {
         let lhs = MatRef { data: &w, offset: 0, row_stride: depth as isize, col_stride: 1 };
         let rhs = MatRef { data: &col, offset: 0, row_stride: n as isize, col_stride: 1 };
         let name = format!("{c}→{o} {size}×{size} {k}×{k} s{stride} p{padding}");
-        let mm_batch = flops / best_seconds(|| matmul(&mut out, 0, lhs, rhs, m, n, depth, Store::Overwrite));
+        let mm_batch =
+            flops / best_seconds(|| matmul(&mut out, 0, lhs, rhs, GemmDims { m, n, k: depth }, Store::Overwrite));
         validate_product(&format!("{name}: mm batch"), &out, &w, &col, depth, n, CHECKED_ROWS);
         let rhs = MatRef { data: &col, offset: 0, row_stride: positions as isize, col_stride: 1 };
         let mm_image = flops
             / best_seconds(|| {
                 out.par_chunks_mut(m * positions).for_each(|out_n| {
-                    matmul(out_n, 0, lhs, rhs, m, positions, depth, Store::Overwrite);
+                    matmul(out_n, 0, lhs, rhs, GemmDims { m, n: positions, k: depth }, Store::Overwrite);
                 })
             });
         // Every image's product reads the same columns: check the first and the last.

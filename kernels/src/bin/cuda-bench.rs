@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use half::bf16;
 use kernels::cpu::attention::AttentionDims;
-use kernels::cpu::matmul::Store;
+use kernels::cpu::matmul::{GemmDims, Store};
 use kernels::cuda::attention::{causal_attention_backward, causal_attention_forward, causal_attention_naive};
 use kernels::cuda::blas::{matmul_bf16, DeviceMat};
 use kernels::cuda::fused_gate::{
@@ -152,7 +152,8 @@ fn bench_projection(dev: &CudaDevice, tokens: usize, d_in: usize, d_out: usize) 
     let x_mat = DeviceMat { buffer: &x, offset: 0, row_stride: d_in, col_stride: 1 };
     let weight_t = DeviceMat { buffer: &packed, offset: 0, row_stride: 1, col_stride: d_in };
     let (k, n) = (d_in, dims.width());
-    let gemm_s = best_seconds(dev, || matmul_bf16(dev, &mut zu, 0, x_mat, weight_t, tokens, n, k, Store::Overwrite))?;
+    let gemm = GemmDims { m: tokens, n, k };
+    let gemm_s = best_seconds(dev, || matmul_bf16(dev, &mut zu, 0, x_mat, weight_t, gemm, Store::Overwrite))?;
     let unfused_s =
         best_seconds(dev, || fused_gate_forward_unfused(dev, &dims, &x, &packed, &p, &mut zu, &mut out_ref))?;
     let fused_save_s = best_seconds(dev, || fused_gate_forward(dev, &dims, &x, &packed, &p, Some(&mut zu), &mut out))?;

@@ -21,9 +21,10 @@ use kernels::cpu::attention::{
     causal_attention_reference, AttentionDims,
 };
 use kernels::cpu::binary::{binary_forward, binary_reference, Binary};
-use kernels::cpu::cross_entropy::{cross_entropy_forward, cross_entropy_reference};
-use kernels::cpu::matmul::{matmul, MatRef, Store};
+use kernels::cpu::cross_entropy::{cross_entropy_forward, cross_entropy_reference, CrossEntropyDims};
+use kernels::cpu::matmul::{matmul, GemmDims, MatRef, Store};
 use kernels::cpu::norm::{layer_norm_forward, layer_norm_reference, rms_norm_forward, rms_norm_reference};
+use kernels::cpu::norm::{NormDims, RowStats};
 use kernels::cpu::softmax::{softmax_forward, softmax_reference};
 use kernels::cpu::swiglu::{swiglu_backward, swiglu_derivative_reference, swiglu_forward, swiglu_reference};
 use kernels::cpu::unary::{unary_backward, unary_forward, unary_reference, Unary};
@@ -63,7 +64,7 @@ fn bench_matmul() {
         let reps = if m * n * k > 1 << 28 { 5 } else { 9 };
         let label = format!("{m}×{k} · {k}×{n}");
         let ours = median_seconds(reps, || {
-            matmul(&mut c, 0, contiguous(&a, k), contiguous(&b, n), m, n, k, Store::Overwrite);
+            matmul(&mut c, 0, contiguous(&a, k), contiguous(&b, n), GemmDims { m, n, k }, Store::Overwrite);
         });
         validate_product(&format!("matmul {label}"), &c, &a, &b, k, n, CHECKED_ROWS);
         let parallelism = gemm::Parallelism::Rayon(rayon::current_num_threads());
@@ -137,13 +138,15 @@ fn bench_memory_bound() {
     let softmax = median_seconds(9, || softmax_forward(&x, cols, &mut y));
     validate("softmax", &y, &softmax_reference(&x, cols), Tolerance::uniform(1e-6));
     report("softmax", 2 * n, softmax);
-    let rms = median_seconds(9, || rms_norm_forward(&x, &weight, cols, 1e-5, &mut y, &mut rstd));
+    let norm_dims = NormDims::of(x.len(), cols, 1e-5);
+    let rms = median_seconds(9, || rms_norm_forward(&x, &weight, &norm_dims, &mut y, &mut rstd));
     let (want_y, want_rstd) = rms_norm_reference(&x, &weight, cols, 1e-5);
     validate("rms_norm y", &y, &want_y, Tolerance::uniform(1e-5));
     validate("rms_norm rstd", &rstd, &want_rstd, Tolerance::uniform(1e-5));
     report("rms_norm", 2 * n, rms);
     let layer = median_seconds(9, || {
-        layer_norm_forward(&x, Some(&weight), Some(&bias), cols, 1e-5, &mut y, &mut mean, &mut rstd)
+        let stats = RowStats { mean: &mut mean[..], rstd: &mut rstd[..] };
+        layer_norm_forward(&x, Some(&weight), Some(&bias), &norm_dims, &mut y, stats)
     });
     let (want_y, want_mean, want_rstd) = layer_norm_reference(&x, Some(&weight), Some(&bias), cols, 1e-5);
     validate("layer_norm y", &y, &want_y, Tolerance::uniform(1e-4));
@@ -151,7 +154,8 @@ fn bench_memory_bound() {
     validate("layer_norm rstd", &rstd, &want_rstd, Tolerance::uniform(1e-4));
     report("layer_norm", 2 * n, layer);
     let ce = median_seconds(9, || {
-        cross_entropy_forward(&x, cols, &targets, None, &mut losses, &mut lse);
+        let dims = CrossEntropyDims { rows: targets.len(), cols, ignore_index: None };
+        cross_entropy_forward(&x, &targets, &dims, &mut losses, &mut lse);
     });
     validate("cross_entropy", &losses, &cross_entropy_reference(&x, cols, &targets, None), Tolerance::uniform(1e-5));
     report("cross_entropy", n, ce);

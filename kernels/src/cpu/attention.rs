@@ -24,7 +24,7 @@ use std::marker::PhantomData;
 use rayon::prelude::*;
 use wide::f32x8;
 
-use super::matmul::Store;
+use super::matmul::{GemmDims, Store};
 use super::parallel;
 use super::reduce::{dot, slice_max};
 use super::scratch::with_scratch;
@@ -391,7 +391,15 @@ fn forward_head(
             for s0 in (0..end).step_by(K_TILE) {
                 let cols = K_TILE.min(end - s0);
                 let scores = &mut scores[..rows * cols];
-                tile_gemm(scores, cols, q_tile, d.kt_columns(kt, s0), rows, cols, dh, d.scale, Store::Overwrite);
+                tile_gemm(
+                    scores,
+                    cols,
+                    q_tile,
+                    d.kt_columns(kt, s0),
+                    GemmDims { m: rows, n: cols, k: dh },
+                    d.scale,
+                    Store::Overwrite,
+                );
                 for (r, row) in scores.chunks_mut(cols).enumerate() {
                     let visible = d.visible_keys(i0 + r, s0, cols);
                     let new_max = max[r].max(row_max(&row[..visible]));
@@ -409,9 +417,7 @@ fn forward_head(
                     dh,
                     dense(scores, cols),
                     d.kv_rows(v, b, s0, h),
-                    rows,
-                    dh,
-                    cols,
+                    GemmDims { m: rows, n: dh, k: cols },
                     1.0,
                     if s0 > 0 { Store::Accumulate } else { Store::Overwrite },
                 );
@@ -480,7 +486,15 @@ fn backward_pair(
             for s0 in (0..end).step_by(K_TILE) {
                 let cols = K_TILE.min(end - s0);
                 let (p, dp) = (&mut p[..rows * cols], &mut dp[..rows * cols]);
-                tile_gemm(p, cols, q_tile, d.kt_columns(kt, s0), rows, cols, dh, d.scale, Store::Overwrite);
+                tile_gemm(
+                    p,
+                    cols,
+                    q_tile,
+                    d.kt_columns(kt, s0),
+                    GemmDims { m: rows, n: cols, k: dh },
+                    d.scale,
+                    Store::Overwrite,
+                );
                 for (r, row) in p.chunks_mut(cols).enumerate() {
                     exp_row(row, d.visible_keys(i0 + r, s0, cols), lse[i0 + r]);
                 }
@@ -490,14 +504,20 @@ fn backward_pair(
                     dh,
                     transposed(p, cols),
                     do_rows,
-                    cols,
-                    dh,
-                    rows,
+                    GemmDims { m: cols, n: dh, k: rows },
                     1.0,
                     Store::Accumulate,
                 );
                 // d/dP = dO·Vᵀ;  d/dS = P ⊙ (dP − δ)
-                tile_gemm(dp, cols, do_tile, d.kt_columns(vt, s0), rows, cols, dh, 1.0, Store::Overwrite);
+                tile_gemm(
+                    dp,
+                    cols,
+                    do_tile,
+                    d.kt_columns(vt, s0),
+                    GemmDims { m: rows, n: cols, k: dh },
+                    1.0,
+                    Store::Overwrite,
+                );
                 for r in 0..rows {
                     let (pr, dpr) = (&p[r * cols..][..cols], &mut dp[r * cols..][..cols]);
                     softmax_grad_in_place(pr, dpr, delta[i0 + r]);
@@ -510,9 +530,7 @@ fn backward_pair(
                     dh,
                     dense(dp, cols),
                     k_rows,
-                    rows,
-                    dh,
-                    cols,
+                    GemmDims { m: rows, n: dh, k: cols },
                     d.scale,
                     if s0 > 0 { Store::Accumulate } else { Store::Overwrite },
                 );
@@ -521,9 +539,7 @@ fn backward_pair(
                     dh,
                     transposed(dp, cols),
                     q_rows,
-                    cols,
-                    dh,
-                    rows,
+                    GemmDims { m: cols, n: dh, k: rows },
                     d.scale,
                     Store::Accumulate,
                 );

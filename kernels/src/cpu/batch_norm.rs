@@ -11,38 +11,128 @@
 //! Statistics are summed in eight f32 lanes per plane (so the loops vectorise) and in f64
 //! across lanes and planes, two passes (mean, then squared deviations) for a stable variance.
 
+use crate::cpu::norm::NormGrads;
 use crate::cpu::parallel;
 
 /// Independent f32 accumulators, enough for the compiler to keep the loop in SIMD registers.
 const LANES: usize = 8;
 
+/// Sizes and constants of one batch norm call, shared by the CPU and CUDA kernels
+/// (`cuda::batch_norm` takes the same struct): `x`, `y`, `dy` and `dx` are `[N, C, S]`, every
+/// per-channel operand `[C]`. [`BatchNormDims::check`] is the one validation both devices run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BatchNormDims {
+    /// `N`: images.
+    pub batch: usize,
+    /// `C`: channels, each normalised on its own.
+    pub channels: usize,
+    /// `S = H·W`: values of one plane.
+    pub spatial: usize,
+    /// Added to the variance under the square root (forwards only: the training backward
+    /// reads the saved `rstd`).
+    pub eps: f32,
+    /// Weight of the batch statistics in the running statistics' update (training forward
+    /// only).
+    pub momentum: f32,
+}
+
+impl BatchNormDims {
+    /// Elements of `x` (and of `y`, `dy`, `dx`).
+    pub fn len(&self) -> usize {
+        self.batch * self.channels * self.spatial
+    }
+
+    /// True when there is nothing to normalise.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether the `[N, C, S]` operands (`planes`: name and length) and the per-channel ones
+    /// (`per_channel`, `None` where absent) fit these sizes; the error says what does not.
+    pub fn check(&self, planes: &[(&str, usize)], per_channel: &[(&str, Option<usize>)]) -> Result<(), String> {
+        let wanted = planes.iter().map(|&(name, len)| (name, Some(len), self.len()));
+        let per_channel = per_channel.iter().map(|&(name, len)| (name, len, self.channels));
+        for (name, got, want) in wanted.chain(per_channel) {
+            if let Some(got) = got.filter(|&got| got != want) {
+                return Err(format!("{name} has {got} elements, expected {want}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Panics naming `op` unless [`BatchNormDims::check`] accepts the operands.
+    fn assert_fits(&self, op: &str, planes: &[(&str, usize)], per_channel: &[(&str, Option<usize>)]) {
+        if let Err(message) = self.check(planes, per_channel) {
+            panic!("{op}: {message}");
+        }
+    }
+}
+
+/// The optional affine parameters `weight[C]` and `bias[C]` (`None`: 1 and 0).
+#[derive(Debug)]
+pub struct Affine<'a, T: ?Sized> {
+    /// Scales every channel after normalising.
+    pub weight: Option<&'a T>,
+    /// Shifts every channel after scaling.
+    pub bias: Option<&'a T>,
+}
+
+// A derive would ask `T: Clone`; the references are copied whatever `T` is.
+impl<T: ?Sized> Clone for Affine<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T: ?Sized> Copy for Affine<'_, T> {}
+
+/// The running statistics `[C]` each: read by evaluation (`S = &` a buffer), updated in place
+/// by training (`S = &mut` a buffer).
+#[derive(Debug)]
+pub struct RunningStats<S> {
+    /// The running mean.
+    pub mean: S,
+    /// The running (unbiased) variance.
+    pub var: S,
+}
+
+/// The batch statistics `[C]` each that training saves for its backward (`S = &mut` a buffer
+/// when written, `&` when read).
+#[derive(Debug)]
+pub struct BatchStats<S> {
+    /// The batch mean.
+    pub mean: S,
+    /// `1/√(var + eps)` with the batch's biased variance.
+    pub rstd: S,
+}
+
 /// Training mode: batch statistics (biased variance for normalisation). Writes y, saves mean[C] and rstd[C] for backward, and updates running stats in place: running = (1−momentum)·running + momentum·batch_stat, with the UNBIASED variance (n/(n−1)) for running_var, like PyTorch. weight/bias None = no affine.
 ///
 /// `n = batch·spatial` must be at least 2 for the unbiased variance (PyTorch refuses
 /// training on one value per channel); with `n = 1` the running variance becomes NaN.
-#[allow(clippy::too_many_arguments)]
 pub fn batch_norm_train_forward(
     x: &[f32],
-    batch: usize,
-    channels: usize,
-    spatial: usize,
-    weight: Option<&[f32]>,
-    bias: Option<&[f32]>,
-    eps: f32,
-    momentum: f32,
-    running_mean: &mut [f32],
-    running_var: &mut [f32],
+    affine: Affine<'_, [f32]>,
+    dims: &BatchNormDims,
+    running: RunningStats<&mut [f32]>,
     y: &mut [f32],
-    mean: &mut [f32],
-    rstd: &mut [f32],
+    stats: BatchStats<&mut [f32]>,
 ) {
-    let what = "batch_norm_train_forward";
-    check_lengths(x, batch, channels, spatial, weight, bias, what);
-    assert_len(running_mean.len(), channels, what, "running_mean");
-    assert_len(running_var.len(), channels, what, "running_var");
-    assert_len(mean.len(), channels, what, "mean");
-    assert_len(rstd.len(), channels, what, "rstd");
-    assert_len(y.len(), x.len(), what, "y");
+    let (Affine { weight, bias }, RunningStats { mean: running_mean, var: running_var }) = (affine, running);
+    let BatchStats { mean, rstd } = stats;
+    dims.assert_fits(
+        "batch_norm_train_forward",
+        &[("x", x.len()), ("y", y.len())],
+        &[
+            ("weight", weight.map(<[f32]>::len)),
+            ("bias", bias.map(<[f32]>::len)),
+            ("running_mean", Some(running_mean.len())),
+            ("running_var", Some(running_var.len())),
+            ("mean", Some(mean.len())),
+            ("rstd", Some(rstd.len())),
+        ],
+    );
+    let BatchNormDims { batch, channels, spatial, eps, momentum } = *dims;
     if x.is_empty() {
         return;
     }
@@ -70,24 +160,25 @@ pub fn batch_norm_train_forward(
 }
 
 /// Eval mode: normalise with the running statistics.
-#[allow(clippy::too_many_arguments)]
 pub fn batch_norm_eval_forward(
     x: &[f32],
-    batch: usize,
-    channels: usize,
-    spatial: usize,
-    weight: Option<&[f32]>,
-    bias: Option<&[f32]>,
-    eps: f32,
-    running_mean: &[f32],
-    running_var: &[f32],
+    affine: Affine<'_, [f32]>,
+    dims: &BatchNormDims,
+    running: RunningStats<&[f32]>,
     y: &mut [f32],
 ) {
-    let what = "batch_norm_eval_forward";
-    check_lengths(x, batch, channels, spatial, weight, bias, what);
-    assert_len(running_mean.len(), channels, what, "running_mean");
-    assert_len(running_var.len(), channels, what, "running_var");
-    assert_len(y.len(), x.len(), what, "y");
+    let (Affine { weight, bias }, RunningStats { mean: running_mean, var: running_var }) = (affine, running);
+    dims.assert_fits(
+        "batch_norm_eval_forward",
+        &[("x", x.len()), ("y", y.len())],
+        &[
+            ("weight", weight.map(<[f32]>::len)),
+            ("bias", bias.map(<[f32]>::len)),
+            ("running_mean", Some(running_mean.len())),
+            ("running_var", Some(running_var.len())),
+        ],
+    );
+    let BatchNormDims { channels, spatial, eps, .. } = *dims;
     let scale: Vec<f32> = (0..channels).map(|c| weight.map_or(1.0, |w| w[c]) / (running_var[c] + eps).sqrt()).collect();
     let shift: Vec<f32> = (0..channels).map(|c| bias.map_or(0.0, |b| b[c]) - running_mean[c] * scale[c]).collect();
     scale_and_shift(x, channels, spatial, &scale, &shift, y);
@@ -96,26 +187,27 @@ pub fn batch_norm_eval_forward(
 // d/dx = weight·rstd/n · (n·dy − Σdy − x̂·Σ(dy·x̂)),  x̂ = (x − mean)·rstd,
 // d/dweight = Σ dy·x̂,  d/dbias = Σ dy   (sums over the n = N·S values of a channel)
 /// Training-mode backward: dx = ..., dweight = Σ dy·x̂, dbias = Σ dy.
-#[allow(clippy::too_many_arguments)]
 pub fn batch_norm_train_backward(
     x: &[f32],
-    batch: usize,
-    channels: usize,
-    spatial: usize,
     weight: Option<&[f32]>,
-    mean: &[f32],
-    rstd: &[f32],
+    stats: BatchStats<&[f32]>,
     dy: &[f32],
-    dx: &mut [f32],
-    dweight: Option<&mut [f32]>,
-    dbias: Option<&mut [f32]>,
+    dims: &BatchNormDims,
+    grads: NormGrads<'_, [f32]>,
 ) {
-    let what = "batch_norm_train_backward";
-    check_lengths(x, batch, channels, spatial, weight, None, what);
-    assert_len(mean.len(), channels, what, "mean");
-    assert_len(rstd.len(), channels, what, "rstd");
-    assert_len(dy.len(), x.len(), what, "dy");
-    assert_len(dx.len(), x.len(), what, "dx");
+    let (BatchStats { mean, rstd }, NormGrads { dx, dweight, dbias }) = (stats, grads);
+    dims.assert_fits(
+        "batch_norm_train_backward",
+        &[("x", x.len()), ("dy", dy.len()), ("dx", dx.len())],
+        &[
+            ("weight", weight.map(<[f32]>::len)),
+            ("mean", Some(mean.len())),
+            ("rstd", Some(rstd.len())),
+            ("dweight", dweight.as_ref().map(|g| g.len())),
+            ("dbias", dbias.as_ref().map(|g| g.len())),
+        ],
+    );
+    let BatchNormDims { batch, channels, spatial, .. } = *dims;
     // Per channel: (Σ dy, Σ dy·x̂).
     let sums = per_channel(channels, batch * spatial, |c| {
         let (mut dy_sum, mut dy_dev) = (0.0, 0.0);
@@ -127,13 +219,11 @@ pub fn batch_norm_train_backward(
         (dy_sum, dy_dev * f64::from(rstd[c]))
     });
     if let Some(dweight) = dweight {
-        assert_len(dweight.len(), channels, what, "dweight");
         for (dw, &(_, dy_xhat)) in dweight.iter_mut().zip(&sums) {
             *dw = dy_xhat as f32;
         }
     }
     if let Some(dbias) = dbias {
-        assert_len(dbias.len(), channels, what, "dbias");
         for (db, &(dy_sum, _)) in dbias.iter_mut().zip(&sums) {
             *db = dy_sum as f32;
         }
@@ -159,27 +249,6 @@ pub fn batch_norm_train_backward(
             }
         }
     });
-}
-
-fn assert_len(got: usize, want: usize, what: &str, name: &str) {
-    assert_eq!(got, want, "{what}: {name} has the wrong length");
-}
-
-fn check_lengths(
-    x: &[f32],
-    batch: usize,
-    channels: usize,
-    spatial: usize,
-    weight: Option<&[f32]>,
-    bias: Option<&[f32]>,
-    what: &str,
-) {
-    assert_len(x.len(), batch * channels * spatial, what, "x");
-    for (param, name) in [(weight, "weight"), (bias, "bias")] {
-        if let Some(param) = param {
-            assert_len(param.len(), channels, what, name);
-        }
-    }
 }
 
 /// The `S` values of channel `c` in image `n`.
@@ -292,7 +361,12 @@ mod tests {
         let bias = affine.then_some(&case.bias[..]);
         let (mut y, mut mean, mut rstd) = (vec![0.0; n * c * s], vec![0.0; c], vec![0.0; c]);
         let (rm, rv) = (&mut case.running_mean, &mut case.running_var);
-        batch_norm_train_forward(&case.x, n, c, s, weight, bias, eps, momentum, rm, rv, &mut y, &mut mean, &mut rstd);
+        let dims = BatchNormDims { batch: n, channels: c, spatial: s, eps, momentum };
+        let (running, stats) = (
+            RunningStats { mean: &mut rm[..], var: &mut rv[..] },
+            BatchStats { mean: &mut mean[..], rstd: &mut rstd[..] },
+        );
+        batch_norm_train_forward(&case.x, Affine { weight, bias }, &dims, running, &mut y, stats);
         [y, mean, rstd]
     }
 
@@ -315,7 +389,9 @@ mod tests {
         let weight = affine.then_some(&case.weight[..]);
         let (mut dx, mut dw, mut db) = (vec![f32::NAN; n * c * s], vec![f32::NAN; c], vec![f32::NAN; c]);
         let (x, dy) = (&case.x, &case.dy);
-        batch_norm_train_backward(x, n, c, s, weight, &mean, &rstd, dy, &mut dx, Some(&mut dw), Some(&mut db));
+        let dims = BatchNormDims { batch: n, channels: c, spatial: s, eps, momentum: 0.1 };
+        let grads = NormGrads { dx: &mut dx[..], dweight: Some(&mut dw[..]), dbias: Some(&mut db[..]) };
+        batch_norm_train_backward(x, weight, BatchStats { mean: &mean, rstd: &rstd }, dy, &dims, grads);
 
         let (x64, dy64) = (oracle::widen(x), oracle::widen(dy));
         let (w64, b64) = affine_params(&case, affine);
@@ -355,7 +431,9 @@ mod tests {
         let [_, mean, rstd] = train_forward(&mut case, true, eps, 0.1);
         let mut dx = vec![0.0; n * c * s];
         let weight = Some(&case.weight[..]);
-        batch_norm_train_backward(&case.x, n, c, s, weight, &mean, &rstd, &case.dy, &mut dx, None, None);
+        let dims = BatchNormDims { batch: n, channels: c, spatial: s, eps, momentum: 0.1 };
+        let grads = NormGrads { dx: &mut dx[..], dweight: None, dbias: None };
+        batch_norm_train_backward(&case.x, weight, BatchStats { mean: &mean, rstd: &rstd }, &case.dy, &dims, grads);
         let (x64, dy64) = (oracle::widen(&case.x), oracle::widen(&case.dy));
         let stats = stats(&x64, case.dims);
         let count = (n * s) as f64;
@@ -416,7 +494,8 @@ mod tests {
             let bias = affine.then_some(&case.bias[..]);
             let (rm, rv) = (&case.running_mean, &case.running_var);
             let mut y = vec![0.0; n * c * s];
-            batch_norm_eval_forward(&case.x, n, c, s, weight, bias, eps, rm, rv, &mut y);
+            let dims = BatchNormDims { batch: n, channels: c, spatial: s, eps, momentum: 0.1 };
+            batch_norm_eval_forward(&case.x, Affine { weight, bias }, &dims, RunningStats { mean: &rm[..], var: &rv[..] }, &mut y);
             let (w64, b64) = affine_params(&case, affine);
             let want: Vec<f64> = case.x.iter().enumerate().map(|(i, &v)| {
                 let ch = (i / s) % c;

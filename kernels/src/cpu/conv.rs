@@ -14,7 +14,7 @@
 
 use rayon::prelude::*;
 
-use crate::cpu::matmul::{matmul, MatRef, Store};
+use crate::cpu::matmul::{matmul, GemmDims, MatRef, Store};
 use crate::cpu::parallel;
 
 /// Geometry of a 2-D convolution (groups = 1, dilation = 1).
@@ -152,9 +152,7 @@ pub fn conv2d_forward(g: &Conv2dGeometry, x: &[f32], w: &[f32], bias: Option<&[f
                 0,
                 lhs,
                 rhs,
-                o,
-                positions,
-                depth,
+                GemmDims { m: o, n: positions, k: depth },
                 if bias.is_some() { Store::Accumulate } else { Store::Overwrite },
             );
         }
@@ -230,7 +228,7 @@ fn bias_grad(g: &Conv2dGeometry, dy: &[f32], dbias: &mut [f32]) {
     let ones = vec![1.0; positions];
     let mut row_sums = vec![0.0; g.batch * o];
     let (dy_rows, column) = (mat(dy, 0, positions, 1), mat(&ones, 0, 1, 1));
-    matmul(&mut row_sums, 0, dy_rows, column, g.batch * o, 1, positions, Store::Overwrite);
+    matmul(&mut row_sums, 0, dy_rows, column, GemmDims { m: g.batch * o, n: 1, k: positions }, Store::Overwrite);
     for sums_n in row_sums.chunks_exact(o) {
         for (db, s) in dbias.iter_mut().zip(sums_n) {
             *db += s;
@@ -266,14 +264,14 @@ fn backward_images(
                 im2col(g, x_n, &mut col);
                 mat(&col, 0, 1, positions)
             };
-            matmul(dw_part, 0, dy_n, col_t, o, depth, positions, Store::Accumulate);
+            matmul(dw_part, 0, dy_n, col_t, GemmDims { m: o, n: depth, k: positions }, Store::Accumulate);
         }
         if let Some(dx_run) = dx_run.as_deref_mut() {
             let dx_n = &mut dx_run[(n - first) * x_image..(n - first + 1) * x_image];
             if g.is_pointwise() {
-                matmul(dx_n, 0, w_t, dy_n, depth, positions, o, Store::Overwrite);
+                matmul(dx_n, 0, w_t, dy_n, GemmDims { m: depth, n: positions, k: o }, Store::Overwrite);
             } else {
-                matmul(&mut dcol, 0, w_t, dy_n, depth, positions, o, Store::Overwrite);
+                matmul(&mut dcol, 0, w_t, dy_n, GemmDims { m: depth, n: positions, k: o }, Store::Overwrite);
                 dx_n.fill(0.0);
                 col2im(g, &dcol, dx_n);
             }

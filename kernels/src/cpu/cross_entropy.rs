@@ -18,17 +18,54 @@ use super::softmax::sum_exp;
 /// Rough cost of one logit (an exponential and a few multiply-adds).
 const WORK_PER_ELEMENT: usize = 8;
 
+/// Sizes of one cross-entropy call, shared by the CPU and CUDA kernels (`cuda::softmax` takes
+/// the same struct): logits `[rows, cols]`; targets, losses and lse `[rows]`; rows whose
+/// target is `ignore_index` are skipped. [`CrossEntropyDims::check`] is the length check both
+/// devices run (the targets' range is checked by the CPU here and counted by the GPU kernel).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CrossEntropyDims {
+    /// `N`: rows of logits, one target each.
+    pub rows: usize,
+    /// `V`: classes (logits per row).
+    pub cols: usize,
+    /// The target that marks a row to skip (loss and gradient 0), if any.
+    pub ignore_index: Option<u32>,
+}
+
+impl CrossEntropyDims {
+    /// Whether `logits` elements and the `[rows]` operands (`per_row`: name and length) fit
+    /// these sizes; the error says what does not.
+    pub fn check(&self, logits: usize, per_row: &[(&str, usize)]) -> Result<(), String> {
+        let (rows, cols) = (self.rows, self.cols);
+        if logits != rows * cols {
+            return Err(format!(
+                "logits have {logits} elements, [rows, cols] = [{rows}, {cols}] needs {}",
+                rows * cols
+            ));
+        }
+        match per_row.iter().find(|&&(_, len)| len != rows) {
+            Some((name, len)) => Err(format!("{name} has {len} elements, one per row needs {rows}")),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether `target` is a row to skip.
+    fn ignores(&self, target: u32) -> bool {
+        Some(target) == self.ignore_index
+    }
+}
+
 /// Per row r: lse[r] = logsumexp(logits row); losses[r] = lse[r] − logits[r, targets[r]], or 0 when targets[r] == ignore_index. Returns the number of rows not ignored. Panics (assert) if a target ≥ cols (caller validates first).
 pub fn cross_entropy_forward(
     logits: &[f32],
-    cols: usize,
     targets: &[u32],
-    ignore_index: Option<u32>,
+    dims: &CrossEntropyDims,
     losses: &mut [f32],
     lse: &mut [f32],
 ) -> usize {
-    let rows = check(logits, cols, targets, ignore_index);
-    assert!(losses.len() == rows && lse.len() == rows, "cross_entropy_forward: losses or lse have the wrong length");
+    let per_row = [("targets", targets.len()), ("losses", losses.len()), ("lse", lse.len())];
+    check("cross_entropy_forward", logits, targets, dims, &per_row);
+    let CrossEntropyDims { rows, cols, ignore_index } = *dims;
     if rows == 0 {
         return 0;
     }
@@ -56,16 +93,15 @@ pub fn cross_entropy_forward(
 /// dlogits[r] = scale · (softmax(logits[r]) − onehot(targets[r])), or 0 for ignored rows.
 pub fn cross_entropy_backward(
     logits: &[f32],
-    cols: usize,
     targets: &[u32],
-    ignore_index: Option<u32>,
+    dims: &CrossEntropyDims,
     lse: &[f32],
     scale: f32,
     dlogits: &mut [f32],
 ) {
-    let rows = check(logits, cols, targets, ignore_index);
-    assert_eq!(lse.len(), rows, "cross_entropy_backward: lse has the wrong length");
+    check("cross_entropy_backward", logits, targets, dims, &[("targets", targets.len()), ("lse", lse.len())]);
     assert_eq!(dlogits.len(), logits.len(), "cross_entropy_backward: dlogits has the wrong length");
+    let CrossEntropyDims { cols, ignore_index, .. } = *dims;
     // d/dlogits_j (lse − logits_t) = softmax_j − [j = t],  softmax_j = e^(logits_j − lse)
     parallel::for_each_row_block_mut(dlogits, cols, cols * WORK_PER_ELEMENT, |first, block| {
         for (i, dlogits) in block.chunks_mut(cols).enumerate() {
@@ -105,15 +141,13 @@ pub fn cross_entropy_reference(logits: &[f32], cols: usize, targets: &[u32], ign
         .collect()
 }
 
-/// Validates lengths and targets; returns the number of rows.
-fn check(logits: &[f32], cols: usize, targets: &[u32], ignore_index: Option<u32>) -> usize {
-    let rows = targets.len();
-    assert_eq!(logits.len(), rows * cols, "cross_entropy: logits and targets disagree on rows");
-    assert!(
-        targets.iter().all(|&t| Some(t) == ignore_index || (t as usize) < cols),
-        "cross_entropy: target out of range"
-    );
-    rows
+/// Panics naming `op` unless [`CrossEntropyDims::check`] accepts the lengths, or with
+/// "target out of range" unless every target is below `cols` or ignored.
+fn check(op: &str, logits: &[f32], targets: &[u32], dims: &CrossEntropyDims, per_row: &[(&str, usize)]) {
+    if let Err(message) = dims.check(logits.len(), per_row) {
+        panic!("{op}: {message}");
+    }
+    assert!(targets.iter().all(|&t| dims.ignores(t) || (t as usize) < dims.cols), "cross_entropy: target out of range");
 }
 
 #[cfg(test)]
@@ -138,7 +172,8 @@ mod tests {
             let targets: Vec<u32> = (0..rows).map(|r| ((r * 7 + seed) % cols) as u32).collect();
             let ignore_index = ignore.then_some(targets[0]);
             let (mut losses, mut lse) = (vec![0.0; rows], vec![0.0; rows]);
-            let kept = cross_entropy_forward(&x, cols, &targets, ignore_index, &mut losses, &mut lse);
+            let dims = CrossEntropyDims { rows, cols, ignore_index };
+            let kept = cross_entropy_forward(&x, &targets, &dims, &mut losses, &mut lse);
             let want = cross_entropy_reference(&x, cols, &targets, ignore_index);
             prop_assert_eq!(kept, targets.iter().filter(|&&t| Some(t) != ignore_index).count());
             for (a, b) in losses.iter().zip(&want) {
@@ -146,7 +181,7 @@ mod tests {
             }
             // Stale (NaN) contents: every element is overwritten, ignored rows with zeros.
             let mut dlogits = vec![f32::NAN; x.len()];
-            cross_entropy_backward(&x, cols, &targets, ignore_index, &lse, 0.75, &mut dlogits);
+            cross_entropy_backward(&x, &targets, &dims, &lse, 0.75, &mut dlogits);
             for r in 0..rows {
                 let row = &x[r * cols..][..cols];
                 let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -168,9 +203,10 @@ mod tests {
         let x = logits(rows * cols, 4);
         let targets = [2u32, 12, 0];
         let (mut losses, mut lse) = (vec![0.0; rows], vec![0.0; rows]);
-        cross_entropy_forward(&x, cols, &targets, None, &mut losses, &mut lse);
+        let dims = CrossEntropyDims { rows, cols, ignore_index: None };
+        cross_entropy_forward(&x, &targets, &dims, &mut losses, &mut lse);
         let mut dx = vec![0.0; x.len()];
-        cross_entropy_backward(&x, cols, &targets, None, &lse, 1.0, &mut dx);
+        cross_entropy_backward(&x, &targets, &dims, &lse, 1.0, &mut dx);
         check_gradient("d cross_entropy", &dx, &oracle::widen(&x), |x| {
             oracle::cross_entropy(x, cols, &targets).iter().sum()
         });
@@ -182,12 +218,14 @@ mod tests {
         let x = logits(rows * cols, 1);
         let targets: Vec<u32> = (0..rows as u32).map(|r| r * 71 % cols as u32).collect();
         let (mut losses, mut lse) = (vec![0.0; rows], vec![0.0; rows]);
-        let kept = cross_entropy_forward(&x, cols, &targets, Some(u32::MAX), &mut losses, &mut lse);
+        let dims = CrossEntropyDims { rows, cols, ignore_index: Some(u32::MAX) };
+        let kept = cross_entropy_forward(&x, &targets, &dims, &mut losses, &mut lse);
         assert_eq!(kept, rows);
         let want = cross_entropy_reference(&x, cols, &targets, None);
         assert!(losses.iter().zip(&want).all(|(a, b)| (a - b).abs() <= 1e-5 * (1.0 + b.abs())));
         let mut dx = vec![0.0; x.len()];
-        cross_entropy_backward(&x, cols, &targets, None, &lse, 1.0, &mut dx);
+        let dims = CrossEntropyDims { ignore_index: None, ..dims };
+        cross_entropy_backward(&x, &targets, &dims, &lse, 1.0, &mut dx);
         for row in dx.chunks(cols) {
             assert!(row.iter().sum::<f32>().abs() < 1e-4, "softmax − onehot sums to 0");
         }
@@ -197,6 +235,7 @@ mod tests {
     #[should_panic(expected = "target out of range")]
     fn rejects_out_of_range_targets() {
         let (mut losses, mut lse) = (vec![0.0; 1], vec![0.0; 1]);
-        cross_entropy_forward(&[0.0, 1.0], 2, &[2], None, &mut losses, &mut lse);
+        let dims = CrossEntropyDims { rows: 1, cols: 2, ignore_index: None };
+        cross_entropy_forward(&[0.0, 1.0], &[2], &dims, &mut losses, &mut lse);
     }
 }

@@ -24,7 +24,7 @@
 use rayon::prelude::*;
 
 use super::gate_rows::{gate_row_backward, gate_row_forward};
-use super::matmul::{matmul, matmul_serial, MatRef, Store};
+use super::matmul::{matmul, matmul_serial, GemmDims, MatRef, Store};
 use super::scratch::with_scratch;
 use super::simd::LANES;
 use super::tile_gemm::{tile_gemm, TileA, TileB};
@@ -200,7 +200,15 @@ impl ChannelGate {
         let rows = logits.len() / self.d_pad;
         let h_c = TileA { data: hidden, offset: first * r, row_stride: r, col_stride: 1 };
         let b_t = TileB { data: &self.b_t, offset: 0, row_stride: self.d_pad };
-        tile_gemm(logits, self.d_pad, h_c, b_t, rows, self.d_pad, self.rank, 1.0, Store::Overwrite);
+        tile_gemm(
+            logits,
+            self.d_pad,
+            h_c,
+            b_t,
+            GemmDims { m: rows, n: self.d_pad, k: self.rank },
+            1.0,
+            Store::Overwrite,
+        );
     }
 }
 
@@ -274,7 +282,7 @@ fn forward_block(
     let FusedGateDims { d_in, d_out, rank_channel: rc, .. } = *dims;
     let (k, r) = (dims.width(), rc + dims.rank_scalar);
     let rows = out.len() / d_out;
-    matmul_serial(zu, 0, x_rows, columns_of(c, 0, d_in), rows, k, d_in, Store::Overwrite);
+    matmul_serial(zu, 0, x_rows, columns_of(c, 0, d_in), GemmDims { m: rows, n: k, k: d_in }, Store::Overwrite);
     let mut hidden = vec![0.0; rows * r];
     unary_forward(p.phi, &hidden_inputs(p, zu, k, d_out), &mut hidden);
     let logit_scalar: Vec<f32> =
@@ -389,10 +397,10 @@ impl RowPass<'_> {
         let mut dh = vec![0.0; rows * r];
         let dl_rows = TileA { data: dl, offset: 0, row_stride: d_pad, col_stride: 1 };
         let b_c = TileB { data: &self.gate.b_padded, offset: 0, row_stride: rc };
-        tile_gemm(&mut dh, r, dl_rows, b_c, rows, rc, d_pad, 1.0, Store::Overwrite);
+        tile_gemm(&mut dh, r, dl_rows, b_c, GemmDims { m: rows, n: rc, k: d_pad }, 1.0, Store::Overwrite);
         let h_c_t = TileA { data: &self.saved.hidden, offset: first * r, row_stride: 1, col_stride: r };
         let dl_b = TileB { data: dl, offset: 0, row_stride: d_pad };
-        tile_gemm(&mut sums.db_t, d_pad, h_c_t, dl_b, rc, d_pad, rows, 1.0, Store::Accumulate);
+        tile_gemm(&mut sums.db_t, d_pad, h_c_t, dl_b, GemmDims { m: rc, n: d_pad, k: rows }, 1.0, Store::Accumulate);
         for (i, &dg) in dgate_s.iter().enumerate() {
             let n = first + i;
             let h_s = &self.saved.hidden[n * r + rc..(n + 1) * r];
@@ -409,7 +417,14 @@ impl RowPass<'_> {
             add_assign(&mut sums.da, du_row);
         }
         let d_in = self.dims.d_in;
-        matmul_serial(dx, 0, rows_of(dzu, 0, k), rows_of(&self.weights, 0, d_in), rows, d_in, k, Store::Overwrite);
+        matmul_serial(
+            dx,
+            0,
+            rows_of(dzu, 0, k),
+            rows_of(&self.weights, 0, d_in),
+            GemmDims { m: rows, n: d_in, k },
+            Store::Overwrite,
+        );
         sums
     }
 
@@ -483,7 +498,14 @@ pub fn fused_gate_backward(
 
     // The weight gradients are the row blocks of one GEMM dZUᵀ·x over all rows.
     let mut dc = vec![0.0; k * d_in];
-    matmul(&mut dc, 0, columns_of(dzu, 0, k), rows_of(x, 0, d_in), k, d_in, rows, Store::Overwrite);
+    matmul(
+        &mut dc,
+        0,
+        columns_of(dzu, 0, k),
+        rows_of(x, 0, d_in),
+        GemmDims { m: k, n: d_in, k: rows },
+        Store::Overwrite,
+    );
     let (dw, da) = dc.split_at(d_out * d_in);
     let (da_c, da_s) = da.split_at(rc * d_in);
     for (dst, src) in

@@ -24,6 +24,66 @@ pub struct MatRef<'a> {
     pub col_stride: isize,
 }
 
+/// Sizes of one product `dst[m×n] = lhs[m×k]·rhs[k×n]`, shared by the CPU kernels
+/// ([`matmul`], `tile_gemm`) and the GPU products (`cuda::blas`, which take the same struct).
+/// [`GemmDims::check_dst`], [`GemmDims::check_lhs`] and [`GemmDims::check_rhs`] are the
+/// bounds checks both devices run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmDims {
+    /// Rows of `dst` and of `lhs`.
+    pub m: usize,
+    /// Columns of `dst` and of `rhs`.
+    pub n: usize,
+    /// The inner dimension: columns of `lhs`, rows of `rhs`.
+    pub k: usize,
+}
+
+impl GemmDims {
+    /// True when the output has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.m == 0 || self.n == 0
+    }
+
+    /// Whether `len` elements hold the row-major contiguous `m×n` output from `offset`; the
+    /// error says what does not.
+    pub fn check_dst(&self, len: usize, offset: usize) -> Result<(), String> {
+        let GemmDims { m, n, .. } = *self;
+        if len >= offset + m * n {
+            Ok(())
+        } else {
+            Err(format!("dst too short for {m}×{n} at {offset}"))
+        }
+    }
+
+    /// Whether `lhs` (`m×k`, element (i, p) at `offset + i·strides.0 + p·strides.1`) stays
+    /// inside its `len` elements.
+    pub fn check_lhs(&self, len: usize, offset: usize, strides: (usize, usize)) -> Result<(), String> {
+        operand_fits("lhs", (self.m, self.k), len, offset, strides)
+    }
+
+    /// Whether `rhs` (`k×n`, element (p, j) at `offset + p·strides.0 + j·strides.1`) stays
+    /// inside its `len` elements.
+    pub fn check_rhs(&self, len: usize, offset: usize, strides: (usize, usize)) -> Result<(), String> {
+        operand_fits("rhs", (self.k, self.n), len, offset, strides)
+    }
+}
+
+/// Whether a strided `rows×cols` operand named `what` stays inside its `len` elements.
+fn operand_fits(
+    what: &str,
+    (rows, cols): (usize, usize),
+    len: usize,
+    offset: usize,
+    strides: (usize, usize),
+) -> Result<(), String> {
+    let last = offset + rows.saturating_sub(1) * strides.0 + cols.saturating_sub(1) * strides.1;
+    if rows == 0 || cols == 0 || last < len {
+        Ok(())
+    } else {
+        Err(format!("{what} out of bounds"))
+    }
+}
+
 /// Below this many multiply-adds a single thread is faster than waking the pool.
 const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 
@@ -80,26 +140,23 @@ pub enum Store {
     Accumulate,
 }
 
+impl Store {
+    /// Whether the destination's old contents are read (BLAS's β = 1).
+    pub(crate) fn reads_dst(self) -> bool {
+        self == Store::Accumulate
+    }
+}
+
 /// `dst[m×n] = lhs[m×k] · rhs[k×n]` (or `+=` with [`Store::Accumulate`]), with `dst`
 /// row-major contiguous at `dst_offset`.
 ///
 /// Panics if an operand's strides reach outside its slice: callers (the tensor crate)
 /// check shapes and return errors before calling.
-#[allow(clippy::too_many_arguments)]
-pub fn matmul(
-    dst: &mut [f32],
-    dst_offset: usize,
-    lhs: MatRef,
-    rhs: MatRef,
-    m: usize,
-    n: usize,
-    k: usize,
-    store: Store,
-) {
-    let accumulate = store == Store::Accumulate;
-    let Some(dst) = checked_dst(dst, dst_offset, &lhs, &rhs, m, n, k, accumulate) else {
+pub fn matmul(dst: &mut [f32], dst_offset: usize, lhs: MatRef, rhs: MatRef, dims: GemmDims, store: Store) {
+    let Some(dst) = checked_dst(dst, dst_offset, &lhs, &rhs, dims, store) else {
         return;
     };
+    let GemmDims { m, n, k } = dims;
     let parallel = m * n * k >= PARALLEL_MIN_FLOPS && rayon::current_num_threads() > 1;
     match split_for(m, n, k) {
         Split::None => {
@@ -107,7 +164,7 @@ pub fn matmul(
                 if parallel { Parallelism::Rayon(rayon::current_num_threads()) } else { Parallelism::None };
             // SAFETY: dst is an exclusively borrowed m×n row-major block; lhs and rhs were
             // bounds-checked above for m×k and k×n.
-            unsafe { gemm_block(dst.as_mut_ptr(), n, lhs, rhs, m, n, k, accumulate, parallelism) }
+            unsafe { gemm_block(dst.as_mut_ptr(), n, lhs, rhs, dims, store, parallelism) }
         }
         Split::Rows => {
             let block = |(i, rows): (usize, &mut [f32])| {
@@ -115,7 +172,15 @@ pub fn matmul(
                 // SAFETY: `rows` is this task's own run of whole dst rows (row stride n);
                 // the lhs rows it reads lie inside the m×k block checked above.
                 unsafe {
-                    gemm_block(rows.as_mut_ptr(), n, lhs, rhs, rows.len() / n, n, k, accumulate, Parallelism::None)
+                    gemm_block(
+                        rows.as_mut_ptr(),
+                        n,
+                        lhs,
+                        rhs,
+                        GemmDims { m: rows.len() / n, ..dims },
+                        store,
+                        Parallelism::None,
+                    )
                 }
             };
             if parallel {
@@ -133,7 +198,7 @@ pub fn matmul(
                 // which no other task touches; the rhs columns lie inside the checked block.
                 unsafe {
                     let at = dst.get().add(j * OUT_BLOCK);
-                    gemm_block(at, n, lhs, rhs, m, cols, k, accumulate, Parallelism::None)
+                    gemm_block(at, n, lhs, rhs, GemmDims { n: cols, ..dims }, store, Parallelism::None)
                 }
             };
             let blocks = n.div_ceil(OUT_BLOCK);
@@ -145,21 +210,23 @@ pub fn matmul(
         }
         Split::Depth => {
             // Part p = lhs[:, p·D..] · rhs[p·D.., :]; part 0 goes (or adds) straight into dst.
-            let part = |p: usize, out: &mut [f32], read_dst: bool| {
+            let part = |p: usize, out: &mut [f32], store: Store| {
                 let depth = DEPTH_BLOCK.min(k - p * DEPTH_BLOCK);
                 let lhs = MatRef { offset: offset_by(lhs.offset, p * DEPTH_BLOCK, lhs.col_stride), ..lhs };
                 let rhs = MatRef { offset: offset_by(rhs.offset, p * DEPTH_BLOCK, rhs.row_stride), ..rhs };
                 // SAFETY: `out` is an exclusively borrowed m×n buffer; the operands' depth
                 // slices lie inside the m×k and k×n blocks checked above.
-                unsafe { gemm_block(out.as_mut_ptr(), n, lhs, rhs, m, n, depth, read_dst, Parallelism::None) }
+                unsafe {
+                    gemm_block(out.as_mut_ptr(), n, lhs, rhs, GemmDims { k: depth, ..dims }, store, Parallelism::None)
+                }
             };
             let parts = k.div_ceil(DEPTH_BLOCK);
             let mut partials = vec![0.0f32; (parts - 1) * m * n];
-            let run = |(p, out): (usize, &mut [f32])| part(p + 1, out, false);
+            let run = |(p, out): (usize, &mut [f32])| part(p + 1, out, Store::Overwrite);
             if parallel {
-                rayon::join(|| part(0, dst, accumulate), || partials.par_chunks_mut(m * n).enumerate().for_each(run));
+                rayon::join(|| part(0, dst, store), || partials.par_chunks_mut(m * n).enumerate().for_each(run));
             } else {
-                part(0, dst, accumulate);
+                part(0, dst, store);
                 partials.chunks_mut(m * n).enumerate().for_each(run);
             }
             for partial in partials.chunks(m * n) {
@@ -172,47 +239,36 @@ pub fn matmul(
 /// [`matmul`] on the calling thread alone, for callers that already run one task per block
 /// of rows (the fused gated projection multiplies each block while the block's gate pass
 /// waits for it in cache).
-#[allow(clippy::too_many_arguments)]
-pub fn matmul_serial(
-    dst: &mut [f32],
-    dst_offset: usize,
-    lhs: MatRef,
-    rhs: MatRef,
-    m: usize,
-    n: usize,
-    k: usize,
-    store: Store,
-) {
-    let accumulate = store == Store::Accumulate;
-    if let Some(dst) = checked_dst(dst, dst_offset, &lhs, &rhs, m, n, k, accumulate) {
+pub fn matmul_serial(dst: &mut [f32], dst_offset: usize, lhs: MatRef, rhs: MatRef, dims: GemmDims, store: Store) {
+    if let Some(dst) = checked_dst(dst, dst_offset, &lhs, &rhs, dims, store) {
         // SAFETY: dst is an exclusively borrowed m×n row-major block; lhs and rhs were
         // bounds-checked for m×k and k×n.
-        unsafe { gemm_block(dst.as_mut_ptr(), n, lhs, rhs, m, n, k, accumulate, Parallelism::None) }
+        unsafe { gemm_block(dst.as_mut_ptr(), dims.n, lhs, rhs, dims, store, Parallelism::None) }
     }
 }
 
 /// Checks the operands and returns the `m×n` block of `dst`, or `None` when there is nothing
 /// left to multiply (an empty output, or `k = 0`, which zeroes `dst` unless accumulating).
-#[allow(clippy::too_many_arguments)]
 fn checked_dst<'a>(
     dst: &'a mut [f32],
     dst_offset: usize,
     lhs: &MatRef,
     rhs: &MatRef,
-    m: usize,
-    n: usize,
-    k: usize,
-    accumulate: bool,
+    dims: GemmDims,
+    store: Store,
 ) -> Option<&'a mut [f32]> {
-    if m == 0 || n == 0 {
+    if dims.is_empty() {
         return None;
     }
-    assert!(dst.len() >= dst_offset + m * n, "matmul: dst too short");
-    check_bounds(lhs, m, k, "lhs");
-    check_bounds(rhs, k, n, "rhs");
+    let GemmDims { m, n, k } = dims;
+    if let Err(message) = dims.check_dst(dst.len(), dst_offset) {
+        panic!("matmul: {message}");
+    }
+    check_bounds(&dims, lhs, "lhs");
+    check_bounds(&dims, rhs, "rhs");
     let dst = &mut dst[dst_offset..dst_offset + m * n];
     if k == 0 {
-        if !accumulate {
+        if store == Store::Overwrite {
             dst.fill(0.0);
         }
         return None;
@@ -239,23 +295,20 @@ fn offset_by(offset: usize, index: usize, stride: isize) -> usize {
     offset + index * stride as usize
 }
 
-/// One `gemm` call: `dst (+)= lhs·rhs` for an `m×n` block of a row-major buffer with row
+/// One `gemm` call: `dst = lhs·rhs` (`+=` with [`Store::Accumulate`]) for an `m×n` block of a row-major buffer with row
 /// stride `dst_stride`.
 ///
 /// # Safety
 /// `dst` must be valid for writes of the `m×n` block (rows `dst_stride` apart) and not
 /// aliased by another thread; `lhs` and `rhs` must cover `m×k` and `k×n` elements from
 /// their offsets with their strides.
-#[allow(clippy::too_many_arguments)]
 unsafe fn gemm_block(
     dst: *mut f32,
     dst_stride: usize,
     lhs: MatRef,
     rhs: MatRef,
-    m: usize,
-    n: usize,
-    k: usize,
-    accumulate: bool,
+    GemmDims { m, n, k }: GemmDims,
+    store: Store,
     parallelism: Parallelism,
 ) {
     gemm::gemm(
@@ -265,7 +318,7 @@ unsafe fn gemm_block(
         dst,
         1,
         dst_stride as isize,
-        accumulate,
+        store.reads_dst(),
         lhs.data.as_ptr().add(lhs.offset),
         lhs.col_stride,
         lhs.row_stride,
@@ -281,12 +334,14 @@ unsafe fn gemm_block(
     );
 }
 
-fn check_bounds(mat: &MatRef, rows: usize, cols: usize, what: &str) {
+/// [`GemmDims::check_lhs`] or [`GemmDims::check_rhs`] (`what`), after the CPU's own
+/// condition: non-negative strides.
+fn check_bounds(dims: &GemmDims, mat: &MatRef, what: &str) {
     assert!(mat.row_stride >= 0 && mat.col_stride >= 0, "matmul: negative stride in {what}");
-    let last = mat.offset
-        + (rows.saturating_sub(1)) * mat.row_stride as usize
-        + (cols.saturating_sub(1)) * mat.col_stride as usize;
-    assert!(rows == 0 || cols == 0 || last < mat.data.len(), "matmul: {what} out of bounds");
+    let fits = if what == "lhs" { GemmDims::check_lhs } else { GemmDims::check_rhs };
+    if let Err(message) = fits(dims, mat.data.len(), mat.offset, (mat.row_stride as usize, mat.col_stride as usize)) {
+        panic!("matmul: {message}");
+    }
 }
 
 /// Naive reference used by tests: `dst = lhs · rhs` for contiguous row-major operands.
@@ -318,9 +373,9 @@ mod tests {
         let b: Vec<f32> = (0..k * n).map(|i| ((i * 5) % 11) as f32 - 5.0).collect();
         let expected = matmul_reference(&a, &b, m, n, k);
         let mut dst = vec![0.0; m * n];
-        matmul(&mut dst, 0, contiguous(&a, k), contiguous(&b, n), m, n, k, Store::Overwrite);
+        matmul(&mut dst, 0, contiguous(&a, k), contiguous(&b, n), GemmDims { m, n, k }, Store::Overwrite);
         assert_eq!(dst, expected);
-        matmul(&mut dst, 0, contiguous(&a, k), contiguous(&b, n), m, n, k, Store::Accumulate);
+        matmul(&mut dst, 0, contiguous(&a, k), contiguous(&b, n), GemmDims { m, n, k }, Store::Accumulate);
         let doubled: Vec<f32> = expected.iter().map(|x| 2.0 * x).collect();
         assert_eq!(dst, doubled);
     }
@@ -335,7 +390,7 @@ mod tests {
         let expected = matmul_reference(&a, &b, m, n, k);
         let mut dst = vec![0.0; m * n];
         let rhs = MatRef { data: &bt, offset: 0, row_stride: 1, col_stride: k as isize };
-        matmul(&mut dst, 0, contiguous(&a, k), rhs, m, n, k, Store::Overwrite);
+        matmul(&mut dst, 0, contiguous(&a, k), rhs, GemmDims { m, n, k }, Store::Overwrite);
         assert_eq!(dst, expected);
     }
 
@@ -362,9 +417,9 @@ mod tests {
             let lhs = MatRef { data: &at, offset: 0, row_stride: 1, col_stride: m as isize };
             let expected = matmul_reference(&a, &b, m, n, k);
             let mut dst = vec![1.0; 3 + m * n];
-            matmul(&mut dst, 3, lhs, contiguous(&b, n), m, n, k, Store::Overwrite);
+            matmul(&mut dst, 3, lhs, contiguous(&b, n), GemmDims { m, n, k }, Store::Overwrite);
             assert_eq!(dst[3..], expected[..], "{split:?}");
-            matmul(&mut dst, 3, lhs, contiguous(&b, n), m, n, k, Store::Accumulate);
+            matmul(&mut dst, 3, lhs, contiguous(&b, n), GemmDims { m, n, k }, Store::Accumulate);
             let doubled: Vec<f32> = expected.iter().map(|x| 2.0 * x).collect();
             assert_eq!(dst[3..], doubled[..], "{split:?} accumulate");
             assert_eq!(dst[..3], [1.0; 3], "{split:?} wrote before dst_offset");
@@ -379,7 +434,9 @@ mod tests {
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             let mut dst = vec![0.0; m * n];
-            pool.install(|| matmul(&mut dst, 0, contiguous(&a, k), contiguous(&b, n), m, n, k, Store::Overwrite));
+            pool.install(|| {
+                matmul(&mut dst, 0, contiguous(&a, k), contiguous(&b, n), GemmDims { m, n, k }, Store::Overwrite)
+            });
             dst
         };
         assert_eq!(run(1), run(3));

@@ -23,10 +23,108 @@ const FORWARD_WORK: usize = 4;
 /// Rough cost of one element in the backward.
 const BACKWARD_WORK: usize = 8;
 
+/// Sizes of one RMSNorm or LayerNorm call, shared by the CPU and CUDA kernels (`cuda::norm`
+/// takes the same struct): `x`, the output, `dy` and `dx` are `[rows, cols]`, the per-row
+/// statistics `[rows]`, the weight, bias and their gradients `[cols]`. [`NormDims::check`] is
+/// the one validation both devices run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NormDims {
+    /// `N`: rows normalised independently.
+    pub rows: usize,
+    /// `C`: the normalised width (0 only with no rows).
+    pub cols: usize,
+    /// Added to the mean square (RMSNorm) or the variance (LayerNorm) under the square root.
+    /// Forward only: the backward reads the saved `rstd`.
+    pub eps: f32,
+}
+
+impl NormDims {
+    /// The sizes of `len` elements in rows of `cols` (no rows when `cols` is 0; a `len` that
+    /// is not whole rows fails [`NormDims::check`]).
+    pub fn of(len: usize, cols: usize, eps: f32) -> NormDims {
+        NormDims { rows: len / cols.max(1), cols, eps }
+    }
+
+    /// Elements of `x` (and of the output, `dy`, `dx`).
+    pub fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+
+    /// True when there is nothing to normalise.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether the `[rows, cols]` operands (`rows`: name and length), the per-row statistics
+    /// (`stats`) and the present `[cols]` parameters or their gradients (`params`, `None`
+    /// where absent) fit these sizes; the error says what does not.
+    pub fn check(
+        &self,
+        rows: &[(&str, usize)],
+        stats: &[(&str, usize)],
+        params: &[(&str, Option<usize>)],
+    ) -> Result<(), String> {
+        if self.cols == 0 && self.rows > 0 {
+            return Err("zero columns".into());
+        }
+        let [n, c] = [self.rows, self.cols];
+        for &(name, len) in rows {
+            if len != self.len() {
+                return Err(format!("{name} has {len} elements, [rows, cols] = [{n}, {c}] needs {}", self.len()));
+            }
+        }
+        for &(name, len) in stats {
+            if len != n {
+                return Err(format!("{name} has {len} elements, one per row needs {n}"));
+            }
+        }
+        for &(name, len) in params {
+            if let Some(len) = len.filter(|&len| len != c) {
+                return Err(format!("{name} has {len} elements, cols is {c}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Panics naming `op` unless [`NormDims::check`] accepts the operands.
+    fn assert_fits(&self, op: &str, rows: &[(&str, usize)], stats: &[(&str, usize)], params: &[(&str, Option<usize>)]) {
+        if let Err(message) = self.check(rows, stats, params) {
+            panic!("{op}: {message}");
+        }
+    }
+}
+
+/// LayerNorm's per-row statistics, `[rows]` each: what the forward writes (`S = &mut` a
+/// buffer) and the backward reads (`S = &` a buffer).
+#[derive(Debug)]
+pub struct RowStats<S> {
+    /// The mean of every row.
+    pub mean: S,
+    /// `1/√(var + eps)` of every row.
+    pub rstd: S,
+}
+
+/// What a norm's backward writes (never reads): `dx`, and the weight and bias gradients where
+/// given. RMSNorm has no bias: its `dbias` must be `None`.
+#[derive(Debug)]
+pub struct NormGrads<'a, T: ?Sized> {
+    /// `∂L/∂x`, `[rows, cols]`.
+    pub dx: &'a mut T,
+    /// `∂L/∂weight`, `[cols]`, when wanted.
+    pub dweight: Option<&'a mut T>,
+    /// `∂L/∂bias`, `[cols]`, when wanted.
+    pub dbias: Option<&'a mut T>,
+}
+
 /// y = x · rstd · weight, rstd = 1/sqrt(mean(x²) + eps) saved per row
-pub fn rms_norm_forward(x: &[f32], weight: &[f32], cols: usize, eps: f32, y: &mut [f32], rstd: &mut [f32]) {
-    let rows = check_rows(x, cols, y.len(), rstd.len(), "rms_norm_forward");
-    assert_eq!(weight.len(), cols, "rms_norm_forward: weight length differs from cols");
+pub fn rms_norm_forward(x: &[f32], weight: &[f32], dims: &NormDims, y: &mut [f32], rstd: &mut [f32]) {
+    dims.assert_fits(
+        "rms_norm_forward",
+        &[("x", x.len()), ("y", y.len())],
+        &[("rstd", rstd.len())],
+        &[("weight", Some(weight.len()))],
+    );
+    let NormDims { rows, cols, eps } = *dims;
     if rows == 0 {
         return;
     }
@@ -45,20 +143,27 @@ pub fn rms_norm_forward(x: &[f32], weight: &[f32], cols: usize, eps: f32, y: &mu
     }
 }
 
-/// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` for RMSNorm, from the saved `rstd`.
+/// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` (when given) for RMSNorm, from the saved `rstd`.
 pub fn rms_norm_backward(
     x: &[f32],
     weight: &[f32],
     rstd: &[f32],
     dy: &[f32],
-    cols: usize,
-    dx: &mut [f32],
-    dweight: &mut [f32],
+    dims: &NormDims,
+    grads: NormGrads<'_, [f32]>,
 ) {
-    let rows = check_rows(x, cols, dx.len(), rstd.len(), "rms_norm_backward");
-    assert!(weight.len() == cols && dweight.len() == cols, "rms_norm_backward: weight length differs from cols");
-    assert_eq!(dy.len(), x.len(), "rms_norm_backward: dy and x differ in length");
-    dweight.fill(0.0);
+    let NormGrads { dx, mut dweight, dbias } = grads;
+    dims.assert_fits(
+        "rms_norm_backward",
+        &[("x", x.len()), ("dy", dy.len()), ("dx", dx.len())],
+        &[("rstd", rstd.len())],
+        &[("weight", Some(weight.len())), ("dweight", dweight.as_ref().map(|w| w.len()))],
+    );
+    assert!(dbias.is_none(), "rms_norm_backward: RMSNorm has no bias");
+    let NormDims { rows, cols, .. } = *dims;
+    if let Some(dweight) = dweight.as_deref_mut() {
+        dweight.fill(0.0);
+    }
     if rows == 0 {
         return;
     }
@@ -84,27 +189,30 @@ pub fn rms_norm_backward(
         }
         dw
     });
-    for partial in &partials {
-        add_into(dweight, partial);
+    if let Some(dweight) = dweight {
+        for partial in &partials {
+            add_into(dweight, partial);
+        }
     }
 }
 
 /// y = (x − mean)·rstd (· weight + bias if given); mean and rstd saved per row
-#[allow(clippy::too_many_arguments)]
 pub fn layer_norm_forward(
     x: &[f32],
     weight: Option<&[f32]>,
     bias: Option<&[f32]>,
-    cols: usize,
-    eps: f32,
+    dims: &NormDims,
     y: &mut [f32],
-    mean: &mut [f32],
-    rstd: &mut [f32],
+    stats: RowStats<&mut [f32]>,
 ) {
-    let rows = check_rows(x, cols, y.len(), rstd.len(), "layer_norm_forward");
-    assert_eq!(mean.len(), rows, "layer_norm_forward: mean has the wrong length");
-    assert!(weight.is_none_or(|w| w.len() == cols), "layer_norm_forward: weight length differs from cols");
-    assert!(bias.is_none_or(|b| b.len() == cols), "layer_norm_forward: bias length differs from cols");
+    let RowStats { mean, rstd } = stats;
+    dims.assert_fits(
+        "layer_norm_forward",
+        &[("x", x.len()), ("y", y.len())],
+        &[("mean", mean.len()), ("rstd", rstd.len())],
+        &[("weight", weight.map(<[f32]>::len)), ("bias", bias.map(<[f32]>::len))],
+    );
+    let NormDims { rows, cols, eps } = *dims;
     if rows == 0 {
         return;
     }
@@ -130,23 +238,26 @@ pub fn layer_norm_forward(
 }
 
 /// `dx = ∂L/∂x`, and `dweight`/`dbias` = their gradients when given, for LayerNorm.
-#[allow(clippy::too_many_arguments)]
 pub fn layer_norm_backward(
     x: &[f32],
     weight: Option<&[f32]>,
-    mean: &[f32],
-    rstd: &[f32],
+    stats: RowStats<&[f32]>,
     dy: &[f32],
-    cols: usize,
-    dx: &mut [f32],
-    mut dweight: Option<&mut [f32]>,
-    mut dbias: Option<&mut [f32]>,
+    dims: &NormDims,
+    grads: NormGrads<'_, [f32]>,
 ) {
-    let rows = check_rows(x, cols, dx.len(), rstd.len(), "layer_norm_backward");
-    assert!(mean.len() == rows && dy.len() == x.len(), "layer_norm_backward: mean or dy has the wrong length");
-    assert!(weight.is_none_or(|w| w.len() == cols), "layer_norm_backward: weight length differs from cols");
-    assert!(dweight.as_ref().is_none_or(|w| w.len() == cols), "layer_norm_backward: dweight length differs from cols");
-    assert!(dbias.as_ref().is_none_or(|b| b.len() == cols), "layer_norm_backward: dbias length differs from cols");
+    let (RowStats { mean, rstd }, NormGrads { dx, mut dweight, mut dbias }) = (stats, grads);
+    dims.assert_fits(
+        "layer_norm_backward",
+        &[("x", x.len()), ("dy", dy.len()), ("dx", dx.len())],
+        &[("mean", mean.len()), ("rstd", rstd.len())],
+        &[
+            ("weight", weight.map(<[f32]>::len)),
+            ("dweight", dweight.as_ref().map(|w| w.len())),
+            ("dbias", dbias.as_ref().map(|b| b.len())),
+        ],
+    );
+    let NormDims { rows, cols, .. } = *dims;
     for grad in dweight.as_deref_mut().into_iter().chain(dbias.as_deref_mut()) {
         grad.fill(0.0);
     }
@@ -232,16 +343,6 @@ pub fn layer_norm_reference(
     (y, means, rstds)
 }
 
-/// Checks `x` is whole rows and outputs match; returns the number of rows.
-fn check_rows(x: &[f32], cols: usize, out_len: usize, stats_len: usize, what: &str) -> usize {
-    assert!(cols > 0 || x.is_empty(), "{what}: zero columns");
-    assert!(x.len().is_multiple_of(cols), "{what}: length is not a multiple of cols");
-    assert_eq!(out_len, x.len(), "{what}: output length differs from x");
-    let rows = x.len().checked_div(cols).unwrap_or(0);
-    assert_eq!(stats_len, rows, "{what}: per-row statistics have the wrong length");
-    rows
-}
-
 /// y = (x − shift)·factor (· w + b).
 fn scale_and_shift(x: &[f32], shift: f32, factor: f32, w: Option<&[f32]>, b: Option<&[f32]>, y: &mut [f32]) {
     let simd_end = x.len() - x.len() % LANES;
@@ -317,12 +418,13 @@ mod tests {
         fn forward_matches_reference(rows in 1usize..5, cols in 1usize..70, affine in any::<bool>()) {
             let (x, w, b) = (values(rows * cols, 1), values(cols, 2), values(cols, 3));
             let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows], vec![0.0; rows]);
-            rms_norm_forward(&x, &w, cols, 1e-5, &mut y, &mut rstd);
+            rms_norm_forward(&x, &w, &NormDims::of(x.len(), cols, 1e-5), &mut y, &mut rstd);
             let (y_ref, rstd_ref) = rms_norm_reference(&x, &w, cols, 1e-5);
             assert_close("rms_norm y", &y, &y_ref, Tolerance::uniform(1e-5));
             assert_close("rms_norm rstd", &rstd, &rstd_ref, Tolerance::uniform(1e-5));
             let (w, b) = if affine { (Some(&w[..]), Some(&b[..])) } else { (None, None) };
-            layer_norm_forward(&x, w, b, cols, 1e-5, &mut y, &mut mean, &mut rstd);
+            let stats = RowStats { mean: &mut mean[..], rstd: &mut rstd[..] };
+            layer_norm_forward(&x, w, b, &NormDims::of(x.len(), cols, 1e-5), &mut y, stats);
             let (y_ref, mean_ref, rstd_ref) = layer_norm_reference(&x, w, b, cols, 1e-5);
             assert_close("layer_norm y", &y, &y_ref, Tolerance::uniform(1e-4));
             assert_close("layer_norm mean", &mean, &mean_ref, Tolerance::uniform(1e-5));
@@ -338,12 +440,21 @@ mod tests {
         // Stale gradient buffers: the backward must overwrite every element, never read one.
         let mut dx = vec![f32::NAN; x.len()];
         let (mut dw, mut db) = (vec![f32::NAN; cols], vec![f32::NAN; cols]);
+        let dims = NormDims { rows, cols, eps };
         if layer {
-            layer_norm_forward(&x, Some(&w), Some(&b), cols, eps, &mut y, &mut mean, &mut rstd);
-            layer_norm_backward(&x, Some(&w), &mean, &rstd, &dy, cols, &mut dx, Some(&mut dw), Some(&mut db));
+            layer_norm_forward(&x, Some(&w), Some(&b), &dims, &mut y, RowStats { mean: &mut mean, rstd: &mut rstd });
+            let grads = NormGrads { dx: &mut dx[..], dweight: Some(&mut dw[..]), dbias: Some(&mut db[..]) };
+            layer_norm_backward(&x, Some(&w), RowStats { mean: &mean, rstd: &rstd }, &dy, &dims, grads);
         } else {
-            rms_norm_forward(&x, &w, cols, eps, &mut y, &mut rstd);
-            rms_norm_backward(&x, &w, &rstd, &dy, cols, &mut dx, &mut dw);
+            rms_norm_forward(&x, &w, &dims, &mut y, &mut rstd);
+            rms_norm_backward(
+                &x,
+                &w,
+                &rstd,
+                &dy,
+                &dims,
+                NormGrads { dx: &mut dx, dweight: Some(&mut dw), dbias: None },
+            );
         }
         let (x64, w64, b64, dy64) = (oracle::widen(&x), oracle::widen(&w), oracle::widen(&b), oracle::widen(&dy));
         let loss = |x: &[f64], w: &[f64], b: &[f64]| {
@@ -376,12 +487,14 @@ mod tests {
         let (rows, cols) = (2048, 67);
         let (x, w, dy) = (values(rows * cols, 1), values(cols, 2), values(rows * cols, 3));
         let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows], vec![0.0; rows]);
-        layer_norm_forward(&x, Some(&w), None, cols, 1e-5, &mut y, &mut mean, &mut rstd);
+        let dims = NormDims { rows, cols, eps: 1e-5 };
+        layer_norm_forward(&x, Some(&w), None, &dims, &mut y, RowStats { mean: &mut mean, rstd: &mut rstd });
         let (y_ref, _, _) = layer_norm_reference(&x, Some(&w), None, cols, 1e-5);
         assert_close("layer_norm y", &y, &y_ref, Tolerance::uniform(1e-4));
         let mut dx = vec![f32::NAN; x.len()];
         let (mut dw, mut db) = (vec![f32::NAN; cols], vec![f32::NAN; cols]);
-        layer_norm_backward(&x, Some(&w), &mean, &rstd, &dy, cols, &mut dx, Some(&mut dw), Some(&mut db));
+        let grads = NormGrads { dx: &mut dx[..], dweight: Some(&mut dw[..]), dbias: Some(&mut db[..]) };
+        layer_norm_backward(&x, Some(&w), RowStats { mean: &mean, rstd: &rstd }, &dy, &dims, grads);
         for j in 0..cols {
             let want_db: f32 = (0..rows).map(|r| dy[r * cols + j]).sum();
             let want_dw: f32 = (0..rows).map(|r| dy[r * cols + j] * (x[r * cols + j] - mean[r]) * rstd[r]).sum();
@@ -390,7 +503,8 @@ mod tests {
         }
         // Without affine parameters only dx is produced.
         let mut dx2 = vec![f32::NAN; x.len()];
-        layer_norm_backward(&x, None, &mean, &rstd, &dy, cols, &mut dx2, None, None);
+        let grads = NormGrads { dx: &mut dx2[..], dweight: None, dbias: None };
+        layer_norm_backward(&x, None, RowStats { mean: &mean, rstd: &rstd }, &dy, &dims, grads);
         assert!(dx2.iter().all(|v| v.is_finite()));
     }
 }

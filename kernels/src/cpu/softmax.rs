@@ -15,9 +15,43 @@ use super::simd::{exp8, load, store, LANES};
 /// Rough cost of one element (an exponential and a few multiply-adds).
 const WORK_PER_ELEMENT: usize = 8;
 
+/// Sizes of one softmax or log-softmax call, shared by the CPU and CUDA kernels: every
+/// operand is `[rows, cols]`. [`SoftmaxDims::of`] and [`SoftmaxDims::check`] are the one
+/// validation both devices run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SoftmaxDims {
+    /// Rows, each normalised on its own.
+    pub rows: usize,
+    /// The normalised width.
+    pub cols: usize,
+}
+
+impl SoftmaxDims {
+    /// The rows of `len` elements in rows of `cols`; the error says why they are not whole
+    /// rows (no rows when both are 0).
+    pub fn of(len: usize, cols: usize) -> Result<SoftmaxDims, String> {
+        if cols == 0 && len > 0 {
+            return Err("zero columns".into());
+        }
+        if cols > 0 && !len.is_multiple_of(cols) {
+            return Err(format!("length {len} is not a multiple of cols {cols}"));
+        }
+        Ok(SoftmaxDims { rows: len.checked_div(cols).unwrap_or(0), cols })
+    }
+
+    /// Whether the other operands (name and length) have `rows·cols` elements each.
+    pub fn check(&self, operands: &[(&str, usize)]) -> Result<(), String> {
+        let want = self.rows * self.cols;
+        match operands.iter().find(|&&(_, len)| len != want) {
+            Some((name, len)) => Err(format!("{name} has {len} elements, expected {want}")),
+            None => Ok(()),
+        }
+    }
+}
+
 /// y = softmax(x) over rows of `cols`.
 pub fn softmax_forward(x: &[f32], cols: usize, y: &mut [f32]) {
-    check(x.len(), y.len(), cols, "softmax_forward");
+    check("softmax_forward", (x.len(), cols), &[("y", y.len())]);
     parallel::for_each_row_block_mut(y, cols, cols * WORK_PER_ELEMENT, |first, block| {
         for (r, y) in block.chunks_mut(cols).enumerate() {
             let x = &x[(first + r) * cols..][..cols];
@@ -29,8 +63,7 @@ pub fn softmax_forward(x: &[f32], cols: usize, y: &mut [f32]) {
 
 /// dx = y ⊙ (dy − Σ dy⊙y)
 pub fn softmax_backward(y: &[f32], dy: &[f32], cols: usize, dx: &mut [f32]) {
-    check(y.len(), dx.len(), cols, "softmax_backward");
-    assert_eq!(dy.len(), dx.len(), "softmax_backward: dy and dx differ in length");
+    check("softmax_backward", (y.len(), cols), &[("dy", dy.len()), ("dx", dx.len())]);
     // d/dx_j Σ_i dy_i·y_i = y_j·(dy_j − Σ_i dy_i·y_i)
     parallel::for_each_row_block_mut(dx, cols, cols * 4, |first, block| {
         for (r, dx) in block.chunks_mut(cols).enumerate() {
@@ -50,7 +83,7 @@ pub fn softmax_backward(y: &[f32], dy: &[f32], cols: usize, dx: &mut [f32]) {
 
 /// y = log_softmax(x) over rows of `cols`.
 pub fn log_softmax_forward(x: &[f32], cols: usize, y: &mut [f32]) {
-    check(x.len(), y.len(), cols, "log_softmax_forward");
+    check("log_softmax_forward", (x.len(), cols), &[("y", y.len())]);
     parallel::for_each_row_block_mut(y, cols, cols * WORK_PER_ELEMENT, |first, block| {
         for (r, y) in block.chunks_mut(cols).enumerate() {
             let x = &x[(first + r) * cols..][..cols];
@@ -69,8 +102,7 @@ pub fn log_softmax_forward(x: &[f32], cols: usize, y: &mut [f32]) {
 
 /// dx = dy − exp(y)·Σ dy
 pub fn log_softmax_backward(y: &[f32], dy: &[f32], cols: usize, dx: &mut [f32]) {
-    check(y.len(), dx.len(), cols, "log_softmax_backward");
-    assert_eq!(dy.len(), dx.len(), "log_softmax_backward: dy and dx differ in length");
+    check("log_softmax_backward", (y.len(), cols), &[("dy", dy.len()), ("dx", dx.len())]);
     // d/dx_j Σ_i dy_i·(x_i − lse) = dy_j − softmax_j·Σ_i dy_i,  softmax = e^y
     parallel::for_each_row_block_mut(dx, cols, cols * WORK_PER_ELEMENT, |first, block| {
         for (r, dx) in block.chunks_mut(cols).enumerate() {
@@ -149,10 +181,12 @@ fn scale(y: &mut [f32], factor: f32) {
     }
 }
 
-fn check(input: usize, output: usize, cols: usize, what: &str) {
-    assert_eq!(input, output, "{what}: input and output differ in length");
-    assert!(cols > 0 || input == 0, "{what}: zero columns");
-    assert!(input.is_multiple_of(cols), "{what}: length is not a multiple of cols");
+/// Panics naming `op` unless the input (`len` elements in rows of `cols`) is whole rows
+/// ([`SoftmaxDims::of`]) and the other operands match it ([`SoftmaxDims::check`]).
+fn check(op: &str, (len, cols): (usize, usize), operands: &[(&str, usize)]) {
+    if let Err(message) = SoftmaxDims::of(len, cols).and_then(|dims| dims.check(operands)) {
+        panic!("{op}: {message}");
+    }
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@
 
 use wide::f32x8;
 
-use super::matmul::Store;
+use super::matmul::{GemmDims, Store};
 use super::simd::LANES;
 
 /// Row tile of the micro-kernel.
@@ -45,83 +45,58 @@ pub struct TileB<'a> {
 }
 
 /// `c[i·c_stride + j] = alpha·Σ_p a(i, p)·b(p, j)` (`+=` with [`Store::Accumulate`]) for
-/// `i < m`, `j < n`. Panics if an operand is too short for its strides.
-#[allow(clippy::too_many_arguments)]
-pub fn tile_gemm(
-    c: &mut [f32],
-    c_stride: usize,
-    a: TileA,
-    b: TileB,
-    m: usize,
-    n: usize,
-    k: usize,
-    alpha: f32,
-    store: Store,
-) {
-    let accumulate = store == Store::Accumulate;
+/// `i < m`, `j < n` of `dims`. Panics if an operand is too short for its strides.
+pub fn tile_gemm(c: &mut [f32], c_stride: usize, a: TileA, b: TileB, dims: GemmDims, alpha: f32, store: Store) {
+    let GemmDims { m, n, k } = dims;
     if m == 0 || n == 0 {
         return;
     }
     assert!((m - 1) * c_stride + n <= c.len(), "tile_gemm: c too short");
     if k == 0 {
-        if !accumulate {
+        if store == Store::Overwrite {
             (0..m).for_each(|i| c[i * c_stride..][..n].fill(0.0));
         }
         return;
     }
-    assert!(a.offset + (m - 1) * a.row_stride + (k - 1) * a.col_stride < a.data.len(), "tile_gemm: a too short");
-    assert!(b.offset + (k - 1) * b.row_stride + n <= b.data.len(), "tile_gemm: b too short");
-    columns_from(
-        leading_wide_columns(c, c_stride, a, b, m, n, k, alpha, accumulate),
-        c,
-        c_stride,
-        a,
-        b,
-        m,
-        n,
-        k,
-        alpha,
-        accumulate,
-    );
+    // The bounds checks of every product (rows of b are contiguous: column stride 1).
+    let fits = dims.check_lhs(a.data.len(), a.offset, (a.row_stride, a.col_stride));
+    if let Err(message) = fits.and(dims.check_rhs(b.data.len(), b.offset, (b.row_stride, 1))) {
+        panic!("tile_gemm: {message}");
+    }
+    columns_from(leading_wide_columns(c, c_stride, a, b, dims, alpha, store), (c, c_stride), a, b, dims, alpha, store);
 }
 
 /// Runs the AVX-512 kernel over the leading columns where the CPU has it; returns how many
 /// columns of `c` it wrote (0 without AVX-512).
-#[allow(clippy::too_many_arguments)]
 fn leading_wide_columns(
     c: &mut [f32],
     c_stride: usize,
     a: TileA,
     b: TileB,
-    m: usize,
-    n: usize,
-    k: usize,
+    dims: GemmDims,
     alpha: f32,
-    accumulate: bool,
+    store: Store,
 ) -> usize {
     #[cfg(target_arch = "x86_64")]
     if super::avx512_available() {
         // SAFETY: the CPU has AVX-512F, and tile_gemm asserted the operands' bounds.
-        return unsafe { avx512::leading_columns(c, c_stride, a, b, m, n, k, alpha, accumulate) };
+        return unsafe { avx512::leading_columns(c, c_stride, a, b, dims, alpha, store) };
     }
     0
 }
 
-/// Columns `j0..n` of `c` with 8-wide vectors, then scalar dot products past the last
-/// multiple of 8. The caller has checked the operands' bounds.
-#[allow(clippy::too_many_arguments)]
+/// Columns `j0..n` of `c` (row stride `c_stride`) with 8-wide vectors, then scalar dot
+/// products past the last multiple of 8. The caller has checked the operands' bounds.
 fn columns_from(
     j0: usize,
-    c: &mut [f32],
-    c_stride: usize,
+    (c, c_stride): (&mut [f32], usize),
     a: TileA,
     b: TileB,
-    m: usize,
-    n: usize,
-    k: usize,
+    dims: GemmDims,
     alpha: f32,
-    accumulate: bool,
+    store: Store,
 ) {
+    let GemmDims { m, n, k } = dims;
     let vector_end = j0.max(n - n % LANES);
     let mut j = j0;
     while j < vector_end {
@@ -137,18 +112,18 @@ fn columns_from(
                 let b_at = b.data.as_ptr().add(b.offset + j);
                 let tile = Tile { c: c_at, c_stride, a: a_at, a_rs: a.row_stride, a_cs: a.col_stride, b: b_at };
                 match (rows, wide) {
-                    (6, true) => micro::<6, 2>(tile, b.row_stride, k, alpha, accumulate),
-                    (5, true) => micro::<5, 2>(tile, b.row_stride, k, alpha, accumulate),
-                    (4, true) => micro::<4, 2>(tile, b.row_stride, k, alpha, accumulate),
-                    (3, true) => micro::<3, 2>(tile, b.row_stride, k, alpha, accumulate),
-                    (2, true) => micro::<2, 2>(tile, b.row_stride, k, alpha, accumulate),
-                    (_, true) => micro::<1, 2>(tile, b.row_stride, k, alpha, accumulate),
-                    (6, false) => micro::<6, 1>(tile, b.row_stride, k, alpha, accumulate),
-                    (5, false) => micro::<5, 1>(tile, b.row_stride, k, alpha, accumulate),
-                    (4, false) => micro::<4, 1>(tile, b.row_stride, k, alpha, accumulate),
-                    (3, false) => micro::<3, 1>(tile, b.row_stride, k, alpha, accumulate),
-                    (2, false) => micro::<2, 1>(tile, b.row_stride, k, alpha, accumulate),
-                    (_, false) => micro::<1, 1>(tile, b.row_stride, k, alpha, accumulate),
+                    (6, true) => micro::<6, 2>(tile, b.row_stride, k, alpha, store),
+                    (5, true) => micro::<5, 2>(tile, b.row_stride, k, alpha, store),
+                    (4, true) => micro::<4, 2>(tile, b.row_stride, k, alpha, store),
+                    (3, true) => micro::<3, 2>(tile, b.row_stride, k, alpha, store),
+                    (2, true) => micro::<2, 2>(tile, b.row_stride, k, alpha, store),
+                    (_, true) => micro::<1, 2>(tile, b.row_stride, k, alpha, store),
+                    (6, false) => micro::<6, 1>(tile, b.row_stride, k, alpha, store),
+                    (5, false) => micro::<5, 1>(tile, b.row_stride, k, alpha, store),
+                    (4, false) => micro::<4, 1>(tile, b.row_stride, k, alpha, store),
+                    (3, false) => micro::<3, 1>(tile, b.row_stride, k, alpha, store),
+                    (2, false) => micro::<2, 1>(tile, b.row_stride, k, alpha, store),
+                    (_, false) => micro::<1, 1>(tile, b.row_stride, k, alpha, store),
                 }
             }
             i += rows;
@@ -163,7 +138,7 @@ fn columns_from(
                 })
                 .sum();
             let out = &mut c[i * c_stride + j];
-            *out = alpha * dot + if accumulate { *out } else { 0.0 };
+            *out = alpha * dot + if store.reads_dst() { *out } else { 0.0 };
         }
     }
 }
@@ -175,7 +150,7 @@ mod avx512 {
     use std::arch::x86_64::{__m512, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mul_ps, _mm512_set1_ps};
     use std::arch::x86_64::{_mm512_setzero_ps, _mm512_storeu_ps};
 
-    use super::{Tile, TileA, TileB};
+    use super::{GemmDims, Store, Tile, TileA, TileB};
 
     const LANES: usize = 16;
     const MR: usize = 8;
@@ -184,19 +159,17 @@ mod avx512 {
     ///
     /// # Safety
     /// The CPU must have AVX-512F, and the operands must pass `tile_gemm`'s bounds checks.
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
     pub unsafe fn leading_columns(
         c: &mut [f32],
         c_stride: usize,
         a: TileA,
         b: TileB,
-        m: usize,
-        n: usize,
-        k: usize,
+        dims: GemmDims,
         alpha: f32,
-        accumulate: bool,
+        store: Store,
     ) -> usize {
+        let GemmDims { m, n, k } = dims;
         let end = n - n % LANES;
         let mut j = 0;
         while j < end {
@@ -210,22 +183,22 @@ mod avx512 {
                 let t = Tile { c: c_at, c_stride, a: a_at, a_rs: a.row_stride, a_cs: a.col_stride, b: b_at };
                 let s = b.row_stride;
                 match (rows, wide) {
-                    (8, true) => micro::<8, 2>(t, s, k, alpha, accumulate),
-                    (7, true) => micro::<7, 2>(t, s, k, alpha, accumulate),
-                    (6, true) => micro::<6, 2>(t, s, k, alpha, accumulate),
-                    (5, true) => micro::<5, 2>(t, s, k, alpha, accumulate),
-                    (4, true) => micro::<4, 2>(t, s, k, alpha, accumulate),
-                    (3, true) => micro::<3, 2>(t, s, k, alpha, accumulate),
-                    (2, true) => micro::<2, 2>(t, s, k, alpha, accumulate),
-                    (_, true) => micro::<1, 2>(t, s, k, alpha, accumulate),
-                    (8, false) => micro::<8, 1>(t, s, k, alpha, accumulate),
-                    (7, false) => micro::<7, 1>(t, s, k, alpha, accumulate),
-                    (6, false) => micro::<6, 1>(t, s, k, alpha, accumulate),
-                    (5, false) => micro::<5, 1>(t, s, k, alpha, accumulate),
-                    (4, false) => micro::<4, 1>(t, s, k, alpha, accumulate),
-                    (3, false) => micro::<3, 1>(t, s, k, alpha, accumulate),
-                    (2, false) => micro::<2, 1>(t, s, k, alpha, accumulate),
-                    (_, false) => micro::<1, 1>(t, s, k, alpha, accumulate),
+                    (8, true) => micro::<8, 2>(t, s, k, alpha, store),
+                    (7, true) => micro::<7, 2>(t, s, k, alpha, store),
+                    (6, true) => micro::<6, 2>(t, s, k, alpha, store),
+                    (5, true) => micro::<5, 2>(t, s, k, alpha, store),
+                    (4, true) => micro::<4, 2>(t, s, k, alpha, store),
+                    (3, true) => micro::<3, 2>(t, s, k, alpha, store),
+                    (2, true) => micro::<2, 2>(t, s, k, alpha, store),
+                    (_, true) => micro::<1, 2>(t, s, k, alpha, store),
+                    (8, false) => micro::<8, 1>(t, s, k, alpha, store),
+                    (7, false) => micro::<7, 1>(t, s, k, alpha, store),
+                    (6, false) => micro::<6, 1>(t, s, k, alpha, store),
+                    (5, false) => micro::<5, 1>(t, s, k, alpha, store),
+                    (4, false) => micro::<4, 1>(t, s, k, alpha, store),
+                    (3, false) => micro::<3, 1>(t, s, k, alpha, store),
+                    (2, false) => micro::<2, 1>(t, s, k, alpha, store),
+                    (_, false) => micro::<1, 1>(t, s, k, alpha, store),
                 }
                 i += rows;
             }
@@ -240,7 +213,7 @@ mod avx512 {
     /// As `super::micro`, with 16-float rows, on a CPU with AVX-512F.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn micro<const R: usize, const NV: usize>(t: Tile, b_stride: usize, k: usize, alpha: f32, accumulate: bool) {
+    unsafe fn micro<const R: usize, const NV: usize>(t: Tile, b_stride: usize, k: usize, alpha: f32, store: Store) {
         let mut acc: [[__m512; NV]; R] = [[_mm512_setzero_ps(); NV]; R];
         for p in 0..k {
             let b_row = t.b.add(p * b_stride);
@@ -260,7 +233,7 @@ mod avx512 {
         for (r, acc_row) in acc.iter().enumerate() {
             for (v, &sum) in acc_row.iter().enumerate() {
                 let at = t.c.add(r * t.c_stride + v * LANES);
-                let out = if accumulate {
+                let out = if store.reads_dst() {
                     _mm512_fmadd_ps(sum, alpha, _mm512_loadu_ps(at))
                 } else {
                     _mm512_mul_ps(sum, alpha)
@@ -289,7 +262,7 @@ struct Tile {
 /// borrowed), `t.a` for `R × k` reads with its strides, `t.b` for `k` rows of `8·NV`
 /// elements `b_stride` apart.
 #[inline(always)]
-unsafe fn micro<const R: usize, const NV: usize>(t: Tile, b_stride: usize, k: usize, alpha: f32, accumulate: bool) {
+unsafe fn micro<const R: usize, const NV: usize>(t: Tile, b_stride: usize, k: usize, alpha: f32, store: Store) {
     let mut acc = [[f32x8::ZERO; NV]; R];
     for p in 0..k {
         let b_row = t.b.add(p * b_stride);
@@ -306,7 +279,7 @@ unsafe fn micro<const R: usize, const NV: usize>(t: Tile, b_stride: usize, k: us
     for (r, acc_row) in acc.iter().enumerate() {
         for (v, &sum) in acc_row.iter().enumerate() {
             let at = t.c.add(r * t.c_stride + v * LANES);
-            let out = if accumulate { sum.mul_add(alpha, load_raw(at)) } else { sum * alpha };
+            let out = if store.reads_dst() { sum.mul_add(alpha, load_raw(at)) } else { sum * alpha };
             (at as *mut [f32; LANES]).write_unaligned(out.to_array());
         }
     }
@@ -351,7 +324,7 @@ mod tests {
             let want = reference(&a, &b, m, n, k);
             let c_stride = n + 1;
             let mut c = vec![1.0f32; m * c_stride];
-            tile_gemm(&mut c, c_stride, a, b, m, n, k, 0.5, Store::Accumulate);
+            tile_gemm(&mut c, c_stride, a, b, GemmDims { m, n, k }, 0.5, Store::Accumulate);
             for i in 0..m {
                 for j in 0..n {
                     let expected = 1.0 + 0.5 * want[i * n + j];
@@ -361,7 +334,7 @@ mod tests {
                     assert_eq!(c[i * c_stride + n], 1.0, "wrote past column n");
                 }
             }
-            tile_gemm(&mut c, c_stride, a, b, m, n, k, 2.0, Store::Overwrite);
+            tile_gemm(&mut c, c_stride, a, b, GemmDims { m, n, k }, 2.0, Store::Overwrite);
             for i in 0..m {
                 for j in 0..n {
                     assert!((c[i * c_stride + j] as f64 - 2.0 * want[i * n + j]).abs() < 1e-4);
@@ -369,7 +342,7 @@ mod tests {
             }
             // The 8-wide kernel alone over every column (what a CPU without AVX-512 runs).
             if k > 0 {
-                columns_from(0, &mut c, c_stride, a, b, m, n, k, 2.0, false);
+                columns_from(0, (&mut c, c_stride), a, b, GemmDims { m, n, k }, 2.0, Store::Overwrite);
                 for i in 0..m {
                     for j in 0..n {
                         assert!((c[i * c_stride + j] as f64 - 2.0 * want[i * n + j]).abs() < 1e-4, "portable");

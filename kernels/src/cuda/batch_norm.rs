@@ -7,67 +7,66 @@
 
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
-use super::error::{ensure_len, Result};
+use super::error::{CudaError, Result};
 use super::launch::{check_owners, elementwise, opt_ptr, per_row, ptr, size, THREADS};
 use super::module::{Arg, KernelFamily};
+pub use crate::cpu::batch_norm::{Affine, BatchNormDims, BatchStats, RunningStats};
+pub use crate::cpu::norm::NormGrads;
 
 const FAMILY: KernelFamily = KernelFamily::BatchNorm;
 
-/// Checks `x` and the optional per-channel parameters.
-#[allow(clippy::too_many_arguments)]
+/// Checks that `x` and the optional affine parameters live on `dev`, then
+/// [`BatchNormDims::check`] (as on the CPU) as a shape error naming `op`.
 fn check(
     dev: &CudaDevice,
     op: &'static str,
-    x: &DeviceBuffer<f32>,
-    batch: usize,
-    channels: usize,
-    spatial: usize,
-    weight: Option<&DeviceBuffer<f32>>,
-    bias: Option<&DeviceBuffer<f32>>,
+    (x, affine): (&DeviceBuffer<f32>, Affine<'_, DeviceBuffer<f32>>),
+    dims: &BatchNormDims,
+    planes: &[(&str, usize)],
+    per_channel: &[(&str, Option<usize>)],
 ) -> Result<()> {
     dev.check_owner(op, x)?;
-    ensure_len(op, "x", x.len(), batch * channels * spatial)?;
-    for (param, name) in [(weight, "weight"), (bias, "bias")] {
-        if let Some(param) = param {
-            dev.check_owner(op, param)?;
-            ensure_len(op, name, param.len(), channels)?;
-        }
+    for param in affine.weight.into_iter().chain(affine.bias) {
+        dev.check_owner(op, param)?;
     }
-    Ok(())
+    dims.check(planes, per_channel).map_err(|message| CudaError::shape(op, message))
 }
 
 /// Training mode: batch statistics; writes `y`, saves `mean[C]` and `rstd[C]`, and updates
 /// the running statistics in place (`running = (1 − momentum)·running + momentum·batch`,
 /// unbiased variance). `weight`/`bias` `None` = no affine. `batch·spatial` should be ≥ 2.
-#[allow(clippy::too_many_arguments)]
 pub fn batch_norm_train_forward(
     dev: &CudaDevice,
     x: &DeviceBuffer<f32>,
-    batch: usize,
-    channels: usize,
-    spatial: usize,
-    weight: Option<&DeviceBuffer<f32>>,
-    bias: Option<&DeviceBuffer<f32>>,
-    eps: f32,
-    momentum: f32,
-    running_mean: &mut DeviceBuffer<f32>,
-    running_var: &mut DeviceBuffer<f32>,
+    affine: Affine<'_, DeviceBuffer<f32>>,
+    dims: &BatchNormDims,
+    running: RunningStats<&mut DeviceBuffer<f32>>,
     y: &mut DeviceBuffer<f32>,
-    mean: &mut DeviceBuffer<f32>,
-    rstd: &mut DeviceBuffer<f32>,
+    stats: BatchStats<&mut DeviceBuffer<f32>>,
 ) -> Result<()> {
     const OP: &str = "batch_norm_train_forward";
-    check(dev, OP, x, batch, channels, spatial, weight, bias)?;
+    let (RunningStats { mean: running_mean, var: running_var }, BatchStats { mean, rstd }) = (running, stats);
+    let (weight, bias) = (affine.weight, affine.bias);
     check_owners(dev, OP, &[running_mean, running_var, y, mean, rstd])?;
-    for (buffer, name) in
-        [(&*running_mean, "running_mean"), (&*running_var, "running_var"), (&*mean, "mean"), (&*rstd, "rstd")]
-    {
-        ensure_len(OP, name, buffer.len(), channels)?;
-    }
-    ensure_len(OP, "y", y.len(), x.len())?;
+    check(
+        dev,
+        OP,
+        (x, affine),
+        dims,
+        &[("x", x.len()), ("y", y.len())],
+        &[
+            ("weight", weight.map(|w| w.len())),
+            ("bias", bias.map(|b| b.len())),
+            ("running_mean", Some(running_mean.len())),
+            ("running_var", Some(running_var.len())),
+            ("mean", Some(mean.len())),
+            ("rstd", Some(rstd.len())),
+        ],
+    )?;
     if x.is_empty() {
         return Ok(());
     }
+    let BatchNormDims { batch, channels, spatial, eps, momentum } = *dims;
     let args = [
         ptr(x),
         opt_ptr(weight),
@@ -87,29 +86,35 @@ pub fn batch_norm_train_forward(
 }
 
 /// Eval mode: normalise with the running statistics.
-#[allow(clippy::too_many_arguments)]
 pub fn batch_norm_eval_forward(
     dev: &CudaDevice,
     x: &DeviceBuffer<f32>,
-    batch: usize,
-    channels: usize,
-    spatial: usize,
-    weight: Option<&DeviceBuffer<f32>>,
-    bias: Option<&DeviceBuffer<f32>>,
-    eps: f32,
-    running_mean: &DeviceBuffer<f32>,
-    running_var: &DeviceBuffer<f32>,
+    affine: Affine<'_, DeviceBuffer<f32>>,
+    dims: &BatchNormDims,
+    running: RunningStats<&DeviceBuffer<f32>>,
     y: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "batch_norm_eval_forward";
-    check(dev, OP, x, batch, channels, spatial, weight, bias)?;
+    let RunningStats { mean: running_mean, var: running_var } = running;
+    let (weight, bias) = (affine.weight, affine.bias);
     check_owners(dev, OP, &[running_mean, running_var, y])?;
-    ensure_len(OP, "running_mean", running_mean.len(), channels)?;
-    ensure_len(OP, "running_var", running_var.len(), channels)?;
-    ensure_len(OP, "y", y.len(), x.len())?;
+    check(
+        dev,
+        OP,
+        (x, affine),
+        dims,
+        &[("x", x.len()), ("y", y.len())],
+        &[
+            ("weight", weight.map(|w| w.len())),
+            ("bias", bias.map(|b| b.len())),
+            ("running_mean", Some(running_mean.len())),
+            ("running_var", Some(running_var.len())),
+        ],
+    )?;
     if x.is_empty() {
         return Ok(());
     }
+    let BatchNormDims { channels, spatial, eps, .. } = *dims;
     let args = [
         ptr(x),
         opt_ptr(weight),
@@ -127,34 +132,36 @@ pub fn batch_norm_eval_forward(
 
 /// Training-mode backward: `dx = ...`, `dweight = Σ dy·x̂`, `dbias = Σ dy` (each optional
 /// gradient skipped when `None`).
-#[allow(clippy::too_many_arguments)]
 pub fn batch_norm_train_backward(
     dev: &CudaDevice,
     x: &DeviceBuffer<f32>,
-    batch: usize,
-    channels: usize,
-    spatial: usize,
     weight: Option<&DeviceBuffer<f32>>,
-    mean: &DeviceBuffer<f32>,
-    rstd: &DeviceBuffer<f32>,
+    stats: BatchStats<&DeviceBuffer<f32>>,
     dy: &DeviceBuffer<f32>,
-    dx: &mut DeviceBuffer<f32>,
-    dweight: Option<&mut DeviceBuffer<f32>>,
-    dbias: Option<&mut DeviceBuffer<f32>>,
+    dims: &BatchNormDims,
+    grads: NormGrads<'_, DeviceBuffer<f32>>,
 ) -> Result<()> {
     const OP: &str = "batch_norm_train_backward";
-    check(dev, OP, x, batch, channels, spatial, weight, None)?;
+    let (BatchStats { mean, rstd }, NormGrads { dx, dweight, dbias }) = (stats, grads);
     check_owners(dev, OP, &[mean, rstd, dy, dx])?;
-    ensure_len(OP, "mean", mean.len(), channels)?;
-    ensure_len(OP, "rstd", rstd.len(), channels)?;
-    ensure_len(OP, "dy", dy.len(), x.len())?;
-    ensure_len(OP, "dx", dx.len(), x.len())?;
-    for (grad, name) in [(dweight.as_deref(), "dweight"), (dbias.as_deref(), "dbias")] {
-        if let Some(grad) = grad {
-            dev.check_owner(OP, grad)?;
-            ensure_len(OP, name, grad.len(), channels)?;
-        }
+    for grad in dweight.as_deref().into_iter().chain(dbias.as_deref()) {
+        dev.check_owner(OP, grad)?;
     }
+    check(
+        dev,
+        OP,
+        (x, Affine { weight, bias: None }),
+        dims,
+        &[("x", x.len()), ("dy", dy.len()), ("dx", dx.len())],
+        &[
+            ("weight", weight.map(|w| w.len())),
+            ("mean", Some(mean.len())),
+            ("rstd", Some(rstd.len())),
+            ("dweight", dweight.as_ref().map(|g| g.len())),
+            ("dbias", dbias.as_ref().map(|g| g.len())),
+        ],
+    )?;
+    let BatchNormDims { batch, channels, spatial, .. } = *dims;
     let args = [
         ptr(x),
         opt_ptr(weight),

@@ -18,8 +18,9 @@ use half::bf16;
 use super::allocator::{DeviceBuffer, DeviceScalar};
 use super::counters::GemmKind;
 use super::device::CudaDevice;
-use super::error::{ensure, CudaError, Result};
+use super::error::{CudaError, Result};
 use super::launch::to_i32;
+pub use crate::cpu::matmul::GemmDims;
 use crate::cpu::matmul::Store;
 
 /// One operand of a row-major product: `ptr` is element (0, 0) of the stored matrix, `ld`
@@ -92,22 +93,28 @@ impl Precision {
     }
 }
 
-/// Row-major `C[m×n] = alpha·op(A)[m×k]·op(B)[k×n] + beta·C` with `C`'s row stride `ldc`.
-#[allow(clippy::too_many_arguments)]
+/// BLAS's β of a [`Store`]: 0 overwrites `C`, 1 adds onto it.
+fn beta(store: Store) -> f32 {
+    if store.reads_dst() {
+        1.0
+    } else {
+        0.0
+    }
+}
+
+/// Row-major `C[m×n] = op(A)[m×k]·op(B)[k×n]` (`+=` with [`Store::Accumulate`]: BLAS's α = 1
+/// and β = 0 or 1) with `C`'s row stride `ldc`.
 pub(crate) fn gemm(
     dev: &CudaDevice,
     precision: Precision,
-    m: usize,
-    n: usize,
-    k: usize,
-    alpha: f32,
+    dims: GemmDims,
     a: Operand,
     b: Operand,
-    beta: f32,
-    c: u64,
-    ldc: usize,
+    store: Store,
+    (c, ldc): (u64, usize),
 ) -> Result<()> {
     const OP: &str = "gemm";
+    let (GemmDims { m, n, k }, alpha, beta) = (dims, 1.0f32, beta(store));
     // An empty product leaves C as it is when accumulating (cuBLAS would scale it by beta).
     if m == 0 || n == 0 || (k == 0 && beta == 1.0) {
         return Ok(());
@@ -117,7 +124,7 @@ pub(crate) fn gemm(
     let cost = precision.cost((m, n, k), beta, 1);
     dev.cublas_call(precision.function(), precision.kind(), cost, || {
         let Some(gpu) = dev.driver() else {
-            return emulated(precision, (n, m, k), alpha, (b, 0), (a, 0), beta, (c, ldc as usize, 0), 1);
+            return emulated(precision, (n, m, k), (b, 0), (a, 0), store, (c, ldc as usize, 0), 1);
         };
         gpu.bind()?;
         let handle = *gpu.blas().handle();
@@ -170,22 +177,20 @@ pub(crate) fn gemm(
     })
 }
 
-/// `batch` row-major f32 products `C_i = alpha·op(A_i)·op(B_i) + beta·C_i`, where operand
-/// `i` starts `i·stride` elements after the first (a stride of 0 shares one matrix).
-#[allow(clippy::too_many_arguments)]
+/// `batch` row-major f32 products `C_i = op(A_i)·op(B_i)` (`+=` with [`Store::Accumulate`]),
+/// where operand `i` starts `i·stride` elements after the first (a stride of 0 shares one
+/// matrix).
 pub(crate) fn gemm_strided_batched(
     dev: &CudaDevice,
-    m: usize,
-    n: usize,
-    k: usize,
-    alpha: f32,
+    dims: GemmDims,
     (a, stride_a): (Operand, usize),
     (b, stride_b): (Operand, usize),
-    beta: f32,
+    store: Store,
     (c, ldc, stride_c): (u64, usize, usize),
     batch: usize,
 ) -> Result<()> {
     const OP: &str = "gemm_strided_batched";
+    let (GemmDims { m, n, k }, alpha, beta) = (dims, 1.0f32, beta(store));
     if m == 0 || n == 0 || batch == 0 {
         return Ok(());
     }
@@ -196,7 +201,7 @@ pub(crate) fn gemm_strided_batched(
     dev.cublas_call("cublasSgemmStridedBatched", GemmKind::F32Simt, cost, || {
         let Some(gpu) = dev.driver() else {
             let c = (c, ldc as usize, stride_c);
-            return emulated(Precision::F32, (n, m, k), alpha, (b, stride_b), (a, stride_a), beta, c, batch);
+            return emulated(Precision::F32, (n, m, k), (b, stride_b), (a, stride_a), store, c, batch);
         };
         gpu.bind()?;
         // SAFETY: as in `gemm`, for each of the `batch` products at the given strides.
@@ -226,15 +231,14 @@ pub(crate) fn gemm_strided_batched(
     })
 }
 
-/// The column-major cuBLAS call above (`first` is cuBLAS's A: our B) on the emulated device.
-#[allow(clippy::too_many_arguments)]
+/// The column-major cuBLAS call above (`first` is cuBLAS's A: our B; `dims` column-major,
+/// `(n, m, k)`) on the emulated device.
 fn emulated(
     precision: Precision,
     dims: (usize, usize, usize),
-    alpha: f32,
     (first, stride_first): (Operand, usize),
     (second, stride_second): (Operand, usize),
-    beta: f32,
+    store: Store,
     c: (u64, usize, usize),
     batch: usize,
 ) -> Result<()> {
@@ -248,11 +252,11 @@ fn emulated(
             (Precision::Bf16, _) => ("cublasGemmEx", Operands::Bf16),
         };
         let (a, b) = ((col(first), stride_first), (col(second), stride_second));
-        gemm(call, operands, dims, alpha, a, b, beta, c, batch)
+        gemm(call, operands, dims, 1.0, a, b, beta(store), c, batch)
     }
     #[cfg(not(feature = "cuda-emu"))]
     {
-        let _ = (precision, dims, alpha, first, stride_first, second, stride_second, beta, c, batch);
+        let _ = (precision, dims, first, stride_first, second, stride_second, store, c, batch);
         Err(CudaError::Unavailable("no cuBLAS handle on this device".to_string()))
     }
 }
@@ -274,10 +278,15 @@ pub struct DeviceMat<'a, T: DeviceScalar = f32> {
 
 impl<T: DeviceScalar> DeviceMat<'_, T> {
     /// Checks bounds and converts to a cuBLAS operand of `rows × cols`.
-    fn operand(&self, dev: &CudaDevice, rows: usize, cols: usize, what: &str) -> Result<Operand> {
+    fn operand(&self, dev: &CudaDevice, dims: GemmDims, what: &str) -> Result<Operand> {
         dev.check_owner("matmul", self.buffer)?;
-        let last = self.offset + rows.saturating_sub(1) * self.row_stride + cols.saturating_sub(1) * self.col_stride;
-        ensure(rows == 0 || cols == 0 || last < self.buffer.len(), "matmul", || format!("{what} out of bounds"))?;
+        let (len, strides) = (self.buffer.len(), (self.row_stride, self.col_stride));
+        let (fits, rows, cols) = if what == "lhs" {
+            (dims.check_lhs(len, self.offset, strides), dims.m, dims.k)
+        } else {
+            (dims.check_rhs(len, self.offset, strides), dims.k, dims.n)
+        };
+        fits.map_err(|message| CudaError::shape("matmul", message))?;
         let at = self.buffer.ptr_at(self.offset.min(self.buffer.len()));
         // cuBLAS needs one unit stride and rows that do not overlap (leading dimension at
         // least the other extent); a single row or column may have any stride.
@@ -294,56 +303,47 @@ impl<T: DeviceScalar> DeviceMat<'_, T> {
 
 /// `dst[m×n] = lhs[m×k]·rhs[k×n]` (`+=` with [`Store::Accumulate`], BLAS's β = 1), `dst`
 /// row-major contiguous at `dst_offset`; mirrors `cpu::matmul::matmul`.
-#[allow(clippy::too_many_arguments)]
 pub fn matmul(
     dev: &CudaDevice,
     dst: &mut DeviceBuffer<f32>,
     dst_offset: usize,
     lhs: DeviceMat,
     rhs: DeviceMat,
-    m: usize,
-    n: usize,
-    k: usize,
+    dims: GemmDims,
     store: Store,
 ) -> Result<()> {
-    product(dev, Precision::F32, dst, dst_offset, lhs, rhs, (m, n, k), store)
+    product(dev, Precision::F32, (dst, dst_offset), lhs, rhs, dims, store)
 }
 
 /// [`matmul`] with bf16 operands: tensor-core products accumulated and written in f32
 /// (mixed precision; the caller converts its f32 operands with `elementwise::to_bf16`).
-#[allow(clippy::too_many_arguments)]
 pub fn matmul_bf16(
     dev: &CudaDevice,
     dst: &mut DeviceBuffer<f32>,
     dst_offset: usize,
     lhs: DeviceMat<bf16>,
     rhs: DeviceMat<bf16>,
-    m: usize,
-    n: usize,
-    k: usize,
+    dims: GemmDims,
     store: Store,
 ) -> Result<()> {
-    product(dev, Precision::Bf16, dst, dst_offset, lhs, rhs, (m, n, k), store)
+    product(dev, Precision::Bf16, (dst, dst_offset), lhs, rhs, dims, store)
 }
 
 /// The body of [`matmul`] and [`matmul_bf16`]: checks `dst` and both operands, then one gemm.
-#[allow(clippy::too_many_arguments)]
 fn product<T: DeviceScalar>(
     dev: &CudaDevice,
     precision: Precision,
-    dst: &mut DeviceBuffer<f32>,
-    dst_offset: usize,
+    (dst, dst_offset): (&mut DeviceBuffer<f32>, usize),
     lhs: DeviceMat<T>,
     rhs: DeviceMat<T>,
-    (m, n, k): (usize, usize, usize),
+    dims: GemmDims,
     store: Store,
 ) -> Result<()> {
     dev.check_owner("matmul", dst)?;
-    ensure(dst.len() >= dst_offset + m * n, "matmul", || format!("dst too short for {m}×{n} at {dst_offset}"))?;
-    if m == 0 || n == 0 {
+    dims.check_dst(dst.len(), dst_offset).map_err(|message| CudaError::shape("matmul", message))?;
+    if dims.is_empty() {
         return Ok(());
     }
-    let (a, b) = (lhs.operand(dev, m, k, "lhs")?, rhs.operand(dev, k, n, "rhs")?);
-    let beta = if store == Store::Accumulate { 1.0 } else { 0.0 };
-    gemm(dev, precision, m, n, k, 1.0, a, b, beta, dst.ptr_at(dst_offset), n)
+    let (a, b) = (lhs.operand(dev, dims, "lhs")?, rhs.operand(dev, dims, "rhs")?);
+    gemm(dev, precision, dims, a, b, store, (dst.ptr_at(dst_offset), dims.n))
 }

@@ -10,11 +10,12 @@
 pub use crate::cpu::conv::Conv2dGeometry;
 
 use super::allocator::DeviceBuffer;
-use super::blas::{gemm, gemm_strided_batched, Operand, Precision};
+use super::blas::{gemm, gemm_strided_batched, GemmDims, Operand, Precision};
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
 use super::launch::{elementwise, per_row, ptr, ptr_at, size, THREADS};
 use super::module::KernelFamily;
+use crate::cpu::matmul::Store;
 
 const FAMILY: KernelFamily = KernelFamily::Conv;
 /// Most floats of one chunk's im2col buffer (256 MiB).
@@ -97,7 +98,7 @@ pub fn conv2d_forward(
     if s.y_image == 0 {
         return Ok(());
     }
-    let beta = if bias.is_some() { 1.0 } else { 0.0 };
+    let store = if bias.is_some() { Store::Accumulate } else { Store::Overwrite };
     let per_chunk = s.images_per_chunk(g.batch);
     let mut col = if s.pointwise { None } else { Some(dev.alloc::<f32>(per_chunk * s.depth * s.positions)?) };
     for first in (0..g.batch).step_by(per_chunk) {
@@ -113,13 +114,10 @@ pub fn conv2d_forward(
         };
         gemm_strided_batched(
             dev,
-            g.out_channels,
-            s.positions,
-            s.depth,
-            1.0,
+            GemmDims { m: g.out_channels, n: s.positions, k: s.depth },
             (Operand::rows(w.device_ptr(), s.depth), 0),
             (Operand::rows(cols, s.positions), col_stride),
-            beta,
+            store,
             (y.ptr_at(first * s.y_image), s.positions, s.y_image),
             images,
         )?;
@@ -185,21 +183,23 @@ pub fn conv2d_backward(
             for i in 0..images {
                 let dy_n = Operand::rows(dy_chunk + (i * s.y_image * F32_BYTES) as u64, positions);
                 let col_t = Operand::transposed(cols + (i * col_stride * F32_BYTES) as u64, positions);
-                gemm(dev, Precision::F32, o, depth, positions, 1.0, dy_n, col_t, 1.0, dw.device_ptr(), depth)?;
+                let dims = GemmDims { m: o, n: depth, k: positions };
+                gemm(dev, Precision::F32, dims, dy_n, col_t, Store::Accumulate, (dw.device_ptr(), depth))?;
             }
         }
         if let Some(dx) = dx.as_deref() {
             // d/dcol_n = wᵀ[K, O]·dy_n[O, P]; pointwise convolutions write straight into dx.
             let w_t = (Operand::transposed(w.device_ptr(), depth), 0);
             let dy_rows = (Operand::rows(dy_chunk, positions), s.y_image);
+            let dims = GemmDims { m: depth, n: positions, k: o };
             match &mut dcol {
                 None => {
                     let out = (dx.ptr_at(first * s.x_image), positions, s.x_image);
-                    gemm_strided_batched(dev, depth, positions, o, 1.0, w_t, dy_rows, 0.0, out, images)?;
+                    gemm_strided_batched(dev, dims, w_t, dy_rows, Store::Overwrite, out, images)?;
                 }
                 Some(dcol) => {
                     let out = (dcol.device_ptr(), positions, depth * positions);
-                    gemm_strided_batched(dev, depth, positions, o, 1.0, w_t, dy_rows, 0.0, out, images)?;
+                    gemm_strided_batched(dev, dims, w_t, dy_rows, Store::Overwrite, out, images)?;
                     let mut args = vec![ptr(dcol), ptr_at(dx, first * s.x_image)];
                     args.extend(geometry_args(g, images));
                     dev.launch(FAMILY, "col2im", elementwise(images * s.x_image), &args)?;

@@ -25,13 +25,14 @@ pub use crate::cpu::fused_gate::FusedGateDims;
 pub use crate::cpu::unary::Unary;
 
 use super::allocator::DeviceBuffer;
-use super::blas::{gemm, Operand, Precision};
+use super::blas::{gemm, GemmDims, Operand, Precision};
 use super::device::CudaDevice;
 use super::elementwise::{to_bf16_packed, unary_code, PackedPart};
 use super::error::{ensure, ensure_len, CudaError, Result};
 use super::launch::{elementwise, int, per_row, ptr, size, THREADS};
 use super::module::{Arg, KernelFamily};
 use super::reduce::{column_sums_many, ColumnSum};
+use crate::cpu::matmul::Store;
 
 /// Largest `r_c + r_s` the kernels take (the summary tile is padded to 16, 32 or 64).
 pub const MAX_RANK: usize = 64;
@@ -282,7 +283,8 @@ pub fn fused_gate_forward_unfused(
     check_forward(dev, OP, dims, x, packed, p, Some(zu), out)?;
     let (k, d_in) = (dims.width(), dims.d_in);
     let (a, b) = (Operand::rows(x.device_ptr(), d_in), Operand::transposed(packed.device_ptr(), d_in));
-    gemm(dev, Precision::Bf16, dims.rows, k, d_in, 1.0, a, b, 0.0, zu.device_ptr(), k)?;
+    let product = GemmDims { m: dims.rows, n: k, k: d_in };
+    gemm(dev, Precision::Bf16, product, a, b, Store::Overwrite, (zu.device_ptr(), k))?;
     fused_gate_apply(dev, dims, zu, p, out)
 }
 
@@ -402,7 +404,7 @@ pub fn fused_gate_backward(
         GateProducts::Bf16 { x } => Operands::bf16(dev, p, x, &sources)?,
     };
     let precision = operands.precision();
-    let gemm = |m, n, kk, a, b, beta, c: u64, ldc| gemm(dev, precision, m, n, kk, 1.0, a, b, beta, c, ldc);
+    let gemm = |m, n, k, a, b, store, c: u64, ldc| gemm(dev, precision, GemmDims { m, n, k }, a, b, store, (c, ldc));
 
     // d/dH_c = dL_c·B_c
     gemm(
@@ -411,7 +413,7 @@ pub fn fused_gate_backward(
         d_out,
         operands.rows(Part::DLogits, 0, d_out),
         operands.rows(Part::BChannel, 0, rc),
-        0.0,
+        Store::Overwrite,
         dhidden_c.device_ptr(),
         rc,
     )?;
@@ -453,9 +455,18 @@ pub fn fused_gate_backward(
 
     // dB_c = dL_cᵀ·H_c;  dB_s = dl_sᵀ·H_s
     let dlogits_t = operands.transposed(Part::DLogits, 0, d_out);
-    gemm(d_out, rc, rows, dlogits_t, operands.rows(Part::Hidden, 0, r), 0.0, g.channel.b_weight.device_ptr(), rc)?;
+    gemm(
+        d_out,
+        rc,
+        rows,
+        dlogits_t,
+        operands.rows(Part::Hidden, 0, r),
+        Store::Overwrite,
+        g.channel.b_weight.device_ptr(),
+        rc,
+    )?;
     let (dl_s, h_s) = (operands.rows(Part::DLogitS, 0, rows), operands.rows(Part::Hidden, rc, r));
-    gemm(1, rs, rows, dl_s, h_s, 0.0, g.scalar.b_weight.device_ptr(), rs)?;
+    gemm(1, rs, rows, dl_s, h_s, Store::Overwrite, g.scalar.b_weight.device_ptr(), rs)?;
 
     // dx = dZU·[W; A_c; A_s];  dW = dZᵀ·x;  dA_c = dU_cᵀ·x;  dA_s = dU_sᵀ·x
     let parts = [
@@ -466,17 +477,35 @@ pub fn fused_gate_backward(
     if let Operands::Bf16 { scratch, .. } = &operands {
         // The packed bf16 weight (at the scratch's start) makes dx one product over K = d_out + r.
         let weight = Operand::rows(scratch.device_ptr(), d_in);
-        gemm(rows, d_in, k, operands.rows(Part::Dzu, 0, k), weight, 0.0, g.x.device_ptr(), d_in)?;
+        gemm(rows, d_in, k, operands.rows(Part::Dzu, 0, k), weight, Store::Overwrite, g.x.device_ptr(), d_in)?;
     } else {
         // Three f32 weight buffers: the first product written, the others added onto it.
         for (i, (offset, width, weight, _)) in parts.iter().enumerate() {
             let (a, b) = (operands.rows(Part::Dzu, *offset, k), Operand::rows(weight.device_ptr(), d_in));
-            gemm(rows, d_in, *width, a, b, if i == 0 { 0.0 } else { 1.0 }, g.x.device_ptr(), d_in)?;
+            gemm(
+                rows,
+                d_in,
+                *width,
+                a,
+                b,
+                if i == 0 { Store::Overwrite } else { Store::Accumulate },
+                g.x.device_ptr(),
+                d_in,
+            )?;
         }
     }
     let x_rows = operands.rows(Part::X, 0, d_in);
     for (offset, width, _, dweight) in parts {
-        gemm(width, d_in, rows, operands.transposed(Part::Dzu, offset, k), x_rows, 0.0, dweight.device_ptr(), d_in)?;
+        gemm(
+            width,
+            d_in,
+            rows,
+            operands.transposed(Part::Dzu, offset, k),
+            x_rows,
+            Store::Overwrite,
+            dweight.device_ptr(),
+            d_in,
+        )?;
     }
     Ok(())
 }

@@ -9,21 +9,24 @@ use cudarc::driver::LaunchConfig;
 
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
-use super::error::{ensure, ensure_len, Result};
+use super::error::{ensure, CudaError, Result};
 use super::launch::{check_owners, opt_ptr, per_row, ptr, row_threads, size};
 use super::module::{Arg, KernelFamily};
 use super::reduce::{chunking, finish_column_sums};
 
+pub use crate::cpu::norm::{NormDims, NormGrads, RowStats};
+
 const FAMILY: KernelFamily = KernelFamily::Norm;
 
-/// Checks `x` is whole rows of `cols` and the outputs match; returns the row count.
-fn check_rows(op: &'static str, x: usize, cols: usize, out: usize, stats: usize) -> Result<usize> {
-    ensure(cols > 0 || x == 0, op, || "zero columns".to_string())?;
-    ensure(cols == 0 || x.is_multiple_of(cols), op, || format!("length {x} is not a multiple of cols {cols}"))?;
-    ensure_len(op, "output", out, x)?;
-    let rows = x.checked_div(cols).unwrap_or(0);
-    ensure_len(op, "per-row statistics", stats, rows)?;
-    Ok(rows)
+/// [`NormDims::check`], as on the CPU, as a shape error naming `op`.
+fn check(
+    op: &'static str,
+    dims: &NormDims,
+    rows: &[(&str, usize)],
+    stats: &[(&str, usize)],
+    params: &[(&str, Option<usize>)],
+) -> Result<()> {
+    dims.check(rows, stats, params).map_err(|message| CudaError::shape(op, message))
 }
 
 /// `y = x·rstd·weight`, `rstd = 1/√(mean(x²) + eps)` saved per row.
@@ -31,108 +34,122 @@ pub fn rms_norm_forward(
     dev: &CudaDevice,
     x: &DeviceBuffer<f32>,
     weight: &DeviceBuffer<f32>,
-    cols: usize,
-    eps: f32,
+    dims: &NormDims,
     y: &mut DeviceBuffer<f32>,
     rstd: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "rms_norm_forward";
     check_owners(dev, OP, &[x, weight, y, rstd])?;
-    let rows = check_rows(OP, x.len(), cols, y.len(), rstd.len())?;
-    ensure_len(OP, "weight", weight.len(), cols)?;
+    check(OP, dims, &[("x", x.len()), ("y", y.len())], &[("rstd", rstd.len())], &[("weight", Some(weight.len()))])?;
+    let NormDims { rows, cols, eps } = *dims;
     let args = [ptr(x), ptr(weight), ptr(y), ptr(rstd), size(rows), size(cols), Arg::F32(eps)];
     dev.launch(FAMILY, "rms_norm_forward", per_row(rows, row_threads(cols)), &args)
 }
 
-/// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` for RMSNorm, from the saved `rstd`.
-#[allow(clippy::too_many_arguments)]
+/// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` (when given) for RMSNorm, from the saved `rstd`.
 pub fn rms_norm_backward(
     dev: &CudaDevice,
     x: &DeviceBuffer<f32>,
     weight: &DeviceBuffer<f32>,
     rstd: &DeviceBuffer<f32>,
     dy: &DeviceBuffer<f32>,
-    cols: usize,
-    dx: &mut DeviceBuffer<f32>,
-    dweight: &mut DeviceBuffer<f32>,
+    dims: &NormDims,
+    grads: NormGrads<'_, DeviceBuffer<f32>>,
 ) -> Result<()> {
     const OP: &str = "rms_norm_backward";
-    check_owners(dev, OP, &[x, weight, rstd, dy, dx, dweight])?;
-    let rows = check_rows(OP, x.len(), cols, dx.len(), rstd.len())?;
-    ensure(weight.len() == cols && dweight.len() == cols, OP, || "weight length differs from cols".to_string())?;
-    ensure_len(OP, "dy", dy.len(), x.len())?;
+    let NormGrads { dx, dweight, dbias } = grads;
+    check_owners(dev, OP, &[x, weight, rstd, dy, dx])?;
+    check(
+        OP,
+        dims,
+        &[("x", x.len()), ("dy", dy.len()), ("dx", dx.len())],
+        &[("rstd", rstd.len())],
+        &[("weight", Some(weight.len())), ("dweight", dweight.as_ref().map(|w| w.len()))],
+    )?;
+    ensure(dbias.is_none(), OP, || "RMSNorm has no bias".to_string())?;
+    if let Some(g) = &dweight {
+        dev.check_owner(OP, g)?;
+    }
+    let NormDims { rows, cols, .. } = *dims;
     let args = [ptr(x), ptr(weight), ptr(rstd), ptr(dy), ptr(dx), size(rows), size(cols)];
     dev.launch(FAMILY, "rms_norm_backward", per_row(rows, row_threads(cols)), &args)?;
-    param_grads(dev, x, dy, None, rstd, rows, cols, Some(dweight), None)
+    param_grads(dev, x, dy, None, rstd, dims, (dweight, None))
 }
 
 /// `y = (x − mean)·rstd (· weight + bias if given)`; `mean` and `rstd` saved per row.
-#[allow(clippy::too_many_arguments)]
 pub fn layer_norm_forward(
     dev: &CudaDevice,
     x: &DeviceBuffer<f32>,
     weight: Option<&DeviceBuffer<f32>>,
     bias: Option<&DeviceBuffer<f32>>,
-    cols: usize,
-    eps: f32,
+    dims: &NormDims,
     y: &mut DeviceBuffer<f32>,
-    mean: &mut DeviceBuffer<f32>,
-    rstd: &mut DeviceBuffer<f32>,
+    stats: RowStats<&mut DeviceBuffer<f32>>,
 ) -> Result<()> {
     const OP: &str = "layer_norm_forward";
+    let RowStats { mean, rstd } = stats;
     check_owners(dev, OP, &[x, y, mean, rstd])?;
     check_owners(dev, OP, &weight.into_iter().chain(bias).collect::<Vec<_>>())?;
-    let rows = check_rows(OP, x.len(), cols, y.len(), rstd.len())?;
-    ensure_len(OP, "mean", mean.len(), rows)?;
-    ensure(weight.is_none_or(|w| w.len() == cols), OP, || "weight length differs from cols".to_string())?;
-    ensure(bias.is_none_or(|b| b.len() == cols), OP, || "bias length differs from cols".to_string())?;
+    check(
+        OP,
+        dims,
+        &[("x", x.len()), ("y", y.len())],
+        &[("mean", mean.len()), ("rstd", rstd.len())],
+        &[("weight", weight.map(|w| w.len())), ("bias", bias.map(|b| b.len()))],
+    )?;
+    let NormDims { rows, cols, eps } = *dims;
     let args =
         [ptr(x), opt_ptr(weight), opt_ptr(bias), ptr(y), ptr(mean), ptr(rstd), size(rows), size(cols), Arg::F32(eps)];
     dev.launch(FAMILY, "layer_norm_forward", per_row(rows, row_threads(cols)), &args)
 }
 
 /// `dx = ∂L/∂x`, and `dweight`/`dbias` = their gradients when given, for LayerNorm.
-#[allow(clippy::too_many_arguments)]
 pub fn layer_norm_backward(
     dev: &CudaDevice,
     x: &DeviceBuffer<f32>,
     weight: Option<&DeviceBuffer<f32>>,
-    mean: &DeviceBuffer<f32>,
-    rstd: &DeviceBuffer<f32>,
+    stats: RowStats<&DeviceBuffer<f32>>,
     dy: &DeviceBuffer<f32>,
-    cols: usize,
-    dx: &mut DeviceBuffer<f32>,
-    dweight: Option<&mut DeviceBuffer<f32>>,
-    dbias: Option<&mut DeviceBuffer<f32>>,
+    dims: &NormDims,
+    grads: NormGrads<'_, DeviceBuffer<f32>>,
 ) -> Result<()> {
     const OP: &str = "layer_norm_backward";
+    let (RowStats { mean, rstd }, NormGrads { dx, dweight, dbias }) = (stats, grads);
     check_owners(dev, OP, &[x, mean, rstd, dy, dx])?;
-    let rows = check_rows(OP, x.len(), cols, dx.len(), rstd.len())?;
-    ensure(mean.len() == rows && dy.len() == x.len(), OP, || "mean or dy has the wrong length".to_string())?;
-    ensure(weight.is_none_or(|w| w.len() == cols), OP, || "weight length differs from cols".to_string())?;
-    ensure(dweight.as_ref().is_none_or(|w| w.len() == cols), OP, || "dweight length differs from cols".to_string())?;
-    ensure(dbias.as_ref().is_none_or(|b| b.len() == cols), OP, || "dbias length differs from cols".to_string())?;
+    check(
+        OP,
+        dims,
+        &[("x", x.len()), ("dy", dy.len()), ("dx", dx.len())],
+        &[("mean", mean.len()), ("rstd", rstd.len())],
+        &[
+            ("weight", weight.map(|w| w.len())),
+            ("dweight", dweight.as_ref().map(|w| w.len())),
+            ("dbias", dbias.as_ref().map(|b| b.len())),
+        ],
+    )?;
     if let Some(w) = weight {
         dev.check_owner(OP, w)?;
     }
+    for g in dweight.iter().chain(dbias.iter()) {
+        dev.check_owner(OP, g)?;
+    }
+    let NormDims { rows, cols, .. } = *dims;
     let args = [ptr(x), opt_ptr(weight), ptr(mean), ptr(rstd), ptr(dy), ptr(dx), size(rows), size(cols)];
     dev.launch(FAMILY, "layer_norm_backward", per_row(rows, row_threads(cols)), &args)?;
-    param_grads(dev, x, dy, Some(mean), rstd, rows, cols, dweight, dbias)
+    param_grads(dev, x, dy, Some(mean), rstd, dims, (dweight, dbias))
 }
 
 /// `dweight = Σ_rows dy ⊙ x̂`, `dbias = Σ_rows dy` (either may be absent).
-#[allow(clippy::too_many_arguments)]
 fn param_grads(
     dev: &CudaDevice,
     x: &DeviceBuffer<f32>,
     dy: &DeviceBuffer<f32>,
     mean: Option<&DeviceBuffer<f32>>,
     rstd: &DeviceBuffer<f32>,
-    rows: usize,
-    cols: usize,
-    dweight: Option<&mut DeviceBuffer<f32>>,
-    dbias: Option<&mut DeviceBuffer<f32>>,
+    dims: &NormDims,
+    (dweight, dbias): (Option<&mut DeviceBuffer<f32>>, Option<&mut DeviceBuffer<f32>>),
 ) -> Result<()> {
+    let NormDims { rows, cols, .. } = *dims;
     const OP: &str = "norm parameter gradients";
     if cols == 0 || (dweight.is_none() && dbias.is_none()) {
         return Ok(());

@@ -11,13 +11,17 @@ use super::error::{ensure, ensure_len, CudaError, Result};
 use super::launch::{check_owners, int, per_row, ptr, row_threads, size};
 use super::module::{Arg, KernelFamily};
 
+pub use crate::cpu::cross_entropy::CrossEntropyDims;
+pub use crate::cpu::softmax::SoftmaxDims;
+
 const FAMILY: KernelFamily = KernelFamily::Softmax;
 
-/// Rows of `cols` in `len` elements, or a shape error.
-fn rows_of(op: &'static str, len: usize, cols: usize) -> Result<usize> {
-    ensure(cols > 0 || len == 0, op, || "zero columns".to_string())?;
-    ensure(cols == 0 || len.is_multiple_of(cols), op, || format!("length {len} is not a multiple of cols {cols}"))?;
-    Ok(len.checked_div(cols).unwrap_or(0))
+/// The rows of an input of `len` elements in rows of `cols` whose other operands (name and
+/// length) match it ([`SoftmaxDims::of`] and [`SoftmaxDims::check`], as on the CPU), or a
+/// shape error naming `op`.
+fn rows_of(op: &'static str, (len, cols): (usize, usize), operands: &[(&str, usize)]) -> Result<usize> {
+    let dims = SoftmaxDims::of(len, cols).and_then(|dims| dims.check(operands).map(|()| dims));
+    Ok(dims.map_err(|message| CudaError::shape(op, message))?.rows)
 }
 
 fn forward(
@@ -29,8 +33,7 @@ fn forward(
     log: bool,
 ) -> Result<()> {
     check_owners(dev, op, &[x, y])?;
-    ensure_len(op, "y", y.len(), x.len())?;
-    let rows = rows_of(op, x.len(), cols)?;
+    let rows = rows_of(op, (x.len(), cols), &[("y", y.len())])?;
     let args = [ptr(x), ptr(y), size(rows), size(cols), int(i32::from(log))];
     dev.launch(FAMILY, "softmax_forward", per_row(rows, row_threads(cols)), &args)
 }
@@ -45,9 +48,7 @@ fn backward(
     log: bool,
 ) -> Result<()> {
     check_owners(dev, op, &[y, dy, dx])?;
-    ensure_len(op, "dx", dx.len(), y.len())?;
-    ensure_len(op, "dy", dy.len(), y.len())?;
-    let rows = rows_of(op, y.len(), cols)?;
+    let rows = rows_of(op, (y.len(), cols), &[("dx", dx.len()), ("dy", dy.len())])?;
     let args = [ptr(y), ptr(dy), ptr(dx), size(rows), size(cols), int(i32::from(log))];
     dev.launch(FAMILY, "softmax_backward", per_row(rows, row_threads(cols)), &args)
 }
@@ -100,18 +101,17 @@ fn ignore_code(ignore_index: Option<u32>) -> Arg {
 pub fn cross_entropy_forward(
     dev: &CudaDevice,
     logits: &DeviceBuffer<f32>,
-    cols: usize,
     targets: &DeviceBuffer<u32>,
-    ignore_index: Option<u32>,
+    dims: &CrossEntropyDims,
     losses: &mut DeviceBuffer<f32>,
     lse: &mut DeviceBuffer<f32>,
 ) -> Result<usize> {
-    let Some(counters) = launch_cross_entropy(dev, logits, cols, targets, ignore_index, losses, lse)? else {
+    let Some(counters) = launch_cross_entropy(dev, logits, targets, dims, losses, lse)? else {
         return Ok(0);
     };
     let counts = dev.download(&counters)?;
     if counts[1] > 0 {
-        let message = format!("{} targets out of range 0..{cols}", counts[1]);
+        let message = format!("{} targets out of range 0..{}", counts[1], dims.cols);
         return Err(CudaError::Invalid { op: "cross_entropy_forward", message });
     }
     Ok(counts[0] as usize)
@@ -124,13 +124,19 @@ pub fn cross_entropy_forward(
 pub fn cross_entropy_forward_queued(
     dev: &CudaDevice,
     logits: &DeviceBuffer<f32>,
-    cols: usize,
     targets: &DeviceBuffer<u32>,
-    ignore_index: Option<u32>,
+    dims: &CrossEntropyDims,
     losses: &mut DeviceBuffer<f32>,
     lse: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
-    launch_cross_entropy(dev, logits, cols, targets, ignore_index, losses, lse).map(drop)
+    launch_cross_entropy(dev, logits, targets, dims, losses, lse).map(drop)
+}
+
+/// [`CrossEntropyDims::check`], as on the CPU, as a shape error naming `op`, then the GPU's
+/// own condition: some columns unless there are no rows.
+fn check(op: &'static str, dims: &CrossEntropyDims, logits: usize, per_row: &[(&str, usize)]) -> Result<()> {
+    dims.check(logits, per_row).map_err(|message| CudaError::shape(op, message))?;
+    ensure(dims.cols > 0 || dims.rows == 0, op, || "zero columns".to_string())
 }
 
 /// Checks and queues the forward kernel; returns its counters `[kept rows, targets out of
@@ -138,20 +144,17 @@ pub fn cross_entropy_forward_queued(
 fn launch_cross_entropy(
     dev: &CudaDevice,
     logits: &DeviceBuffer<f32>,
-    cols: usize,
     targets: &DeviceBuffer<u32>,
-    ignore_index: Option<u32>,
+    dims: &CrossEntropyDims,
     losses: &mut DeviceBuffer<f32>,
     lse: &mut DeviceBuffer<f32>,
 ) -> Result<Option<DeviceBuffer<u32>>> {
     const OP: &str = "cross_entropy_forward";
     check_owners(dev, OP, &[logits, losses, lse])?;
     dev.check_owner(OP, targets)?;
-    let rows = targets.len();
-    ensure_len(OP, "logits", logits.len(), rows * cols)?;
-    ensure_len(OP, "losses", losses.len(), rows)?;
-    ensure_len(OP, "lse", lse.len(), rows)?;
-    ensure(cols > 0 || rows == 0, OP, || "zero columns".to_string())?;
+    let rows_of_one = [("targets", targets.len()), ("losses", losses.len()), ("lse", lse.len())];
+    check(OP, dims, logits.len(), &rows_of_one)?;
+    let CrossEntropyDims { rows, cols, ignore_index } = *dims;
     if rows == 0 {
         return Ok(None);
     }
@@ -186,13 +189,11 @@ pub struct MeanLossGrad<'a> {
 /// `dlogits[r] = scale·(softmax(logits[r]) − onehot(targets[r]))` from the saved `lse`, zeros
 /// for ignored rows and rows whose target is ≥ `cols` (the forward reports those), with
 /// `scale = upstream[0] / count` computed on the device ([`MeanLossGrad`]).
-#[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_backward(
     dev: &CudaDevice,
     logits: &DeviceBuffer<f32>,
-    cols: usize,
     targets: &DeviceBuffer<u32>,
-    ignore_index: Option<u32>,
+    dims: &CrossEntropyDims,
     lse: &DeviceBuffer<f32>,
     scale: MeanLossGrad,
     dlogits: &mut DeviceBuffer<f32>,
@@ -200,9 +201,9 @@ pub fn cross_entropy_backward(
     const OP: &str = "cross_entropy_backward";
     check_owners(dev, OP, &[logits, lse, scale.upstream, dlogits])?;
     dev.check_owner(OP, targets)?;
-    let rows = targets.len();
-    ensure_len(OP, "logits", logits.len(), rows * cols)?;
-    ensure_len(OP, "lse", lse.len(), rows)?;
+    dims.check(logits.len(), &[("targets", targets.len()), ("lse", lse.len())])
+        .map_err(|message| CudaError::shape(OP, message))?;
+    let CrossEntropyDims { rows, cols, ignore_index } = *dims;
     ensure_len(OP, "upstream", scale.upstream.len(), 1)?;
     ensure_len(OP, "dlogits", dlogits.len(), logits.len())?;
     let args = [

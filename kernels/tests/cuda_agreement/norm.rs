@@ -1,6 +1,8 @@
 //! RMSNorm, LayerNorm and batch norm (training and evaluation), forward and backward.
 
 use kernels::cpu;
+use kernels::cpu::batch_norm::{Affine, BatchNormDims, BatchStats, RunningStats};
+use kernels::cpu::norm::{NormGrads, RowStats};
 use kernels::cuda::{self, CudaError};
 
 use super::{assert_close_to, assert_reduced, down, stale, up, Rng};
@@ -20,17 +22,20 @@ fn rms_norm_and_layer_norm_agree() {
         // Stale gradient buffers (NaN): both devices must overwrite them.
         let start = stale(rows * cols);
         let wstart = stale(cols);
+        let dims = cpu::norm::NormDims { rows, cols, eps: 1e-5 };
         // RMSNorm
         let (mut y, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows]);
-        cpu::norm::rms_norm_forward(&x, &w, cols, 1e-5, &mut y, &mut rstd);
+        cpu::norm::rms_norm_forward(&x, &w, &dims, &mut y, &mut rstd);
         let (mut gy, mut grstd) = (dev.alloc(x.len()).unwrap(), dev.alloc(rows).unwrap());
-        cuda::norm::rms_norm_forward(dev, &gx, &gw, cols, 1e-5, &mut gy, &mut grstd).unwrap();
+        cuda::norm::rms_norm_forward(dev, &gx, &gw, &dims, &mut gy, &mut grstd).unwrap();
         assert_reduced("rms y", &down(dev, &gy), &y);
         assert_reduced("rms rstd", &down(dev, &grstd), &rstd);
         let (mut dx, mut dw) = (start.clone(), wstart.clone());
-        cpu::norm::rms_norm_backward(&x, &w, &rstd, &dy, cols, &mut dx, &mut dw);
+        let grads = NormGrads { dx: &mut dx[..], dweight: Some(&mut dw[..]), dbias: None };
+        cpu::norm::rms_norm_backward(&x, &w, &rstd, &dy, &dims, grads);
         let (mut gdx, mut gdw) = (up(dev, &start), up(dev, &wstart));
-        cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), &gdy, cols, &mut gdx, &mut gdw).unwrap();
+        let grads = NormGrads { dx: &mut gdx, dweight: Some(&mut gdw), dbias: None };
+        cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), &gdy, &dims, grads).unwrap();
         assert_reduced("rms dx", &down(dev, &gdx), &dx);
         assert_reduced("rms dw", &down(dev, &gdw), &dw);
         // LayerNorm, with and without the affine parameters. Not over one column: there x̂ is
@@ -41,20 +46,34 @@ fn rms_norm_and_layer_norm_agree() {
             let (wo, bo) = if affine { (Some(&w[..]), Some(&b[..])) } else { (None, None) };
             let (gwo, gbo) = if affine { (Some(&gw), Some(&gb)) } else { (None, None) };
             let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows], vec![0.0; rows]);
-            cpu::norm::layer_norm_forward(&x, wo, bo, cols, 1e-5, &mut y, &mut mean, &mut rstd);
+            cpu::norm::layer_norm_forward(
+                &x,
+                wo,
+                bo,
+                &dims,
+                &mut y,
+                RowStats { mean: &mut mean[..], rstd: &mut rstd[..] },
+            );
             let (mut gy, mut gmean, mut grstd) =
                 (dev.alloc(x.len()).unwrap(), dev.alloc(rows).unwrap(), dev.alloc(rows).unwrap());
-            cuda::norm::layer_norm_forward(dev, &gx, gwo, gbo, cols, 1e-5, &mut gy, &mut gmean, &mut grstd).unwrap();
+            let stats = RowStats { mean: &mut gmean, rstd: &mut grstd };
+            cuda::norm::layer_norm_forward(dev, &gx, gwo, gbo, &dims, &mut gy, stats).unwrap();
             assert_reduced("layer y", &down(dev, &gy), &y);
             assert_reduced("layer mean", &down(dev, &gmean), &mean);
             assert_reduced("layer rstd", &down(dev, &grstd), &rstd);
             let (mut dx, mut dw, mut db) = (start.clone(), wstart.clone(), wstart.clone());
             let (dwo, dbo) = if affine { (Some(&mut dw[..]), Some(&mut db[..])) } else { (None, None) };
-            cpu::norm::layer_norm_backward(&x, wo, &mean, &rstd, &dy, cols, &mut dx, dwo, dbo);
+            let (stats, grads) = (
+                RowStats { mean: &mean[..], rstd: &rstd[..] },
+                NormGrads { dx: &mut dx[..], dweight: dwo, dbias: dbo },
+            );
+            cpu::norm::layer_norm_backward(&x, wo, stats, &dy, &dims, grads);
             let (mut gdx, mut gdw, mut gdb) = (up(dev, &start), up(dev, &wstart), up(dev, &wstart));
             let (gdwo, gdbo) = if affine { (Some(&mut gdw), Some(&mut gdb)) } else { (None, None) };
             let (gm, gr) = (up(dev, &mean), up(dev, &rstd));
-            cuda::norm::layer_norm_backward(dev, &gx, gwo, &gm, &gr, &gdy, cols, &mut gdx, gdwo, gdbo).unwrap();
+            let (stats, grads) =
+                (RowStats { mean: &gm, rstd: &gr }, NormGrads { dx: &mut gdx, dweight: gdwo, dbias: gdbo });
+            cuda::norm::layer_norm_backward(dev, &gx, gwo, stats, &gdy, &dims, grads).unwrap();
             assert_reduced("layer dx", &down(dev, &gdx), &dx);
             assert_reduced("layer dw", &down(dev, &gdw), &dw);
             assert_reduced("layer db", &down(dev, &gdb), &db);
@@ -63,7 +82,7 @@ fn rms_norm_and_layer_norm_agree() {
     // Shape errors come back before any launch.
     let (gx, gw) = (up(dev, &[1.0; 10]), up(dev, &[1.0; 3]));
     let (mut gy, mut gr) = (dev.alloc(10).unwrap(), dev.alloc(2).unwrap());
-    let result = cuda::norm::rms_norm_forward(dev, &gx, &gw, 5, 1e-5, &mut gy, &mut gr);
+    let result = cuda::norm::rms_norm_forward(dev, &gx, &gw, &cpu::norm::NormDims::of(10, 5, 1e-5), &mut gy, &mut gr);
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }
 
@@ -81,17 +100,24 @@ fn batch_norm_agrees() {
             let (gwo, gbo) = if affine { (Some(&gw), Some(&gb)) } else { (None, None) };
             let (mut rm, mut rv) = (rm0.clone(), rv0.clone());
             let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; channels], vec![0.0; channels]);
+            let dims = BatchNormDims { batch, channels, spatial, eps: 1e-5, momentum: 0.1 };
+            let running = RunningStats { mean: &mut rm[..], var: &mut rv[..] };
+            let stats = BatchStats { mean: &mut mean[..], rstd: &mut rstd[..] };
             cpu::batch_norm::batch_norm_train_forward(
-                &x, batch, channels, spatial, wo, bo, 1e-5, 0.1, &mut rm, &mut rv, &mut y, &mut mean, &mut rstd,
+                &x,
+                Affine { weight: wo, bias: bo },
+                &dims,
+                running,
+                &mut y,
+                stats,
             );
             let (mut grm, mut grv) = (up(dev, &rm0), up(dev, &rv0));
             let (mut gy, mut gmean, mut grstd) =
                 (dev.alloc(x.len()).unwrap(), dev.alloc(channels).unwrap(), dev.alloc(channels).unwrap());
-            cuda::batch_norm::batch_norm_train_forward(
-                dev, &gx, batch, channels, spatial, gwo, gbo, 1e-5, 0.1, &mut grm, &mut grv, &mut gy, &mut gmean,
-                &mut grstd,
-            )
-            .unwrap();
+            let running = RunningStats { mean: &mut grm, var: &mut grv };
+            let stats = BatchStats { mean: &mut gmean, rstd: &mut grstd };
+            let affine = Affine { weight: gwo, bias: gbo };
+            cuda::batch_norm::batch_norm_train_forward(dev, &gx, affine, &dims, running, &mut gy, stats).unwrap();
             assert_reduced("bn y", &down(dev, &gy), &y);
             assert_reduced("bn mean", &down(dev, &gmean), &mean);
             assert_reduced("bn rstd", &down(dev, &grstd), &rstd);
@@ -99,46 +125,23 @@ fn batch_norm_agrees() {
             assert_reduced("bn running var", &down(dev, &grv), &rv);
 
             let mut y_eval = vec![0.0; x.len()];
-            cpu::batch_norm::batch_norm_eval_forward(&x, batch, channels, spatial, wo, bo, 1e-5, &rm, &rv, &mut y_eval);
-            cuda::batch_norm::batch_norm_eval_forward(
-                dev, &gx, batch, channels, spatial, gwo, gbo, 1e-5, &grm, &grv, &mut gy,
-            )
-            .unwrap();
+            let running = RunningStats { mean: &rm[..], var: &rv[..] };
+            cpu::batch_norm::batch_norm_eval_forward(&x, Affine { weight: wo, bias: bo }, &dims, running, &mut y_eval);
+            let (affine, running) = (Affine { weight: gwo, bias: gbo }, RunningStats { mean: &grm, var: &grv });
+            cuda::batch_norm::batch_norm_eval_forward(dev, &gx, affine, &dims, running, &mut gy).unwrap();
             assert_reduced("bn eval y", &down(dev, &gy), &y_eval);
 
             let dy = rng.vec(x.len(), -1.0, 1.0);
             let (sx, sc) = (stale(x.len()), stale(channels));
             let (mut dx, mut dw, mut db) = (sx.clone(), sc.clone(), sc.clone());
-            cpu::batch_norm::batch_norm_train_backward(
-                &x,
-                batch,
-                channels,
-                spatial,
-                wo,
-                &mean,
-                &rstd,
-                &dy,
-                &mut dx,
-                Some(&mut dw),
-                Some(&mut db),
-            );
+            let stats = BatchStats { mean: &mean[..], rstd: &rstd[..] };
+            let grads = NormGrads { dx: &mut dx[..], dweight: Some(&mut dw[..]), dbias: Some(&mut db[..]) };
+            cpu::batch_norm::batch_norm_train_backward(&x, wo, stats, &dy, &dims, grads);
             let (mut gdx, mut gdw, mut gdb) = (up(dev, &sx), up(dev, &sc), up(dev, &sc));
             let (gm, gr) = (up(dev, &mean), up(dev, &rstd));
-            cuda::batch_norm::batch_norm_train_backward(
-                dev,
-                &gx,
-                batch,
-                channels,
-                spatial,
-                gwo,
-                &gm,
-                &gr,
-                &up(dev, &dy),
-                &mut gdx,
-                Some(&mut gdw),
-                Some(&mut gdb),
-            )
-            .unwrap();
+            let stats = BatchStats { mean: &gm, rstd: &gr };
+            let grads = NormGrads { dx: &mut gdx, dweight: Some(&mut gdw), dbias: Some(&mut gdb) };
+            cuda::batch_norm::batch_norm_train_backward(dev, &gx, gwo, stats, &up(dev, &dy), &dims, grads).unwrap();
             // dx = k·dy + slope·x + offset (k = rstd·w) nearly cancels where a channel holds
             // few values (two values normalise to ±1 whatever x is, so dx is 0 up to eps): its
             // rounding is relative to the terms, and the GPU fuses them into FMAs. An H100 gave

@@ -44,12 +44,12 @@ fn cross_entropy_agrees_with_ignore_index() {
         let logits = rng.vec(rows * cols, -8.0, 8.0);
         let targets: Vec<u32> = (0..rows).map(|_| rng.below(cols as u32)).collect();
         let (mut losses, mut lse) = (vec![0.0; rows], vec![0.0; rows]);
-        let kept = cpu::cross_entropy::cross_entropy_forward(&logits, cols, &targets, ignore, &mut losses, &mut lse);
+        let dims = cpu::cross_entropy::CrossEntropyDims { rows, cols, ignore_index: ignore };
+        let kept = cpu::cross_entropy::cross_entropy_forward(&logits, &targets, &dims, &mut losses, &mut lse);
         let (glogits, gtargets) = (up(dev, &logits), dev.upload(&targets).unwrap());
         let (mut glosses, mut glse) = (dev.alloc(rows).unwrap(), dev.alloc(rows).unwrap());
         let gkept =
-            cuda::softmax::cross_entropy_forward(dev, &glogits, cols, &gtargets, ignore, &mut glosses, &mut glse)
-                .unwrap();
+            cuda::softmax::cross_entropy_forward(dev, &glogits, &gtargets, &dims, &mut glosses, &mut glse).unwrap();
         assert_eq!(gkept, kept);
         assert_close("cross-entropy losses", &down(dev, &glosses), &losses, 1e-5, 1e-6);
         assert_close("cross-entropy lse", &down(dev, &glse), &lse, 1e-5, 1e-6);
@@ -57,16 +57,17 @@ fn cross_entropy_agrees_with_ignore_index() {
         let mut dlogits = start.clone();
         // The GPU reads the mean loss's gradient (0.75) on the device and divides by the count.
         let scale = 0.75 / kept as f32;
-        cpu::cross_entropy::cross_entropy_backward(&logits, cols, &targets, ignore, &lse, scale, &mut dlogits);
+        cpu::cross_entropy::cross_entropy_backward(&logits, &targets, &dims, &lse, scale, &mut dlogits);
         let mut gd = up(dev, &start);
         let (upstream, count) = (up(dev, &[0.75]), kept);
         let g_scale = cuda::softmax::MeanLossGrad { upstream: &upstream, count };
-        cuda::softmax::cross_entropy_backward(dev, &glogits, cols, &gtargets, ignore, &glse, g_scale, &mut gd).unwrap();
+        cuda::softmax::cross_entropy_backward(dev, &glogits, &gtargets, &dims, &glse, g_scale, &mut gd).unwrap();
         assert_close("cross-entropy backward", &down(dev, &gd), &dlogits, 1e-5, 1e-6);
     }
     // A target out of range is an error, not a panic.
     let (glogits, bad) = (up(dev, &[0.0, 1.0]), dev.upload(&[2u32]).unwrap());
     let (mut l, mut s) = (dev.alloc(1).unwrap(), dev.alloc(1).unwrap());
-    let result = cuda::softmax::cross_entropy_forward(dev, &glogits, 2, &bad, None, &mut l, &mut s);
+    let dims = cpu::cross_entropy::CrossEntropyDims { rows: 1, cols: 2, ignore_index: None };
+    let result = cuda::softmax::cross_entropy_forward(dev, &glogits, &bad, &dims, &mut l, &mut s);
     assert!(matches!(result, Err(CudaError::Invalid { .. })), "{result:?}");
 }

@@ -49,8 +49,7 @@ impl BatchNorm2d {
         x.batch_norm2d(
             self.weight.as_ref(),
             self.bias.as_ref(),
-            &self.running_mean,
-            &self.running_var,
+            [&self.running_mean, &self.running_var],
             training,
             self.momentum,
             self.eps,

@@ -8,6 +8,8 @@
 //! `F.batch_norm`. Legend: `N` batch, `C` channels, `S = H·W` one plane.
 
 use kernels::cpu::batch_norm::{batch_norm_eval_forward, batch_norm_train_backward, batch_norm_train_forward};
+use kernels::cpu::batch_norm::{Affine, BatchNormDims, BatchStats, RunningStats};
+use kernels::cpu::norm::NormGrads;
 
 use crate::{Error, Result, Tensor};
 
@@ -54,8 +56,14 @@ fn host_grads(dx: Vec<f32>, shape: &[usize], dw: Option<Vec<f32>>, db: Option<Ve
 
 impl Tensor {
     /// Checks `x[N, C, H, W]` against per-channel `[C]` tensors (weight, bias, running
-    /// statistics) on its device and returns `(N, C, S)`.
-    fn batch_norm_dims(&self, op: &'static str, per_channel: &[Option<&Tensor>]) -> Result<(usize, usize, usize)> {
+    /// statistics) on its device and returns the kernels' sizes `(N, C, S = H·W)` with `eps`
+    /// and `momentum`.
+    fn batch_norm_dims(
+        &self,
+        op: &'static str,
+        per_channel: &[Option<&Tensor>],
+        (eps, momentum): (f32, f32),
+    ) -> Result<BatchNormDims> {
         let [n, c, h, w] = self.dims_nchw(op)?;
         for t in per_channel.iter().flatten() {
             self.same_device(op, t)?;
@@ -63,7 +71,7 @@ impl Tensor {
                 return Err(Error::ShapeMismatch { op, lhs: self.shape.clone(), rhs: t.shape.clone() });
             }
         }
-        Ok((n, c, h * w))
+        Ok(BatchNormDims { batch: n, channels: c, spatial: h * w, eps, momentum })
     }
 
     /// Training-mode batch norm of `x[N, C, H, W]` with the batch statistics (biased
@@ -80,8 +88,9 @@ impl Tensor {
         eps: f32,
     ) -> Result<BatchNormOutput> {
         let op = "batch_norm_train";
-        let (n, c, s) = self.batch_norm_dims(op, &[weight, bias, Some(running_mean), Some(running_var)])?;
-        if n * s < 2 {
+        let per_channel = [weight, bias, Some(&*running_mean), Some(&*running_var)];
+        let dims = self.batch_norm_dims(op, &per_channel, (eps, momentum))?;
+        if dims.batch * dims.spatial < 2 {
             return Err(Error::InvalidShape {
                 op,
                 shape: self.shape.clone(),
@@ -90,27 +99,24 @@ impl Tensor {
         }
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
-            let stats = cuda::RunningStats { mean: running_mean, var: running_var, momentum };
-            return cuda::train(self, (n, c, s), weight, bias, stats, eps);
+            return cuda::train(
+                self,
+                &dims,
+                Affine { weight, bias },
+                RunningStats { mean: running_mean, var: running_var },
+            );
         }
+        let c = dims.channels;
         let x = self.contiguous()?;
         let (w, b) = (weight.map(Tensor::contiguous).transpose()?, bias.map(Tensor::contiguous).transpose()?);
         let (mut y, mut mean, mut rstd) = (vec![0.0; x.numel()], vec![0.0; c], vec![0.0; c]);
-        batch_norm_train_forward(
-            x.as_slice()?,
-            n,
-            c,
-            s,
-            w.as_ref().map(Tensor::as_slice).transpose()?,
-            b.as_ref().map(Tensor::as_slice).transpose()?,
-            eps,
-            momentum,
-            running_mean.as_mut_slice()?,
-            running_var.as_mut_slice()?,
-            &mut y,
-            &mut mean,
-            &mut rstd,
-        );
+        let affine = Affine {
+            weight: w.as_ref().map(Tensor::as_slice).transpose()?,
+            bias: b.as_ref().map(Tensor::as_slice).transpose()?,
+        };
+        let running = RunningStats { mean: running_mean.as_mut_slice()?, var: running_var.as_mut_slice()? };
+        let stats = BatchStats { mean: &mut mean[..], rstd: &mut rstd[..] };
+        batch_norm_train_forward(x.as_slice()?, affine, &dims, running, &mut y, stats);
         Ok(BatchNormOutput {
             y: Tensor::from_vec(y, &self.shape)?,
             mean: Tensor::from_vec(mean, &[c])?,
@@ -128,25 +134,30 @@ impl Tensor {
         eps: f32,
     ) -> Result<Tensor> {
         let op = "batch_norm_eval";
-        let (n, c, s) = self.batch_norm_dims(op, &[weight, bias, Some(running_mean), Some(running_var)])?;
+        // Evaluation leaves the running statistics as they are: no momentum.
+        let dims = self.batch_norm_dims(op, &[weight, bias, Some(running_mean), Some(running_var)], (eps, 0.0))?;
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
-            return cuda::eval(self, (n, c, s), weight, bias, [running_mean, running_var], eps);
+            return cuda::eval(
+                self,
+                &dims,
+                Affine { weight, bias },
+                RunningStats { mean: running_mean, var: running_var },
+            );
         }
         let x = self.contiguous()?;
         let (w, b) = (weight.map(Tensor::contiguous).transpose()?, bias.map(Tensor::contiguous).transpose()?);
         let (rm, rv) = (running_mean.contiguous()?, running_var.contiguous()?);
         let mut y = vec![0.0; x.numel()];
+        let affine = Affine {
+            weight: w.as_ref().map(Tensor::as_slice).transpose()?,
+            bias: b.as_ref().map(Tensor::as_slice).transpose()?,
+        };
         batch_norm_eval_forward(
             x.as_slice()?,
-            n,
-            c,
-            s,
-            w.as_ref().map(Tensor::as_slice).transpose()?,
-            b.as_ref().map(Tensor::as_slice).transpose()?,
-            eps,
-            rm.as_slice()?,
-            rv.as_slice()?,
+            affine,
+            &dims,
+            RunningStats { mean: rm.as_slice()?, var: rv.as_slice()? },
             &mut y,
         );
         Tensor::from_vec(y, &self.shape)
@@ -166,16 +177,17 @@ impl Tensor {
         bias: bool,
     ) -> Result<BatchNormGrads> {
         let op = "batch_norm_train_backward";
-        let dims = x.batch_norm_dims(op, &[weight, Some(mean), Some(rstd)])?;
+        // The backward reads the saved rstd: neither eps nor momentum is used.
+        let dims = x.batch_norm_dims(op, &[weight, Some(mean), Some(rstd)], (0.0, 0.0))?;
         x.same_device(op, dy)?;
         if dy.shape != x.shape {
             return Err(Error::ShapeMismatch { op, lhs: x.shape.clone(), rhs: dy.shape.clone() });
         }
         #[cfg(feature = "cuda")]
         if x.cuda_storage().is_some() {
-            return cuda::train_backward(x, dims, weight, [mean, rstd], dy, bias);
+            return cuda::train_backward(x, &dims, weight, BatchStats { mean, rstd }, dy, bias);
         }
-        let (n, c, s) = dims;
+        let c = dims.channels;
         let (x, dy) = (x.contiguous()?, dy.contiguous()?);
         let w = weight.map(Tensor::contiguous).transpose()?;
         let (mean, rstd) = (mean.contiguous()?, rstd.contiguous()?);
@@ -184,16 +196,11 @@ impl Tensor {
         let mut db = bias.then(|| crate::pool::buffer(c));
         batch_norm_train_backward(
             x.as_slice()?,
-            n,
-            c,
-            s,
             w.as_ref().map(Tensor::as_slice).transpose()?,
-            mean.as_slice()?,
-            rstd.as_slice()?,
+            BatchStats { mean: mean.as_slice()?, rstd: rstd.as_slice()? },
             dy.as_slice()?,
-            &mut dx,
-            dw.as_deref_mut(),
-            db.as_deref_mut(),
+            &dims,
+            NormGrads { dx: &mut dx, dweight: dw.as_deref_mut(), dbias: db.as_deref_mut() },
         );
         host_grads(dx, &x.shape, dw, db)
     }
@@ -211,17 +218,17 @@ impl Tensor {
         bias: bool,
     ) -> Result<BatchNormGrads> {
         let op = "batch_norm_eval_backward";
-        let dims = x.batch_norm_dims(op, &[weight, Some(running_mean), Some(running_var)])?;
+        let dims = x.batch_norm_dims(op, &[weight, Some(running_mean), Some(running_var)], (eps, 0.0))?;
         x.same_device(op, dy)?;
         if dy.shape != x.shape {
             return Err(Error::ShapeMismatch { op, lhs: x.shape.clone(), rhs: dy.shape.clone() });
         }
         #[cfg(feature = "cuda")]
         if x.cuda_storage().is_some() {
-            let stats = [running_mean, running_var];
-            return cuda::eval_backward(x, dims, weight, stats, eps, dy, bias);
+            let running = RunningStats { mean: running_mean, var: running_var };
+            return cuda::eval_backward(x, &dims, weight, running, dy, bias);
         }
-        let (n, c, s) = dims;
+        let BatchNormDims { batch: n, channels: c, spatial: s, .. } = dims;
         let (x, dy) = (x.contiguous()?, dy.contiguous()?);
         let w = weight.map(Tensor::contiguous).transpose()?;
         let (rm, rv) = (running_mean.contiguous()?, running_var.contiguous()?);
@@ -296,22 +303,13 @@ pub(crate) mod cuda {
 
     use std::sync::Arc;
 
+    use kernels::cuda::batch_norm::{self as launch, Affine, BatchNormDims, BatchStats, NormGrads, RunningStats};
     use kernels::cuda::elementwise::{scalar_forward, unary_forward, Binary, Unary};
-    use kernels::cuda::{batch_norm as launch, DeviceBuffer};
+    use kernels::cuda::DeviceBuffer;
 
     use super::{BatchNormGrads, BatchNormOutput};
     use crate::cuda::{output, CudaStorage};
     use crate::{Error, Result, Storage, Tensor};
-
-    /// `(N, C, S)`: batch, channels and plane size, checked by the caller.
-    type Dims = (usize, usize, usize);
-
-    /// The running statistics a training forward updates in place.
-    pub(crate) struct RunningStats<'a> {
-        pub(crate) mean: &'a mut Tensor,
-        pub(crate) var: &'a mut Tensor,
-        pub(crate) momentum: f32,
-    }
 
     /// The f32 device buffer of `t` for writing in place, first replacing `t` by a private
     /// dense copy when it is strided, part of a larger buffer or shared with another tensor
@@ -343,36 +341,29 @@ pub(crate) mod cuda {
         t.as_ref().map(|t| t.cuda_f32(op)).transpose()
     }
 
-    /// Training forward: `y`, the batch mean and rstd; updates the running statistics.
+    /// Training forward (`dims` checked by the caller): `y`, the batch mean and rstd; updates
+    /// the running statistics in place.
     pub(crate) fn train(
         x: &Tensor,
-        (n, c, s): Dims,
-        weight: Option<&Tensor>,
-        bias: Option<&Tensor>,
-        stats: RunningStats,
-        eps: f32,
+        dims: &BatchNormDims,
+        affine: Affine<'_, Tensor>,
+        running: RunningStats<&mut Tensor>,
     ) -> Result<BatchNormOutput> {
         const OP: &str = "batch_norm_train";
         let dev = x.cuda_device(OP)?;
+        let c = dims.channels;
         let x = x.dense()?;
-        let [w, b] = dense_all([weight, bias])?;
+        let [w, b] = dense_all([affine.weight, affine.bias])?;
         let mut y = CudaStorage::alloc(&dev, x.numel())?;
         let (mut mean, mut rstd) = (CudaStorage::alloc(&dev, c)?, CudaStorage::alloc(&dev, c)?);
         launch::batch_norm_train_forward(
             &dev,
             x.cuda_f32(OP)?,
-            n,
-            c,
-            s,
-            buffer(&w, OP)?,
-            buffer(&b, OP)?,
-            eps,
-            stats.momentum,
-            owned_f32_mut(stats.mean, OP)?,
-            owned_f32_mut(stats.var, OP)?,
+            Affine { weight: buffer(&w, OP)?, bias: buffer(&b, OP)? },
+            dims,
+            RunningStats { mean: owned_f32_mut(running.mean, OP)?, var: owned_f32_mut(running.var, OP)? },
             y.f32_buffer_mut(OP)?,
-            mean.f32_buffer_mut(OP)?,
-            rstd.f32_buffer_mut(OP)?,
+            BatchStats { mean: mean.f32_buffer_mut(OP)?, rstd: rstd.f32_buffer_mut(OP)? },
         )?;
         Ok(BatchNormOutput {
             y: Tensor::from_cuda(y, x.shape())?,
@@ -381,24 +372,22 @@ pub(crate) mod cuda {
         })
     }
 
-    /// Evaluation forward with the running statistics `[mean, var]`.
+    /// Evaluation forward with the running statistics (`dims` checked by the caller).
     pub(crate) fn eval(
         x: &Tensor,
-        (n, c, s): Dims,
-        weight: Option<&Tensor>,
-        bias: Option<&Tensor>,
-        [running_mean, running_var]: [&Tensor; 2],
-        eps: f32,
+        dims: &BatchNormDims,
+        affine: Affine<'_, Tensor>,
+        running: RunningStats<&Tensor>,
     ) -> Result<Tensor> {
         const OP: &str = "batch_norm_eval";
         let dev = x.cuda_device(OP)?;
         let x = x.dense()?;
-        let [w, b] = dense_all([weight, bias])?;
-        let (rm, rv) = (running_mean.dense()?, running_var.dense()?);
-        let (rm, rv) = (rm.cuda_f32(OP)?, rv.cuda_f32(OP)?);
+        let [w, b] = dense_all([affine.weight, affine.bias])?;
+        let (rm, rv) = (running.mean.dense()?, running.var.dense()?);
+        let running = RunningStats { mean: rm.cuda_f32(OP)?, var: rv.cuda_f32(OP)? };
         output(&dev, OP, x.shape(), |y| {
-            let (w, b) = (buffer(&w, OP)?, buffer(&b, OP)?);
-            Ok(launch::batch_norm_eval_forward(&dev, x.cuda_f32(OP)?, n, c, s, w, b, eps, rm, rv, y)?)
+            let affine = Affine { weight: buffer(&w, OP)?, bias: buffer(&b, OP)? };
+            Ok(launch::batch_norm_eval_forward(&dev, x.cuda_f32(OP)?, affine, dims, running, y)?)
         })
     }
 
@@ -428,18 +417,19 @@ pub(crate) mod cuda {
         })
     }
 
-    /// Training backward from the saved batch `[mean, rstd]`.
+    /// Training backward from the saved batch statistics (`dims` checked by the caller).
     pub(crate) fn train_backward(
         x: &Tensor,
-        (n, c, s): Dims,
+        dims: &BatchNormDims,
         weight: Option<&Tensor>,
-        [mean, rstd]: [&Tensor; 2],
+        stats: BatchStats<&Tensor>,
         dy: &Tensor,
         bias: bool,
     ) -> Result<BatchNormGrads> {
         const OP: &str = "batch_norm_train_backward";
         let dev = x.cuda_device(OP)?;
-        let (x, dy, mean, rstd) = (x.dense()?, dy.dense()?, mean.dense()?, rstd.dense()?);
+        let c = dims.channels;
+        let (x, dy, mean, rstd) = (x.dense()?, dy.dense()?, stats.mean.dense()?, stats.rstd.dense()?);
         let [w] = dense_all([weight])?;
         let mut dx = CudaStorage::alloc(&dev, x.numel())?;
         let mut per_channel = per_channel_grads(&dev, c, w.is_some(), bias)?;
@@ -448,53 +438,39 @@ pub(crate) mod cuda {
             launch::batch_norm_train_backward(
                 &dev,
                 x.cuda_f32(OP)?,
-                n,
-                c,
-                s,
                 buffer(&w, OP)?,
-                mean.cuda_f32(OP)?,
-                rstd.cuda_f32(OP)?,
+                BatchStats { mean: mean.cuda_f32(OP)?, rstd: rstd.cuda_f32(OP)? },
                 dy.cuda_f32(OP)?,
-                dx.f32_buffer_mut(OP)?,
-                grad_mut(dw, OP)?,
-                grad_mut(db, OP)?,
+                dims,
+                NormGrads { dx: dx.f32_buffer_mut(OP)?, dweight: grad_mut(dw, OP)?, dbias: grad_mut(db, OP)? },
             )?;
         }
         grads(Tensor::from_cuda(dx, x.shape())?, per_channel, c)
     }
 
-    /// Evaluation backward with the running statistics `[mean, var]` (see the module doc).
+    /// Evaluation backward with the running statistics (`dims` checked by the caller; see
+    /// the module doc).
     pub(crate) fn eval_backward(
         x: &Tensor,
-        (n, c, s): Dims,
+        dims: &BatchNormDims,
         weight: Option<&Tensor>,
-        [running_mean, running_var]: [&Tensor; 2],
-        eps: f32,
+        running: RunningStats<&Tensor>,
         dy: &Tensor,
         bias: bool,
     ) -> Result<BatchNormGrads> {
         const OP: &str = "batch_norm_eval_backward";
         let dev = x.cuda_device(OP)?;
-        let (x, dy, rm, rv) = (x.dense()?, dy.dense()?, running_mean.dense()?, running_var.dense()?);
+        let (c, eps) = (dims.channels, dims.eps);
+        let (x, dy, rm, rv) = (x.dense()?, dy.dense()?, running.mean.dense()?, running.var.dense()?);
         let [w] = dense_all([weight])?;
         let (rm, rv) = (rm.cuda_f32(OP)?, rv.cuda_f32(OP)?);
         // d/dx = dy·weight/√(rv + eps): the evaluation forward of dy with mean 0 and no bias.
         let zero_mean = CudaStorage::zeros(&dev, c)?;
         let dx = output(&dev, OP, x.shape(), |dx| {
             let zero_mean = zero_mean.f32_buffer(OP)?;
-            Ok(launch::batch_norm_eval_forward(
-                &dev,
-                dy.cuda_f32(OP)?,
-                n,
-                c,
-                s,
-                buffer(&w, OP)?,
-                None,
-                eps,
-                zero_mean,
-                rv,
-                dx,
-            )?)
+            let affine = Affine { weight: buffer(&w, OP)?, bias: None };
+            let running = RunningStats { mean: zero_mean, var: rv };
+            Ok(launch::batch_norm_eval_forward(&dev, dy.cuda_f32(OP)?, affine, dims, running, dx)?)
         })?;
         let mut per_channel = per_channel_grads(&dev, c, w.is_some(), bias)?;
         if w.is_some() || bias {
@@ -509,16 +485,11 @@ pub(crate) mod cuda {
             launch::batch_norm_train_backward(
                 &dev,
                 x.cuda_f32(OP)?,
-                n,
-                c,
-                s,
                 None,
-                rm,
-                rstd.f32_buffer(OP)?,
+                BatchStats { mean: rm, rstd: rstd.f32_buffer(OP)? },
                 dy.cuda_f32(OP)?,
-                scratch.f32_buffer_mut(OP)?,
-                grad_mut(dw, OP)?,
-                grad_mut(db, OP)?,
+                dims,
+                NormGrads { dx: scratch.f32_buffer_mut(OP)?, dweight: grad_mut(dw, OP)?, dbias: grad_mut(db, OP)? },
             )?;
         }
         grads(dx, per_channel, c)

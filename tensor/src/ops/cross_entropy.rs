@@ -4,7 +4,7 @@
 //! targets are uploaded once (by the forward), and the backward reads the loss's gradient
 //! on the device. Kernels: `kernels::cpu::cross_entropy` (`kernels::cuda::softmax` on the GPU).
 
-use kernels::cpu::cross_entropy;
+use kernels::cpu::cross_entropy::{self, CrossEntropyDims};
 
 use crate::{Error, Result, Tensor};
 
@@ -50,8 +50,8 @@ impl CrossEntropy {
 
 impl Tensor {
     /// Errors unless this is `[N, V]` logits for `targets[N]` with every target below `V`
-    /// or equal to `ignore_index`; returns `V`.
-    fn check_targets(&self, op: &'static str, targets: &[u32], ignore_index: Option<u32>) -> Result<usize> {
+    /// or equal to `ignore_index`; returns the kernels' sizes.
+    fn check_targets(&self, op: &'static str, targets: &[u32], ignore_index: Option<u32>) -> Result<CrossEntropyDims> {
         let cols = self.last_dim(op)?;
         let rows = self.numel() / cols.max(1);
         if self.rank() != 2 || targets.len() != rows {
@@ -60,24 +60,23 @@ impl Tensor {
         if let Some(&bad) = targets.iter().find(|&&t| t as usize >= cols && Some(t) != ignore_index) {
             return Err(Error::IndexOutOfRange { op, index: bad as usize, size: cols });
         }
-        Ok(cols)
+        Ok(CrossEntropyDims { rows, cols, ignore_index })
     }
 
     /// Mean cross-entropy of logits `[N, V]` against class ids `targets[N]`; rows whose
     /// target equals `ignore_index` are skipped (PyTorch `F.cross_entropy`). On a GPU this
     /// waits for the logits (the kernel reports its row count) but leaves the loss there.
     pub fn cross_entropy(&self, targets: &[u32], ignore_index: Option<u32>) -> Result<CrossEntropy> {
-        let cols = self.check_targets("cross_entropy", targets, ignore_index)?;
+        let dims = self.check_targets("cross_entropy", targets, ignore_index)?;
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
-            return cuda::cross_entropy(self, cols, targets, ignore_index);
+            return cuda::cross_entropy(self, targets, &dims);
         }
         let (_, x) = self.rows("cross_entropy")?;
         let rows = targets.len();
         let mut losses = vec![0.0; rows];
         let mut lse = vec![0.0; rows];
-        let count =
-            cross_entropy::cross_entropy_forward(x.as_slice()?, cols, targets, ignore_index, &mut losses, &mut lse);
+        let count = cross_entropy::cross_entropy_forward(x.as_slice()?, targets, &dims, &mut losses, &mut lse);
         let total: f64 = losses.iter().map(|&l| l as f64).sum();
         let loss = if count == 0 { 0.0 } else { (total / count as f64) as f32 };
         let lse = Tensor::from_vec(lse, &[rows])?;
@@ -97,7 +96,7 @@ impl Tensor {
         count: usize,
     ) -> Result<Tensor> {
         const OP: &str = "cross_entropy_backward";
-        let cols = logits.check_targets(OP, &targets.host, ignore_index)?;
+        let dims = logits.check_targets(OP, &targets.host, ignore_index)?;
         logits.check_row_stats(OP, lse, targets.host.len())?;
         logits.same_device(OP, dy)?;
         if dy.numel() != 1 {
@@ -105,22 +104,14 @@ impl Tensor {
         }
         #[cfg(feature = "cuda")]
         if logits.cuda_storage().is_some() {
-            return cuda::cross_entropy_backward(logits, cols, targets, ignore_index, lse, dy, count);
+            return cuda::cross_entropy_backward(logits, targets, &dims, lse, dy, count);
         }
         let scale = if count > 0 { dy.item()? / count as f32 } else { 0.0 };
         let targets = &targets.host;
         let (_, logits) = logits.rows(OP)?;
         let mut dlogits = crate::pool::buffer(logits.numel());
         let lse = lse.contiguous()?;
-        cross_entropy::cross_entropy_backward(
-            logits.as_slice()?,
-            cols,
-            targets,
-            ignore_index,
-            lse.as_slice()?,
-            scale,
-            &mut dlogits,
-        );
+        cross_entropy::cross_entropy_backward(logits.as_slice()?, targets, &dims, lse.as_slice()?, scale, &mut dlogits);
         Tensor::from_vec(dlogits, &logits.shape)
     }
 }
@@ -131,7 +122,7 @@ pub(crate) mod cuda {
 
     use kernels::cuda::elementwise::{scalar_forward, Binary};
     use kernels::cuda::reduce::sum_axis;
-    use kernels::cuda::softmax as launch;
+    use kernels::cuda::softmax::{self as launch, CrossEntropyDims};
 
     use super::{CrossEntropy, SavedTargets};
     use crate::cuda::{output, CudaStorage};
@@ -140,26 +131,20 @@ pub(crate) mod cuda {
     /// Mean cross-entropy of `[N, cols]` logits against host `targets` (already range-checked):
     /// the loss stays on the device as a rank-0 tensor, and nothing waits for the device (the
     /// kept rows are counted on the host). The targets are uploaded once, for both directions.
-    pub(crate) fn cross_entropy(
-        logits: &Tensor,
-        cols: usize,
-        targets: &[u32],
-        ignore_index: Option<u32>,
-    ) -> Result<CrossEntropy> {
+    pub(crate) fn cross_entropy(logits: &Tensor, targets: &[u32], dims: &CrossEntropyDims) -> Result<CrossEntropy> {
         const OP: &str = "cross_entropy";
         let dev = logits.cuda_device(OP)?;
         let logits = logits.dense()?;
         let rows = targets.len();
-        let count = targets.iter().filter(|&&t| Some(t) != ignore_index).count();
+        let count = targets.iter().filter(|&&t| Some(t) != dims.ignore_index).count();
         let device_targets = dev.upload(targets)?;
         let mut losses = CudaStorage::alloc(&dev, rows)?;
         let mut lse = CudaStorage::alloc(&dev, rows)?;
         launch::cross_entropy_forward_queued(
             &dev,
             logits.cuda_f32(OP)?,
-            cols,
             &device_targets,
-            ignore_index,
+            dims,
             losses.f32_buffer_mut(OP)?,
             lse.f32_buffer_mut(OP)?,
         )?;
@@ -181,9 +166,8 @@ pub(crate) mod cuda {
     /// and targets; `dy` is read on the device.
     pub(crate) fn cross_entropy_backward(
         logits: &Tensor,
-        cols: usize,
         targets: &SavedTargets,
-        ignore_index: Option<u32>,
+        dims: &CrossEntropyDims,
         lse: &Tensor,
         dy: &Tensor,
         count: usize,
@@ -202,7 +186,7 @@ pub(crate) mod cuda {
         output(&dev, OP, logits.shape(), |dlogits| {
             let (logits, lse) = (logits.cuda_f32(OP)?, lse.cuda_f32(OP)?);
             let scale = launch::MeanLossGrad { upstream: dy.cuda_f32(OP)?, count };
-            Ok(launch::cross_entropy_backward(&dev, logits, cols, device_targets, ignore_index, lse, scale, dlogits)?)
+            Ok(launch::cross_entropy_backward(&dev, logits, device_targets, dims, lse, scale, dlogits)?)
         })
     }
 }

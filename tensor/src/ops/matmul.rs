@@ -2,7 +2,7 @@
 //!
 //! PyTorch equivalent: `torch.matmul` for operands of rank ≥ 2.
 
-use kernels::cpu::matmul::{matmul, MatRef, Store};
+use kernels::cpu::matmul::{matmul, GemmDims, MatRef, Store};
 
 use crate::shape::broadcast_shapes;
 use crate::{Error, Result, Tensor};
@@ -36,7 +36,7 @@ impl Tensor {
         let (lhs_data, rhs_data) = (lhs.f32_storage("matmul")?, rhs.f32_storage("matmul")?);
         for b in 0..batches {
             let (l, r) = (operand(&lhs, lhs_data, b, &batch), operand(&rhs, rhs_data, b, &batch));
-            matmul(&mut out, b * m * n, l, r, m, n, k, Store::Overwrite);
+            matmul(&mut out, b * m * n, l, r, GemmDims { m, n, k }, Store::Overwrite);
         }
         Tensor::from_vec(out, &[batch.as_slice(), &[m, n]].concat())
     }
@@ -89,7 +89,7 @@ pub(crate) mod cuda {
 
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    use kernels::cpu::matmul::Store;
+    use kernels::cpu::matmul::{GemmDims, Store};
     use kernels::cuda::blas::{self as launch, DeviceMat};
     use kernels::cuda::{DeviceBuffer, DeviceScalar};
 
@@ -161,11 +161,11 @@ pub(crate) mod cuda {
                 if bf16 {
                     let (l, r) = (l_storage.bf16_buffer(OP)?, r_storage.bf16_buffer(OP)?);
                     let (l, r) = (operand(&lhs, l, b, batch), operand(&rhs, r, b, batch));
-                    launch::matmul_bf16(&dev, out, at, l, r, m, n, k, Store::Overwrite)?;
+                    launch::matmul_bf16(&dev, out, at, l, r, GemmDims { m, n, k }, Store::Overwrite)?;
                 } else {
                     let (l, r) = (l_storage.f32_buffer(OP)?, r_storage.f32_buffer(OP)?);
                     let (l, r) = (operand(&lhs, l, b, batch), operand(&rhs, r, b, batch));
-                    launch::matmul(&dev, out, at, l, r, m, n, k, Store::Overwrite)?;
+                    launch::matmul(&dev, out, at, l, r, GemmDims { m, n, k }, Store::Overwrite)?;
                 }
             }
             Ok(())

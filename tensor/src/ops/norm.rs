@@ -1,7 +1,7 @@
 //! RMSNorm (LLaMA) and LayerNorm over the last axis, each returning the row statistics its
 //! backward needs. Kernels: `kernels::cpu::norm` (`kernels::cuda::norm` on the GPU).
 
-use kernels::cpu::norm;
+use kernels::cpu::norm::{self, NormDims, NormGrads, RowStats};
 
 use crate::{Error, Result, Tensor};
 
@@ -41,16 +41,16 @@ impl Tensor {
     pub fn rms_norm(&self, weight: &Tensor, eps: f32) -> Result<RmsNormOutput> {
         let cols = self.last_dim("rms_norm")?;
         self.check_weight("rms_norm", Some(weight), cols)?;
+        let dims = NormDims::of(self.numel(), cols, eps);
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
-            return cuda::rms_norm(self, weight, cols, eps);
+            return cuda::rms_norm(self, weight, &dims);
         }
         let (_, x) = self.rows("rms_norm")?;
-        let rows = x.numel() / cols.max(1);
         let mut y = crate::pool::buffer(x.numel());
-        let mut rstd = vec![0.0; rows];
-        norm::rms_norm_forward(x.as_slice()?, weight.contiguous()?.as_slice()?, cols, eps, &mut y, &mut rstd);
-        Ok(RmsNormOutput { y: Tensor::from_vec(y, &self.shape)?, rstd: Tensor::from_vec(rstd, &[rows])? })
+        let mut rstd = vec![0.0; dims.rows];
+        norm::rms_norm_forward(x.as_slice()?, weight.contiguous()?.as_slice()?, &dims, &mut y, &mut rstd);
+        Ok(RmsNormOutput { y: Tensor::from_vec(y, &self.shape)?, rstd: Tensor::from_vec(rstd, &[dims.rows])? })
     }
 
     /// `(dx, dweight)` of [`Tensor::rms_norm`] from its input, weight and saved `rstd`:
@@ -60,10 +60,12 @@ impl Tensor {
         let cols = x.last_dim(OP)?;
         x.check_weight(OP, Some(weight), cols)?;
         x.check_like(OP, dy)?;
-        x.check_row_stats(OP, rstd, x.numel() / cols.max(1))?;
+        // Backward reads the saved rstd: eps is not used.
+        let dims = NormDims::of(x.numel(), cols, 0.0);
+        x.check_row_stats(OP, rstd, dims.rows)?;
         #[cfg(feature = "cuda")]
         if x.cuda_storage().is_some() {
-            return cuda::rms_norm_backward(x, weight, rstd, dy, cols);
+            return cuda::rms_norm_backward(x, weight, rstd, dy, &dims);
         }
         let (_, x) = x.rows(OP)?;
         let (w, rstd) = (weight.contiguous()?, rstd.contiguous()?);
@@ -73,9 +75,8 @@ impl Tensor {
             w.as_slice()?,
             rstd.as_slice()?,
             dy.contiguous()?.as_slice()?,
-            cols,
-            &mut dx,
-            &mut dw,
+            &dims,
+            NormGrads { dx: &mut dx, dweight: Some(&mut dw), dbias: None },
         );
         Ok((Tensor::from_vec(dx, &x.shape)?, Tensor::from_vec(dw, &w.shape)?))
     }
@@ -85,12 +86,13 @@ impl Tensor {
         let cols = self.last_dim("layer_norm")?;
         self.check_weight("layer_norm", weight, cols)?;
         self.check_weight("layer_norm", bias, cols)?;
+        let dims = NormDims::of(self.numel(), cols, eps);
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
-            return cuda::layer_norm(self, weight, bias, cols, eps);
+            return cuda::layer_norm(self, weight, bias, &dims);
         }
         let (_, x) = self.rows("layer_norm")?;
-        let rows = x.numel() / cols.max(1);
+        let rows = dims.rows;
         let (mut y, mut mean, mut rstd) = (crate::pool::buffer(x.numel()), vec![0.0; rows], vec![0.0; rows]);
         let weight = weight.map(|w| w.contiguous()).transpose()?;
         let bias = bias.map(|b| b.contiguous()).transpose()?;
@@ -98,11 +100,9 @@ impl Tensor {
             x.as_slice()?,
             weight.as_ref().map(|w| w.as_slice()).transpose()?,
             bias.as_ref().map(|b| b.as_slice()).transpose()?,
-            cols,
-            eps,
+            &dims,
             &mut y,
-            &mut mean,
-            &mut rstd,
+            RowStats { mean: &mut mean, rstd: &mut rstd },
         );
         Ok(LayerNormOutput {
             y: Tensor::from_vec(y, &self.shape)?,
@@ -125,14 +125,15 @@ impl Tensor {
     ) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
         const OP: &str = "layer_norm_backward";
         let cols = x.last_dim(OP)?;
-        let rows = x.numel() / cols.max(1);
+        // Backward reads the saved rstd: eps is not used.
+        let dims = NormDims::of(x.numel(), cols, 0.0);
         x.check_weight(OP, weight, cols)?;
         x.check_like(OP, dy)?;
-        x.check_row_stats(OP, mean, rows)?;
-        x.check_row_stats(OP, rstd, rows)?;
+        x.check_row_stats(OP, mean, dims.rows)?;
+        x.check_row_stats(OP, rstd, dims.rows)?;
         #[cfg(feature = "cuda")]
         if x.cuda_storage().is_some() {
-            return cuda::layer_norm_backward(x, weight, mean, rstd, dy, cols, with_bias);
+            return cuda::layer_norm_backward(x, weight, RowStats { mean, rstd }, dy, &dims, with_bias);
         }
         let (_, x) = x.rows(OP)?;
         let w = weight.map(|w| w.contiguous()).transpose()?;
@@ -143,13 +144,10 @@ impl Tensor {
         norm::layer_norm_backward(
             x.as_slice()?,
             w.as_ref().map(|w| w.as_slice()).transpose()?,
-            mean.as_slice()?,
-            rstd.as_slice()?,
+            RowStats { mean: mean.as_slice()?, rstd: rstd.as_slice()? },
             dy.contiguous()?.as_slice()?,
-            cols,
-            &mut dx,
-            dw.as_deref_mut(),
-            db.as_deref_mut(),
+            &dims,
+            NormGrads { dx: &mut dx, dweight: dw.as_deref_mut(), dbias: db.as_deref_mut() },
         );
         let column = |g: Vec<f32>| Tensor::from_vec(g, &[cols]);
         Ok((Tensor::from_vec(dx, &x.shape)?, dw.map(column).transpose()?, db.map(column).transpose()?))
@@ -161,36 +159,23 @@ pub(crate) mod cuda {
     //! The CUDA branch of RMSNorm and LayerNorm in `ops/norm.rs`: forwards that keep their
     //! per-row statistics on the device, and backwards that write fresh gradients.
 
-    use kernels::cuda::norm as launch;
+    use kernels::cuda::norm::{self as launch, NormDims, NormGrads, RowStats};
 
     use super::{LayerNormOutput, RmsNormOutput};
     use crate::cuda::{output, CudaStorage};
     use crate::{Result, Tensor};
 
-    /// Rows of `cols` in `x` (none when `cols` is 0).
-    fn rows(x: &Tensor, cols: usize) -> usize {
-        x.numel() / cols.max(1)
-    }
-
-    /// RMSNorm of `x` (rows of `cols`) with `weight [cols]`; `rstd` saved per row.
-    pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, cols: usize, eps: f32) -> Result<RmsNormOutput> {
+    /// RMSNorm of `x` (`dims`) with `weight [cols]`; `rstd` saved per row.
+    pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, dims: &NormDims) -> Result<RmsNormOutput> {
         const OP: &str = "rms_norm";
         let dev = x.cuda_device(OP)?;
         let (x, w) = (x.dense()?, weight.dense()?);
-        let rows = rows(&x, cols);
-        let mut rstd = CudaStorage::alloc(&dev, rows)?;
+        let mut rstd = CudaStorage::alloc(&dev, dims.rows)?;
         let y = output(&dev, OP, x.shape(), |y| {
-            Ok(launch::rms_norm_forward(
-                &dev,
-                x.cuda_f32(OP)?,
-                w.cuda_f32(OP)?,
-                cols,
-                eps,
-                y,
-                rstd.f32_buffer_mut(OP)?,
-            )?)
+            let rstd = rstd.f32_buffer_mut(OP)?;
+            Ok(launch::rms_norm_forward(&dev, x.cuda_f32(OP)?, w.cuda_f32(OP)?, dims, y, rstd)?)
         })?;
-        Ok(RmsNormOutput { y, rstd: Tensor::from_cuda(rstd, &[rows])? })
+        Ok(RmsNormOutput { y, rstd: Tensor::from_cuda(rstd, &[dims.rows])? })
     }
 
     /// `(dx, dweight)` of RMSNorm from the saved `rstd`.
@@ -199,40 +184,40 @@ pub(crate) mod cuda {
         weight: &Tensor,
         rstd: &Tensor,
         dy: &Tensor,
-        cols: usize,
+        dims: &NormDims,
     ) -> Result<(Tensor, Tensor)> {
         const OP: &str = "rms_norm_backward";
         let dev = x.cuda_device(OP)?;
         let (x, w, rstd, dy) = (x.dense()?, weight.dense()?, rstd.dense()?, dy.dense()?);
-        let mut dw = CudaStorage::alloc(&dev, cols)?;
+        let mut dw = CudaStorage::alloc(&dev, dims.cols)?;
         let dx = output(&dev, OP, x.shape(), |dx| {
             let (x, w, rstd, dy) = (x.cuda_f32(OP)?, w.cuda_f32(OP)?, rstd.cuda_f32(OP)?, dy.cuda_f32(OP)?);
-            Ok(launch::rms_norm_backward(&dev, x, w, rstd, dy, cols, dx, dw.f32_buffer_mut(OP)?)?)
+            let grads = NormGrads { dx, dweight: Some(dw.f32_buffer_mut(OP)?), dbias: None };
+            Ok(launch::rms_norm_backward(&dev, x, w, rstd, dy, dims, grads)?)
         })?;
-        Ok((dx, Tensor::from_cuda(dw, &[cols])?))
+        Ok((dx, Tensor::from_cuda(dw, &[dims.cols])?))
     }
 
-    /// LayerNorm of `x` (rows of `cols`) with optional `weight`/`bias [cols]`; `mean` and
-    /// `rstd` saved per row.
+    /// LayerNorm of `x` (`dims`) with optional `weight`/`bias [cols]`; `mean` and `rstd`
+    /// saved per row.
     pub(crate) fn layer_norm(
         x: &Tensor,
         weight: Option<&Tensor>,
         bias: Option<&Tensor>,
-        cols: usize,
-        eps: f32,
+        dims: &NormDims,
     ) -> Result<LayerNormOutput> {
         const OP: &str = "layer_norm";
         let dev = x.cuda_device(OP)?;
         let x = x.dense()?;
         let w = weight.map(Tensor::dense).transpose()?;
         let b = bias.map(Tensor::dense).transpose()?;
-        let rows = rows(&x, cols);
+        let rows = dims.rows;
         let (mut mean, mut rstd) = (CudaStorage::alloc(&dev, rows)?, CudaStorage::alloc(&dev, rows)?);
         let y = output(&dev, OP, x.shape(), |y| {
             let w = w.as_ref().map(|w| w.cuda_f32(OP)).transpose()?;
             let b = b.as_ref().map(|b| b.cuda_f32(OP)).transpose()?;
-            let (mean, rstd) = (mean.f32_buffer_mut(OP)?, rstd.f32_buffer_mut(OP)?);
-            Ok(launch::layer_norm_forward(&dev, x.cuda_f32(OP)?, w, b, cols, eps, y, mean, rstd)?)
+            let stats = RowStats { mean: mean.f32_buffer_mut(OP)?, rstd: rstd.f32_buffer_mut(OP)? };
+            Ok(launch::layer_norm_forward(&dev, x.cuda_f32(OP)?, w, b, dims, y, stats)?)
         })?;
         Ok(LayerNormOutput { y, mean: Tensor::from_cuda(mean, &[rows])?, rstd: Tensor::from_cuda(rstd, &[rows])? })
     }
@@ -242,15 +227,15 @@ pub(crate) mod cuda {
     pub(crate) fn layer_norm_backward(
         x: &Tensor,
         weight: Option<&Tensor>,
-        mean: &Tensor,
-        rstd: &Tensor,
+        stats: RowStats<&Tensor>,
         dy: &Tensor,
-        cols: usize,
+        dims: &NormDims,
         with_bias: bool,
     ) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
         const OP: &str = "layer_norm_backward";
+        let cols = dims.cols;
         let dev = x.cuda_device(OP)?;
-        let (x, mean, rstd, dy) = (x.dense()?, mean.dense()?, rstd.dense()?, dy.dense()?);
+        let (x, mean, rstd, dy) = (x.dense()?, stats.mean.dense()?, stats.rstd.dense()?, dy.dense()?);
         let w = weight.map(Tensor::dense).transpose()?;
         let mut dw = w.as_ref().map(|_| CudaStorage::alloc(&dev, cols)).transpose()?;
         let mut db = with_bias.then(|| CudaStorage::alloc(&dev, cols)).transpose()?;
@@ -258,8 +243,10 @@ pub(crate) mod cuda {
             let w = w.as_ref().map(|w| w.cuda_f32(OP)).transpose()?;
             let dw = dw.as_mut().map(|g| g.f32_buffer_mut(OP)).transpose()?;
             let db = db.as_mut().map(|g| g.f32_buffer_mut(OP)).transpose()?;
-            let (x, mean, rstd, dy) = (x.cuda_f32(OP)?, mean.cuda_f32(OP)?, rstd.cuda_f32(OP)?, dy.cuda_f32(OP)?);
-            Ok(launch::layer_norm_backward(&dev, x, w, mean, rstd, dy, cols, dx, dw, db)?)
+            let (x, dy) = (x.cuda_f32(OP)?, dy.cuda_f32(OP)?);
+            let stats = RowStats { mean: mean.cuda_f32(OP)?, rstd: rstd.cuda_f32(OP)? };
+            let grads = NormGrads { dx, dweight: dw, dbias: db };
+            Ok(launch::layer_norm_backward(&dev, x, w, stats, dy, dims, grads)?)
         })?;
         let column = |g: CudaStorage| Tensor::from_cuda(g, &[cols]);
         Ok((dx, dw.map(column).transpose()?, db.map(column).transpose()?))
