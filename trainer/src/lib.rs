@@ -5,6 +5,7 @@ pub mod analyze;
 pub mod checkpoint;
 pub mod compare;
 pub mod config;
+pub mod console;
 pub mod data;
 pub mod device;
 pub mod export;

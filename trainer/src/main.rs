@@ -1,13 +1,16 @@
 //! `transponder`: prepare token files, train, evaluate, sample and export LLaMA models
 //! with contextual modulators.
 
+use std::io::Write;
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use nn::Module;
 use tensor::Device;
 use trainer::config::{OptimizerKind, Sampling, ScheduleKind, TrainConfig};
+use trainer::console::StdoutError;
 use trainer::data::DataFormat;
 use trainer::device::{device_name, ensure_available, parse_device};
 use trainer::export::{export_hf, ExportKind};
@@ -16,6 +19,7 @@ use trainer::prepare::{prepare_split, ValSplit};
 use trainer::tokenizer::Tokenizer;
 use trainer::train::{evaluate, open_eval_data, train};
 use trainer::train_image::{train_image, ImageTrainConfig};
+use trainer::{emit, say};
 
 #[derive(Parser)]
 #[command(name = "transponder", version, about = "Train language models with contextual modulators")]
@@ -345,9 +349,9 @@ fn sample(args: SampleArgs) -> Result<()> {
     let generation = run(&model, &prompt_ids, &options).context("sampling")?;
     for (i, sequence) in generation.sequences.iter().enumerate() {
         if i > 0 {
-            println!("---");
+            emit!("---")?;
         }
-        println!("{}", tokenizer.decode(sequence));
+        emit!("{}", tokenizer.decode(sequence))?;
     }
     if let Some(length) = generation.stopped_at_context {
         eprintln!(
@@ -368,9 +372,19 @@ fn sample(args: SampleArgs) -> Result<()> {
     Ok(())
 }
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
     let cli = Cli::parse();
-    trainer::threads::on_worker_pool(None, || run(cli))?
+    let error = match trainer::threads::on_worker_pool(None, || run(cli)) {
+        Ok(Ok(())) => return ExitCode::SUCCESS,
+        Ok(Err(error)) | Err(error) => error,
+    };
+    // A closed pipe (`| head`) ends a command quietly, as it does Unix tools.
+    if error.downcast_ref::<StdoutError>().is_some_and(StdoutError::is_closed_pipe) {
+        return ExitCode::SUCCESS;
+    }
+    // Best effort: with stderr gone too, the exit status is all that is left.
+    let _ = writeln!(std::io::stderr(), "Error: {error:?}");
+    ExitCode::FAILURE
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -379,20 +393,20 @@ fn run(cli: Cli) -> Result<()> {
             let tokenizer = Tokenizer::from_name(&tokenizer)?;
             let split = if val_per_file { ValSplit::EachFileTail } else { ValSplit::StreamTail };
             let report = prepare_split(&inputs, &tokenizer, &out, val_fraction, split)?;
-            println!(
+            emit!(
                 "wrote {} ({} tokens) and {} ({} tokens), vocab {}",
                 report.train_path.display(),
                 report.train_tokens,
                 report.val_path.display(),
                 report.val_tokens,
                 report.vocab_size
-            );
+            )?;
         }
         Command::Train(args) => {
             let resume = args.resume;
             let config = args.into_config()?;
             let report = train(&config, resume)?;
-            println!(
+            say!(
                 "done: {} steps in {:.1} s ({:.0} tokens/s); loss {:.4} -> {:.4}{}",
                 report.steps,
                 report.seconds,
@@ -401,8 +415,8 @@ fn run(cli: Cli) -> Result<()> {
                 report.final_loss,
                 report.final_val_loss.map(|v| format!(", val loss {v:.4} (ppl {:.2})", v.exp())).unwrap_or_default()
             );
-            println!("checkpoint: {}", report.checkpoint.display());
-            println!("metrics:    {}", report.metrics.display());
+            say!("checkpoint: {}", report.checkpoint.display());
+            say!("metrics:    {}", report.metrics.display());
         }
         Command::Eval { checkpoint, data, batch_size, batches, data_format, device } => {
             ensure_available(device)?;
@@ -410,7 +424,7 @@ fn run(cli: Cli) -> Result<()> {
             model.to_device(device)?;
             let mut data = open_eval_data(&data, data_format, config.vocab_size, batch_size, config.seq_len)?;
             let loss = evaluate(&model, &mut data, batches)?;
-            println!("val loss {loss:.6} | perplexity {:.3}", loss.exp());
+            emit!("val loss {loss:.6} | perplexity {:.3}", loss.exp())?;
         }
         Command::Sample(args) => sample(*args)?,
         Command::Export { checkpoint, out } => {
@@ -421,9 +435,9 @@ fn run(cli: Cli) -> Result<()> {
                 ExportKind::Transponder => "TransponderForCausalLM (from_pretrained(..., trust_remote_code=True))",
             };
             for file in &exported.files {
-                println!("wrote {}", file.display());
+                emit!("wrote {}", file.display())?;
             }
-            println!("loads in transformers as {class}");
+            emit!("loads in transformers as {class}")?;
         }
         Command::Analyze(args) => trainer::analyze::run(&args)?,
         Command::Compare(args) => trainer::compare::cli::run(&args)?,
@@ -431,7 +445,7 @@ fn run(cli: Cli) -> Result<()> {
             let resume = args.resume;
             let config = args.into_config()?;
             let report = train_image(&config, resume)?;
-            println!(
+            say!(
                 "done: {} epochs in {:.1} s ({:.1} s/epoch); loss {:.4} -> {:.4}; eval accuracy {:.2}%",
                 report.epochs,
                 report.seconds,
@@ -440,8 +454,8 @@ fn run(cli: Cli) -> Result<()> {
                 report.final_loss,
                 100.0 * report.final_accuracy()
             );
-            println!("checkpoint: {}", report.checkpoint.display());
-            println!("metrics:    {}", report.metrics.display());
+            say!("checkpoint: {}", report.checkpoint.display());
+            say!("metrics:    {}", report.metrics.display());
         }
     }
     Ok(())

@@ -363,14 +363,14 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
             "checkpoint step {start_step} is not an epoch boundary of {steps_per_epoch} steps: \
              the batch size or dataset changed since it was written"
         );
-        println!("resumed from {} at step {start_step}", checkpoint_path.display());
+        crate::say!("resumed from {} at step {start_step}", checkpoint_path.display());
     }
     StateDict(&model).to_device(config.device)?;
     let train_json = serde_json::to_string_pretty(config)?;
     let model_json = serde_json::to_string_pretty(&model_config)?;
     atomic_write(&config.out_dir.join(CONFIG_FILE), train_json.as_bytes())?;
     let mut metrics = MetricsWriter::open(&config.out_dir.join(METRICS_FILE))?;
-    println!(
+    crate::say!(
         "training {} ({} modulator, width {}) with {} parameters ({} in modulators) on {}: {} train / {} eval \
          images, {} epochs of {} steps, batch {}, SGD lr {} ({}), momentum {}, weight decay {}",
         config.model,
@@ -455,7 +455,7 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
             model_config: &model_json,
         };
         checkpoint::save(&checkpoint_path, &StateDict(&model), &optimizer, &meta)?;
-        println!(
+        crate::say!(
             "epoch {:>3}/{} | loss {last_loss:.4} | train acc {:.2}% | eval loss {last_eval_loss:.4} | eval acc {:.2}% | {:.1}s",
             epoch + 1,
             config.epochs,

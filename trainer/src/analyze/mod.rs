@@ -168,12 +168,12 @@ pub fn run(args: &AnalyzeArgs) -> Result<()> {
         let rows = cost::throughput(args)?;
         let mut out = Output::new(&args.out)?;
         out.json("throughput.json", &serde_json::to_value(&rows)?)?;
-        println!("wrote {}", out.dir.join("throughput.json").display());
+        crate::say!("wrote {}", out.dir.join("throughput.json").display());
         return Ok(());
     }
     let report = analyze_checkpoint(args)?;
-    println!("{}", serde_json::to_string_pretty(&report.summary["highlights"])?);
-    println!("wrote {} files into {}", report.files.len(), args.out.display());
+    crate::say!("{}", serde_json::to_string_pretty(&report.summary["highlights"])?);
+    crate::say!("wrote {} files into {}", report.files.len(), args.out.display());
     Ok(())
 }
 

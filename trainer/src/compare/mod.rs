@@ -244,7 +244,7 @@ pub fn compare(options: &CompareOptions) -> Result<CompareOutcome> {
         let tag = format!("[{}/{}] {} seed {}", i + 1, planned.len(), run.row, run.seed);
         let out_dir = run.config.out_dir();
         if !out_dir.join(RESULT_FILE).exists() {
-            println!("{tag}: training in {}", out_dir.display());
+            crate::say!("{tag}: training in {}", out_dir.display());
         }
         let (result, status) = run::execute(run)?;
         match status {
@@ -253,7 +253,7 @@ pub fn compare(options: &CompareOptions) -> Result<CompareOutcome> {
             RunStatus::Started => started += 1,
         }
         let how = if status == RunStatus::Skipped { "finished earlier" } else { "done" };
-        println!("{tag}: {how}, {} ({:.1} s)", describe(grid.task, &result), result.seconds);
+        crate::say!("{tag}: {how}, {} ({:.1} s)", describe(grid.task, &result), result.seconds);
         results.push(result);
     }
 

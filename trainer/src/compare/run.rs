@@ -238,7 +238,7 @@ fn train_run(run: &PlannedRun, resume: bool, parameters: usize) -> Result<RunRes
             return Err(error)
                 .with_context(|| format!("training row `{}` seed {} in {}", run.row, run.seed, dir.display()));
         };
-        println!("{} seed {}: diverged ({diverged}); recorded as diverged", run.row, run.seed);
+        crate::say!("{} seed {}: diverged ({diverged}); recorded as diverged", run.row, run.seed);
         result.diverged_at_step = Some(diverged.step);
     }
     result.seconds = started.elapsed().as_secs_f64();

@@ -73,7 +73,7 @@ impl<'a> Session<'a> {
             optimizer.load_state(&saved.optimizer_state)?;
             sampler.import_state(&saved.sampler_state)?;
             start_step = saved.step;
-            println!("resumed from {} at step {start_step}", checkpoint_path.display());
+            crate::say!("resumed from {} at step {start_step}", checkpoint_path.display());
         }
         model.to_device(config.device)?;
         std::fs::create_dir_all(&config.out_dir).with_context(|| format!("creating {}", config.out_dir.display()))?;
@@ -137,9 +137,11 @@ fn load_for_resume(config: &TrainConfig, path: &Path) -> Result<Checkpoint> {
         );
     }
     if config.steps == saved.step {
-        println!(
+        crate::say!(
             "the checkpoint is at step {} of {}: nothing left to run (pass --steps N with N > {} to train further)",
-            saved.step, config.steps, saved.step
+            saved.step,
+            config.steps,
+            saved.step
         );
     }
     Ok(saved)
@@ -157,7 +159,7 @@ fn resolve_data(config: &TrainConfig, tokenizer: &Tokenizer) -> Result<(PathBuf,
     let (train, val, report) =
         prepare_once(text, tokenizer, &data_dir).with_context(|| format!("preparing {}", corpus_name(text)))?;
     if let Some(report) = report {
-        println!(
+        crate::say!(
             "prepared {} ({} train + {} val tokens, {} tokenizer) into {}",
             corpus_name(text),
             report.train_tokens,
@@ -212,7 +214,7 @@ fn make_sampler(config: &TrainConfig, file: TokenFile) -> Result<Box<dyn BatchSa
 
 /// The lines a run starts with: model, size, steps, batch, optimizer, device.
 fn print_plan(config: &TrainConfig, model: &Llama, table_updates: Option<&str>) {
-    println!(
+    crate::say!(
         "training {} ({}) with {} parameters for {} steps: batch {} x {} tokens, {} optimizer, lr {}",
         config.model,
         config.variant,
@@ -224,10 +226,10 @@ fn print_plan(config: &TrainConfig, model: &Llama, table_updates: Option<&str>) 
         config.lr
     );
     if let Some(how) = table_updates {
-        println!("per-token tables: {how} updates");
+        crate::say!("per-token tables: {how} updates");
     }
     if config.device != Device::Cpu {
         let precision = if config.bf16 { "bf16 matrix products, f32 master weights" } else { "f32" };
-        println!("device {} ({precision})", device_label(config.device));
+        crate::say!("device {} ({precision})", device_label(config.device));
     }
 }
