@@ -8,6 +8,7 @@ pub mod config;
 pub mod console;
 pub mod data;
 pub mod device;
+pub mod dir_lock;
 pub mod export;
 pub mod generate;
 pub mod metrics;

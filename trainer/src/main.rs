@@ -13,6 +13,7 @@ use trainer::config::{OptimizerKind, Sampling, ScheduleKind, TrainConfig};
 use trainer::console::StdoutError;
 use trainer::data::DataFormat;
 use trainer::device::{device_name, ensure_available, parse_device};
+use trainer::dir_lock::DirLock;
 use trainer::export::{export_hf, ExportKind};
 use trainer::generate::{generate, generate_uncached, load_model, load_model_and_tokenizer, SamplingOptions};
 use trainer::prepare::{prepare_split, ValSplit};
@@ -392,6 +393,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Prepare { inputs, out, tokenizer, val_fraction, val_per_file } => {
             let tokenizer = Tokenizer::from_name(&tokenizer)?;
             let split = if val_per_file { ValSplit::EachFileTail } else { ValSplit::StreamTail };
+            let _lock = DirLock::acquire(&out)?;
             let report = prepare_split(&inputs, &tokenizer, &out, val_fraction, split)?;
             emit!(
                 "wrote {} ({} tokens) and {} ({} tokens), vocab {}",
@@ -405,6 +407,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train(args) => {
             let resume = args.resume;
             let config = args.into_config()?;
+            let _lock = DirLock::acquire(&config.out_dir)?;
             let report = train(&config, resume)?;
             say!(
                 "done: {} steps in {:.1} s ({:.0} tokens/s); loss {:.4} -> {:.4}{}",
@@ -429,6 +432,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Sample(args) => sample(*args)?,
         Command::Export { checkpoint, out } => {
             let (model, config) = load_model(&checkpoint)?;
+            let _lock = DirLock::acquire(&out)?;
             let exported = export_hf(&model, &config, &out)?;
             let class = match exported.kind {
                 ExportKind::Llama => "LlamaForCausalLM",
@@ -444,6 +448,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::TrainImage(args) => {
             let resume = args.resume;
             let config = args.into_config()?;
+            let _lock = DirLock::acquire(&config.out_dir)?;
             let report = train_image(&config, resume)?;
             say!(
                 "done: {} epochs in {:.1} s ({:.1} s/epoch); loss {:.4} -> {:.4}; eval accuracy {:.2}%",

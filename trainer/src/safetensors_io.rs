@@ -6,11 +6,11 @@
 //! exports) and widens them to `f32`. PyTorch equivalent: `safetensors.torch.save_file` /
 //! `load_file`.
 //!
-//! Every write is atomic: the bytes go to `<name>.tmp` in the destination's directory, the temp
-//! file is fsynced, renamed over the destination, and the directory is fsynced. A crash or a
-//! kill at any point leaves either the previous file or the new one, never a torn mix; a stray
-//! `.tmp` left by a killed writer is simply overwritten by the next save. One writer per
-//! destination at a time is assumed (the temp name is fixed so that strays do not accumulate).
+//! Every write is atomic: the bytes go to `<name>.<pid>.tmp` in the destination's directory,
+//! the temp file is fsynced, renamed over the destination, and the directory is fsynced. A
+//! crash or a kill at any point leaves either the previous file or the new one, never a torn
+//! mix. The temp name is unique per process, so two writers never share one; the commands
+//! hold a directory lock ([`crate::dir_lock`]) whose next holder removes a killed writer's strays.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
@@ -162,12 +162,13 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
     atomic_replace(path, |tmp| fs::write(tmp, bytes).with_context(|| format!("writing {}", tmp.display())))
 }
 
-/// The temp path a write to `path` goes through: `<file name>.tmp` in the same directory, so
-/// that the final rename never crosses a filesystem.
+/// The temp path this process writes `path` through: `<file name>.<pid>.tmp` in the same
+/// directory, so that the final rename never crosses a filesystem and no two processes
+/// share a temp file.
 pub fn temp_path_for(path: &Path) -> Result<PathBuf> {
     let name = path.file_name().with_context(|| format!("{} does not name a file", path.display()))?;
     let mut tmp_name = name.to_os_string();
-    tmp_name.push(".tmp");
+    tmp_name.push(format!(".{}.tmp", std::process::id()));
     Ok(path.with_file_name(tmp_name))
 }
 

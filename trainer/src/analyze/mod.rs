@@ -164,6 +164,7 @@ pub struct AnalysisReport {
 /// Runs the command: throughput or a checkpoint analysis, printing a short report.
 pub fn run(args: &AnalyzeArgs) -> Result<()> {
     ensure_available(args.device)?;
+    let _lock = crate::dir_lock::DirLock::acquire(&args.out)?;
     if args.throughput {
         let rows = cost::throughput(args)?;
         let mut out = Output::new(&args.out)?;

@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, ensure, Context, Result};
 
 use crate::config::TrainConfig;
+use crate::dir_lock::DirLock;
 use crate::prepare::{corpus_name, corpus_stem, prepare_once};
 use crate::tokenizer::Tokenizer;
 use crate::train::METRICS_FILE;
@@ -227,6 +228,7 @@ fn describe(task: Task, result: &RunResult) -> String {
 pub fn compare(options: &CompareOptions) -> Result<CompareOutcome> {
     let grid = resolve_grid(options)?;
     ensure!(options.seeds >= 1, "--seeds must be at least 1");
+    let _lock = DirLock::acquire(&options.out_dir)?;
     let dir = options.out_dir.join(&grid.name);
     let base = match grid.task {
         Task::Language => shared_data(&options.base, &options.out_dir)?,

@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::config::TrainConfig;
+use crate::dir_lock::DirLock;
 use crate::safetensors_io::atomic_write;
 use crate::tokenizer::Tokenizer;
 use crate::train::{model_config, train, Diverged, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
@@ -248,6 +249,7 @@ fn train_run(run: &PlannedRun, resume: bool, parameters: usize) -> Result<RunRes
 /// Runs, resumes or skips one planned run; writes its `result.json` when it finishes.
 pub fn execute(run: &PlannedRun) -> Result<(RunResult, RunStatus)> {
     let dir = run.config.out_dir();
+    let _lock = DirLock::acquire(dir)?;
     let result_path = dir.join(RESULT_FILE);
     if result_path.exists() {
         let result = read_result(&result_path)?;
