@@ -13,6 +13,7 @@ pub mod export;
 pub mod generate;
 pub mod metrics;
 pub mod prepare;
+pub mod run_dir;
 pub mod safetensors_io;
 pub mod threads;
 pub mod tokenizer;

@@ -17,6 +17,7 @@ use trainer::dir_lock::DirLock;
 use trainer::export::{export_hf, ExportKind};
 use trainer::generate::{generate, generate_uncached, load_model, load_model_and_tokenizer, SamplingOptions};
 use trainer::prepare::{prepare_split, ValSplit};
+use trainer::run_dir::{claim, Claim};
 use trainer::tokenizer::Tokenizer;
 use trainer::train::{evaluate, open_eval_data, train};
 use trainer::train_image::{train_image, ImageTrainConfig};
@@ -127,6 +128,9 @@ struct TrainImageArgs {
     /// Continue from the checkpoint in --out-dir.
     #[arg(long)]
     resume: bool,
+    /// Replace the run in --out-dir (without it, a directory holding a run is refused).
+    #[arg(long, conflicts_with = "resume")]
+    overwrite: bool,
     /// `resnet18` ... `resnet152`.
     #[arg(long)]
     model: Option<String>,
@@ -196,6 +200,10 @@ struct TrainArgs {
     /// they name (changes that do not fit the checkpoint are refused, others warned about).
     #[arg(long)]
     resume: bool,
+    /// Replace the run in --out-dir. Without it a fresh run into a directory holding one is
+    /// refused; the default directory moves on to runs/default-2, -3, ...
+    #[arg(long, conflicts_with = "resume")]
+    overwrite: bool,
     /// Model preset: llama-tiny (default), llama-small, llama-60m, llama-130m, llama-250m, llama-350m, llama-1b.
     #[arg(long)]
     model: Option<String>,
@@ -405,9 +413,11 @@ fn run(cli: Cli) -> Result<()> {
             )?;
         }
         Command::Train(args) => {
-            let resume = args.resume;
-            let config = args.into_config()?;
-            let _lock = DirLock::acquire(&config.out_dir)?;
+            let (resume, overwrite, named) = (args.resume, args.overwrite, args.out_dir.is_some());
+            let mut config = args.into_config()?;
+            let named = named || config.out_dir != TrainConfig::default().out_dir;
+            let (out_dir, _lock) = claim(&config.out_dir, Claim::from_flags(resume, overwrite, named))?;
+            config.out_dir = out_dir;
             let report = train(&config, resume)?;
             say!(
                 "done: {} steps in {:.1} s ({:.0} tokens/s); loss {:.4} -> {:.4}{}",
@@ -446,9 +456,11 @@ fn run(cli: Cli) -> Result<()> {
         Command::Analyze(args) => trainer::analyze::run(&args)?,
         Command::Compare(args) => trainer::compare::cli::run(&args)?,
         Command::TrainImage(args) => {
-            let resume = args.resume;
-            let config = args.into_config()?;
-            let _lock = DirLock::acquire(&config.out_dir)?;
+            let (resume, overwrite, named) = (args.resume, args.overwrite, args.out_dir.is_some());
+            let mut config = args.into_config()?;
+            let named = named || config.out_dir != ImageTrainConfig::default().out_dir;
+            let (out_dir, _lock) = claim(&config.out_dir, Claim::from_flags(resume, overwrite, named))?;
+            config.out_dir = out_dir;
             let report = train_image(&config, resume)?;
             say!(
                 "done: {} epochs in {:.1} s ({:.1} s/epoch); loss {:.4} -> {:.4}; eval accuracy {:.2}%",

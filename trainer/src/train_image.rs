@@ -47,6 +47,7 @@ use crate::data::images::{
 };
 use crate::device::ensure_available;
 use crate::metrics::{MetricsWriter, StepMetrics};
+use crate::run_dir::remove_if_present;
 use crate::safetensors_io::atomic_write;
 use crate::train::{Diverged, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
 
@@ -366,10 +367,20 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
         crate::say!("resumed from {} at step {start_step}", checkpoint_path.display());
     }
     StateDict(&model).to_device(config.device)?;
+    if !resume {
+        // A new run replaces the directory's old one, as in `train`.
+        remove_if_present(&checkpoint_path)?;
+        remove_if_present(&grad_norms_path)?;
+    }
     let train_json = serde_json::to_string_pretty(config)?;
     let model_json = serde_json::to_string_pretty(&model_config)?;
     atomic_write(&config.out_dir.join(CONFIG_FILE), train_json.as_bytes())?;
-    let mut metrics = MetricsWriter::open(&config.out_dir.join(METRICS_FILE))?;
+    let metrics_path = config.out_dir.join(METRICS_FILE);
+    let mut metrics = if resume {
+        MetricsWriter::resume_at(&metrics_path, start_step)?
+    } else {
+        MetricsWriter::create(&metrics_path)?
+    };
     crate::say!(
         "training {} ({} modulator, width {}) with {} parameters ({} in modulators) on {}: {} train / {} eval \
          images, {} epochs of {} steps, batch {}, SGD lr {} ({}), momentum {}, weight decay {}",

@@ -20,6 +20,7 @@ use serde_json::Value;
 
 use crate::config::TrainConfig;
 use crate::dir_lock::DirLock;
+use crate::run_dir::remove_if_present;
 use crate::safetensors_io::atomic_write;
 use crate::tokenizer::Tokenizer;
 use crate::train::{model_config, train, Diverged, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
@@ -274,16 +275,6 @@ pub fn execute(run: &PlannedRun) -> Result<(RunResult, RunStatus)> {
     let json = serde_json::to_string_pretty(&result)?;
     atomic_write(&result_path, json.as_bytes())?;
     Ok((result, if resume { RunStatus::Resumed } else { RunStatus::Started }))
-}
-
-/// Deletes `path` if it exists.
-fn remove_if_present(path: &Path) -> Result<()> {
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            Err(e).with_context(|| format!("removing stale {}", path.display()))
-        }
-        _ => Ok(()),
-    }
 }
 
 #[cfg(test)]

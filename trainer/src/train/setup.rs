@@ -19,6 +19,7 @@ use crate::data::sampler::{BatchSampler, RandomSampler, SequentialSampler};
 use crate::data::token_file::{check_vocab, TokenFile};
 use crate::device::{device_label, ensure_available, MatmulPrecision};
 use crate::prepare::{corpus_name, corpus_stem, prepare_once};
+use crate::run_dir::remove_if_present;
 use crate::safetensors_io::atomic_write;
 use crate::tokenizer::Tokenizer;
 
@@ -77,6 +78,11 @@ impl<'a> Session<'a> {
         }
         model.to_device(config.device)?;
         std::fs::create_dir_all(&config.out_dir).with_context(|| format!("creating {}", config.out_dir.display()))?;
+        if !resume {
+            // A new run replaces the directory's old one: the old checkpoint must not outlive
+            // the new config.json (a --resume would continue the old model).
+            remove_if_present(&checkpoint_path)?;
+        }
         let train_json = serde_json::to_string_pretty(config)?;
         let model_json = serde_json::to_string_pretty(&model_config)?;
         atomic_write(&config.out_dir.join(CONFIG_FILE), train_json.as_bytes())?;
