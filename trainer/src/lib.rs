@@ -10,6 +10,7 @@ pub mod data;
 pub mod device;
 pub mod dir_lock;
 pub mod export;
+pub mod fingerprint;
 pub mod generate;
 pub mod metrics;
 pub mod prepare;

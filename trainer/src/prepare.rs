@@ -82,9 +82,15 @@ pub fn corpus_name(text: Option<&Path>) -> String {
     text.map_or_else(|| "the built-in tinyshakespeare".into(), |path| path.display().to_string())
 }
 
-/// A short name for a corpus's data folder: the file's stem, or `tinyshakespeare`.
-pub fn corpus_stem(text: Option<&Path>) -> String {
-    text.and_then(Path::file_stem).map_or_else(|| "tinyshakespeare".into(), |stem| stem.to_string_lossy().into_owned())
+/// The name of a corpus's token cache folder for `tokenizer`: `tinyshakespeare-<tokenizer>`
+/// for the built-in corpus, `<file stem>-<tokenizer>-<FNV-1a of the file's bytes>` for a
+/// file, so that another file of the same name (or the same file edited) is tokenized anew.
+pub fn corpus_cache_name(text: Option<&Path>, tokenizer: &str) -> Result<String> {
+    let Some(path) = text else {
+        return Ok(format!("tinyshakespeare-{tokenizer}"));
+    };
+    let stem = path.file_stem().map_or_else(|| "corpus".into(), |stem| stem.to_string_lossy().into_owned());
+    Ok(format!("{stem}-{tokenizer}-{:016x}", crate::fingerprint::file_fnv1a_64(path)?))
 }
 
 /// `out_dir/train.bin` and `out_dir/val.bin` for one text corpus (a file, or the built-in

@@ -5,7 +5,7 @@
 //! Layout under `--out-dir`:
 //!
 //! ```text
-//! data/<text>-<tokenizer>/{train,val}.bin     the corpus, prepared once and shared by every run
+//! data/<text>-<tokenizer>-<hash>/             the corpus ({train,val}.bin), prepared once, shared by every run
 //! <grid>/<row>/seed<seed>/                    one training run (checkpoint, config, metrics) + result.json
 //! <grid>/table.md, table.csv                  the table (mean ± SE over seeds, Δ%, params, throughput)
 //! <grid>/runs.csv                             the raw per-seed values
@@ -28,7 +28,7 @@ use anyhow::{bail, ensure, Context, Result};
 
 use crate::config::TrainConfig;
 use crate::dir_lock::DirLock;
-use crate::prepare::{corpus_name, corpus_stem, prepare_once};
+use crate::prepare::{corpus_cache_name, corpus_name, prepare_once};
 use crate::tokenizer::Tokenizer;
 use crate::train::METRICS_FILE;
 use crate::train_image::ImageTrainConfig;
@@ -94,7 +94,7 @@ pub fn resolve_grid(options: &CompareOptions) -> Result<Grid> {
 }
 
 /// `base` with token files set: the given ones, or `text` prepared once into
-/// `<out_dir>/data/<text stem>-<tokenizer>/`, shared by every run of every grid.
+/// `<out_dir>/data/<text stem>-<tokenizer>-<content hash>/` ([`corpus_cache_name`]), shared by every run of every grid.
 fn shared_data(base: &TrainConfig, out_dir: &Path) -> Result<TrainConfig> {
     let mut base = base.clone();
     if base.train_data.is_some() {
@@ -102,7 +102,7 @@ fn shared_data(base: &TrainConfig, out_dir: &Path) -> Result<TrainConfig> {
         return Ok(base);
     }
     let text = base.text.as_deref();
-    let data_dir = out_dir.join("data").join(format!("{}-{}", corpus_stem(text), base.tokenizer));
+    let data_dir = out_dir.join("data").join(corpus_cache_name(text, &base.tokenizer)?);
     let tokenizer = Tokenizer::from_name(&base.tokenizer)?;
     let (train, val, _) = prepare_once(text, &tokenizer, &data_dir)
         .with_context(|| format!("preparing {} for the comparison", corpus_name(text)))?;

@@ -18,7 +18,7 @@ use crate::config::{OptimizerKind, Sampling, TrainConfig};
 use crate::data::sampler::{BatchSampler, RandomSampler, SequentialSampler};
 use crate::data::token_file::{check_vocab, TokenFile};
 use crate::device::{device_label, ensure_available, MatmulPrecision};
-use crate::prepare::{corpus_name, corpus_stem, prepare_once};
+use crate::prepare::{corpus_cache_name, corpus_name, prepare_once};
 use crate::run_dir::remove_if_present;
 use crate::safetensors_io::atomic_write;
 use crate::tokenizer::Tokenizer;
@@ -154,14 +154,14 @@ fn load_for_resume(config: &TrainConfig, path: &Path) -> Result<Checkpoint> {
 }
 
 /// Token files for training and (optionally) validation, preparing them from the text
-/// corpus into `out_dir/data/<corpus>-<tokenizer>/` on first use. Nothing is created when the
-/// corpus cannot be read.
+/// corpus into `out_dir/data/<stem>-<tokenizer>-<content hash>/` ([`corpus_cache_name`]) on
+/// first use. Nothing is created when the corpus cannot be read.
 fn resolve_data(config: &TrainConfig, tokenizer: &Tokenizer) -> Result<(PathBuf, Option<PathBuf>)> {
     if let Some(train) = &config.train_data {
         return Ok((train.clone(), config.val_data.clone()));
     }
     let text = config.text.as_deref();
-    let data_dir = config.out_dir.join("data").join(format!("{}-{}", corpus_stem(text), tokenizer.name()));
+    let data_dir = config.out_dir.join("data").join(corpus_cache_name(text, tokenizer.name())?);
     let (train, val, report) =
         prepare_once(text, tokenizer, &data_dir).with_context(|| format!("preparing {}", corpus_name(text)))?;
     if let Some(report) = report {
