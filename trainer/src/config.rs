@@ -171,6 +171,21 @@ impl TrainConfig {
         Ok(config)
     }
 
+    /// Checks that the data flags (or config keys) name one source: token files
+    /// (`train_data`, optionally `val_data`) or a text (`text`, or the built-in corpus).
+    pub fn check_data_source(&self) -> Result<()> {
+        if self.text.is_some() && self.train_data.is_some() {
+            bail!("--text and --train-data (config keys `text`, `train_data`) both name the training data: give one");
+        }
+        if self.val_data.is_some() && self.train_data.is_none() {
+            bail!(
+                "--val-data (config key `val_data`) needs --train-data: a --text corpus (or the built-in one) \
+                 holds out its own validation split"
+            );
+        }
+        Ok(())
+    }
+
     /// Checks every field that could otherwise fail late, naming the field and the valid values.
     pub fn validate(&self) -> Result<()> {
         for (name, value) in [

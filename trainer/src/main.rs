@@ -323,6 +323,14 @@ impl TrainArgs {
         macro_rules! set {
             ($($field:ident),*) => { $( if let Some(v) = self.$field { c.$field = v; } )* };
         }
+        // A data flag replaces the whole data source (a resumed run may switch from its text to
+        // token files or back); two sources named together are refused below.
+        if self.text.is_some() {
+            (c.train_data, c.val_data) = (None, None);
+        }
+        if self.train_data.is_some() {
+            c.text = None;
+        }
         c.text = self.text.or(c.text);
         set!(model, variant, tokenizer, batch_size, seq_len, grad_accum, steps, lr, optimizer, weight_decay);
         set!(schedule, warmup, grad_clip, sampling, eval_every, eval_batches, save_every, log_every, seed, out_dir);
@@ -332,6 +340,7 @@ impl TrainArgs {
         c.post_ln |= self.post_ln;
         c.train_data = self.train_data.or(c.train_data);
         c.val_data = self.val_data.or(c.val_data);
+        c.check_data_source()?;
         Ok(c)
     }
 }

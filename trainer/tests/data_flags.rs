@@ -41,3 +41,34 @@ fn two_texts_of_the_same_name_are_two_corpora() {
     assert_succeeds(&train_on_text(&dir, &a, &["--overwrite"]));
     assert_eq!(losses(&dir.join("run")), on_a);
 }
+
+#[test]
+fn conflicting_data_flags_are_errors() {
+    let dir = scratch("data-flags", "conflicts");
+    let (train, val) = token_files(&dir);
+    let (train, val) = (train.display().to_string(), val.display().to_string());
+    std::fs::write(dir.join("corpus.txt"), "to be or not to be, that is the question. ".repeat(40)).unwrap();
+    std::fs::write(dir.join("val-only.json"), format!(r#"{{"val_data": "{val}"}}"#)).unwrap();
+    let train_run =
+        |extra: &[&str]| run(&dir, &[tiny_flags(1), strings(&["--out-dir", "run"]), strings(extra)].concat());
+
+    assert_fails_with(&train_run(&["--val-data", &val]), &["--val-data", "--train-data"]);
+    assert_fails_with(&train_run(&["--config", "val-only.json"]), &["--val-data", "--train-data"]);
+    let both = train_run(&["--text", "corpus.txt", "--train-data", &train, "--val-data", &val]);
+    assert_fails_with(&both, &["--text", "--train-data"]);
+    assert!(!dir.join("run").exists(), "a refused run must not create its directory");
+
+    let compare = |extra: &[&str]| {
+        let base = strings(&["compare", "--variants", "pre-ln", "--steps", "1", "--seeds", "1", "--out-dir", "cmp"]);
+        run(&dir, &[base, strings(extra)].concat())
+    };
+    assert_fails_with(&compare(&["--val-data", &val]), &["--val-data", "--train-data"]);
+    assert_fails_with(&compare(&["--text", "corpus.txt", "--train-data", &train, "--val-data", &val]), &["--text"]);
+
+    // A resumed run may switch from its text to token files: the flags replace the source.
+    assert_succeeds(&train_run(&["--text", "corpus.txt"]));
+    let switched =
+        run(&dir, &strings(&["train", "--out-dir", "run", "--resume", "--steps", "2", "--train-data", &train]));
+    assert_succeeds(&switched);
+    assert!(stderr(&switched).contains("train_data"), "{}", stderr(&switched));
+}

@@ -74,13 +74,13 @@ pub struct CompareArgs {
     pub save_every: usize,
     /// Plain-text corpus, tokenized once into <out-dir>/data/ when no token files are given
     /// (default: the built-in tinyshakespeare).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "train_data")]
     pub text: Option<PathBuf>,
     /// Token files (llm.c or nanoGPT format) instead of --text.
     #[arg(long, requires = "val_data")]
     pub train_data: Option<PathBuf>,
     /// Validation token file (required with --train-data).
-    #[arg(long)]
+    #[arg(long, requires = "train_data")]
     pub val_data: Option<PathBuf>,
     /// `byte` or `gpt2`.
     #[arg(long, default_value = "byte")]
