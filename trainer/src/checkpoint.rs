@@ -82,6 +82,45 @@ pub fn save(path: &Path, model: &dyn Module, optimizer: &dyn Optimizer, meta: &C
     save_tensors(path, &slices, &metadata).with_context(|| format!("saving checkpoint {}", path.display()))
 }
 
+/// Which command wrote a checkpoint (both write the same format).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckpointKind {
+    /// A language model, from `train`.
+    Language,
+    /// A ResNet image classifier, from `train-image`.
+    Image,
+}
+
+impl CheckpointKind {
+    /// The kind whose training config (JSON) is `train_config`: an image run's names a
+    /// `dataset`, a language run's does not.
+    pub fn of(train_config: &str) -> CheckpointKind {
+        let config: Option<serde_json::Value> = serde_json::from_str(train_config).ok();
+        if config.is_some_and(|c| c.get("dataset").is_some()) {
+            CheckpointKind::Image
+        } else {
+            CheckpointKind::Language
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            CheckpointKind::Language => "a language-model checkpoint (train)",
+            CheckpointKind::Image => "an image-classification checkpoint (train-image)",
+        }
+    }
+}
+
+/// Errors unless the checkpoint at `path`, saved with the training config `train_config`,
+/// is of the `expected` kind, naming both.
+pub fn ensure_kind(path: &Path, train_config: &str, expected: CheckpointKind) -> Result<()> {
+    let kind = CheckpointKind::of(train_config);
+    if kind != expected {
+        bail!("{} is {}; this command needs {}", path.display(), kind.describe(), expected.describe());
+    }
+    Ok(())
+}
+
 /// The training config saved in the checkpoint at `path`, read from its header only (what
 /// `--resume` starts from).
 pub fn load_train_config(path: &Path) -> Result<TrainConfig> {
@@ -90,6 +129,7 @@ pub fn load_train_config(path: &Path) -> Result<TrainConfig> {
     let json = metadata
         .get("train_config")
         .with_context(|| format!("checkpoint {} has no 'train_config' metadata", path.display()))?;
+    ensure_kind(path, json, CheckpointKind::Language)?;
     serde_json::from_str(json).with_context(|| format!("checkpoint {}: its 'train_config' metadata", path.display()))
 }
 

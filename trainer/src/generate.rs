@@ -33,6 +33,7 @@ pub fn load_model(path: &Path) -> Result<(Llama, LlamaConfig)> {
 /// with (its training config's `tokenizer`; `byte` for checkpoints that do not name one).
 pub fn load_model_and_tokenizer(path: &Path) -> Result<(Llama, LlamaConfig, Tokenizer)> {
     let saved = checkpoint::load(path)?;
+    checkpoint::ensure_kind(path, &saved.train_config, checkpoint::CheckpointKind::Language)?;
     let config: LlamaConfig = serde_json::from_str(&saved.model_config).context("checkpoint model config")?;
     let model = Llama::new(&config, 0)?;
     checkpoint::load_weights(&model, &saved.weights)?;

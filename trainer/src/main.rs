@@ -428,6 +428,10 @@ fn run(cli: Cli) -> Result<()> {
             let (out_dir, _lock) = claim(&config.out_dir, Claim::from_flags(resume, overwrite, named))?;
             config.out_dir = out_dir;
             let report = train(&config, resume)?;
+            if report.steps_run == 0 {
+                say!("done: nothing left to train; the run is complete at step {}", report.steps);
+                return Ok(());
+            }
             say!(
                 "done: {} steps in {:.1} s ({:.0} tokens/s); loss {:.4} -> {:.4}{}",
                 report.steps,
@@ -441,6 +445,7 @@ fn run(cli: Cli) -> Result<()> {
             say!("metrics:    {}", report.metrics.display());
         }
         Command::Eval { checkpoint, data, batch_size, batches, data_format, device } => {
+            anyhow::ensure!(batches >= 1, "--batches must be at least 1");
             ensure_available(device)?;
             let (model, config) = load_model(&checkpoint)?;
             model.to_device(device)?;

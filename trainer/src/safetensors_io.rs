@@ -111,8 +111,9 @@ pub fn save_tensors(path: &Path, tensors: &[TensorSlice<'_>], metadata: &BTreeMa
 /// The file is memory-mapped, so only the converted copies occupy memory.
 pub fn load_tensors(path: &Path) -> Result<(Vec<NamedTensor>, BTreeMap<String, String>)> {
     let file = File::open(path).with_context(|| format!("opening checkpoint {}", path.display()))?;
-    let len = file.metadata().with_context(|| format!("reading the size of {}", path.display()))?.len();
-    ensure!(len > 0, "checkpoint {} is empty (0 bytes): not a safetensors file", path.display());
+    let metadata = file.metadata().with_context(|| format!("reading the size of {}", path.display()))?;
+    ensure!(!metadata.is_dir(), "{} is a directory, not a checkpoint file", path.display());
+    ensure!(metadata.len() > 0, "checkpoint {} is empty (0 bytes): not a safetensors file", path.display());
     // SAFETY: the map is read-only and dropped before returning; checkpoints are replaced by
     // rename (never rewritten in place), so the mapped inode does not change under us.
     let map = unsafe { Mmap::map(&file) }.with_context(|| format!("memory-mapping checkpoint {}", path.display()))?;
@@ -136,8 +137,9 @@ pub fn load_tensors(path: &Path) -> Result<(Vec<NamedTensor>, BTreeMap<String, S
 /// the header, not the tensors, so it is cheap for any checkpoint size.
 pub fn load_metadata(path: &Path) -> Result<BTreeMap<String, String>> {
     let file = File::open(path).with_context(|| format!("opening checkpoint {}", path.display()))?;
-    let len = file.metadata().with_context(|| format!("reading the size of {}", path.display()))?.len();
-    ensure!(len > 0, "checkpoint {} is empty (0 bytes): not a safetensors file", path.display());
+    let metadata = file.metadata().with_context(|| format!("reading the size of {}", path.display()))?;
+    ensure!(!metadata.is_dir(), "{} is a directory, not a checkpoint file", path.display());
+    ensure!(metadata.len() > 0, "checkpoint {} is empty (0 bytes): not a safetensors file", path.display());
     // SAFETY: as in `load_tensors`: read-only, dropped before returning, replaced only by rename.
     let map = unsafe { Mmap::map(&file) }.with_context(|| format!("memory-mapping checkpoint {}", path.display()))?;
     let (_, header) = SafeTensors::read_metadata(&map)
@@ -175,8 +177,9 @@ pub fn temp_path_for(path: &Path) -> Result<PathBuf> {
 /// Replaces `path` atomically with what `write` puts at the temp path it is given.
 ///
 /// `write` creates and fills the temp file (streaming is fine); this function then fsyncs it,
-/// renames it over `path` and fsyncs the directory. When `write` fails the temp file is
-/// removed and `path` is untouched; when it panics the temp file stays behind, harmless.
+/// renames it over `path` and fsyncs the directory. When `write`, the fsync or the rename
+/// fails, the temp file is removed and `path` is untouched; when `write` panics the temp file
+/// stays behind, harmless (the next holder of the directory's lock removes it).
 pub fn atomic_replace(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let tmp = temp_path_for(path)?;
     if let Err(err) = write(&tmp) {
@@ -184,8 +187,16 @@ pub fn atomic_replace(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> R
         let _ = fs::remove_file(&tmp);
         return Err(err.context(format!("writing {} (left unchanged)", path.display())));
     }
-    File::open(&tmp).and_then(|f| f.sync_all()).with_context(|| format!("flushing {} to disk", tmp.display()))?;
-    fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    let installed = File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("flushing {} to disk", tmp.display()))
+        .and_then(|()| {
+            fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+        });
+    if let Err(err) = installed {
+        let _ = fs::remove_file(&tmp);
+        return Err(err.context(format!("writing {} (left unchanged)", path.display())));
+    }
     sync_parent_dir(path)
 }
 

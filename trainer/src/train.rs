@@ -45,6 +45,8 @@ pub const METRICS_FILE: &str = "metrics.jsonl";
 #[derive(Debug)]
 pub struct TrainReport {
     pub steps: usize,
+    /// Steps this call ran: 0 when a resumed checkpoint was already at the last step.
+    pub steps_run: usize,
     pub first_loss: f32,
     pub final_loss: f32,
     pub final_val_loss: Option<f32>,

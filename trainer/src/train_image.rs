@@ -155,8 +155,7 @@ impl Default for ImageTrainConfig {
 impl ImageTrainConfig {
     /// Reads a JSON config file (unknown keys are errors, missing keys take defaults).
     pub fn from_file(path: &Path) -> Result<ImageTrainConfig> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
-        serde_json::from_str(&text).with_context(|| format!("parsing config {}", path.display()))
+        crate::config::overlay_config_file(&ImageTrainConfig::default(), path)
     }
 
     /// Checks every field that could fail late, naming the field and the valid values.
@@ -355,6 +354,7 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
     let mut start_step = 0;
     if resume {
         let saved = checkpoint::load(&checkpoint_path)?;
+        checkpoint::ensure_kind(&checkpoint_path, &saved.train_config, checkpoint::CheckpointKind::Image)?;
         checkpoint::load_weights(&StateDict(&model), &saved.weights)?;
         optimizer.load_state(&saved.optimizer_state)?;
         loader.import_state(&saved.sampler_state)?;

@@ -164,6 +164,7 @@ pub struct AnalysisReport {
 /// Runs the command: throughput or a checkpoint analysis, printing a short report.
 pub fn run(args: &AnalyzeArgs) -> Result<()> {
     ensure_available(args.device)?;
+    anyhow::ensure!(args.repeats >= 1, "--repeats must be at least 1");
     let _lock = crate::dir_lock::DirLock::acquire(&args.out)?;
     if args.throughput {
         let rows = cost::throughput(args)?;
@@ -211,6 +212,7 @@ fn read_sequence(args: &AnalyzeArgs, tokenizer: &Tokenizer, vocab: usize) -> Res
 pub fn analyze_checkpoint(args: &AnalyzeArgs) -> Result<AnalysisReport> {
     let path = args.checkpoint.as_ref().context("analyze needs --checkpoint PATH (or --throughput)")?;
     let saved = checkpoint::load(path)?;
+    checkpoint::ensure_kind(path, &saved.train_config, checkpoint::CheckpointKind::Language)?;
     let config: LlamaConfig = serde_json::from_str(&saved.model_config).context("checkpoint model config")?;
     let model = Llama::new(&config, 0)?;
     checkpoint::load_weights(&model, &saved.weights)?;

@@ -107,6 +107,7 @@ impl StepLog {
         let steps_run = self.steps.saturating_sub(self.start_step);
         TrainReport {
             steps: self.steps,
+            steps_run,
             first_loss: self.first_loss.unwrap_or(f32::NAN),
             final_loss: self.last_loss,
             final_val_loss: self.last_val,

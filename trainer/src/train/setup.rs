@@ -14,7 +14,7 @@ use tensor::Device;
 use super::resume::check_continuation;
 use super::{evaluate::open_eval_data, model_config, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
-use crate::config::{OptimizerKind, Sampling, TrainConfig};
+use crate::config::{OptimizerKind, Sampling, ScheduleKind, TrainConfig};
 use crate::data::sampler::{BatchSampler, RandomSampler, SequentialSampler};
 use crate::data::token_file::{check_vocab, TokenFile};
 use crate::device::{device_label, ensure_available, MatmulPrecision};
@@ -47,6 +47,7 @@ impl<'a> Session<'a> {
     /// written to the run directory before every input has been checked.
     pub fn start(config: &'a TrainConfig, resume: bool) -> Result<Session<'a>> {
         config.validate()?;
+        warn_about_warmup(config);
         ensure_available(config.device)?;
         let precision = MatmulPrecision::set(config.device, config.bf16)?;
         let checkpoint_path = config.out_dir.join(CHECKPOINT_FILE);
@@ -216,6 +217,17 @@ fn make_sampler(config: &TrainConfig, file: TokenFile) -> Result<Box<dyn BatchSa
         Sampling::Random => Box::new(RandomSampler::new(file, config.batch_size, config.seq_len, config.seed)?),
         Sampling::Sequential => Box::new(SequentialSampler::new(file, config.batch_size, config.seq_len)?),
     })
+}
+
+/// A warmup longer than the run leaves the learning rate below its peak throughout (cosine
+/// and noam; the other schedules have no warmup): allowed, but said.
+fn warn_about_warmup(config: &TrainConfig) {
+    if matches!(config.schedule, ScheduleKind::Cosine | ScheduleKind::Noam) && config.warmup > config.steps {
+        eprintln!(
+            "warning: warmup {} is longer than the run's {} steps: the learning rate never reaches its peak {}",
+            config.warmup, config.steps, config.lr
+        );
+    }
 }
 
 /// The lines a run starts with: model, size, steps, batch, optimizer, device.

@@ -97,3 +97,12 @@ pub fn metric_steps(run_dir: &Path) -> Vec<u64> {
 pub fn checkpoint_step(run_dir: &Path) -> usize {
     trainer::checkpoint::load(&run_dir.join("checkpoint.safetensors")).unwrap().step
 }
+
+/// `args` with `flag` set to `value`: its value replaced where it is given, else appended.
+pub fn set_flag(mut args: Vec<String>, flag: &str, value: &str) -> Vec<String> {
+    match args.iter().position(|a| a == flag) {
+        Some(i) => args[i + 1] = value.to_string(),
+        None => args.extend([flag.to_string(), value.to_string()]),
+    }
+    args
+}
