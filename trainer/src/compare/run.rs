@@ -135,10 +135,12 @@ impl RunConfig {
 
 /// Errors unless `stored` (read from `origin`) holds the same settings as `current`, naming
 /// the fields that differ. Only saved settings count: the device is not one, so a run
-/// finished or checkpointed on one device is reused or resumed on another.
+/// finished or checkpointed on one device is reused or resumed on another; and paths are
+/// compared as the files they name, so `--out-dir out`, `./out/` and its absolute path are
+/// one tree.
 fn check_same_config(current: &RunConfig, stored: Value, origin: &Path) -> Result<()> {
     let stored = current.parse_like(stored).with_context(|| format!("parsing the config in {}", origin.display()))?;
-    let (old, new) = (stored.to_json()?, current.to_json()?);
+    let (old, new) = (resolved_paths(stored.to_json()?), resolved_paths(current.to_json()?));
     if old == new {
         return Ok(());
     }
@@ -153,6 +155,21 @@ fn check_same_config(current: &RunConfig, stored: Value, origin: &Path) -> Resul
         origin.display(),
         changed.join(", ")
     )
+}
+
+/// Fields of a run's config that hold paths.
+const PATH_FIELDS: [&str; 5] = ["out_dir", "text", "train_data", "val_data", "data_dir"];
+
+/// `config` with each path field that names an existing file or directory made canonical.
+fn resolved_paths(mut config: Value) -> Value {
+    for field in PATH_FIELDS {
+        if let Some(value) = config.get_mut(field) {
+            if let Some(canonical) = value.as_str().and_then(|p| std::fs::canonicalize(p).ok()) {
+                *value = Value::String(canonical.display().to_string());
+            }
+        }
+    }
+    config
 }
 
 /// Reads a finished run's `result.json`.
