@@ -176,6 +176,24 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
     })
 }
 
+/// Errors unless every value of `weights`, read from the checkpoint at `path`, is finite: a
+/// model with a NaN or infinite weight (a diverged run, a damaged file) computes nothing
+/// meaningful, so no command samples, exports or analyses it.
+pub fn ensure_finite_weights(path: &Path, weights: &[NamedTensor]) -> Result<()> {
+    for t in weights {
+        if let Some(index) = t.data.iter().position(|v| !v.is_finite()) {
+            bail!(
+                "checkpoint {}: tensor '{}' holds {} (element {index}): its weights are not finite \
+                 (a diverged or damaged model)",
+                path.display(),
+                t.name,
+                t.data[index]
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Copies `weights` into the model's parameters by name, each onto the device its parameter
 /// is on; every parameter must be present with the same shape.
 pub fn load_weights(model: &dyn Module, weights: &[NamedTensor]) -> Result<()> {

@@ -34,6 +34,7 @@ pub fn load_model(path: &Path) -> Result<(Llama, LlamaConfig)> {
 pub fn load_model_and_tokenizer(path: &Path) -> Result<(Llama, LlamaConfig, Tokenizer)> {
     let saved = checkpoint::load(path)?;
     checkpoint::ensure_kind(path, &saved.train_config, checkpoint::CheckpointKind::Language)?;
+    checkpoint::ensure_finite_weights(path, &saved.weights)?;
     let config: LlamaConfig = serde_json::from_str(&saved.model_config).context("checkpoint model config")?;
     let model = Llama::new(&config, 0)?;
     checkpoint::load_weights(&model, &saved.weights)?;

@@ -348,11 +348,12 @@ impl TrainArgs {
 /// `transponder sample`: generates from every prompt and prints the texts, then the speed.
 fn sample(args: SampleArgs) -> Result<()> {
     ensure_available(args.device)?;
-    let (model, _, trained_with) = load_model_and_tokenizer(&args.checkpoint)?;
+    let (model, config, trained_with) = load_model_and_tokenizer(&args.checkpoint)?;
     let tokenizer = match &args.tokenizer {
         Some(name) => Tokenizer::from_name(name)?,
         None => trained_with,
     };
+    tokenizer.ensure_vocab(config.vocab_size)?;
     model.to_device(args.device)?;
     let prompts = if args.prompt.is_empty() { vec!["ROMEO:".to_string()] } else { args.prompt };
     let prompt_ids: Vec<Vec<u32>> = prompts.iter().map(|p| tokenizer.encode(p)).collect();

@@ -213,12 +213,14 @@ pub fn analyze_checkpoint(args: &AnalyzeArgs) -> Result<AnalysisReport> {
     let path = args.checkpoint.as_ref().context("analyze needs --checkpoint PATH (or --throughput)")?;
     let saved = checkpoint::load(path)?;
     checkpoint::ensure_kind(path, &saved.train_config, checkpoint::CheckpointKind::Language)?;
+    checkpoint::ensure_finite_weights(path, &saved.weights)?;
     let config: LlamaConfig = serde_json::from_str(&saved.model_config).context("checkpoint model config")?;
     let model = Llama::new(&config, 0)?;
     checkpoint::load_weights(&model, &saved.weights)?;
     model.to_device(args.device)?;
     let tokenizer_name = args.tokenizer.clone().unwrap_or_else(|| trained_tokenizer(&saved.train_config));
     let tokenizer = Tokenizer::from_name(&tokenizer_name)?;
+    tokenizer.ensure_vocab(config.vocab_size)?;
     let sequence = read_sequence(args, &tokenizer, config.vocab_size)?;
     let seq = sequence.ids.len();
     let (logits, traces) = no_grad(|| model.forward_with_trace(&sequence.ids, 1, seq))?;
