@@ -195,10 +195,20 @@ pub fn ensure_finite_weights(path: &Path, weights: &[NamedTensor]) -> Result<()>
 }
 
 /// Copies `weights` into the model's parameters by name, each onto the device its parameter
-/// is on; every parameter must be present with the same shape.
+/// is on; every parameter must be present with the same shape, and every tensor must be a
+/// parameter (an extra one means the metadata describes another model, e.g. another variant).
 pub fn load_weights(model: &dyn Module, weights: &[NamedTensor]) -> Result<()> {
     let by_name: BTreeMap<&str, &NamedTensor> = weights.iter().map(|t| (t.name.as_str(), t)).collect();
-    for p in model.named_parameters() {
+    let parameters = model.named_parameters();
+    let names: std::collections::BTreeSet<&str> = parameters.iter().map(|p| p.name.as_str()).collect();
+    if let Some(extra) = weights.iter().find(|t| !names.contains(t.name.as_str())) {
+        bail!(
+            "tensor '{}' of the checkpoint is not part of the model its config describes \
+             (metadata of another variant or option?)",
+            extra.name
+        );
+    }
+    for p in &parameters {
         let t = by_name.get(p.name.as_str()).with_context(|| format!("checkpoint has no tensor '{}'", p.name))?;
         if t.shape != p.var.shape() {
             bail!("tensor '{}' has shape {:?} in the checkpoint but {:?} in the model", p.name, t.shape, p.var.shape());

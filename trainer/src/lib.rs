@@ -13,6 +13,7 @@ pub mod export;
 pub mod fingerprint;
 pub mod generate;
 pub mod metrics;
+pub mod model_fit;
 pub mod prepare;
 pub mod run_dir;
 pub mod safetensors_io;

@@ -55,3 +55,48 @@ fn a_tokenizer_of_another_vocabulary_is_refused() {
     }
     assert_succeeds(&run(&dir, &strings(&["sample", &checkpoint, "--tokenizer", "byte", "--max-new-tokens", "4"])));
 }
+
+/// A copy of the checkpoint `from` at `to` whose model config has `key` set to `value`.
+fn with_model_config(from: &Path, to: &Path, key: &str, value: serde_json::Value) {
+    let (tensors, mut metadata) = load_tensors(from).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&metadata["model_config"]).unwrap();
+    config[key] = value;
+    metadata.insert("model_config".into(), config.to_string());
+    let slices: Vec<_> = tensors.iter().map(|t| t.as_slice()).collect();
+    save_tensors(to, &slices, &metadata).unwrap();
+}
+
+#[test]
+fn model_metadata_that_does_not_fit_the_tensors_is_refused_before_allocating() {
+    let dir = scratch("checkpoint-checks", "metadata");
+    let good = trained(&dir);
+    let crafted = dir.join("crafted.safetensors");
+    let name = crafted.display().to_string();
+    for (key, value, needle) in [
+        ("d_model", 1_000_000_000u64, "d_model"),
+        ("vocab_size", 1 << 40, "vocab_size"),
+        ("n_layers", 1_000_000_000, "n_layers"),
+        ("ffn_hidden", 1 << 40, "ffn_hidden"),
+        ("rank", 1 << 40, "rank"),
+    ] {
+        with_model_config(Path::new(&good), &crafted, key, value.into());
+        for args in [strings(&["sample", &name, "--max-new-tokens", "2"]), strings(&["export", &name, "hf"])] {
+            let output = run(&dir, &args);
+            assert_eq!(output.status.code(), Some(1), "{key} = {value}: {}", stderr(&output));
+            assert_fails_with(&output, &["crafted.safetensors", needle]);
+        }
+    }
+}
+
+#[test]
+fn metadata_naming_another_variant_is_refused() {
+    let dir = scratch("checkpoint-checks", "variant");
+    let out = dir.join("run");
+    assert_succeeds(&run(&dir, &set_flag(tiny_train(&dir, &out, 1), "--variant", "transponder")));
+    let crafted = dir.join("crafted.safetensors");
+    with_model_config(&out.join("checkpoint.safetensors"), &crafted, "variant", "pre-ln".into());
+    let name = crafted.display().to_string();
+    for args in [strings(&["eval", &name, "val.bin"]), strings(&["sample", &name]), strings(&["export", &name, "hf"])] {
+        assert_fails_with(&run(&dir, &args), &["crafted.safetensors", "not part of"]);
+    }
+}

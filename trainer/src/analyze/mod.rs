@@ -215,8 +215,9 @@ pub fn analyze_checkpoint(args: &AnalyzeArgs) -> Result<AnalysisReport> {
     checkpoint::ensure_kind(path, &saved.train_config, checkpoint::CheckpointKind::Language)?;
     checkpoint::ensure_finite_weights(path, &saved.weights)?;
     let config: LlamaConfig = serde_json::from_str(&saved.model_config).context("checkpoint model config")?;
+    crate::model_fit::check_model_config(path, &config, &saved.weights)?;
     let model = Llama::new(&config, 0)?;
-    checkpoint::load_weights(&model, &saved.weights)?;
+    checkpoint::load_weights(&model, &saved.weights).with_context(|| format!("checkpoint {}", path.display()))?;
     model.to_device(args.device)?;
     let tokenizer_name = args.tokenizer.clone().unwrap_or_else(|| trained_tokenizer(&saved.train_config));
     let tokenizer = Tokenizer::from_name(&tokenizer_name)?;
