@@ -2,6 +2,7 @@
 //! training loop, metrics, sampling and export.
 
 pub mod analyze;
+pub mod atomic;
 pub mod checkpoint;
 pub mod compare;
 pub mod config;

@@ -7,7 +7,8 @@
 //! `1 - f` of the tokens are `train.bin` and the last `f` are `val.bin` (nanoGPT's
 //! `shakespeare_char/prepare.py` split); with [`ValSplit::EachFileTail`] the last `f` of
 //! every file is held out, so validation covers every source of a mixed corpus. Either way
-//! no validation token is in `train.bin`. Both files are written atomically with [`write_llmc`].
+//! no validation token is in `train.bin`. Both files are replaced together, atomically: each
+//! is staged ([`stage_llmc`]) before either is renamed ([`commit_all`]).
 //!
 //! Large inputs are encoded in ~1 MiB chunks (for the progress bar, shown above 10 MB of text)
 //! cut only where the cut provably does not change GPT-2's pre-tokenization, so chunked and
@@ -24,7 +25,8 @@ use anyhow::{bail, ensure, Context, Result};
 use flate2::read::GzDecoder;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::data::token_file::write_llmc;
+use crate::atomic::commit_all;
+use crate::data::token_file::stage_llmc;
 use crate::tokenizer::Tokenizer;
 
 /// Inputs larger than this (in bytes, all files together) get a progress bar.
@@ -207,8 +209,10 @@ fn tokenize_and_split(
     let train_path = out_dir.join(TRAIN_FILE);
     let val_path = out_dir.join(VAL_FILE);
     let vocab_size = tokenizer.vocab_size();
-    write_llmc(&train_path, &train, vocab_size)?;
-    write_llmc(&val_path, &val, vocab_size)?;
+    // Both files are on disk before either replaces its old one: a stopped prepare leaves the
+    // previous pair, never a new train.bin beside an old val.bin.
+    let staged = vec![stage_llmc(&train_path, &train, vocab_size)?, stage_llmc(&val_path, &val, vocab_size)?];
+    commit_all(staged)?;
     Ok(PrepareReport {
         train_path,
         val_path,

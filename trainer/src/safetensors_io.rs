@@ -6,19 +6,19 @@
 //! exports) and widens them to `f32`. PyTorch equivalent: `safetensors.torch.save_file` /
 //! `load_file`.
 //!
-//! Every write is atomic: the bytes go to `<name>.<pid>.tmp` in the destination's directory,
-//! the temp file is fsynced, renamed over the destination, and the directory is fsynced. A
-//! crash or a kill at any point leaves either the previous file or the new one, never a torn
-//! mix. The temp name is unique per process, so two writers never share one; the commands
-//! hold a directory lock ([`crate::dir_lock`]) whose next holder removes a killed writer's strays.
+//! Every write is atomic ([`crate::atomic`], whose functions are re-exported here): a crash
+//! or a kill at any point leaves either the previous file or the new one, never a torn mix.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::{self, File};
-use std::path::{Path, PathBuf};
+use std::fs::File;
+use std::path::Path;
 
 use anyhow::{bail, ensure, Context, Result};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, SafeTensors, View};
+
+pub use crate::atomic::{atomic_replace, atomic_write, temp_path_for};
+use crate::atomic::{stage, Staged};
 
 /// A tensor read back from a file: its name, its shape and its values widened to `f32`
 /// (row-major, `data.len()` is the product of `shape`).
@@ -81,6 +81,12 @@ impl View for F32View<'_> {
 /// Errors when a tensor's data length disagrees with its shape, when two tensors share a name,
 /// or when any file operation fails; the previous file at `path` is then left untouched.
 pub fn save_tensors(path: &Path, tensors: &[TensorSlice<'_>], metadata: &BTreeMap<String, String>) -> Result<()> {
+    stage_tensors(path, tensors, metadata)?.commit()
+}
+
+/// [`save_tensors`] up to the rename: the file is written and fsynced at its temp path, to be
+/// committed together with the other files of a set ([`crate::atomic::commit_all`]).
+pub fn stage_tensors(path: &Path, tensors: &[TensorSlice<'_>], metadata: &BTreeMap<String, String>) -> Result<Staged> {
     let mut seen = std::collections::BTreeSet::new();
     for t in tensors {
         let expected: usize = t.shape.iter().product();
@@ -98,7 +104,7 @@ pub fn save_tensors(path: &Path, tensors: &[TensorSlice<'_>], metadata: &BTreeMa
     let info: Option<HashMap<String, String>> =
         if metadata.is_empty() { None } else { Some(metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect()) };
     let views = tensors.iter().map(|t| (t.name, F32View { shape: t.shape, data: t.data }));
-    atomic_replace(path, |tmp| {
+    stage(path, |tmp| {
         safetensors::serialize_to_file(views, info, tmp)
             .with_context(|| format!("serializing safetensors to {}", tmp.display()))
     })
@@ -156,63 +162,4 @@ fn widen_to_f32(dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>> {
         other => bail!("unsupported dtype {other:?} (only F32, BF16 and F16 can be loaded)"),
     };
     Ok(values)
-}
-
-/// Writes `bytes` to `path` atomically (temp file, fsync, rename, fsync of the directory).
-/// Used for JSON configs and other small files beside checkpoints.
-pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
-    atomic_replace(path, |tmp| fs::write(tmp, bytes).with_context(|| format!("writing {}", tmp.display())))
-}
-
-/// The temp path this process writes `path` through: `<file name>.<pid>.tmp` in the same
-/// directory, so that the final rename never crosses a filesystem and no two processes
-/// share a temp file.
-pub fn temp_path_for(path: &Path) -> Result<PathBuf> {
-    let name = path.file_name().with_context(|| format!("{} does not name a file", path.display()))?;
-    let mut tmp_name = name.to_os_string();
-    tmp_name.push(format!(".{}.tmp", std::process::id()));
-    Ok(path.with_file_name(tmp_name))
-}
-
-/// Replaces `path` atomically with what `write` puts at the temp path it is given.
-///
-/// `write` creates and fills the temp file (streaming is fine); this function then fsyncs it,
-/// renames it over `path` and fsyncs the directory. When `write`, the fsync or the rename
-/// fails, the temp file is removed and `path` is untouched; when `write` panics the temp file
-/// stays behind, harmless (the next holder of the directory's lock removes it).
-pub fn atomic_replace(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let tmp = temp_path_for(path)?;
-    if let Err(err) = write(&tmp) {
-        // Best effort: the error that matters is the write's, not a failed cleanup.
-        let _ = fs::remove_file(&tmp);
-        return Err(err.context(format!("writing {} (left unchanged)", path.display())));
-    }
-    let installed = File::open(&tmp)
-        .and_then(|f| f.sync_all())
-        .with_context(|| format!("flushing {} to disk", tmp.display()))
-        .and_then(|()| {
-            fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
-        });
-    if let Err(err) = installed {
-        let _ = fs::remove_file(&tmp);
-        return Err(err.context(format!("writing {} (left unchanged)", path.display())));
-    }
-    sync_parent_dir(path)
-}
-
-/// Makes the rename itself durable: without it a power loss can forget the new directory entry.
-#[cfg(unix)]
-fn sync_parent_dir(path: &Path) -> Result<()> {
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    File::open(dir).and_then(|d| d.sync_all()).with_context(|| format!("flushing directory {} to disk", dir.display()))
-}
-
-/// Directories cannot be opened for fsync on this platform; the rename is as durable as the
-/// OS makes it.
-#[cfg(not(unix))]
-fn sync_parent_dir(_path: &Path) -> Result<()> {
-    Ok(())
 }
