@@ -124,13 +124,20 @@ pub fn ensure_kind(path: &Path, train_config: &str, expected: CheckpointKind) ->
 /// The training config saved in the checkpoint at `path`, read from its header only (what
 /// `--resume` starts from).
 pub fn load_train_config(path: &Path) -> Result<TrainConfig> {
+    let json = load_config_json(path, CheckpointKind::Language)?;
+    serde_json::from_str(&json).with_context(|| format!("checkpoint {}: its 'train_config' metadata", path.display()))
+}
+
+/// The training config (JSON) saved in the checkpoint at `path`, read from its header only,
+/// after checking that the checkpoint is of `kind`.
+pub fn load_config_json(path: &Path, kind: CheckpointKind) -> Result<String> {
     let metadata = load_metadata(path).with_context(|| format!("loading checkpoint {}", path.display()))?;
     check_format(path, &metadata)?;
     let json = metadata
         .get("train_config")
         .with_context(|| format!("checkpoint {} has no 'train_config' metadata", path.display()))?;
-    ensure_kind(path, json, CheckpointKind::Language)?;
-    serde_json::from_str(json).with_context(|| format!("checkpoint {}: its 'train_config' metadata", path.display()))
+    ensure_kind(path, json, kind)?;
+    Ok(json.clone())
 }
 
 fn check_format(path: &Path, metadata: &BTreeMap<String, String>) -> Result<()> {

@@ -125,7 +125,8 @@ struct TrainImageArgs {
     /// JSON config file (keys as in the run's config.json).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Continue from the checkpoint in --out-dir.
+    /// Continue the run in --out-dir with its saved settings; other flags override only what
+    /// they name.
     #[arg(long)]
     resume: bool,
     /// Replace the run in --out-dir (without it, a directory holding a run is refused).
@@ -177,10 +178,7 @@ struct TrainImageArgs {
 
 impl TrainImageArgs {
     fn into_config(self) -> Result<ImageTrainConfig> {
-        let mut c = match &self.config {
-            Some(path) => ImageTrainConfig::from_file(path)?,
-            None => ImageTrainConfig::default(),
-        };
+        let mut c = ImageTrainConfig::base(self.config.as_deref(), self.out_dir.as_deref(), self.resume)?;
         macro_rules! set {
             ($($field:ident),*) => { $( if let Some(v) = self.$field { c.$field = v; } )* };
         }

@@ -33,7 +33,7 @@ use std::time::Instant;
 use anyhow::{ensure, Context, Result};
 use autograd::{no_grad, Var};
 use models::resnet::{ResNet, ResNetConfig};
-use nn::optim::{clip_grad_norm, Optimizer, Schedule, Sgd};
+use nn::optim::{Optimizer, Schedule, Sgd};
 use nn::vision::StateDict;
 use nn::Module;
 use serde::{Deserialize, Serialize};
@@ -42,14 +42,15 @@ use tensor::{Device, Tensor};
 use crate::checkpoint::{self, CheckpointMeta};
 use crate::data::idx::load_idx_dir;
 use crate::data::images::{
-    load_cifar100_dir, load_cifar10_dir, load_digits_csv_gz, Augmentation, Cifar100Labels, ImageBatch, ImageDataset,
-    ImageLoader, Normalization, Split,
+    load_cifar100_dir, load_cifar10_dir, load_digits_csv_gz, parse_digits_csv_gz, Augmentation, Cifar100Labels,
+    ImageBatch, ImageDataset, ImageLoader, Normalization, Split, BUILTIN_DIGITS_CSV_GZ,
 };
 use crate::device::ensure_available;
 use crate::metrics::{MetricsWriter, StepMetrics};
 use crate::run_dir::remove_if_present;
 use crate::safetensors_io::atomic_write;
-use crate::train::{Diverged, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
+use crate::train::step::finite_update;
+use crate::train::{diverged_on_save, Diverged, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
 
 /// The gradient-flow report inside the run directory.
 pub const GRAD_NORMS_FILE: &str = "grad_norms.jsonl";
@@ -158,6 +159,37 @@ impl ImageTrainConfig {
         crate::config::overlay_config_file(&ImageTrainConfig::default(), path)
     }
 
+    /// The settings a run starts from before flags, as `train`'s
+    /// ([`crate::train::resume::base_config`]): with `resume`, the ones saved in the checkpoint
+    /// of the run directory (`out_dir`, else the `config_file`'s, else the default) with the
+    /// `config_file`'s keys laid over them; without, the `config_file` over the defaults.
+    pub fn base(config_file: Option<&Path>, out_dir: Option<&Path>, resume: bool) -> Result<ImageTrainConfig> {
+        let defaults = ImageTrainConfig::default();
+        let requested = match config_file {
+            Some(path) => crate::config::overlay_config_file(&defaults, path)?,
+            None => defaults,
+        };
+        if !resume {
+            return Ok(requested);
+        }
+        let run_dir = out_dir.unwrap_or(&requested.out_dir).to_path_buf();
+        let checkpoint_path = run_dir.join(CHECKPOINT_FILE);
+        ensure!(
+            checkpoint_path.exists(),
+            "--resume: no checkpoint at {} (train without --resume to start this run)",
+            checkpoint_path.display()
+        );
+        let json = checkpoint::load_config_json(&checkpoint_path, checkpoint::CheckpointKind::Image)?;
+        let saved: ImageTrainConfig = serde_json::from_str(&json)
+            .with_context(|| format!("checkpoint {}: its 'train_config' metadata", checkpoint_path.display()))?;
+        let mut base = match config_file {
+            Some(path) => crate::config::overlay_config_file(&saved, path)?,
+            None => saved,
+        };
+        base.out_dir = run_dir;
+        Ok(base)
+    }
+
     /// Checks every field that could fail late, naming the field and the valid values.
     pub fn validate(&self) -> Result<()> {
         let one_of = |field: &str, value: &str, valid: &[&str]| -> Result<()> {
@@ -210,9 +242,22 @@ impl ImageTrainConfig {
     }
 
     /// `(train, eval)` datasets as the config names them, the training set cut to
-    /// `train_images` when that is set.
+    /// `train_images` when that is set. The digits come from `data_dir` when it holds them,
+    /// else, for the default `data_dir`, from the copy built into the binary.
     pub fn datasets(&self) -> Result<(ImageDataset, ImageDataset)> {
+        self.load_datasets().with_context(|| {
+            format!(
+                "loading the {} images from {} (set the folder with --data-dir)",
+                self.dataset,
+                self.data_dir.display()
+            )
+        })
+    }
+
+    fn load_datasets(&self) -> Result<(ImageDataset, ImageDataset)> {
         let dir = &self.data_dir;
+        let digits = dir.join(DIGITS_FILE);
+        let builtin_digits = !digits.exists() && *dir == ImageTrainConfig::default().data_dir;
         let (train, eval) = match self.dataset.as_str() {
             "mnist" | "fashion-mnist" => (load_idx_dir(dir, Split::Train)?, load_idx_dir(dir, Split::Test)?),
             "cifar10" => (load_cifar10_dir(dir, Split::Train)?, load_cifar10_dir(dir, Split::Test)?),
@@ -220,7 +265,10 @@ impl ImageTrainConfig {
                 let load = |split| load_cifar100_dir(dir, split, Cifar100Labels::Fine);
                 (load(Split::Train)?, load(Split::Test)?)
             }
-            _ => load_digits_csv_gz(&dir.join(DIGITS_FILE))?.split_tail(self.eval_fraction)?,
+            _ if builtin_digits => {
+                parse_digits_csv_gz(BUILTIN_DIGITS_CSV_GZ, "the built-in digits")?.split_tail(self.eval_fraction)?
+            }
+            _ => load_digits_csv_gz(&digits)?.split_tail(self.eval_fraction)?,
         };
         Ok((train.first_images(self.train_images), eval))
     }
@@ -416,15 +464,22 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
             let (images, labels) = images_of(loader.next_batch()?, config.device)?;
             let (loss, logits) = model.loss(&images, &labels, true)?;
             let value = loss.value().to_host()?.item()?;
+            let diverged = |quantity: &str, value| Diverged {
+                quantity: quantity.into(),
+                value,
+                step: step + 1,
+                checkpoint: checkpoint_path.clone(),
+            };
             if !value.is_finite() {
-                let checkpoint = checkpoint_path.clone();
-                return Err(Diverged { quantity: "loss".into(), value, step: step + 1, checkpoint }.into());
+                return Err(diverged("loss", value).into());
             }
             loss.backward()?;
             add_grad_norms(&optimizer, &mut norm_sums)?;
-            let grad_norm = clip_grad_norm(optimizer.parameters(), f32::INFINITY)?;
-            optimizer.step(lr)?;
-            optimizer.zero_grad();
+            // `train`'s rule: no update unless the loss and the gradient norm are finite.
+            let grad_norm = match finite_update(&mut optimizer, value, 0.0, lr)? {
+                Ok(outcome) => outcome.grad_norm,
+                Err(bad) => return Err(diverged(bad.quantity, bad.value).into()),
+            };
             first_loss.get_or_insert(value);
             last_loss = value;
             train_hits += correct(&logits.value(), &labels)?;
@@ -448,6 +503,9 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
             };
             if epoch_end {
                 let (eval_loss, accuracy) = evaluate_images(&model, &eval_set, &norm, config.batch_size)?;
+                if !eval_loss.is_finite() {
+                    return Err(diverged("validation loss", eval_loss).into());
+                }
                 (row.val_loss, row.val_accuracy) = (Some(eval_loss), Some(accuracy));
                 last_eval_loss = eval_loss;
                 eval_accuracy.push(accuracy);
@@ -465,7 +523,8 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
             train_config: &train_json,
             model_config: &model_json,
         };
-        checkpoint::save(&checkpoint_path, &StateDict(&model), &optimizer, &meta)?;
+        checkpoint::save(&checkpoint_path, &StateDict(&model), &optimizer, &meta)
+            .map_err(|e| diverged_on_save(e, done, &checkpoint_path))?;
         crate::say!(
             "epoch {:>3}/{} | loss {last_loss:.4} | train acc {:.2}% | eval loss {last_eval_loss:.4} | eval acc {:.2}% | {:.1}s",
             epoch + 1,
