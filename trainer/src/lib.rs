@@ -13,6 +13,7 @@ pub mod dir_lock;
 pub mod export;
 pub mod fingerprint;
 pub mod generate;
+pub mod memory;
 pub mod metrics;
 pub mod model_fit;
 pub mod prepare;

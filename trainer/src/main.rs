@@ -449,6 +449,13 @@ fn run(cli: Cli) -> Result<()> {
             let (model, config) = load_model(&checkpoint)?;
             model.to_device(device)?;
             let mut data = open_eval_data(&data, data_format, config.vocab_size, batch_size, config.seq_len)?;
+            let windows = (data.file().len() - 1) / config.seq_len;
+            anyhow::ensure!(
+                batch_size <= windows,
+                "--batch-size {batch_size} exceeds the {windows} windows of {} + 1 tokens in {}",
+                config.seq_len,
+                data.file().path().display()
+            );
             let loss = evaluate(&model, &mut data, batches)?;
             emit!("val loss {loss:.6} | perplexity {:.3}", loss.exp())?;
         }

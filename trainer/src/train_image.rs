@@ -386,6 +386,9 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
     // that will not come again.
     let _release_pool = tensor::pool::ReleaseOnDrop;
     config.validate()?;
+    let what = format!("{} of width {}", config.model, config.base_width);
+    let parameters = crate::memory::resnet_parameters(config.base_width);
+    crate::memory::check_fits(&what, parameters, crate::memory::SGD_BYTES_PER_PARAMETER)?;
     ensure_available(config.device)?;
     std::fs::create_dir_all(&config.out_dir).with_context(|| format!("creating {}", config.out_dir.display()))?;
     let checkpoint_path = config.out_dir.join(CHECKPOINT_FILE);

@@ -18,6 +18,7 @@ use crate::config::{OptimizerKind, Sampling, ScheduleKind, TrainConfig};
 use crate::data::sampler::{BatchSampler, RandomSampler, SequentialSampler};
 use crate::data::token_file::{check_vocab, TokenFile};
 use crate::device::{device_label, ensure_available, MatmulPrecision};
+use crate::memory;
 use crate::prepare::{corpus_cache_name, corpus_name, prepare_once};
 use crate::run_dir::remove_if_present;
 use crate::safetensors_io::atomic_write;
@@ -55,6 +56,13 @@ impl<'a> Session<'a> {
 
         let tokenizer = Tokenizer::from_name(&config.tokenizer)?;
         let vocab_size = tokenizer.vocab_size();
+        let model_config = model_config(config, vocab_size)?;
+        let bytes_per_parameter = match config.optimizer {
+            OptimizerKind::Sgd => memory::SGD_BYTES_PER_PARAMETER,
+            OptimizerKind::Adam | OptimizerKind::AdamW => memory::ADAM_BYTES_PER_PARAMETER,
+        };
+        let what = format!("{} ({})", config.model, config.variant);
+        memory::check_fits(&what, memory::llama_parameters(&model_config), bytes_per_parameter)?;
         let (train_path, val_path) = resolve_data(config, &tokenizer)?;
         let train_file = TokenFile::open_with(&train_path, config.data_format)?;
         check_vocab(&train_file, vocab_size)?;
@@ -66,7 +74,6 @@ impl<'a> Session<'a> {
             None => None,
         };
 
-        let model_config = model_config(config, vocab_size)?;
         let model = Llama::new(&model_config, config.seed)?;
         let (mut optimizer, table_updates) = make_optimizer(config, &model);
         let mut start_step = 0;
