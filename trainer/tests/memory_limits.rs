@@ -31,3 +31,39 @@ fn sizes_that_cannot_fit_are_errors_not_aborts() {
         assert_fails_with(&output, &[needle]);
     }
 }
+
+/// This process's peak resident memory (`VmHWM`), in bytes.
+fn peak_resident_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap();
+    kib * 1024
+}
+
+#[test]
+fn a_gzipped_idx_file_is_not_inflated_past_what_its_header_declares() {
+    use std::io::Write;
+    let dir = scratch("memory", "idx");
+    // One 28×28 image declared, 256 MiB of pixels behind it: 256 KiB of gzip.
+    let mut images = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    images.write_all(&[0, 0, 8, 3, 0, 0, 0, 1, 0, 0, 0, 28, 0, 0, 0, 28]).unwrap();
+    let zeros = vec![0u8; 1 << 20];
+    for _ in 0..256 {
+        images.write_all(&zeros).unwrap();
+    }
+    let (images_path, labels_path) = (dir.join("images.gz"), dir.join("labels"));
+    std::fs::write(&images_path, images.finish().unwrap()).unwrap();
+    std::fs::write(&labels_path, [0, 0, 8, 1, 0, 0, 0, 1, 3]).unwrap();
+    let before = peak_resident_bytes();
+    let Err(error) = trainer::data::idx::load_idx(&images_path, &labels_path) else { panic!("a bomb was accepted") };
+    let grown = peak_resident_bytes().saturating_sub(before);
+    assert!(format!("{error:#}").contains("images.gz"), "{error:#}");
+    assert!(grown < 64 << 20, "inflating the file took {} MiB", grown >> 20);
+}
