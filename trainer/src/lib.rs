@@ -17,6 +17,7 @@ pub mod memory;
 pub mod metrics;
 pub mod model_fit;
 pub mod prepare;
+pub mod regular_file;
 pub mod run_dir;
 pub mod safetensors_io;
 pub mod threads;

@@ -10,7 +10,6 @@
 //! or a kill at any point leaves either the previous file or the new one, never a torn mix.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
 use std::path::Path;
 
 use anyhow::{bail, ensure, Context, Result};
@@ -19,6 +18,7 @@ use safetensors::tensor::{Dtype, SafeTensors, View};
 
 pub use crate::atomic::{atomic_replace, atomic_write, temp_path_for};
 use crate::atomic::{stage, Staged};
+use crate::regular_file::open_regular;
 
 /// A tensor read back from a file: its name, its shape and its values widened to `f32`
 /// (row-major, `data.len()` is the product of `shape`).
@@ -116,10 +116,8 @@ pub fn stage_tensors(path: &Path, tensors: &[TensorSlice<'_>], metadata: &BTreeM
 /// Accepts `F32`, `BF16` and `F16` tensors; any other dtype is an error naming the tensor.
 /// The file is memory-mapped, so only the converted copies occupy memory.
 pub fn load_tensors(path: &Path) -> Result<(Vec<NamedTensor>, BTreeMap<String, String>)> {
-    let file = File::open(path).with_context(|| format!("opening checkpoint {}", path.display()))?;
-    let metadata = file.metadata().with_context(|| format!("reading the size of {}", path.display()))?;
-    ensure!(!metadata.is_dir(), "{} is a directory, not a checkpoint file", path.display());
-    ensure!(metadata.len() > 0, "checkpoint {} is empty (0 bytes): not a safetensors file", path.display());
+    let (file, size) = open_regular(path, "checkpoint")?;
+    ensure!(size > 0, "checkpoint {} is empty (0 bytes): not a safetensors file", path.display());
     // SAFETY: the map is read-only and dropped before returning; checkpoints are replaced by
     // rename (never rewritten in place), so the mapped inode does not change under us.
     let map = unsafe { Mmap::map(&file) }.with_context(|| format!("memory-mapping checkpoint {}", path.display()))?;
@@ -142,10 +140,8 @@ pub fn load_tensors(path: &Path) -> Result<(Vec<NamedTensor>, BTreeMap<String, S
 /// Reads only the `__metadata__` of the safetensors file at `path` (empty when it has none):
 /// the header, not the tensors, so it is cheap for any checkpoint size.
 pub fn load_metadata(path: &Path) -> Result<BTreeMap<String, String>> {
-    let file = File::open(path).with_context(|| format!("opening checkpoint {}", path.display()))?;
-    let metadata = file.metadata().with_context(|| format!("reading the size of {}", path.display()))?;
-    ensure!(!metadata.is_dir(), "{} is a directory, not a checkpoint file", path.display());
-    ensure!(metadata.len() > 0, "checkpoint {} is empty (0 bytes): not a safetensors file", path.display());
+    let (file, size) = open_regular(path, "checkpoint")?;
+    ensure!(size > 0, "checkpoint {} is empty (0 bytes): not a safetensors file", path.display());
     // SAFETY: as in `load_tensors`: read-only, dropped before returning, replaced only by rename.
     let map = unsafe { Mmap::map(&file) }.with_context(|| format!("memory-mapping checkpoint {}", path.display()))?;
     let (_, header) = SafeTensors::read_metadata(&map)

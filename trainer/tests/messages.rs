@@ -117,3 +117,31 @@ fn a_failed_rename_leaves_no_temporary_file() {
     assert!(!temp_path_for(&path).unwrap().exists(), "the temporary file stayed behind");
     assert!(Path::new(&path).is_dir());
 }
+
+#[test]
+fn a_fifo_given_as_a_token_file_or_checkpoint_is_refused_without_blocking() {
+    let dir = scratch("messages", "fifo");
+    let fifo = dir.join("fifo");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let fifo = fifo.display().to_string();
+    for args in [
+        [tiny_flags(1), strings(&["--train-data", &fifo, "--out-dir", "run"])].concat(),
+        strings(&["eval", &fifo, "val.bin"]),
+    ] {
+        let mut child = transponder(&dir, &args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let started = std::time::Instant::now();
+        while child.try_wait().unwrap().is_none() && started.elapsed() < std::time::Duration::from_secs(20) {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        if child.try_wait().unwrap().is_none() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("{args:?} blocked on the FIFO");
+        }
+        assert_fails_with(&child.wait_with_output().unwrap(), &[&format!("{fifo} is not a regular file")]);
+    }
+}

@@ -249,10 +249,8 @@ pub fn check_vocab(file: &TokenFile, vocab_size: usize) -> Result<()> {
 }
 
 fn map_file(path: &Path) -> Result<Mmap> {
-    let file = File::open(path).with_context(|| format!("opening token file {}", path.display()))?;
-    let metadata = file.metadata().with_context(|| format!("reading the size of {}", path.display()))?;
-    ensure!(!metadata.is_dir(), "{} is a directory, not a token file", path.display());
-    ensure!(metadata.len() > 0, "token file {} is empty (0 bytes)", path.display());
+    let (file, size) = crate::regular_file::open_regular(path, "token file")?;
+    ensure!(size > 0, "token file {} is empty (0 bytes)", path.display());
     // SAFETY: the map is read-only; token files are written once by rename (atomic_replace)
     // and never modified in place while a trainer reads them.
     unsafe { Mmap::map(&file) }.with_context(|| format!("memory-mapping {}", path.display()))
