@@ -39,7 +39,7 @@ pub struct Staged {
 /// and fsyncs them; `path` itself is untouched until [`Staged::commit`]. On failure (or a
 /// panic in `write`) the temp file is removed.
 pub fn stage(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<Staged> {
-    let staged = Staged { tmp: temp_path_for(path)?, path: path.to_path_buf(), committed: false };
+    let staged = Staged::begin(path)?;
     write(&staged.tmp)
         .and_then(|()| {
             File::open(&staged.tmp)
@@ -51,6 +51,17 @@ pub fn stage(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<Sta
 }
 
 impl Staged {
+    /// A staged replacement of `path` whose temp file ([`Staged::tmp_path`]) the caller
+    /// creates, fills and fsyncs itself (a writer that streams and seeks).
+    pub fn begin(path: &Path) -> Result<Staged> {
+        Ok(Staged { tmp: temp_path_for(path)?, path: path.to_path_buf(), committed: false })
+    }
+
+    /// Where the new contents go until the commit.
+    pub fn tmp_path(&self) -> &Path {
+        &self.tmp
+    }
+
     /// Renames the staged file over its destination and makes the rename durable.
     pub fn commit(mut self) -> Result<()> {
         fs::rename(&self.tmp, &self.path)

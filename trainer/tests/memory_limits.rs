@@ -67,3 +67,21 @@ fn a_gzipped_idx_file_is_not_inflated_past_what_its_header_declares() {
     assert!(format!("{error:#}").contains("images.gz"), "{error:#}");
     assert!(grown < 64 << 20, "inflating the file took {} MiB", grown >> 20);
 }
+
+#[test]
+fn prepare_streams_its_input_in_memory_independent_of_its_size() {
+    let dir = scratch("memory", "prepare");
+    let text = dir.join("big.txt");
+    let line = "to be or not to be, that is the question; whether tis nobler in the mind to suffer\n";
+    let mut file = std::io::BufWriter::new(std::fs::File::create(&text).unwrap());
+    for _ in 0..(32 << 20) / line.len() {
+        std::io::Write::write_all(&mut file, line.as_bytes()).unwrap();
+    }
+    drop(file);
+    let before = peak_resident_bytes();
+    let report =
+        trainer::prepare::prepare(&[text], &trainer::tokenizer::Tokenizer::Byte, &dir.join("out"), 0.1).unwrap();
+    let grown = peak_resident_bytes().saturating_sub(before);
+    assert!(report.train_tokens + report.val_tokens > 30 << 20);
+    assert!(grown < 48 << 20, "preparing 32 MiB of text took {} MiB", grown >> 20);
+}

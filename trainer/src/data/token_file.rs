@@ -32,7 +32,7 @@ use anyhow::{bail, ensure, Context, Result};
 use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 
-use crate::atomic::{atomic_replace, stage, Staged};
+use crate::atomic::atomic_replace;
 use crate::config::choices::named_choice;
 
 /// Magic number of llm.c's GPT-2 kind (`u16` tokens).
@@ -346,12 +346,6 @@ fn validate(bytes: &[u8], format: TokenFormat) -> Result<usize> {
 ///
 /// Errors when a token is `>= vocab_size` or the count does not fit the header's `i32`.
 pub fn write_llmc(path: &Path, tokens: &[u32], vocab_size: usize) -> Result<()> {
-    stage_llmc(path, tokens, vocab_size)?.commit()
-}
-
-/// [`write_llmc`] up to the rename: written and fsynced at the temp path, to be committed with
-/// the other file of a pair ([`crate::atomic::commit_all`]).
-pub fn stage_llmc(path: &Path, tokens: &[u32], vocab_size: usize) -> Result<Staged> {
     if let Some((i, &bad)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab_size) {
         bail!("cannot write {}: token {i} is {bad}, outside the vocabulary of {vocab_size}", path.display());
     }
@@ -367,7 +361,7 @@ pub fn stage_llmc(path: &Path, tokens: &[u32], vocab_size: usize) -> Result<Stag
     header[0] = magic;
     header[1] = version;
     header[2] = count;
-    stage(path, |tmp| {
+    atomic_replace(path, |tmp| {
         stream_to(tmp, |w| {
             for h in header {
                 w.write_all(&h.to_le_bytes())?;
