@@ -49,6 +49,7 @@ use crate::device::ensure_available;
 use crate::metrics::{MetricsWriter, StepMetrics};
 use crate::run_dir::remove_if_present;
 use crate::safetensors_io::atomic_write;
+use crate::train::resume::{check_settings, OnChange};
 use crate::train::step::finite_update;
 use crate::train::{diverged_on_save, Diverged, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
 
@@ -281,6 +282,32 @@ impl ImageTrainConfig {
     }
 }
 
+/// How `train-image --resume` treats a changed setting, as `train`'s
+/// [`crate::train::resume::on_change`]: the model, its modulators, the data and its order
+/// are refused (the checkpoint's tensors and loader state belong to them); the optimisation
+/// and `epochs` (which shapes the schedule) are warned about; bookkeeping is free.
+pub fn on_image_change(field: &str) -> Option<OnChange> {
+    Some(match field {
+        "model"
+        | "modulator"
+        | "pixel_hidden"
+        | "sliding_hidden_divisor"
+        | "phi"
+        | "gate_range"
+        | "base_width"
+        | "stem"
+        | "dataset"
+        | "eval_fraction"
+        | "train_images"
+        | "augment"
+        | "batch_size"
+        | "seed" => OnChange::Refuse,
+        "data_dir" | "lr" | "momentum" | "weight_decay" | "schedule" | "warmup_epochs" | "epochs" => OnChange::Warn,
+        "log_every" | "out_dir" => OnChange::Free,
+        _ => return None,
+    })
+}
+
 /// What a finished run reports.
 #[derive(Debug)]
 pub struct ImageTrainReport {
@@ -406,6 +433,11 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
     if resume {
         let saved = checkpoint::load(&checkpoint_path)?;
         checkpoint::ensure_kind(&checkpoint_path, &saved.train_config, checkpoint::CheckpointKind::Image)?;
+        let saved_config: ImageTrainConfig = serde_json::from_str(&saved.train_config)
+            .with_context(|| format!("checkpoint {}: its 'train_config' metadata", checkpoint_path.display()))?;
+        for warning in check_settings(&saved_config, config, on_image_change)? {
+            eprintln!("warning: {warning}");
+        }
         checkpoint::load_weights(&StateDict(&model), &saved.weights)?;
         optimizer.load_state(&saved.optimizer_state)?;
         loader.import_state(&saved.sampler_state)?;
@@ -572,6 +604,14 @@ mod tests {
         let bad = ImageTrainConfig { modulator: "channel".into(), ..ImageTrainConfig::default() };
         assert!(bad.validate().unwrap_err().to_string().contains("sliding-window"));
         assert!(ImageTrainConfig { epochs: 0, ..ImageTrainConfig::default() }.validate().is_err());
+    }
+
+    #[test]
+    fn every_setting_has_a_resume_rule() {
+        let fields = serde_json::to_value(ImageTrainConfig::default()).unwrap();
+        for field in fields.as_object().unwrap().keys() {
+            assert!(on_image_change(field).is_some(), "`{field}` has no rule in on_image_change");
+        }
     }
 
     #[test]

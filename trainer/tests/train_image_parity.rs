@@ -44,3 +44,20 @@ fn a_diverging_run_stops_at_the_evaluation_before_saving() {
     assert_fails_with(&run(&dir, &args), &["validation loss is NaN at step 1: stopping"]);
     assert!(!dir.join("run/checkpoint.safetensors").exists(), "a diverged model was saved");
 }
+
+#[test]
+fn resume_refuses_changes_that_do_not_fit_and_warns_about_the_others() {
+    let dir = scratch("image-parity", "changes");
+    assert_succeeds(&run(&dir, &tiny_image(&["--epochs", "1", "--out-dir", "run"])));
+    let resume = |extra: &[&str]| {
+        run(&dir, &[strings(&["train-image", "--resume", "--out-dir", "run"]), strings(extra)].concat())
+    };
+    assert_fails_with(&resume(&["--base-width", "8", "--epochs", "2"]), &["cannot change base_width 4 → 8"]);
+    let warned = resume(&["--lr", "0.1", "--epochs", "2"]);
+    assert_succeeds(&warned);
+    assert!(
+        stderr(&warned).contains("lr 0.05 → 0.1") && stderr(&warned).contains("epochs 1 → 2"),
+        "{}",
+        stderr(&warned)
+    );
+}
