@@ -1,7 +1,7 @@
 //! A model too large for this machine is an error before it is built: an allocation that
 //! cannot succeed aborts the process ("memory allocation failed", SIGABRT) rather than
 //! returning an error, so `--d-model 1000000` or `train-image --base-width 1000000` must be
-//! caught by arithmetic first. The estimates are lower bounds (the largest terms of each
+//! caught by arithmetic first (and so must a batch whose activations cannot fit). The estimates are lower bounds (the largest terms of each
 //! model's parameter count), compared with the machine's memory and swap: a refused model
 //! could never have trained here, and every model that fits is let through.
 
@@ -30,17 +30,26 @@ pub fn resnet_parameters(base_width: usize) -> f64 {
     1000.0 * (base_width as f64).powi(2)
 }
 
-/// Errors, naming `what`, when `parameters` at `bytes_per_parameter` exceed this machine's
-/// memory and swap (unknown memory lets everything through).
-pub fn check_fits(what: &str, parameters: f64, bytes_per_parameter: f64) -> Result<()> {
+/// A lower bound on the activations one LLaMA micro-batch of `tokens` keeps for its backward
+/// pass, in values: the logits and their softmax and gradient (3 × vocabulary per token) and
+/// a few `d_model`-wide values per token and layer.
+pub fn llama_activations(config: &LlamaConfig, tokens: usize) -> f64 {
+    let per_token = 3.0 * config.vocab_size as f64 + 4.0 * (config.d_model * config.n_layers) as f64;
+    tokens as f64 * per_token
+}
+
+/// Errors, naming `what`, when `parameters` at `bytes_per_parameter` plus `activations`
+/// (4-byte values) exceed this machine's memory and swap (unknown memory lets all through).
+pub fn check_fits(what: &str, parameters: f64, bytes_per_parameter: f64, activations: f64) -> Result<()> {
     let Some(available) = machine_memory_bytes() else { return Ok(()) };
-    let needed = parameters * bytes_per_parameter;
+    let needed = parameters * bytes_per_parameter + activations * 4.0;
     ensure!(
         needed <= available as f64,
-        "{what} needs at least {:.1} GB to train ({:.3e} parameters), more than this machine's {:.1} GB of memory \
-         and swap: choose smaller sizes",
+        "{what} needs at least {:.1} GB to train ({:.3e} parameters, {:.3e} activation values), more than this \
+         machine's {:.1} GB of memory and swap: choose smaller sizes",
         needed / 1e9,
         parameters,
+        activations,
         available as f64 / 1e9
     );
     Ok(())

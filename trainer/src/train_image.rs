@@ -415,7 +415,7 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
     config.validate()?;
     let what = format!("{} of width {}", config.model, config.base_width);
     let parameters = crate::memory::resnet_parameters(config.base_width);
-    crate::memory::check_fits(&what, parameters, crate::memory::SGD_BYTES_PER_PARAMETER)?;
+    crate::memory::check_fits(&what, parameters, crate::memory::SGD_BYTES_PER_PARAMETER, 0.0)?;
     ensure_available(config.device)?;
     std::fs::create_dir_all(&config.out_dir).with_context(|| format!("creating {}", config.out_dir.display()))?;
     let checkpoint_path = config.out_dir.join(CHECKPOINT_FILE);

@@ -23,6 +23,7 @@ fn sizes_that_cannot_fit_are_errors_not_aborts() {
             "memory",
         ),
         (strings(&["train-image", "--epochs", "1", "--base-width", "1000000", "--out-dir", "image"]), "memory"),
+        (set_flag(tiny_train(&dir, &dir.join("batch"), 1), "--batch-size", "100000000"), "memory"),
         (strings(&["eval", &checkpoint, "val.bin", "--batch-size", "100000000"]), "--batch-size"),
     ];
     for (args, needle) in cases {

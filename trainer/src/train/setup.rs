@@ -62,7 +62,8 @@ impl<'a> Session<'a> {
             OptimizerKind::Adam | OptimizerKind::AdamW => memory::ADAM_BYTES_PER_PARAMETER,
         };
         let what = format!("{} ({})", config.model, config.variant);
-        memory::check_fits(&what, memory::llama_parameters(&model_config), bytes_per_parameter)?;
+        let activations = memory::llama_activations(&model_config, config.batch_size * config.seq_len);
+        memory::check_fits(&what, memory::llama_parameters(&model_config), bytes_per_parameter, activations)?;
         let (train_path, val_path) = resolve_data(config, &tokenizer)?;
         let train_file = TokenFile::open_with(&train_path, config.data_format)?;
         check_vocab(&train_file, vocab_size)?;
