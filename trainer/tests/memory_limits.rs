@@ -85,4 +85,5 @@ fn prepare_streams_its_input_in_memory_independent_of_its_size() {
     let grown = peak_resident_bytes().saturating_sub(before);
     assert!(report.train_tokens + report.val_tokens > 30 << 20);
     assert!(grown < 48 << 20, "preparing 32 MiB of text took {} MiB", grown >> 20);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
