@@ -33,19 +33,23 @@ fn sizes_that_cannot_fit_are_errors_not_aborts() {
     }
 }
 
-/// This process's peak resident memory (`VmHWM`), in bytes.
-fn peak_resident_bytes() -> u64 {
+/// A field of `/proc/self/status` (`VmHWM`, `VmRSS`), in bytes.
+fn status_bytes(field: &str) -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .unwrap()
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .unwrap();
-    kib * 1024
+    let value = status.lines().find_map(|l| l.strip_prefix(field)?.strip_prefix(':')).unwrap();
+    value.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
+}
+
+/// How far `work` raised this process's peak resident memory. Measurements take turns (the
+/// tests of this file run in one process), and the peak is reset first where the kernel
+/// allows (`/proc/self/clear_refs`), so an earlier test's peak cannot hide this one's.
+fn peak_growth(work: impl FnOnce()) -> u64 {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
+    let before = if reset { status_bytes("VmRSS") } else { status_bytes("VmHWM") };
+    work();
+    status_bytes("VmHWM").saturating_sub(before)
 }
 
 #[test]
@@ -62,9 +66,9 @@ fn a_gzipped_idx_file_is_not_inflated_past_what_its_header_declares() {
     let (images_path, labels_path) = (dir.join("images.gz"), dir.join("labels"));
     std::fs::write(&images_path, images.finish().unwrap()).unwrap();
     std::fs::write(&labels_path, [0, 0, 8, 1, 0, 0, 0, 1, 3]).unwrap();
-    let before = peak_resident_bytes();
-    let Err(error) = trainer::data::idx::load_idx(&images_path, &labels_path) else { panic!("a bomb was accepted") };
-    let grown = peak_resident_bytes().saturating_sub(before);
+    let mut loaded = None;
+    let grown = peak_growth(|| loaded = Some(trainer::data::idx::load_idx(&images_path, &labels_path)));
+    let Some(Err(error)) = loaded else { panic!("a bomb was accepted") };
     assert!(format!("{error:#}").contains("images.gz"), "{error:#}");
     assert!(grown < 64 << 20, "inflating the file took {} MiB", grown >> 20);
 }
@@ -79,10 +83,12 @@ fn prepare_streams_its_input_in_memory_independent_of_its_size() {
         std::io::Write::write_all(&mut file, line.as_bytes()).unwrap();
     }
     drop(file);
-    let before = peak_resident_bytes();
-    let report =
-        trainer::prepare::prepare(&[text], &trainer::tokenizer::Tokenizer::Byte, &dir.join("out"), 0.1).unwrap();
-    let grown = peak_resident_bytes().saturating_sub(before);
+    let out = dir.join("out");
+    let mut prepared = None;
+    let grown = peak_growth(|| {
+        prepared = Some(trainer::prepare::prepare(&[text], &trainer::tokenizer::Tokenizer::Byte, &out, 0.1))
+    });
+    let report = prepared.unwrap().unwrap();
     assert!(report.train_tokens + report.val_tokens > 30 << 20);
     assert!(grown < 48 << 20, "preparing 32 MiB of text took {} MiB", grown >> 20);
     std::fs::remove_dir_all(&dir).unwrap();
