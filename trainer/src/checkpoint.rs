@@ -82,15 +82,62 @@ pub fn save(path: &Path, model: &dyn Module, optimizer: &dyn Optimizer, meta: &C
     save_tensors(path, &slices, &metadata).with_context(|| format!("saving checkpoint {}", path.display()))
 }
 
+/// Which command wrote a checkpoint (both write the same format).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckpointKind {
+    /// A language model, from `train`.
+    Language,
+    /// A ResNet image classifier, from `train-image`.
+    Image,
+}
+
+impl CheckpointKind {
+    /// The kind whose training config (JSON) is `train_config`: an image run's names a
+    /// `dataset`, a language run's does not.
+    pub fn of(train_config: &str) -> CheckpointKind {
+        let config: Option<serde_json::Value> = serde_json::from_str(train_config).ok();
+        if config.is_some_and(|c| c.get("dataset").is_some()) {
+            CheckpointKind::Image
+        } else {
+            CheckpointKind::Language
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            CheckpointKind::Language => "a language-model checkpoint (train)",
+            CheckpointKind::Image => "an image-classification checkpoint (train-image)",
+        }
+    }
+}
+
+/// Errors unless the checkpoint at `path`, saved with the training config `train_config`,
+/// is of the `expected` kind, naming both.
+pub fn ensure_kind(path: &Path, train_config: &str, expected: CheckpointKind) -> Result<()> {
+    let kind = CheckpointKind::of(train_config);
+    if kind != expected {
+        bail!("{} is {}; this command needs {}", path.display(), kind.describe(), expected.describe());
+    }
+    Ok(())
+}
+
 /// The training config saved in the checkpoint at `path`, read from its header only (what
 /// `--resume` starts from).
 pub fn load_train_config(path: &Path) -> Result<TrainConfig> {
+    let json = load_config_json(path, CheckpointKind::Language)?;
+    serde_json::from_str(&json).with_context(|| format!("checkpoint {}: its 'train_config' metadata", path.display()))
+}
+
+/// The training config (JSON) saved in the checkpoint at `path`, read from its header only,
+/// after checking that the checkpoint is of `kind`.
+pub fn load_config_json(path: &Path, kind: CheckpointKind) -> Result<String> {
     let metadata = load_metadata(path).with_context(|| format!("loading checkpoint {}", path.display()))?;
     check_format(path, &metadata)?;
     let json = metadata
         .get("train_config")
         .with_context(|| format!("checkpoint {} has no 'train_config' metadata", path.display()))?;
-    serde_json::from_str(json).with_context(|| format!("checkpoint {}: its 'train_config' metadata", path.display()))
+    ensure_kind(path, json, kind)?;
+    Ok(json.clone())
 }
 
 fn check_format(path: &Path, metadata: &BTreeMap<String, String>) -> Result<()> {
@@ -136,11 +183,39 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
     })
 }
 
+/// Errors unless every value of `weights`, read from the checkpoint at `path`, is finite: a
+/// model with a NaN or infinite weight (a diverged run, a damaged file) computes nothing
+/// meaningful, so no command samples, exports or analyses it.
+pub fn ensure_finite_weights(path: &Path, weights: &[NamedTensor]) -> Result<()> {
+    for t in weights {
+        if let Some(index) = t.data.iter().position(|v| !v.is_finite()) {
+            bail!(
+                "checkpoint {}: tensor '{}' holds {} (element {index}): its weights are not finite \
+                 (a diverged or damaged model)",
+                path.display(),
+                t.name,
+                t.data[index]
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Copies `weights` into the model's parameters by name, each onto the device its parameter
-/// is on; every parameter must be present with the same shape.
+/// is on; every parameter must be present with the same shape, and every tensor must be a
+/// parameter (an extra one means the metadata describes another model, e.g. another variant).
 pub fn load_weights(model: &dyn Module, weights: &[NamedTensor]) -> Result<()> {
     let by_name: BTreeMap<&str, &NamedTensor> = weights.iter().map(|t| (t.name.as_str(), t)).collect();
-    for p in model.named_parameters() {
+    let parameters = model.named_parameters();
+    let names: std::collections::BTreeSet<&str> = parameters.iter().map(|p| p.name.as_str()).collect();
+    if let Some(extra) = weights.iter().find(|t| !names.contains(t.name.as_str())) {
+        bail!(
+            "tensor '{}' of the checkpoint is not part of the model its config describes \
+             (metadata of another variant or option?)",
+            extra.name
+        );
+    }
+    for p in &parameters {
         let t = by_name.get(p.name.as_str()).with_context(|| format!("checkpoint has no tensor '{}'", p.name))?;
         if t.shape != p.var.shape() {
             bail!("tensor '{}' has shape {:?} in the checkpoint but {:?} in the model", p.name, t.shape, p.var.shape());

@@ -5,9 +5,11 @@ pub mod choices;
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use models::llama::LlamaConfig;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use tensor::Device;
 
 pub use choices::{OptimizerKind, Sampling, ScheduleKind};
@@ -144,6 +146,29 @@ impl Default for TrainConfig {
     }
 }
 
+/// `base` with the keys of the JSON config file at `path` laid over it. Errors name the file
+/// and, for a value of the wrong type or an unknown key, the key.
+pub fn overlay_config_file<T: Serialize + DeserializeOwned>(base: &T, path: &Path) -> Result<T> {
+    let text = std::fs::read(path).with_context(|| format!("reading config {}", path.display()))?;
+    let keys: serde_json::Map<String, Value> = serde_json::from_slice(&text)
+        .with_context(|| format!("parsing config {} (a JSON object of settings)", path.display()))?;
+    let base = serde_json::to_value(base).context("serialising the base config")?;
+    let with = |keys: &mut dyn Iterator<Item = (&String, &Value)>| {
+        let mut merged = base.clone();
+        if let Some(fields) = merged.as_object_mut() {
+            fields.extend(keys.map(|(k, v)| (k.clone(), v.clone())));
+        }
+        serde_json::from_value::<T>(merged)
+    };
+    with(&mut keys.iter()).map_err(|error| {
+        // serde's message names the expected type, not the field: find the key that fails alone.
+        match keys.iter().find(|&entry| with(&mut std::iter::once(entry)).is_err()) {
+            Some((key, _)) => anyhow!("parsing config {}: key `{key}`: {error}", path.display()),
+            None => anyhow!("parsing config {}: {error}", path.display()),
+        }
+    })
+}
+
 /// Most tokens one optimizer step may take (2^32): far beyond any batch that fits in memory,
 /// small enough that no count derived from it overflows.
 pub const MAX_TOKENS_PER_STEP: usize = 1 << 32;
@@ -158,17 +183,24 @@ impl TrainConfig {
     /// values; keys it does not name keep `self`'s. Unknown keys and wrong types are errors
     /// naming the file and the key.
     pub fn overlaid_with_file(&self, path: &Path) -> Result<TrainConfig> {
-        let text = std::fs::read(path).with_context(|| format!("reading config {}", path.display()))?;
-        let keys: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&text)
-            .with_context(|| format!("parsing config {} (a JSON object of training settings)", path.display()))?;
-        let mut merged = serde_json::to_value(self).context("serialising the base config")?;
-        if let Some(fields) = merged.as_object_mut() {
-            fields.extend(keys);
-        }
-        let mut config: TrainConfig =
-            serde_json::from_value(merged).with_context(|| format!("parsing config {}", path.display()))?;
+        let mut config = overlay_config_file(self, path)?;
         config.device = self.device;
         Ok(config)
+    }
+
+    /// Checks that the data flags (or config keys) name one source: token files
+    /// (`train_data`, optionally `val_data`) or a text (`text`, or the built-in corpus).
+    pub fn check_data_source(&self) -> Result<()> {
+        if self.text.is_some() && self.train_data.is_some() {
+            bail!("--text and --train-data (config keys `text`, `train_data`) both name the training data: give one");
+        }
+        if self.val_data.is_some() && self.train_data.is_none() {
+            bail!(
+                "--val-data (config key `val_data`) needs --train-data: a --text corpus (or the built-in one) \
+                 holds out its own validation split"
+            );
+        }
+        Ok(())
     }
 
     /// Checks every field that could otherwise fail late, naming the field and the valid values.
@@ -179,6 +211,7 @@ impl TrainConfig {
             ("grad_accum", self.grad_accum),
             ("steps", self.steps),
             ("log_every", self.log_every),
+            ("eval_batches", self.eval_batches),
         ] {
             if value == 0 {
                 bail!("{name} must be at least 1");

@@ -33,9 +33,12 @@ pub fn load_model(path: &Path) -> Result<(Llama, LlamaConfig)> {
 /// with (its training config's `tokenizer`; `byte` for checkpoints that do not name one).
 pub fn load_model_and_tokenizer(path: &Path) -> Result<(Llama, LlamaConfig, Tokenizer)> {
     let saved = checkpoint::load(path)?;
+    checkpoint::ensure_kind(path, &saved.train_config, checkpoint::CheckpointKind::Language)?;
+    checkpoint::ensure_finite_weights(path, &saved.weights)?;
     let config: LlamaConfig = serde_json::from_str(&saved.model_config).context("checkpoint model config")?;
+    crate::model_fit::check_model_config(path, &config, &saved.weights)?;
     let model = Llama::new(&config, 0)?;
-    checkpoint::load_weights(&model, &saved.weights)?;
+    checkpoint::load_weights(&model, &saved.weights).with_context(|| format!("checkpoint {}", path.display()))?;
     let tokenizer = Tokenizer::from_name(&trained_tokenizer(&saved.train_config))
         .with_context(|| format!("the tokenizer of {}", path.display()))?;
     Ok((model, config, tokenizer))

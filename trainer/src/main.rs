@@ -1,21 +1,27 @@
 //! `transponder`: prepare token files, train, evaluate, sample and export LLaMA models
 //! with contextual modulators.
 
+use std::io::Write;
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use nn::Module;
 use tensor::Device;
 use trainer::config::{OptimizerKind, Sampling, ScheduleKind, TrainConfig};
+use trainer::console::StdoutError;
 use trainer::data::DataFormat;
 use trainer::device::{device_name, ensure_available, parse_device};
+use trainer::dir_lock::DirLock;
 use trainer::export::{export_hf, ExportKind};
 use trainer::generate::{generate, generate_uncached, load_model, load_model_and_tokenizer, SamplingOptions};
 use trainer::prepare::{prepare_split, ValSplit};
+use trainer::run_dir::{claim, Claim};
 use trainer::tokenizer::Tokenizer;
 use trainer::train::{evaluate, open_eval_data, train};
 use trainer::train_image::{train_image, ImageTrainConfig};
+use trainer::{emit, say};
 
 #[derive(Parser)]
 #[command(name = "transponder", version, about = "Train language models with contextual modulators")]
@@ -119,9 +125,13 @@ struct TrainImageArgs {
     /// JSON config file (keys as in the run's config.json).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Continue from the checkpoint in --out-dir.
+    /// Continue the run in --out-dir with its saved settings; other flags override only what
+    /// they name.
     #[arg(long)]
     resume: bool,
+    /// Replace the run in --out-dir (without it, a directory holding a run is refused).
+    #[arg(long, conflicts_with = "resume")]
+    overwrite: bool,
     /// `resnet18` ... `resnet152`.
     #[arg(long)]
     model: Option<String>,
@@ -168,10 +178,7 @@ struct TrainImageArgs {
 
 impl TrainImageArgs {
     fn into_config(self) -> Result<ImageTrainConfig> {
-        let mut c = match &self.config {
-            Some(path) => ImageTrainConfig::from_file(path)?,
-            None => ImageTrainConfig::default(),
-        };
+        let mut c = ImageTrainConfig::base(self.config.as_deref(), self.out_dir.as_deref(), self.resume)?;
         macro_rules! set {
             ($($field:ident),*) => { $( if let Some(v) = self.$field { c.$field = v; } )* };
         }
@@ -191,6 +198,10 @@ struct TrainArgs {
     /// they name (changes that do not fit the checkpoint are refused, others warned about).
     #[arg(long)]
     resume: bool,
+    /// Replace the run in --out-dir. Without it a fresh run into a directory holding one is
+    /// refused; the default directory moves on to runs/default-2, -3, ...
+    #[arg(long, conflicts_with = "resume")]
+    overwrite: bool,
     /// Model preset: llama-tiny (default), llama-small, llama-60m, llama-130m, llama-250m, llama-350m, llama-1b.
     #[arg(long)]
     model: Option<String>,
@@ -310,6 +321,14 @@ impl TrainArgs {
         macro_rules! set {
             ($($field:ident),*) => { $( if let Some(v) = self.$field { c.$field = v; } )* };
         }
+        // A data flag replaces the whole data source (a resumed run may switch from its text to
+        // token files or back); two sources named together are refused below.
+        if self.text.is_some() {
+            (c.train_data, c.val_data) = (None, None);
+        }
+        if self.train_data.is_some() {
+            c.text = None;
+        }
         c.text = self.text.or(c.text);
         set!(model, variant, tokenizer, batch_size, seq_len, grad_accum, steps, lr, optimizer, weight_decay);
         set!(schedule, warmup, grad_clip, sampling, eval_every, eval_batches, save_every, log_every, seed, out_dir);
@@ -319,6 +338,7 @@ impl TrainArgs {
         c.post_ln |= self.post_ln;
         c.train_data = self.train_data.or(c.train_data);
         c.val_data = self.val_data.or(c.val_data);
+        c.check_data_source()?;
         Ok(c)
     }
 }
@@ -326,11 +346,12 @@ impl TrainArgs {
 /// `transponder sample`: generates from every prompt and prints the texts, then the speed.
 fn sample(args: SampleArgs) -> Result<()> {
     ensure_available(args.device)?;
-    let (model, _, trained_with) = load_model_and_tokenizer(&args.checkpoint)?;
+    let (model, config, trained_with) = load_model_and_tokenizer(&args.checkpoint)?;
     let tokenizer = match &args.tokenizer {
         Some(name) => Tokenizer::from_name(name)?,
         None => trained_with,
     };
+    tokenizer.ensure_vocab(config.vocab_size)?;
     model.to_device(args.device)?;
     let prompts = if args.prompt.is_empty() { vec!["ROMEO:".to_string()] } else { args.prompt };
     let prompt_ids: Vec<Vec<u32>> = prompts.iter().map(|p| tokenizer.encode(p)).collect();
@@ -345,9 +366,9 @@ fn sample(args: SampleArgs) -> Result<()> {
     let generation = run(&model, &prompt_ids, &options).context("sampling")?;
     for (i, sequence) in generation.sequences.iter().enumerate() {
         if i > 0 {
-            println!("---");
+            emit!("---")?;
         }
-        println!("{}", tokenizer.decode(sequence));
+        emit!("{}", tokenizer.decode(sequence))?;
     }
     if let Some(length) = generation.stopped_at_context {
         eprintln!(
@@ -368,9 +389,19 @@ fn sample(args: SampleArgs) -> Result<()> {
     Ok(())
 }
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
     let cli = Cli::parse();
-    trainer::threads::on_worker_pool(None, || run(cli))?
+    let error = match trainer::threads::on_worker_pool(None, || run(cli)) {
+        Ok(Ok(())) => return ExitCode::SUCCESS,
+        Ok(Err(error)) | Err(error) => error,
+    };
+    // A closed pipe (`| head`) ends a command quietly, as it does Unix tools.
+    if error.downcast_ref::<StdoutError>().is_some_and(StdoutError::is_closed_pipe) {
+        return ExitCode::SUCCESS;
+    }
+    // Best effort: with stderr gone too, the exit status is all that is left.
+    let _ = writeln!(std::io::stderr(), "Error: {error:?}");
+    ExitCode::FAILURE
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -378,21 +409,29 @@ fn run(cli: Cli) -> Result<()> {
         Command::Prepare { inputs, out, tokenizer, val_fraction, val_per_file } => {
             let tokenizer = Tokenizer::from_name(&tokenizer)?;
             let split = if val_per_file { ValSplit::EachFileTail } else { ValSplit::StreamTail };
+            let _lock = DirLock::acquire(&out)?;
             let report = prepare_split(&inputs, &tokenizer, &out, val_fraction, split)?;
-            println!(
+            emit!(
                 "wrote {} ({} tokens) and {} ({} tokens), vocab {}",
                 report.train_path.display(),
                 report.train_tokens,
                 report.val_path.display(),
                 report.val_tokens,
                 report.vocab_size
-            );
+            )?;
         }
         Command::Train(args) => {
-            let resume = args.resume;
-            let config = args.into_config()?;
+            let (resume, overwrite, named) = (args.resume, args.overwrite, args.out_dir.is_some());
+            let mut config = args.into_config()?;
+            let named = named || config.out_dir != TrainConfig::default().out_dir;
+            let (out_dir, _lock) = claim(&config.out_dir, Claim::from_flags(resume, overwrite, named))?;
+            config.out_dir = out_dir;
             let report = train(&config, resume)?;
-            println!(
+            if report.steps_run == 0 {
+                say!("done: nothing left to train; the run is complete at step {}", report.steps);
+                return Ok(());
+            }
+            say!(
                 "done: {} steps in {:.1} s ({:.0} tokens/s); loss {:.4} -> {:.4}{}",
                 report.steps,
                 report.seconds,
@@ -401,37 +440,49 @@ fn run(cli: Cli) -> Result<()> {
                 report.final_loss,
                 report.final_val_loss.map(|v| format!(", val loss {v:.4} (ppl {:.2})", v.exp())).unwrap_or_default()
             );
-            println!("checkpoint: {}", report.checkpoint.display());
-            println!("metrics:    {}", report.metrics.display());
+            say!("checkpoint: {}", report.checkpoint.display());
+            say!("metrics:    {}", report.metrics.display());
         }
         Command::Eval { checkpoint, data, batch_size, batches, data_format, device } => {
+            anyhow::ensure!(batches >= 1, "--batches must be at least 1");
             ensure_available(device)?;
             let (model, config) = load_model(&checkpoint)?;
             model.to_device(device)?;
             let mut data = open_eval_data(&data, data_format, config.vocab_size, batch_size, config.seq_len)?;
+            let windows = (data.file().len() - 1) / config.seq_len;
+            anyhow::ensure!(
+                batch_size <= windows,
+                "--batch-size {batch_size} exceeds the {windows} windows of {} + 1 tokens in {}",
+                config.seq_len,
+                data.file().path().display()
+            );
             let loss = evaluate(&model, &mut data, batches)?;
-            println!("val loss {loss:.6} | perplexity {:.3}", loss.exp());
+            emit!("val loss {loss:.6} | perplexity {:.3}", loss.exp())?;
         }
         Command::Sample(args) => sample(*args)?,
         Command::Export { checkpoint, out } => {
             let (model, config) = load_model(&checkpoint)?;
+            let _lock = DirLock::acquire(&out)?;
             let exported = export_hf(&model, &config, &out)?;
             let class = match exported.kind {
                 ExportKind::Llama => "LlamaForCausalLM",
                 ExportKind::Transponder => "TransponderForCausalLM (from_pretrained(..., trust_remote_code=True))",
             };
             for file in &exported.files {
-                println!("wrote {}", file.display());
+                emit!("wrote {}", file.display())?;
             }
-            println!("loads in transformers as {class}");
+            emit!("loads in transformers as {class}")?;
         }
         Command::Analyze(args) => trainer::analyze::run(&args)?,
         Command::Compare(args) => trainer::compare::cli::run(&args)?,
         Command::TrainImage(args) => {
-            let resume = args.resume;
-            let config = args.into_config()?;
+            let (resume, overwrite, named) = (args.resume, args.overwrite, args.out_dir.is_some());
+            let mut config = args.into_config()?;
+            let named = named || config.out_dir != ImageTrainConfig::default().out_dir;
+            let (out_dir, _lock) = claim(&config.out_dir, Claim::from_flags(resume, overwrite, named))?;
+            config.out_dir = out_dir;
             let report = train_image(&config, resume)?;
-            println!(
+            say!(
                 "done: {} epochs in {:.1} s ({:.1} s/epoch); loss {:.4} -> {:.4}; eval accuracy {:.2}%",
                 report.epochs,
                 report.seconds,
@@ -440,8 +491,8 @@ fn run(cli: Cli) -> Result<()> {
                 report.final_loss,
                 100.0 * report.final_accuracy()
             );
-            println!("checkpoint: {}", report.checkpoint.display());
-            println!("metrics:    {}", report.metrics.display());
+            say!("checkpoint: {}", report.checkpoint.display());
+            say!("metrics:    {}", report.metrics.display());
         }
     }
     Ok(())

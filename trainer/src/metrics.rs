@@ -52,17 +52,25 @@ impl MetricsWriter {
 
     /// Opens `path` for a run resumed from a checkpoint at `step`: rows of later steps (logged
     /// after that checkpoint by the interrupted run, and about to be logged again) are dropped
-    /// first, atomically, so each step appears once. Lines that are not metrics rows are kept.
+    /// first, atomically, so each step appears once. Lines that are not metrics rows are kept,
+    /// except an unterminated last line that is none: a row torn by a kill, to which the next
+    /// row would otherwise be glued.
     pub fn resume_at(path: &Path, step: usize) -> Result<MetricsWriter> {
         let text = match std::fs::read_to_string(path) {
             Ok(text) => text,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
             Err(e) => return Err(e).with_context(|| format!("reading metrics file {}", path.display())),
         };
-        let kept: String = text
-            .lines()
-            .filter(|line| row_step(line).is_none_or(|s| s <= step))
-            .map(|line| format!("{line}\n"))
+        let lines: Vec<&str> = text.lines().collect();
+        let torn = (!text.ends_with('\n')).then(|| lines.len().saturating_sub(1));
+        let kept: String = lines
+            .iter()
+            .enumerate()
+            .filter(|&(i, line)| match row_step(line) {
+                Some(s) => s <= step,
+                None => Some(i) != torn,
+            })
+            .map(|(_, line)| format!("{line}\n"))
             .collect();
         if kept.len() != text.len() {
             atomic_write(path, kept.as_bytes())?;

@@ -7,24 +7,27 @@
 //! `1 - f` of the tokens are `train.bin` and the last `f` are `val.bin` (nanoGPT's
 //! `shakespeare_char/prepare.py` split); with [`ValSplit::EachFileTail`] the last `f` of
 //! every file is held out, so validation covers every source of a mixed corpus. Either way
-//! no validation token is in `train.bin`. Both files are written atomically with [`write_llmc`].
+//! no validation token is in `train.bin`. Both files are replaced together, atomically: each
+//! is written to its temp file ([`TokenSink`]) before either is renamed ([`commit_all`]).
 //!
-//! Large inputs are encoded in ~1 MiB chunks (for the progress bar, shown above 10 MB of text)
-//! cut only where the cut provably does not change GPT-2's pre-tokenization, so chunked and
-//! whole-text encodings are identical. All texts and tokens are held in memory (4 bytes each).
+//! Inputs are streamed: read and decoded in 1 MiB pieces, encoded in ~1 MiB chunks cut only
+//! where the cut provably does not change GPT-2's pre-tokenization (so chunked and whole-text
+//! encodings are identical), the tokens written as they come, and the held-out tail moved to
+//! `val.bin` through a fixed buffer. Peak memory is a few MiB whatever the inputs' size.
 //!
 //! The built-in corpus, tinyshakespeare, is compiled into the binary ([`TINYSHAKESPEARE`]),
 //! so the default run needs no file from the repository.
 
-use std::fs;
-use std::io::Read;
+use std::fs::{self, File};
+use std::io::{Read, Seek};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
 use flate2::read::GzDecoder;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::data::token_file::write_llmc;
+use crate::atomic::commit_all;
+use crate::data::token_sink::TokenSink;
 use crate::tokenizer::Tokenizer;
 
 /// Inputs larger than this (in bytes, all files together) get a progress bar.
@@ -33,6 +36,8 @@ pub const PROGRESS_BAR_MIN_BYTES: u64 = 10 * 1000 * 1000;
 pub const MIN_SPLIT_TOKENS: usize = 2;
 /// Target size of one encoding chunk, in bytes.
 pub const CHUNK_BYTES: usize = 1 << 20;
+/// Most text GPT-2 input may hold without a safe cut ([`next_cut`]) before it is refused.
+pub const MAX_UNCUT_BYTES: usize = 64 << 20;
 /// Name of the training split written into the output directory.
 pub const TRAIN_FILE: &str = "train.bin";
 /// Name of the validation split written into the output directory.
@@ -82,9 +87,15 @@ pub fn corpus_name(text: Option<&Path>) -> String {
     text.map_or_else(|| "the built-in tinyshakespeare".into(), |path| path.display().to_string())
 }
 
-/// A short name for a corpus's data folder: the file's stem, or `tinyshakespeare`.
-pub fn corpus_stem(text: Option<&Path>) -> String {
-    text.and_then(Path::file_stem).map_or_else(|| "tinyshakespeare".into(), |stem| stem.to_string_lossy().into_owned())
+/// The name of a corpus's token cache folder for `tokenizer`: `tinyshakespeare-<tokenizer>`
+/// for the built-in corpus, `<file stem>-<tokenizer>-<FNV-1a of the file's bytes>` for a
+/// file, so that another file of the same name (or the same file edited) is tokenized anew.
+pub fn corpus_cache_name(text: Option<&Path>, tokenizer: &str) -> Result<String> {
+    let Some(path) = text else {
+        return Ok(format!("tinyshakespeare-{tokenizer}"));
+    };
+    let stem = path.file_stem().map_or_else(|| "corpus".into(), |stem| stem.to_string_lossy().into_owned());
+    Ok(format!("{stem}-{tokenizer}-{:016x}", crate::fingerprint::file_fnv1a_64(path)?))
 }
 
 /// `out_dir/train.bin` and `out_dir/val.bin` for one text corpus (a file, or the built-in
@@ -109,7 +120,9 @@ pub fn prepare_once(
 /// [`prepare`] for the built-in tinyshakespeare ([`TINYSHAKESPEARE`]).
 pub fn prepare_builtin(tokenizer: &Tokenizer, out_dir: &Path, val_fraction: f64) -> Result<PrepareReport> {
     check_val_fraction(val_fraction)?;
-    tokenize_and_split(&[TINYSHAKESPEARE.to_string()], tokenizer, out_dir, val_fraction, ValSplit::StreamTail)
+    let builtin = Input { name: corpus_name(None), reader: Box::new(TINYSHAKESPEARE.as_bytes()), gzipped: false };
+    let size = TINYSHAKESPEARE.len() as u64;
+    tokenize_and_split(vec![builtin], size, tokenizer, out_dir, val_fraction, ValSplit::StreamTail)
 }
 
 /// Tokenizes `inputs` with `tokenizer` and writes `out_dir/train.bin` and `out_dir/val.bin`,
@@ -117,7 +130,8 @@ pub fn prepare_builtin(tokenizer: &Tokenizer, out_dir: &Path, val_fraction: f64)
 ///
 /// Errors on: no input files, a missing, corrupt gzip or non-UTF-8 file, input without any
 /// text, `val_fraction` outside `(0, 1)`, or a split that leaves either side with fewer than
-/// [`MIN_SPLIT_TOKENS`] tokens. `out_dir` is created when missing.
+/// [`MIN_SPLIT_TOKENS`] tokens. `out_dir` is created when missing (and removed again when
+/// the inputs fail).
 pub fn prepare(inputs: &[PathBuf], tokenizer: &Tokenizer, out_dir: &Path, val_fraction: f64) -> Result<PrepareReport> {
     prepare_split(inputs, tokenizer, out_dir, val_fraction, ValSplit::StreamTail)
 }
@@ -132,13 +146,10 @@ pub fn prepare_split(
 ) -> Result<PrepareReport> {
     ensure!(!inputs.is_empty(), "prepare needs at least one input text file");
     check_val_fraction(val_fraction)?;
-    let texts: Vec<String> = inputs.iter().map(|path| read_text(path)).collect::<Result<_>>()?;
-    ensure!(
-        texts.iter().any(|t| !t.is_empty()),
-        "the input files ({}) are all empty: nothing to tokenize",
-        list_paths(inputs)
-    );
-    tokenize_and_split(&texts, tokenizer, out_dir, val_fraction, split)
+    // Every input opens before anything is written.
+    let opened: Vec<Input> = inputs.iter().map(|path| open_input(path)).collect::<Result<_>>()?;
+    let size = inputs.iter().filter_map(|path| fs::metadata(path).ok()).map(|m| m.len()).sum();
+    tokenize_and_split(opened, size, tokenizer, out_dir, val_fraction, split)
 }
 
 fn check_val_fraction(val_fraction: f64) -> Result<()> {
@@ -149,45 +160,82 @@ fn check_val_fraction(val_fraction: f64) -> Result<()> {
     Ok(())
 }
 
-/// Tokenizes each text (an end-of-text token before each, when the tokenizer has one), holds
-/// out the validation tokens as `split` says, and writes both token files; `out_dir` is
-/// created only now, once every input has been read and tokenized.
+/// One input text: how messages name it, and its bytes (gzip undone as they are read).
+struct Input {
+    name: String,
+    reader: Box<dyn Read>,
+    gzipped: bool,
+}
+
+/// Opens the text file at `path`, decompressing as it is read when it starts with the gzip
+/// magic.
+fn open_input(path: &Path) -> Result<Input> {
+    let context = || format!("reading input text file {}", path.display());
+    let mut file = File::open(path).with_context(context)?;
+    let mut magic = Vec::with_capacity(2);
+    (&mut file).take(2).read_to_end(&mut magic).with_context(context)?;
+    file.rewind().with_context(context)?;
+    let gzipped = magic == GZIP_MAGIC;
+    let reader: Box<dyn Read> = if gzipped { Box::new(GzDecoder::new(file)) } else { Box::new(file) };
+    Ok(Input { name: path.display().to_string(), reader, gzipped })
+}
+
+/// Streams every input through the tokenizer into `out_dir`'s two token files (an
+/// end-of-text token before each text, when the tokenizer has one), holds out the validation
+/// tokens as `split` says, and replaces both files together. Memory stays independent of the
+/// inputs' size; `size_hint` (their bytes on disk) sizes the progress bar.
 fn tokenize_and_split(
-    texts: &[String],
+    inputs: Vec<Input>,
+    size_hint: u64,
     tokenizer: &Tokenizer,
     out_dir: &Path,
     val_fraction: f64,
     split: ValSplit,
 ) -> Result<PrepareReport> {
-    let input_bytes: u64 = texts.iter().map(|t| t.len() as u64).sum();
-    let bar = progress_bar(input_bytes);
-    let (mut train, mut val) = (Vec::new(), Vec::new());
-    for text in texts {
-        if text.is_empty() {
-            continue;
-        }
-        let mut tokens = Vec::new();
-        if let Some(eot) = tokenizer.eot_token() {
-            tokens.push(eot);
-        }
-        tokens.extend(encode_in_chunks(tokenizer, text, CHUNK_BYTES, |n| bar.inc(n as u64)));
-        if split == ValSplit::EachFileTail {
-            let held_out = (tokens.len() as f64 * val_fraction).round() as usize;
-            let tail = tokens.split_off(tokens.len() - held_out);
-            if let (Some(eot), false) = (tokenizer.eot_token(), tail.is_empty()) {
-                val.push(eot);
+    let created = !out_dir.exists();
+    let names = inputs.iter().map(|i| i.name.clone()).collect::<Vec<_>>().join(", ");
+    let report = write_split(inputs, &names, size_hint, tokenizer, out_dir, val_fraction, split);
+    if report.is_err() && created {
+        // Best effort: a refused run leaves no directory (the staged files are gone already).
+        let _ = fs::remove_dir(out_dir);
+    }
+    report
+}
+
+fn write_split(
+    inputs: Vec<Input>,
+    names: &str,
+    size_hint: u64,
+    tokenizer: &Tokenizer,
+    out_dir: &Path,
+    val_fraction: f64,
+    split: ValSplit,
+) -> Result<PrepareReport> {
+    fs::create_dir_all(out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;
+    let (train_path, val_path) = (out_dir.join(TRAIN_FILE), out_dir.join(VAL_FILE));
+    let vocab_size = tokenizer.vocab_size();
+    let (mut train, mut val) = (TokenSink::create(&train_path, vocab_size)?, TokenSink::create(&val_path, vocab_size)?);
+    let bar = progress_bar(size_hint);
+    let mut input_bytes = 0;
+    for input in inputs {
+        let before = train.len();
+        let bytes = encode_stream(input, tokenizer, &mut train, |n| bar.inc(n as u64))?;
+        input_bytes += bytes;
+        let held_out = ((train.len() - before) as f64 * val_fraction).round() as u64;
+        if split == ValSplit::EachFileTail && held_out > 0 {
+            if let Some(eot) = tokenizer.eot_token() {
+                val.push(&[eot])?;
             }
-            val.extend(tail);
+            train.move_tail_to(held_out, &mut val)?;
         }
-        train.extend(tokens);
     }
     bar.finish_and_clear();
+    ensure!(input_bytes > 0, "the input files ({names}) are all empty: nothing to tokenize");
     if split == ValSplit::StreamTail {
-        let held_out = (train.len() as f64 * val_fraction).round() as usize;
-        val = train.split_off(train.len() - held_out);
+        let held_out = (train.len() as f64 * val_fraction).round() as u64;
+        train.move_tail_to(held_out, &mut val)?;
     }
-
-    let (train_tokens, val_tokens) = (train.len(), val.len());
+    let (train_tokens, val_tokens) = (train.len() as usize, val.len() as usize);
     let total = train_tokens + val_tokens;
     if train_tokens < MIN_SPLIT_TOKENS || val_tokens < MIN_SPLIT_TOKENS {
         bail!(
@@ -196,13 +244,9 @@ fn tokenize_and_split(
              {MIN_SPLIT_TOKENS} (more text or another fraction)"
         );
     }
-
-    fs::create_dir_all(out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;
-    let train_path = out_dir.join(TRAIN_FILE);
-    let val_path = out_dir.join(VAL_FILE);
-    let vocab_size = tokenizer.vocab_size();
-    write_llmc(&train_path, &train, vocab_size)?;
-    write_llmc(&val_path, &val, vocab_size)?;
+    // Both files are on disk before either replaces its old one: a stopped prepare leaves the
+    // previous pair, never a new train.bin beside an old val.bin.
+    commit_all(vec![train.finish()?, val.finish()?])?;
     Ok(PrepareReport {
         train_path,
         val_path,
@@ -214,23 +258,70 @@ fn tokenize_and_split(
     })
 }
 
-/// The UTF-8 text of `path`, decompressed first when the file is gzipped.
-fn read_text(path: &Path) -> Result<String> {
-    let mut bytes = fs::read(path).with_context(|| format!("reading input text file {}", path.display()))?;
-    if bytes.starts_with(&GZIP_MAGIC) {
-        let mut inflated = Vec::new();
-        GzDecoder::new(bytes.as_slice())
-            .read_to_end(&mut inflated)
-            .with_context(|| format!("decompressing {} (corrupt or truncated gzip?)", path.display()))?;
-        bytes = inflated;
+/// Reads `input` in pieces, checks its UTF-8, and appends its tokens to `sink`, each piece
+/// encoded up to a safe cut ([`next_cut`], as [`encode_in_chunks`]), so the tokens equal the
+/// whole text's encoding. Returns the text's length in bytes; calls `progress` with each
+/// encoded piece's. Text with no safe cut in [`MAX_UNCUT_BYTES`] is an error for GPT-2 (the
+/// byte tokenizer cuts anywhere).
+fn encode_stream(
+    mut input: Input,
+    tokenizer: &Tokenizer,
+    sink: &mut TokenSink,
+    mut progress: impl FnMut(usize),
+) -> Result<u64> {
+    let name = input.name.clone();
+    let read_error = || {
+        if input.gzipped {
+            format!("decompressing {name} (corrupt or truncated gzip?)")
+        } else {
+            format!("reading input text file {name}")
+        }
+    };
+    let mut raw = vec![0u8; CHUNK_BYTES];
+    let (mut pending, mut text) = (Vec::new(), String::new());
+    let mut decoded = 0u64;
+    loop {
+        let n = input.reader.read(&mut raw).with_context(read_error)?;
+        let at_end = n == 0;
+        pending.extend_from_slice(&raw[..n]);
+        let valid = match std::str::from_utf8(&pending) {
+            Ok(all) => all.len(),
+            Err(e) if e.error_len().is_none() && !at_end => e.valid_up_to(),
+            Err(e) => {
+                bail!("{name} is not valid UTF-8 (first bad byte at offset {})", decoded + e.valid_up_to() as u64)
+            }
+        };
+        if decoded == 0 && valid > 0 {
+            if let Some(eot) = tokenizer.eot_token() {
+                sink.push(&[eot])?;
+            }
+        }
+        text.push_str(std::str::from_utf8(&pending[..valid]).context("a checked UTF-8 prefix")?);
+        pending.drain(..valid);
+        decoded += valid as u64;
+        while text.len() >= CHUNK_BYTES || (at_end && !text.is_empty()) {
+            let mut cut = if at_end { text.len() } else { next_cut(&text, CHUNK_BYTES) };
+            if cut == text.len() && !at_end {
+                if *tokenizer == Tokenizer::Byte {
+                    cut = (0..=CHUNK_BYTES).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0);
+                } else if text.len() > MAX_UNCUT_BYTES {
+                    bail!(
+                        "{name}: {} MB of text without a line break between two words, where it could be \
+                         tokenized in pieces",
+                        text.len() / 1_000_000
+                    );
+                } else {
+                    break;
+                }
+            }
+            sink.push(&tokenizer.encode(&text[..cut])).with_context(|| format!("tokenizing {name}"))?;
+            progress(cut);
+            text.drain(..cut);
+        }
+        if at_end {
+            return Ok(decoded);
+        }
     }
-    String::from_utf8(bytes).map_err(|e| {
-        anyhow::anyhow!(
-            "{} is not valid UTF-8 (first bad byte at offset {})",
-            path.display(),
-            e.utf8_error().valid_up_to()
-        )
-    })
 }
 
 /// Encodes `text` in pieces of about `chunk_bytes`, calling `progress` with each piece's byte
@@ -286,8 +377,4 @@ fn progress_bar(total_bytes: u64) -> ProgressBar {
         bar.set_style(style);
     }
     bar
-}
-
-fn list_paths(paths: &[PathBuf]) -> String {
-    paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
 }

@@ -6,19 +6,19 @@
 //! exports) and widens them to `f32`. PyTorch equivalent: `safetensors.torch.save_file` /
 //! `load_file`.
 //!
-//! Every write is atomic: the bytes go to `<name>.tmp` in the destination's directory, the temp
-//! file is fsynced, renamed over the destination, and the directory is fsynced. A crash or a
-//! kill at any point leaves either the previous file or the new one, never a torn mix; a stray
-//! `.tmp` left by a killed writer is simply overwritten by the next save. One writer per
-//! destination at a time is assumed (the temp name is fixed so that strays do not accumulate).
+//! Every write is atomic ([`crate::atomic`], whose functions are re-exported here): a crash
+//! or a kill at any point leaves either the previous file or the new one, never a torn mix.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::{self, File};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{bail, ensure, Context, Result};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, SafeTensors, View};
+
+pub use crate::atomic::{atomic_replace, atomic_write, temp_path_for};
+use crate::atomic::{stage, Staged};
+use crate::regular_file::open_regular;
 
 /// A tensor read back from a file: its name, its shape and its values widened to `f32`
 /// (row-major, `data.len()` is the product of `shape`).
@@ -81,6 +81,12 @@ impl View for F32View<'_> {
 /// Errors when a tensor's data length disagrees with its shape, when two tensors share a name,
 /// or when any file operation fails; the previous file at `path` is then left untouched.
 pub fn save_tensors(path: &Path, tensors: &[TensorSlice<'_>], metadata: &BTreeMap<String, String>) -> Result<()> {
+    stage_tensors(path, tensors, metadata)?.commit()
+}
+
+/// [`save_tensors`] up to the rename: the file is written and fsynced at its temp path, to be
+/// committed together with the other files of a set ([`crate::atomic::commit_all`]).
+pub fn stage_tensors(path: &Path, tensors: &[TensorSlice<'_>], metadata: &BTreeMap<String, String>) -> Result<Staged> {
     let mut seen = std::collections::BTreeSet::new();
     for t in tensors {
         let expected: usize = t.shape.iter().product();
@@ -98,7 +104,7 @@ pub fn save_tensors(path: &Path, tensors: &[TensorSlice<'_>], metadata: &BTreeMa
     let info: Option<HashMap<String, String>> =
         if metadata.is_empty() { None } else { Some(metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect()) };
     let views = tensors.iter().map(|t| (t.name, F32View { shape: t.shape, data: t.data }));
-    atomic_replace(path, |tmp| {
+    stage(path, |tmp| {
         safetensors::serialize_to_file(views, info, tmp)
             .with_context(|| format!("serializing safetensors to {}", tmp.display()))
     })
@@ -110,9 +116,8 @@ pub fn save_tensors(path: &Path, tensors: &[TensorSlice<'_>], metadata: &BTreeMa
 /// Accepts `F32`, `BF16` and `F16` tensors; any other dtype is an error naming the tensor.
 /// The file is memory-mapped, so only the converted copies occupy memory.
 pub fn load_tensors(path: &Path) -> Result<(Vec<NamedTensor>, BTreeMap<String, String>)> {
-    let file = File::open(path).with_context(|| format!("opening checkpoint {}", path.display()))?;
-    let len = file.metadata().with_context(|| format!("reading the size of {}", path.display()))?.len();
-    ensure!(len > 0, "checkpoint {} is empty (0 bytes): not a safetensors file", path.display());
+    let (file, size) = open_regular(path, "checkpoint")?;
+    ensure!(size > 0, "checkpoint {} is empty (0 bytes): not a safetensors file", path.display());
     // SAFETY: the map is read-only and dropped before returning; checkpoints are replaced by
     // rename (never rewritten in place), so the mapped inode does not change under us.
     let map = unsafe { Mmap::map(&file) }.with_context(|| format!("memory-mapping checkpoint {}", path.display()))?;
@@ -135,9 +140,8 @@ pub fn load_tensors(path: &Path) -> Result<(Vec<NamedTensor>, BTreeMap<String, S
 /// Reads only the `__metadata__` of the safetensors file at `path` (empty when it has none):
 /// the header, not the tensors, so it is cheap for any checkpoint size.
 pub fn load_metadata(path: &Path) -> Result<BTreeMap<String, String>> {
-    let file = File::open(path).with_context(|| format!("opening checkpoint {}", path.display()))?;
-    let len = file.metadata().with_context(|| format!("reading the size of {}", path.display()))?.len();
-    ensure!(len > 0, "checkpoint {} is empty (0 bytes): not a safetensors file", path.display());
+    let (file, size) = open_regular(path, "checkpoint")?;
+    ensure!(size > 0, "checkpoint {} is empty (0 bytes): not a safetensors file", path.display());
     // SAFETY: as in `load_tensors`: read-only, dropped before returning, replaced only by rename.
     let map = unsafe { Mmap::map(&file) }.with_context(|| format!("memory-mapping checkpoint {}", path.display()))?;
     let (_, header) = SafeTensors::read_metadata(&map)
@@ -154,53 +158,4 @@ fn widen_to_f32(dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>> {
         other => bail!("unsupported dtype {other:?} (only F32, BF16 and F16 can be loaded)"),
     };
     Ok(values)
-}
-
-/// Writes `bytes` to `path` atomically (temp file, fsync, rename, fsync of the directory).
-/// Used for JSON configs and other small files beside checkpoints.
-pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
-    atomic_replace(path, |tmp| fs::write(tmp, bytes).with_context(|| format!("writing {}", tmp.display())))
-}
-
-/// The temp path a write to `path` goes through: `<file name>.tmp` in the same directory, so
-/// that the final rename never crosses a filesystem.
-pub fn temp_path_for(path: &Path) -> Result<PathBuf> {
-    let name = path.file_name().with_context(|| format!("{} does not name a file", path.display()))?;
-    let mut tmp_name = name.to_os_string();
-    tmp_name.push(".tmp");
-    Ok(path.with_file_name(tmp_name))
-}
-
-/// Replaces `path` atomically with what `write` puts at the temp path it is given.
-///
-/// `write` creates and fills the temp file (streaming is fine); this function then fsyncs it,
-/// renames it over `path` and fsyncs the directory. When `write` fails the temp file is
-/// removed and `path` is untouched; when it panics the temp file stays behind, harmless.
-pub fn atomic_replace(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let tmp = temp_path_for(path)?;
-    if let Err(err) = write(&tmp) {
-        // Best effort: the error that matters is the write's, not a failed cleanup.
-        let _ = fs::remove_file(&tmp);
-        return Err(err.context(format!("writing {} (left unchanged)", path.display())));
-    }
-    File::open(&tmp).and_then(|f| f.sync_all()).with_context(|| format!("flushing {} to disk", tmp.display()))?;
-    fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-    sync_parent_dir(path)
-}
-
-/// Makes the rename itself durable: without it a power loss can forget the new directory entry.
-#[cfg(unix)]
-fn sync_parent_dir(path: &Path) -> Result<()> {
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    File::open(dir).and_then(|d| d.sync_all()).with_context(|| format!("flushing directory {} to disk", dir.display()))
-}
-
-/// Directories cannot be opened for fsync on this platform; the rename is as durable as the
-/// OS makes it.
-#[cfg(not(unix))]
-fn sync_parent_dir(_path: &Path) -> Result<()> {
-    Ok(())
 }

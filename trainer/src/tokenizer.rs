@@ -84,6 +84,20 @@ impl Tokenizer {
         }
     }
 
+    /// Errors unless this tokenizer's vocabulary is a model's `vocab_size` (ids past it would
+    /// decode to U+FFFD, and a prompt's could not be embedded).
+    pub fn ensure_vocab(&self, vocab_size: usize) -> Result<()> {
+        if self.vocab_size() != vocab_size {
+            bail!(
+                "--tokenizer {} has {} tokens but the model's vocabulary has {vocab_size}: \
+                 use the tokenizer it was trained with (the default)",
+                self.name(),
+                self.vocab_size()
+            );
+        }
+        Ok(())
+    }
+
     /// The end-of-text id that separates documents, if the tokenizer has one.
     pub fn eot_token(&self) -> Option<u32> {
         match self {

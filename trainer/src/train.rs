@@ -21,9 +21,9 @@ mod evaluate;
 mod log;
 pub mod resume;
 mod setup;
-mod step;
+pub(crate) mod step;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use models::llama::LlamaConfig;
@@ -45,6 +45,8 @@ pub const METRICS_FILE: &str = "metrics.jsonl";
 #[derive(Debug)]
 pub struct TrainReport {
     pub steps: usize,
+    /// Steps this call ran: 0 when a resumed checkpoint was already at the last step.
+    pub steps_run: usize,
     pub first_loss: f32,
     pub final_loss: f32,
     pub final_val_loss: Option<f32>,
@@ -110,18 +112,19 @@ pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
             if evaluates { Some(session.validation_loss(done).inspect_err(|_| log.abandon())?) } else { None };
         log.record(done, lr, outcome, val_loss)?;
         if (config.save_every > 0 && done % config.save_every == 0) || is_last {
-            session.save(done).map_err(|e| diverged_on_save(e, done, &session)).inspect_err(|_| log.abandon())?;
+            let saved = session.save(done);
+            saved.map_err(|e| diverged_on_save(e, done, &session.checkpoint_path)).inspect_err(|_| log.abandon())?;
         }
     }
     Ok(log.finish(session.checkpoint_path.clone()))
 }
 
-/// A refused save of non-finite values is a divergence (the update before it overflowed).
-fn diverged_on_save(error: anyhow::Error, step: usize, session: &Session) -> anyhow::Error {
+/// A refused save of non-finite values is a divergence (the update before it overflowed);
+/// `checkpoint` is the last good one, left as it was.
+pub(crate) fn diverged_on_save(error: anyhow::Error, step: usize, checkpoint: &Path) -> anyhow::Error {
     match error.downcast::<NonFiniteValue>() {
         Ok(bad) => {
-            Diverged { quantity: bad.tensor, value: bad.value, step, checkpoint: session.checkpoint_path.clone() }
-                .into()
+            Diverged { quantity: bad.tensor, value: bad.value, step, checkpoint: checkpoint.to_path_buf() }.into()
         }
         Err(other) => other,
     }

@@ -33,7 +33,7 @@ use std::time::Instant;
 use anyhow::{ensure, Context, Result};
 use autograd::{no_grad, Var};
 use models::resnet::{ResNet, ResNetConfig};
-use nn::optim::{clip_grad_norm, Optimizer, Schedule, Sgd};
+use nn::optim::{Optimizer, Schedule, Sgd};
 use nn::vision::StateDict;
 use nn::Module;
 use serde::{Deserialize, Serialize};
@@ -42,13 +42,16 @@ use tensor::{Device, Tensor};
 use crate::checkpoint::{self, CheckpointMeta};
 use crate::data::idx::load_idx_dir;
 use crate::data::images::{
-    load_cifar100_dir, load_cifar10_dir, load_digits_csv_gz, Augmentation, Cifar100Labels, ImageBatch, ImageDataset,
-    ImageLoader, Normalization, Split,
+    load_cifar100_dir, load_cifar10_dir, load_digits_csv_gz, parse_digits_csv_gz, Augmentation, Cifar100Labels,
+    ImageBatch, ImageDataset, ImageLoader, Normalization, Split, BUILTIN_DIGITS_CSV_GZ,
 };
 use crate::device::ensure_available;
 use crate::metrics::{MetricsWriter, StepMetrics};
+use crate::run_dir::remove_if_present;
 use crate::safetensors_io::atomic_write;
-use crate::train::{Diverged, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
+use crate::train::resume::{check_settings, OnChange};
+use crate::train::step::finite_update;
+use crate::train::{diverged_on_save, Diverged, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
 
 /// The gradient-flow report inside the run directory.
 pub const GRAD_NORMS_FILE: &str = "grad_norms.jsonl";
@@ -154,8 +157,38 @@ impl Default for ImageTrainConfig {
 impl ImageTrainConfig {
     /// Reads a JSON config file (unknown keys are errors, missing keys take defaults).
     pub fn from_file(path: &Path) -> Result<ImageTrainConfig> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
-        serde_json::from_str(&text).with_context(|| format!("parsing config {}", path.display()))
+        crate::config::overlay_config_file(&ImageTrainConfig::default(), path)
+    }
+
+    /// The settings a run starts from before flags, as `train`'s
+    /// ([`crate::train::resume::base_config`]): with `resume`, the ones saved in the checkpoint
+    /// of the run directory (`out_dir`, else the `config_file`'s, else the default) with the
+    /// `config_file`'s keys laid over them; without, the `config_file` over the defaults.
+    pub fn base(config_file: Option<&Path>, out_dir: Option<&Path>, resume: bool) -> Result<ImageTrainConfig> {
+        let defaults = ImageTrainConfig::default();
+        let requested = match config_file {
+            Some(path) => crate::config::overlay_config_file(&defaults, path)?,
+            None => defaults,
+        };
+        if !resume {
+            return Ok(requested);
+        }
+        let run_dir = out_dir.unwrap_or(&requested.out_dir).to_path_buf();
+        let checkpoint_path = run_dir.join(CHECKPOINT_FILE);
+        ensure!(
+            checkpoint_path.exists(),
+            "--resume: no checkpoint at {} (train without --resume to start this run)",
+            checkpoint_path.display()
+        );
+        let json = checkpoint::load_config_json(&checkpoint_path, checkpoint::CheckpointKind::Image)?;
+        let saved: ImageTrainConfig = serde_json::from_str(&json)
+            .with_context(|| format!("checkpoint {}: its 'train_config' metadata", checkpoint_path.display()))?;
+        let mut base = match config_file {
+            Some(path) => crate::config::overlay_config_file(&saved, path)?,
+            None => saved,
+        };
+        base.out_dir = run_dir;
+        Ok(base)
     }
 
     /// Checks every field that could fail late, naming the field and the valid values.
@@ -210,9 +243,22 @@ impl ImageTrainConfig {
     }
 
     /// `(train, eval)` datasets as the config names them, the training set cut to
-    /// `train_images` when that is set.
+    /// `train_images` when that is set. The digits come from `data_dir` when it holds them,
+    /// else, for the default `data_dir`, from the copy built into the binary.
     pub fn datasets(&self) -> Result<(ImageDataset, ImageDataset)> {
+        self.load_datasets().with_context(|| {
+            format!(
+                "loading the {} images from {} (set the folder with --data-dir)",
+                self.dataset,
+                self.data_dir.display()
+            )
+        })
+    }
+
+    fn load_datasets(&self) -> Result<(ImageDataset, ImageDataset)> {
         let dir = &self.data_dir;
+        let digits = dir.join(DIGITS_FILE);
+        let builtin_digits = !digits.exists() && *dir == ImageTrainConfig::default().data_dir;
         let (train, eval) = match self.dataset.as_str() {
             "mnist" | "fashion-mnist" => (load_idx_dir(dir, Split::Train)?, load_idx_dir(dir, Split::Test)?),
             "cifar10" => (load_cifar10_dir(dir, Split::Train)?, load_cifar10_dir(dir, Split::Test)?),
@@ -220,7 +266,10 @@ impl ImageTrainConfig {
                 let load = |split| load_cifar100_dir(dir, split, Cifar100Labels::Fine);
                 (load(Split::Train)?, load(Split::Test)?)
             }
-            _ => load_digits_csv_gz(&dir.join(DIGITS_FILE))?.split_tail(self.eval_fraction)?,
+            _ if builtin_digits => {
+                parse_digits_csv_gz(BUILTIN_DIGITS_CSV_GZ, "the built-in digits")?.split_tail(self.eval_fraction)?
+            }
+            _ => load_digits_csv_gz(&digits)?.split_tail(self.eval_fraction)?,
         };
         Ok((train.first_images(self.train_images), eval))
     }
@@ -231,6 +280,32 @@ impl ImageTrainConfig {
         let default = !matches!(self.dataset.as_str(), "digits" | "mnist");
         self.augment.unwrap_or(default).then_some(Augmentation::CIFAR)
     }
+}
+
+/// How `train-image --resume` treats a changed setting, as `train`'s
+/// [`crate::train::resume::on_change`]: the model, its modulators, the data and its order
+/// are refused (the checkpoint's tensors and loader state belong to them); the optimisation
+/// and `epochs` (which shapes the schedule) are warned about; bookkeeping is free.
+pub fn on_image_change(field: &str) -> Option<OnChange> {
+    Some(match field {
+        "model"
+        | "modulator"
+        | "pixel_hidden"
+        | "sliding_hidden_divisor"
+        | "phi"
+        | "gate_range"
+        | "base_width"
+        | "stem"
+        | "dataset"
+        | "eval_fraction"
+        | "train_images"
+        | "augment"
+        | "batch_size"
+        | "seed" => OnChange::Refuse,
+        "data_dir" | "lr" | "momentum" | "weight_decay" | "schedule" | "warmup_epochs" | "epochs" => OnChange::Warn,
+        "log_every" | "out_dir" => OnChange::Free,
+        _ => return None,
+    })
 }
 
 /// What a finished run reports.
@@ -338,6 +413,9 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
     // that will not come again.
     let _release_pool = tensor::pool::ReleaseOnDrop;
     config.validate()?;
+    let what = format!("{} of width {}", config.model, config.base_width);
+    let parameters = crate::memory::resnet_parameters(config.base_width);
+    crate::memory::check_fits(&what, parameters, crate::memory::SGD_BYTES_PER_PARAMETER, 0.0)?;
     ensure_available(config.device)?;
     std::fs::create_dir_all(&config.out_dir).with_context(|| format!("creating {}", config.out_dir.display()))?;
     let checkpoint_path = config.out_dir.join(CHECKPOINT_FILE);
@@ -354,6 +432,12 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
     let mut start_step = 0;
     if resume {
         let saved = checkpoint::load(&checkpoint_path)?;
+        checkpoint::ensure_kind(&checkpoint_path, &saved.train_config, checkpoint::CheckpointKind::Image)?;
+        let saved_config: ImageTrainConfig = serde_json::from_str(&saved.train_config)
+            .with_context(|| format!("checkpoint {}: its 'train_config' metadata", checkpoint_path.display()))?;
+        for warning in check_settings(&saved_config, config, on_image_change)? {
+            eprintln!("warning: {warning}");
+        }
         checkpoint::load_weights(&StateDict(&model), &saved.weights)?;
         optimizer.load_state(&saved.optimizer_state)?;
         loader.import_state(&saved.sampler_state)?;
@@ -363,14 +447,24 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
             "checkpoint step {start_step} is not an epoch boundary of {steps_per_epoch} steps: \
              the batch size or dataset changed since it was written"
         );
-        println!("resumed from {} at step {start_step}", checkpoint_path.display());
+        crate::say!("resumed from {} at step {start_step}", checkpoint_path.display());
     }
     StateDict(&model).to_device(config.device)?;
+    if !resume {
+        // A new run replaces the directory's old one, as in `train`.
+        remove_if_present(&checkpoint_path)?;
+        remove_if_present(&grad_norms_path)?;
+    }
     let train_json = serde_json::to_string_pretty(config)?;
     let model_json = serde_json::to_string_pretty(&model_config)?;
     atomic_write(&config.out_dir.join(CONFIG_FILE), train_json.as_bytes())?;
-    let mut metrics = MetricsWriter::open(&config.out_dir.join(METRICS_FILE))?;
-    println!(
+    let metrics_path = config.out_dir.join(METRICS_FILE);
+    let mut metrics = if resume {
+        MetricsWriter::resume_at(&metrics_path, start_step)?
+    } else {
+        MetricsWriter::create(&metrics_path)?
+    };
+    crate::say!(
         "training {} ({} modulator, width {}) with {} parameters ({} in modulators) on {}: {} train / {} eval \
          images, {} epochs of {} steps, batch {}, SGD lr {} ({}), momentum {}, weight decay {}",
         config.model,
@@ -405,15 +499,22 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
             let (images, labels) = images_of(loader.next_batch()?, config.device)?;
             let (loss, logits) = model.loss(&images, &labels, true)?;
             let value = loss.value().to_host()?.item()?;
+            let diverged = |quantity: &str, value| Diverged {
+                quantity: quantity.into(),
+                value,
+                step: step + 1,
+                checkpoint: checkpoint_path.clone(),
+            };
             if !value.is_finite() {
-                let checkpoint = checkpoint_path.clone();
-                return Err(Diverged { quantity: "loss".into(), value, step: step + 1, checkpoint }.into());
+                return Err(diverged("loss", value).into());
             }
             loss.backward()?;
             add_grad_norms(&optimizer, &mut norm_sums)?;
-            let grad_norm = clip_grad_norm(optimizer.parameters(), f32::INFINITY)?;
-            optimizer.step(lr)?;
-            optimizer.zero_grad();
+            // `train`'s rule: no update unless the loss and the gradient norm are finite.
+            let grad_norm = match finite_update(&mut optimizer, value, 0.0, lr)? {
+                Ok(outcome) => outcome.grad_norm,
+                Err(bad) => return Err(diverged(bad.quantity, bad.value).into()),
+            };
             first_loss.get_or_insert(value);
             last_loss = value;
             train_hits += correct(&logits.value(), &labels)?;
@@ -437,6 +538,9 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
             };
             if epoch_end {
                 let (eval_loss, accuracy) = evaluate_images(&model, &eval_set, &norm, config.batch_size)?;
+                if !eval_loss.is_finite() {
+                    return Err(diverged("validation loss", eval_loss).into());
+                }
                 (row.val_loss, row.val_accuracy) = (Some(eval_loss), Some(accuracy));
                 last_eval_loss = eval_loss;
                 eval_accuracy.push(accuracy);
@@ -454,8 +558,9 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
             train_config: &train_json,
             model_config: &model_json,
         };
-        checkpoint::save(&checkpoint_path, &StateDict(&model), &optimizer, &meta)?;
-        println!(
+        checkpoint::save(&checkpoint_path, &StateDict(&model), &optimizer, &meta)
+            .map_err(|e| diverged_on_save(e, done, &checkpoint_path))?;
+        crate::say!(
             "epoch {:>3}/{} | loss {last_loss:.4} | train acc {:.2}% | eval loss {last_eval_loss:.4} | eval acc {:.2}% | {:.1}s",
             epoch + 1,
             config.epochs,
@@ -499,6 +604,14 @@ mod tests {
         let bad = ImageTrainConfig { modulator: "channel".into(), ..ImageTrainConfig::default() };
         assert!(bad.validate().unwrap_err().to_string().contains("sliding-window"));
         assert!(ImageTrainConfig { epochs: 0, ..ImageTrainConfig::default() }.validate().is_err());
+    }
+
+    #[test]
+    fn every_setting_has_a_resume_rule() {
+        let fields = serde_json::to_value(ImageTrainConfig::default()).unwrap();
+        for field in fields.as_object().unwrap().keys() {
+            assert!(on_image_change(field).is_some(), "`{field}` has no rule in on_image_change");
+        }
     }
 
     #[test]

@@ -42,7 +42,7 @@ fn tiny_checkpoint(dir: &Path, variant: &str, change: impl FnOnce(&mut TrainConf
         train_data: Some(train_data),
         val_data: Some(val_data.clone()),
         batch_size: 2,
-        seq_len: 16,
+        seq_len: TOKENS,
         steps: 3,
         lr: 3e-3,
         warmup: 1,
@@ -313,4 +313,18 @@ fn cli_trains_per_token_variants_and_analyzes() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("d_basis"));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_sequence_stops_at_the_context_length_and_the_projection_is_checked() {
+    let dir = scratch("context");
+    let (checkpoint, tokens) = tiny_checkpoint(&dir, "transponder", |c| c.seq_len = 16);
+    let out = dir.join("analysis");
+    let long = AnalyzeArgs { tokens_max: 20_000, ..args(&checkpoint, &tokens, &out) };
+    let report = analyze_checkpoint(&long).unwrap();
+    assert_eq!(report.summary["tokens"], 16, "the analysis must stop at the model's context length");
+    let unknown = AnalyzeArgs { projection: "down".into(), ..args(&checkpoint, &tokens, &out) };
+    let Err(error) = analyze_checkpoint(&unknown) else { panic!("an unknown --projection was accepted") };
+    let msg = format!("{error:#}");
+    assert!(msg.contains("'down'") && msg.contains("down_proj") && msg.contains("q_proj"), "{msg}");
 }

@@ -286,3 +286,23 @@ fn rows_are_paired_with_the_baseline_by_seed() {
     assert_eq!(paired_markdown(&grid, &results[..3]), "");
     assert!(wall_time_line(&results).contains("7 runs"));
 }
+
+#[test]
+fn a_rerun_with_the_out_dir_spelled_otherwise_reuses_the_finished_runs() {
+    let dir = scratch("spelling");
+    let flags = "compare --variants pre-ln --seeds 1 --steps 2 --batch-size 2 --seq-len 16 --warmup 1 \
+                 --eval-every 1 --eval-batches 1 --save-every 1 --out-dir";
+    let absolute = dir.join("out").display().to_string();
+    for (out, started) in [("out", 1), (absolute.as_str(), 0), ("./out/", 0)] {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_transponder"))
+            .current_dir(&dir)
+            .args(flags.split_whitespace())
+            .arg(out)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        assert!(output.status.success(), "--out-dir {out}: {stderr}");
+        let expected = format!("1 runs: {started} started, 0 resumed, {} finished earlier", 1 - started);
+        assert!(stdout.contains(&expected), "--out-dir {out}: {stdout}");
+    }
+}

@@ -70,7 +70,7 @@ fn llmc_gpt2_kind_written_for_small_vocab_and_matches_the_spec_bytes() {
     write_llmc(&path, &tokens, 50257).unwrap();
     let bytes = fs::read(&path).unwrap();
     assert_eq!(bytes, llmc_bytes(20240520, 1, 4, &tokens, 2));
-    assert!(!dir.path().join("train.bin.tmp").exists());
+    assert!(!trainer::safetensors_io::temp_path_for(&path).unwrap().exists());
     let f = TokenFile::open(&path).unwrap();
     assert_eq!(f.format(), TokenFormat::LlmcGpt2);
     assert_eq!(read_all(&f), tokens);

@@ -7,8 +7,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use models::llama::Llama;
 use nn::layers::Linear;
-use nn::optim::{Adam, AdamConfig, Optimizer};
+use nn::optim::{Adam, AdamConfig, Optimizer, Sgd};
 use nn::Module;
 use proptest::prelude::*;
 use serde_json::Value;
@@ -312,6 +313,72 @@ proptest! {
             metadata.insert(field.to_string(), value.as_str().map_or(value.clone(), Value::from));
         }
         check_checkpoint(&join_checkpoint(&header, &data));
+    }
+}
+
+/// A real llama-tiny checkpoint (narrowed to width 32, a Transponder, one layer's worth of
+/// every tensor kind) as bytes, made once: the base of the crafted-metadata cases.
+fn llama_checkpoint() -> Vec<u8> {
+    static BYTES: OnceLock<Vec<u8>> = OnceLock::new();
+    BYTES
+        .get_or_init(|| {
+            let train = TrainConfig { d_model: 32, ..TrainConfig::default() };
+            let config = model_config(&train, 256).unwrap();
+            let model = Llama::new(&config, 0).unwrap();
+            let sgd = Sgd::new(model.named_parameters(), 0.0, 0.0, false);
+            let (train_json, model_json) =
+                (serde_json::to_string(&train).unwrap(), serde_json::to_string(&config).unwrap());
+            let meta =
+                CheckpointMeta { step: 1, sampler_state: &[1], train_config: &train_json, model_config: &model_json };
+            let path = scratch_file("llama.safetensors");
+            checkpoint::save(&path, &model, &sgd, &meta).unwrap();
+            std::fs::read(&path).unwrap()
+        })
+        .clone()
+}
+
+/// Size fields of a model config and the variants a crafted one may name.
+const SIZE_FIELDS: [&str; 12] = [
+    "d_model",
+    "ffn_hidden",
+    "n_layers",
+    "n_heads",
+    "vocab_size",
+    "seq_len",
+    "rank",
+    "comt_hidden",
+    "laurel_rank",
+    "per_token_rank",
+    "d_basis",
+    "d_ctx",
+];
+const SOME_VARIANTS: [&str; 8] =
+    ["pre-ln", "transponder", "ccl", "comt", "per-token", "token-scale", "laurel-lr", "dyt"];
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// Crafted model metadata (sizes from 0 to 2^64 - 1, another variant) over real tensors:
+    /// loading the model is `Ok` or a clear `Err`, never an abort on a huge allocation.
+    #[test]
+    fn checkpoints_with_crafted_model_metadata(
+        sizes in prop::collection::vec((prop::sample::select(SIZE_FIELDS.to_vec()),
+            prop::sample::select(vec![0u64, 1, 2, 3, 8, 31, 32, 33, 64, 86, 255, 256, 257, 1 << 20, 1 << 40, u64::MAX])), 0..3),
+        variant in prop::option::of(prop::sample::select(SOME_VARIANTS.to_vec())),
+    ) {
+        let (mut header, data) = split_checkpoint(&llama_checkpoint());
+        let metadata = header["__metadata__"].as_object_mut().unwrap();
+        let mut config: Value = serde_json::from_str(metadata["model_config"].as_str().unwrap()).unwrap();
+        for (field, value) in sizes {
+            config[field] = Value::from(value);
+        }
+        if let Some(variant) = variant {
+            config["variant"] = Value::from(variant);
+        }
+        metadata.insert("model_config".into(), Value::from(config.to_string()));
+        let path = scratch_file(&format!("crafted-{:?}.safetensors", std::thread::current().id()));
+        put(&path, &join_checkpoint(&header, &data));
+        assert_clear(&trainer::generate::load_model(&path));
     }
 }
 

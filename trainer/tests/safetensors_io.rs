@@ -146,7 +146,7 @@ fn stray_tmp_from_a_killed_writer_is_harmless() {
     let path = dir.path().join("ckpt.safetensors");
     save(&path, &[tensor("w", &[3], 1.0)], &meta("1"));
     let tmp = temp_path_for(&path).unwrap();
-    assert_eq!(tmp, dir.path().join("ckpt.safetensors.tmp"));
+    assert_eq!(tmp, dir.path().join(format!("ckpt.safetensors.{}.tmp", std::process::id())));
     fs::write(&tmp, b"half a checkpoint").unwrap();
 
     let (loaded, _) = load_tensors(&path).unwrap();
@@ -194,7 +194,7 @@ fn atomic_write_creates_and_replaces_files() {
     assert_eq!(fs::read(&path).unwrap(), br#"{"d": 128}"#);
     atomic_write(&path, br#"{"d": 256}"#).unwrap();
     assert_eq!(fs::read(&path).unwrap(), br#"{"d": 256}"#);
-    assert!(!dir.path().join("config.json.tmp").exists());
+    assert!(!temp_path_for(&path).unwrap().exists());
 
     let no_dir = dir.path().join("missing-dir").join("config.json");
     let msg = err_text(atomic_write(&no_dir, b"{}"));

@@ -118,9 +118,14 @@ pub fn throughput(args: &AnalyzeArgs) -> Result<Vec<ThroughputRow>> {
     let ids: Vec<u32> = (0..batch * seq).map(|_| rng.below(args.vocab as u64) as u32).collect();
     let targets: Vec<u32> = (0..batch * seq).map(|_| rng.below(args.vocab as u64) as u32).collect();
     let tokens = (batch * seq) as f64;
-    println!(
+    crate::say!(
         "{:<9} {:>7} {:>12} {:>12} {:>16} {:>16}",
-        "model", "d_model", "params", "MFLOPs/tok", "infer tok/s", "train tok/s"
+        "model",
+        "d_model",
+        "params",
+        "MFLOPs/tok",
+        "infer tok/s",
+        "train tok/s"
     );
     let mut rows = Vec::new();
     for (name, config) in table_2_configs(args)? {
@@ -150,7 +155,7 @@ pub fn throughput(args: &AnalyzeArgs) -> Result<Vec<ThroughputRow>> {
             inference_tokens_per_second: tokens / infer,
             training_tokens_per_second: tokens / train,
         };
-        println!(
+        crate::say!(
             "{:<9} {:>7} {:>12} {:>12.2} {:>16.0} {:>16.0}",
             row.name,
             row.d_model,

@@ -23,7 +23,7 @@ pub mod svg;
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use autograd::no_grad;
 use models::llama::{GateTrace, Llama, LlamaConfig};
 use nn::Module;
@@ -119,10 +119,10 @@ impl Output {
         Ok(Output { dir: dir.to_path_buf(), files: Vec::new() })
     }
 
-    /// Writes `name` inside the directory.
+    /// Writes `name` inside the directory, atomically (a full disk leaves no torn file).
     pub fn write(&mut self, name: &str, contents: impl AsRef<[u8]>) -> Result<()> {
         let path = self.dir.join(name);
-        std::fs::write(&path, contents).with_context(|| format!("writing {}", path.display()))?;
+        crate::safetensors_io::atomic_write(&path, contents.as_ref())?;
         self.files.push(path);
         Ok(())
     }
@@ -164,22 +164,32 @@ pub struct AnalysisReport {
 /// Runs the command: throughput or a checkpoint analysis, printing a short report.
 pub fn run(args: &AnalyzeArgs) -> Result<()> {
     ensure_available(args.device)?;
+    ensure!(args.repeats >= 1, "--repeats must be at least 1");
+    let _lock = crate::dir_lock::DirLock::acquire(&args.out)?;
     if args.throughput {
         let rows = cost::throughput(args)?;
         let mut out = Output::new(&args.out)?;
         out.json("throughput.json", &serde_json::to_value(&rows)?)?;
-        println!("wrote {}", out.dir.join("throughput.json").display());
+        crate::say!("wrote {}", out.dir.join("throughput.json").display());
         return Ok(());
     }
     let report = analyze_checkpoint(args)?;
-    println!("{}", serde_json::to_string_pretty(&report.summary["highlights"])?);
-    println!("wrote {} files into {}", report.files.len(), args.out.display());
+    crate::say!("{}", serde_json::to_string_pretty(&report.summary["highlights"])?);
+    crate::say!("wrote {} files into {}", report.files.len(), args.out.display());
     Ok(())
 }
 
-/// Reads the first `max` tokens of `--text` or `--tokens`.
-fn read_sequence(args: &AnalyzeArgs, tokenizer: &Tokenizer, vocab: usize) -> Result<Sequence> {
-    let max = args.tokens_max;
+/// Reads the first `--tokens-max` tokens of `--text` or `--tokens`, at most `context` (the
+/// model's training context: the forward pass's memory grows with the square of the length,
+/// and past the context the model was never trained).
+fn read_sequence(args: &AnalyzeArgs, tokenizer: &Tokenizer, vocab: usize, context: usize) -> Result<Sequence> {
+    let max = args.tokens_max.min(context);
+    if args.tokens_max > context {
+        eprintln!(
+            "note: --tokens-max {} exceeds the model's context length: analysing the first {context} tokens",
+            args.tokens_max
+        );
+    }
     let ids: Vec<u32> = match (&args.text, &args.tokens) {
         (Some(text), None) => {
             let text = std::fs::read_to_string(text).with_context(|| format!("reading {}", text.display()))?;
@@ -209,14 +219,24 @@ fn read_sequence(args: &AnalyzeArgs, tokenizer: &Tokenizer, vocab: usize) -> Res
 /// Every analysis that applies to the checkpoint's model, into `args.out`.
 pub fn analyze_checkpoint(args: &AnalyzeArgs) -> Result<AnalysisReport> {
     let path = args.checkpoint.as_ref().context("analyze needs --checkpoint PATH (or --throughput)")?;
+    ensure!(
+        modulators::ORDER.contains(&args.projection.as_str()),
+        "unknown --projection '{}'; valid: {}",
+        args.projection,
+        modulators::ORDER.join(", ")
+    );
     let saved = checkpoint::load(path)?;
+    checkpoint::ensure_kind(path, &saved.train_config, checkpoint::CheckpointKind::Language)?;
+    checkpoint::ensure_finite_weights(path, &saved.weights)?;
     let config: LlamaConfig = serde_json::from_str(&saved.model_config).context("checkpoint model config")?;
+    crate::model_fit::check_model_config(path, &config, &saved.weights)?;
     let model = Llama::new(&config, 0)?;
-    checkpoint::load_weights(&model, &saved.weights)?;
+    checkpoint::load_weights(&model, &saved.weights).with_context(|| format!("checkpoint {}", path.display()))?;
     model.to_device(args.device)?;
     let tokenizer_name = args.tokenizer.clone().unwrap_or_else(|| trained_tokenizer(&saved.train_config));
     let tokenizer = Tokenizer::from_name(&tokenizer_name)?;
-    let sequence = read_sequence(args, &tokenizer, config.vocab_size)?;
+    tokenizer.ensure_vocab(config.vocab_size)?;
+    let sequence = read_sequence(args, &tokenizer, config.vocab_size, config.seq_len)?;
     let seq = sequence.ids.len();
     let (logits, traces) = no_grad(|| model.forward_with_trace(&sequence.ids, 1, seq))?;
     let next_token_loss = mean_next_token_loss(&logits.value().to_host()?.to_vec(), &sequence.ids, config.vocab_size);

@@ -20,7 +20,8 @@ use super::svg::{colour, colour_bar, heatmap_panel, legend, line_panel, Rect, Se
 use super::{csv_field, Output, Sequence};
 
 /// Projections in block order, then the path-level gates.
-const ORDER: [&str; 9] =
+/// The projections (and paths) a gate can sit on, in block order: the valid `--projection`s.
+pub const ORDER: [&str; 9] =
     ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "self_attn", "mlp"];
 
 /// Token curves drawn per Figure 2 panel (evenly spaced over the sequence), besides the mean.

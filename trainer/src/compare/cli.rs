@@ -74,13 +74,13 @@ pub struct CompareArgs {
     pub save_every: usize,
     /// Plain-text corpus, tokenized once into <out-dir>/data/ when no token files are given
     /// (default: the built-in tinyshakespeare).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "train_data")]
     pub text: Option<PathBuf>,
     /// Token files (llm.c or nanoGPT format) instead of --text.
     #[arg(long, requires = "val_data")]
     pub train_data: Option<PathBuf>,
     /// Validation token file (required with --train-data).
-    #[arg(long)]
+    #[arg(long, requires = "train_data")]
     pub val_data: Option<PathBuf>,
     /// `byte` or `gpt2`.
     #[arg(long, default_value = "byte")]
@@ -173,13 +173,13 @@ pub fn command_line() -> String {
 /// `transponder compare`: lists the grids, or runs one and prints its table.
 pub fn run(args: &CompareArgs) -> Result<()> {
     if args.list {
-        print!("{}", grids::listing()?);
+        crate::emit!("{}", grids::listing()?.trim_end())?;
         return Ok(());
     }
     ensure_available(args.device)?;
     let outcome = compare(&args.options(command_line()))?;
-    println!("\n{}", outcome.markdown);
-    println!(
+    crate::say!("\n{}", outcome.markdown);
+    crate::say!(
         "{} runs: {} started, {} resumed, {} finished earlier",
         outcome.results.len(),
         outcome.started,
@@ -187,7 +187,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         outcome.skipped
     );
     for name in [TABLE_MD, TABLE_CSV, RUNS_CSV, VAL_CURVES_SVG] {
-        println!("wrote {}", outcome.dir.join(name).display());
+        crate::say!("wrote {}", outcome.dir.join(name).display());
     }
     Ok(())
 }

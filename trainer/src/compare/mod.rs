@@ -5,7 +5,7 @@
 //! Layout under `--out-dir`:
 //!
 //! ```text
-//! data/<text>-<tokenizer>/{train,val}.bin     the corpus, prepared once and shared by every run
+//! data/<text>-<tokenizer>-<hash>/             the corpus ({train,val}.bin), prepared once, shared by every run
 //! <grid>/<row>/seed<seed>/                    one training run (checkpoint, config, metrics) + result.json
 //! <grid>/table.md, table.csv                  the table (mean ± SE over seeds, Δ%, params, throughput)
 //! <grid>/runs.csv                             the raw per-seed values
@@ -27,7 +27,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, ensure, Context, Result};
 
 use crate::config::TrainConfig;
-use crate::prepare::{corpus_name, corpus_stem, prepare_once};
+use crate::dir_lock::DirLock;
+use crate::prepare::{corpus_cache_name, corpus_name, prepare_once};
 use crate::tokenizer::Tokenizer;
 use crate::train::METRICS_FILE;
 use crate::train_image::ImageTrainConfig;
@@ -93,7 +94,7 @@ pub fn resolve_grid(options: &CompareOptions) -> Result<Grid> {
 }
 
 /// `base` with token files set: the given ones, or `text` prepared once into
-/// `<out_dir>/data/<text stem>-<tokenizer>/`, shared by every run of every grid.
+/// `<out_dir>/data/<text stem>-<tokenizer>-<content hash>/` ([`corpus_cache_name`]), shared by every run of every grid.
 fn shared_data(base: &TrainConfig, out_dir: &Path) -> Result<TrainConfig> {
     let mut base = base.clone();
     if base.train_data.is_some() {
@@ -101,7 +102,7 @@ fn shared_data(base: &TrainConfig, out_dir: &Path) -> Result<TrainConfig> {
         return Ok(base);
     }
     let text = base.text.as_deref();
-    let data_dir = out_dir.join("data").join(format!("{}-{}", corpus_stem(text), base.tokenizer));
+    let data_dir = out_dir.join("data").join(corpus_cache_name(text, &base.tokenizer)?);
     let tokenizer = Tokenizer::from_name(&base.tokenizer)?;
     let (train, val, _) = prepare_once(text, &tokenizer, &data_dir)
         .with_context(|| format!("preparing {} for the comparison", corpus_name(text)))?;
@@ -227,6 +228,7 @@ fn describe(task: Task, result: &RunResult) -> String {
 pub fn compare(options: &CompareOptions) -> Result<CompareOutcome> {
     let grid = resolve_grid(options)?;
     ensure!(options.seeds >= 1, "--seeds must be at least 1");
+    let _lock = DirLock::acquire(&options.out_dir)?;
     let dir = options.out_dir.join(&grid.name);
     let base = match grid.task {
         Task::Language => shared_data(&options.base, &options.out_dir)?,
@@ -244,7 +246,7 @@ pub fn compare(options: &CompareOptions) -> Result<CompareOutcome> {
         let tag = format!("[{}/{}] {} seed {}", i + 1, planned.len(), run.row, run.seed);
         let out_dir = run.config.out_dir();
         if !out_dir.join(RESULT_FILE).exists() {
-            println!("{tag}: training in {}", out_dir.display());
+            crate::say!("{tag}: training in {}", out_dir.display());
         }
         let (result, status) = run::execute(run)?;
         match status {
@@ -253,7 +255,7 @@ pub fn compare(options: &CompareOptions) -> Result<CompareOutcome> {
             RunStatus::Started => started += 1,
         }
         let how = if status == RunStatus::Skipped { "finished earlier" } else { "done" };
-        println!("{tag}: {how}, {} ({:.1} s)", describe(grid.task, &result), result.seconds);
+        crate::say!("{tag}: {how}, {} ({:.1} s)", describe(grid.task, &result), result.seconds);
         results.push(result);
     }
 

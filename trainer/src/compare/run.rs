@@ -19,6 +19,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::config::TrainConfig;
+use crate::dir_lock::DirLock;
+use crate::run_dir::remove_if_present;
 use crate::safetensors_io::atomic_write;
 use crate::tokenizer::Tokenizer;
 use crate::train::{model_config, train, Diverged, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
@@ -133,10 +135,12 @@ impl RunConfig {
 
 /// Errors unless `stored` (read from `origin`) holds the same settings as `current`, naming
 /// the fields that differ. Only saved settings count: the device is not one, so a run
-/// finished or checkpointed on one device is reused or resumed on another.
+/// finished or checkpointed on one device is reused or resumed on another; and paths are
+/// compared as the files they name, so `--out-dir out`, `./out/` and its absolute path are
+/// one tree.
 fn check_same_config(current: &RunConfig, stored: Value, origin: &Path) -> Result<()> {
     let stored = current.parse_like(stored).with_context(|| format!("parsing the config in {}", origin.display()))?;
-    let (old, new) = (stored.to_json()?, current.to_json()?);
+    let (old, new) = (resolved_paths(stored.to_json()?), resolved_paths(current.to_json()?));
     if old == new {
         return Ok(());
     }
@@ -151,6 +155,21 @@ fn check_same_config(current: &RunConfig, stored: Value, origin: &Path) -> Resul
         origin.display(),
         changed.join(", ")
     )
+}
+
+/// Fields of a run's config that hold paths.
+const PATH_FIELDS: [&str; 5] = ["out_dir", "text", "train_data", "val_data", "data_dir"];
+
+/// `config` with each path field that names an existing file or directory made canonical.
+fn resolved_paths(mut config: Value) -> Value {
+    for field in PATH_FIELDS {
+        if let Some(value) = config.get_mut(field) {
+            if let Some(canonical) = value.as_str().and_then(|p| std::fs::canonicalize(p).ok()) {
+                *value = Value::String(canonical.display().to_string());
+            }
+        }
+    }
+    config
 }
 
 /// Reads a finished run's `result.json`.
@@ -238,7 +257,7 @@ fn train_run(run: &PlannedRun, resume: bool, parameters: usize) -> Result<RunRes
             return Err(error)
                 .with_context(|| format!("training row `{}` seed {} in {}", run.row, run.seed, dir.display()));
         };
-        println!("{} seed {}: diverged ({diverged}); recorded as diverged", run.row, run.seed);
+        crate::say!("{} seed {}: diverged ({diverged}); recorded as diverged", run.row, run.seed);
         result.diverged_at_step = Some(diverged.step);
     }
     result.seconds = started.elapsed().as_secs_f64();
@@ -248,6 +267,7 @@ fn train_run(run: &PlannedRun, resume: bool, parameters: usize) -> Result<RunRes
 /// Runs, resumes or skips one planned run; writes its `result.json` when it finishes.
 pub fn execute(run: &PlannedRun) -> Result<(RunResult, RunStatus)> {
     let dir = run.config.out_dir();
+    let _lock = DirLock::acquire(dir)?;
     let result_path = dir.join(RESULT_FILE);
     if result_path.exists() {
         let result = read_result(&result_path)?;
@@ -272,16 +292,6 @@ pub fn execute(run: &PlannedRun) -> Result<(RunResult, RunStatus)> {
     let json = serde_json::to_string_pretty(&result)?;
     atomic_write(&result_path, json.as_bytes())?;
     Ok((result, if resume { RunStatus::Resumed } else { RunStatus::Started }))
-}
-
-/// Deletes `path` if it exists.
-fn remove_if_present(path: &Path) -> Result<()> {
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            Err(e).with_context(|| format!("removing stale {}", path.display()))
-        }
-        _ => Ok(()),
-    }
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! MNIST and Fashion-MNIST in their IDX files, gzipped or plain, as 1×28×28 image datasets.
 //!
 //! A directory holds the four standard files, each either plain (memory-mapped) or with
-//! `.gz` (decompressed into memory; 47 MB for the 60,000 training images):
+//! `.gz` (decompressed into memory, no further than the header declares; 47 MB for the
+//! 60,000 training images):
 //!
 //! - `train-images-idx3-ubyte`, `train-labels-idx1-ubyte`: the training split;
 //! - `t10k-images-idx3-ubyte`, `t10k-labels-idx1-ubyte`: the official test split.
@@ -27,6 +28,8 @@ use super::images::{GreyPixels, ImageDataset, Split};
 pub const IDX_CLASSES: usize = 10;
 /// The IDX element type of unsigned bytes, the only one these datasets use.
 const UNSIGNED_BYTE: u8 = 0x08;
+/// The most gzip (deflate) expands its input: 1032 to 1.
+const MAX_GZIP_RATIO: u64 = 1032;
 /// The gzip magic number, how a compressed file is recognised.
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 
@@ -121,15 +124,36 @@ fn open(path: &Path) -> Result<FileBytes> {
     }
     if magic == GZIP_MAGIC {
         file.rewind().with_context(|| format!("reading {}", path.display()))?;
-        let mut bytes = Vec::new();
-        GzDecoder::new(file)
-            .read_to_end(&mut bytes)
-            .with_context(|| format!("decompressing {} (corrupt or truncated gzip?)", path.display()))?;
-        return Ok(FileBytes::Inflated(bytes));
+        return inflate(GzDecoder::new(file), path, size).map(FileBytes::Inflated);
     }
     // SAFETY: read-only map of a dataset file that nothing writes while we train.
     let map = unsafe { Mmap::map(&file) }.with_context(|| format!("memory-mapping {}", path.display()))?;
     Ok(FileBytes::Mapped(map))
+}
+
+/// Decompresses an IDX file no further than its header declares (plus one byte, so that
+/// [`header`] can report a longer body): a small `.gz` whose body inflates past its sizes
+/// (300 KB to 364 MB) is refused without being held, and so is a header that declares more
+/// than gzip can expand `compressed` bytes to.
+fn inflate(mut gz: impl Read, path: &Path, compressed: u64) -> Result<Vec<u8>> {
+    let context = || format!("decompressing {} (corrupt or truncated gzip?)", path.display());
+    let mut bytes = vec![0u8; 4];
+    gz.read_exact(&mut bytes).with_context(context)?;
+    let mut sizes = vec![0u8; 4 * usize::from(bytes[3])];
+    gz.read_exact(&mut sizes).with_context(context)?;
+    bytes.extend_from_slice(&sizes);
+    let declared = sizes
+        .chunks_exact(4)
+        .try_fold(1u64, |acc, b| acc.checked_mul(u64::from(u32::from_be_bytes([b[0], b[1], b[2], b[3]]))));
+    let most = compressed.saturating_mul(MAX_GZIP_RATIO);
+    let Some(body) = declared.filter(|&n| n <= most) else {
+        bail!(
+            "IDX file {} declares sizes {sizes:?} bytes, more than its {compressed} gzip bytes can hold",
+            path.display()
+        );
+    };
+    gz.take(body + 1).read_to_end(&mut bytes).with_context(context)?;
+    Ok(bytes)
 }
 
 /// Parses and checks the header of `bytes` (from `path`): unsigned bytes, `ndims`

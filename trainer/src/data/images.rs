@@ -15,7 +15,7 @@
 //! - CIFAR-100 (`train.bin`, `test.bin`): rows of coarse label, fine label, 3072 pixel bytes.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -389,18 +389,26 @@ impl Crop {
     const IDENTITY: Crop = Crop { dy: 0, dx: 0, flip: false };
 }
 
+/// The built-in digits, `data/digits.csv.gz` compiled into the binary, so that
+/// `train-image` works from any directory and after `cargo install`.
+pub const BUILTIN_DIGITS_CSV_GZ: &[u8] = include_bytes!("../../../data/digits.csv.gz");
+
 /// Loads the UCI digits (gzip CSV) as 1×8×8 images scaled from 0..=16, 10 classes.
 /// Errors name the file and line of any malformed row.
 pub fn load_digits_csv_gz(path: &Path) -> Result<ImageDataset> {
     let file = File::open(path).with_context(|| format!("opening digits file {}", path.display()))?;
-    let reader = BufReader::new(GzDecoder::new(file));
+    parse_digits_csv_gz(file, &path.display().to_string())
+}
+
+/// [`load_digits_csv_gz`] of gzip bytes from `gz`; `source` names them in errors.
+pub fn parse_digits_csv_gz(gz: impl Read, source: &str) -> Result<ImageDataset> {
+    let reader = BufReader::new(GzDecoder::new(gz));
     let pixels_per_image = DIGITS_SIDE * DIGITS_SIDE;
     let mut pixels = Vec::new();
     let mut labels = Vec::new();
     for (n, line) in reader.lines().enumerate() {
         let line_no = n + 1;
-        let line =
-            line.with_context(|| format!("reading {} line {line_no} (not gzip, or truncated?)", path.display()))?;
+        let line = line.with_context(|| format!("reading {} line {line_no} (not gzip, or truncated?)", source))?;
         if line.trim().is_empty() {
             continue;
         }
@@ -408,7 +416,7 @@ pub fn load_digits_csv_gz(path: &Path) -> Result<ImageDataset> {
         ensure!(
             values.len() == pixels_per_image + 1,
             "{} line {line_no}: {} values, expected {} pixels and a label",
-            path.display(),
+            source,
             values.len(),
             pixels_per_image
         );
@@ -416,7 +424,7 @@ pub fn load_digits_csv_gz(path: &Path) -> Result<ImageDataset> {
             let parsed = v.trim().parse::<u8>().ok();
             let limit = if k < pixels_per_image { DIGITS_PIXEL_MAX } else { DIGITS_MAX_LABEL };
             let Some(value) = parsed.filter(|&p| p <= limit) else {
-                bail!("{} line {line_no}, field {}: `{v}` is not an integer in 0..={limit}", path.display(), k + 1);
+                bail!("{} line {line_no}, field {}: `{v}` is not an integer in 0..={limit}", source, k + 1);
             };
             if k < pixels_per_image {
                 pixels.push(value);
@@ -425,7 +433,7 @@ pub fn load_digits_csv_gz(path: &Path) -> Result<ImageDataset> {
             }
         }
     }
-    ensure!(!labels.is_empty(), "digits file {} holds no images", path.display());
+    ensure!(!labels.is_empty(), "digits file {source} holds no images");
     Ok(ImageDataset {
         source: Arc::new(PixelSource::Owned(pixels)),
         first: 0,

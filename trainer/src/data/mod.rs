@@ -10,6 +10,7 @@ pub mod idx;
 pub mod images;
 pub mod sampler;
 pub mod token_file;
+pub mod token_sink;
 
 pub use idx::{load_idx, load_idx_dir};
 pub use images::{

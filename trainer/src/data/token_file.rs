@@ -32,8 +32,8 @@ use anyhow::{bail, ensure, Context, Result};
 use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 
+use crate::atomic::atomic_replace;
 use crate::config::choices::named_choice;
-use crate::safetensors_io::atomic_replace;
 
 /// Magic number of llm.c's GPT-2 kind (`u16` tokens).
 pub const LLMC_GPT2_MAGIC: i32 = 20240520;
@@ -249,8 +249,7 @@ pub fn check_vocab(file: &TokenFile, vocab_size: usize) -> Result<()> {
 }
 
 fn map_file(path: &Path) -> Result<Mmap> {
-    let file = File::open(path).with_context(|| format!("opening token file {}", path.display()))?;
-    let size = file.metadata().with_context(|| format!("reading the size of {}", path.display()))?.len();
+    let (file, size) = crate::regular_file::open_regular(path, "token file")?;
     ensure!(size > 0, "token file {} is empty (0 bytes)", path.display());
     // SAFETY: the map is read-only; token files are written once by rename (atomic_replace)
     // and never modified in place while a trainer reads them.

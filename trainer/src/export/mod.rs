@@ -13,6 +13,10 @@
 //!
 //! Weights keep the engine's parameter names (Hugging Face's LLaMA names, extended by each
 //! variant's; see `models::llama`), written as f32.
+//!
+//! The files replace a previous export as a set: all are staged on disk before any is renamed
+//! ([`crate::atomic`]), so a full disk or a kill leaves the previous export whole. A directory
+//! holding anything but a previous export (a run directory, someone's files) is refused.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -21,7 +25,15 @@ use anyhow::{Context, Result};
 use models::llama::{Llama, LlamaConfig, Variant};
 use nn::Module;
 
-use crate::safetensors_io::{atomic_write, save_tensors, TensorSlice};
+use crate::atomic::{commit_all, stage, Staged};
+use crate::dir_lock::LOCK_FILE;
+use crate::run_dir::remove_if_present;
+use crate::safetensors_io::{stage_tensors, TensorSlice};
+
+/// The Hugging Face config of an export.
+const CONFIG_FILE: &str = "config.json";
+/// The weights of an export.
+const WEIGHTS_FILE: &str = "model.safetensors";
 
 /// The PyTorch implementation written beside the weights of a non-baseline export.
 pub const MODELING_SOURCE: &str = include_str!("modeling_transponder.py");
@@ -50,20 +62,61 @@ pub struct Exported {
 pub fn export_hf(model: &Llama, config: &LlamaConfig, out_dir: &Path) -> Result<Exported> {
     let variant = config.variant()?;
     let kind = if variant == Variant::PreLn && !config.post_ln { ExportKind::Llama } else { ExportKind::Transponder };
+    check_export_target(out_dir)?;
     std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    let mut files = Vec::new();
-    let config_path = out_dir.join("config.json");
-    atomic_write(&config_path, serde_json::to_string_pretty(&hf_config(config, kind)?)?.as_bytes())?;
-    files.push(config_path);
+    let config_json = serde_json::to_string_pretty(&hf_config(config, kind)?)?;
+    let mut staged = vec![stage_bytes(&out_dir.join(CONFIG_FILE), config_json.as_bytes())?];
     if kind == ExportKind::Transponder {
-        let modeling_path = out_dir.join(MODELING_FILE);
-        atomic_write(&modeling_path, MODELING_SOURCE.as_bytes())?;
-        files.push(modeling_path);
+        staged.push(stage_bytes(&out_dir.join(MODELING_FILE), MODELING_SOURCE.as_bytes())?);
     }
-    let weights_path = out_dir.join("model.safetensors");
-    save_weights(model, &weights_path)?;
-    files.push(weights_path);
+    staged.push(stage_weights(model, &out_dir.join(WEIGHTS_FILE))?);
+    let mut files = vec![out_dir.join(CONFIG_FILE)];
+    if kind == ExportKind::Transponder {
+        files.push(out_dir.join(MODELING_FILE));
+    }
+    files.push(out_dir.join(WEIGHTS_FILE));
+    commit_all(staged)?;
+    if kind == ExportKind::Llama {
+        // A previous non-baseline export's code has no config.json naming it any more.
+        remove_if_present(&out_dir.join(MODELING_FILE))?;
+    }
     Ok(Exported { kind, files })
+}
+
+/// Errors unless `out_dir` is missing, empty or a previous export: only export files (and
+/// the directory lock) in it, its `config.json` a Hugging Face one.
+fn check_export_target(out_dir: &Path) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(out_dir) else { return Ok(()) };
+    let refuse = |what: String| {
+        anyhow::anyhow!(
+            "{} is not empty and not a previous export ({what}): export into a new or empty directory",
+            out_dir.display()
+        )
+    };
+    let mut foreign = Vec::new();
+    for entry in entries {
+        let name = entry.with_context(|| format!("listing {}", out_dir.display()))?.file_name();
+        if ![CONFIG_FILE, WEIGHTS_FILE, MODELING_FILE, LOCK_FILE].iter().any(|f| name == *f) {
+            foreign.push(name.to_string_lossy().into_owned());
+        }
+    }
+    if !foreign.is_empty() {
+        foreign.sort();
+        return Err(refuse(format!("it holds {}", foreign.join(", "))));
+    }
+    let config_path = out_dir.join(CONFIG_FILE);
+    if let Ok(text) = std::fs::read_to_string(&config_path) {
+        let config: Option<serde_json::Value> = serde_json::from_str(&text).ok();
+        if config.is_none_or(|c| c.get("architectures").is_none()) {
+            return Err(refuse(format!("its {CONFIG_FILE} is not a Hugging Face config")));
+        }
+    }
+    Ok(())
+}
+
+/// `bytes` staged as the new contents of `path`.
+fn stage_bytes(path: &Path, bytes: &[u8]) -> Result<Staged> {
+    stage(path, |tmp| std::fs::write(tmp, bytes).with_context(|| format!("writing {}", tmp.display())))
 }
 
 /// `config.json`: `LlamaConfig`'s fields; for a Transponder export also `auto_map` and the
@@ -99,8 +152,8 @@ fn hf_config(config: &LlamaConfig, kind: ExportKind) -> Result<serde_json::Value
     Ok(hf)
 }
 
-/// Every parameter of `model` (downloaded from its device) into one safetensors file.
-fn save_weights(model: &Llama, path: &Path) -> Result<()> {
+/// Every parameter of `model` (downloaded from its device), staged as one safetensors file.
+fn stage_weights(model: &Llama, path: &Path) -> Result<Staged> {
     let owned: Vec<(String, Vec<usize>, Vec<f32>)> = model
         .named_parameters()
         .into_iter()
@@ -111,7 +164,7 @@ fn save_weights(model: &Llama, path: &Path) -> Result<()> {
         .collect::<Result<_>>()?;
     let slices: Vec<TensorSlice> = owned.iter().map(|(name, shape, data)| TensorSlice { name, shape, data }).collect();
     let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-    save_tensors(path, &slices, &metadata)
+    stage_tensors(path, &slices, &metadata)
 }
 
 #[cfg(test)]

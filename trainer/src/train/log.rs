@@ -86,7 +86,7 @@ impl StepLog {
         let speed =
             if row.tokens_per_second > 0.0 { format!(" | {:.0} tok/s", row.tokens_per_second) } else { String::new() };
         self.progress.suspend(|| {
-            println!(
+            crate::say!(
                 "step {done:>5}/{} | loss {loss:.4} | lr {lr:.2e} | grad norm {grad_norm:.3}{speed}{val}",
                 self.steps
             )
@@ -107,6 +107,7 @@ impl StepLog {
         let steps_run = self.steps.saturating_sub(self.start_step);
         TrainReport {
             steps: self.steps,
+            steps_run,
             first_loss: self.first_loss.unwrap_or(f32::NAN),
             final_loss: self.last_loss,
             final_val_loss: self.last_val,

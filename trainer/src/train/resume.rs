@@ -52,6 +52,16 @@ pub fn on_change(field: &str, saved: &TrainConfig) -> Option<OnChange> {
 /// Checks `requested` against the config a checkpoint was `saved` with: an error naming every
 /// refused change (with both values), else one warning line per change that alters the run.
 pub fn check_continuation(saved: &TrainConfig, requested: &TrainConfig) -> Result<Vec<String>> {
+    check_settings(saved, requested, |field| on_change(field, saved))
+}
+
+/// [`check_continuation`] for any serialisable config, each field classed by `class` (a
+/// field it does not know is warned about): the rule `train-image --resume` shares.
+pub fn check_settings<T: serde::Serialize>(
+    saved: &T,
+    requested: &T,
+    class: impl Fn(&str) -> Option<OnChange>,
+) -> Result<Vec<String>> {
     let (old, new) = (settings(saved)?, settings(requested)?);
     let (mut refused, mut warnings) = (Vec::new(), Vec::new());
     for (field, old_value) in &old {
@@ -60,7 +70,7 @@ pub fn check_continuation(saved: &TrainConfig, requested: &TrainConfig) -> Resul
             continue;
         }
         let change = format!("{field} {} → {}", show(old_value), show(new_value));
-        match on_change(field, saved).unwrap_or(OnChange::Warn) {
+        match class(field).unwrap_or(OnChange::Warn) {
             OnChange::Refuse => refused.push(change),
             OnChange::Warn => warnings.push(change),
             OnChange::Free => {}
@@ -116,7 +126,7 @@ fn show(value: &Value) -> String {
 }
 
 /// `config`'s settings by `config.json` key.
-fn settings(config: &TrainConfig) -> Result<serde_json::Map<String, Value>> {
+fn settings<T: serde::Serialize>(config: &T) -> Result<serde_json::Map<String, Value>> {
     match serde_json::to_value(config).context("serialising a training config")? {
         Value::Object(fields) => Ok(fields),
         _ => bail!("a training config serialises to a JSON object"),

@@ -14,11 +14,13 @@ use tensor::Device;
 use super::resume::check_continuation;
 use super::{evaluate::open_eval_data, model_config, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
-use crate::config::{OptimizerKind, Sampling, TrainConfig};
+use crate::config::{OptimizerKind, Sampling, ScheduleKind, TrainConfig};
 use crate::data::sampler::{BatchSampler, RandomSampler, SequentialSampler};
 use crate::data::token_file::{check_vocab, TokenFile};
 use crate::device::{device_label, ensure_available, MatmulPrecision};
-use crate::prepare::{corpus_name, corpus_stem, prepare_once};
+use crate::memory;
+use crate::prepare::{corpus_cache_name, corpus_name, prepare_once};
+use crate::run_dir::remove_if_present;
 use crate::safetensors_io::atomic_write;
 use crate::tokenizer::Tokenizer;
 
@@ -46,6 +48,7 @@ impl<'a> Session<'a> {
     /// written to the run directory before every input has been checked.
     pub fn start(config: &'a TrainConfig, resume: bool) -> Result<Session<'a>> {
         config.validate()?;
+        warn_about_warmup(config);
         ensure_available(config.device)?;
         let precision = MatmulPrecision::set(config.device, config.bf16)?;
         let checkpoint_path = config.out_dir.join(CHECKPOINT_FILE);
@@ -53,6 +56,14 @@ impl<'a> Session<'a> {
 
         let tokenizer = Tokenizer::from_name(&config.tokenizer)?;
         let vocab_size = tokenizer.vocab_size();
+        let model_config = model_config(config, vocab_size)?;
+        let bytes_per_parameter = match config.optimizer {
+            OptimizerKind::Sgd => memory::SGD_BYTES_PER_PARAMETER,
+            OptimizerKind::Adam | OptimizerKind::AdamW => memory::ADAM_BYTES_PER_PARAMETER,
+        };
+        let what = format!("{} ({})", config.model, config.variant);
+        let activations = memory::llama_activations(&model_config, config.batch_size * config.seq_len);
+        memory::check_fits(&what, memory::llama_parameters(&model_config), bytes_per_parameter, activations)?;
         let (train_path, val_path) = resolve_data(config, &tokenizer)?;
         let train_file = TokenFile::open_with(&train_path, config.data_format)?;
         check_vocab(&train_file, vocab_size)?;
@@ -64,7 +75,6 @@ impl<'a> Session<'a> {
             None => None,
         };
 
-        let model_config = model_config(config, vocab_size)?;
         let model = Llama::new(&model_config, config.seed)?;
         let (mut optimizer, table_updates) = make_optimizer(config, &model);
         let mut start_step = 0;
@@ -73,10 +83,15 @@ impl<'a> Session<'a> {
             optimizer.load_state(&saved.optimizer_state)?;
             sampler.import_state(&saved.sampler_state)?;
             start_step = saved.step;
-            println!("resumed from {} at step {start_step}", checkpoint_path.display());
+            crate::say!("resumed from {} at step {start_step}", checkpoint_path.display());
         }
         model.to_device(config.device)?;
         std::fs::create_dir_all(&config.out_dir).with_context(|| format!("creating {}", config.out_dir.display()))?;
+        if !resume {
+            // A new run replaces the directory's old one: the old checkpoint must not outlive
+            // the new config.json (a --resume would continue the old model).
+            remove_if_present(&checkpoint_path)?;
+        }
         let train_json = serde_json::to_string_pretty(config)?;
         let model_json = serde_json::to_string_pretty(&model_config)?;
         atomic_write(&config.out_dir.join(CONFIG_FILE), train_json.as_bytes())?;
@@ -137,27 +152,29 @@ fn load_for_resume(config: &TrainConfig, path: &Path) -> Result<Checkpoint> {
         );
     }
     if config.steps == saved.step {
-        println!(
+        crate::say!(
             "the checkpoint is at step {} of {}: nothing left to run (pass --steps N with N > {} to train further)",
-            saved.step, config.steps, saved.step
+            saved.step,
+            config.steps,
+            saved.step
         );
     }
     Ok(saved)
 }
 
 /// Token files for training and (optionally) validation, preparing them from the text
-/// corpus into `out_dir/data/<corpus>-<tokenizer>/` on first use. Nothing is created when the
-/// corpus cannot be read.
+/// corpus into `out_dir/data/<stem>-<tokenizer>-<content hash>/` ([`corpus_cache_name`]) on
+/// first use. Nothing is created when the corpus cannot be read.
 fn resolve_data(config: &TrainConfig, tokenizer: &Tokenizer) -> Result<(PathBuf, Option<PathBuf>)> {
     if let Some(train) = &config.train_data {
         return Ok((train.clone(), config.val_data.clone()));
     }
     let text = config.text.as_deref();
-    let data_dir = config.out_dir.join("data").join(format!("{}-{}", corpus_stem(text), tokenizer.name()));
+    let data_dir = config.out_dir.join("data").join(corpus_cache_name(text, tokenizer.name())?);
     let (train, val, report) =
         prepare_once(text, tokenizer, &data_dir).with_context(|| format!("preparing {}", corpus_name(text)))?;
     if let Some(report) = report {
-        println!(
+        crate::say!(
             "prepared {} ({} train + {} val tokens, {} tokenizer) into {}",
             corpus_name(text),
             report.train_tokens,
@@ -210,9 +227,20 @@ fn make_sampler(config: &TrainConfig, file: TokenFile) -> Result<Box<dyn BatchSa
     })
 }
 
+/// A warmup longer than the run leaves the learning rate below its peak throughout (cosine
+/// and noam; the other schedules have no warmup): allowed, but said.
+fn warn_about_warmup(config: &TrainConfig) {
+    if matches!(config.schedule, ScheduleKind::Cosine | ScheduleKind::Noam) && config.warmup > config.steps {
+        eprintln!(
+            "warning: warmup {} is longer than the run's {} steps: the learning rate never reaches its peak {}",
+            config.warmup, config.steps, config.lr
+        );
+    }
+}
+
 /// The lines a run starts with: model, size, steps, batch, optimizer, device.
 fn print_plan(config: &TrainConfig, model: &Llama, table_updates: Option<&str>) {
-    println!(
+    crate::say!(
         "training {} ({}) with {} parameters for {} steps: batch {} x {} tokens, {} optimizer, lr {}",
         config.model,
         config.variant,
@@ -224,10 +252,10 @@ fn print_plan(config: &TrainConfig, model: &Llama, table_updates: Option<&str>) 
         config.lr
     );
     if let Some(how) = table_updates {
-        println!("per-token tables: {how} updates");
+        crate::say!("per-token tables: {how} updates");
     }
     if config.device != Device::Cpu {
         let precision = if config.bf16 { "bf16 matrix products, f32 master weights" } else { "f32" };
-        println!("device {} ({precision})", device_label(config.device));
+        crate::say!("device {} ({precision})", device_label(config.device));
     }
 }

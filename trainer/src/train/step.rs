@@ -12,7 +12,7 @@ use super::Diverged;
 
 /// What a completed step measured.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct StepOutcome {
+pub(crate) struct StepOutcome {
     /// Mean training loss over the step's micro-batches.
     pub loss: f32,
     /// Global L2 norm of the gradient, before clipping.
@@ -21,7 +21,7 @@ pub(super) struct StepOutcome {
 
 /// A value that stopped a step before its update.
 #[derive(Debug, PartialEq)]
-pub(super) struct NonFinite {
+pub(crate) struct NonFinite {
     pub quantity: &'static str,
     pub value: f32,
 }
@@ -82,7 +82,7 @@ impl Session<'_> {
 /// Checks `loss` and the gradient norm, then clips to `grad_clip` (0 disables) and applies
 /// the update at `lr`, clearing the gradients. The inner `Err` names the first non-finite
 /// value; the parameters, the optimizer state and the gradients are then left as they were.
-pub(super) fn finite_update(
+pub(crate) fn finite_update(
     optimizer: &mut dyn Optimizer,
     loss: f32,
     grad_clip: f32,
