@@ -7,22 +7,23 @@
 #   bench/real-data-grids.sh image      # CoMT on Fashion-MNIST: ResNet-18 and ResNet-50 × none/pixel/sliding-window (3)
 #
 # Needs data/fetch.sh's output in data/external/ (english-byte/, fashion-mnist/) and a
-# release build (or TRANSPONDER=path/to/transponder). Results: runs/compare/<grid>/.
+# release build (or TRANSPONDER=path/to/transponder). Results: results/compare/<grid>/ (the committed grids,
+# whose finished runs are skipped).
 # On a shared machine: RAYON_NUM_THREADS=1 nice -n 19 bench/real-data-grids.sh language.
 set -euo pipefail
 
 bin=${TRANSPONDER:-target/release/transponder}
-out=runs/compare
+out=results/compare
 
 # 1,000 AdamW steps of 16 × 256 byte tokens (4.1M tokens, 20× the tinyshakespeare tables),
 # validation on the whole held-out 1% of every text (70 batches) every 250 steps.
 language_args=(
     --train-data data/external/english-byte/train.bin --val-data data/external/english-byte/val.bin
     --steps 1000 --batch-size 16 --seq-len 256 --warmup 100 --eval-every 250 --eval-batches 70
-    --save-every 100
+    --save-every 100 --out-dir "$out"
 )
 # 3 epochs over the first 10,000 Fashion-MNIST training images, top-1 on all 10,000 test images.
-image_args=(--data-dir data/external/fashion-mnist --train-images 10000 --epochs 3)
+image_args=(--data-dir data/external/fashion-mnist --train-images 10000 --epochs 3 --out-dir "$out")
 
 language() {
     for seed in 1337 1338 1339 1340 1341; do

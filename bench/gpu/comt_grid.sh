@@ -8,7 +8,7 @@
 # workers end or GRID_TIMEOUT (seconds, default 900) runs out; rerunning resumes. On an H100
 # with the six processes side by side, a ResNet-18 run took 99-150 s and a ResNet-50 run
 # 155-270 s (one ResNet-18 run alone: 21 s), so the whole grid needs about 10 minutes;
-# runs/compare-h100/ holds such a grid (`out_dir` in config.json and result.json rewritten).
+# results/compare-h100/ holds such a grid (`out_dir` in config.json and result.json rewritten).
 # A fresh machine resumes an earlier call's grid: unpack its comt-grid.tgz into .gpu/ (so
 # .gpu/comt/ holds the finished runs) and carry .gpu; those runs are skipped.
 #

@@ -97,7 +97,8 @@ pub struct CompareArgs {
     /// Channels of the ResNets' first stage (train-image's narrow default 16).
     #[arg(long, default_value_t = 16)]
     pub base_width: usize,
-    /// Root of the grids' directories.
+    /// Root of the grids' directories (`runs/`, ignored by git, by default; the committed
+    /// grids of RESULTS.md are under `results/compare/`: pass that to rerun into them).
     #[arg(long, default_value = "runs/compare")]
     pub out_dir: PathBuf,
     /// Where every run computes: cpu, cuda or cuda:N (not part of a run's saved config:
