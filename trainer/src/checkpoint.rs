@@ -30,15 +30,21 @@ pub struct Checkpoint {
     pub train_config: String,
     /// The model config as JSON.
     pub model_config: String,
+    /// The model's parameters by name.
     pub weights: Vec<NamedTensor>,
+    /// The optimizer's state tensors (moments, momentum buffers) by name.
     pub optimizer_state: Vec<(String, Tensor)>,
 }
 
 /// What [`save`] writes besides the tensors.
 pub struct CheckpointMeta<'a> {
+    /// Optimizer steps completed.
     pub step: usize,
+    /// The sampler's exported state, so data resumes at the same position.
     pub sampler_state: &'a [u64],
+    /// The training config as JSON.
     pub train_config: &'a str,
+    /// The model config as JSON.
     pub model_config: &'a str,
 }
 

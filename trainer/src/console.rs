@@ -20,6 +20,7 @@ static STDOUT_LOST: AtomicBool = AtomicBool::new(false);
 #[derive(Debug, thiserror::Error)]
 #[error("writing to stdout: {source}")]
 pub struct StdoutError {
+    /// The failed write's error.
     #[source]
     pub source: io::Error,
 }

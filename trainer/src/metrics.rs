@@ -14,15 +14,23 @@ use crate::safetensors_io::atomic_write;
 /// One logged step. Optional fields are omitted when not measured at that step.
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct StepMetrics {
+    /// Optimizer steps completed (from 1).
     pub step: usize,
+    /// The training loss of this step (mean cross-entropy over its tokens or images).
     pub loss: f32,
+    /// The learning rate the schedule gave this step.
     pub lr: f32,
+    /// Global L2 norm of the gradient, before clipping.
     pub grad_norm: f32,
+    /// Throughput since the previous logged row (images/s for image runs); 0 when not measured.
     pub tokens_per_second: f32,
+    /// Mean validation (evaluation) loss, at the steps that measured it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f32>,
+    /// `exp(val_loss)` (language runs).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_perplexity: Option<f32>,
+    /// Top-1 evaluation accuracy as a fraction in [0, 1] (image runs, at each epoch's end).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_accuracy: Option<f32>,
 }

@@ -99,11 +99,14 @@ pub struct ImageTrainConfig {
     /// Random crop (pad 4) and flip; unset means on for CIFAR and Fashion-MNIST, off for
     /// the digits and MNIST (a flipped digit is another glyph).
     pub augment: Option<bool>,
+    /// Images per step.
     pub batch_size: usize,
+    /// Passes over the training images of the whole run (a resumed run continues up to this count).
     pub epochs: usize,
     /// Base (peak) learning rate: 0.05 by default for the digits; the CoMT CIFAR recipe is 0.01
     /// (batch 64, 100 epochs, linear decay), ImageNet 0.1 (batch 512, cosine, 1 warmup epoch).
     pub lr: f32,
+    /// SGD momentum μ (PyTorch's form: `buf ← μ·buf + (g + λ·θ)`, `θ ← θ − lr·buf`).
     pub momentum: f32,
     /// Coupled L2 weight decay (PyTorch SGD); the CoMT recipe uses 0.
     pub weight_decay: f32,
@@ -114,6 +117,7 @@ pub struct ImageTrainConfig {
     pub warmup_epochs: usize,
     /// Steps between metrics rows (every epoch's last step is always logged).
     pub log_every: usize,
+    /// Seeds the initialisation, the shuffling and the augmentation.
     pub seed: u64,
     /// Where the checkpoint, config and metrics are written.
     pub out_dir: PathBuf,
@@ -315,22 +319,29 @@ pub struct ImageTrainReport {
     pub epochs: usize,
     /// Optimizer steps completed in total.
     pub steps: usize,
+    /// Trainable parameters of the model.
     pub parameters: usize,
     /// Of which modulator parameters.
     pub modulator_parameters: usize,
-    /// Training loss of the first and the last step run by this call.
+    /// Training loss of the first step run by this call.
     pub first_loss: f32,
+    /// Training loss of the last step run by this call.
     pub final_loss: f32,
     /// Top-1 accuracy on the evaluation split after each epoch run by this call.
     pub eval_accuracy: Vec<f32>,
     /// Mean evaluation loss after the last epoch.
     pub final_eval_loss: f32,
+    /// Wall time of this call's training loop, evaluation included.
     pub seconds: f64,
     /// Wall time per epoch run by this call, evaluation included.
     pub seconds_per_epoch: f64,
+    /// Training images of this call's epochs over `seconds` (evaluation time included).
     pub images_per_second: f64,
+    /// The run's `checkpoint.safetensors`.
     pub checkpoint: PathBuf,
+    /// The run's `metrics.jsonl`.
     pub metrics: PathBuf,
+    /// The run's `grad_norms.jsonl` (per-parameter gradient norms per epoch).
     pub grad_norms: PathBuf,
 }
 

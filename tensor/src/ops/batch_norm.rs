@@ -16,8 +16,11 @@ use crate::{Error, Result, Tensor};
 /// Output of [`Tensor::batch_norm_train`]: `y` and the per-channel batch mean and
 /// `1/√(var + eps)` (`[C]` each, on `x`'s device) that the backward reads.
 pub struct BatchNormOutput {
+    /// The normalised output, shaped like `x`.
     pub y: Tensor,
+    /// The batch mean μ per channel, `[C]`.
     pub mean: Tensor,
+    /// `1/√(σ² + eps)` per channel with the biased batch variance σ², `[C]`.
     pub rstd: Tensor,
 }
 

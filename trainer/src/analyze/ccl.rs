@@ -91,9 +91,11 @@ fn rows(values: Vec<f32>, width: usize) -> Vec<Vec<f64>> {
 
 /// The singular spectrum of `{W(t)}` over the sequence, and its rank bound.
 pub struct Spectrum {
+    /// The singular values of the stacked operators `M: [T, d_in·d_out]`, largest first.
     pub singular_values: Vec<f64>,
     /// The spectrum of `{W(t) − mean_s W(s)}`: how the operators vary around their mean.
     pub centred_singular_values: Vec<f64>,
+    /// The largest rank the stack can have: `min(T, dim of the operators' space, d_in·d_out)`.
     pub rank_bound: usize,
 }
 
@@ -151,13 +153,21 @@ fn spectrum(g: &LayerGates, tokens: usize) -> Spectrum {
 /// Gate statistics over a set of values in [0, 1].
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct GateStats {
+    /// How many gate values were pooled.
     pub count: usize,
+    /// Counts in 20 equal bins on [0, 1] (they sum to `count`).
     pub histogram: Vec<usize>,
+    /// The mean gate value.
     pub mean: f64,
+    /// Mean of `−g·log₂g − (1−g)·log₂(1−g)`: 1 bit for a gate at ½, 0 for a saturated one.
     pub mean_binary_entropy_bits: f64,
+    /// Entropy of the histogram divided by log(20): 1 for gates spread evenly over [0, 1].
     pub histogram_entropy_normalised: f64,
+    /// Share strictly inside (0.1, 0.9), the paper's "active decision range".
     pub share_in_0_1_to_0_9: f64,
+    /// Share at or below 0.1 (gates that are nearly closed).
     pub share_below_0_1: f64,
+    /// Share at or above 0.9 (gates that are nearly open).
     pub share_above_0_9: f64,
 }
 

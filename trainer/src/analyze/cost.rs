@@ -28,13 +28,17 @@ use crate::device::synchronize;
 /// The cost columns of one model.
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelCost {
+    /// Every trainable scalar of the model.
     pub parameters: usize,
     /// Lookup tables: the token embedding, per-token transform tables, token scales.
     pub embedding_parameters: usize,
+    /// `parameters − embedding_parameters`: the count scaling laws use.
     pub non_embedding_parameters: usize,
     /// `matmul_flops_per_token + attention_flops_per_token`.
     pub flops_per_token: u64,
+    /// 2 FLOPs per weight of every matrix a token passes through (and per entry of the per-token tables it reads).
     pub matmul_flops_per_token: u64,
+    /// The score and value products, `2·2·T·d_model` per layer (T = `seq_len`).
     pub attention_flops_per_token: u64,
     /// The window T the attention term assumes.
     pub seq_len: usize,
@@ -73,15 +77,25 @@ pub fn model_cost(model: &Llama, seq: usize) -> ModelCost {
 /// One row of the throughput table.
 #[derive(Clone, Debug, Serialize)]
 pub struct ThroughputRow {
+    /// The model's name in the CCL paper's Table 2 (`Base-64`, `CCL-64`, `Base-512`).
     pub name: String,
+    /// The block variant (pre-ln, transponder, ...).
     pub variant: String,
+    /// Width of the residual stream.
     pub d_model: usize,
+    /// Hidden width of the feed-forward block.
     pub ffn_hidden: usize,
+    /// Trainable parameters.
     pub parameters: usize,
+    /// Forward FLOPs per token, in millions ([`ModelCost::flops_per_token`]).
     pub mflops_per_token: f64,
+    /// Sequences per timed pass.
     pub batch: usize,
+    /// Tokens per sequence.
     pub seq: usize,
+    /// Forward-only tokens per second (median of the repeats).
     pub inference_tokens_per_second: f64,
+    /// Forward and backward (no optimizer step): tokens per second (median of the repeats).
     pub training_tokens_per_second: f64,
 }
 

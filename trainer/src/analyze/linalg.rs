@@ -10,7 +10,9 @@
 /// Eigenvalues (descending) and eigenvectors (`vectors[i]` belongs to `values[i]`) of the
 /// symmetric `n × n` row-major matrix `a`.
 pub struct Eigen {
+    /// The eigenvalues, largest first.
     pub values: Vec<f64>,
+    /// Unit eigenvectors, one per eigenvalue, in the same order.
     pub vectors: Vec<Vec<f64>>,
 }
 

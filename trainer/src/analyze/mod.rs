@@ -108,7 +108,9 @@ impl Default for AnalyzeArgs {
 
 /// Files written into the output directory, in order.
 pub struct Output {
+    /// The output directory.
     pub dir: PathBuf,
+    /// Every file written so far, in order.
     pub files: Vec<PathBuf>,
 }
 
@@ -144,7 +146,9 @@ pub fn csv_field(text: &str) -> String {
 
 /// The analysed sequence: token ids and a printable label for each.
 pub struct Sequence {
+    /// The token ids fed to the model.
     pub ids: Vec<u32>,
+    /// One printable label per token (the byte or the tokenizer's piece), for tables and plots.
     pub labels: Vec<String>,
 }
 

@@ -44,17 +44,25 @@ fn escape(text: &str) -> String {
 /// A rectangle on the canvas, in pixels.
 #[derive(Clone, Copy, Debug)]
 pub struct Rect {
+    /// Left edge.
     pub x: f64,
+    /// Top edge (SVG's y grows downwards).
     pub y: f64,
+    /// Width.
     pub w: f64,
+    /// Height.
     pub h: f64,
 }
 
 /// One curve of a line panel.
 pub struct Series {
+    /// The legend's name for the curve.
     pub label: String,
+    /// `(x, y)` in data units, in drawing order.
     pub points: Vec<(f64, f64)>,
+    /// Any SVG colour.
     pub colour: String,
+    /// Stroke width in pixels.
     pub width: f64,
 }
 
@@ -84,6 +92,7 @@ impl Svg {
         )
     }
 
+    /// A rectangle filled with `fill`, outlined with `stroke` when given.
     pub fn rect(&mut self, r: Rect, fill: &str, stroke: Option<&str>) {
         let stroke = stroke.map(|s| format!(" stroke=\"{s}\"")).unwrap_or_default();
         let _ = writeln!(
@@ -93,6 +102,7 @@ impl Svg {
         );
     }
 
+    /// A straight line from `from` to `to`, in pixels.
     pub fn line(&mut self, from: (f64, f64), to: (f64, f64), stroke: &str, width: f64) {
         let _ = writeln!(
             self.body,
@@ -101,6 +111,7 @@ impl Svg {
         );
     }
 
+    /// An open curve through `points` (pixels), slightly transparent so overlapping curves stay visible.
     pub fn polyline(&mut self, points: &[(f64, f64)], stroke: &str, width: f64) {
         let coords: Vec<String> = points.iter().map(|(x, y)| format!("{x:.2},{y:.2}")).collect();
         let _ = writeln!(
@@ -150,9 +161,13 @@ fn label(v: f64) -> String {
 
 /// Axis ranges of a panel and the mapping into its plot box.
 pub struct Frame {
+    /// The plot box on the canvas, in pixels.
     pub plot: Rect,
+    /// The x range `(low, high)` mapped onto the box's width.
     pub x: (f64, f64),
+    /// The y range `(low, high)` mapped onto the box's height.
     pub y: (f64, f64),
+    /// Whether y is drawn on a log₁₀ scale.
     pub log_y: bool,
 }
 

@@ -47,7 +47,9 @@ pub struct Grid {
     pub name: String,
     /// The paper table it reproduces.
     pub source: String,
+    /// Language or image runs: what is trained and which metric the table reports.
     pub task: Task,
+    /// The rows, in table order.
     pub rows: Vec<Row>,
     /// Index in `rows` of the row Δ% and the parameter increase are measured against.
     pub baseline: usize,

@@ -69,17 +69,21 @@ pub struct CompareOptions {
 /// What a comparison did and produced.
 #[derive(Debug)]
 pub struct CompareOutcome {
+    /// The grid that ran (after `--rows` filtering).
     pub grid: Grid,
     /// `<out_dir>/<grid>`, holding the table files.
     pub dir: PathBuf,
     /// Every run's result, in row then seed order.
     pub results: Vec<RunResult>,
+    /// One summary per row, in table order.
     pub summaries: Vec<Summary>,
     /// The contents of `table.md`.
     pub markdown: String,
-    /// Runs trained from scratch, continued from a checkpoint, and read from `result.json`.
+    /// Runs trained from scratch.
     pub started: usize,
+    /// Runs continued from their checkpoint.
     pub resumed: usize,
+    /// Finished runs read back from their `result.json`.
     pub skipped: usize,
 }
 

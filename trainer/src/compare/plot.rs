@@ -13,6 +13,7 @@ use crate::analyze::svg::{colour, legend, line_panel, Rect, Series, Svg};
 /// One row's curves, averaged over its seeds.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RowCurves {
+    /// The row's label (the legend's name).
     pub label: String,
     /// `(step, mean validation loss)`.
     pub loss: Vec<(f64, f64)>,

@@ -32,22 +32,29 @@ pub const RESULT_FILE: &str = "result.json";
 /// The full training config of one run.
 #[derive(Clone, Debug)]
 pub enum RunConfig {
+    /// A LLaMA language model (`train`).
     Language(TrainConfig),
+    /// A ResNet image classifier (`train-image`).
     Image(ImageTrainConfig),
 }
 
 /// One run to do: a grid row at one seed.
 #[derive(Clone, Debug)]
 pub struct PlannedRun {
+    /// The grid row's label (the run directory's parent).
     pub row: String,
+    /// The run's seed (its directory is `seed<seed>`).
     pub seed: u64,
+    /// The full config: the grid's base with the row's overrides and this seed.
     pub config: RunConfig,
 }
 
 /// What a finished run recorded in `result.json`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct RunResult {
+    /// The grid row's label.
     pub row: String,
+    /// The run's seed.
     pub seed: u64,
     /// Final validation loss (language) or evaluation loss (image); `None` if diverged.
     pub val_loss: Option<f64>,

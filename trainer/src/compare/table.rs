@@ -10,6 +10,7 @@ use crate::analyze::csv_field;
 /// One row of the table, summarised over its seeds.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Summary {
+    /// The row's label.
     pub label: String,
     /// The row's config overrides, `key=value, ...`.
     pub config: String,
@@ -27,6 +28,7 @@ pub struct Summary {
     pub delta_percent: Option<f64>,
     /// Mean final validation (evaluation) loss.
     pub val_loss_mean: f64,
+    /// Trainable parameters of the row's model (the same for every seed).
     pub parameters: usize,
     /// Parameter increase against the baseline row in percent; `None` for the baseline row.
     pub parameter_increase_percent: Option<f64>,

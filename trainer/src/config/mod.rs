@@ -53,20 +53,29 @@ pub struct TrainConfig {
     pub text: Option<PathBuf>,
     /// Token files (llm.c or nanoGPT format); when unset they are prepared from `text`.
     pub train_data: Option<PathBuf>,
+    /// The validation token file beside `train_data` (unset: no validation); without token
+    /// files both are prepared from `text`.
     pub val_data: Option<PathBuf>,
     /// How the token files are read: detected (`auto`), `llmc` only, or `nanogpt` raw.
     pub data_format: DataFormat,
     /// Tokenizer used to prepare `text` (`byte` or `gpt2`).
     pub tokenizer: String,
+    /// Sequences per micro-batch.
     pub batch_size: usize,
+    /// Tokens per sequence (the context window T).
     pub seq_len: usize,
     /// Micro-batches whose gradients are summed before each optimizer step.
     pub grad_accum: usize,
+    /// Optimizer steps of the whole run (a resumed run continues up to this count).
     pub steps: usize,
+    /// Peak learning rate (the schedule scales it).
     pub lr: f32,
     /// `adamw`, `adam` or `sgd`.
     pub optimizer: OptimizerKind,
+    /// Weight decay λ: decoupled for AdamW (`θ ← θ − lr·λ·θ`), added to the gradient for Adam
+    /// and SGD.
     pub weight_decay: f32,
+    /// Adam's second-moment decay β₂ (β₁ is 0.9).
     pub beta2: f32,
     /// SGD momentum (0.9). With momentum 0 and weight decay 0, the per-token tables
     /// (`per-token`, `token-scale`) are updated row-sparsely, which is exact.
@@ -77,15 +86,21 @@ pub struct TrainConfig {
     pub lazy_tables: bool,
     /// `cosine` (linear warmup + cosine), `noam`, `constant`, `linear`, `onecycle`.
     pub schedule: ScheduleKind,
+    /// Warmup steps of the schedule (linear warmup to `lr` for `cosine`).
     pub warmup: usize,
     /// Global gradient-norm clip (0 disables).
     pub grad_clip: f32,
     /// `random` (seeded windows) or `sequential`.
     pub sampling: Sampling,
+    /// Steps between validation passes (0: only at the end).
     pub eval_every: usize,
+    /// Validation batches per pass.
     pub eval_batches: usize,
+    /// Steps between checkpoints (0: only at the end).
     pub save_every: usize,
+    /// Steps between training-loss lines of `metrics.jsonl` and the console.
     pub log_every: usize,
+    /// Seeds the initialisation and the batch order.
     pub seed: u64,
     /// Where the checkpoint, config and metrics are written.
     pub out_dir: PathBuf,

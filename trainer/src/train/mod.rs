@@ -36,23 +36,34 @@ pub use evaluate::{evaluate, open_eval_data};
 use log::StepLog;
 use setup::Session;
 
-/// File names inside the run directory.
+/// The checkpoint inside the run directory (weights, optimizer state, step, data position
+/// and both configs).
 pub const CHECKPOINT_FILE: &str = "checkpoint.safetensors";
+/// The run's training config inside the run directory (reusable with `--config`).
 pub const CONFIG_FILE: &str = "config.json";
+/// The per-step metrics inside the run directory, one [`crate::metrics::StepMetrics`] row a line.
 pub const METRICS_FILE: &str = "metrics.jsonl";
 
 /// What a finished run reports.
 #[derive(Debug)]
 pub struct TrainReport {
+    /// Steps of the whole run (the configured `steps`).
     pub steps: usize,
     /// Steps this call ran: 0 when a resumed checkpoint was already at the last step.
     pub steps_run: usize,
+    /// Training loss of the first step run by this call.
     pub first_loss: f32,
+    /// Training loss of the last step run by this call (NaN when it ran none).
     pub final_loss: f32,
+    /// The last validation loss measured, when there is a validation set.
     pub final_val_loss: Option<f32>,
+    /// Training tokens of this call's steps over `seconds` (validation and saving included).
     pub tokens_per_second: f64,
+    /// Wall time of this call's training loop.
     pub seconds: f64,
+    /// The run's `checkpoint.safetensors`.
     pub checkpoint: PathBuf,
+    /// The run's `metrics.jsonl`.
     pub metrics: PathBuf,
 }
 
@@ -65,9 +76,11 @@ pub struct TrainReport {
 pub struct Diverged {
     /// What was not finite: `loss`, `gradient norm`, `validation loss`, or a tensor's name.
     pub quantity: String,
+    /// The non-finite value (NaN or ±inf).
     pub value: f32,
     /// The step, counted from 1 as the log counts them.
     pub step: usize,
+    /// The last good checkpoint, left untouched.
     pub checkpoint: PathBuf,
 }
 
