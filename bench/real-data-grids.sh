@@ -7,8 +7,8 @@
 #   bench/real-data-grids.sh image      # CoMT on Fashion-MNIST: ResNet-18 and ResNet-50 × none/pixel/sliding-window (3)
 #
 # Needs data/fetch.sh's output in data/external/ (english-byte/, fashion-mnist/) and a
-# release build (or TRANSPONDER=path/to/transponder). Results: results/compare/<grid>/ (the committed grids,
-# whose finished runs are skipped).
+# release build (or TRANSPONDER=path/to/transponder). Results: results/compare/<grid>/, the
+# committed grids, whose finished runs are skipped.
 # On a shared machine: RAYON_NUM_THREADS=1 nice -n 19 bench/real-data-grids.sh language.
 set -euo pipefail
 
