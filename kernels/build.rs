@@ -19,37 +19,11 @@ mod emulator {
     use std::fs;
     use std::path::{Path, PathBuf};
 
-    /// One deliberate bug: the family it edits, its table name, and the edit.
-    struct Mutant {
-        family: &'static str,
-        name: &'static str,
-        find: &'static str,
-        replace: &'static str,
+    /// The mutants, declared once for this script and the emulated device.
+    mod mutants {
+        include!("src/cuda/emu/mutants.rs");
     }
-
-    const MUTANTS: [Mutant; 3] = [
-        // attention_forward's barrier between staging a K/V tile and reading it.
-        Mutant {
-            family: "attention",
-            name: "attention_missing_sync",
-            find: "        __syncthreads();\n        if (!active || s0 > position) continue;  // warp-uniform",
-            replace: "        if (!active || s0 > position) continue;  // warp-uniform",
-        },
-        // The row of accumulator elements d2, d3 of the summary columns' mma fragment.
-        Mutant {
-            family: "fused_gate",
-            name: "fused_gate_fragment_row",
-            find: "int row = warp * 16 + g + (e >= 2 ? 8 : 0);",
-            replace: "int row = warp * 16 + g + (e >= 1 ? 8 : 0);",
-        },
-        // One element past the end of y.
-        Mutant {
-            family: "conv",
-            name: "fill_bias_past_end",
-            find: "GRID_STRIDE(i, n) { y[i] = bias[(i / positions) % out_channels]; }",
-            replace: "GRID_STRIDE(i, n + 1) { y[i] = bias[(i / positions) % out_channels]; }",
-        },
-    ];
+    use mutants::{Mutant, MutantEdit};
 
     /// A kernel's name and parameter names, read from its declaration.
     struct Kernel {
@@ -80,7 +54,8 @@ mod emulator {
             let source = read(path);
             let file = format!("{stem}.cu");
             units.push(unit(&out, &emu_dir, &kernels_dir, &common, &file, &stem, &source, &mut tables));
-            for mutant in MUTANTS.iter().filter(|m| m.family == stem) {
+            let edits: Vec<MutantEdit> = Mutant::ALL.into_iter().map(Mutant::edit).collect();
+            for mutant in edits.iter().filter(|m| m.family == stem) {
                 assert!(
                     source.matches(mutant.find).count() == 1,
                     "mutant {}: its edit no longer matches {file} exactly once; update build.rs",
@@ -93,7 +68,9 @@ mod emulator {
                 last.0 = lookup;
             }
         }
-        assert!(MUTANTS.iter().all(|m| families.iter().any(|f| f.file_stem().is_some_and(|s| s == m.family))));
+        assert!(Mutant::ALL
+            .into_iter()
+            .all(|m| families.iter().any(|f| f.file_stem().is_some_and(|s| s == m.edit().family))));
 
         cc::Build::new()
             .cpp(true)

@@ -168,9 +168,18 @@ struct Input {
 }
 
 /// Opens the text file at `path`, decompressing as it is read when it starts with the gzip
-/// magic.
+/// magic. A device (`/dev/zero`, `/dev/urandom`) is refused: it never ends, and the streamed
+/// token files would fill the disk. A pipe is read to its end.
 fn open_input(path: &Path) -> Result<Input> {
+    use std::os::unix::fs::FileTypeExt;
     let context = || format!("reading input text file {}", path.display());
+    let kind = fs::metadata(path).with_context(context)?.file_type();
+    ensure!(!kind.is_dir(), "{} is a directory, not an input text file", path.display());
+    ensure!(
+        !kind.is_char_device() && !kind.is_block_device(),
+        "{} is a device, not an input text file (a device has no end to tokenize to)",
+        path.display()
+    );
     let mut file = File::open(path).with_context(context)?;
     let mut magic = Vec::with_capacity(2);
     (&mut file).take(2).read_to_end(&mut magic).with_context(context)?;

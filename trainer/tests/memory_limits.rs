@@ -93,3 +93,12 @@ fn prepare_streams_its_input_in_memory_independent_of_its_size() {
     assert!(grown < 48 << 20, "preparing 32 MiB of text took {} MiB", grown >> 20);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_device_is_refused_as_a_prepare_input() {
+    let dir = scratch("memory", "device");
+    let output = run(&dir, &strings(&["prepare", "/dev/zero", "--out", "prepared"]));
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    assert_fails_with(&output, &["/dev/zero", "device"]);
+    assert!(!dir.join("prepared").exists(), "a refused prepare leaves no directory");
+}

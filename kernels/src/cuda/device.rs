@@ -169,8 +169,7 @@ impl CudaDevice {
     /// Runs `mutant` in place of its kernel family on this (emulated) device from now on.
     #[cfg(feature = "cuda-emu")]
     pub fn use_mutant(&self, mutant: super::emu::Mutant) -> Result<()> {
-        self.emulator("use_mutant")?.use_mutant(mutant);
-        Ok(())
+        self.emulator("use_mutant")?.use_mutant(mutant)
     }
 
     #[cfg(feature = "cuda-emu")]

@@ -22,44 +22,28 @@ pub(crate) mod blas;
 mod ffi;
 pub(crate) mod launch;
 pub(crate) mod memory;
+mod mutants;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 pub use launch::Schedule;
+pub use mutants::Mutant;
 
-use super::error::Result;
+use super::error::{CudaError, Result};
 use super::module::KernelFamily;
 
-/// A deliberately wrong variant of one kernel family, for the emulator's own tests: each
-/// must make an agreement or bounds test fail (kernels/tests/cuda_emulator.rs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mutant {
-    /// `attention_forward` without the barrier between staging a K/V tile and reading it.
-    AttentionMissingSync,
-    /// `fused_gate_mma_r*` storing accumulator elements d1 of the summary columns' mma
-    /// fragment in row g + 8 instead of g (a fragment index off by one).
-    FusedGateFragmentRow,
-    /// `fill_bias` writing one element past the end of `y`.
-    FillBiasPastEnd,
-}
-
 impl Mutant {
-    fn family(self) -> KernelFamily {
-        match self {
-            Mutant::AttentionMissingSync => KernelFamily::Attention,
-            Mutant::FusedGateFragmentRow => KernelFamily::FusedGate,
-            Mutant::FillBiasPastEnd => KernelFamily::Conv,
-        }
+    /// The family this mutant replaces (build.rs checked that it has a `.cu` file).
+    fn family(self) -> Option<KernelFamily> {
+        let stem = self.edit().family;
+        KernelFamily::ALL.into_iter().find(|family| family.name() == stem)
     }
 
-    fn table(self) -> &'static str {
-        match self {
-            Mutant::AttentionMissingSync => "mutants/attention_missing_sync",
-            Mutant::FusedGateFragmentRow => "mutants/fused_gate_fragment_row",
-            Mutant::FillBiasPastEnd => "mutants/fill_bias_past_end",
-        }
+    /// The kernel table build.rs made for this mutant.
+    fn table(self) -> String {
+        format!("mutants/{}", self.edit().name)
     }
 }
 
@@ -89,8 +73,15 @@ impl Emulator {
     }
 
     /// Replaces `mutant`'s family by the mutant for this device's later launches.
-    pub(crate) fn use_mutant(&self, mutant: Mutant) {
-        self.mutants.lock().unwrap_or_else(|p| p.into_inner()).insert(mutant.family(), mutant);
+    pub(crate) fn use_mutant(&self, mutant: Mutant) -> Result<()> {
+        let family = mutant.family().ok_or_else(|| {
+            CudaError::Unavailable(format!(
+                "mutant {mutant:?} edits `{}`, which is no kernel family",
+                mutant.edit().family
+            ))
+        })?;
+        self.mutants.lock().unwrap_or_else(|p| p.into_inner()).insert(family, mutant);
+        Ok(())
     }
 
     /// The number of this launch (0, 1, ...), which picks the rotating order and seed.
@@ -101,7 +92,7 @@ impl Emulator {
     /// The kernel table `family` launches from: its own, or its mutant's.
     fn table_for(&self, family: KernelFamily) -> String {
         match self.mutants.lock().unwrap_or_else(|p| p.into_inner()).get(&family) {
-            Some(mutant) => mutant.table().to_string(),
+            Some(mutant) => mutant.table(),
             None => family.file().to_string(),
         }
     }
