@@ -17,7 +17,7 @@ use serde_json::Value;
 /// Today's ceilings (the counts of the current code).
 const PRE_LN_LAUNCHES: u64 = 533;
 const TRANSPONDER_LAUNCHES: u64 = 1116;
-const PAGEABLE_COPIES: u64 = 5;
+const PAGEABLE_COPIES: u64 = 3;
 
 /// The targets, printed beside the counts.
 const TARGET_PRE_LN_LAUNCHES: u64 = 250;

@@ -10,7 +10,7 @@
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, Result};
-use super::launch::{check_owners, elementwise, ptr, size};
+use super::launch::{check_owners, elementwise, ptr, ptr_at, size};
 use super::module::KernelFamily;
 use crate::cpu::embedding::{positions_by_id, PositionsById};
 
@@ -55,11 +55,13 @@ pub fn embedding_backward(
     if grouped.rows.is_empty() || dim == 0 {
         return Ok(());
     }
-    let (rows, starts, positions) =
-        (dev.upload(&grouped.rows)?, dev.upload(&grouped.starts)?, dev.upload(&grouped.positions)?);
+    // One upload of the three index arrays, back to back: rows | starts | positions.
     let distinct = grouped.rows.len();
-    let args = [ptr(&rows), ptr(&starts), ptr(&positions), ptr(dy), ptr(dweight), size(distinct), size(dim)];
-    // The three index buffers go back to the pool on return; later users queue after this kernel.
+    let table: Vec<u32> = [grouped.rows, grouped.starts, grouped.positions].concat();
+    let table = dev.upload(&table)?;
+    let (rows, starts, positions) = (ptr_at(&table, 0), ptr_at(&table, distinct), ptr_at(&table, 2 * distinct + 1));
+    let args = [rows, starts, positions, ptr(dy), ptr(dweight), size(distinct), size(dim)];
+    // The index table goes back to the pool on return; later users queue after this kernel.
     dev.launch(KernelFamily::Embedding, "embedding_backward", elementwise(distinct * dim), &args)
 }
 
