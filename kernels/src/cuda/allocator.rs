@@ -105,30 +105,35 @@ impl Allocator {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// A block of at least `bytes`, from the free list when one of its class is cached.
-    fn take(&self, bytes: usize) -> Result<Block> {
+    /// A block of at least `bytes`, from the free list when one of its class is cached, and
+    /// where a buffer of `bytes` starts in it (recorded as live under the same lock).
+    fn take(&self, bytes: usize) -> Result<(Block, u64)> {
         let class = size_class(bytes);
         {
             let mut state = self.lock();
             if let Some(block) = state.free.get_mut(&class).and_then(Vec::pop) {
                 state.stats.reuses += 1;
                 state.stats.cached_bytes -= class;
+                let ptr = Allocator::place(&block, bytes);
+                state.live.insert(ptr, bytes);
                 drop(state);
                 #[cfg(feature = "cuda-emu")]
                 if let Memory::Emulated(host) = &block.memory {
                     host.poison();
                 }
-                return Ok(block);
+                return Ok((block, ptr));
             }
         }
         let block = match &self.stream {
             Some(stream) => self.fresh_on_device(stream, class)?,
             None => self.fresh_emulated(class)?,
         };
+        let ptr = Allocator::place(&block, bytes);
         let mut state = self.lock();
         state.stats.allocations += 1;
         state.stats.reserved_bytes += class;
-        Ok(block)
+        state.live.insert(ptr, bytes);
+        Ok((block, ptr))
     }
 
     fn fresh_on_device(&self, stream: &Arc<CudaStream>, class: usize) -> Result<Block> {
@@ -183,9 +188,10 @@ impl Allocator {
         }
     }
 
-    /// Puts a block back on its free list.
-    fn give_back(&self, block: Block) {
+    /// Puts a block back on its free list; the buffer at `ptr` in it is no longer live.
+    fn give_back(&self, block: Block, ptr: u64) {
         let mut state = self.lock();
+        state.live.remove(&ptr);
         state.stats.cached_bytes += block.class;
         state.free.entry(block.class).or_default().push(block);
     }
@@ -276,11 +282,12 @@ impl<T: DeviceScalar> DeviceBuffer<T> {
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())
             .ok_or_else(|| CudaError::shape("alloc", format!("{len} elements of {} overflow", T::NAME)))?;
-        let block = if bytes == 0 { None } else { Some(allocator.take(bytes)?) };
-        let ptr = block.as_ref().map_or(0, |b| Allocator::place(b, bytes));
-        if block.is_some() {
-            allocator.lock().live.insert(ptr, bytes);
-        }
+        let (block, ptr) = if bytes == 0 {
+            (None, 0)
+        } else {
+            let (block, ptr) = allocator.take(bytes)?;
+            (Some(block), ptr)
+        };
         #[cfg(feature = "cuda-emu")]
         if let Some(Block { memory: Memory::Emulated(host), .. }) = &block {
             super::emu::memory::register(host, ptr, len, std::mem::size_of::<T>(), T::NAME);
@@ -323,12 +330,11 @@ impl<T: DeviceScalar> DeviceBuffer<T> {
 impl<T: DeviceScalar> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         if let Some(block) = self.block.take() {
-            self.allocator.lock().live.remove(&self.ptr);
             #[cfg(feature = "cuda-emu")]
             if matches!(block.memory, Memory::Emulated(_)) {
                 super::emu::memory::unregister(self.ptr);
             }
-            self.allocator.give_back(block);
+            self.allocator.give_back(block, self.ptr);
         }
     }
 }
