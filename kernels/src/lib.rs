@@ -14,9 +14,13 @@
 //! `Store::Accumulate` (`C += A·B`, BLAS's β = 1), the fused gate's row passes; each says so
 //! where it is declared.
 //!
+//! [`collective`] is the host collective: NCCL's collectives over TCP on host slices, for
+//! data parallelism on the CPU and as the engine of the emulated NCCL (`cuda::nccl`).
+//!
 //! Dimension legend used in doc comments: `B` batch, `T` sequence, `C` channels / width,
 //! `H` heads, `D` head dim, `V` vocabulary, `N` rows.
 
+pub mod collective;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
