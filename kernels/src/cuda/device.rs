@@ -65,7 +65,8 @@ impl Driver {
         self.ctx.bind_to_thread().map_err(|e| CudaError::driver("binding the context", e))
     }
 
-    fn stream(&self) -> cudarc::driver::sys::CUstream {
+    /// The raw stream all the device's work is queued on.
+    pub(crate) fn stream(&self) -> cudarc::driver::sys::CUstream {
         self.stream.cu_stream()
     }
 }
@@ -452,6 +453,7 @@ impl CudaDevice {
 
     /// Queues the launch on the GPU, or runs it on the emulator.
     fn queue_launch(&self, family: KernelFamily, name: &'static str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        #[allow(clippy::infallible_destructuring_match)] // one arm without feature cuda-emu
         let gpu = match &self.backend {
             Backend::Driver(gpu) => gpu,
             #[cfg(feature = "cuda-emu")]

@@ -1,6 +1,6 @@
 //! The one error type of the CUDA backend. Every launcher checks its arguments before it
 //! launches and returns [`CudaError::Shape`] instead of panicking; driver, cuBLAS and NVRTC
-//! failures carry the call that failed.
+//! failures carry the call that failed, and so do NCCL's.
 
 use std::fmt;
 
@@ -46,6 +46,13 @@ pub enum CudaError {
         /// What went wrong, naming the block, thread, argument or offset where known.
         message: String,
     },
+    /// An NCCL call failed (on the emulated device: the host collective behind it).
+    Nccl {
+        /// The call, e.g. `"ncclAllReduce of 1024 f32"`.
+        call: String,
+        /// NCCL's message (or the host collective's, naming the ranks involved).
+        message: String,
+    },
     /// A device-side check failed (e.g. a cross-entropy target out of range).
     Invalid {
         /// The launcher.
@@ -81,6 +88,7 @@ impl fmt::Display for CudaError {
             CudaError::Compile { file, log } => write!(f, "NVRTC failed to compile {file}:\n{log}"),
             CudaError::Shape { op, message } => write!(f, "{op}: {message}"),
             CudaError::Invalid { op, message } => write!(f, "{op}: {message}"),
+            CudaError::Nccl { call, message } => write!(f, "NCCL error in {call}: {message}"),
             CudaError::Emulated { kernel, message } => write!(f, "kernel {kernel} on cuda:0 (emulated): {message}"),
         }
     }

@@ -10,6 +10,7 @@
 //! blas.rs        row-major cuBLAS products (f32 and bf16 → f32)
 //! <family>.rs    launchers mirroring cpu/<family>.rs, shapes checked before launch
 //! kernels/*.cu   the CUDA C sources, one file per family, forward and backward adjacent
+//! nccl.rs        NCCL collectives on device buffers (feature `nccl`; libnccl found at run time)
 //! emu/           the emulated device (feature `cuda-emu`): the same kernels on the CPU
 //! ```
 //!
@@ -44,6 +45,8 @@ pub mod error;
 pub mod fused_gate;
 mod launch;
 pub mod module;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod norm;
 pub mod nvrtc;
 pub mod optim;

@@ -7,6 +7,7 @@
 //! launch.rs     a launch: limits, argument kinds, blocks over rayon, errors naming the kernel
 //! memory.rs     device memory as guarded host pages; live buffers for error reports
 //! blas.rs       the cuBLAS calls the backend makes, with cuBLAS's semantics, on the CPU
+//! nccl.rs       the NCCL calls, with NCCL's contract, through the host collective (TCP)
 //! ```
 //!
 //! [`crate::cuda::CudaDevice`] runs on the emulator when no driver loads (or when
@@ -23,6 +24,7 @@ mod ffi;
 pub(crate) mod launch;
 pub(crate) mod memory;
 mod mutants;
+pub(crate) mod nccl;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
