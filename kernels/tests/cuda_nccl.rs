@@ -66,7 +66,9 @@ mod emulated {
         assert_eq!((comm.rank(), comm.world_size()), (rank, world));
         assert_eq!(comm.describe(), "emulated NCCL (host collective)");
         let mut results = Results::new();
-        for n in [0, 1, world + 1, 10_007] {
+        let before = device.counters();
+        let sizes = [0, 1, world + 1, 10_007];
+        for n in sizes {
             let data: Vec<f32> = (0..n).map(|i| value(rank, i)).collect();
             for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
                 let mut buffer = device.upload(&data).unwrap();
@@ -95,6 +97,13 @@ mod emulated {
             results.push((bits(&device.download(&gathered).unwrap()), bits(&host_gathered), true));
         }
 
+        let counted = device.counters().since(&before);
+        assert_eq!(counted.collectives, (sizes.len() * (3 + world + 2)) as u64, "every collective is counted");
+        let bytes: usize = sizes.iter().map(|n| 4 * n * (3 + world + world + world)).sum();
+        assert_eq!(
+            counted.collective_bytes, bytes as u64,
+            "all_reduce, broadcast: n; reduce_scatter, all_gather: n × W"
+        );
         let send = device.upload(&[1.0f32; 5]).unwrap();
         let mut recv = device.alloc::<f32>(2).unwrap();
         let wrong = comm.reduce_scatter(&send, &mut recv, ReduceOp::Sum);
@@ -106,6 +115,7 @@ mod emulated {
             "another device's buffer"
         );
         assert!(matches!(comm.broadcast(&mut recv, world), Err(CudaError::Shape { .. })), "root out of range");
+        assert_eq!(device.counters().since(&before).collectives, counted.collectives, "refused calls are not counted");
 
         let watchdog = comm.watchdog_handle();
         watchdog.async_error().expect("no asynchronous error");

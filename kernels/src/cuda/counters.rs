@@ -1,6 +1,6 @@
 //! Per-device counters of the work a device is asked to do: kernel launches by kernel,
-//! cuBLAS products and their FLOPs by precision, memsets, host synchronisations, copies and
-//! the bytes each launch touches.
+//! cuBLAS products and their FLOPs by precision, memsets, host synchronisations, copies,
+//! the bytes each launch touches, and NCCL collectives.
 //!
 //! They are counted where the work is queued (`CudaDevice::launch`, the cuBLAS wrappers,
 //! the copy and fill methods, `synchronize`), before the backend is chosen, so a GPU and the
@@ -55,10 +55,16 @@ pub struct DeviceCounters {
     /// output when it accumulates); for a copy or memset, its bytes. An upper bound on the
     /// traffic (a kernel may touch part of a buffer), exact for whole-buffer kernels.
     pub bytes_touched: u64,
+    /// NCCL collectives (`NcclComm`'s all-reduce, broadcast, reduce-scatter, all-gather; not
+    /// in `launches`).
+    pub collectives: u64,
+    /// Bytes of the buffers the collectives reduce or fill (the all-reduced or broadcast
+    /// buffer, the reduce-scatter's input, the all-gather's output).
+    pub collective_bytes: u64,
 }
 
 /// The names of [`DeviceCounters`]' scalar fields, in the order of `DeviceCounters::fields`.
-const FIELD_NAMES: [&str; 16] = [
+const FIELD_NAMES: [&str; 18] = [
     "launches",
     "bf16_gemm_calls",
     "f32_gemm_calls",
@@ -75,6 +81,8 @@ const FIELD_NAMES: [&str; 16] = [
     "buffer_requests",
     "driver_allocations",
     "bytes_touched",
+    "collectives",
+    "collective_bytes",
 ];
 
 impl DeviceCounters {
@@ -92,16 +100,16 @@ impl DeviceCounters {
     }
 
     /// The scalar counters with their field names, for reports and JSON.
-    pub fn totals(&self) -> [(&'static str, u64); 16] {
+    pub fn totals(&self) -> [(&'static str, u64); 18] {
         let values = self.fields();
         std::array::from_fn(|i| (FIELD_NAMES[i], values[i]))
     }
 
-    fn fields(&self) -> [u64; 16] {
+    fn fields(&self) -> [u64; 18] {
         self.fields_ref().map(|field| *field)
     }
 
-    fn fields_ref(&self) -> [&u64; 16] {
+    fn fields_ref(&self) -> [&u64; 18] {
         [
             &self.launches,
             &self.bf16_gemm_calls,
@@ -119,10 +127,12 @@ impl DeviceCounters {
             &self.buffer_requests,
             &self.driver_allocations,
             &self.bytes_touched,
+            &self.collectives,
+            &self.collective_bytes,
         ]
     }
 
-    fn fields_mut(&mut self) -> [&mut u64; 16] {
+    fn fields_mut(&mut self) -> [&mut u64; 18] {
         [
             &mut self.launches,
             &mut self.bf16_gemm_calls,
@@ -140,6 +150,8 @@ impl DeviceCounters {
             &mut self.buffer_requests,
             &mut self.driver_allocations,
             &mut self.bytes_touched,
+            &mut self.collectives,
+            &mut self.collective_bytes,
         ]
     }
 }
@@ -232,6 +244,14 @@ impl Counters {
         c.device_copies += 1;
         c.bytes_touched += 2 * bytes as u64;
     }
+
+    /// One NCCL collective over a buffer of `bytes`.
+    #[cfg(feature = "nccl")]
+    pub(crate) fn collective(&self, bytes: usize) {
+        let mut c = self.lock();
+        c.collectives += 1;
+        c.collective_bytes += bytes as u64;
+    }
 }
 
 #[cfg(test)]
@@ -252,6 +272,8 @@ mod tests {
         counters.sync();
         counters.memset(16);
         counters.device_copy(32);
+        #[cfg(feature = "nccl")]
+        counters.collective(40);
         let delta = counters.snapshot(5, 1).since(&before);
         assert_eq!(delta.launches_by_kernel, BTreeMap::from([("b", 2), ("cublasGemmEx", 1)]));
         let totals: BTreeMap<&str, u64> = delta.totals().into_iter().collect();
@@ -272,6 +294,8 @@ mod tests {
             ("buffer_requests", 2),
             ("driver_allocations", 0),
             ("bytes_touched", 20 + 24 + 8 + 4 + 16 + 64),
+            ("collectives", u64::from(cfg!(feature = "nccl"))),
+            ("collective_bytes", if cfg!(feature = "nccl") { 40 } else { 0 }),
         ];
         assert_eq!(totals, BTreeMap::from(expected));
     }

@@ -430,6 +430,12 @@ impl CudaDevice {
             .map_err(|e| CudaError::driver("cuMemcpyDtoDAsync", e))
     }
 
+    /// Counts one NCCL collective over `bytes` (before the backend is chosen, like the rest).
+    #[cfg(feature = "nccl")]
+    pub(crate) fn count_collective(&self, bytes: usize) {
+        self.counters.collective(bytes);
+    }
+
     /// Errors unless `buffer` was allocated by this device.
     pub(crate) fn check_owner<T: DeviceScalar>(&self, op: &'static str, buffer: &DeviceBuffer<T>) -> Result<()> {
         ensure(buffer.belongs_to(&self.allocator), op, || format!("{buffer:?} belongs to another device"))
