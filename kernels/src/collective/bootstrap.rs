@@ -119,7 +119,8 @@ pub(super) fn join(
         stream.write_all(&hello).map_err(io_error(format!("rank {rank} sending its hello to rank 0")))?;
         (receive_table(&mut stream, rank, world_size)?, ring_listener)
     };
-    connect_ring(rank, world_size, nonce, &table, &ring_listener, deadline, timeout).map(Some)
+    // A fresh deadline: a rank that joined early may have waited most of the first for the others.
+    connect_ring(rank, world_size, nonce, &table, &ring_listener, Instant::now() + timeout, timeout).map(Some)
 }
 
 fn bind_ring_listener(ip: IpAddr) -> Result<TcpListener, CollectiveError> {
