@@ -10,6 +10,7 @@ pub mod console;
 pub mod data;
 pub mod device;
 pub mod dir_lock;
+pub mod dist;
 pub mod export;
 pub mod fingerprint;
 pub mod generate;

@@ -80,6 +80,9 @@ enum Command {
     Analyze(Box<trainer::analyze::AnalyzeArgs>),
     /// Train a ResNet image classifier (defaults: narrow ResNet-18 on the built-in digits).
     TrainImage(Box<TrainImageArgs>),
+    /// Run this node's ranks of a data-parallel job (`launch --nproc-per-node 2 -- train ...`):
+    /// torchrun's environment, output prefixed `[rank r]`, a failed rank stops the job.
+    Launch(Box<trainer::dist::LaunchArgs>),
     /// Reproduce a paper's table: train every row of a grid (or --variants) under identical
     /// data, seeds, steps and schedule; print and write the table (mean ± SE over seeds, Δ%,
     /// parameters, throughput) and the validation curves. Defaults: llama-tiny, 200 steps of
@@ -474,6 +477,11 @@ fn run(cli: Cli) -> Result<()> {
             emit!("loads in transformers as {class}")?;
         }
         Command::Analyze(args) => trainer::analyze::run(&args)?,
+        Command::Launch(args) => match trainer::dist::launch(&args)? {
+            0 => {}
+            // The failing rank's code; it already said why on stderr.
+            code => std::process::exit(code),
+        },
         Command::Compare(args) => trainer::compare::cli::run(&args)?,
         Command::TrainImage(args) => {
             let (resume, overwrite, named) = (args.resume, args.overwrite, args.out_dir.is_some());
