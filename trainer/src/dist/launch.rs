@@ -3,6 +3,9 @@
 //! MASTER_ADDR, MASTER_PORT), their output prefixed `[rank r] `; stops the job when a rank
 //! fails and can restart it with `--resume`.
 //!
+//! Each rank also gets GROUP_RANK (the node rank) and TORCHELASTIC_RESTART_COUNT (0, then
+//! 1, 2... on restarts), as torchrun sets them.
+//!
 //! Signals: Ctrl-C at a terminal reaches the launcher and every rank (one process group): the
 //! ranks stop as a lone `train` does (checkpoints are atomic) and so does the launcher. A
 //! signal to the launcher alone (SIGTERM, SIGKILL) ends it; each rank holds the read end of
@@ -77,14 +80,14 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
     let mut restart = 0;
     while let Some(failure) = run_ranks(args, &program, &command, restart)? {
         if restart == args.max_restarts {
-            eprintln!("launch: rank {} {}: stopping the job", failure.rank, failure.how);
+            note(&format!("rank {} {}: stopping the job", failure.rank, failure.how));
             return Ok(failure.code);
         }
         restart += 1;
-        eprintln!(
-            "launch: rank {} {}: restarting all ranks with --resume (restart {restart} of {})",
+        note(&format!(
+            "rank {} {}: restarting all ranks with --resume (restart {restart} of {})",
             failure.rank, failure.how, args.max_restarts
-        );
+        ));
         // --overwrite conflicts with --resume: the restart continues what the first try wrote.
         command.retain(|arg| arg != "--overwrite");
         if !command.iter().any(|arg| arg == "--resume") {
@@ -205,18 +208,23 @@ fn wait_all(ranks: &mut [Rank], grace: Duration) -> Result<Option<Failure>> {
         }
         if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
             for rank in ranks.iter().filter(|rank| rank.status.is_none()) {
-                eprintln!(
-                    "launch: rank {} still running {} s after rank {} failed: killing it",
+                note(&format!(
+                    "rank {} still running {} s after rank {} failed: killing it",
                     rank.rank,
                     grace.as_secs_f64(),
                     failure.as_ref().map_or(0, |f| f.rank)
-                );
+                ));
             }
             kill_all(ranks);
             return Ok(failure);
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The launcher's own line on stderr, `launch: ` first (best effort: the exit code still tells).
+fn note(line: &str) {
+    let _ = writeln!(std::io::stderr(), "launch: {line}");
 }
 
 /// Kills (SIGKILL) and reaps every rank still running.

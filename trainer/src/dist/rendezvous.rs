@@ -3,7 +3,7 @@
 //! training config's fingerprint, creates the communicator id (NCCL's unique id) and sends it
 //! to everyone. The sockets stay open as the [`ControlChannel`].
 
-use std::io::ErrorKind;
+use std::io::{ErrorKind, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
@@ -56,6 +56,9 @@ pub(crate) fn connect(
     Ok((id, ControlChannel::start(world.rank, peers, on_stop)?))
 }
 
+/// Each peer's rank and control socket.
+type Peers = Vec<(usize, TcpStream)>;
+
 /// MASTER_ADDR:MASTER_PORT as written.
 fn address(world: &World) -> String {
     format!("{}:{}", world.master_addr, world.master_port)
@@ -68,7 +71,7 @@ fn host(
     timeout: Duration,
     deadline: Instant,
     make_id: impl FnOnce() -> Result<[u8; 128]>,
-) -> Result<([u8; 128], Vec<(usize, TcpStream)>)> {
+) -> Result<([u8; 128], Peers)> {
     let address = address(world);
     let listener = TcpListener::bind((world.master_addr.as_str(), world.master_port)).map_err(|error| {
         let hint = match error.kind() {
@@ -85,7 +88,7 @@ fn host(
         ))
     })?;
     listener.set_nonblocking(true).context("setting up the rendezvous listener")?;
-    let mut peers: Vec<(usize, TcpStream)> = Vec::new();
+    let mut peers: Peers = Vec::new();
     while peers.len() < world.world_size - 1 {
         let (mut stream, from) = match listener.accept() {
             Ok(accepted) => accepted,
@@ -120,7 +123,10 @@ fn host(
             Ok(hello) if hello.magic == MAGIC => hello,
             // A port scan or a health check, not a rank: the rendezvous goes on.
             _ => {
-                eprintln!("warning: ignoring a connection to {address} from {from} that is not a transponder rank");
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "warning: ignoring a connection to {address} from {from} that is not a transponder rank"
+                );
                 continue;
             }
         };
@@ -189,12 +195,7 @@ fn refuse_all(peers: &mut [(usize, TcpStream)], problem: String) -> anyhow::Erro
 }
 
 /// A non-zero rank's side: rank 0's socket, once it accepted this rank, and the id.
-fn join(
-    world: &World,
-    fingerprint: u64,
-    timeout: Duration,
-    deadline: Instant,
-) -> Result<([u8; 128], Vec<(usize, TcpStream)>)> {
+fn join(world: &World, fingerprint: u64, timeout: Duration, deadline: Instant) -> Result<([u8; 128], Peers)> {
     let address = address(world);
     let mut pause = Duration::from_millis(50);
     let mut stream = loop {

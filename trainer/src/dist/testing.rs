@@ -34,6 +34,9 @@ pub fn test_id() -> [u8; 128] {
     std::array::from_fn(|i| i as u8)
 }
 
+/// One rank's rendezvous result.
+pub type Met = Result<([u8; 128], ControlChannel)>;
+
 /// The lines ranks stopped with, as (rank, line).
 pub struct Stops(Receiver<(usize, String)>);
 
@@ -53,10 +56,7 @@ impl Stops {
 
 /// Runs the rendezvous of each (world, fingerprint) in its own thread; the results in the
 /// same order, and the stop lines.
-pub fn rendezvous_all(
-    ranks: Vec<(World, u64)>,
-    timeout: Duration,
-) -> (Vec<Result<([u8; 128], ControlChannel)>>, Stops) {
+pub fn rendezvous_all(ranks: Vec<(World, u64)>, timeout: Duration) -> (Vec<Met>, Stops) {
     let (sender, receiver) = channel();
     let threads: Vec<_> = ranks
         .into_iter()

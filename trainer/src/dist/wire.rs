@@ -19,10 +19,15 @@ pub const NO_STEP: u64 = u64::MAX;
 /// What a rank tells rank 0 when it connects.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Hello {
+    /// [`MAGIC`] from a transponder rank.
     pub magic: [u8; 4],
+    /// The sender's [`PROTOCOL_VERSION`].
     pub version: u32,
+    /// The sender's rank.
     pub rank: u64,
+    /// The world size the sender was started with.
     pub world_size: u64,
+    /// The sender's training config fingerprint.
     pub fingerprint: u64,
 }
 
@@ -111,9 +116,13 @@ pub enum Tag {
 /// One control-channel message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Frame {
+    /// What happened.
     pub tag: Tag,
+    /// The rank it happened to.
     pub origin: usize,
+    /// The step it happened at, [`NO_STEP`] before the first.
     pub step: u64,
+    /// A failure's message (empty otherwise).
     pub message: String,
 }
 
