@@ -8,7 +8,7 @@
 #     bench/gpu/bundle.sh            # then: echo /.gpu/ >> .git/info/exclude (once)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-FEATURES="kernels/cuda,tensor/cuda,autograd/cuda,nn/cuda,models/cuda,trainer/cuda,transponder-tests/cuda"
+FEATURES="kernels/cuda,kernels/nccl,tensor/cuda,autograd/cuda,nn/cuda,models/cuda,trainer/cuda,trainer/nccl,transponder-tests/cuda"
 # A separate target directory: stripped, no debug info, and the main build cache untouched.
 export CARGO_TARGET_DIR=target/gpu CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=symbols
 rm -rf .gpu/bin && mkdir -p .gpu/bin

@@ -8,7 +8,7 @@
 # DEADLINE (seconds, default none) caps the whole script: each step's timeout shrinks to
 # what is left of it, and a step with under 10 s left is skipped, saying so.
 #
-#     bash bench/gpu/run.sh [steps...]     # steps: tests bench timer compare train (default: all)
+#     bash bench/gpu/run.sh [steps...]     # steps: tests bench timer nccl compare train (default: all)
 #     DEADLINE=300 TRAIN_STEPS=100 COMPARE_ARGS="--repeats 1" bash bench/gpu/run.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -43,7 +43,7 @@ step() {
     tail -n 25 "$LOGS/$name.log"
     tar -C /tmp/gpu -czf "$OUT/logs.tgz" logs
 }
-steps=${*:-tests bench timer compare train}
+steps=${*:-tests bench timer nccl compare train}
 for s in $steps; do
     case $s in
     tests)
@@ -56,6 +56,8 @@ for s in $steps; do
         done
         ;;
     bench) step cuda-bench "$BIN/cuda-bench" ;;
+    # Real NCCL: world size 1 against one process (bit for bit), 2 ranks on the GPU where NCCL allows it.
+    nccl) step nccl bash bench/gpu/nccl_check.sh "$BIN" ;;
     timer)
         # One step's time per kernel family (CUDA events around every launch) and the step's
         # device counters, for both variants at the measured setting (vocab 256, 32 x 256).

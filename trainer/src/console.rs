@@ -15,6 +15,21 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Set once a progress line could not be written: later ones are not attempted.
 static STDOUT_LOST: AtomicBool = AtomicBool::new(false);
+/// Set on the ranks other than 0 of a data-parallel run: they print errors only.
+static QUIET: AtomicBool = AtomicBool::new(false);
+
+/// Drops every later progress line and warning of this process (a data-parallel rank other
+/// than 0: rank 0 speaks for the run; errors still go to stderr).
+pub fn set_quiet() {
+    QUIET.store(true, Ordering::Relaxed);
+}
+
+/// Prints a warning line on stderr, unless [`set_quiet`] was called.
+pub fn warn(line: fmt::Arguments<'_>) {
+    if !QUIET.load(Ordering::Relaxed) {
+        let _ = writeln!(io::stderr(), "warning: {line}");
+    }
+}
 
 /// Writing a result to stdout failed.
 #[derive(Debug, thiserror::Error)]
@@ -35,7 +50,7 @@ impl StdoutError {
 /// Prints a progress line; after a failed write, notes it once on stderr and drops this and
 /// every later line.
 pub fn say(line: fmt::Arguments<'_>) {
-    if STDOUT_LOST.load(Ordering::Relaxed) {
+    if STDOUT_LOST.load(Ordering::Relaxed) || QUIET.load(Ordering::Relaxed) {
         return;
     }
     if let Err(error) = write_line(line) {

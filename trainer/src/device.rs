@@ -51,6 +51,18 @@ fn gpu_label(ordinal: usize) -> String {
     format!("cuda:{ordinal}")
 }
 
+/// How many GPUs this process can open (the emulated device counts as one).
+#[cfg(feature = "cuda")]
+pub fn gpu_count() -> usize {
+    tensor::cuda::device_count()
+}
+
+/// How many GPUs this process can open: none, in a build without CUDA.
+#[cfg(not(feature = "cuda"))]
+pub fn gpu_count() -> usize {
+    0
+}
+
 /// Errors, saying what to do, unless `device` can run this command: the CPU always can; a
 /// GPU needs a build with the `cuda` feature and a GPU the driver can open.
 pub fn ensure_available(device: Device) -> Result<()> {

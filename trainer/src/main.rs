@@ -265,9 +265,19 @@ struct TrainArgs {
     /// Tokens per sequence (default 128).
     #[arg(long)]
     seq_len: Option<usize>,
-    /// Micro-batches summed per optimizer step (default 1).
+    /// Micro-batches summed per optimizer step on each rank (default 1).
     #[arg(long)]
     grad_accum: Option<usize>,
+    /// Sequences per optimizer step over all ranks; --grad-accum is then derived from it and the
+    /// world size (a resumed run keeps its global batch unless --batch-size or --grad-accum is given).
+    #[arg(long)]
+    global_batch: Option<usize>,
+    /// Seconds a gradient all-reduce may take before every rank stops (data parallel; default 600).
+    #[arg(long)]
+    collective_timeout: Option<u64>,
+    /// Seconds the ranks wait for each other at start-up (data parallel; default 300).
+    #[arg(long)]
+    rendezvous_timeout: Option<u64>,
     /// Optimizer steps (default 300).
     #[arg(long)]
     steps: Option<usize>,
@@ -333,6 +343,12 @@ impl TrainArgs {
             c.text = None;
         }
         c.text = self.text.or(c.text);
+        // A new batch split re-derives the global batch; else a resumed run keeps its own
+        // (and its grad_accum follows the world size).
+        if self.batch_size.is_some_and(|b| b != c.batch_size) || self.grad_accum.is_some_and(|a| a != c.grad_accum) {
+            c.global_batch = 0;
+        }
+        set!(global_batch, collective_timeout, rendezvous_timeout);
         set!(model, variant, tokenizer, batch_size, seq_len, grad_accum, steps, lr, optimizer, weight_decay);
         set!(schedule, warmup, grad_clip, sampling, eval_every, eval_batches, save_every, log_every, seed, out_dir);
         set!(d_model, d_basis, d_ctx, ccl_mode, ccl_ablation, momentum, rank, coverage, phi, device, data_format);
@@ -426,9 +442,18 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train(args) => {
             let (resume, overwrite, named) = (args.resume, args.overwrite, args.out_dir.is_some());
             let mut config = args.into_config()?;
-            let named = named || config.out_dir != TrainConfig::default().out_dir;
-            let (out_dir, _lock) = claim(&config.out_dir, Claim::from_flags(resume, overwrite, named))?;
-            config.out_dir = out_dir;
+            // Data parallel: every rank uses the directory named; rank 0 alone claims it (and
+            // writes into it).
+            let world = trainer::dist::World::from_env()?;
+            let named = named || config.out_dir != TrainConfig::default().out_dir || world.is_some();
+            let _lock = match world {
+                Some(world) if !world.is_leader() => None,
+                _ => {
+                    let (out_dir, lock) = claim(&config.out_dir, Claim::from_flags(resume, overwrite, named))?;
+                    config.out_dir = out_dir;
+                    Some(lock)
+                }
+            };
             let report = train(&config, resume)?;
             if report.steps_run == 0 {
                 say!("done: nothing left to train; the run is complete at step {}", report.steps);

@@ -423,6 +423,14 @@ pub fn train_image(config: &ImageTrainConfig, resume: bool) -> Result<ImageTrain
     // Declared first, so it runs last: the run's buffers are freed, not kept for shapes
     // that will not come again.
     let _release_pool = tensor::pool::ReleaseOnDrop;
+    if let Some(world) = crate::dist::World::from_env()? {
+        anyhow::bail!(
+            "train-image does not train data parallel yet (launched as rank {} of {}): batch norm's running \
+             statistics would drift apart across ranks; run it as one process",
+            world.rank,
+            world.world_size
+        );
+    }
     config.validate()?;
     let what = format!("{} of width {}", config.model, config.base_width);
     let parameters = crate::memory::resnet_parameters(config.base_width);

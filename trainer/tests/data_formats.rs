@@ -10,7 +10,7 @@ use trainer::data::token_file::{LLMC_GPT2_MAGIC, LLMC_HEADER_BYTES, LLMC_LLAMA3_
 use trainer::data::{
     check_vocab, load_cifar10, load_cifar100, load_cifar100_dir, load_cifar10_dir, load_digits_csv_gz, write_llmc,
     write_nanogpt_raw, Augmentation, BatchSampler, Cifar100Labels, DataFormat, ImageLoader, Normalization,
-    RandomSampler, SequentialSampler, Split, SplitMix64, TokenFile, TokenFormat,
+    RandomSampler, SequentialSampler, Shard, Split, SplitMix64, TokenFile, TokenFormat,
 };
 use trainer::prepare::{prepare, MIN_SPLIT_TOKENS, PROGRESS_BAR_MIN_BYTES};
 use trainer::tokenizer::Tokenizer;
@@ -293,6 +293,37 @@ fn random_sampler_windows_are_consistent_and_seeded() {
     }
     assert_eq!(batch, s2.next_batch().unwrap());
     assert_ne!(batch, s3.next_batch().unwrap());
+}
+
+/// Data parallel: `W` ranks × batch `B` see, micro-batch by micro-batch, the rows one process
+/// sees with batch `B` and `W` micro-batches; every rank's state equals the single process's
+/// after the same rows, so a checkpoint resumes at any world size.
+#[test]
+fn sharded_samplers_split_the_global_stream_and_share_its_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let (b, t) = (2, 5);
+    for world in [1, 2, 4] {
+        let mut single = RandomSampler::new(ramp_file(dir.path(), 3000), b, t, 7).unwrap();
+        let mut single_seq = SequentialSampler::new(ramp_file(dir.path(), 97), b, t).unwrap();
+        let mut ranks: Vec<RandomSampler> = (0..world)
+            .map(|rank| {
+                RandomSampler::new(ramp_file(dir.path(), 3000), b, t, 7).unwrap().sharded(Shard { rank, world })
+            })
+            .collect();
+        let mut ranks_seq: Vec<SequentialSampler> = (0..world)
+            .map(|rank| SequentialSampler::new(ramp_file(dir.path(), 97), b, t).unwrap().sharded(Shard { rank, world }))
+            .collect();
+        for _micro_batch in 0..5 {
+            for rank in 0..world {
+                assert_eq!(ranks[rank].next_batch().unwrap(), single.next_batch().unwrap(), "W {world} rank {rank}");
+                assert_eq!(ranks_seq[rank].next_batch().unwrap(), single_seq.next_batch().unwrap(), "W {world}");
+            }
+            for rank in 0..world {
+                assert_eq!(ranks[rank].export_state(), single.export_state());
+                assert_eq!(ranks_seq[rank].export_state(), single_seq.export_state());
+            }
+        }
+    }
 }
 
 #[test]

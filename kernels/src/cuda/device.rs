@@ -112,6 +112,25 @@ impl CudaDevice {
         }
     }
 
+    /// How many devices [`CudaDevice::new`] can open: the driver's GPUs, else (feature
+    /// `cuda-emu`) the emulated device 0, else none. `TRANSPONDER_CUDA` is honoured as there.
+    pub fn count() -> usize {
+        let emulated = usize::from(cfg!(feature = "cuda-emu"));
+        let mode = std::env::var("TRANSPONDER_CUDA");
+        if mode.as_deref() == Ok("emulate") {
+            return emulated;
+        }
+        let gpus = probe_libraries()
+            .ok()
+            .and_then(|()| catch_unwind(CudaContext::device_count).ok()?.ok())
+            .map_or(0, |n| usize::try_from(n).unwrap_or(0));
+        if gpus > 0 || mode.as_deref() == Ok("driver") {
+            gpus
+        } else {
+            emulated
+        }
+    }
+
     /// A GPU through the driver.
     fn on_driver(ordinal: usize) -> Result<CudaDevice> {
         probe_libraries()?;

@@ -49,6 +49,11 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
     Ok(dev)
 }
 
+/// How many GPUs [`device`] can open (the emulated device counts as one).
+pub fn device_count() -> usize {
+    CudaDevice::count()
+}
+
 /// True when GPU 0 can be opened (tests use this to skip, saying so, on machines without one).
 pub fn is_available() -> bool {
     device(0).is_ok()

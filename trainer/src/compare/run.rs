@@ -100,7 +100,8 @@ impl RunConfig {
     /// The config as JSON (as in the run's `config.json`).
     pub fn to_json(&self) -> Result<Value> {
         Ok(match self {
-            RunConfig::Language(c) => serde_json::to_value(c)?,
+            // As the run records it: with its global batch derived.
+            RunConfig::Language(c) => serde_json::to_value(c.for_world(c.world_size)?)?,
             RunConfig::Image(c) => serde_json::to_value(c)?,
         })
     }

@@ -60,12 +60,24 @@ pub struct TrainConfig {
     pub data_format: DataFormat,
     /// Tokenizer used to prepare `text` (`byte` or `gpt2`).
     pub tokenizer: String,
-    /// Sequences per micro-batch.
+    /// Sequences per micro-batch (on each rank, when data parallel).
     pub batch_size: usize,
     /// Tokens per sequence (the context window T).
     pub seq_len: usize,
-    /// Micro-batches whose gradients are summed before each optimizer step.
+    /// Micro-batches whose gradients are summed before each optimizer step (on each rank).
     pub grad_accum: usize,
+    /// Sequences per optimizer step over every rank, `world_size × batch_size × grad_accum`
+    /// (`--global-batch`); 0 until [`TrainConfig::for_world`] derives it. When given,
+    /// `grad_accum` follows from it and the world size.
+    pub global_batch: usize,
+    /// Data-parallel ranks (processes) the run trains on: set from the launcher's
+    /// environment (`WORLD_SIZE`), never a flag.
+    pub world_size: usize,
+    /// Seconds one collective (the gradient all-reduce) may take before every rank stops
+    /// (`--collective-timeout`): a dead or hung rank must not leave the others waiting forever.
+    pub collective_timeout: u64,
+    /// Seconds the ranks wait for each other to join at start-up (`--rendezvous-timeout`).
+    pub rendezvous_timeout: u64,
     /// Optimizer steps of the whole run (a resumed run continues up to this count).
     pub steps: usize,
     /// Peak learning rate (the schedule scales it).
@@ -138,6 +150,10 @@ impl Default for TrainConfig {
             batch_size: 16,
             seq_len: 128,
             grad_accum: 1,
+            global_batch: 0,
+            world_size: 1,
+            collective_timeout: 600,
+            rendezvous_timeout: 300,
             steps: 300,
             lr: 3e-3,
             optimizer: OptimizerKind::AdamW,
@@ -218,6 +234,29 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// This config on `world_size` ranks: with `global_batch` set, `grad_accum` becomes
+    /// `global_batch / (world_size × batch_size)` (an error when that does not divide);
+    /// else `global_batch` becomes `world_size × batch_size × grad_accum`.
+    pub fn for_world(&self, world_size: usize) -> Result<TrainConfig> {
+        let mut config = self.clone();
+        config.world_size = world_size;
+        let per_micro_batch = world_size.saturating_mul(self.batch_size);
+        if self.global_batch == 0 {
+            config.global_batch = per_micro_batch.saturating_mul(self.grad_accum);
+        } else {
+            if per_micro_batch == 0 || !self.global_batch.is_multiple_of(per_micro_batch) {
+                bail!(
+                    "global batch {} is not a multiple of world size {world_size} × batch size {} = {per_micro_batch} \
+                     sequences per micro-batch: change --global-batch or --batch-size",
+                    self.global_batch,
+                    self.batch_size
+                );
+            }
+            config.grad_accum = self.global_batch / per_micro_batch;
+        }
+        Ok(config)
+    }
+
     /// Checks every field that could otherwise fail late, naming the field and the valid values.
     pub fn validate(&self) -> Result<()> {
         for (name, value) in [
@@ -227,6 +266,9 @@ impl TrainConfig {
             ("steps", self.steps),
             ("log_every", self.log_every),
             ("eval_batches", self.eval_batches),
+            ("world_size", self.world_size),
+            ("collective_timeout", self.collective_timeout as usize),
+            ("rendezvous_timeout", self.rendezvous_timeout as usize),
         ] {
             if value == 0 {
                 bail!("{name} must be at least 1");
@@ -256,6 +298,8 @@ impl TrainConfig {
                 self.grad_accum
             );
         }
+        // A global batch the world size and batch size cannot make is an error naming both.
+        self.for_world(self.world_size)?;
         crate::device::check_bf16(self.device, self.bf16)?;
         if self.lazy_tables && self.device != Device::Cpu {
             bail!("lazy_tables (row-sparse table updates) runs on the CPU only; drop it for --device cuda");
@@ -299,6 +343,20 @@ mod tests {
         let set = TrainConfig { rank: 4, coverage: "attn".into(), post_ln: true, phi: "silu".into(), ..c };
         let m = crate::train::model_config(&set, 256).unwrap();
         assert_eq!((m.rank, m.coverage.as_str(), m.post_ln, m.phi.as_str()), (4, "attn", true, "silu"));
+    }
+
+    #[test]
+    fn the_global_batch_fixes_grad_accum_for_every_world_size() {
+        let fixed = TrainConfig { batch_size: 2, global_batch: 8, ..TrainConfig::default() };
+        for (world, accum) in [(1, 4), (2, 2), (4, 1)] {
+            let config = fixed.for_world(world).unwrap();
+            assert_eq!((config.grad_accum, config.world_size), (accum, world));
+            config.validate().unwrap();
+        }
+        let msg = fixed.for_world(3).unwrap_err().to_string();
+        assert!(msg.contains("not a multiple of world size 3 × batch size 2"), "{msg}");
+        let derived = TrainConfig { batch_size: 2, grad_accum: 3, ..TrainConfig::default() };
+        assert_eq!(derived.for_world(2).unwrap().global_batch, 12);
     }
 
     #[test]

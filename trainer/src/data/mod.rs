@@ -17,5 +17,5 @@ pub use images::{
     load_cifar10, load_cifar100, load_cifar100_dir, load_cifar10_dir, load_digits_csv_gz, Augmentation, Cifar100Labels,
     ImageBatch, ImageDataset, ImageLoader, Normalization, Split,
 };
-pub use sampler::{BatchSampler, RandomSampler, SequentialSampler, SplitMix64, TokenBatch};
+pub use sampler::{BatchSampler, RandomSampler, SequentialSampler, Shard, SplitMix64, TokenBatch};
 pub use token_file::{check_vocab, write_llmc, write_nanogpt_raw, DataFormat, TokenFile, TokenFormat};

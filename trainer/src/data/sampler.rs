@@ -13,6 +13,13 @@
 //!
 //! Both export their whole state as `u64`s, so a resumed run draws bit-for-bit the same batches
 //! as an uninterrupted one.
+//!
+//! Data parallel ([`Shard`]): with `W` ranks, every rank's sampler draws the same global
+//! stream, `W·B` windows per micro-batch, and keeps only its own `B` (rank `r` the `r`-th run
+//! of `B`). The state therefore does not depend on `W`: after `n` micro-batches of `W·B`
+//! windows it equals the state of one process that drew the same windows, so a checkpoint
+//! resumes at any world size, and `W` ranks × `B` see the rows one process sees with batch
+//! `B` and `W` micro-batches (llm.c's loader gives each rank a disjoint slice the same way).
 
 use anyhow::{ensure, Context, Result};
 
@@ -106,6 +113,25 @@ pub trait BatchSampler {
     fn import_state(&mut self, state: &[u64]) -> Result<()>;
 }
 
+/// Which rows of the global stream a rank keeps: run `rank` of `B` rows out of every `world · B`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    /// This process's rank, `0 .. world`.
+    pub rank: usize,
+    /// Number of ranks (1: a single process keeps every row).
+    pub world: usize,
+}
+
+impl Shard {
+    /// The whole stream: one process.
+    pub const WHOLE: Shard = Shard { rank: 0, world: 1 };
+
+    /// Whether the `index`-th window drawn for a micro-batch of `batch_size` rows per rank is ours.
+    fn keeps(&self, index: usize, batch_size: usize) -> bool {
+        index / batch_size == self.rank
+    }
+}
+
 /// Checks `B, T >= 1` and that `file` holds a window of `T + 1` tokens.
 fn check_shape(file: &TokenFile, batch_size: usize, seq_len: usize) -> Result<()> {
     ensure!(
@@ -145,6 +171,7 @@ pub struct RandomSampler {
     batch_size: usize,
     seq_len: usize,
     rng: SplitMix64,
+    shard: Shard,
 }
 
 impl RandomSampler {
@@ -152,7 +179,12 @@ impl RandomSampler {
     /// `seed`. Errors when the file is shorter than `seq_len + 1` tokens.
     pub fn new(file: TokenFile, batch_size: usize, seq_len: usize, seed: u64) -> Result<Self> {
         check_shape(&file, batch_size, seq_len)?;
-        Ok(RandomSampler { file, batch_size, seq_len, rng: SplitMix64::new(seed) })
+        Ok(RandomSampler { file, batch_size, seq_len, rng: SplitMix64::new(seed), shard: Shard::WHOLE })
+    }
+
+    /// The same sampler keeping only `shard`'s rows of each `world · B` drawn.
+    pub fn sharded(self, shard: Shard) -> Self {
+        RandomSampler { shard, ..self }
     }
 
     /// The file windows are drawn from.
@@ -168,10 +200,13 @@ impl BatchSampler for RandomSampler {
         let mut window = vec![0u32; t + 1];
         // Number of valid start offsets: 0 ..= len - (T+1).
         let starts = (self.file.len() - t) as u64;
-        for _ in 0..b {
+        // Every rank draws every start (rejection sampling makes the draws per window vary).
+        for index in 0..b * self.shard.world {
             let start = self.rng.below(starts) as usize;
-            self.file.copy_window(start, t + 1, &mut window)?;
-            push_window(&window, &mut batch);
+            if self.shard.keeps(index, b) {
+                self.file.copy_window(start, t + 1, &mut window)?;
+                push_window(&window, &mut batch);
+            }
         }
         Ok(batch)
     }
@@ -195,6 +230,7 @@ pub struct SequentialSampler {
     batch_size: usize,
     seq_len: usize,
     position: usize,
+    shard: Shard,
 }
 
 impl SequentialSampler {
@@ -202,7 +238,12 @@ impl SequentialSampler {
     /// file's first token. Errors when the file is shorter than `seq_len + 1` tokens.
     pub fn new(file: TokenFile, batch_size: usize, seq_len: usize) -> Result<Self> {
         check_shape(&file, batch_size, seq_len)?;
-        Ok(SequentialSampler { file, batch_size, seq_len, position: 0 })
+        Ok(SequentialSampler { file, batch_size, seq_len, position: 0, shard: Shard::WHOLE })
+    }
+
+    /// The same sampler keeping only `shard`'s rows of each `world · B` read.
+    pub fn sharded(self, shard: Shard) -> Self {
+        SequentialSampler { shard, ..self }
     }
 
     /// The file windows are read from.
@@ -232,12 +273,14 @@ impl BatchSampler for SequentialSampler {
         let (b, t) = (self.batch_size, self.seq_len);
         let mut batch = empty_batch(b, t);
         let mut window = vec![0u32; t + 1];
-        for _ in 0..b {
+        for index in 0..b * self.shard.world {
             if self.position + t + 1 > self.file.len() {
                 self.position = 0;
             }
-            self.file.copy_window(self.position, t + 1, &mut window).context("sequential sampler")?;
-            push_window(&window, &mut batch);
+            if self.shard.keeps(index, b) {
+                self.file.copy_window(self.position, t + 1, &mut window).context("sequential sampler")?;
+                push_window(&window, &mut batch);
+            }
             self.position += t;
         }
         Ok(batch)

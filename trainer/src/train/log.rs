@@ -16,7 +16,9 @@ use crate::metrics::{MetricsWriter, StepMetrics};
 /// The log of one run, from its first step (or the checkpoint's) to its last.
 pub(super) struct StepLog {
     progress: ProgressBar,
-    metrics: MetricsWriter,
+    /// `None` on the ranks other than 0 of a data-parallel run, which log nothing.
+    metrics: Option<MetricsWriter>,
+    metrics_path: PathBuf,
     steps: usize,
     log_every: usize,
     tokens_per_step: usize,
@@ -32,23 +34,29 @@ pub(super) struct StepLog {
 impl StepLog {
     /// Opens the metrics file at `metrics_path` — afresh for a new run; for a run resumed at
     /// `start_step`, without the rows the interrupted run logged after its checkpoint — and
-    /// shows the progress bar.
-    pub fn start(config: &TrainConfig, start_step: usize, metrics_path: &Path) -> Result<StepLog> {
-        let metrics = if start_step > 0 {
-            MetricsWriter::resume_at(metrics_path, start_step)?
-        } else {
-            MetricsWriter::create(metrics_path)?
+    /// shows the progress bar. Without a path (a data-parallel rank other than 0), it only
+    /// keeps the numbers of the report.
+    pub fn start(config: &TrainConfig, start_step: usize, metrics_path: Option<&Path>) -> Result<StepLog> {
+        let metrics = match metrics_path {
+            Some(path) if start_step > 0 => Some(MetricsWriter::resume_at(path, start_step)?),
+            Some(path) => Some(MetricsWriter::create(path)?),
+            None => None,
         };
-        let progress = ProgressBar::new(config.steps as u64).with_position(start_step as u64);
+        let progress = match metrics_path {
+            Some(_) => ProgressBar::new(config.steps as u64).with_position(start_step as u64),
+            None => ProgressBar::hidden(),
+        };
         progress.set_style(
             ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} eta {eta}").context("progress bar template")?,
         );
         Ok(StepLog {
             progress,
             metrics,
+            metrics_path: metrics_path.map(Path::to_path_buf).unwrap_or_default(),
             steps: config.steps,
             log_every: config.log_every,
-            tokens_per_step: config.batch_size * config.seq_len * config.grad_accum,
+            // Every rank's tokens: the global batch.
+            tokens_per_step: config.global_batch * config.seq_len,
             start_step,
             started: Instant::now(),
             window: (Instant::now(), start_step),
@@ -92,7 +100,10 @@ impl StepLog {
             )
         });
         self.progress.set_message(format!("loss {loss:.4}"));
-        self.metrics.write(&row)
+        match &mut self.metrics {
+            Some(metrics) => metrics.write(&row),
+            None => Ok(()),
+        }
     }
 
     /// Leaves the progress bar where it stopped (the run ends with an error).
@@ -114,7 +125,7 @@ impl StepLog {
             tokens_per_second: (steps_run * self.tokens_per_step) as f64 / seconds.max(1e-9),
             seconds,
             checkpoint,
-            metrics: self.metrics.path().to_path_buf(),
+            metrics: self.metrics_path,
         }
     }
 

@@ -9,7 +9,9 @@
 //! - [`step`]: one optimizer step, stopped before the update when the loss or the gradient
 //!   norm is not finite;
 //! - [`log`]: the progress bar, the printed lines and the `metrics.jsonl` rows;
-//! - [`evaluate`]: validation loss on sequential windows.
+//! - [`evaluate`]: validation loss on sequential windows;
+//! - [`data_parallel`]: several ranks as one run (the gradient all-reduce, the checks that
+//!   keep the ranks together).
 //!
 //! On a GPU (`config.device`), the model is built and initialised on the host (the same
 //! weights as a CPU run of the same seed), then its parameters move to the device, where
@@ -17,6 +19,7 @@
 //! loss take them as such); each step's loss and gradient norm come back to the host once,
 //! after the backward pass, for the finiteness checks; checkpoints download parameters and state.
 
+mod data_parallel;
 mod evaluate;
 mod log;
 pub mod resume;
@@ -27,9 +30,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use models::llama::LlamaConfig;
+use tensor::Device;
 
 use crate::checkpoint::NonFiniteValue;
 use crate::config::TrainConfig;
+use crate::dist::World;
 
 pub use evaluate::{evaluate, open_eval_data};
 
@@ -109,13 +114,65 @@ pub fn model_config(config: &TrainConfig, vocab_size: usize) -> Result<LlamaConf
 /// (same weights, optimizer state, data position and step: the losses continue exactly).
 /// A resumed `config` is checked against the checkpoint's ([`resume`]): changes that would
 /// not fit it are refused, changes that alter the run's course are printed as warnings.
+///
+/// Launched as one rank of several (the environment of `transponder launch`, torchrun, srun
+/// or mpirun: [`World::from_env`]), it trains data parallel: `config.batch_size` and
+/// `grad_accum` are then per rank, rank 0 alone prints and writes the run's files, and a
+/// GPU run takes the device of its local rank.
 pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
     // Declared first, so it runs last: the run's buffers are freed, not kept for shapes
     // that will not come again.
     let _release_pool = tensor::pool::ReleaseOnDrop;
-    let mut session = Session::start(config, resume)?;
-    let mut log = StepLog::start(config, session.start_step, &session.metrics_path())?;
+    let world = World::from_env()?;
+    let mut config = config.for_world(world.as_ref().map_or(1, |w| w.world_size))?;
+    if let Some(world) = &world {
+        config.device = rank_device(config.device, world)?;
+        if !world.is_leader() {
+            crate::console::set_quiet();
+        }
+    }
+    let mut session = Session::start(&config, resume, world)?;
+    let result = run_steps(&mut session);
+    match (result, session.data_parallel.take()) {
+        (Ok(report), Some(data_parallel)) => {
+            data_parallel.finish()?;
+            Ok(report)
+        }
+        (Err(error), Some(data_parallel)) => {
+            data_parallel.report_failure(&format!("{error:#}"));
+            Err(error)
+        }
+        (result, None) => result,
+    }
+}
+
+/// The GPU of a rank: `--device cuda` (GPU 0) means GPU `LOCAL_RANK`, round-robin when the
+/// node has fewer GPUs than ranks (the emulated device is one GPU: every rank, a process of its
+/// own, gets its own emulated device 0). NCCL before 2.30 refuses two ranks on one GPU.
+fn rank_device(device: Device, world: &World) -> Result<Device> {
+    if device != Device::Cuda(0) {
+        return Ok(device);
+    }
+    crate::device::ensure_available(device)?;
+    let gpus = crate::device::gpu_count().max(1);
+    if world.is_leader() && world.local_world_size > gpus {
+        crate::console::warn(format_args!(
+            "{} ranks on this node and {gpus} GPU(s): local rank r uses GPU r mod {gpus}",
+            world.local_world_size
+        ));
+    }
+    Ok(Device::Cuda(world.local_rank % gpus))
+}
+
+/// The training loop of a started session, from its first step to its last.
+fn run_steps(session: &mut Session) -> Result<TrainReport> {
+    let config = session.config;
+    let metrics_path = session.metrics_path();
+    let mut log = StepLog::start(config, session.start_step, session.is_leader().then_some(metrics_path.as_path()))?;
     for done in session.start_step + 1..=config.steps {
+        if let Some(data_parallel) = &session.data_parallel {
+            data_parallel.set_step(done);
+        }
         let lr = session.schedule.lr_at(done - 1, config.lr);
         let outcome = session.step(done, lr).inspect_err(|_| log.abandon())?;
         let is_last = done == config.steps;
@@ -125,8 +182,7 @@ pub fn train(config: &TrainConfig, resume: bool) -> Result<TrainReport> {
             if evaluates { Some(session.validation_loss(done).inspect_err(|_| log.abandon())?) } else { None };
         log.record(done, lr, outcome, val_loss)?;
         if (config.save_every > 0 && done % config.save_every == 0) || is_last {
-            let saved = session.save(done);
-            saved.map_err(|e| diverged_on_save(e, done, &session.checkpoint_path)).inspect_err(|_| log.abandon())?;
+            session.save_everywhere(done).inspect_err(|_| log.abandon())?;
         }
     }
     Ok(log.finish(session.checkpoint_path.clone()))

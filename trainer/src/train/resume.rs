@@ -13,7 +13,13 @@
 //!   `grad_clip`), and `steps` when the schedule depends on the total (cosine, linear,
 //!   onecycle);
 //! - free: `steps` under a constant or noam schedule, and the bookkeeping (`eval_every`,
-//!   `eval_batches`, `save_every`, `log_every`, `out_dir`, `bf16`).
+//!   `eval_batches`, `save_every`, `log_every`, `out_dir`, `bf16`, `collective_timeout`,
+//!   `rendezvous_timeout`).
+//!
+//! The split of the global batch (`world_size` ranks × `batch_size` × `grad_accum`) may change
+//! freely while `global_batch` stays: every step still sees the same rows of the one sampled
+//! stream (see `data::sampler`), only the order of the gradient sum differs; one line says what
+//! changed. A changed `global_batch` is warned about.
 
 use std::path::Path;
 
@@ -42,17 +48,47 @@ pub fn on_change(field: &str, saved: &TrainConfig) -> Option<OnChange> {
         "model" | "variant" | "d_model" | "d_basis" | "d_ctx" | "ccl_mode" | "ccl_ablation" | "rank" | "coverage"
         | "post_ln" | "phi" | "tokenizer" | "optimizer" | "lazy_tables" | "sampling" | "seed" => OnChange::Refuse,
         "text" | "train_data" | "val_data" | "data_format" | "batch_size" | "grad_accum" | "seq_len" | "lr"
-        | "schedule" | "warmup" | "weight_decay" | "beta2" | "momentum" | "grad_clip" => OnChange::Warn,
+        | "schedule" | "warmup" | "weight_decay" | "beta2" | "momentum" | "grad_clip" | "global_batch" => {
+            OnChange::Warn
+        }
         "steps" if saved.schedule.depends_on_total() => OnChange::Warn,
-        "steps" | "eval_every" | "eval_batches" | "save_every" | "log_every" | "out_dir" | "bf16" => OnChange::Free,
+        "steps" | "eval_every" | "eval_batches" | "save_every" | "log_every" | "out_dir" | "bf16" | "world_size"
+        | "collective_timeout" | "rendezvous_timeout" => OnChange::Free,
         _ => return None,
     })
 }
 
-/// Checks `requested` against the config a checkpoint was `saved` with: an error naming every
-/// refused change (with both values), else one warning line per change that alters the run.
+/// Checks `requested` (resolved for its world size, [`TrainConfig::for_world`]) against the
+/// config a checkpoint was `saved` with: an error naming every refused change (with both
+/// values), else one warning line per change that alters the run. A new split of an unchanged
+/// global batch over ranks and micro-batches is one line of its own.
 pub fn check_continuation(saved: &TrainConfig, requested: &TrainConfig) -> Result<Vec<String>> {
-    check_settings(saved, requested, |field| on_change(field, saved))
+    // Checkpoints written before data parallel hold no global batch: derive it.
+    let saved = saved.for_world(saved.world_size)?;
+    let same_global_batch = saved.global_batch == requested.global_batch;
+    let is_split = |field: &str| matches!(field, "world_size" | "batch_size" | "grad_accum");
+    let mut lines = check_settings(&saved, requested, |field| {
+        if same_global_batch && is_split(field) {
+            Some(OnChange::Free)
+        } else {
+            on_change(field, &saved)
+        }
+    })?;
+    let split = |c: &TrainConfig| (c.world_size, c.batch_size, c.grad_accum);
+    if same_global_batch && split(&saved) != split(requested) {
+        lines.push(format!(
+            "resuming on {} rank(s) × batch {} × grad_accum {} (saved: {} × {} × {}): the same global batch of {} \
+             sequences, the same rows each step, the gradient summed in another order",
+            requested.world_size,
+            requested.batch_size,
+            requested.grad_accum,
+            saved.world_size,
+            saved.batch_size,
+            saved.grad_accum,
+            requested.global_batch
+        ));
+    }
+    Ok(lines)
 }
 
 /// [`check_continuation`] for any serialisable config, each field classed by `class` (a
@@ -139,10 +175,12 @@ mod tests {
 
     #[test]
     fn changes_are_classed_and_shown_at_their_precision() {
-        let saved = TrainConfig::default();
-        let requested = TrainConfig { lr: 1e-3, batch_size: 4, log_every: 3, ..saved.clone() };
+        let saved = TrainConfig::default().for_world(1).unwrap();
+        let requested = TrainConfig { lr: 1e-3, batch_size: 4, global_batch: 0, log_every: 3, ..saved.clone() }
+            .for_world(1)
+            .unwrap();
         let warnings = check_continuation(&saved, &requested).unwrap();
-        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert_eq!(warnings.len(), 3, "lr, batch_size, global_batch: {warnings:?}");
         assert!(warnings.iter().any(|w| w.contains("lr 0.003 → 0.001")), "{warnings:?}");
         let refused = TrainConfig { tokenizer: "gpt2".into(), rank: 4, ..requested };
         let msg = check_continuation(&saved, &refused).unwrap_err().to_string();
@@ -151,6 +189,19 @@ mod tests {
         let constant = TrainConfig { schedule: crate::config::ScheduleKind::Constant, ..saved };
         let longer = TrainConfig { steps: 600, ..constant.clone() };
         assert!(check_continuation(&constant, &longer).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_new_split_of_the_same_global_batch_is_one_line() {
+        let saved = TrainConfig { batch_size: 2, ..TrainConfig::default() }.for_world(2).unwrap();
+        let on_one = TrainConfig { global_batch: 4, ..saved.clone() }.for_world(1).unwrap();
+        assert_eq!(on_one.grad_accum, 2);
+        let lines = check_continuation(&saved, &on_one).unwrap();
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(lines[0].contains("1 rank(s) × batch 2 × grad_accum 2 (saved: 2 × 2 × 1)"), "{lines:?}");
+        let bigger = TrainConfig { global_batch: 0, grad_accum: 2, ..saved.clone() }.for_world(2).unwrap();
+        let lines = check_continuation(&saved, &bigger).unwrap();
+        assert!(lines.iter().any(|l| l.contains("global_batch 4 → 8")), "{lines:?}");
     }
 
     #[test]

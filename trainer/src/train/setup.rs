@@ -11,13 +11,15 @@ use nn::optim::{Adam, AdamConfig, Optimizer, RowRule, Schedule, Sgd, SparseRows}
 use nn::{Module, NamedParameter};
 use tensor::Device;
 
+use super::data_parallel::DataParallel;
 use super::resume::check_continuation;
-use super::{evaluate::open_eval_data, model_config, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
+use super::{diverged_on_save, evaluate::open_eval_data, model_config, CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE};
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
 use crate::config::{OptimizerKind, Sampling, ScheduleKind, TrainConfig};
-use crate::data::sampler::{BatchSampler, RandomSampler, SequentialSampler};
+use crate::data::sampler::{BatchSampler, RandomSampler, SequentialSampler, Shard};
 use crate::data::token_file::{check_vocab, TokenFile};
 use crate::device::{device_label, ensure_available, MatmulPrecision};
+use crate::dist::World;
 use crate::memory;
 use crate::prepare::{corpus_cache_name, corpus_name, prepare_once};
 use crate::run_dir::remove_if_present;
@@ -36,6 +38,8 @@ pub(super) struct Session<'a> {
     pub checkpoint_path: PathBuf,
     /// Steps already done (the checkpoint's step on resume, else 0).
     pub start_step: usize,
+    /// This rank's part in a data-parallel run (`None`: a single process).
+    pub data_parallel: Option<DataParallel>,
     train_json: String,
     model_json: String,
     /// bf16 matrix products for as long as the run lives.
@@ -45,8 +49,10 @@ pub(super) struct Session<'a> {
 impl<'a> Session<'a> {
     /// Checks `config` and every input, builds the model, optimizer and samplers, restores
     /// the checkpoint on `resume`, writes `config.json` and prints what will run. Nothing is
-    /// written to the run directory before every input has been checked.
-    pub fn start(config: &'a TrainConfig, resume: bool) -> Result<Session<'a>> {
+    /// written to the run directory before every input has been checked. With a `world`,
+    /// joins the data-parallel run first (rank 0 once it has prepared the data, so the others
+    /// find it prepared) and checks that every rank starts from the same parameters.
+    pub fn start(config: &'a TrainConfig, resume: bool, world: Option<World>) -> Result<Session<'a>> {
         config.validate()?;
         warn_about_warmup(config);
         ensure_available(config.device)?;
@@ -64,10 +70,20 @@ impl<'a> Session<'a> {
         let what = format!("{} ({})", config.model, config.variant);
         let activations = memory::llama_activations(&model_config, config.batch_size * config.seq_len);
         memory::check_fits(&what, memory::llama_parameters(&model_config), bytes_per_parameter, activations)?;
+        let leader = world.as_ref().is_none_or(World::is_leader);
+        let (mut world, mut data_parallel) = (world, None);
+        if !leader {
+            data_parallel = world.take().map(|w| DataParallel::join(w, config)).transpose()?;
+        }
         let (train_path, val_path) = resolve_data(config, &tokenizer)?;
+        if let Some(world) = world.take() {
+            data_parallel = Some(DataParallel::join(world, config)?);
+        }
+        let shard =
+            data_parallel.as_ref().map_or(Shard::WHOLE, |dp| Shard { rank: dp.rank(), world: config.world_size });
         let train_file = TokenFile::open_with(&train_path, config.data_format)?;
         check_vocab(&train_file, vocab_size)?;
-        let mut sampler = make_sampler(config, train_file)?;
+        let mut sampler = make_sampler(config, train_file, shard)?;
         let validation = match &val_path {
             Some(path) => {
                 Some(open_eval_data(path, config.data_format, vocab_size, config.batch_size, config.seq_len)?)
@@ -86,14 +102,34 @@ impl<'a> Session<'a> {
             crate::say!("resumed from {} at step {start_step}", checkpoint_path.display());
         }
         model.to_device(config.device)?;
+        if let Some(data_parallel) = data_parallel.as_mut() {
+            data_parallel.set_progress(start_step, &checkpoint_path);
+            data_parallel.check_parameters(optimizer.parameters(), start_step)?;
+        }
         std::fs::create_dir_all(&config.out_dir).with_context(|| format!("creating {}", config.out_dir.display()))?;
+        let train_json = serde_json::to_string_pretty(config)?;
+        let model_json = serde_json::to_string_pretty(&model_config)?;
+        if !leader {
+            return Ok(Session {
+                config,
+                model,
+                optimizer,
+                sampler,
+                validation,
+                schedule: config.schedule(),
+                checkpoint_path,
+                start_step,
+                data_parallel,
+                train_json,
+                model_json,
+                _precision: precision,
+            });
+        }
         if !resume {
             // A new run replaces the directory's old one: the old checkpoint must not outlive
             // the new config.json (a --resume would continue the old model).
             remove_if_present(&checkpoint_path)?;
         }
-        let train_json = serde_json::to_string_pretty(config)?;
-        let model_json = serde_json::to_string_pretty(&model_config)?;
         atomic_write(&config.out_dir.join(CONFIG_FILE), train_json.as_bytes())?;
         print_plan(config, &model, table_updates);
         Ok(Session {
@@ -105,10 +141,17 @@ impl<'a> Session<'a> {
             schedule: config.schedule(),
             checkpoint_path,
             start_step,
+            data_parallel,
             train_json,
             model_json,
             _precision: precision,
         })
+    }
+
+    /// Whether this process writes the run's files and prints its progress (rank 0, or the
+    /// only process).
+    pub fn is_leader(&self) -> bool {
+        self.data_parallel.as_ref().is_none_or(|dp| dp.rank() == 0)
     }
 
     /// Where the run's metrics go.
@@ -116,8 +159,31 @@ impl<'a> Session<'a> {
         self.config.out_dir.join(METRICS_FILE)
     }
 
+    /// Writes the checkpoint of `step` steps done: rank 0 does, after checking that every rank
+    /// holds the same parameters; a save refused or failed on rank 0 stops every rank. A
+    /// refused save of non-finite values is a [`super::Diverged`] error.
+    pub fn save_everywhere(&mut self, step: usize) -> Result<()> {
+        if let Some(data_parallel) = self.data_parallel.as_mut() {
+            data_parallel.check_parameters(self.optimizer.parameters(), step)?;
+        }
+        let saved = if self.is_leader() { self.save(step) } else { Ok(()) };
+        let everyone_saved = match self.data_parallel.as_mut() {
+            Some(data_parallel) => data_parallel.all_ok(saved.is_ok(), step)?,
+            None => saved.is_ok(),
+        };
+        saved.map_err(|e| diverged_on_save(e, step, &self.checkpoint_path))?;
+        if !everyone_saved {
+            bail!(
+                "rank 0 could not save the checkpoint of step {step} (its error says why): stopping every rank; \
+                 the last good checkpoint is kept at {}",
+                self.checkpoint_path.display()
+            );
+        }
+        Ok(())
+    }
+
     /// Writes the checkpoint of `step` steps done (refused when a value is not finite).
-    pub fn save(&self, step: usize) -> Result<()> {
+    fn save(&self, step: usize) -> Result<()> {
         let meta = CheckpointMeta {
             step,
             sampler_state: &self.sampler.export_state(),
@@ -139,7 +205,7 @@ fn load_for_resume(config: &TrainConfig, path: &Path) -> Result<Checkpoint> {
     let saved_config: TrainConfig = serde_json::from_str(&saved.train_config)
         .with_context(|| format!("checkpoint {}: its 'train_config' metadata", path.display()))?;
     for warning in check_continuation(&saved_config, config)? {
-        eprintln!("warning: {warning}");
+        crate::console::warn(format_args!("{warning}"));
     }
     if config.steps < saved.step {
         bail!(
@@ -219,11 +285,13 @@ fn make_optimizer(config: &TrainConfig, model: &Llama) -> (Box<dyn Optimizer>, O
     (Box::new(SparseRows::new(build(dense), tables, rule)), Some(how))
 }
 
-/// The training sampler `config.sampling` names; errors when the file holds no window.
-fn make_sampler(config: &TrainConfig, file: TokenFile) -> Result<Box<dyn BatchSampler>> {
+/// The training sampler `config.sampling` names, keeping `shard`'s rows; errors when the
+/// file holds no window.
+fn make_sampler(config: &TrainConfig, file: TokenFile, shard: Shard) -> Result<Box<dyn BatchSampler>> {
+    let (b, t) = (config.batch_size, config.seq_len);
     Ok(match config.sampling {
-        Sampling::Random => Box::new(RandomSampler::new(file, config.batch_size, config.seq_len, config.seed)?),
-        Sampling::Sequential => Box::new(SequentialSampler::new(file, config.batch_size, config.seq_len)?),
+        Sampling::Random => Box::new(RandomSampler::new(file, b, t, config.seed)?.sharded(shard)),
+        Sampling::Sequential => Box::new(SequentialSampler::new(file, b, t)?.sharded(shard)),
     })
 }
 
@@ -231,10 +299,10 @@ fn make_sampler(config: &TrainConfig, file: TokenFile) -> Result<Box<dyn BatchSa
 /// and noam; the other schedules have no warmup): allowed, but said.
 fn warn_about_warmup(config: &TrainConfig) {
     if matches!(config.schedule, ScheduleKind::Cosine | ScheduleKind::Noam) && config.warmup > config.steps {
-        eprintln!(
-            "warning: warmup {} is longer than the run's {} steps: the learning rate never reaches its peak {}",
+        crate::console::warn(format_args!(
+            "warmup {} is longer than the run's {} steps: the learning rate never reaches its peak {}",
             config.warmup, config.steps, config.lr
-        );
+        ));
     }
 }
 
@@ -246,13 +314,22 @@ fn print_plan(config: &TrainConfig, model: &Llama, table_updates: Option<&str>) 
         config.variant,
         model.num_parameters(),
         config.steps,
-        config.batch_size * config.grad_accum,
+        config.global_batch,
         config.seq_len,
         config.optimizer,
         config.lr
     );
     if let Some(how) = table_updates {
         crate::say!("per-token tables: {how} updates");
+    }
+    if config.world_size > 1 {
+        crate::say!(
+            "data parallel: {} ranks × batch {} × grad_accum {} = {} sequences per step",
+            config.world_size,
+            config.batch_size,
+            config.grad_accum,
+            config.global_batch
+        );
     }
     if config.device != Device::Cpu {
         let precision = if config.bf16 { "bf16 matrix products, f32 master weights" } else { "f32" };

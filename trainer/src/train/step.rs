@@ -30,10 +30,14 @@ impl Session<'_> {
     /// Runs step `done` (counted from 1) at learning rate `lr`; a [`Diverged`] error, with the
     /// update not applied, when the loss or the gradient norm is not finite.
     pub fn step(&mut self, done: usize, lr: f32) -> Result<StepOutcome> {
-        let loss = self.accumulate_gradients()?;
+        let loss = self.accumulate_gradients(done)?;
         let grad_clip = self.config.grad_clip;
         let outcome = finite_update(self.optimizer.as_mut(), loss, grad_clip, lr)?;
-        outcome.map_err(|bad| self.diverged(bad.quantity, bad.value, done).into())
+        let outcome = outcome.map_err(|bad| self.diverged(bad.quantity, bad.value, done))?;
+        if let Some(data_parallel) = &self.data_parallel {
+            data_parallel.after_update(self.optimizer.parameters(), done)?;
+        }
+        Ok(outcome)
     }
 
     /// Validation loss after step `done`; [`Diverged`] when it is not finite.
@@ -59,9 +63,11 @@ impl Session<'_> {
     }
 
     /// Forward and backward passes over `grad_accum` micro-batches, gradients summed (each
-    /// loss scaled by `1 / grad_accum`); returns the mean loss.
-    fn accumulate_gradients(&mut self) -> Result<f32> {
+    /// loss scaled by `1 / (grad_accum × world_size)`); data parallel, then summed over every
+    /// rank in one all-reduce. Returns the mean loss of the step's global batch.
+    fn accumulate_gradients(&mut self, done: usize) -> Result<f32> {
         let (batch_size, seq_len, accum) = (self.config.batch_size, self.config.seq_len, self.config.grad_accum);
+        let micro_batches = (accum * self.config.world_size) as f32;
         // The losses stay where they were computed until every backward pass is queued:
         // reading one waits for the device, which then idles while the host queues the rest.
         let mut losses = Vec::with_capacity(accum);
@@ -69,7 +75,16 @@ impl Session<'_> {
             let batch = self.sampler.next_batch()?;
             let loss = self.model.loss(&batch.inputs, &batch.targets, batch_size, seq_len)?;
             losses.push(loss.value());
-            loss.mul_scalar(1.0 / accum as f32)?.backward()?;
+            loss.mul_scalar(1.0 / micro_batches)?.backward()?;
+        }
+        if let Some(data_parallel) = self.data_parallel.as_mut() {
+            // The rank's losses summed on its device, in the order one process would sum them.
+            let mut sum = losses[0].clone();
+            for value in &losses[1..] {
+                sum = sum.add(value)?;
+            }
+            let total = data_parallel.all_reduce_gradients(self.optimizer.parameters(), &sum, done)?;
+            return Ok(total / micro_batches);
         }
         let mut sum = 0.0f32;
         for value in losses {

@@ -3,6 +3,8 @@
 // Each test binary includes this module and uses only some of its helpers.
 #![allow(dead_code)]
 
+pub mod data_parallel;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
