@@ -54,8 +54,7 @@ fn four_ranks_match_grad_accum_four_within_the_noise_of_summation_order() {
     assert_succeeds(&single(&dir, &set_flag(wide_args, "--batch-size", "8")));
 
     let (ranks, accum, wide) = (losses(&ranks_out), losses(&accum_out), losses(&wide_out));
-    let noise = accum.iter().zip(&wide).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-    let gap = ranks.iter().zip(&accum).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let (noise, gap) = (max_difference(&accum, &wide), max_difference(&ranks, &accum));
     assert!(gap <= 4.0 * noise.max(1e-6), "4 ranks vs accum 4: {gap:e}, noise floor {noise:e}\n{ranks:?}\n{accum:?}");
 }
 
@@ -83,6 +82,28 @@ fn a_checkpoint_resumes_on_another_world_size() {
     assert!(stderr(&output).contains("resuming on 1 rank(s) × batch 2 × grad_accum 2 (saved: 2 × 2 × 1)"));
     assert_eq!(metric_rows(&split_out), metric_rows(&whole_out), "2 ranks → 1 process, bit for bit");
     assert_eq!(checkpoint_bits(&split_out), checkpoint_bits(&whole_out));
+
+    // 2 ranks for 3 steps, then 4 ranks of batch 1 (the same global batch of 4): the same rows,
+    // summed in another order, so within the noise of summation order (one process, batch 4
+    // against batch 2 × 2, over the same 6 steps).
+    let (first_args, wider_out) = run_args(&dir, "wider", 3, 3);
+    assert_succeeds(&launch(&dir, 2, &first_args, &[]));
+    let mut resumed = set_flag(set_flag(first_args, "--steps", "6"), "--batch-size", "1");
+    resumed.push("--resume".into());
+    assert_succeeds(&launch(&dir, 4, &resumed, &[]));
+    let (accum_args, accum_out) = run_args(&dir, "accum", 6, 6);
+    assert_succeeds(&single(&dir, &set_flag(accum_args, "--grad-accum", "2")));
+    let (wide_args, wide_out) = run_args(&dir, "wide", 6, 6);
+    assert_succeeds(&single(&dir, &set_flag(wide_args, "--batch-size", "4")));
+    let noise = max_difference(&losses(&accum_out), &losses(&wide_out));
+    let gap = max_difference(&losses(&wider_out), &losses(&whole_out));
+    assert!(gap <= 4.0 * noise.max(1e-6), "2 → 4 ranks: {gap:e} against a noise floor of {noise:e}");
+}
+
+/// The largest difference between two runs' losses, step by step.
+fn max_difference(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 #[test]
@@ -100,6 +121,14 @@ fn a_rank_that_dies_stops_the_others_and_the_run_resumes() {
     assert_succeeds(&launch(&dir, 2, &resumed, &[]));
     assert_eq!(common::checkpoint_step(&out), 5);
     assert_eq!(common::metric_steps(&out), [1, 2, 3, 4, 5]);
+}
+
+#[test]
+fn losing_rank_zero_stops_the_others_naming_it() {
+    let dir = scratch("dp", "leader");
+    let (args, _) = run_args(&dir, "run", 4, 4);
+    let output = launch(&dir, 3, &args, &[("TRANSPONDER_TEST_FAULT", "0:exit@2")]);
+    assert_fails_with(&output, &["lost rank 0 (the rendezvous host) at step 2"]);
 }
 
 #[test]
