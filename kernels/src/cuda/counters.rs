@@ -41,14 +41,18 @@ pub struct DeviceCounters {
     pub device_to_host_copies: u64,
     /// Bytes copied device → host.
     pub device_to_host_bytes: u64,
-    /// Host ↔ device copies from or to pageable host memory (today every such copy: the
-    /// driver stages them, and a CUDA graph cannot capture them).
+    /// Host ↔ device copies from or to pageable host memory (downloads: the driver stages
+    /// them, and a CUDA graph cannot capture them).
     pub pageable_copies: u64,
+    /// Host → device copies from page-locked memory (every upload goes through the device's
+    /// pinned staging ring, `staging.rs`; one per chunk of at most 4 MiB).
+    pub pinned_copies: u64,
     /// Device → device copies.
     pub device_copies: u64,
     /// Buffers asked of the caching allocator.
     pub buffer_requests: u64,
-    /// Blocks the caching allocator had to get from the driver (`cuMemAllocAsync`).
+    /// Blocks the caching allocator had to get from the driver (`cuMemAllocAsync`) and
+    /// page-locked staging slots (`cuMemHostAlloc`).
     pub driver_allocations: u64,
     /// Bytes of memory referenced: for a kernel, the sizes of the distinct live buffers its
     /// pointer arguments point into; for a product, its operands and output (twice the
@@ -58,7 +62,7 @@ pub struct DeviceCounters {
 }
 
 /// The names of [`DeviceCounters`]' scalar fields, in the order of `DeviceCounters::fields`.
-const FIELD_NAMES: [&str; 16] = [
+const FIELD_NAMES: [&str; 17] = [
     "launches",
     "bf16_gemm_calls",
     "f32_gemm_calls",
@@ -71,6 +75,7 @@ const FIELD_NAMES: [&str; 16] = [
     "device_to_host_copies",
     "device_to_host_bytes",
     "pageable_copies",
+    "pinned_copies",
     "device_copies",
     "buffer_requests",
     "driver_allocations",
@@ -92,16 +97,16 @@ impl DeviceCounters {
     }
 
     /// The scalar counters with their field names, for reports and JSON.
-    pub fn totals(&self) -> [(&'static str, u64); 16] {
+    pub fn totals(&self) -> [(&'static str, u64); 17] {
         let values = self.fields();
         std::array::from_fn(|i| (FIELD_NAMES[i], values[i]))
     }
 
-    fn fields(&self) -> [u64; 16] {
+    fn fields(&self) -> [u64; 17] {
         self.fields_ref().map(|field| *field)
     }
 
-    fn fields_ref(&self) -> [&u64; 16] {
+    fn fields_ref(&self) -> [&u64; 17] {
         [
             &self.launches,
             &self.bf16_gemm_calls,
@@ -115,6 +120,7 @@ impl DeviceCounters {
             &self.device_to_host_copies,
             &self.device_to_host_bytes,
             &self.pageable_copies,
+            &self.pinned_copies,
             &self.device_copies,
             &self.buffer_requests,
             &self.driver_allocations,
@@ -122,7 +128,7 @@ impl DeviceCounters {
         ]
     }
 
-    fn fields_mut(&mut self) -> [&mut u64; 16] {
+    fn fields_mut(&mut self) -> [&mut u64; 17] {
         [
             &mut self.launches,
             &mut self.bf16_gemm_calls,
@@ -136,6 +142,7 @@ impl DeviceCounters {
             &mut self.device_to_host_copies,
             &mut self.device_to_host_bytes,
             &mut self.pageable_copies,
+            &mut self.pinned_copies,
             &mut self.device_copies,
             &mut self.buffer_requests,
             &mut self.driver_allocations,
@@ -208,12 +215,12 @@ impl Counters {
         self.lock().syncs += 1;
     }
 
-    /// One copy of `bytes` from pageable host memory to the device.
+    /// One copy of `bytes` from page-locked host memory to the device.
     pub(crate) fn upload(&self, bytes: usize) {
         let mut c = self.lock();
         c.host_to_device_copies += 1;
         c.host_to_device_bytes += bytes as u64;
-        c.pageable_copies += 1;
+        c.pinned_copies += 1;
         c.bytes_touched += bytes as u64;
     }
 
@@ -267,7 +274,8 @@ mod tests {
             ("host_to_device_bytes", 8),
             ("device_to_host_copies", 1),
             ("device_to_host_bytes", 4),
-            ("pageable_copies", 2),
+            ("pageable_copies", 1),
+            ("pinned_copies", 1),
             ("device_copies", 1),
             ("buffer_requests", 2),
             ("driver_allocations", 0),
