@@ -332,6 +332,39 @@ fn a_bf16_copy_is_shared_by_products_and_forgotten_after_a_write() {
     assert_close(&after_write, &want, BF16_REL, 0.0, "product after the write");
 }
 
+/// Under bf16 products, RMSNorm and SwiGLU (forward and backward) write their results' bf16
+/// copies themselves: the products that read them convert only the weight, and equal the
+/// products of fresh copies of the same values (converted by the conversion kernel) bit for bit.
+#[test]
+fn norm_and_swiglu_results_come_with_their_bf16_copies() {
+    if no_gpu() {
+        return;
+    }
+    let _precision = Precision::set(MatmulPrecision::Bf16);
+    let dev = tensor::cuda::device(0).unwrap();
+    let (x, norm_w, w) =
+        (gpu(&rand(&[6, 16], -1.0, 1.0, 41)), gpu(&rand(&[16], 0.5, 1.5, 42)), rand(&[5, 16], -1.0, 1.0, 43));
+    let (gate, up, dy) =
+        (gpu(&rand(&[6, 16], -3.0, 3.0, 44)), gpu(&rand(&[6, 16], -1.0, 1.0, 45)), gpu(&rand(&[6, 16], -1.0, 1.0, 46)));
+    let w_gpu = gpu(&w);
+    let wt = w_gpu.transpose(0, 1).unwrap();
+    // W's copy first, so that only the results' copies are in question below.
+    x.matmul(&wt).unwrap();
+    let normed = x.rms_norm(&norm_w, 1e-5).unwrap().y;
+    let gated = gate.swiglu(&up).unwrap();
+    let (dgate, dup) = Tensor::swiglu_backward(&gate, &up, &dy).unwrap();
+    for (what, result) in
+        [("rms_norm y", &normed), ("swiglu y", &gated), ("swiglu dgate", &dgate), ("swiglu dup", &dup)]
+    {
+        let before = dev.counters();
+        let product = result.matmul(&wt).unwrap();
+        let conversions = dev.counters().since(&before).launches_by_kernel.get("f32_to_bf16_kernel").copied();
+        assert_eq!(conversions, None, "{what}: the product converted an operand");
+        let fresh = result.deep_copy().unwrap().matmul(&wt).unwrap();
+        assert_eq!(product.to_host().unwrap().to_vec(), fresh.to_host().unwrap().to_vec(), "{what}: copy differs");
+    }
+}
+
 #[test]
 fn cat_agrees() {
     if no_gpu() {
