@@ -1,12 +1,28 @@
 //! Rotary embedding, embedding lookup and flash attention (forward, backward and the naive
 //! kernel), forward and backward.
 
+use half::bf16;
 use kernels::cpu;
 use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::rope::RopeDims;
-use kernels::cuda::{self, CudaError};
+use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer};
 
 use super::{assert_elementwise, assert_reduced, down, stale, up, Rng};
+
+/// A launch given a bf16 twin wrote the same f32 output as without one (`first`), and the
+/// twin holds that output rounded to nearest even.
+fn assert_twin(
+    dev: &CudaDevice,
+    what: &str,
+    values: &DeviceBuffer<f32>,
+    first: &DeviceBuffer<f32>,
+    twin: &DeviceBuffer<bf16>,
+) {
+    let values = down(dev, values);
+    assert_eq!(values, down(dev, first), "{what}: the twin changed the f32 output");
+    let rounded: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+    assert_eq!(dev.download(twin).unwrap(), rounded, "{what}: the twin is not the output rounded");
+}
 
 #[test]
 fn rope_agrees() {
@@ -25,8 +41,12 @@ fn rope_agrees() {
         let mut dx = stale(x.len());
         cpu::rope::rope_backward(&y, &cos, &sin, &dims, &mut dx);
         let mut gdx = up(dev, &dx);
-        cuda::rope::rope_backward(dev, &up(dev, &y), &gcos, &gsin, &dims, &mut gdx).unwrap();
+        cuda::rope::rope_backward(dev, &up(dev, &y), &gcos, &gsin, &dims, (&mut gdx, None)).unwrap();
         assert_elementwise("rope backward", &down(dev, &gdx), &dx);
+        // With a bf16 twin: the same dx, and the twin is dx rounded to nearest even.
+        let (mut gdx2, mut gdx16) = (dev.alloc(x.len()).unwrap(), dev.alloc::<bf16>(x.len()).unwrap());
+        cuda::rope::rope_backward(dev, &up(dev, &y), &gcos, &gsin, &dims, (&mut gdx2, Some(&mut gdx16))).unwrap();
+        assert_twin(dev, "rope dx", &gdx2, &gdx, &gdx16);
     }
 }
 
@@ -96,8 +116,12 @@ fn flash_attention_forward_and_backward_agree() {
         cpu::attention::causal_attention_forward(&q, &k, &v, &dims, &mut out, &mut lse);
         let (gq, gk, gv) = (up(dev, &q), up(dev, &k), up(dev, &v));
         let (mut gout, mut glse) = (dev.alloc(q.len()).unwrap(), dev.alloc(lse.len()).unwrap());
-        cuda::attention::causal_attention_forward(dev, &gq, &gk, &gv, &dims, &mut gout, &mut glse).unwrap();
+        cuda::attention::causal_attention_forward(dev, &gq, &gk, &gv, &dims, (&mut gout, None), &mut glse).unwrap();
         assert_reduced(&format!("attention out {c:?}"), &down(dev, &gout), &out);
+        let (mut gout2, mut gout16) = (dev.alloc(q.len()).unwrap(), dev.alloc::<bf16>(q.len()).unwrap());
+        let twin = (&mut gout2, Some(&mut gout16));
+        cuda::attention::causal_attention_forward(dev, &gq, &gk, &gv, &dims, twin, &mut glse).unwrap();
+        assert_twin(dev, &format!("attention out {c:?}"), &gout2, &gout, &gout16);
         assert_reduced(&format!("attention lse {c:?}"), &down(dev, &glse), &lse);
         let mut naive = dev.alloc(q.len()).unwrap();
         cuda::attention::causal_attention_naive(dev, &gq, &gk, &gv, &dims, &mut naive).unwrap();
@@ -119,17 +143,25 @@ fn flash_attention_forward_and_backward_agree() {
             &dims,
             &mut gdq,
             &mut gdk,
-            &mut gdv,
+            (&mut gdv, None),
         )
         .unwrap();
         assert_reduced(&format!("attention dq {c:?}"), &down(dev, &gdq), &dq);
         assert_reduced(&format!("attention dk {c:?}"), &down(dev, &gdk), &dk);
         assert_reduced(&format!("attention dv {c:?}"), &down(dev, &gdv), &dv);
+        let (mut gdv2, mut gdv16) = (up(dev, &sk), dev.alloc::<bf16>(k.len()).unwrap());
+        let (out_saved, lse_saved, dout_up) = (up(dev, &out), up(dev, &lse), up(dev, &dout));
+        let dv_twin = (&mut gdv2, Some(&mut gdv16));
+        cuda::attention::causal_attention_backward(
+            dev, &gq, &gk, &gv, &out_saved, &lse_saved, &dout_up, &dims, &mut gdq, &mut gdk, dv_twin,
+        )
+        .unwrap();
+        assert_twin(dev, &format!("attention dv {c:?}"), &gdv2, &gdv, &gdv16);
     }
     // A head dimension past the kernels' limit is refused.
     let big = dev.alloc(256).unwrap();
     let (mut o, mut l) = (dev.alloc(256).unwrap(), dev.alloc(1).unwrap());
     let dims = AttentionDims { batch: 1, q_seq: 1, kv_seq: 1, heads: 1, head_dim: 256, scale: 1.0 };
-    let result = cuda::attention::causal_attention_forward(dev, &big, &big, &big, &dims, &mut o, &mut l);
+    let result = cuda::attention::causal_attention_forward(dev, &big, &big, &big, &dims, (&mut o, None), &mut l);
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }

@@ -63,7 +63,7 @@ pub(crate) mod cuda {
     use kernels::cpu::rope::{rope_table, RopeDims};
     use kernels::cuda::{rope as launch, CudaDevice, DeviceBuffer};
 
-    use crate::cuda::output;
+    use crate::cuda::{output, product_input_output};
     use crate::{Result, Tensor};
 
     /// Fewest positions of a cached table (short sequences share one upload).
@@ -116,7 +116,11 @@ pub(crate) mod cuda {
         let table = table(&dev, dims.pos_offset + dims.seq, dims.head_dim, theta)?;
         let (cos, sin) = (&table.cos, &table.sin);
         if backward {
-            output(&dev, op, x.shape(), |dx| Ok(launch::rope_backward(&dev, x.cuda_f32(op)?, cos, sin, dims, dx)?))
+            // dq and dk feed the query and key projections' backward products: in bf16 too
+            // under bf16 products (the forward's output goes to attention, in f32).
+            product_input_output(&dev, op, x.shape(), |dx, dx_bf16| {
+                Ok(launch::rope_backward(&dev, x.cuda_f32(op)?, cos, sin, dims, (dx, dx_bf16))?)
+            })
         } else {
             output(&dev, op, x.shape(), |y| Ok(launch::rope_forward(&dev, x.cuda_f32(op)?, cos, sin, dims, y)?))
         }

@@ -35,10 +35,11 @@ __device__ __forceinline__ void stage_rows(float* tile, int stride, const float*
     }
 }
 
-// Dynamic shared memory: K tile [32][KS], V tile [32][KS], q rows [QB][D].
+// Dynamic shared memory: K tile [32][KS], V tile [32][KS], q rows [QB][D]. out_bf16 (when not
+// null) gets out rounded to nearest even, for the bf16 products that read it.
 extern "C" __global__ void __launch_bounds__(QB * 32)
-    attention_forward(const float* q, const float* k, const float* v, float* out, float* lse, i64 batch, i64 q_seq,
-                      i64 kv_seq, i64 heads, i64 head_dim, float scale) {
+    attention_forward(const float* q, const float* k, const float* v, float* out, bf16_t* out_bf16, float* lse,
+                      i64 batch, i64 q_seq, i64 kv_seq, i64 heads, i64 head_dim, float scale) {
     DYNAMIC_SHARED(float, smem);
     const int ks = (int)(head_dim | 1);
     float* k_tile = smem;
@@ -97,7 +98,11 @@ extern "C" __global__ void __launch_bounds__(QB * 32)
         float inv = 1.0f / l;
         for (int j = 0; j < DIMS_PER_LANE; ++j) {
             int d = lane + 32 * j;
-            if (d < head_dim) out[at + d] = acc[j] * inv;
+            if (d < head_dim) {
+                float o = acc[j] * inv;
+                out[at + d] = o;
+                if (out_bf16) out_bf16[at + d] = f32_to_bf16(o);
+            }
         }
         if (lane == 0) lse[(b * heads + h) * q_seq + i] = m + logf(l);
     }
@@ -194,11 +199,11 @@ extern "C" __global__ void __launch_bounds__(QB * 32)
 // dv = Σ_i P_is·dO_i and dk = scale·Σ_i dS_is·q_i, one warp per key s, QB keys per block,
 // walking the query tiles that see those keys (queries i with i + offset ≥ s).
 // Dynamic shared memory: q tile [32][KS], dout tile [32][KS], k rows [QB][D], v rows
-// [QB][D], lse [32], delta [32].
+// [QB][D], lse [32], delta [32]. dv_bf16 (when not null) gets dv rounded to nearest even.
 extern "C" __global__ void __launch_bounds__(QB * 32)
     attention_backward_dkv(const float* q, const float* k, const float* v, const float* dout, const float* lse,
-                           const float* delta, float* dk, float* dv, i64 batch, i64 q_seq, i64 kv_seq, i64 heads,
-                           i64 head_dim, float scale) {
+                           const float* delta, float* dk, float* dv, bf16_t* dv_bf16, i64 batch, i64 q_seq,
+                           i64 kv_seq, i64 heads, i64 head_dim, float scale) {
     DYNAMIC_SHARED(float, smem);
     const int ks = (int)(head_dim | 1);
     float* q_tile = smem;
@@ -272,6 +277,7 @@ extern "C" __global__ void __launch_bounds__(QB * 32)
             int d = lane + 32 * j;
             if (d < head_dim) {
                 dv[at + d] = acc_v[j];
+                if (dv_bf16) dv_bf16[at + d] = f32_to_bf16(acc_v[j]);
                 dk[at + d] = scale * acc_k[j];
             }
         }
