@@ -5,24 +5,9 @@ use half::bf16;
 use kernels::cpu;
 use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::rope::RopeDims;
-use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer};
+use kernels::cuda::{self, CudaError};
 
-use super::{assert_elementwise, assert_reduced, down, stale, up, Rng};
-
-/// A launch given a bf16 twin wrote the same f32 output as without one (`first`), and the
-/// twin holds that output rounded to nearest even.
-fn assert_twin(
-    dev: &CudaDevice,
-    what: &str,
-    values: &DeviceBuffer<f32>,
-    first: &DeviceBuffer<f32>,
-    twin: &DeviceBuffer<bf16>,
-) {
-    let values = down(dev, values);
-    assert_eq!(values, down(dev, first), "{what}: the twin changed the f32 output");
-    let rounded: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
-    assert_eq!(dev.download(twin).unwrap(), rounded, "{what}: the twin is not the output rounded");
-}
+use super::{assert_elementwise, assert_reduced, assert_twin, down, stale, up, Rng};
 
 #[test]
 fn rope_agrees() {
