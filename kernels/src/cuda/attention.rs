@@ -146,14 +146,11 @@ pub fn causal_attention_backward(
         }
         return dev.fill_zero(dv);
     }
-    let AttentionDims { q_seq, kv_seq, heads, head_dim, .. } = *dims;
-    let rows = dims.lse_len();
-    let delta = dev.alloc::<f32>(rows)?;
-    let delta_args = [ptr(out), ptr(dout), ptr(&delta), size(rows), size(q_seq), size(heads), size(head_dim)];
-    dev.launch(FAMILY, "attention_backward_delta", elementwise(rows * 32), &delta_args)?;
-
+    let AttentionDims { q_seq, kv_seq, head_dim, .. } = *dims;
+    // δ per query (Σ dout ⊙ out), written by the dq kernel and read by the dk, dv kernel.
+    let delta = dev.alloc::<f32>(dims.lse_len())?;
     let stride = d.tile_stride();
-    let mut dq_args = vec![ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(&delta), ptr(dq)];
+    let mut dq_args = vec![ptr(q), ptr(k), ptr(v), ptr(out), ptr(dout), ptr(lse), ptr(&delta), ptr(dq)];
     dq_args.extend(d.args());
     dev.launch(FAMILY, "attention_backward_dq", d.grid(q_seq, 2 * TILE * stride + 2 * WARPS * head_dim), &dq_args)?;
 
