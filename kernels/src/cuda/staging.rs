@@ -14,11 +14,11 @@
 //! Slots are powers of two from [`MIN_SLOT_BYTES`] to [`CHUNK_BYTES`]; a longer copy goes
 //! in chunks of [`CHUNK_BYTES`]. The ring stops growing at [`MAX_STAGING_BYTES`]: a copy
 //! that would need more waits for the stream (a counted synchronisation), after which every
-//! slot is free. Once warm, a steady-state step that uploads the same sizes each time finds
-//! free slots (the slots of the previous step's copies, which have finished when the host
-//! read its loss) and asks nothing of the driver. The emulated device runs copies at once,
-//! so its slots are free again as soon as the copy returns; it keeps the same slots and
-//! counts, so its allocations are the GPU's in a step where the host waited for the last one.
+//! slot is free. Once warm, the ring holds as many slots as copies the host has queued ahead
+//! of the device, so a steady-state step that uploads the same sizes each time finds free
+//! slots and asks nothing of the driver. The emulated device runs copies at once, so its
+//! slots are free again as soon as a copy returns: it keeps the same slots and counts, and
+//! its allocations are the GPU's when each copy has finished before the next one is queued.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
