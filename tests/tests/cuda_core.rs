@@ -334,7 +334,7 @@ fn a_bf16_copy_is_shared_by_products_and_forgotten_after_a_write() {
 
 /// Under bf16 products, the ops whose results bf16 products read write those results' bf16
 /// copies themselves (RMSNorm; SwiGLU forward and backward; attention's output and dv; the
-/// RoPE backward): the products convert only the weight, and equal the products of fresh
+/// RoPE backward; the sum of two gradients): the products convert only the weight, and equal the products of fresh
 /// copies of the same values (converted by the conversion kernel) bit for bit.
 #[test]
 fn results_that_products_read_come_with_their_bf16_copies() {
@@ -360,6 +360,8 @@ fn results_that_products_read_come_with_their_bf16_copies() {
         Tensor::causal_attention_backward(&heads(&x), &heads(&gate), &heads(&up), &out, &lse, &heads(&dy), 0.35)
             .unwrap();
     let drope = heads(&dy).rope_backward(10_000.0, 0).unwrap();
+    // The autograd engine's in-place sum of two gradients.
+    let summed = dy.deep_copy().unwrap().accumulate(gate.clone()).unwrap();
     let results = [
         ("rms_norm y", normed),
         ("swiglu y", gated),
@@ -368,6 +370,7 @@ fn results_that_products_read_come_with_their_bf16_copies() {
         ("attention out", out),
         ("attention dv", dv),
         ("rope dx", drope),
+        ("gradient sum", summed),
     ];
     for (what, result) in results {
         let result = result.reshape(&[6, 16]).unwrap();

@@ -15,7 +15,7 @@ use std::process::Command;
 use serde_json::Value;
 
 /// Today's ceilings (the counts of the current code).
-const PRE_LN_LAUNCHES: u64 = 378;
+const PRE_LN_LAUNCHES: u64 = 363;
 const TRANSPONDER_LAUNCHES: u64 = 1057;
 
 /// The targets, printed beside the counts.

@@ -7,7 +7,7 @@ use kernels::cpu::binary::Binary;
 use kernels::cpu::unary::Unary;
 use kernels::cuda::{self, CudaError, DeviceBuffer};
 
-use super::{assert_elementwise, down, stale, up, Rng};
+use super::{assert_elementwise, assert_twin, down, stale, up, Rng};
 
 #[test]
 fn unary_forward_and_backward_agree() {
@@ -129,8 +129,13 @@ fn binary_broadcasts_scalar_axpy_select_and_copy_agree() {
     cpu::binary::axpy(-0.75, &x, &mut dst);
     cuda::elementwise::axpy(dev, -0.75, &gx, &mut gdst).unwrap();
     cpu::binary::add_assign(&mut dst, &x);
-    cuda::elementwise::add_assign(dev, &mut gdst, &gx).unwrap();
+    let before_sum = down(dev, &gdst);
+    cuda::elementwise::add_assign(dev, &mut gdst, &gx, None).unwrap();
     assert_elementwise("axpy + add_assign", &down(dev, &gdst), &dst);
+    // With a bf16 twin: the same sum, and the twin is it rounded to nearest even.
+    let (mut gsum, mut gsum16) = (up(dev, &before_sum), dev.alloc::<bf16>(x.len()).unwrap());
+    cuda::elementwise::add_assign(dev, &mut gsum, &gx, Some(&mut gsum16)).unwrap();
+    assert_twin(dev, "add_assign", &gsum, &gdst, &gsum16);
     let cond: Vec<f32> = (0..x.len()).map(|i| (i % 3 == 0) as u8 as f32).collect();
     let mut want = vec![0.0; x.len()];
     cpu::binary::select(&cond, &x, &dst, &mut want);
