@@ -74,7 +74,34 @@ fn a_repeated_step_reuses_every_block_and_counts_no_driver_allocation() {
     step(&dev);
     let delta: DeviceCounters = dev.counters().since(&before);
     assert_eq!((delta.buffer_requests, delta.driver_allocations), (2, 0));
-    assert_eq!((delta.memsets, delta.launches, delta.pageable_copies), (1, 1, 1));
+    assert_eq!((delta.memsets, delta.launches, delta.pageable_copies, delta.pinned_copies), (1, 1, 0, 1));
+}
+
+#[test]
+fn uploads_go_through_the_pinned_staging_ring_which_a_warm_step_reuses_without_allocating() {
+    let dev = device();
+    // Three per-step uploads of different sizes (token ids, targets, an index table) and one
+    // longer than a staging chunk (4 MiB), which goes in two chunks.
+    let long: Vec<f32> = (0..(1 << 20) + 3).map(|i| i as f32).collect();
+    let ids: Vec<u32> = (0..16).collect();
+    let table: Vec<u32> = (0..2000).rev().collect();
+    let step = |dev: &CudaDevice| {
+        let buffers = (dev.upload(&ids).unwrap(), dev.upload(&table).unwrap(), dev.upload(&long).unwrap());
+        assert_eq!(dev.download(&buffers.0).unwrap(), ids);
+        assert_eq!(dev.download(&buffers.1).unwrap(), table);
+        assert_eq!(dev.download(&buffers.2).unwrap(), long);
+    };
+    let fresh = dev.counters();
+    step(&dev);
+    let warm_up = dev.counters().since(&fresh);
+    assert!(warm_up.driver_allocations > 3, "the device blocks and at least one staging slot");
+    let before = dev.counters();
+    step(&dev);
+    let delta = dev.counters().since(&before);
+    assert_eq!(delta.driver_allocations, 0, "a warm ring has a free slot for every upload");
+    assert_eq!((delta.host_to_device_copies, delta.pinned_copies), (4, 4), "the long upload is two chunks");
+    assert_eq!(delta.host_to_device_bytes, ((ids.len() + table.len() + long.len()) * 4) as u64);
+    assert_eq!(delta.pageable_copies, 3, "only the downloads are pageable");
 }
 
 #[test]

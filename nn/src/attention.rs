@@ -88,7 +88,7 @@ impl Attention {
     /// `x: [B, T, C] → [B, T, C]`; token t attends to tokens ≤ t, at RoPE position t.
     pub fn forward(&self, x: &Var) -> Result<Var> {
         let theta = self.config.rope_theta;
-        self.forward_with(x, |q, k, v, scale| Var::causal_attention(&q.rope(theta, 0)?, &k.rope(theta, 0)?, v, scale))
+        self.forward_with(x, |q, k, v, scale| Var::rotary_causal_attention(q, k, v, scale, theta))
     }
 
     /// `x: [B, T, C] → [B, T, C]` for `T` new tokens of each of `B` sequences, sequence `i`

@@ -10,6 +10,7 @@ use gradcheck::Tolerance;
 use nn::layers::Linear;
 use nn::optim::{clip_grad_norm, Adam, AdamConfig, Optimizer, Sgd};
 use nn::{Module, NamedParameter};
+use tensor::cuda::{set_matmul_precision, MatmulPrecision};
 use tensor::{Device, Rng, Tensor};
 
 const GPU: Device = Device::Cuda(0);
@@ -157,4 +158,31 @@ fn module_to_device_moves_every_parameter_and_back() {
     layer.to_device(Device::Cpu).unwrap();
     let after: Vec<Vec<f32>> = layer.named_parameters().iter().map(|p| p.var.value().to_vec()).collect();
     assert_eq!(before, after, "a round trip must not change a value");
+}
+
+/// Under bf16 products, an AdamW step writes the bf16 copy of a weight the products read
+/// beside its new f32 value: the next product converts nothing, and it equals the product
+/// of a fresh copy of the updated weight (converted by the conversion kernel) bit for bit.
+#[test]
+fn adamw_rewrites_the_bf16_copy_that_bf16_products_read() {
+    if no_gpu() {
+        return;
+    }
+    // Process-wide, but no other test of this binary runs a product.
+    set_matmul_precision(MatmulPrecision::Bf16);
+    let dev = tensor::cuda::device(0).unwrap();
+    let params = parameters(GPU);
+    let x = Tensor::rand_normal(&[4, 19], 0.0, 1.0, &mut Rng::new(3)).to_device(GPU).unwrap();
+    let product = |w: &Tensor| x.matmul(&w.transpose(0, 1).unwrap()).unwrap().to_host().unwrap().to_vec();
+    product(&params[0].var.value());
+    let mut adam = Adam::new(params.clone(), AdamConfig::default());
+    set_gradients(&params, 1);
+    adam.step(0.01).unwrap();
+    let before = dev.counters();
+    let after_step = product(&params[0].var.value());
+    let conversions = dev.counters().since(&before).launches_by_kernel.get("f32_to_bf16_kernel").copied();
+    let fresh = product(&params[0].var.value().deep_copy().unwrap());
+    set_matmul_precision(MatmulPrecision::F32);
+    assert_eq!(conversions, None, "x keeps its copy and the step wrote W's");
+    assert_eq!(after_step, fresh, "the step's copy is the updated weight rounded to bf16");
 }

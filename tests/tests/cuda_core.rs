@@ -332,6 +332,57 @@ fn a_bf16_copy_is_shared_by_products_and_forgotten_after_a_write() {
     assert_close(&after_write, &want, BF16_REL, 0.0, "product after the write");
 }
 
+/// Under bf16 products, the ops whose results bf16 products read write those results' bf16
+/// copies themselves (RMSNorm; SwiGLU forward and backward; attention's output and dv; the
+/// RoPE backward; the sum of two gradients): the products convert only the weight, and equal the products of fresh
+/// copies of the same values (converted by the conversion kernel) bit for bit.
+#[test]
+fn results_that_products_read_come_with_their_bf16_copies() {
+    if no_gpu() {
+        return;
+    }
+    let _precision = Precision::set(MatmulPrecision::Bf16);
+    let dev = tensor::cuda::device(0).unwrap();
+    let input = |seed: u64| gpu(&rand(&[6, 16], -1.0, 1.0, seed));
+    let (x, norm_w, w) = (input(41), gpu(&rand(&[16], 0.5, 1.5, 42)), rand(&[5, 16], -1.0, 1.0, 43));
+    let (gate, up, dy) = (input(44), input(45), input(46));
+    let w_gpu = gpu(&w);
+    let wt = w_gpu.transpose(0, 1).unwrap();
+    // W's copy first, so that only the results' copies are in question below.
+    x.matmul(&wt).unwrap();
+    let normed = x.rms_norm(&norm_w, 1e-5).unwrap().y;
+    let gated = gate.swiglu(&up).unwrap();
+    let (dgate, dup) = Tensor::swiglu_backward(&gate, &up, &dy).unwrap();
+    // [B 1, T 6, H 2, D 8]: one batch of six tokens, viewed back as [6, 16] for the product.
+    let heads = |t: &Tensor| t.reshape(&[1, 6, 2, 8]).unwrap();
+    let (out, lse) = Tensor::causal_attention(&heads(&x), &heads(&gate), &heads(&up), 0.35).unwrap();
+    let (_, _, dv) =
+        Tensor::causal_attention_backward(&heads(&x), &heads(&gate), &heads(&up), &out, &lse, &heads(&dy), 0.35)
+            .unwrap();
+    let drope = heads(&dy).rope_backward(10_000.0, 0).unwrap();
+    // The autograd engine's in-place sum of two gradients.
+    let summed = dy.deep_copy().unwrap().accumulate(gate.clone()).unwrap();
+    let results = [
+        ("rms_norm y", normed),
+        ("swiglu y", gated),
+        ("swiglu dgate", dgate),
+        ("swiglu dup", dup),
+        ("attention out", out),
+        ("attention dv", dv),
+        ("rope dx", drope),
+        ("gradient sum", summed),
+    ];
+    for (what, result) in results {
+        let result = result.reshape(&[6, 16]).unwrap();
+        let before = dev.counters();
+        let product = result.matmul(&wt).unwrap();
+        let conversions = dev.counters().since(&before).launches_by_kernel.get("f32_to_bf16_kernel").copied();
+        assert_eq!(conversions, None, "{what}: the product converted an operand");
+        let fresh = result.deep_copy().unwrap().matmul(&wt).unwrap();
+        assert_eq!(product.to_host().unwrap().to_vec(), fresh.to_host().unwrap().to_vec(), "{what}: copy differs");
+    }
+}
+
 #[test]
 fn cat_agrees() {
     if no_gpu() {

@@ -458,6 +458,24 @@ proptest! {
     }
 
     #[test]
+    fn rotary_causal_attention(((lq, q), (lk, k), (lv, v), theta) in (1..=2usize, 1..=4usize, 1..=2usize, 1..=3usize)
+        .prop_flat_map(|(b, t, h, half)| {
+            let (shape, domain) = (vec![b, t, h, 2 * half], Domain::Uniform(-1.5, 1.5));
+            (
+                input(shape.clone(), domain),
+                input(shape.clone(), domain),
+                input(shape, domain),
+                prop_oneof![Just(10_000.0f32), Just(10.0f32)],
+            )
+        }))
+    {
+        assert_gradcheck(
+            |x| Var::rotary_causal_attention(&lq.view(&x[0])?, &lk.view(&x[1])?, &lv.view(&x[2])?, 0.6, theta),
+            &[q, k, v],
+        );
+    }
+
+    #[test]
     fn causal_attention_peaked_scores(seed in any::<u64>(), tq in 1..=4usize) {
         // scale 1 and |q·k| up to ~16: nearly one-hot attention rows.
         let q = seeded(&[1, tq, 2, 4], -2.0, 2.0, seed);
@@ -471,6 +489,25 @@ proptest! {
         let [q, k, v] = [0, 1, 2].map(|i| seeded(&[2, 4, 3, d], -1.5, 1.5, seed.wrapping_add(i)));
         assert_gradcheck(|x| Var::causal_attention(&x[0], &x[1], &x[2], 0.7), &[q, k, v]);
     }
+}
+
+/// The fused op is the composition it replaces, bit for bit: forward and every gradient.
+#[test]
+fn rotary_causal_attention_is_rope_then_attention_exactly() {
+    let [q, k, v] = [0, 1, 2].map(|i| seeded(&[2, 5, 3, 8], -1.5, 1.5, 90 + i));
+    let run = |fused: bool| {
+        let [q, k, v] = [&q, &k, &v].map(|t| Var::parameter(t.clone()));
+        let out = if fused {
+            Var::rotary_causal_attention(&q, &k, &v, 0.4, 10_000.0)
+        } else {
+            q.rope(10_000.0, 0).and_then(|qr| Var::causal_attention(&qr, &k.rope(10_000.0, 0)?, &v, 0.4))
+        }
+        .unwrap();
+        out.mul(&out).unwrap().sum_all().unwrap().backward().unwrap();
+        let grads = [&q, &k, &v].map(|x| x.grad().unwrap().to_vec());
+        (out.value().to_vec(), grads)
+    };
+    assert_eq!(run(true), run(false));
 }
 
 // ---------------------------------------------------------------------------------------

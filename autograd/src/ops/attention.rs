@@ -20,4 +20,20 @@ impl Var {
             Ok(vec![dq, dk, dv])
         }))
     }
+
+    /// [`Var::causal_attention`] of `q` and `k` rotated by RoPE (token t at position t, base
+    /// `theta`; [`Var::rope`]), LLaMA's attention as one op: both rotations run in one launch
+    /// on a GPU, forward and backward (`Tensor::rope_pair`), and saved for the backward.
+    pub fn rotary_causal_attention(q: &Var, k: &Var, v: &Var, scale: f32, theta: f32) -> Result<Var> {
+        let (qr, kr) = Tensor::rope_pair(&q.value_ref(), &k.value_ref(), theta, 0)?;
+        let vt = v.value().contiguous()?;
+        let (out, lse) = Tensor::causal_attention(&qr, &kr, &vt, scale)?;
+        let saved_out = out.clone();
+        Ok(Var::from_op(out, vec![q.clone(), k.clone(), v.clone()], move |dout| {
+            let (dqr, dkr, dv) = Tensor::causal_attention_backward(&qr, &kr, &vt, &saved_out, &lse, dout, scale)?;
+            // d/dx of a rotation is the inverse rotation.
+            let (dq, dk) = Tensor::rope_pair_backward(&dqr, &dkr, theta, 0)?;
+            Ok(vec![dq, dk, dv])
+        }))
+    }
 }

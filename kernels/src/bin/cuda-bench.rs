@@ -184,19 +184,19 @@ fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, hea
     let scale = 1.0 / (head_dim as f32).sqrt();
     let dims = AttentionDims { batch, q_seq: seq, kv_seq: seq, heads, head_dim, scale };
     let mut lse = dev.alloc::<f32>(dims.lse_len())?;
-    causal_attention_forward(dev, &q, &k, &v, &dims, &mut out, &mut lse)?;
+    causal_attention_forward(dev, &q, &k, &v, &dims, (&mut out, None), &mut lse)?;
     causal_attention_naive(dev, &q, &k, &v, &dims, &mut naive_out)?;
     let what = format!("flash attention B={batch} T={seq} H={heads} D={head_dim}");
     let worst = check(&what, &dev.download(&out)?, &dev.download(&naive_out)?, 1e-4);
-    let flash_s = best_seconds(dev, || causal_attention_forward(dev, &q, &k, &v, &dims, &mut out, &mut lse))?;
+    let flash_s = best_seconds(dev, || causal_attention_forward(dev, &q, &k, &v, &dims, (&mut out, None), &mut lse))?;
     let naive_s = best_seconds(dev, || causal_attention_naive(dev, &q, &k, &v, &dims, &mut naive_out))?;
     // Forward + backward, what one layer of a training step runs (PyTorch SDPA's 481 µs at B 64,
     // T 256, 8 heads of 64 on the H100 is the bar; gpu_compare.py measures it beside us).
     let dout = dev.upload(&values(len, 14, 1.0))?;
     let (mut dq, mut dk, mut dv) = (dev.alloc::<f32>(len)?, dev.alloc::<f32>(len)?, dev.alloc::<f32>(len)?);
     let train_s = best_seconds(dev, || {
-        causal_attention_forward(dev, &q, &k, &v, &dims, &mut out, &mut lse)?;
-        causal_attention_backward(dev, &q, &k, &v, &out, &lse, &dout, &dims, &mut dq, &mut dk, &mut dv)
+        causal_attention_forward(dev, &q, &k, &v, &dims, (&mut out, None), &mut lse)?;
+        causal_attention_backward(dev, &q, &k, &v, &out, &lse, &dout, &dims, &mut dq, &mut dk, (&mut dv, None))
     })?;
     println!(
         "attention B={batch} T={seq} H={heads} D={head_dim} | flash {:>8.3} ms | naive {:>8.3} ms | speedup {:.1}× \

@@ -4,14 +4,16 @@
 //! Mirrors `cpu::attention`: q `[B, Tq, H, D]`, k and v `[B, Tk, H, D]`, `lse [B, H, Tq]`;
 //! query i sits at position `i + (Tk − Tq)`. The GPU kernels keep four head dims per lane,
 //! so `D ≤` [`MAX_HEAD_DIM`]; `B·H` is a grid dimension (≤ 65 535). Backward writes
-//! `dq`, `dk`, `dv` (every row once).
+//! `dq`, `dk`, `dv` (every row once). The output and `dv`, which bf16 products read, may
+//! also be written as bf16 twins (rounded to nearest even) instead of converted later.
 
 use cudarc::driver::LaunchConfig;
+use half::bf16;
 
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, CudaError, Result};
-use super::launch::{check_owners, elementwise, ptr, size};
+use super::launch::{check_owners, elementwise, opt_ptr, ptr, size};
 use super::module::{Arg, KernelFamily};
 use crate::cpu::attention::AttentionDims;
 
@@ -69,33 +71,50 @@ impl Dims {
     }
 }
 
+/// Checks that a bf16 twin belongs to `dev` and has `len` elements.
+fn check_twin(
+    dev: &CudaDevice,
+    op: &'static str,
+    name: &str,
+    twin: &Option<&mut DeviceBuffer<bf16>>,
+    len: usize,
+) -> Result<()> {
+    if let Some(twin) = twin {
+        dev.check_owner(op, twin)?;
+        ensure_len(op, name, twin.len(), len)?;
+    }
+    Ok(())
+}
+
 /// `out` and `lse` (the log-sum-exp of each query's scaled scores, saved for backward) of
-/// the operands `dims` describes, as `cpu::attention::causal_attention_forward`.
+/// the operands `dims` describes, as `cpu::attention::causal_attention_forward`; `out_bf16`,
+/// when given, gets `out` rounded to nearest even.
 pub fn causal_attention_forward(
     dev: &CudaDevice,
     q: &DeviceBuffer<f32>,
     k: &DeviceBuffer<f32>,
     v: &DeviceBuffer<f32>,
     dims: &AttentionDims,
-    out: &mut DeviceBuffer<f32>,
+    (out, out_bf16): (&mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>),
     lse: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "causal_attention_forward";
     check_owners(dev, OP, &[q, k, v, out, lse])?;
     let d = check(OP, dims, q.len(), k.len(), v.len())?;
     ensure_len(OP, "out", out.len(), q.len())?;
+    check_twin(dev, OP, "out_bf16", &out_bf16, out.len())?;
     ensure_len(OP, "lse", lse.len(), dims.lse_len())?;
     if d.is_empty() {
         return Ok(());
     }
     let shared = 2 * TILE * d.tile_stride() + WARPS * dims.head_dim;
-    let mut args = vec![ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse)];
+    let mut args = vec![ptr(q), ptr(k), ptr(v), ptr(out), opt_ptr(out_bf16.as_deref()), ptr(lse)];
     args.extend(d.args());
     dev.launch(FAMILY, "attention_forward", d.grid(dims.q_seq, shared), &args)
 }
 
 /// `dq, dk, dv =` gradients, recomputing probabilities from q, k and `lse`
-/// (`δ_i = Σ dout_i ⊙ out_i`).
+/// (`δ_i = Σ dout_i ⊙ out_i`); `dv_bf16`, when given, gets `dv` rounded to nearest even.
 #[allow(clippy::too_many_arguments)]
 pub fn causal_attention_backward(
     dev: &CudaDevice,
@@ -108,7 +127,7 @@ pub fn causal_attention_backward(
     dims: &AttentionDims,
     dq: &mut DeviceBuffer<f32>,
     dk: &mut DeviceBuffer<f32>,
-    dv: &mut DeviceBuffer<f32>,
+    (dv, mut dv_bf16): (&mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>),
 ) -> Result<()> {
     const OP: &str = "causal_attention_backward";
     check_owners(dev, OP, &[q, k, v, out, lse, dout, dq, dk, dv])?;
@@ -118,23 +137,25 @@ pub fn causal_attention_backward(
     ensure(dq.len() == q.len() && dk.len() == k.len() && dv.len() == v.len(), OP, || {
         "a gradient has the wrong length".to_string()
     })?;
+    check_twin(dev, OP, "dv_bf16", &dv_bf16, dv.len())?;
     if d.is_empty() {
         // No queries: keys and values that nothing attends to have zero gradients.
         dev.fill_zero(dk)?;
+        if let Some(twin) = dv_bf16.as_deref_mut() {
+            dev.fill_zero(twin)?;
+        }
         return dev.fill_zero(dv);
     }
-    let AttentionDims { q_seq, kv_seq, heads, head_dim, .. } = *dims;
-    let rows = dims.lse_len();
-    let delta = dev.alloc::<f32>(rows)?;
-    let delta_args = [ptr(out), ptr(dout), ptr(&delta), size(rows), size(q_seq), size(heads), size(head_dim)];
-    dev.launch(FAMILY, "attention_backward_delta", elementwise(rows * 32), &delta_args)?;
-
+    let AttentionDims { q_seq, kv_seq, head_dim, .. } = *dims;
+    // δ per query (Σ dout ⊙ out), written by the dq kernel and read by the dk, dv kernel.
+    let delta = dev.alloc::<f32>(dims.lse_len())?;
     let stride = d.tile_stride();
-    let mut dq_args = vec![ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(&delta), ptr(dq)];
+    let mut dq_args = vec![ptr(q), ptr(k), ptr(v), ptr(out), ptr(dout), ptr(lse), ptr(&delta), ptr(dq)];
     dq_args.extend(d.args());
     dev.launch(FAMILY, "attention_backward_dq", d.grid(q_seq, 2 * TILE * stride + 2 * WARPS * head_dim), &dq_args)?;
 
-    let mut dkv_args = vec![ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(&delta), ptr(dk), ptr(dv)];
+    let dv_bf16 = opt_ptr(dv_bf16.as_deref());
+    let mut dkv_args = vec![ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(&delta), ptr(dk), ptr(dv), dv_bf16];
     dkv_args.extend(d.args());
     let shared = 2 * TILE * stride + 2 * WARPS * head_dim + 2 * TILE;
     // `delta` goes back to the pool on return; later users are queued after these kernels.

@@ -41,14 +41,18 @@ pub struct DeviceCounters {
     pub device_to_host_copies: u64,
     /// Bytes copied device → host.
     pub device_to_host_bytes: u64,
-    /// Host ↔ device copies from or to pageable host memory (today every such copy: the
-    /// driver stages them, and a CUDA graph cannot capture them).
+    /// Host ↔ device copies from or to pageable host memory (downloads: the driver stages
+    /// them, and a CUDA graph cannot capture them).
     pub pageable_copies: u64,
+    /// Host → device copies from page-locked memory (every upload goes through the device's
+    /// pinned staging ring, `staging.rs`; one per chunk of at most 4 MiB).
+    pub pinned_copies: u64,
     /// Device → device copies.
     pub device_copies: u64,
     /// Buffers asked of the caching allocator.
     pub buffer_requests: u64,
-    /// Blocks the caching allocator had to get from the driver (`cuMemAllocAsync`).
+    /// Blocks the caching allocator had to get from the driver (`cuMemAllocAsync`) and
+    /// page-locked staging slots (`cuMemHostAlloc`).
     pub driver_allocations: u64,
     /// Bytes of memory referenced: for a kernel, the sizes of the distinct live buffers its
     /// pointer arguments point into; for a product, its operands and output (twice the
@@ -63,27 +67,48 @@ pub struct DeviceCounters {
     pub collective_bytes: u64,
 }
 
-/// The names of [`DeviceCounters`]' scalar fields, in the order of `DeviceCounters::fields`.
-const FIELD_NAMES: [&str; 18] = [
-    "launches",
-    "bf16_gemm_calls",
-    "f32_gemm_calls",
-    "bf16_tensor_core_gemm_flops",
-    "f32_simt_gemm_flops",
-    "memsets",
-    "syncs",
-    "host_to_device_copies",
-    "host_to_device_bytes",
-    "device_to_host_copies",
-    "device_to_host_bytes",
-    "pageable_copies",
-    "device_copies",
-    "buffer_requests",
-    "driver_allocations",
-    "bytes_touched",
-    "collectives",
-    "collective_bytes",
-];
+/// [`DeviceCounters`]' scalar fields, listed once: their names (for reports and JSON) and
+/// their values, read and written in this order.
+macro_rules! scalar_fields {
+    ($($field:ident),* $(,)?) => {
+        const FIELD_NAMES: [&str; SCALAR_FIELDS] = [$(stringify!($field)),*];
+
+        impl DeviceCounters {
+            fn fields(&self) -> [u64; SCALAR_FIELDS] {
+                [$(self.$field),*]
+            }
+
+            fn fields_mut(&mut self) -> [&mut u64; SCALAR_FIELDS] {
+                [$(&mut self.$field),*]
+            }
+        }
+    };
+}
+
+/// How many scalar counters [`DeviceCounters`] has.
+const SCALAR_FIELDS: usize = 19;
+
+scalar_fields!(
+    launches,
+    bf16_gemm_calls,
+    f32_gemm_calls,
+    bf16_tensor_core_gemm_flops,
+    f32_simt_gemm_flops,
+    memsets,
+    syncs,
+    host_to_device_copies,
+    host_to_device_bytes,
+    device_to_host_copies,
+    device_to_host_bytes,
+    pageable_copies,
+    pinned_copies,
+    device_copies,
+    buffer_requests,
+    driver_allocations,
+    bytes_touched,
+    collectives,
+    collective_bytes,
+);
 
 impl DeviceCounters {
     /// What was counted after `earlier` (a snapshot of the same device): `self - earlier`.
@@ -100,59 +125,9 @@ impl DeviceCounters {
     }
 
     /// The scalar counters with their field names, for reports and JSON.
-    pub fn totals(&self) -> [(&'static str, u64); 18] {
+    pub fn totals(&self) -> [(&'static str, u64); SCALAR_FIELDS] {
         let values = self.fields();
         std::array::from_fn(|i| (FIELD_NAMES[i], values[i]))
-    }
-
-    fn fields(&self) -> [u64; 18] {
-        self.fields_ref().map(|field| *field)
-    }
-
-    fn fields_ref(&self) -> [&u64; 18] {
-        [
-            &self.launches,
-            &self.bf16_gemm_calls,
-            &self.f32_gemm_calls,
-            &self.bf16_tensor_core_gemm_flops,
-            &self.f32_simt_gemm_flops,
-            &self.memsets,
-            &self.syncs,
-            &self.host_to_device_copies,
-            &self.host_to_device_bytes,
-            &self.device_to_host_copies,
-            &self.device_to_host_bytes,
-            &self.pageable_copies,
-            &self.device_copies,
-            &self.buffer_requests,
-            &self.driver_allocations,
-            &self.bytes_touched,
-            &self.collectives,
-            &self.collective_bytes,
-        ]
-    }
-
-    fn fields_mut(&mut self) -> [&mut u64; 18] {
-        [
-            &mut self.launches,
-            &mut self.bf16_gemm_calls,
-            &mut self.f32_gemm_calls,
-            &mut self.bf16_tensor_core_gemm_flops,
-            &mut self.f32_simt_gemm_flops,
-            &mut self.memsets,
-            &mut self.syncs,
-            &mut self.host_to_device_copies,
-            &mut self.host_to_device_bytes,
-            &mut self.device_to_host_copies,
-            &mut self.device_to_host_bytes,
-            &mut self.pageable_copies,
-            &mut self.device_copies,
-            &mut self.buffer_requests,
-            &mut self.driver_allocations,
-            &mut self.bytes_touched,
-            &mut self.collectives,
-            &mut self.collective_bytes,
-        ]
     }
 }
 
@@ -220,12 +195,12 @@ impl Counters {
         self.lock().syncs += 1;
     }
 
-    /// One copy of `bytes` from pageable host memory to the device.
+    /// One copy of `bytes` from page-locked host memory to the device.
     pub(crate) fn upload(&self, bytes: usize) {
         let mut c = self.lock();
         c.host_to_device_copies += 1;
         c.host_to_device_bytes += bytes as u64;
-        c.pageable_copies += 1;
+        c.pinned_copies += 1;
         c.bytes_touched += bytes as u64;
     }
 
@@ -289,7 +264,8 @@ mod tests {
             ("host_to_device_bytes", 8),
             ("device_to_host_copies", 1),
             ("device_to_host_bytes", 4),
-            ("pageable_copies", 2),
+            ("pageable_copies", 1),
+            ("pinned_copies", 1),
             ("device_copies", 1),
             ("buffer_requests", 2),
             ("driver_allocations", 0),

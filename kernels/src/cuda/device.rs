@@ -1,5 +1,6 @@
 //! One CUDA device: its context, the single stream all its work goes to, a cuBLAS handle,
-//! the compiled kernels and the caching allocator; host ↔ device copies.
+//! the compiled kernels, the caching allocator and the pinned staging ring; host ↔ device
+//! copies (uploads through the staging ring, `staging.rs`).
 //!
 //! The CUDA libraries are loaded at run time (cudarc's `dynamic-loading`), so a machine
 //! without a driver builds and runs everything else; [`CudaDevice::new`] then returns
@@ -24,6 +25,7 @@ use super::allocator::{Allocator, AllocatorStats, DeviceBuffer, DeviceScalar};
 use super::counters::{Counters, DeviceCounters, GemmKind};
 use super::error::{ensure, CudaError, Result};
 use super::module::{panic_message, Arg, KernelCache, KernelFamily};
+use super::staging::{Staging, StagingStream, CHUNK_BYTES};
 use super::timer::{KernelTime, KernelTimer};
 
 /// A CUDA device with its stream, cuBLAS handle, kernels and memory pool.
@@ -33,6 +35,7 @@ pub struct CudaDevice {
     capability: (i32, i32),
     backend: Backend,
     allocator: Arc<Allocator>,
+    staging: Staging,
     counters: Counters,
     timer: KernelTimer,
 }
@@ -157,6 +160,7 @@ impl CudaDevice {
             capability: (8, 0),
             backend: Backend::Emulated(super::emu::Emulator::new()?),
             allocator: Arc::new(Allocator::emulated()),
+            staging: Staging::default(),
             counters: Counters::default(),
             timer: KernelTimer::default(),
         })
@@ -233,6 +237,7 @@ impl CudaDevice {
             capability,
             backend: Backend::Driver(driver),
             allocator,
+            staging: Staging::default(),
             counters: Counters::default(),
             timer: KernelTimer::default(),
         })
@@ -282,7 +287,8 @@ impl CudaDevice {
     /// one after a step and subtract ([`DeviceCounters::since`]).
     pub fn counters(&self) -> DeviceCounters {
         let stats = self.allocator.stats();
-        self.counters.snapshot(stats.allocations + stats.reuses, stats.allocations)
+        let driver_allocations = stats.allocations + self.staging.allocations();
+        self.counters.snapshot(stats.allocations + stats.reuses, driver_allocations)
     }
 
     /// Starts timing every launch and cuBLAS call with a pair of CUDA events (the host's
@@ -365,26 +371,33 @@ impl CudaDevice {
         Ok(buffer)
     }
 
-    /// Copies `host` into `buffer` (equal lengths).
+    /// Copies `host` into `buffer` (equal lengths) through the pinned staging ring, in
+    /// chunks of at most 4 MiB: queued, the host slice is free again on return.
     pub fn copy_to_device<T: DeviceScalar>(&self, host: &[T], buffer: &mut DeviceBuffer<T>) -> Result<()> {
         self.check_owner("copy_to_device", buffer)?;
         ensure(host.len() == buffer.len(), "copy_to_device", || {
             format!("host slice has {} elements, device buffer {}", host.len(), buffer.len())
         })?;
-        if host.is_empty() {
-            return Ok(());
-        }
-        self.counters.upload(std::mem::size_of_val(host));
-        let Some(gpu) = self.driver() else {
-            // SAFETY: the emulated buffer's own host range of host.len() elements.
-            unsafe { std::ptr::copy_nonoverlapping(host.as_ptr(), buffer.device_ptr() as *mut T, host.len()) };
-            return Ok(());
+        // SAFETY: the device scalars are plain numbers without padding: their bytes are valid u8.
+        let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr() as *const u8, std::mem::size_of_val(host)) };
+        let gpu = match self.driver() {
+            Some(gpu) => {
+                gpu.bind()?;
+                Some(StagingStream { ctx: &gpu.ctx, stream: &gpu.stream })
+            }
+            None => None,
         };
-        gpu.bind()?;
-        // SAFETY: the destination is the buffer's own range of host.len() elements; the
-        // source is pageable host memory, which the driver stages before this returns.
-        unsafe { driver::memcpy_htod_async(buffer.device_ptr(), host, gpu.stream()) }
-            .map_err(|e| CudaError::driver("cuMemcpyHtoDAsync", e))
+        for (index, chunk) in bytes.chunks(CHUNK_BYTES).enumerate() {
+            self.counters.upload(chunk.len());
+            // SAFETY: the chunk's destination lies inside the buffer (equal byte lengths,
+            // checked above), and every later use of the buffer is queued on the same stream.
+            let staged =
+                unsafe { self.staging.copy(gpu.as_ref(), chunk, buffer.device_ptr() + (index * CHUNK_BYTES) as u64) }?;
+            if staged.waited {
+                self.counters.sync();
+            }
+        }
+        Ok(())
     }
 
     /// A host copy of `buffer` (waits for the queued work that writes it).

@@ -14,7 +14,7 @@ pub use crate::cpu::unary::Unary;
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
-use super::launch::{address_list, check_owners, elementwise, int, length_list, ptr, ptr_at, size, LIST_LEN};
+use super::launch::{address_list, check_owners, elementwise, int, length_list, opt_ptr, ptr, ptr_at, size, LIST_LEN};
 use super::module::{Arg, KernelFamily};
 
 /// Most dimensions a broadcast or strided copy may keep after coalescing.
@@ -187,17 +187,38 @@ pub fn fill(dev: &CudaDevice, value: f32, y: &mut DeviceBuffer<f32>) -> Result<(
     dev.launch(FAMILY, "fill", elementwise(y.len()), &args)
 }
 
-/// `dst[i] += src[i]`: the autograd engine's sum of two gradients of one value.
-pub fn add_assign(dev: &CudaDevice, dst: &mut DeviceBuffer<f32>, src: &DeviceBuffer<f32>) -> Result<()> {
-    axpy(dev, 1.0, src, dst)
+/// `dst[i] += src[i]`: the autograd engine's sum of two gradients of one value; `dst_bf16`,
+/// when given, gets the sum rounded to nearest even (for the bf16 products that read it).
+pub fn add_assign(
+    dev: &CudaDevice,
+    dst: &mut DeviceBuffer<f32>,
+    src: &DeviceBuffer<f32>,
+    dst_bf16: Option<&mut DeviceBuffer<bf16>>,
+) -> Result<()> {
+    if let Some(twin) = &dst_bf16 {
+        dev.check_owner("add_assign", twin)?;
+        ensure_len("add_assign", "dst_bf16", twin.len(), dst.len())?;
+    }
+    queue_axpy(dev, 1.0, src, dst, dst_bf16.as_deref())
 }
 
 /// `dst[i] += alpha·src[i]`.
 pub fn axpy(dev: &CudaDevice, alpha: f32, src: &DeviceBuffer<f32>, dst: &mut DeviceBuffer<f32>) -> Result<()> {
+    queue_axpy(dev, alpha, src, dst, None)
+}
+
+/// The `axpy` kernel, writing `dst_bf16` too when given (its owner and length checked).
+fn queue_axpy(
+    dev: &CudaDevice,
+    alpha: f32,
+    src: &DeviceBuffer<f32>,
+    dst: &mut DeviceBuffer<f32>,
+    dst_bf16: Option<&DeviceBuffer<bf16>>,
+) -> Result<()> {
     const OP: &str = "axpy";
     check_owners(dev, OP, &[src, dst])?;
     ensure_len(OP, "dst", dst.len(), src.len())?;
-    let args = [Arg::F32(alpha), ptr(src), ptr(dst), size(src.len())];
+    let args = [Arg::F32(alpha), ptr(src), ptr(dst), opt_ptr(dst_bf16), size(src.len())];
     dev.launch(FAMILY, "axpy", elementwise(src.len()), &args)
 }
 

@@ -4,6 +4,7 @@
 //! device.rs      CudaDevice: context, one stream, cuBLAS, copies; errors, not panics, without a GPU
 //! allocator.rs   DeviceBuffer<T> and the caching allocator (free lists per size class)
 //! counters.rs    per-device counts of launches, products by precision, syncs, copies, bytes
+//! staging.rs     the pinned (page-locked) staging ring every host → device copy goes through
 //! timer.rs       the per-kernel timer (a CUDA event pair around each launch)
 //! module.rs      kernel families and launch arguments; NVRTC compilation of kernels/*.cu, cached
 //! nvrtc.rs       one NVRTC compile to CUBIN (or PTX), with the log on failure
@@ -54,6 +55,7 @@ pub mod pool;
 pub mod reduce;
 pub mod rope;
 pub mod softmax;
+mod staging;
 pub mod swiglu;
 pub mod timer;
 

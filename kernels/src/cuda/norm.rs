@@ -6,6 +6,7 @@
 //! order), so they repeat bit for bit.
 
 use cudarc::driver::LaunchConfig;
+use half::bf16;
 
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
@@ -29,20 +30,26 @@ fn check(
     dims.check(rows, stats, params).map_err(|message| CudaError::shape(op, message))
 }
 
-/// `y = x·rstd·weight`, `rstd = 1/√(mean(x²) + eps)` saved per row.
+/// `y = x·rstd·weight`, `rstd = 1/√(mean(x²) + eps)` saved per row; `y_bf16`, when given,
+/// gets `y` rounded to nearest even (for the bf16 products that read `y`).
 pub fn rms_norm_forward(
     dev: &CudaDevice,
     x: &DeviceBuffer<f32>,
     weight: &DeviceBuffer<f32>,
     dims: &NormDims,
-    y: &mut DeviceBuffer<f32>,
+    (y, y_bf16): (&mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>),
     rstd: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "rms_norm_forward";
     check_owners(dev, OP, &[x, weight, y, rstd])?;
     check(OP, dims, &[("x", x.len()), ("y", y.len())], &[("rstd", rstd.len())], &[("weight", Some(weight.len()))])?;
+    if let Some(copy) = &y_bf16 {
+        dev.check_owner(OP, copy)?;
+        ensure(copy.len() == y.len(), OP, || format!("y_bf16 has {} elements, y {}", copy.len(), y.len()))?;
+    }
     let NormDims { rows, cols, eps } = *dims;
-    let args = [ptr(x), ptr(weight), ptr(y), ptr(rstd), size(rows), size(cols), Arg::F32(eps)];
+    let args =
+        [ptr(x), ptr(weight), ptr(y), opt_ptr(y_bf16.as_deref()), ptr(rstd), size(rows), size(cols), Arg::F32(eps)];
     dev.launch(FAMILY, "rms_norm_forward", per_row(rows, row_threads(cols)), &args)
 }
 

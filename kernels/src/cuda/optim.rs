@@ -6,6 +6,8 @@
 
 pub use crate::cpu::optim::AdamHyper;
 
+use half::bf16;
+
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
@@ -27,12 +29,15 @@ fn adam_constants(op: &'static str, h: &AdamHyper, decoupled: bool) -> Result<[f
 /// Tensors one `adam_step` launch updates (a `TensorList` of common.cuh holds 24).
 pub const TENSORS_PER_LAUNCH: usize = LIST_LEN;
 
-/// One tensor of an Adam update: the parameter and its moments, updated in place, and its
-/// gradient (all of one length).
+/// One tensor of an Adam update: the parameter and its moments, updated in place, its
+/// gradient (all of one length) and, optionally, the parameter's bf16 copy to rewrite.
 #[derive(Debug)]
 pub struct AdamTensor<'a> {
     /// The parameter.
     pub param: &'a mut DeviceBuffer<f32>,
+    /// The parameter's bf16 copy, rewritten from the updated parameter (rounded to nearest
+    /// even), when bf16 products read it: no conversion launch before the next step's.
+    pub param_bf16: Option<&'a mut DeviceBuffer<bf16>>,
     /// Its gradient.
     pub grad: &'a DeviceBuffer<f32>,
     /// The first moment.
@@ -55,6 +60,10 @@ fn adam_update(
         ensure_len(op, "grad", t.grad.len(), t.param.len())?;
         ensure_len(op, "m", t.m.len(), t.param.len())?;
         ensure_len(op, "v", t.v.len(), t.param.len())?;
+        if let Some(copy) = &t.param_bf16 {
+            dev.check_owner(op, copy)?;
+            ensure_len(op, "param_bf16", copy.len(), t.param.len())?;
+        }
     }
     let [step_size, inv_sqrt_correction2, decay, l2] = adam_constants(op, h, decoupled)?;
     for chunk in tensors.chunks_mut(TENSORS_PER_LAUNCH) {
@@ -63,6 +72,7 @@ fn adam_update(
         cfg.grid_dim.1 = chunk.len() as u32;
         let args = [
             address_list(chunk.iter().map(|t| t.param.device_ptr())),
+            address_list(chunk.iter().map(|t| t.param_bf16.as_ref().map_or(0, |copy| copy.device_ptr()))),
             address_list(chunk.iter().map(|t| t.grad.device_ptr())),
             address_list(chunk.iter().map(|t| t.m.device_ptr())),
             address_list(chunk.iter().map(|t| t.v.device_ptr())),
@@ -81,7 +91,7 @@ fn adam_update(
 }
 
 /// AdamW (decoupled weight decay: `param -= lr·wd·param`), in place on every tensor's
-/// parameter and moments; one launch per [`TENSORS_PER_LAUNCH`] tensors.
+/// parameter, bf16 copy and moments; one launch per [`TENSORS_PER_LAUNCH`] tensors.
 pub fn adamw_step(dev: &CudaDevice, tensors: &mut [AdamTensor], h: &AdamHyper) -> Result<()> {
     adam_update(dev, "adamw_step", tensors, h, true)
 }

@@ -5,10 +5,12 @@
 //! cross-entropy forward returns the number of rows not ignored, so it waits for the
 //! device; a target ≥ `cols` is reported as [`CudaError::Invalid`] (the CPU asserts).
 
+use half::bf16;
+
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, CudaError, Result};
-use super::launch::{check_owners, int, per_row, ptr, row_threads, size};
+use super::launch::{check_owners, int, opt_ptr, per_row, ptr, row_threads, size};
 use super::module::{Arg, KernelFamily};
 
 pub use crate::cpu::cross_entropy::CrossEntropyDims;
@@ -188,7 +190,8 @@ pub struct MeanLossGrad<'a> {
 
 /// `dlogits[r] = scale·(softmax(logits[r]) − onehot(targets[r]))` from the saved `lse`, zeros
 /// for ignored rows and rows whose target is ≥ `cols` (the forward reports those), with
-/// `scale = upstream[0] / count` computed on the device ([`MeanLossGrad`]).
+/// `scale = upstream[0] / count` computed on the device ([`MeanLossGrad`]); `dlogits_bf16`,
+/// when given, gets `dlogits` rounded to nearest even (for the bf16 products that read it).
 pub fn cross_entropy_backward(
     dev: &CudaDevice,
     logits: &DeviceBuffer<f32>,
@@ -196,7 +199,7 @@ pub fn cross_entropy_backward(
     dims: &CrossEntropyDims,
     lse: &DeviceBuffer<f32>,
     scale: MeanLossGrad,
-    dlogits: &mut DeviceBuffer<f32>,
+    (dlogits, dlogits_bf16): (&mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>),
 ) -> Result<()> {
     const OP: &str = "cross_entropy_backward";
     check_owners(dev, OP, &[logits, lse, scale.upstream, dlogits])?;
@@ -206,6 +209,10 @@ pub fn cross_entropy_backward(
     let CrossEntropyDims { rows, cols, ignore_index } = *dims;
     ensure_len(OP, "upstream", scale.upstream.len(), 1)?;
     ensure_len(OP, "dlogits", dlogits.len(), logits.len())?;
+    if let Some(twin) = &dlogits_bf16 {
+        dev.check_owner(OP, twin)?;
+        ensure_len(OP, "dlogits_bf16", twin.len(), dlogits.len())?;
+    }
     let args = [
         ptr(logits),
         ptr(targets),
@@ -216,6 +223,7 @@ pub fn cross_entropy_backward(
         ptr(scale.upstream),
         Arg::F32(scale.count as f32),
         ptr(dlogits),
+        opt_ptr(dlogits_bf16.as_deref()),
     ];
     dev.launch(FAMILY, "cross_entropy_backward", per_row(rows, row_threads(cols)), &args)
 }

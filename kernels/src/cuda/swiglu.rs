@@ -3,22 +3,36 @@
 //!
 //! Mirrors `cpu::swiglu` with slices replaced by device buffers: the forward reads `g` and
 //! `u` once, the backward recomputes σ(g) from `g` and writes (`dg = ...`,
-//! `du = ...`). All buffers hold the same number of elements (any shape, flattened).
+//! `du = ...`). All buffers hold the same number of elements (any shape, flattened). Each
+//! output may also be written as a bf16 twin (rounded to nearest even) for the bf16
+//! products that read it, instead of a conversion launch.
+
+use half::bf16;
 
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, Result};
-use super::launch::{check_owners, elementwise, ptr, size};
+use super::launch::{check_owners, elementwise, opt_ptr, ptr, size};
 use super::module::KernelFamily;
 
 const FAMILY: KernelFamily = KernelFamily::Swiglu;
 
-/// `out[i] = silu(gate[i]) · up[i]`.
+/// Checks that an output's bf16 twin belongs to `dev` and has `n` elements.
+fn check_twin(dev: &CudaDevice, op: &'static str, twin: &Option<&mut DeviceBuffer<bf16>>, n: usize) -> Result<()> {
+    if let Some(twin) = twin {
+        dev.check_owner(op, twin)?;
+        ensure(twin.len() == n, op, || format!("a bf16 twin has {} elements, its output {n}", twin.len()))?;
+    }
+    Ok(())
+}
+
+/// `out[i] = silu(gate[i]) · up[i]` (and `out_bf16[i]` = it rounded to bf16, when given).
 pub fn swiglu_forward(
     dev: &CudaDevice,
     gate: &DeviceBuffer<f32>,
     up: &DeviceBuffer<f32>,
     out: &mut DeviceBuffer<f32>,
+    out_bf16: Option<&mut DeviceBuffer<bf16>>,
 ) -> Result<()> {
     const OP: &str = "swiglu_forward";
     check_owners(dev, OP, &[gate, up, out])?;
@@ -26,11 +40,13 @@ pub fn swiglu_forward(
     ensure(gate.len() == n && up.len() == n, OP, || {
         format!("gate ({}), up ({}) and out ({n}) differ in length", gate.len(), up.len())
     })?;
-    let args = [ptr(gate), ptr(up), ptr(out), size(n)];
+    check_twin(dev, OP, &out_bf16, n)?;
+    let args = [ptr(gate), ptr(up), ptr(out), opt_ptr(out_bf16.as_deref()), size(n)];
     dev.launch(FAMILY, "swiglu_forward", elementwise(n), &args)
 }
 
-/// `dgate = dout · up · silu'(gate)` and `dup = dout · silu(gate)`, recomputing σ(gate).
+/// `dgate = dout · up · silu'(gate)` and `dup = dout · silu(gate)`, recomputing σ(gate); each
+/// also rounded to bf16 into its twin of `twins` (`(dgate, dup)`) when given.
 pub fn swiglu_backward(
     dev: &CudaDevice,
     gate: &DeviceBuffer<f32>,
@@ -38,6 +54,7 @@ pub fn swiglu_backward(
     dout: &DeviceBuffer<f32>,
     dgate: &mut DeviceBuffer<f32>,
     dup: &mut DeviceBuffer<f32>,
+    twins: (Option<&mut DeviceBuffer<bf16>>, Option<&mut DeviceBuffer<bf16>>),
 ) -> Result<()> {
     const OP: &str = "swiglu_backward";
     check_owners(dev, OP, &[gate, up, dout, dgate, dup])?;
@@ -51,6 +68,9 @@ pub fn swiglu_backward(
             dup.len()
         )
     })?;
-    let args = [ptr(gate), ptr(up), ptr(dout), ptr(dgate), ptr(dup), size(n)];
+    check_twin(dev, OP, &twins.0, n)?;
+    check_twin(dev, OP, &twins.1, n)?;
+    let (dgate_bf16, dup_bf16) = (opt_ptr(twins.0.as_deref()), opt_ptr(twins.1.as_deref()));
+    let args = [ptr(gate), ptr(up), ptr(dout), ptr(dgate), ptr(dup), dgate_bf16, dup_bf16, size(n)];
     dev.launch(FAMILY, "swiglu_backward", elementwise(n), &args)
 }

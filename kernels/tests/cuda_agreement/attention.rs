@@ -1,33 +1,69 @@
 //! Rotary embedding, embedding lookup and flash attention (forward, backward and the naive
 //! kernel), forward and backward.
 
+use half::bf16;
 use kernels::cpu;
 use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::rope::RopeDims;
 use kernels::cuda::{self, CudaError};
 
-use super::{assert_elementwise, assert_reduced, down, stale, up, Rng};
+use super::{assert_elementwise, assert_reduced, assert_twin, down, stale, up, Rng};
 
 #[test]
 fn rope_agrees() {
     let dev = device_or_skip!();
     let mut rng = Rng::new(8);
-    for (batch, seq, heads, head_dim, offset) in [(2, 37, 4, 64, 0), (1, 5, 3, 18, 7), (3, 1, 1, 2, 2)] {
+    // One launch rotates two tensors (q and k) that may differ in heads.
+    for (batch, seq, (q_heads, k_heads), head_dim, offset) in
+        [(2, 37, (4, 4), 64, 0), (1, 5, (3, 1), 18, 7), (3, 1, (1, 2), 2, 2)]
+    {
         let (cos, sin) = cpu::rope::rope_table(seq + offset, head_dim, 10000.0);
-        let x = rng.vec(batch * seq * heads * head_dim, -2.0, 2.0);
-        let (gx, gcos, gsin) = (up(dev, &x), up(dev, &cos), up(dev, &sin));
-        let dims = RopeDims { batch, seq, heads, head_dim, pos_offset: offset };
-        let mut y = vec![0.0; x.len()];
-        cpu::rope::rope_forward(&x, &cos, &sin, &dims, &mut y);
-        let mut gy = dev.alloc(x.len()).unwrap();
-        cuda::rope::rope_forward(dev, &gx, &gcos, &gsin, &dims, &mut gy).unwrap();
-        assert_elementwise("rope forward", &down(dev, &gy), &y);
-        let mut dx = stale(x.len());
-        cpu::rope::rope_backward(&y, &cos, &sin, &dims, &mut dx);
-        let mut gdx = up(dev, &dx);
-        cuda::rope::rope_backward(dev, &up(dev, &y), &gcos, &gsin, &dims, &mut gdx).unwrap();
-        assert_elementwise("rope backward", &down(dev, &gdx), &dx);
+        let (gcos, gsin) = (up(dev, &cos), up(dev, &sin));
+        let dims = [q_heads, k_heads].map(|heads| RopeDims { batch, seq, heads, head_dim, pos_offset: offset });
+        let xs = dims.map(|d| rng.vec(d.batch * d.seq * d.heads * d.head_dim, -2.0, 2.0));
+        let (gx, mut gy) = (xs.each_ref().map(|x| up(dev, x)), xs.each_ref().map(|x| dev.alloc(x.len()).unwrap()));
+        let [gy0, gy1] = &mut gy;
+        let mut parts = [
+            cuda::rope::RopePart { x: &gx[0], dims: dims[0], out: gy0, out_bf16: None },
+            cuda::rope::RopePart { x: &gx[1], dims: dims[1], out: gy1, out_bf16: None },
+        ];
+        cuda::rope::rope_forward(dev, &mut parts, &gcos, &gsin).unwrap();
+        let mut ys = Vec::new();
+        for p in 0..2 {
+            let mut y = vec![0.0; xs[p].len()];
+            cpu::rope::rope_forward(&xs[p], &cos, &sin, &dims[p], &mut y);
+            assert_elementwise(&format!("rope forward, part {p}"), &down(dev, &gy[p]), &y);
+            ys.push(y);
+        }
+        // Backward, with a bf16 twin on the second part only.
+        let gys = [up(dev, &ys[0]), up(dev, &ys[1])];
+        let mut gdx = [0, 1].map(|p| up(dev, &stale(ys[p].len())));
+        let mut twin = dev.alloc::<bf16>(ys[1].len()).unwrap();
+        let [gdx0, gdx1] = &mut gdx;
+        let mut parts = [
+            cuda::rope::RopePart { x: &gys[0], dims: dims[0], out: gdx0, out_bf16: None },
+            cuda::rope::RopePart { x: &gys[1], dims: dims[1], out: gdx1, out_bf16: Some(&mut twin) },
+        ];
+        cuda::rope::rope_backward(dev, &mut parts, &gcos, &gsin).unwrap();
+        for p in 0..2 {
+            let mut dx = stale(ys[p].len());
+            cpu::rope::rope_backward(&ys[p], &cos, &sin, &dims[p], &mut dx);
+            assert_elementwise(&format!("rope backward, part {p}"), &down(dev, &gdx[p]), &dx);
+        }
+        assert_twin(dev, "rope dx", &gdx[1], &gdx[1], &twin);
     }
+    // Parts of different lengths cannot share a launch.
+    let dims = [1, 2].map(|seq| RopeDims { batch: 1, seq, heads: 1, head_dim: 2, pos_offset: 0 });
+    let (cos, sin) = cpu::rope::rope_table(2, 2, 10000.0);
+    let (gcos, gsin) = (up(dev, &cos), up(dev, &sin));
+    let (x0, x1) = (up(dev, &[1.0; 2]), up(dev, &[1.0; 4]));
+    let (mut y0, mut y1) = (dev.alloc(2).unwrap(), dev.alloc(4).unwrap());
+    let mut parts = [
+        cuda::rope::RopePart { x: &x0, dims: dims[0], out: &mut y0, out_bf16: None },
+        cuda::rope::RopePart { x: &x1, dims: dims[1], out: &mut y1, out_bf16: None },
+    ];
+    let result = cuda::rope::rope_forward(dev, &mut parts, &gcos, &gsin);
+    assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }
 
 #[test]
@@ -96,8 +132,12 @@ fn flash_attention_forward_and_backward_agree() {
         cpu::attention::causal_attention_forward(&q, &k, &v, &dims, &mut out, &mut lse);
         let (gq, gk, gv) = (up(dev, &q), up(dev, &k), up(dev, &v));
         let (mut gout, mut glse) = (dev.alloc(q.len()).unwrap(), dev.alloc(lse.len()).unwrap());
-        cuda::attention::causal_attention_forward(dev, &gq, &gk, &gv, &dims, &mut gout, &mut glse).unwrap();
+        cuda::attention::causal_attention_forward(dev, &gq, &gk, &gv, &dims, (&mut gout, None), &mut glse).unwrap();
         assert_reduced(&format!("attention out {c:?}"), &down(dev, &gout), &out);
+        let (mut gout2, mut gout16) = (dev.alloc(q.len()).unwrap(), dev.alloc::<bf16>(q.len()).unwrap());
+        let twin = (&mut gout2, Some(&mut gout16));
+        cuda::attention::causal_attention_forward(dev, &gq, &gk, &gv, &dims, twin, &mut glse).unwrap();
+        assert_twin(dev, &format!("attention out {c:?}"), &gout2, &gout, &gout16);
         assert_reduced(&format!("attention lse {c:?}"), &down(dev, &glse), &lse);
         let mut naive = dev.alloc(q.len()).unwrap();
         cuda::attention::causal_attention_naive(dev, &gq, &gk, &gv, &dims, &mut naive).unwrap();
@@ -119,17 +159,25 @@ fn flash_attention_forward_and_backward_agree() {
             &dims,
             &mut gdq,
             &mut gdk,
-            &mut gdv,
+            (&mut gdv, None),
         )
         .unwrap();
         assert_reduced(&format!("attention dq {c:?}"), &down(dev, &gdq), &dq);
         assert_reduced(&format!("attention dk {c:?}"), &down(dev, &gdk), &dk);
         assert_reduced(&format!("attention dv {c:?}"), &down(dev, &gdv), &dv);
+        let (mut gdv2, mut gdv16) = (up(dev, &sk), dev.alloc::<bf16>(k.len()).unwrap());
+        let (out_saved, lse_saved, dout_up) = (up(dev, &out), up(dev, &lse), up(dev, &dout));
+        let dv_twin = (&mut gdv2, Some(&mut gdv16));
+        cuda::attention::causal_attention_backward(
+            dev, &gq, &gk, &gv, &out_saved, &lse_saved, &dout_up, &dims, &mut gdq, &mut gdk, dv_twin,
+        )
+        .unwrap();
+        assert_twin(dev, &format!("attention dv {c:?}"), &gdv2, &gdv, &gdv16);
     }
     // A head dimension past the kernels' limit is refused.
     let big = dev.alloc(256).unwrap();
     let (mut o, mut l) = (dev.alloc(256).unwrap(), dev.alloc(1).unwrap());
     let dims = AttentionDims { batch: 1, q_seq: 1, kv_seq: 1, heads: 1, head_dim: 256, scale: 1.0 };
-    let result = cuda::attention::causal_attention_forward(dev, &big, &big, &big, &dims, &mut o, &mut l);
+    let result = cuda::attention::causal_attention_forward(dev, &big, &big, &big, &dims, (&mut o, None), &mut l);
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }

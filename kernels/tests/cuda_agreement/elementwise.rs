@@ -1,12 +1,13 @@
 //! Elementwise kernels: every unary op forward and backward, broadcast binary ops, scalar
 //! ops, axpy, select, strided copies and SwiGLU.
 
+use half::bf16;
 use kernels::cpu;
 use kernels::cpu::binary::Binary;
 use kernels::cpu::unary::Unary;
 use kernels::cuda::{self, CudaError, DeviceBuffer};
 
-use super::{assert_elementwise, down, stale, up, Rng};
+use super::{assert_elementwise, assert_twin, down, stale, up, Rng};
 
 #[test]
 fn unary_forward_and_backward_agree() {
@@ -128,8 +129,13 @@ fn binary_broadcasts_scalar_axpy_select_and_copy_agree() {
     cpu::binary::axpy(-0.75, &x, &mut dst);
     cuda::elementwise::axpy(dev, -0.75, &gx, &mut gdst).unwrap();
     cpu::binary::add_assign(&mut dst, &x);
-    cuda::elementwise::add_assign(dev, &mut gdst, &gx).unwrap();
+    let before_sum = down(dev, &gdst);
+    cuda::elementwise::add_assign(dev, &mut gdst, &gx, None).unwrap();
     assert_elementwise("axpy + add_assign", &down(dev, &gdst), &dst);
+    // With a bf16 twin: the same sum, and the twin is it rounded to nearest even.
+    let (mut gsum, mut gsum16) = (up(dev, &before_sum), dev.alloc::<bf16>(x.len()).unwrap());
+    cuda::elementwise::add_assign(dev, &mut gsum, &gx, Some(&mut gsum16)).unwrap();
+    assert_twin(dev, "add_assign", &gsum, &gdst, &gsum16);
     let cond: Vec<f32> = (0..x.len()).map(|i| (i % 3 == 0) as u8 as f32).collect();
     let mut want = vec![0.0; x.len()];
     cpu::binary::select(&cond, &x, &dst, &mut want);
@@ -159,12 +165,30 @@ fn swiglu_forward_and_backward_agree() {
     let (mut gdgate, mut gdup) = (up(dev, &dgate), up(dev, &dup));
     cpu::swiglu::swiglu_forward(&gate, &upv, &mut y);
     cpu::swiglu::swiglu_backward(&gate, &upv, &dout, &mut dgate, &mut dup);
-    cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut gy).unwrap();
-    cuda::swiglu::swiglu_backward(dev, &gg, &gu, &gdout, &mut gdgate, &mut gdup).unwrap();
+    cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut gy, None).unwrap();
+    cuda::swiglu::swiglu_backward(dev, &gg, &gu, &gdout, &mut gdgate, &mut gdup, (None, None)).unwrap();
     assert_elementwise("swiglu forward", &down(dev, &gy), &y);
     // Both sides overwrite their stale gradient buffers.
     assert_elementwise("swiglu dgate", &down(dev, &gdgate), &dgate);
     assert_elementwise("swiglu dup", &down(dev, &gdup), &dup);
+    // With bf16 twins: the same f32 outputs, and the twins are them rounded to nearest even.
+    let twin = || dev.alloc::<bf16>(n).unwrap();
+    let (mut y16, mut dgate16, mut dup16) = (twin(), twin(), twin());
+    let (mut gy2, mut gdgate2, mut gdup2) = (dev.alloc(n).unwrap(), dev.alloc(n).unwrap(), dev.alloc(n).unwrap());
+    cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut gy2, Some(&mut y16)).unwrap();
+    let twins = (Some(&mut dgate16), Some(&mut dup16));
+    cuda::swiglu::swiglu_backward(dev, &gg, &gu, &gdout, &mut gdgate2, &mut gdup2, twins).unwrap();
+    for (what, values, copy, first) in
+        [("y", &gy2, &y16, &gy), ("dgate", &gdgate2, &dgate16, &gdgate), ("dup", &gdup2, &dup16, &gdup)]
+    {
+        let values = down(dev, values);
+        assert_eq!(values, down(dev, first), "swiglu {what}: the twin leaves the f32 output as it was");
+        let rounded: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+        assert_eq!(dev.download(copy).unwrap(), rounded, "swiglu {what}: the twin is the output rounded");
+    }
     let mut short = dev.alloc(n - 1).unwrap();
-    assert!(matches!(cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut short), Err(CudaError::Shape { .. })));
+    assert!(matches!(cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut short, None), Err(CudaError::Shape { .. })));
+    let mut short16 = dev.alloc::<bf16>(n - 1).unwrap();
+    let wrong_twin = cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut gy, Some(&mut short16));
+    assert!(matches!(wrong_twin, Err(CudaError::Shape { .. })));
 }

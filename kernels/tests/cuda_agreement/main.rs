@@ -14,6 +14,7 @@
 use std::sync::OnceLock;
 
 use gradcheck::Tolerance;
+use half::bf16;
 use kernels::cuda::{CudaDevice, CudaError, DeviceBuffer};
 
 /// The shared device of this test binary, or why there is none.
@@ -116,4 +117,19 @@ fn up(dev: &CudaDevice, host: &[f32]) -> DeviceBuffer<f32> {
 
 fn down(dev: &CudaDevice, buffer: &DeviceBuffer<f32>) -> Vec<f32> {
     dev.download(buffer).expect("download")
+}
+
+/// A launch given a bf16 twin wrote the same f32 output as without one (`first`), and the
+/// twin holds that output rounded to nearest even.
+fn assert_twin(
+    dev: &CudaDevice,
+    what: &str,
+    values: &DeviceBuffer<f32>,
+    first: &DeviceBuffer<f32>,
+    twin: &DeviceBuffer<bf16>,
+) {
+    let values = down(dev, values);
+    assert_eq!(values, down(dev, first), "{what}: the twin changed the f32 output");
+    let rounded: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+    assert_eq!(dev.download(twin).unwrap(), rounded, "{what}: the twin is not the output rounded");
 }

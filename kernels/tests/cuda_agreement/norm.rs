@@ -1,5 +1,6 @@
 //! RMSNorm, LayerNorm and batch norm (training and evaluation), forward and backward.
 
+use half::bf16;
 use kernels::cpu;
 use kernels::cpu::batch_norm::{Affine, BatchNormDims, BatchStats, RunningStats};
 use kernels::cpu::norm::{NormGrads, RowStats};
@@ -27,9 +28,16 @@ fn rms_norm_and_layer_norm_agree() {
         let (mut y, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows]);
         cpu::norm::rms_norm_forward(&x, &w, &dims, &mut y, &mut rstd);
         let (mut gy, mut grstd) = (dev.alloc(x.len()).unwrap(), dev.alloc(rows).unwrap());
-        cuda::norm::rms_norm_forward(dev, &gx, &gw, &dims, &mut gy, &mut grstd).unwrap();
+        cuda::norm::rms_norm_forward(dev, &gx, &gw, &dims, (&mut gy, None), &mut grstd).unwrap();
         assert_reduced("rms y", &down(dev, &gy), &y);
         assert_reduced("rms rstd", &down(dev, &grstd), &rstd);
+        // With a bf16 twin: the same y, and the twin is y rounded to nearest even.
+        let (mut gy2, mut gy16) = (dev.alloc(x.len()).unwrap(), dev.alloc::<bf16>(x.len()).unwrap());
+        cuda::norm::rms_norm_forward(dev, &gx, &gw, &dims, (&mut gy2, Some(&mut gy16)), &mut grstd).unwrap();
+        let y2 = down(dev, &gy2);
+        assert_eq!(y2, down(dev, &gy), "rms y with a twin");
+        let rounded: Vec<bf16> = y2.iter().map(|&v| bf16::from_f32(v)).collect();
+        assert_eq!(dev.download(&gy16).unwrap(), rounded, "rms y's bf16 twin is y rounded");
         let (mut dx, mut dw) = (start.clone(), wstart.clone());
         let grads = NormGrads { dx: &mut dx[..], dweight: Some(&mut dw[..]), dbias: None };
         cpu::norm::rms_norm_backward(&x, &w, &rstd, &dy, &dims, grads);
@@ -82,7 +90,8 @@ fn rms_norm_and_layer_norm_agree() {
     // Shape errors come back before any launch.
     let (gx, gw) = (up(dev, &[1.0; 10]), up(dev, &[1.0; 3]));
     let (mut gy, mut gr) = (dev.alloc(10).unwrap(), dev.alloc(2).unwrap());
-    let result = cuda::norm::rms_norm_forward(dev, &gx, &gw, &cpu::norm::NormDims::of(10, 5, 1e-5), &mut gy, &mut gr);
+    let result =
+        cuda::norm::rms_norm_forward(dev, &gx, &gw, &cpu::norm::NormDims::of(10, 5, 1e-5), (&mut gy, None), &mut gr);
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }
 

@@ -4,6 +4,7 @@ use kernels::cpu;
 use kernels::cpu::optim::AdamHyper;
 use kernels::cuda;
 
+use half::bf16;
 use kernels::cuda::DeviceBuffer;
 
 use super::{assert_elementwise, down, up, Rng};
@@ -23,6 +24,9 @@ fn optimizers_agree_over_steps() {
         let mut gp: Vec<DeviceBuffer<f32>> = p.iter().map(|x| up(dev, x)).collect();
         let mut gm: Vec<DeviceBuffer<f32>> = lens.iter().map(|&n| dev.zeros(n).unwrap()).collect();
         let mut gv: Vec<DeviceBuffer<f32>> = lens.iter().map(|&n| dev.zeros(n).unwrap()).collect();
+        // Every other tensor has a bf16 copy, which the update rewrites from the new parameter.
+        let mut copies: Vec<Option<DeviceBuffer<bf16>>> =
+            lens.iter().enumerate().map(|(i, &n)| (i % 2 == 0).then(|| dev.alloc(n).unwrap())).collect();
         for step in 1..=5 {
             let grads: Vec<Vec<f32>> = lens.iter().map(|&n| rng.vec(n, -1.0, 1.0)).collect();
             let h = AdamHyper { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1, step };
@@ -35,7 +39,14 @@ fn optimizers_agree_over_steps() {
                 .iter_mut()
                 .zip(&gg)
                 .zip(gm.iter_mut().zip(gv.iter_mut()))
-                .map(|((param, grad), (m, v))| cuda::optim::AdamTensor { param, grad, m, v })
+                .zip(copies.iter_mut())
+                .map(|(((param, grad), (m, v)), copy)| cuda::optim::AdamTensor {
+                    param,
+                    param_bf16: copy.as_mut(),
+                    grad,
+                    m,
+                    v,
+                })
                 .collect();
             let update = if decoupled { cuda::optim::adamw_step } else { cuda::optim::adam_step };
             update(dev, &mut tensors, &h).unwrap();
@@ -45,6 +56,10 @@ fn optimizers_agree_over_steps() {
             assert_elementwise(&format!("{what}: p"), &down(dev, &gp[i]), &p[i]);
             assert_elementwise(&format!("{what}: m"), &down(dev, &gm[i]), &m[i]);
             assert_elementwise(&format!("{what}: v"), &down(dev, &gv[i]), &v[i]);
+            if let Some(copy) = &copies[i] {
+                let rounded: Vec<bf16> = down(dev, &gp[i]).iter().map(|&x| bf16::from_f32(x)).collect();
+                assert_eq!(dev.download(copy).unwrap(), rounded, "{what}: the bf16 copy is the new parameter rounded");
+            }
         }
     }
     for (momentum, nesterov) in [(0.9, false), (0.9, true), (0.0, false)] {

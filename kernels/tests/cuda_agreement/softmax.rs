@@ -1,9 +1,10 @@
 //! Softmax and log-softmax forward and backward; cross-entropy with `ignore_index`.
 
+use half::bf16;
 use kernels::cpu;
 use kernels::cuda::{self, CudaError};
 
-use super::{assert_close, assert_reduced, down, stale, up, Rng};
+use super::{assert_close, assert_reduced, assert_twin, down, stale, up, Rng};
 
 #[test]
 fn softmax_and_log_softmax_agree() {
@@ -61,8 +62,14 @@ fn cross_entropy_agrees_with_ignore_index() {
         let mut gd = up(dev, &start);
         let (upstream, count) = (up(dev, &[0.75]), kept);
         let g_scale = cuda::softmax::MeanLossGrad { upstream: &upstream, count };
-        cuda::softmax::cross_entropy_backward(dev, &glogits, &gtargets, &dims, &glse, g_scale, &mut gd).unwrap();
+        cuda::softmax::cross_entropy_backward(dev, &glogits, &gtargets, &dims, &glse, g_scale, (&mut gd, None))
+            .unwrap();
         assert_close("cross-entropy backward", &down(dev, &gd), &dlogits, 1e-5, 1e-6);
+        let (mut gd2, mut gd16) = (up(dev, &start), dev.alloc::<bf16>(rows * cols).unwrap());
+        let g_scale = cuda::softmax::MeanLossGrad { upstream: &upstream, count };
+        let twin = (&mut gd2, Some(&mut gd16));
+        cuda::softmax::cross_entropy_backward(dev, &glogits, &gtargets, &dims, &glse, g_scale, twin).unwrap();
+        assert_twin(dev, "cross-entropy backward", &gd2, &gd, &gd16);
     }
     // A target out of range is an error, not a panic.
     let (glogits, bad) = (up(dev, &[0.0, 1.0]), dev.upload(&[2u32]).unwrap());

@@ -1,6 +1,7 @@
 //! The GPU branch of the optimizers (feature `cuda`): fused `kernels::cuda::optim` updates
 //! in place on the parameters' device, with the state in [`Slot::Device`]s beside it (Adam:
-//! one multi-tensor launch per group of up to 24 parameters; SGD: one launch per parameter). Same update
+//! one multi-tensor launch per group of up to 24 parameters, which also rewrites the bf16
+//! copies bf16 products read; SGD: one launch per parameter). Same update
 //! rules and per-step constants as the CPU kernels, so both agree to f32 rounding.
 
 use std::cell::RefMut;
@@ -64,8 +65,8 @@ fn update_group(group: Vec<AdamParam>, decoupled: bool) -> Result<()> {
     let mut device = None;
     let mut tensors = Vec::with_capacity(values.len());
     for ((value, grad), (m, v)) in values.iter_mut().zip(&grads).zip(moments) {
-        let (dev, param) = value.cuda_f32_mut(OP)?;
-        tensors.push(AdamTensor { param, grad: grad.cuda_f32(OP)?, m, v });
+        let (dev, param, param_bf16) = value.cuda_f32_mut_with_bf16_copy(OP)?;
+        tensors.push(AdamTensor { param, param_bf16, grad: grad.cuda_f32(OP)?, m, v });
         device = Some(dev);
     }
     let Some(dev) = device else { return Ok(()) };

@@ -20,6 +20,7 @@ pub(crate) mod storage;
 
 use std::sync::{Arc, Mutex, OnceLock};
 
+use half::bf16;
 use kernels::cuda::{CudaDevice, CudaError, DeviceBuffer};
 
 use crate::{Error, Result, Storage, Tensor};
@@ -134,6 +135,35 @@ pub(crate) fn output(
 ) -> Result<Tensor> {
     let mut out = CudaStorage::alloc(dev, shape.iter().product())?;
     launch(out.f32_buffer_mut(op)?)?;
+    Tensor::from_cuda(out, shape)
+}
+
+/// The buffers an op writes for a result that bf16 products read (a normalised activation,
+/// an FFN activation or its gradients): the f32 buffer and, with bf16 products on
+/// ([`matmul_precision`]), a fresh bf16 copy the kernel writes beside it (the values rounded
+/// to nearest even), so the products that read the result convert nothing.
+pub(crate) fn product_input_buffers<'a>(
+    storage: &'a mut CudaStorage,
+    op: &'static str,
+) -> Result<(&'a mut DeviceBuffer<f32>, Option<&'a mut DeviceBuffer<bf16>>)> {
+    if matmul_precision() == MatmulPrecision::Bf16 {
+        let (values, copy) = storage.f32_buffer_mut_with_bf16_copy(op)?;
+        return Ok((values, Some(copy)));
+    }
+    Ok((storage.f32_buffer_mut(op)?, None))
+}
+
+/// [`output`] for a result that bf16 products read: `launch` also writes the bf16 copy when
+/// it is given one ([`product_input_buffers`]).
+pub(crate) fn product_input_output(
+    dev: &Arc<CudaDevice>,
+    op: &'static str,
+    shape: &[usize],
+    launch: impl FnOnce(&mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>) -> Result<()>,
+) -> Result<Tensor> {
+    let mut out = CudaStorage::alloc(dev, shape.iter().product())?;
+    let (values, copy) = product_input_buffers(&mut out, op)?;
+    launch(values, copy)?;
     Tensor::from_cuda(out, shape)
 }
 

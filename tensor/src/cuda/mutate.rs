@@ -5,8 +5,10 @@
 
 use std::sync::Arc;
 
+use half::bf16;
 use kernels::cuda::{CudaDevice, DeviceBuffer};
 
+use super::CudaStorage;
 use crate::{DType, Error, Result, Storage, Tensor};
 
 impl Tensor {
@@ -15,6 +17,29 @@ impl Tensor {
     /// exactly its buffer: copy-on-write, as [`Tensor::as_mut_slice`] does on the host.
     /// Errors naming `op` for a CPU tensor or bf16 storage.
     pub fn cuda_f32_mut(&mut self, op: &'static str) -> Result<(Arc<CudaDevice>, &mut DeviceBuffer<f32>)> {
+        let (dev, storage) = self.unique_cuda_f32(op)?;
+        Ok((dev, storage.f32_buffer_mut(op)?))
+    }
+
+    /// As [`Tensor::cuda_f32_mut`], for an update that also rewrites the bf16 copy bf16
+    /// products read: the f32 buffer and, when the tensor has a bf16 copy, a fresh bf16
+    /// buffer in its place for the update to fill (`CudaStorage::f32_buffer_mut_with_bf16_copy`).
+    #[allow(clippy::type_complexity)]
+    pub fn cuda_f32_mut_with_bf16_copy(
+        &mut self,
+        op: &'static str,
+    ) -> Result<(Arc<CudaDevice>, &mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>)> {
+        let (dev, storage) = self.unique_cuda_f32(op)?;
+        if !storage.has_bf16_copy() {
+            return Ok((dev, storage.f32_buffer_mut(op)?, None));
+        }
+        let (values, copy) = storage.f32_buffer_mut_with_bf16_copy(op)?;
+        Ok((dev, values, Some(copy)))
+    }
+
+    /// The device and the storage of this GPU f32 tensor, made its own dense buffer first
+    /// (copy-on-write, see [`Tensor::cuda_f32_mut`]).
+    fn unique_cuda_f32(&mut self, op: &'static str) -> Result<(Arc<CudaDevice>, &mut CudaStorage)> {
         let dev = self.cuda_device(op)?;
         if self.dtype() != DType::F32 {
             return Err(Error::DTypeMismatch { op, expected: DType::F32, got: self.dtype() });
@@ -25,7 +50,7 @@ impl Tensor {
         }
         let device = self.device;
         match Arc::get_mut(&mut self.storage) {
-            Some(Storage::Cuda(storage)) => Ok((dev, storage.f32_buffer_mut(op)?)),
+            Some(Storage::Cuda(storage)) => Ok((dev, storage)),
             _ => Err(Error::UnsupportedDevice { op, device }),
         }
     }

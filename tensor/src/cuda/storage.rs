@@ -22,7 +22,10 @@ pub enum CudaData {
 /// under bf16 matrix products a weight is converted once per step, not once per product
 /// that reads it (forward and backward), and so are an activation that feeds several
 /// products (q, k and v) or is read again by its weight's gradient, and an output gradient
-/// read by both of its layer's backward products. Writing the f32 buffer forgets the copy.
+/// read by both of its layer's backward products. Writing the f32 buffer forgets the copy,
+/// unless the write writes a new copy too ([`CudaStorage::f32_buffer_mut_with_bf16_copy`]:
+/// the optimizer's step, and ops whose results bf16 products read): then a weight is
+/// converted once per run, and such a result not at all.
 #[derive(Debug)]
 pub struct CudaStorage {
     device: Arc<CudaDevice>,
@@ -108,6 +111,34 @@ impl CudaStorage {
             CudaData::F32(b) => Ok(b),
             CudaData::BF16(_) => Err(crate::Error::DTypeMismatch { op, expected: DType::F32, got: DType::BF16 }),
         }
+    }
+
+    /// Whether the storage holds a bf16 copy (a bf16 product has read it since its last write).
+    pub fn has_bf16_copy(&self) -> bool {
+        self.bf16_copy.get().is_some()
+    }
+
+    /// The f32 buffer for a write that also writes its bf16 copy: a fresh bf16 buffer becomes
+    /// the copy and is returned beside the f32 buffer, and the caller must queue a write of
+    /// both (the values, and them rounded to nearest even), so that bf16 products read the
+    /// copy without a conversion (an op producing a product's input, the optimizer's step).
+    /// An earlier copy is not written: tensors still holding it keep their values.
+    pub fn f32_buffer_mut_with_bf16_copy(
+        &mut self,
+        op: &'static str,
+    ) -> Result<(&mut DeviceBuffer<f32>, &mut DeviceBuffer<bf16>)> {
+        self.bf16_copy.take();
+        let CudaStorage { device, data, bf16_copy } = self;
+        let CudaData::F32(values) = data else {
+            return Err(crate::Error::DTypeMismatch { op, expected: DType::F32, got: DType::BF16 });
+        };
+        let fresh = device.alloc(values.len()).map_err(|e| cuda_error("alloc", e))?;
+        let _ = bf16_copy.set(Arc::new(Storage::Cuda(CudaStorage::bf16(device, fresh))));
+        let copy = match bf16_copy.get_mut().and_then(Arc::get_mut) {
+            Some(Storage::Cuda(CudaStorage { data: CudaData::BF16(copy), .. })) => copy,
+            _ => unreachable!("the copy set above is a bf16 device storage held only here"),
+        };
+        Ok((values, copy))
     }
 
     /// The bf16 buffer, or an error naming `op` for f32 storage.

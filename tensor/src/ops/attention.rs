@@ -98,7 +98,7 @@ pub(crate) mod cuda {
     use kernels::cpu::attention::AttentionDims;
     use kernels::cuda::attention as launch;
 
-    use crate::cuda::{output, CudaStorage};
+    use crate::cuda::{output, product_input_buffers, product_input_output, CudaStorage};
     use crate::{Result, Tensor};
 
     /// `(out [B, Tq, H, D], lse [B, H, Tq])` of causal attention.
@@ -112,9 +112,10 @@ pub(crate) mod cuda {
         let dev = q.cuda_device(OP)?;
         let (q, k, v) = (q.dense()?, k.dense()?, v.dense()?);
         let mut lse = CudaStorage::alloc(&dev, dims.lse_len())?;
-        let out = output(&dev, OP, q.shape(), |out| {
+        // The output feeds the output projection: in bf16 too under bf16 products.
+        let out = product_input_output(&dev, OP, q.shape(), |out, out_bf16| {
             let (q, k, v) = (q.cuda_f32(OP)?, k.cuda_f32(OP)?, v.cuda_f32(OP)?);
-            Ok(launch::causal_attention_forward(&dev, q, k, v, dims, out, lse.f32_buffer_mut(OP)?)?)
+            Ok(launch::causal_attention_forward(&dev, q, k, v, dims, (out, out_bf16), lse.f32_buffer_mut(OP)?)?)
         })?;
         Ok((out, Tensor::from_cuda(lse, &super::lse_shape(dims))?))
     }
@@ -137,7 +138,8 @@ pub(crate) mod cuda {
         let dq = output(&dev, OP, q.shape(), |dq| {
             let (q, k, v) = (q.cuda_f32(OP)?, k.cuda_f32(OP)?, v.cuda_f32(OP)?);
             let (out, lse, dout) = (out.cuda_f32(OP)?, lse.cuda_f32(OP)?, dout.cuda_f32(OP)?);
-            let (dk, dv) = (dk.f32_buffer_mut(OP)?, dv.f32_buffer_mut(OP)?);
+            // dv feeds the value projection's backward products: in bf16 too under bf16.
+            let (dk, dv) = (dk.f32_buffer_mut(OP)?, product_input_buffers(&mut dv, OP)?);
             Ok(launch::causal_attention_backward(&dev, q, k, v, out, lse, dout, dims, dq, dk, dv)?)
         })?;
         Ok((dq, Tensor::from_cuda(dk, k.shape())?, Tensor::from_cuda(dv, v.shape())?))

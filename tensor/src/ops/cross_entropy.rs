@@ -125,7 +125,7 @@ pub(crate) mod cuda {
     use kernels::cuda::softmax::{self as launch, CrossEntropyDims};
 
     use super::{CrossEntropy, SavedTargets};
-    use crate::cuda::{output, CudaStorage};
+    use crate::cuda::{product_input_output, CudaStorage};
     use crate::{Result, Tensor};
 
     /// Mean cross-entropy of `[N, cols]` logits against host `targets` (already range-checked):
@@ -183,9 +183,11 @@ pub(crate) mod cuda {
                 &uploaded
             }
         };
-        output(&dev, OP, logits.shape(), |dlogits| {
+        // dlogits feeds the LM head's backward products: in bf16 too under bf16 products.
+        product_input_output(&dev, OP, logits.shape(), |dlogits, dlogits_bf16| {
             let (logits, lse) = (logits.cuda_f32(OP)?, lse.cuda_f32(OP)?);
             let scale = launch::MeanLossGrad { upstream: dy.cuda_f32(OP)?, count };
+            let dlogits = (dlogits, dlogits_bf16);
             Ok(launch::cross_entropy_backward(&dev, logits, device_targets, dims, lse, scale, dlogits)?)
         })
     }

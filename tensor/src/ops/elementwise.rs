@@ -223,8 +223,10 @@ pub(crate) mod cuda {
         let dev = dst.cuda_device(OP)?;
         let src = src.dense()?;
         let Some(crate::Storage::Cuda(storage)) = std::sync::Arc::get_mut(&mut dst.storage) else { return Ok(None) };
-        let dst_buffer = storage.f32_buffer_mut(OP)?;
-        launch::add_assign(&dev, dst_buffer, src.cuda_f32(OP)?)?;
+        // A sum of gradients is often what products read next (the residual stream's gradient
+        // feeds the projections' backward products): in bf16 too under bf16 products.
+        let (dst_buffer, dst_bf16) = crate::cuda::product_input_buffers(storage, OP)?;
+        launch::add_assign(&dev, dst_buffer, src.cuda_f32(OP)?, dst_bf16)?;
         Ok(Some(()))
     }
 

@@ -162,7 +162,7 @@ pub(crate) mod cuda {
     use kernels::cuda::norm::{self as launch, NormDims, NormGrads, RowStats};
 
     use super::{LayerNormOutput, RmsNormOutput};
-    use crate::cuda::{output, CudaStorage};
+    use crate::cuda::{output, product_input_output, CudaStorage};
     use crate::{Result, Tensor};
 
     /// RMSNorm of `x` (`dims`) with `weight [cols]`; `rstd` saved per row.
@@ -171,9 +171,10 @@ pub(crate) mod cuda {
         let dev = x.cuda_device(OP)?;
         let (x, w) = (x.dense()?, weight.dense()?);
         let mut rstd = CudaStorage::alloc(&dev, dims.rows)?;
-        let y = output(&dev, OP, x.shape(), |y| {
+        // y feeds the next products (attention, FFN, LM head): in bf16 too under bf16 products.
+        let y = product_input_output(&dev, OP, x.shape(), |y, y_bf16| {
             let rstd = rstd.f32_buffer_mut(OP)?;
-            Ok(launch::rms_norm_forward(&dev, x.cuda_f32(OP)?, w.cuda_f32(OP)?, dims, y, rstd)?)
+            Ok(launch::rms_norm_forward(&dev, x.cuda_f32(OP)?, w.cuda_f32(OP)?, dims, (y, y_bf16), rstd)?)
         })?;
         Ok(RmsNormOutput { y, rstd: Tensor::from_cuda(rstd, &[dims.rows])? })
     }

@@ -21,31 +21,67 @@ impl Tensor {
     /// Rotary position embedding of `x: [B, T, H, D]` (HF LLaMA rotate-half convention),
     /// token t at position `pos_offset + t`, base `theta` (10000 in LLaMA).
     pub fn rope(&self, theta: f32, pos_offset: usize) -> Result<Tensor> {
-        let dims = self.rope_dims("rope", pos_offset)?;
-        #[cfg(feature = "cuda")]
-        if self.cuda_storage().is_some() {
-            return cuda::rope(self, theta, &dims, false);
-        }
-        let x = self.contiguous()?;
-        let table = rope_table(pos_offset + dims.seq, dims.head_dim, theta);
-        let mut y = crate::pool::buffer(x.numel());
-        rope::rope_forward(x.as_slice()?, &table.cos, &table.sin, &dims, &mut y);
-        Tensor::from_vec(y, &self.shape)
+        let [y] = Tensor::rotate([self], theta, pos_offset, false)?;
+        Ok(y)
     }
 
     /// The backward of [`Tensor::rope`] for the gradient `self = dy` of its output: the
     /// inverse rotation `dx = Rᵀ dy` (a rotation is orthogonal; nothing is saved).
     pub fn rope_backward(&self, theta: f32, pos_offset: usize) -> Result<Tensor> {
-        let dims = self.rope_dims("rope_backward", pos_offset)?;
-        #[cfg(feature = "cuda")]
-        if self.cuda_storage().is_some() {
-            return cuda::rope(self, theta, &dims, true);
+        let [dx] = Tensor::rotate([self], theta, pos_offset, true)?;
+        Ok(dx)
+    }
+
+    /// [`Tensor::rope`] of attention's queries and keys, `q: [B, T, Hq, D]` and
+    /// `k: [B, T, Hk, D]` (one device), in one launch on a GPU.
+    pub fn rope_pair(q: &Tensor, k: &Tensor, theta: f32, pos_offset: usize) -> Result<(Tensor, Tensor)> {
+        let [q, k] = Tensor::rotate([q, k], theta, pos_offset, false)?;
+        Ok((q, k))
+    }
+
+    /// The backward of [`Tensor::rope_pair`] for the gradients of its outputs: the inverse
+    /// rotations of `dq` and `dk`, in one launch on a GPU.
+    pub fn rope_pair_backward(dq: &Tensor, dk: &Tensor, theta: f32, pos_offset: usize) -> Result<(Tensor, Tensor)> {
+        let [dq, dk] = Tensor::rotate([dq, dk], theta, pos_offset, true)?;
+        Ok((dq, dk))
+    }
+
+    /// Rotates each of `xs` (all `[B, T, ·, D]` with one B, T and D, on one device) by the
+    /// angles of positions `pos_offset + t`; with `backward`, by their negatives.
+    fn rotate<const N: usize>(xs: [&Tensor; N], theta: f32, pos_offset: usize, backward: bool) -> Result<[Tensor; N]> {
+        let op = if backward { "rope_backward" } else { "rope" };
+        let mut dims = Vec::with_capacity(N);
+        for x in xs {
+            xs[0].same_device(op, x)?;
+            let d = x.rope_dims(op, pos_offset)?;
+            let first = dims.first().copied().unwrap_or(d);
+            if (d.batch, d.seq, d.head_dim) != (first.batch, first.seq, first.head_dim) {
+                return Err(Error::ShapeMismatch { op, lhs: xs[0].shape.clone(), rhs: x.shape.clone() });
+            }
+            dims.push(d);
         }
-        let dy = self.contiguous()?;
-        let table = rope_table(pos_offset + dims.seq, dims.head_dim, theta);
-        let mut dx = crate::pool::buffer(dy.numel());
-        rope::rope_backward(dy.as_slice()?, &table.cos, &table.sin, &dims, &mut dx);
-        Tensor::from_vec(dx, &self.shape)
+        let rotated = Tensor::rotate_each(&xs, theta, &dims, backward)?;
+        let shape = xs[0].shape.clone();
+        rotated.try_into().map_err(|_| Error::InvalidShape { op, shape, reason: "one rotation per tensor".into() })
+    }
+
+    /// The rotations of [`Tensor::rotate`], `xs` of the sizes `dims` (checked): one launch on
+    /// a GPU, one kernel call per tensor on the CPU.
+    fn rotate_each(xs: &[&Tensor], theta: f32, dims: &[RopeDims], backward: bool) -> Result<Vec<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if xs[0].cuda_storage().is_some() {
+            return cuda::rope(xs, theta, dims, backward);
+        }
+        let table = rope_table(dims[0].pos_offset + dims[0].seq, dims[0].head_dim, theta);
+        let rotate = if backward { rope::rope_backward } else { rope::rope_forward };
+        let mut rotated = Vec::with_capacity(xs.len());
+        for (x, dims) in xs.iter().zip(dims) {
+            let x = x.contiguous()?;
+            let mut y = crate::pool::buffer(x.numel());
+            rotate(x.as_slice()?, &table.cos, &table.sin, dims, &mut y);
+            rotated.push(Tensor::from_vec(y, &x.shape)?);
+        }
+        Ok(rotated)
     }
 }
 
@@ -63,7 +99,7 @@ pub(crate) mod cuda {
     use kernels::cpu::rope::{rope_table, RopeDims};
     use kernels::cuda::{rope as launch, CudaDevice, DeviceBuffer};
 
-    use crate::cuda::output;
+    use crate::cuda::{product_input_buffers, CudaStorage};
     use crate::{Result, Tensor};
 
     /// Fewest positions of a cached table (short sequences share one upload).
@@ -107,18 +143,30 @@ pub(crate) mod cuda {
         Ok(table)
     }
 
-    /// Rotates `x` of the sizes `dims` (checked by the caller); with `backward`, `x` is the
-    /// output gradient and the result is the inverse rotation `Rᵀ dy`.
-    pub(crate) fn rope(x: &Tensor, theta: f32, dims: &RopeDims, backward: bool) -> Result<Tensor> {
+    /// Rotates every tensor of `xs` of the sizes `dims` (checked by the caller) in one
+    /// launch; with `backward`, each is an output gradient and its result the inverse
+    /// rotation `Rᵀ dy`.
+    pub(crate) fn rope(xs: &[&Tensor], theta: f32, dims: &[RopeDims], backward: bool) -> Result<Vec<Tensor>> {
         let op = if backward { "rope_backward" } else { "rope" };
-        let dev = x.cuda_device(op)?;
-        let x = x.dense()?;
-        let table = table(&dev, dims.pos_offset + dims.seq, dims.head_dim, theta)?;
-        let (cos, sin) = (&table.cos, &table.sin);
-        if backward {
-            output(&dev, op, x.shape(), |dx| Ok(launch::rope_backward(&dev, x.cuda_f32(op)?, cos, sin, dims, dx)?))
-        } else {
-            output(&dev, op, x.shape(), |y| Ok(launch::rope_forward(&dev, x.cuda_f32(op)?, cos, sin, dims, y)?))
+        let dev = xs[0].cuda_device(op)?;
+        let xs: Vec<Tensor> = xs.iter().map(|x| x.dense()).collect::<Result<_>>()?;
+        let table = table(&dev, dims[0].pos_offset + dims[0].seq, dims[0].head_dim, theta)?;
+        let mut outs: Vec<CudaStorage> =
+            xs.iter().map(|x| CudaStorage::alloc(&dev, x.numel())).collect::<Result<_>>()?;
+        let mut parts = Vec::with_capacity(xs.len());
+        for ((x, out), &dims) in xs.iter().zip(&mut outs).zip(dims) {
+            // The backward's dq and dk feed the query and key projections' backward products:
+            // in bf16 too under bf16 products (the forward's output goes to attention, in f32).
+            let (out, out_bf16) =
+                if backward { product_input_buffers(out, op)? } else { (out.f32_buffer_mut(op)?, None) };
+            parts.push(launch::RopePart { x: x.cuda_f32(op)?, dims, out, out_bf16 });
         }
+        if backward {
+            launch::rope_backward(&dev, &mut parts, &table.cos, &table.sin)?;
+        } else {
+            launch::rope_forward(&dev, &mut parts, &table.cos, &table.sin)?;
+        }
+        drop(parts);
+        outs.into_iter().zip(&xs).map(|(out, x)| Tensor::from_cuda(out, x.shape())).collect()
     }
 }

@@ -52,7 +52,7 @@ pub(crate) mod cuda {
 
     use kernels::cuda::swiglu as launch;
 
-    use crate::cuda::{output, CudaStorage};
+    use crate::cuda::{product_input_buffers, product_input_output, CudaStorage};
     use crate::{Result, Tensor};
 
     /// `silu(gate) ⊙ up`, both of one shape.
@@ -60,7 +60,10 @@ pub(crate) mod cuda {
         const OP: &str = "swiglu";
         let dev = gate.cuda_device(OP)?;
         let (gate, up) = (gate.dense()?, up.dense()?);
-        output(&dev, OP, gate.shape(), |y| Ok(launch::swiglu_forward(&dev, gate.cuda_f32(OP)?, up.cuda_f32(OP)?, y)?))
+        // The result feeds the FFN's down projection: with bf16 products, written in bf16 too.
+        product_input_output(&dev, OP, gate.shape(), |y, y_bf16| {
+            Ok(launch::swiglu_forward(&dev, gate.cuda_f32(OP)?, up.cuda_f32(OP)?, y, y_bf16)?)
+        })
     }
 
     /// `(d/dgate, d/dup)` of `silu(gate) ⊙ up` for the output gradient `dy` (one shape).
@@ -69,14 +72,11 @@ pub(crate) mod cuda {
         let dev = gate.cuda_device(OP)?;
         let (gate, up, dy) = (gate.dense()?, up.dense()?, dy.dense()?);
         let (mut dgate, mut dup) = (CudaStorage::alloc(&dev, gate.numel())?, CudaStorage::alloc(&dev, up.numel())?);
-        launch::swiglu_backward(
-            &dev,
-            gate.cuda_f32(OP)?,
-            up.cuda_f32(OP)?,
-            dy.cuda_f32(OP)?,
-            dgate.f32_buffer_mut(OP)?,
-            dup.f32_buffer_mut(OP)?,
-        )?;
+        // Both feed the gate and up projections' backward products: in bf16 too under bf16.
+        let ((dg, dg_bf16), (du, du_bf16)) =
+            (product_input_buffers(&mut dgate, OP)?, product_input_buffers(&mut dup, OP)?);
+        let (gate_values, up_values, dy) = (gate.cuda_f32(OP)?, up.cuda_f32(OP)?, dy.cuda_f32(OP)?);
+        launch::swiglu_backward(&dev, gate_values, up_values, dy, dg, du, (dg_bf16, du_bf16))?;
         Ok((Tensor::from_cuda(dgate, gate.shape())?, Tensor::from_cuda(dup, up.shape())?))
     }
 }

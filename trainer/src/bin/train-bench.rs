@@ -24,7 +24,7 @@
 //! device), and the JSON's `"counters"` holds what the device was
 //! asked to do in it: launches (by kernel in `launches_by_kernel`), cuBLAS calls and FLOPs
 //! by precision (`f32_simt_gemm_flops`: products off the tensor cores), host
-//! synchronisations, pageable copies, driver allocations, bytes touched
+//! synchronisations, pageable and pinned copies, driver allocations, bytes touched
 //! (`kernels::cuda::counters`). `--kernel-timer` runs one more step under the per-kernel
 //! timer (a CUDA event pair around every launch) and adds its time per kernel family
 //! (`"kernel_ms"`), printing the slowest kernels to stderr.

@@ -7,8 +7,9 @@
 // key s0 + j, and the warp keeps an online softmax (running max m and sum l) and its
 // output accumulator in registers (D ≤ 128: four dims per lane). Only lse is saved.
 //
-// Backward (no atomics, deterministic): delta_i = Σ_d dO·O; then dq with one warp per query
-// walking key tiles, and dk, dv with one warp per key walking query tiles; both recompute
+// Backward (no atomics, deterministic), two launches: dq with one warp per query walking key
+// tiles, which also writes delta_i = Σ_d dO·O, then dk, dv with one warp per key walking query
+// tiles; both recompute
 // P = e^(scale·q·k − lse).  With S = scale·QKᵀ, P = softmax(S), O = PV:
 //   d/dV = Pᵀ·dO,  d/dS = P ⊙ (dO·Vᵀ − δ),  d/dQ = scale·dS·K,  d/dK = scale·dSᵀ·Q.
 //
@@ -35,10 +36,11 @@ __device__ __forceinline__ void stage_rows(float* tile, int stride, const float*
     }
 }
 
-// Dynamic shared memory: K tile [32][KS], V tile [32][KS], q rows [QB][D].
+// Dynamic shared memory: K tile [32][KS], V tile [32][KS], q rows [QB][D]. out_bf16 (when not
+// null) gets out rounded to nearest even, for the bf16 products that read it.
 extern "C" __global__ void __launch_bounds__(QB * 32)
-    attention_forward(const float* q, const float* k, const float* v, float* out, float* lse, i64 batch, i64 q_seq,
-                      i64 kv_seq, i64 heads, i64 head_dim, float scale) {
+    attention_forward(const float* q, const float* k, const float* v, float* out, bf16_t* out_bf16, float* lse,
+                      i64 batch, i64 q_seq, i64 kv_seq, i64 heads, i64 head_dim, float scale) {
     DYNAMIC_SHARED(float, smem);
     const int ks = (int)(head_dim | 1);
     float* k_tile = smem;
@@ -97,34 +99,25 @@ extern "C" __global__ void __launch_bounds__(QB * 32)
         float inv = 1.0f / l;
         for (int j = 0; j < DIMS_PER_LANE; ++j) {
             int d = lane + 32 * j;
-            if (d < head_dim) out[at + d] = acc[j] * inv;
+            if (d < head_dim) {
+                float o = acc[j] * inv;
+                out[at + d] = o;
+                if (out_bf16) out_bf16[at + d] = f32_to_bf16(o);
+            }
         }
         if (lane == 0) lse[(b * heads + h) * q_seq + i] = m + logf(l);
     }
 }
 
-// delta[b, h, i] = Σ_d dout·out of query i: one warp per (b, i, h) row.
-extern "C" __global__ void attention_backward_delta(const float* out, const float* dout, float* delta, i64 rows,
-                                                    i64 q_seq, i64 heads, i64 head_dim) {
-    const int lane = threadIdx.x & 31;
-    const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
-    for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
-        float s = 0.0f;
-        for (int d = lane; d < head_dim; d += 32) s += out[r * head_dim + d] * dout[r * head_dim + d];
-        s = warp_sum(s);
-        // r = (b·Tq + i)·H + h
-        i64 h = r % heads, i = (r / heads) % q_seq, b = r / (heads * q_seq);
-        if (lane == 0) delta[(b * heads + h) * q_seq + i] = s;
-    }
-}
-
 // dq = scale·Σ_s dS_is·k_s, one warp per query (as the forward). Gradients are written, not
-// added (kernels/src/lib.rs): every row of dq, dk and dv is written once.
+// added (kernels/src/lib.rs): every row of dq, dk and dv is written once. Each warp first
+// computes its query's delta[b, h, i] = Σ_d dout·out (lane partial sums in d order, then the
+// warp sum) and writes it for attention_backward_dkv, launched after.
 // Dynamic shared memory: K tile [32][KS], V tile [32][KS], q rows [QB][D], dout rows [QB][D].
 extern "C" __global__ void __launch_bounds__(QB * 32)
-    attention_backward_dq(const float* q, const float* k, const float* v, const float* dout, const float* lse,
-                          const float* delta, float* dq, i64 batch, i64 q_seq, i64 kv_seq, i64 heads, i64 head_dim,
-                          float scale) {
+    attention_backward_dq(const float* q, const float* k, const float* v, const float* out, const float* dout,
+                          const float* lse, float* delta, float* dq, i64 batch, i64 q_seq, i64 kv_seq, i64 heads,
+                          i64 head_dim, float scale) {
     DYNAMIC_SHARED(float, smem);
     const int ks = (int)(head_dim | 1);
     float* k_tile = smem;
@@ -151,7 +144,10 @@ extern "C" __global__ void __launch_bounds__(QB * 32)
             do_row[d] = dout[at + d];
         }
         row_lse = lse[(b * heads + h) * q_seq + i];
-        row_delta = delta[(b * heads + h) * q_seq + i];
+        float s = 0.0f;
+        for (int d = lane; d < head_dim; d += 32) s += out[at + d] * dout[at + d];
+        row_delta = warp_sum(s);  // `active` is uniform across the warp
+        if (lane == 0) delta[(b * heads + h) * q_seq + i] = row_delta;
     }
     float acc[DIMS_PER_LANE] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (i64 s0 = 0; s0 < end; s0 += KEY_TILE) {
@@ -194,11 +190,11 @@ extern "C" __global__ void __launch_bounds__(QB * 32)
 // dv = Σ_i P_is·dO_i and dk = scale·Σ_i dS_is·q_i, one warp per key s, QB keys per block,
 // walking the query tiles that see those keys (queries i with i + offset ≥ s).
 // Dynamic shared memory: q tile [32][KS], dout tile [32][KS], k rows [QB][D], v rows
-// [QB][D], lse [32], delta [32].
+// [QB][D], lse [32], delta [32]. dv_bf16 (when not null) gets dv rounded to nearest even.
 extern "C" __global__ void __launch_bounds__(QB * 32)
     attention_backward_dkv(const float* q, const float* k, const float* v, const float* dout, const float* lse,
-                           const float* delta, float* dk, float* dv, i64 batch, i64 q_seq, i64 kv_seq, i64 heads,
-                           i64 head_dim, float scale) {
+                           const float* delta, float* dk, float* dv, bf16_t* dv_bf16, i64 batch, i64 q_seq,
+                           i64 kv_seq, i64 heads, i64 head_dim, float scale) {
     DYNAMIC_SHARED(float, smem);
     const int ks = (int)(head_dim | 1);
     float* q_tile = smem;
@@ -272,6 +268,7 @@ extern "C" __global__ void __launch_bounds__(QB * 32)
             int d = lane + 32 * j;
             if (d < head_dim) {
                 dv[at + d] = acc_v[j];
+                if (dv_bf16) dv_bf16[at + d] = f32_to_bf16(acc_v[j]);
                 dk[at + d] = scale * acc_k[j];
             }
         }

@@ -70,9 +70,14 @@ extern "C" __global__ void fill(float value, float* y, i64 n) {
     GRID_STRIDE(i, n) { y[i] = value; }
 }
 
-// dst[i] += alpha·src[i]
-extern "C" __global__ void axpy(float alpha, const float* src, float* dst, i64 n) {
-    GRID_STRIDE(i, n) { dst[i] = fmaf(src[i], alpha, dst[i]); }
+// dst[i] += alpha·src[i]; dst_bf16 (when not null) gets the new dst rounded to nearest even,
+// for the bf16 products that read a sum of gradients.
+extern "C" __global__ void axpy(float alpha, const float* src, float* dst, bf16_t* dst_bf16, i64 n) {
+    GRID_STRIDE(i, n) {
+        float y = fmaf(src[i], alpha, dst[i]);
+        dst[i] = y;
+        if (dst_bf16) dst_bf16[i] = f32_to_bf16(y);
+    }
 }
 
 // out[i] = cond[i] != 0 ? a[i] : b[i]

@@ -5,8 +5,9 @@
 // reduce.cu's column_sums_finish.
 
 // y = x·rstd·w, rstd = 1/√(mean(x²) + eps)
-extern "C" __global__ void rms_norm_forward(const float* x, const float* w, float* y, float* rstd, i64 rows, i64 cols,
-                                            float eps) {
+// y_bf16 (when not null) gets y rounded to nearest even, for the bf16 products reading y.
+extern "C" __global__ void rms_norm_forward(const float* x, const float* w, float* y, bf16_t* y_bf16, float* rstd,
+                                            i64 rows, i64 cols, float eps) {
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = x + r * cols;
         float* yr = y + r * cols;
@@ -14,7 +15,11 @@ extern "C" __global__ void rms_norm_forward(const float* x, const float* w, floa
         for (i64 j = threadIdx.x; j < cols; j += blockDim.x) ss += xr[j] * xr[j];
         ss = block_sum(ss);
         float rs = 1.0f / sqrtf(ss / (float)cols + eps);
-        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = xr[j] * rs * w[j];
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            float v = xr[j] * rs * w[j];
+            yr[j] = v;
+            if (y_bf16) y_bf16[r * cols + j] = f32_to_bf16(v);
+        }
         if (threadIdx.x == 0) rstd[r] = rs;
     }
 }

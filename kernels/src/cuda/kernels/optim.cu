@@ -10,22 +10,28 @@
 // One launch updates up to LIST_LEN tensors that share these scalars (PyTorch's
 // multi-tensor apply): their addresses and lengths come by value in TensorList structs
 // (common.cuh), tensor t = blockIdx.y, its elements spread over the grid's x dimension.
+// A tensor with a bf16 copy (bf16s.v[t] != 0: bf16 products read it) gets the copy rewritten
+// from the updated parameter, rounded to nearest even as f32_to_bf16_kernel does, so the
+// next step's products read it without a conversion launch.
 
-extern "C" __global__ void adam_step(TensorList params, TensorList grads, TensorList ms, TensorList vs,
-                                     TensorList lens, float beta1, float beta2, float eps, float step_size,
+extern "C" __global__ void adam_step(TensorList params, TensorList bf16s, TensorList grads, TensorList ms,
+                                     TensorList vs, TensorList lens, float beta1, float beta2, float eps, float step_size,
                                      float inv_sqrt_correction2, float decay, float l2) {
     const int t = blockIdx.y;
     float* param = (float*)params.v[t];
     const float* grad = (const float*)grads.v[t];
     float* m = (float*)ms.v[t];
     float* v = (float*)vs.v[t];
+    bf16_t* copy = (bf16_t*)bf16s.v[t];
     GRID_STRIDE(i, lens.v[t]) {
         float p = param[i] * decay;
         float g = fmaf(p, l2, grad[i]);
         float mi = beta1 * m[i] + g * (1.0f - beta1);
         float vi = beta2 * v[i] + g * g * (1.0f - beta2);
         float denom = fmaf(sqrtf(vi), inv_sqrt_correction2, eps);
-        param[i] = p - mi * step_size / denom;
+        float updated = p - mi * step_size / denom;
+        param[i] = updated;
+        if (copy) copy[i] = f32_to_bf16(updated);
         m[i] = mi;
         v[i] = vi;
     }

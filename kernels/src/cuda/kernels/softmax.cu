@@ -74,22 +74,31 @@ extern "C" __global__ void cross_entropy_forward(const float* logits, const unsi
 // d/dlogits_j (lse − logits_t) = softmax_j − [j = t]:  dlogits[r] = scale·(softmax − onehot)
 // for rows not ignored, zeros for ignored rows (and rows with a target ≥ cols), with
 // scale = upstream[0] / count: the mean loss's gradient, read here so the host never waits.
+// dlogits_bf16 (when not null) gets dlogits rounded to nearest even, for the LM head's
+// backward products.
 extern "C" __global__ void cross_entropy_backward(const float* logits, const unsigned int* targets,
                                                   const float* lse, i64 rows, i64 cols, i64 ignore,
-                                                  const float* upstream, float count, float* dlogits) {
+                                                  const float* upstream, float count, float* dlogits,
+                                                  bf16_t* dlogits_bf16) {
     const float scale = count > 0.0f ? upstream[0] / count : 0.0f;
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         i64 t = (i64)targets[r];
         float* dr = dlogits + r * cols;
+        bf16_t* dr16 = dlogits_bf16 ? dlogits_bf16 + r * cols : nullptr;
         if (t == ignore || t >= cols) {  // uniform across the block
-            for (i64 j = threadIdx.x; j < cols; j += blockDim.x) dr[j] = 0.0f;
+            for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+                dr[j] = 0.0f;
+                if (dr16) dr16[j] = f32_to_bf16(0.0f);
+            }
             continue;
         }
         const float* xr = logits + r * cols;
         float shift = lse[r];
         for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
             float p = expf(xr[j] - shift);
-            dr[j] = scale * (j == t ? p - 1.0f : p);
+            float d = scale * (j == t ? p - 1.0f : p);
+            dr[j] = d;
+            if (dr16) dr16[j] = f32_to_bf16(d);
         }
     }
 }
