@@ -109,29 +109,16 @@ impl<'a> Session<'a> {
         std::fs::create_dir_all(&config.out_dir).with_context(|| format!("creating {}", config.out_dir.display()))?;
         let train_json = serde_json::to_string_pretty(config)?;
         let model_json = serde_json::to_string_pretty(&model_config)?;
-        if !leader {
-            return Ok(Session {
-                config,
-                model,
-                optimizer,
-                sampler,
-                validation,
-                schedule: config.schedule(),
-                checkpoint_path,
-                start_step,
-                data_parallel,
-                train_json,
-                model_json,
-                _precision: precision,
-            });
+        // Rank 0 alone writes into the run directory and prints the plan.
+        if leader {
+            if !resume {
+                // A new run replaces the directory's old one: the old checkpoint must not outlive
+                // the new config.json (a --resume would continue the old model).
+                remove_if_present(&checkpoint_path)?;
+            }
+            atomic_write(&config.out_dir.join(CONFIG_FILE), train_json.as_bytes())?;
+            print_plan(config, &model, table_updates);
         }
-        if !resume {
-            // A new run replaces the directory's old one: the old checkpoint must not outlive
-            // the new config.json (a --resume would continue the old model).
-            remove_if_present(&checkpoint_path)?;
-        }
-        atomic_write(&config.out_dir.join(CONFIG_FILE), train_json.as_bytes())?;
-        print_plan(config, &model, table_updates);
         Ok(Session {
             config,
             model,
