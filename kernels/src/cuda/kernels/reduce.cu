@@ -14,6 +14,33 @@ extern "C" __global__ void sum_rows(const float* x, i64 rows, i64 n, float* out)
     }
 }
 
+// One chunk of one column's sum, the order every column sum uses: thread (x, y) of a
+// (32, 8) block adds rows r0 + y, r0 + y + 8, ... < r1 of its column (`column` points at
+// its row 0, row stride ld), then thread y = 0 adds the 8 lanes in y order into *out. Every
+// thread of the block calls it (it holds two barriers); `valid` is false past the last column.
+__device__ __forceinline__ void column_chunk_sum(const float* column, i64 ld, bool valid, i64 r0, i64 r1,
+                                                 float (*tile)[33], float* out) {
+    float acc = 0.0f;
+    if (valid) {
+        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) acc += column[r * ld];
+    }
+    __syncthreads();  // a previous call's readers are done with the tile
+    tile[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && valid) {
+        float sum = 0.0f;
+        for (int j = 0; j < 8; ++j) sum += tile[j][threadIdx.x];
+        *out = sum;
+    }
+}
+
+// Σ_c partial[first + c·stride] for c in 0..chunks, in chunk order, in f64.
+__device__ __forceinline__ float chunk_total(const float* partial, i64 first, i64 chunks, i64 stride) {
+    double sum = 0.0;
+    for (i64 c = 0; c < chunks; ++c) sum += (double)partial[first + c * stride];
+    return (float)sum;
+}
+
 // Partial column sums of x viewed as [outer, rows, cols] (row stride ld, outer stride
 // outer_stride): partial[(o·chunks + chunk)·cols + col] = Σ over the chunk's rows.
 // Block (32, 8): 32 columns, 8 row lanes; grid (⌈cols/32⌉, chunks, ≤ outer).
@@ -25,19 +52,8 @@ extern "C" __global__ void column_sums_partial(const float* x, i64 outer, i64 ro
     i64 r0 = chunk * rows_per_chunk;
     i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
     for (i64 o = blockIdx.z; o < outer; o += gridDim.z) {
-        float acc = 0.0f;
-        if (col < cols) {
-            const float* base = x + o * outer_stride + col;
-            for (i64 r = r0 + threadIdx.y; r < r1; r += 8) acc += base[r * ld];
-        }
-        __syncthreads();  // the previous o's readers are done with the tile
-        tile[threadIdx.y][threadIdx.x] = acc;
-        __syncthreads();
-        if (threadIdx.y == 0 && col < cols) {
-            float s = 0.0f;
-            for (int j = 0; j < 8; ++j) s += tile[j][threadIdx.x];
-            partial[(o * chunks + chunk) * cols + col] = s;
-        }
+        column_chunk_sum(x + o * outer_stride + col, ld, col < cols, r0, r1, tile,
+                         partial + (o * chunks + chunk) * cols + col);
     }
 }
 
@@ -45,9 +61,7 @@ extern "C" __global__ void column_sums_partial(const float* x, i64 outer, i64 ro
 extern "C" __global__ void column_sums_finish(const float* partial, i64 outer, i64 chunks, i64 cols, float* dst) {
     GRID_STRIDE(i, outer * cols) {
         i64 o = i / cols, col = i % cols;
-        double s = 0.0;
-        for (i64 c = 0; c < chunks; ++c) s += (double)partial[(o * chunks + c) * cols + col];
-        dst[i] = (float)s;
+        dst[i] = chunk_total(partial, o * chunks * cols + col, chunks, cols);
     }
 }
 
@@ -58,23 +72,12 @@ extern "C" __global__ void column_sums_many_partial(TensorList srcs, TensorList 
                                                     i64 rows_per_chunk, i64 max_cols, float* partial) {
     __shared__ float tile[8][33];
     const int s = blockIdx.z;
-    const float* x = (const float*)srcs.v[s];
-    i64 ncols = cols.v[s], ld = lds.v[s];
     i64 col = (i64)blockIdx.x * 32 + threadIdx.x;
     i64 chunk = blockIdx.y, chunks = gridDim.y;
     i64 r0 = chunk * rows_per_chunk;
     i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
-    float acc = 0.0f;
-    if (col < ncols) {
-        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) acc += x[r * ld + col];
-    }
-    tile[threadIdx.y][threadIdx.x] = acc;
-    __syncthreads();
-    if (threadIdx.y == 0 && col < ncols) {
-        float sum = 0.0f;
-        for (int j = 0; j < 8; ++j) sum += tile[j][threadIdx.x];
-        partial[(s * chunks + chunk) * max_cols + col] = sum;
-    }
+    column_chunk_sum((const float*)srcs.v[s] + col, lds.v[s], col < cols.v[s], r0, r1, tile,
+                     partial + (s * chunks + chunk) * max_cols + col);
 }
 
 // dsts.v[s][col] = Σ_chunk partial[(s·chunks + chunk)·max_cols + col], in chunk order, f64.
@@ -83,9 +86,7 @@ extern "C" __global__ void column_sums_many_finish(const float* partial, TensorL
     GRID_STRIDE(i, count * max_cols) {
         i64 s = i / max_cols, col = i % max_cols;
         if (col >= cols.v[s]) continue;
-        double sum = 0.0;
-        for (i64 c = 0; c < chunks; ++c) sum += (double)partial[(s * chunks + c) * max_cols + col];
-        ((float*)dsts.v[s])[col] = (float)sum;
+        ((float*)dsts.v[s])[col] = chunk_total(partial, s * chunks * max_cols + col, chunks, max_cols);
     }
 }
 
