@@ -232,7 +232,7 @@ proptest! {
         // Zero-initialised weights (ReZero α, LAuReL-LR B, LAuReL-PA γ) would hide gradients.
         randomise(&residual, 0.5, &mut rng);
         let earlier: Vec<Var> = (0..2).map(|_| Var::constant(random(&[1, seq, d], &mut rng))).collect();
-        let block = |x: &Var| residual.forward(x, &earlier, |h| attn.forward(h), |x| Ok(x.clone()), |h| ffn.forward(h));
+        let block = |x: &Var| residual.forward(x, &earlier, |h| attn.forward(h), None::<fn(&Var) -> autograd::Result<Var>>, |h| ffn.forward(h));
         let x = input(&[1, seq, d], &mut rng);
         prop_assert_eq!(block(&x).unwrap().shape(), vec![1, seq, d]);
         for module in [&residual as &dyn Module, &attn, &ffn] {

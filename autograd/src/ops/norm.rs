@@ -19,6 +19,26 @@ impl Var {
         }))
     }
 
+    /// A pre-ln LLaMA block's residual add and the next RMSNorm in one kernel:
+    /// `(sum, normed)` with `sum = self + delta` (same shape; the next residual stream) and
+    /// `normed = rms_norm(sum, weight, eps)`, bit for bit as [`Var::add`] then
+    /// [`Var::rms_norm`]. The gradient of `sum` is what arrives from the later residual plus
+    /// RMSNorm's `dx` (the engine adds them); `self` and `delta` both receive it.
+    pub fn add_rms_norm(&self, delta: &Var, weight: &Var, eps: f32) -> Result<(Var, Var)> {
+        let (x, d, w) = (self.value_ref(), delta.value_ref(), weight.value().contiguous()?);
+        let out = x.add_rms_norm(&d, &w, eps)?;
+        let (sum, rstd) = (out.sum.clone(), out.rstd);
+        // d(x + delta)/dx = d(x + delta)/d delta = 1
+        let sum_var =
+            Var::from_op(out.sum, vec![self.clone(), delta.clone()], |dsum| Ok(vec![dsum.clone(), dsum.clone()]));
+        // d/d sum: rstd·(w⊙dy − ŝ·mean(ŝ⊙w⊙dy)), ŝ = sum·rstd; dw = Σ_rows dy⊙ŝ
+        let normed = Var::from_op(out.y, vec![sum_var.clone(), weight.clone()], move |dy| {
+            let (dsum, dw) = Tensor::rms_norm_backward(&sum, &w, &rstd, dy)?;
+            Ok(vec![dsum, dw])
+        });
+        Ok((sum_var, normed))
+    }
+
     /// `(x − mean)/sqrt(var + eps) (· weight + bias)` over the last axis.
     pub fn layer_norm(&self, weight: Option<&Var>, bias: Option<&Var>, eps: f32) -> Result<Var> {
         let x = self.value().contiguous()?;

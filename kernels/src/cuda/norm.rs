@@ -53,6 +53,46 @@ pub fn rms_norm_forward(
     dev.launch(FAMILY, "rms_norm_forward", per_row(rows, row_threads(cols)), &args)
 }
 
+/// The pre-ln LLaMA block's residual add and the next RMSNorm in one launch: `sum = x + delta`,
+/// then [`rms_norm_forward`] of `sum` (`y`, its bf16 copy when given, and `rstd`), bit for bit
+/// as the two apart. The backward is [`rms_norm_backward`] of `sum`.
+pub fn add_rms_norm_forward(
+    dev: &CudaDevice,
+    (x, delta): (&DeviceBuffer<f32>, &DeviceBuffer<f32>),
+    weight: &DeviceBuffer<f32>,
+    dims: &NormDims,
+    (sum, y, y_bf16): (&mut DeviceBuffer<f32>, &mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>),
+    rstd: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    const OP: &str = "add_rms_norm_forward";
+    check_owners(dev, OP, &[x, delta, weight, sum, y, rstd])?;
+    check(
+        OP,
+        dims,
+        &[("x", x.len()), ("delta", delta.len()), ("sum", sum.len()), ("y", y.len())],
+        &[("rstd", rstd.len())],
+        &[("weight", Some(weight.len()))],
+    )?;
+    if let Some(copy) = &y_bf16 {
+        dev.check_owner(OP, copy)?;
+        ensure(copy.len() == y.len(), OP, || format!("y_bf16 has {} elements, y {}", copy.len(), y.len()))?;
+    }
+    let NormDims { rows, cols, eps } = *dims;
+    let args = [
+        ptr(x),
+        ptr(delta),
+        ptr(weight),
+        ptr(sum),
+        ptr(y),
+        opt_ptr(y_bf16.as_deref()),
+        ptr(rstd),
+        size(rows),
+        size(cols),
+        Arg::F32(eps),
+    ];
+    dev.launch(FAMILY, "add_rms_norm_forward", per_row(rows, row_threads(cols)), &args)
+}
+
 /// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` (when given) for RMSNorm, from the saved `rstd`.
 pub fn rms_norm_backward(
     dev: &CudaDevice,

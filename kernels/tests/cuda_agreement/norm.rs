@@ -96,6 +96,39 @@ fn rms_norm_and_layer_norm_agree() {
 }
 
 #[test]
+fn add_rms_norm_agrees_and_equals_add_then_rms_norm() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(8);
+    for (rows, cols) in [(2048, 67), (3, 768), (1, 1), (16, 512)] {
+        let (x, delta, w) = (rng.vec(rows * cols, -2.0, 2.0), rng.vec(rows * cols, -2.0, 2.0), rng.vec(cols, 0.5, 1.5));
+        let (gx, gdelta, gw) = (up(dev, &x), up(dev, &delta), up(dev, &w));
+        let dims = cpu::norm::NormDims { rows, cols, eps: 1e-5 };
+        let (mut sum, mut y, mut rstd) = (stale(x.len()), stale(x.len()), stale(rows));
+        cpu::norm::add_rms_norm_forward(&x, &delta, &w, &dims, (&mut sum, &mut y), &mut rstd);
+        let (mut gsum, mut gy, mut grstd) = (up(dev, &stale(x.len())), up(dev, &stale(x.len())), up(dev, &stale(rows)));
+        let mut gy16 = dev.alloc::<bf16>(x.len()).unwrap();
+        let outputs = (&mut gsum, &mut gy, Some(&mut gy16));
+        cuda::norm::add_rms_norm_forward(dev, (&gx, &gdelta), &gw, &dims, outputs, &mut grstd).unwrap();
+        assert_eq!(down(dev, &gsum), sum, "sum is x + delta on both devices");
+        assert_reduced("add_rms y", &down(dev, &gy), &y);
+        assert_reduced("add_rms rstd", &down(dev, &grstd), &rstd);
+        let rounded: Vec<bf16> = down(dev, &gy).iter().map(|&v| bf16::from_f32(v)).collect();
+        assert_eq!(dev.download(&gy16).unwrap(), rounded, "add_rms y's bf16 twin is y rounded");
+        // The same arithmetic as rms_norm_forward of the sum, on the device too: bit for bit.
+        let (mut gy2, mut grstd2) = (dev.alloc(x.len()).unwrap(), dev.alloc(rows).unwrap());
+        cuda::norm::rms_norm_forward(dev, &gsum, &gw, &dims, (&mut gy2, None), &mut grstd2).unwrap();
+        assert_eq!(down(dev, &gy2), down(dev, &gy), "add_rms y equals rms_norm of the sum");
+        assert_eq!(down(dev, &grstd2), down(dev, &grstd), "add_rms rstd equals rms_norm's");
+    }
+    // Shape errors come back before any launch.
+    let (gx, gd, gw) = (up(dev, &[1.0; 10]), up(dev, &[1.0; 5]), up(dev, &[1.0; 5]));
+    let (mut gs, mut gy, mut gr) = (dev.alloc(10).unwrap(), dev.alloc(10).unwrap(), dev.alloc(2).unwrap());
+    let dims = cpu::norm::NormDims::of(10, 5, 1e-5);
+    let result = cuda::norm::add_rms_norm_forward(dev, (&gx, &gd), &gw, &dims, (&mut gs, &mut gy, None), &mut gr);
+    assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
+}
+
+#[test]
 fn batch_norm_agrees() {
     let dev = device_or_skip!();
     let mut rng = Rng::new(12);

@@ -204,10 +204,7 @@ impl DecoderBlock {
         attention: impl FnOnce(&Var) -> autograd::Result<Var>,
         ffn: impl FnOnce(&Var) -> autograd::Result<Var>,
     ) -> Result<Var> {
-        let between = |x: &Var| match &self.per_token {
-            Some(ptt) => x.add(&ptt.forward(x, ids)?),
-            None => Ok(x.clone()),
-        };
+        let between = self.per_token.as_ref().map(|ptt| |x: &Var| ptt.forward(x, ids));
         let mlp = |h: &Var| {
             let y = ffn(h)?;
             match &self.token_scale {

@@ -98,19 +98,41 @@ impl Residual {
     }
 
     /// One block: `attention` sublayer, then `between` on the residual stream (the per-token
-    /// transform's `x + PTT(x)`, or the identity), then the `mlp` sublayer. `earlier` holds
-    /// LAuReL-PA's earlier activations (ignored by the other rules).
+    /// transform: `x + between(x)`, when given), then the `mlp` sublayer. `earlier` holds
+    /// LAuReL-PA's earlier activations (ignored by the other rules). Under a pre-norm rule
+    /// with RMSNorms (pre-ln LLaMA), the residual add that precedes the FFN's norm runs fused
+    /// with it ([`crate::layers::RmsNorm::forward_after_add`]), with the same values as apart.
     pub fn forward(
         &self,
         x: &Var,
         earlier: &[Var],
         attention: impl FnOnce(&Var) -> Result<Var>,
-        between: impl FnOnce(&Var) -> Result<Var>,
+        between: Option<impl FnOnce(&Var) -> Result<Var>>,
         mlp: impl FnOnce(&Var) -> Result<Var>,
     ) -> Result<Var> {
-        let x = self.sublayer(x, self.input_norm.as_ref(), &self.attn_laurel, attention)?;
-        let x = between(&x)?;
-        let mut x = self.sublayer(&x, self.post_attention_norm.as_ref(), &self.mlp_laurel, mlp)?;
+        let mut x = match (self.pre_norm_scale(), &self.input_norm, &self.post_attention_norm) {
+            (Some(scale), Some(input_norm), Some(Norm::Rms(post_attention_norm))) => {
+                let attn = attention(&scaled(input_norm.forward(x)?, scale)?)?;
+                let (stream, delta) = match between {
+                    Some(between) => {
+                        let x = x.add(&attn)?;
+                        let delta = between(&x)?;
+                        (x, delta)
+                    }
+                    None => (x.clone(), attn),
+                };
+                let (x, h) = post_attention_norm.forward_after_add(&stream, &delta)?;
+                x.add(&mlp(&scaled(h, scale)?)?)?
+            }
+            _ => {
+                let x = self.sublayer(x, self.input_norm.as_ref(), &self.attn_laurel, attention)?;
+                let x = match between {
+                    Some(between) => x.add(&between(&x)?)?,
+                    None => x,
+                };
+                self.sublayer(&x, self.post_attention_norm.as_ref(), &self.mlp_laurel, mlp)?
+            }
+        };
         if let Some(gamma) = &self.gamma {
             if earlier.len() != gamma.value_ref().numel() {
                 return Err(Error::ShapeMismatch { op: "laurel-pa", lhs: gamma.shape(), rhs: vec![earlier.len()] });
@@ -120,6 +142,16 @@ impl Residual {
             }
         }
         Ok(x)
+    }
+
+    /// The `s` of `x + F(s·Norm(x))` for the pre-norm rules (LAuReL-PA's sublayers are
+    /// pre-ln's, s = 1); `None` for the others.
+    fn pre_norm_scale(&self) -> Option<f32> {
+        match self.rule {
+            ResidualRule::PreNorm { scale } => Some(scale),
+            ResidualRule::LaurelPa { .. } => Some(1.0),
+            _ => None,
+        }
     }
 
     fn sublayer(
@@ -151,6 +183,15 @@ impl Residual {
             }
             (rule, _) => Err(missing_parameters(rule, x)),
         }
+    }
+}
+
+/// `scale·x` (LayerNorm Scaling), or `x` when `scale` is 1.
+fn scaled(x: Var, scale: f32) -> Result<Var> {
+    if scale == 1.0 {
+        Ok(x)
+    } else {
+        x.mul_scalar(scale)
     }
 }
 

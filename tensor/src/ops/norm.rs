@@ -14,6 +14,17 @@ pub struct RmsNormOutput {
     pub rstd: Tensor,
 }
 
+/// Output of [`Tensor::add_rms_norm`]: the residual stream `sum = x + delta`, its RMSNorm `y`
+/// and the per-row `1/rms` of `sum` saved for backward.
+pub struct AddRmsNormOutput {
+    /// `x + delta` (the input's shape): the next residual stream.
+    pub sum: Tensor,
+    /// RMSNorm of `sum` (the input's shape).
+    pub y: Tensor,
+    /// `1/√(mean(sum²) + eps)` of every row, `[rows]`.
+    pub rstd: Tensor,
+}
+
 /// Output of [`Tensor::layer_norm`]: `y`, per-row mean and `1/std` (each `[rows]`, on
 /// `y`'s device) saved for backward.
 pub struct LayerNormOutput {
@@ -51,6 +62,39 @@ impl Tensor {
         let mut rstd = vec![0.0; dims.rows];
         norm::rms_norm_forward(x.as_slice()?, weight.contiguous()?.as_slice()?, &dims, &mut y, &mut rstd);
         Ok(RmsNormOutput { y: Tensor::from_vec(y, &self.shape)?, rstd: Tensor::from_vec(rstd, &[dims.rows])? })
+    }
+
+    /// A pre-ln LLaMA block's residual add and the next RMSNorm in one pass: `sum = self +
+    /// delta` (same shape, no broadcasting) and `sum / sqrt(mean(sum²) + eps) · weight`, bit
+    /// for bit as [`Tensor::add`] then [`Tensor::rms_norm`]. The backward is
+    /// [`Tensor::rms_norm_backward`] of `sum`.
+    pub fn add_rms_norm(&self, delta: &Tensor, weight: &Tensor, eps: f32) -> Result<AddRmsNormOutput> {
+        const OP: &str = "add_rms_norm";
+        let cols = self.last_dim(OP)?;
+        self.check_like(OP, delta)?;
+        self.check_weight(OP, Some(weight), cols)?;
+        let dims = NormDims::of(self.numel(), cols, eps);
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            return cuda::add_rms_norm(self, delta, weight, &dims);
+        }
+        let ((_, x), (_, delta)) = (self.rows(OP)?, delta.rows(OP)?);
+        let (mut sum, mut y) = (crate::pool::buffer(x.numel()), crate::pool::buffer(x.numel()));
+        let mut rstd = vec![0.0; dims.rows];
+        let w = weight.contiguous()?;
+        norm::add_rms_norm_forward(
+            x.as_slice()?,
+            delta.as_slice()?,
+            w.as_slice()?,
+            &dims,
+            (&mut sum, &mut y),
+            &mut rstd,
+        );
+        Ok(AddRmsNormOutput {
+            sum: Tensor::from_vec(sum, &self.shape)?,
+            y: Tensor::from_vec(y, &self.shape)?,
+            rstd: Tensor::from_vec(rstd, &[dims.rows])?,
+        })
     }
 
     /// `(dx, dweight)` of [`Tensor::rms_norm`] from its input, weight and saved `rstd`:
@@ -161,7 +205,7 @@ pub(crate) mod cuda {
 
     use kernels::cuda::norm::{self as launch, NormDims, NormGrads, RowStats};
 
-    use super::{LayerNormOutput, RmsNormOutput};
+    use super::{AddRmsNormOutput, LayerNormOutput, RmsNormOutput};
     use crate::cuda::{output, product_input_output, CudaStorage};
     use crate::{Result, Tensor};
 
@@ -177,6 +221,31 @@ pub(crate) mod cuda {
             Ok(launch::rms_norm_forward(&dev, x.cuda_f32(OP)?, w.cuda_f32(OP)?, dims, (y, y_bf16), rstd)?)
         })?;
         Ok(RmsNormOutput { y, rstd: Tensor::from_cuda(rstd, &[dims.rows])? })
+    }
+
+    /// The residual add `x + delta` and RMSNorm of the sum with `weight [cols]` in one launch;
+    /// `rstd` saved per row.
+    pub(crate) fn add_rms_norm(
+        x: &Tensor,
+        delta: &Tensor,
+        weight: &Tensor,
+        dims: &NormDims,
+    ) -> Result<AddRmsNormOutput> {
+        const OP: &str = "add_rms_norm";
+        let dev = x.cuda_device(OP)?;
+        let (x, delta, w) = (x.dense()?, delta.dense()?, weight.dense()?);
+        let (mut sum, mut rstd) = (CudaStorage::alloc(&dev, dims.len())?, CudaStorage::alloc(&dev, dims.rows)?);
+        // y feeds the next products (attention, FFN): in bf16 too under bf16 products.
+        let y = product_input_output(&dev, OP, x.shape(), |y, y_bf16| {
+            let inputs = (x.cuda_f32(OP)?, delta.cuda_f32(OP)?);
+            let (sum, rstd) = (sum.f32_buffer_mut(OP)?, rstd.f32_buffer_mut(OP)?);
+            Ok(launch::add_rms_norm_forward(&dev, inputs, w.cuda_f32(OP)?, dims, (sum, y, y_bf16), rstd)?)
+        })?;
+        Ok(AddRmsNormOutput {
+            sum: Tensor::from_cuda(sum, x.shape())?,
+            y,
+            rstd: Tensor::from_cuda(rstd, &[dims.rows])?,
+        })
     }
 
     /// `(dx, dweight)` of RMSNorm from the saved `rstd`.

@@ -24,6 +24,34 @@ extern "C" __global__ void rms_norm_forward(const float* x, const float* w, floa
     }
 }
 
+// The pre-ln LLaMA block's residual add and the next RMSNorm in one pass: sum = x + delta, then
+// rms_norm_forward of sum (same arithmetic and reduction order, so bit-identical to the add and
+// the norm launched apart). Each thread reads back only the sum elements it wrote.
+extern "C" __global__ void add_rms_norm_forward(const float* x, const float* delta, const float* w, float* sum,
+                                                float* y, bf16_t* y_bf16, float* rstd, i64 rows, i64 cols,
+                                                float eps) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* xr = x + r * cols;
+        const float* dr = delta + r * cols;
+        float* sr = sum + r * cols;
+        float* yr = y + r * cols;
+        float ss = 0.0f;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            float s = xr[j] + dr[j];
+            sr[j] = s;
+            ss += s * s;
+        }
+        ss = block_sum(ss);
+        float rs = 1.0f / sqrtf(ss / (float)cols + eps);
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            float v = sr[j] * rs * w[j];
+            yr[j] = v;
+            if (y_bf16) y_bf16[r * cols + j] = f32_to_bf16(v);
+        }
+        if (threadIdx.x == 0) rstd[r] = rs;
+    }
+}
+
 // With g = dy ⊙ w:  d/dx_j = r·g_j − x_j·r³·(Σ_k g_k x_k)/C
 extern "C" __global__ void rms_norm_backward(const float* x, const float* w, const float* rstd, const float* dy,
                                              float* dx, i64 rows, i64 cols) {
