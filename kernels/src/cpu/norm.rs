@@ -185,18 +185,21 @@ pub fn add_rms_norm_forward(
 }
 
 /// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` (when given) for RMSNorm, from the saved `rstd`.
+/// `residual`, when given, is the gradient already reaching `x` by another path (in a pre-ln
+/// LLaMA block, the residual stream's from the later add): `dx` is then the total,
+/// `residual + ∂L/∂x` through the norm.
 pub fn rms_norm_backward(
     x: &[f32],
     weight: &[f32],
     rstd: &[f32],
-    dy: &[f32],
+    (dy, residual): (&[f32], Option<&[f32]>),
     dims: &NormDims,
     grads: NormGrads<'_, [f32]>,
 ) {
     let NormGrads { dx, mut dweight, dbias } = grads;
     dims.assert_fits(
         "rms_norm_backward",
-        &[("x", x.len()), ("dy", dy.len()), ("dx", dx.len())],
+        &[("x", x.len()), ("dy", dy.len()), ("dx", dx.len()), ("residual", residual.map_or(x.len(), <[f32]>::len))],
         &[("rstd", rstd.len())],
         &[("weight", Some(weight.len())), ("dweight", dweight.as_ref().map(|w| w.len()))],
     );
@@ -220,11 +223,12 @@ pub fn rms_norm_backward(
             for j in (0..simd_end).step_by(LANES) {
                 let (xv, dyv) = (load(&x[j..]), load(&dy[j..]));
                 let grad = dyv * load(&weight[j..]) * rs - xv * c;
-                store(grad, &mut dx[j..]);
+                store(residual.map_or(grad, |res| load(&res[r * cols + j..]) + grad), &mut dx[j..]);
                 store(load(&dw[j..]) + dyv * xv * rs, &mut dw[j..]);
             }
             for j in simd_end..cols {
-                dx[j] = dy[j] * weight[j] * rs - x[j] * c;
+                let grad = dy[j] * weight[j] * rs - x[j] * c;
+                dx[j] = residual.map_or(grad, |res| res[r * cols + j] + grad);
                 dw[j] += dy[j] * x[j] * rs;
             }
         }
@@ -531,7 +535,7 @@ mod tests {
                 &x,
                 &w,
                 &rstd,
-                &dy,
+                (&dy, None),
                 &dims,
                 NormGrads { dx: &mut dx, dweight: Some(&mut dw), dbias: None },
             );

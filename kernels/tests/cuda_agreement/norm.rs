@@ -40,12 +40,30 @@ fn rms_norm_and_layer_norm_agree() {
         assert_eq!(dev.download(&gy16).unwrap(), rounded, "rms y's bf16 twin is y rounded");
         let (mut dx, mut dw) = (start.clone(), wstart.clone());
         let grads = NormGrads { dx: &mut dx[..], dweight: Some(&mut dw[..]), dbias: None };
-        cpu::norm::rms_norm_backward(&x, &w, &rstd, &dy, &dims, grads);
+        cpu::norm::rms_norm_backward(&x, &w, &rstd, (&dy, None), &dims, grads);
         let (mut gdx, mut gdw) = (up(dev, &start), up(dev, &wstart));
         let grads = NormGrads { dx: &mut gdx, dweight: Some(&mut gdw), dbias: None };
-        cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), &gdy, &dims, grads).unwrap();
+        cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), (&gdy, None), &dims, (grads, None)).unwrap();
         assert_reduced("rms dx", &down(dev, &gdx), &dx);
         assert_reduced("rms dw", &down(dev, &gdw), &dw);
+        // With the residual stream's gradient added in the same pass, and dx's bf16 twin: the
+        // residual plus the dx above, bit for bit on each device, and the twin is dx rounded.
+        let residual = rng.vec(rows * cols, -1.0, 1.0);
+        let mut total = start.clone();
+        let grads = NormGrads { dx: &mut total[..], dweight: None, dbias: None };
+        cpu::norm::rms_norm_backward(&x, &w, &rstd, (&dy, Some(&residual)), &dims, grads);
+        let want: Vec<f32> = residual.iter().zip(&dx).map(|(r, d)| r + d).collect();
+        assert_eq!(total, want, "cpu dx with the residual gradient");
+        let (mut gtotal, mut gtotal16) = (up(dev, &start), dev.alloc::<bf16>(x.len()).unwrap());
+        let grads = NormGrads { dx: &mut gtotal, dweight: None, dbias: None };
+        let inputs = (&gdy, Some(&up(dev, &residual)));
+        cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), inputs, &dims, (grads, Some(&mut gtotal16)))
+            .unwrap();
+        let gtotal = down(dev, &gtotal);
+        let gwant: Vec<f32> = residual.iter().zip(&down(dev, &gdx)).map(|(r, d)| r + d).collect();
+        assert_eq!(gtotal, gwant, "device dx with the residual gradient");
+        let rounded: Vec<bf16> = gtotal.iter().map(|&v| bf16::from_f32(v)).collect();
+        assert_eq!(dev.download(&gtotal16).unwrap(), rounded, "rms dx's bf16 twin is dx rounded");
         // LayerNorm, with and without the affine parameters. Not over one column: there x̂ is
         // 0 up to the rounding of the mean, which rstd = 1/√eps amplifies twice, so dx (= the
         // starting gradient in exact arithmetic) differs between any two summation orders by
