@@ -11,8 +11,10 @@ use tensor::{Error, Result, Tensor};
 
 use crate::profile::{op_name, profile_backward, profile_forward, profiling};
 
-/// Maps the gradient of an op's output to one gradient per input, in input order.
-type BackwardFn = Box<dyn Fn(&Tensor) -> Result<Vec<Tensor>>>;
+/// Maps the gradient of an op's output to one gradient per input, in input order. The second
+/// argument is the gradient of the first input summed so far, for the ops made by
+/// [`Var::from_op_absorbing`] (always `None` for the others).
+type BackwardFn = Box<dyn Fn(&Tensor, Option<Tensor>) -> Result<Vec<Tensor>>>;
 
 /// Ids grow with creation, so sorting by id descending is a valid reverse topological
 /// order: every input is created before the op that reads it.
@@ -33,6 +35,8 @@ struct Node {
     requires_grad: bool,
     inputs: Vec<Var>,
     backward: Option<BackwardFn>,
+    /// Whether `backward` takes over the gradient of `inputs[0]` summed so far.
+    absorbs_first_input_gradient: bool,
     /// The op that made this node (`leaf` for parameters and constants), for profiles.
     op: &'static str,
 }
@@ -74,6 +78,7 @@ impl Var {
             requires_grad,
             inputs: Vec::new(),
             backward: None,
+            absorbs_first_input_gradient: false,
             op: "leaf",
         }))
     }
@@ -95,7 +100,22 @@ impl Var {
     where
         F: Fn(&Tensor) -> Result<Vec<Tensor>> + 'static,
     {
-        let op = op_name::<F>();
+        Var::node(value, inputs, op_name::<F>(), false, Box::new(move |dy, _| backward(dy)))
+    }
+
+    /// [`Var::from_op`] whose `backward` also receives the gradient of `inputs[0]` summed so
+    /// far (from the ops that read it and ran their backward first: in a pre-ln LLaMA block
+    /// the later residual add, `None` when there is none) and returns `inputs[0]`'s total, so
+    /// its kernel adds the two in the pass that writes its own gradient instead of the engine
+    /// adding them after.
+    pub fn from_op_absorbing<F>(value: Tensor, inputs: Vec<Var>, backward: F) -> Var
+    where
+        F: Fn(&Tensor, Option<Tensor>) -> Result<Vec<Tensor>> + 'static,
+    {
+        Var::node(value, inputs, op_name::<F>(), true, Box::new(backward))
+    }
+
+    fn node(value: Tensor, inputs: Vec<Var>, op: &'static str, absorbs: bool, backward: BackwardFn) -> Var {
         profile_forward(op);
         if !is_grad_enabled() || !inputs.iter().any(Var::requires_grad) {
             return Var::constant(value);
@@ -106,7 +126,8 @@ impl Var {
             grad: RefCell::new(None),
             requires_grad: true,
             inputs,
-            backward: Some(Box::new(backward)),
+            backward: Some(backward),
+            absorbs_first_input_gradient: absorbs,
             op,
         }))
     }
@@ -206,7 +227,11 @@ impl Var {
                 clock = profile_backward("leaf gradient", clock);
                 continue;
             };
-            let input_grads = backward(&grad)?;
+            let pending = match node.0.inputs.first() {
+                Some(first) if node.0.absorbs_first_input_gradient => grads.remove(&first.id()),
+                _ => None,
+            };
+            let input_grads = backward(&grad, pending)?;
             drop(grad);
             for (input, input_grad) in node.0.inputs.iter().zip(input_grads) {
                 if !input.requires_grad() {

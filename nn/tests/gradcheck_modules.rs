@@ -18,7 +18,7 @@ use nn::init::WeightInit;
 use nn::layers::{DyT, Norm};
 use nn::modulator::{
     ComtModulator, Gate, ModulatedProjection, Modulator, ModulatorConfig, NonContextualGate, Phi, Residual,
-    ResidualRule, Resolution,
+    ResidualRule, Resolution, Stream,
 };
 use nn::per_token::{PerTokenTransform, TokenScale};
 use nn::Module;
@@ -232,7 +232,10 @@ proptest! {
         // Zero-initialised weights (ReZero α, LAuReL-LR B, LAuReL-PA γ) would hide gradients.
         randomise(&residual, 0.5, &mut rng);
         let earlier: Vec<Var> = (0..2).map(|_| Var::constant(random(&[1, seq, d], &mut rng))).collect();
-        let block = |x: &Var| residual.forward(x, &earlier, |h| attn.forward(h), |x| Ok(x.clone()), |h| ffn.forward(h));
+        let block = |x: &Var| {
+            let between = None::<fn(&Var) -> autograd::Result<Var>>;
+            residual.forward(&Stream::new(x.clone()), &earlier, |h| attn.forward(h), between, |h| ffn.forward(h))?.value()
+        };
         let x = input(&[1, seq, d], &mut rng);
         prop_assert_eq!(block(&x).unwrap().shape(), vec![1, seq, d]);
         for module in [&residual as &dyn Module, &attn, &ffn] {

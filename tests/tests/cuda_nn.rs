@@ -148,6 +148,28 @@ fn rms_norm_agrees() {
 }
 
 #[test]
+fn add_rms_norm_agrees() {
+    if no_gpu() {
+        return;
+    }
+    for (i, (lead, cols)) in [(vec![4, 6], 96), (vec![5], 1000), (vec![3], 1)].into_iter().enumerate() {
+        let shape = [lead.as_slice(), &[cols]].concat();
+        let (x, delta) = (seeded(&shape, -3.0, 3.0, 50 + i as u64), seeded(&shape, -1.0, 1.0, 60 + i as u64));
+        let w = seeded(&[cols], 0.5, 1.5, 70 + i as u64);
+        let cpu = ok("add_rms_norm", x.add_rms_norm(&delta, &w, 1e-5));
+        let out = ok("add_rms_norm", gpu(&x).add_rms_norm(&gpu(&delta), &gpu(&w), 1e-5));
+        assert_agree("add_rms_norm sum", &out.sum, &cpu.sum, 0.0);
+        assert_agree("add_rms_norm y", &out.y, &cpu.y, ATOL);
+        assert_agree("add_rms_norm rstd", &out.rstd, &cpu.rstd, ATOL);
+        // Both outputs carry a gradient: the residual stream and its norm.
+        check_op(&format!("add_rms_norm {lead:?} x {cols}"), &[x, delta, w], SUM_ATOL, |v| {
+            let (sum, normed) = v[0].add_rms_norm(&v[1], &v[2], 1e-5)?;
+            sum.mul(&normed)
+        });
+    }
+}
+
+#[test]
 fn layer_norm_agrees_with_every_affine_combination() {
     if no_gpu() {
         return;

@@ -396,6 +396,25 @@ proptest! {
     }
 
     #[test]
+    fn add_rms_norm(((l, x), (m, d), w) in norm_shape().prop_flat_map(|s| {
+        let c = s[s.len() - 1];
+        (
+            input(s.clone(), Domain::AwayFromZero(0.3, 2.0)),
+            input(s, Domain::Uniform(-0.1, 0.1)),
+            tensor_in(vec![c], Domain::Uniform(-2.0, 2.0)),
+        )
+    })) {
+        // Both outputs carry a gradient: the residual stream and its norm.
+        assert_gradcheck(
+            |v| {
+                let (sum, normed) = l.view(&v[0])?.add_rms_norm(&m.view(&v[1])?, &v[2], 1e-5)?;
+                sum.mul(&normed)
+            },
+            &[x, d, w],
+        );
+    }
+
+    #[test]
     fn layer_norm(((l, x), w, b, affine) in norm_shape().prop_flat_map(|s| {
         let c = s[s.len() - 1];
         (

@@ -143,19 +143,63 @@ pub fn rms_norm_forward(x: &[f32], weight: &[f32], dims: &NormDims, y: &mut [f32
     }
 }
 
+/// The pre-ln LLaMA block's residual add and the next RMSNorm in one pass: `sum = x + delta`
+/// (the residual stream `h = x + attn(norm(x))`), then exactly [`rms_norm_forward`] of `sum`
+/// into `y` and `rstd` (same arithmetic, same reduction order, so the results equal the
+/// unfused add and norm bit for bit). The backward is [`rms_norm_backward`] of `sum`.
+pub fn add_rms_norm_forward(
+    x: &[f32],
+    delta: &[f32],
+    weight: &[f32],
+    dims: &NormDims,
+    (sum, y): (&mut [f32], &mut [f32]),
+    rstd: &mut [f32],
+) {
+    dims.assert_fits(
+        "add_rms_norm_forward",
+        &[("x", x.len()), ("delta", delta.len()), ("sum", sum.len()), ("y", y.len())],
+        &[("rstd", rstd.len())],
+        &[("weight", Some(weight.len()))],
+    );
+    let NormDims { rows, cols, eps } = *dims;
+    if rows == 0 {
+        return;
+    }
+    let block = parallel::rows_per_task(cols * FORWARD_WORK);
+    let body = |(b, ((y, sum), rstd)): parallel::Zip3<'_>| {
+        let rows = y.chunks_mut(cols).zip(sum.chunks_mut(cols)).zip(rstd.iter_mut());
+        for (i, ((y, sum), rstd)) in rows.enumerate() {
+            let start = (b * block + i) * cols;
+            add(&x[start..][..cols], &delta[start..][..cols], sum);
+            *rstd = 1.0 / (dot(sum, sum) / cols as f32 + eps).sqrt();
+            scale_and_shift(sum, 0.0, *rstd, Some(weight), None, y);
+        }
+    };
+    if parallel::should_parallelise(x.len() * FORWARD_WORK) {
+        let outputs = y.par_chunks_mut(block * cols).zip(sum.par_chunks_mut(block * cols));
+        outputs.zip(rstd.par_chunks_mut(block)).enumerate().for_each(body);
+    } else {
+        let outputs = y.chunks_mut(block * cols).zip(sum.chunks_mut(block * cols));
+        outputs.zip(rstd.chunks_mut(block)).enumerate().for_each(body);
+    }
+}
+
 /// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` (when given) for RMSNorm, from the saved `rstd`.
+/// `residual`, when given, is the gradient already reaching `x` by another path (in a pre-ln
+/// LLaMA block, the residual stream's from the later add): `dx` is then the total,
+/// `residual + ∂L/∂x` through the norm.
 pub fn rms_norm_backward(
     x: &[f32],
     weight: &[f32],
     rstd: &[f32],
-    dy: &[f32],
+    (dy, residual): (&[f32], Option<&[f32]>),
     dims: &NormDims,
     grads: NormGrads<'_, [f32]>,
 ) {
     let NormGrads { dx, mut dweight, dbias } = grads;
     dims.assert_fits(
         "rms_norm_backward",
-        &[("x", x.len()), ("dy", dy.len()), ("dx", dx.len())],
+        &[("x", x.len()), ("dy", dy.len()), ("dx", dx.len()), ("residual", residual.map_or(x.len(), <[f32]>::len))],
         &[("rstd", rstd.len())],
         &[("weight", Some(weight.len())), ("dweight", dweight.as_ref().map(|w| w.len()))],
     );
@@ -179,11 +223,12 @@ pub fn rms_norm_backward(
             for j in (0..simd_end).step_by(LANES) {
                 let (xv, dyv) = (load(&x[j..]), load(&dy[j..]));
                 let grad = dyv * load(&weight[j..]) * rs - xv * c;
-                store(grad, &mut dx[j..]);
+                store(residual.map_or(grad, |res| load(&res[r * cols + j..]) + grad), &mut dx[j..]);
                 store(load(&dw[j..]) + dyv * xv * rs, &mut dw[j..]);
             }
             for j in simd_end..cols {
-                dx[j] = dy[j] * weight[j] * rs - x[j] * c;
+                let grad = dy[j] * weight[j] * rs - x[j] * c;
+                dx[j] = residual.map_or(grad, |res| res[r * cols + j] + grad);
                 dw[j] += dy[j] * x[j] * rs;
             }
         }
@@ -361,6 +406,17 @@ fn scale_and_shift(x: &[f32], shift: f32, factor: f32, w: Option<&[f32]>, b: Opt
     }
 }
 
+/// out = a + b.
+fn add(a: &[f32], b: &[f32], out: &mut [f32]) {
+    let simd_end = a.len() - a.len() % LANES;
+    for j in (0..simd_end).step_by(LANES) {
+        store(load(&a[j..]) + load(&b[j..]), &mut out[j..]);
+    }
+    for j in simd_end..a.len() {
+        out[j] = a[j] + b[j];
+    }
+}
+
 /// Σ (x − mean)².
 fn centred_sum_squares(x: &[f32], mean: f32) -> f32 {
     let simd_end = x.len() - x.len() % LANES;
@@ -432,6 +488,34 @@ mod tests {
         }
     }
 
+    /// The fused residual add and RMSNorm equals the add and then [`rms_norm_forward`], bit
+    /// for bit.
+    fn check_add_rms_norm(rows: usize, cols: usize, seed: usize) {
+        let (x, delta, w) = (values(rows * cols, seed), values(rows * cols, seed + 1), values(cols, seed + 2));
+        let dims = NormDims::of(x.len(), cols, 1e-5);
+        let (mut sum, mut y, mut rstd) = (vec![f32::NAN; x.len()], vec![f32::NAN; x.len()], vec![f32::NAN; rows]);
+        add_rms_norm_forward(&x, &delta, &w, &dims, (&mut sum, &mut y), &mut rstd);
+        let want_sum: Vec<f32> = x.iter().zip(&delta).map(|(a, b)| a + b).collect();
+        let (mut want_y, mut want_rstd) = (vec![0.0; x.len()], vec![0.0; rows]);
+        rms_norm_forward(&want_sum, &w, &dims, &mut want_y, &mut want_rstd);
+        let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&sum), bits(&want_sum), "sum ({rows}×{cols})");
+        assert_eq!(bits(&y), bits(&want_y), "y ({rows}×{cols})");
+        assert_eq!(bits(&rstd), bits(&want_rstd), "rstd ({rows}×{cols})");
+    }
+
+    proptest! {
+        #[test]
+        fn add_rms_norm_equals_add_then_rms_norm(rows in 0usize..5, cols in 1usize..70, seed in 0usize..50) {
+            check_add_rms_norm(rows, cols, seed);
+        }
+    }
+
+    #[test]
+    fn parallel_add_rms_norm_equals_add_then_rms_norm() {
+        check_add_rms_norm(2048, 67, 3);
+    }
+
     /// Checks dx, dweight (and dbias) against central differences of the f64 forward.
     fn check_backward(rows: usize, cols: usize, layer: bool) {
         let eps = 1e-5;
@@ -451,7 +535,7 @@ mod tests {
                 &x,
                 &w,
                 &rstd,
-                &dy,
+                (&dy, None),
                 &dims,
                 NormGrads { dx: &mut dx, dweight: Some(&mut dw), dbias: None },
             );

@@ -53,15 +53,58 @@ pub fn rms_norm_forward(
     dev.launch(FAMILY, "rms_norm_forward", per_row(rows, row_threads(cols)), &args)
 }
 
+/// The pre-ln LLaMA block's residual add and the next RMSNorm in one launch: `sum = x + delta`,
+/// then [`rms_norm_forward`] of `sum` (`y`, its bf16 copy when given, and `rstd`), bit for bit
+/// as the two apart. The backward is [`rms_norm_backward`] of `sum`.
+pub fn add_rms_norm_forward(
+    dev: &CudaDevice,
+    (x, delta): (&DeviceBuffer<f32>, &DeviceBuffer<f32>),
+    weight: &DeviceBuffer<f32>,
+    dims: &NormDims,
+    (sum, y, y_bf16): (&mut DeviceBuffer<f32>, &mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>),
+    rstd: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    const OP: &str = "add_rms_norm_forward";
+    check_owners(dev, OP, &[x, delta, weight, sum, y, rstd])?;
+    check(
+        OP,
+        dims,
+        &[("x", x.len()), ("delta", delta.len()), ("sum", sum.len()), ("y", y.len())],
+        &[("rstd", rstd.len())],
+        &[("weight", Some(weight.len()))],
+    )?;
+    if let Some(copy) = &y_bf16 {
+        dev.check_owner(OP, copy)?;
+        ensure(copy.len() == y.len(), OP, || format!("y_bf16 has {} elements, y {}", copy.len(), y.len()))?;
+    }
+    let NormDims { rows, cols, eps } = *dims;
+    let args = [
+        ptr(x),
+        ptr(delta),
+        ptr(weight),
+        ptr(sum),
+        ptr(y),
+        opt_ptr(y_bf16.as_deref()),
+        ptr(rstd),
+        size(rows),
+        size(cols),
+        Arg::F32(eps),
+    ];
+    dev.launch(FAMILY, "add_rms_norm_forward", per_row(rows, row_threads(cols)), &args)
+}
+
 /// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` (when given) for RMSNorm, from the saved `rstd`.
+/// `residual`, when given, is the gradient already reaching `x` by another path (a pre-ln
+/// LLaMA block's residual stream): `dx` is then the total. `dx_bf16`, when given, gets `dx`
+/// rounded to nearest even (for the bf16 products that read it).
 pub fn rms_norm_backward(
     dev: &CudaDevice,
     x: &DeviceBuffer<f32>,
     weight: &DeviceBuffer<f32>,
     rstd: &DeviceBuffer<f32>,
-    dy: &DeviceBuffer<f32>,
+    (dy, residual): (&DeviceBuffer<f32>, Option<&DeviceBuffer<f32>>),
     dims: &NormDims,
-    grads: NormGrads<'_, DeviceBuffer<f32>>,
+    (grads, dx_bf16): (NormGrads<'_, DeviceBuffer<f32>>, Option<&mut DeviceBuffer<bf16>>),
 ) -> Result<()> {
     const OP: &str = "rms_norm_backward";
     let NormGrads { dx, dweight, dbias } = grads;
@@ -69,7 +112,7 @@ pub fn rms_norm_backward(
     check(
         OP,
         dims,
-        &[("x", x.len()), ("dy", dy.len()), ("dx", dx.len())],
+        &[("x", x.len()), ("dy", dy.len()), ("dx", dx.len()), ("residual", residual.map_or(x.len(), |r| r.len()))],
         &[("rstd", rstd.len())],
         &[("weight", Some(weight.len())), ("dweight", dweight.as_ref().map(|w| w.len()))],
     )?;
@@ -77,8 +120,25 @@ pub fn rms_norm_backward(
     if let Some(g) = &dweight {
         dev.check_owner(OP, g)?;
     }
+    if let Some(r) = residual {
+        dev.check_owner(OP, r)?;
+    }
+    if let Some(copy) = &dx_bf16 {
+        dev.check_owner(OP, copy)?;
+        ensure(copy.len() == dx.len(), OP, || format!("dx_bf16 has {} elements, dx {}", copy.len(), dx.len()))?;
+    }
     let NormDims { rows, cols, .. } = *dims;
-    let args = [ptr(x), ptr(weight), ptr(rstd), ptr(dy), ptr(dx), size(rows), size(cols)];
+    let args = [
+        ptr(x),
+        ptr(weight),
+        ptr(rstd),
+        ptr(dy),
+        opt_ptr(residual),
+        ptr(dx),
+        opt_ptr(dx_bf16.as_deref()),
+        size(rows),
+        size(cols),
+    ];
     dev.launch(FAMILY, "rms_norm_backward", per_row(rows, row_threads(cols)), &args)?;
     param_grads(dev, x, dy, None, rstd, dims, (dweight, None))
 }

@@ -40,12 +40,30 @@ fn rms_norm_and_layer_norm_agree() {
         assert_eq!(dev.download(&gy16).unwrap(), rounded, "rms y's bf16 twin is y rounded");
         let (mut dx, mut dw) = (start.clone(), wstart.clone());
         let grads = NormGrads { dx: &mut dx[..], dweight: Some(&mut dw[..]), dbias: None };
-        cpu::norm::rms_norm_backward(&x, &w, &rstd, &dy, &dims, grads);
+        cpu::norm::rms_norm_backward(&x, &w, &rstd, (&dy, None), &dims, grads);
         let (mut gdx, mut gdw) = (up(dev, &start), up(dev, &wstart));
         let grads = NormGrads { dx: &mut gdx, dweight: Some(&mut gdw), dbias: None };
-        cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), &gdy, &dims, grads).unwrap();
+        cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), (&gdy, None), &dims, (grads, None)).unwrap();
         assert_reduced("rms dx", &down(dev, &gdx), &dx);
         assert_reduced("rms dw", &down(dev, &gdw), &dw);
+        // With the residual stream's gradient added in the same pass, and dx's bf16 twin: the
+        // residual plus the dx above, bit for bit on each device, and the twin is dx rounded.
+        let residual = rng.vec(rows * cols, -1.0, 1.0);
+        let mut total = start.clone();
+        let grads = NormGrads { dx: &mut total[..], dweight: None, dbias: None };
+        cpu::norm::rms_norm_backward(&x, &w, &rstd, (&dy, Some(&residual)), &dims, grads);
+        let want: Vec<f32> = residual.iter().zip(&dx).map(|(r, d)| r + d).collect();
+        assert_eq!(total, want, "cpu dx with the residual gradient");
+        let (mut gtotal, mut gtotal16) = (up(dev, &start), dev.alloc::<bf16>(x.len()).unwrap());
+        let grads = NormGrads { dx: &mut gtotal, dweight: None, dbias: None };
+        let inputs = (&gdy, Some(&up(dev, &residual)));
+        cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), inputs, &dims, (grads, Some(&mut gtotal16)))
+            .unwrap();
+        let gtotal = down(dev, &gtotal);
+        let gwant: Vec<f32> = residual.iter().zip(&down(dev, &gdx)).map(|(r, d)| r + d).collect();
+        assert_eq!(gtotal, gwant, "device dx with the residual gradient");
+        let rounded: Vec<bf16> = gtotal.iter().map(|&v| bf16::from_f32(v)).collect();
+        assert_eq!(dev.download(&gtotal16).unwrap(), rounded, "rms dx's bf16 twin is dx rounded");
         // LayerNorm, with and without the affine parameters. Not over one column: there x̂ is
         // 0 up to the rounding of the mean, which rstd = 1/√eps amplifies twice, so dx (= the
         // starting gradient in exact arithmetic) differs between any two summation orders by
@@ -92,6 +110,39 @@ fn rms_norm_and_layer_norm_agree() {
     let (mut gy, mut gr) = (dev.alloc(10).unwrap(), dev.alloc(2).unwrap());
     let result =
         cuda::norm::rms_norm_forward(dev, &gx, &gw, &cpu::norm::NormDims::of(10, 5, 1e-5), (&mut gy, None), &mut gr);
+    assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
+}
+
+#[test]
+fn add_rms_norm_agrees_and_equals_add_then_rms_norm() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(8);
+    for (rows, cols) in [(2048, 67), (3, 768), (1, 1), (16, 512)] {
+        let (x, delta, w) = (rng.vec(rows * cols, -2.0, 2.0), rng.vec(rows * cols, -2.0, 2.0), rng.vec(cols, 0.5, 1.5));
+        let (gx, gdelta, gw) = (up(dev, &x), up(dev, &delta), up(dev, &w));
+        let dims = cpu::norm::NormDims { rows, cols, eps: 1e-5 };
+        let (mut sum, mut y, mut rstd) = (stale(x.len()), stale(x.len()), stale(rows));
+        cpu::norm::add_rms_norm_forward(&x, &delta, &w, &dims, (&mut sum, &mut y), &mut rstd);
+        let (mut gsum, mut gy, mut grstd) = (up(dev, &stale(x.len())), up(dev, &stale(x.len())), up(dev, &stale(rows)));
+        let mut gy16 = dev.alloc::<bf16>(x.len()).unwrap();
+        let outputs = (&mut gsum, &mut gy, Some(&mut gy16));
+        cuda::norm::add_rms_norm_forward(dev, (&gx, &gdelta), &gw, &dims, outputs, &mut grstd).unwrap();
+        assert_eq!(down(dev, &gsum), sum, "sum is x + delta on both devices");
+        assert_reduced("add_rms y", &down(dev, &gy), &y);
+        assert_reduced("add_rms rstd", &down(dev, &grstd), &rstd);
+        let rounded: Vec<bf16> = down(dev, &gy).iter().map(|&v| bf16::from_f32(v)).collect();
+        assert_eq!(dev.download(&gy16).unwrap(), rounded, "add_rms y's bf16 twin is y rounded");
+        // The same arithmetic as rms_norm_forward of the sum, on the device too: bit for bit.
+        let (mut gy2, mut grstd2) = (dev.alloc(x.len()).unwrap(), dev.alloc(rows).unwrap());
+        cuda::norm::rms_norm_forward(dev, &gsum, &gw, &dims, (&mut gy2, None), &mut grstd2).unwrap();
+        assert_eq!(down(dev, &gy2), down(dev, &gy), "add_rms y equals rms_norm of the sum");
+        assert_eq!(down(dev, &grstd2), down(dev, &grstd), "add_rms rstd equals rms_norm's");
+    }
+    // Shape errors come back before any launch.
+    let (gx, gd, gw) = (up(dev, &[1.0; 10]), up(dev, &[1.0; 5]), up(dev, &[1.0; 5]));
+    let (mut gs, mut gy, mut gr) = (dev.alloc(10).unwrap(), dev.alloc(10).unwrap(), dev.alloc(2).unwrap());
+    let dims = cpu::norm::NormDims::of(10, 5, 1e-5);
+    let result = cuda::norm::add_rms_norm_forward(dev, (&gx, &gd), &gw, &dims, (&mut gs, &mut gy, None), &mut gr);
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }
 

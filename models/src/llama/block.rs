@@ -20,7 +20,7 @@ use nn::init::WeightInit;
 use nn::layers::{DyT, Norm};
 use nn::modulator::{
     ComtModulator, DenseGate, Gate, ModulatedProjection, Modulator, ModulatorConfig, NonContextualGate, Residual,
-    ResidualRule, Resolution,
+    ResidualRule, Resolution, Stream,
 };
 use nn::per_token::{PerTokenTransform, TokenScale};
 use nn::Module;
@@ -176,15 +176,17 @@ impl DecoderBlock {
         })
     }
 
-    /// `x: [B, T, C]` with the row-major token ids `ids[B·T]` → `[B, T, C]`. `earlier` holds
-    /// the activations before this block's input (LAuReL-PA reads them).
-    pub fn forward(&self, x: &Var, ids: &[u32], earlier: &[Var]) -> Result<Var> {
+    /// The residual stream `x: [B, T, C]` with the row-major token ids `ids[B·T]` → `[B, T, C]`.
+    /// `earlier` holds the activations before this block's input (LAuReL-PA reads them). A
+    /// pre-ln block leaves its last residual add pending in the returned stream, for the next
+    /// RMSNorm to run fused ([`Stream::normed`]).
+    pub fn forward(&self, x: &Stream, ids: &[u32], earlier: &[Var]) -> Result<Stream> {
         self.forward_with(x, ids, earlier, |h| self.self_attn.forward(h), |h| self.mlp.forward(h))
     }
 
     /// [`DecoderBlock::forward`] for `T` new positions of each of `B` sequences, continuing
     /// the keys, values (and CCL running means) in `cache` (one entry per sequence).
-    pub fn forward_cached(&self, x: &Var, ids: &[u32], earlier: &[Var], cache: &mut BlockCache) -> Result<Var> {
+    pub fn forward_cached(&self, x: &Stream, ids: &[u32], earlier: &[Var], cache: &mut BlockCache) -> Result<Stream> {
         let BlockCache { attention, context_means } = cache;
         self.forward_with(
             x,
@@ -198,16 +200,13 @@ impl DecoderBlock {
     /// The block with its attention and FFN sublayers given as closures.
     fn forward_with(
         &self,
-        x: &Var,
+        x: &Stream,
         ids: &[u32],
         earlier: &[Var],
         attention: impl FnOnce(&Var) -> autograd::Result<Var>,
         ffn: impl FnOnce(&Var) -> autograd::Result<Var>,
-    ) -> Result<Var> {
-        let between = |x: &Var| match &self.per_token {
-            Some(ptt) => x.add(&ptt.forward(x, ids)?),
-            None => Ok(x.clone()),
-        };
+    ) -> Result<Stream> {
+        let between = self.per_token.as_ref().map(|ptt| |x: &Var| ptt.forward(x, ids));
         let mlp = |h: &Var| {
             let y = ffn(h)?;
             match &self.token_scale {

@@ -35,6 +35,7 @@ use autograd::{no_grad, Var};
 use nn::init::WeightInit;
 use nn::layers::Norm;
 use nn::layers::{DyT, Embedding, Linear};
+use nn::modulator::Stream;
 use nn::Module;
 use tensor::Rng;
 
@@ -94,27 +95,36 @@ impl Llama {
         })
     }
 
-    /// Embedding, `run_block(block, x, earlier activations, index)` for each block, final
-    /// norm and LM head.
+    /// Embedding, `run_block(block, residual stream, earlier activations, index)` for each
+    /// block, final norm and LM head. The last block's residual add runs fused with the final
+    /// RMSNorm ([`Stream::normed`]).
     fn forward_with(
         &self,
         ids: &[u32],
         batch: usize,
         seq: usize,
-        mut run_block: impl FnMut(&DecoderBlock, &Var, &[Var], usize) -> Result<Var>,
+        mut run_block: impl FnMut(&DecoderBlock, &Stream, &[Var], usize) -> Result<Stream>,
     ) -> Result<Var> {
         if ids.len() != batch * seq || ids.is_empty() {
             return Err(Error::Config(format!("{} token ids given for batch {batch} × seq {seq}", ids.len())));
         }
-        let mut x = self.embed_tokens.forward(ids, &[batch, seq])?;
-        // Activations x_0 (embedding), x_1, ...: LAuReL-PA mixes the ones before a block's input.
-        let mut activations = vec![x.clone()];
+        let embedded = self.embed_tokens.forward(ids, &[batch, seq])?;
+        // Activations x_0 (embedding), x_1, ...: LAuReL-PA mixes the ones before a block's
+        // input. Kept only when a block reads them (which returns its output added).
+        let mixes_earlier = self.layers.iter().any(|block| block.residual.gamma.is_some());
+        let mut activations = vec![embedded.clone()];
+        let mut x = Stream::new(embedded);
         for (l, block) in self.layers.iter().enumerate() {
-            x = run_block(block, &x, &activations[..l], l)?;
-            activations.push(x.clone());
+            let earlier = if mixes_earlier { &activations[..l] } else { &[] };
+            x = run_block(block, &x, earlier, l)?;
+            if mixes_earlier {
+                let value = x.value()?;
+                activations.push(value.clone());
+                x = Stream::new(value);
+            }
         }
-        let h = self.norm.forward(&x)?.reshape(&[batch * seq, self.config.d_model])?;
-        Ok(self.lm_head.forward(&h)?)
+        let (_, h) = x.normed(&self.norm)?;
+        Ok(self.lm_head.forward(&h.reshape(&[batch * seq, self.config.d_model])?)?)
     }
 
     /// Mean cross-entropy of next-token `targets[B·T]` (rows with an out-of-range target are

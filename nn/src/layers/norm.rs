@@ -25,6 +25,12 @@ impl RmsNorm {
     pub fn forward(&self, x: &Var) -> Result<Var> {
         x.rms_norm(&self.weight, self.eps)
     }
+
+    /// The residual add before a pre-ln LLaMA sublayer and this norm in one kernel:
+    /// `(x + delta, RMSNorm(x + delta))` ([`Var::add_rms_norm`]).
+    pub fn forward_after_add(&self, x: &Var, delta: &Var) -> Result<(Var, Var)> {
+        x.add_rms_norm(delta, &self.weight, self.eps)
+    }
 }
 
 impl Module for RmsNorm {

@@ -26,7 +26,7 @@ pub use contextual::{Modulator, ModulatorConfig, NonContextualGate, Resolution};
 pub use dense::DenseGate;
 pub use gate::Gate;
 pub use projection::ModulatedProjection;
-pub use residual::{Residual, ResidualRule};
+pub use residual::{Residual, ResidualRule, Stream};
 
 use autograd::ops::Unary;
 use autograd::{Result, Var};

@@ -51,6 +51,46 @@ pub enum ResidualRule {
     },
 }
 
+/// The residual stream between sublayers and blocks: `base + delta`, with the add of the last
+/// sublayer's output left pending so that the RMSNorm reading the stream runs it fused (the
+/// pre-ln LLaMA block's `x + F(Norm(x))`, read by the next block's `input_layernorm` or the
+/// final norm), or a plain value (`delta` is `None`).
+#[derive(Clone)]
+pub struct Stream {
+    /// The stream before the pending output is added.
+    pub base: Var,
+    /// The last sublayer's output, not yet added.
+    pub delta: Option<Var>,
+}
+
+impl Stream {
+    /// The stream `x`, nothing pending.
+    pub fn new(x: Var) -> Stream {
+        Stream { base: x, delta: None }
+    }
+
+    /// The stream's value: `base + delta`, added now when pending.
+    pub fn value(&self) -> Result<Var> {
+        match &self.delta {
+            Some(delta) => self.base.add(delta),
+            None => Ok(self.base.clone()),
+        }
+    }
+
+    /// `(value, norm(value))`; a pending add runs fused with an RMSNorm
+    /// ([`crate::layers::RmsNorm::forward_after_add`]), with the same values as apart.
+    pub fn normed(&self, norm: &Norm) -> Result<(Var, Var)> {
+        match (norm, &self.delta) {
+            (Norm::Rms(norm), Some(delta)) => norm.forward_after_add(&self.base, delta),
+            _ => {
+                let x = self.value()?;
+                let normed = norm.forward(&x)?;
+                Ok((x, normed))
+            }
+        }
+    }
+}
+
 /// A block's residual rule with the parameters it owns (norms, α_l, LAuReL weights).
 pub struct Residual {
     /// Which rule.
@@ -97,29 +137,64 @@ impl Residual {
         }
     }
 
-    /// One block: `attention` sublayer, then `between` on the residual stream (the per-token
-    /// transform's `x + PTT(x)`, or the identity), then the `mlp` sublayer. `earlier` holds
-    /// LAuReL-PA's earlier activations (ignored by the other rules).
+    /// One block on the residual stream `x`: `attention` sublayer, then `between` (the
+    /// per-token transform: `x + between(x)`, when given), then the `mlp` sublayer. `earlier`
+    /// holds LAuReL-PA's earlier activations (ignored by the other rules). Under a pre-norm
+    /// rule with RMSNorms (pre-ln LLaMA) every residual add runs fused with the RMSNorm that
+    /// reads it ([`Stream::normed`]): the block's input add (left pending by the block
+    /// before) with `input_layernorm`, the attention's with `post_attention_layernorm`, and
+    /// the FFN's is left pending in the returned stream for the next norm.
     pub fn forward(
         &self,
-        x: &Var,
+        x: &Stream,
         earlier: &[Var],
         attention: impl FnOnce(&Var) -> Result<Var>,
-        between: impl FnOnce(&Var) -> Result<Var>,
+        between: Option<impl FnOnce(&Var) -> Result<Var>>,
         mlp: impl FnOnce(&Var) -> Result<Var>,
-    ) -> Result<Var> {
-        let x = self.sublayer(x, self.input_norm.as_ref(), &self.attn_laurel, attention)?;
-        let x = between(&x)?;
-        let mut x = self.sublayer(&x, self.post_attention_norm.as_ref(), &self.mlp_laurel, mlp)?;
-        if let Some(gamma) = &self.gamma {
-            if earlier.len() != gamma.value_ref().numel() {
-                return Err(Error::ShapeMismatch { op: "laurel-pa", lhs: gamma.shape(), rhs: vec![earlier.len()] });
+    ) -> Result<Stream> {
+        let out = match (self.pre_norm_scale(), &self.input_norm, &self.post_attention_norm) {
+            (Some(scale), Some(input_norm), Some(post_attention_norm @ Norm::Rms(_))) => {
+                let (x, h) = x.normed(input_norm)?;
+                let attn = attention(&scaled(h, scale)?)?;
+                let stream = match between {
+                    Some(between) => {
+                        let x = x.add(&attn)?;
+                        let delta = between(&x)?;
+                        Stream { base: x, delta: Some(delta) }
+                    }
+                    None => Stream { base: x, delta: Some(attn) },
+                };
+                let (x, h) = stream.normed(post_attention_norm)?;
+                Stream { base: x, delta: Some(mlp(&scaled(h, scale)?)?) }
             }
-            for (j, activation) in earlier.iter().enumerate() {
-                x = x.add(&activation.mul(&gamma.narrow(0, j, 1)?)?)?;
+            _ => {
+                let x = self.sublayer(&x.value()?, self.input_norm.as_ref(), &self.attn_laurel, attention)?;
+                let x = match between {
+                    Some(between) => x.add(&between(&x)?)?,
+                    None => x,
+                };
+                Stream::new(self.sublayer(&x, self.post_attention_norm.as_ref(), &self.mlp_laurel, mlp)?)
             }
+        };
+        let Some(gamma) = &self.gamma else { return Ok(out) };
+        if earlier.len() != gamma.value_ref().numel() {
+            return Err(Error::ShapeMismatch { op: "laurel-pa", lhs: gamma.shape(), rhs: vec![earlier.len()] });
         }
-        Ok(x)
+        let mut x = out.value()?;
+        for (j, activation) in earlier.iter().enumerate() {
+            x = x.add(&activation.mul(&gamma.narrow(0, j, 1)?)?)?;
+        }
+        Ok(Stream::new(x))
+    }
+
+    /// The `s` of `x + F(s·Norm(x))` for the pre-norm rules (LAuReL-PA's sublayers are
+    /// pre-ln's, s = 1); `None` for the others.
+    fn pre_norm_scale(&self) -> Option<f32> {
+        match self.rule {
+            ResidualRule::PreNorm { scale } => Some(scale),
+            ResidualRule::LaurelPa { .. } => Some(1.0),
+            _ => None,
+        }
     }
 
     fn sublayer(
@@ -151,6 +226,15 @@ impl Residual {
             }
             (rule, _) => Err(missing_parameters(rule, x)),
         }
+    }
+}
+
+/// `scale·x` (LayerNorm Scaling), or `x` when `scale` is 1.
+fn scaled(x: Var, scale: f32) -> Result<Var> {
+    if scale == 1.0 {
+        Ok(x)
+    } else {
+        x.mul_scalar(scale)
     }
 }
 

@@ -29,5 +29,5 @@ pub use cross_entropy::{CrossEntropy, SavedTargets};
 pub use fused_gate::FusedGateSaved;
 pub use kernels::cpu::binary::Binary;
 pub use kernels::cpu::unary::Unary;
-pub use norm::{LayerNormOutput, RmsNormOutput};
+pub use norm::{AddRmsNormOutput, LayerNormOutput, RmsNormOutput};
 pub use pool::MaxPoolIndices;

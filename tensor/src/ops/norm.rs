@@ -14,6 +14,17 @@ pub struct RmsNormOutput {
     pub rstd: Tensor,
 }
 
+/// Output of [`Tensor::add_rms_norm`]: the residual stream `sum = x + delta`, its RMSNorm `y`
+/// and the per-row `1/rms` of `sum` saved for backward.
+pub struct AddRmsNormOutput {
+    /// `x + delta` (the input's shape): the next residual stream.
+    pub sum: Tensor,
+    /// RMSNorm of `sum` (the input's shape).
+    pub y: Tensor,
+    /// `1/√(mean(sum²) + eps)` of every row, `[rows]`.
+    pub rstd: Tensor,
+}
+
 /// Output of [`Tensor::layer_norm`]: `y`, per-row mean and `1/std` (each `[rows]`, on
 /// `y`'s device) saved for backward.
 pub struct LayerNormOutput {
@@ -53,28 +64,75 @@ impl Tensor {
         Ok(RmsNormOutput { y: Tensor::from_vec(y, &self.shape)?, rstd: Tensor::from_vec(rstd, &[dims.rows])? })
     }
 
+    /// A pre-ln LLaMA block's residual add and the next RMSNorm in one pass: `sum = self +
+    /// delta` (same shape, no broadcasting) and `sum / sqrt(mean(sum²) + eps) · weight`, bit
+    /// for bit as [`Tensor::add`] then [`Tensor::rms_norm`]. The backward is
+    /// [`Tensor::rms_norm_backward`] of `sum`.
+    pub fn add_rms_norm(&self, delta: &Tensor, weight: &Tensor, eps: f32) -> Result<AddRmsNormOutput> {
+        const OP: &str = "add_rms_norm";
+        let cols = self.last_dim(OP)?;
+        self.check_like(OP, delta)?;
+        self.check_weight(OP, Some(weight), cols)?;
+        let dims = NormDims::of(self.numel(), cols, eps);
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            return cuda::add_rms_norm(self, delta, weight, &dims);
+        }
+        let ((_, x), (_, delta)) = (self.rows(OP)?, delta.rows(OP)?);
+        let (mut sum, mut y) = (crate::pool::buffer(x.numel()), crate::pool::buffer(x.numel()));
+        let mut rstd = vec![0.0; dims.rows];
+        let w = weight.contiguous()?;
+        norm::add_rms_norm_forward(
+            x.as_slice()?,
+            delta.as_slice()?,
+            w.as_slice()?,
+            &dims,
+            (&mut sum, &mut y),
+            &mut rstd,
+        );
+        Ok(AddRmsNormOutput {
+            sum: Tensor::from_vec(sum, &self.shape)?,
+            y: Tensor::from_vec(y, &self.shape)?,
+            rstd: Tensor::from_vec(rstd, &[dims.rows])?,
+        })
+    }
+
     /// `(dx, dweight)` of [`Tensor::rms_norm`] from its input, weight and saved `rstd`:
     /// `dx = rstd·(w⊙dy − x̂·mean(x̂⊙w⊙dy))`, `dweight = Σ_rows dy⊙x̂`, with `x̂ = x·rstd`.
-    pub fn rms_norm_backward(x: &Tensor, weight: &Tensor, rstd: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// `residual`, when given, is the gradient already reaching `x` by another path (a pre-ln
+    /// LLaMA block's residual stream, [`Tensor::add_rms_norm`]): `dx` is then `residual +` the
+    /// above, added in the same pass (and, under bf16 products on the GPU, with its bf16 copy,
+    /// as the engine's in-place sum of gradients writes it).
+    pub fn rms_norm_backward(
+        x: &Tensor,
+        weight: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        residual: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
         const OP: &str = "rms_norm_backward";
         let cols = x.last_dim(OP)?;
         x.check_weight(OP, Some(weight), cols)?;
         x.check_like(OP, dy)?;
+        if let Some(residual) = residual {
+            x.check_like(OP, residual)?;
+        }
         // Backward reads the saved rstd: eps is not used.
         let dims = NormDims::of(x.numel(), cols, 0.0);
         x.check_row_stats(OP, rstd, dims.rows)?;
         #[cfg(feature = "cuda")]
         if x.cuda_storage().is_some() {
-            return cuda::rms_norm_backward(x, weight, rstd, dy, &dims);
+            return cuda::rms_norm_backward(x, weight, rstd, (dy, residual), &dims);
         }
         let (_, x) = x.rows(OP)?;
         let (w, rstd) = (weight.contiguous()?, rstd.contiguous()?);
+        let residual = residual.map(Tensor::contiguous).transpose()?;
         let (mut dx, mut dw) = (crate::pool::buffer(x.numel()), crate::pool::buffer(cols));
         norm::rms_norm_backward(
             x.as_slice()?,
             w.as_slice()?,
             rstd.as_slice()?,
-            dy.contiguous()?.as_slice()?,
+            (dy.contiguous()?.as_slice()?, residual.as_ref().map(Tensor::as_slice).transpose()?),
             &dims,
             NormGrads { dx: &mut dx, dweight: Some(&mut dw), dbias: None },
         );
@@ -159,9 +217,11 @@ pub(crate) mod cuda {
     //! The CUDA branch of RMSNorm and LayerNorm in `ops/norm.rs`: forwards that keep their
     //! per-row statistics on the device, and backwards that write fresh gradients.
 
+    use half::bf16;
     use kernels::cuda::norm::{self as launch, NormDims, NormGrads, RowStats};
+    use kernels::cuda::DeviceBuffer;
 
-    use super::{LayerNormOutput, RmsNormOutput};
+    use super::{AddRmsNormOutput, LayerNormOutput, RmsNormOutput};
     use crate::cuda::{output, product_input_output, CudaStorage};
     use crate::{Result, Tensor};
 
@@ -179,23 +239,56 @@ pub(crate) mod cuda {
         Ok(RmsNormOutput { y, rstd: Tensor::from_cuda(rstd, &[dims.rows])? })
     }
 
-    /// `(dx, dweight)` of RMSNorm from the saved `rstd`.
+    /// The residual add `x + delta` and RMSNorm of the sum with `weight [cols]` in one launch;
+    /// `rstd` saved per row.
+    pub(crate) fn add_rms_norm(
+        x: &Tensor,
+        delta: &Tensor,
+        weight: &Tensor,
+        dims: &NormDims,
+    ) -> Result<AddRmsNormOutput> {
+        const OP: &str = "add_rms_norm";
+        let dev = x.cuda_device(OP)?;
+        let (x, delta, w) = (x.dense()?, delta.dense()?, weight.dense()?);
+        let (mut sum, mut rstd) = (CudaStorage::alloc(&dev, dims.len())?, CudaStorage::alloc(&dev, dims.rows)?);
+        // y feeds the next products (attention, FFN): in bf16 too under bf16 products.
+        let y = product_input_output(&dev, OP, x.shape(), |y, y_bf16| {
+            let inputs = (x.cuda_f32(OP)?, delta.cuda_f32(OP)?);
+            let (sum, rstd) = (sum.f32_buffer_mut(OP)?, rstd.f32_buffer_mut(OP)?);
+            Ok(launch::add_rms_norm_forward(&dev, inputs, w.cuda_f32(OP)?, dims, (sum, y, y_bf16), rstd)?)
+        })?;
+        Ok(AddRmsNormOutput {
+            sum: Tensor::from_cuda(sum, x.shape())?,
+            y,
+            rstd: Tensor::from_cuda(rstd, &[dims.rows])?,
+        })
+    }
+
+    /// `(dx, dweight)` of RMSNorm from the saved `rstd`, `dx` with `residual` added when
+    /// given (then with its bf16 copy under bf16 products).
     pub(crate) fn rms_norm_backward(
         x: &Tensor,
         weight: &Tensor,
         rstd: &Tensor,
-        dy: &Tensor,
+        (dy, residual): (&Tensor, Option<&Tensor>),
         dims: &NormDims,
     ) -> Result<(Tensor, Tensor)> {
         const OP: &str = "rms_norm_backward";
         let dev = x.cuda_device(OP)?;
         let (x, w, rstd, dy) = (x.dense()?, weight.dense()?, rstd.dense()?, dy.dense()?);
+        let residual = residual.map(Tensor::dense).transpose()?;
         let mut dw = CudaStorage::alloc(&dev, dims.cols)?;
-        let dx = output(&dev, OP, x.shape(), |dx| {
+        let mut launch = |dx: &mut DeviceBuffer<f32>, dx_bf16: Option<&mut DeviceBuffer<bf16>>| {
             let (x, w, rstd, dy) = (x.cuda_f32(OP)?, w.cuda_f32(OP)?, rstd.cuda_f32(OP)?, dy.cuda_f32(OP)?);
+            let residual = residual.as_ref().map(|r| r.cuda_f32(OP)).transpose()?;
             let grads = NormGrads { dx, dweight: Some(dw.f32_buffer_mut(OP)?), dbias: None };
-            Ok(launch::rms_norm_backward(&dev, x, w, rstd, dy, dims, grads)?)
-        })?;
+            Ok(launch::rms_norm_backward(&dev, x, w, rstd, (dy, residual), dims, (grads, dx_bf16))?)
+        };
+        // A sum of gradients is what the projections' backward products read next.
+        let dx = match &residual {
+            Some(_) => product_input_output(&dev, OP, x.shape(), launch)?,
+            None => output(&dev, OP, x.shape(), |dx| launch(dx, None))?,
+        };
         Ok((dx, Tensor::from_cuda(dw, &[dims.cols])?))
     }
 

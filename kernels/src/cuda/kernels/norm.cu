@@ -24,9 +24,41 @@ extern "C" __global__ void rms_norm_forward(const float* x, const float* w, floa
     }
 }
 
+// The pre-ln LLaMA block's residual add and the next RMSNorm in one pass: sum = x + delta, then
+// rms_norm_forward of sum (same arithmetic and reduction order, so bit-identical to the add and
+// the norm launched apart). Each thread reads back only the sum elements it wrote.
+extern "C" __global__ void add_rms_norm_forward(const float* x, const float* delta, const float* w, float* sum,
+                                                float* y, bf16_t* y_bf16, float* rstd, i64 rows, i64 cols,
+                                                float eps) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* xr = x + r * cols;
+        const float* dr = delta + r * cols;
+        float* sr = sum + r * cols;
+        float* yr = y + r * cols;
+        float ss = 0.0f;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            float s = xr[j] + dr[j];
+            sr[j] = s;
+            ss += s * s;
+        }
+        ss = block_sum(ss);
+        float rs = 1.0f / sqrtf(ss / (float)cols + eps);
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            float v = sr[j] * rs * w[j];
+            yr[j] = v;
+            if (y_bf16) y_bf16[r * cols + j] = f32_to_bf16(v);
+        }
+        if (threadIdx.x == 0) rstd[r] = rs;
+    }
+}
+
 // With g = dy ⊙ w:  d/dx_j = r·g_j − x_j·r³·(Σ_k g_k x_k)/C
+// residual (when not null) is the gradient already reaching x by another path (a pre-ln block's
+// residual stream): dx is then residual + d/dx. dx_bf16 (when not null) gets dx rounded to
+// nearest even, for the bf16 products reading it.
 extern "C" __global__ void rms_norm_backward(const float* x, const float* w, const float* rstd, const float* dy,
-                                             float* dx, i64 rows, i64 cols) {
+                                             const float* residual, float* dx, bf16_t* dx_bf16, i64 rows,
+                                             i64 cols) {
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = x + r * cols;
         const float* dyr = dy + r * cols;
@@ -36,7 +68,12 @@ extern "C" __global__ void rms_norm_backward(const float* x, const float* w, con
         for (i64 j = threadIdx.x; j < cols; j += blockDim.x) gx += dyr[j] * w[j] * xr[j];
         gx = block_sum(gx);
         float c = rs * rs * rs * gx / (float)cols;
-        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) dxr[j] = dyr[j] * w[j] * rs - xr[j] * c;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            float g = dyr[j] * w[j] * rs - xr[j] * c;
+            if (residual) g = residual[r * cols + j] + g;
+            dxr[j] = g;
+            if (dx_bf16) dx_bf16[r * cols + j] = f32_to_bf16(g);
+        }
     }
 }
 
