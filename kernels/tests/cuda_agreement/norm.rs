@@ -44,7 +44,10 @@ fn rms_norm_and_layer_norm_agree() {
         let (mut gdx, mut gdw) = (up(dev, &start), up(dev, &wstart));
         let grads = NormGrads { dx: &mut gdx, dweight: Some(&mut gdw), dbias: None };
         cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), (&gdy, None), &dims, (grads, None)).unwrap();
-        assert_reduced("rms dx", &down(dev, &gdx), &dx);
+        // dx = r·g − x·c cancels (over one column it is 0 up to eps and rounding): its
+        // rounding is relative to the terms r·g, not to dx.
+        let terms = (0..x.len()).fold(0.0f32, |m, i| m.max((dy[i] * w[i % cols] * rstd[i / cols]).abs()));
+        assert_close_to("rms dx", &down(dev, &gdx), &dx, 1e-4, 1e-4 * terms);
         assert_reduced("rms dw", &down(dev, &gdw), &dw);
         // With the residual stream's gradient added in the same pass, and dx's bf16 twin: the
         // residual plus the dx above, bit for bit on each device, and the twin is dx rounded.
