@@ -299,17 +299,18 @@ mod tests {
         let dev = CudaDevice::emulated().unwrap();
         let x = dev.zeros::<f32>(8).unwrap();
         let y = dev.zeros::<f32>(8).unwrap();
-        let args = [Arg::F32(2.0), Arg::Ptr(y.device_ptr()), Arg::Ptr(x.device_ptr()), Arg::I64(8)];
+        // axpy(alpha, src, dst, dst_bf16, n): no bf16 copy (a null pointer).
+        let args = [Arg::F32(2.0), Arg::Ptr(y.device_ptr()), Arg::Ptr(x.device_ptr()), Arg::Ptr(0), Arg::I64(8)];
         let family = KernelFamily::Elementwise;
         let err = dev.launch(family, "axpy", config(2048, 0), &args).unwrap_err().to_string();
         assert!(err.contains("axpy") && err.contains("2048×1×1") && err.contains("(emulated)"), "{err}");
         let err = dev.launch(family, "axpy", config(32, 64 * 1024), &args).unwrap_err().to_string();
         assert!(err.contains("65536 bytes of dynamic shared memory"), "{err}");
-        let wrong = [Arg::I32(2), args[1], args[2], args[3]];
+        let wrong = [Arg::I32(2), args[1], args[2], args[3], args[4]];
         let err = dev.launch(family, "axpy", config(32, 0), &wrong).unwrap_err().to_string();
         assert!(err.contains("argument 0 (alpha) is a float, the launcher passed a int"), "{err}");
-        let err = dev.launch(family, "axpy", config(32, 0), &args[..3]).unwrap_err().to_string();
-        assert!(err.contains("takes 4 arguments (alpha, src, dst, n), the launcher passed 3"), "{err}");
+        let err = dev.launch(family, "axpy", config(32, 0), &args[..4]).unwrap_err().to_string();
+        assert!(err.contains("takes 5 arguments (alpha, src, dst, dst_bf16, n), the launcher passed 4"), "{err}");
         let err = dev.launch(family, "no_such_kernel", config(32, 0), &args).unwrap_err().to_string();
         assert!(err.contains("no kernel no_such_kernel in elementwise.cu"), "{err}");
         // The correct launch runs: dst += 2·src with src = 0.
@@ -323,7 +324,7 @@ mod tests {
         let fresh = dev.alloc::<f32>(5).unwrap();
         assert!(dev.download(&fresh).unwrap().iter().all(|v| v.is_nan()), "fresh memory reads as NaN");
         let y = dev.zeros::<f32>(8).unwrap();
-        let args = [Arg::F32(2.0), Arg::Ptr(0), Arg::Ptr(y.device_ptr()), Arg::I64(8)];
+        let args = [Arg::F32(2.0), Arg::Ptr(0), Arg::Ptr(y.device_ptr()), Arg::Ptr(0), Arg::I64(8)];
         let err = dev.launch(KernelFamily::Elementwise, "axpy", config(32, 0), &args).unwrap_err().to_string();
         assert!(err.contains("read at address 0x0, a null pointer"), "{err}");
     }
