@@ -8,11 +8,12 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
-const FNV_OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+/// FNV-1a's starting hash (of no bytes), for hashing in pieces with [`fnv1a_64_update`].
+pub(crate) const FNV_OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
 
 /// FNV-1a (64-bit) of `bytes`, continuing from `hash` (start at [`fnv1a_64`]'s basis).
-fn fnv1a_64_update(mut hash: u64, bytes: &[u8]) -> u64 {
+pub(crate) fn fnv1a_64_update(mut hash: u64, bytes: &[u8]) -> u64 {
     for &byte in bytes {
         hash ^= u64::from(byte);
         hash = hash.wrapping_mul(FNV_PRIME);

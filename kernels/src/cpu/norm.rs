@@ -116,6 +116,14 @@ pub struct NormGrads<'a, T: ?Sized> {
     pub dbias: Option<&'a mut T>,
 }
 
+/// One row of RMSNorm, shared by [`rms_norm_forward`] and [`add_rms_norm_forward`] so both
+/// compute the same bits: `y = x · rstd · weight`; returns `rstd = 1/sqrt(mean(x²) + eps)`.
+fn rms_norm_row(x: &[f32], weight: &[f32], eps: f32, y: &mut [f32]) -> f32 {
+    let rstd = 1.0 / (dot(x, x) / x.len() as f32 + eps).sqrt();
+    scale_and_shift(x, 0.0, rstd, Some(weight), None, y);
+    rstd
+}
+
 /// y = x · rstd · weight, rstd = 1/sqrt(mean(x²) + eps) saved per row
 pub fn rms_norm_forward(x: &[f32], weight: &[f32], dims: &NormDims, y: &mut [f32], rstd: &mut [f32]) {
     dims.assert_fits(
@@ -131,9 +139,7 @@ pub fn rms_norm_forward(x: &[f32], weight: &[f32], dims: &NormDims, y: &mut [f32
     let block = parallel::rows_per_task(cols * FORWARD_WORK);
     let body = |(b, (y, rstd)): (usize, (&mut [f32], &mut [f32]))| {
         for (i, (y, rstd)) in y.chunks_mut(cols).zip(rstd.iter_mut()).enumerate() {
-            let x = &x[(b * block + i) * cols..][..cols];
-            *rstd = 1.0 / (dot(x, x) / cols as f32 + eps).sqrt();
-            scale_and_shift(x, 0.0, *rstd, Some(weight), None, y);
+            *rstd = rms_norm_row(&x[(b * block + i) * cols..][..cols], weight, eps, y);
         }
     };
     if parallel::should_parallelise(x.len() * FORWARD_WORK) {
@@ -171,8 +177,7 @@ pub fn add_rms_norm_forward(
         for (i, ((y, sum), rstd)) in rows.enumerate() {
             let start = (b * block + i) * cols;
             add(&x[start..][..cols], &delta[start..][..cols], sum);
-            *rstd = 1.0 / (dot(sum, sum) / cols as f32 + eps).sqrt();
-            scale_and_shift(sum, 0.0, *rstd, Some(weight), None, y);
+            *rstd = rms_norm_row(sum, weight, eps, y);
         }
     };
     if parallel::should_parallelise(x.len() * FORWARD_WORK) {

@@ -28,7 +28,7 @@ use tensor::{Device, Tensor};
 
 use crate::config::TrainConfig;
 use crate::dist::{rendezvous, ControlChannel, Watchdog, World};
-use crate::fingerprint::fnv1a_64;
+use crate::fingerprint::{fnv1a_64, fnv1a_64_update, FNV_OFFSET_BASIS};
 
 /// One rank's part in a data-parallel run: its place, its communicator, and the channel and
 /// watchdog that stop it when another rank fails.
@@ -282,16 +282,16 @@ fn config_fingerprint(config: &TrainConfig) -> Result<u64> {
     Ok(fnv1a_64(format!("{}\n{json}", env!("CARGO_PKG_VERSION")).as_bytes()))
 }
 
-/// FNV-1a over the bits of every parameter, in order (downloads GPU parameters).
+/// FNV-1a over the name and the bits of every parameter, in order, one tensor at a time
+/// (downloads GPU parameters).
 fn parameter_hash(parameters: &[NamedParameter]) -> Result<u64> {
-    let mut bytes = Vec::new();
+    let mut hash = FNV_OFFSET_BASIS;
     for p in parameters {
-        bytes.extend(p.name.as_bytes());
-        for value in p.var.value().to_host()?.to_vec() {
-            bytes.extend(value.to_bits().to_le_bytes());
-        }
+        hash = fnv1a_64_update(hash, p.name.as_bytes());
+        let bytes: Vec<u8> = p.var.value().to_host()?.to_vec().iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+        hash = fnv1a_64_update(hash, &bytes);
     }
-    Ok(fnv1a_64(&bytes))
+    Ok(hash)
 }
 
 /// A fault the multi-rank tests inject on one rank (`TRANSPONDER_TEST_FAULT=RANK:KIND@STEP`,
