@@ -14,6 +14,7 @@ use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::conv::Conv2dGeometry;
 use kernels::cpu::fused_gate::FusedGateDims;
 use kernels::cpu::unary::Unary;
+use kernels::cuda::attention::AttentionPrecision::{Bf16, F32};
 use kernels::cuda::emu::{Mutant, Schedule};
 use kernels::cuda::fused_gate::{DeviceFusedGateParams, DeviceGateParams};
 use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer};
@@ -60,7 +61,7 @@ fn attention_error(dev: &CudaDevice, schedule: Schedule) -> f32 {
     let dims = AttentionDims { batch, q_seq: seq, kv_seq: seq, heads, head_dim, scale: 1.0 / (head_dim as f32).sqrt() };
     let (mut flash, mut lse, mut naive) =
         (dev.alloc(len).unwrap(), dev.alloc(dims.lse_len()).unwrap(), dev.alloc(len).unwrap());
-    cuda::attention::causal_attention_forward(dev, &q, &k, &v, &dims, (&mut flash, None), &mut lse).unwrap();
+    cuda::attention::causal_attention_forward(dev, &q, &k, &v, &dims, F32, (&mut flash, None), &mut lse).unwrap();
     cuda::attention::causal_attention_naive(dev, &q, &k, &v, &dims, &mut naive).unwrap();
     max_difference(&dev.download(&flash).unwrap(), &dev.download(&naive).unwrap())
 }
@@ -77,6 +78,42 @@ fn a_missing_syncthreads_changes_the_result_with_the_schedule() {
     let errors: Vec<f32> = schedules.iter().map(|&s| attention_error(&mutant, s)).collect();
     println!("attention_forward without its barrier, error per schedule {schedules:?}: {errors:?}");
     assert!(errors.iter().any(|&e| e > 1e-2), "the race went unseen: {errors:?}");
+}
+
+/// The tensor-core attention's forward and backward outputs (out, lse, dq, dk, dv) with the
+/// threads of every barrier phase run in `schedule`'s order; also its output's largest
+/// difference from the naive f32 kernel.
+fn tensor_core_attention(dev: &CudaDevice, schedule: Schedule) -> (Vec<Vec<f32>>, f32) {
+    dev.set_emulator_schedule(schedule).unwrap();
+    // Two query blocks and two key tiles of 64 (partial), so tiles are staged several times.
+    let (batch, seq, heads, head_dim) = (1, 100, 2, 32);
+    let len = batch * seq * heads * head_dim;
+    let up = |seed| dev.upload(&values(len, seed)).unwrap();
+    let (q, k, v, dout) = (up(1), up(2), up(3), up(4));
+    let dims = AttentionDims { batch, q_seq: seq, kv_seq: seq, heads, head_dim, scale: 1.0 / (head_dim as f32).sqrt() };
+    let alloc = || dev.alloc::<f32>(len).unwrap();
+    let (mut out, mut lse, mut naive) = (alloc(), dev.alloc(dims.lse_len()).unwrap(), alloc());
+    cuda::attention::causal_attention_forward(dev, &q, &k, &v, &dims, Bf16, (&mut out, None), &mut lse).unwrap();
+    cuda::attention::causal_attention_naive(dev, &q, &k, &v, &dims, &mut naive).unwrap();
+    let (mut dq, mut dk, mut dv) = (alloc(), alloc(), alloc());
+    let dv_twin = (&mut dv, None);
+    cuda::attention::causal_attention_backward(
+        dev, &q, &k, &v, &out, &lse, &dout, &dims, Bf16, &mut dq, &mut dk, dv_twin,
+    )
+    .unwrap();
+    let error = max_difference(&dev.download(&out).unwrap(), &dev.download(&naive).unwrap());
+    ([&out, &lse, &dq, &dk, &dv].map(|b| dev.download(b).unwrap()).to_vec(), error)
+}
+
+#[test]
+fn tensor_core_attention_gives_the_same_bits_under_every_schedule() {
+    let dev = emulator(None);
+    let (first, error) = tensor_core_attention(&dev, Schedule::Forward);
+    assert!(error < 2e-2, "tensor-core attention is far from the naive kernel: {error}");
+    for schedule in [Schedule::Reverse, Schedule::Shuffled] {
+        let (outputs, _) = tensor_core_attention(&dev, schedule);
+        assert!(outputs == first, "tensor-core attention changed with the schedule {schedule:?}");
+    }
 }
 
 /// One modulator's device parameters from `[A, a, B, b, α]`.

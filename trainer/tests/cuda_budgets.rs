@@ -75,6 +75,10 @@ fn assert_met_budgets(variant: &str, counters: &Value) {
         "{variant}: a host copy inside the step went through pageable memory"
     );
     let by_kernel = counters["launches_by_kernel"].as_object().expect("launches_by_kernel");
+    // Attention's products are on the tensor cores too (llama-60m's head dim 64 fits them).
+    for kernel in ["attention_forward", "attention_backward_dq", "attention_backward_dkv"] {
+        assert!(!by_kernel.contains_key(kernel), "{variant}: {kernel} ran attention in f32 off the tensor cores");
+    }
     let total: u64 = by_kernel.values().map(|v| v.as_u64().unwrap_or(0)).sum();
     assert_eq!(total, count(counters, "launches"), "{variant}: launches_by_kernel adds up to launches");
 }

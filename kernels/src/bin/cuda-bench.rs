@@ -16,7 +16,9 @@ use std::time::Instant;
 use half::bf16;
 use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::matmul::{GemmDims, Store};
-use kernels::cuda::attention::{causal_attention_backward, causal_attention_forward, causal_attention_naive};
+use kernels::cuda::attention::{
+    causal_attention_backward, causal_attention_forward, causal_attention_naive, tensor_cores_fit, AttentionPrecision,
+};
 use kernels::cuda::blas::{matmul_bf16, DeviceMat};
 use kernels::cuda::fused_gate::{
     fused_gate_forward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateParams, DeviceGateParams,
@@ -184,28 +186,40 @@ fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, hea
     let scale = 1.0 / (head_dim as f32).sqrt();
     let dims = AttentionDims { batch, q_seq: seq, kv_seq: seq, heads, head_dim, scale };
     let mut lse = dev.alloc::<f32>(dims.lse_len())?;
-    causal_attention_forward(dev, &q, &k, &v, &dims, (&mut out, None), &mut lse)?;
     causal_attention_naive(dev, &q, &k, &v, &dims, &mut naive_out)?;
-    let what = format!("flash attention B={batch} T={seq} H={heads} D={head_dim}");
-    let worst = check(&what, &dev.download(&out)?, &dev.download(&naive_out)?, 1e-4);
-    let flash_s = best_seconds(dev, || causal_attention_forward(dev, &q, &k, &v, &dims, (&mut out, None), &mut lse))?;
+    let naive = dev.download(&naive_out)?;
     let naive_s = best_seconds(dev, || causal_attention_naive(dev, &q, &k, &v, &dims, &mut naive_out))?;
-    // Forward + backward, what one layer of a training step runs (PyTorch SDPA's 481 µs at B 64,
-    // T 256, 8 heads of 64 on the H100 is the bar; gpu_compare.py measures it beside us).
+    // Forward alone and forward + backward, what one layer of a training step runs (PyTorch
+    // SDPA's 481 µs at B 64, T 256, 8 heads of 64 on the H100 is the bar; gpu_compare.py
+    // measures it beside us), with f32 products and, where the head dim fits, bf16 ones on
+    // the tensor cores (checked against the naive f32 kernel to bf16's precision).
     let dout = dev.upload(&values(len, 14, 1.0))?;
     let (mut dq, mut dk, mut dv) = (dev.alloc::<f32>(len)?, dev.alloc::<f32>(len)?, dev.alloc::<f32>(len)?);
-    let train_s = best_seconds(dev, || {
-        causal_attention_forward(dev, &q, &k, &v, &dims, (&mut out, None), &mut lse)?;
-        causal_attention_backward(dev, &q, &k, &v, &out, &lse, &dout, &dims, &mut dq, &mut dk, (&mut dv, None))
-    })?;
-    println!(
-        "attention B={batch} T={seq} H={heads} D={head_dim} | flash {:>8.3} ms | naive {:>8.3} ms | speedup {:.1}× \
-         | flash fwd+bwd {:>8.1} µs | max rel diff {worst:.1e}",
-        flash_s * 1e3,
-        naive_s * 1e3,
-        naive_s / flash_s,
-        train_s * 1e6,
-    );
+    let mut precisions = vec![(AttentionPrecision::F32, 1e-4)];
+    if tensor_cores_fit(head_dim) {
+        precisions.push((AttentionPrecision::Bf16, 2e-2));
+    }
+    for (precision, tolerance) in precisions {
+        causal_attention_forward(dev, &q, &k, &v, &dims, precision, (&mut out, None), &mut lse)?;
+        let what = format!("flash attention ({precision:?}) B={batch} T={seq} H={heads} D={head_dim}");
+        let worst = check(&what, &dev.download(&out)?, &naive, tolerance);
+        let flash_s = best_seconds(dev, || {
+            causal_attention_forward(dev, &q, &k, &v, &dims, precision, (&mut out, None), &mut lse)
+        })?;
+        let train_s = best_seconds(dev, || {
+            causal_attention_forward(dev, &q, &k, &v, &dims, precision, (&mut out, None), &mut lse)?;
+            let dv = (&mut dv, None);
+            causal_attention_backward(dev, &q, &k, &v, &out, &lse, &dout, &dims, precision, &mut dq, &mut dk, dv)
+        })?;
+        println!(
+            "attention {precision:?} B={batch} T={seq} H={heads} D={head_dim} | flash {:>8.3} ms | naive {:>8.3} ms \
+             | speedup {:.1}× | flash fwd+bwd {:>8.1} µs | max rel diff {worst:.1e}",
+            flash_s * 1e3,
+            naive_s * 1e3,
+            naive_s / flash_s,
+            train_s * 1e6,
+        );
+    }
     Ok(())
 }
 

@@ -1,9 +1,12 @@
-//! Launchers of `attention.cu`: causal scaled-dot-product attention, flash-style forward
-//! (online softmax, only `lse` saved) and backward (recomputed probabilities, no atomics).
+//! Launchers of `attention.cu` and `attention_mma.cu`: causal scaled-dot-product attention,
+//! flash-style forward (online softmax, only `lse` saved) and backward (recomputed
+//! probabilities, no atomics), with f32 products on the CUDA cores or bf16 products on the
+//! tensor cores ([`AttentionPrecision`]).
 //!
 //! Mirrors `cpu::attention`: q `[B, Tq, H, D]`, k and v `[B, Tk, H, D]`, `lse [B, H, Tq]`;
-//! query i sits at position `i + (Tk − Tq)`. The GPU kernels keep four head dims per lane,
-//! so `D ≤` [`MAX_HEAD_DIM`]; `B·H` is a grid dimension (≤ 65 535). Backward writes
+//! query i sits at position `i + (Tk − Tq)`. The f32 kernels keep four head dims per lane,
+//! so `D ≤` [`MAX_HEAD_DIM`]; the tensor-core kernels take `D` ∈ {16, 32, 48, 64}
+//! ([`tensor_cores_fit`]); `B·H` is a grid dimension (≤ 65 535). Backward writes
 //! `dq`, `dk`, `dv` (every row once). The output and `dv`, which bf16 products read, may
 //! also be written as bf16 twins (rounded to nearest even) instead of converted later.
 
@@ -19,6 +22,11 @@ use crate::cpu::attention::AttentionDims;
 
 /// Largest head dimension of the GPU kernels.
 pub const MAX_HEAD_DIM: usize = 128;
+/// Head dimensions of the tensor-core kernels: multiples of one mma's depth (16) whose
+/// accumulators fit in registers.
+const TENSOR_CORE_HEAD_DIMS: [usize; 4] = [16, 32, 48, 64];
+/// Rows of the output per tensor-core block (16 per warp, 4 warps).
+const TENSOR_CORE_ROWS: usize = 64;
 /// Queries (or keys) per block: one warp each.
 const WARPS: usize = 8;
 /// Keys (or queries) per shared-memory tile.
@@ -27,6 +35,41 @@ const TILE: usize = 32;
 const MAX_HEADS_TOTAL: usize = 65_535;
 
 const FAMILY: KernelFamily = KernelFamily::Attention;
+const MMA_FAMILY: KernelFamily = KernelFamily::AttentionMma;
+const MMA_FORWARD: [&str; 4] = [
+    "attention_mma_forward_d16",
+    "attention_mma_forward_d32",
+    "attention_mma_forward_d48",
+    "attention_mma_forward_d64",
+];
+const MMA_DQ: [&str; 4] = [
+    "attention_mma_backward_dq_d16",
+    "attention_mma_backward_dq_d32",
+    "attention_mma_backward_dq_d48",
+    "attention_mma_backward_dq_d64",
+];
+const MMA_DKV: [&str; 4] = [
+    "attention_mma_backward_dkv_d16",
+    "attention_mma_backward_dkv_d32",
+    "attention_mma_backward_dkv_d48",
+    "attention_mma_backward_dkv_d64",
+];
+
+/// The arithmetic of attention's products (`q·kᵀ`, `P·v` and the backward's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionPrecision {
+    /// f32 operands on the CUDA cores: agrees with the CPU to rounding.
+    F32,
+    /// bf16 operands on the tensor cores (`mma.sync`, f32 accumulation; compute capability
+    /// 8.0+), as PyTorch's SDPA under bf16 autocast: q, k, v, dO and the probabilities are
+    /// rounded to bf16 before their products; softmax statistics and sums stay f32.
+    Bf16,
+}
+
+/// Whether the tensor-core kernels take head dimension `head_dim`.
+pub fn tensor_cores_fit(head_dim: usize) -> bool {
+    TENSOR_CORE_HEAD_DIMS.contains(&head_dim)
+}
 
 /// The launch geometry of `dims` (the CPU kernels' [`AttentionDims`], checked once by
 /// [`check`]).
@@ -46,6 +89,45 @@ fn check(op: &'static str, dims: &AttentionDims, q: usize, k: usize, v: usize) -
 }
 
 impl Dims {
+    /// Checks that `precision` can run these dims on `dev`.
+    fn check_precision(&self, dev: &CudaDevice, op: &'static str, precision: AttentionPrecision) -> Result<()> {
+        if precision == AttentionPrecision::F32 {
+            return Ok(());
+        }
+        let head_dim = self.0.head_dim;
+        ensure(tensor_cores_fit(head_dim), op, || {
+            format!("head_dim {head_dim} is not one of the tensor-core kernels' {TENSOR_CORE_HEAD_DIMS:?}")
+        })?;
+        let (major, minor) = dev.compute_capability();
+        if major < 8 {
+            let message = format!("bf16 tensor cores need compute capability 8.0, the device has {major}.{minor}");
+            return Err(CudaError::Invalid { op, message });
+        }
+        Ok(())
+    }
+
+    /// The tensor-core kernel of `kernels` (one per entry of [`TENSOR_CORE_HEAD_DIMS`]) for
+    /// this head dimension (checked by [`Dims::check_precision`]).
+    fn mma_kernel(&self, kernels: [&'static str; 4]) -> &'static str {
+        let at = TENSOR_CORE_HEAD_DIMS.iter().position(|&d| d == self.0.head_dim);
+        kernels[at.expect("checked by check_precision")]
+    }
+
+    /// One tensor-core block per 64 rows of `rows`, per (b, h); shared memory is static.
+    fn mma_grid(&self, rows: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (rows.div_ceil(TENSOR_CORE_ROWS) as u32, (self.0.batch * self.0.heads) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// The tensor-core kernels' trailing arguments: `Tq, Tk, H, scale`.
+    fn mma_args(&self) -> [Arg; 4] {
+        let d = &self.0;
+        [size(d.q_seq), size(d.kv_seq), size(d.heads), Arg::F32(d.scale)]
+    }
+
     /// Odd shared-memory row stride of the tiles.
     fn tile_stride(&self) -> usize {
         self.0.head_dim | 1
@@ -87,14 +169,16 @@ fn check_twin(
 }
 
 /// `out` and `lse` (the log-sum-exp of each query's scaled scores, saved for backward) of
-/// the operands `dims` describes, as `cpu::attention::causal_attention_forward`; `out_bf16`,
-/// when given, gets `out` rounded to nearest even.
+/// the operands `dims` describes, as `cpu::attention::causal_attention_forward`, with
+/// products in `precision`; `out_bf16`, when given, gets `out` rounded to nearest even.
+#[allow(clippy::too_many_arguments)]
 pub fn causal_attention_forward(
     dev: &CudaDevice,
     q: &DeviceBuffer<f32>,
     k: &DeviceBuffer<f32>,
     v: &DeviceBuffer<f32>,
     dims: &AttentionDims,
+    precision: AttentionPrecision,
     (out, out_bf16): (&mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>),
     lse: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
@@ -104,17 +188,23 @@ pub fn causal_attention_forward(
     ensure_len(OP, "out", out.len(), q.len())?;
     check_twin(dev, OP, "out_bf16", &out_bf16, out.len())?;
     ensure_len(OP, "lse", lse.len(), dims.lse_len())?;
+    d.check_precision(dev, OP, precision)?;
     if d.is_empty() {
         return Ok(());
     }
-    let shared = 2 * TILE * d.tile_stride() + WARPS * dims.head_dim;
     let mut args = vec![ptr(q), ptr(k), ptr(v), ptr(out), opt_ptr(out_bf16.as_deref()), ptr(lse)];
+    if precision == AttentionPrecision::Bf16 {
+        args.extend(d.mma_args());
+        return dev.launch(MMA_FAMILY, d.mma_kernel(MMA_FORWARD), d.mma_grid(dims.q_seq), &args);
+    }
+    let shared = 2 * TILE * d.tile_stride() + WARPS * dims.head_dim;
     args.extend(d.args());
     dev.launch(FAMILY, "attention_forward", d.grid(dims.q_seq, shared), &args)
 }
 
 /// `dq, dk, dv =` gradients, recomputing probabilities from q, k and `lse`
-/// (`δ_i = Σ dout_i ⊙ out_i`); `dv_bf16`, when given, gets `dv` rounded to nearest even.
+/// (`δ_i = Σ dout_i ⊙ out_i`), with products in `precision` (that of the forward which made
+/// `out` and `lse`); `dv_bf16`, when given, gets `dv` rounded to nearest even.
 #[allow(clippy::too_many_arguments)]
 pub fn causal_attention_backward(
     dev: &CudaDevice,
@@ -125,6 +215,7 @@ pub fn causal_attention_backward(
     lse: &DeviceBuffer<f32>,
     dout: &DeviceBuffer<f32>,
     dims: &AttentionDims,
+    precision: AttentionPrecision,
     dq: &mut DeviceBuffer<f32>,
     dk: &mut DeviceBuffer<f32>,
     (dv, mut dv_bf16): (&mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>),
@@ -138,6 +229,7 @@ pub fn causal_attention_backward(
         "a gradient has the wrong length".to_string()
     })?;
     check_twin(dev, OP, "dv_bf16", &dv_bf16, dv.len())?;
+    d.check_precision(dev, OP, precision)?;
     if d.is_empty() {
         // No queries: keys and values that nothing attends to have zero gradients.
         dev.fill_zero(dk)?;
@@ -148,17 +240,22 @@ pub fn causal_attention_backward(
     }
     let AttentionDims { q_seq, kv_seq, head_dim, .. } = *dims;
     // δ per query (Σ dout ⊙ out), written by the dq kernel and read by the dk, dv kernel.
+    // It goes back to the pool on return; later users are queued after these kernels.
     let delta = dev.alloc::<f32>(dims.lse_len())?;
-    let stride = d.tile_stride();
     let mut dq_args = vec![ptr(q), ptr(k), ptr(v), ptr(out), ptr(dout), ptr(lse), ptr(&delta), ptr(dq)];
-    dq_args.extend(d.args());
-    dev.launch(FAMILY, "attention_backward_dq", d.grid(q_seq, 2 * TILE * stride + 2 * WARPS * head_dim), &dq_args)?;
-
     let dv_bf16 = opt_ptr(dv_bf16.as_deref());
     let mut dkv_args = vec![ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(&delta), ptr(dk), ptr(dv), dv_bf16];
+    if precision == AttentionPrecision::Bf16 {
+        dq_args.extend(d.mma_args());
+        dkv_args.extend(d.mma_args());
+        dev.launch(MMA_FAMILY, d.mma_kernel(MMA_DQ), d.mma_grid(q_seq), &dq_args)?;
+        return dev.launch(MMA_FAMILY, d.mma_kernel(MMA_DKV), d.mma_grid(kv_seq), &dkv_args);
+    }
+    let stride = d.tile_stride();
+    dq_args.extend(d.args());
+    dev.launch(FAMILY, "attention_backward_dq", d.grid(q_seq, 2 * TILE * stride + 2 * WARPS * head_dim), &dq_args)?;
     dkv_args.extend(d.args());
     let shared = 2 * TILE * stride + 2 * WARPS * head_dim + 2 * TILE;
-    // `delta` goes back to the pool on return; later users are queued after these kernels.
     dev.launch(FAMILY, "attention_backward_dkv", d.grid(kv_seq, shared), &dkv_args)
 }
 

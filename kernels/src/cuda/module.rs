@@ -75,8 +75,10 @@ kernel_families! {
     Rope => "rope",
     /// Embedding gather and scatter-add.
     Embedding => "embedding",
-    /// Flash-style causal attention.
+    /// Flash-style causal attention, f32 products on the CUDA cores.
     Attention => "attention",
+    /// Flash-style causal attention, bf16 products on the tensor cores.
+    AttentionMma => "attention_mma",
     /// im2col / col2im and the convolution's bias.
     Conv => "conv",
     /// Batch normalisation.

@@ -5,6 +5,7 @@ use half::bf16;
 use kernels::cpu;
 use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::rope::RopeDims;
+use kernels::cuda::attention::AttentionPrecision::{Bf16, F32};
 use kernels::cuda::{self, CudaError};
 
 use super::{assert_elementwise, assert_reduced, assert_twin, down, stale, up, Rng};
@@ -132,11 +133,12 @@ fn flash_attention_forward_and_backward_agree() {
         cpu::attention::causal_attention_forward(&q, &k, &v, &dims, &mut out, &mut lse);
         let (gq, gk, gv) = (up(dev, &q), up(dev, &k), up(dev, &v));
         let (mut gout, mut glse) = (dev.alloc(q.len()).unwrap(), dev.alloc(lse.len()).unwrap());
-        cuda::attention::causal_attention_forward(dev, &gq, &gk, &gv, &dims, (&mut gout, None), &mut glse).unwrap();
+        cuda::attention::causal_attention_forward(dev, &gq, &gk, &gv, &dims, F32, (&mut gout, None), &mut glse)
+            .unwrap();
         assert_reduced(&format!("attention out {c:?}"), &down(dev, &gout), &out);
         let (mut gout2, mut gout16) = (dev.alloc(q.len()).unwrap(), dev.alloc::<bf16>(q.len()).unwrap());
         let twin = (&mut gout2, Some(&mut gout16));
-        cuda::attention::causal_attention_forward(dev, &gq, &gk, &gv, &dims, twin, &mut glse).unwrap();
+        cuda::attention::causal_attention_forward(dev, &gq, &gk, &gv, &dims, F32, twin, &mut glse).unwrap();
         assert_twin(dev, &format!("attention out {c:?}"), &gout2, &gout, &gout16);
         assert_reduced(&format!("attention lse {c:?}"), &down(dev, &glse), &lse);
         let mut naive = dev.alloc(q.len()).unwrap();
@@ -157,6 +159,7 @@ fn flash_attention_forward_and_backward_agree() {
             &up(dev, &lse),
             &up(dev, &dout),
             &dims,
+            F32,
             &mut gdq,
             &mut gdk,
             (&mut gdv, None),
@@ -169,7 +172,7 @@ fn flash_attention_forward_and_backward_agree() {
         let (out_saved, lse_saved, dout_up) = (up(dev, &out), up(dev, &lse), up(dev, &dout));
         let dv_twin = (&mut gdv2, Some(&mut gdv16));
         cuda::attention::causal_attention_backward(
-            dev, &gq, &gk, &gv, &out_saved, &lse_saved, &dout_up, &dims, &mut gdq, &mut gdk, dv_twin,
+            dev, &gq, &gk, &gv, &out_saved, &lse_saved, &dout_up, &dims, F32, &mut gdq, &mut gdk, dv_twin,
         )
         .unwrap();
         assert_twin(dev, &format!("attention dv {c:?}"), &gdv2, &gdv, &gdv16);
@@ -178,6 +181,86 @@ fn flash_attention_forward_and_backward_agree() {
     let big = dev.alloc(256).unwrap();
     let (mut o, mut l) = (dev.alloc(256).unwrap(), dev.alloc(1).unwrap());
     let dims = AttentionDims { batch: 1, q_seq: 1, kv_seq: 1, heads: 1, head_dim: 256, scale: 1.0 };
-    let result = cuda::attention::causal_attention_forward(dev, &big, &big, &big, &dims, (&mut o, None), &mut l);
+    let result = cuda::attention::causal_attention_forward(dev, &big, &big, &big, &dims, F32, (&mut o, None), &mut l);
+    assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
+}
+
+/// `values` rounded to bf16 and back: the operands the tensor-core kernels multiply.
+fn bf16_rounded(values: &[f32]) -> Vec<f32> {
+    values.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
+}
+
+/// The tensor-core kernels (bf16 products) against the CPU's f32 attention of the same
+/// bf16-rounded q, k, v and dout. What remains is the rounding of the probabilities P and of
+/// dS to bf16 before their products (relative 2⁻⁹ each), hence 1e-2 of the largest value;
+/// a wrong mask, tile or fragment is off by O(1). lse depends on scores alone: f32 sums.
+/// The backward also reads dO in bf16 for δ = Σ dO ⊙ O (so dP − δ cancels as in f32).
+#[test]
+fn tensor_core_attention_agrees_to_bf16_precision() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(11);
+    let cases = [
+        AttentionCase { batch: 2, q_seq: 70, kv_seq: 70, heads: 3, head_dim: 16 },
+        AttentionCase { batch: 1, q_seq: 1, kv_seq: 1, heads: 1, head_dim: 32 },
+        AttentionCase { batch: 1, q_seq: 0, kv_seq: 4, heads: 2, head_dim: 16 },
+        // The decoding case (Tq < Tk) and partial tiles of keys and queries.
+        AttentionCase { batch: 2, q_seq: 5, kv_seq: 133, heads: 2, head_dim: 48 },
+        AttentionCase { batch: 1, q_seq: 129, kv_seq: 200, heads: 2, head_dim: 64 },
+        AttentionCase { batch: 1, q_seq: 192, kv_seq: 192, heads: 2, head_dim: 64 },
+    ];
+    for c in cases {
+        let AttentionCase { batch, q_seq, kv_seq, heads, head_dim } = c;
+        let dims = AttentionDims { batch, q_seq, kv_seq, heads, head_dim, scale: 1.0 / (head_dim as f32).sqrt() };
+        let q = rng.vec(dims.q_len(), -2.0, 2.0);
+        let k = rng.vec(dims.kv_len(), -2.0, 2.0);
+        let v = rng.vec(k.len(), -1.0, 1.0);
+        let dout = rng.vec(q.len(), -1.0, 1.0);
+        let (qr, kr, vr, dout_r) = (bf16_rounded(&q), bf16_rounded(&k), bf16_rounded(&v), bf16_rounded(&dout));
+        let (mut out, mut lse) = (vec![0.0; q.len()], vec![0.0; dims.lse_len()]);
+        cpu::attention::causal_attention_forward(&qr, &kr, &vr, &dims, &mut out, &mut lse);
+        let (mut dq, mut dk, mut dv) = (stale(q.len()), stale(k.len()), stale(k.len()));
+        cpu::attention::causal_attention_backward(&qr, &kr, &vr, &out, &lse, &dout_r, &dims, &mut dq, &mut dk, &mut dv);
+
+        let (gq, gk, gv) = (up(dev, &q), up(dev, &k), up(dev, &v));
+        let (mut gout, mut glse) = (up(dev, &stale(q.len())), up(dev, &stale(lse.len())));
+        let mut gout16 = dev.alloc::<bf16>(q.len()).unwrap();
+        let twin = (&mut gout, Some(&mut gout16));
+        cuda::attention::causal_attention_forward(dev, &gq, &gk, &gv, &dims, Bf16, twin, &mut glse).unwrap();
+        // 1e-2 of the largest value, and at least 1e-4 (the inputs are O(1)): with one visible
+        // key the gradients are 0 up to the rounding of dP − δ.
+        let bf16_close = |what: &str, got: &[f32], want: &[f32]| {
+            let largest = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            super::assert_close_to(what, got, want, 1e-2, (1e-2 * largest).max(1e-4))
+        };
+        bf16_close(&format!("tensor-core attention out {c:?}"), &down(dev, &gout), &out);
+        assert_reduced(&format!("tensor-core attention lse {c:?}"), &down(dev, &glse), &lse);
+        assert_twin(dev, &format!("tensor-core attention out {c:?}"), &gout, &gout, &gout16);
+
+        // The backward of the GPU's own forward (its out and lse), as training runs it.
+        let gdout = up(dev, &dout);
+        let backward = || {
+            let (mut gdq, mut gdk, mut gdv) =
+                (up(dev, &stale(q.len())), up(dev, &stale(k.len())), up(dev, &stale(k.len())));
+            let mut gdv16 = dev.alloc::<bf16>(k.len()).unwrap();
+            let dv_twin = (&mut gdv, Some(&mut gdv16));
+            cuda::attention::causal_attention_backward(
+                dev, &gq, &gk, &gv, &gout, &glse, &gdout, &dims, Bf16, &mut gdq, &mut gdk, dv_twin,
+            )
+            .unwrap();
+            assert_twin(dev, &format!("tensor-core attention dv {c:?}"), &gdv, &gdv, &gdv16);
+            [gdq, gdk, gdv].map(|g| down(dev, &g))
+        };
+        let [gdq, gdk, gdv] = backward();
+        bf16_close(&format!("tensor-core attention dq {c:?}"), &gdq, &dq);
+        bf16_close(&format!("tensor-core attention dk {c:?}"), &gdk, &dk);
+        bf16_close(&format!("tensor-core attention dv {c:?}"), &gdv, &dv);
+        assert_eq!(backward(), [gdq, gdk, gdv], "tensor-core attention backward is deterministic {c:?}");
+    }
+    // Head dims the tensor-core kernels do not take are refused, not run on the CUDA cores.
+    let buffer = dev.alloc(128).unwrap();
+    let (mut o, mut l) = (dev.alloc(128).unwrap(), dev.alloc(1).unwrap());
+    let dims = AttentionDims { batch: 1, q_seq: 1, kv_seq: 1, heads: 1, head_dim: 128, scale: 1.0 };
+    let result =
+        cuda::attention::causal_attention_forward(dev, &buffer, &buffer, &buffer, &dims, Bf16, (&mut o, None), &mut l);
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }

@@ -93,13 +93,27 @@ impl Tensor {
 pub(crate) mod cuda {
     //! The CUDA branch of causal attention in `ops/attention.rs`: the flash-style forward (output and
     //! per-query log-sum-exp, both left on the device) and its backward. Head dims above
-    //! `kernels::cuda::attention::MAX_HEAD_DIM` are refused with an error.
+    //! `kernels::cuda::attention::MAX_HEAD_DIM` are refused with an error. Under bf16
+    //! products ([`crate::cuda::MatmulPrecision::Bf16`]) attention's own products run in
+    //! bf16 on the tensor cores too, as PyTorch's SDPA does under autocast, where the
+    //! kernels take the head dimension; otherwise, and in f32, on the CUDA cores.
 
     use kernels::cpu::attention::AttentionDims;
-    use kernels::cuda::attention as launch;
+    use kernels::cuda::attention::{self as launch, AttentionPrecision};
 
-    use crate::cuda::{output, product_input_buffers, product_input_output, CudaStorage};
+    use crate::cuda::MatmulPrecision;
+    use crate::cuda::{matmul_precision, output, product_input_buffers, product_input_output, CudaStorage};
     use crate::{Result, Tensor};
+
+    /// The precision of attention's products for `dims` under the process's matmul precision.
+    /// The forward and its backward ask in the same step, so they agree.
+    fn precision(dims: &AttentionDims) -> AttentionPrecision {
+        if matmul_precision() == MatmulPrecision::Bf16 && launch::tensor_cores_fit(dims.head_dim) {
+            AttentionPrecision::Bf16
+        } else {
+            AttentionPrecision::F32
+        }
+    }
 
     /// `(out [B, Tq, H, D], lse [B, H, Tq])` of causal attention.
     pub(crate) fn causal_attention(
@@ -115,7 +129,8 @@ pub(crate) mod cuda {
         // The output feeds the output projection: in bf16 too under bf16 products.
         let out = product_input_output(&dev, OP, q.shape(), |out, out_bf16| {
             let (q, k, v) = (q.cuda_f32(OP)?, k.cuda_f32(OP)?, v.cuda_f32(OP)?);
-            Ok(launch::causal_attention_forward(&dev, q, k, v, dims, (out, out_bf16), lse.f32_buffer_mut(OP)?)?)
+            let lse = lse.f32_buffer_mut(OP)?;
+            Ok(launch::causal_attention_forward(&dev, q, k, v, dims, precision(dims), (out, out_bf16), lse)?)
         })?;
         Ok((out, Tensor::from_cuda(lse, &super::lse_shape(dims))?))
     }
@@ -140,7 +155,8 @@ pub(crate) mod cuda {
             let (out, lse, dout) = (out.cuda_f32(OP)?, lse.cuda_f32(OP)?, dout.cuda_f32(OP)?);
             // dv feeds the value projection's backward products: in bf16 too under bf16.
             let (dk, dv) = (dk.f32_buffer_mut(OP)?, product_input_buffers(&mut dv, OP)?);
-            Ok(launch::causal_attention_backward(&dev, q, k, v, out, lse, dout, dims, dq, dk, dv)?)
+            let precision = precision(dims);
+            Ok(launch::causal_attention_backward(&dev, q, k, v, out, lse, dout, dims, precision, dq, dk, dv)?)
         })?;
         Ok((dq, Tensor::from_cuda(dk, k.shape())?, Tensor::from_cuda(dv, v.shape())?))
     }

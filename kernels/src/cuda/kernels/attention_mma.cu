@@ -1,0 +1,429 @@
+// Causal attention on the tensor cores: bf16 mma.sync.m16n8k16 with f32 accumulation, the
+// FlashAttention-2 schedule (Dao 2023, Algorithms 1 and 2). Same contract as attention.cu:
+// q [B, Tq, H, D], k and v [B, Tk, H, D] (f32), out [B, Tq, H, D], lse [B, H, Tq]; query i
+// sits at position i + (Tk − Tq) and attends keys s ≤ that position.
+//
+// Precision (as PyTorch's SDPA under bf16 autocast): q, k, v and dO are rounded to bf16 as
+// they are staged, and so are the probabilities P and dS before their products; scores, the
+// online softmax (running max m, sum l), lse, δ and every accumulator stay f32.
+//
+// Work split. A block is 4 warps; each warp owns 16 rows of the output (queries for the
+// forward and dq, keys for dk/dv) and keeps its operand fragments and accumulators in
+// registers. The block walks tiles of 64 keys (or queries), staged row-major in shared
+// memory as bf16; every product reads them there:
+//   forward  S = Q·Kᵀ, online softmax, O += P·V
+//   dq       S = Q·Kᵀ, dP = dO·Vᵀ, dS = P ⊙ (dP − δ), dQ += dS·K      (also writes δ)
+//   dk, dv   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − δ), dV += Pᵀ·dO, dK += dSᵀ·Q
+// No atomics, a fixed order of additions: every run gives the same bits.
+//
+// Fragments (PTX ISA "mma.m16n8k16", g = lane / 4, t = lane % 4): A row-major 16 × 16,
+// a0 = A[g][2t, 2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]; B 16 × 8,
+// b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g]; the f32 result C 16 × 8, c0, c1 = C[g][2t, 2t+1],
+// c2, c3 = C[g+8][2t, 2t+1]. Two adjacent result tiles (16 columns) therefore hold exactly an
+// A fragment's elements: P and dS go from one product to the next without leaving registers.
+//
+// Head dims 16, 32, 48 and 64 (multiples of 16, the depth of one mma; larger ones would
+// spill the accumulators: attention.cu serves them).
+
+#define TC_WARPS 4
+#define TC_THREADS (TC_WARPS * 32)
+#define TC_ROWS (TC_WARPS * 16)  // rows of the output per block: 16 per warp
+#define TC_TILE 64               // keys (forward, dq) or queries (dk/dv) per shared tile
+#define TC_PAD 8                 // bf16 padding per shared row: the stride is ≡ 4 words
+                                 // (mod 32 banks) for every supported D, so fragment loads
+                                 // of the 32 lanes hit 32 banks
+
+__device__ __forceinline__ i64 head_row(i64 b, i64 t, i64 h, i64 seq, i64 heads, i64 head_dim) {
+    return ((b * seq + t) * heads + h) * head_dim;
+}
+
+// Two floats rounded to bf16 in one register, the first in the low half.
+__device__ __forceinline__ unsigned int bf16x2(float lo, float hi) {
+    return (unsigned int)f32_to_bf16(lo) | ((unsigned int)f32_to_bf16(hi) << 16);
+}
+
+// Rows t0..t0+63 of head (b, h) of `src` ([B, T, H, D], f32) into tile[64][D + PAD] as bf16;
+// rows at or past `limit` are zero.
+template <int D>
+__device__ __forceinline__ void stage_bf16(bf16_t* tile, const float* src, i64 b, i64 h, i64 t0, i64 limit, i64 seq,
+                                           i64 heads) {
+    for (int e = threadIdx.x; e < TC_TILE * D / 2; e += TC_THREADS) {
+        int r = e / (D / 2), c = 2 * (e % (D / 2));
+        i64 t = t0 + r;
+        unsigned int pair = 0u;
+        if (t < limit) {
+            const float* p = src + head_row(b, t, h, seq, heads, D) + c;
+            pair = bf16x2(p[0], p[1]);
+        }
+        *reinterpret_cast<unsigned int*>(tile + r * (D + TC_PAD) + c) = pair;
+    }
+}
+
+// The A fragments of rows row0..row0+15 of head (b, h) of `src` (f32, rows ≥ limit are zero),
+// straight from global memory into registers: frag[kk] covers columns 16·kk..16·kk+15.
+template <int D>
+__device__ __forceinline__ void load_a_rows(unsigned int (*frag)[4], const float* src, i64 b, i64 h, i64 row0, i64 limit,
+                                            i64 seq, i64 heads) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        i64 row = row0 + g + 8 * half;
+        const float* p = src + head_row(b, row, h, seq, heads, D);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            int c = 16 * kk + 2 * t;
+            frag[kk][half] = row < limit ? bf16x2(p[c], p[c + 1]) : 0u;
+            frag[kk][half + 2] = row < limit ? bf16x2(p[c + 8], p[c + 9]) : 0u;
+        }
+    }
+}
+
+// The B fragment of B[k][n] = tile[n0 + n][k0 + k]: the tile's rows are B's columns (the
+// second factor of X·Yᵀ, Y staged row-major).
+template <int D>
+__device__ __forceinline__ void load_b_transposed(unsigned int* frag, const bf16_t* tile, int n0, int k0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const bf16_t* row = tile + (n0 + g) * (D + TC_PAD) + k0 + 2 * t;
+    frag[0] = *reinterpret_cast<const unsigned int*>(row);
+    frag[1] = *reinterpret_cast<const unsigned int*>(row + 8);
+}
+
+// The B fragment of B[k][n] = tile[k0 + k][n0 + n]: the tile's rows are B's rows (the second
+// factor of X·Y, Y staged row-major); two halves from two rows per register.
+template <int D>
+__device__ __forceinline__ void load_b(unsigned int* frag, const bf16_t* tile, int k0, int n0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int stride = D + TC_PAD;
+    const bf16_t* col = tile + (k0 + 2 * t) * stride + n0 + g;
+    frag[0] = (unsigned int)col[0] | ((unsigned int)col[stride] << 16);
+    frag[1] = (unsigned int)col[8 * stride] | ((unsigned int)col[9 * stride] << 16);
+}
+
+// acc[nt] (16 × 64: 8 tiles of 8 columns) = A · tileᵀ for the warp's 16 rows of A (fragments
+// `a`, depth D) and the 64 staged rows of `tile`.
+template <int D>
+__device__ __forceinline__ void product_a_tile_t(float (*acc)[4], const unsigned int (*a)[4], const bf16_t* tile) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned int b[2];
+            load_b_transposed<D>(b, tile, 8 * nt, 16 * kk);
+            MMA_M16N8K16_BF16(acc[nt], a[kk], b);
+        }
+    }
+}
+
+// out[nd] (16 × D) += P · tile for P (16 × 64, the f32 result tiles `p`, rounded to bf16 here)
+// and the 64 staged rows of `tile`.
+template <int D>
+__device__ __forceinline__ void accumulate_p_tile(float (*out)[4], const float (*p)[4], const bf16_t* tile) {
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) {
+        const float* lo = p[2 * kc];
+        const float* hi = p[2 * kc + 1];
+        unsigned int a[4] = {bf16x2(lo[0], lo[1]), bf16x2(lo[2], lo[3]), bf16x2(hi[0], hi[1]), bf16x2(hi[2], hi[3])};
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+            unsigned int b[2];
+            load_b<D>(b, tile, 16 * kc, 8 * nd);
+            MMA_M16N8K16_BF16(out[nd], a, b);
+        }
+    }
+}
+
+// The sum or max of a value over the four lanes that share a result row (same g).
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(FULL_MASK, v, 1);
+    return v + __shfl_xor_sync(FULL_MASK, v, 2);
+}
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 1));
+    return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 2));
+}
+
+// Writes the warp's 16 × D result rows row0.. (`scale` times the accumulator) into `dst`
+// (and its bf16 twin when given), skipping rows at or past `limit`.
+template <int D>
+__device__ __forceinline__ void store_rows(const float (*acc)[4], float scale, float* dst, bf16_t* dst_bf16, i64 b,
+                                           i64 h, i64 row0, i64 limit, i64 seq, i64 heads) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        i64 row = row0 + g + 8 * half;
+        if (row >= limit) continue;
+        i64 at = head_row(b, row, h, seq, heads, D);
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int c = 8 * nd + 2 * t + e;
+                float value = scale * acc[nd][2 * half + e];
+                dst[at + c] = value;
+                if (dst_bf16) dst_bf16[at + c] = f32_to_bf16(value);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Forward: one block per 64 queries of one (b, h), grid (⌈Tq/64⌉, B·H).
+template <int D>
+__device__ __forceinline__ void attention_mma_forward(const float* q, const float* k, const float* v, float* out,
+                                                      bf16_t* out_bf16, float* lse, i64 q_seq, i64 kv_seq, i64 heads,
+                                                      float scale) {
+    __shared__ __align__(16) bf16_t k_tile[TC_TILE * (D + TC_PAD)];
+    __shared__ __align__(16) bf16_t v_tile[TC_TILE * (D + TC_PAD)];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const i64 b = blockIdx.y / heads, h = blockIdx.y % heads;
+    const i64 offset = kv_seq - q_seq;
+    const i64 q0 = (i64)blockIdx.x * TC_ROWS, row0 = q0 + 16 * warp;
+    // Keys the block needs: 0..end; the warp's last query sees keys ≤ warp_last.
+    const i64 end = (q0 + TC_ROWS < q_seq ? q0 + TC_ROWS : q_seq) + offset;
+    const i64 warp_last = (row0 + 15 < q_seq ? row0 + 15 : q_seq - 1) + offset;
+    const i64 position[2] = {row0 + g + offset, row0 + g + 8 + offset};
+
+    unsigned int qa[D / 16][4];
+    load_a_rows<D>(qa, q, b, h, row0, q_seq, q_seq, heads);
+    float o[D / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};  // l: this lane's share of the row sum
+
+    for (i64 s0 = 0; s0 < end; s0 += TC_TILE) {
+        __syncthreads();  // every warp is done with the previous tile
+        stage_bf16<D>(k_tile, k, b, h, s0, kv_seq, kv_seq, heads);
+        stage_bf16<D>(v_tile, v, b, h, s0, kv_seq, kv_seq, heads);
+        __syncthreads();
+        if (row0 >= q_seq || s0 > warp_last) continue;  // warp-uniform: nothing visible here
+        float s[8][4];
+        product_a_tile_t<D>(s, qa, k_tile);
+        // Scale and mask; the new running max per row. Key 0 is in the first tile and every
+        // query sees it, so each row's max is finite from the first tile on.
+        float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int half = e >> 1;
+                const i64 key = s0 + 8 * nt + 2 * t + (e & 1);
+                s[nt][e] = key <= position[half] && key < kv_seq ? scale * s[nt][e] : NEG_INF;
+                tile_max[half] = fmaxf(tile_max[half], s[nt][e]);
+            }
+        }
+        float correction[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float new_m = fmaxf(m[half], quad_max(tile_max[half]));
+            correction[half] = expf(m[half] - new_m);  // e^(−∞) = 0 on the first tile
+            m[half] = new_m;
+            l[half] *= correction[half];
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int half = e >> 1;
+                s[nt][e] = expf(s[nt][e] - m[half]);  // masked: e^(−∞) = 0
+                l[half] += s[nt][e];
+            }
+        }
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+            o[nd][0] *= correction[0];
+            o[nd][1] *= correction[0];
+            o[nd][2] *= correction[1];
+            o[nd][3] *= correction[1];
+        }
+        accumulate_p_tile<D>(o, s, v_tile);
+    }
+    if (row0 >= q_seq) return;
+    float inv[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        l[half] = quad_sum(l[half]);
+        inv[half] = 1.0f / l[half];
+    }
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) {
+        o[nd][0] *= inv[0];
+        o[nd][1] *= inv[0];
+        o[nd][2] *= inv[1];
+        o[nd][3] *= inv[1];
+    }
+    store_rows<D>(o, 1.0f, out, out_bf16, b, h, row0, q_seq, q_seq, heads);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const i64 row = row0 + g + 8 * half;
+        if (t == 0 && row < q_seq) lse[(b * heads + h) * q_seq + row] = m[half] + logf(l[half]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// dq (and δ): one block per 64 queries, grid (⌈Tq/64⌉, B·H), as the forward.
+template <int D>
+__device__ __forceinline__ void attention_mma_backward_dq(const float* q, const float* k, const float* v,
+                                                          const float* out, const float* dout, const float* lse,
+                                                          float* delta, float* dq, i64 q_seq, i64 kv_seq, i64 heads,
+                                                          float scale) {
+    __shared__ __align__(16) bf16_t k_tile[TC_TILE * (D + TC_PAD)];
+    __shared__ __align__(16) bf16_t v_tile[TC_TILE * (D + TC_PAD)];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const i64 b = blockIdx.y / heads, h = blockIdx.y % heads;
+    const i64 offset = kv_seq - q_seq;
+    const i64 q0 = (i64)blockIdx.x * TC_ROWS, row0 = q0 + 16 * warp;
+    const i64 end = (q0 + TC_ROWS < q_seq ? q0 + TC_ROWS : q_seq) + offset;
+    const i64 warp_last = (row0 + 15 < q_seq ? row0 + 15 : q_seq - 1) + offset;
+    const i64 position[2] = {row0 + g + offset, row0 + g + 8 + offset};
+    const float* lse_bh = lse + (b * heads + h) * q_seq;
+    float* delta_bh = delta + (b * heads + h) * q_seq;
+
+    // δ_i = Σ_d dO_i·O_i = Σ_s P_is·dP_is in f32, with dO rounded to bf16 as dP's product
+    // reads it, so that dP − δ cancels where it should (one visible key: dS = 0). Lanes 2r
+    // and 2r+1 sum row row0 + r, one half of d each; then each lane takes the sums of its
+    // rows g and g + 8 from those lanes.
+    float row_delta[2], row_lse[2];
+    {
+        const int r = lane >> 1, part = lane & 1;
+        const i64 row = row0 + r;
+        float sum = 0.0f;
+        if (row < q_seq) {
+            const i64 at = head_row(b, row, h, q_seq, heads, D);
+            for (int d = part * (D / 2); d < (part + 1) * (D / 2); ++d) sum += bf16_to_f32(f32_to_bf16(dout[at + d])) * out[at + d];
+        }
+        sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+        if (part == 0 && row < q_seq) delta_bh[row] = sum;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            row_delta[half] = __shfl_sync(FULL_MASK, sum, 2 * (g + 8 * half));
+            const i64 own = row0 + g + 8 * half;
+            row_lse[half] = own < q_seq ? lse_bh[own] : 0.0f;
+        }
+    }
+
+    unsigned int qa[D / 16][4], doa[D / 16][4];
+    load_a_rows<D>(qa, q, b, h, row0, q_seq, q_seq, heads);
+    load_a_rows<D>(doa, dout, b, h, row0, q_seq, q_seq, heads);
+    float acc[D / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.0f;
+
+    for (i64 s0 = 0; s0 < end; s0 += TC_TILE) {
+        __syncthreads();
+        stage_bf16<D>(k_tile, k, b, h, s0, kv_seq, kv_seq, heads);
+        stage_bf16<D>(v_tile, v, b, h, s0, kv_seq, kv_seq, heads);
+        __syncthreads();
+        if (row0 >= q_seq || s0 > warp_last) continue;
+        float s[8][4], dp[8][4];
+        product_a_tile_t<D>(s, qa, k_tile);
+        product_a_tile_t<D>(dp, doa, v_tile);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int half = e >> 1;
+                const i64 key = s0 + 8 * nt + 2 * t + (e & 1);
+                const bool seen = key <= position[half] && key < kv_seq;
+                const float p = seen ? expf(scale * s[nt][e] - row_lse[half]) : 0.0f;
+                s[nt][e] = p * (dp[nt][e] - row_delta[half]);  // dS
+            }
+        }
+        accumulate_p_tile<D>(acc, s, k_tile);
+    }
+    store_rows<D>(acc, scale, dq, nullptr, b, h, row0, q_seq, q_seq, heads);
+}
+
+// ---------------------------------------------------------------------------------------
+// dk, dv: one block per 64 keys, grid (⌈Tk/64⌉, B·H), walking the query tiles that see them.
+template <int D>
+__device__ __forceinline__ void attention_mma_backward_dkv(const float* q, const float* k, const float* v,
+                                                           const float* dout, const float* lse, const float* delta,
+                                                           float* dk, float* dv, bf16_t* dv_bf16, i64 q_seq,
+                                                           i64 kv_seq, i64 heads, float scale) {
+    __shared__ __align__(16) bf16_t q_tile[TC_TILE * (D + TC_PAD)];
+    __shared__ __align__(16) bf16_t do_tile[TC_TILE * (D + TC_PAD)];
+    __shared__ float lse_tile[TC_TILE];
+    __shared__ float delta_tile[TC_TILE];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const i64 b = blockIdx.y / heads, h = blockIdx.y % heads;
+    const i64 offset = kv_seq - q_seq;
+    const i64 s_first = (i64)blockIdx.x * TC_ROWS, row0 = s_first + 16 * warp;
+    const i64 key[2] = {row0 + g, row0 + g + 8};
+    // The first query that sees key s_first: i + offset ≥ s_first.
+    const i64 i_start = s_first > offset ? s_first - offset : 0;
+    const float* lse_bh = lse + (b * heads + h) * q_seq;
+    const float* delta_bh = delta + (b * heads + h) * q_seq;
+
+    unsigned int ka[D / 16][4], va[D / 16][4];
+    load_a_rows<D>(ka, k, b, h, row0, kv_seq, kv_seq, heads);
+    load_a_rows<D>(va, v, b, h, row0, kv_seq, kv_seq, heads);
+    float acc_k[D / 8][4], acc_v[D / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) {
+        acc_k[nd][0] = acc_k[nd][1] = acc_k[nd][2] = acc_k[nd][3] = 0.0f;
+        acc_v[nd][0] = acc_v[nd][1] = acc_v[nd][2] = acc_v[nd][3] = 0.0f;
+    }
+
+    for (i64 i0 = i_start; i0 < q_seq; i0 += TC_TILE) {
+        __syncthreads();
+        stage_bf16<D>(q_tile, q, b, h, i0, q_seq, q_seq, heads);
+        stage_bf16<D>(do_tile, dout, b, h, i0, q_seq, q_seq, heads);
+        for (int e = threadIdx.x; e < TC_TILE; e += TC_THREADS) {
+            const i64 i = i0 + e;
+            lse_tile[e] = i < q_seq ? lse_bh[i] : 0.0f;
+            delta_tile[e] = i < q_seq ? delta_bh[i] : 0.0f;
+        }
+        __syncthreads();
+        // Warp-uniform: no key of this warp, or no query of the tile sees any of them.
+        if (row0 >= kv_seq || i0 + TC_TILE - 1 + offset < row0) continue;
+        float st[8][4], dpt[8][4];
+        product_a_tile_t<D>(st, ka, q_tile);
+        product_a_tile_t<D>(dpt, va, do_tile);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int half = e >> 1, c = 8 * nt + 2 * t + (e & 1);
+                const i64 i = i0 + c;
+                const bool seen = i < q_seq && i + offset >= key[half] && key[half] < kv_seq;
+                const float p = seen ? expf(scale * st[nt][e] - lse_tile[c]) : 0.0f;
+                st[nt][e] = p;                                 // Pᵀ
+                dpt[nt][e] = p * (dpt[nt][e] - delta_tile[c]);  // dSᵀ
+            }
+        }
+        accumulate_p_tile<D>(acc_v, st, do_tile);
+        accumulate_p_tile<D>(acc_k, dpt, q_tile);
+    }
+    store_rows<D>(acc_k, scale, dk, nullptr, b, h, row0, kv_seq, kv_seq, heads);
+    store_rows<D>(acc_v, 1.0f, dv, dv_bf16, b, h, row0, kv_seq, kv_seq, heads);
+}
+
+// ---------------------------------------------------------------------------------------
+// One entry point per kernel and supported head dim (attention.rs picks by D).
+
+#define MMA_FORWARD_PARAMS \
+    const float *q, const float *k, const float *v, float *out, bf16_t *out_bf16, float *lse, i64 q_seq, i64 kv_seq, \
+        i64 heads, float scale
+#define MMA_FORWARD_ARGS q, k, v, out, out_bf16, lse, q_seq, kv_seq, heads, scale
+#define MMA_DQ_PARAMS                                                                                            \
+    const float *q, const float *k, const float *v, const float *out, const float *dout, const float *lse,    \
+        float *delta, float *dq, i64 q_seq, i64 kv_seq, i64 heads, float scale
+#define MMA_DQ_ARGS q, k, v, out, dout, lse, delta, dq, q_seq, kv_seq, heads, scale
+#define MMA_DKV_PARAMS                                                                                           \
+    const float *q, const float *k, const float *v, const float *dout, const float *lse, const float *delta,  \
+        float *dk, float *dv, bf16_t *dv_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
+#define MMA_DKV_ARGS q, k, v, dout, lse, delta, dk, dv, dv_bf16, q_seq, kv_seq, heads, scale
+
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d16(MMA_FORWARD_PARAMS) { attention_mma_forward<16>(MMA_FORWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d32(MMA_FORWARD_PARAMS) { attention_mma_forward<32>(MMA_FORWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d48(MMA_FORWARD_PARAMS) { attention_mma_forward<48>(MMA_FORWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d64(MMA_FORWARD_PARAMS) { attention_mma_forward<64>(MMA_FORWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_d16(MMA_DQ_PARAMS) { attention_mma_backward_dq<16>(MMA_DQ_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_d32(MMA_DQ_PARAMS) { attention_mma_backward_dq<32>(MMA_DQ_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_d48(MMA_DQ_PARAMS) { attention_mma_backward_dq<48>(MMA_DQ_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_d64(MMA_DQ_PARAMS) { attention_mma_backward_dq<64>(MMA_DQ_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_d16(MMA_DKV_PARAMS) { attention_mma_backward_dkv<16>(MMA_DKV_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_d32(MMA_DKV_PARAMS) { attention_mma_backward_dkv<32>(MMA_DKV_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_d48(MMA_DKV_PARAMS) { attention_mma_backward_dkv<48>(MMA_DKV_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_d64(MMA_DKV_PARAMS) { attention_mma_backward_dkv<64>(MMA_DKV_ARGS); }
