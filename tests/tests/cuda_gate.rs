@@ -1,15 +1,20 @@
 //! CPU-vs-CUDA agreement through autograd of the fused gated projection (Transponder eq.
 //! 8-10), SwiGLU, conv2d, batch norm and the pools: the same random inputs run on the CPU
-//! and on GPU 0, forward and backward (every gradient), and the results are compared.
-//! Skips, saying so, without a GPU. Run with `cargo test --release -p transponder-tests
-//! --features cuda --test cuda_gate`.
+//! and on GPU 0, forward and backward (every gradient), and the results are compared. Also:
+//! the fused projection's packed bf16 weight stays current through optimizer steps and
+//! other writes of its weights. Skips, saying so, without a GPU. Run with `cargo test
+//! --release -p transponder-tests --features cuda --test cuda_gate`.
 //!
 //! Tolerance: `|gpu − cpu| ≤ rel·(|cpu| + max|cpu|)` per element. f32 ops 1e-4 (summation
 //! order differs); the fused projection 2e-2, as its GEMM reads bf16 on the GPU.
 #![cfg(feature = "cuda")]
 
+use std::sync::{Mutex, MutexGuard};
+
 use autograd::Var;
 use gradcheck::Tolerance;
+use nn::optim::{Adam, AdamConfig, Optimizer, Sgd};
+use nn::NamedParameter;
 use tensor::ops::Unary;
 use tensor::{DType, Device, Error, Rng, Tensor};
 use transponder_tests::{gpu, no_gpu, GPU};
@@ -84,11 +89,19 @@ fn fused_gate(v: &[Var], phi: Unary) -> autograd::Result<Var> {
     v[0].fused_gated_projection(&v[1], channel, scalar, phi)
 }
 
+/// Serialises the tests that run the fused projection on the GPU: one of them counts the
+/// packing launches on the device all tests share.
+fn fused_gate_lock() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 #[test]
 fn fused_gated_projection_agrees_forward_and_backward() {
     if no_gpu() {
         return;
     }
+    let _serial = fused_gate_lock();
     let mut rng = Rng::new(1);
     // Row and column counts off the kernel's 128-tiles; d_in a multiple of 8 (vector
     // loads) and not (scalar loads); ranks padded to 16 and to 32.
@@ -99,6 +112,71 @@ fn fused_gated_projection_agrees_forward_and_backward() {
         let what = format!("fused gate {rows}x{d_in}->{d_out} r{rc}+{rs} {phi:?}");
         check(&what, &values, BF16_REL, |v| fused_gate(v, phi));
     }
+}
+
+/// On the GPU the projection's GEMM reads `[W; A_c; A_s]` packed in bf16, and that buffer is
+/// the three weights' bf16 copy: AdamW's step rewrites their rows in place, every other write
+/// (SGD, `set_value` as a checkpoint load does) forgets it. After each kind of write the
+/// forward must equal, bit for bit, the forward of fresh copies of the parameters (which pack
+/// anew), and only the other writes may cost a packing launch.
+#[test]
+fn the_packed_weight_follows_every_write_of_the_weights() {
+    if no_gpu() {
+        return;
+    }
+    let _serial = fused_gate_lock();
+    let dev = tensor::cuda::device(0).unwrap();
+    let values = gate_inputs(&mut Rng::new(10), 9, 24, 16, 4, 2);
+    let mut vars: Vec<Var> = vec![Var::constant(gpu(&values[0]))];
+    vars.extend(values[1..].iter().map(|t| Var::parameter(gpu(t))));
+    let named = |indices: &[usize]| -> Vec<NamedParameter> {
+        let name = |i: usize| format!("input {i}");
+        indices.iter().map(|&i| NamedParameter { name: name(i), var: vars[i].clone() }).collect()
+    };
+    let mut adamw = Adam::new(named(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]), AdamConfig::default());
+    let mut sgd_on_weight = Sgd::new(named(&[1]), 0.9, 0.0, false);
+    let mut rng = Rng::new(11);
+    let mut give_gradients = |optimizer: &dyn Optimizer| {
+        for p in optimizer.parameters() {
+            p.var.set_grad(Some(gpu(&Tensor::rand_normal(&p.var.shape(), 0.0, 1.0, &mut rng))));
+        }
+    };
+    let output = |v: &[Var]| fused_gate(v, Unary::Silu).unwrap().value().to_host().unwrap().to_vec();
+    // The forward's output and its packing launches, against the forward of fresh copies.
+    let check = |what: &str, expected_packings: u64| {
+        let before = dev.counters();
+        let y = output(&vars);
+        let counts = dev.counters().since(&before);
+        let packings = counts.launches_by_kernel.get("f32_to_bf16_packed").copied().unwrap_or(0);
+        let fresh: Vec<Var> = vars.iter().map(|v| Var::parameter(v.value().deep_copy().unwrap())).collect();
+        let want = output(&fresh);
+        let differing = y.iter().zip(&want).filter(|(got, want)| got.to_bits() != want.to_bits()).count();
+        assert_eq!(differing, 0, "{what}: {differing} of {} outputs differ: a stale packed weight", y.len());
+        assert_eq!(packings, expected_packings, "{what}: packing launches of the forward");
+    };
+
+    check("the first forward", 1);
+    check("a second forward, no write between", 0);
+    for step in 1..=2 {
+        give_gradients(&adamw);
+        adamw.step(1e-2).unwrap();
+        check(&format!("after AdamW step {step}"), 0);
+    }
+    // An in-place write of W alone (copy-on-write access, as SGD's step): W's copy is dropped,
+    // A_c and A_s keep theirs; the forward packs all three again, and AdamW keeps that.
+    give_gradients(&sgd_on_weight);
+    sgd_on_weight.step(1e-2).unwrap();
+    check("after an SGD step of W", 1);
+    give_gradients(&adamw);
+    adamw.step(1e-2).unwrap();
+    check("after SGD then AdamW", 0);
+    // A new value for A_c (as loading a checkpoint does).
+    let a_channel = Tensor::rand_normal(values[2].shape(), 0.0, 0.3, &mut Rng::new(12));
+    vars[2].set_value(gpu(&a_channel)).unwrap();
+    check("after set_value of A_c", 1);
+    give_gradients(&adamw);
+    adamw.step(1e-2).unwrap();
+    check("after set_value then AdamW", 0);
 }
 
 #[test]

@@ -8,16 +8,17 @@
 //!
 //! Semantics are `cpu::fused_gate`'s (same [`FusedGateDims`], the same parameter roles, the
 //! same `zu` saved for backward). The forward reads `x` and the concatenated weight in bf16
-//! ([`pack_weight`] builds `[W; A_c; A_s]` as one `[K, d_in]` bf16 buffer, refreshed after
-//! each optimizer step) and accumulates in f32. [`fused_gate_forward`] writes `zu` only when
-//! asked (training); inference writes nothing but `Ẑ`.
+//! (`[W; A_c; A_s]` as one `[K, d_in]` bf16 buffer: [`pack_weight`] builds it in one launch;
+//! in training the caller keeps it as the weights' bf16 copy, which the optimizer's update
+//! rewrites) and accumulates in f32. [`fused_gate_forward`] writes `zu` only when asked
+//! (training); inference writes nothing but `Ẑ`.
 //!
 //! [`fused_gate_forward_unfused`] is the reference path (cuBLAS bf16 GEMM into `zu`, then
 //! [`fused_gate_apply`]); both give the same result to f32 rounding. The backward
-//! ([`fused_gate_backward`]) reads `zu`, the f32 `x` and f32 weights: two small kernels
-//! (the gate's elementwise backward) plus cuBLAS f32 products and column sums for
-//! `dx, dW, dA, dB`, and deterministic sums for `da, db, dα`. Gradients are written, not
-//! added.
+//! ([`fused_gate_backward`]) reads `zu`, the f32 `x` and f32 weights (under bf16 products,
+//! the forward's bf16 `x` and packed weight): two small kernels (the gate's elementwise
+//! backward) plus cuBLAS products and column sums for `dx, dW, dA, dB`, and deterministic
+//! sums for `da, db, dα`. Gradients are written, not added.
 
 use half::bf16;
 
@@ -150,7 +151,8 @@ fn gate_args(p: &DeviceFusedGateParams) -> [Arg; 10] {
 }
 
 /// The concatenated weight `[W; A_c; A_s]` as one bf16 `[K, d_in]` buffer (row-major), the
-/// operand of [`fused_gate_forward`], in one launch. Rounds to nearest even.
+/// operand of [`fused_gate_forward`] and of [`fused_gate_backward`]'s bf16 products, in one
+/// launch. Rounds to nearest even, as the optimizer's update does when it rewrites the rows.
 pub fn pack_weight(dev: &CudaDevice, dims: &FusedGateDims, p: &DeviceFusedGateParams) -> Result<DeviceBuffer<bf16>> {
     const OP: &str = "fused_gate pack_weight";
     check_params(dev, OP, dims, p)?;
@@ -159,7 +161,7 @@ pub fn pack_weight(dev: &CudaDevice, dims: &FusedGateDims, p: &DeviceFusedGatePa
     Ok(packed)
 }
 
-/// `[W; A_c; A_s]` as the first parts of a packed bf16 buffer, back to back.
+/// `[W; A_c; A_s]` as the parts of a packed bf16 buffer, back to back.
 fn weight_parts(p: &DeviceFusedGateParams) -> Vec<PackedPart> {
     let mut at = 0;
     [p.weight, p.channel.a_weight, p.scalar.a_weight]
@@ -319,11 +321,13 @@ pub enum GateProducts<'a> {
     /// f32 operands and products (cuBLAS's default math mode: the CUDA cores, no TF32).
     F32,
     /// bf16 operands on the tensor cores, f32 accumulation and outputs (mixed precision, as
-    /// every other product under `--bf16`). `x` is the input's bf16 copy (the forward's
-    /// operand); the backward rounds its other operands to bf16 itself.
+    /// every other product under `--bf16`). `x` and the packed weight are the forward's bf16
+    /// operands; the backward rounds its other operands to bf16 itself.
     Bf16 {
         /// `x` in bf16, `[N, d_in]`.
         x: &'a DeviceBuffer<bf16>,
+        /// `[W; A_c; A_s]` in bf16, `[K, d_in]` ([`pack_weight`]'s layout).
+        packed: &'a DeviceBuffer<bf16>,
     },
 }
 
@@ -357,9 +361,11 @@ pub fn fused_gate_backward(
     ensure_len(OP, "x", x.len(), rows * d_in)?;
     ensure_len(OP, "zu", zu.len(), rows * k)?;
     ensure_len(OP, "dout", dout.len(), rows * d_out)?;
-    if let GateProducts::Bf16 { x: x_bf16 } = products {
+    if let GateProducts::Bf16 { x: x_bf16, packed } = products {
         dev.check_owner(OP, x_bf16)?;
+        dev.check_owner(OP, packed)?;
         ensure_len(OP, "x (bf16)", x_bf16.len(), rows * d_in)?;
+        ensure_len(OP, "packed weight", packed.len(), k * d_in)?;
     }
     if rows == 0 {
         // No rows: every gradient is an empty sum.
@@ -401,7 +407,7 @@ pub fn fused_gate_backward(
     };
     let mut operands = match products {
         GateProducts::F32 => Operands::F32(sources),
-        GateProducts::Bf16 { x } => Operands::bf16(dev, p, x, &sources)?,
+        GateProducts::Bf16 { x, packed } => Operands::bf16(dev, x, packed, &sources)?,
     };
     let precision = operands.precision();
     let gemm = |m, n, k, a, b, store, c: u64, ldc| gemm(dev, precision, GemmDims { m, n, k }, a, b, store, (c, ldc));
@@ -474,9 +480,9 @@ pub fn fused_gate_backward(
         (d_out, rc, p.channel.a_weight, &mut *g.channel.a_weight),
         (d_out + rc, rs, p.scalar.a_weight, &mut *g.scalar.a_weight),
     ];
-    if let Operands::Bf16 { scratch, .. } = &operands {
-        // The packed bf16 weight (at the scratch's start) makes dx one product over K = d_out + r.
-        let weight = Operand::rows(scratch.device_ptr(), d_in);
+    if let Operands::Bf16 { packed, .. } = &operands {
+        // The packed bf16 weight makes dx one product over K = d_out + r.
+        let weight = Operand::rows(packed.device_ptr(), d_in);
         gemm(rows, d_in, k, operands.rows(Part::Dzu, 0, k), weight, Store::Overwrite, g.x.device_ptr(), d_in)?;
     } else {
         // Three f32 weight buffers: the first product written, the others added onto it.
@@ -532,16 +538,18 @@ enum Part {
     X,
 }
 
-/// Where the backward's products read their operands: the f32 buffers, or bf16 copies in
-/// one scratch buffer (`[W; A_c; A_s] | B_c | dL_c | H | dZU | dl_s`, each part on a 16-byte
-/// boundary) made by two launches, the second after the summaries' kernel has written the
-/// `dU` columns of `dZU` and `dl_s`.
+/// Where the backward's products read their operands: the f32 buffers, or the forward's bf16
+/// `x` and packed weight and bf16 copies of the rest in one scratch buffer
+/// (`B_c | dL_c | H | dZU | dl_s`, each part on a 16-byte boundary) made by two launches, the
+/// second after the summaries' kernel has written the `dU` columns of `dZU` and `dl_s`.
 enum Operands<'a> {
     F32(Sources<'a>),
     Bf16 {
         x: &'a DeviceBuffer<bf16>,
+        /// `[W; A_c; A_s]`, `[K, d_in]`.
+        packed: &'a DeviceBuffer<bf16>,
         scratch: DeviceBuffer<bf16>,
-        /// Where `B_c`, `dL_c`, `H`, `dZU` and `dl_s` start in `scratch` (the weight at 0).
+        /// Where `B_c`, `dL_c`, `H`, `dZU` and `dl_s` start in `scratch`.
         at: [usize; 5],
         /// `dZU` and `dl_s`, converted after the summaries' kernel.
         late: [PackedPart; 2],
@@ -549,16 +557,15 @@ enum Operands<'a> {
 }
 
 impl<'a> Operands<'a> {
-    /// bf16 copies of the f32 operands (`x` comes converted): the weights, `B_c`, `dL_c` and
-    /// `H` now, `dZU` and `dl_s` by [`Operands::convert_after_summaries`].
+    /// bf16 copies of the f32 operands (`x` and the weights come converted): `B_c`, `dL_c`
+    /// and `H` now, `dZU` and `dl_s` by [`Operands::convert_after_summaries`].
     fn bf16(
         dev: &CudaDevice,
-        p: &DeviceFusedGateParams,
         x: &'a DeviceBuffer<bf16>,
+        packed: &'a DeviceBuffer<bf16>,
         s: &Sources,
     ) -> Result<Operands<'a>> {
-        let weights = weight_parts(p);
-        let mut end = weights.iter().map(|w| w.len).sum::<usize>().next_multiple_of(8);
+        let mut end = 0;
         let mut at = [0; 5];
         for (slot, buffer) in at.iter_mut().zip([s.b_channel, s.dlogits, s.hidden, s.dzu, s.dlogit_s]) {
             *slot = end;
@@ -566,11 +573,10 @@ impl<'a> Operands<'a> {
         }
         let mut scratch = dev.alloc::<bf16>(end)?;
         let part = |buffer: &DeviceBuffer<f32>, at| PackedPart { src: buffer.device_ptr(), len: buffer.len(), at };
-        let mut early = weights;
-        early.extend([part(s.b_channel, at[0]), part(s.dlogits, at[1]), part(s.hidden, at[2])]);
+        let early = [part(s.b_channel, at[0]), part(s.dlogits, at[1]), part(s.hidden, at[2])];
         to_bf16_packed(dev, &early, &mut scratch)?;
         let late = [part(s.dzu, at[3]), part(s.dlogit_s, at[4])];
-        Ok(Operands::Bf16 { x, scratch, at, late })
+        Ok(Operands::Bf16 { x, packed, scratch, at, late })
     }
 
     /// Converts `dZU` and `dl_s` (bf16 products only), once the summaries' kernel wrote them.

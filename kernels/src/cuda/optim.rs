@@ -29,15 +29,30 @@ fn adam_constants(op: &'static str, h: &AdamHyper, decoupled: bool) -> Result<[f
 /// Tensors one `adam_step` launch updates (a `TensorList` of common.cuh holds 24).
 pub const TENSORS_PER_LAUNCH: usize = LIST_LEN;
 
+/// Where an Adam update writes a parameter's bf16 copy: the parameter's length of elements
+/// of `buffer` from element `at`.
+///
+/// The buffer is borrowed shared because it may hold the copies of several parameters back to
+/// back (a fused gated projection's packed `[W; A_c; A_s]`, which its GEMM reads as one
+/// operand): each part is rewritten by its own parameter's update, possibly in the same
+/// launch. The update checks that the parts it writes do not overlap.
+#[derive(Debug)]
+pub struct Bf16Destination<'a> {
+    /// The bf16 buffer that holds the copy.
+    pub buffer: &'a DeviceBuffer<bf16>,
+    /// Where the copy starts in it.
+    pub at: usize,
+}
+
 /// One tensor of an Adam update: the parameter and its moments, updated in place, its
-/// gradient (all of one length) and, optionally, the parameter's bf16 copy to rewrite.
+/// gradient (all of one length) and, optionally, where to rewrite the parameter's bf16 copy.
 #[derive(Debug)]
 pub struct AdamTensor<'a> {
     /// The parameter.
     pub param: &'a mut DeviceBuffer<f32>,
     /// The parameter's bf16 copy, rewritten from the updated parameter (rounded to nearest
     /// even), when bf16 products read it: no conversion launch before the next step's.
-    pub param_bf16: Option<&'a mut DeviceBuffer<bf16>>,
+    pub param_bf16: Option<Bf16Destination<'a>>,
     /// Its gradient.
     pub grad: &'a DeviceBuffer<f32>,
     /// The first moment.
@@ -61,10 +76,14 @@ fn adam_update(
         ensure_len(op, "m", t.m.len(), t.param.len())?;
         ensure_len(op, "v", t.v.len(), t.param.len())?;
         if let Some(copy) = &t.param_bf16 {
-            dev.check_owner(op, copy)?;
-            ensure_len(op, "param_bf16", copy.len(), t.param.len())?;
+            dev.check_owner(op, copy.buffer)?;
+            let end = copy.at + t.param.len();
+            ensure(end <= copy.buffer.len(), op, || {
+                format!("param_bf16 {}..{end} past the end of {} elements", copy.at, copy.buffer.len())
+            })?;
         }
     }
+    check_disjoint_copies(op, tensors)?;
     let [step_size, inv_sqrt_correction2, decay, l2] = adam_constants(op, h, decoupled)?;
     for chunk in tensors.chunks_mut(TENSORS_PER_LAUNCH) {
         let longest = chunk.iter().map(|t| t.param.len()).max().unwrap_or(0);
@@ -72,7 +91,7 @@ fn adam_update(
         cfg.grid_dim.1 = chunk.len() as u32;
         let args = [
             address_list(chunk.iter().map(|t| t.param.device_ptr())),
-            address_list(chunk.iter().map(|t| t.param_bf16.as_ref().map_or(0, |copy| copy.device_ptr()))),
+            address_list(chunk.iter().map(|t| t.param_bf16.as_ref().map_or(0, |copy| copy.buffer.ptr_at(copy.at)))),
             address_list(chunk.iter().map(|t| t.grad.device_ptr())),
             address_list(chunk.iter().map(|t| t.m.device_ptr())),
             address_list(chunk.iter().map(|t| t.v.device_ptr())),
@@ -86,6 +105,23 @@ fn adam_update(
             Arg::F32(l2),
         ];
         dev.launch(KernelFamily::Optim, "adam_step", cfg, &args)?;
+    }
+    Ok(())
+}
+
+/// Errors when two tensors' bf16 copies share elements (call after the bounds checks): each
+/// copy is written by its own tensor's update, and a shared element would be written twice.
+fn check_disjoint_copies(op: &'static str, tensors: &[AdamTensor]) -> Result<()> {
+    let mut ranges: Vec<(u64, u64)> = tensors
+        .iter()
+        .filter_map(|t| {
+            let copy = t.param_bf16.as_ref()?;
+            Some((copy.buffer.ptr_at(copy.at), copy.buffer.ptr_at(copy.at + t.param.len())))
+        })
+        .collect();
+    ranges.sort_unstable();
+    for pair in ranges.windows(2) {
+        ensure(pair[0].1 <= pair[1].0, op, || "two tensors' bf16 copies overlap".to_string())?;
     }
     Ok(())
 }

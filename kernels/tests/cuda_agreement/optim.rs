@@ -24,9 +24,19 @@ fn optimizers_agree_over_steps() {
         let mut gp: Vec<DeviceBuffer<f32>> = p.iter().map(|x| up(dev, x)).collect();
         let mut gm: Vec<DeviceBuffer<f32>> = lens.iter().map(|&n| dev.zeros(n).unwrap()).collect();
         let mut gv: Vec<DeviceBuffer<f32>> = lens.iter().map(|&n| dev.zeros(n).unwrap()).collect();
-        // Every other tensor has a bf16 copy, which the update rewrites from the new parameter.
-        let mut copies: Vec<Option<DeviceBuffer<bf16>>> =
+        // Every other tensor has a bf16 copy, which the update rewrites from the new parameter;
+        // tensors 1, 3 and 5 keep theirs back to back in one packed buffer (as a fused gated
+        // projection's [W; A_c; A_s]), each update writing its own part in the same launch.
+        let copies: Vec<Option<DeviceBuffer<bf16>>> =
             lens.iter().enumerate().map(|(i, &n)| (i % 2 == 0).then(|| dev.alloc(n).unwrap())).collect();
+        // Where each tensor's copy starts in the packed buffer (members only).
+        let mut packed_at: Vec<Option<usize>> = vec![None; lens.len()];
+        let mut packed_len = 0;
+        for i in [1, 3, 5] {
+            packed_at[i] = Some(packed_len);
+            packed_len += lens[i];
+        }
+        let packed: DeviceBuffer<bf16> = dev.alloc(packed_len).unwrap();
         for step in 1..=5 {
             let grads: Vec<Vec<f32>> = lens.iter().map(|&n| rng.vec(n, -1.0, 1.0)).collect();
             let h = AdamHyper { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1, step };
@@ -39,10 +49,14 @@ fn optimizers_agree_over_steps() {
                 .iter_mut()
                 .zip(&gg)
                 .zip(gm.iter_mut().zip(gv.iter_mut()))
-                .zip(copies.iter_mut())
-                .map(|(((param, grad), (m, v)), copy)| cuda::optim::AdamTensor {
+                .zip(copies.iter().enumerate())
+                .map(|(((param, grad), (m, v)), (i, copy))| cuda::optim::AdamTensor {
                     param,
-                    param_bf16: copy.as_mut(),
+                    param_bf16: match (copy, packed_at[i]) {
+                        (Some(buffer), _) => Some(cuda::optim::Bf16Destination { buffer, at: 0 }),
+                        (None, Some(at)) => Some(cuda::optim::Bf16Destination { buffer: &packed, at }),
+                        (None, None) => None,
+                    },
                     grad,
                     m,
                     v,
@@ -56,9 +70,13 @@ fn optimizers_agree_over_steps() {
             assert_elementwise(&format!("{what}: p"), &down(dev, &gp[i]), &p[i]);
             assert_elementwise(&format!("{what}: m"), &down(dev, &gm[i]), &m[i]);
             assert_elementwise(&format!("{what}: v"), &down(dev, &gv[i]), &v[i]);
+            let rounded: Vec<bf16> = down(dev, &gp[i]).iter().map(|&x| bf16::from_f32(x)).collect();
             if let Some(copy) = &copies[i] {
-                let rounded: Vec<bf16> = down(dev, &gp[i]).iter().map(|&x| bf16::from_f32(x)).collect();
                 assert_eq!(dev.download(copy).unwrap(), rounded, "{what}: the bf16 copy is the new parameter rounded");
+            }
+            if let Some(at) = packed_at[i] {
+                let part = &dev.download(&packed).unwrap()[at..at + n];
+                assert_eq!(part, rounded, "{what}: its part of the packed buffer is the new parameter rounded");
             }
         }
     }
@@ -72,4 +90,34 @@ fn optimizers_agree_over_steps() {
         }
         assert_elementwise(&format!("sgd(momentum {momentum}, nesterov {nesterov})"), &down(dev, &gp), &p);
     }
+}
+
+#[test]
+fn adam_rejects_bf16_copies_that_overlap() {
+    let dev = device_or_skip!();
+    let (mut p1, mut p2) = (up(dev, &[1.0; 8]), up(dev, &[2.0; 8]));
+    let grad = up(dev, &[0.5; 8]);
+    let (mut m1, mut v1, mut m2, mut v2) =
+        (dev.zeros(8).unwrap(), dev.zeros(8).unwrap(), dev.zeros(8).unwrap(), dev.zeros(8).unwrap());
+    let packed: DeviceBuffer<bf16> = dev.alloc(12).unwrap();
+    // The second copy starts inside the first: element 4..8 would be written twice.
+    let mut tensors = [
+        cuda::optim::AdamTensor {
+            param: &mut p1,
+            param_bf16: Some(cuda::optim::Bf16Destination { buffer: &packed, at: 0 }),
+            grad: &grad,
+            m: &mut m1,
+            v: &mut v1,
+        },
+        cuda::optim::AdamTensor {
+            param: &mut p2,
+            param_bf16: Some(cuda::optim::Bf16Destination { buffer: &packed, at: 4 }),
+            grad: &grad,
+            m: &mut m2,
+            v: &mut v2,
+        },
+    ];
+    let h = AdamHyper { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, step: 1 };
+    let err = cuda::optim::adamw_step(dev, &mut tensors, &h).expect_err("overlapping bf16 copies");
+    assert!(err.to_string().contains("overlap"), "{err}");
 }

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use half::bf16;
+use kernels::cuda::optim::Bf16Destination;
 use kernels::cuda::{CudaDevice, DeviceBuffer};
 
 use super::CudaStorage;
@@ -22,19 +22,17 @@ impl Tensor {
     }
 
     /// As [`Tensor::cuda_f32_mut`], for an update that also rewrites the bf16 copy bf16
-    /// products read: the f32 buffer and, when the tensor has a bf16 copy, a fresh bf16
-    /// buffer in its place for the update to fill (`CudaStorage::f32_buffer_mut_with_bf16_copy`).
+    /// products read: the f32 buffer and, when the tensor has a bf16 copy, where the update
+    /// writes the new one (a fresh buffer, or the tensor's rows of a fused projection's packed
+    /// weight: `CudaStorage::f32_buffer_mut_for_update`).
     #[allow(clippy::type_complexity)]
     pub fn cuda_f32_mut_with_bf16_copy(
         &mut self,
         op: &'static str,
-    ) -> Result<(Arc<CudaDevice>, &mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>)> {
+    ) -> Result<(Arc<CudaDevice>, &mut DeviceBuffer<f32>, Option<Bf16Destination<'_>>)> {
         let (dev, storage) = self.unique_cuda_f32(op)?;
-        if !storage.has_bf16_copy() {
-            return Ok((dev, storage.f32_buffer_mut(op)?, None));
-        }
-        let (values, copy) = storage.f32_buffer_mut_with_bf16_copy(op)?;
-        Ok((dev, values, Some(copy)))
+        let (values, copy) = storage.f32_buffer_mut_for_update(op)?;
+        Ok((dev, values, copy))
     }
 
     /// The device and the storage of this GPU f32 tensor, made its own dense buffer first

@@ -1,8 +1,9 @@
 //! Device storage: one buffer on one GPU, f32 or bf16, and the device that owns it.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use half::bf16;
+use kernels::cuda::optim::Bf16Destination;
 use kernels::cuda::{elementwise, CudaDevice, DeviceBuffer};
 
 use super::cuda_error;
@@ -23,25 +24,50 @@ pub enum CudaData {
 /// that reads it (forward and backward), and so are an activation that feeds several
 /// products (q, k and v) or is read again by its weight's gradient, and an output gradient
 /// read by both of its layer's backward products. Writing the f32 buffer forgets the copy,
-/// unless the write writes a new copy too ([`CudaStorage::f32_buffer_mut_with_bf16_copy`]:
-/// the optimizer's step, and ops whose results bf16 products read): then a weight is
-/// converted once per run, and such a result not at all.
+/// unless the write writes a new copy too (the optimizer's step,
+/// [`CudaStorage::f32_buffer_mut_for_update`], and ops whose results bf16 products read,
+/// [`CudaStorage::f32_buffer_mut_with_bf16_copy`]): then a weight is converted once per run,
+/// and such a result not at all.
+///
+/// The copy is usually a bf16 storage of its own. The weights of a fused gated projection
+/// (`W`, `A_c`, `A_s`) share one instead: their rows of the packed `[W; A_c; A_s]` that the
+/// projection's GEMM reads as one operand ([`CudaStorage::shared_packed_bf16_copy`],
+/// [`CudaStorage::share_packed_bf16_copy`]). The optimizer's step rewrites each weight's rows
+/// in place ([`CudaStorage::f32_buffer_mut_for_update`]), and any other write forgets them as
+/// it forgets an own copy, so the projection packs again only after such a write.
 #[derive(Debug)]
 pub struct CudaStorage {
     device: Arc<CudaDevice>,
     data: CudaData,
-    bf16_copy: OnceLock<Arc<Storage>>,
+    /// Behind a lock because a reader may set it (`bf16_copy`, the fused projection's
+    /// packing) through a shared reference; writers of the values reset it through `&mut`.
+    bf16_copy: Mutex<Option<Bf16Copy>>,
+}
+
+/// The bf16 copy behind `lock`, reached through `&mut` (no other reference, so no locking).
+fn unlocked(lock: &mut Mutex<Option<Bf16Copy>>) -> &mut Option<Bf16Copy> {
+    lock.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Where an f32 storage's bf16 copy (the values rounded to nearest even) is.
+#[derive(Debug)]
+enum Bf16Copy {
+    /// A bf16 storage of its own, the whole buffer.
+    Own(Arc<Storage>),
+    /// Elements `at..at + len` of a buffer packed with the copies of other storages, back to
+    /// back: a fused gated projection's `[W; A_c; A_s]`.
+    Packed { buffer: Arc<DeviceBuffer<bf16>>, at: usize },
 }
 
 impl CudaStorage {
     /// Wraps an f32 buffer of `device`.
     pub fn f32(device: &Arc<CudaDevice>, buffer: DeviceBuffer<f32>) -> CudaStorage {
-        CudaStorage { device: Arc::clone(device), data: CudaData::F32(buffer), bf16_copy: OnceLock::new() }
+        CudaStorage { device: Arc::clone(device), data: CudaData::F32(buffer), bf16_copy: Mutex::new(None) }
     }
 
     /// Wraps a bf16 buffer of `device`.
     pub fn bf16(device: &Arc<CudaDevice>, buffer: DeviceBuffer<bf16>) -> CudaStorage {
-        CudaStorage { device: Arc::clone(device), data: CudaData::BF16(buffer), bf16_copy: OnceLock::new() }
+        CudaStorage { device: Arc::clone(device), data: CudaData::BF16(buffer), bf16_copy: Mutex::new(None) }
     }
 
     /// An uninitialised f32 buffer of `len` elements on `device` (every launcher that takes
@@ -106,16 +132,22 @@ impl CudaStorage {
     /// The f32 buffer for writing, or an error naming `op` for bf16 storage. Forgets the
     /// bf16 copy, which the write makes stale.
     pub fn f32_buffer_mut(&mut self, op: &'static str) -> Result<&mut DeviceBuffer<f32>> {
-        self.bf16_copy.take();
+        self.forget_bf16_copy();
         match &mut self.data {
             CudaData::F32(b) => Ok(b),
             CudaData::BF16(_) => Err(crate::Error::DTypeMismatch { op, expected: DType::F32, got: DType::BF16 }),
         }
     }
 
-    /// Whether the storage holds a bf16 copy (a bf16 product has read it since its last write).
-    pub fn has_bf16_copy(&self) -> bool {
-        self.bf16_copy.get().is_some()
+    /// Drops the bf16 copy (own, or this storage's rows of a packed buffer), which a write of
+    /// the values makes stale.
+    fn forget_bf16_copy(&mut self) {
+        *unlocked(&mut self.bf16_copy) = None;
+    }
+
+    /// The bf16 copy, locked for reading or setting through a shared reference.
+    fn lock_bf16_copy(&self) -> MutexGuard<'_, Option<Bf16Copy>> {
+        self.bf16_copy.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// The f32 buffer for a write that also writes its bf16 copy: a fresh bf16 buffer becomes
@@ -127,18 +159,83 @@ impl CudaStorage {
         &mut self,
         op: &'static str,
     ) -> Result<(&mut DeviceBuffer<f32>, &mut DeviceBuffer<bf16>)> {
-        self.bf16_copy.take();
+        // Dropped before the fresh one is allocated: the allocator may hand its memory back.
+        self.forget_bf16_copy();
         let CudaStorage { device, data, bf16_copy } = self;
         let CudaData::F32(values) = data else {
             return Err(crate::Error::DTypeMismatch { op, expected: DType::F32, got: DType::BF16 });
         };
         let fresh = device.alloc(values.len()).map_err(|e| cuda_error("alloc", e))?;
-        let _ = bf16_copy.set(Arc::new(Storage::Cuda(CudaStorage::bf16(device, fresh))));
-        let copy = match bf16_copy.get_mut().and_then(Arc::get_mut) {
-            Some(Storage::Cuda(CudaStorage { data: CudaData::BF16(copy), .. })) => copy,
-            _ => unreachable!("the copy set above is a bf16 device storage held only here"),
+        let slot = unlocked(bf16_copy);
+        *slot = Some(Bf16Copy::Own(Arc::new(Storage::Cuda(CudaStorage::bf16(device, fresh)))));
+        let copy = match slot {
+            Some(Bf16Copy::Own(own)) => match Arc::get_mut(own) {
+                Some(Storage::Cuda(CudaStorage { data: CudaData::BF16(copy), .. })) => copy,
+                _ => unreachable!("the copy set above is a bf16 device storage held only here"),
+            },
+            _ => unreachable!("the copy set above is an own copy"),
         };
         Ok((values, copy))
+    }
+
+    /// The f32 buffer for the optimizer's in-place update, and where the update must write
+    /// the values' bf16 copy (rounded to nearest even) so that it stays current: `None` when
+    /// the storage has no copy (no bf16 product reads it), a fresh own copy in place of an
+    /// own one (as [`CudaStorage::f32_buffer_mut_with_bf16_copy`]: a tensor still holding
+    /// the old copy keeps its values), or this storage's rows of its packed buffer, rewritten
+    /// in place (the fused projection's next GEMM reads them with no conversion).
+    ///
+    /// Writing the packed rows in place changes nothing a caller still reads: the packed
+    /// buffer is held only by the storages whose copies it holds and by the fused projections
+    /// that read it, which also hold those storages; the optimizer reaches a storage held by
+    /// nothing but its parameter (a shared one is copied first, without its bf16 copy).
+    pub fn f32_buffer_mut_for_update(
+        &mut self,
+        op: &'static str,
+    ) -> Result<(&mut DeviceBuffer<f32>, Option<Bf16Destination<'_>>)> {
+        if matches!(unlocked(&mut self.bf16_copy), Some(Bf16Copy::Own(_))) {
+            let (values, fresh) = self.f32_buffer_mut_with_bf16_copy(op)?;
+            return Ok((values, Some(Bf16Destination { buffer: fresh, at: 0 })));
+        }
+        let CudaStorage { data, bf16_copy, .. } = self;
+        let CudaData::F32(values) = data else {
+            return Err(crate::Error::DTypeMismatch { op, expected: DType::F32, got: DType::BF16 });
+        };
+        match unlocked(bf16_copy) {
+            Some(Bf16Copy::Packed { buffer, at }) => Ok((values, Some(Bf16Destination { buffer, at: *at }))),
+            _ => Ok((values, None)),
+        }
+    }
+
+    /// The packed bf16 buffer that holds the copies of `members` back to back in their order,
+    /// when each member's copy is its rows of that one buffer (they were packed together and
+    /// none has been written since, except by the optimizer's step, which rewrites the rows);
+    /// `None` otherwise.
+    pub fn shared_packed_bf16_copy(members: &[&CudaStorage]) -> Option<Arc<DeviceBuffer<bf16>>> {
+        let mut shared: Option<Arc<DeviceBuffer<bf16>>> = None;
+        let mut expected_at = 0;
+        for member in members {
+            let copy = member.lock_bf16_copy();
+            let Some(Bf16Copy::Packed { buffer, at }) = &*copy else { return None };
+            let same_buffer = shared.as_ref().is_none_or(|first| Arc::ptr_eq(first, buffer));
+            if !same_buffer || *at != expected_at {
+                return None;
+            }
+            shared = Some(Arc::clone(buffer));
+            expected_at += member.len();
+        }
+        shared.filter(|buffer| buffer.len() == expected_at)
+    }
+
+    /// Makes `packed` the bf16 copy of every member, each its rows back to back in order, in
+    /// place of whatever copy it had. The caller has just queued `packed`'s write: the members'
+    /// values rounded to nearest even, as one buffer (the fused projection's `[W; A_c; A_s]`).
+    pub fn share_packed_bf16_copy(members: &[&CudaStorage], packed: &Arc<DeviceBuffer<bf16>>) {
+        let mut at = 0;
+        for member in members {
+            *member.lock_bf16_copy() = Some(Bf16Copy::Packed { buffer: Arc::clone(packed), at });
+            at += member.len();
+        }
     }
 
     /// The bf16 buffer, or an error naming `op` for f32 storage.
@@ -177,12 +274,21 @@ impl CudaStorage {
     /// The whole buffer in bf16, converted on first use and then shared: the storage of a
     /// tensor read by bf16 products. Each write of the f32 buffer goes through
     /// [`CudaStorage::f32_buffer_mut`], which forgets the copy, so it never goes stale.
+    ///
+    /// A storage whose copy is its rows of a packed buffer (a fused gated projection's
+    /// weight, read by no other product) gets a conversion each call, not kept: the packed
+    /// buffer is never handed out as a tensor, so the optimizer can rewrite it in place.
     pub fn bf16_copy(&self) -> Result<Arc<Storage>> {
-        if let Some(copy) = self.bf16_copy.get() {
-            return Ok(Arc::clone(copy));
+        let mut copy = self.lock_bf16_copy();
+        match &*copy {
+            Some(Bf16Copy::Own(own)) => Ok(Arc::clone(own)),
+            Some(Bf16Copy::Packed { .. }) => Ok(Arc::new(Storage::Cuda(self.converted(DType::BF16)?))),
+            None => {
+                let own = Arc::new(Storage::Cuda(self.converted(DType::BF16)?));
+                *copy = Some(Bf16Copy::Own(Arc::clone(&own)));
+                Ok(own)
+            }
         }
-        let copy = Arc::new(Storage::Cuda(self.converted(DType::BF16)?));
-        Ok(Arc::clone(self.bf16_copy.get_or_init(|| copy)))
     }
 
     /// The whole buffer converted to `dtype` on the device (f32 ↔ bf16, rounding to nearest

@@ -7,7 +7,8 @@
 //! rows (`kernels::cpu::fused_gate`; on the GPU `kernels::cuda::fused_gate`, a bf16
 //! tensor-core GEMM with the gate in its epilogue). It saves `x`, the parameters (shared
 //! views, no copies), the GEMM output `ZU` (`N × (d_out + r_c + r_s)`) and, on the CPU, the
-//! modulators' rank-r results; backward recomputes only the channel gate from them.
+//! modulators' rank-r results (on the GPU, the packed bf16 weight the GEMM read); backward
+//! recomputes only the channel gate from them.
 //! Modulator arguments are `[A, a, B, b, α]` in that order.
 
 use kernels::cpu::fused_gate::{
@@ -36,9 +37,10 @@ pub struct FusedGateSaved {
 pub(crate) enum SavedExtra {
     /// The CPU kernel's rank-r results and scalar gate.
     Cpu(kernels::cpu::fused_gate::FusedGateSaved),
-    /// Nothing beyond the common fields: the GPU backward recomputes from `ZU`.
+    /// The packed bf16 `[W; A_c; A_s]` the forward's GEMM read, which the backward's bf16
+    /// products read too (the rest is recomputed from `ZU`).
     #[cfg(feature = "cuda")]
-    Cuda,
+    Cuda { packed: std::sync::Arc<kernels::cuda::DeviceBuffer<half::bf16>> },
 }
 
 /// Contiguous values of one modulator's `[A, a, B, b, α]`, with its rank, checked against
@@ -123,8 +125,8 @@ impl Tensor {
         #[cfg(feature = "cuda")]
         if x.cuda_storage().is_some() {
             let forward = cuda::forward(&dims, &x, &w, &cv, &sv, phi, &out_shape)?;
-            let (out, x, zu) = forward;
-            let extra = SavedExtra::Cuda;
+            let (out, x, zu, packed) = forward;
+            let extra = SavedExtra::Cuda { packed };
             return Ok((out, FusedGateSaved { dims, x, weight: w, channel: cv, scalar: sv, phi, zu, extra }));
         }
         let (mut zu, mut out) = (crate::pool::buffer(dims.rows * dims.width()), crate::pool::buffer(dims.rows * d_out));
@@ -155,9 +157,9 @@ impl Tensor {
         match &saved.extra {
             SavedExtra::Cpu(host) => cpu_backward(saved, host, dy),
             #[cfg(feature = "cuda")]
-            SavedExtra::Cuda => {
+            SavedExtra::Cuda { packed } => {
                 let FusedGateSaved { dims, x, weight, channel, scalar, phi, zu, .. } = saved;
-                cuda::backward(dims, x, weight, channel, scalar, *phi, zu, dy)
+                cuda::backward(dims, x, weight, channel, scalar, *phi, zu, packed, dy)
             }
         }
     }
@@ -192,18 +194,25 @@ pub(crate) mod cuda {
     //! The CUDA branch of `ops/fused_gate.rs`: the fused gated projection (Transponder eq. 8-10)
     //! through `kernels::cuda::fused_gate`.
     //!
-    //! The forward packs `[W; A_c; A_s]` into one bf16 buffer on every call (the weights change
-    //! after each optimizer step, and packing is one conversion launch next to the GEMM),
-    //! converts `x` to bf16 (the copy its storage keeps, shared with the other projections of
-    //! the same input), and runs the tensor-core kernel, which also writes the f32 GEMM output
-    //! `ZU` for the backward. The backward reads `ZU`, the f32 `x` and the f32 weights; its
-    //! products run in f32, or under bf16 products (`--bf16`) on the tensor cores from the
-    //! same bf16 copy of `x`. α_c and α_s are read on the device by the kernels.
+    //! The forward reads `[W; A_c; A_s]` as one packed bf16 buffer, which is the three weights'
+    //! bf16 copy (`CudaStorage::shared_packed_bf16_copy`): packed once (one conversion launch)
+    //! the first time, and after any write to a weight other than the optimizer's step; the
+    //! step rewrites each weight's rows in place (AdamW writes the new values rounded beside
+    //! the f32 ones), so a training step converts no weight. It converts `x` to bf16 (the
+    //! copy its storage keeps, shared with the other projections of the same input), and runs
+    //! the tensor-core kernel, which also writes the f32 GEMM output `ZU` for the backward.
+    //! The backward reads `ZU`, the f32 `x` and the f32 weights; its products run in f32, or
+    //! under bf16 products (`--bf16`) on the tensor cores from the same bf16 `x` and packed
+    //! weight. α_c and α_s are read on the device by the kernels.
 
+    use std::sync::Arc;
+
+    use half::bf16;
     use kernels::cuda::fused_gate::{
         fused_gate_backward, fused_gate_forward, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams,
         DeviceGateGrads, DeviceGateParams, FusedGateDims, GateProducts, Unary,
     };
+    use kernels::cuda::{CudaDevice, DeviceBuffer};
 
     use crate::cuda::CudaStorage;
     use crate::{DType, Error, Result, Tensor};
@@ -226,8 +235,27 @@ pub(crate) mod cuda {
         values.iter().map(|t| t.to_dtype(DType::F32)?.dense()).collect()
     }
 
-    /// Forward on the GPU: `(out, x as dense f32, ZU [N, K])`. `x` and the
-    /// parameters are contiguous and shape-checked by the caller.
+    /// The packed bf16 `[W; A_c; A_s]` of the dense f32 weights `w`, `a_channel`, `a_scalar`
+    /// (whose device buffers `p` holds): their shared bf16 copy when they have one, else
+    /// packed now (one launch) and made their shared copy, for the next forwards and for the
+    /// optimizer's step to rewrite.
+    fn packed_weight(
+        dev: &CudaDevice,
+        dims: &FusedGateDims,
+        [w, a_channel, a_scalar]: [&Tensor; 3],
+        p: &DeviceFusedGateParams,
+    ) -> Result<Arc<DeviceBuffer<bf16>>> {
+        let members = [storage_of(w)?, storage_of(a_channel)?, storage_of(a_scalar)?];
+        if let Some(packed) = CudaStorage::shared_packed_bf16_copy(&members) {
+            return Ok(packed);
+        }
+        let packed = Arc::new(pack_weight(dev, dims, p)?);
+        CudaStorage::share_packed_bf16_copy(&members, &packed);
+        Ok(packed)
+    }
+
+    /// Forward on the GPU: `(out, x as dense f32, ZU [N, K], the packed bf16 weight)`. `x`
+    /// and the parameters are contiguous and shape-checked by the caller.
     #[allow(clippy::type_complexity)]
     pub(crate) fn forward(
         dims: &FusedGateDims,
@@ -237,7 +265,7 @@ pub(crate) mod cuda {
         scalar: &[Tensor],
         phi: Unary,
         out_shape: &[usize],
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    ) -> Result<(Tensor, Tensor, Tensor, Arc<DeviceBuffer<bf16>>)> {
         let dev = x.cuda_device(OP)?;
         let (w, cv, sv) = (weight.to_dtype(DType::F32)?.dense()?, dense_f32(channel)?, dense_f32(scalar)?);
         let p = DeviceFusedGateParams {
@@ -246,8 +274,7 @@ pub(crate) mod cuda {
             scalar: device_gate(&sv)?,
             phi,
         };
-        // Rebuilt on every forward: the packed copy must follow the weights' current values.
-        let packed = pack_weight(&dev, dims, &p)?;
+        let packed = packed_weight(&dev, dims, [&w, &cv[0], &sv[0]], &p)?;
         let x_bf16 = x.to_dtype(DType::BF16)?.dense()?;
         let x_bf16_buffer = x_bf16.cuda_storage().ok_or(Error::UnsupportedDevice { op: OP, device: x.device })?;
         let mut zu = CudaStorage::alloc(&dev, dims.rows * dims.width())?;
@@ -263,7 +290,7 @@ pub(crate) mod cuda {
         )?;
         let out = Tensor::from_cuda(out, out_shape)?;
         let zu = Tensor::from_cuda(zu, &[dims.rows, dims.width()])?;
-        Ok((out, x.to_dtype(DType::F32)?.dense()?, zu))
+        Ok((out, x.to_dtype(DType::F32)?.dense()?, zu, packed))
     }
 
     /// The device storage of a GPU tensor.
@@ -295,7 +322,7 @@ pub(crate) mod cuda {
     }
 
     /// Backward on the GPU: the twelve gradients in input order, from the forward's saved
-    /// dense f32 `x`, parameters and `ZU`, for the output gradient `dy`.
+    /// dense f32 `x`, parameters, `ZU` and packed bf16 weight, for the output gradient `dy`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward(
         dims: &FusedGateDims,
@@ -305,6 +332,7 @@ pub(crate) mod cuda {
         scalar: &[Tensor],
         phi: Unary,
         zu: &Tensor,
+        packed: &DeviceBuffer<bf16>,
         dy: &Tensor,
     ) -> Result<Vec<Tensor>> {
         let dev = x.cuda_device(OP)?;
@@ -328,9 +356,10 @@ pub(crate) mod cuda {
                 scalar: device_grads(&mut ds)?,
             };
             // Under bf16 products (`--bf16`) the backward's products run on the tensor cores too,
-            // reading the bf16 copy of x the forward made (the storage keeps it).
+            // reading the bf16 copy of x the forward made (the storage keeps it) and its packed
+            // weight.
             let products = match &x_bf16 {
-                Some(x_bf16) => GateProducts::Bf16 { x: storage_of(x_bf16)?.bf16_buffer(OP)? },
+                Some(x_bf16) => GateProducts::Bf16 { x: storage_of(x_bf16)?.bf16_buffer(OP)?, packed },
                 None => GateProducts::F32,
             };
             // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cuda::fused_gate::fused_gate_backward
