@@ -1,7 +1,7 @@
 //! The optimizers on a GPU agree with the CPU: AdamW, Adam and SGD (momentum, Nesterov)
 //! take three steps from the same parameters and gradients on both devices; parameters and
 //! state must match to f32 rounding (1e-5 relative / 1e-6 absolute, one fused kernel per
-//! tensor with the same per-step constants). Also gradient clipping, state saved on the GPU
+//! tensor with the same per-step constants). Also gradient clipping, the step guard, state saved on the GPU
 //! and loaded into a fresh optimizer, and `Module::to_device`. Skips without a GPU.
 #![cfg(feature = "cuda")]
 
@@ -185,4 +185,45 @@ fn adamw_rewrites_the_bf16_copy_that_bf16_products_read() {
     set_matmul_precision(MatmulPrecision::F32);
     assert_eq!(conversions, None, "x keeps its copy and the step wrote W's");
     assert_eq!(after_step, fresh, "the step's copy is the updated weight rounded to bf16");
+}
+
+/// Adam under a step guard made on the GPU equals, on the GPU, clipping with
+/// `clip_grad_norm` and then stepping (bit for bit: the same norm, the same scaled
+/// gradients), and a guard over a non-finite gradient leaves the parameters untouched.
+#[test]
+fn a_guarded_adam_step_on_the_gpu_clips_on_the_device_and_skips_a_non_finite_step() {
+    if no_gpu() {
+        return;
+    }
+    let loss_sum = Tensor::from_vec(vec![6.0], &[1]).unwrap().to_device(GPU).unwrap();
+    for max_norm in [0.5, f32::INFINITY] {
+        let (host_params, device_params) = (parameters(GPU), parameters(GPU));
+        let config = AdamConfig { weight_decay: 0.1, decoupled: true, ..AdamConfig::default() };
+        let (mut host, mut device) = (Adam::new(host_params.clone(), config), Adam::new(device_params.clone(), config));
+        set_gradients(&host_params, 1);
+        set_gradients(&device_params, 1);
+        let norm = clip_grad_norm(&host_params, max_norm).unwrap();
+        host.step(1e-2).unwrap();
+        let guard = nn::optim::step_guard(&device_params, &loss_sum, 3.0, max_norm).unwrap();
+        assert_eq!(guard.tensor().device(), GPU, "the guard is made where the gradients are");
+        device.step_guarded(1e-2, &guard).unwrap();
+        let values = guard.read().unwrap();
+        assert_eq!((values.update, values.grad_norm, values.loss), (true, norm, 2.0));
+        for (h, d) in host_params.iter().zip(&device_params) {
+            let (h, d) = (h.var.value().to_host().unwrap().to_vec(), d.var.value().to_host().unwrap().to_vec());
+            assert_eq!(h, d, "max_norm {max_norm}: the guarded update is clipping then stepping");
+        }
+    }
+    let params = parameters(GPU);
+    let before: Vec<Vec<f32>> = params.iter().map(|p| p.var.value().to_host().unwrap().to_vec()).collect();
+    let mut adam = Adam::new(params.clone(), AdamConfig::default());
+    set_gradients(&params, 1);
+    let mut bad = params[1].var.grad().unwrap().to_host().unwrap().to_vec();
+    bad[3] = f32::NAN;
+    params[1].var.set_grad(Some(Tensor::from_vec(bad, &[19]).unwrap().to_device(GPU).unwrap()));
+    let guard = nn::optim::step_guard(&params, &loss_sum, 3.0, 1.0).unwrap();
+    adam.step_guarded(1e-2, &guard).unwrap();
+    assert!(!guard.read().unwrap().update);
+    let after: Vec<Vec<f32>> = params.iter().map(|p| p.var.value().to_host().unwrap().to_vec()).collect();
+    assert_eq!(after, before, "a NaN gradient skips the update on the device");
 }

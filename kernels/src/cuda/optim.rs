@@ -1,5 +1,7 @@
 //! Launchers of `optim.cu`: fused AdamW / Adam (up to [`TENSORS_PER_LAUNCH`] tensors per
-//! launch) and SGD-with-momentum updates in place.
+//! launch) and SGD-with-momentum updates in place, and the step guard ([`step_guard`]): the
+//! gradient norm, clipping factor and finiteness verdict of a training step, computed on the
+//! device and read there by the Adam update, so the host learns them without holding it up.
 //!
 //! Mirrors `cpu::optim` (same [`AdamHyper`], same per-step constants computed in f64 on the
 //! host), so the two backends agree to f32 rounding. There is no backward.
@@ -13,6 +15,7 @@ use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
 use super::launch::{address_list, check_owners, elementwise, int, length_list, ptr, size, LIST_LEN};
 use super::module::{Arg, KernelFamily};
+use super::reduce::sum_squares_partials;
 
 /// The per-step scalars of Adam: `[step_size, 1/√(1 − β2ᵗ), decay, l2]`.
 fn adam_constants(op: &'static str, h: &AdamHyper, decoupled: bool) -> Result<[f32; 4]> {
@@ -61,15 +64,53 @@ pub struct AdamTensor<'a> {
     pub v: &'a mut DeviceBuffer<f32>,
 }
 
+/// Length of a step guard: `[update, scale, norm, loss]` ([`step_guard`]).
+pub const STEP_GUARD_LEN: usize = 4;
+
+/// The step guard of a training step into `guard` ([`STEP_GUARD_LEN`] f32 on the device):
+/// `[1 when the update may run, else 0; the clipping factor of the gradients; the global
+/// gradient norm ‖g‖ before clipping; the mean loss loss_sum / loss_divisor]`. The update may
+/// run when the loss and ‖g‖ are finite; the factor is `max_norm / (‖g‖ + 1e-6)` when
+/// `‖g‖ > max_norm` (pass `f32::INFINITY` for no clipping), else 1, as PyTorch's
+/// `clip_grad_norm_`. ‖g‖ sums `grads`' squares in f64 in the order [`sum_squares_all`]
+/// does, so it is that function's value bit for bit. Two launches per
+/// [`TENSORS_PER_LAUNCH`] gradients at most, and no wait for the device.
+///
+/// [`sum_squares_all`]: super::reduce::sum_squares_all
+pub fn step_guard(
+    dev: &CudaDevice,
+    grads: &[&DeviceBuffer<f32>],
+    loss_sum: &DeviceBuffer<f32>,
+    loss_divisor: f32,
+    max_norm: f32,
+    guard: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    const OP: &str = "step_guard";
+    check_owners(dev, OP, &[loss_sum, guard])?;
+    ensure_len(OP, "loss_sum", loss_sum.len(), 1)?;
+    ensure_len(OP, "guard", guard.len(), STEP_GUARD_LEN)?;
+    let partial = sum_squares_partials(dev, grads)?;
+    let args =
+        [ptr(&partial), size(partial.len()), ptr(loss_sum), Arg::F32(loss_divisor), Arg::F32(max_norm), ptr(guard)];
+    let one_thread = cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+    dev.launch(KernelFamily::Optim, "step_guard", one_thread, &args)
+}
+
 /// Adam (`decoupled = false`) or AdamW over `tensors`, all with the hyper-parameters `h`:
-/// one launch per [`TENSORS_PER_LAUNCH`] tensors.
+/// one launch per [`TENSORS_PER_LAUNCH`] tensors; with a `guard` ([`step_guard`]), skipped on
+/// the device when it says so and with the gradients scaled by its factor.
 fn adam_update(
     dev: &CudaDevice,
     op: &'static str,
     tensors: &mut [AdamTensor],
     h: &AdamHyper,
     decoupled: bool,
+    guard: Option<&DeviceBuffer<f32>>,
 ) -> Result<()> {
+    if let Some(guard) = guard {
+        dev.check_owner(op, guard)?;
+        ensure_len(op, "guard", guard.len(), STEP_GUARD_LEN)?;
+    }
     for t in tensors.iter() {
         check_owners(dev, op, &[t.param, t.grad, t.m, t.v])?;
         ensure_len(op, "grad", t.grad.len(), t.param.len())?;
@@ -96,6 +137,7 @@ fn adam_update(
             address_list(chunk.iter().map(|t| t.m.device_ptr())),
             address_list(chunk.iter().map(|t| t.v.device_ptr())),
             length_list(chunk.iter().map(|t| t.param.len())),
+            Arg::Ptr(guard.map_or(0, DeviceBuffer::device_ptr)),
             Arg::F32(h.beta1),
             Arg::F32(h.beta2),
             Arg::F32(h.eps),
@@ -127,15 +169,26 @@ fn check_disjoint_copies(op: &'static str, tensors: &[AdamTensor]) -> Result<()>
 }
 
 /// AdamW (decoupled weight decay: `param -= lr·wd·param`), in place on every tensor's
-/// parameter, bf16 copy and moments; one launch per [`TENSORS_PER_LAUNCH`] tensors.
-pub fn adamw_step(dev: &CudaDevice, tensors: &mut [AdamTensor], h: &AdamHyper) -> Result<()> {
-    adam_update(dev, "adamw_step", tensors, h, true)
+/// parameter, bf16 copy and moments; one launch per [`TENSORS_PER_LAUNCH`] tensors. With a
+/// `guard` ([`step_guard`]) the device skips the update or clips the gradients as it says.
+pub fn adamw_step(
+    dev: &CudaDevice,
+    tensors: &mut [AdamTensor],
+    h: &AdamHyper,
+    guard: Option<&DeviceBuffer<f32>>,
+) -> Result<()> {
+    adam_update(dev, "adamw_step", tensors, h, true, guard)
 }
 
 /// Adam with L2 decay folded into the gradient (`g + wd·param`), `torch.optim.Adam`; as
 /// [`adamw_step`] otherwise.
-pub fn adam_step(dev: &CudaDevice, tensors: &mut [AdamTensor], h: &AdamHyper) -> Result<()> {
-    adam_update(dev, "adam_step", tensors, h, false)
+pub fn adam_step(
+    dev: &CudaDevice,
+    tensors: &mut [AdamTensor],
+    h: &AdamHyper,
+    guard: Option<&DeviceBuffer<f32>>,
+) -> Result<()> {
+    adam_update(dev, "adam_step", tensors, h, false, guard)
 }
 
 /// SGD with momentum (PyTorch semantics, dampening 0; `nesterov` optional). A zeroed buffer

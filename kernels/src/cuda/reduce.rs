@@ -10,9 +10,7 @@ use cudarc::driver::LaunchConfig;
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
-use super::launch::{
-    address_list, check_owners, elementwise, length_list, per_row, ptr, ptr_at, size, LIST_LEN, THREADS,
-};
+use super::launch::{address_list, check_owners, elementwise, length_list, per_row, ptr, size, LIST_LEN, THREADS};
 use super::module::KernelFamily;
 
 const FAMILY: KernelFamily = KernelFamily::Reduce;
@@ -195,26 +193,50 @@ pub fn sum_squares(dev: &CudaDevice, x: &DeviceBuffer<f32>) -> Result<f64> {
     sum_squares_all(dev, &[x])
 }
 
-/// `Σ_t Σ_i x_t[i]²` over several buffers in f64, waiting for the device once: every
-/// buffer's block partials go into one f64 buffer, downloaded and summed on the host in a
-/// fixed order (the global gradient norm of all parameters in one synchronisation).
+/// `Σ_t Σ_i x_t[i]²` over several buffers in f64, waiting for the device once: the block
+/// partials of [`sum_squares_partials`] downloaded and summed on the host in their order
+/// (the global gradient norm of all parameters in one synchronisation).
 pub fn sum_squares_all(dev: &CudaDevice, xs: &[&DeviceBuffer<f32>]) -> Result<f64> {
+    let partial = sum_squares_partials(dev, xs)?;
+    Ok(dev.download(&partial)?.iter().sum())
+}
+
+/// The f64 partial sums of `Σ x_t[i]²` over several buffers, left on the device: each
+/// buffer's blocks (at most [`SQUARE_BLOCKS`]) in buffer order, one launch per
+/// [`LIST_LEN`] buffers. Summed in their order (on the host by [`sum_squares_all`], on the
+/// device by the optimizers' step guard) they give the same f64, bit for bit.
+pub fn sum_squares_partials(dev: &CudaDevice, xs: &[&DeviceBuffer<f32>]) -> Result<DeviceBuffer<f64>> {
     let blocks_of = |x: &DeviceBuffer<f32>| x.len().div_ceil(THREADS as usize).min(SQUARE_BLOCKS);
     let total: usize = xs.iter().map(|x| blocks_of(x)).sum();
-    if total == 0 {
-        return Ok(0.0);
-    }
     let partial = dev.alloc::<f64>(total)?;
     let mut at = 0;
-    for x in xs {
-        dev.check_owner("sum_squares", x)?;
-        let blocks = blocks_of(x);
-        if blocks == 0 {
-            continue;
+    for chunk in xs.chunks(LIST_LEN) {
+        for x in chunk {
+            dev.check_owner("sum_squares", x)?;
         }
-        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-        dev.launch(FAMILY, "sum_squares_partial", cfg, &[ptr(x), size(x.len()), ptr_at(&partial, at)])?;
-        at += blocks;
+        let offsets: Vec<usize> = chunk
+            .iter()
+            .scan(at, |next, x| {
+                let offset = *next;
+                *next += blocks_of(x);
+                Some(offset)
+            })
+            .collect();
+        let most = chunk.iter().map(|x| blocks_of(x)).max().unwrap_or(0);
+        at += chunk.iter().map(|x| blocks_of(x)).sum::<usize>();
+        let cfg = LaunchConfig {
+            grid_dim: (most as u32, chunk.len() as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = [
+            address_list(chunk.iter().map(|x| x.device_ptr())),
+            length_list(chunk.iter().map(|x| x.len())),
+            length_list(chunk.iter().map(|x| blocks_of(x))),
+            length_list(offsets.into_iter()),
+            ptr(&partial),
+        ];
+        dev.launch(FAMILY, "sum_squares_partial", cfg, &args)?;
     }
-    Ok(dev.download(&partial)?.iter().sum())
+    Ok(partial)
 }

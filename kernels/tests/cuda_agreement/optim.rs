@@ -63,7 +63,7 @@ fn optimizers_agree_over_steps() {
                 })
                 .collect();
             let update = if decoupled { cuda::optim::adamw_step } else { cuda::optim::adam_step };
-            update(dev, &mut tensors, &h).unwrap();
+            update(dev, &mut tensors, &h, None).unwrap();
         }
         for (i, n) in lens.iter().enumerate() {
             let what = format!("adam(decoupled {decoupled}) tensor {i} of {n}");
@@ -118,6 +118,66 @@ fn adam_rejects_bf16_copies_that_overlap() {
         },
     ];
     let h = AdamHyper { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, step: 1 };
-    let err = cuda::optim::adamw_step(dev, &mut tensors, &h).expect_err("overlapping bf16 copies");
+    let err = cuda::optim::adamw_step(dev, &mut tensors, &h, None).expect_err("overlapping bf16 copies");
     assert!(err.to_string().contains("overlap"), "{err}");
+}
+
+/// One AdamW step of three tensors, guarded by `step_guard` over their gradients with
+/// `loss_sum`: the parameters after it, and the guard as the device wrote it.
+fn guarded_adamw(
+    dev: &cuda::CudaDevice,
+    params: &[Vec<f32>],
+    grads: &[Vec<f32>],
+    loss_sum: f32,
+    max_norm: f32,
+) -> (Vec<Vec<f32>>, Vec<f32>) {
+    let mut gp: Vec<DeviceBuffer<f32>> = params.iter().map(|x| up(dev, x)).collect();
+    let gg: Vec<DeviceBuffer<f32>> = grads.iter().map(|g| up(dev, g)).collect();
+    let mut gm: Vec<DeviceBuffer<f32>> = params.iter().map(|x| dev.zeros(x.len()).unwrap()).collect();
+    let mut gv: Vec<DeviceBuffer<f32>> = params.iter().map(|x| dev.zeros(x.len()).unwrap()).collect();
+    let mut guard = dev.alloc(cuda::optim::STEP_GUARD_LEN).unwrap();
+    let grad_refs: Vec<&DeviceBuffer<f32>> = gg.iter().collect();
+    cuda::optim::step_guard(dev, &grad_refs, &up(dev, &[loss_sum]), 2.0, max_norm, &mut guard).unwrap();
+    let mut tensors: Vec<cuda::optim::AdamTensor> = gp
+        .iter_mut()
+        .zip(&gg)
+        .zip(gm.iter_mut().zip(gv.iter_mut()))
+        .map(|((param, grad), (m, v))| cuda::optim::AdamTensor { param, param_bf16: None, grad, m, v })
+        .collect();
+    let h = AdamHyper { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1, step: 1 };
+    cuda::optim::adamw_step(dev, &mut tensors, &h, Some(&guard)).unwrap();
+    drop(tensors);
+    (gp.iter().map(|p| down(dev, p)).collect(), down(dev, &guard))
+}
+
+/// The step guard on the device gives the host's verdict: the norm of `sum_squares_all` bit for
+/// bit, clipping as scaling the gradients first then updating (bit for bit), and no update
+/// at all (parameters untouched) when the loss or a gradient is not finite.
+#[test]
+fn the_step_guard_clips_and_skips_on_the_device() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(14);
+    let lens = [5000, 37, 1];
+    let params: Vec<Vec<f32>> = lens.iter().map(|&n| rng.vec(n, -1.0, 1.0)).collect();
+    let grads: Vec<Vec<f32>> = lens.iter().map(|&n| rng.vec(n, -1.0, 1.0)).collect();
+    let uploaded: Vec<DeviceBuffer<f32>> = grads.iter().map(|g| up(dev, g)).collect();
+    let norm = cuda::reduce::sum_squares_all(dev, &uploaded.iter().collect::<Vec<_>>()).unwrap().sqrt() as f32;
+    let h = AdamHyper { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1, step: 1 };
+    for max_norm in [f32::INFINITY, norm / 4.0] {
+        let (got, guard) = guarded_adamw(dev, &params, &grads, 3.0, max_norm);
+        let scale = if norm > max_norm { max_norm / (norm + 1e-6) } else { 1.0 };
+        assert_eq!(guard, vec![1.0, scale, norm, 1.5], "guard with max_norm {max_norm}");
+        for ((p, g), got) in params.iter().zip(&grads).zip(&got) {
+            let (mut want, mut m, mut v) = (p.clone(), vec![0.0; p.len()], vec![0.0; p.len()]);
+            let clipped: Vec<f32> = g.iter().map(|x| x * scale).collect();
+            cpu::optim::adamw_step(&mut want, &clipped, &mut m, &mut v, &h);
+            assert_eq!(got, &want, "guarded update with max_norm {max_norm}");
+        }
+    }
+    let (untouched, guard) = guarded_adamw(dev, &params, &grads, f32::NAN, 1.0);
+    assert_eq!((guard[0], untouched), (0.0, params.clone()), "a NaN loss skips the update");
+    let mut bad = grads.clone();
+    bad[1][7] = f32::INFINITY;
+    let (untouched, guard) = guarded_adamw(dev, &params, &bad, 3.0, 1.0);
+    assert_eq!((guard[0], guard[2], untouched), (0.0, f32::INFINITY, params), "an infinite gradient skips it");
 }

@@ -8,7 +8,7 @@ use kernels::cpu::optim::{adam_step, adamw_step, AdamHyper};
 use tensor::Tensor;
 
 use super::slot::Slot;
-use super::{find_state, gradient_of, Optimizer};
+use super::{find_state, gradient_of, Optimizer, StepGuard};
 use crate::NamedParameter;
 
 /// Hyper-parameters of Adam / AdamW.
@@ -75,11 +75,11 @@ fn hyper(config: &AdamConfig, step: u64, p: &NamedParameter, lr: f32) -> AdamHyp
     }
 }
 
-impl Optimizer for Adam {
-    /// Updates every parameter with a gradient: on the CPU one at a time, on a GPU all
-    /// together (one multi-tensor launch per group of parameters sharing a device and
-    /// hyper-parameters: `super::cuda::adam_update`).
-    fn step(&mut self, lr: f32) -> Result<()> {
+impl Adam {
+    /// One update at `lr`: on the CPU one parameter at a time, on a GPU all together (one
+    /// multi-tensor launch per group of parameters sharing a device and hyper-parameters:
+    /// `super::cuda::adam_update`), which applies a GPU step `guard` itself when given.
+    fn update(&mut self, lr: f32, guard: Option<&Tensor>) -> Result<()> {
         self.step += 1;
         let (config, step) = (self.config, self.step);
         #[cfg(feature = "cuda")]
@@ -93,14 +93,41 @@ impl Optimizer for Adam {
                 on_gpu.push(super::cuda::AdamParam { var: &p.var, grad, m, v, hyper });
                 continue;
             }
+            if let Some(guard) = guard {
+                // A GPU guard clips and skips GPU updates only.
+                return Err(tensor::Error::DeviceMismatch {
+                    op: "adam step",
+                    lhs: tensor::Device::Cpu,
+                    rhs: guard.device(),
+                });
+            }
             let mut value = p.var.value_mut();
             let param = value.as_mut_slice()?;
             let update = if config.decoupled { adamw_step } else { adam_step };
             update(param, grad.as_slice()?, m.host()?, v.host()?, &hyper);
         }
         #[cfg(feature = "cuda")]
-        super::cuda::adam_update(on_gpu, config.decoupled)?;
+        super::cuda::adam_update(on_gpu, config.decoupled, guard)?;
         Ok(())
+    }
+}
+
+impl Optimizer for Adam {
+    fn step(&mut self, lr: f32) -> Result<()> {
+        self.update(lr, None)
+    }
+
+    /// A guard on a GPU (where [`super::step_guard`] puts it when every gradient is there) is
+    /// read by the update on the device: no wait. When it skips the update, the step count
+    /// still advances; the trainer stops at such a step and never saves it.
+    fn step_guarded(&mut self, lr: f32, guard: &StepGuard) -> Result<()> {
+        if guard.tensor().device() == tensor::Device::Cpu {
+            if super::guard::apply_on_host(&self.params, guard)? {
+                self.update(lr, None)?;
+            }
+            return Ok(());
+        }
+        self.update(lr, Some(guard.tensor()))
     }
 
     fn parameters(&self) -> &[NamedParameter] {

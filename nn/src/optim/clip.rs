@@ -26,7 +26,7 @@ pub fn clip_grad_norm(params: &[NamedParameter], max_norm: f32) -> Result<f32> {
 }
 
 /// `Σ g²` over all gradients in f64, each on its own device (the GPU ones together).
-fn squared_norm(grads: &[Tensor]) -> Result<f64> {
+pub(crate) fn squared_norm(grads: &[Tensor]) -> Result<f64> {
     let (host, gpu): (Vec<&Tensor>, Vec<&Tensor>) = grads.iter().partition(|g| g.device() == tensor::Device::Cpu);
     let mut total = 0.0f64;
     for g in host {

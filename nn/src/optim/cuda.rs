@@ -7,7 +7,7 @@
 use std::cell::RefMut;
 
 use autograd::{Result, Var};
-use kernels::cuda::optim::{adam_step, adamw_step, sgd_step, AdamHyper, AdamTensor};
+use kernels::cuda::optim::{adam_step, adamw_step, sgd_step, AdamHyper, AdamTensor, STEP_GUARD_LEN};
 use tensor::Tensor;
 
 use super::slot::Slot;
@@ -31,10 +31,24 @@ pub(crate) struct AdamParam<'a> {
     pub hyper: AdamHyper,
 }
 
+/// The step guard `[update, scale, norm, loss]` of GPU gradients `grads` and the summed loss
+/// `loss_sum`, all on one device, computed there without a wait (`kernels::cuda::optim::step_guard`).
+pub(crate) fn step_guard(grads: &[Tensor], loss_sum: &Tensor, loss_divisor: f32, max_norm: f32) -> Result<Tensor> {
+    const OP: &str = "step guard";
+    let grads: Vec<Tensor> = grads.iter().map(Tensor::dense).collect::<Result<_>>()?;
+    let buffers = grads.iter().map(|g| g.cuda_f32(OP)).collect::<Result<Vec<_>>>()?;
+    let loss_sum = loss_sum.dense()?;
+    let mut guard = Tensor::zeros_on(&[STEP_GUARD_LEN], loss_sum.device())?;
+    let (dev, buffer) = guard.cuda_f32_mut(OP)?;
+    kernels::cuda::optim::step_guard(&dev, &buffers, loss_sum.cuda_f32(OP)?, loss_divisor, max_norm, buffer)?;
+    Ok(guard)
+}
+
 /// One Adam (`decoupled = false`) or AdamW step of GPU parameters: grouped by device and
 /// hyper-parameters (matrices decay, vectors do not), each group updated by the
-/// multi-tensor kernel, one launch per `TENSORS_PER_LAUNCH` tensors (not one per tensor).
-pub(crate) fn adam_update(params: Vec<AdamParam>, decoupled: bool) -> Result<()> {
+/// multi-tensor kernel, one launch per `TENSORS_PER_LAUNCH` tensors (not one per tensor);
+/// under a step `guard` (on the parameters' device), applied as it says on the device.
+pub(crate) fn adam_update(params: Vec<AdamParam>, decoupled: bool, guard: Option<&Tensor>) -> Result<()> {
     const OP: &str = "adam step";
     let mut groups: Vec<Vec<AdamParam>> = Vec::new();
     for p in params {
@@ -46,14 +60,19 @@ pub(crate) fn adam_update(params: Vec<AdamParam>, decoupled: bool) -> Result<()>
             None => groups.push(vec![p]),
         }
     }
+    let guard = guard.map(|g| g.cuda_f32(OP)).transpose()?;
     for group in groups {
-        update_group(group, decoupled)?;
+        update_group(group, decoupled, guard)?;
     }
     Ok(())
 }
 
 /// One multi-tensor update of parameters that share a device and hyper-parameters.
-fn update_group(group: Vec<AdamParam>, decoupled: bool) -> Result<()> {
+fn update_group(
+    group: Vec<AdamParam>,
+    decoupled: bool,
+    guard: Option<&kernels::cuda::DeviceBuffer<f32>>,
+) -> Result<()> {
     const OP: &str = "adam step";
     let hyper = group[0].hyper;
     let mut values: Vec<RefMut<Tensor>> = group.iter().map(|p| p.var.value_mut()).collect();
@@ -71,7 +90,7 @@ fn update_group(group: Vec<AdamParam>, decoupled: bool) -> Result<()> {
     }
     let Some(dev) = device else { return Ok(()) };
     let update = if decoupled { adamw_step } else { adam_step };
-    Ok(update(&dev, &mut tensors, &hyper)?)
+    Ok(update(&dev, &mut tensors, &hyper, guard)?)
 }
 
 /// One SGD-with-momentum update of a GPU `param` from its `grad` (PyTorch semantics).

@@ -8,6 +8,7 @@ mod adam;
 mod clip;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod guard;
 mod schedule;
 mod sgd;
 mod slot;
@@ -15,6 +16,7 @@ mod sparse_rows;
 
 pub use adam::{Adam, AdamConfig};
 pub use clip::clip_grad_norm;
+pub use guard::{step_guard, GuardValues, StepGuard};
 pub use schedule::Schedule;
 pub use sgd::Sgd;
 pub use sparse_rows::{RowRule, SparseRows};
@@ -28,6 +30,17 @@ use crate::NamedParameter;
 pub trait Optimizer {
     /// Applies one update with learning rate `lr` to every parameter that has a gradient.
     fn step(&mut self, lr: f32) -> Result<()>;
+
+    /// [`Optimizer::step`] under a [`StepGuard`]: no update when the guard says the step's
+    /// loss or gradient norm is not finite, otherwise the update of the gradients scaled by
+    /// the guard's clipping factor. This default reads the guard on the host; the GPU Adam
+    /// reads it on the device, so the host need not wait for the step's verdict first.
+    fn step_guarded(&mut self, lr: f32, guard: &StepGuard) -> Result<()> {
+        if guard::apply_on_host(self.parameters(), guard)? {
+            self.step(lr)?;
+        }
+        Ok(())
+    }
 
     /// The parameters being optimised.
     fn parameters(&self) -> &[NamedParameter];

@@ -1,10 +1,16 @@
 //! One optimizer step: gradients summed over `grad_accum` micro-batches, then — only when
 //! the mean loss and the global gradient norm are both finite — clipping and the update.
-//! A non-finite loss or norm stops the run before the update ([`Diverged`]), so no NaN ever
+//! A non-finite loss or norm stops the run without the update ([`Diverged`]), so no NaN ever
 //! reaches the weights, the optimizer state or a checkpoint.
+//!
+//! In one process that decision is a step guard ([`nn::optim::step_guard`]) made where the
+//! gradients are: on a GPU the update reads it on the device, and the host waits for the
+//! device once per step, to read the loss and the norm after the whole step is queued. Data
+//! parallel decides on the host, after the all-reduce that brings the loss there anyway.
 
 use anyhow::Result;
-use nn::optim::{clip_grad_norm, Optimizer};
+use nn::optim::{clip_grad_norm, step_guard, Optimizer};
+use tensor::Tensor;
 
 use super::evaluate::mean_loss;
 use super::setup::Session;
@@ -30,9 +36,14 @@ impl Session<'_> {
     /// Runs step `done` (counted from 1) at learning rate `lr`; a [`Diverged`] error, with the
     /// update not applied, when the loss or the gradient norm is not finite.
     pub fn step(&mut self, done: usize, lr: f32) -> Result<StepOutcome> {
-        let loss = self.accumulate_gradients(done)?;
-        let grad_clip = self.config.grad_clip;
-        let outcome = finite_update(self.optimizer.as_mut(), loss, grad_clip, lr)?;
+        let outcome = if self.data_parallel.is_some() {
+            let loss = self.accumulate_gradients_data_parallel(done)?;
+            finite_update(self.optimizer.as_mut(), loss, self.config.grad_clip, lr)?
+        } else {
+            let loss_sum = self.accumulate_gradients()?;
+            let micro_batches = self.config.grad_accum as f32;
+            guarded_update(self.optimizer.as_mut(), &loss_sum, micro_batches, self.config.grad_clip, lr)?
+        };
         let outcome = outcome.map_err(|bad| self.diverged(bad.quantity, bad.value, done))?;
         if let Some(data_parallel) = &self.data_parallel {
             data_parallel.after_update(self.optimizer.parameters(), done)?;
@@ -63,35 +74,60 @@ impl Session<'_> {
     }
 
     /// Forward and backward passes over `grad_accum` micro-batches, gradients summed (each
-    /// loss scaled by `1 / (grad_accum × world_size)`); data parallel, then summed over every
-    /// rank in one all-reduce. Returns the mean loss of the step's global batch.
-    fn accumulate_gradients(&mut self, done: usize) -> Result<f32> {
+    /// loss scaled by `1 / (grad_accum × world_size)`). Returns the micro-batches' losses,
+    /// summed where they were computed (no wait for the device).
+    fn accumulate_gradients(&mut self) -> Result<Tensor> {
         let (batch_size, seq_len, accum) = (self.config.batch_size, self.config.seq_len, self.config.grad_accum);
         let micro_batches = (accum * self.config.world_size) as f32;
-        // The losses stay where they were computed until every backward pass is queued:
-        // reading one waits for the device, which then idles while the host queues the rest.
-        let mut losses = Vec::with_capacity(accum);
+        let mut sum: Option<Tensor> = None;
         for _ in 0..accum {
             let batch = self.sampler.next_batch()?;
             let loss = self.model.loss(&batch.inputs, &batch.targets, batch_size, seq_len)?;
-            losses.push(loss.value());
+            sum = Some(match sum {
+                None => loss.value(),
+                Some(sum) => sum.add(&loss.value())?,
+            });
             loss.mul_scalar(1.0 / micro_batches)?.backward()?;
         }
-        if let Some(data_parallel) = self.data_parallel.as_mut() {
-            // The rank's losses summed on its device, in the order one process would sum them.
-            let mut sum = losses[0].clone();
-            for value in &losses[1..] {
-                sum = sum.add(value)?;
-            }
-            let total = data_parallel.all_reduce_gradients(self.optimizer.parameters(), &sum, done)?;
-            return Ok(total / micro_batches);
-        }
-        let mut sum = 0.0f32;
-        for value in losses {
-            sum += value.to_host()?.item()?;
-        }
-        Ok(sum / accum as f32)
+        Ok(sum.expect("grad_accum is at least 1"))
     }
+
+    /// [`Session::accumulate_gradients`], then the gradients and the rank's summed loss
+    /// summed over every rank in one all-reduce. Returns the mean loss of the step's global
+    /// batch.
+    fn accumulate_gradients_data_parallel(&mut self, done: usize) -> Result<f32> {
+        let sum = self.accumulate_gradients()?;
+        let micro_batches = (self.config.grad_accum * self.config.world_size) as f32;
+        let data_parallel = self.data_parallel.as_mut().expect("called for data parallel runs");
+        let total = data_parallel.all_reduce_gradients(self.optimizer.parameters(), &sum, done)?;
+        Ok(total / micro_batches)
+    }
+}
+
+/// Clips the gradients to `grad_clip` (0 disables) and applies the update at `lr`, clearing
+/// the gradients, all under a step guard made from the step's summed loss `loss_sum` and
+/// `micro_batches`: no update when the mean loss or the gradient norm is not finite (the
+/// inner `Err` names the first such value; the parameters and moments are left as they
+/// were). Reads the guard once, after the update is queued.
+pub(crate) fn guarded_update(
+    optimizer: &mut dyn Optimizer,
+    loss_sum: &Tensor,
+    micro_batches: f32,
+    grad_clip: f32,
+    lr: f32,
+) -> Result<Result<StepOutcome, NonFinite>> {
+    let max_norm = if grad_clip > 0.0 { grad_clip } else { f32::INFINITY };
+    let guard = step_guard(optimizer.parameters(), loss_sum, micro_batches, max_norm)?;
+    optimizer.step_guarded(lr, &guard)?;
+    optimizer.zero_grad();
+    let values = guard.read()?;
+    if !values.loss.is_finite() {
+        return Ok(Err(NonFinite { quantity: "loss", value: values.loss }));
+    }
+    if !values.grad_norm.is_finite() {
+        return Ok(Err(NonFinite { quantity: "gradient norm", value: values.grad_norm }));
+    }
+    Ok(Ok(StepOutcome { loss: values.loss, grad_norm: values.grad_norm }))
 }
 
 /// Checks `loss` and the gradient norm, then clips to `grad_clip` (0 disables) and applies
@@ -158,5 +194,29 @@ mod tests {
         assert_eq!((outcome.loss, outcome.grad_norm), (2.5, 5.0));
         assert_ne!(var.value().to_vec(), [1.0, 2.0, 3.0]);
         assert!(var.grad().is_none_or(|g| g.to_vec().iter().all(|&v| v == 0.0)));
+    }
+
+    /// The guarded update (one process) decides as [`finite_update`] does, and clips and
+    /// updates to the same bits.
+    #[test]
+    fn the_guarded_update_stops_clips_and_updates_as_the_host_check_does() {
+        let loss_sum = |v: f32| Tensor::from_vec(vec![v], &[1]).unwrap();
+        let (mut adam, var) = optimizer_with_grad(vec![0.5, f32::NAN, 0.5]);
+        let stopped = guarded_update(&mut adam, &loss_sum(5.0), 2.0, 1.0, 0.1).unwrap().unwrap_err();
+        assert_eq!(stopped.quantity, "gradient norm");
+        assert_eq!(var.value().to_vec(), [1.0, 2.0, 3.0], "the update must not be applied");
+        let (mut adam, var) = optimizer_with_grad(vec![0.5, 0.5, 0.5]);
+        let stopped = guarded_update(&mut adam, &loss_sum(f32::INFINITY), 2.0, 0.0, 0.1).unwrap().unwrap_err();
+        assert_eq!(stopped, NonFinite { quantity: "loss", value: f32::INFINITY });
+        assert_eq!(var.value().to_vec(), [1.0, 2.0, 3.0]);
+        for clip in [1.0, 0.0] {
+            let (mut host, host_var) = optimizer_with_grad(vec![3.0, 4.0, 0.0]);
+            let want = finite_update(&mut host, 2.5, clip, 0.1).unwrap().unwrap();
+            let (mut guarded, guarded_var) = optimizer_with_grad(vec![3.0, 4.0, 0.0]);
+            let got = guarded_update(&mut guarded, &loss_sum(5.0), 2.0, clip, 0.1).unwrap().unwrap();
+            assert_eq!((got.loss, got.grad_norm), (want.loss, want.grad_norm));
+            assert_eq!(guarded_var.value().to_vec(), host_var.value().to_vec(), "clip {clip}");
+            assert!(guarded_var.grad().is_none_or(|g| g.to_vec().iter().all(|&v| v == 0.0)));
+        }
     }
 }

@@ -55,6 +55,8 @@ struct TensorList {
 #define GELU_TANH_CUBIC 0.044715f               // the cubic coefficient of the tanh GELU
 
 __device__ __forceinline__ bool is_nan(float x) { return x != x; }
+// Neither infinite nor NaN (a NaN compares false).
+__device__ __forceinline__ bool is_finite(float x) { return fabsf(x) < POS_INF; }
 
 // bf16 stored as its 16 bits; conversion rounds to nearest even, NaN stays a quiet NaN
 // (the same bits as half::bf16::from_f32 on the host).

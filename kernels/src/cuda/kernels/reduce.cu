@@ -168,13 +168,21 @@ extern "C" __global__ void max_inner(const float* x, i64 outer, i64 n, i64 inner
     }
 }
 
-// partial[block] = Σ x[i]² over the block's grid-stride share, in f64.
-extern "C" __global__ void sum_squares_partial(const float* x, i64 n, double* partial) {
+// Σ x_t[i]² partials of up to LIST_LEN tensors in one launch, in f64: tensor t = blockIdx.y
+// has blocks.v[t] blocks (its own grid-stride over its lens.v[t] elements) and writes its
+// partials to partial[offsets.v[t] + block]; blocks past a tensor's count do nothing.
+extern "C" __global__ void sum_squares_partial(TensorList xs, TensorList lens, TensorList blocks, TensorList offsets,
+                                               double* partial) {
+    const int t = blockIdx.y;
+    const i64 own_blocks = blocks.v[t];
+    if ((i64)blockIdx.x >= own_blocks) return;  // the whole block: block_sum_d is not reached
+    const float* x = (const float*)xs.v[t];
+    const i64 n = lens.v[t];
     double acc = 0.0;
-    GRID_STRIDE(i, n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += own_blocks * blockDim.x) {
         double v = (double)x[i];
         acc += v * v;
     }
     acc = block_sum_d(acc);
-    if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+    if (threadIdx.x == 0) partial[offsets.v[t] + blockIdx.x] = acc;
 }
