@@ -29,9 +29,9 @@
 #define TC_THREADS (TC_WARPS * 32)
 #define TC_ROWS (TC_WARPS * 16)  // rows of the output per block: 16 per warp
 #define TC_TILE 64               // keys (forward, dq) or queries (dk/dv) per shared tile
-#define TC_PAD 8                 // bf16 padding per shared row: the stride is ≡ 4 words
-                                 // (mod 32 banks) for every supported D, so fragment loads
-                                 // of the 32 lanes hit 32 banks
+#define TC_PAD 8                 // bf16 padding per shared row: with it the 8 rows one
+                                 // fragment load touches fall in distinct banks for every
+                                 // supported D, so the 32 lanes' loads do not conflict
 
 __device__ __forceinline__ i64 head_row(i64 b, i64 t, i64 h, i64 seq, i64 heads, i64 head_dim) {
     return ((b * seq + t) * heads + h) * head_dim;
