@@ -322,12 +322,15 @@ pub enum GateProducts<'a> {
     F32,
     /// bf16 operands on the tensor cores, f32 accumulation and outputs (mixed precision, as
     /// every other product under `--bf16`). `x` and the packed weight are the forward's bf16
-    /// operands; the backward rounds its other operands to bf16 itself.
+    /// operands, `B_c` the weight's bf16 copy; the backward's kernels write bf16 copies of
+    /// the other operands beside their f32 values (no conversion launch).
     Bf16 {
         /// `x` in bf16, `[N, d_in]`.
         x: &'a DeviceBuffer<bf16>,
         /// `[W; A_c; A_s]` in bf16, `[K, d_in]` ([`pack_weight`]'s layout).
         packed: &'a DeviceBuffer<bf16>,
+        /// The channel modulator's `B_c` in bf16, `[d_out, rc]`.
+        b_channel: &'a DeviceBuffer<bf16>,
     },
 }
 
@@ -361,11 +364,13 @@ pub fn fused_gate_backward(
     ensure_len(OP, "x", x.len(), rows * d_in)?;
     ensure_len(OP, "zu", zu.len(), rows * k)?;
     ensure_len(OP, "dout", dout.len(), rows * d_out)?;
-    if let GateProducts::Bf16 { x: x_bf16, packed } = products {
+    if let GateProducts::Bf16 { x: x_bf16, packed, b_channel } = products {
         dev.check_owner(OP, x_bf16)?;
         dev.check_owner(OP, packed)?;
+        dev.check_owner(OP, b_channel)?;
         ensure_len(OP, "x (bf16)", x_bf16.len(), rows * d_in)?;
         ensure_len(OP, "packed weight", packed.len(), k * d_in)?;
+        ensure_len(OP, "B_c (bf16)", b_channel.len(), d_out * rc)?;
     }
     if rows == 0 {
         // No rows: every gradient is an empty sum.
@@ -383,6 +388,20 @@ pub fn fused_gate_backward(
     let dhidden_c = dev.alloc::<f32>(rows * rc)?;
     let dlogit_s = dev.alloc::<f32>(rows)?;
 
+    let sources = Sources {
+        x,
+        b_channel: p.channel.b_weight,
+        dlogits: &dlogits,
+        hidden: &hidden,
+        dzu: &dzu,
+        dlogit_s: &dlogit_s,
+    };
+    let operands = match products {
+        GateProducts::F32 => Operands::F32(sources),
+        GateProducts::Bf16 { x, packed, b_channel } => Operands::bf16(dev, x, packed, b_channel, &sources)?,
+    };
+    let bf16_copy = |part| Arg::Ptr(operands.bf16_copy(part));
+
     let mut args = vec![ptr(zu), ptr(dout)];
     args.extend(gate_args(p));
     args.extend([
@@ -394,21 +413,12 @@ pub fn fused_gate_backward(
         ptr(&dlogits),
         ptr(&hidden),
         ptr(&row_terms),
+        bf16_copy(Part::Dzu),
+        bf16_copy(Part::DLogits),
+        bf16_copy(Part::Hidden),
     ]);
     dev.launch(FAMILY, "fused_gate_backward_rows", per_row(rows, THREADS), &args)?;
 
-    let sources = Sources {
-        x,
-        b_channel: p.channel.b_weight,
-        dlogits: &dlogits,
-        hidden: &hidden,
-        dzu: &dzu,
-        dlogit_s: &dlogit_s,
-    };
-    let mut operands = match products {
-        GateProducts::F32 => Operands::F32(sources),
-        GateProducts::Bf16 { x, packed } => Operands::bf16(dev, x, packed, &sources)?,
-    };
     let precision = operands.precision();
     let gemm = |m, n, k, a, b, store, c: u64, ldc| gemm(dev, precision, GemmDims { m, n, k }, a, b, store, (c, ldc));
 
@@ -441,9 +451,10 @@ pub fn fused_gate_backward(
         ptr(&dzu),
         ptr(&row_terms),
         ptr(&dlogit_s),
+        bf16_copy(Part::Dzu),
+        bf16_copy(Part::DLogitS),
     ];
     dev.launch(FAMILY, "fused_gate_backward_summaries", elementwise(rows), &summary_args)?;
-    operands.convert_after_summaries(dev)?;
 
     // Cross-row sums: db_c = Σ dL_c, da = Σ dU, db_s = Σ dl_s, dα = Σ row terms; all six in
     // one pair of launches.
@@ -539,51 +550,48 @@ enum Part {
 }
 
 /// Where the backward's products read their operands: the f32 buffers, or the forward's bf16
-/// `x` and packed weight and bf16 copies of the rest in one scratch buffer
-/// (`B_c | dL_c | H | dZU | dl_s`, each part on a 16-byte boundary) made by two launches, the
-/// second after the summaries' kernel has written the `dU` columns of `dZU` and `dl_s`.
+/// `x` and packed weight, `B_c`'s bf16 copy, and the bf16 copies of the rest in one scratch
+/// buffer (`dL_c | H | dZU | dl_s`, each part on a 16-byte boundary) that the row and
+/// summary kernels write beside their f32 outputs.
 enum Operands<'a> {
     F32(Sources<'a>),
     Bf16 {
         x: &'a DeviceBuffer<bf16>,
         /// `[W; A_c; A_s]`, `[K, d_in]`.
         packed: &'a DeviceBuffer<bf16>,
+        /// `B_c`, `[d_out, rc]`.
+        b_channel: &'a DeviceBuffer<bf16>,
         scratch: DeviceBuffer<bf16>,
-        /// Where `B_c`, `dL_c`, `H`, `dZU` and `dl_s` start in `scratch`.
-        at: [usize; 5],
-        /// `dZU` and `dl_s`, converted after the summaries' kernel.
-        late: [PackedPart; 2],
+        /// Where `dL_c`, `H`, `dZU` and `dl_s` start in `scratch`.
+        at: [usize; 4],
     },
 }
 
 impl<'a> Operands<'a> {
-    /// bf16 copies of the f32 operands (`x` and the weights come converted): `B_c`, `dL_c`
-    /// and `H` now, `dZU` and `dl_s` by [`Operands::convert_after_summaries`].
+    /// The bf16 operands: the given ones, and a scratch buffer laid out for the copies of
+    /// `dL_c`, `H`, `dZU` and `dl_s` (written by the backward's kernels).
     fn bf16(
         dev: &CudaDevice,
         x: &'a DeviceBuffer<bf16>,
         packed: &'a DeviceBuffer<bf16>,
+        b_channel: &'a DeviceBuffer<bf16>,
         s: &Sources,
     ) -> Result<Operands<'a>> {
         let mut end = 0;
-        let mut at = [0; 5];
-        for (slot, buffer) in at.iter_mut().zip([s.b_channel, s.dlogits, s.hidden, s.dzu, s.dlogit_s]) {
+        let mut at = [0; 4];
+        for (slot, buffer) in at.iter_mut().zip([s.dlogits, s.hidden, s.dzu, s.dlogit_s]) {
             *slot = end;
             end = (end + buffer.len()).next_multiple_of(8);
         }
-        let mut scratch = dev.alloc::<bf16>(end)?;
-        let part = |buffer: &DeviceBuffer<f32>, at| PackedPart { src: buffer.device_ptr(), len: buffer.len(), at };
-        let early = [part(s.b_channel, at[0]), part(s.dlogits, at[1]), part(s.hidden, at[2])];
-        to_bf16_packed(dev, &early, &mut scratch)?;
-        let late = [part(s.dzu, at[3]), part(s.dlogit_s, at[4])];
-        Ok(Operands::Bf16 { x, packed, scratch, at, late })
+        let scratch = dev.alloc::<bf16>(end)?;
+        Ok(Operands::Bf16 { x, packed, b_channel, scratch, at })
     }
 
-    /// Converts `dZU` and `dl_s` (bf16 products only), once the summaries' kernel wrote them.
-    fn convert_after_summaries(&mut self, dev: &CudaDevice) -> Result<()> {
+    /// Where a kernel writes the bf16 copy of `part` (0, none, for f32 products).
+    fn bf16_copy(&self, part: Part) -> u64 {
         match self {
-            Operands::F32(_) => Ok(()),
-            Operands::Bf16 { scratch, late, .. } => to_bf16_packed(dev, late, scratch),
+            Operands::F32(_) => 0,
+            Operands::Bf16 { .. } => self.address(part, 0),
         }
     }
 
@@ -608,13 +616,13 @@ impl<'a> Operands<'a> {
                 };
                 buffer.ptr_at(offset)
             }
-            Operands::Bf16 { x, scratch, at, .. } => {
+            Operands::Bf16 { x, b_channel, scratch, at, .. } => {
                 let start = match part {
-                    Part::BChannel => at[0],
-                    Part::DLogits => at[1],
-                    Part::Hidden => at[2],
-                    Part::Dzu => at[3],
-                    Part::DLogitS => at[4],
+                    Part::DLogits => at[0],
+                    Part::Hidden => at[1],
+                    Part::Dzu => at[2],
+                    Part::DLogitS => at[3],
+                    Part::BChannel => return b_channel.ptr_at(offset),
                     Part::X => return x.ptr_at(offset),
                 };
                 scratch.ptr_at(start + offset)

@@ -302,13 +302,16 @@ extern "C" __global__ void fused_gate_apply(const float* zu, const float* a_c, c
 //   d/dZ = dẐ·γ_c·γ_s;  d/dγ_c = dẐ·Z·γ_s;  d/dγ_s = Σ_j dẐ·Z·γ_c;
 //   d/dl 2σ(αl) = α·γ(1 − γ/2),  d/dα 2σ(αl) = l·γ(1 − γ/2)  (l the logit with its bias).
 // Writes dZ into dzu[n, 0..d_out), dL_c into dlogits, H into hidden [N, r], and the row's
-// dγ_s and dα_c terms into row_terms[n·3 + 0..2).
+// dγ_s and dα_c terms into row_terms[n·3 + 0..2). Under bf16 products (the three bf16
+// pointers not null) also the bf16 copies of dZ, dL_c and H the backward's products read,
+// in the same layouts, rounded to nearest even.
 extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float* dout, const float* a_c,
                                                     const float* b_cw, const float* b_cb, const float* alpha_c_ptr,
                                                     const float* a_s, const float* b_sw, const float* b_sb,
                                                     const float* alpha_s_ptr, int phi, float phi_p, i64 rows,
                                                     i64 d_out, int rc, int rs, float* dzu, float* dlogits,
-                                                    float* hidden, float* row_terms) {
+                                                    float* hidden, float* row_terms, bf16_t* dzu_bf16,
+                                                    bf16_t* dlogits_bf16, bf16_t* hidden_bf16) {
     const float alpha_c = *alpha_c_ptr, alpha_s = *alpha_s_ptr;
     __shared__ float h[FG_MAX_RANK];
     __shared__ float gate_s_shared;
@@ -323,6 +326,7 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
             float value = unary_f(phi, zr[d_out + t] + bias, phi_p);
             h[t] = value;
             hidden[n * r + t] = value;
+            if (hidden_bf16) hidden_bf16[n * r + t] = f32_to_bf16(value);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -340,11 +344,17 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
             logit += b_cb[j];
             const float gate = 2.0f * sigmoid_f(alpha_c * logit);
             const float z = zr[j], dy = dout[n * d_out + j];
-            dzu[n * width + j] = dy * gate * gate_s;
+            const float dz = dy * gate * gate_s;
+            dzu[n * width + j] = dz;
             const float dgate = dy * z * gate_s;
             dgate_s += dy * z * gate;
             const float slope = gate * (1.0f - 0.5f * gate);
-            dlogits[n * d_out + j] = dgate * alpha_c * slope;
+            const float dlogit = dgate * alpha_c * slope;
+            dlogits[n * d_out + j] = dlogit;
+            if (dzu_bf16) {
+                dzu_bf16[n * width + j] = f32_to_bf16(dz);
+                dlogits_bf16[n * d_out + j] = f32_to_bf16(dlogit);
+            }
             dalpha_c += dgate * logit * slope;
         }
         dgate_s = block_sum(dgate_s);
@@ -360,12 +370,13 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
 //   dγ_s → d/dl_s = dγ_s·α_s·γ_s(1 − γ_s/2),  dα_s term = dγ_s·l_s·γ_s(1 − γ_s/2),
 //   d/dU_c = dH_c ⊙ φ'(U_c + a_c),  d/dU_s = d/dl_s·B_s ⊙ φ'(U_s + a_s),
 // written into dzu[n, d_out..K); d/dl_s also into dlogit_s[n], the dα_s term into
-// row_terms[n·3 + 2].
+// row_terms[n·3 + 2]. Under bf16 products (the bf16 pointers not null) also the bf16 copies
+// of those dU columns and of dl_s, rounded to nearest even.
 extern "C" __global__ void fused_gate_backward_summaries(const float* zu, const float* dhidden_c, const float* a_c,
                                                          const float* a_s, const float* b_sw, const float* b_sb,
                                                          const float* alpha_s_ptr, int phi, float phi_p, i64 rows,
                                                          i64 d_out, int rc, int rs, float* dzu, float* row_terms,
-                                                         float* dlogit_s) {
+                                                         float* dlogit_s, bf16_t* dzu_bf16, bf16_t* dlogit_s_bf16) {
     const float alpha_s = *alpha_s_ptr;
     const int r = rc + rs;
     const i64 width = d_out + r;
@@ -381,13 +392,17 @@ extern "C" __global__ void fused_gate_backward_summaries(const float* zu, const 
         const float dlogit = dgate * alpha_s * slope;
         row_terms[n * 3 + 2] = dgate * logit * slope;
         dlogit_s[n] = dlogit;
+        bf16_t* du_bf16 = dzu_bf16 ? dzu_bf16 + n * width + d_out : nullptr;
+        if (dlogit_s_bf16) dlogit_s_bf16[n] = f32_to_bf16(dlogit);
         for (int t = 0; t < rc; ++t) {
             float pre = u[t] + a_c[t];
             du[t] = dhidden_c[n * rc + t] * unary_df(phi, pre, unary_f(phi, pre, phi_p), phi_p);
+            if (du_bf16) du_bf16[t] = f32_to_bf16(du[t]);
         }
         for (int t = 0; t < rs; ++t) {
             float pre = u[rc + t] + a_s[t];
             du[rc + t] = dlogit * b_sw[t] * unary_df(phi, pre, unary_f(phi, pre, phi_p), phi_p);
+            if (du_bf16) du_bf16[rc + t] = f32_to_bf16(du[rc + t]);
         }
     }
 }
