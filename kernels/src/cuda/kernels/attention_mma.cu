@@ -167,6 +167,28 @@ __device__ __forceinline__ void store_rows(const float (*acc)[4], float scale, f
     }
 }
 
+// Where a warp of a query block (forward, dq) stands: head (b, h), its 16 queries from row0,
+// the keys its block needs (0..end) and its own last visible key (warp_last), and the
+// positions of the lane's two query rows g and g + 8.
+struct QueryWarp {
+    i64 b, h, row0, end, warp_last, position[2];
+};
+
+__device__ __forceinline__ QueryWarp query_warp(i64 q_seq, i64 kv_seq, i64 heads) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
+    const i64 offset = kv_seq - q_seq;
+    const i64 q0 = (i64)blockIdx.x * TC_ROWS, row0 = q0 + 16 * warp;
+    QueryWarp w;
+    w.b = blockIdx.y / heads;
+    w.h = blockIdx.y % heads;
+    w.row0 = row0;
+    w.end = (q0 + TC_ROWS < q_seq ? q0 + TC_ROWS : q_seq) + offset;
+    w.warp_last = (row0 + 15 < q_seq ? row0 + 15 : q_seq - 1) + offset;
+    w.position[0] = row0 + g + offset;
+    w.position[1] = row0 + g + 8 + offset;
+    return w;
+}
+
 // ---------------------------------------------------------------------------------------
 // Forward: one block per 64 queries of one (b, h), grid (⌈Tq/64⌉, B·H).
 template <int D>
@@ -175,14 +197,9 @@ __device__ __forceinline__ void attention_mma_forward(const float* q, const floa
                                                       float scale) {
     __shared__ __align__(16) bf16_t k_tile[TC_TILE * (D + TC_PAD)];
     __shared__ __align__(16) bf16_t v_tile[TC_TILE * (D + TC_PAD)];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const i64 b = blockIdx.y / heads, h = blockIdx.y % heads;
-    const i64 offset = kv_seq - q_seq;
-    const i64 q0 = (i64)blockIdx.x * TC_ROWS, row0 = q0 + 16 * warp;
-    // Keys the block needs: 0..end; the warp's last query sees keys ≤ warp_last.
-    const i64 end = (q0 + TC_ROWS < q_seq ? q0 + TC_ROWS : q_seq) + offset;
-    const i64 warp_last = (row0 + 15 < q_seq ? row0 + 15 : q_seq - 1) + offset;
-    const i64 position[2] = {row0 + g + offset, row0 + g + 8 + offset};
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const QueryWarp w = query_warp(q_seq, kv_seq, heads);
+    const i64 b = w.b, h = w.h, row0 = w.row0;
 
     unsigned int qa[D / 16][4];
     load_a_rows<D>(qa, q, b, h, row0, q_seq, q_seq, heads);
@@ -191,12 +208,12 @@ __device__ __forceinline__ void attention_mma_forward(const float* q, const floa
     for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};  // l: this lane's share of the row sum
 
-    for (i64 s0 = 0; s0 < end; s0 += TC_TILE) {
+    for (i64 s0 = 0; s0 < w.end; s0 += TC_TILE) {
         __syncthreads();  // every warp is done with the previous tile
         stage_bf16<D>(k_tile, k, b, h, s0, kv_seq, kv_seq, heads);
         stage_bf16<D>(v_tile, v, b, h, s0, kv_seq, kv_seq, heads);
         __syncthreads();
-        if (row0 >= q_seq || s0 > warp_last) continue;  // warp-uniform: nothing visible here
+        if (row0 >= q_seq || s0 > w.warp_last) continue;  // warp-uniform: nothing visible here
         float s[8][4];
         product_a_tile_t<D>(s, qa, k_tile);
         // Scale and mask; the new running max per row. Key 0 is in the first tile and every
@@ -208,7 +225,7 @@ __device__ __forceinline__ void attention_mma_forward(const float* q, const floa
             for (int e = 0; e < 4; ++e) {
                 const int half = e >> 1;
                 const i64 key = s0 + 8 * nt + 2 * t + (e & 1);
-                s[nt][e] = key <= position[half] && key < kv_seq ? scale * s[nt][e] : NEG_INF;
+                s[nt][e] = key <= w.position[half] && key < kv_seq ? scale * s[nt][e] : NEG_INF;
                 tile_max[half] = fmaxf(tile_max[half], s[nt][e]);
             }
         }
@@ -269,13 +286,9 @@ __device__ __forceinline__ void attention_mma_backward_dq(const float* q, const 
                                                           float scale) {
     __shared__ __align__(16) bf16_t k_tile[TC_TILE * (D + TC_PAD)];
     __shared__ __align__(16) bf16_t v_tile[TC_TILE * (D + TC_PAD)];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const i64 b = blockIdx.y / heads, h = blockIdx.y % heads;
-    const i64 offset = kv_seq - q_seq;
-    const i64 q0 = (i64)blockIdx.x * TC_ROWS, row0 = q0 + 16 * warp;
-    const i64 end = (q0 + TC_ROWS < q_seq ? q0 + TC_ROWS : q_seq) + offset;
-    const i64 warp_last = (row0 + 15 < q_seq ? row0 + 15 : q_seq - 1) + offset;
-    const i64 position[2] = {row0 + g + offset, row0 + g + 8 + offset};
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const QueryWarp w = query_warp(q_seq, kv_seq, heads);
+    const i64 b = w.b, h = w.h, row0 = w.row0;
     const float* lse_bh = lse + (b * heads + h) * q_seq;
     float* delta_bh = delta + (b * heads + h) * q_seq;
 
@@ -309,12 +322,12 @@ __device__ __forceinline__ void attention_mma_backward_dq(const float* q, const 
 #pragma unroll
     for (int nd = 0; nd < D / 8; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.0f;
 
-    for (i64 s0 = 0; s0 < end; s0 += TC_TILE) {
+    for (i64 s0 = 0; s0 < w.end; s0 += TC_TILE) {
         __syncthreads();
         stage_bf16<D>(k_tile, k, b, h, s0, kv_seq, kv_seq, heads);
         stage_bf16<D>(v_tile, v, b, h, s0, kv_seq, kv_seq, heads);
         __syncthreads();
-        if (row0 >= q_seq || s0 > warp_last) continue;
+        if (row0 >= q_seq || s0 > w.warp_last) continue;
         float s[8][4], dp[8][4];
         product_a_tile_t<D>(s, qa, k_tile);
         product_a_tile_t<D>(dp, doa, v_tile);
@@ -324,7 +337,7 @@ __device__ __forceinline__ void attention_mma_backward_dq(const float* q, const 
             for (int e = 0; e < 4; ++e) {
                 const int half = e >> 1;
                 const i64 key = s0 + 8 * nt + 2 * t + (e & 1);
-                const bool seen = key <= position[half] && key < kv_seq;
+                const bool seen = key <= w.position[half] && key < kv_seq;
                 const float p = seen ? expf(scale * s[nt][e] - row_lse[half]) : 0.0f;
                 s[nt][e] = p * (dp[nt][e] - row_delta[half]);  // dS
             }
