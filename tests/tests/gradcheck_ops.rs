@@ -354,6 +354,54 @@ fn cross_entropy_inputs() -> impl Strategy<Value = ((Layout, Tensor), Vec<u32>, 
     })
 }
 
+/// LM-head inputs: `h [N, C]` and `W [V, C]` (each possibly strided), targets, the ignore
+/// index (as [`cross_entropy_inputs`]) and a cap on the rows per chunk: none (one chunk), or
+/// 1-3 rows, so that N is cut into several chunks, often not a multiple of the cap.
+#[allow(clippy::type_complexity)]
+fn linear_cross_entropy_inputs(
+) -> impl Strategy<Value = ((Layout, Tensor), (Layout, Tensor), Vec<u32>, Option<u32>, Option<usize>)> {
+    (1..=7usize, 1..=5usize, 1..=6usize, 0..3u8, prop::option::of(1..=3usize)).prop_flat_map(
+        |(rows, width, vocab, mode, chunk)| {
+            let ignore = match mode {
+                0 => Some(vocab as u32),
+                1 => Some(0),
+                _ => None,
+            };
+            let target = prop_oneof![3 => 0..vocab as u32, 1 => Just(ignore.unwrap_or(0))];
+            (
+                input(vec![rows, width], Domain::Uniform(-2.0, 2.0)),
+                input(vec![vocab, width], Domain::Uniform(-1.5, 1.5)),
+                prop::collection::vec(target, rows),
+                Just(ignore),
+                Just(chunk),
+            )
+        },
+    )
+}
+
+/// The loss and the gradients of `h` and `W` (in that order) of the fused LM-head loss, or of
+/// the composite it replaces (`fused` false), on leaves holding `h` and `w` seen through
+/// their layouts, back-propagating `upstream`.
+fn lm_head_loss_and_grads(
+    fused: bool,
+    (lh, h): (&Layout, &Tensor),
+    (lw, w): (&Layout, &Tensor),
+    (targets, ignore): (&[u32], Option<u32>),
+    chunk: Option<usize>,
+    upstream: f32,
+) -> [Vec<f32>; 3] {
+    let (hv, wv) = (Var::parameter(h.clone()), Var::parameter(w.clone()));
+    let (hx, wx) = (ok("view", lh.view(&hv)), ok("view", lw.view(&wv)));
+    let loss = if fused {
+        hx.linear_cross_entropy(&wx, targets, ignore, chunk)
+    } else {
+        hx.linear_cross_entropy_reference(&wx, targets, ignore)
+    };
+    let loss = ok("loss", loss);
+    ok("backward", loss.backward_with(Tensor::scalar(upstream)));
+    [loss.value().to_vec(), grad_of("h", &hv), grad_of("W", &wv)]
+}
+
 /// The rows of norm inputs: rank 1-3 with last dim `C`.
 fn norm_shape() -> impl Strategy<Value = Vec<usize>> {
     (shape_with_rank(0..=2), 1..=6usize).prop_map(|(lead, c)| [lead.as_slice(), &[c]].concat())
@@ -375,6 +423,33 @@ proptest! {
     #[test]
     fn cross_entropy(((l, x), targets, ignore) in cross_entropy_inputs()) {
         assert_gradcheck(|v| l.view(&v[0])?.cross_entropy(&targets, ignore), &[x]);
+    }
+
+    #[test]
+    fn linear_cross_entropy(((lh, h), (lw, w), targets, ignore, chunk) in linear_cross_entropy_inputs()) {
+        // The numeric side runs under no_grad: the forward without its gradient products.
+        assert_gradcheck(|v| lh.view(&v[0])?.linear_cross_entropy(&lw.view(&v[1])?, &targets, ignore, chunk), &[h, w]);
+    }
+
+    #[test]
+    fn linear_cross_entropy_is_the_linear_layer_then_cross_entropy(
+        ((lh, h), (lw, w), targets, ignore, chunk) in linear_cross_entropy_inputs(),
+        upstream in prop_oneof![Just(1.0f32), 0.1f32..3.0],
+    ) {
+        // Loss and both gradients of the fused op against the composite it replaces: bit for
+        // bit for contiguous inputs in one chunk with an upstream gradient of 1 (the same
+        // kernels on the same operands in the same order), to f32 rounding otherwise (dW
+        // summed chunk by chunk; the upstream factor applied after the products instead of
+        // before; the fused op makes strided inputs contiguous, the composite reads them in place).
+        let run = |fused: bool| lm_head_loss_and_grads(fused, (&lh, &h), (&lw, &w), (&targets, ignore), chunk, upstream);
+        let (fused, reference) = (run(true), run(false));
+        if chunk.is_none() && upstream == 1.0 && !lh.strided && !lw.strided {
+            prop_assert_eq!(fused, reference);
+        } else {
+            for (what, (got, want)) in ["loss", "dh", "dW"].iter().zip(fused.iter().zip(&reference)) {
+                assert_close_f32(what, got, want, 1e-5, 1e-6);
+            }
+        }
     }
 
     #[test]
@@ -529,6 +604,22 @@ fn rotary_causal_attention_is_rope_then_attention_exactly() {
     assert_eq!(run(true), run(false));
 }
 
+/// The fused LM-head loss is the composite it replaces, bit for bit, in one chunk of
+/// contiguous inputs with an upstream gradient of 1 (a training step's case): loss, dh, dW.
+#[test]
+fn linear_cross_entropy_is_the_linear_layer_then_cross_entropy_exactly() {
+    let (rows, width, vocab) = (11, 16, 37);
+    let (h, w) = (seeded(&[rows, width], -2.0, 2.0, 12), seeded(&[vocab, width], -1.0, 1.0, 13));
+    let (lh, lw) =
+        (Layout { shape: vec![rows, width], strided: false }, Layout { shape: vec![vocab, width], strided: false });
+    let mut targets: Vec<u32> = (0..rows).map(|r| (r * 17 % vocab) as u32).collect();
+    targets[3] = 5;
+    for ignore in [None, Some(5)] {
+        let run = |fused: bool| lm_head_loss_and_grads(fused, (&lh, &h), (&lw, &w), (&targets, ignore), None, 1.0);
+        assert_eq!(run(true), run(false), "ignore index {ignore:?}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Gradient accumulation, repeated backward, no_grad, detach.
 
@@ -650,6 +741,39 @@ fn cross_entropy_with_every_row_ignored_has_zero_loss_and_gradient() {
     ok("backward", loss.backward());
     let g = logits.grad().map(|g| g.to_vec()).unwrap_or_default();
     assert!(g.iter().all(|&v| v == 0.0), "gradient {g:?}");
+}
+
+#[test]
+fn linear_cross_entropy_computes_only_the_gradients_asked_for() {
+    let (h, w) = (seeded(&[5, 3], -1.0, 1.0, 6), seeded(&[4, 3], -1.0, 1.0, 7));
+    let targets = [3, 0, 2, 2, 1];
+    let full = |hv: &Var, wv: &Var| ok("loss", hv.linear_cross_entropy(wv, &targets, None, Some(2)));
+    let (hv, wv) = (Var::parameter(h.clone()), Var::parameter(w.clone()));
+    let loss = full(&hv, &wv);
+    ok("backward", loss.backward());
+    // Evaluation: the same loss, and no graph.
+    let eval = no_grad(|| full(&hv, &wv));
+    assert_eq!(eval.value().to_vec(), loss.value().to_vec());
+    assert!(!eval.requires_grad(), "a loss under no_grad is a graph node");
+    // A constant h (only the head trains): W's gradient as before, none for h.
+    let (hc, wp) = (Var::constant(h), Var::parameter(w));
+    ok("backward", full(&hc, &wp).backward());
+    assert_eq!(grad_of("W", &wp), grad_of("W", &wv));
+    assert!(hc.grad().is_none(), "a constant received a gradient");
+}
+
+#[test]
+fn linear_cross_entropy_with_every_row_ignored_has_zero_loss_and_gradients() {
+    let (h, w) = (Var::parameter(seeded(&[3, 2], -1.0, 1.0, 8)), Var::parameter(seeded(&[4, 2], -1.0, 1.0, 9)));
+    let loss = ok("linear_cross_entropy", h.linear_cross_entropy(&w, &[7, 7, 7], Some(7), Some(2)));
+    assert_eq!(ok("item", loss.value().item()), 0.0);
+    ok("backward", loss.backward());
+    for (name, v) in [("h", &h), ("W", &w)] {
+        assert!(grad_of(name, v).iter().all(|&g| g == 0.0), "{name}: {:?}", grad_of(name, v));
+    }
+    // A target out of range is an error, as in cross_entropy.
+    let err = h.linear_cross_entropy(&w, &[0, 4, 1], None, None).expect_err("target 4 of 4 classes");
+    assert!(matches!(err, tensor::Error::IndexOutOfRange { .. }), "{err}");
 }
 
 #[test]

@@ -8,6 +8,7 @@ mod conv;
 mod cross_entropy;
 mod embedding;
 mod fused_gate;
+mod linear_cross_entropy;
 mod matmul;
 mod norm;
 mod pool;

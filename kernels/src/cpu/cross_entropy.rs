@@ -3,6 +3,11 @@
 //!
 //! logits `[N, V]`, targets `[N]`: loss_r = lse_r − logits[r, t_r], lse_r = log Σ_j e^logits[r, j].
 //! The forward saves `lse` (one float per row); the backward rebuilds softmax from it.
+//! [`cross_entropy_forward_backward`] does both in one visit of a row and writes the gradient
+//! over the logits, for the LM head's chunked loss (`Tensor::linear_cross_entropy`), which
+//! needs the gradient at once and has no use for the logits after it. The three share one
+//! row's log-sum-exp ([`row_lse`]) and one row's gradient ([`softmax_minus_onehot`]), so the
+//! fused pass cannot drift from the plain ones.
 //!
 //! PyTorch equivalent: `F.cross_entropy(logits, targets, ignore_index=..., reduction='none')`
 //! (the caller applies the mean through `scale`). The backward writes `dlogits = ...` (zeros
@@ -74,8 +79,7 @@ pub fn cross_entropy_forward(
         for (i, (loss, lse)) in losses.iter_mut().zip(lse.iter_mut()).enumerate() {
             let r = b * block + i;
             let row = &logits[r * cols..][..cols];
-            let max = slice_max(row);
-            *lse = max + sum_exp(row, max).ln();
+            *lse = row_lse(row);
             *loss = match targets[r] {
                 t if Some(t) == ignore_index => 0.0,
                 t => *lse - row[t as usize],
@@ -102,7 +106,6 @@ pub fn cross_entropy_backward(
     check("cross_entropy_backward", logits, targets, dims, &[("targets", targets.len()), ("lse", lse.len())]);
     assert_eq!(dlogits.len(), logits.len(), "cross_entropy_backward: dlogits has the wrong length");
     let CrossEntropyDims { cols, ignore_index, .. } = *dims;
-    // d/dlogits_j (lse − logits_t) = softmax_j − [j = t],  softmax_j = e^(logits_j − lse)
     parallel::for_each_row_block_mut(dlogits, cols, cols * WORK_PER_ELEMENT, |first, block| {
         for (i, dlogits) in block.chunks_mut(cols).enumerate() {
             let r = first + i;
@@ -111,18 +114,79 @@ pub fn cross_entropy_backward(
                 dlogits.fill(0.0);
                 continue;
             }
-            let row = &logits[r * cols..][..cols];
-            let shift = lse[r];
-            let simd_end = cols - cols % LANES;
-            for j in (0..simd_end).step_by(LANES) {
-                store(exp8(load(&row[j..]) - shift) * scale, &mut dlogits[j..]);
-            }
-            for j in simd_end..cols {
-                dlogits[j] = scale * (row[j] - shift).exp();
-            }
-            dlogits[target as usize] -= scale;
+            dlogits.copy_from_slice(&logits[r * cols..][..cols]);
+            softmax_minus_onehot(dlogits, lse[r], target as usize, scale);
         }
     });
+}
+
+/// The forward and the backward of each row in one visit, the gradient written over the
+/// logits: `losses[r]` as [`cross_entropy_forward`] writes it, then, with `grad_scale =
+/// Some(scale)`, `logits[r] = scale·(softmax(logits[r]) − onehot(targets[r]))` (zeros for
+/// ignored rows) as [`cross_entropy_backward`] writes `dlogits`; `None` leaves the logits as
+/// they are (evaluation). No `lse` is kept: nothing reads it later. Returns the number of
+/// rows not ignored. For a caller that needs the gradient at once and not the logits (the LM
+/// head's chunked loss), so a chunk of rows needs one `[rows, V]` buffer, not two.
+pub fn cross_entropy_forward_backward(
+    logits: &mut [f32],
+    targets: &[u32],
+    dims: &CrossEntropyDims,
+    grad_scale: Option<f32>,
+    losses: &mut [f32],
+) -> usize {
+    check(
+        "cross_entropy_forward_backward",
+        logits,
+        targets,
+        dims,
+        &[("targets", targets.len()), ("losses", losses.len())],
+    );
+    let CrossEntropyDims { rows, cols, ignore_index } = *dims;
+    if rows == 0 {
+        return 0;
+    }
+    let block = parallel::rows_per_task(cols * WORK_PER_ELEMENT);
+    let body = |(b, (losses, logits)): (usize, (&mut [f32], &mut [f32]))| {
+        for (i, (loss, row)) in losses.iter_mut().zip(logits.chunks_mut(cols)).enumerate() {
+            let target = targets[b * block + i];
+            let lse = row_lse(row);
+            let ignored = Some(target) == ignore_index;
+            *loss = if ignored { 0.0 } else { lse - row[target as usize] };
+            match grad_scale {
+                None => {}
+                Some(_) if ignored => row.fill(0.0),
+                Some(scale) => softmax_minus_onehot(row, lse, target as usize, scale),
+            }
+        }
+    };
+    if parallel::should_parallelise(logits.len() * WORK_PER_ELEMENT) {
+        losses.par_chunks_mut(block).zip(logits.par_chunks_mut(block * cols)).enumerate().for_each(body);
+    } else {
+        losses.chunks_mut(block).zip(logits.chunks_mut(block * cols)).enumerate().for_each(body);
+    }
+    targets.iter().filter(|&&t| Some(t) != ignore_index).count()
+}
+
+/// `lse = log Σ_j e^row_j`, shifted by the row's maximum so that no exponential overflows.
+fn row_lse(row: &[f32]) -> f32 {
+    let max = slice_max(row);
+    max + sum_exp(row, max).ln()
+}
+
+/// `row_j ← scale·(e^(row_j − lse) − [j = target])`: one row of the gradient, written over
+/// that row's logits.
+fn softmax_minus_onehot(row: &mut [f32], lse: f32, target: usize, scale: f32) {
+    // d/dlogits_j (lse − logits_t) = softmax_j − [j = t],  softmax_j = e^(logits_j − lse)
+    let cols = row.len();
+    let simd_end = cols - cols % LANES;
+    for j in (0..simd_end).step_by(LANES) {
+        let p = exp8(load(&row[j..]) - lse);
+        store(p * scale, &mut row[j..]);
+    }
+    for v in &mut row[simd_end..] {
+        *v = scale * (*v - lse).exp();
+    }
+    row[target] -= scale;
 }
 
 /// Scalar reference: per-row losses (0 for ignored rows), from a plain log-softmax.
@@ -194,6 +258,17 @@ mod tests {
                     prop_assert!((dlogits[r * cols + j] - want).abs() <= 1e-5);
                 }
             }
+            // The fused pass writes the same losses, and the same gradient over the logits,
+            // bit for bit; without a gradient it leaves the logits as they were.
+            let (mut fused, mut fused_losses) = (x.clone(), vec![f32::NAN; rows]);
+            let fused_kept = cross_entropy_forward_backward(&mut fused, &targets, &dims, Some(0.75), &mut fused_losses);
+            prop_assert_eq!(fused_kept, kept);
+            prop_assert_eq!(&fused_losses, &losses);
+            prop_assert_eq!(&fused, &dlogits);
+            let (mut kept_logits, mut eval_losses) = (x.clone(), vec![f32::NAN; rows]);
+            cross_entropy_forward_backward(&mut kept_logits, &targets, &dims, None, &mut eval_losses);
+            prop_assert_eq!(&eval_losses, &losses);
+            prop_assert_eq!(&kept_logits, &x);
         }
     }
 
@@ -229,6 +304,10 @@ mod tests {
         for row in dx.chunks(cols) {
             assert!(row.iter().sum::<f32>().abs() < 1e-4, "softmax − onehot sums to 0");
         }
+        // The fused pass, in parallel too: the same losses and gradient.
+        let (mut fused, mut fused_losses) = (x.clone(), vec![0.0; rows]);
+        cross_entropy_forward_backward(&mut fused, &targets, &dims, Some(1.0), &mut fused_losses);
+        assert_eq!((fused, fused_losses), (dx, losses));
     }
 
     #[test]

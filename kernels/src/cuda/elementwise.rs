@@ -1,5 +1,5 @@
 //! Launchers of `elementwise.cu`: unary ops and their backward, broadcasting binary ops,
-//! axpy / add_assign, select, strided copy, and f32 ↔ bf16 conversion.
+//! axpy / add_assign, select, strided copy, scaled copies, and f32 ↔ bf16 conversion.
 //!
 //! Signatures mirror `cpu::unary`, `cpu::binary` and `cpu::copy` with slices replaced by
 //! device buffers; the unary backward writes its gradient (`dx = ...`). Broadcast shapes are
@@ -305,6 +305,37 @@ pub(crate) fn to_bf16_packed(dev: &CudaDevice, parts: &[PackedPart], dst: &mut D
         ptr(dst),
     ];
     dev.launch(FAMILY, "f32_to_bf16_packed", cfg, &args)
+}
+
+/// `dst = s[0]·src` for each `(src, dst)` pair of equal lengths (at most [`LIST_LEN`]), in one
+/// launch: `s` is one element on the device, the upstream gradient of a loss, which the host
+/// does not wait for (the LM head's saved gradients times it: `Tensor::linear_cross_entropy`).
+pub fn scaled_copies(
+    dev: &CudaDevice,
+    s: &DeviceBuffer<f32>,
+    parts: &mut [(&DeviceBuffer<f32>, &mut DeviceBuffer<f32>)],
+) -> Result<()> {
+    const OP: &str = "scaled_copies";
+    ensure_len(OP, "s", s.len(), 1)?;
+    dev.check_owner(OP, s)?;
+    ensure(parts.len() <= LIST_LEN, OP, || format!("{} parts, at most {LIST_LEN}", parts.len()))?;
+    for (src, dst) in parts.iter() {
+        check_owners(dev, OP, &[src, dst])?;
+        ensure_len(OP, "dst", dst.len(), src.len())?;
+    }
+    let longest = parts.iter().map(|(src, _)| src.len()).max().unwrap_or(0);
+    if longest == 0 {
+        return Ok(());
+    }
+    let mut cfg = elementwise(longest);
+    cfg.grid_dim.1 = parts.len() as u32;
+    let args = [
+        ptr(s),
+        address_list(parts.iter().map(|(src, _)| src.device_ptr())),
+        address_list(parts.iter().map(|(_, dst)| dst.device_ptr())),
+        length_list(parts.iter().map(|(src, _)| src.len())),
+    ];
+    dev.launch(FAMILY, "scaled_copies", cfg, &args)
 }
 
 /// `dst[i] = f32(src[i])` (exact).

@@ -4,13 +4,15 @@
 //! Mirrors `cpu::softmax` and `cpu::cross_entropy`. The backward kernels write their gradients. The
 //! cross-entropy forward returns the number of rows not ignored, so it waits for the
 //! device; a target ≥ `cols` is reported as [`CudaError::Invalid`] (the CPU asserts).
+//! [`cross_entropy_forward_backward`] is the LM head's chunked pass: the loss of a chunk of
+//! rows and their gradient written over their logits, in one launch.
 
 use half::bf16;
 
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, CudaError, Result};
-use super::launch::{check_owners, int, opt_ptr, per_row, ptr, row_threads, size};
+use super::launch::{check_owners, int, opt_ptr, per_row, ptr, ptr_at, row_threads, size};
 use super::module::{Arg, KernelFamily};
 
 pub use crate::cpu::cross_entropy::CrossEntropyDims;
@@ -226,4 +228,66 @@ pub fn cross_entropy_backward(
         opt_ptr(dlogits_bf16.as_deref()),
     ];
     dev.launch(FAMILY, "cross_entropy_backward", per_row(rows, row_threads(cols)), &args)
+}
+
+/// The gradient [`cross_entropy_forward_backward`] writes over the logits.
+#[derive(Debug)]
+pub struct LogitsGrad<'a> {
+    /// The factor of `softmax − onehot`: the mean loss's `1 / count` (known on the host).
+    pub scale: f32,
+    /// Where the gradient rounded to nearest even goes too (`rows × cols` from element 0),
+    /// for the bf16 products that read it.
+    pub bf16: Option<&'a mut DeviceBuffer<bf16>>,
+}
+
+/// Rows `first_row..first_row + dims.rows` of a cross-entropy whose logits are the first
+/// `dims.rows × dims.cols` elements of `logits` (a chunk: `Tensor::linear_cross_entropy`):
+/// `losses[first_row + r]` as [`cross_entropy_forward`] writes them (0 for rows whose target
+/// is the ignore index or ≥ `cols`: the caller refuses those first), and with `grad` the
+/// logits overwritten by `scale·(softmax − onehot)` as [`cross_entropy_backward`] writes
+/// `dlogits` (zeros for those rows). Does not wait for the device.
+pub fn cross_entropy_forward_backward(
+    dev: &CudaDevice,
+    logits: &mut DeviceBuffer<f32>,
+    targets: &DeviceBuffer<u32>,
+    first_row: usize,
+    dims: &CrossEntropyDims,
+    grad: Option<LogitsGrad>,
+    losses: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    const OP: &str = "cross_entropy_forward_backward";
+    check_owners(dev, OP, &[logits, losses])?;
+    dev.check_owner(OP, targets)?;
+    let CrossEntropyDims { rows, cols, ignore_index } = *dims;
+    let chunk = rows * cols;
+    ensure(logits.len() >= chunk, OP, || format!("logits have {} elements, the chunk needs {chunk}", logits.len()))?;
+    for (name, len) in [("targets", targets.len()), ("losses", losses.len())] {
+        ensure(len >= first_row + rows, OP, || format!("{name} has {len} elements, rows end at {}", first_row + rows))?;
+    }
+    ensure(cols > 0 || rows == 0, OP, || "zero columns".to_string())?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let (scale, twin) = match grad {
+        Some(LogitsGrad { scale, bf16 }) => (Some(scale), bf16),
+        None => (None, None),
+    };
+    if let Some(twin) = &twin {
+        dev.check_owner(OP, twin)?;
+        ensure(twin.len() >= chunk, OP, || {
+            format!("the bf16 copy has {} elements, the chunk needs {chunk}", twin.len())
+        })?;
+    }
+    let args = [
+        ptr(logits),
+        ptr_at(targets, first_row),
+        size(rows),
+        size(cols),
+        ignore_code(ignore_index),
+        ptr_at(losses, first_row),
+        int(i32::from(scale.is_some())),
+        Arg::F32(scale.unwrap_or(0.0)),
+        opt_ptr(twin.as_deref()),
+    ];
+    dev.launch(FAMILY, "cross_entropy_forward_backward", per_row(rows, row_threads(cols)), &args)
 }

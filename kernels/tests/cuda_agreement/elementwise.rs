@@ -1,5 +1,5 @@
 //! Elementwise kernels: every unary op forward and backward, broadcast binary ops, scalar
-//! ops, axpy, select, strided copies and SwiGLU.
+//! ops, axpy, select, strided copies, scaled copies and SwiGLU.
 
 use half::bf16;
 use kernels::cpu;
@@ -191,4 +191,29 @@ fn swiglu_forward_and_backward_agree() {
     let mut short16 = dev.alloc::<bf16>(n - 1).unwrap();
     let wrong_twin = cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut gy, Some(&mut short16));
     assert!(matches!(wrong_twin, Err(CudaError::Shape { .. })));
+}
+
+/// Several buffers times one scalar read on the device, in one launch: each output is its
+/// input times the scalar, exactly as the CPU multiplies.
+#[test]
+fn scaled_copies_agree() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(11);
+    let sources = [rng.vec(1000, -3.0, 3.0), rng.vec(7, -3.0, 3.0), rng.vec(70_001, -3.0, 3.0)];
+    let s = 0.37f32;
+    let inputs: Vec<DeviceBuffer<f32>> = sources.iter().map(|x| up(dev, x)).collect();
+    let mut outputs: Vec<DeviceBuffer<f32>> = sources.iter().map(|x| up(dev, &stale(x.len()))).collect();
+    let mut parts: Vec<_> = inputs.iter().zip(&mut outputs).collect();
+    // Other tests launch on the shared device meanwhile: count this kernel only.
+    let launches = || dev.counters().launches_by_kernel.get("scaled_copies").copied().unwrap_or(0);
+    let before = launches();
+    cuda::elementwise::scaled_copies(dev, &up(dev, &[s]), &mut parts).unwrap();
+    assert_eq!(launches() - before, 1, "one launch for every buffer");
+    for (x, out) in sources.iter().zip(&outputs) {
+        let want: Vec<f32> = x.iter().map(|v| s * v).collect();
+        assert_eq!(down(dev, out), want, "scaled copy of {} elements", x.len());
+    }
+    // Lengths that differ are a shape error.
+    let (short, mut long) = (up(dev, &[1.0; 3]), up(dev, &[0.0; 4]));
+    assert!(cuda::elementwise::scaled_copies(dev, &up(dev, &[s]), &mut [(&short, &mut long)]).is_err());
 }

@@ -1,8 +1,9 @@
-//! Softmax and log-softmax forward and backward; cross-entropy with `ignore_index`.
+//! Softmax and log-softmax forward and backward; cross-entropy with `ignore_index`; the fused
+//! cross-entropy pass of the LM head's chunks (the gradient written over the logits).
 
 use half::bf16;
 use kernels::cpu;
-use kernels::cuda::{self, CudaError};
+use kernels::cuda::{self, CudaError, DeviceBuffer};
 
 use super::{assert_close, assert_reduced, assert_twin, down, stale, up, Rng};
 
@@ -77,4 +78,55 @@ fn cross_entropy_agrees_with_ignore_index() {
     let dims = cpu::cross_entropy::CrossEntropyDims { rows: 1, cols: 2, ignore_index: None };
     let result = cuda::softmax::cross_entropy_forward(dev, &glogits, &bad, &dims, &mut l, &mut s);
     assert!(matches!(result, Err(CudaError::Invalid { .. })), "{result:?}");
+}
+
+/// The fused pass on one chunk of rows, the chunk's first row at an offset of the targets and
+/// losses: the CPU's losses and gradient, the gradient's bf16 copy, and the logits left as
+/// they were without a gradient.
+#[test]
+fn cross_entropy_forward_backward_agrees_on_a_chunk() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(7);
+    for (rows, cols, first, ignore) in [(40, 3001, 7, Some(5u32)), (33, 37, 0, None), (6, 1, 2, None)] {
+        let total_rows = first + rows + 3;
+        let logits = rng.vec(rows * cols, -8.0, 8.0);
+        let mut targets: Vec<u32> = (0..total_rows).map(|_| rng.below(cols as u32)).collect();
+        if let Some(ignore) = ignore {
+            targets.iter_mut().step_by(4).for_each(|t| *t = ignore);
+        }
+        let dims = cpu::cross_entropy::CrossEntropyDims { rows, cols, ignore_index: ignore };
+        let chunk_targets = &targets[first..][..rows];
+        let (mut dlogits, mut losses) = (logits.clone(), vec![0.0; rows]);
+        cpu::cross_entropy::cross_entropy_forward_backward(&mut dlogits, chunk_targets, &dims, Some(0.25), &mut losses);
+        let what = format!("fused cross-entropy {rows}×{cols} from row {first}");
+        // The chunk buffer is longer than the chunk (the last chunk of a run): its tail is left.
+        let tail = [1.5f32; 5];
+        let gtargets = dev.upload(&targets).unwrap();
+        let run = |grad: bool, twin: Option<&mut DeviceBuffer<bf16>>| {
+            let mut glogits = up(dev, &[logits.as_slice(), &tail].concat());
+            let mut glosses = up(dev, &stale(total_rows));
+            let grad = grad.then_some(cuda::softmax::LogitsGrad { scale: 0.25, bf16: twin });
+            cuda::softmax::cross_entropy_forward_backward(
+                dev,
+                &mut glogits,
+                &gtargets,
+                first,
+                &dims,
+                grad,
+                &mut glosses,
+            )
+            .unwrap();
+            let (glogits, glosses) = (down(dev, &glogits), down(dev, &glosses));
+            assert_eq!(&glogits[rows * cols..], &tail, "{what}: wrote past the chunk");
+            assert!(glosses[..first].iter().chain(&glosses[first + rows..]).all(|v| v.is_nan()), "{what}: other rows");
+            assert_close(&format!("{what}: losses"), &glosses[first..][..rows], &losses, 1e-5, 1e-6);
+            glogits[..rows * cols].to_vec()
+        };
+        assert_close(&format!("{what}: gradient"), &run(true, None), &dlogits, 1e-5, 1e-6);
+        assert_eq!(run(false, None), logits, "{what}: without a gradient the logits stay");
+        let mut twin = dev.alloc::<bf16>(rows * cols).unwrap();
+        let with_twin = run(true, Some(&mut twin));
+        let rounded: Vec<bf16> = with_twin.iter().map(|&v| bf16::from_f32(v)).collect();
+        assert_eq!(dev.download(&twin).unwrap(), rounded, "{what}: the twin is not the gradient rounded");
+    }
 }

@@ -72,6 +72,11 @@ impl Llama {
 
     /// Logits `[B·T, V]` for the row-major token ids `ids[B·T]` of `batch` sequences of `seq`.
     pub fn forward(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Var> {
+        Ok(self.lm_head.forward(&self.hidden(ids, batch, seq)?)?)
+    }
+
+    /// The final norm's output `[B·T, C]`: the LM head's input, for `ids` as [`Llama::forward`].
+    fn hidden(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Var> {
         self.forward_with(ids, batch, seq, |block, x, earlier, _| block.forward(x, ids, earlier))
     }
 
@@ -89,15 +94,16 @@ impl Llama {
             )));
         }
         no_grad(|| {
-            self.forward_with(ids, batch, seq, |block, x, earlier, l| {
+            let h = self.forward_with(ids, batch, seq, |block, x, earlier, l| {
                 block.forward_cached(x, ids, earlier, &mut cache.blocks[l])
-            })
+            })?;
+            Ok(self.lm_head.forward(&h)?)
         })
     }
 
     /// Embedding, `run_block(block, residual stream, earlier activations, index)` for each
-    /// block, final norm and LM head. The last block's residual add runs fused with the final
-    /// RMSNorm ([`Stream::normed`]).
+    /// block and the final norm: the LM head's input `[B·T, C]`. The last block's residual
+    /// add runs fused with the final RMSNorm ([`Stream::normed`]).
     fn forward_with(
         &self,
         ids: &[u32],
@@ -124,16 +130,19 @@ impl Llama {
             }
         }
         let (_, h) = x.normed(&self.norm)?;
-        Ok(self.lm_head.forward(&h.reshape(&[batch * seq, self.config.d_model])?)?)
+        Ok(h.reshape(&[batch * seq, self.config.d_model])?)
     }
 
     /// Mean cross-entropy of next-token `targets[B·T]` (rows with an out-of-range target are
-    /// an error; no ignore index).
+    /// an error; no ignore index): `forward(..).cross_entropy(targets, None)`, computed by the
+    /// LM head's fused loss ([`Var::linear_cross_entropy`], the head has no bias), which never
+    /// holds the `[B·T, V]` logits or their gradient. Training and evaluation both use it.
     pub fn loss(&self, ids: &[u32], targets: &[u32], batch: usize, seq: usize) -> Result<Var> {
         if targets.len() != ids.len() {
             return Err(Error::Config(format!("{} targets for {} token ids", targets.len(), ids.len())));
         }
-        Ok(self.forward(ids, batch, seq)?.cross_entropy(targets, None)?)
+        let h = self.hidden(ids, batch, seq)?;
+        Ok(h.linear_cross_entropy(&self.lm_head.weight, targets, None, None)?)
     }
 }
 

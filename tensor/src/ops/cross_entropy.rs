@@ -77,10 +77,8 @@ impl Tensor {
         let mut losses = vec![0.0; rows];
         let mut lse = vec![0.0; rows];
         let count = cross_entropy::cross_entropy_forward(x.as_slice()?, targets, &dims, &mut losses, &mut lse);
-        let total: f64 = losses.iter().map(|&l| l as f64).sum();
-        let loss = if count == 0 { 0.0 } else { (total / count as f64) as f32 };
         let lse = Tensor::from_vec(lse, &[rows])?;
-        Ok(CrossEntropy { loss: Tensor::scalar(loss), lse, count, targets: SavedTargets::host(targets) })
+        Ok(CrossEntropy { loss: mean_loss(&losses, count), lse, count, targets: SavedTargets::host(targets) })
     }
 
     /// `(dy / count) · (softmax(logits) − onehot(target))` for every row not ignored (ignored
@@ -116,13 +114,23 @@ impl Tensor {
     }
 }
 
+/// The mean of per-row `losses` over the `count` rows not ignored (ignored rows hold 0),
+/// summed in f64; 0 when every row is ignored. A rank-0 tensor.
+pub(crate) fn mean_loss(losses: &[f32], count: usize) -> Tensor {
+    let total: f64 = losses.iter().map(|&l| l as f64).sum();
+    Tensor::scalar(if count == 0 { 0.0 } else { (total / count as f64) as f32 })
+}
+
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda {
     //! The CUDA half of the fused cross-entropy: the loss and its backward over rows of logits.
 
+    use std::sync::Arc;
+
     use kernels::cuda::elementwise::{scalar_forward, Binary};
     use kernels::cuda::reduce::sum_axis;
     use kernels::cuda::softmax::{self as launch, CrossEntropyDims};
+    use kernels::cuda::{CudaDevice, DeviceBuffer};
 
     use super::{CrossEntropy, SavedTargets};
     use crate::cuda::{product_input_output, CudaStorage};
@@ -148,18 +156,26 @@ pub(crate) mod cuda {
             losses.f32_buffer_mut(OP)?,
             lse.f32_buffer_mut(OP)?,
         )?;
-        // Ignored rows hold loss 0: the mean over counted rows is Σ losses / count.
+        let loss = mean_loss(&dev, losses.f32_buffer(OP)?, count)?;
+        let targets = SavedTargets { host: targets.to_vec(), device: Some(device_targets) };
+        Ok(CrossEntropy { loss, lse: Tensor::from_cuda(lse, &[rows])?, count, targets })
+    }
+
+    /// The mean of per-row `losses` on the device over the `count` rows not ignored (ignored
+    /// rows hold 0): Σ losses / count, a rank-0 tensor that stays there (0 when every row is
+    /// ignored). Two launches, no wait.
+    pub(crate) fn mean_loss(dev: &Arc<CudaDevice>, losses: &DeviceBuffer<f32>, count: usize) -> Result<Tensor> {
+        const OP: &str = "mean_loss";
         let loss = if count == 0 {
-            CudaStorage::zeros(&dev, 1)?
+            CudaStorage::zeros(dev, 1)?
         } else {
             let mut total = dev.alloc::<f32>(1)?;
-            sum_axis(&dev, losses.f32_buffer(OP)?, 1, rows, 1, &mut total)?;
-            let mut mean = CudaStorage::alloc(&dev, 1)?;
-            scalar_forward(&dev, Binary::Div, &total, count as f32, mean.f32_buffer_mut(OP)?)?;
+            sum_axis(dev, losses, 1, losses.len(), 1, &mut total)?;
+            let mut mean = CudaStorage::alloc(dev, 1)?;
+            scalar_forward(dev, Binary::Div, &total, count as f32, mean.f32_buffer_mut(OP)?)?;
             mean
         };
-        let targets = SavedTargets { host: targets.to_vec(), device: Some(device_targets) };
-        Ok(CrossEntropy { loss: Tensor::from_cuda(loss, &[])?, lse: Tensor::from_cuda(lse, &[rows])?, count, targets })
+        Tensor::from_cuda(loss, &[])
     }
 
     /// `dlogits = (dy / count)·(softmax − onehot)` per row not ignored, from the saved `lse`

@@ -1,6 +1,7 @@
 // Elementwise kernels: unary ops and their backward, broadcasting binary ops, axpy,
-// select, strided copy and f32 <-> bf16 conversion. CPU counterparts: cpu/unary.rs,
-// cpu/binary.rs, cpu/copy.rs. Every kernel is a grid-stride loop over its n outputs.
+// select, strided copy, scaled copies and f32 <-> bf16 conversion. CPU counterparts:
+// cpu/unary.rs, cpu/binary.rs, cpu/copy.rs. Every kernel is a grid-stride loop over its n
+// outputs.
 
 #define MAX_RANK 8
 
@@ -111,6 +112,17 @@ extern "C" __global__ void f32_to_bf16_packed(TensorList srcs, TensorList lens, 
     const float* src = (const float*)srcs.v[s];
     bf16_t* out = dst + offsets.v[s];
     GRID_STRIDE(i, lens.v[s]) { out[i] = f32_to_bf16(src[i]); }
+}
+
+// dsts.v[p][i] = s[0]·srcs.v[p][i] for i < lens.v[p]: several buffers times one scalar that
+// stays on the device (a loss's upstream gradient: the host never waits for it), in one
+// launch. Part p = blockIdx.y.
+extern "C" __global__ void scaled_copies(const float* s, TensorList srcs, TensorList dsts, TensorList lens) {
+    const int p = blockIdx.y;
+    const float* src = (const float*)srcs.v[p];
+    float* dst = (float*)dsts.v[p];
+    const float scale = s[0];
+    GRID_STRIDE(i, lens.v[p]) { dst[i] = scale * src[i]; }
 }
 
 // dst[i] = f32(src[i]) (exact)

@@ -40,6 +40,38 @@ extern "C" __global__ void softmax_backward(const float* y, const float* dy, flo
     }
 }
 
+// log Σ_j e^(xr_j) of one row, shifted by its maximum; every thread of the block gets it.
+__device__ float row_lse(const float* xr, i64 cols) {
+    float m = NEG_INF;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, xr[j]);
+    m = block_max(m);
+    float s = 0.0f;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += expf(xr[j] - m);
+    s = block_sum(s);
+    return m + logf(s);
+}
+
+// d/dlogits_j (lse − logits_t) = softmax_j − [j = t]:  dr_j = scale·(e^(xr_j − lse) − [j = t]),
+// and dr16_j = dr_j rounded to nearest even when dr16 is not null. dr may be xr (the
+// gradient written over the logits): each thread reads only the elements it writes.
+__device__ void softmax_minus_onehot(const float* xr, float lse, i64 t, float scale, i64 cols, float* dr,
+                                     bf16_t* dr16) {
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        float p = expf(xr[j] - lse);
+        float d = scale * (j == t ? p - 1.0f : p);
+        dr[j] = d;
+        if (dr16) dr16[j] = f32_to_bf16(d);
+    }
+}
+
+// A row whose gradient is zero (ignored, or a target ≥ cols), and its bf16 copy.
+__device__ void zero_row(i64 cols, float* dr, bf16_t* dr16) {
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        dr[j] = 0.0f;
+        if (dr16) dr16[j] = f32_to_bf16(0.0f);
+    }
+}
+
 // Per row: lse = log Σ e^logits; loss = lse − logits[t], or 0 when t == ignore (ignore < 0:
 // none). counters[0] counts rows not ignored; counters[1] counts targets ≥ cols (their loss
 // is NaN and their logits are not read).
@@ -48,14 +80,8 @@ extern "C" __global__ void cross_entropy_forward(const float* logits, const unsi
                                                  unsigned int* counters) {
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = logits + r * cols;
-        float m = NEG_INF;
-        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, xr[j]);
-        m = block_max(m);
-        float s = 0.0f;
-        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += expf(xr[j] - m);
-        s = block_sum(s);
+        float l = row_lse(xr, cols);
         if (threadIdx.x == 0) {
-            float l = m + logf(s);
             i64 t = (i64)targets[r];
             lse[r] = l;
             if (t == ignore) {
@@ -71,11 +97,10 @@ extern "C" __global__ void cross_entropy_forward(const float* logits, const unsi
     }
 }
 
-// d/dlogits_j (lse − logits_t) = softmax_j − [j = t]:  dlogits[r] = scale·(softmax − onehot)
-// for rows not ignored, zeros for ignored rows (and rows with a target ≥ cols), with
-// scale = upstream[0] / count: the mean loss's gradient, read here so the host never waits.
-// dlogits_bf16 (when not null) gets dlogits rounded to nearest even, for the LM head's
-// backward products.
+// dlogits[r] = scale·(softmax − onehot) for rows not ignored, zeros for ignored rows (and
+// rows with a target ≥ cols), with scale = upstream[0] / count: the mean loss's gradient,
+// read here so the host never waits. dlogits_bf16 (when not null) gets dlogits rounded to
+// nearest even, for the LM head's backward products.
 extern "C" __global__ void cross_entropy_backward(const float* logits, const unsigned int* targets,
                                                   const float* lse, i64 rows, i64 cols, i64 ignore,
                                                   const float* upstream, float count, float* dlogits,
@@ -86,19 +111,37 @@ extern "C" __global__ void cross_entropy_backward(const float* logits, const uns
         float* dr = dlogits + r * cols;
         bf16_t* dr16 = dlogits_bf16 ? dlogits_bf16 + r * cols : nullptr;
         if (t == ignore || t >= cols) {  // uniform across the block
-            for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
-                dr[j] = 0.0f;
-                if (dr16) dr16[j] = f32_to_bf16(0.0f);
-            }
+            zero_row(cols, dr, dr16);
             continue;
         }
-        const float* xr = logits + r * cols;
-        float shift = lse[r];
-        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
-            float p = expf(xr[j] - shift);
-            float d = scale * (j == t ? p - 1.0f : p);
-            dr[j] = d;
-            if (dr16) dr16[j] = f32_to_bf16(d);
+        softmax_minus_onehot(logits + r * cols, lse[r], t, scale, cols, dr, dr16);
+    }
+}
+
+// The forward and the backward of a row in one visit, the gradient written over the logits
+// (the LM head's chunked loss: Tensor::linear_cross_entropy): losses[r] as
+// cross_entropy_forward writes it (0 for ignored rows and rows with a target ≥ cols, which
+// the caller has refused), then, when grad is not 0, logits[r] = scale·(softmax − onehot) as
+// cross_entropy_backward writes dlogits, with its bf16 copy when dlogits_bf16 is not null.
+// grad = 0 leaves the logits as they are (evaluation). No lse is kept: nothing reads it.
+extern "C" __global__ void cross_entropy_forward_backward(float* logits, const unsigned int* targets, i64 rows,
+                                                          i64 cols, i64 ignore, float* losses, int grad,
+                                                          float scale, bf16_t* dlogits_bf16) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        float* xr = logits + r * cols;
+        i64 t = (i64)targets[r];
+        bool kept = t != ignore && t < cols;  // uniform across the block
+        // The target's logit, read before the barriers of row_lse: after them the row is
+        // overwritten.
+        float xt = kept ? xr[t] : 0.0f;
+        float l = row_lse(xr, cols);
+        if (threadIdx.x == 0) losses[r] = kept ? l - xt : 0.0f;
+        if (!grad) continue;
+        bf16_t* dr16 = dlogits_bf16 ? dlogits_bf16 + r * cols : nullptr;
+        if (kept) {
+            softmax_minus_onehot(xr, l, t, scale, cols, xr, dr16);
+        } else {
+            zero_row(cols, xr, dr16);
         }
     }
 }
