@@ -105,9 +105,11 @@ impl Var {
 
     /// [`Var::from_op`] whose `backward` also receives the gradient of `inputs[0]` summed so
     /// far (from the ops that read it and ran their backward first: in a pre-ln LLaMA block
-    /// the later residual add, `None` when there is none) and returns `inputs[0]`'s total, so
-    /// its kernel adds the two in the pass that writes its own gradient instead of the engine
-    /// adding them after.
+    /// the later residual add for RMSNorm, the v projection for the k projection's matmul;
+    /// `None` when there is none) and returns `inputs[0]`'s total, so its kernel adds the two
+    /// in the pass that writes its own gradient instead of the engine adding them after. The
+    /// tensor handed over is the engine's own: `backward` may write the total into its buffer
+    /// when it is the buffer's only owner (`Tensor::add_matmul`).
     pub fn from_op_absorbing<F>(value: Tensor, inputs: Vec<Var>, backward: F) -> Var
     where
         F: Fn(&Tensor, Option<Tensor>) -> Result<Vec<Tensor>> + 'static,

@@ -192,6 +192,46 @@ fn accumulate_agrees() {
     assert_f32_close(&gpu(&x).accumulate(gpu(&row)).unwrap(), &x.add(&row).unwrap(), "accumulate broadcast");
 }
 
+/// `Tensor::add_matmul` (a gradient summed by the GEMM, β = 1) adds into the sum's own buffer
+/// when it is the only owner, bit for bit as the product added to it apart (β·C after the
+/// whole sum over k, as cuBLAS's epilogue adds it; k here spans several of the emulator's
+/// blocks), and leaves a shared sum as it was. Under bf16 products the write forgets the sum's
+/// bf16 copy: a product reading the sum afterwards converts the new values.
+#[test]
+fn add_matmul_adds_into_a_sole_owner_and_forgets_its_bf16_copy() {
+    if no_gpu() {
+        return;
+    }
+    let (sum, dy, w) =
+        (rand(&[6, 20], -1.0, 1.0, 47), rand(&[6, 1300], -1.0, 1.0, 48), rand(&[1300, 20], -1.0, 1.0, 49));
+    let (gdy, gw) = (gpu(&dy), gpu(&w));
+    let bits = |t: &Tensor| t.to_host().unwrap().to_vec();
+    {
+        let _precision = Precision::set(MatmulPrecision::F32);
+        let apart = gpu(&sum).accumulate(gdy.matmul(&gw).unwrap()).unwrap();
+        assert_f32_close(&apart, &sum.add(&dy.matmul(&w).unwrap()).unwrap(), "sum and product");
+        let owned = gpu(&sum);
+        let address = owned.cuda_f32("test").unwrap().device_ptr();
+        let total = owned.add_matmul(&gdy, &gw).unwrap();
+        assert_eq!(total.cuda_f32("test").unwrap().device_ptr(), address, "added in the sum's own buffer");
+        assert_eq!(bits(&total), bits(&apart), "in place");
+        let shared = gpu(&sum);
+        assert_eq!(bits(&shared.clone().add_matmul(&gdy, &gw).unwrap()), bits(&apart), "shared");
+        assert_eq!(bits(&shared), sum.to_vec(), "a shared sum is left as it was");
+    }
+    let _precision = Precision::set(MatmulPrecision::Bf16);
+    let dev = tensor::cuda::device(0).unwrap();
+    let probe = gpu(&rand(&[20, 3], -1.0, 1.0, 50));
+    let owned = gpu(&sum);
+    owned.matmul(&probe).unwrap(); // makes the sum's bf16 copy (and the probe's)
+    let total = owned.add_matmul(&gdy, &gw).unwrap();
+    let before = dev.counters();
+    let product = total.matmul(&probe).unwrap();
+    let conversions = dev.counters().since(&before).launches_by_kernel.get("f32_to_bf16_kernel").copied();
+    assert_eq!(conversions, Some(1), "the new sum is converted again");
+    assert_eq!(bits(&product), bits(&total.deep_copy().unwrap().matmul(&probe).unwrap()), "the product reads the sum");
+}
+
 #[test]
 fn reductions_agree() {
     if no_gpu() {
@@ -431,6 +471,26 @@ fn linear_sigmoid_graph_agrees() {
     let _lock = matmul_lock();
     let inputs = [rand(&[4, 6], -1.0, 1.0, 37), rand(&[6, 3], -1.0, 1.0, 38), rand(&[3], -1.0, 1.0, 39)];
     assert_graph_agrees(&inputs, |v| v[0].matmul(&v[1])?.add(&v[2])?.sigmoid()?.sum_all(), "(x·W + b).sigmoid().sum()");
+}
+
+/// One input read by three projections and a residual add (a pre-ln block's q, k and v): its
+/// gradient is summed by the projections' backward GEMMs (`Var::matmul` takes over the sum so
+/// far), and a projection of a batched input whose batch dims broadcast sums back apart.
+#[test]
+fn an_input_read_by_several_products_graph_agrees() {
+    if no_gpu() {
+        return;
+    }
+    let _lock = matmul_lock();
+    let weight = |seed: u64| rand(&[5, 6], -1.0, 1.0, seed);
+    let inputs = [rand(&[4, 6], -1.0, 1.0, 51), weight(52), weight(53), weight(54), rand(&[2, 6, 3], -1.0, 1.0, 55)];
+    let loss = |v: &[Var]| {
+        let project = |w: &Var| v[0].matmul(&w.transpose(0, 1)?)?.sigmoid();
+        let (q, k, vv) = (project(&v[1])?, project(&v[2])?, project(&v[3])?);
+        let batched = v[0].matmul(&v[4])?.tanh()?.sum_all()?;
+        q.mul(&k)?.add(&vv)?.sum_all()?.add(&batched)?.add(&v[0].mul(&v[0])?.sum_all()?)
+    };
+    assert_graph_agrees(&inputs, loss, "x read by three projections, a broadcast product and a square");
 }
 
 #[test]

@@ -5,6 +5,8 @@
 //! `Aᵀ` is `A` with its strides swapped. [`Store::Accumulate`] (BLAS's β = 1) is for
 //! building blocks that sum several products into one buffer, such as the convolution's
 //! weight gradient over the images of a run; gradients themselves are written (`lib.rs`).
+//! (`gemm` adds a read `dst` into its sum before its later blocks of k, so `dst + A·B` here
+//! need not have the bits of `A·B` added to `dst` after.)
 //!
 //! PyTorch equivalent: `torch.addmm(dst, lhs, rhs)`.
 

@@ -3,7 +3,9 @@
 //! Mirrors `cpu::norm`: the forward saves `rstd` (and `mean`) per row; the backward writes
 //! `dx = ...` and `dweight`/`dbias = ...` (never reads them). The parameter gradients are column
 //! sums over rows in a fixed order (partial sums per chunk of rows, then the chunks in
-//! order), so they repeat bit for bit.
+//! order), so they repeat bit for bit. RMSNorm's backward kernel writes its weight's partial
+//! sums in the pass that writes `dx` (two launches in all); LayerNorm's come from a second
+//! pass over `x` and `dy` (three).
 
 use cudarc::driver::LaunchConfig;
 use half::bf16;
@@ -11,13 +13,17 @@ use half::bf16;
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, CudaError, Result};
-use super::launch::{check_owners, opt_ptr, per_row, ptr, row_threads, size};
+use super::launch::{check_owners, elementwise, opt_ptr, per_row, ptr, row_threads, size};
 use super::module::{Arg, KernelFamily};
 use super::reduce::{chunking, finish_column_sums};
 
 pub use crate::cpu::norm::{NormDims, NormGrads, RowStats};
 
 const FAMILY: KernelFamily = KernelFamily::Norm;
+
+/// Row lanes of a chunk of rows in the parameter gradients' column sums (`NORM_ROW_LANES` in
+/// `norm.cu`): lane `l` sums rows `l, l + 8, ...` of the chunk, then the lanes are added in order.
+const ROW_LANES: usize = 8;
 
 /// [`NormDims::check`], as on the CPU, as a shape error naming `op`.
 fn check(
@@ -128,6 +134,15 @@ pub fn rms_norm_backward(
         ensure(copy.len() == dx.len(), OP, || format!("dx_bf16 has {} elements, dx {}", copy.len(), dx.len()))?;
     }
     let NormDims { rows, cols, .. } = *dims;
+    // The weight's gradient in the order of LayerNorm's (`layer_norm_param_grads`): one partial
+    // sum per lane of each chunk of rows, written by the backward kernel, then the finish.
+    let (per_chunk, chunks) = chunking(rows, 1);
+    let lane_partial = dweight.as_ref().map(|_| dev.alloc::<f32>(ROW_LANES * chunks * cols)).transpose()?;
+    let cfg = LaunchConfig {
+        grid_dim: (ROW_LANES as u32, chunks as u32, 1),
+        block_dim: (row_threads(cols), 1, 1),
+        shared_mem_bytes: 0,
+    };
     let args = [
         ptr(x),
         ptr(weight),
@@ -138,9 +153,15 @@ pub fn rms_norm_backward(
         opt_ptr(dx_bf16.as_deref()),
         size(rows),
         size(cols),
+        size(per_chunk),
+        opt_ptr(lane_partial.as_ref()),
     ];
-    dev.launch(FAMILY, "rms_norm_backward", per_row(rows, row_threads(cols)), &args)?;
-    param_grads(dev, x, dy, None, rstd, dims, (dweight, None))
+    dev.launch(FAMILY, "rms_norm_backward", cfg, &args)?;
+    if let (Some(partial), Some(dw)) = (&lane_partial, dweight) {
+        let args = [ptr(partial), size(chunks), size(cols), ptr(dw)];
+        dev.launch(FAMILY, "rms_norm_weight_grad_finish", elementwise(cols), &args)?;
+    }
+    Ok(())
 }
 
 /// `y = (x − mean)·rstd (· weight + bias if given)`; `mean` and `rstd` saved per row.
@@ -203,16 +224,15 @@ pub fn layer_norm_backward(
     let NormDims { rows, cols, .. } = *dims;
     let args = [ptr(x), opt_ptr(weight), ptr(mean), ptr(rstd), ptr(dy), ptr(dx), size(rows), size(cols)];
     dev.launch(FAMILY, "layer_norm_backward", per_row(rows, row_threads(cols)), &args)?;
-    param_grads(dev, x, dy, Some(mean), rstd, dims, (dweight, dbias))
+    layer_norm_param_grads(dev, x, dy, RowStats { mean, rstd }, dims, (dweight, dbias))
 }
 
-/// `dweight = Σ_rows dy ⊙ x̂`, `dbias = Σ_rows dy` (either may be absent).
-fn param_grads(
+/// LayerNorm's `dweight = Σ_rows dy ⊙ x̂`, `dbias = Σ_rows dy` (either may be absent).
+fn layer_norm_param_grads(
     dev: &CudaDevice,
     x: &DeviceBuffer<f32>,
     dy: &DeviceBuffer<f32>,
-    mean: Option<&DeviceBuffer<f32>>,
-    rstd: &DeviceBuffer<f32>,
+    RowStats { mean, rstd }: RowStats<&DeviceBuffer<f32>>,
     dims: &NormDims,
     (dweight, dbias): (Option<&mut DeviceBuffer<f32>>, Option<&mut DeviceBuffer<f32>>),
 ) -> Result<()> {
@@ -229,13 +249,13 @@ fn param_grads(
     let partial_b = dbias.as_ref().map(|_| dev.alloc::<f32>(chunks * cols)).transpose()?;
     let cfg = LaunchConfig {
         grid_dim: (cols.div_ceil(32) as u32, chunks as u32, 1),
-        block_dim: (32, 8, 1),
+        block_dim: (32, ROW_LANES as u32, 1),
         shared_mem_bytes: 0,
     };
     let args = [
         ptr(x),
         ptr(dy),
-        opt_ptr(mean),
+        ptr(mean),
         ptr(rstd),
         size(rows),
         size(cols),

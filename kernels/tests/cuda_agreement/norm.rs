@@ -12,7 +12,8 @@ use super::{assert_close_to, assert_reduced, down, stale, up, Rng};
 fn rms_norm_and_layer_norm_agree() {
     let dev = device_or_skip!();
     let mut rng = Rng::new(7);
-    for (rows, cols) in [(2048, 67), (3, 768), (1, 1), (5000, 32)] {
+    // (66000, 5): chunks of 65 rows (more than 64·1024 rows), lanes of 8 or 9 rows.
+    for (rows, cols) in [(2048, 67), (3, 768), (1, 1), (5000, 32), (66_000, 5)] {
         let (x, w, b, dy) = (
             rng.vec(rows * cols, -2.0, 2.0),
             rng.vec(cols, 0.5, 1.5),
@@ -49,6 +50,17 @@ fn rms_norm_and_layer_norm_agree() {
         let terms = (0..x.len()).fold(0.0f32, |m, i| m.max((dy[i] * w[i % cols] * rstd[i / cols]).abs()));
         assert_close_to("rms dx", &down(dev, &gdx), &dx, 1e-4, 1e-4 * terms);
         assert_reduced("rms dw", &down(dev, &gdw), &dw);
+        // RMSNorm's backward kernel writes dw's partial sums in its own pass; they are those of
+        // the separate pass over x and dy (LayerNorm's, here with mean 0 and RMSNorm's rstd),
+        // in the same order: the same bits.
+        {
+            let (zeros, grstd) = (up(dev, &vec![0.0; rows]), up(dev, &rstd));
+            let (mut gdx_ln, mut gdw_ln) = (up(dev, &start), up(dev, &wstart));
+            let stats = RowStats { mean: &zeros, rstd: &grstd };
+            let grads = NormGrads { dx: &mut gdx_ln, dweight: Some(&mut gdw_ln), dbias: None };
+            cuda::norm::layer_norm_backward(dev, &gx, Some(&gw), stats, &gdy, &dims, grads).unwrap();
+            assert_eq!(down(dev, &gdw), down(dev, &gdw_ln), "rms dw in the backward's pass equals the separate sum");
+        }
         // With the residual stream's gradient added in the same pass, and dx's bf16 twin: the
         // residual plus the dx above, bit for bit on each device, and the twin is dx rounded.
         let residual = rng.vec(rows * cols, -1.0, 1.0);

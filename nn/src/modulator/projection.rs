@@ -65,7 +65,11 @@ impl ModulatedProjection {
     pub fn forward_unfused(&self, x: &Var) -> Result<Var> {
         let shape = x.shape();
         let rows: usize = shape[..shape.len().saturating_sub(1)].iter().product();
-        let flat = x.reshape(&[rows, self.in_features()])?;
+        // Rows already flat (`[rows, in]`) are read as they are, so every projection of one
+        // input reads the same graph node and adds its input gradient onto the others' in
+        // its own backward GEMM (`Var::matmul`), where a reshape apiece would leave the sum
+        // to the engine.
+        let flat = if shape.len() == 2 { x.clone() } else { x.reshape(&[rows, self.in_features()])? };
         let mut y = self.linear.forward(&flat)?;
         for gate in &self.gates {
             y = y.mul(&gate.forward(&flat)?)?;

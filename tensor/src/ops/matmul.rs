@@ -1,11 +1,49 @@
-//! Batched matrix multiply with broadcasting batch dimensions and free transposes.
+//! Batched matrix multiply with broadcasting batch dimensions and free transposes, and its
+//! accumulating form (`C + A·B`, written into `C` by the GEMM on a GPU: summed gradients).
 //!
-//! PyTorch equivalent: `torch.matmul` for operands of rank ≥ 2.
+//! PyTorch equivalent: `torch.matmul` for operands of rank ≥ 2, `torch.addmm`.
 
 use kernels::cpu::matmul::{matmul, GemmDims, MatRef, Store};
 
 use crate::shape::broadcast_shapes;
 use crate::{Error, Result, Tensor};
+
+/// The shape of a product `lhs[..., m, k]·rhs[..., k, n]`: the batch dimensions of both
+/// broadcast together, and the size of each matrix product.
+struct Product {
+    batch: Vec<usize>,
+    dims: GemmDims,
+}
+
+impl Product {
+    /// Checks that `lhs` and `rhs` can be multiplied (same device, rank ≥ 2, inner sizes
+    /// equal, batch dimensions broadcastable); `op` names the caller in errors.
+    fn of(op: &'static str, lhs: &Tensor, rhs: &Tensor) -> Result<Product> {
+        lhs.same_device(op, rhs)?;
+        let mismatch = || Error::ShapeMismatch { op, lhs: lhs.shape.clone(), rhs: rhs.shape.clone() };
+        if lhs.rank() < 2 || rhs.rank() < 2 {
+            return Err(mismatch());
+        }
+        let (m, k) = (lhs.shape[lhs.rank() - 2], lhs.shape[lhs.rank() - 1]);
+        let (k2, n) = (rhs.shape[rhs.rank() - 2], rhs.shape[rhs.rank() - 1]);
+        if k != k2 {
+            return Err(mismatch());
+        }
+        let batch =
+            broadcast_shapes(op, &lhs.shape[..lhs.rank() - 2], &rhs.shape[..rhs.rank() - 2]).map_err(|_| mismatch())?;
+        Ok(Product { batch, dims: GemmDims { m, n, k } })
+    }
+
+    /// The shape of the result, `[batch..., m, n]`.
+    fn shape(&self) -> Vec<usize> {
+        [self.batch.as_slice(), &[self.dims.m, self.dims.n]].concat()
+    }
+
+    /// Number of matrix products (the batch dimensions' product).
+    fn batches(&self) -> usize {
+        self.batch.iter().product()
+    }
+}
 
 impl Tensor {
     /// `self[..., m, k] · rhs[..., k, n]`; batch dimensions broadcast. Strided operands
@@ -13,33 +51,55 @@ impl Tensor {
     /// can take the view). GPU products run in the precision set by
     /// `tensor::cuda::set_matmul_precision` (f32 unless bf16 mixed precision is on).
     pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
-        self.same_device("matmul", rhs)?;
-        let mismatch = || Error::ShapeMismatch { op: "matmul", lhs: self.shape.clone(), rhs: rhs.shape.clone() };
-        if self.rank() < 2 || rhs.rank() < 2 {
-            return Err(mismatch());
-        }
-        let (m, k) = (self.shape[self.rank() - 2], self.shape[self.rank() - 1]);
-        let (k2, n) = (rhs.shape[rhs.rank() - 2], rhs.shape[rhs.rank() - 1]);
-        if k != k2 {
-            return Err(mismatch());
-        }
-        let batch = broadcast_shapes("matmul", &self.shape[..self.rank() - 2], &rhs.shape[..rhs.rank() - 2])
-            .map_err(|_| mismatch())?;
+        let product = Product::of("matmul", self, rhs)?;
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
-            return cuda::matmul(self, rhs, &batch, (m, k, n));
+            return cuda::matmul(self, rhs, &product);
         }
-        let lhs = self.expand(&[batch.as_slice(), &[m, k]].concat())?;
-        let rhs = rhs.expand(&[batch.as_slice(), &[k, n]].concat())?;
-        let batches: usize = batch.iter().product();
-        let mut out = crate::pool::buffer(batches * m * n);
-        let (lhs_data, rhs_data) = (lhs.f32_storage("matmul")?, rhs.f32_storage("matmul")?);
-        for b in 0..batches {
-            let (l, r) = (operand(&lhs, lhs_data, b, &batch), operand(&rhs, rhs_data, b, &batch));
-            matmul(&mut out, b * m * n, l, r, GemmDims { m, n, k }, Store::Overwrite);
-        }
-        Tensor::from_vec(out, &[batch.as_slice(), &[m, n]].concat())
+        let mut out = crate::pool::buffer(product.shape().iter().product());
+        cpu_products(&mut out, self, rhs, &product)?;
+        Tensor::from_vec(out, &product.shape())
     }
+
+    /// `self + lhs·rhs` ([`Tensor::matmul`]'s product, which must have `self`'s shape), for
+    /// a gradient that several products add to. On a GPU, when `self` is the only owner of a
+    /// dense f32 buffer holding exactly its elements, cuBLAS adds the product into that
+    /// buffer (BLAS's β = 1: no separate add, no new buffer) and the write drops the
+    /// buffer's bf16 copy (cuBLAS writes f32 only). Otherwise, and always on the CPU, the
+    /// product goes to a new buffer and [`Tensor::accumulate`] adds the two: the CPU's `gemm`
+    /// would add `self` into its sum before the later blocks of `k`, which changes the bits
+    /// of the sum, where cuBLAS adds β·`self` after the whole product, as a separate add
+    /// does. PyTorch: `torch.addmm(self, lhs, rhs)`.
+    pub fn add_matmul(self, lhs: &Tensor, rhs: &Tensor) -> Result<Tensor> {
+        const OP: &str = "add_matmul";
+        self.same_device(OP, lhs)?;
+        let product = Product::of(OP, lhs, rhs)?;
+        if product.shape() != self.shape {
+            return Err(Error::ShapeMismatch { op: OP, lhs: self.shape.clone(), rhs: product.shape() });
+        }
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            let mut sum = self;
+            if cuda::add_matmul_in_place(&mut sum, lhs, rhs, &product)?.is_some() {
+                return Ok(sum);
+            }
+            return sum.accumulate(lhs.matmul(rhs)?);
+        }
+        self.accumulate(lhs.matmul(rhs)?)
+    }
+}
+
+/// The CPU products of `lhs·rhs` into `out` (row-major `[batch..., m, n]`).
+fn cpu_products(out: &mut [f32], lhs: &Tensor, rhs: &Tensor, product: &Product) -> Result<()> {
+    let Product { batch, dims } = product;
+    let lhs = lhs.expand(&[batch.as_slice(), &[dims.m, dims.k]].concat())?;
+    let rhs = rhs.expand(&[batch.as_slice(), &[dims.k, dims.n]].concat())?;
+    let (lhs_data, rhs_data) = (lhs.f32_storage("matmul")?, rhs.f32_storage("matmul")?);
+    for b in 0..product.batches() {
+        let (l, r) = (operand(&lhs, lhs_data, b, batch), operand(&rhs, rhs_data, b, batch));
+        matmul(out, b * dims.m * dims.n, l, r, *dims, Store::Overwrite);
+    }
+    Ok(())
 }
 
 /// Matrix `b` of the batch of an expanded `[batch..., rows, cols]` view, as a gemm operand.
@@ -80,21 +140,41 @@ mod tests {
         assert_eq!(y.to_vec()[1], expected);
         assert!(a.matmul(&w).is_err());
     }
+
+    #[test]
+    fn add_matmul_is_the_sum_with_the_product() {
+        let mut rng = crate::Rng::new(5);
+        let (dy, w) =
+            (Tensor::rand_normal(&[6, 4], 0.0, 1.0, &mut rng), Tensor::rand_normal(&[4, 5], 0.0, 1.0, &mut rng));
+        let sum = Tensor::rand_normal(&[6, 5], 0.0, 1.0, &mut rng);
+        let want = sum.clone().accumulate(dy.matmul(&w).unwrap()).unwrap().to_vec();
+        // The sole owner of its buffer, and a buffer shared with `sum` (left as it was).
+        let owned = Tensor::from_vec(sum.to_vec(), &[6, 5]).unwrap();
+        assert_eq!(owned.add_matmul(&dy, &w).unwrap().to_vec(), want);
+        let before = sum.to_vec();
+        assert_eq!(sum.clone().add_matmul(&dy, &w).unwrap().to_vec(), want);
+        assert_eq!(sum.to_vec(), before);
+        // The product must have the sum's shape.
+        assert!(sum.add_matmul(&dy, &w.narrow(1, 0, 4).unwrap()).is_err());
+    }
 }
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda {
     //! The CUDA branch of `ops/matmul.rs` (one cuBLAS product per batch matrix, strided views
-    //! read in place where cuBLAS can take them) and the process-wide matmul precision.
+    //! read in place where cuBLAS can take them; added onto a gradient's buffer by β = 1 for
+    //! `Tensor::add_matmul`) and the process-wide matmul precision.
 
     use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
 
     use kernels::cpu::matmul::{GemmDims, Store};
     use kernels::cuda::blas::{self as launch, DeviceMat};
-    use kernels::cuda::{DeviceBuffer, DeviceScalar};
+    use kernels::cuda::{CudaDevice, DeviceBuffer, DeviceScalar};
 
+    use super::Product;
     use crate::cuda::output;
-    use crate::{DType, Error, Result, Tensor};
+    use crate::{DType, Error, Result, Storage, Tensor};
 
     /// The operand type of every matmul on a GPU (see [`set_matmul_precision`]).
     #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -128,48 +208,85 @@ pub(crate) mod cuda {
         }
     }
 
-    /// `lhs[..., m, k] · rhs[..., k, n]` with both batch shapes broadcast to `batch` (already
-    /// checked by the caller).
-    pub(crate) fn matmul(
-        lhs: &Tensor,
-        rhs: &Tensor,
-        batch: &[usize],
-        (m, k, n): (usize, usize, usize),
-    ) -> Result<Tensor> {
+    /// `lhs[..., m, k] · rhs[..., k, n]` of `product`'s shape (already checked by the caller).
+    pub(super) fn matmul(lhs: &Tensor, rhs: &Tensor, product: &Product) -> Result<Tensor> {
         const OP: &str = "matmul";
         let dev = lhs.cuda_device(OP)?;
+        check_f32(OP, lhs, rhs)?;
+        if product.dims.k == 0 {
+            // An empty sum: zeros (cuBLAS is not asked to scale an uninitialised output).
+            return Tensor::zeros_on(&product.shape(), lhs.device);
+        }
+        output(&dev, OP, &product.shape(), |out| products(&dev, lhs, rhs, product, out, Store::Overwrite))
+    }
+
+    /// `dst += lhs·rhs` by the GEMMs themselves (BLAS's β = 1) when `dst` solely owns a dense
+    /// f32 buffer of exactly its elements (`product`'s shape, checked by the caller); `None`
+    /// when it does not, and the caller adds the product another way. The write forgets the
+    /// buffer's bf16 copy (`CudaStorage::f32_buffer_mut`): cuBLAS writes f32 only.
+    pub(super) fn add_matmul_in_place(
+        dst: &mut Tensor,
+        lhs: &Tensor,
+        rhs: &Tensor,
+        product: &Product,
+    ) -> Result<Option<()>> {
+        const OP: &str = "add_matmul";
+        if dst.dtype() != DType::F32 || !dst.is_contiguous() || dst.offset != 0 || dst.storage.len() != dst.numel() {
+            return Ok(None);
+        }
+        let dev = dst.cuda_device(OP)?;
+        check_f32(OP, lhs, rhs)?;
+        let Some(Storage::Cuda(storage)) = Arc::get_mut(&mut dst.storage) else { return Ok(None) };
+        if product.dims.k == 0 {
+            // Nothing to add.
+            return Ok(Some(()));
+        }
+        products(&dev, lhs, rhs, product, storage.f32_buffer_mut(OP)?, Store::Accumulate)?;
+        Ok(Some(()))
+    }
+
+    /// Errors unless both operands are f32 tensors (bf16 products read their bf16 copies).
+    fn check_f32(op: &'static str, lhs: &Tensor, rhs: &Tensor) -> Result<()> {
         for t in [lhs, rhs] {
             if t.dtype() != DType::F32 {
-                return Err(Error::DTypeMismatch { op: OP, expected: DType::F32, got: t.dtype() });
+                return Err(Error::DTypeMismatch { op, expected: DType::F32, got: t.dtype() });
             }
         }
-        let out_shape = [batch, &[m, n]].concat();
-        if k == 0 {
-            // An empty sum: zeros (cuBLAS is not asked to scale an uninitialised output).
-            return Tensor::zeros_on(&out_shape, lhs.device);
-        }
+        Ok(())
+    }
+
+    /// One cuBLAS product per batch matrix of the f32 `lhs·rhs` into `out` (row-major,
+    /// `product`'s shape), written or added onto it as `store` says; `k` is not 0.
+    fn products(
+        dev: &Arc<CudaDevice>,
+        lhs: &Tensor,
+        rhs: &Tensor,
+        product: &Product,
+        out: &mut DeviceBuffer<f32>,
+        store: Store,
+    ) -> Result<()> {
+        const OP: &str = "matmul";
+        let (batch, dims) = (product.batch.as_slice(), product.dims);
+        let GemmDims { m, n, k } = dims;
         let (lhs, rhs) = (gemm_view(lhs, m, k)?, gemm_view(rhs, k, n)?);
         let bf16 = matmul_precision() == MatmulPrecision::Bf16;
         let (lhs, rhs) = if bf16 { (to_bf16(&lhs)?, to_bf16(&rhs)?) } else { (lhs, rhs) };
         let lhs = lhs.expand(&[batch, &[m, k]].concat())?;
         let rhs = rhs.expand(&[batch, &[k, n]].concat())?;
-        let batches: usize = batch.iter().product();
         let (l_storage, r_storage) = (storage_of(&lhs)?, storage_of(&rhs)?);
-        output(&dev, OP, &out_shape, |out| {
-            for b in 0..batches {
-                let at = b * m * n;
-                if bf16 {
-                    let (l, r) = (l_storage.bf16_buffer(OP)?, r_storage.bf16_buffer(OP)?);
-                    let (l, r) = (operand(&lhs, l, b, batch), operand(&rhs, r, b, batch));
-                    launch::matmul_bf16(&dev, out, at, l, r, GemmDims { m, n, k }, Store::Overwrite)?;
-                } else {
-                    let (l, r) = (l_storage.f32_buffer(OP)?, r_storage.f32_buffer(OP)?);
-                    let (l, r) = (operand(&lhs, l, b, batch), operand(&rhs, r, b, batch));
-                    launch::matmul(&dev, out, at, l, r, GemmDims { m, n, k }, Store::Overwrite)?;
-                }
+        for b in 0..product.batches() {
+            let at = b * m * n;
+            if bf16 {
+                let (l, r) = (l_storage.bf16_buffer(OP)?, r_storage.bf16_buffer(OP)?);
+                let (l, r) = (operand(&lhs, l, b, batch), operand(&rhs, r, b, batch));
+                launch::matmul_bf16(dev, out, at, l, r, dims, store)?;
+            } else {
+                let (l, r) = (l_storage.f32_buffer(OP)?, r_storage.f32_buffer(OP)?);
+                let (l, r) = (operand(&lhs, l, b, batch), operand(&rhs, r, b, batch));
+                launch::matmul(dev, out, at, l, r, dims, store)?;
             }
-            Ok(())
-        })
+        }
+        Ok(())
     }
 
     /// `t` itself when cuBLAS can read its last two dimensions (`rows × cols`) in place, as

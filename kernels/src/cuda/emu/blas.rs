@@ -1,7 +1,8 @@
 //! The cuBLAS calls of `cuda/blas.rs`, done on the CPU with cuBLAS's semantics: column-major
 //! operands, `op(X)` = X or Xᵀ, leading dimensions (checked as cuBLAS checks them, then every
 //! touched element against its buffer), `C = alpha·op(A)·op(B) + beta·C` where beta = 0 does
-//! not read C, and bf16 operands widened exactly to f32 and accumulated in f32.
+//! not read C and beta·C is added once the whole sum over k is done (cuBLAS's epilogue), and
+//! bf16 operands widened exactly to f32 and accumulated in f32.
 
 use gemm::Parallelism;
 use half::bf16;
@@ -173,28 +174,45 @@ unsafe fn product(
     };
     let (a_rs, a_cs) = strides(a);
     let (b_rs, b_cs) = strides(b);
-    // gemm computes dst = alpha_g·dst + beta_g·lhs·rhs, reading dst only when asked.
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        ldc as isize,
-        1,
-        beta != 0.0,
-        pa,
-        a_cs,
-        a_rs,
-        pb,
-        b_cs,
-        b_rs,
-        beta,
-        alpha,
-        false,
-        false,
-        false,
-        Parallelism::Rayon(rayon::current_num_threads()),
-    );
+    // gemm computes out = alpha_g·out + beta_g·lhs·rhs; here always out = alpha·lhs·rhs (not
+    // reading out). It would add a read C into its sum before the later blocks of k, where
+    // cuBLAS adds beta·C after the whole sum (its epilogue): so C + A·B gives the bits of
+    // A·B written, then added to C (a gradient summed by the GEMM or by a separate add).
+    let product_into = |out: *mut f32, ld: usize| {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out,
+            ld as isize,
+            1,
+            false,
+            pa,
+            a_cs,
+            a_rs,
+            pb,
+            b_cs,
+            b_rs,
+            0.0,
+            alpha,
+            false,
+            false,
+            false,
+            Parallelism::Rayon(rayon::current_num_threads()),
+        )
+    };
+    if beta == 0.0 {
+        product_into(dst, ldc);
+        return;
+    }
+    let mut product = vec![0.0f32; m * n];
+    product_into(product.as_mut_ptr(), m);
+    for j in 0..n {
+        for i in 0..m {
+            let at = dst.add(i + j * ldc);
+            *at = product[i + j * m] + beta * *at;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -270,6 +288,26 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn beta_adds_c_after_the_whole_product() {
+        // k past the `gemm` crate's depth blocks: C + A·B must be A·B (every block summed)
+        // plus C, as a product written and then added to C gives it, bit for bit.
+        let dev = CudaDevice::emulated().unwrap();
+        let (m, n, k) = (16, 64, 4096);
+        let (a, b, c) = (values(m * k, 4), values(k * n, 5), values(m * n, 6));
+        let (ga, gb) = (dev.upload(&a).unwrap(), dev.upload(&b).unwrap());
+        let col = |buffer: &crate::cuda::DeviceBuffer<f32>, ld| ColMajor { ptr: buffer.device_ptr(), ld, trans: false };
+        let run = |beta: f32| {
+            let gc = dev.upload(&c).unwrap();
+            let (a, b) = ((col(&ga, m), 0), (col(&gb, k), 0));
+            gemm("test", Operands::F32, (m, n, k), 1.0, a, b, beta, (gc.device_ptr(), m, 0), 1).unwrap();
+            dev.download(&gc).unwrap()
+        };
+        let (sum, product) = (run(1.0), run(0.0));
+        let added: Vec<f32> = product.iter().zip(&c).map(|(p, c)| p + c).collect();
+        assert_eq!(sum, added);
     }
 
     #[test]

@@ -1,8 +1,13 @@
 // RMSNorm and LayerNorm over the last axis (cpu/norm.rs): x is [N, C], one block per row.
 // The forward saves rstd (and mean) per row; the backward writes dx = ... per row (gradients
-// are written, not added: kernels/src/lib.rs), and the weight/bias gradients come from
-// norm_param_grads_partial, a column sum over rows in a fixed order (no atomics), finished by
-// reduce.cu's column_sums_finish.
+// are written, not added: kernels/src/lib.rs). The weight/bias gradients are column sums over
+// rows in a fixed order (no atomics): LayerNorm's come from norm_param_grads_partial, finished
+// by reduce.cu's column_sums_finish; RMSNorm's backward writes the same partial sums itself,
+// finished by rms_norm_weight_grad_finish (same order, same bits).
+
+// Row lanes of a chunk of rows in the norms' column sums: lane l holds rows r0 + l, r0 + l + 8,
+// ... of the chunk (norm_param_grads_partial's blockDim.y).
+#define NORM_ROW_LANES 8
 
 // The end of one row's RMSNorm, shared by rms_norm_forward and add_rms_norm_forward so both
 // compute the same bits: ss (this thread's part of Σ x², over the columns it reads) summed over
@@ -56,10 +61,24 @@ extern "C" __global__ void add_rms_norm_forward(const float* x, const float* del
 // residual (when not null) is the gradient already reaching x by another path (a pre-ln block's
 // residual stream): dx is then residual + d/dx. dx_bf16 (when not null) gets dx rounded to
 // nearest even, for the bf16 products reading it.
+// The weight's gradient d/dw_j = Σ_rows dy_j·x̂_j (x̂ = x·r) comes from the same pass, in
+// norm_param_grads_partial's order: the rows are cut into chunks of rows_per_chunk and each
+// chunk into NORM_ROW_LANES lanes; block (lane, chunk) walks its lane's rows in order (one row
+// at a time, the whole block on it, as one block per row would) and each thread adds its
+// columns' dy·x̂ into its own elements of lane_partial_w[(chunk·NORM_ROW_LANES + lane)·cols + j]
+// (no other thread touches them: no atomics, no barrier). rms_norm_weight_grad_finish adds
+// them up. lane_partial_w null: no weight gradient.
 extern "C" __global__ void rms_norm_backward(const float* x, const float* w, const float* rstd, const float* dy,
-                                             const float* residual, float* dx, bf16_t* dx_bf16, i64 rows,
-                                             i64 cols) {
-    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+                                             const float* residual, float* dx, bf16_t* dx_bf16, i64 rows, i64 cols,
+                                             i64 rows_per_chunk, float* lane_partial_w) {
+    const i64 lane = blockIdx.x, chunk = blockIdx.y;
+    const i64 r0 = chunk * rows_per_chunk;
+    const i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+    float* dw_lane = lane_partial_w ? lane_partial_w + (chunk * NORM_ROW_LANES + lane) * cols : nullptr;
+    if (dw_lane) {
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) dw_lane[j] = 0.0f;
+    }
+    for (i64 r = r0 + lane; r < r1; r += NORM_ROW_LANES) {
         const float* xr = x + r * cols;
         const float* dyr = dy + r * cols;
         float* dxr = dx + r * cols;
@@ -73,7 +92,26 @@ extern "C" __global__ void rms_norm_backward(const float* x, const float* w, con
             if (residual) g = residual[r * cols + j] + g;
             dxr[j] = g;
             if (dx_bf16) dx_bf16[r * cols + j] = f32_to_bf16(g);
+            if (dw_lane) dw_lane[j] += dyr[j] * xr[j] * rs;
         }
+    }
+}
+
+// dw[j] = Σ_chunk (Σ_lane lane_partial_w[(chunk·NORM_ROW_LANES + lane)·cols + j]): the lanes of a
+// chunk in order in f32, then the chunks in order in f64, as norm_param_grads_partial and
+// column_sums_finish add them.
+extern "C" __global__ void rms_norm_weight_grad_finish(const float* lane_partial_w, i64 chunks, i64 cols,
+                                                       float* dw) {
+    GRID_STRIDE(j, cols) {
+        double total = 0.0;
+        for (i64 chunk = 0; chunk < chunks; ++chunk) {
+            float sum = 0.0f;
+            for (int lane = 0; lane < NORM_ROW_LANES; ++lane) {
+                sum += lane_partial_w[(chunk * NORM_ROW_LANES + lane) * cols + j];
+            }
+            total += (double)sum;
+        }
+        dw[j] = (float)total;
     }
 }
 
@@ -131,9 +169,9 @@ extern "C" __global__ void layer_norm_backward(const float* x, const float* w, c
     }
 }
 
-// d/dw_j = Σ_rows dy_j·x̂_j,  d/db_j = Σ_rows dy_j,  x̂ = (x − mean)·rstd (mean = 0 for RMSNorm:
-// pass mean = null). Partial sums per chunk of rows: partial_w[chunk·cols + col], likewise
-// partial_b when given. Block (32, 8); grid (⌈cols/32⌉, chunks).
+// LayerNorm's d/dw_j = Σ_rows dy_j·x̂_j,  d/db_j = Σ_rows dy_j,  x̂ = (x − mean)·rstd. Partial
+// sums per chunk of rows: partial_w[chunk·cols + col], likewise partial_b when given. Block
+// (32, NORM_ROW_LANES); grid (⌈cols/32⌉, chunks).
 extern "C" __global__ void norm_param_grads_partial(const float* x, const float* dy, const float* mean,
                                                     const float* rstd, i64 rows, i64 cols, i64 rows_per_chunk,
                                                     float* partial_w, float* partial_b) {
@@ -147,8 +185,7 @@ extern "C" __global__ void norm_param_grads_partial(const float* x, const float*
     if (col < cols) {
         for (i64 r = r0 + threadIdx.y; r < r1; r += 8) {
             float g = dy[r * cols + col];
-            float mu = mean ? mean[r] : 0.0f;
-            acc_w += g * (x[r * cols + col] - mu) * rstd[r];
+            acc_w += g * (x[r * cols + col] - mean[r]) * rstd[r];
             acc_b += g;
         }
     }
