@@ -2,17 +2,28 @@
 // over rows of `cols`: one block per row, the row read from global memory once per pass.
 // Backward kernels write their gradients, dx = ... (not added: kernels/src/lib.rs).
 
+// A row's maximum m and Σ_j e^(xr_j − m); every thread of the block gets both.
+struct RowMaxSum {
+    float m, s;
+};
+
+__device__ RowMaxSum row_max_sum(const float* xr, i64 cols) {
+    float m = NEG_INF;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, xr[j]);
+    m = block_max(m);
+    float s = 0.0f;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += expf(xr[j] - m);
+    s = block_sum(s);
+    return RowMaxSum{m, s};
+}
+
 // y = softmax(x) (log = 0) or log_softmax(x) (log = 1) of each row.
 extern "C" __global__ void softmax_forward(const float* x, float* y, i64 rows, i64 cols, int log) {
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = x + r * cols;
         float* yr = y + r * cols;
-        float m = NEG_INF;
-        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, xr[j]);
-        m = block_max(m);
-        float s = 0.0f;
-        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += expf(xr[j] - m);
-        s = block_sum(s);
+        const RowMaxSum row = row_max_sum(xr, cols);
+        const float m = row.m, s = row.s;
         if (log) {
             float log_total = m + logf(s);
             for (i64 j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = xr[j] - log_total;
@@ -42,13 +53,8 @@ extern "C" __global__ void softmax_backward(const float* y, const float* dy, flo
 
 // log Σ_j e^(xr_j) of one row, shifted by its maximum; every thread of the block gets it.
 __device__ float row_lse(const float* xr, i64 cols) {
-    float m = NEG_INF;
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, xr[j]);
-    m = block_max(m);
-    float s = 0.0f;
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += expf(xr[j] - m);
-    s = block_sum(s);
-    return m + logf(s);
+    const RowMaxSum row = row_max_sum(xr, cols);
+    return row.m + logf(row.s);
 }
 
 // d/dlogits_j (lse − logits_t) = softmax_j − [j = t]:  dr_j = scale·(e^(xr_j − lse) − [j = t]),
