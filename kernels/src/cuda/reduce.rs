@@ -206,24 +206,15 @@ pub fn sum_squares_all(dev: &CudaDevice, xs: &[&DeviceBuffer<f32>]) -> Result<f6
 /// [`LIST_LEN`] buffers. Summed in their order (on the host by [`sum_squares_all`], on the
 /// device by the optimizers' step guard) they give the same f64, bit for bit.
 pub fn sum_squares_partials(dev: &CudaDevice, xs: &[&DeviceBuffer<f32>]) -> Result<DeviceBuffer<f64>> {
-    let blocks_of = |x: &DeviceBuffer<f32>| x.len().div_ceil(THREADS as usize).min(SQUARE_BLOCKS);
-    let total: usize = xs.iter().map(|x| blocks_of(x)).sum();
-    let partial = dev.alloc::<f64>(total)?;
-    let mut at = 0;
-    for chunk in xs.chunks(LIST_LEN) {
-        for x in chunk {
-            dev.check_owner("sum_squares", x)?;
-        }
-        let offsets: Vec<usize> = chunk
-            .iter()
-            .scan(at, |next, x| {
-                let offset = *next;
-                *next += blocks_of(x);
-                Some(offset)
-            })
-            .collect();
-        let most = chunk.iter().map(|x| blocks_of(x)).max().unwrap_or(0);
-        at += chunk.iter().map(|x| blocks_of(x)).sum::<usize>();
+    for x in xs {
+        dev.check_owner("sum_squares", x)?;
+    }
+    // Each buffer's block count and where its partials start.
+    let blocks: Vec<usize> = xs.iter().map(|x| x.len().div_ceil(THREADS as usize).min(SQUARE_BLOCKS)).collect();
+    let offsets: Vec<usize> = blocks.iter().scan(0, |next, b| Some(std::mem::replace(next, *next + b))).collect();
+    let partial = dev.alloc::<f64>(blocks.iter().sum())?;
+    for ((chunk, blocks), offsets) in xs.chunks(LIST_LEN).zip(blocks.chunks(LIST_LEN)).zip(offsets.chunks(LIST_LEN)) {
+        let most = blocks.iter().copied().max().unwrap_or(0);
         let cfg = LaunchConfig {
             grid_dim: (most as u32, chunk.len() as u32, 1),
             block_dim: (THREADS, 1, 1),
@@ -232,8 +223,8 @@ pub fn sum_squares_partials(dev: &CudaDevice, xs: &[&DeviceBuffer<f32>]) -> Resu
         let args = [
             address_list(chunk.iter().map(|x| x.device_ptr())),
             length_list(chunk.iter().map(|x| x.len())),
-            length_list(chunk.iter().map(|x| blocks_of(x))),
-            length_list(offsets.into_iter()),
+            length_list(blocks.iter().copied()),
+            length_list(offsets.iter().copied()),
             ptr(&partial),
         ];
         dev.launch(FAMILY, "sum_squares_partial", cfg, &args)?;

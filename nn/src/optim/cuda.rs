@@ -8,7 +8,8 @@ use std::cell::RefMut;
 
 use autograd::{Result, Var};
 use kernels::cuda::optim::{adam_step, adamw_step, sgd_step, AdamHyper, AdamTensor, STEP_GUARD_LEN};
-use tensor::Tensor;
+use tensor::cuda::CudaStorage;
+use tensor::{Storage, Tensor};
 
 use super::slot::Slot;
 
@@ -38,10 +39,15 @@ pub(crate) fn step_guard(grads: &[Tensor], loss_sum: &Tensor, loss_divisor: f32,
     let grads: Vec<Tensor> = grads.iter().map(Tensor::dense).collect::<Result<_>>()?;
     let buffers = grads.iter().map(|g| g.cuda_f32(OP)).collect::<Result<Vec<_>>>()?;
     let loss_sum = loss_sum.dense()?;
-    let mut guard = Tensor::zeros_on(&[STEP_GUARD_LEN], loss_sum.device())?;
-    let (dev, buffer) = guard.cuda_f32_mut(OP)?;
+    let tensor::Device::Cuda(ordinal) = loss_sum.device() else {
+        return Err(tensor::Error::UnsupportedDevice { op: OP, device: loss_sum.device() });
+    };
+    let dev = tensor::cuda::device(ordinal)?;
+    // Uninitialised: the kernel writes all four values (no memset launch per step).
+    let mut guard = CudaStorage::alloc(&dev, STEP_GUARD_LEN)?;
+    let buffer = guard.f32_buffer_mut(OP)?;
     kernels::cuda::optim::step_guard(&dev, &buffers, loss_sum.cuda_f32(OP)?, loss_divisor, max_norm, buffer)?;
-    Ok(guard)
+    Tensor::from_storage(Storage::Cuda(guard), &[STEP_GUARD_LEN])
 }
 
 /// One Adam (`decoupled = false`) or AdamW step of GPU parameters: grouped by device and

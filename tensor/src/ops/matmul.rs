@@ -80,7 +80,7 @@ impl Tensor {
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
             let mut sum = self;
-            if cuda::add_matmul_in_place(&mut sum, lhs, rhs, &product)?.is_some() {
+            if cuda::add_matmul_in_place(&mut sum, lhs, rhs, &product)? {
                 return Ok(sum);
             }
             return sum.accumulate(lhs.matmul(rhs)?);
@@ -221,28 +221,23 @@ pub(crate) mod cuda {
     }
 
     /// `dst += lhs·rhs` by the GEMMs themselves (BLAS's β = 1) when `dst` solely owns a dense
-    /// f32 buffer of exactly its elements (`product`'s shape, checked by the caller); `None`
+    /// f32 buffer of exactly its elements (`product`'s shape, checked by the caller); `false`
     /// when it does not, and the caller adds the product another way. The write forgets the
     /// buffer's bf16 copy (`CudaStorage::f32_buffer_mut`): cuBLAS writes f32 only.
-    pub(super) fn add_matmul_in_place(
-        dst: &mut Tensor,
-        lhs: &Tensor,
-        rhs: &Tensor,
-        product: &Product,
-    ) -> Result<Option<()>> {
+    pub(super) fn add_matmul_in_place(dst: &mut Tensor, lhs: &Tensor, rhs: &Tensor, product: &Product) -> Result<bool> {
         const OP: &str = "add_matmul";
         if dst.dtype() != DType::F32 || !dst.is_contiguous() || dst.offset != 0 || dst.storage.len() != dst.numel() {
-            return Ok(None);
+            return Ok(false);
         }
         let dev = dst.cuda_device(OP)?;
         check_f32(OP, lhs, rhs)?;
-        let Some(Storage::Cuda(storage)) = Arc::get_mut(&mut dst.storage) else { return Ok(None) };
+        let Some(Storage::Cuda(storage)) = Arc::get_mut(&mut dst.storage) else { return Ok(false) };
         if product.dims.k == 0 {
             // Nothing to add.
-            return Ok(Some(()));
+            return Ok(true);
         }
         products(&dev, lhs, rhs, product, storage.f32_buffer_mut(OP)?, Store::Accumulate)?;
-        Ok(Some(()))
+        Ok(true)
     }
 
     /// Errors unless both operands are f32 tensors (bf16 products read their bf16 copies).
