@@ -60,7 +60,9 @@ fn rotate(
     // The backward rotates by −angle (sin negated).
     let sign = if backward { -1.0 } else { 1.0 };
     let most_heads = parts.iter().map(|part| part.dims.heads).max().unwrap_or(0);
-    let mut cfg = elementwise(batch * seq * most_heads * (head_dim / 2));
+    // One thread per group of 4 pairs when D/2 allows 16-byte accesses (rope.cu), else per pair.
+    let pairs_per_thread = if (head_dim / 2).is_multiple_of(4) { 4 } else { 1 };
+    let mut cfg = elementwise((batch * seq * most_heads * (head_dim / 2)).div_ceil(pairs_per_thread));
     cfg.grid_dim.1 = parts.len() as u32;
     let args = [
         address_list(parts.iter().map(|part| part.x.device_ptr())),

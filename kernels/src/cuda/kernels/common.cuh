@@ -47,6 +47,51 @@ struct TensorList {
 // Grid-stride loop over [0, n).
 #define GRID_STRIDE(i, n) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+// Grid-stride loop over [first, n) (the scalar tail after a vectorized loop).
+#define GRID_STRIDE_FROM(i, first, n)                                                      \
+    for (i64 i = (first) + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+         i += (i64)gridDim.x * blockDim.x)
+
+// ---------------------------------------------------------------------------------------
+// Wide loads and stores for the memory-bound elementwise kernels: one 16-byte access moves 4
+// floats (4 bf16 in 8 bytes) with one instruction instead of four, so fewer instructions and
+// more bytes in flight per thread. Our own types rather than CUDA's float4, so that NVRTC and
+// the emulator (the host's C++ compiler) see the same definitions. The address must be a
+// multiple of the type's size: callers check it with is_aligned and fall back to single elements.
+struct alignas(16) f32x4 {
+    float v[4];
+};
+struct alignas(8) bf16x4 {
+    bf16_t v[4];
+};
+
+// Whether p is a multiple of `bytes` (a power of two); a null pointer is.
+__device__ __forceinline__ bool is_aligned(const void* p, unsigned int bytes) {
+    return ((unsigned long long)p & (bytes - 1)) == 0;
+}
+
+// v[0..W) = p[0..W): W = 4 in one 16-byte load (p 16-byte aligned), else element by element.
+template <int W>
+__device__ __forceinline__ void load_f32(float (&v)[W], const float* p) {
+    if (W == 4) {
+        f32x4 q = *reinterpret_cast<const f32x4*>(p);
+        for (int k = 0; k < W; ++k) v[k] = q.v[k];
+    } else {
+        for (int k = 0; k < W; ++k) v[k] = p[k];
+    }
+}
+
+// p[0..W) = v[0..W), as load_f32.
+template <int W>
+__device__ __forceinline__ void store_f32(float* p, const float (&v)[W]) {
+    if (W == 4) {
+        f32x4 q;
+        for (int k = 0; k < W; ++k) q.v[k] = v[k];
+        *reinterpret_cast<f32x4*>(p) = q;
+    } else {
+        for (int k = 0; k < W; ++k) p[k] = v[k];
+    }
+}
 
 // Constants built from their formula, as on the CPU (unary.rs).
 #define FRAC_1_SQRT_2 0.70710678118654752440f   // 1/√2
@@ -67,6 +112,18 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (bf16_t)(u >> 16);
+}
+
+// p[0..W) = v[0..W) rounded to bf16: W = 4 in one 8-byte store (p 8-byte aligned), else one by one.
+template <int W>
+__device__ __forceinline__ void store_bf16(bf16_t* p, const float (&v)[W]) {
+    if (W == 4) {
+        bf16x4 q;
+        for (int k = 0; k < W; ++k) q.v[k] = f32_to_bf16(v[k]);
+        *reinterpret_cast<bf16x4*>(p) = q;
+    } else {
+        for (int k = 0; k < W; ++k) p[k] = f32_to_bf16(v[k]);
+    }
 }
 
 // σ(x) through e^-|x| ≤ 1, so it never overflows (unary.rs `sigmoid`).
