@@ -7,6 +7,7 @@
 //! output may also be written as a bf16 twin (rounded to nearest even) for the bf16
 //! products that read it, instead of a conversion launch.
 
+use cudarc::driver::LaunchConfig;
 use half::bf16;
 
 use super::allocator::DeviceBuffer;
@@ -16,6 +17,12 @@ use super::launch::{check_owners, elementwise, opt_ptr, ptr, size};
 use super::module::KernelFamily;
 
 const FAMILY: KernelFamily = KernelFamily::Swiglu;
+
+/// The grid of both kernels: one thread per 4 elements (they load and store 16 bytes at a time,
+/// swiglu.cu); the grid-stride loops make any grid correct.
+fn grid(n: usize) -> LaunchConfig {
+    elementwise(n.div_ceil(4))
+}
 
 /// Checks that an output's bf16 twin belongs to `dev` and has `n` elements.
 fn check_twin(dev: &CudaDevice, op: &'static str, twin: &Option<&mut DeviceBuffer<bf16>>, n: usize) -> Result<()> {
@@ -42,7 +49,7 @@ pub fn swiglu_forward(
     })?;
     check_twin(dev, OP, &out_bf16, n)?;
     let args = [ptr(gate), ptr(up), ptr(out), opt_ptr(out_bf16.as_deref()), size(n)];
-    dev.launch(FAMILY, "swiglu_forward", elementwise(n), &args)
+    dev.launch(FAMILY, "swiglu_forward", grid(n), &args)
 }
 
 /// `dgate = dout · up · silu'(gate)` and `dup = dout · silu(gate)`, recomputing σ(gate); each
@@ -72,5 +79,5 @@ pub fn swiglu_backward(
     check_twin(dev, OP, &twins.1, n)?;
     let (dgate_bf16, dup_bf16) = (opt_ptr(twins.0.as_deref()), opt_ptr(twins.1.as_deref()));
     let args = [ptr(gate), ptr(up), ptr(dout), ptr(dgate), ptr(dup), dgate_bf16, dup_bf16, size(n)];
-    dev.launch(FAMILY, "swiglu_backward", elementwise(n), &args)
+    dev.launch(FAMILY, "swiglu_backward", grid(n), &args)
 }
