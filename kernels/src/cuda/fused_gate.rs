@@ -30,7 +30,7 @@ use super::blas::{gemm, GemmDims, Operand, Precision};
 use super::device::CudaDevice;
 use super::elementwise::{to_bf16_packed, unary_code, PackedPart};
 use super::error::{ensure, ensure_len, CudaError, Result};
-use super::launch::{elementwise, int, per_row, ptr, size, THREADS};
+use super::launch::{int, ptr, size, THREADS};
 use super::module::{Arg, KernelFamily};
 use super::reduce::{column_sums_many, ColumnSum};
 use crate::cpu::matmul::Store;
@@ -42,6 +42,20 @@ const BLOCK_M: usize = 128;
 const BLOCK_N: usize = 128;
 
 const FAMILY: KernelFamily = KernelFamily::FusedGate;
+/// Rows per block of the row kernels (`fused_gate_apply`, `fused_gate_backward_rows`), one
+/// warp each (FG_ROW_WARPS in fused_gate.cu).
+const ROWS_PER_BLOCK: usize = 8;
+/// Cap on their blocks (each warp loops over the rows past it).
+const MAX_ROW_BLOCKS: usize = 1 << 16;
+
+/// The launch of a row kernel: one warp per row, [`ROWS_PER_BLOCK`] rows per block.
+fn row_warps(rows: usize) -> cudarc::driver::LaunchConfig {
+    cudarc::driver::LaunchConfig {
+        grid_dim: (rows.div_ceil(ROWS_PER_BLOCK).min(MAX_ROW_BLOCKS) as u32, 1, 1),
+        block_dim: (ROWS_PER_BLOCK as u32 * 32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
 
 /// One modulator on the device: `A: [r, d_in]`, `a: [r]`, `B: [m, r]`, `b: [m]`, α.
 #[derive(Clone, Copy, Debug)]
@@ -267,7 +281,7 @@ pub fn fused_gate_apply(
         int(dims.rank_scalar as i32),
         ptr(out),
     ]);
-    dev.launch(FAMILY, "fused_gate_apply", per_row(dims.rows, THREADS), &args)
+    dev.launch(FAMILY, "fused_gate_apply", row_warps(dims.rows), &args)
 }
 
 /// The unfused reference path: a cuBLAS bf16 GEMM `zu = x·[W; A_c; A_s]ᵀ` (f32 output), then
@@ -417,7 +431,7 @@ pub fn fused_gate_backward(
         bf16_copy(Part::DLogits),
         bf16_copy(Part::Hidden),
     ]);
-    dev.launch(FAMILY, "fused_gate_backward_rows", per_row(rows, THREADS), &args)?;
+    dev.launch(FAMILY, "fused_gate_backward_rows", row_warps(rows), &args)?;
 
     let precision = operands.precision();
     let gemm = |m, n, k, a, b, store, c: u64, ldc| gemm(dev, precision, GemmDims { m, n, k }, a, b, store, (c, ldc));
@@ -454,7 +468,7 @@ pub fn fused_gate_backward(
         bf16_copy(Part::Dzu),
         bf16_copy(Part::DLogitS),
     ];
-    dev.launch(FAMILY, "fused_gate_backward_summaries", elementwise(rows), &summary_args)?;
+    dev.launch(FAMILY, "fused_gate_backward_summaries", row_warps(rows), &summary_args)?;
 
     // Cross-row sums: db_c = Σ dL_c, da = Σ dU, db_s = Σ dl_s, dα = Σ row terms; all six in
     // one pair of launches.

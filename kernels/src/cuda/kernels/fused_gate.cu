@@ -15,9 +15,10 @@
 // γ_c per element, and writes Ẑ. Z and U reach memory only when `zu` is given (training
 // saves them for backward; inference passes null).
 //
-// fused_gate_apply: the same gate from a ZU computed elsewhere (the unfused reference path,
-// cuBLAS GEMM + this kernel). The backward kernels mirror cpu/fused_gate.rs's row pass;
-// its GEMMs and column sums run through cuBLAS and reduce.cu.
+// fused_gate_apply: the same gate from a ZU computed by cuBLAS (the engine's path: measured
+// faster than fused_gate_mma on an H200, whose main loop runs at a third of cuBLAS's speed;
+// see fused_gate.rs). The backward kernels mirror cpu/fused_gate.rs's row pass; its GEMMs
+// and column sums run through cuBLAS and reduce.cu.
 
 #define FG_BM 128        // rows of a block tile
 #define FG_BN 128        // Z columns of a block tile
@@ -28,6 +29,11 @@
 
 struct alignas(16) u32x4 {
     unsigned int x, y, z, w;
+};
+
+// Two floats as one 8-byte store.
+struct alignas(8) f32x2 {
+    float x, y;
 };
 
 // mma.sync.m16n8k16 bf16 × bf16 + f32. Fragments (PTX ISA "mma.m16n8k16", g = lane / 4,
@@ -60,6 +66,34 @@ __device__ __forceinline__ u32x4 load_chunk(const bf16_t* base, i64 rows, i64 co
         }
     }
     return v;
+}
+
+// One row's channel-gate logit before its bias, Σ_t h[t]·w[t] over the rc weights of column
+// j (w = B_c + j·rc, contiguous), added in order. `vec`: rc % 4 == 0 and B_c 16-byte aligned,
+// so the weights load as 16-byte vectors (4× fewer loads than one float per weight).
+__device__ __forceinline__ float channel_logit(const float* h, const float* w, int rc, bool vec) {
+    float logit = 0.0f;
+    if (vec) {
+        for (int t = 0; t < rc; t += 4) {
+            const f32x4 w4 = *reinterpret_cast<const f32x4*>(w + t);
+            logit += h[t] * w4.v[0];
+            logit += h[t + 1] * w4.v[1];
+            logit += h[t + 2] * w4.v[2];
+            logit += h[t + 3] * w4.v[3];
+        }
+    } else {
+        for (int t = 0; t < rc; ++t) logit += h[t] * w[t];
+    }
+    return logit;
+}
+
+// One row's scalar gate γ_s = 2σ(α_s·(B_s·H_s + b_s)) from its H (h[rc..rc + rs)).
+__device__ __forceinline__ float scalar_gate(const float* h, const float* b_sw, const float* b_sb, float alpha_s,
+                                             int rc, int rs) {
+    float logit = 0.0f;
+    for (int t = 0; t < rs; ++t) logit += b_sw[t] * h[rc + t];
+    logit += b_sb[0];
+    return 2.0f * sigmoid_f(alpha_s * logit);
 }
 
 template <int RU>
@@ -210,38 +244,56 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
     }
     __syncthreads();
     // γ_s = 2σ(α_s·(B_s·H_s + b_s)) per row
-    if (tid < FG_BM) {
-        float logit = 0.0f;
-        for (int t = 0; t < rs; ++t) logit += b_sw[t] * h[tid * hs + rc + t];
-        logit += b_sb[0];
-        gate_s[tid] = 2.0f * sigmoid_f(alpha_s * logit);
-    }
+    if (tid < FG_BM) gate_s[tid] = scalar_gate(h + tid * hs, b_sw, b_sb, alpha_s, rc, rs);
     __syncthreads();
-    // Ẑ = σ(α_c·(H_c·B_cᵀ + b_c))·2·γ_s·Z, column by column of this thread's fragment.
+    // Ẑ = σ(α_c·(H_c·B_cᵀ + b_c))·2·γ_s·Z. Per row of its fragment a thread holds two adjacent
+    // columns (2·t4, 2·t4 + 1): it computes both columns' logits in one pass over H (each h read
+    // once for two columns) and writes the pair as one 8-byte store, so each store of a warp
+    // fills whole 32-byte sectors (8 rows × 4 threads × 8 bytes) instead of half of each.
+    const bool pairs_out = (d_out & 1) == 0 && is_aligned(out, 8);
+    const bool pairs_zu = zu && (width & 1) == 0 && is_aligned(zu, 8);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
+        const i64 col = n0 + warp_n * 32 + nt * 8 + 2 * t4;
+        if (col >= d_out) continue;
+        const bool second = col + 1 < d_out;
+        const i64 col1 = second ? col + 1 : col;  // a real column to read when the pair is cut
+        float logit[2][8];
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const i64 col = n0 + warp_n * 32 + nt * 8 + 2 * t4 + c;
-            if (col >= d_out) continue;
-            float logit[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) logit[i] = 0.0f;
-            for (int t = 0; t < rc; ++t) {
-                float w = b_cw[col * rc + t];
-#pragma unroll
-                for (int i = 0; i < 8; ++i) logit[i] += h[(warp_m * 64 + (i >> 1) * 16 + g + (i & 1) * 8) * hs + t] * w;
-            }
-            const float bias = b_cb[col];
+        for (int i = 0; i < 8; ++i) logit[0][i] = logit[1][i] = 0.0f;
+        for (int t = 0; t < rc; ++t) {
+            const float w0 = b_cw[col * rc + t], w1 = b_cw[col1 * rc + t];
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                const int row_local = warp_m * 64 + (i >> 1) * 16 + g + (i & 1) * 8;
-                const i64 row = m0 + row_local;
-                if (row >= rows) continue;
-                const float z = acc[i >> 1][nt][(i & 1) * 2 + c];
-                const float gate = sigmoid_f(alpha_c * (logit[i] + bias));
-                out[row * d_out + col] = gate * (2.0f * gate_s[row_local]) * z;
-                if (zu) zu[row * width + col] = z;
+                const float hv = h[(warp_m * 64 + (i >> 1) * 16 + g + (i & 1) * 8) * hs + t];
+                logit[0][i] += hv * w0;
+                logit[1][i] += hv * w1;
+            }
+        }
+        const float bias0 = b_cb[col], bias1 = b_cb[col1];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int row_local = warp_m * 64 + (i >> 1) * 16 + g + (i & 1) * 8;
+            const i64 row = m0 + row_local;
+            if (row >= rows) continue;
+            const float scale = 2.0f * gate_s[row_local];
+            const float z0 = acc[i >> 1][nt][(i & 1) * 2], z1 = acc[i >> 1][nt][(i & 1) * 2 + 1];
+            const float y0 = sigmoid_f(alpha_c * (logit[0][i] + bias0)) * scale * z0;
+            const float y1 = sigmoid_f(alpha_c * (logit[1][i] + bias1)) * scale * z1;
+            float* o = out + row * d_out + col;
+            if (second && pairs_out) {
+                *reinterpret_cast<f32x2*>(o) = f32x2{y0, y1};
+            } else {
+                o[0] = y0;
+                if (second) o[1] = y1;
+            }
+            if (!zu) continue;
+            float* zr = zu + row * width + col;
+            if (second && pairs_zu) {
+                *reinterpret_cast<f32x2*>(zr) = f32x2{z0, z1};
+            } else {
+                zr[0] = z0;
+                if (second) zr[1] = z1;
             }
         }
     }
@@ -261,50 +313,69 @@ extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r16(FG_P
 extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r32(FG_PARAMS) { fused_gate_mma<32>(FG_ARGS); }
 extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r64(FG_PARAMS) { fused_gate_mma<64>(FG_ARGS); }
 
-// The gate alone, from a saved ZU [N, K]: out = σ̃_αc(H_c·B_cᵀ + b_c) ⊙ γ_s ⊙ Z. One block
-// per row (blockDim ≥ r).
+// The row kernels below (fused_gate_apply, fused_gate_backward_rows and _summaries) give each
+// row one warp, FG_ROW_WARPS rows per block, with no block barriers. Lane l walks columns l,
+// l + 32, ..., FG_ROW_BATCH of them at a time: their loads are issued together, so several
+// loads per lane are in flight (one at a time leaves DRAM mostly idle).
+#define FG_ROW_WARPS 8
+#define FG_ROW_BATCH 4
+
+// One row's H = φ(U + a) from its ZU row into h (this warp's shared slot) and, when given,
+// into hidden / hidden_bf16 (row n of [N, r]); the warp's lanes split the r columns.
+__device__ __forceinline__ void row_hidden(float* h, const float* zr, const float* a_c, const float* a_s, int phi,
+                                           float phi_p, i64 d_out, int rc, int rs, i64 n, float* hidden,
+                                           bf16_t* hidden_bf16) {
+    const int lane = threadIdx.x & 31, r = rc + rs;
+    __syncwarp();  // every lane is done with the previous row's h
+    for (int t = lane; t < r; t += 32) {
+        const float bias = t < rc ? a_c[t] : a_s[t - rc];
+        const float value = unary_f(phi, zr[d_out + t] + bias, phi_p);
+        h[t] = value;
+        if (hidden) hidden[n * r + t] = value;
+        if (hidden_bf16) hidden_bf16[n * r + t] = f32_to_bf16(value);
+    }
+    __syncwarp();
+}
+
+// The gate alone, from a saved ZU [N, K]: out = σ̃_αc(H_c·B_cᵀ + b_c) ⊙ γ_s ⊙ Z (the second
+// half of the cuBLAS path; the same arithmetic as fused_gate_mma's epilogue).
 extern "C" __global__ void fused_gate_apply(const float* zu, const float* a_c, const float* b_cw, const float* b_cb,
                                             const float* alpha_c_ptr, const float* a_s, const float* b_sw,
                                             const float* b_sb, const float* alpha_s_ptr, int phi, float phi_p,
                                             i64 rows, i64 d_out, int rc, int rs, float* out) {
     const float alpha_c = *alpha_c_ptr, alpha_s = *alpha_s_ptr;
-    __shared__ float h[FG_MAX_RANK];
-    __shared__ float gate_s;
-    const int r = rc + rs;
-    const i64 width = d_out + r;
-    for (i64 n = blockIdx.x; n < rows; n += gridDim.x) {
+    __shared__ float h_rows[FG_ROW_WARPS][FG_MAX_RANK];
+    const int lane = threadIdx.x & 31;
+    float* h = h_rows[threadIdx.x >> 5];
+    const i64 width = d_out + rc + rs;
+    const bool vec = (rc & 3) == 0 && is_aligned(b_cw, 16);
+    for (i64 n = (i64)blockIdx.x * FG_ROW_WARPS + (threadIdx.x >> 5); n < rows; n += (i64)gridDim.x * FG_ROW_WARPS) {
         const float* zr = zu + n * width;
-        __syncthreads();  // the previous row is done with h and gate_s
-        if (threadIdx.x < r) {
-            int t = threadIdx.x;
-            float bias = t < rc ? a_c[t] : a_s[t - rc];
-            h[t] = unary_f(phi, zr[d_out + t] + bias, phi_p);
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            float logit = 0.0f;
-            for (int t = 0; t < rs; ++t) logit += b_sw[t] * h[rc + t];
-            logit += b_sb[0];
-            gate_s = 2.0f * sigmoid_f(alpha_s * logit);
-        }
-        __syncthreads();
-        const float scale = 2.0f * gate_s;
-        for (i64 j = threadIdx.x; j < d_out; j += blockDim.x) {
-            float logit = 0.0f;
-            for (int t = 0; t < rc; ++t) logit += h[t] * b_cw[j * rc + t];
-            out[n * d_out + j] = sigmoid_f(alpha_c * (logit + b_cb[j])) * scale * zr[j];
+        row_hidden(h, zr, a_c, a_s, phi, phi_p, d_out, rc, rs, n, nullptr, nullptr);
+        const float scale = 2.0f * scalar_gate(h, b_sw, b_sb, alpha_s, rc, rs);
+        for (i64 j0 = lane; j0 < d_out; j0 += 32 * FG_ROW_BATCH) {
+            float z[FG_ROW_BATCH];
+#pragma unroll
+            for (int b = 0; b < FG_ROW_BATCH; ++b) z[b] = j0 + 32 * b < d_out ? zr[j0 + 32 * b] : 0.0f;
+#pragma unroll
+            for (int b = 0; b < FG_ROW_BATCH; ++b) {
+                const i64 j = j0 + 32 * b;
+                if (j >= d_out) break;
+                const float logit = channel_logit(h, b_cw + j * rc, rc, vec);
+                out[n * d_out + j] = sigmoid_f(alpha_c * (logit + b_cb[j])) * scale * z[b];
+            }
         }
     }
 }
 
-// Backward row pass, one block per row n (blockDim ≥ r). Recomputes H = φ(U + a) and γ_s,
-// then per output column j:
+// Backward row pass, one warp per row n. Recomputes H = φ(U + a) and γ_s, then per output
+// column j:
 //   d/dZ = dẐ·γ_c·γ_s;  d/dγ_c = dẐ·Z·γ_s;  d/dγ_s = Σ_j dẐ·Z·γ_c;
 //   d/dl 2σ(αl) = α·γ(1 − γ/2),  d/dα 2σ(αl) = l·γ(1 − γ/2)  (l the logit with its bias).
-// Writes dZ into dzu[n, 0..d_out), dL_c into dlogits, H into hidden [N, r], and the row's
-// dγ_s and dα_c terms into row_terms[n·3 + 0..2). Under bf16 products (the three bf16
-// pointers not null) also the bf16 copies of dZ, dL_c and H the backward's products read,
-// in the same layouts, rounded to nearest even.
+// Writes dL_c into dlogits, H into hidden [N, r], and the row's dγ_s and dα_c terms into
+// row_terms[n·3 + 0..2). dZ goes into dzu[n, 0..d_out) under f32 products; under bf16
+// products (the three bf16 pointers not null) only its bf16 copy is written (the products
+// are the only readers of dZ), with the bf16 copies of dL_c and H, rounded to nearest even.
 extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float* dout, const float* a_c,
                                                     const float* b_cw, const float* b_cb, const float* alpha_c_ptr,
                                                     const float* a_s, const float* b_sw, const float* b_sb,
@@ -313,60 +384,56 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
                                                     float* hidden, float* row_terms, bf16_t* dzu_bf16,
                                                     bf16_t* dlogits_bf16, bf16_t* hidden_bf16) {
     const float alpha_c = *alpha_c_ptr, alpha_s = *alpha_s_ptr;
-    __shared__ float h[FG_MAX_RANK];
-    __shared__ float gate_s_shared;
-    const int r = rc + rs;
-    const i64 width = d_out + r;
-    for (i64 n = blockIdx.x; n < rows; n += gridDim.x) {
+    __shared__ float h_rows[FG_ROW_WARPS][FG_MAX_RANK];
+    const int lane = threadIdx.x & 31;
+    float* h = h_rows[threadIdx.x >> 5];
+    const i64 width = d_out + rc + rs;
+    const bool vec = (rc & 3) == 0 && is_aligned(b_cw, 16);
+    for (i64 n = (i64)blockIdx.x * FG_ROW_WARPS + (threadIdx.x >> 5); n < rows; n += (i64)gridDim.x * FG_ROW_WARPS) {
         const float* zr = zu + n * width;
-        __syncthreads();
-        if (threadIdx.x < r) {
-            int t = threadIdx.x;
-            float bias = t < rc ? a_c[t] : a_s[t - rc];
-            float value = unary_f(phi, zr[d_out + t] + bias, phi_p);
-            h[t] = value;
-            hidden[n * r + t] = value;
-            if (hidden_bf16) hidden_bf16[n * r + t] = f32_to_bf16(value);
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            float logit = 0.0f;
-            for (int t = 0; t < rs; ++t) logit += b_sw[t] * h[rc + t];
-            logit += b_sb[0];
-            gate_s_shared = 2.0f * sigmoid_f(alpha_s * logit);
-        }
-        __syncthreads();
-        const float gate_s = gate_s_shared;
+        row_hidden(h, zr, a_c, a_s, phi, phi_p, d_out, rc, rs, n, hidden, hidden_bf16);
+        const float gate_s = scalar_gate(h, b_sw, b_sb, alpha_s, rc, rs);
         float dgate_s = 0.0f, dalpha_c = 0.0f;
-        for (i64 j = threadIdx.x; j < d_out; j += blockDim.x) {
-            float logit = 0.0f;
-            for (int t = 0; t < rc; ++t) logit += h[t] * b_cw[j * rc + t];
-            logit += b_cb[j];
-            const float gate = 2.0f * sigmoid_f(alpha_c * logit);
-            const float z = zr[j], dy = dout[n * d_out + j];
-            const float dz = dy * gate * gate_s;
-            dzu[n * width + j] = dz;
-            const float dgate = dy * z * gate_s;
-            dgate_s += dy * z * gate;
-            const float slope = gate * (1.0f - 0.5f * gate);
-            const float dlogit = dgate * alpha_c * slope;
-            dlogits[n * d_out + j] = dlogit;
-            if (dzu_bf16) {
-                dzu_bf16[n * width + j] = f32_to_bf16(dz);
-                dlogits_bf16[n * d_out + j] = f32_to_bf16(dlogit);
+        for (i64 j0 = lane; j0 < d_out; j0 += 32 * FG_ROW_BATCH) {
+            float z[FG_ROW_BATCH], dy[FG_ROW_BATCH];
+#pragma unroll
+            for (int b = 0; b < FG_ROW_BATCH; ++b) {
+                const i64 j = j0 + 32 * b;
+                z[b] = j < d_out ? zr[j] : 0.0f;
+                dy[b] = j < d_out ? dout[n * d_out + j] : 0.0f;
             }
-            dalpha_c += dgate * logit * slope;
+#pragma unroll
+            for (int b = 0; b < FG_ROW_BATCH; ++b) {
+                const i64 j = j0 + 32 * b;
+                if (j >= d_out) break;
+                const float logit = channel_logit(h, b_cw + j * rc, rc, vec) + b_cb[j];
+                const float gate = 2.0f * sigmoid_f(alpha_c * logit);
+                const float dz = dy[b] * gate * gate_s;
+                const float dgate = dy[b] * z[b] * gate_s;
+                dgate_s += dy[b] * z[b] * gate;
+                const float slope = gate * (1.0f - 0.5f * gate);
+                const float dlogit = dgate * alpha_c * slope;
+                dlogits[n * d_out + j] = dlogit;
+                if (dzu_bf16) {
+                    dzu_bf16[n * width + j] = f32_to_bf16(dz);
+                    dlogits_bf16[n * d_out + j] = f32_to_bf16(dlogit);
+                } else {
+                    dzu[n * width + j] = dz;
+                }
+                dalpha_c += dgate * logit * slope;
+            }
         }
-        dgate_s = block_sum(dgate_s);
-        dalpha_c = block_sum(dalpha_c);
-        if (threadIdx.x == 0) {
+        dgate_s = warp_sum(dgate_s);
+        dalpha_c = warp_sum(dalpha_c);
+        if (lane == 0) {
             row_terms[n * 3 + 0] = dgate_s;
             row_terms[n * 3 + 1] = dalpha_c;
         }
     }
 }
 
-// Backward of the summaries, one thread per row: with dH_c = dL_c·B_c (a cuBLAS product),
+// Backward of the summaries, one warp per row (its lanes over the r summary columns): with
+// dH_c = dL_c·B_c (a cuBLAS product),
 //   dγ_s → d/dl_s = dγ_s·α_s·γ_s(1 − γ_s/2),  dα_s term = dγ_s·l_s·γ_s(1 − γ_s/2),
 //   d/dU_c = dH_c ⊙ φ'(U_c + a_c),  d/dU_s = d/dl_s·B_s ⊙ φ'(U_s + a_s),
 // written into dzu[n, d_out..K); d/dl_s also into dlogit_s[n], the dα_s term into
@@ -378,11 +445,13 @@ extern "C" __global__ void fused_gate_backward_summaries(const float* zu, const 
                                                          i64 d_out, int rc, int rs, float* dzu, float* row_terms,
                                                          float* dlogit_s, bf16_t* dzu_bf16, bf16_t* dlogit_s_bf16) {
     const float alpha_s = *alpha_s_ptr;
+    const int lane = threadIdx.x & 31;
     const int r = rc + rs;
     const i64 width = d_out + r;
-    GRID_STRIDE(n, rows) {
+    for (i64 n = (i64)blockIdx.x * FG_ROW_WARPS + (threadIdx.x >> 5); n < rows; n += (i64)gridDim.x * FG_ROW_WARPS) {
         const float* u = zu + n * width + d_out;
         float* du = dzu + n * width + d_out;
+        // Every lane computes the row's scalar logit (rs terms, in order) rather than waiting on one.
         float logit = 0.0f;
         for (int t = 0; t < rs; ++t) logit += b_sw[t] * unary_f(phi, u[rc + t] + a_s[t], phi_p);
         logit += b_sb[0];
@@ -390,19 +459,17 @@ extern "C" __global__ void fused_gate_backward_summaries(const float* zu, const 
         const float slope = gate * (1.0f - 0.5f * gate);
         const float dgate = row_terms[n * 3 + 0];
         const float dlogit = dgate * alpha_s * slope;
-        row_terms[n * 3 + 2] = dgate * logit * slope;
-        dlogit_s[n] = dlogit;
-        bf16_t* du_bf16 = dzu_bf16 ? dzu_bf16 + n * width + d_out : nullptr;
-        if (dlogit_s_bf16) dlogit_s_bf16[n] = f32_to_bf16(dlogit);
-        for (int t = 0; t < rc; ++t) {
-            float pre = u[t] + a_c[t];
-            du[t] = dhidden_c[n * rc + t] * unary_df(phi, pre, unary_f(phi, pre, phi_p), phi_p);
-            if (du_bf16) du_bf16[t] = f32_to_bf16(du[t]);
+        if (lane == 0) {
+            row_terms[n * 3 + 2] = dgate * logit * slope;
+            dlogit_s[n] = dlogit;
+            if (dlogit_s_bf16) dlogit_s_bf16[n] = f32_to_bf16(dlogit);
         }
-        for (int t = 0; t < rs; ++t) {
-            float pre = u[rc + t] + a_s[t];
-            du[rc + t] = dlogit * b_sw[t] * unary_df(phi, pre, unary_f(phi, pre, phi_p), phi_p);
-            if (du_bf16) du_bf16[rc + t] = f32_to_bf16(du[rc + t]);
+        for (int t = lane; t < r; t += 32) {
+            const bool channel = t < rc;
+            const float pre = u[t] + (channel ? a_c[t] : a_s[t - rc]);
+            const float dphi = unary_df(phi, pre, unary_f(phi, pre, phi_p), phi_p);
+            du[t] = channel ? dhidden_c[n * rc + t] * dphi : dlogit * b_sw[t - rc] * dphi;
+            if (dzu_bf16) dzu_bf16[n * width + d_out + t] = f32_to_bf16(du[t]);
         }
     }
 }
