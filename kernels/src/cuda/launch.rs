@@ -28,6 +28,20 @@ pub(crate) fn length_list(lengths: impl Iterator<Item = usize>) -> Arg {
     Arg::Dims(v)
 }
 
+/// The blocks of a multi-tensor launch laid end to end along grid.x, `blocks[e]` for entry e
+/// (`list_entry_of_block` in common.cuh): each entry's first block as a `TensorList`
+/// argument, and the total (the grid's x).
+pub(crate) fn block_list(blocks: impl Iterator<Item = usize>) -> (Arg, usize) {
+    let mut total = 0;
+    let first: Vec<usize> = blocks
+        .map(|b| {
+            total += b;
+            total - b
+        })
+        .collect();
+    (length_list(first.into_iter()), total)
+}
+
 /// Threads per block of the elementwise and row kernels.
 pub(crate) const THREADS: u32 = 256;
 /// Cap on the blocks of a grid-stride launch (the kernels loop over the rest).

@@ -8,12 +8,15 @@
 
 pub use crate::cpu::optim::AdamHyper;
 
+use cudarc::driver::LaunchConfig;
 use half::bf16;
 
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
-use super::launch::{address_list, check_owners, elementwise, int, length_list, ptr, size, LIST_LEN};
+use super::launch::{
+    address_list, block_list, check_owners, elementwise, int, length_list, ptr, size, LIST_LEN, THREADS,
+};
 use super::module::{Arg, KernelFamily};
 use super::reduce::sum_squares_partials;
 
@@ -31,6 +34,15 @@ fn adam_constants(op: &'static str, h: &AdamHyper, decoupled: bool) -> Result<[f
 
 /// Tensors one `adam_step` launch updates (a `TensorList` of common.cuh holds 24).
 pub const TENSORS_PER_LAUNCH: usize = LIST_LEN;
+
+/// Most blocks of one tensor in an `adam_step` launch (its threads loop over the rest): about
+/// one full wave of a large GPU, so a big tensor alone still fills the device.
+const ADAM_MAX_BLOCKS: usize = 1024;
+
+/// An `adam_step` tensor's blocks: one thread per 4 elements (its 16-byte accesses), capped.
+fn adam_blocks(len: usize) -> usize {
+    len.div_ceil(4 * THREADS as usize).min(ADAM_MAX_BLOCKS)
+}
 
 /// Where an Adam update writes a parameter's bf16 copy: the parameter's length of elements
 /// of `buffer` from element `at`.
@@ -92,7 +104,7 @@ pub fn step_guard(
     let partial = sum_squares_partials(dev, grads)?;
     let args =
         [ptr(&partial), size(partial.len()), ptr(loss_sum), Arg::F32(loss_divisor), Arg::F32(max_norm), ptr(guard)];
-    let one_thread = cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+    let one_thread = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
     dev.launch(KernelFamily::Optim, "step_guard", one_thread, &args)
 }
 
@@ -127,9 +139,12 @@ fn adam_update(
     check_disjoint_copies(op, tensors)?;
     let [step_size, inv_sqrt_correction2, decay, l2] = adam_constants(op, h, decoupled)?;
     for chunk in tensors.chunks_mut(TENSORS_PER_LAUNCH) {
-        let longest = chunk.iter().map(|t| t.param.len()).max().unwrap_or(0);
-        let mut cfg = elementwise(longest);
-        cfg.grid_dim.1 = chunk.len() as u32;
+        // Each tensor's own blocks, end to end along x: none idle beside a longer tensor.
+        let (first_block, blocks) = block_list(chunk.iter().map(|t| adam_blocks(t.param.len())));
+        if blocks == 0 {
+            continue;
+        }
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         let args = [
             address_list(chunk.iter().map(|t| t.param.device_ptr())),
             address_list(chunk.iter().map(|t| t.param_bf16.as_ref().map_or(0, |copy| copy.buffer.ptr_at(copy.at)))),
@@ -137,6 +152,8 @@ fn adam_update(
             address_list(chunk.iter().map(|t| t.m.device_ptr())),
             address_list(chunk.iter().map(|t| t.v.device_ptr())),
             length_list(chunk.iter().map(|t| t.param.len())),
+            first_block,
+            size(chunk.len()),
             Arg::Ptr(guard.map_or(0, DeviceBuffer::device_ptr)),
             Arg::F32(h.beta1),
             Arg::F32(h.beta2),

@@ -10,7 +10,9 @@ use cudarc::driver::LaunchConfig;
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
-use super::launch::{address_list, check_owners, elementwise, length_list, per_row, ptr, size, LIST_LEN, THREADS};
+use super::launch::{
+    address_list, block_list, check_owners, elementwise, length_list, per_row, ptr, size, LIST_LEN, THREADS,
+};
 use super::module::KernelFamily;
 
 const FAMILY: KernelFamily = KernelFamily::Reduce;
@@ -20,8 +22,15 @@ const MAX_CHUNKS: usize = 1024;
 const MIN_CHUNK_ROWS: usize = 64;
 /// Blocks of the squared-norm reduction (each one partial).
 const SQUARE_BLOCKS: usize = 1024;
-/// grid.z limit of the column-sum kernel (the kernel loops over the rest of `outer`).
-const MAX_GRID_Z: usize = 65_535;
+/// grid.y and grid.z limit of the column-sum kernels (they loop over the rest of `outer`).
+const MAX_GRID_YZ: usize = 65_535;
+/// Chunks a column-sum finish adds side by side (`FINISH_CHUNKS` in reduce.cu).
+const FINISH_CHUNKS: usize = 32;
+
+/// The finish's block: 32 columns × up to [`FINISH_CHUNKS`] chunks side by side.
+fn finish_block(chunks: usize) -> (u32, u32, u32) {
+    (32, chunks.clamp(1, FINISH_CHUNKS) as u32, 1)
+}
 
 /// `(rows_per_chunk, chunks)` for `outer` column sums over `rows` each: about
 /// [`MAX_CHUNKS`] chunks in all, so the partial buffer stays near `MAX_CHUNKS × cols`.
@@ -50,7 +59,7 @@ pub(crate) fn column_sums(
     let (per_chunk, chunks) = chunking(rows, outer);
     let partial = dev.alloc::<f32>(outer * chunks * cols)?;
     let cfg = LaunchConfig {
-        grid_dim: (cols.div_ceil(32) as u32, chunks as u32, outer.min(MAX_GRID_Z) as u32),
+        grid_dim: (cols.div_ceil(32) as u32, chunks as u32, outer.min(MAX_GRID_YZ) as u32),
         block_dim: (32, 8, 1),
         shared_mem_bytes: 0,
     };
@@ -77,8 +86,13 @@ pub(crate) fn finish_column_sums(
     cols: usize,
     dst: u64,
 ) -> Result<()> {
+    let cfg = LaunchConfig {
+        grid_dim: (cols.div_ceil(32) as u32, outer.min(MAX_GRID_YZ) as u32, 1),
+        block_dim: finish_block(chunks),
+        shared_mem_bytes: 0,
+    };
     let args = [ptr(partial), size(outer), size(chunks), size(cols), super::module::Arg::Ptr(dst)];
-    dev.launch(FAMILY, "column_sums_finish", elementwise(outer * cols), &args)
+    dev.launch(FAMILY, "column_sums_finish", cfg, &args)
 }
 
 /// One sum of [`column_sums_many`]: `dst[c] = Σ_r src[r·ld + c]` for `c < cols`, from raw
@@ -106,31 +120,36 @@ pub(crate) fn column_sums_many(dev: &CudaDevice, rows: usize, sums: &[ColumnSum]
         }
         let (per_chunk, chunks) = chunking(rows, 1);
         let partial = dev.alloc::<f32>(group.len() * chunks * max_cols)?;
-        let cfg = LaunchConfig {
-            grid_dim: (max_cols.div_ceil(32) as u32, chunks as u32, group.len() as u32),
-            block_dim: (32, 8, 1),
-            shared_mem_bytes: 0,
-        };
+        // One block per 32 of each sum's own columns, the sums' blocks end to end.
+        let (first_block, blocks) = block_list(group.iter().map(|s| s.cols.div_ceil(32)));
+        let cfg =
+            LaunchConfig { grid_dim: (blocks as u32, chunks as u32, 1), block_dim: (32, 8, 1), shared_mem_bytes: 0 };
         let cols = || length_list(group.iter().map(|s| s.cols));
         let args = [
             address_list(group.iter().map(|s| s.src)),
             cols(),
             length_list(group.iter().map(|s| s.ld)),
+            first_block,
+            size(group.len()),
             size(rows),
             size(per_chunk),
             size(max_cols),
             ptr(&partial),
         ];
         dev.launch(FAMILY, "column_sums_many_partial", cfg, &args)?;
+        // The same blocks along x, each 32 columns × chunks side by side.
+        let cfg =
+            LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: finish_block(chunks), shared_mem_bytes: 0 };
         let args = [
             ptr(&partial),
             address_list(group.iter().map(|s| s.dst)),
             cols(),
+            first_block,
             size(group.len()),
             size(chunks),
             size(max_cols),
         ];
-        dev.launch(FAMILY, "column_sums_many_finish", elementwise(group.len() * max_cols), &args)?;
+        dev.launch(FAMILY, "column_sums_many_finish", cfg, &args)?;
     }
     Ok(())
 }

@@ -44,6 +44,21 @@ struct TensorList {
     i64 v[LIST_LEN];
 };
 
+// The entry whose blocks this block is among, in a multi-tensor launch that gives entry e of
+// `count` the blocks first_block.v[e] ≤ blockIdx.x < first_block.v[e + 1] (the last one's run
+// to gridDim.x; an entry with no blocks repeats the next one's first). Each entry gets blocks
+// for its own size, none that would find nothing to do beside a larger one.
+__device__ __forceinline__ int list_entry_of_block(const TensorList& first_block, i64 count) {
+    int e = 0;
+    while (e + 1 < count && (i64)blockIdx.x >= first_block.v[e + 1]) ++e;
+    return e;
+}
+
+// The number of blocks of entry e (list_entry_of_block).
+__device__ __forceinline__ i64 list_entry_blocks(const TensorList& first_block, i64 count, int e) {
+    return (e + 1 < count ? first_block.v[e + 1] : (i64)gridDim.x) - first_block.v[e];
+}
+
 // Grid-stride loop over [0, n).
 #define GRID_STRIDE(i, n) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)

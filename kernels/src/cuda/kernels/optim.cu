@@ -9,7 +9,11 @@
 //
 // One launch updates up to LIST_LEN tensors that share these scalars (PyTorch's
 // multi-tensor apply): their addresses and lengths come by value in TensorList structs
-// (common.cuh), tensor t = blockIdx.y, its elements spread over the grid's x dimension.
+// (common.cuh); each tensor has blocks for its own length along grid.x (first_block,
+// list_entry_of_block), none idle beside a longer tensor, and walks its elements with them.
+// Each thread updates 4 consecutive elements per step with 16-byte loads and stores (8-byte
+// for the bf16 copy) when the tensor's pointers allow it, then the n % 4 last one at a time
+// (all of them when a pointer is not aligned): the same arithmetic per element either way.
 // A tensor with a bf16 copy (bf16s.v[t] != 0: bf16 products read it) gets the copy rewritten
 // from the updated parameter, rounded to nearest even as f32_to_bf16_kernel does, so the
 // next step's products read it without a conversion launch.
@@ -24,28 +28,69 @@
 #define GUARD_NORM 2    // the global gradient norm before clipping
 #define GUARD_LOSS 3    // the step's mean loss
 
+// The per-step scalars of adam_step, and the gradients' clipping factor.
+struct AdamScalars {
+    float beta1, beta2, eps, step_size, inv_sqrt_correction2, decay, l2, scale;
+};
+
+// The update of one element, in place: p, m, v point at it in global memory (the
+// one-at-a-time path) or in registers (the 4-wide path, which loaded 4 elements first).
+// Written as the one-element kernel was, loads inside the expressions included: NVRTC picks
+// which product of β1·m + g·(1 − β1) to fuse into an fma by the code around it (loading m
+// before g is computed made NVRTC 13 fuse β1·m instead: other bits), and the PTX of both
+// paths fuses the same products as before.
+__device__ __forceinline__ float adam_element(float* p, const float* g, float* m, float* v, const AdamScalars& a) {
+    float pd = *p * a.decay;
+    float gs = fmaf(pd, a.l2, *g * a.scale);
+    float mi = a.beta1 * *m + gs * (1.0f - a.beta1);
+    float vi = a.beta2 * *v + gs * gs * (1.0f - a.beta2);
+    float denom = fmaf(sqrtf(vi), a.inv_sqrt_correction2, a.eps);
+    float updated = pd - mi * a.step_size / denom;
+    *p = updated;
+    *m = mi;
+    *v = vi;
+    return updated;
+}
+
+// Elements [i, i + 4) of one tensor, 16-byte loads and stores (8-byte for the bf16 copy).
+__device__ __forceinline__ void adam_quad(float* param, bf16_t* copy, const float* grad, float* m, float* v, i64 i,
+                                          const AdamScalars& a) {
+    float p[4], g[4], mi[4], vi[4];
+    load_f32(p, param + i);
+    load_f32(g, grad + i);
+    load_f32(mi, m + i);
+    load_f32(vi, v + i);
+    for (int k = 0; k < 4; ++k) adam_element(&p[k], &g[k], &mi[k], &vi[k], a);
+    store_f32(param + i, p);
+    if (copy) store_bf16(copy + i, p);
+    store_f32(m + i, mi);
+    store_f32(v + i, vi);
+}
+
 extern "C" __global__ void adam_step(TensorList params, TensorList bf16s, TensorList grads, TensorList ms,
-                                     TensorList vs, TensorList lens, const float* guard, float beta1, float beta2,
-                                     float eps, float step_size, float inv_sqrt_correction2, float decay, float l2) {
+                                     TensorList vs, TensorList lens, TensorList first_block, i64 count,
+                                     const float* guard, float beta1, float beta2, float eps, float step_size,
+                                     float inv_sqrt_correction2, float decay, float l2) {
     if (guard && guard[GUARD_UPDATE] == 0.0f) return;
-    const float scale = guard ? guard[GUARD_SCALE] : 1.0f;
-    const int t = blockIdx.y;
+    const AdamScalars a = {beta1, beta2, eps, step_size, inv_sqrt_correction2, decay, l2,
+                           guard ? guard[GUARD_SCALE] : 1.0f};
+    const int t = list_entry_of_block(first_block, count);
     float* param = (float*)params.v[t];
     const float* grad = (const float*)grads.v[t];
     float* m = (float*)ms.v[t];
     float* v = (float*)vs.v[t];
     bf16_t* copy = (bf16_t*)bf16s.v[t];
-    GRID_STRIDE(i, lens.v[t]) {
-        float p = param[i] * decay;
-        float g = fmaf(p, l2, grad[i] * scale);
-        float mi = beta1 * m[i] + g * (1.0f - beta1);
-        float vi = beta2 * v[i] + g * g * (1.0f - beta2);
-        float denom = fmaf(sqrtf(vi), inv_sqrt_correction2, eps);
-        float updated = p - mi * step_size / denom;
-        param[i] = updated;
+    const i64 n = lens.v[t];
+    // This tensor's own grid-stride loop over its blocks.
+    const i64 first = ((i64)blockIdx.x - first_block.v[t]) * blockDim.x + threadIdx.x;
+    const i64 stride = list_entry_blocks(first_block, count, t) * blockDim.x;
+    const bool wide =
+        is_aligned(param, 16) && is_aligned(grad, 16) && is_aligned(m, 16) && is_aligned(v, 16) && is_aligned(copy, 8);
+    const i64 quads = wide ? n / 4 : 0;
+    for (i64 q = first; q < quads; q += stride) adam_quad(param, copy, grad, m, v, 4 * q, a);
+    for (i64 i = 4 * quads + first; i < n; i += stride) {
+        float updated = adam_element(param + i, grad + i, m + i, v + i, a);
         if (copy) copy[i] = f32_to_bf16(updated);
-        m[i] = mi;
-        v[i] = vi;
     }
 }
 

@@ -34,11 +34,29 @@ __device__ __forceinline__ void column_chunk_sum(const float* column, i64 ld, bo
     }
 }
 
-// Σ_c partial[first + c·stride] for c in 0..chunks, in chunk order, in f64.
-__device__ __forceinline__ float chunk_total(const float* partial, i64 first, i64 chunks, i64 stride) {
-    double sum = 0.0;
-    for (i64 c = 0; c < chunks; ++c) sum += (double)partial[first + c * stride];
-    return (float)sum;
+// Chunks a column-sum finish adds side by side: its block is (32, ≤ FINISH_CHUNKS).
+#define FINISH_CHUNKS 32
+
+// Σ_c partial[c·stride] for c in 0..chunks, in chunk order, in f64, for the column `partial`
+// points at (thread x of a (32, blockDim.y) block: 32 columns; `valid` false past the last).
+// The chunks go in steps of blockDim.y: thread (x, y) loads the step's chunk y (loads that do
+// not wait on each other), then row y = 0 adds the step's values to its f64 total in chunk
+// order: the additions of one thread walking every chunk alone, which left the GPU nearly
+// idle (a long chain of loads per column, few threads). Every thread of the block calls it
+// (it holds barriers); row 0 gets the total.
+__device__ __forceinline__ float chunk_total(const float* partial, i64 chunks, i64 stride, bool valid,
+                                             float (*tile)[32]) {
+    double total = 0.0;
+    for (i64 c0 = 0; c0 < chunks; c0 += blockDim.y) {
+        const i64 chunk = c0 + threadIdx.y;
+        __syncthreads();  // row 0 is done with the previous step's values
+        tile[threadIdx.y][threadIdx.x] = valid && chunk < chunks ? partial[chunk * stride] : 0.0f;
+        __syncthreads();
+        if (threadIdx.y == 0) {
+            for (int k = 0; k < (int)blockDim.y && c0 + k < chunks; ++k) total += (double)tile[k][threadIdx.x];
+        }
+    }
+    return (float)total;
 }
 
 // Partial column sums of x viewed as [outer, rows, cols] (row stride ld, outer stride
@@ -58,36 +76,44 @@ extern "C" __global__ void column_sums_partial(const float* x, i64 outer, i64 ro
 }
 
 // dst[o·cols + col] = Σ_chunk partial[(o·chunks + chunk)·cols + col], in chunk order, f64.
+// Block (32, ≤ FINISH_CHUNKS) per 32 columns (chunk_total); grid (⌈cols/32⌉, ≤ outer).
 extern "C" __global__ void column_sums_finish(const float* partial, i64 outer, i64 chunks, i64 cols, float* dst) {
-    GRID_STRIDE(i, outer * cols) {
-        i64 o = i / cols, col = i % cols;
-        dst[i] = chunk_total(partial, o * chunks * cols + col, chunks, cols);
+    __shared__ float tile[FINISH_CHUNKS][32];
+    const i64 col = (i64)blockIdx.x * 32 + threadIdx.x;
+    for (i64 o = blockIdx.y; o < outer; o += gridDim.y) {
+        float total = chunk_total(partial + o * chunks * cols + col, chunks, cols, col < cols, tile);
+        if (threadIdx.y == 0 && col < cols) dst[o * cols + col] = total;
     }
 }
 
 // Several column sums over the same rows in one launch (the fused gate's bias and α
-// gradients), sum s = blockIdx.z over srcs.v[s] (cols.v[s] columns, row stride lds.v[s]),
-// each in column_sums_partial's order: partial[(s·chunks + chunk)·max_cols + col].
-extern "C" __global__ void column_sums_many_partial(TensorList srcs, TensorList cols, TensorList lds, i64 rows,
-                                                    i64 rows_per_chunk, i64 max_cols, float* partial) {
+// gradients): sum s over srcs.v[s] (cols.v[s] columns, row stride lds.v[s]), each in
+// column_sums_partial's order: partial[(s·chunks + chunk)·max_cols + col]. Grid
+// (Σ_s ⌈cols.v[s]/32⌉, chunks): sum s has the blocks from first_block.v[s] on, one per 32 of its
+// own columns, so a narrow sum beside a wide one launches no blocks that would find no column.
+extern "C" __global__ void column_sums_many_partial(TensorList srcs, TensorList cols, TensorList lds,
+                                                    TensorList first_block, i64 count, i64 rows, i64 rows_per_chunk,
+                                                    i64 max_cols, float* partial) {
     __shared__ float tile[8][33];
-    const int s = blockIdx.z;
-    i64 col = (i64)blockIdx.x * 32 + threadIdx.x;
-    i64 chunk = blockIdx.y, chunks = gridDim.y;
-    i64 r0 = chunk * rows_per_chunk;
-    i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+    const int s = list_entry_of_block(first_block, count);
+    const i64 col = ((i64)blockIdx.x - first_block.v[s]) * 32 + threadIdx.x;
+    const i64 chunk = blockIdx.y, chunks = gridDim.y;
+    const i64 r0 = chunk * rows_per_chunk;
+    const i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
     column_chunk_sum((const float*)srcs.v[s] + col, lds.v[s], col < cols.v[s], r0, r1, tile,
                      partial + (s * chunks + chunk) * max_cols + col);
 }
 
 // dsts.v[s][col] = Σ_chunk partial[(s·chunks + chunk)·max_cols + col], in chunk order, f64.
-extern "C" __global__ void column_sums_many_finish(const float* partial, TensorList dsts, TensorList cols, i64 count,
-                                                   i64 chunks, i64 max_cols) {
-    GRID_STRIDE(i, count * max_cols) {
-        i64 s = i / max_cols, col = i % max_cols;
-        if (col >= cols.v[s]) continue;
-        ((float*)dsts.v[s])[col] = chunk_total(partial, s * chunks * max_cols + col, chunks, max_cols);
-    }
+// Block (32, ≤ FINISH_CHUNKS) per 32 columns (chunk_total), the partial kernel's grid.x.
+extern "C" __global__ void column_sums_many_finish(const float* partial, TensorList dsts, TensorList cols,
+                                                   TensorList first_block, i64 count, i64 chunks, i64 max_cols) {
+    __shared__ float tile[FINISH_CHUNKS][32];
+    const int s = list_entry_of_block(first_block, count);
+    const i64 col = ((i64)blockIdx.x - first_block.v[s]) * 32 + threadIdx.x;
+    const bool valid = col < cols.v[s];
+    float total = chunk_total(partial + s * chunks * max_cols + col, chunks, max_cols, valid, tile);
+    if (threadIdx.y == 0 && valid) ((float*)dsts.v[s])[col] = total;
 }
 
 // Whether (v, i) beats (best, bi): NaN beats numbers, larger beats smaller, and among
