@@ -69,22 +69,49 @@ __device__ __forceinline__ u32x4 load_chunk(const bf16_t* base, i64 rows, i64 co
 }
 
 // One row's channel-gate logit before its bias, Σ_t h[t]·w[t] over the rc weights of column
-// j (w = B_c + j·rc, contiguous), added in order. `vec`: rc % 4 == 0 and B_c 16-byte aligned,
-// so the weights load as 16-byte vectors (4× fewer loads than one float per weight).
-__device__ __forceinline__ float channel_logit(const float* h, const float* w, int rc, bool vec) {
+// j (w = B_c + j·rc, contiguous), added in order; h in shared memory. The row kernels' path
+// for ranks above FG_REG_RANK (below it they keep h and w in registers: dot_rank).
+__device__ __forceinline__ float channel_logit(const float* h, const float* w, int rc) {
     float logit = 0.0f;
-    if (vec) {
-        for (int t = 0; t < rc; t += 4) {
-            const f32x4 w4 = *reinterpret_cast<const f32x4*>(w + t);
-            logit += h[t] * w4.v[0];
-            logit += h[t + 1] * w4.v[1];
-            logit += h[t + 2] * w4.v[2];
-            logit += h[t + 3] * w4.v[3];
-        }
-    } else {
-        for (int t = 0; t < rc; ++t) logit += h[t] * w[t];
-    }
+    for (int t = 0; t < rc; ++t) logit += h[t] * w[t];
     return logit;
+}
+
+// Channel ranks up to FG_REG_RANK (every preset's is 8) with rc % 4 == 0 and B_c 16-byte
+// aligned take the row kernels' register path: a lane keeps the row's h_c in registers and
+// loads a column's weights as 16-byte vectors, so a column's logit costs no shared-memory
+// reads and 2 loads instead of 8.
+#define FG_REG_RANK 8
+
+// Whether rc and B_c take the register path (the launcher checks the same for the backward).
+__device__ __forceinline__ bool register_rank(int rc, const float* b_cw) {
+    return rc <= FG_REG_RANK && (rc & 3) == 0 && is_aligned(b_cw, 16);
+}
+
+// Column j's weights B_c[j, 0..rc) (column = B_c + j·rc) into registers; zeros past rc.
+__device__ __forceinline__ void load_column_weights(float (&w)[FG_REG_RANK], const float* column, int rc) {
+#pragma unroll
+    for (int t = 0; t < FG_REG_RANK; t += 4) {
+        f32x4 w4 = {{0.0f, 0.0f, 0.0f, 0.0f}};
+        if (t < rc) w4 = *reinterpret_cast<const f32x4*>(column + t);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[t + k] = w4.v[k];
+    }
+}
+
+// Σ_t h[t]·w[t] over t < rc, added in order (the same sum as channel_logit).
+__device__ __forceinline__ float dot_rank(const float (&h)[FG_REG_RANK], const float (&w)[FG_REG_RANK], int rc) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int t = 0; t < FG_REG_RANK; ++t)
+        if (t < rc) sum += h[t] * w[t];
+    return sum;
+}
+
+// The row's h_c (this warp's shared slot) into registers; zeros past rc.
+__device__ __forceinline__ void hidden_registers(float (&hr)[FG_REG_RANK], const float* h, int rc) {
+#pragma unroll
+    for (int t = 0; t < FG_REG_RANK; ++t) hr[t] = t < rc ? h[t] : 0.0f;
 }
 
 // One row's scalar gate γ_s = 2σ(α_s·(B_s·H_s + b_s)) from its H (h[rc..rc + rs)).
@@ -348,11 +375,13 @@ extern "C" __global__ void fused_gate_apply(const float* zu, const float* a_c, c
     const int lane = threadIdx.x & 31;
     float* h = h_rows[threadIdx.x >> 5];
     const i64 width = d_out + rc + rs;
-    const bool vec = (rc & 3) == 0 && is_aligned(b_cw, 16);
+    const bool regs = register_rank(rc, b_cw);
     for (i64 n = (i64)blockIdx.x * FG_ROW_WARPS + (threadIdx.x >> 5); n < rows; n += (i64)gridDim.x * FG_ROW_WARPS) {
         const float* zr = zu + n * width;
         row_hidden(h, zr, a_c, a_s, phi, phi_p, d_out, rc, rs, n, nullptr, nullptr);
         const float scale = 2.0f * scalar_gate(h, b_sw, b_sb, alpha_s, rc, rs);
+        float hr[FG_REG_RANK];
+        hidden_registers(hr, h, rc);
         for (i64 j0 = lane; j0 < d_out; j0 += 32 * FG_ROW_BATCH) {
             float z[FG_ROW_BATCH];
 #pragma unroll
@@ -361,7 +390,14 @@ extern "C" __global__ void fused_gate_apply(const float* zu, const float* a_c, c
             for (int b = 0; b < FG_ROW_BATCH; ++b) {
                 const i64 j = j0 + 32 * b;
                 if (j >= d_out) break;
-                const float logit = channel_logit(h, b_cw + j * rc, rc, vec);
+                float logit;
+                if (regs) {
+                    float w[FG_REG_RANK];
+                    load_column_weights(w, b_cw + j * rc, rc);
+                    logit = dot_rank(hr, w, rc);
+                } else {
+                    logit = channel_logit(h, b_cw + j * rc, rc);
+                }
                 out[n * d_out + j] = sigmoid_f(alpha_c * (logit + b_cb[j])) * scale * z[b];
             }
         }
@@ -376,23 +412,31 @@ extern "C" __global__ void fused_gate_apply(const float* zu, const float* a_c, c
 // row_terms[n·3 + 0..2). dZ goes into dzu[n, 0..d_out) under f32 products; under bf16
 // products (the three bf16 pointers not null) only its bf16 copy is written (the products
 // are the only readers of dZ), with the bf16 copies of dL_c and H, rounded to nearest even.
+// dhidden_c, when not null (the launcher passes it only for the register path, see
+// register_rank), gets d/dH_c = dL_c·B_c [N, rc] too: each lane sums dL_c[n, j]·B_c[j, :]
+// over its columns with the weights it already holds, then the warp adds its lanes, in f32
+// (no product launch for it).
 extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float* dout, const float* a_c,
                                                     const float* b_cw, const float* b_cb, const float* alpha_c_ptr,
                                                     const float* a_s, const float* b_sw, const float* b_sb,
                                                     const float* alpha_s_ptr, int phi, float phi_p, i64 rows,
                                                     i64 d_out, int rc, int rs, float* dzu, float* dlogits,
-                                                    float* hidden, float* row_terms, bf16_t* dzu_bf16,
-                                                    bf16_t* dlogits_bf16, bf16_t* hidden_bf16) {
+                                                    float* hidden, float* row_terms, float* dhidden_c,
+                                                    bf16_t* dzu_bf16, bf16_t* dlogits_bf16, bf16_t* hidden_bf16) {
     const float alpha_c = *alpha_c_ptr, alpha_s = *alpha_s_ptr;
     __shared__ float h_rows[FG_ROW_WARPS][FG_MAX_RANK];
     const int lane = threadIdx.x & 31;
     float* h = h_rows[threadIdx.x >> 5];
     const i64 width = d_out + rc + rs;
-    const bool vec = (rc & 3) == 0 && is_aligned(b_cw, 16);
+    const bool regs = dhidden_c != nullptr;
     for (i64 n = (i64)blockIdx.x * FG_ROW_WARPS + (threadIdx.x >> 5); n < rows; n += (i64)gridDim.x * FG_ROW_WARPS) {
         const float* zr = zu + n * width;
         row_hidden(h, zr, a_c, a_s, phi, phi_p, d_out, rc, rs, n, hidden, hidden_bf16);
         const float gate_s = scalar_gate(h, b_sw, b_sb, alpha_s, rc, rs);
+        float hr[FG_REG_RANK], dh[FG_REG_RANK];
+        hidden_registers(hr, h, rc);
+#pragma unroll
+        for (int t = 0; t < FG_REG_RANK; ++t) dh[t] = 0.0f;
         float dgate_s = 0.0f, dalpha_c = 0.0f;
         for (i64 j0 = lane; j0 < d_out; j0 += 32 * FG_ROW_BATCH) {
             float z[FG_ROW_BATCH], dy[FG_ROW_BATCH];
@@ -406,7 +450,15 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
             for (int b = 0; b < FG_ROW_BATCH; ++b) {
                 const i64 j = j0 + 32 * b;
                 if (j >= d_out) break;
-                const float logit = channel_logit(h, b_cw + j * rc, rc, vec) + b_cb[j];
+                float w[FG_REG_RANK];
+                float logit;
+                if (regs) {
+                    load_column_weights(w, b_cw + j * rc, rc);
+                    logit = dot_rank(hr, w, rc);
+                } else {
+                    logit = channel_logit(h, b_cw + j * rc, rc);
+                }
+                logit += b_cb[j];
                 const float gate = 2.0f * sigmoid_f(alpha_c * logit);
                 const float dz = dy[b] * gate * gate_s;
                 const float dgate = dy[b] * z[b] * gate_s;
@@ -421,6 +473,10 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
                     dzu[n * width + j] = dz;
                 }
                 dalpha_c += dgate * logit * slope;
+                if (regs) {
+#pragma unroll
+                    for (int t = 0; t < FG_REG_RANK; ++t) dh[t] += dlogit * w[t];
+                }
             }
         }
         dgate_s = warp_sum(dgate_s);
@@ -428,6 +484,14 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
         if (lane == 0) {
             row_terms[n * 3 + 0] = dgate_s;
             row_terms[n * 3 + 1] = dalpha_c;
+        }
+        if (regs) {
+#pragma unroll
+            for (int t = 0; t < FG_REG_RANK; ++t) {
+                if (t >= rc) break;
+                const float total = warp_sum(dh[t]);
+                if (lane == 0) dhidden_c[n * rc + t] = total;
+            }
         }
     }
 }
