@@ -16,6 +16,10 @@
 //   dk, dv   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − δ), dV += Pᵀ·dO, dK += dSᵀ·Q
 // No atomics, a fixed order of additions: every run gives the same bits.
 //
+// Global accesses move 2 or 4 floats at once (8- and 16-byte loads and stores): every
+// tensor is a whole device buffer, which starts 16-byte aligned (the allocator's blocks: 256
+// bytes on a GPU, 16 on the emulator), and a row of D floats is a multiple of 64 bytes.
+//
 // Fragments (PTX ISA "mma.m16n8k16", g = lane / 4, t = lane % 4): A row-major 16 × 16,
 // a0 = A[g][2t, 2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]; B 16 × 8,
 // b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g]; the f32 result C 16 × 8, c0, c1 = C[g][2t, 2t+1],
@@ -43,19 +47,35 @@ __device__ __forceinline__ unsigned int bf16x2(float lo, float hi) {
 }
 
 // Rows t0..t0+63 of head (b, h) of `src` ([B, T, H, D], f32) into tile[64][D + PAD] as bf16;
-// rows at or past `limit` are zero.
+// rows at or past `limit` are zero. A thread moves 4 adjacent floats at a time (one 16-byte
+// load, two 4-byte shared stores), STAGE_BATCH chunks a round, all of a round's loads issued
+// before its first store so that they are in flight together (a load-then-store loop waits
+// out each load's latency in turn); rounds of 4 keep the registers a round holds to 16.
+#define STAGE_BATCH 4
 template <int D>
 __device__ __forceinline__ void stage_bf16(bf16_t* tile, const float* src, i64 b, i64 h, i64 t0, i64 limit, i64 seq,
                                            i64 heads) {
-    for (int e = threadIdx.x; e < TC_TILE * D / 2; e += TC_THREADS) {
-        int r = e / (D / 2), c = 2 * (e % (D / 2));
-        i64 t = t0 + r;
-        unsigned int pair = 0u;
-        if (t < limit) {
-            const float* p = src + head_row(b, t, h, seq, heads, D) + c;
-            pair = bf16x2(p[0], p[1]);
+    constexpr int PER_THREAD = TC_TILE * D / 4 / TC_THREADS;  // D / 8 chunks of 4 floats
+    constexpr int BATCH = PER_THREAD < STAGE_BATCH ? PER_THREAD : STAGE_BATCH;
+#pragma unroll
+    for (int i0 = 0; i0 < PER_THREAD; i0 += BATCH) {
+        f32x4 chunk[BATCH];
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {
+            const int e = threadIdx.x + (i0 + i) * TC_THREADS, r = e / (D / 4), c = 4 * (e % (D / 4));
+            const i64 t = t0 + r;
+            chunk[i] = f32x4{{0.0f, 0.0f, 0.0f, 0.0f}};
+            if (i0 + i < PER_THREAD && t < limit)
+                chunk[i] = *reinterpret_cast<const f32x4*>(src + head_row(b, t, h, seq, heads, D) + c);
         }
-        *reinterpret_cast<unsigned int*>(tile + r * (D + TC_PAD) + c) = pair;
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {
+            if (i0 + i >= PER_THREAD) break;
+            const int e = threadIdx.x + (i0 + i) * TC_THREADS, r = e / (D / 4), c = 4 * (e % (D / 4));
+            unsigned int* dst = reinterpret_cast<unsigned int*>(tile + r * (D + TC_PAD) + c);
+            dst[0] = bf16x2(chunk[i].v[0], chunk[i].v[1]);
+            dst[1] = bf16x2(chunk[i].v[2], chunk[i].v[3]);
+        }
     }
 }
 
@@ -72,8 +92,14 @@ __device__ __forceinline__ void load_a_rows(unsigned int (*frag)[4], const float
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             int c = 16 * kk + 2 * t;
-            frag[kk][half] = row < limit ? bf16x2(p[c], p[c + 1]) : 0u;
-            frag[kk][half + 2] = row < limit ? bf16x2(p[c + 8], p[c + 9]) : 0u;
+            frag[kk][half] = 0u;
+            frag[kk][half + 2] = 0u;
+            if (row < limit) {
+                const f32x2 lo = *reinterpret_cast<const f32x2*>(p + c);
+                const f32x2 hi = *reinterpret_cast<const f32x2*>(p + c + 8);
+                frag[kk][half] = bf16x2(lo.v[0], lo.v[1]);
+                frag[kk][half + 2] = bf16x2(hi.v[0], hi.v[1]);
+            }
         }
     }
 }
@@ -144,7 +170,9 @@ __device__ __forceinline__ float quad_max(float v) {
 }
 
 // Writes the warp's 16 × D result rows row0.. (`scale` times the accumulator) into `dst`
-// (and its bf16 twin when given), skipping rows at or past `limit`.
+// (and its bf16 twin when given), skipping rows at or past `limit`. A lane holds two adjacent
+// columns of a row: it writes them as one 8-byte store (one 4-byte store of the bf16 pair), so
+// a warp's store fills whole 32-byte sectors instead of half of each.
 template <int D>
 __device__ __forceinline__ void store_rows(const float (*acc)[4], float scale, float* dst, bf16_t* dst_bf16, i64 b,
                                            i64 h, i64 row0, i64 limit, i64 seq, i64 heads) {
@@ -156,13 +184,10 @@ __device__ __forceinline__ void store_rows(const float (*acc)[4], float scale, f
         i64 at = head_row(b, row, h, seq, heads, D);
 #pragma unroll
         for (int nd = 0; nd < D / 8; ++nd) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                int c = 8 * nd + 2 * t + e;
-                float value = scale * acc[nd][2 * half + e];
-                dst[at + c] = value;
-                if (dst_bf16) dst_bf16[at + c] = f32_to_bf16(value);
-            }
+            const int c = 8 * nd + 2 * t;
+            const float v0 = scale * acc[nd][2 * half], v1 = scale * acc[nd][2 * half + 1];
+            *reinterpret_cast<f32x2*>(dst + at + c) = f32x2{{v0, v1}};
+            if (dst_bf16) *reinterpret_cast<unsigned int*>(dst_bf16 + at + c) = bf16x2(v0, v1);
         }
     }
 }

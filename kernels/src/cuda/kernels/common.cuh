@@ -79,6 +79,9 @@ struct alignas(16) f32x4 {
 struct alignas(8) bf16x4 {
     bf16_t v[4];
 };
+struct alignas(8) f32x2 {
+    float v[2];
+};
 
 // Whether p is a multiple of `bytes` (a power of two); a null pointer is.
 __device__ __forceinline__ bool is_aligned(const void* p, unsigned int bytes) {

@@ -31,11 +31,6 @@ struct alignas(16) u32x4 {
     unsigned int x, y, z, w;
 };
 
-// Two floats as one 8-byte store.
-struct alignas(8) f32x2 {
-    float x, y;
-};
-
 // mma.sync.m16n8k16 bf16 × bf16 + f32. Fragments (PTX ISA "mma.m16n8k16", g = lane / 4,
 // t = lane % 4): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..];
 // b0 = B[2t..2t+1][g], b1 = B[2t+8..][g]; d0,d1 = D[g][2t..2t+1], d2,d3 = D[g+8][2t..2t+1].
@@ -309,7 +304,7 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
             const float y1 = sigmoid_f(alpha_c * (logit[1][i] + bias1)) * scale * z1;
             float* o = out + row * d_out + col;
             if (second && pairs_out) {
-                *reinterpret_cast<f32x2*>(o) = f32x2{y0, y1};
+                *reinterpret_cast<f32x2*>(o) = f32x2{{y0, y1}};
             } else {
                 o[0] = y0;
                 if (second) o[1] = y1;
@@ -317,7 +312,7 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
             if (!zu) continue;
             float* zr = zu + row * width + col;
             if (second && pairs_zu) {
-                *reinterpret_cast<f32x2*>(zr) = f32x2{z0, z1};
+                *reinterpret_cast<f32x2*>(zr) = f32x2{{z0, z1}};
             } else {
                 zr[0] = z0;
                 if (second) zr[1] = z1;
