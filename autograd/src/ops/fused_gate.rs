@@ -35,8 +35,12 @@ impl Var {
         )?;
         let inputs =
             [vec![self.clone(), weight.clone()], channel.map(Var::clone).to_vec(), scalar.map(Var::clone).to_vec()];
-        // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cpu::fused_gate::fused_gate_backward
-        Ok(Var::from_op(y, inputs.concat(), move |dy| Tensor::fused_gated_projection_backward(&saved, dy)))
+        // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cpu::fused_gate::fused_gate_backward.
+        // The backward takes over x's gradient so far (q, k and v read one normalised input):
+        // on the GPU its dx product adds onto it (β = 1) instead of a separate add after.
+        Ok(Var::from_op_absorbing(y, inputs.concat(), move |dy, dx_so_far| {
+            Tensor::fused_gated_projection_backward(&saved, dy, dx_so_far)
+        }))
     }
 
     /// The same projection composed from unfused ops (matmul, add, φ, sigmoid, mul): the

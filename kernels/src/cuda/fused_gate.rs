@@ -123,6 +123,10 @@ impl DeviceGateGrads<'_> {
 pub struct DeviceFusedGateGrads<'a> {
     /// `dx: [N, d_in]`.
     pub x: &'a mut DeviceBuffer<f32>,
+    /// Whether `dx` is written into `x` ([`Store::Overwrite`]) or added onto what `x` holds
+    /// ([`Store::Accumulate`]: the GEMM's β = 1, so an input read by several projections gets
+    /// its gradients summed without a separate add).
+    pub x_store: Store,
     /// `dW: [d_out, d_in]`.
     pub weight: &'a mut DeviceBuffer<f32>,
     /// The channel modulator's gradients.
@@ -522,21 +526,12 @@ pub fn fused_gate_backward(
     if let Operands::Bf16 { packed, .. } = &operands {
         // The packed bf16 weight makes dx one product over K = d_out + r.
         let weight = Operand::rows(packed.device_ptr(), d_in);
-        gemm(rows, d_in, k, operands.rows(Part::Dzu, 0, k), weight, Store::Overwrite, g.x.device_ptr(), d_in)?;
+        gemm(rows, d_in, k, operands.rows(Part::Dzu, 0, k), weight, g.x_store, g.x.device_ptr(), d_in)?;
     } else {
         // Three f32 weight buffers: the first product written, the others added onto it.
         for (i, (offset, width, weight, _)) in parts.iter().enumerate() {
             let (a, b) = (operands.rows(Part::Dzu, *offset, k), Operand::rows(weight.device_ptr(), d_in));
-            gemm(
-                rows,
-                d_in,
-                *width,
-                a,
-                b,
-                if i == 0 { Store::Overwrite } else { Store::Accumulate },
-                g.x.device_ptr(),
-                d_in,
-            )?;
+            gemm(rows, d_in, *width, a, b, if i == 0 { g.x_store } else { Store::Accumulate }, g.x.device_ptr(), d_in)?;
         }
     }
     let x_rows = operands.rows(Part::X, 0, d_in);

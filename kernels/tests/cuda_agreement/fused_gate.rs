@@ -4,6 +4,7 @@
 use half::bf16;
 use kernels::cpu;
 use kernels::cpu::fused_gate::{FusedGateDims, FusedGateGrads, FusedGateParams, GateGrads, GateParams};
+use kernels::cpu::matmul::Store;
 use kernels::cpu::unary::Unary;
 use kernels::cuda::fused_gate::{
     DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, GateProducts,
@@ -164,9 +165,11 @@ fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
     want.extend(dc);
     want.extend(ds);
     want.extend([vec![dalpha_c], vec![dalpha_s]]);
-    // The same gradients from the GPU, into stale buffers, with products of `precision`.
-    let gpu_backward = |products: GateProducts| -> Vec<Vec<f32>> {
-        let mut gdx = up(dev, &stale(rows * d_in));
+    // The same gradients from the GPU, into stale buffers, with products of `precision`; dx
+    // added onto `dx_base` instead when it is given (Store::Accumulate).
+    let gpu_backward = |products: GateProducts, dx_base: Option<&[f32]>| -> Vec<Vec<f32>> {
+        let mut gdx = up(dev, &dx_base.map_or_else(|| stale(rows * d_in), <[f32]>::to_vec));
+        let x_store = if dx_base.is_some() { Store::Accumulate } else { Store::Overwrite };
         let mut gdw = up(dev, &stale(d_out * d_in));
         let mut gdc: Vec<DeviceBuffer<f32>> =
             [rc * d_in, rc, d_out * rc, d_out].iter().map(|&l| up(dev, &stale(l))).collect();
@@ -177,6 +180,7 @@ fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
             let [sa, sab, sb, sbb] = &mut gds[..] else { unreachable!() };
             let mut grads = DeviceFusedGateGrads {
                 x: &mut gdx,
+                x_store,
                 weight: &mut gdw,
                 channel: DeviceGateGrads { a_weight: ca, a_bias: cab, b_weight: cb, b_bias: cbb, alpha: &mut gdac },
                 scalar: DeviceGateGrads { a_weight: sa, a_bias: sab, b_weight: sb, b_bias: sbb, alpha: &mut gdas },
@@ -196,11 +200,16 @@ fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
     let b_channel = dev.upload(&b_channel).unwrap();
     let bf16 = GateProducts::Bf16 { x: &gx16, packed: &packed, b_channel: &b_channel };
     for (products, bound) in [(GateProducts::F32, rel), (bf16, 3e-2)] {
-        let got = gpu_backward(products);
+        let got = gpu_backward(products, None);
         for ((name, got), want) in names.clone().zip(&got).zip(&want) {
             assert_close(&format!("{name} {what} ({products:?})"), got, want, 0.0, bound);
         }
     }
+    // dx added onto the gradient an input already has (an input read by several projections).
+    let dx_base = Rng::new(rows as u64 + 1).vec(rows * d_in, -1.0, 1.0);
+    let want_dx: Vec<f32> = want[0].iter().zip(&dx_base).map(|(dx, base)| base + dx).collect();
+    let got = gpu_backward(GateProducts::F32, Some(&dx_base));
+    assert_close(&format!("dx added onto a gradient so far {what}"), &got[0], &want_dx, 0.0, rel);
 }
 
 #[test]

@@ -143,8 +143,14 @@ impl Tensor {
 
     /// The backward of [`Tensor::fused_gated_projection`] for the output gradient `dy`:
     /// `[dx, dW, dA_c, da_c, dB_c, db_c, dα_c, dA_s, da_s, dB_s, db_s, dα_s]`, each shaped like
-    /// its input.
-    pub fn fused_gated_projection_backward(saved: &FusedGateSaved, dy: &Tensor) -> Result<Vec<Tensor>> {
+    /// its input. With `dx_so_far` (the gradient `x` has from the other ops that read it), the
+    /// first entry is that plus this projection's `dx`: on the GPU the `dx` product adds onto
+    /// `dx_so_far`'s buffer in place (β = 1) when it is its only owner.
+    pub fn fused_gated_projection_backward(
+        saved: &FusedGateSaved,
+        dy: &Tensor,
+        dx_so_far: Option<Tensor>,
+    ) -> Result<Vec<Tensor>> {
         let x = &saved.x;
         x.same_device(OP, dy)?;
         let mut y_shape = x.shape().to_vec();
@@ -155,11 +161,18 @@ impl Tensor {
             return Err(Error::ShapeMismatch { op: OP, lhs: y_shape, rhs: dy.shape().to_vec() });
         }
         match &saved.extra {
-            SavedExtra::Cpu(host) => cpu_backward(saved, host, dy),
+            SavedExtra::Cpu(host) => {
+                let mut grads = cpu_backward(saved, host, dy)?;
+                if let Some(so_far) = dx_so_far {
+                    let dx = grads.remove(0);
+                    grads.insert(0, so_far.accumulate(dx)?);
+                }
+                Ok(grads)
+            }
             #[cfg(feature = "cuda")]
             SavedExtra::Cuda { packed } => {
                 let FusedGateSaved { dims, x, weight, channel, scalar, phi, zu, .. } = saved;
-                cuda::backward(dims, x, weight, channel, scalar, *phi, zu, packed, dy)
+                cuda::backward(dims, x, weight, channel, scalar, *phi, zu, packed, dy, dx_so_far)
             }
         }
     }
@@ -208,6 +221,7 @@ pub(crate) mod cuda {
     use std::sync::Arc;
 
     use half::bf16;
+    use kernels::cpu::matmul::Store;
     use kernels::cuda::fused_gate::{
         fused_gate_backward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams,
         DeviceGateGrads, DeviceGateParams, FusedGateDims, GateProducts, Unary,
@@ -215,7 +229,7 @@ pub(crate) mod cuda {
     use kernels::cuda::{CudaDevice, DeviceBuffer};
 
     use crate::cuda::CudaStorage;
-    use crate::{DType, Error, Result, Tensor};
+    use crate::{DType, Error, Result, Storage, Tensor};
 
     const OP: &str = "fused_gated_projection";
 
@@ -327,7 +341,8 @@ pub(crate) mod cuda {
     }
 
     /// Backward on the GPU: the twelve gradients in input order, from the forward's saved
-    /// dense f32 `x`, parameters, `ZU` and packed bf16 weight, for the output gradient `dy`.
+    /// dense f32 `x`, parameters, `ZU` and packed bf16 weight, for the output gradient `dy`;
+    /// `dx` is added onto `dx_so_far` (see [`Tensor::fused_gated_projection_backward`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward(
         dims: &FusedGateDims,
@@ -339,6 +354,7 @@ pub(crate) mod cuda {
         zu: &Tensor,
         packed: &DeviceBuffer<bf16>,
         dy: &Tensor,
+        dx_so_far: Option<Tensor>,
     ) -> Result<Vec<Tensor>> {
         let dev = x.cuda_device(OP)?;
         let (x, zu, dy) = (x.dense()?, zu.dense()?, dy.dense()?);
@@ -357,11 +373,24 @@ pub(crate) mod cuda {
         } else {
             None
         };
-        let (mut dx, mut dw) = (CudaStorage::alloc(&dev, x.numel())?, CudaStorage::alloc(&dev, w.numel())?);
+        // dx goes onto the gradient so far in place when this op holds its only reference;
+        // otherwise into a fresh buffer, added to the sum after.
+        let (mut absorbing, mut dx_fresh, dx_later) = match dx_so_far.map(|t| absorbable(t, x.shape())) {
+            Some(Ok(so_far)) => (Some(so_far), None, None),
+            Some(Err(so_far)) => (None, Some(CudaStorage::alloc(&dev, x.numel())?), Some(so_far)),
+            None => (None, Some(CudaStorage::alloc(&dev, x.numel())?), None),
+        };
+        let mut dw = CudaStorage::alloc(&dev, w.numel())?;
         let (mut dc, mut ds) = (fresh_like_all(&dev, &cv)?, fresh_like_all(&dev, &sv)?);
         {
+            let (dx_buffer, x_store) = match (&mut absorbing, &mut dx_fresh) {
+                (Some(so_far), _) => (so_far_buffer(so_far)?, Store::Accumulate),
+                (None, Some(fresh)) => (fresh.f32_buffer_mut(OP)?, Store::Overwrite),
+                (None, None) => unreachable!("one of the two is set above"),
+            };
             let mut grads = DeviceFusedGateGrads {
-                x: dx.f32_buffer_mut(OP)?,
+                x: dx_buffer,
+                x_store,
                 weight: dw.f32_buffer_mut(OP)?,
                 channel: device_grads(&mut dc)?,
                 scalar: device_grads(&mut ds)?,
@@ -381,10 +410,44 @@ pub(crate) mod cuda {
             let (x, zu, dy) = (x.cuda_f32(OP)?, zu.cuda_f32(OP)?, dy.cuda_f32(OP)?);
             fused_gate_backward(&dev, dims, x, &p, zu, dy, products, &mut grads)?;
         }
-        let mut out = vec![Tensor::from_cuda(dx, x.shape())?, Tensor::from_cuda(dw, w.shape())?];
+        let dx = match (absorbing, dx_fresh) {
+            (Some(total), _) => total,
+            (None, Some(fresh)) => {
+                let dx = Tensor::from_cuda(fresh, x.shape())?;
+                match dx_later {
+                    Some(so_far) => so_far.accumulate(dx)?,
+                    None => dx,
+                }
+            }
+            (None, None) => unreachable!("one of the two is set above"),
+        };
+        let mut out = vec![dx, Tensor::from_cuda(dw, w.shape())?];
         for (g, t) in dc.into_iter().zip(&cv).chain(ds.into_iter().zip(&sv)) {
             out.push(Tensor::from_cuda(g, t.shape())?);
         }
         Ok(out)
+    }
+
+    /// `so_far` as the buffer a product may add onto in place (`Ok`): an f32 tensor of `shape`
+    /// that is the only owner of its whole contiguous device buffer. Otherwise `Err(so_far)`.
+    fn absorbable(mut so_far: Tensor, shape: &[usize]) -> std::result::Result<Tensor, Tensor> {
+        let whole = so_far.dtype() == DType::F32
+            && so_far.shape() == shape
+            && so_far.is_contiguous()
+            && so_far.offset == 0
+            && so_far.storage.len() == so_far.numel();
+        if whole && matches!(Arc::get_mut(&mut so_far.storage), Some(Storage::Cuda(_))) {
+            Ok(so_far)
+        } else {
+            Err(so_far)
+        }
+    }
+
+    /// The f32 device buffer of a tensor [`absorbable`] accepted.
+    fn so_far_buffer(so_far: &mut Tensor) -> Result<&mut DeviceBuffer<f32>> {
+        match Arc::get_mut(&mut so_far.storage) {
+            Some(Storage::Cuda(storage)) => storage.f32_buffer_mut(OP),
+            _ => Err(Error::UnsupportedDevice { op: OP, device: so_far.device }),
+        }
     }
 }
