@@ -48,16 +48,6 @@ const ROWS_PER_BLOCK: usize = 8;
 /// Cap on their blocks (each warp loops over the rows past it).
 const MAX_ROW_BLOCKS: usize = 1 << 16;
 
-/// Largest channel rank of the row kernels' register path (FG_REG_RANK in fused_gate.cu).
-const REGISTER_RANK: usize = 8;
-
-/// Whether the row kernels keep `B_c`'s rows in registers (fused_gate.cu `register_rank`):
-/// `rc ≤ REGISTER_RANK`, `rc % 4 == 0` and `B_c` 16-byte aligned. The backward's row kernel
-/// then also sums `d/dH_c`, and its product is not launched.
-fn register_rank(rc: usize, b_channel: &DeviceBuffer<f32>) -> bool {
-    rc <= REGISTER_RANK && rc.is_multiple_of(4) && b_channel.device_ptr().is_multiple_of(16)
-}
-
 /// The launch of a row kernel: one warp per row, [`ROWS_PER_BLOCK`] rows per block.
 fn row_warps(rows: usize) -> cudarc::driver::LaunchConfig {
     cudarc::driver::LaunchConfig {
@@ -441,8 +431,6 @@ pub fn fused_gate_backward(
         ptr(&dlogits),
         ptr(&hidden),
         ptr(&row_terms),
-        // d/dH_c = dL_c·B_c: summed by the row kernel where it holds B_c's rows in registers.
-        Arg::Ptr(if register_rank(rc, p.channel.b_weight) { dhidden_c.device_ptr() } else { 0 }),
         bf16_copy(Part::Dzu),
         bf16_copy(Part::DLogits),
         bf16_copy(Part::Hidden),
@@ -452,19 +440,17 @@ pub fn fused_gate_backward(
     let precision = operands.precision();
     let gemm = |m, n, k, a, b, store, c: u64, ldc| gemm(dev, precision, GemmDims { m, n, k }, a, b, store, (c, ldc));
 
-    // d/dH_c = dL_c·B_c, where the row kernel did not sum it.
-    if !register_rank(rc, p.channel.b_weight) {
-        gemm(
-            rows,
-            rc,
-            d_out,
-            operands.rows(Part::DLogits, 0, d_out),
-            operands.rows(Part::BChannel, 0, rc),
-            Store::Overwrite,
-            dhidden_c.device_ptr(),
-            rc,
-        )?;
-    }
+    // d/dH_c = dL_c·B_c
+    gemm(
+        rows,
+        rc,
+        d_out,
+        operands.rows(Part::DLogits, 0, d_out),
+        operands.rows(Part::BChannel, 0, rc),
+        Store::Overwrite,
+        dhidden_c.device_ptr(),
+        rc,
+    )?;
     let (phi, phi_p) = unary_code(p.phi);
     let summary_args = [
         ptr(zu),

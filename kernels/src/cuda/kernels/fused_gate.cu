@@ -78,7 +78,7 @@ __device__ __forceinline__ float channel_logit(const float* h, const float* w, i
 // reads and 2 loads instead of 8.
 #define FG_REG_RANK 8
 
-// Whether rc and B_c take the register path (the launcher checks the same for the backward).
+// Whether rc and B_c take the register path.
 __device__ __forceinline__ bool register_rank(int rc, const float* b_cw) {
     return rc <= FG_REG_RANK && (rc & 3) == 0 && is_aligned(b_cw, 16);
 }
@@ -407,31 +407,25 @@ extern "C" __global__ void fused_gate_apply(const float* zu, const float* a_c, c
 // row_terms[n·3 + 0..2). dZ goes into dzu[n, 0..d_out) under f32 products; under bf16
 // products (the three bf16 pointers not null) only its bf16 copy is written (the products
 // are the only readers of dZ), with the bf16 copies of dL_c and H, rounded to nearest even.
-// dhidden_c, when not null (the launcher passes it only for the register path, see
-// register_rank), gets d/dH_c = dL_c·B_c [N, rc] too: each lane sums dL_c[n, j]·B_c[j, :]
-// over its columns with the weights it already holds, then the warp adds its lanes, in f32
-// (no product launch for it).
 extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float* dout, const float* a_c,
                                                     const float* b_cw, const float* b_cb, const float* alpha_c_ptr,
                                                     const float* a_s, const float* b_sw, const float* b_sb,
                                                     const float* alpha_s_ptr, int phi, float phi_p, i64 rows,
                                                     i64 d_out, int rc, int rs, float* dzu, float* dlogits,
-                                                    float* hidden, float* row_terms, float* dhidden_c,
-                                                    bf16_t* dzu_bf16, bf16_t* dlogits_bf16, bf16_t* hidden_bf16) {
+                                                    float* hidden, float* row_terms, bf16_t* dzu_bf16,
+                                                    bf16_t* dlogits_bf16, bf16_t* hidden_bf16) {
     const float alpha_c = *alpha_c_ptr, alpha_s = *alpha_s_ptr;
     __shared__ float h_rows[FG_ROW_WARPS][FG_MAX_RANK];
     const int lane = threadIdx.x & 31;
     float* h = h_rows[threadIdx.x >> 5];
     const i64 width = d_out + rc + rs;
-    const bool regs = dhidden_c != nullptr;
+    const bool regs = register_rank(rc, b_cw);
     for (i64 n = (i64)blockIdx.x * FG_ROW_WARPS + (threadIdx.x >> 5); n < rows; n += (i64)gridDim.x * FG_ROW_WARPS) {
         const float* zr = zu + n * width;
         row_hidden(h, zr, a_c, a_s, phi, phi_p, d_out, rc, rs, n, hidden, hidden_bf16);
         const float gate_s = scalar_gate(h, b_sw, b_sb, alpha_s, rc, rs);
-        float hr[FG_REG_RANK], dh[FG_REG_RANK];
+        float hr[FG_REG_RANK];
         hidden_registers(hr, h, rc);
-#pragma unroll
-        for (int t = 0; t < FG_REG_RANK; ++t) dh[t] = 0.0f;
         float dgate_s = 0.0f, dalpha_c = 0.0f;
         for (i64 j0 = lane; j0 < d_out; j0 += 32 * FG_ROW_BATCH) {
             float z[FG_ROW_BATCH], dy[FG_ROW_BATCH];
@@ -445,9 +439,9 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
             for (int b = 0; b < FG_ROW_BATCH; ++b) {
                 const i64 j = j0 + 32 * b;
                 if (j >= d_out) break;
-                float w[FG_REG_RANK];
                 float logit;
                 if (regs) {
+                    float w[FG_REG_RANK];
                     load_column_weights(w, b_cw + j * rc, rc);
                     logit = dot_rank(hr, w, rc);
                 } else {
@@ -468,10 +462,6 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
                     dzu[n * width + j] = dz;
                 }
                 dalpha_c += dgate * logit * slope;
-                if (regs) {
-#pragma unroll
-                    for (int t = 0; t < FG_REG_RANK; ++t) dh[t] += dlogit * w[t];
-                }
             }
         }
         dgate_s = warp_sum(dgate_s);
@@ -479,14 +469,6 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
         if (lane == 0) {
             row_terms[n * 3 + 0] = dgate_s;
             row_terms[n * 3 + 1] = dalpha_c;
-        }
-        if (regs) {
-#pragma unroll
-            for (int t = 0; t < FG_REG_RANK; ++t) {
-                if (t >= rc) break;
-                const float total = warp_sum(dh[t]);
-                if (lane == 0) dhidden_c[n * rc + t] = total;
-            }
         }
     }
 }
