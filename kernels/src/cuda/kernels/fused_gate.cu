@@ -63,44 +63,35 @@ __device__ __forceinline__ u32x4 load_chunk(const bf16_t* base, i64 rows, i64 co
     return v;
 }
 
-// One row's channel-gate logit before its bias, Σ_t h[t]·w[t] over the rc weights of column
-// j (w = B_c + j·rc, contiguous), added in order; h in shared memory. The row kernels' path
-// for ranks above FG_REG_RANK (below it they keep h and w in registers: dot_rank).
-__device__ __forceinline__ float channel_logit(const float* h, const float* w, int rc) {
-    float logit = 0.0f;
-    for (int t = 0; t < rc; ++t) logit += h[t] * w[t];
-    return logit;
-}
-
-// Channel ranks up to FG_REG_RANK (every preset's is 8) with rc % 4 == 0 and B_c 16-byte
-// aligned take the row kernels' register path: a lane keeps the row's h_c in registers and
-// loads a column's weights as 16-byte vectors, so a column's logit costs no shared-memory
-// reads and 2 loads instead of 8.
+// Channel ranks up to FG_REG_RANK (every preset's is 8) with rc % 4 == 0 take the row
+// kernels' register path: a lane keeps the row's h_c in registers and loads a column's
+// weights as 16-byte vectors (B_c is a whole device buffer, 16-byte aligned, and a column's rc
+// weights start at a multiple of 4), so a column's logit costs no shared-memory reads and 2
+// loads instead of 8.
 #define FG_REG_RANK 8
 
-// Whether rc and B_c take the register path.
-__device__ __forceinline__ bool register_rank(int rc, const float* b_cw) {
-    return rc <= FG_REG_RANK && (rc & 3) == 0 && is_aligned(b_cw, 16);
-}
+// Whether a channel rank takes the register path.
+__device__ __forceinline__ bool register_rank(int rc) { return rc <= FG_REG_RANK && (rc & 3) == 0; }
 
-// Column j's weights B_c[j, 0..rc) (column = B_c + j·rc) into registers; zeros past rc.
-__device__ __forceinline__ void load_column_weights(float (&w)[FG_REG_RANK], const float* column, int rc) {
+// Column j's channel-gate logit before its bias, Σ_t h_c[t]·B_c[j, t] added in order, from
+// the row's h_c in registers (`regs`, see register_rank; hr is zero past rc) or in the warp's
+// shared slot h.
+__device__ __forceinline__ float channel_logit(const float (&hr)[FG_REG_RANK], const float* h, const float* b_cw,
+                                               i64 j, int rc, bool regs) {
+    const float* column = b_cw + j * rc;  // B_c[j, 0..rc), contiguous
+    float logit = 0.0f;
+    if (regs) {
 #pragma unroll
-    for (int t = 0; t < FG_REG_RANK; t += 4) {
-        f32x4 w4 = {{0.0f, 0.0f, 0.0f, 0.0f}};
-        if (t < rc) w4 = *reinterpret_cast<const f32x4*>(column + t);
+        for (int t = 0; t < FG_REG_RANK; t += 4) {
+            if (t >= rc) break;
+            const f32x4 w4 = *reinterpret_cast<const f32x4*>(column + t);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) w[t + k] = w4.v[k];
+            for (int k = 0; k < 4; ++k) logit += hr[t + k] * w4.v[k];
+        }
+    } else {
+        for (int t = 0; t < rc; ++t) logit += h[t] * column[t];
     }
-}
-
-// Σ_t h[t]·w[t] over t < rc, added in order (the same sum as channel_logit).
-__device__ __forceinline__ float dot_rank(const float (&h)[FG_REG_RANK], const float (&w)[FG_REG_RANK], int rc) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int t = 0; t < FG_REG_RANK; ++t)
-        if (t < rc) sum += h[t] * w[t];
-    return sum;
+    return logit;
 }
 
 // The row's h_c (this warp's shared slot) into registers; zeros past rc.
@@ -272,8 +263,9 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
     // columns (2·t4, 2·t4 + 1): it computes both columns' logits in one pass over H (each h read
     // once for two columns) and writes the pair as one 8-byte store, so each store of a warp
     // fills whole 32-byte sectors (8 rows × 4 threads × 8 bytes) instead of half of each.
-    const bool pairs_out = (d_out & 1) == 0 && is_aligned(out, 8);
-    const bool pairs_zu = zu && (width & 1) == 0 && is_aligned(zu, 8);
+    // Whole device buffers (16-byte aligned) with an even row width: every pair is 8-byte aligned.
+    const bool pairs_out = (d_out & 1) == 0;
+    const bool pairs_zu = zu && (width & 1) == 0;
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
         const i64 col = n0 + warp_n * 32 + nt * 8 + 2 * t4;
@@ -370,7 +362,7 @@ extern "C" __global__ void fused_gate_apply(const float* zu, const float* a_c, c
     const int lane = threadIdx.x & 31;
     float* h = h_rows[threadIdx.x >> 5];
     const i64 width = d_out + rc + rs;
-    const bool regs = register_rank(rc, b_cw);
+    const bool regs = register_rank(rc);
     for (i64 n = (i64)blockIdx.x * FG_ROW_WARPS + (threadIdx.x >> 5); n < rows; n += (i64)gridDim.x * FG_ROW_WARPS) {
         const float* zr = zu + n * width;
         row_hidden(h, zr, a_c, a_s, phi, phi_p, d_out, rc, rs, n, nullptr, nullptr);
@@ -385,14 +377,7 @@ extern "C" __global__ void fused_gate_apply(const float* zu, const float* a_c, c
             for (int b = 0; b < FG_ROW_BATCH; ++b) {
                 const i64 j = j0 + 32 * b;
                 if (j >= d_out) break;
-                float logit;
-                if (regs) {
-                    float w[FG_REG_RANK];
-                    load_column_weights(w, b_cw + j * rc, rc);
-                    logit = dot_rank(hr, w, rc);
-                } else {
-                    logit = channel_logit(h, b_cw + j * rc, rc);
-                }
+                const float logit = channel_logit(hr, h, b_cw, j, rc, regs);
                 out[n * d_out + j] = sigmoid_f(alpha_c * (logit + b_cb[j])) * scale * z[b];
             }
         }
@@ -419,7 +404,7 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
     const int lane = threadIdx.x & 31;
     float* h = h_rows[threadIdx.x >> 5];
     const i64 width = d_out + rc + rs;
-    const bool regs = register_rank(rc, b_cw);
+    const bool regs = register_rank(rc);
     for (i64 n = (i64)blockIdx.x * FG_ROW_WARPS + (threadIdx.x >> 5); n < rows; n += (i64)gridDim.x * FG_ROW_WARPS) {
         const float* zr = zu + n * width;
         row_hidden(h, zr, a_c, a_s, phi, phi_p, d_out, rc, rs, n, hidden, hidden_bf16);
@@ -439,15 +424,7 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
             for (int b = 0; b < FG_ROW_BATCH; ++b) {
                 const i64 j = j0 + 32 * b;
                 if (j >= d_out) break;
-                float logit;
-                if (regs) {
-                    float w[FG_REG_RANK];
-                    load_column_weights(w, b_cw + j * rc, rc);
-                    logit = dot_rank(hr, w, rc);
-                } else {
-                    logit = channel_logit(h, b_cw + j * rc, rc);
-                }
-                logit += b_cb[j];
+                const float logit = channel_logit(hr, h, b_cw, j, rc, regs) + b_cb[j];
                 const float gate = 2.0f * sigmoid_f(alpha_c * logit);
                 const float dz = dy[b] * gate * gate_s;
                 const float dgate = dy[b] * z[b] * gate_s;
