@@ -129,7 +129,11 @@ impl DataParallel {
         let loss = {
             // Armed until the host has the result: on a GPU the reduction is only queued.
             let _in_flight = self.watchdog.arm("gradient all-reduce", step);
-            self.comm.all_reduce(&mut flat, ReduceOp::Sum).context("all-reducing the gradients")?;
+            // A peer that dies can break this collective before the control channel's stop
+            // reaches this rank: the error then says which step failed and how to go on.
+            self.comm.all_reduce(&mut flat, ReduceOp::Sum).with_context(|| {
+                format!("all-reducing the gradients of step {step} ({})", self.control.notifier().checkpoint_text())
+            })?;
             flat.narrow(0, total - 1, 1)?.to_host()?.item()?
         };
         let mut offset = 0;
