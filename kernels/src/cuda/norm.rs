@@ -15,7 +15,7 @@ use super::device::CudaDevice;
 use super::error::{ensure, CudaError, Result};
 use super::launch::{check_owners, opt_ptr, per_row, ptr, row_threads, size};
 use super::module::{Arg, KernelFamily};
-use super::reduce::{chunking, finish_column_sums};
+use super::reduce::{chunking, finish_block, finish_column_sums};
 
 pub use crate::cpu::norm::{NormDims, NormGrads, RowStats};
 
@@ -24,8 +24,6 @@ const FAMILY: KernelFamily = KernelFamily::Norm;
 /// Row lanes of a chunk of rows in the parameter gradients' column sums (`NORM_ROW_LANES` in
 /// `norm.cu`): lane `l` sums rows `l, l + 8, ...` of the chunk, then the lanes are added in order.
 const ROW_LANES: usize = 8;
-/// Chunks that `rms_norm_weight_grad_finish` sums side by side (`NORM_FINISH_CHUNKS` in `norm.cu`).
-const FINISH_CHUNKS: u32 = 32;
 
 /// [`NormDims::check`], as on the CPU, as a shape error naming `op`.
 fn check(
@@ -160,10 +158,10 @@ pub fn rms_norm_backward(
     ];
     dev.launch(FAMILY, "rms_norm_backward", cfg, &args)?;
     if let (Some(partial), Some(dw)) = (&lane_partial, dweight) {
-        // 32 columns per block, `FINISH_CHUNKS` chunks summed side by side (norm.cu).
+        // 32 columns per block, the chunks side by side (chunk_total, common.cuh).
         let cfg = LaunchConfig {
             grid_dim: (cols.div_ceil(32) as u32, 1, 1),
-            block_dim: (32, FINISH_CHUNKS, 1),
+            block_dim: finish_block(chunks),
             shared_mem_bytes: 0,
         };
         let args = [ptr(partial), size(chunks), size(cols), ptr(dw)];

@@ -24,11 +24,12 @@ const MIN_CHUNK_ROWS: usize = 64;
 const SQUARE_BLOCKS: usize = 1024;
 /// grid.y and grid.z limit of the column-sum kernels (they loop over the rest of `outer`).
 const MAX_GRID_YZ: usize = 65_535;
-/// Chunks a column-sum finish adds side by side (`FINISH_CHUNKS` in reduce.cu).
+/// Chunks a column-sum finish adds side by side (`FINISH_CHUNKS` in common.cuh).
 const FINISH_CHUNKS: usize = 32;
 
-/// The finish's block: 32 columns × up to [`FINISH_CHUNKS`] chunks side by side.
-fn finish_block(chunks: usize) -> (u32, u32, u32) {
+/// The block of a column-sum finish (`chunk_total` in common.cuh: reduce.cu's finishes and
+/// norm.cu's weight gradient): 32 columns × up to [`FINISH_CHUNKS`] chunks side by side.
+pub(crate) fn finish_block(chunks: usize) -> (u32, u32, u32) {
     (32, chunks.clamp(1, FINISH_CHUNKS) as u32, 1)
 }
 

@@ -59,6 +59,32 @@ __device__ __forceinline__ i64 list_entry_blocks(const TensorList& first_block, 
     return (e + 1 < count ? first_block.v[e + 1] : (i64)gridDim.x) - first_block.v[e];
 }
 
+// Chunks a column-sum finish adds side by side: its block is (32, ≤ FINISH_CHUNKS), 32 columns.
+#define FINISH_CHUNKS 32
+
+// Σ_c value(c) for c in 0..chunks, in chunk order, in f64, for this thread's column (thread x of
+// a (32, blockDim.y) block; `valid` false past the last column): the finish of a two-pass column
+// sum (reduce.cu's column sums, norm.cu's weight gradient). The chunks go in steps of
+// blockDim.y: thread (x, y) computes the step's chunk y (loads that do not wait on each other),
+// then row y = 0 adds the step's values to its f64 total in chunk order, the additions of one
+// thread walking every chunk alone, which left the GPU nearly idle (a long chain of loads per
+// column, few threads). Every thread of the block calls it (it holds barriers); row 0 gets the
+// total. `tile`: a [FINISH_CHUNKS][32] shared array.
+template <class ChunkValue>
+__device__ __forceinline__ float chunk_total(i64 chunks, bool valid, float (*tile)[32], ChunkValue value) {
+    double total = 0.0;
+    for (i64 c0 = 0; c0 < chunks; c0 += blockDim.y) {
+        const i64 chunk = c0 + threadIdx.y;
+        __syncthreads();  // row 0 is done with the previous step's values
+        tile[threadIdx.y][threadIdx.x] = valid && chunk < chunks ? value(chunk) : 0.0f;
+        __syncthreads();
+        if (threadIdx.y == 0) {
+            for (int k = 0; k < (int)blockDim.y && c0 + k < chunks; ++k) total += (double)tile[k][threadIdx.x];
+        }
+    }
+    return (float)total;
+}
+
 // Grid-stride loop over [0, n).
 #define GRID_STRIDE(i, n) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)

@@ -97,38 +97,22 @@ extern "C" __global__ void rms_norm_backward(const float* x, const float* w, con
     }
 }
 
-// Chunks per step of rms_norm_weight_grad_finish: its block is (32, NORM_FINISH_CHUNKS).
-#define NORM_FINISH_CHUNKS 32
-
 // dw[j] = Σ_chunk (Σ_lane lane_partial_w[(chunk·NORM_ROW_LANES + lane)·cols + j]): the lanes of a
-// chunk in order in f32, then the chunks in order in f64, as norm_param_grads_partial and
-// column_sums_finish add them. Block (32, NORM_FINISH_CHUNKS) per 32 columns: the chunks go in
-// steps of NORM_FINISH_CHUNKS, thread (x, y) adding up the lanes of the step's chunk y (loads
-// that do not wait on each other), then row y = 0 adds the step's chunk sums to its column's
-// f64 total in chunk order. The same additions in the same order as one thread per column
-// walking every chunk alone, which left the GPU nearly idle (cols threads, each a long chain
-// of loads).
+// chunk in order in f32, then the chunks in order in f64 (chunk_total, common.cuh), as
+// norm_param_grads_partial and column_sums_finish add them. Block (32, ≤ FINISH_CHUNKS) per 32
+// columns.
 extern "C" __global__ void rms_norm_weight_grad_finish(const float* lane_partial_w, i64 chunks, i64 cols,
                                                        float* dw) {
-    __shared__ float chunk_sums[NORM_FINISH_CHUNKS][33];  // 33: no bank conflicts
+    __shared__ float tile[FINISH_CHUNKS][32];
     const i64 j = (i64)blockIdx.x * 32 + threadIdx.x;
-    double total = 0.0;
-    for (i64 c0 = 0; c0 < chunks; c0 += NORM_FINISH_CHUNKS) {
-        const i64 chunk = c0 + threadIdx.y;
+    const float total = chunk_total(chunks, j < cols, tile, [&](i64 chunk) {
         float sum = 0.0f;
-        if (j < cols && chunk < chunks) {
-            for (int lane = 0; lane < NORM_ROW_LANES; ++lane) {
-                sum += lane_partial_w[(chunk * NORM_ROW_LANES + lane) * cols + j];
-            }
+        for (int lane = 0; lane < NORM_ROW_LANES; ++lane) {
+            sum += lane_partial_w[(chunk * NORM_ROW_LANES + lane) * cols + j];
         }
-        __syncthreads();  // row 0 is done with the previous step's sums
-        chunk_sums[threadIdx.y][threadIdx.x] = sum;
-        __syncthreads();
-        if (threadIdx.y == 0) {
-            for (int k = 0; k < NORM_FINISH_CHUNKS && c0 + k < chunks; ++k) total += (double)chunk_sums[k][threadIdx.x];
-        }
-    }
-    if (threadIdx.y == 0 && j < cols) dw[j] = (float)total;
+        return sum;
+    });
+    if (threadIdx.y == 0 && j < cols) dw[j] = total;
 }
 
 // y = (x − mean)·rstd (·w + b when given); mean and rstd saved per row. Two passes: the

@@ -34,31 +34,6 @@ __device__ __forceinline__ void column_chunk_sum(const float* column, i64 ld, bo
     }
 }
 
-// Chunks a column-sum finish adds side by side: its block is (32, ≤ FINISH_CHUNKS).
-#define FINISH_CHUNKS 32
-
-// Σ_c partial[c·stride] for c in 0..chunks, in chunk order, in f64, for the column `partial`
-// points at (thread x of a (32, blockDim.y) block: 32 columns; `valid` false past the last).
-// The chunks go in steps of blockDim.y: thread (x, y) loads the step's chunk y (loads that do
-// not wait on each other), then row y = 0 adds the step's values to its f64 total in chunk
-// order: the additions of one thread walking every chunk alone, which left the GPU nearly
-// idle (a long chain of loads per column, few threads). Every thread of the block calls it
-// (it holds barriers); row 0 gets the total.
-__device__ __forceinline__ float chunk_total(const float* partial, i64 chunks, i64 stride, bool valid,
-                                             float (*tile)[32]) {
-    double total = 0.0;
-    for (i64 c0 = 0; c0 < chunks; c0 += blockDim.y) {
-        const i64 chunk = c0 + threadIdx.y;
-        __syncthreads();  // row 0 is done with the previous step's values
-        tile[threadIdx.y][threadIdx.x] = valid && chunk < chunks ? partial[chunk * stride] : 0.0f;
-        __syncthreads();
-        if (threadIdx.y == 0) {
-            for (int k = 0; k < (int)blockDim.y && c0 + k < chunks; ++k) total += (double)tile[k][threadIdx.x];
-        }
-    }
-    return (float)total;
-}
-
 // Partial column sums of x viewed as [outer, rows, cols] (row stride ld, outer stride
 // outer_stride): partial[(o·chunks + chunk)·cols + col] = Σ over the chunk's rows.
 // Block (32, 8): 32 columns, 8 row lanes; grid (⌈cols/32⌉, chunks, ≤ outer).
@@ -81,7 +56,8 @@ extern "C" __global__ void column_sums_finish(const float* partial, i64 outer, i
     __shared__ float tile[FINISH_CHUNKS][32];
     const i64 col = (i64)blockIdx.x * 32 + threadIdx.x;
     for (i64 o = blockIdx.y; o < outer; o += gridDim.y) {
-        float total = chunk_total(partial + o * chunks * cols + col, chunks, cols, col < cols, tile);
+        const float* column = partial + o * chunks * cols + col;
+        float total = chunk_total(chunks, col < cols, tile, [&](i64 chunk) { return column[chunk * cols]; });
         if (threadIdx.y == 0 && col < cols) dst[o * cols + col] = total;
     }
 }
@@ -112,7 +88,8 @@ extern "C" __global__ void column_sums_many_finish(const float* partial, TensorL
     const int s = list_entry_of_block(first_block, count);
     const i64 col = ((i64)blockIdx.x - first_block.v[s]) * 32 + threadIdx.x;
     const bool valid = col < cols.v[s];
-    float total = chunk_total(partial + s * chunks * max_cols + col, chunks, max_cols, valid, tile);
+    const float* column = partial + s * chunks * max_cols + col;
+    float total = chunk_total(chunks, valid, tile, [&](i64 chunk) { return column[chunk * max_cols]; });
     if (threadIdx.y == 0 && valid) ((float*)dsts.v[s])[col] = total;
 }
 
