@@ -42,8 +42,8 @@ const BLOCK_M: usize = 128;
 const BLOCK_N: usize = 128;
 
 const FAMILY: KernelFamily = KernelFamily::FusedGate;
-/// Rows per block of the row kernels (`fused_gate_apply`, `fused_gate_backward_rows`), one
-/// warp each (FG_ROW_WARPS in fused_gate.cu).
+/// Rows per block of the row kernels (`fused_gate_apply`, `fused_gate_backward_rows` and
+/// `_summaries`), one warp each (FG_ROW_WARPS in fused_gate.cu).
 const ROWS_PER_BLOCK: usize = 8;
 /// Cap on their blocks (each warp loops over the rows past it).
 const MAX_ROW_BLOCKS: usize = 1 << 16;

@@ -94,12 +94,6 @@ __device__ __forceinline__ float channel_logit(const float (&hr)[FG_REG_RANK], c
     return logit;
 }
 
-// The row's h_c (this warp's shared slot) into registers; zeros past rc.
-__device__ __forceinline__ void hidden_registers(float (&hr)[FG_REG_RANK], const float* h, int rc) {
-#pragma unroll
-    for (int t = 0; t < FG_REG_RANK; ++t) hr[t] = t < rc ? h[t] : 0.0f;
-}
-
 // One row's scalar gate γ_s = 2σ(α_s·(B_s·H_s + b_s)) from its H (h[rc..rc + rs)).
 __device__ __forceinline__ float scalar_gate(const float* h, const float* b_sw, const float* b_sb, float alpha_s,
                                              int rc, int rs) {
@@ -107,6 +101,18 @@ __device__ __forceinline__ float scalar_gate(const float* h, const float* b_sw, 
     for (int t = 0; t < rs; ++t) logit += b_sw[t] * h[rc + t];
     logit += b_sb[0];
     return 2.0f * sigmoid_f(alpha_s * logit);
+}
+
+// A row's columns col and col + 1 (`second`: col + 1 is a column) as one 8-byte store where
+// `pairs` (an even row width: every pair is 8-byte aligned in a whole device buffer), else one
+// by one: the fragment epilogue's stores, so that a warp's store fills whole 32-byte sectors.
+__device__ __forceinline__ void store_pair(float* p, float v0, float v1, bool second, bool pairs) {
+    if (second && pairs) {
+        *reinterpret_cast<f32x2*>(p) = f32x2{{v0, v1}};
+    } else {
+        p[0] = v0;
+        if (second) p[1] = v1;
+    }
 }
 
 template <int RU>
@@ -263,7 +269,6 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
     // columns (2·t4, 2·t4 + 1): it computes both columns' logits in one pass over H (each h read
     // once for two columns) and writes the pair as one 8-byte store, so each store of a warp
     // fills whole 32-byte sectors (8 rows × 4 threads × 8 bytes) instead of half of each.
-    // Whole device buffers (16-byte aligned) with an even row width: every pair is 8-byte aligned.
     const bool pairs_out = (d_out & 1) == 0;
     const bool pairs_zu = zu && (width & 1) == 0;
 #pragma unroll
@@ -294,21 +299,8 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
             const float z0 = acc[i >> 1][nt][(i & 1) * 2], z1 = acc[i >> 1][nt][(i & 1) * 2 + 1];
             const float y0 = sigmoid_f(alpha_c * (logit[0][i] + bias0)) * scale * z0;
             const float y1 = sigmoid_f(alpha_c * (logit[1][i] + bias1)) * scale * z1;
-            float* o = out + row * d_out + col;
-            if (second && pairs_out) {
-                *reinterpret_cast<f32x2*>(o) = f32x2{{y0, y1}};
-            } else {
-                o[0] = y0;
-                if (second) o[1] = y1;
-            }
-            if (!zu) continue;
-            float* zr = zu + row * width + col;
-            if (second && pairs_zu) {
-                *reinterpret_cast<f32x2*>(zr) = f32x2{{z0, z1}};
-            } else {
-                zr[0] = z0;
-                if (second) zr[1] = z1;
-            }
+            store_pair(out + row * d_out + col, y0, y1, second, pairs_out);
+            if (zu) store_pair(zu + row * width + col, z0, z1, second, pairs_zu);
         }
     }
 }
@@ -334,11 +326,17 @@ extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r64(FG_P
 #define FG_ROW_WARPS 8
 #define FG_ROW_BATCH 4
 
-// One row's H = φ(U + a) from its ZU row into h (this warp's shared slot) and, when given,
-// into hidden / hidden_bf16 (row n of [N, r]); the warp's lanes split the r columns.
-__device__ __forceinline__ void row_hidden(float* h, const float* zr, const float* a_c, const float* a_s, int phi,
-                                           float phi_p, i64 d_out, int rc, int rs, i64 n, float* hidden,
-                                           bf16_t* hidden_bf16) {
+// This warp's rows n of [0, rows): a grid-stride loop over rows, one warp each.
+#define WARP_ROWS(n, rows)                                                    \
+    for (i64 n = (i64)blockIdx.x * FG_ROW_WARPS + (threadIdx.x >> 5); n < (rows); \
+         n += (i64)gridDim.x * FG_ROW_WARPS)
+
+// One row's H = φ(U + a) from its ZU row into h (this warp's shared slot), its h_c into every
+// lane's registers hr (channel_logit's register path) and, when given, into hidden /
+// hidden_bf16 (row n of [N, r]); the warp's lanes split the r columns.
+__device__ __forceinline__ void row_hidden(float* h, float (&hr)[FG_REG_RANK], const float* zr, const float* a_c,
+                                           const float* a_s, int phi, float phi_p, i64 d_out, int rc, int rs, i64 n,
+                                           float* hidden, bf16_t* hidden_bf16) {
     const int lane = threadIdx.x & 31, r = rc + rs;
     __syncwarp();  // every lane is done with the previous row's h
     for (int t = lane; t < r; t += 32) {
@@ -349,6 +347,8 @@ __device__ __forceinline__ void row_hidden(float* h, const float* zr, const floa
         if (hidden_bf16) hidden_bf16[n * r + t] = f32_to_bf16(value);
     }
     __syncwarp();
+#pragma unroll
+    for (int t = 0; t < FG_REG_RANK; ++t) hr[t] = t < rc ? h[t] : 0.0f;  // zeros past rc
 }
 
 // The gate alone, from a saved ZU [N, K]: out = σ̃_αc(H_c·B_cᵀ + b_c) ⊙ γ_s ⊙ Z (the second
@@ -363,12 +363,11 @@ extern "C" __global__ void fused_gate_apply(const float* zu, const float* a_c, c
     float* h = h_rows[threadIdx.x >> 5];
     const i64 width = d_out + rc + rs;
     const bool regs = register_rank(rc);
-    for (i64 n = (i64)blockIdx.x * FG_ROW_WARPS + (threadIdx.x >> 5); n < rows; n += (i64)gridDim.x * FG_ROW_WARPS) {
+    WARP_ROWS(n, rows) {
         const float* zr = zu + n * width;
-        row_hidden(h, zr, a_c, a_s, phi, phi_p, d_out, rc, rs, n, nullptr, nullptr);
-        const float scale = 2.0f * scalar_gate(h, b_sw, b_sb, alpha_s, rc, rs);
         float hr[FG_REG_RANK];
-        hidden_registers(hr, h, rc);
+        row_hidden(h, hr, zr, a_c, a_s, phi, phi_p, d_out, rc, rs, n, nullptr, nullptr);
+        const float scale = 2.0f * scalar_gate(h, b_sw, b_sb, alpha_s, rc, rs);
         for (i64 j0 = lane; j0 < d_out; j0 += 32 * FG_ROW_BATCH) {
             float z[FG_ROW_BATCH];
 #pragma unroll
@@ -405,12 +404,11 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
     float* h = h_rows[threadIdx.x >> 5];
     const i64 width = d_out + rc + rs;
     const bool regs = register_rank(rc);
-    for (i64 n = (i64)blockIdx.x * FG_ROW_WARPS + (threadIdx.x >> 5); n < rows; n += (i64)gridDim.x * FG_ROW_WARPS) {
+    WARP_ROWS(n, rows) {
         const float* zr = zu + n * width;
-        row_hidden(h, zr, a_c, a_s, phi, phi_p, d_out, rc, rs, n, hidden, hidden_bf16);
-        const float gate_s = scalar_gate(h, b_sw, b_sb, alpha_s, rc, rs);
         float hr[FG_REG_RANK];
-        hidden_registers(hr, h, rc);
+        row_hidden(h, hr, zr, a_c, a_s, phi, phi_p, d_out, rc, rs, n, hidden, hidden_bf16);
+        const float gate_s = scalar_gate(h, b_sw, b_sb, alpha_s, rc, rs);
         float dgate_s = 0.0f, dalpha_c = 0.0f;
         for (i64 j0 = lane; j0 < d_out; j0 += 32 * FG_ROW_BATCH) {
             float z[FG_ROW_BATCH], dy[FG_ROW_BATCH];
@@ -466,7 +464,7 @@ extern "C" __global__ void fused_gate_backward_summaries(const float* zu, const 
     const int lane = threadIdx.x & 31;
     const int r = rc + rs;
     const i64 width = d_out + r;
-    for (i64 n = (i64)blockIdx.x * FG_ROW_WARPS + (threadIdx.x >> 5); n < rows; n += (i64)gridDim.x * FG_ROW_WARPS) {
+    WARP_ROWS(n, rows) {
         const float* u = zu + n * width + d_out;
         float* du = dzu + n * width + d_out;
         // Every lane computes the row's scalar logit (rs terms, in order) rather than waiting on one.
