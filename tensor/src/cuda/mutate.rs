@@ -35,6 +35,20 @@ impl Tensor {
         Ok((dev, values, copy))
     }
 
+    /// The storage of this GPU tensor when the tensor is the only owner of its whole dense
+    /// buffer (a write in place changes nothing another tensor sees); `None` otherwise, with
+    /// no copy made: for adding onto a gradient sum in place (`accumulate`, `add_matmul`, the
+    /// fused projection's `dx`), where the caller has another way when it is shared.
+    pub(crate) fn sole_dense_cuda_storage(&mut self) -> Option<&mut CudaStorage> {
+        if !self.is_contiguous() || self.offset != 0 || self.storage.len() != self.numel() {
+            return None;
+        }
+        match Arc::get_mut(&mut self.storage) {
+            Some(Storage::Cuda(storage)) => Some(storage),
+            _ => None,
+        }
+    }
+
     /// The device and the storage of this GPU f32 tensor, made its own dense buffer first
     /// (copy-on-write, see [`Tensor::cuda_f32_mut`]).
     fn unique_cuda_f32(&mut self, op: &'static str) -> Result<(Arc<CudaDevice>, &mut CudaStorage)> {

@@ -217,12 +217,9 @@ pub(crate) mod cuda {
     /// `None` when it does not, and the caller allocates a new sum instead.
     pub(crate) fn add_in_place(dst: &mut Tensor, src: &Tensor) -> Result<Option<()>> {
         const OP: &str = "accumulate";
-        if !dst.is_contiguous() || dst.offset != 0 || dst.storage.len() != dst.numel() {
-            return Ok(None);
-        }
         let dev = dst.cuda_device(OP)?;
+        let Some(storage) = dst.sole_dense_cuda_storage() else { return Ok(None) };
         let src = src.dense()?;
-        let Some(crate::Storage::Cuda(storage)) = std::sync::Arc::get_mut(&mut dst.storage) else { return Ok(None) };
         // A sum of gradients is often what products read next (the residual stream's gradient
         // feeds the projections' backward products): in bf16 too under bf16 products.
         let (dst_buffer, dst_bf16) = crate::cuda::product_input_buffers(storage, OP)?;

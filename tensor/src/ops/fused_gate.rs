@@ -229,7 +229,7 @@ pub(crate) mod cuda {
     use kernels::cuda::{CudaDevice, DeviceBuffer};
 
     use crate::cuda::CudaStorage;
-    use crate::{DType, Error, Result, Storage, Tensor};
+    use crate::{DType, Error, Result, Tensor};
 
     const OP: &str = "fused_gated_projection";
 
@@ -373,20 +373,23 @@ pub(crate) mod cuda {
         } else {
             None
         };
-        // dx goes onto the gradient so far in place when this op holds its only reference;
-        // otherwise into a fresh buffer, added to the sum after.
-        let (mut absorbing, mut dx_fresh, dx_later) = match dx_so_far.map(|t| absorbable(t, x.shape())) {
-            Some(Ok(so_far)) => (Some(so_far), None, None),
-            Some(Err(so_far)) => (None, Some(CudaStorage::alloc(&dev, x.numel())?), Some(so_far)),
-            None => (None, Some(CudaStorage::alloc(&dev, x.numel())?), None),
-        };
+        // dx goes onto the gradient so far in place when this op holds the only reference to
+        // its whole f32 buffer; otherwise into a fresh buffer, added to the sum after.
+        let mut dx_so_far = dx_so_far;
+        let absorb = dx_so_far.as_mut().is_some_and(|so_far| {
+            so_far.dtype() == DType::F32 && so_far.shape() == x.shape() && so_far.sole_dense_cuda_storage().is_some()
+        });
+        let mut dx_fresh = if absorb { None } else { Some(CudaStorage::alloc(&dev, x.numel())?) };
         let mut dw = CudaStorage::alloc(&dev, w.numel())?;
         let (mut dc, mut ds) = (fresh_like_all(&dev, &cv)?, fresh_like_all(&dev, &sv)?);
         {
-            let (dx_buffer, x_store) = match (&mut absorbing, &mut dx_fresh) {
-                (Some(so_far), _) => (so_far_buffer(so_far)?, Store::Accumulate),
-                (None, Some(fresh)) => (fresh.f32_buffer_mut(OP)?, Store::Overwrite),
-                (None, None) => unreachable!("one of the two is set above"),
+            let (dx_buffer, x_store) = match (&mut dx_fresh, dx_so_far.as_mut()) {
+                (Some(fresh), _) => (fresh.f32_buffer_mut(OP)?, Store::Overwrite),
+                (None, Some(so_far)) => {
+                    let storage = so_far.sole_dense_cuda_storage().expect("checked by `absorb`");
+                    (storage.f32_buffer_mut(OP)?, Store::Accumulate)
+                }
+                (None, None) => unreachable!("absorb needs a gradient so far"),
             };
             let mut grads = DeviceFusedGateGrads {
                 x: dx_buffer,
@@ -410,44 +413,16 @@ pub(crate) mod cuda {
             let (x, zu, dy) = (x.cuda_f32(OP)?, zu.cuda_f32(OP)?, dy.cuda_f32(OP)?);
             fused_gate_backward(&dev, dims, x, &p, zu, dy, products, &mut grads)?;
         }
-        let dx = match (absorbing, dx_fresh) {
-            (Some(total), _) => total,
-            (None, Some(fresh)) => {
-                let dx = Tensor::from_cuda(fresh, x.shape())?;
-                match dx_later {
-                    Some(so_far) => so_far.accumulate(dx)?,
-                    None => dx,
-                }
-            }
-            (None, None) => unreachable!("one of the two is set above"),
+        let dx = match (dx_fresh, dx_so_far) {
+            (Some(fresh), None) => Tensor::from_cuda(fresh, x.shape())?,
+            (Some(fresh), Some(so_far)) => so_far.accumulate(Tensor::from_cuda(fresh, x.shape())?)?,
+            (None, Some(total)) => total,
+            (None, None) => unreachable!("absorb needs a gradient so far"),
         };
         let mut out = vec![dx, Tensor::from_cuda(dw, w.shape())?];
         for (g, t) in dc.into_iter().zip(&cv).chain(ds.into_iter().zip(&sv)) {
             out.push(Tensor::from_cuda(g, t.shape())?);
         }
         Ok(out)
-    }
-
-    /// `so_far` as the buffer a product may add onto in place (`Ok`): an f32 tensor of `shape`
-    /// that is the only owner of its whole contiguous device buffer. Otherwise `Err(so_far)`.
-    fn absorbable(mut so_far: Tensor, shape: &[usize]) -> std::result::Result<Tensor, Tensor> {
-        let whole = so_far.dtype() == DType::F32
-            && so_far.shape() == shape
-            && so_far.is_contiguous()
-            && so_far.offset == 0
-            && so_far.storage.len() == so_far.numel();
-        if whole && matches!(Arc::get_mut(&mut so_far.storage), Some(Storage::Cuda(_))) {
-            Ok(so_far)
-        } else {
-            Err(so_far)
-        }
-    }
-
-    /// The f32 device buffer of a tensor [`absorbable`] accepted.
-    fn so_far_buffer(so_far: &mut Tensor) -> Result<&mut DeviceBuffer<f32>> {
-        match Arc::get_mut(&mut so_far.storage) {
-            Some(Storage::Cuda(storage)) => storage.f32_buffer_mut(OP),
-            _ => Err(Error::UnsupportedDevice { op: OP, device: so_far.device }),
-        }
     }
 }

@@ -174,7 +174,7 @@ pub(crate) mod cuda {
 
     use super::Product;
     use crate::cuda::output;
-    use crate::{DType, Error, Result, Storage, Tensor};
+    use crate::{DType, Error, Result, Tensor};
 
     /// The operand type of every matmul on a GPU (see [`set_matmul_precision`]).
     #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -226,12 +226,12 @@ pub(crate) mod cuda {
     /// buffer's bf16 copy (`CudaStorage::f32_buffer_mut`): cuBLAS writes f32 only.
     pub(super) fn add_matmul_in_place(dst: &mut Tensor, lhs: &Tensor, rhs: &Tensor, product: &Product) -> Result<bool> {
         const OP: &str = "add_matmul";
-        if dst.dtype() != DType::F32 || !dst.is_contiguous() || dst.offset != 0 || dst.storage.len() != dst.numel() {
+        if dst.dtype() != DType::F32 {
             return Ok(false);
         }
         let dev = dst.cuda_device(OP)?;
         check_f32(OP, lhs, rhs)?;
-        let Some(Storage::Cuda(storage)) = Arc::get_mut(&mut dst.storage) else { return Ok(false) };
+        let Some(storage) = dst.sole_dense_cuda_storage() else { return Ok(false) };
         if product.dims.k == 0 {
             // Nothing to add.
             return Ok(true);
