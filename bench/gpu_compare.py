@@ -207,7 +207,32 @@ def time_steps(torch, forward, opt, args, warmup, device):
             sync()
         t3 = time.perf_counter()
         times.append((t3 - t0, t1 - t0, t2 - t1, t3 - t2))
-    return times[:warmup], times[warmup:], loss_value
+
+    # The same steps queued back to back, one wait at the end (no .item()): the throughput of a
+    # loop that does not wait for the GPU inside a step, as train-bench's "queued_tokens_per_s".
+    batches = []
+    for _ in range(args.steps):
+        data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+        batches.append((data[:, :-1].contiguous().pin_memory(), data[:, 1:].contiguous().pin_memory()))
+    sync()
+    t0 = time.perf_counter()
+    for ids, targets in batches:
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        ids, targets = ids.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        if args.forward_only:
+            with torch.no_grad(), autocast():
+                forward(ids, targets)
+        else:
+            with autocast():
+                loss = forward(ids, targets)
+            loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    sync()
+    queued_step = (time.perf_counter() - t0) / args.steps
+    return times[:warmup], times[warmup:], loss_value, queued_step
 
 
 def torch_worker(argv):
@@ -233,7 +258,7 @@ def torch_worker(argv):
         forward, warmup = model, args.warmup
     else:
         forward, warmup = torch.compile(model, mode=compile_mode), max(args.warmup, COMPILED_MIN_WARMUP)
-    warmup_times, times, loss_value = time_steps(torch, forward, opt, args, warmup, device)
+    warmup_times, times, loss_value, queued_step = time_steps(torch, forward, opt, args, warmup, device)
 
     step_s, fwd_s, bwd_s, opt_s = zip(*times)
     d, _ffn, layers, _heads = PRESETS[args.model]
@@ -261,6 +286,7 @@ def torch_worker(argv):
                 "layers": layers,
                 "d_model": d,
                 "tokens_per_s": args.batch * args.seq / step,
+                "queued_tokens_per_s": args.batch * args.seq / queued_step,
                 "step_ms_median": step * 1e3,
                 "step_ms_min": min(step_s) * 1e3,
                 "step_ms_max": max(step_s) * 1e3,
@@ -394,19 +420,25 @@ def table_rows(model, variant, mode, results, args):
                 f"{ref['parameters']:,} in PyTorch; MFU uses PyTorch's count",
                 file=sys.stderr,
             )
-    ours_tps = statistics.median(r["tokens_per_s"] for r in ours) if ours else None
+    def median_of(rows, key):
+        values = [r[key] for r in rows if key in r]
+        return statistics.median(values) if values else None
+
+    ours_tps, ours_queued = median_of(ours, "tokens_per_s"), median_of(ours, "queued_tokens_per_s")
     lines = []
     for label, rows in results.items():
         if not rows:
-            lines.append(f"| {model} | {variant} | {mode} | {label} | failed | | | | |")
+            lines.append(f"| {model} | {variant} | {mode} | {label} | failed | | | | | | |")
             continue
-        tps = statistics.median(r["tokens_per_s"] for r in rows)
+        tps, queued = median_of(rows, "tokens_per_s"), median_of(rows, "queued_tokens_per_s")
         ratio = ours_tps / tps if ours_tps and label != "transponder" else None
+        queued_ratio = ours_queued / queued if ours_queued and queued and label != "transponder" else None
         mfu = 100 * per_token * tps / (args.peak_tflops * 1e12) if per_token else None
         reserved = max((r.get("gpu_reserved_mib") or float("nan")) for r in rows)
         allocated = max(r["gpu_allocated_mib"] for r in rows) if "gpu_allocated_mib" in rows[0] else None
         lines.append(
             f"| {model} | {variant} | {mode} | {label} | {tps:,.0f} | {fmt(ratio, '.2f')} | "
+            f"{fmt(queued, ',.0f')} | {fmt(queued_ratio, '.2f')} | "
             f"{fmt(mfu, '.1f', '%')} | {reserved:,.0f} | {fmt(allocated, ',.0f')} |"
         )
     return lines
@@ -437,8 +469,11 @@ def main():
                 for label, cmd in runs:
                     print(f"# {' '.join(group)}, {label}, process {repeat + 1} of {args.repeats}\n{shlex.join(cmd)}")
         return
-    print("| model | variant | mode | engine | tok/s | ours / engine | MFU | GPU MiB reserved | GPU MiB allocated |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|", flush=True)
+    print(
+        "| model | variant | mode | engine | tok/s | ours / engine | queued tok/s | ours / engine, queued "
+        "| MFU | GPU MiB reserved | GPU MiB allocated |"
+    )
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     log = open(args.json, "w") if args.json else None
     gpu, counter_rows, failed = None, [], 0
     for group in groups:

@@ -204,7 +204,7 @@ fn a_guarded_adam_step_on_the_gpu_clips_on_the_device_and_skips_a_non_finite_ste
         set_gradients(&device_params, 1);
         let norm = clip_grad_norm(&host_params, max_norm).unwrap();
         host.step(1e-2).unwrap();
-        let guard = nn::optim::step_guard(&device_params, &loss_sum, 3.0, max_norm).unwrap();
+        let guard = nn::optim::step_guard(&device_params, &loss_sum, 3.0, max_norm, None).unwrap();
         assert_eq!(guard.tensor().device(), GPU, "the guard is made where the gradients are");
         device.step_guarded(1e-2, &guard).unwrap();
         let values = guard.read().unwrap();
@@ -221,9 +221,17 @@ fn a_guarded_adam_step_on_the_gpu_clips_on_the_device_and_skips_a_non_finite_ste
     let mut bad = params[1].var.grad().unwrap().to_host().unwrap().to_vec();
     bad[3] = f32::NAN;
     params[1].var.set_grad(Some(Tensor::from_vec(bad, &[19]).unwrap().to_device(GPU).unwrap()));
-    let guard = nn::optim::step_guard(&params, &loss_sum, 3.0, 1.0).unwrap();
+    let guard = nn::optim::step_guard(&params, &loss_sum, 3.0, 1.0, None).unwrap();
     adam.step_guarded(1e-2, &guard).unwrap();
     assert!(!guard.read().unwrap().update);
     let after: Vec<Vec<f32>> = params.iter().map(|p| p.var.value().to_host().unwrap().to_vec()).collect();
     assert_eq!(after, before, "a NaN gradient skips the update on the device");
+    // The next step, finite, queued before the host read that verdict: skipped too.
+    set_gradients(&params, 2);
+    let next = nn::optim::step_guard(&params, &loss_sum, 3.0, 1.0, Some(&guard)).unwrap();
+    adam.step_guarded(1e-2, &next).unwrap();
+    let values = next.read().unwrap();
+    assert_eq!((values.update, values.loss), (false, 2.0), "a step after a skipped one is skipped");
+    let after: Vec<Vec<f32>> = params.iter().map(|p| p.var.value().to_host().unwrap().to_vec()).collect();
+    assert_eq!(after, before, "the weights stay at the last good step");
 }

@@ -24,4 +24,4 @@ pub use error::{Error, Result};
 pub use rng::Rng;
 pub use shape::{broadcast_shapes, contiguous_strides};
 pub use storage::Storage;
-pub use tensor::Tensor;
+pub use tensor::{HostLater, Tensor};

@@ -154,6 +154,19 @@ impl Tensor {
         Ok(self.clone())
     }
 
+    /// This tensor's values on their way to the host: [`HostLater::wait`] gives the host
+    /// copy. On a GPU the copy is queued now, and the wait is for that copy alone, not for
+    /// the work queued after it: a training loop reads a step's loss this way after it has
+    /// queued the next step, so the GPU does not idle while the host prepares one. Small
+    /// tensors only on a GPU (`kernels::cuda::readback::READBACK_BYTES`).
+    pub fn read_later(&self) -> Result<HostLater> {
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            return self.read_later_from_gpu();
+        }
+        Ok(HostLater::Ready(self.clone()))
+    }
+
     /// This tensor on `device`: itself when already there, else a contiguous copy.
     /// Moving to `Device::Cuda` needs the `cuda` feature and a GPU (an error otherwise).
     pub fn to_device(&self, device: Device) -> Result<Tensor> {
@@ -236,5 +249,28 @@ impl Tensor {
     pub fn all_close(&self, other: &Tensor, rtol: f32, atol: f32) -> bool {
         self.shape == other.shape
             && self.to_vec().iter().zip(other.to_vec()).all(|(&a, b)| (a - b).abs() <= atol + rtol * b.abs())
+    }
+}
+
+/// A tensor's values on their way to the host ([`Tensor::read_later`]).
+pub enum HostLater {
+    /// Already on the host.
+    Ready(Tensor),
+    /// A copy queued on the GPU, of a tensor of this shape.
+    #[cfg(feature = "cuda")]
+    Queued(kernels::cuda::readback::Readback<f32>, Vec<usize>),
+}
+
+impl HostLater {
+    /// The host tensor, once its copy has finished (waiting for that copy only).
+    pub fn wait(self) -> Result<Tensor> {
+        match self {
+            HostLater::Ready(tensor) => Ok(tensor),
+            #[cfg(feature = "cuda")]
+            HostLater::Queued(readback, shape) => {
+                let values = readback.wait().map_err(|e| crate::cuda::cuda_error("read_later", e))?;
+                Tensor::from_vec(values, &shape)
+            }
+        }
     }
 }

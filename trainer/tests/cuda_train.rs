@@ -18,7 +18,7 @@ use tensor::{Device, Tensor};
 use trainer::config::{ScheduleKind, TrainConfig};
 use trainer::data::images::{ImageLoader, Normalization};
 use trainer::data::token_file::write_llmc;
-use trainer::train::{train, METRICS_FILE};
+use trainer::train::{train, Diverged, METRICS_FILE};
 use trainer::train_image::{train_image, ImageTrainConfig};
 
 const GPU: Device = Device::Cuda(0);
@@ -301,6 +301,33 @@ fn a_cuda_checkpoint_resumes_on_cuda_and_on_the_cpu() {
     assert_eq!(losses(&half.out_dir), reference, "resumed on cuda");
     train(&TrainConfig { steps: STEPS, device: Device::Cpu, out_dir: cpu_copy.clone(), ..half }, true).unwrap();
     assert_agree("resumed on the cpu", &reference, &losses(&cpu_copy));
+}
+
+/// The host reads each step's loss after queueing the next step: a divergence still stops at
+/// its own step (the step after it, already queued, is skipped on the device), with the log
+/// of a run that reads every step at once (it saves every step).
+#[test]
+fn a_divergence_read_one_step_late_stops_at_its_own_step() {
+    let Some(_gpu) = gpu_to_myself() else { return };
+    let run = |name: &str, save_every: usize| {
+        let config = TrainConfig {
+            lr: 1e30,
+            grad_clip: 0.0,
+            warmup: 0,
+            schedule: ScheduleKind::Constant,
+            save_every,
+            ..config(&scratch(name), GPU, 12)
+        };
+        let error = train(&config, false).unwrap_err();
+        let step = error.downcast_ref::<Diverged>().unwrap_or_else(|| panic!("not a divergence: {error:#}")).step;
+        (step, losses(&config.out_dir))
+    };
+    let (step_at_once, losses_at_once) = run("diverge-at-once", 1);
+    let (step_late, losses_late) = run("diverge-late", 0);
+    assert!(step_at_once < 12, "the run did not diverge before its last step");
+    assert_eq!(step_late, step_at_once, "the step named");
+    assert_eq!(losses_late, losses_at_once, "the steps logged before it");
+    assert_eq!(losses_late.len() + 1, step_late, "one row per good step");
 }
 
 #[test]

@@ -146,6 +146,19 @@ fn a_diverging_run_never_writes_a_non_finite_checkpoint_and_counts_steps_from_on
     assert_eq!(again.downcast_ref::<Diverged>().unwrap().step, diverged.step);
 }
 
+/// A run that saves rarely reads each step's loss after queueing the next: it stops at the
+/// same step, with the same log, as one that saves (and so reads) every step.
+#[test]
+fn a_divergence_read_one_step_late_names_the_same_step() {
+    let dir = scratch("late");
+    let at_once = exploding_config(&dir, 20);
+    let step = train(&at_once, false).unwrap_err().downcast::<Diverged>().unwrap().step;
+    let late = TrainConfig { save_every: 0, out_dir: dir.join("late"), ..at_once.clone() };
+    let late_step = train(&late, false).unwrap_err().downcast::<Diverged>().unwrap().step;
+    assert_eq!(late_step, step);
+    assert_eq!(metric_rows(&late.out_dir), metric_rows(&at_once.out_dir));
+}
+
 #[test]
 fn divergence_on_the_last_step_fails_and_keeps_the_previous_checkpoint() {
     let dir = scratch("last");

@@ -213,6 +213,15 @@ impl Counters {
         c.bytes_touched += bytes as u64;
     }
 
+    /// One copy of `bytes` from the device to page-locked host memory (a readback).
+    pub(crate) fn readback(&self, bytes: usize) {
+        let mut c = self.lock();
+        c.device_to_host_copies += 1;
+        c.device_to_host_bytes += bytes as u64;
+        c.pinned_copies += 1;
+        c.bytes_touched += bytes as u64;
+    }
+
     /// One device → device copy of `bytes` (read and written: twice the bytes touched).
     pub(crate) fn device_copy(&self, bytes: usize) {
         let mut c = self.lock();

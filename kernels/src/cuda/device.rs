@@ -25,6 +25,7 @@ use super::allocator::{Allocator, AllocatorStats, DeviceBuffer, DeviceScalar};
 use super::counters::{Counters, DeviceCounters, GemmKind};
 use super::error::{ensure, CudaError, Result};
 use super::module::{panic_message, Arg, KernelCache, KernelFamily};
+use super::readback::ReadbackSlots;
 use super::staging::{Staging, StagingStream, CHUNK_BYTES};
 use super::timer::{KernelTime, KernelTimer};
 
@@ -36,6 +37,7 @@ pub struct CudaDevice {
     backend: Backend,
     allocator: Arc<Allocator>,
     staging: Staging,
+    readback: Arc<ReadbackSlots>,
     counters: Counters,
     timer: KernelTimer,
 }
@@ -71,6 +73,16 @@ impl Driver {
     /// The raw stream all the device's work is queued on.
     pub(crate) fn stream(&self) -> cudarc::driver::sys::CUstream {
         self.stream.cu_stream()
+    }
+
+    /// The device's one stream.
+    pub(crate) fn cuda_stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The device's context (page-locked memory and events are made in it).
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
     }
 }
 
@@ -161,6 +173,7 @@ impl CudaDevice {
             backend: Backend::Emulated(super::emu::Emulator::new()?),
             allocator: Arc::new(Allocator::emulated()),
             staging: Staging::default(),
+            readback: Arc::default(),
             counters: Counters::default(),
             timer: KernelTimer::default(),
         })
@@ -238,6 +251,7 @@ impl CudaDevice {
             backend: Backend::Driver(driver),
             allocator,
             staging: Staging::default(),
+            readback: Arc::default(),
             counters: Counters::default(),
             timer: KernelTimer::default(),
         })
@@ -398,6 +412,16 @@ impl CudaDevice {
             }
         }
         Ok(())
+    }
+
+    /// The free slots of [`CudaDevice::read_later`].
+    pub(crate) fn readback_slots(&self) -> &Arc<ReadbackSlots> {
+        &self.readback
+    }
+
+    /// Counts a readback of `bytes` (a copy into page-locked host memory).
+    pub(crate) fn count_readback(&self, bytes: usize) {
+        self.counters.readback(bytes);
     }
 
     /// A host copy of `buffer` (waits for the queued work that writes it).

@@ -52,6 +52,7 @@ pub mod norm;
 pub mod nvrtc;
 pub mod optim;
 pub mod pool;
+pub mod readback;
 pub mod reduce;
 pub mod rope;
 pub mod softmax;

@@ -15,7 +15,7 @@ use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
 use super::launch::{
-    address_list, block_list, check_owners, elementwise, int, length_list, ptr, size, LIST_LEN, THREADS,
+    address_list, block_list, check_owners, elementwise, int, length_list, opt_ptr, ptr, size, LIST_LEN, THREADS,
 };
 use super::module::{Arg, KernelFamily};
 use super::reduce::sum_squares_partials;
@@ -85,7 +85,9 @@ pub const STEP_GUARD_LEN: usize = 4;
 /// run when the loss and ‖g‖ are finite; the factor is `max_norm / (‖g‖ + 1e-6)` when
 /// `‖g‖ > max_norm` (pass `f32::INFINITY` for no clipping), else 1, as PyTorch's
 /// `clip_grad_norm_`. ‖g‖ sums `grads`' squares in f64 in the order [`sum_squares_all`]
-/// does, so it is that function's value bit for bit. Two launches per
+/// does, so it is that function's value bit for bit. With the `previous` step's guard, the
+/// update may run only when that step's did too (a host that reads guards one step late
+/// stops a run whose weights then stay as they were). Two launches per
 /// [`TENSORS_PER_LAUNCH`] gradients at most, and no wait for the device.
 ///
 /// [`sum_squares_all`]: super::reduce::sum_squares_all
@@ -95,15 +97,27 @@ pub fn step_guard(
     loss_sum: &DeviceBuffer<f32>,
     loss_divisor: f32,
     max_norm: f32,
+    previous: Option<&DeviceBuffer<f32>>,
     guard: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "step_guard";
     check_owners(dev, OP, &[loss_sum, guard])?;
     ensure_len(OP, "loss_sum", loss_sum.len(), 1)?;
     ensure_len(OP, "guard", guard.len(), STEP_GUARD_LEN)?;
+    if let Some(previous) = previous {
+        check_owners(dev, OP, &[previous])?;
+        ensure_len(OP, "previous", previous.len(), STEP_GUARD_LEN)?;
+    }
     let partial = sum_squares_partials(dev, grads)?;
-    let args =
-        [ptr(&partial), size(partial.len()), ptr(loss_sum), Arg::F32(loss_divisor), Arg::F32(max_norm), ptr(guard)];
+    let args = [
+        ptr(&partial),
+        size(partial.len()),
+        ptr(loss_sum),
+        Arg::F32(loss_divisor),
+        Arg::F32(max_norm),
+        opt_ptr(previous),
+        ptr(guard),
+    ];
     let one_thread = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
     dev.launch(KernelFamily::Optim, "step_guard", one_thread, &args)
 }

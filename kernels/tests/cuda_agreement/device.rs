@@ -71,3 +71,25 @@ fn copies_round_trip_and_zero() {
     // Mismatched lengths are errors, not panics.
     assert!(matches!(dev.copy_to_device(&host[..5], &mut target), Err(CudaError::Shape { .. })));
 }
+
+/// A readback gives the values its buffer held when it was queued, though work queued after it
+/// overwrites them (it waits for its own copy, not for that work); it takes small buffers only.
+#[test]
+fn a_readback_holds_the_values_queued_before_it() {
+    let dev = device_or_skip!();
+    let mut buffer = up(dev, &[1.0f32, 2.0, 3.0, 4.0]);
+    let first = dev.read_later(&buffer).unwrap();
+    dev.copy_to_device(&[5.0f32, 6.0, 7.0, 8.0], &mut buffer).unwrap();
+    let second = dev.read_later(&buffer).unwrap();
+    assert_eq!(second.wait().unwrap(), [5.0, 6.0, 7.0, 8.0]);
+    assert_eq!(first.wait().unwrap(), [1.0, 2.0, 3.0, 4.0]);
+    // The slots go back to the device and serve the next readbacks.
+    for round in 0..3 {
+        let value = round as f32;
+        dev.copy_to_device(&[value; 4], &mut buffer).unwrap();
+        assert_eq!(dev.read_later(&buffer).unwrap().wait().unwrap(), [value; 4]);
+    }
+    let large = up(dev, &[0.0f32; cuda::readback::READBACK_BYTES / 4 + 1]);
+    let refused = dev.read_later(&large).map(|_| ()).unwrap_err();
+    assert!(refused.to_string().contains("at most"), "{refused}");
+}

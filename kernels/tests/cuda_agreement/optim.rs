@@ -123,13 +123,15 @@ fn adam_rejects_bf16_copies_that_overlap() {
 }
 
 /// One AdamW step of three tensors, guarded by `step_guard` over their gradients with
-/// `loss_sum`: the parameters after it, and the guard as the device wrote it.
+/// `loss_sum` (and the `previous` step's guard, when given): the parameters after it, and
+/// the guard as the device wrote it.
 fn guarded_adamw(
     dev: &cuda::CudaDevice,
     params: &[Vec<f32>],
     grads: &[Vec<f32>],
     loss_sum: f32,
     max_norm: f32,
+    previous: Option<&[f32]>,
 ) -> (Vec<Vec<f32>>, Vec<f32>) {
     let mut gp: Vec<DeviceBuffer<f32>> = params.iter().map(|x| up(dev, x)).collect();
     let gg: Vec<DeviceBuffer<f32>> = grads.iter().map(|g| up(dev, g)).collect();
@@ -137,7 +139,9 @@ fn guarded_adamw(
     let mut gv: Vec<DeviceBuffer<f32>> = params.iter().map(|x| dev.zeros(x.len()).unwrap()).collect();
     let mut guard = dev.alloc(cuda::optim::STEP_GUARD_LEN).unwrap();
     let grad_refs: Vec<&DeviceBuffer<f32>> = gg.iter().collect();
-    cuda::optim::step_guard(dev, &grad_refs, &up(dev, &[loss_sum]), 2.0, max_norm, &mut guard).unwrap();
+    let previous = previous.map(|values| up(dev, values));
+    cuda::optim::step_guard(dev, &grad_refs, &up(dev, &[loss_sum]), 2.0, max_norm, previous.as_ref(), &mut guard)
+        .unwrap();
     let mut tensors: Vec<cuda::optim::AdamTensor> = gp
         .iter_mut()
         .zip(&gg)
@@ -164,7 +168,7 @@ fn the_step_guard_clips_and_skips_on_the_device() {
     let norm = cuda::reduce::sum_squares_all(dev, &uploaded.iter().collect::<Vec<_>>()).unwrap().sqrt() as f32;
     let h = AdamHyper { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1, step: 1 };
     for max_norm in [f32::INFINITY, norm / 4.0] {
-        let (got, guard) = guarded_adamw(dev, &params, &grads, 3.0, max_norm);
+        let (got, guard) = guarded_adamw(dev, &params, &grads, 3.0, max_norm, None);
         let scale = if norm > max_norm { max_norm / (norm + 1e-6) } else { 1.0 };
         assert_eq!(guard, vec![1.0, scale, norm, 1.5], "guard with max_norm {max_norm}");
         for ((p, g), got) in params.iter().zip(&grads).zip(&got) {
@@ -174,10 +178,26 @@ fn the_step_guard_clips_and_skips_on_the_device() {
             assert_eq!(got, &want, "guarded update with max_norm {max_norm}");
         }
     }
-    let (untouched, guard) = guarded_adamw(dev, &params, &grads, f32::NAN, 1.0);
+    let (untouched, guard) = guarded_adamw(dev, &params, &grads, f32::NAN, 1.0, None);
     assert_eq!((guard[0], untouched), (0.0, params.clone()), "a NaN loss skips the update");
     let mut bad = grads.clone();
     bad[1][7] = f32::INFINITY;
-    let (untouched, guard) = guarded_adamw(dev, &params, &bad, 3.0, 1.0);
+    let (untouched, guard) = guarded_adamw(dev, &params, &bad, 3.0, 1.0, None);
     assert_eq!((guard[0], guard[2], untouched), (0.0, f32::INFINITY, params), "an infinite gradient skips it");
+}
+
+/// A step after a skipped one is skipped too (its own loss and norm finite): the host reads
+/// each guard one step late, and the weights of a stopped run stay where they were. After an
+/// applied step, the next one runs as if unguarded by it.
+#[test]
+fn a_step_after_a_skipped_step_is_skipped_on_the_device() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(15);
+    let params: Vec<Vec<f32>> = [300, 7].iter().map(|&n| rng.vec(n, -1.0, 1.0)).collect();
+    let grads: Vec<Vec<f32>> = [300, 7].iter().map(|&n| rng.vec(n, -1.0, 1.0)).collect();
+    let (after_skip, guard) = guarded_adamw(dev, &params, &grads, 3.0, 1.0, Some(&[0.0, 1.0, f32::NAN, f32::NAN]));
+    assert_eq!((guard[0], guard[3], after_skip), (0.0, 1.5, params.clone()), "the update after a skipped step");
+    let (after_update, guard) = guarded_adamw(dev, &params, &grads, 3.0, 1.0, Some(&[1.0, 1.0, 0.5, 1.5]));
+    let (unguarded, _) = guarded_adamw(dev, &params, &grads, 3.0, 1.0, None);
+    assert_eq!((guard[0], &after_update), (1.0, &unguarded), "the update after an applied step");
 }

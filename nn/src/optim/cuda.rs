@@ -33,8 +33,15 @@ pub(crate) struct AdamParam<'a> {
 }
 
 /// The step guard `[update, scale, norm, loss]` of GPU gradients `grads` and the summed loss
-/// `loss_sum`, all on one device, computed there without a wait (`kernels::cuda::optim::step_guard`).
-pub(crate) fn step_guard(grads: &[Tensor], loss_sum: &Tensor, loss_divisor: f32, max_norm: f32) -> Result<Tensor> {
+/// `loss_sum` (after the `previous` step's guard), all on one device, computed there without a
+/// wait (`kernels::cuda::optim::step_guard`).
+pub(crate) fn step_guard(
+    grads: &[Tensor],
+    loss_sum: &Tensor,
+    loss_divisor: f32,
+    max_norm: f32,
+    previous: Option<&Tensor>,
+) -> Result<Tensor> {
     const OP: &str = "step guard";
     let grads: Vec<Tensor> = grads.iter().map(Tensor::dense).collect::<Result<_>>()?;
     let buffers = grads.iter().map(|g| g.cuda_f32(OP)).collect::<Result<Vec<_>>>()?;
@@ -46,7 +53,9 @@ pub(crate) fn step_guard(grads: &[Tensor], loss_sum: &Tensor, loss_divisor: f32,
     // Uninitialised: the kernel writes all four values (no memset launch per step).
     let mut guard = CudaStorage::alloc(&dev, STEP_GUARD_LEN)?;
     let buffer = guard.f32_buffer_mut(OP)?;
-    kernels::cuda::optim::step_guard(&dev, &buffers, loss_sum.cuda_f32(OP)?, loss_divisor, max_norm, buffer)?;
+    let previous = previous.map(Tensor::dense).transpose()?;
+    let previous = previous.as_ref().map(|p| p.cuda_f32(OP)).transpose()?;
+    kernels::cuda::optim::step_guard(&dev, &buffers, loss_sum.cuda_f32(OP)?, loss_divisor, max_norm, previous, buffer)?;
     Tensor::from_storage(Storage::Cuda(guard), &[STEP_GUARD_LEN])
 }
 

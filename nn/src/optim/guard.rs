@@ -7,20 +7,31 @@
 //! can be queued: two waits per step. Here the verdict is four numbers `[update, scale,
 //! norm, loss]` written on the gradients' device ([`step_guard`]); the GPU Adam update reads
 //! it there (skipping itself, or scaling every gradient as it reads it), and the host reads
-//! it once, after the whole step is queued ([`StepGuard::read`]). On the CPU the same numbers
-//! are computed on the host, and the update is the same as clipping first, bit for bit.
+//! it once ([`StepGuard::read`]), as late as it likes: a training loop reads it after it has
+//! queued the next step, whose guard then also forbids that step's update when this one's did
+//! (`previous`). On the CPU the same numbers are computed on the host, and the update is the
+//! same as clipping first, bit for bit.
+
+use std::cell::{Cell, RefCell};
 
 use autograd::Result;
 use tensor::ops::Binary;
-use tensor::Tensor;
+use tensor::{HostLater, Tensor};
 
 use super::clip::squared_norm;
 use crate::NamedParameter;
 
 /// Where the step's verdict lives: `[update (1 or 0), clipping factor, gradient norm, mean
-/// loss]` as an f32 tensor on the gradients' device.
-#[derive(Clone, Debug)]
-pub struct StepGuard(Tensor);
+/// loss]` as an f32 tensor on the gradients' device, and those four values on their way to
+/// the host (the copy is queued when the guard is made, so reading it waits for the guard
+/// alone, not for the update or a next step queued after it).
+pub struct StepGuard {
+    tensor: Tensor,
+    /// The copy of `tensor` to the host, queued when the guard was made, until read.
+    queued: RefCell<Option<HostLater>>,
+    /// The values, once read.
+    values: Cell<Option<GuardValues>>,
+}
 
 /// The step guard's numbers, read on the host.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -36,34 +47,70 @@ pub struct GuardValues {
 }
 
 impl StepGuard {
-    /// The guard as a tensor of four values on its device (for the GPU optimizers).
-    pub fn tensor(&self) -> &Tensor {
-        &self.0
+    /// The guard of four values `tensor`, whose copy to the host is queued now.
+    fn new(tensor: Tensor) -> Result<StepGuard> {
+        let queued = RefCell::new(Some(tensor.read_later()?));
+        Ok(StepGuard { tensor, queued, values: Cell::new(None) })
     }
 
-    /// Reads the four values (a wait for the device when the guard lives on a GPU).
+    /// The guard as a tensor of four values on its device (for the GPU optimizers).
+    pub fn tensor(&self) -> &Tensor {
+        &self.tensor
+    }
+
+    /// Reads the four values: on a GPU, a wait for the guard's own copy (queued when it was
+    /// made), not for the work queued after it.
     pub fn read(&self) -> Result<GuardValues> {
-        let values = self.0.to_host()?.to_vec();
-        Ok(GuardValues { update: values[0] != 0.0, scale: values[1], grad_norm: values[2], loss: values[3] })
+        if let Some(values) = self.values.get() {
+            return Ok(values);
+        }
+        let host = match self.queued.borrow_mut().take() {
+            Some(queued) => queued.wait()?,
+            // A wait that failed before took the queued copy: read the guard directly.
+            None => self.tensor.to_host()?,
+        };
+        let v = host.to_vec();
+        let values = GuardValues { update: v[0] != 0.0, scale: v[1], grad_norm: v[2], loss: v[3] };
+        self.values.set(Some(values));
+        Ok(values)
     }
 }
 
 /// The verdict of a step whose summed loss is `loss_sum` (one element; the mean loss is
 /// `loss_sum / loss_divisor`), over the gradients of `params`, clipping their global norm to
-/// `max_norm` (`f32::INFINITY`: no clipping). Computed on the GPU without a wait when the
-/// gradients and the loss all live on one; otherwise on the host.
-pub fn step_guard(params: &[NamedParameter], loss_sum: &Tensor, loss_divisor: f32, max_norm: f32) -> Result<StepGuard> {
+/// `max_norm` (`f32::INFINITY`: no clipping). With the `previous` step's guard, the update
+/// runs only when that step's did too: a host that reads each guard one step late (after
+/// queueing the next step) stops a run whose weights then stay at the last good step.
+/// Computed on the GPU without a wait when the gradients, the loss and the previous guard
+/// all live on one; otherwise on the host.
+pub fn step_guard(
+    params: &[NamedParameter],
+    loss_sum: &Tensor,
+    loss_divisor: f32,
+    max_norm: f32,
+    previous: Option<&StepGuard>,
+) -> Result<StepGuard> {
     let grads: Vec<Tensor> = params.iter().filter_map(|p| p.var.grad()).collect();
     #[cfg(feature = "cuda")]
-    if loss_sum.device() != tensor::Device::Cpu && grads.iter().all(|g| g.device() == loss_sum.device()) {
-        return super::cuda::step_guard(&grads, loss_sum, loss_divisor, max_norm).map(StepGuard);
+    {
+        let device = loss_sum.device();
+        let on_device = |t: &Tensor| t.device() == device;
+        if device != tensor::Device::Cpu && grads.iter().all(on_device) && previous.is_none_or(|p| on_device(&p.tensor))
+        {
+            let previous = previous.map(StepGuard::tensor);
+            return StepGuard::new(super::cuda::step_guard(&grads, loss_sum, loss_divisor, max_norm, previous)?);
+        }
     }
     let norm = squared_norm(&grads)?.sqrt() as f32;
     let loss = loss_sum.to_host()?.item()? / loss_divisor;
-    let update = loss.is_finite() && norm.is_finite();
+    let allowed = match previous {
+        Some(previous) => previous.read()?.update,
+        None => true,
+    };
+    let update = loss.is_finite() && norm.is_finite() && allowed;
     let scale = if update && norm > max_norm { max_norm / (norm + 1e-6) } else { 1.0 };
     let values = vec![f32::from(u8::from(update)), scale, norm, loss];
-    Ok(StepGuard(Tensor::from_vec(values, &[4])?))
+    StepGuard::new(Tensor::from_vec(values, &[4])?)
 }
 
 /// The host's side of a guarded update ([`super::Optimizer::step_guarded`]'s default):

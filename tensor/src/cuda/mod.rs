@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use half::bf16;
 use kernels::cuda::{CudaDevice, CudaError, DeviceBuffer};
 
-use crate::{Error, Result, Storage, Tensor};
+use crate::{DType, Error, Result, Storage, Tensor};
 
 pub use crate::ops::matmul::cuda::{matmul_precision, set_matmul_precision, MatmulPrecision};
 pub use crate::ops::reduce::cuda::sum_squares;
@@ -103,6 +103,15 @@ impl Tensor {
             });
         }
         storage.f32_buffer(op)
+    }
+
+    /// [`Tensor::read_later`] of a GPU tensor: its values as f32, copied into a readback.
+    pub(crate) fn read_later_from_gpu(&self) -> Result<crate::HostLater> {
+        const OP: &str = "read_later";
+        let dense = self.to_dtype(DType::F32)?.dense()?;
+        let dev = dense.cuda_device(OP)?;
+        let readback = dev.read_later(dense.cuda_f32(OP)?).map_err(|e| cuda_error(OP, e))?;
+        Ok(crate::HostLater::Queued(readback, self.shape.clone()))
     }
 
     /// A contiguous host copy of this GPU tensor.

@@ -25,7 +25,10 @@
 //! asked to do in it: launches (by kernel in `launches_by_kernel`), cuBLAS calls and FLOPs
 //! by precision (`f32_simt_gemm_flops`: products off the tensor cores), host
 //! synchronisations, pageable and pinned copies, driver allocations, bytes touched
-//! (`kernels::cuda::counters`). `--kernel-timer` runs one more step under the per-kernel
+//! (`kernels::cuda::counters`). Then `--steps` more steps run back to back with one wait at
+//! the end (`"queued_tokens_per_s"`, `"queued_step_ms"`): the host prepares a step while the
+//! device runs the one before, as in `transponder train`, which reads each loss one step
+//! late. `--kernel-timer` runs one more step under the per-kernel
 //! timer (a CUDA event pair around every launch) and adds its time per kernel family
 //! (`"kernel_ms"`), printing the slowest kernels to stderr.
 //!
@@ -309,6 +312,15 @@ fn run(args: Args) -> Result<()> {
     untimed_step()?;
     let counters = CounterSnapshot::take(args.device)?.since_json(&before);
     synchronize(args.device)?;
+    // The same steps queued back to back, one wait at the end: the throughput of a loop that
+    // does not wait for the device inside a step (the trainer reads each loss one step late),
+    // where the host prepares a step while the device runs the one before.
+    let queued_start = Instant::now();
+    for _ in 0..args.steps {
+        untimed_step()?;
+    }
+    synchronize(args.device)?;
+    let queued_step = queued_start.elapsed().as_secs_f64() / args.steps as f64;
     let kernel_ms = if args.kernel_timer { time_kernels(args.device, untimed_step)? } else { serde_json::Value::Null };
     let per_step = |end: u64, start: u64| (end - start) as f64 / args.steps as f64;
     if args.profile {
@@ -333,6 +345,8 @@ fn run(args: Args) -> Result<()> {
         "tokens_per_s": tokens as f64 / step,
         "step_ms_median": step * 1e3,
         "step_ms_min": step_s.iter().copied().fold(f64::INFINITY, f64::min) * 1e3,
+        "queued_tokens_per_s": tokens as f64 / queued_step,
+        "queued_step_ms": queued_step * 1e3,
         "forward_ms": median(&fwd_s) * 1e3,
         "backward_ms": median(&bwd_s) * 1e3,
         "optimizer_ms": median(&opt_s) * 1e3,

@@ -17,7 +17,8 @@
 //! weights as a CPU run of the same seed), then its parameters move to the device, where
 //! the optimizer keeps its state too. Token ids stay host slices (the embedding and the
 //! loss take them as such); each step's loss and gradient norm come back to the host once,
-//! after the backward pass, for the finiteness checks; checkpoints download parameters and state.
+//! read after the next step is queued (the finiteness checks, one step late: a step after a
+//! non-finite one is skipped on the device); checkpoints download parameters and state.
 
 mod data_parallel;
 mod evaluate;
@@ -40,6 +41,7 @@ pub use evaluate::{evaluate, open_eval_data};
 
 use log::StepLog;
 use setup::Session;
+use step::QueuedStep;
 
 /// The checkpoint inside the run directory (weights, optimizer state, step, data position
 /// and both configs).
@@ -166,26 +168,45 @@ fn rank_device(device: Device, world: &World) -> Result<Device> {
 
 /// The training loop of a started session, from its first step to its last.
 fn run_steps(session: &mut Session) -> Result<TrainReport> {
-    let config = session.config;
     let metrics_path = session.metrics_path();
-    let mut log = StepLog::start(config, session.start_step, session.is_leader().then_some(metrics_path.as_path()))?;
+    let mut log =
+        StepLog::start(session.config, session.start_step, session.is_leader().then_some(metrics_path.as_path()))?;
+    run_and_log_steps(session, &mut log).inspect_err(|_| log.abandon())?;
+    Ok(log.finish(session.checkpoint_path.clone()))
+}
+
+/// Runs and logs every step. A step's outcome is read after the next step is queued, so the
+/// device runs one step while the host prepares the next; a step that validates or saves
+/// (the last one does) is read at once, before its validation and its checkpoint.
+fn run_and_log_steps(session: &mut Session, log: &mut StepLog) -> Result<()> {
+    let config = session.config;
+    let mut queued: Option<QueuedStep> = None;
     for done in session.start_step + 1..=config.steps {
         if let Some(data_parallel) = &session.data_parallel {
             data_parallel.set_step(done);
         }
         let lr = session.schedule.lr_at(done - 1, config.lr);
-        let outcome = session.step(done, lr).inspect_err(|_| log.abandon())?;
+        let step = session.queue_step(done, lr, queued.as_ref())?;
+        if let Some(previous) = queued.take() {
+            let outcome = session.settle(&previous)?;
+            log.record(previous.done, previous.lr, outcome, None)?;
+        }
         let is_last = done == config.steps;
         let evaluates =
             session.has_validation() && ((config.eval_every > 0 && done % config.eval_every == 0) || is_last);
-        let val_loss =
-            if evaluates { Some(session.validation_loss(done).inspect_err(|_| log.abandon())?) } else { None };
+        let saves = (config.save_every > 0 && done % config.save_every == 0) || is_last;
+        if !(evaluates || saves) {
+            queued = Some(step);
+            continue;
+        }
+        let outcome = session.settle(&step)?;
+        let val_loss = if evaluates { Some(session.validation_loss(done)?) } else { None };
         log.record(done, lr, outcome, val_loss)?;
-        if (config.save_every > 0 && done % config.save_every == 0) || is_last {
-            session.save_everywhere(done).inspect_err(|_| log.abandon())?;
+        if saves {
+            session.save_everywhere(done)?;
         }
     }
-    Ok(log.finish(session.checkpoint_path.clone()))
+    Ok(())
 }
 
 /// A refused save of non-finite values is a divergence (the update before it overflowed);

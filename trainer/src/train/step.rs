@@ -4,12 +4,15 @@
 //! reaches the weights, the optimizer state or a checkpoint.
 //!
 //! In one process that decision is a step guard ([`nn::optim::step_guard`]) made where the
-//! gradients are: on a GPU the update reads it on the device, and the host waits for the
-//! device once per step, to read the loss and the norm after the whole step is queued. Data
-//! parallel decides on the host, after the all-reduce that brings the loss there anyway.
+//! gradients are: on a GPU the update reads it on the device, and the host reads the step's
+//! loss and norm one step late ([`QueuedStep`]): after it has queued the next step, so the
+//! GPU never waits for the host to prepare one. A step queued after a non-finite one is
+//! skipped on the device too (its guard reads the previous one), so the run stops with the
+//! weights of the last good step. Data parallel decides on the host, after the all-reduce
+//! that brings the loss there anyway.
 
 use anyhow::Result;
-use nn::optim::{clip_grad_norm, step_guard, Optimizer};
+use nn::optim::{clip_grad_norm, step_guard, Optimizer, StepGuard};
 use tensor::Tensor;
 
 use super::evaluate::mean_loss;
@@ -32,23 +35,60 @@ pub(crate) struct NonFinite {
     pub value: f32,
 }
 
+/// A step whose work is queued, and whose outcome the host reads with [`Session::settle`].
+pub(crate) struct QueuedStep {
+    /// The step, counted from 1.
+    pub done: usize,
+    /// Its learning rate.
+    pub lr: f32,
+    verdict: Verdict,
+}
+
+/// Where a queued step's outcome is.
+enum Verdict {
+    /// Known on the host already (data parallel decides there).
+    Known(StepOutcome),
+    /// In its step guard, on the device.
+    Guarded(StepGuard),
+}
+
 impl Session<'_> {
-    /// Runs step `done` (counted from 1) at learning rate `lr`; a [`Diverged`] error, with the
-    /// update not applied, when the loss or the gradient norm is not finite.
-    pub fn step(&mut self, done: usize, lr: f32) -> Result<StepOutcome> {
-        let outcome = if self.data_parallel.is_some() {
+    /// Queues step `done` (counted from 1) at learning rate `lr`, after the `previous` queued
+    /// step, without waiting for the device ([`Session::settle`] reads the outcome). Data
+    /// parallel decides on the host at once: a [`Diverged`] error, with the update not
+    /// applied, when the loss or the gradient norm is not finite.
+    pub fn queue_step(&mut self, done: usize, lr: f32, previous: Option<&QueuedStep>) -> Result<QueuedStep> {
+        let verdict = if self.data_parallel.is_some() {
             let loss = self.accumulate_gradients_data_parallel(done)?;
-            finite_update(self.optimizer.as_mut(), loss, self.config.grad_clip, lr)?
+            let outcome = finite_update(self.optimizer.as_mut(), loss, self.config.grad_clip, lr)?
+                .map_err(|bad| self.diverged(bad.quantity, bad.value, done))?;
+            if let Some(data_parallel) = &self.data_parallel {
+                data_parallel.after_update(self.optimizer.parameters(), done)?;
+            }
+            Verdict::Known(outcome)
         } else {
             let loss_sum = self.accumulate_gradients()?;
             let micro_batches = self.config.grad_accum as f32;
-            guarded_update(self.optimizer.as_mut(), &loss_sum, micro_batches, self.config.grad_clip, lr)?
+            let previous = previous.and_then(|step| match &step.verdict {
+                Verdict::Guarded(guard) => Some(guard),
+                Verdict::Known(_) => None,
+            });
+            let clip = self.config.grad_clip;
+            Verdict::Guarded(guarded_update(self.optimizer.as_mut(), &loss_sum, micro_batches, clip, lr, previous)?)
         };
-        let outcome = outcome.map_err(|bad| self.diverged(bad.quantity, bad.value, done))?;
-        if let Some(data_parallel) = &self.data_parallel {
-            data_parallel.after_update(self.optimizer.parameters(), done)?;
+        Ok(QueuedStep { done, lr, verdict })
+    }
+
+    /// The outcome of a queued step (on a GPU, a wait for its guard, not for the work queued
+    /// after it); a [`Diverged`] error naming the step when its loss or gradient norm is not
+    /// finite (its update, and any queued after it, were not applied).
+    pub fn settle(&self, step: &QueuedStep) -> Result<StepOutcome> {
+        match &step.verdict {
+            Verdict::Known(outcome) => Ok(*outcome),
+            Verdict::Guarded(guard) => {
+                read_verdict(guard)?.map_err(|bad| self.diverged(bad.quantity, bad.value, step.done).into())
+            }
         }
-        Ok(outcome)
     }
 
     /// Validation loss after step `done`; [`Diverged`] when it is not finite.
@@ -104,22 +144,28 @@ impl Session<'_> {
     }
 }
 
-/// Clips the gradients to `grad_clip` (0 disables) and applies the update at `lr`, clearing
+/// Clips the gradients to `grad_clip` (0 disables) and queues the update at `lr`, clearing
 /// the gradients, all under a step guard made from the step's summed loss `loss_sum` and
-/// `micro_batches`: no update when the mean loss or the gradient norm is not finite (the
-/// inner `Err` names the first such value; the parameters and moments are left as they
-/// were). Reads the guard once, after the update is queued.
+/// `micro_batches` (and the `previous` step's guard): no update when the mean loss or the
+/// gradient norm is not finite, or when the previous step was not updated (the parameters and
+/// moments are left as they were). Returns the guard, unread ([`read_verdict`]).
 pub(crate) fn guarded_update(
     optimizer: &mut dyn Optimizer,
     loss_sum: &Tensor,
     micro_batches: f32,
     grad_clip: f32,
     lr: f32,
-) -> Result<Result<StepOutcome, NonFinite>> {
+    previous: Option<&StepGuard>,
+) -> Result<StepGuard> {
     let max_norm = if grad_clip > 0.0 { grad_clip } else { f32::INFINITY };
-    let guard = step_guard(optimizer.parameters(), loss_sum, micro_batches, max_norm)?;
+    let guard = step_guard(optimizer.parameters(), loss_sum, micro_batches, max_norm, previous)?;
     optimizer.step_guarded(lr, &guard)?;
     optimizer.zero_grad();
+    Ok(guard)
+}
+
+/// A guarded step's outcome, read from its guard; the inner `Err` names the first non-finite value.
+pub(crate) fn read_verdict(guard: &StepGuard) -> Result<Result<StepOutcome, NonFinite>> {
     let values = guard.read()?;
     if !values.loss.is_finite() {
         return Ok(Err(NonFinite { quantity: "loss", value: values.loss }));
@@ -201,19 +247,29 @@ mod tests {
     #[test]
     fn the_guarded_update_stops_clips_and_updates_as_the_host_check_does() {
         let loss_sum = |v: f32| Tensor::from_vec(vec![v], &[1]).unwrap();
+        let guarded = |adam: &mut Adam, loss: f32, clip: f32, previous: Option<&StepGuard>| {
+            let guard = guarded_update(adam, &loss_sum(loss), 2.0, clip, 0.1, previous).unwrap();
+            (read_verdict(&guard).unwrap(), guard)
+        };
         let (mut adam, var) = optimizer_with_grad(vec![0.5, f32::NAN, 0.5]);
-        let stopped = guarded_update(&mut adam, &loss_sum(5.0), 2.0, 1.0, 0.1).unwrap().unwrap_err();
-        assert_eq!(stopped.quantity, "gradient norm");
+        let (stopped, _) = guarded(&mut adam, 5.0, 1.0, None);
+        assert_eq!(stopped.unwrap_err().quantity, "gradient norm");
         assert_eq!(var.value().to_vec(), [1.0, 2.0, 3.0], "the update must not be applied");
         let (mut adam, var) = optimizer_with_grad(vec![0.5, 0.5, 0.5]);
-        let stopped = guarded_update(&mut adam, &loss_sum(f32::INFINITY), 2.0, 0.0, 0.1).unwrap().unwrap_err();
-        assert_eq!(stopped, NonFinite { quantity: "loss", value: f32::INFINITY });
+        let (stopped, bad_guard) = guarded(&mut adam, f32::INFINITY, 0.0, None);
+        assert_eq!(stopped.unwrap_err(), NonFinite { quantity: "loss", value: f32::INFINITY });
         assert_eq!(var.value().to_vec(), [1.0, 2.0, 3.0]);
+        // A finite step queued after the bad one is not applied either.
+        var.set_grad(Some(Tensor::from_vec(vec![0.5, 0.5, 0.5], &[3]).unwrap()));
+        let (after, _) = guarded(&mut adam, 5.0, 0.0, Some(&bad_guard));
+        assert_eq!(after.unwrap().loss, 2.5);
+        assert_eq!(var.value().to_vec(), [1.0, 2.0, 3.0], "no update after a skipped step");
         for clip in [1.0, 0.0] {
             let (mut host, host_var) = optimizer_with_grad(vec![3.0, 4.0, 0.0]);
             let want = finite_update(&mut host, 2.5, clip, 0.1).unwrap().unwrap();
-            let (mut guarded, guarded_var) = optimizer_with_grad(vec![3.0, 4.0, 0.0]);
-            let got = guarded_update(&mut guarded, &loss_sum(5.0), 2.0, clip, 0.1).unwrap().unwrap();
+            let (mut adam, guarded_var) = optimizer_with_grad(vec![3.0, 4.0, 0.0]);
+            let (got, _) = guarded(&mut adam, 5.0, clip, None);
+            let got = got.unwrap();
             assert_eq!((got.loss, got.grad_norm), (want.loss, want.grad_norm));
             assert_eq!(guarded_var.value().to_vec(), host_var.value().to_vec(), "clip {clip}");
             assert!(guarded_var.grad().is_none_or(|g| g.to_vec().iter().all(|&v| v == 0.0)));

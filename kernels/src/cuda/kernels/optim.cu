@@ -99,15 +99,19 @@ extern "C" __global__ void adam_step(TensorList params, TensorList bf16s, Tensor
 // loss_sum / loss_divisor, and the verdict: update only when both are finite, with the
 // gradients scaled by max_norm / (‖g‖ + 1e-6) when ‖g‖ > max_norm (PyTorch's
 // clip_grad_norm_). The host reads the four values once the step is queued.
+// With the previous step's guard (`previous` not null) the verdict is also "no update" when
+// that step's was: the host reads a guard one step late, after it has queued the next step,
+// and a run stopped by a non-finite step must not move its weights afterwards.
 extern "C" __global__ void step_guard(const double* partial, i64 count, const float* loss_sum, float loss_divisor,
-                                      float max_norm, float* guard) {
+                                      float max_norm, const float* previous, float* guard) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     double total = 0.0;
     for (i64 i = 0; i < count; ++i) total += partial[i];
     const float norm = (float)sqrt(total);
     const float loss = loss_sum[0] / loss_divisor;
     const bool finite = is_finite(loss) && is_finite(norm);
-    guard[GUARD_UPDATE] = finite ? 1.0f : 0.0f;
+    const bool allowed = previous == nullptr || previous[GUARD_UPDATE] != 0.0f;
+    guard[GUARD_UPDATE] = finite && allowed ? 1.0f : 0.0f;
     guard[GUARD_SCALE] = finite && norm > max_norm ? max_norm / (norm + 1e-6f) : 1.0f;
     guard[GUARD_NORM] = norm;
     guard[GUARD_LOSS] = loss;
