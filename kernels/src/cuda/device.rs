@@ -531,6 +531,7 @@ impl CudaDevice {
                 Arg::F32(v) => builder.arg(v),
                 Arg::Dims(v) => builder.arg(v),
                 Arg::Ptrs(v) => builder.arg(v),
+                Arg::Lengths(v) => builder.arg(v),
             };
         }
         // SAFETY: every launcher checks buffer lengths and shapes against the kernel's

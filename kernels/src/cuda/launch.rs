@@ -8,7 +8,7 @@ use super::error::{CudaError, Result};
 use super::module::Arg;
 
 /// Entries of a `TensorList` (common.cuh): the tensors one multi-tensor launch takes.
-pub(crate) const LIST_LEN: usize = 24;
+pub(crate) const LIST_LEN: usize = 64;
 
 /// The device addresses of up to [`LIST_LEN`] buffers as a `TensorList` argument.
 pub(crate) fn address_list(addresses: impl Iterator<Item = u64>) -> Arg {
@@ -25,7 +25,7 @@ pub(crate) fn length_list(lengths: impl Iterator<Item = usize>) -> Arg {
     for (slot, len) in v.iter_mut().zip(lengths) {
         *slot = len as i64;
     }
-    Arg::Dims(v)
+    Arg::Lengths(v)
 }
 
 /// The blocks of a multi-tensor launch laid end to end along grid.x, `blocks[e]` for entry e

@@ -19,6 +19,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
 
 use super::error::{CudaError, Result};
+use super::launch::LIST_LEN;
 use super::nvrtc::{compile, KernelImage, Output};
 
 /// Helpers shared by every kernel file.
@@ -113,9 +114,11 @@ pub(crate) enum Arg {
     F32(f32),
     /// A `struct { long long v[24]; }` passed by value (shapes and strides).
     Dims([i64; 24]),
-    /// Up to 24 device addresses in a `struct { long long v[24]; }` passed by value (the
-    /// tensors of a multi-tensor launch); unused entries are 0.
-    Ptrs([u64; 24]),
+    /// Up to [`LIST_LEN`] device addresses in a `TensorList` (common.cuh) passed by value
+    /// (the tensors of a multi-tensor launch); unused entries are 0.
+    Ptrs([u64; LIST_LEN]),
+    /// Up to [`LIST_LEN`] lengths or offsets in a `TensorList` passed by value.
+    Lengths([i64; LIST_LEN]),
 }
 
 impl Arg {

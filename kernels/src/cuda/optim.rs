@@ -32,7 +32,7 @@ fn adam_constants(op: &'static str, h: &AdamHyper, decoupled: bool) -> Result<[f
     Ok([step_size, inv_sqrt_correction2, decay, l2])
 }
 
-/// Tensors one `adam_step` launch updates (a `TensorList` of common.cuh holds 24).
+/// Tensors one `adam_step` launch updates (a `TensorList` of common.cuh holds 64).
 pub const TENSORS_PER_LAUNCH: usize = LIST_LEN;
 
 /// Most blocks of one tensor in an `adam_step` launch (its threads loop over the rest): about

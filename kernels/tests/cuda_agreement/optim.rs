@@ -15,8 +15,8 @@ fn optimizers_agree_over_steps() {
     let mut rng = Rng::new(13);
     let len = 100_003;
     let p0 = rng.vec(len, -1.0, 1.0);
-    // 30 tensors of different lengths: two launches of the multi-tensor kernel (24 + 6).
-    let lens: Vec<usize> = (0..30).map(|i| if i == 0 { len } else { 1 + 37 * i }).collect();
+    // 70 tensors of different lengths: two launches of the multi-tensor kernel (64 + 6).
+    let lens: Vec<usize> = (0..70).map(|i| if i == 0 { len } else { 1 + 37 * i }).collect();
     for decoupled in [true, false] {
         let mut p: Vec<Vec<f32>> = lens.iter().map(|&n| p0[..n].to_vec()).collect();
         let (mut m, mut v): (Vec<Vec<f32>>, Vec<Vec<f32>>) =

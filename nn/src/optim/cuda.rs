@@ -1,6 +1,6 @@
 //! The GPU branch of the optimizers (feature `cuda`): fused `kernels::cuda::optim` updates
 //! in place on the parameters' device, with the state in [`Slot::Device`]s beside it (Adam:
-//! one multi-tensor launch per group of up to 24 parameters, which also rewrites the bf16
+//! one multi-tensor launch per group of up to 64 parameters, which also rewrites the bf16
 //! copies bf16 products read; SGD: one launch per parameter). Same update
 //! rules and per-step constants as the CPU kernels, so both agree to f32 rounding.
 

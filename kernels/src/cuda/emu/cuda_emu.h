@@ -170,7 +170,8 @@ void invoke(void (*kernel)(P...), void** args) {
     call(kernel, args, std::index_sequence_for<P...>{});
 }
 
-// p pointer, i int, l long long, f float, d the 24-long-long dims struct, ? anything else.
+// p pointer, i int, l long long, f float, d the 24-long-long dims struct, t the 64-long-long
+// TensorList of common.cuh, ? anything else.
 template <typename T>
 constexpr char kind() {
     return std::is_pointer<T>::value                       ? 'p'
@@ -178,6 +179,7 @@ constexpr char kind() {
            : std::is_same<T, long long>::value             ? 'l'
            : std::is_same<T, float>::value                 ? 'f'
            : (std::is_class<T>::value && sizeof(T) == 192) ? 'd'
+           : (std::is_class<T>::value && sizeof(T) == 512) ? 't'
                                                            : '?';
 }
 

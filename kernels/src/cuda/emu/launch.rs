@@ -11,6 +11,7 @@ use super::ffi::{kind, tp_emu_run_block, Dim3, TpBlockError, TpKernel};
 use super::memory::{check_canaries, containing, nearest, LiveBuffer};
 use super::Emulator;
 use crate::cuda::error::{CudaError, Result};
+use crate::cuda::launch::LIST_LEN;
 use crate::cuda::module::{Arg, KernelFamily};
 
 /// Threads a block may have (every CUDA GPU since compute capability 2.0).
@@ -56,9 +57,10 @@ impl Schedule {
     }
 }
 
-/// The bytes of one argument, aligned for any of the kernels' parameter types.
+/// The bytes of one argument (the largest is a `TensorList`), aligned for any of the kernels'
+/// parameter types.
 #[repr(C, align(16))]
-struct ArgBytes([u8; 192]);
+struct ArgBytes([u8; 8 * LIST_LEN]);
 
 /// The argument list as the trampolines read it: one pointer per argument.
 struct ArgList {
@@ -80,7 +82,7 @@ fn pack(args: &[Arg]) -> ArgList {
     let mut storage: Vec<ArgBytes> = args
         .iter()
         .map(|arg| {
-            let mut bytes = ArgBytes([0; 192]);
+            let mut bytes = ArgBytes([0; 8 * LIST_LEN]);
             match arg {
                 Arg::Ptr(v) => bytes.0[..8].copy_from_slice(&v.to_ne_bytes()),
                 Arg::I32(v) => bytes.0[..4].copy_from_slice(&v.to_ne_bytes()),
@@ -93,6 +95,11 @@ fn pack(args: &[Arg]) -> ArgList {
                 }
                 Arg::Ptrs(ptrs) => {
                     for (chunk, v) in bytes.0.chunks_exact_mut(8).zip(ptrs) {
+                        chunk.copy_from_slice(&v.to_ne_bytes());
+                    }
+                }
+                Arg::Lengths(lengths) => {
+                    for (chunk, v) in bytes.0.chunks_exact_mut(8).zip(lengths) {
                         chunk.copy_from_slice(&v.to_ne_bytes());
                     }
                 }
@@ -110,7 +117,8 @@ fn arg_kind(arg: &Arg) -> char {
         Arg::I32(_) => 'i',
         Arg::I64(_) => 'l',
         Arg::F32(_) => 'f',
-        Arg::Dims(_) | Arg::Ptrs(_) => 'd',
+        Arg::Dims(_) => 'd',
+        Arg::Ptrs(_) | Arg::Lengths(_) => 't',
     }
 }
 
@@ -121,6 +129,7 @@ fn kind_name(kind: char) -> &'static str {
         'l' => "long long",
         'f' => "float",
         'd' => "dims struct",
+        't' => "tensor list",
         _ => "unsupported type",
     }
 }

@@ -37,9 +37,12 @@ typedef unsigned short bf16_t;
 #define MMA_M16N8K16_BF16(d, a, b) __trap()  // the launcher refuses devices below compute capability 8.0
 #endif
 
-// Up to 24 device addresses or lengths, passed by value: the tensors of a multi-tensor
-// launch (optimizer steps, several column sums at once); unused entries are 0.
-#define LIST_LEN 24
+// Up to 64 device addresses or lengths, passed by value: the tensors of a multi-tensor
+// launch (optimizer steps, several column sums at once); unused entries are 0. 64 keeps the
+// largest user, adam_step with seven lists (3.6 KB of arguments), inside the 4 KB of kernel
+// parameters every CUDA version accepts, and a model's whole group of matrices or of vectors
+// in one launch (llama-60m: 57 matrices).
+#define LIST_LEN 64
 struct TensorList {
     i64 v[LIST_LEN];
 };
