@@ -5,7 +5,9 @@
 //! ```
 //! PyTorch equivalent: Hugging Face `LlamaMLP` (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`).
 //! `SiLU(·) ⊙ (·)` is one fused op ([`Var::swiglu`]), which keeps only the two projections for
-//! its backward.
+//! its backward. When the gate and up projections carry no gates they run as one product of
+//! their packed weights ([`Var::packed_linear`], one GEMM forward and one for the input
+//! gradient on a GPU) and the SwiGLU reads its two halves ([`Var::swiglu_halves`]).
 //! Rows are flattened to `[N, C]` for the projections and restored at the end.
 
 use autograd::{Result, Var};
@@ -48,8 +50,13 @@ impl SwiGlu {
         let shape = x.shape();
         let d = self.gate_proj.in_features();
         let rows = x.reshape(&[x.value_ref().numel() / d.max(1), d])?;
-        let (gate_out, up_out) = (self.gate_proj.forward(&rows)?, self.up_proj.forward(&rows)?);
-        let hidden = gate_out.swiglu(&up_out)?;
+        let hidden = if is_plain(&self.gate_proj) && is_plain(&self.up_proj) {
+            // One product of the packed gate and up weights, SwiGLU over its two halves.
+            let weights = [&self.gate_proj.linear.weight, &self.up_proj.linear.weight];
+            rows.packed_linear(&weights)?.swiglu_halves()?
+        } else {
+            self.gate_proj.forward(&rows)?.swiglu(&self.up_proj.forward(&rows)?)?
+        };
         let mut y = self.down_proj.forward(&hidden)?;
         for gate in &self.path_gates {
             crate::trace::record_gate(gate, &rows)?;
@@ -57,6 +64,12 @@ impl SwiGlu {
         }
         y.reshape(&shape)
     }
+}
+
+/// Whether a projection is a plain linear map (no gate, no bias): the gate and up
+/// projections then run as one product ([`Var::packed_linear`]).
+fn is_plain(projection: &ModulatedProjection) -> bool {
+    projection.gates.is_empty() && projection.linear.bias.is_none()
 }
 
 impl Module for SwiGlu {

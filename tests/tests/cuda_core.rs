@@ -6,10 +6,12 @@
 //! --test cuda_core`; without a GPU every test prints "skipping: no CUDA device" and passes.
 #![cfg(feature = "cuda")]
 
+use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
 
 use autograd::Var;
 use gradcheck::Tolerance;
+use kernels::cuda::DeviceCounters;
 use tensor::cuda::{matmul_precision, set_matmul_precision, MatmulPrecision};
 use tensor::ops::{Binary, Unary};
 use tensor::{DType, Device, Error, Rng, Tensor};
@@ -340,6 +342,74 @@ fn bf16_matmul_precision() {
     xc.matmul(&wc.transpose(0, 1).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
     assert_close(&xv.grad().unwrap(), &xc.grad().unwrap(), BF16_REL, 0.0, "bf16 dx");
     assert_close(&wv.grad().unwrap(), &wc.grad().unwrap(), BF16_REL, 0.0, "bf16 dW");
+}
+
+/// The gate and up projections as one product of their packed weights and SwiGLU over its
+/// halves, under bf16 products: the GPU agrees with the CPU (the projections one by one),
+/// forward and every gradient (x's added onto a gradient it already has), with one GEMM
+/// forward, one for the input gradient and one per weight gradient, and no conversion once
+/// the weights are packed.
+#[test]
+fn packed_gate_up_and_swiglu_halves_agree() {
+    if no_gpu() {
+        return;
+    }
+    let _precision = Precision::set(MatmulPrecision::Bf16);
+    let round = |t: Tensor| t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+    let (x, wg, wu) = (round(rand(&[2, 5, 16], -1.0, 1.0, 60)), round(rand(&[12, 16], -0.5, 0.5, 61)), {
+        round(rand(&[12, 16], -0.5, 0.5, 62))
+    });
+    let seed = rand(&[10, 12], -1.0, 1.0, 63);
+    let run = |device: Device| {
+        let on = |t: &Tensor| Var::parameter(t.to_device(device).unwrap());
+        let (x, wg, wu) = (on(&x), on(&wg), on(&wu));
+        let rows = x.reshape(&[10, 16]).unwrap();
+        let forward = || rows.packed_linear(&[&wg, &wu]).unwrap().swiglu_halves().unwrap();
+        // The second forward is the one counted: the first packs the weights and converts x.
+        forward();
+        let before = device_counters(device);
+        let h = forward();
+        let forward_launches = launches_since(device, &before);
+        // x is read by a sum too, so it may have a gradient already when this one's dx comes.
+        let before = device_counters(device);
+        let weighted = h.mul(&Var::constant(seed.to_device(device).unwrap())).unwrap().sum_all().unwrap();
+        weighted.add(&rows.sum_all().unwrap()).unwrap().backward().unwrap();
+        let backward_launches = launches_since(device, &before);
+        let grads = [x.grad().unwrap(), wg.grad().unwrap(), wu.grad().unwrap()];
+        (h.value(), grads, forward_launches, backward_launches)
+    };
+    let (h_cpu, grads_cpu, ..) = run(Device::Cpu);
+    let (h_gpu, grads_gpu, forward, backward) = run(GPU);
+    // bf16 operands: each result is a sum of rounded terms, so the error scales with the largest.
+    let bf16_close = |got: &Tensor, want: &Tensor, what: &str| {
+        let scale = want.to_vec().iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert_close(got, want, BF16_REL, BF16_REL * scale, what);
+    };
+    bf16_close(&h_gpu, &h_cpu, "packed gate-up SwiGLU forward");
+    for (what, (g, c)) in ["dx", "dW_gate", "dW_up"].iter().zip(grads_gpu.iter().zip(&grads_cpu)) {
+        bf16_close(g, c, what);
+    }
+    let count = |launches: &BTreeMap<&'static str, u64>, name: &str| launches.get(name).copied();
+    let forward = forward.expect("a GPU counts its launches");
+    assert_eq!(count(&forward, "cublasGemmEx"), Some(1), "one GEMM forward: {forward:?}");
+    assert_eq!(count(&forward, "swiglu_forward"), Some(1), "{forward:?}");
+    assert_eq!(forward.values().sum::<u64>(), 2, "nothing else forward: {forward:?}");
+    let backward = backward.expect("a GPU counts its launches");
+    assert_eq!(count(&backward, "swiglu_backward"), Some(1), "{backward:?}");
+    assert_eq!(count(&backward, "f32_to_bf16_kernel"), None, "no conversion backward: {backward:?}");
+}
+
+/// The device's counters, when `device` is a GPU.
+fn device_counters(device: Device) -> Option<DeviceCounters> {
+    match device {
+        Device::Cuda(ordinal) => Some(tensor::cuda::device(ordinal).unwrap().counters()),
+        Device::Cpu => None,
+    }
+}
+
+/// Launches by kernel on `device` since `before` (`None` on the CPU).
+fn launches_since(device: Device, before: &Option<DeviceCounters>) -> Option<BTreeMap<&'static str, u64>> {
+    Some(device_counters(device)?.since(before.as_ref()?).launches_by_kernel)
 }
 
 /// Under bf16 products a weight is converted once however many products read it, and an

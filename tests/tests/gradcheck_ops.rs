@@ -8,7 +8,7 @@
 
 use autograd::{is_grad_enabled, no_grad, Var};
 use proptest::prelude::*;
-use tensor::Tensor;
+use tensor::{Rng, Tensor};
 use transponder_tests::*;
 
 /// Cases per property: enough to hit size-1 dims, rank 0 and strided views, small enough
@@ -87,6 +87,36 @@ proptest! {
     fn swiglu_saturated((g, u) in same_shape_inputs(Domain::AwayFromZero(8.0, 20.0), Domain::Uniform(-2.0, 2.0))) {
         // silu(g) → g or 0: the recomputed σ(g) must give slopes near 1 or 0, not NaN.
         binary_check(Var::swiglu, g, u);
+    }
+
+    #[test]
+    fn swiglu_halves(seed in any::<u64>(), lead in 1usize..3, rows in 1usize..4, half in 1usize..10) {
+        // [lead, rows, 2·half]: the gate's half and up's half of one product per row.
+        let x = Tensor::rand_uniform(&[lead, rows, 2 * half], -4.0, 4.0, &mut Rng::new(seed));
+        assert_gradcheck(|v| v[0].swiglu_halves(), std::slice::from_ref(&x));
+        let x = Var::parameter(x);
+        let (fused, reference) = (x.swiglu_halves().unwrap(), x.swiglu_halves_reference().unwrap());
+        for (a, b) in fused.value().to_vec().iter().zip(reference.value().to_vec()) {
+            prop_assert!((a - b).abs() <= 1e-6 * (1.0 + b.abs()), "{} vs {}", a, b);
+        }
+    }
+
+    #[test]
+    fn packed_linear(
+        seed in any::<u64>(),
+        rows in 1usize..5,
+        d_in in 1usize..6,
+        outs in proptest::collection::vec(1usize..5, 1..4),
+    ) {
+        // x: [2, rows, in] and one weight [out_i, in] per projection.
+        let mut rng = Rng::new(seed);
+        let mut values = vec![Tensor::rand_uniform(&[2, rows, d_in], -1.0, 1.0, &mut rng)];
+        values.extend(outs.iter().map(|&out| Tensor::rand_uniform(&[out, d_in], -1.0, 1.0, &mut rng)));
+        assert_gradcheck(|v| v[0].packed_linear(&v[1..].iter().collect::<Vec<_>>()), &values);
+        let vars: Vec<Var> = values.into_iter().map(Var::parameter).collect();
+        let weights: Vec<&Var> = vars[1..].iter().collect();
+        let fused = vars[0].packed_linear(&weights).unwrap().value().to_vec();
+        prop_assert_eq!(fused, vars[0].packed_linear_reference(&weights).unwrap().value().to_vec());
     }
 
     #[test]

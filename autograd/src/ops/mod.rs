@@ -11,6 +11,7 @@ mod fused_gate;
 mod linear_cross_entropy;
 mod matmul;
 mod norm;
+mod packed_linear;
 mod pool;
 mod reduce;
 mod rope;

@@ -37,14 +37,34 @@ pub fn swiglu_forward(gate: &[f32], up: &[f32], out: &mut [f32]) {
     assert!(gate.len() == n && up.len() == n, "swiglu_forward: gate, up and out differ in length");
     parallel::for_each_chunk_mut(out, WORK_PER_ELEMENT, |start, out| {
         let end = start + out.len();
-        let (gate, up) = (&gate[start..end], &up[start..end]);
-        #[cfg(target_arch = "x86_64")]
-        if super::avx512_available() {
-            // SAFETY: the CPU has AVX-512F; the three chunks have the same length.
-            return unsafe { avx512::forward(gate, up, out) };
-        }
-        forward_portable(gate, up, out);
+        forward_chunk(&gate[start..end], &up[start..end], out);
     });
+}
+
+/// SwiGLU of the two halves of each row of `gate_up: [rows, 2·cols]` (gate in the first `cols`
+/// columns, up in the rest: one product of the packed gate and up weights) into
+/// `out: [rows, cols]`.
+pub fn swiglu_halves_forward(gate_up: &[f32], cols: usize, out: &mut [f32]) {
+    assert!(
+        cols > 0 && out.len().is_multiple_of(cols) && gate_up.len() == 2 * out.len(),
+        "swiglu_halves_forward: gate_up must be [rows, 2·{cols}] for out [rows, {cols}]"
+    );
+    parallel::for_each_row_block_mut(out, cols, cols * WORK_PER_ELEMENT, |first_row, block| {
+        for (r, out) in block.chunks_mut(cols).enumerate() {
+            let (gate, up) = gate_up[(first_row + r) * 2 * cols..][..2 * cols].split_at(cols);
+            forward_chunk(gate, up, out);
+        }
+    });
+}
+
+/// The forward on one chunk, on sixteen lanes where the CPU has them.
+fn forward_chunk(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::avx512_available() {
+        // SAFETY: the CPU has AVX-512F; the three chunks have the same length.
+        return unsafe { avx512::forward(gate, up, out) };
+    }
+    forward_portable(gate, up, out);
 }
 
 /// The forward on one chunk with 8-lane vectors, for CPUs without AVX-512.
@@ -68,14 +88,38 @@ pub fn swiglu_backward(gate: &[f32], up: &[f32], dout: &[f32], dgate: &mut [f32]
     );
     parallel::for_each_chunk2_mut(dgate, dup, WORK_PER_ELEMENT, |start, dgate, dup| {
         let end = start + dgate.len();
-        let (gate, up, dout) = (&gate[start..end], &up[start..end], &dout[start..end]);
-        #[cfg(target_arch = "x86_64")]
-        if super::avx512_available() {
-            // SAFETY: the CPU has AVX-512F; the five chunks have the same length.
-            return unsafe { avx512::backward(gate, up, dout, dgate, dup) };
-        }
-        backward_portable(gate, up, dout, dgate, dup);
+        backward_chunk(&gate[start..end], &up[start..end], &dout[start..end], dgate, dup);
     });
+}
+
+/// The backward of [`swiglu_halves_forward`]: `d_gate_up: [rows, 2·cols]` (the gate's
+/// gradient in the first `cols` columns of each row, up's in the rest) for `dout: [rows, cols]`.
+pub fn swiglu_halves_backward(gate_up: &[f32], dout: &[f32], cols: usize, d_gate_up: &mut [f32]) {
+    assert!(
+        cols > 0
+            && dout.len().is_multiple_of(cols)
+            && gate_up.len() == 2 * dout.len()
+            && d_gate_up.len() == gate_up.len(),
+        "swiglu_halves_backward: gate_up and d_gate_up must be [rows, 2·{cols}] for dout [rows, {cols}]"
+    );
+    parallel::for_each_row_block_mut(d_gate_up, 2 * cols, 2 * cols * WORK_PER_ELEMENT, |first_row, block| {
+        for (r, d_row) in block.chunks_mut(2 * cols).enumerate() {
+            let row = first_row + r;
+            let (gate, up) = gate_up[row * 2 * cols..][..2 * cols].split_at(cols);
+            let (dgate, dup) = d_row.split_at_mut(cols);
+            backward_chunk(gate, up, &dout[row * cols..][..cols], dgate, dup);
+        }
+    });
+}
+
+/// The backward on one chunk, on sixteen lanes where the CPU has them.
+fn backward_chunk(gate: &[f32], up: &[f32], dout: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::avx512_available() {
+        // SAFETY: the CPU has AVX-512F; the five chunks have the same length.
+        return unsafe { avx512::backward(gate, up, dout, dgate, dup) };
+    }
+    backward_portable(gate, up, dout, dgate, dup);
 }
 
 /// The backward on one chunk with 8-lane vectors, for CPUs without AVX-512.

@@ -307,6 +307,27 @@ pub(crate) fn to_bf16_packed(dev: &CudaDevice, parts: &[PackedPart], dst: &mut D
     dev.launch(FAMILY, "f32_to_bf16_packed", cfg, &args)
 }
 
+/// The f32 buffers `parts` rounded to bf16, back to back in one new buffer, in one launch
+/// (several weights read by one GEMM as one operand; at most [`LIST_LEN`]).
+pub fn pack_bf16(dev: &CudaDevice, parts: &[&DeviceBuffer<f32>]) -> Result<DeviceBuffer<bf16>> {
+    const OP: &str = "pack_bf16";
+    for part in parts {
+        dev.check_owner(OP, part)?;
+    }
+    let mut at = 0;
+    let ranges: Vec<PackedPart> = parts
+        .iter()
+        .map(|part| {
+            let range = PackedPart { src: part.device_ptr(), len: part.len(), at };
+            at += part.len();
+            range
+        })
+        .collect();
+    let mut packed = dev.alloc::<bf16>(at)?;
+    to_bf16_packed(dev, &ranges, &mut packed)?;
+    Ok(packed)
+}
+
 /// `dst = s[0]·src` for each `(src, dst)` pair of equal lengths (at most [`LIST_LEN`]), in one
 /// launch: `s` is one element on the device, the upstream gradient of a loss, which the host
 /// does not wait for (the LM head's saved gradients times it: `Tensor::linear_cross_entropy`).

@@ -3,7 +3,8 @@
 //!
 //! Mirrors `cpu::swiglu` with slices replaced by device buffers: the forward reads `g` and
 //! `u` once, the backward recomputes σ(g) from `g` and writes (`dg = ...`,
-//! `du = ...`). All buffers hold the same number of elements (any shape, flattened). Each
+//! `du = ...`). All buffers hold the same number of elements (any shape, flattened), or, for
+//! the `halves` forms, the gate and up values are the two halves of each row of one product. Each
 //! output may also be written as a bf16 twin (rounded to nearest even) for the bf16
 //! products that read it, instead of a conversion launch.
 
@@ -13,7 +14,7 @@ use half::bf16;
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, Result};
-use super::launch::{check_owners, elementwise, opt_ptr, ptr, size};
+use super::launch::{check_owners, elementwise, opt_ptr, ptr, ptr_at, size};
 use super::module::KernelFamily;
 
 const FAMILY: KernelFamily = KernelFamily::Swiglu;
@@ -48,8 +49,42 @@ pub fn swiglu_forward(
         format!("gate ({}), up ({}) and out ({n}) differ in length", gate.len(), up.len())
     })?;
     check_twin(dev, OP, &out_bf16, n)?;
-    let args = [ptr(gate), ptr(up), ptr(out), opt_ptr(out_bf16.as_deref()), size(n)];
+    let args = [ptr(gate), ptr(up), ptr(out), opt_ptr(out_bf16.as_deref()), size(n), size(n), size(n)];
     dev.launch(FAMILY, "swiglu_forward", grid(n), &args)
+}
+
+/// SwiGLU of the two halves of one product `gate_up: [rows, 2·cols]` (gate in columns
+/// `[0, cols)`, up in `[cols, 2·cols)`, the FFN's one GEMM over its packed gate and up
+/// weights): `out[r, c] = silu(gate_up[r, c]) · gate_up[r, cols + c]`, `out: [rows, cols]`.
+pub fn swiglu_halves_forward(
+    dev: &CudaDevice,
+    gate_up: &DeviceBuffer<f32>,
+    cols: usize,
+    out: &mut DeviceBuffer<f32>,
+    out_bf16: Option<&mut DeviceBuffer<bf16>>,
+) -> Result<()> {
+    const OP: &str = "swiglu_halves_forward";
+    check_owners(dev, OP, &[gate_up, out])?;
+    let n = out.len();
+    check_halves(OP, gate_up.len(), cols, n)?;
+    check_twin(dev, OP, &out_bf16, n)?;
+    let args = [
+        ptr(gate_up),
+        ptr_at(gate_up, cols),
+        ptr(out),
+        opt_ptr(out_bf16.as_deref()),
+        size(n),
+        size(cols),
+        size(2 * cols),
+    ];
+    dev.launch(FAMILY, "swiglu_forward", grid(n), &args)
+}
+
+/// Errors unless `gate_up` (`len` elements) holds the two `[rows, cols]` halves of an output of `n`.
+fn check_halves(op: &'static str, len: usize, cols: usize, n: usize) -> Result<()> {
+    ensure(cols > 0 && n.is_multiple_of(cols) && len == 2 * n, op, || {
+        format!("gate_up ({len}) must be [rows, 2·{cols}] for an output of {n} = rows·{cols}")
+    })
 }
 
 /// `dgate = dout · up · silu'(gate)` and `dup = dout · silu(gate)`, recomputing σ(gate); each
@@ -78,6 +113,40 @@ pub fn swiglu_backward(
     check_twin(dev, OP, &twins.0, n)?;
     check_twin(dev, OP, &twins.1, n)?;
     let (dgate_bf16, dup_bf16) = (opt_ptr(twins.0.as_deref()), opt_ptr(twins.1.as_deref()));
-    let args = [ptr(gate), ptr(up), ptr(dout), ptr(dgate), ptr(dup), dgate_bf16, dup_bf16, size(n)];
+    let args = [ptr(gate), ptr(up), ptr(dout), ptr(dgate), ptr(dup), dgate_bf16, dup_bf16, size(n), size(n), size(n)];
+    dev.launch(FAMILY, "swiglu_backward", grid(n), &args)
+}
+
+/// The backward of [`swiglu_halves_forward`]: `d_gate_up: [rows, 2·cols]` (the gate's
+/// gradient in the first `cols` columns of each row, up's in the rest) for `dout: [rows, cols]`,
+/// recomputing σ(gate); also rounded to bf16 into `d_gate_up_bf16` when given.
+pub fn swiglu_halves_backward(
+    dev: &CudaDevice,
+    gate_up: &DeviceBuffer<f32>,
+    dout: &DeviceBuffer<f32>,
+    cols: usize,
+    d_gate_up: &mut DeviceBuffer<f32>,
+    d_gate_up_bf16: Option<&mut DeviceBuffer<bf16>>,
+) -> Result<()> {
+    const OP: &str = "swiglu_halves_backward";
+    check_owners(dev, OP, &[gate_up, dout, d_gate_up])?;
+    let n = dout.len();
+    check_halves(OP, gate_up.len(), cols, n)?;
+    check_halves(OP, d_gate_up.len(), cols, n)?;
+    check_twin(dev, OP, &d_gate_up_bf16, 2 * n)?;
+    let twin = d_gate_up_bf16.as_deref();
+    let (dgate_bf16, dup_bf16) = (opt_ptr(twin), twin.map_or(opt_ptr::<bf16>(None), |t| ptr_at(t, cols)));
+    let args = [
+        ptr(gate_up),
+        ptr_at(gate_up, cols),
+        ptr(dout),
+        ptr(d_gate_up),
+        ptr_at(d_gate_up, cols),
+        dgate_bf16,
+        dup_bf16,
+        size(n),
+        size(cols),
+        size(2 * cols),
+    ];
     dev.launch(FAMILY, "swiglu_backward", grid(n), &args)
 }

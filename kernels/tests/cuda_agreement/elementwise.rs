@@ -193,6 +193,45 @@ fn swiglu_forward_and_backward_agree() {
     assert!(matches!(wrong_twin, Err(CudaError::Shape { .. })));
 }
 
+/// SwiGLU of the two halves of each row of one `[rows, 2·cols]` product, forward and
+/// backward (with bf16 twins), against the CPU's: a width of whole 16-byte groups and one of
+/// none (the one-element path), beside the plain kernels on the same values.
+#[test]
+fn swiglu_halves_agree() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(19);
+    for (rows, cols) in [(37, 12), (29, 7)] {
+        let n = rows * cols;
+        let (gate_up, dout) = (rng.vec(2 * n, -12.0, 12.0), rng.vec(n, -2.0, 2.0));
+        let (mut y, mut d_gate_up) = (vec![0.0; n], stale(2 * n));
+        cpu::swiglu::swiglu_halves_forward(&gate_up, cols, &mut y);
+        cpu::swiglu::swiglu_halves_backward(&gate_up, &dout, cols, &mut d_gate_up);
+        let (g_gate_up, g_dout) = (up(dev, &gate_up), up(dev, &dout));
+        let (mut gy, mut g_d) = (dev.alloc(n).unwrap(), up(dev, &stale(2 * n)));
+        let (mut y16, mut d16) = (dev.alloc::<bf16>(n).unwrap(), dev.alloc::<bf16>(2 * n).unwrap());
+        cuda::swiglu::swiglu_halves_forward(dev, &g_gate_up, cols, &mut gy, Some(&mut y16)).unwrap();
+        cuda::swiglu::swiglu_halves_backward(dev, &g_gate_up, &g_dout, cols, &mut g_d, Some(&mut d16)).unwrap();
+        let what = format!("swiglu halves {rows}×{cols}");
+        assert_elementwise(&format!("{what} forward"), &down(dev, &gy), &y);
+        assert_elementwise(&format!("{what} backward"), &down(dev, &g_d), &d_gate_up);
+        for (values, copy) in [(&gy, &y16), (&g_d, &d16)] {
+            let rounded: Vec<bf16> = down(dev, values).iter().map(|&v| bf16::from_f32(v)).collect();
+            assert_eq!(dev.download(copy).unwrap(), rounded, "{what}: the twin is the output rounded");
+        }
+        // The halves as separate tensors through the plain kernels: the same values.
+        let halves: Vec<(Vec<f32>, Vec<f32>)> =
+            gate_up.chunks(2 * cols).map(|row| (row[..cols].to_vec(), row[cols..].to_vec())).collect();
+        let gate: Vec<f32> = halves.iter().flat_map(|(g, _)| g.clone()).collect();
+        let upv: Vec<f32> = halves.iter().flat_map(|(_, u)| u.clone()).collect();
+        let mut plain = dev.alloc(n).unwrap();
+        cuda::swiglu::swiglu_forward(dev, &up(dev, &gate), &up(dev, &upv), &mut plain, None).unwrap();
+        assert_eq!(down(dev, &plain), down(dev, &gy), "{what}: the plain kernel on the halves");
+    }
+    let mut odd = dev.alloc(5).unwrap();
+    let refused = cuda::swiglu::swiglu_halves_forward(dev, &up(dev, &[0.0; 12]), 3, &mut odd, None);
+    assert!(matches!(refused, Err(CudaError::Shape { .. })), "{refused:?}");
+}
+
 /// Several buffers times one scalar read on the device, in one launch: each output is its
 /// input times the scalar, exactly as the CPU multiplies.
 #[test]

@@ -291,6 +291,12 @@ impl CudaStorage {
         }
     }
 
+    /// Whether the storage keeps a bf16 copy of its own (made by [`CudaStorage::bf16_copy`] or
+    /// written beside the values), which a bf16 product can read for any view of it.
+    pub fn has_own_bf16_copy(&self) -> bool {
+        matches!(&*self.lock_bf16_copy(), Some(Bf16Copy::Own(_)))
+    }
+
     /// The whole buffer converted to `dtype` on the device (f32 ↔ bf16, rounding to nearest
     /// even; a copy when the type is unchanged). F16 is not a device type.
     pub fn converted(&self, dtype: DType) -> Result<CudaStorage> {

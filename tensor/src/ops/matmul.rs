@@ -303,11 +303,13 @@ pub(crate) mod cuda {
 
     /// The same view over the bf16 copy of the storage (made once per storage and shared:
     /// `CudaStorage::bf16_copy`). The whole buffer is converted when it holds no more
-    /// elements than the view (the usual case: a weight or its transpose, an activation);
-    /// otherwise only the view's elements, made dense first.
+    /// elements than the view (the usual case: a weight or its transpose, an activation); a
+    /// view of a larger buffer reads the buffer's own copy when it has one (a block of columns
+    /// of a gradient written with its bf16 twin), and otherwise only the view's elements are
+    /// converted, made dense first.
     fn to_bf16(t: &Tensor) -> Result<Tensor> {
         let storage = t.cuda_storage().ok_or(Error::UnsupportedDevice { op: "matmul", device: t.device })?;
-        if storage.len() > t.numel() {
+        if storage.len() > t.numel() && !storage.has_own_bf16_copy() {
             return to_bf16(&t.dense()?);
         }
         Ok(Tensor { storage: storage.bf16_copy()?, ..t.clone() })

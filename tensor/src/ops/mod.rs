@@ -16,6 +16,7 @@ mod fused_gate;
 mod linear_cross_entropy;
 pub(crate) mod matmul;
 mod norm;
+mod packed_linear;
 mod pool;
 pub(crate) mod reduce;
 mod rope;

@@ -1,8 +1,9 @@
 //! SwiGLU gating `silu(gate) ⊙ up` in one pass (PyTorch `F.silu(gate) * up`), and its
-//! backward. The formulas, the kernel and its backward live in `kernels::cpu::swiglu`
-//! (`kernels::cuda::swiglu` on the GPU).
+//! backward, of two tensors or of the two halves of one (the gate and up projections as one
+//! product, [`Tensor::packed_linear`]). The formulas, the kernel and its backward live in
+//! `kernels::cpu::swiglu` (`kernels::cuda::swiglu` on the GPU).
 
-use kernels::cpu::swiglu::{swiglu_backward, swiglu_forward};
+use kernels::cpu::swiglu::{swiglu_backward, swiglu_forward, swiglu_halves_backward, swiglu_halves_forward};
 
 use crate::{Error, Result, Tensor};
 
@@ -46,9 +47,66 @@ impl Tensor {
     }
 }
 
+/// `cols`, the width of each half of `gate_up: [..., 2·cols]`, checked.
+fn half_width(op: &'static str, gate_up: &Tensor) -> Result<usize> {
+    match gate_up.shape.last() {
+        Some(&width) if width > 0 && width.is_multiple_of(2) => Ok(width / 2),
+        _ => Err(Error::InvalidShape {
+            op,
+            shape: gate_up.shape.clone(),
+            reason: "the last dimension must hold two halves (gate, up) of equal width".into(),
+        }),
+    }
+}
+
+impl Tensor {
+    /// SwiGLU of the two halves of the last dimension: `self: [..., 2F]`, the gate in the
+    /// first `F` columns and up in the last `F` (the gate and up projections as one product,
+    /// [`Tensor::packed_linear`]) → `[..., F]`, `silu(gate) ⊙ up`.
+    pub fn swiglu_halves(&self) -> Result<Tensor> {
+        let cols = half_width("swiglu_halves", self)?;
+        let mut out_shape = self.shape.clone();
+        if let Some(last) = out_shape.last_mut() {
+            *last = cols;
+        }
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            return cuda::swiglu_halves(self, cols, &out_shape);
+        }
+        let gate_up = self.contiguous()?;
+        let mut y = crate::pool::buffer(gate_up.numel() / 2);
+        swiglu_halves_forward(gate_up.as_slice()?, cols, &mut y);
+        Tensor::from_vec(y, &out_shape)
+    }
+
+    /// The backward of [`Tensor::swiglu_halves`]: the gradient of `gate_up: [..., 2F]` (the
+    /// gate's in the first `F` columns, up's in the rest) for the output gradient `dy: [..., F]`.
+    pub fn swiglu_halves_backward(gate_up: &Tensor, dy: &Tensor) -> Result<Tensor> {
+        const OP: &str = "swiglu_halves_backward";
+        gate_up.same_device(OP, dy)?;
+        let cols = half_width(OP, gate_up)?;
+        let mut dy_shape = gate_up.shape.clone();
+        if let Some(last) = dy_shape.last_mut() {
+            *last = cols;
+        }
+        if dy.shape != dy_shape {
+            return Err(Error::ShapeMismatch { op: OP, lhs: dy_shape, rhs: dy.shape.clone() });
+        }
+        #[cfg(feature = "cuda")]
+        if gate_up.cuda_storage().is_some() {
+            return cuda::swiglu_halves_backward(gate_up, dy, cols);
+        }
+        let (gate_up, dy) = (gate_up.contiguous()?, dy.contiguous()?);
+        let mut d_gate_up = crate::pool::buffer(gate_up.numel());
+        swiglu_halves_backward(gate_up.as_slice()?, dy.as_slice()?, cols, &mut d_gate_up);
+        Tensor::from_vec(d_gate_up, &gate_up.shape)
+    }
+}
+
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda {
-    //! The CUDA branch of `ops/swiglu.rs`: SwiGLU gating `silu(g) ⊙ u` and its backward.
+    //! The CUDA branch of `ops/swiglu.rs`: SwiGLU gating `silu(g) ⊙ u` and its backward, of
+    //! two tensors or of the halves of one.
 
     use kernels::cuda::swiglu as launch;
 
@@ -78,5 +136,27 @@ pub(crate) mod cuda {
         let (gate_values, up_values, dy) = (gate.cuda_f32(OP)?, up.cuda_f32(OP)?, dy.cuda_f32(OP)?);
         launch::swiglu_backward(&dev, gate_values, up_values, dy, dg, du, (dg_bf16, du_bf16))?;
         Ok((Tensor::from_cuda(dgate, gate.shape())?, Tensor::from_cuda(dup, up.shape())?))
+    }
+
+    /// SwiGLU of the halves of `gate_up: [..., 2·cols]` into `[..., cols]` (`out_shape`).
+    pub(crate) fn swiglu_halves(gate_up: &Tensor, cols: usize, out_shape: &[usize]) -> Result<Tensor> {
+        const OP: &str = "swiglu_halves";
+        let dev = gate_up.cuda_device(OP)?;
+        let gate_up = gate_up.dense()?;
+        // The result feeds the FFN's down projection: with bf16 products, written in bf16 too.
+        product_input_output(&dev, OP, out_shape, |y, y_bf16| {
+            Ok(launch::swiglu_halves_forward(&dev, gate_up.cuda_f32(OP)?, cols, y, y_bf16)?)
+        })
+    }
+
+    /// The gradient of `gate_up: [..., 2·cols]` for the output gradient `dy: [..., cols]`.
+    pub(crate) fn swiglu_halves_backward(gate_up: &Tensor, dy: &Tensor, cols: usize) -> Result<Tensor> {
+        const OP: &str = "swiglu_halves_backward";
+        let dev = gate_up.cuda_device(OP)?;
+        let (gate_up, dy) = (gate_up.dense()?, dy.dense()?);
+        // It feeds the gate and up projections' backward products: in bf16 too under bf16.
+        product_input_output(&dev, OP, gate_up.shape(), |d, d_bf16| {
+            Ok(launch::swiglu_halves_backward(&dev, gate_up.cuda_f32(OP)?, dy.cuda_f32(OP)?, cols, d, d_bf16)?)
+        })
     }
 }

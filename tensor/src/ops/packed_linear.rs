@@ -1,0 +1,211 @@
+//! Several bias-free linear projections of one input as one product, forward and backward:
+//! `y = x·[W_1; …; W_k]ᵀ`, `[..., Σ out_i]`, projection i's outputs in its own block of
+//! columns (LLaMA's gate and up projections, whose SwiGLU reads the two halves of each row).
+//! No autograd here: `autograd`'s `Var::packed_linear` wires these two functions into the graph.
+//!
+//! The point is the GPU under bf16 products: the GEMM reads the weights' shared packed bf16
+//! copy (`CudaStorage::share_packed_bf16_copy`, which AdamW rewrites in place), so the forward
+//! is one GEMM where the projections took k, and so is the input gradient
+//! `dx = dy·[W_1; …; W_k]`; each weight gradient `dW_i = dy_iᵀ·x` reads its block of `dy`'s
+//! columns in place. Otherwise (the CPU, f32 products) the same values come from the plain
+//! ops: each projection, the blocks joined, and the input gradient summed projection by
+//! projection.
+
+use crate::{Error, Result, Tensor};
+
+const OP: &str = "packed_linear";
+
+/// `(rows, in)` of `x: [..., in]` and the `out_i` of each `weights[i]: [out_i, in]`, checked.
+fn dims(x: &Tensor, weights: &[&Tensor]) -> Result<(usize, usize, Vec<usize>)> {
+    let d_in = x.shape().last().copied().unwrap_or(0);
+    if weights.is_empty() || d_in == 0 {
+        return Err(Error::InvalidShape {
+            op: OP,
+            shape: x.shape().to_vec(),
+            reason: "needs at least one weight and an input width above 0".into(),
+        });
+    }
+    let mut outs = Vec::with_capacity(weights.len());
+    for w in weights {
+        x.same_device(OP, w)?;
+        match w.shape() {
+            &[out, i] if i == d_in && out > 0 => outs.push(out),
+            _ => return Err(Error::ShapeMismatch { op: OP, lhs: x.shape().to_vec(), rhs: w.shape().to_vec() }),
+        }
+    }
+    Ok((x.numel() / d_in, d_in, outs))
+}
+
+/// `x`'s shape with its last dimension `last`.
+fn with_last(x: &Tensor, last: usize) -> Vec<usize> {
+    let mut shape = x.shape().to_vec();
+    if let Some(l) = shape.last_mut() {
+        *l = last;
+    }
+    shape
+}
+
+impl Tensor {
+    /// `self: [..., in]` projected by each of `weights` (`[out_i, in]`), the results side by
+    /// side: `[..., Σ out_i]`, the same values as `cat([self·W_iᵀ], -1)`.
+    pub fn packed_linear(&self, weights: &[&Tensor]) -> Result<Tensor> {
+        let (rows, d_in, outs) = dims(self, weights)?;
+        let total: usize = outs.iter().sum();
+        #[cfg(feature = "cuda")]
+        if cuda::uses_packed_product(self) {
+            let x = self.contiguous()?.reshape(&[rows, d_in])?;
+            return cuda::forward(&x, weights, total)?.reshape(&with_last(self, total));
+        }
+        let x = self.reshape(&[rows, d_in])?;
+        let parts: Vec<Tensor> = weights.iter().map(|w| x.matmul(&w.transpose(0, 1)?)).collect::<Result<_>>()?;
+        Tensor::cat(&parts.iter().collect::<Vec<_>>(), 1)?.reshape(&with_last(self, total))
+    }
+
+    /// The backward of [`Tensor::packed_linear`] of `x` for the output gradient `dy`:
+    /// `[dx, dW_1, …, dW_k]`. With `dx_so_far` (the gradient `x` has from the other ops that
+    /// read it), the first entry is that plus this product's `dx`, added by the GEMMs
+    /// themselves (β = 1) when it is the only owner of its buffer.
+    pub fn packed_linear_backward(
+        x: &Tensor,
+        weights: &[&Tensor],
+        dy: &Tensor,
+        dx_so_far: Option<Tensor>,
+    ) -> Result<Vec<Tensor>> {
+        let (rows, d_in, outs) = dims(x, weights)?;
+        let total: usize = outs.iter().sum();
+        if dy.shape() != with_last(x, total) {
+            return Err(Error::ShapeMismatch { op: OP, lhs: with_last(x, total), rhs: dy.shape().to_vec() });
+        }
+        let x_rows = x.reshape(&[rows, d_in])?;
+        let dy_rows = dy.contiguous()?.reshape(&[rows, total])?;
+        let so_far = dx_so_far.map(|so_far| so_far.reshape(&[rows, d_in])).transpose()?;
+        let mut blocks = Vec::with_capacity(outs.len());
+        let mut at = 0;
+        for &out in &outs {
+            blocks.push(dy_rows.narrow(1, at, out)?);
+            at += out;
+        }
+        #[cfg(feature = "cuda")]
+        let dx = if cuda::uses_packed_product(x) {
+            // dx = dy·[W_1; …; W_k]: one GEMM over the packed weight.
+            cuda::input_grad(&dy_rows, weights, so_far)?
+        } else {
+            summed_input_grad(&blocks, weights, so_far)?
+        };
+        #[cfg(not(feature = "cuda"))]
+        let dx = summed_input_grad(&blocks, weights, so_far)?;
+        let mut grads = vec![dx.reshape(x.shape())?];
+        for block in &blocks {
+            // dW_i = dy_iᵀ·x, in W's own layout; dy_i is read in place.
+            grads.push(block.transpose(0, 1)?.matmul(&x_rows)?);
+        }
+        Ok(grads)
+    }
+}
+
+/// `dx = so_far + Σ_i dy_i·W_i`, projection by projection (each added by its GEMM when it can).
+fn summed_input_grad(blocks: &[Tensor], weights: &[&Tensor], so_far: Option<Tensor>) -> Result<Tensor> {
+    let mut dx = so_far;
+    for (block, w) in blocks.iter().zip(weights) {
+        dx = Some(match dx {
+            Some(sum) => sum.add_matmul(block, w)?,
+            None => block.matmul(w)?,
+        });
+    }
+    Ok(dx.expect("at least one weight (checked by dims)"))
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda {
+    //! The CUDA branch of `ops/packed_linear.rs` under bf16 products: one GEMM over the
+    //! weights' packed bf16 copy for the output and one for the input gradient.
+
+    use std::sync::Arc;
+
+    use half::bf16;
+    use kernels::cpu::matmul::{GemmDims, Store};
+    use kernels::cuda::blas::{matmul_bf16, DeviceMat};
+    use kernels::cuda::elementwise::pack_bf16;
+    use kernels::cuda::{CudaDevice, DeviceBuffer};
+
+    use crate::cuda::{matmul_precision, output, CudaStorage, MatmulPrecision};
+    use crate::{DType, Error, Result, Tensor};
+
+    const OP: &str = "packed_linear";
+
+    /// Whether `x`'s products take the packed path: a GPU tensor under bf16 products.
+    pub(crate) fn uses_packed_product(x: &Tensor) -> bool {
+        x.cuda_storage().is_some() && matmul_precision() == MatmulPrecision::Bf16
+    }
+
+    /// The packed bf16 `[W_1; …; W_k]` of `weights`: their shared bf16 copy when they have
+    /// one, else packed now (one launch) and made their shared copy, which AdamW rewrites in
+    /// place at each step (`CudaStorage::f32_buffer_mut_for_update`).
+    fn packed_weight(dev: &CudaDevice, weights: &[&Tensor]) -> Result<Arc<DeviceBuffer<bf16>>> {
+        let dense: Vec<Tensor> = weights.iter().map(|w| w.to_dtype(DType::F32)?.dense()).collect::<Result<_>>()?;
+        let members: Vec<&CudaStorage> = dense.iter().map(storage_of).collect::<Result<_>>()?;
+        if let Some(packed) = CudaStorage::shared_packed_bf16_copy(&members) {
+            return Ok(packed);
+        }
+        let buffers: Vec<_> = dense.iter().map(|w| w.cuda_f32(OP)).collect::<Result<_>>()?;
+        let packed = Arc::new(pack_bf16(dev, &buffers).map_err(|e| crate::cuda::cuda_error(OP, e))?);
+        CudaStorage::share_packed_bf16_copy(&members, &packed);
+        Ok(packed)
+    }
+
+    /// The device storage of a GPU tensor.
+    fn storage_of(t: &Tensor) -> Result<&CudaStorage> {
+        t.cuda_storage().ok_or(Error::UnsupportedDevice { op: OP, device: t.device })
+    }
+
+    /// The bf16 buffer of `t` as a dense bf16 tensor (its storage's copy when it keeps one).
+    fn bf16_of(t: &Tensor) -> Result<Tensor> {
+        t.to_dtype(DType::BF16)?.dense()
+    }
+
+    /// `x·[W_1; …; W_k]ᵀ` for `x: [rows, in]` (contiguous): `[rows, total]`.
+    pub(crate) fn forward(x: &Tensor, weights: &[&Tensor], total: usize) -> Result<Tensor> {
+        let dev = x.cuda_device(OP)?;
+        let (rows, d_in) = (x.shape()[0], x.shape()[1]);
+        let packed = packed_weight(&dev, weights)?;
+        let x_bf16 = bf16_of(x)?;
+        let x_buffer = storage_of(&x_bf16)?.bf16_buffer(OP)?;
+        output(&dev, OP, &[rows, total], |out| {
+            let lhs = DeviceMat { buffer: x_buffer, offset: 0, row_stride: d_in, col_stride: 1 };
+            // [W_1; …; W_k]ᵀ: element (i, j) is packed[j·in + i].
+            let rhs = DeviceMat { buffer: &*packed, offset: 0, row_stride: 1, col_stride: d_in };
+            let dims = GemmDims { m: rows, n: total, k: d_in };
+            matmul_bf16(&dev, out, 0, lhs, rhs, dims, Store::Overwrite).map_err(|e| crate::cuda::cuda_error(OP, e))
+        })
+    }
+
+    /// `so_far + dy·[W_1; …; W_k]` for `dy: [rows, total]` (contiguous): `[rows, in]`, added
+    /// onto `so_far`'s buffer by the GEMM (β = 1) when this is its only owner.
+    pub(crate) fn input_grad(dy: &Tensor, weights: &[&Tensor], so_far: Option<Tensor>) -> Result<Tensor> {
+        let dev = dy.cuda_device(OP)?;
+        let (rows, total) = (dy.shape()[0], dy.shape()[1]);
+        let d_in = weights[0].shape()[1];
+        let packed = packed_weight(&dev, weights)?;
+        let dy_bf16 = bf16_of(dy)?;
+        let dy_buffer = storage_of(&dy_bf16)?.bf16_buffer(OP)?;
+        let lhs = DeviceMat { buffer: dy_buffer, offset: 0, row_stride: total, col_stride: 1 };
+        let rhs = DeviceMat { buffer: &*packed, offset: 0, row_stride: d_in, col_stride: 1 };
+        let dims = GemmDims { m: rows, n: d_in, k: total };
+        let product = |out: &mut DeviceBuffer<f32>, store| {
+            matmul_bf16(&dev, out, 0, lhs, rhs, dims, store).map_err(|e| crate::cuda::cuda_error(OP, e))
+        };
+        match so_far {
+            Some(mut sum) if sum.dtype() == DType::F32 && sum.shape() == [rows, d_in] => {
+                match sum.sole_dense_cuda_storage() {
+                    Some(storage) => {
+                        product(storage.f32_buffer_mut(OP)?, Store::Accumulate)?;
+                        Ok(sum)
+                    }
+                    None => sum.accumulate(output(&dev, OP, &[rows, d_in], |out| product(out, Store::Overwrite))?),
+                }
+            }
+            Some(sum) => sum.accumulate(output(&dev, OP, &[rows, d_in], |out| product(out, Store::Overwrite))?),
+            None => output(&dev, OP, &[rows, d_in], |out| product(out, Store::Overwrite)),
+        }
+    }
+}
