@@ -5,9 +5,10 @@
 //! ```
 //! PyTorch equivalent: Hugging Face `LlamaMLP` (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`).
 //! `SiLU(·) ⊙ (·)` is one fused op ([`Var::swiglu`]), which keeps only the two projections for
-//! its backward. When the gate and up projections carry no gates they run as one product of
-//! their packed weights ([`Var::packed_linear`], one GEMM forward and one for the input
-//! gradient on a GPU) and the SwiGLU reads its two halves ([`Var::swiglu_halves`]).
+//! its backward. On a GPU under bf16 products, when the gate and up projections carry no
+//! gates, they run as one product of their packed weights ([`Var::packed_linear`], one GEMM
+//! forward and one for the input gradient) and the SwiGLU reads its two halves
+//! ([`Var::swiglu_halves`]).
 //! Rows are flattened to `[N, C]` for the projections and restored at the end.
 
 use autograd::{Result, Var};
@@ -50,7 +51,8 @@ impl SwiGlu {
         let shape = x.shape();
         let d = self.gate_proj.in_features();
         let rows = x.reshape(&[x.value_ref().numel() / d.max(1), d])?;
-        let hidden = if is_plain(&self.gate_proj) && is_plain(&self.up_proj) {
+        let packs = rows.value_ref().packed_linear_is_one_product();
+        let hidden = if packs && is_plain(&self.gate_proj) && is_plain(&self.up_proj) {
             // One product of the packed gate and up weights, SwiGLU over its two halves.
             let weights = [&self.gate_proj.linear.weight, &self.up_proj.linear.weight];
             rows.packed_linear(&weights)?.swiglu_halves()?
@@ -67,7 +69,8 @@ impl SwiGlu {
 }
 
 /// Whether a projection is a plain linear map (no gate, no bias): the gate and up
-/// projections then run as one product ([`Var::packed_linear`]).
+/// projections then run as one product ([`Var::packed_linear`]) where that is one GEMM (a
+/// GPU under bf16 products; elsewhere the projections run one by one, which is faster).
 fn is_plain(projection: &ModulatedProjection) -> bool {
     projection.gates.is_empty() && projection.linear.bias.is_none()
 }

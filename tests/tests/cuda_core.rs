@@ -399,6 +399,50 @@ fn packed_gate_up_and_swiglu_halves_agree() {
     assert_eq!(count(&backward, "f32_to_bf16_kernel"), None, "no conversion backward: {backward:?}");
 }
 
+/// An ungated SwiGLU FFN under bf16 products: on the GPU its gate and up projections run as
+/// one packed product (one GEMM forward for the two), on the CPU one by one; the output and
+/// every gradient agree (a swapped gate and up would not).
+#[test]
+fn an_ungated_ffn_packs_its_gate_and_up_projections_on_the_gpu() {
+    use nn::ffn::SwiGlu;
+    use nn::init::WeightInit;
+    use nn::Module;
+    if no_gpu() {
+        return;
+    }
+    let _precision = Precision::set(MatmulPrecision::Bf16);
+    let run = |device: Device| {
+        let ffn = SwiGlu::new(16, 24, WeightInit::KaimingUniform, &mut Rng::new(70));
+        ffn.to_device(device).unwrap();
+        let x = Var::parameter(rand(&[2, 5, 16], -1.0, 1.0, 71).to_device(device).unwrap());
+        let before = device_counters(device);
+        let y = ffn.forward(&x).unwrap();
+        let launches = launches_since(device, &before);
+        y.mul(&Var::constant(rand(&[2, 5, 16], -1.0, 1.0, 72).to_device(device).unwrap()))
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let grads: Vec<Tensor> = ffn.named_parameters().iter().map(|p| p.var.grad().unwrap()).collect();
+        (y.value(), x.grad().unwrap(), grads, launches)
+    };
+    let (y_cpu, dx_cpu, grads_cpu, _) = run(Device::Cpu);
+    let (y_gpu, dx_gpu, grads_gpu, launches) = run(GPU);
+    let bf16_close = |got: &Tensor, want: &Tensor, what: &str| {
+        let scale = want.to_vec().iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert_close(got, want, BF16_REL, BF16_REL * scale, what);
+    };
+    bf16_close(&y_gpu, &y_cpu, "FFN forward");
+    bf16_close(&dx_gpu, &dx_cpu, "FFN dx");
+    for (i, (g, c)) in grads_gpu.iter().zip(&grads_cpu).enumerate() {
+        bf16_close(g, c, &format!("FFN parameter gradient {i}"));
+    }
+    let launches = launches.expect("a GPU counts its launches");
+    // The gate and up projections' GEMM and the down projection's: two, not three.
+    assert_eq!(launches.get("cublasGemmEx").copied(), Some(2), "{launches:?}");
+}
+
 /// The device's counters, when `device` is a GPU.
 fn device_counters(device: Device) -> Option<DeviceCounters> {
     match device {
