@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::step::StepOutcome;
+use super::step::{QueuedStep, StepOutcome};
 use super::TrainReport;
 use crate::config::TrainConfig;
 use crate::metrics::{MetricsWriter, StepMetrics};
@@ -66,9 +66,10 @@ impl StepLog {
         })
     }
 
-    /// Records step `done` (from 1): a printed line and a metrics row every `log_every`
-    /// steps, at the last step and whenever `val_loss` was measured.
-    pub fn record(&mut self, done: usize, lr: f32, outcome: StepOutcome, val_loss: Option<f32>) -> Result<()> {
+    /// Records `step` (counted from 1) and its `outcome`: a printed line and a metrics row
+    /// every `log_every` steps, at the last step and whenever `val_loss` was measured.
+    pub fn record(&mut self, step: &QueuedStep, outcome: StepOutcome, val_loss: Option<f32>) -> Result<()> {
+        let (done, lr) = (step.done, step.lr);
         let StepOutcome { loss, grad_norm } = outcome;
         self.first_loss.get_or_insert(loss);
         self.last_loss = loss;
@@ -88,7 +89,7 @@ impl StepLog {
             ..StepMetrics::default()
         };
         if on_schedule {
-            row.tokens_per_second = self.close_window(done);
+            row.tokens_per_second = self.close_window(done, step.queued_at);
         }
         let val = val_loss.map(|v| format!(" | val loss {v:.4} (ppl {:.2})", v.exp())).unwrap_or_default();
         let speed =
@@ -129,11 +130,12 @@ impl StepLog {
         }
     }
 
-    /// Tokens per second since the window opened; opens the next one at `done`.
-    fn close_window(&mut self, done: usize) -> f32 {
+    /// Tokens per second since the window opened until step `done` was queued (`queued_at`);
+    /// opens the next window there.
+    fn close_window(&mut self, done: usize, queued_at: Instant) -> f32 {
         let (opened, at) = self.window;
-        let elapsed = opened.elapsed().as_secs_f64();
-        self.window = (Instant::now(), done);
+        let elapsed = queued_at.saturating_duration_since(opened).as_secs_f64();
+        self.window = (queued_at, done);
         ((done - at) * self.tokens_per_step) as f32 / elapsed as f32
     }
 }

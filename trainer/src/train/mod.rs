@@ -189,7 +189,7 @@ fn run_and_log_steps(session: &mut Session, log: &mut StepLog) -> Result<()> {
         let step = session.queue_step(done, lr, queued.as_ref())?;
         if let Some(previous) = queued.take() {
             let outcome = session.settle(&previous)?;
-            log.record(previous.done, previous.lr, outcome, None)?;
+            log.record(&previous, outcome, None)?;
         }
         let is_last = done == config.steps;
         let evaluates =
@@ -201,7 +201,7 @@ fn run_and_log_steps(session: &mut Session, log: &mut StepLog) -> Result<()> {
         }
         let outcome = session.settle(&step)?;
         let val_loss = if evaluates { Some(session.validation_loss(done)?) } else { None };
-        log.record(done, lr, outcome, val_loss)?;
+        log.record(&step, outcome, val_loss)?;
         if saves {
             session.save_everywhere(done)?;
         }

@@ -11,6 +11,8 @@
 //! weights of the last good step. Data parallel decides on the host, after the all-reduce
 //! that brings the loss there anyway.
 
+use std::time::Instant;
+
 use anyhow::Result;
 use nn::optim::{clip_grad_norm, step_guard, Optimizer, StepGuard};
 use tensor::Tensor;
@@ -41,6 +43,9 @@ pub(crate) struct QueuedStep {
     pub done: usize,
     /// Its learning rate.
     pub lr: f32,
+    /// When its work was queued: the log's throughput windows end here, not when the outcome
+    /// is read (a step read late and the next, read at once to save, would share one instant).
+    pub queued_at: Instant,
     verdict: Verdict,
 }
 
@@ -76,7 +81,7 @@ impl Session<'_> {
             let clip = self.config.grad_clip;
             Verdict::Guarded(guarded_update(self.optimizer.as_mut(), &loss_sum, micro_batches, clip, lr, previous)?)
         };
-        Ok(QueuedStep { done, lr, verdict })
+        Ok(QueuedStep { done, lr, queued_at: Instant::now(), verdict })
     }
 
     /// The outcome of a queued step (on a GPU, a wait for its guard, not for the work queued
