@@ -1,7 +1,7 @@
 //! GPU timings of the fused gated projection (Transponder eq. 8-10) against the bare cuBLAS
 //! GEMM of the same shape (`x·[W; A_c; A_s]ᵀ`, the floor) and the unfused path (that GEMM
-//! into `ZU`, then the gate kernel), at the llama-60m / llama-130m projection shapes; then
-//! flash attention, forward and forward + backward (the time per layer of a training step),
+//! into `ZU`, then the gate kernel), at the llama-60m / llama-130m projection shapes; the FFN's
+//! gate and up projections as two GEMMs or one of the packed weights; then flash attention, forward and forward + backward (the time per layer of a training step),
 //! against the naive kernel that materialises the score matrix.
 //!
 //! Run: `cargo run --release -p kernels --features cuda --bin cuda-bench [-- --tokens N]`
@@ -24,6 +24,7 @@ use kernels::cuda::fused_gate::{
     fused_gate_forward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateParams, DeviceGateParams,
     FusedGateDims, Unary,
 };
+use kernels::cuda::swiglu::{swiglu_backward, swiglu_forward, swiglu_halves_backward, swiglu_halves_forward};
 use kernels::cuda::{CudaDevice, DeviceBuffer, Result};
 
 /// Timed repetitions per measurement; the best is reported.
@@ -177,6 +178,74 @@ fn bench_projection(dev: &CudaDevice, tokens: usize, d_in: usize, d_out: usize) 
     Ok(())
 }
 
+/// The FFN's gate and up projections (`d → hidden`) under bf16 products, as the engine ran them
+/// (two GEMMs, SwiGLU of two tensors) against one GEMM of the packed `[W_gate; W_up]` and SwiGLU
+/// of its halves (`Var::packed_linear`, `Var::swiglu_halves`): the forward, and the backward's
+/// SwiGLU with the input gradient's products (the weight gradients are two GEMMs either way).
+fn bench_gate_up(dev: &CudaDevice, tokens: usize, d: usize, hidden: usize) -> Result<()> {
+    let upload_bf16 = |len: usize, seed: u64, bound: f32| {
+        dev.upload(&values(len, seed, bound).into_iter().map(bf16::from_f32).collect::<Vec<_>>())
+    };
+    let x = upload_bf16(tokens * d, 20, 2.0)?;
+    // [W_gate; W_up] back to back: the separate weights are its two halves.
+    let packed = upload_bf16(2 * hidden * d, 21, 1.0 / (d as f32).sqrt())?;
+    let dh = dev.upload(&values(tokens * hidden, 22, 1.0))?;
+    let x_mat = DeviceMat { buffer: &x, offset: 0, row_stride: d, col_stride: 1 };
+    // Wᵀ of the rows from `first` ([d, rows]), and W itself ([rows, d]).
+    let weight_t = |first: usize| DeviceMat { buffer: &packed, offset: first * d, row_stride: 1, col_stride: d };
+    let weight = |first: usize| DeviceMat { buffer: &packed, offset: first * d, row_stride: d, col_stride: 1 };
+    let alloc = |len: usize| dev.alloc::<f32>(len);
+    let (mut g, mut u, mut gu) = (alloc(tokens * hidden)?, alloc(tokens * hidden)?, alloc(tokens * 2 * hidden)?);
+    let (mut h_two, mut h_one) = (alloc(tokens * hidden)?, alloc(tokens * hidden)?);
+    let (mut dg, mut du, mut dgu) = (alloc(tokens * hidden)?, alloc(tokens * hidden)?, alloc(tokens * 2 * hidden)?);
+    let (mut dg16, mut du16) = (dev.alloc::<bf16>(tokens * hidden)?, dev.alloc::<bf16>(tokens * hidden)?);
+    let mut dgu16 = dev.alloc::<bf16>(tokens * 2 * hidden)?;
+    let (mut dx_two, mut dx_one) = (alloc(tokens * d)?, alloc(tokens * d)?);
+    let projection = GemmDims { m: tokens, n: hidden, k: d };
+    let mut forward_two = || -> Result<()> {
+        matmul_bf16(dev, &mut g, 0, x_mat, weight_t(0), projection, Store::Overwrite)?;
+        matmul_bf16(dev, &mut u, 0, x_mat, weight_t(hidden), projection, Store::Overwrite)?;
+        swiglu_forward(dev, &g, &u, &mut h_two, None)
+    };
+    forward_two()?;
+    let forward_two_s = best_seconds(dev, &mut forward_two)?;
+    let mut forward_one = || -> Result<()> {
+        let both = GemmDims { m: tokens, n: 2 * hidden, k: d };
+        matmul_bf16(dev, &mut gu, 0, x_mat, weight_t(0), both, Store::Overwrite)?;
+        swiglu_halves_forward(dev, &gu, hidden, &mut h_one, None)
+    };
+    let forward_one_s = best_seconds(dev, &mut forward_one)?;
+    let what = format!("packed gate-up {d}→{hidden}");
+    let worst_h = check(&format!("{what} forward"), &dev.download(&h_one)?, &dev.download(&h_two)?, 1e-3);
+    let input_grad = GemmDims { m: tokens, n: d, k: hidden };
+    fn lhs(buffer: &DeviceBuffer<bf16>, row_stride: usize) -> DeviceMat<'_, bf16> {
+        DeviceMat { buffer, offset: 0, row_stride, col_stride: 1 }
+    }
+    let backward_two_s = best_seconds(dev, || {
+        swiglu_backward(dev, &g, &u, &dh, &mut dg, &mut du, (Some(&mut dg16), Some(&mut du16)))?;
+        matmul_bf16(dev, &mut dx_two, 0, lhs(&dg16, hidden), weight(0), input_grad, Store::Overwrite)?;
+        matmul_bf16(dev, &mut dx_two, 0, lhs(&du16, hidden), weight(hidden), input_grad, Store::Accumulate)
+    })?;
+    let backward_one_s = best_seconds(dev, || {
+        swiglu_halves_backward(dev, &gu, &dh, hidden, &mut dgu, Some(&mut dgu16))?;
+        let both = GemmDims { m: tokens, n: d, k: 2 * hidden };
+        matmul_bf16(dev, &mut dx_one, 0, lhs(&dgu16, 2 * hidden), weight(0), both, Store::Overwrite)
+    })?;
+    let worst_dx = check(&format!("{what} dx"), &dev.download(&dx_one)?, &dev.download(&dx_two)?, 1e-3);
+    println!(
+        "gate-up {d:>5}→{hidden:<5} {tokens:>7} tokens | forward: two GEMMs {:>7.3} ms, packed {:>7.3} ms ({:.2}×) \
+         | backward (SwiGLU + dx): two {:>7.3} ms, packed {:>7.3} ms ({:.2}×) | max rel diff {:.1e}",
+        forward_two_s * 1e3,
+        forward_one_s * 1e3,
+        forward_one_s / forward_two_s,
+        backward_two_s * 1e3,
+        backward_one_s * 1e3,
+        backward_one_s / backward_two_s,
+        worst_h.max(worst_dx),
+    );
+    Ok(())
+}
+
 fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, head_dim: usize) -> Result<()> {
     let len = batch * seq * heads * head_dim;
     let (q, k, v) =
@@ -237,6 +306,9 @@ fn main() {
         dev.compile_all()?;
         for (d_in, d_out) in [(512, 512), (512, 1376), (768, 768), (768, 2048)] {
             bench_projection(&dev, tokens, d_in, d_out)?;
+        }
+        for (d, hidden) in [(512, 1376), (768, 2048)] {
+            bench_gate_up(&dev, tokens, d, hidden)?;
         }
         bench_attention(&dev, (tokens / 2048).max(1), 256, 8, 64)?;
         bench_attention(&dev, (tokens / 4096).max(1), 256, 12, 64)?;
