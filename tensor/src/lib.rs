@@ -22,6 +22,6 @@ mod view;
 pub use dtype::{DType, Device};
 pub use error::{Error, Result};
 pub use rng::Rng;
-pub use shape::{broadcast_shapes, contiguous_strides};
+pub use shape::{broadcast_shapes, contiguous_strides, with_last_dim};
 pub use storage::Storage;
 pub use tensor::{HostLater, Tensor};

@@ -11,6 +11,16 @@ pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
     strides
 }
 
+/// `shape` with its last dimension set to `last` (a projection's output for its input, an
+/// output gradient's expected shape); unchanged when `shape` is a scalar's.
+pub fn with_last_dim(shape: &[usize], last: usize) -> Vec<usize> {
+    let mut out = shape.to_vec();
+    if let Some(d) = out.last_mut() {
+        *d = last;
+    }
+    out
+}
+
 /// The shape two operands broadcast to: dimensions align from the right, and each pair
 /// must be equal or contain a 1.
 pub fn broadcast_shapes(op: &'static str, lhs: &[usize], rhs: &[usize]) -> Result<Vec<usize>> {

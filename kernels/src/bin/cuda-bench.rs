@@ -1,8 +1,9 @@
 //! GPU timings of the fused gated projection (Transponder eq. 8-10) against the bare cuBLAS
 //! GEMM of the same shape (`x·[W; A_c; A_s]ᵀ`, the floor) and the unfused path (that GEMM
 //! into `ZU`, then the gate kernel), at the llama-60m / llama-130m projection shapes; the FFN's
-//! gate and up projections as two GEMMs or one of the packed weights; then flash attention, forward and forward + backward (the time per layer of a training step),
-//! against the naive kernel that materialises the score matrix.
+//! gate and up projections as two GEMMs or one of the packed weights; then flash attention,
+//! forward and forward + backward (the time per layer of a training step), against the naive
+//! kernel that materialises the score matrix.
 //!
 //! Run: `cargo run --release -p kernels --features cuda --bin cuda-bench [-- --tokens N]`
 //! (default N = 512·256 = 131 072 tokens; the attention batches are N/2048 and N/4096

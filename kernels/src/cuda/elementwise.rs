@@ -275,56 +275,26 @@ pub fn to_bf16(dev: &CudaDevice, src: &DeviceBuffer<f32>, dst: &mut DeviceBuffer
     dev.launch(FAMILY, "f32_to_bf16_kernel", elementwise(src.len()), &args)
 }
 
-/// One range of [`to_bf16_packed`]: `len` f32 values at device address `src` (checked by the
-/// caller against its buffer), written as bf16 from element `at` of the packed buffer.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct PackedPart {
-    /// The first f32 value.
-    pub src: u64,
-    /// Values converted.
-    pub len: usize,
-    /// Where they start in the packed buffer.
-    pub at: usize,
-}
-
-/// Up to [`LIST_LEN`] f32 ranges rounded to bf16 into their places of `dst`, in one launch
-/// (a packed weight `[W; A_c; A_s]`, a backward pass's bf16 operands).
-pub(crate) fn to_bf16_packed(dev: &CudaDevice, parts: &[PackedPart], dst: &mut DeviceBuffer<bf16>) -> Result<()> {
-    const OP: &str = "to_bf16_packed";
-    dev.check_owner(OP, dst)?;
-    ensure(parts.len() <= LIST_LEN, OP, || format!("{} parts, at most {LIST_LEN}", parts.len()))?;
-    for part in parts {
-        ensure(part.at + part.len <= dst.len(), OP, || format!("{part:?} past the end of {} elements", dst.len()))?;
-    }
-    let mut cfg = elementwise(parts.iter().map(|part| part.len).max().unwrap_or(0));
-    cfg.grid_dim.1 = parts.len() as u32;
-    let args = [
-        address_list(parts.iter().map(|part| part.src)),
-        length_list(parts.iter().map(|part| part.len)),
-        length_list(parts.iter().map(|part| part.at)),
-        ptr(dst),
-    ];
-    dev.launch(FAMILY, "f32_to_bf16_packed", cfg, &args)
-}
-
-/// The f32 buffers `parts` rounded to bf16, back to back in one new buffer, in one launch
-/// (several weights read by one GEMM as one operand; at most [`LIST_LEN`]).
+/// The f32 buffers `parts` rounded to bf16 (to nearest even), back to back in one new buffer,
+/// in one launch: several weights one GEMM reads as one operand (a fused gated projection's
+/// `[W; A_c; A_s]`, the FFN's `[W_gate; W_up]`); at most [`LIST_LEN`] parts.
 pub fn pack_bf16(dev: &CudaDevice, parts: &[&DeviceBuffer<f32>]) -> Result<DeviceBuffer<bf16>> {
     const OP: &str = "pack_bf16";
-    for part in parts {
-        dev.check_owner(OP, part)?;
-    }
-    let mut at = 0;
-    let ranges: Vec<PackedPart> = parts
-        .iter()
-        .map(|part| {
-            let range = PackedPart { src: part.device_ptr(), len: part.len(), at };
-            at += part.len();
-            range
-        })
-        .collect();
-    let mut packed = dev.alloc::<bf16>(at)?;
-    to_bf16_packed(dev, &ranges, &mut packed)?;
+    check_owners(dev, OP, parts)?;
+    ensure(parts.len() <= LIST_LEN, OP, || format!("{} parts, at most {LIST_LEN}", parts.len()))?;
+    // Where each part starts in the packed buffer.
+    let starts: Vec<usize> = parts.iter().scan(0, |at, part| Some(std::mem::replace(at, *at + part.len()))).collect();
+    let total = parts.iter().map(|part| part.len()).sum();
+    let packed = dev.alloc::<bf16>(total)?;
+    let mut cfg = elementwise(parts.iter().map(|part| part.len()).max().unwrap_or(0));
+    cfg.grid_dim.1 = parts.len() as u32;
+    let args = [
+        address_list(parts.iter().map(|part| part.device_ptr())),
+        length_list(parts.iter().map(|part| part.len())),
+        length_list(starts.into_iter()),
+        ptr(&packed),
+    ];
+    dev.launch(FAMILY, "f32_to_bf16_packed", cfg, &args)?;
     Ok(packed)
 }
 

@@ -28,7 +28,7 @@ pub use crate::cpu::unary::Unary;
 use super::allocator::DeviceBuffer;
 use super::blas::{gemm, GemmDims, Operand, Precision};
 use super::device::CudaDevice;
-use super::elementwise::{to_bf16_packed, unary_code, PackedPart};
+use super::elementwise::{pack_bf16, unary_code};
 use super::error::{ensure, ensure_len, CudaError, Result};
 use super::launch::{int, ptr, size, THREADS};
 use super::module::{Arg, KernelFamily};
@@ -172,24 +172,8 @@ fn gate_args(p: &DeviceFusedGateParams) -> [Arg; 10] {
 /// operand of [`fused_gate_forward`] and of [`fused_gate_backward`]'s bf16 products, in one
 /// launch. Rounds to nearest even, as the optimizer's update does when it rewrites the rows.
 pub fn pack_weight(dev: &CudaDevice, dims: &FusedGateDims, p: &DeviceFusedGateParams) -> Result<DeviceBuffer<bf16>> {
-    const OP: &str = "fused_gate pack_weight";
-    check_params(dev, OP, dims, p)?;
-    let mut packed = dev.alloc::<bf16>(dims.width() * dims.d_in)?;
-    to_bf16_packed(dev, &weight_parts(p), &mut packed)?;
-    Ok(packed)
-}
-
-/// `[W; A_c; A_s]` as the parts of a packed bf16 buffer, back to back.
-fn weight_parts(p: &DeviceFusedGateParams) -> Vec<PackedPart> {
-    let mut at = 0;
-    [p.weight, p.channel.a_weight, p.scalar.a_weight]
-        .into_iter()
-        .map(|w| {
-            let part = PackedPart { src: w.device_ptr(), len: w.len(), at };
-            at += w.len();
-            part
-        })
-        .collect()
+    check_params(dev, "fused_gate pack_weight", dims, p)?;
+    pack_bf16(dev, &[p.weight, p.channel.a_weight, p.scalar.a_weight])
 }
 
 /// Checks `x` (bf16), the packed weight and the outputs of a forward.

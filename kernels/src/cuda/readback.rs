@@ -47,13 +47,12 @@ impl ReadbackSlots {
 
 /// Values copied from the device, readable once their copy has finished ([`Readback::wait`]).
 pub struct Readback<T: DeviceScalar> {
-    len: usize,
     state: State<T>,
 }
 
 enum State<T> {
-    /// On a GPU: the queued copy's slot, returned to `slots` once read.
-    Queued { slot: Option<Slot>, slots: Arc<ReadbackSlots> },
+    /// On a GPU: the queued copy of `len` values, whose slot goes back to `slots` once read.
+    Queued { slot: Option<Slot>, slots: Arc<ReadbackSlots>, len: usize },
     /// On the emulated device, which copies at once.
     Ready(Vec<T>),
 }
@@ -63,9 +62,9 @@ impl<T: DeviceScalar> Readback<T> {
     pub fn wait(mut self) -> Result<Vec<T>> {
         match &mut self.state {
             State::Ready(values) => Ok(std::mem::take(values)),
-            State::Queued { slot, slots } => {
+            State::Queued { slot, slots, len } => {
                 let slot = slot.take().expect("a queued readback holds its slot until read");
-                let values = read_slot::<T>(&slot, self.len);
+                let values = read_slot::<T>(&slot, *len);
                 slots.give_back(slot);
                 values
             }
@@ -75,7 +74,7 @@ impl<T: DeviceScalar> Readback<T> {
 
 impl<T: DeviceScalar> Drop for Readback<T> {
     fn drop(&mut self) {
-        if let State::Queued { slot, slots } = &mut self.state {
+        if let State::Queued { slot, slots, .. } = &mut self.state {
             if let Some(slot) = slot.take() {
                 // The copy may still be writing an unread slot: reused only once it is done.
                 if slot.event.synchronize().is_ok() {
@@ -118,7 +117,7 @@ impl CudaDevice {
             unsafe {
                 std::ptr::copy_nonoverlapping(buffer.device_ptr() as *const T, values.as_mut_ptr(), buffer.len())
             };
-            return Ok(Readback { len: buffer.len(), state: State::Ready(values) });
+            return Ok(Readback { state: State::Ready(values) });
         };
         gpu.bind()?;
         let slots = self.readback_slots();
@@ -143,6 +142,7 @@ impl CudaDevice {
             .result()
             .map_err(|e| CudaError::driver("cuMemcpyDtoHAsync (readback)", e))?;
         slot.event.record(gpu.cuda_stream()).map_err(|e| CudaError::driver("cuEventRecord (readback)", e))?;
-        Ok(Readback { len: buffer.len(), state: State::Queued { slot: Some(slot), slots: Arc::clone(slots) } })
+        let state = State::Queued { slot: Some(slot), slots: Arc::clone(slots), len: buffer.len() };
+        Ok(Readback { state })
     }
 }

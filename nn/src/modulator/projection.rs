@@ -7,7 +7,7 @@
 //! unfused composite stays for every other gate and for `fused = false`.
 
 use autograd::{Result, Var};
-use tensor::Rng;
+use tensor::{with_last_dim, Rng};
 
 use super::Gate;
 use crate::init::WeightInit;
@@ -74,11 +74,7 @@ impl ModulatedProjection {
         for gate in &self.gates {
             y = y.mul(&gate.forward(&flat)?)?;
         }
-        let mut out_shape = shape;
-        if let Some(last) = out_shape.last_mut() {
-            *last = self.out_features();
-        }
-        y.reshape(&out_shape)
+        y.reshape(&with_last_dim(&shape, self.out_features()))
     }
 }
 

@@ -16,7 +16,7 @@ use kernels::cpu::fused_gate::{
 };
 use kernels::cpu::unary::Unary;
 
-use crate::{Error, Result, Tensor};
+use crate::{with_last_dim, Error, Result, Tensor};
 
 const OP: &str = "fused_gated_projection";
 
@@ -118,10 +118,7 @@ impl Tensor {
         let (cv, rank_channel) = modulator_values(&x, channel, d_in, d_out)?;
         let (sv, rank_scalar) = modulator_values(&x, scalar, d_in, 1)?;
         let dims = FusedGateDims { rows: x.numel() / d_in.max(1), d_in, d_out, rank_channel, rank_scalar };
-        let mut out_shape = x.shape().to_vec();
-        if let Some(last) = out_shape.last_mut() {
-            *last = d_out;
-        }
+        let out_shape = with_last_dim(x.shape(), d_out);
         #[cfg(feature = "cuda")]
         if x.cuda_storage().is_some() {
             let forward = cuda::forward(&dims, &x, &w, &cv, &sv, phi, &out_shape)?;
@@ -153,10 +150,7 @@ impl Tensor {
     ) -> Result<Vec<Tensor>> {
         let x = &saved.x;
         x.same_device(OP, dy)?;
-        let mut y_shape = x.shape().to_vec();
-        if let Some(last) = y_shape.last_mut() {
-            *last = saved.dims.d_out;
-        }
+        let y_shape = with_last_dim(x.shape(), saved.dims.d_out);
         if dy.shape() != y_shape {
             return Err(Error::ShapeMismatch { op: OP, lhs: y_shape, rhs: dy.shape().to_vec() });
         }

@@ -11,7 +11,7 @@
 //! ops: one product of the weights stacked (a copy of the weights), and the input gradient
 //! summed projection by projection.
 
-use crate::{Error, Result, Tensor};
+use crate::{with_last_dim, Error, Result, Tensor};
 
 const OP: &str = "packed_linear";
 
@@ -36,15 +36,6 @@ fn dims(x: &Tensor, weights: &[&Tensor]) -> Result<(usize, usize, Vec<usize>)> {
     Ok((x.numel() / d_in, d_in, outs))
 }
 
-/// `x`'s shape with its last dimension `last`.
-fn with_last(x: &Tensor, last: usize) -> Vec<usize> {
-    let mut shape = x.shape().to_vec();
-    if let Some(l) = shape.last_mut() {
-        *l = last;
-    }
-    shape
-}
-
 impl Tensor {
     /// Whether [`Tensor::packed_linear`] of `self` is one GEMM of the packed weights (a GPU
     /// under bf16 products), which is what it is for: elsewhere it computes the same values
@@ -65,11 +56,11 @@ impl Tensor {
         #[cfg(feature = "cuda")]
         if cuda::uses_packed_product(self) {
             let x = self.contiguous()?.reshape(&[rows, d_in])?;
-            return cuda::forward(&x, weights, total)?.reshape(&with_last(self, total));
+            return cuda::forward(&x, weights, total)?.reshape(&with_last_dim(self.shape(), total));
         }
         // One product of the weights stacked as rows (a copy of the weights, not of the output).
         let stacked = Tensor::cat(weights, 0)?;
-        self.reshape(&[rows, d_in])?.matmul(&stacked.transpose(0, 1)?)?.reshape(&with_last(self, total))
+        self.reshape(&[rows, d_in])?.matmul(&stacked.transpose(0, 1)?)?.reshape(&with_last_dim(self.shape(), total))
     }
 
     /// The backward of [`Tensor::packed_linear`] of `x` for the output gradient `dy`:
@@ -84,8 +75,12 @@ impl Tensor {
     ) -> Result<Vec<Tensor>> {
         let (rows, d_in, outs) = dims(x, weights)?;
         let total: usize = outs.iter().sum();
-        if dy.shape() != with_last(x, total) {
-            return Err(Error::ShapeMismatch { op: OP, lhs: with_last(x, total), rhs: dy.shape().to_vec() });
+        if dy.shape() != with_last_dim(x.shape(), total) {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: with_last_dim(x.shape(), total),
+                rhs: dy.shape().to_vec(),
+            });
         }
         let x_rows = x.reshape(&[rows, d_in])?;
         let dy_rows = dy.contiguous()?.reshape(&[rows, total])?;
@@ -205,18 +200,16 @@ pub(crate) mod cuda {
         let product = |out: &mut DeviceBuffer<f32>, store| {
             matmul_bf16(&dev, out, 0, lhs, rhs, dims, store).map_err(|e| crate::cuda::cuda_error(OP, e))
         };
+        let mut so_far = so_far;
+        let in_place = so_far.as_mut().filter(|sum| sum.dtype() == DType::F32 && sum.shape() == [rows, d_in]);
+        if let Some(storage) = in_place.and_then(Tensor::sole_dense_cuda_storage) {
+            product(storage.f32_buffer_mut(OP)?, Store::Accumulate)?;
+            return Ok(so_far.expect("added onto in place"));
+        }
+        let dx = output(&dev, OP, &[rows, d_in], |out| product(out, Store::Overwrite))?;
         match so_far {
-            Some(mut sum) if sum.dtype() == DType::F32 && sum.shape() == [rows, d_in] => {
-                match sum.sole_dense_cuda_storage() {
-                    Some(storage) => {
-                        product(storage.f32_buffer_mut(OP)?, Store::Accumulate)?;
-                        Ok(sum)
-                    }
-                    None => sum.accumulate(output(&dev, OP, &[rows, d_in], |out| product(out, Store::Overwrite))?),
-                }
-            }
-            Some(sum) => sum.accumulate(output(&dev, OP, &[rows, d_in], |out| product(out, Store::Overwrite))?),
-            None => output(&dev, OP, &[rows, d_in], |out| product(out, Store::Overwrite)),
+            Some(sum) => sum.accumulate(dx),
+            None => Ok(dx),
         }
     }
 }

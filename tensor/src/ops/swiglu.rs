@@ -5,7 +5,7 @@
 
 use kernels::cpu::swiglu::{swiglu_backward, swiglu_forward, swiglu_halves_backward, swiglu_halves_forward};
 
-use crate::{Error, Result, Tensor};
+use crate::{with_last_dim, Error, Result, Tensor};
 
 impl Tensor {
     /// `silu(self) ⊙ up` elementwise, `self` being the gate. The shapes must be equal (no
@@ -65,10 +65,7 @@ impl Tensor {
     /// [`Tensor::packed_linear`]) → `[..., F]`, `silu(gate) ⊙ up`.
     pub fn swiglu_halves(&self) -> Result<Tensor> {
         let cols = half_width("swiglu_halves", self)?;
-        let mut out_shape = self.shape.clone();
-        if let Some(last) = out_shape.last_mut() {
-            *last = cols;
-        }
+        let out_shape = with_last_dim(&self.shape, cols);
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
             return cuda::swiglu_halves(self, cols, &out_shape);
@@ -85,10 +82,7 @@ impl Tensor {
         const OP: &str = "swiglu_halves_backward";
         gate_up.same_device(OP, dy)?;
         let cols = half_width(OP, gate_up)?;
-        let mut dy_shape = gate_up.shape.clone();
-        if let Some(last) = dy_shape.last_mut() {
-            *last = cols;
-        }
+        let dy_shape = with_last_dim(&gate_up.shape, cols);
         if dy.shape != dy_shape {
             return Err(Error::ShapeMismatch { op: OP, lhs: dy_shape, rhs: dy.shape.clone() });
         }

@@ -78,6 +78,13 @@ impl ArgList {
     }
 }
 
+/// Writes a struct of 8-byte words (a dims struct, a `TensorList`) from the start of `bytes`.
+fn put_words(bytes: &mut ArgBytes, words: impl Iterator<Item = [u8; 8]>) {
+    for (chunk, word) in bytes.0.chunks_exact_mut(8).zip(words) {
+        chunk.copy_from_slice(&word);
+    }
+}
+
 fn pack(args: &[Arg]) -> ArgList {
     let mut storage: Vec<ArgBytes> = args
         .iter()
@@ -88,21 +95,9 @@ fn pack(args: &[Arg]) -> ArgList {
                 Arg::I32(v) => bytes.0[..4].copy_from_slice(&v.to_ne_bytes()),
                 Arg::I64(v) => bytes.0[..8].copy_from_slice(&v.to_ne_bytes()),
                 Arg::F32(v) => bytes.0[..4].copy_from_slice(&v.to_ne_bytes()),
-                Arg::Dims(dims) => {
-                    for (chunk, v) in bytes.0.chunks_exact_mut(8).zip(dims) {
-                        chunk.copy_from_slice(&v.to_ne_bytes());
-                    }
-                }
-                Arg::Ptrs(ptrs) => {
-                    for (chunk, v) in bytes.0.chunks_exact_mut(8).zip(ptrs) {
-                        chunk.copy_from_slice(&v.to_ne_bytes());
-                    }
-                }
-                Arg::Lengths(lengths) => {
-                    for (chunk, v) in bytes.0.chunks_exact_mut(8).zip(lengths) {
-                        chunk.copy_from_slice(&v.to_ne_bytes());
-                    }
-                }
+                Arg::Dims(dims) => put_words(&mut bytes, dims.iter().map(|v| v.to_ne_bytes())),
+                Arg::Ptrs(ptrs) => put_words(&mut bytes, ptrs.iter().map(|v| v.to_ne_bytes())),
+                Arg::Lengths(lengths) => put_words(&mut bytes, lengths.iter().map(|v| v.to_ne_bytes())),
             }
             bytes
         })
