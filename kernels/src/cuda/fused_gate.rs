@@ -16,9 +16,9 @@
 //! [`fused_gate_forward_unfused`] is the reference path (cuBLAS bf16 GEMM into `zu`, then
 //! [`fused_gate_apply`]); both give the same result to f32 rounding. The backward
 //! ([`fused_gate_backward`]) reads `zu`, the f32 `x` and f32 weights (under bf16 products,
-//! the forward's bf16 `x` and packed weight): two small kernels (the gate's elementwise
-//! backward) plus cuBLAS products and column sums for `dx, dW, dA, dB`, and deterministic
-//! sums for `da, db, dα`. Gradients are written, not added.
+//! the forward's bf16 `x` and packed weight): one row kernel (the gate's elementwise
+//! backward and its rank-r products) plus cuBLAS products for `dx, dW, dA, dB_c`, and
+//! deterministic column sums for `da, db, dα, dB_s`. Gradients are written, not added.
 
 use half::bf16;
 
@@ -324,26 +324,25 @@ pub enum GateProducts<'a> {
     F32,
     /// bf16 operands on the tensor cores, f32 accumulation and outputs (mixed precision, as
     /// every other product under `--bf16`). `x` and the packed weight are the forward's bf16
-    /// operands, `B_c` the weight's bf16 copy; the backward's kernels write bf16 copies of
-    /// the other operands beside their f32 values (no conversion launch).
+    /// operands; the backward's row kernel writes bf16 copies of the other operands beside
+    /// their f32 values (no conversion launch).
     Bf16 {
         /// `x` in bf16, `[N, d_in]`.
         x: &'a DeviceBuffer<bf16>,
         /// `[W; A_c; A_s]` in bf16, `[K, d_in]` ([`pack_weight`]'s layout).
         packed: &'a DeviceBuffer<bf16>,
-        /// The channel modulator's `B_c` in bf16, `[d_out, rc]`.
-        b_channel: &'a DeviceBuffer<bf16>,
     },
 }
 
 /// Backward of the fused projection from the saved `zu` and the output gradient `dout`;
 /// `x` is the f32 input `[N, d_in]`. Writes every buffer of `grads`.
 ///
-/// Recomputes `H`, `γ_s` and the channel logits from `zu` (row kernel: `dZ`, the channel
-/// logits' gradient `dL_c`, per-row `dγ_s` and `dα_c`); then `dH_c = dL_c·B_c` (cuBLAS), the
-/// summaries' kernel (`dU`), and `dB_c = dL_cᵀ·H_c`, `dB_s = dl_sᵀ·H_s`,
-/// `dx = dZU·[W; A_c; A_s]`, `dW = dZᵀ·x`, `dA = dUᵀ·x` (cuBLAS, in the precision of
-/// `products`), with the bias and α gradients as column sums in a fixed order.
+/// One row kernel recomputes `H`, `γ_s` and the channel logits from `zu` and writes `dZ`,
+/// the channel logits' gradient `dL_c`, `dU` (through `dH_c = dL_c·B_c`, summed in the
+/// kernel) and each row's terms of `dα_c`, `dα_s`, `db_s` and `dB_s = dl_sᵀ·H_s`; the bias,
+/// α and `dB_s` gradients are then column sums in a fixed order, and `dB_c = dL_cᵀ·H_c`,
+/// `dx = dZU·[W; A_c; A_s]`, `dW = dZᵀ·x`, `dA = dUᵀ·x` are cuBLAS products in the
+/// precision of `products`.
 #[allow(clippy::too_many_arguments)]
 pub fn fused_gate_backward(
     dev: &CudaDevice,
@@ -366,13 +365,11 @@ pub fn fused_gate_backward(
     ensure_len(OP, "x", x.len(), rows * d_in)?;
     ensure_len(OP, "zu", zu.len(), rows * k)?;
     ensure_len(OP, "dout", dout.len(), rows * d_out)?;
-    if let GateProducts::Bf16 { x: x_bf16, packed, b_channel } = products {
+    if let GateProducts::Bf16 { x: x_bf16, packed } = products {
         dev.check_owner(OP, x_bf16)?;
         dev.check_owner(OP, packed)?;
-        dev.check_owner(OP, b_channel)?;
         ensure_len(OP, "x (bf16)", x_bf16.len(), rows * d_in)?;
         ensure_len(OP, "packed weight", packed.len(), k * d_in)?;
-        ensure_len(OP, "B_c (bf16)", b_channel.len(), d_out * rc)?;
     }
     if rows == 0 {
         // No rows: every gradient is an empty sum.
@@ -382,25 +379,17 @@ pub fn fused_gate_backward(
         }
         return Ok(());
     }
-    // dzu rows: [dZ | dU_c | dU_s]; row_terms rows: [dγ_s, dα_c, dα_s].
+    // dzu rows: [dZ | dU_c | dU_s]; row_terms rows: [dα_c, dα_s, dl_s, dl_s·H_s].
+    let terms = 3 + rs;
     let dzu = dev.alloc::<f32>(rows * k)?;
     let dlogits = dev.alloc::<f32>(rows * d_out)?;
     let hidden = dev.alloc::<f32>(rows * r)?;
-    let row_terms = dev.alloc::<f32>(rows * 3)?;
-    let dhidden_c = dev.alloc::<f32>(rows * rc)?;
-    let dlogit_s = dev.alloc::<f32>(rows)?;
+    let row_terms = dev.alloc::<f32>(rows * terms)?;
 
-    let sources = Sources {
-        x,
-        b_channel: p.channel.b_weight,
-        dlogits: &dlogits,
-        hidden: &hidden,
-        dzu: &dzu,
-        dlogit_s: &dlogit_s,
-    };
+    let sources = Sources { x, dlogits: &dlogits, hidden: &hidden, dzu: &dzu };
     let operands = match products {
         GateProducts::F32 => Operands::F32(sources),
-        GateProducts::Bf16 { x, packed, b_channel } => Operands::bf16(dev, x, packed, b_channel, &sources)?,
+        GateProducts::Bf16 { x, packed } => Operands::bf16(dev, x, packed, &sources)?,
     };
     let bf16_copy = |part| Arg::Ptr(operands.bf16_copy(part));
 
@@ -421,58 +410,24 @@ pub fn fused_gate_backward(
     ]);
     dev.launch(FAMILY, "fused_gate_backward_rows", row_warps(rows), &args)?;
 
-    let precision = operands.precision();
-    let gemm = |m, n, k, a, b, store, c: u64, ldc| gemm(dev, precision, GemmDims { m, n, k }, a, b, store, (c, ldc));
-
-    // d/dH_c = dL_c·B_c
-    gemm(
-        rows,
-        rc,
-        d_out,
-        operands.rows(Part::DLogits, 0, d_out),
-        operands.rows(Part::BChannel, 0, rc),
-        Store::Overwrite,
-        dhidden_c.device_ptr(),
-        rc,
-    )?;
-    let (phi, phi_p) = unary_code(p.phi);
-    let summary_args = [
-        ptr(zu),
-        ptr(&dhidden_c),
-        ptr(p.channel.a_bias),
-        ptr(p.scalar.a_bias),
-        ptr(p.scalar.b_weight),
-        ptr(p.scalar.b_bias),
-        ptr(p.scalar.alpha),
-        int(phi),
-        Arg::F32(phi_p),
-        size(rows),
-        size(d_out),
-        int(rc as i32),
-        int(rs as i32),
-        ptr(&dzu),
-        ptr(&row_terms),
-        ptr(&dlogit_s),
-        bf16_copy(Part::Dzu),
-        bf16_copy(Part::DLogitS),
-    ];
-    dev.launch(FAMILY, "fused_gate_backward_summaries", row_warps(rows), &summary_args)?;
-
-    // Cross-row sums: db_c = Σ dL_c, da = Σ dU, db_s = Σ dl_s, dα = Σ row terms; all six in
-    // one pair of launches.
+    // Cross-row sums: db_c = Σ dL_c, da = Σ dU, dα = Σ row terms, db_s = Σ dl_s and
+    // dB_s = Σ dl_s·H_s; all seven in one pair of launches.
     let g = grads;
     let sum = |src, cols, ld, dst: &DeviceBuffer<f32>| ColumnSum { src, cols, ld, dst: dst.device_ptr() };
     let sums = [
         sum(dlogits.device_ptr(), d_out, d_out, g.channel.b_bias),
         sum(dzu.ptr_at(d_out), rc, k, g.channel.a_bias),
         sum(dzu.ptr_at(d_out + rc), rs, k, g.scalar.a_bias),
-        sum(dlogit_s.device_ptr(), 1, 1, g.scalar.b_bias),
-        sum(row_terms.ptr_at(1), 1, 3, g.channel.alpha),
-        sum(row_terms.ptr_at(2), 1, 3, g.scalar.alpha),
+        sum(row_terms.ptr_at(0), 1, terms, g.channel.alpha),
+        sum(row_terms.ptr_at(1), 1, terms, g.scalar.alpha),
+        sum(row_terms.ptr_at(2), 1, terms, g.scalar.b_bias),
+        sum(row_terms.ptr_at(3), rs, terms, g.scalar.b_weight),
     ];
     column_sums_many(dev, rows, &sums)?;
 
-    // dB_c = dL_cᵀ·H_c;  dB_s = dl_sᵀ·H_s
+    let precision = operands.precision();
+    let gemm = |m, n, k, a, b, store, c: u64, ldc| gemm(dev, precision, GemmDims { m, n, k }, a, b, store, (c, ldc));
+    // dB_c = dL_cᵀ·H_c
     let dlogits_t = operands.transposed(Part::DLogits, 0, d_out);
     gemm(
         d_out,
@@ -484,8 +439,6 @@ pub fn fused_gate_backward(
         g.channel.b_weight.device_ptr(),
         rc,
     )?;
-    let (dl_s, h_s) = (operands.rows(Part::DLogitS, 0, rows), operands.rows(Part::Hidden, rc, r));
-    gemm(1, rs, rows, dl_s, h_s, Store::Overwrite, g.scalar.b_weight.device_ptr(), rs)?;
 
     // dx = dZU·[W; A_c; A_s];  dW = dZᵀ·x;  dA_c = dU_cᵀ·x;  dA_s = dU_sᵀ·x
     let parts = [
@@ -523,61 +476,54 @@ pub fn fused_gate_backward(
 /// The f32 operands of the backward's products.
 struct Sources<'a> {
     x: &'a DeviceBuffer<f32>,
-    b_channel: &'a DeviceBuffer<f32>,
     dlogits: &'a DeviceBuffer<f32>,
     hidden: &'a DeviceBuffer<f32>,
     dzu: &'a DeviceBuffer<f32>,
-    dlogit_s: &'a DeviceBuffer<f32>,
 }
 
 /// An operand of the backward's products (the packed weight is reached through
 /// [`Operands::Bf16`] directly: the f32 weights are separate buffers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Part {
-    BChannel,
     DLogits,
     Hidden,
     Dzu,
-    DLogitS,
     X,
 }
 
 /// Where the backward's products read their operands: the f32 buffers, or the forward's bf16
-/// `x` and packed weight, `B_c`'s bf16 copy, and the bf16 copies of the rest in one scratch
-/// buffer (`dL_c | H | dZU | dl_s`, each part on a 16-byte boundary) that the row and
-/// summary kernels write beside their f32 outputs.
+/// `x` and packed weight, and the bf16 copies of the rest in one scratch buffer
+/// (`dL_c | H | dZU`, each part on a 16-byte boundary) that the row kernel writes beside its
+/// f32 outputs.
 enum Operands<'a> {
     F32(Sources<'a>),
     Bf16 {
         x: &'a DeviceBuffer<bf16>,
         /// `[W; A_c; A_s]`, `[K, d_in]`.
         packed: &'a DeviceBuffer<bf16>,
-        /// `B_c`, `[d_out, rc]`.
-        b_channel: &'a DeviceBuffer<bf16>,
         scratch: DeviceBuffer<bf16>,
-        /// Where `dL_c`, `H`, `dZU` and `dl_s` start in `scratch`.
-        at: [usize; 4],
+        /// Where `dL_c`, `H` and `dZU` start in `scratch`.
+        at: [usize; 3],
     },
 }
 
 impl<'a> Operands<'a> {
     /// The bf16 operands: the given ones, and a scratch buffer laid out for the copies of
-    /// `dL_c`, `H`, `dZU` and `dl_s` (written by the backward's kernels).
+    /// `dL_c`, `H` and `dZU` (written by the backward's row kernel).
     fn bf16(
         dev: &CudaDevice,
         x: &'a DeviceBuffer<bf16>,
         packed: &'a DeviceBuffer<bf16>,
-        b_channel: &'a DeviceBuffer<bf16>,
         s: &Sources,
     ) -> Result<Operands<'a>> {
         let mut end = 0;
-        let mut at = [0; 4];
-        for (slot, buffer) in at.iter_mut().zip([s.dlogits, s.hidden, s.dzu, s.dlogit_s]) {
+        let mut at = [0; 3];
+        for (slot, buffer) in at.iter_mut().zip([s.dlogits, s.hidden, s.dzu]) {
             *slot = end;
             end = (end + buffer.len()).next_multiple_of(8);
         }
         let scratch = dev.alloc::<bf16>(end)?;
-        Ok(Operands::Bf16 { x, packed, b_channel, scratch, at })
+        Ok(Operands::Bf16 { x, packed, scratch, at })
     }
 
     /// Where a kernel writes the bf16 copy of `part` (0, none, for f32 products).
@@ -600,22 +546,18 @@ impl<'a> Operands<'a> {
         match self {
             Operands::F32(s) => {
                 let buffer = match part {
-                    Part::BChannel => s.b_channel,
                     Part::DLogits => s.dlogits,
                     Part::Hidden => s.hidden,
                     Part::Dzu => s.dzu,
-                    Part::DLogitS => s.dlogit_s,
                     Part::X => s.x,
                 };
                 buffer.ptr_at(offset)
             }
-            Operands::Bf16 { x, b_channel, scratch, at, .. } => {
+            Operands::Bf16 { x, scratch, at, .. } => {
                 let start = match part {
                     Part::DLogits => at[0],
                     Part::Hidden => at[1],
                     Part::Dzu => at[2],
-                    Part::DLogitS => at[3],
-                    Part::BChannel => return b_channel.ptr_at(offset),
                     Part::X => return x.ptr_at(offset),
                 };
                 scratch.ptr_at(start + offset)

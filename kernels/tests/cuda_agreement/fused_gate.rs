@@ -196,9 +196,7 @@ fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
     let names = ["dx", "dW", "channel dA", "channel da", "channel dB", "channel db"];
     let names = names.iter().chain(&["scalar dA", "scalar da", "scalar dB", "scalar db", "channel dα", "scalar dα"]);
     // bf16 operands: about 8 significant bits each, so a bound relative to the largest entry.
-    let b_channel: Vec<bf16> = dev.download(gp.channel.b_weight).unwrap().into_iter().map(bf16::from_f32).collect();
-    let b_channel = dev.upload(&b_channel).unwrap();
-    let bf16 = GateProducts::Bf16 { x: &gx16, packed: &packed, b_channel: &b_channel };
+    let bf16 = GateProducts::Bf16 { x: &gx16, packed: &packed };
     for (products, bound) in [(GateProducts::F32, rel), (bf16, 3e-2)] {
         let got = gpu_backward(products, None);
         for ((name, got), want) in names.clone().zip(&got).zip(&want) {

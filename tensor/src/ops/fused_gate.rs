@@ -360,13 +360,8 @@ pub(crate) mod cuda {
             phi,
         };
         let bf16_products = crate::cuda::matmul_precision() == crate::cuda::MatmulPrecision::Bf16;
-        // Under bf16 products the backward reads x and B_c in bf16 too: x's copy the forward
-        // made, B_c's kept by the optimizer (made here on a first step).
-        let bf16_operands = if bf16_products {
-            Some((x.to_dtype(DType::BF16)?, channel[2].to_dtype(DType::BF16)?.dense()?))
-        } else {
-            None
-        };
+        // Under bf16 products the backward reads x in bf16 too: the copy the forward made.
+        let x_bf16 = if bf16_products { Some(x.to_dtype(DType::BF16)?) } else { None };
         // dx goes onto the gradient so far in place when this op holds the only reference to
         // its whole f32 buffer; otherwise into a fresh buffer, added to the sum after.
         let mut dx_so_far = dx_so_far;
@@ -393,14 +388,10 @@ pub(crate) mod cuda {
                 scalar: device_grads(&mut ds)?,
             };
             // Under bf16 products (`--bf16`) the backward's products run on the tensor cores too,
-            // reading the bf16 copy of x the forward made (the storage keeps it), its packed
-            // weight and B_c's bf16 copy.
-            let products = match &bf16_operands {
-                Some((x_bf16, b_channel)) => GateProducts::Bf16 {
-                    x: storage_of(x_bf16)?.bf16_buffer(OP)?,
-                    packed,
-                    b_channel: storage_of(b_channel)?.bf16_buffer(OP)?,
-                },
+            // reading the bf16 copy of x the forward made (the storage keeps it) and its packed
+            // weight.
+            let products = match &x_bf16 {
+                Some(x_bf16) => GateProducts::Bf16 { x: storage_of(x_bf16)?.bf16_buffer(OP)?, packed },
                 None => GateProducts::F32,
             };
             // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cuda::fused_gate::fused_gate_backward

@@ -386,11 +386,17 @@ extern "C" __global__ void fused_gate_apply(const float* zu, const float* a_c, c
 // Backward row pass, one warp per row n. Recomputes H = φ(U + a) and γ_s, then per output
 // column j:
 //   d/dZ = dẐ·γ_c·γ_s;  d/dγ_c = dẐ·Z·γ_s;  d/dγ_s = Σ_j dẐ·Z·γ_c;
-//   d/dl 2σ(αl) = α·γ(1 − γ/2),  d/dα 2σ(αl) = l·γ(1 − γ/2)  (l the logit with its bias).
-// Writes dL_c into dlogits, H into hidden [N, r], and the row's dγ_s and dα_c terms into
-// row_terms[n·3 + 0..2). dZ goes into dzu[n, 0..d_out) under f32 products; under bf16
+//   d/dl 2σ(αl) = α·γ(1 − γ/2),  d/dα 2σ(αl) = l·γ(1 − γ/2)  (l the logit with its bias);
+// and dH_c = dL_c·B_c as it goes (a lane sums its own columns in order, FG_REG_RANK ranks at
+// a time; ranks past the first FG_REG_RANK re-read the row's dL_c in further passes; the
+// warp's sum is a fixed butterfly). Then the summaries:
+//   d/dl_s = dγ_s·α_s·γ_s(1 − γ_s/2),  dα_s term = dγ_s·l_s·γ_s(1 − γ_s/2),
+//   d/dU_c = dH_c ⊙ φ'(U_c + a_c),  d/dU_s = d/dl_s·B_s ⊙ φ'(U_s + a_s).
+// Writes dL_c into dlogits, H into hidden [N, r], dU into dzu[n, d_out..K), and the row's
+// terms of the cross-row sums into row_terms[n·(3 + rs) ..]: dα_c, dα_s, d/dl_s (for db_s)
+// and d/dl_s·H_s (for dB_s). dZ goes into dzu[n, 0..d_out) under f32 products; under bf16
 // products (the three bf16 pointers not null) only its bf16 copy is written (the products
-// are the only readers of dZ), with the bf16 copies of dL_c and H, rounded to nearest even.
+// are the only readers of dZ), with the bf16 copies of dU, dL_c and H, rounded to nearest even.
 extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float* dout, const float* a_c,
                                                     const float* b_cw, const float* b_cb, const float* alpha_c_ptr,
                                                     const float* a_s, const float* b_sw, const float* b_sb,
@@ -400,9 +406,13 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
                                                     bf16_t* dlogits_bf16, bf16_t* hidden_bf16) {
     const float alpha_c = *alpha_c_ptr, alpha_s = *alpha_s_ptr;
     __shared__ float h_rows[FG_ROW_WARPS][FG_MAX_RANK];
+    __shared__ float dh_rows[FG_ROW_WARPS][FG_MAX_RANK];
     const int lane = threadIdx.x & 31;
     float* h = h_rows[threadIdx.x >> 5];
-    const i64 width = d_out + rc + rs;
+    float* dh = dh_rows[threadIdx.x >> 5];
+    const int r = rc + rs;
+    const i64 width = d_out + r;
+    const int terms = 3 + rs;
     const bool regs = register_rank(rc);
     WARP_ROWS(n, rows) {
         const float* zr = zu + n * width;
@@ -410,6 +420,9 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
         row_hidden(h, hr, zr, a_c, a_s, phi, phi_p, d_out, rc, rs, n, hidden, hidden_bf16);
         const float gate_s = scalar_gate(h, b_sw, b_sb, alpha_s, rc, rs);
         float dgate_s = 0.0f, dalpha_c = 0.0f;
+        float dh_part[FG_REG_RANK];  // this lane's share of dH_c[0..FG_REG_RANK)
+#pragma unroll
+        for (int t = 0; t < FG_REG_RANK; ++t) dh_part[t] = 0.0f;
         for (i64 j0 = lane; j0 < d_out; j0 += 32 * FG_ROW_BATCH) {
             float z[FG_ROW_BATCH], dy[FG_ROW_BATCH];
 #pragma unroll
@@ -437,55 +450,55 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
                     dzu[n * width + j] = dz;
                 }
                 dalpha_c += dgate * logit * slope;
+#pragma unroll
+                for (int t = 0; t < FG_REG_RANK; ++t) {
+                    if (t < rc) dh_part[t] += dlogit * b_cw[j * rc + t];
+                }
             }
         }
+        // dH_c: the first FG_REG_RANK ranks from the pass above, the rest from the row's dL_c
+        // (this lane's own writes, read back) FG_REG_RANK ranks per pass.
+        for (int t0 = 0; t0 < rc; t0 += FG_REG_RANK) {
+            if (t0 > 0) {
+#pragma unroll
+                for (int t = 0; t < FG_REG_RANK; ++t) dh_part[t] = 0.0f;
+                for (i64 j = lane; j < d_out; j += 32) {
+                    const float dlogit = dlogits[n * d_out + j];
+#pragma unroll
+                    for (int t = 0; t < FG_REG_RANK; ++t) {
+                        if (t0 + t < rc) dh_part[t] += dlogit * b_cw[j * rc + t0 + t];
+                    }
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < FG_REG_RANK; ++t) {
+                const float total = warp_sum(dh_part[t]);
+                if (lane == t && t0 + t < rc) dh[t0 + t] = total;
+            }
+        }
+        __syncwarp();  // dh is written
         dgate_s = warp_sum(dgate_s);
         dalpha_c = warp_sum(dalpha_c);
-        if (lane == 0) {
-            row_terms[n * 3 + 0] = dgate_s;
-            row_terms[n * 3 + 1] = dalpha_c;
-        }
-    }
-}
-
-// Backward of the summaries, one warp per row (its lanes over the r summary columns): with
-// dH_c = dL_c·B_c (a cuBLAS product),
-//   dγ_s → d/dl_s = dγ_s·α_s·γ_s(1 − γ_s/2),  dα_s term = dγ_s·l_s·γ_s(1 − γ_s/2),
-//   d/dU_c = dH_c ⊙ φ'(U_c + a_c),  d/dU_s = d/dl_s·B_s ⊙ φ'(U_s + a_s),
-// written into dzu[n, d_out..K); d/dl_s also into dlogit_s[n], the dα_s term into
-// row_terms[n·3 + 2]. Under bf16 products (the bf16 pointers not null) also the bf16 copies
-// of those dU columns and of dl_s, rounded to nearest even.
-extern "C" __global__ void fused_gate_backward_summaries(const float* zu, const float* dhidden_c, const float* a_c,
-                                                         const float* a_s, const float* b_sw, const float* b_sb,
-                                                         const float* alpha_s_ptr, int phi, float phi_p, i64 rows,
-                                                         i64 d_out, int rc, int rs, float* dzu, float* row_terms,
-                                                         float* dlogit_s, bf16_t* dzu_bf16, bf16_t* dlogit_s_bf16) {
-    const float alpha_s = *alpha_s_ptr;
-    const int lane = threadIdx.x & 31;
-    const int r = rc + rs;
-    const i64 width = d_out + r;
-    WARP_ROWS(n, rows) {
-        const float* u = zu + n * width + d_out;
-        float* du = dzu + n * width + d_out;
         // Every lane computes the row's scalar logit (rs terms, in order) rather than waiting on one.
-        float logit = 0.0f;
-        for (int t = 0; t < rs; ++t) logit += b_sw[t] * unary_f(phi, u[rc + t] + a_s[t], phi_p);
-        logit += b_sb[0];
-        const float gate = 2.0f * sigmoid_f(alpha_s * logit);
-        const float slope = gate * (1.0f - 0.5f * gate);
-        const float dgate = row_terms[n * 3 + 0];
-        const float dlogit = dgate * alpha_s * slope;
+        float logit_s = 0.0f;
+        for (int t = 0; t < rs; ++t) logit_s += b_sw[t] * h[rc + t];
+        logit_s += b_sb[0];
+        const float slope_s = gate_s * (1.0f - 0.5f * gate_s);
+        const float dlogit_s = dgate_s * alpha_s * slope_s;
+        float* terms_row = row_terms + n * terms;
         if (lane == 0) {
-            row_terms[n * 3 + 2] = dgate * logit * slope;
-            dlogit_s[n] = dlogit;
-            if (dlogit_s_bf16) dlogit_s_bf16[n] = f32_to_bf16(dlogit);
+            terms_row[0] = dalpha_c;
+            terms_row[1] = dgate_s * logit_s * slope_s;
+            terms_row[2] = dlogit_s;
         }
         for (int t = lane; t < r; t += 32) {
             const bool channel = t < rc;
-            const float pre = u[t] + (channel ? a_c[t] : a_s[t - rc]);
-            const float dphi = unary_df(phi, pre, unary_f(phi, pre, phi_p), phi_p);
-            du[t] = channel ? dhidden_c[n * rc + t] * dphi : dlogit * b_sw[t - rc] * dphi;
-            if (dzu_bf16) dzu_bf16[n * width + d_out + t] = f32_to_bf16(du[t]);
+            const float pre = zr[d_out + t] + (channel ? a_c[t] : a_s[t - rc]);
+            const float dphi = unary_df(phi, pre, h[t], phi_p);
+            const float du = channel ? dh[t] * dphi : dlogit_s * b_sw[t - rc] * dphi;
+            dzu[n * width + d_out + t] = du;
+            if (dzu_bf16) dzu_bf16[n * width + d_out + t] = f32_to_bf16(du);
+            if (!channel) terms_row[3 + t - rc] = dlogit_s * h[t];
         }
     }
 }
