@@ -16,7 +16,7 @@
 //! host; the launchers, the allocator and the copies keep their code paths.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{result as driver, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
@@ -40,6 +40,9 @@ pub struct CudaDevice {
     readback: Arc<ReadbackSlots>,
     counters: Counters,
     timer: KernelTimer,
+    /// The arrival counters of the kernels that finish in their last block
+    /// ([`CudaDevice::arrival_counters`]); made, and grown, on demand.
+    arrivals: Mutex<Option<DeviceBuffer<u32>>>,
 }
 
 /// What runs the device's work.
@@ -176,6 +179,7 @@ impl CudaDevice {
             readback: Arc::default(),
             counters: Counters::default(),
             timer: KernelTimer::default(),
+            arrivals: Mutex::default(),
         })
     }
 
@@ -254,6 +258,7 @@ impl CudaDevice {
             readback: Arc::default(),
             counters: Counters::default(),
             timer: KernelTimer::default(),
+            arrivals: Mutex::default(),
         })
     }
 
@@ -340,6 +345,21 @@ impl CudaDevice {
     ) -> Result<()> {
         self.counters.gemm(name, kind, flops, bytes);
         self.timed(name, "cublas", call)
+    }
+
+    /// The device address of `count` arrival counters (`u32`, all 0), for a kernel whose
+    /// blocks add up their partial sums in the block that arrives last at a counter
+    /// (`last_block_to_arrive`, common.cuh). Every such launch leaves its counters at 0 (the
+    /// last block resets its own), so the launches of every kernel share one buffer: they
+    /// never run at the same time, as the device queues all its work on one stream (the
+    /// emulator runs one launch at a time). Made and zeroed at the first call, and again,
+    /// larger, when a launch needs more counters than any before (so not in a steady state).
+    pub(crate) fn arrival_counters(&self, count: usize) -> Result<u64> {
+        let mut arrivals = self.arrivals.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if arrivals.as_ref().is_none_or(|buffer| buffer.len() < count) {
+            *arrivals = Some(self.zeros(count.next_power_of_two().max(64))?);
+        }
+        Ok(arrivals.as_ref().map_or(0, DeviceBuffer::device_ptr))
     }
 
     /// Returns the allocator's cached (unused) blocks to the driver.

@@ -13,7 +13,7 @@ use super::error::{ensure, ensure_len, Result};
 use super::launch::{
     address_list, block_list, check_owners, elementwise, length_list, per_row, ptr, size, LIST_LEN, THREADS,
 };
-use super::module::KernelFamily;
+use super::module::{Arg, KernelFamily};
 
 const FAMILY: KernelFamily = KernelFamily::Reduce;
 /// Most chunks a column sum is cut into (the partial buffer is `chunks × cols`).
@@ -34,11 +34,12 @@ pub(crate) fn finish_block(chunks: usize) -> (u32, u32, u32) {
 }
 
 /// `(rows_per_chunk, chunks)` for `outer` column sums over `rows` each: about
-/// [`MAX_CHUNKS`] chunks in all, so the partial buffer stays near `MAX_CHUNKS × cols`.
+/// [`MAX_CHUNKS`] chunks in all, so the partial buffer stays near `MAX_CHUNKS × cols`. At
+/// least one chunk, so that a sum over no rows still launches and writes its zeros.
 pub(crate) fn chunking(rows: usize, outer: usize) -> (usize, usize) {
     let target = (MAX_CHUNKS / outer.max(1)).max(1);
     let per_chunk = rows.div_ceil(target).max(MIN_CHUNK_ROWS);
-    (per_chunk, rows.div_ceil(per_chunk))
+    (per_chunk, rows.div_ceil(per_chunk).max(1))
 }
 
 /// `dst[o·cols + c] = Σ_r src[o·outer_stride + r·ld + c]` for `r < rows`, from raw
@@ -65,7 +66,7 @@ pub(crate) fn column_sums(
         shared_mem_bytes: 0,
     };
     let args = [
-        super::module::Arg::Ptr(src),
+        Arg::Ptr(src),
         size(outer),
         size(rows),
         size(cols),
@@ -92,7 +93,7 @@ pub(crate) fn finish_column_sums(
         block_dim: finish_block(chunks),
         shared_mem_bytes: 0,
     };
-    let args = [ptr(partial), size(outer), size(chunks), size(cols), super::module::Arg::Ptr(dst)];
+    let args = [ptr(partial), size(outer), size(chunks), size(cols), Arg::Ptr(dst)];
     dev.launch(FAMILY, "column_sums_finish", cfg, &args)
 }
 
@@ -110,9 +111,10 @@ pub(crate) struct ColumnSum {
     pub dst: u64,
 }
 
-/// Several column sums over the same `rows`: two launches per [`LIST_LEN`] sums instead of
-/// two per sum. Each sum has [`column_sums`]' chunks and order (f32 within a chunk, f64
-/// across chunks), so it gives the same bits.
+/// Several column sums over the same `rows`: one launch per [`LIST_LEN`] sums instead of two
+/// per sum. Each sum has [`column_sums`]' chunks and order (f32 within a chunk, f64 across
+/// chunks), so it gives the same bits; the last block of each 32 columns to finish its chunk
+/// adds up their chunks (no finish kernel).
 pub(crate) fn column_sums_many(dev: &CudaDevice, rows: usize, sums: &[ColumnSum]) -> Result<()> {
     for group in sums.chunks(LIST_LEN) {
         let max_cols = group.iter().map(|s| s.cols).max().unwrap_or(0);
@@ -121,14 +123,14 @@ pub(crate) fn column_sums_many(dev: &CudaDevice, rows: usize, sums: &[ColumnSum]
         }
         let (per_chunk, chunks) = chunking(rows, 1);
         let partial = dev.alloc::<f32>(group.len() * chunks * max_cols)?;
-        // One block per 32 of each sum's own columns, the sums' blocks end to end.
+        // One block per 32 of each sum's own columns, the sums' blocks end to end; one arrival
+        // counter per such block column.
         let (first_block, blocks) = block_list(group.iter().map(|s| s.cols.div_ceil(32)));
         let cfg =
             LaunchConfig { grid_dim: (blocks as u32, chunks as u32, 1), block_dim: (32, 8, 1), shared_mem_bytes: 0 };
-        let cols = || length_list(group.iter().map(|s| s.cols));
         let args = [
             address_list(group.iter().map(|s| s.src)),
-            cols(),
+            length_list(group.iter().map(|s| s.cols)),
             length_list(group.iter().map(|s| s.ld)),
             first_block,
             size(group.len()),
@@ -136,21 +138,10 @@ pub(crate) fn column_sums_many(dev: &CudaDevice, rows: usize, sums: &[ColumnSum]
             size(per_chunk),
             size(max_cols),
             ptr(&partial),
-        ];
-        dev.launch(FAMILY, "column_sums_many_partial", cfg, &args)?;
-        // The same blocks along x, each 32 columns × chunks side by side.
-        let cfg =
-            LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: finish_block(chunks), shared_mem_bytes: 0 };
-        let args = [
-            ptr(&partial),
             address_list(group.iter().map(|s| s.dst)),
-            cols(),
-            first_block,
-            size(group.len()),
-            size(chunks),
-            size(max_cols),
+            Arg::Ptr(dev.arrival_counters(blocks)?),
         ];
-        dev.launch(FAMILY, "column_sums_many_finish", cfg, &args)?;
+        dev.launch(FAMILY, "column_sums_many", cfg, &args)?;
     }
     Ok(())
 }
@@ -250,4 +241,73 @@ pub fn sum_squares_partials(dev: &CudaDevice, xs: &[&DeviceBuffer<f32>]) -> Resu
         dev.launch(FAMILY, "sum_squares_partial", cfg, &args)?;
     }
     Ok(partial)
+}
+
+#[cfg(all(test, feature = "cuda-emu"))]
+mod tests {
+    use super::*;
+
+    /// Values in [-1, 1) whose sums round differently in another order.
+    fn values(len: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// `column_sums_many` of sums of several widths (one column, part of a block, more
+    /// columns than the finishing block has threads) over `rows` (rows from its last block),
+    /// next to `column_sums` of each sum alone (a separate finish kernel).
+    fn many_against_one_by_one(dev: &CudaDevice, rows: usize, seed: u64) {
+        let widths = [1usize, 33, 300, 7];
+        let ld = 304;
+        let src = dev.upload(&values(rows.max(1) * ld, seed)).unwrap();
+        let stale = vec![f32::NAN; ld];
+        let many: Vec<DeviceBuffer<f32>> = widths.iter().map(|_| dev.upload(&stale).unwrap()).collect();
+        let alone: Vec<DeviceBuffer<f32>> = widths.iter().map(|_| dev.upload(&stale).unwrap()).collect();
+        let sums: Vec<ColumnSum> = widths
+            .iter()
+            .zip(&many)
+            .enumerate()
+            .map(|(i, (&cols, dst))| ColumnSum { src: src.ptr_at(i), cols, ld, dst: dst.device_ptr() })
+            .collect();
+        column_sums_many(dev, rows, &sums).unwrap();
+        for (sum, dst) in sums.iter().zip(&alone) {
+            column_sums(dev, sum.src, 1, rows, sum.cols, ld, 0, dst.device_ptr()).unwrap();
+        }
+        for ((cols, many), alone) in widths.iter().zip(&many).zip(&alone) {
+            let (many, alone) = (dev.download(many).unwrap(), dev.download(alone).unwrap());
+            assert!(alone[..*cols].iter().all(|v| v.is_finite()), "{rows} rows, {cols} columns: {alone:?}");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&many), bits(&alone), "{rows} rows, {cols} columns");
+        }
+    }
+
+    #[test]
+    fn many_column_sums_in_one_launch_give_the_bits_of_each_sum_alone() {
+        let dev = CudaDevice::emulated().unwrap();
+        // 5000 rows: 79 chunks of 64. Each shape twice: the last block leaves its counter at 0.
+        for rows in [0, 3, 5000, 0, 3, 5000] {
+            let before = dev.counters();
+            many_against_one_by_one(&dev, rows, rows as u64);
+            let launches = dev.counters().since(&before).launches_by_kernel;
+            assert_eq!(launches.get("column_sums_many"), Some(&1), "{launches:?}");
+        }
+    }
+
+    #[test]
+    fn launches_from_several_host_threads_share_the_arrival_counters_one_at_a_time() {
+        let dev = CudaDevice::emulated().unwrap();
+        std::thread::scope(|scope| {
+            for seed in 0..4 {
+                let dev = &dev;
+                scope.spawn(move || (0..5).for_each(|_| many_against_one_by_one(dev, 700, seed)));
+            }
+        });
+    }
 }

@@ -9,6 +9,7 @@
 //   __syncthreads()      -> a block barrier (the fiber yields to the scheduler)
 //   __shfl_*_sync        -> a warp collective through per-warp slots
 //   atomicAdd            -> a real atomic (blocks of one launch run on several OS threads)
+//   __threadfence()      -> a sequentially consistent fence
 // Math functions are the host's <cmath> ones: results may differ from the GPU's by an ulp.
 #pragma once
 
@@ -103,7 +104,12 @@ static inline float __uint_as_float(unsigned int v) { float f; std::memcpy(&f, &
 static inline int __float_as_int(float f) { int v; std::memcpy(&v, &f, 4); return v; }
 static inline unsigned int __float_as_uint(float f) { unsigned int v; std::memcpy(&v, &f, 4); return v; }
 
-// Atomics (blocks run concurrently on several OS threads).
+// Atomics (blocks run concurrently on several OS threads). Relaxed, as CUDA's are: ordering
+// comes from __threadfence(), a seq_cst fence, and a fence before one block's read-modify-write
+// synchronizes with a fence after another block's read-modify-write that reads it or a later one
+// (C++ [atomics.fences]; RMWs continue the release sequence), which is what the last-block
+// pattern (common.cuh last_block_to_arrive) needs, on any host, as on a GPU.
+static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 static inline float atomicAdd(float* p, float v) {
     unsigned int* bits = reinterpret_cast<unsigned int*>(p);
     unsigned int old = __atomic_load_n(bits, __ATOMIC_RELAXED);
@@ -127,6 +133,7 @@ static inline double atomicAdd(double* p, double v) {
 }
 static inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 static inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+static inline unsigned int atomicExch(unsigned int* p, unsigned int v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); }
 
 // The integer min/max overloads CUDA provides.
 static inline int min(int a, int b) { return a < b ? a : b; }

@@ -196,6 +196,7 @@ pub(crate) fn launch(
     if blocks == 0 {
         return Ok(());
     }
+    let _stream = emulator.stream();
     let launch_number = emulator.next_launch();
     let order = emulator.schedule().order(launch_number);
     let list = &pack(args);

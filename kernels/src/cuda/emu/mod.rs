@@ -28,7 +28,7 @@ pub(crate) mod nccl;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 pub use launch::Schedule;
 pub use mutants::Mutant;
@@ -49,11 +49,13 @@ impl Mutant {
     }
 }
 
-/// The state of one emulated device: its schedule, launch counter and mutants.
+/// The state of one emulated device: its schedule, launch counter and mutants, and the lock
+/// that runs its launches one at a time.
 pub(crate) struct Emulator {
     schedule: Mutex<Schedule>,
     launches: AtomicU64,
     mutants: Mutex<HashMap<KernelFamily, Mutant>>,
+    stream: Mutex<()>,
 }
 
 impl Emulator {
@@ -63,7 +65,15 @@ impl Emulator {
             schedule: Mutex::new(Schedule::from_env()?),
             launches: AtomicU64::new(0),
             mutants: Mutex::new(HashMap::new()),
+            stream: Mutex::new(()),
         })
+    }
+
+    /// Held while a launch runs: a GPU runs the launches of the device's one stream one after
+    /// another, even when several host threads queue them (tests sharing a device), and the
+    /// kernels count on it (the per-family arrival counters, `CudaDevice::arrival_counter`).
+    fn stream(&self) -> MutexGuard<'_, ()> {
+        self.stream.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(crate) fn schedule(&self) -> Schedule {

@@ -88,6 +88,30 @@ __device__ __forceinline__ float chunk_total(i64 chunks, bool valid, float (*til
     return (float)total;
 }
 
+// The "last block finishes" pattern (as CUB's and PyTorch's reductions do it), for a kernel
+// whose blocks write partial sums that `blocks` of them share: every block of the group calls
+// this after writing its partials (every thread of the block: it holds barriers), and it
+// returns true, to the whole block, in the group's one block that arrives last, which then
+// reads the group's partials and finishes. Nothing waits for another block, so any block
+// order (and the emulator's) is fine. Memory order: each thread fences its writes before
+// thread 0 counts the block (release); the last block fences after seeing the count (acquire)
+// and reads the partials through volatile loads (coherent at the device level, not an SM's
+// stale L1 line, not moved before the fence). `arrival` is the group's counter
+// (CudaDevice::arrival_counters): 0 before the launch, and reset to 0 here by the last block,
+// after every block of the group has counted, so the next launch needs no memset.
+__device__ bool last_block_to_arrive(unsigned int* arrival, unsigned int blocks) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
+        last = atomicAdd(arrival, 1u) == blocks - 1;
+        if (last) atomicExch(arrival, 0u);  // every block of the group has counted: none will again
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
 // Grid-stride loop over [0, n).
 #define GRID_STRIDE(i, n) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)

@@ -63,33 +63,30 @@ extern "C" __global__ void column_sums_finish(const float* partial, i64 outer, i
 }
 
 // Several column sums over the same rows in one launch (the fused gate's bias and α
-// gradients): sum s over srcs.v[s] (cols.v[s] columns, row stride lds.v[s]), each in
-// column_sums_partial's order: partial[(s·chunks + chunk)·max_cols + col]. Grid
+// gradients): dsts.v[s][col] = Σ_r srcs.v[s][r·lds.v[s] + col] for col < cols.v[s]. Grid
 // (Σ_s ⌈cols.v[s]/32⌉, chunks): sum s has the blocks from first_block.v[s] on, one per 32 of its
 // own columns, so a narrow sum beside a wide one launches no blocks that would find no column.
-extern "C" __global__ void column_sums_many_partial(TensorList srcs, TensorList cols, TensorList lds,
-                                                    TensorList first_block, i64 count, i64 rows, i64 rows_per_chunk,
-                                                    i64 max_cols, float* partial) {
+// Each block writes one chunk's sums of its 32 columns in column_sums_partial's order,
+// partial[(s·chunks + chunk)·max_cols + col]; the last of the chunks' blocks of a column block
+// (last_block_to_arrive on arrivals[blockIdx.x]) adds its columns' chunks in order in f64
+// (chunk_total: column_sums_finish's additions, so column_sums' bits), with the whole
+// parallelism of a separate finish kernel's block and no second launch.
+extern "C" __global__ void column_sums_many(TensorList srcs, TensorList cols, TensorList lds, TensorList first_block,
+                                            i64 count, i64 rows, i64 rows_per_chunk, i64 max_cols, float* partial,
+                                            TensorList dsts, unsigned int* arrivals) {
     __shared__ float tile[8][33];
-    const int s = list_entry_of_block(first_block, count);
-    const i64 col = ((i64)blockIdx.x - first_block.v[s]) * 32 + threadIdx.x;
-    const i64 chunk = blockIdx.y, chunks = gridDim.y;
-    const i64 r0 = chunk * rows_per_chunk;
-    const i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
-    column_chunk_sum((const float*)srcs.v[s] + col, lds.v[s], col < cols.v[s], r0, r1, tile,
-                     partial + (s * chunks + chunk) * max_cols + col);
-}
-
-// dsts.v[s][col] = Σ_chunk partial[(s·chunks + chunk)·max_cols + col], in chunk order, f64.
-// Block (32, ≤ FINISH_CHUNKS) per 32 columns (chunk_total), the partial kernel's grid.x.
-extern "C" __global__ void column_sums_many_finish(const float* partial, TensorList dsts, TensorList cols,
-                                                   TensorList first_block, i64 count, i64 chunks, i64 max_cols) {
-    __shared__ float tile[FINISH_CHUNKS][32];
+    __shared__ float finish[8][32];  // chunk_total's tile: 8 chunks side by side (the block's rows)
     const int s = list_entry_of_block(first_block, count);
     const i64 col = ((i64)blockIdx.x - first_block.v[s]) * 32 + threadIdx.x;
     const bool valid = col < cols.v[s];
-    const float* column = partial + s * chunks * max_cols + col;
-    float total = chunk_total(chunks, valid, tile, [&](i64 chunk) { return column[chunk * max_cols]; });
+    const i64 chunk = blockIdx.y, chunks = gridDim.y;
+    const i64 r0 = chunk * rows_per_chunk;
+    const i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+    column_chunk_sum((const float*)srcs.v[s] + col, lds.v[s], valid, r0, r1, tile,
+                     partial + (s * chunks + chunk) * max_cols + col);
+    if (!last_block_to_arrive(arrivals + blockIdx.x, gridDim.y)) return;
+    const volatile float* column = partial + s * chunks * max_cols + col;
+    float total = chunk_total(chunks, valid, finish, [&](i64 c) { return column[c * max_cols]; });
     if (threadIdx.y == 0 && valid) ((float*)dsts.v[s])[col] = total;
 }
 
