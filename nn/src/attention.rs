@@ -86,9 +86,24 @@ impl Attention {
     }
 
     /// `x: [B, T, C] → [B, T, C]`; token t attends to tokens ≤ t, at RoPE position t.
+    /// Ungated q, k and v projections run as one product of their stacked weights where that
+    /// is one GEMM (a GPU under bf16 products: [`Var::packed_linear`]), read by attention
+    /// straight from the packed rows ([`Var::rotary_causal_attention_packed`]).
     pub fn forward(&self, x: &Var) -> Result<Var> {
         let theta = self.config.rope_theta;
-        self.forward_with(x, |q, k, v, scale| Var::rotary_causal_attention(q, k, v, scale, theta))
+        let heads = self.config.n_heads;
+        let (q, k, v) = (&self.q_proj, &self.k_proj, &self.v_proj);
+        if q.is_plain() && k.is_plain() && v.is_plain() && x.value_ref().packed_linear_is_one_product() {
+            let weights = [&q.linear.weight, &k.linear.weight, &v.linear.weight];
+            return self.forward_with(x, |rows, [b, t, h, head_dim], scale| {
+                let qkv = rows.packed_linear(&weights)?.reshape(&[b, t, 3 * h * head_dim])?;
+                Var::rotary_causal_attention_packed(&qkv, heads, scale, theta)
+            });
+        }
+        self.forward_with(x, |rows, shape, scale| {
+            let (q, k, v) = self.heads(rows, shape)?;
+            Var::rotary_causal_attention(&q, &k, &v, scale, theta)
+        })
     }
 
     /// `x: [B, T, C] → [B, T, C]` for `T` new tokens of each of `B` sequences, sequence `i`
@@ -102,7 +117,8 @@ impl Attention {
             return Err(Error::ShapeMismatch { op: "attention cache", lhs: x.shape(), rhs: vec![caches.len()] });
         }
         let theta = self.config.rope_theta;
-        self.forward_with(x, |q, k, v, scale| {
+        self.forward_with(x, |rows, shape, scale| {
+            let (q, k, v) = self.heads(rows, shape)?;
             let mut outputs = Vec::with_capacity(batch);
             for (i, cache) in caches.iter_mut().enumerate() {
                 let position = cache.len();
@@ -118,20 +134,25 @@ impl Attention {
         })
     }
 
-    /// The layer around its attention core: projections and their gates, then `attend(q, k,
-    /// v, scale)` on the unrotated `[B, T, H, D]` heads (it applies RoPE), then the SDPA gate,
-    /// the output projection and the path gates.
-    fn forward_with(&self, x: &Var, attend: impl FnOnce(&Var, &Var, &Var, f32) -> Result<Var>) -> Result<Var> {
+    /// The unrotated `[B, T, H, D]` heads of q, k and v, each from its own (gated) projection
+    /// of the `[B·T, C]` rows.
+    fn heads(&self, rows: &Var, shape: [usize; 4]) -> Result<(Var, Var, Var)> {
+        let heads = |p: &ModulatedProjection| p.forward(rows)?.reshape(&shape);
+        Ok((heads(&self.q_proj)?, heads(&self.k_proj)?, heads(&self.v_proj)?))
+    }
+
+    /// The layer around its attention core: `attend(rows, [B, T, H, D], scale)` computes the
+    /// `[B, T, H, D]` attention output from the `[B·T, C]` input rows (projections, RoPE and
+    /// attention), then come the SDPA gate, the output projection and the path gates.
+    fn forward_with(&self, x: &Var, attend: impl FnOnce(&Var, [usize; 4], f32) -> Result<Var>) -> Result<Var> {
         let &[b, t, d] = x.shape().as_slice() else {
             return Err(Error::InvalidShape { op: "attention", shape: x.shape(), reason: "expected [B, T, C]".into() });
         };
         let h = self.config.n_heads;
         let head_dim = d / h;
         let rows = x.reshape(&[b * t, d])?;
-        let heads = |p: &ModulatedProjection| p.forward(&rows)?.reshape(&[b, t, h, head_dim]);
-        let (q, k, v) = (heads(&self.q_proj)?, heads(&self.k_proj)?, heads(&self.v_proj)?);
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let mut o = attend(&q, &k, &v, scale)?.reshape(&[b * t, d])?;
+        let mut o = attend(&rows, [b, t, h, head_dim], scale)?.reshape(&[b * t, d])?;
         if let Some(gate) = &self.sdpa_gate {
             o = o.mul(&gate.forward(&rows)?)?;
         }

@@ -52,7 +52,7 @@ impl SwiGlu {
         let d = self.gate_proj.in_features();
         let rows = x.reshape(&[x.value_ref().numel() / d.max(1), d])?;
         let packs = rows.value_ref().packed_linear_is_one_product();
-        let hidden = if packs && is_plain(&self.gate_proj) && is_plain(&self.up_proj) {
+        let hidden = if packs && self.gate_proj.is_plain() && self.up_proj.is_plain() {
             // One product of the packed gate and up weights, SwiGLU over its two halves.
             let weights = [&self.gate_proj.linear.weight, &self.up_proj.linear.weight];
             rows.packed_linear(&weights)?.swiglu_halves()?
@@ -66,13 +66,6 @@ impl SwiGlu {
         }
         y.reshape(&shape)
     }
-}
-
-/// Whether a projection is a plain linear map (no gate, no bias): the gate and up
-/// projections then run as one product ([`Var::packed_linear`]) where that is one GEMM (a
-/// GPU under bf16 products; elsewhere the projections run one by one, which is faster).
-fn is_plain(projection: &ModulatedProjection) -> bool {
-    projection.gates.is_empty() && projection.linear.bias.is_none()
 }
 
 impl Module for SwiGlu {

@@ -213,6 +213,24 @@ fn rope_agrees_at_several_offsets() {
 }
 
 #[test]
+fn rotary_attention_of_packed_qkv_agrees() {
+    if no_gpu() {
+        return;
+    }
+    // (B, T, H, D): head dims that take the kernels' 4-pair path and the one-pair path.
+    for (i, (b, t, h, d)) in [(2, 9, 2, 16), (1, 7, 3, 6), (1, 1, 1, 2)].into_iter().enumerate() {
+        let qkv = seeded(&[b, t, 3 * h * d], -1.5, 1.5, 70 + i as u64);
+        let scale = 1.0 / (d as f32).sqrt();
+        check_op(&format!("packed qkv attention {b}x{t}x{h}x{d}"), &[qkv], SUM_ATOL, |v| {
+            Var::rotary_causal_attention_packed(&v[0], h, scale, 10_000.0)
+        });
+    }
+    let bad = gpu(&seeded(&[1, 2, 10], -1.0, 1.0, 79));
+    let err = Tensor::rope_qkv(&bad, 2, 10_000.0).unwrap_err();
+    assert!(matches!(err, Error::InvalidShape { op: "rope_qkv", .. }), "{err}");
+}
+
+#[test]
 fn embedding_agrees_with_repeated_ids() {
     if no_gpu() {
         return;

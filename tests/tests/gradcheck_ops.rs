@@ -600,6 +600,19 @@ proptest! {
     }
 
     #[test]
+    fn rotary_causal_attention_of_packed_qkv(((lqkv, qkv), heads, theta) in (1..=2usize, 1..=4usize, 1..=2usize, 1..=3usize)
+        .prop_flat_map(|(b, t, h, half)| {
+            (
+                input(vec![b, t, 3 * h * 2 * half], Domain::Uniform(-1.5, 1.5)),
+                Just(h),
+                prop_oneof![Just(10_000.0f32), Just(10.0f32)],
+            )
+        }))
+    {
+        assert_gradcheck(|x| Var::rotary_causal_attention_packed(&lqkv.view(&x[0])?, heads, 0.6, theta), &[qkv]);
+    }
+
+    #[test]
     fn causal_attention_peaked_scores(seed in any::<u64>(), tq in 1..=4usize) {
         // scale 1 and |q·k| up to ~16: nearly one-hot attention rows.
         let q = seeded(&[1, tq, 2, 4], -2.0, 2.0, seed);
@@ -630,6 +643,27 @@ fn rotary_causal_attention_is_rope_then_attention_exactly() {
         out.mul(&out).unwrap().sum_all().unwrap().backward().unwrap();
         let grads = [&q, &k, &v].map(|x| x.grad().unwrap().to_vec());
         (out.value().to_vec(), grads)
+    };
+    assert_eq!(run(true), run(false));
+}
+
+/// Attention of the packed QKV rows is the op on q, k and v cut out of them, bit for bit:
+/// forward and the gradient of the packed rows.
+#[test]
+fn rotary_causal_attention_of_packed_qkv_is_the_op_on_its_parts_exactly() {
+    let (b, t, h, d) = (2, 5, 3, 8);
+    let qkv = seeded(&[b, t, 3 * h * d], -1.5, 1.5, 93);
+    let run = |packed: bool| {
+        let qkv = Var::parameter(qkv.clone());
+        let out = if packed {
+            Var::rotary_causal_attention_packed(&qkv, h, 0.4, 10_000.0)
+        } else {
+            let part = |i: usize| qkv.narrow(2, i * h * d, h * d)?.reshape(&[b, t, h, d]);
+            Var::rotary_causal_attention(&part(0).unwrap(), &part(1).unwrap(), &part(2).unwrap(), 0.4, 10_000.0)
+        }
+        .unwrap();
+        out.mul(&out).unwrap().sum_all().unwrap().backward().unwrap();
+        (out.value().to_vec(), qkv.grad().unwrap().to_vec())
     };
     assert_eq!(run(true), run(false));
 }

@@ -4,10 +4,10 @@
 //!
 //! What is met holds exactly: no host synchronisation, no driver allocation, no pageable
 //! copy, no f32 product off the tensor cores, no f32 attention, no unfused cross-entropy
-//! (the LM head's loss holds no `[N, V]` logits). What is not met yet is a ceiling at today's
-//! count, so a change that adds a launch or a copy fails here; lower a ceiling when a change
-//! lowers the count. The targets (issue 28) are printed beside the counts: pre-ln ≤ 250
-//! launches, Transponder ≤ 1.3× pre-ln.
+//! (the LM head's loss holds no `[N, V]` logits). Launches are held to ceilings at today's
+//! counts, so a change that adds a launch fails here; lower a ceiling when a change lowers the
+//! count. The targets (issue 28) are printed beside the counts: pre-ln ≤ 250 launches (met:
+//! its ceiling is below it), Transponder ≤ 1.3× pre-ln (not met yet).
 #![cfg(feature = "cuda")]
 
 use std::path::PathBuf;
@@ -16,12 +16,14 @@ use std::process::Command;
 use serde_json::Value;
 
 /// Today's ceilings (the counts of the current code).
-const PRE_LN_LAUNCHES: u64 = 272;
+const PRE_LN_LAUNCHES: u64 = 240;
 const TRANSPONDER_LAUNCHES: u64 = 632;
 
 /// The issue's targets, printed beside the counts.
 const TARGET_PRE_LN_LAUNCHES: u64 = 250;
 const TARGET_TRANSPONDER_RATIO: f64 = 1.3;
+// pre-ln's target is met: its ceiling may not rise past it.
+const _: () = assert!(PRE_LN_LAUNCHES <= TARGET_PRE_LN_LAUNCHES, "pre-ln's ceiling is above the issue's target");
 
 /// The `train-bench` built with this test, or, in a GPU bundle (`bench/gpu/bundle.sh`), the
 /// one beside this test binary.

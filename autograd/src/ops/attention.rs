@@ -36,4 +36,20 @@ impl Var {
             Ok(vec![dq, dk, dv])
         }))
     }
+
+    /// [`Var::rotary_causal_attention`] of the packed QKV product `qkv: [B, T, 3·H·D]` (each
+    /// token's q, k and v side by side: one GEMM of the stacked weights, [`Var::packed_linear`])
+    /// with `heads` heads; returns `[B, T, H, D]`. The rotations and the move of v out of the
+    /// packed rows are one launch on a GPU, and so is the backward's `dqkv`
+    /// (`Tensor::rope_qkv`), so packing the three projections adds no launch.
+    pub fn rotary_causal_attention_packed(qkv: &Var, heads: usize, scale: f32, theta: f32) -> Result<Var> {
+        let (qr, kr, v) = Tensor::rope_qkv(&qkv.value_ref(), heads, theta)?;
+        let (out, lse) = Tensor::causal_attention(&qr, &kr, &v, scale)?;
+        let saved_out = out.clone();
+        Ok(Var::from_op(out, vec![qkv.clone()], move |dout| {
+            let (dqr, dkr, dv) = Tensor::causal_attention_backward(&qr, &kr, &v, &saved_out, &lse, dout, scale)?;
+            // d/dx of a rotation is the inverse rotation; dv goes back into its third of each row.
+            Ok(vec![Tensor::rope_qkv_backward(&dqr, &dkr, &dv, theta)?])
+        }))
+    }
 }

@@ -1,6 +1,7 @@
 //! Launchers of `rope.cu`: rotary position embedding in the Hugging Face "rotate_half"
 //! layout, forward and backward (the inverse rotation, written into `dx`), of several tensors
-//! in one launch (attention's q and k).
+//! in one launch (attention's q and k), and of the packed QKV product (q and k rotated out of
+//! each token's `[q | k | v]` row and v moved beside them; the backward writes the rows back).
 //!
 //! Mirrors `cpu::rope`; the cos/sin tables are the CPU's `rope_table` uploaded once
 //! (`[max_seq, D/2]` each). An output that bf16 products read (the backward's `dq`, `dk`)
@@ -29,46 +30,100 @@ pub struct RopePart<'a> {
     pub out_bf16: Option<&'a mut DeviceBuffer<bf16>>,
 }
 
+/// One part of a launch as the kernel reads it: addresses of `x`, `out` and (0 when none)
+/// `out`'s bf16 twin, each `[B·T, heads, D]` with its own token stride, checked by the caller.
+struct Lane {
+    x: u64,
+    x_stride: usize,
+    out: u64,
+    out_stride: usize,
+    out_bf16: u64,
+    heads: usize,
+    /// False: copied, not rotated.
+    rotate: bool,
+}
+
 /// Checks every part ([`RopeDims::check`], as on the CPU; one batch, length, head dim and
 /// offset for all, at most `LIST_LEN` parts), then rotates them all in one launch.
 fn rotate(
     dev: &CudaDevice,
     op: &'static str,
     parts: &mut [RopePart],
-    [cos, sin]: [&DeviceBuffer<f32>; 2],
+    tables: [&DeviceBuffer<f32>; 2],
     backward: bool,
 ) -> Result<()> {
     let Some(first) = parts.first().map(|part| part.dims) else { return Ok(()) };
     ensure(parts.len() <= LIST_LEN, op, || format!("{} parts, at most {LIST_LEN} per launch", parts.len()))?;
-    check_owners(dev, op, &[cos, sin])?;
+    let mut lanes = Vec::with_capacity(parts.len());
     for part in parts.iter() {
         check_owners(dev, op, &[part.x, part.out])?;
         let d = part.dims;
-        d.check(part.x.len(), part.out.len(), (cos.len(), sin.len()))
-            .map_err(|message| CudaError::shape(op, message))?;
-        let shared =
-            (d.batch, d.seq, d.head_dim, d.pos_offset) == (first.batch, first.seq, first.head_dim, first.pos_offset);
-        ensure(shared, op, || format!("parts differ in batch, length, head dim or offset: {d:?} and {first:?}"))?;
+        check_dims(op, d, first, part.x.len(), part.out.len(), tables)?;
         if let Some(twin) = &part.out_bf16 {
-            dev.check_owner(op, twin)?;
-            ensure(twin.len() == part.out.len(), op, || {
-                format!("a bf16 twin has {} elements, its output {}", twin.len(), part.out.len())
-            })?;
+            check_twin(dev, op, twin, part.out.len())?;
         }
+        let width = d.heads * d.head_dim;
+        lanes.push(Lane {
+            x: part.x.device_ptr(),
+            x_stride: width,
+            out: part.out.device_ptr(),
+            out_stride: width,
+            out_bf16: part.out_bf16.as_ref().map_or(0, |twin| twin.device_ptr()),
+            heads: d.heads,
+            rotate: true,
+        });
     }
-    let RopeDims { batch, seq, head_dim, pos_offset, .. } = first;
+    launch(dev, first, &lanes, tables, backward)
+}
+
+/// Checks one part's sizes against its buffers' lengths and the tables, and that it shares
+/// `first`'s batch, length, head dim and offset.
+fn check_dims(
+    op: &'static str,
+    d: RopeDims,
+    first: RopeDims,
+    input: usize,
+    output: usize,
+    [cos, sin]: [&DeviceBuffer<f32>; 2],
+) -> Result<()> {
+    d.check(input, output, (cos.len(), sin.len())).map_err(|message| CudaError::shape(op, message))?;
+    let shared =
+        (d.batch, d.seq, d.head_dim, d.pos_offset) == (first.batch, first.seq, first.head_dim, first.pos_offset);
+    ensure(shared, op, || format!("parts differ in batch, length, head dim or offset: {d:?} and {first:?}"))
+}
+
+/// Checks a bf16 twin against its output's length.
+fn check_twin(dev: &CudaDevice, op: &'static str, twin: &DeviceBuffer<bf16>, len: usize) -> Result<()> {
+    dev.check_owner(op, twin)?;
+    ensure(twin.len() == len, op, || format!("a bf16 twin has {} elements, its output {len}", twin.len()))
+}
+
+/// One launch of `rope_rotate` over `lanes` (checked), all of `dims`' batch, length, head dim
+/// and offset.
+fn launch(
+    dev: &CudaDevice,
+    dims: RopeDims,
+    lanes: &[Lane],
+    [cos, sin]: [&DeviceBuffer<f32>; 2],
+    backward: bool,
+) -> Result<()> {
+    check_owners(dev, "rope", &[cos, sin])?;
+    let RopeDims { batch, seq, head_dim, pos_offset, .. } = dims;
     // The backward rotates by −angle (sin negated).
     let sign = if backward { -1.0 } else { 1.0 };
-    let most_heads = parts.iter().map(|part| part.dims.heads).max().unwrap_or(0);
+    let most_heads = lanes.iter().map(|lane| lane.heads).max().unwrap_or(0);
     // One thread per group of 4 pairs when D/2 allows 16-byte accesses (rope.cu), else per pair.
     let pairs_per_thread = if (head_dim / 2).is_multiple_of(4) { 4 } else { 1 };
     let mut cfg = elementwise((batch * seq * most_heads * (head_dim / 2)).div_ceil(pairs_per_thread));
-    cfg.grid_dim.1 = parts.len() as u32;
+    cfg.grid_dim.1 = lanes.len() as u32;
     let args = [
-        address_list(parts.iter().map(|part| part.x.device_ptr())),
-        address_list(parts.iter().map(|part| part.out.device_ptr())),
-        address_list(parts.iter().map(|part| part.out_bf16.as_ref().map_or(0, |twin| twin.device_ptr()))),
-        length_list(parts.iter().map(|part| part.dims.heads)),
+        address_list(lanes.iter().map(|lane| lane.x)),
+        address_list(lanes.iter().map(|lane| lane.out)),
+        address_list(lanes.iter().map(|lane| lane.out_bf16)),
+        length_list(lanes.iter().map(|lane| lane.heads)),
+        length_list(lanes.iter().map(|lane| lane.x_stride)),
+        length_list(lanes.iter().map(|lane| lane.out_stride)),
+        length_list(lanes.iter().map(|lane| usize::from(lane.rotate))),
         ptr(cos),
         ptr(sin),
         size(batch * seq),
@@ -99,4 +154,78 @@ pub fn rope_backward(
 ) -> Result<()> {
     // d/dx (R x) = Rᵀ: the rotation by −angle.
     rotate(dev, "rope_backward", parts, [cos, sin], true)
+}
+
+/// The packed QKV product `qkv: [B, T, 3, H, D]` (each token's q, k and v side by side, as
+/// one GEMM of the stacked weights writes them) into the dense `[B, T, H, D]` tensors
+/// `R q`, `R k` and `v`, in one launch. `dims` are one part's sizes.
+pub fn rope_qkv_forward(
+    dev: &CudaDevice,
+    qkv: &DeviceBuffer<f32>,
+    dims: RopeDims,
+    [q, k, v]: [&mut DeviceBuffer<f32>; 3],
+    cos: &DeviceBuffer<f32>,
+    sin: &DeviceBuffer<f32>,
+) -> Result<()> {
+    const OP: &str = "rope_qkv_forward";
+    let part_len = dims.len();
+    check_owners(dev, OP, &[qkv, q, k, v])?;
+    ensure(qkv.len() == 3 * part_len, OP, || {
+        format!("qkv has {} elements, 3·[B, T, H, D] needs {}", qkv.len(), 3 * part_len)
+    })?;
+    for out in [&*q, &*k, &*v] {
+        check_dims(OP, dims, dims, part_len, out.len(), [cos, sin])?;
+    }
+    let width = dims.heads * dims.head_dim;
+    let lane = |part: usize, out: &DeviceBuffer<f32>| Lane {
+        x: qkv.ptr_at(part * width),
+        x_stride: 3 * width,
+        out: out.device_ptr(),
+        out_stride: width,
+        out_bf16: 0,
+        heads: dims.heads,
+        rotate: part < 2,
+    };
+    let lanes = [lane(0, q), lane(1, k), lane(2, v)];
+    launch(dev, dims, &lanes, [cos, sin], false)
+}
+
+/// The backward of [`rope_qkv_forward`]: `dqkv: [B, T, 3, H, D]` from the dense gradients of
+/// its outputs (`Rᵀ dq`, `Rᵀ dk` and `dv` side by side in each token's row), in one launch;
+/// `dqkv_bf16`, when given, gets the same values rounded to nearest even (the packed
+/// product's input gradient reads it).
+pub fn rope_qkv_backward(
+    dev: &CudaDevice,
+    [dq, dk, dv]: [&DeviceBuffer<f32>; 3],
+    dims: RopeDims,
+    dqkv: &mut DeviceBuffer<f32>,
+    dqkv_bf16: Option<&mut DeviceBuffer<bf16>>,
+    cos: &DeviceBuffer<f32>,
+    sin: &DeviceBuffer<f32>,
+) -> Result<()> {
+    const OP: &str = "rope_qkv_backward";
+    let part_len = dims.len();
+    check_owners(dev, OP, &[dq, dk, dv, dqkv])?;
+    ensure(dqkv.len() == 3 * part_len, OP, || {
+        format!("dqkv has {} elements, 3·[B, T, H, D] needs {}", dqkv.len(), 3 * part_len)
+    })?;
+    for grad in [dq, dk, dv] {
+        check_dims(OP, dims, dims, grad.len(), part_len, [cos, sin])?;
+    }
+    if let Some(twin) = &dqkv_bf16 {
+        check_twin(dev, OP, twin, dqkv.len())?;
+    }
+    let width = dims.heads * dims.head_dim;
+    let twin = dqkv_bf16.as_deref();
+    let lane = |part: usize, grad: &DeviceBuffer<f32>| Lane {
+        x: grad.device_ptr(),
+        x_stride: width,
+        out: dqkv.ptr_at(part * width),
+        out_stride: 3 * width,
+        out_bf16: twin.map_or(0, |twin| twin.ptr_at(part * width)),
+        heads: dims.heads,
+        rotate: part < 2,
+    };
+    let lanes = [lane(0, dq), lane(1, dk), lane(2, dv)];
+    launch(dev, dims, &lanes, [cos, sin], true)
 }

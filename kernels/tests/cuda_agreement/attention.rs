@@ -67,6 +67,62 @@ fn rope_agrees() {
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }
 
+/// The packed QKV rows `[B, T, 3, H, D]` split into R q, R k and v, and the backward writing
+/// `[Rᵀ dq | Rᵀ dk | dv]` rows (with their bf16 twin), against the CPU's rotations of each
+/// part: one launch each way.
+#[test]
+fn rope_of_packed_qkv_agrees() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(10);
+    for (batch, seq, heads, head_dim) in [(2, 37, 4, 64), (1, 5, 3, 18), (3, 1, 1, 2)] {
+        let (cos, sin) = cpu::rope::rope_table(seq, head_dim, 10000.0);
+        let (gcos, gsin) = (up(dev, &cos), up(dev, &sin));
+        let dims = RopeDims { batch, seq, heads, head_dim, pos_offset: 0 };
+        let (tokens, width) = (batch * seq, heads * head_dim);
+        let qkv = rng.vec(3 * dims.len(), -2.0, 2.0);
+        // Part p of every token's row, as a dense [B, T, H, D].
+        let part = |rows: &[f32], p: usize| -> Vec<f32> {
+            (0..tokens).flat_map(|t| rows[(3 * t + p) * width..(3 * t + p + 1) * width].to_vec()).collect()
+        };
+        let gqkv = up(dev, &qkv);
+        let mut outs = [0, 1, 2].map(|_| up(dev, &stale(dims.len())));
+        let [gq, gk, gv] = &mut outs;
+        cuda::rope::rope_qkv_forward(dev, &gqkv, dims, [gq, gk, gv], &gcos, &gsin).unwrap();
+        for (p, out) in outs.iter().enumerate() {
+            let x = part(&qkv, p);
+            let mut want = x.clone();
+            if p < 2 {
+                cpu::rope::rope_forward(&x, &cos, &sin, &dims, &mut want);
+            }
+            assert_elementwise(&format!("rope of packed qkv, part {p}"), &down(dev, out), &want);
+        }
+        let grads = [0, 1, 2].map(|_| rng.vec(dims.len(), -2.0, 2.0));
+        let ggrads = grads.each_ref().map(|g| up(dev, g));
+        let mut dqkv = up(dev, &stale(3 * dims.len()));
+        let mut twin = dev.alloc::<bf16>(3 * dims.len()).unwrap();
+        let [dq, dk, dv] = &ggrads;
+        cuda::rope::rope_qkv_backward(dev, [dq, dk, dv], dims, &mut dqkv, Some(&mut twin), &gcos, &gsin).unwrap();
+        let got = down(dev, &dqkv);
+        for (p, grad) in grads.iter().enumerate() {
+            let mut want = grad.clone();
+            if p < 2 {
+                cpu::rope::rope_backward(grad, &cos, &sin, &dims, &mut want);
+            }
+            assert_elementwise(&format!("rope of packed qkv backward, part {p}"), &part(&got, p), &want);
+        }
+        assert_twin(dev, "packed dqkv", &dqkv, &dqkv, &twin);
+    }
+    // A packed buffer of the wrong length is an error, not a wild read.
+    let dims = RopeDims { batch: 1, seq: 2, heads: 1, head_dim: 2, pos_offset: 0 };
+    let (cos, sin) = cpu::rope::rope_table(2, 2, 10000.0);
+    let (gcos, gsin) = (up(dev, &cos), up(dev, &sin));
+    let short = up(dev, &[1.0; 8]);
+    let mut outs = [0, 1, 2].map(|_| dev.alloc::<f32>(4).unwrap());
+    let [q, k, v] = &mut outs;
+    let result = cuda::rope::rope_qkv_forward(dev, &short, dims, [q, k, v], &gcos, &gsin);
+    assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
+}
+
 #[test]
 fn embedding_agrees() {
     let dev = device_or_skip!();

@@ -40,6 +40,13 @@ impl ModulatedProjection {
         self.linear.out_features()
     }
 
+    /// Whether this is a plain linear map (no gate, no bias): projections of one input then
+    /// run as one product of their stacked weights ([`Var::packed_linear`]) where that is one
+    /// GEMM (a GPU under bf16 products; elsewhere one by one, which is faster).
+    pub fn is_plain(&self) -> bool {
+        self.gates.is_empty() && self.linear.bias.is_none()
+    }
+
     /// `x: [..., in] → [..., out]`, through the fused op when the gates allow it.
     pub fn forward(&self, x: &Var) -> Result<Var> {
         if crate::trace::is_recording() {

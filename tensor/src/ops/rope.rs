@@ -46,6 +46,45 @@ impl Tensor {
         Ok((dq, dk))
     }
 
+    /// The packed QKV product `qkv: [B, T, 3·H·D]` (each token's q, k and v side by side, as
+    /// one GEMM of the stacked weights writes them) as `(R q, R k, v)`, each a dense
+    /// `[B, T, H, D]`, q and k rotated from position 0: one launch on a GPU (v moved beside
+    /// the rotations), plain ops on the CPU.
+    pub fn rope_qkv(qkv: &Tensor, heads: usize, theta: f32) -> Result<(Tensor, Tensor, Tensor)> {
+        const OP: &str = "rope_qkv";
+        let dims = qkv_dims(OP, qkv.shape(), heads)?;
+        #[cfg(feature = "cuda")]
+        if qkv.cuda_storage().is_some() {
+            return cuda::rope_qkv(qkv, dims, theta);
+        }
+        let [q, k, v] = qkv_parts(qkv, dims)?;
+        let (q, k) = Tensor::rope_pair(&q, &k, theta, 0)?;
+        Ok((q, k, v))
+    }
+
+    /// The backward of [`Tensor::rope_qkv`] for the gradients of its outputs (each
+    /// `[B, T, H, D]`): `dqkv = [Rᵀ dq | Rᵀ dk | dv]` per token, `[B, T, 3·H·D]`, in one
+    /// launch on a GPU (which also writes its bf16 copy under bf16 products: the packed
+    /// product's input gradient reads it).
+    pub fn rope_qkv_backward(dq: &Tensor, dk: &Tensor, dv: &Tensor, theta: f32) -> Result<Tensor> {
+        const OP: &str = "rope_qkv_backward";
+        let dims = dq.rope_dims(OP, 0)?;
+        for grad in [dk, dv] {
+            dq.same_device(OP, grad)?;
+            if grad.shape() != dq.shape() {
+                return Err(Error::ShapeMismatch { op: OP, lhs: dq.shape().to_vec(), rhs: grad.shape().to_vec() });
+            }
+        }
+        #[cfg(feature = "cuda")]
+        if dq.cuda_storage().is_some() {
+            return cuda::rope_qkv_backward([dq, dk, dv], dims, theta);
+        }
+        let (dq, dk) = Tensor::rope_pair_backward(dq, dk, theta, 0)?;
+        let RopeDims { batch, seq, heads, head_dim, .. } = dims;
+        let token = |t: &Tensor| t.reshape(&[batch, seq, 1, heads * head_dim]);
+        Tensor::cat(&[&token(&dq)?, &token(&dk)?, &token(dv)?], 2)?.reshape(&[batch, seq, 3 * heads * head_dim])
+    }
+
     /// Rotates each of `xs` (all `[B, T, ·, D]` with one B, T and D, on one device) by the
     /// angles of positions `pos_offset + t`; with `backward`, by their negatives.
     fn rotate<const N: usize>(xs: [&Tensor; N], theta: f32, pos_offset: usize, backward: bool) -> Result<[Tensor; N]> {
@@ -83,6 +122,25 @@ impl Tensor {
         }
         Ok(rotated)
     }
+}
+
+/// The sizes of one part (q, k or v) of a packed `[B, T, 3·H·D]` QKV product of `heads`
+/// heads of an even width.
+fn qkv_dims(op: &'static str, shape: &[usize], heads: usize) -> Result<RopeDims> {
+    let invalid = |reason: String| Error::InvalidShape { op, shape: shape.to_vec(), reason };
+    let &[batch, seq, width] = shape else { return Err(invalid("expected [B, T, 3·H·D]".into())) };
+    if heads == 0 || !width.is_multiple_of(3 * heads) || !(width / (3 * heads)).is_multiple_of(2) {
+        return Err(invalid(format!("{heads} heads must split a third of width {width} into even head dims")));
+    }
+    Ok(RopeDims { batch, seq, heads, head_dim: width / (3 * heads), pos_offset: 0 })
+}
+
+/// q, k and v of a packed QKV product as dense `[B, T, H, D]` tensors (copies).
+fn qkv_parts(qkv: &Tensor, dims: RopeDims) -> Result<[Tensor; 3]> {
+    let RopeDims { batch, seq, heads, head_dim, .. } = dims;
+    let width = heads * head_dim;
+    let part = |i: usize| qkv.narrow(2, i * width, width)?.contiguous()?.reshape(&[batch, seq, heads, head_dim]);
+    Ok([part(0)?, part(1)?, part(2)?])
 }
 
 #[cfg(feature = "cuda")]
@@ -141,6 +199,37 @@ pub(crate) mod cuda {
         tables.retain(|t| !t.is_for(dev, head_dim, theta));
         tables.push(Arc::clone(&table));
         Ok(table)
+    }
+
+    /// [`Tensor::rope_qkv`] on the GPU: one launch for q, k (rotated) and v (moved).
+    pub(crate) fn rope_qkv(qkv: &Tensor, dims: RopeDims, theta: f32) -> Result<(Tensor, Tensor, Tensor)> {
+        const OP: &str = "rope_qkv";
+        let dev = qkv.cuda_device(OP)?;
+        let qkv = qkv.dense()?;
+        let table = table(&dev, dims.seq, dims.head_dim, theta)?;
+        let (mut q, mut k, mut v) = (
+            CudaStorage::alloc(&dev, dims.len())?,
+            CudaStorage::alloc(&dev, dims.len())?,
+            CudaStorage::alloc(&dev, dims.len())?,
+        );
+        let buffers = [q.f32_buffer_mut(OP)?, k.f32_buffer_mut(OP)?, v.f32_buffer_mut(OP)?];
+        launch::rope_qkv_forward(&dev, qkv.cuda_f32(OP)?, dims, buffers, &table.cos, &table.sin)?;
+        let shape = [dims.batch, dims.seq, dims.heads, dims.head_dim];
+        Ok((Tensor::from_cuda(q, &shape)?, Tensor::from_cuda(k, &shape)?, Tensor::from_cuda(v, &shape)?))
+    }
+
+    /// [`Tensor::rope_qkv_backward`] on the GPU: one launch writes every token's
+    /// `[Rᵀ dq | Rᵀ dk | dv]` row (and its bf16 copy under bf16 products).
+    pub(crate) fn rope_qkv_backward(grads: [&Tensor; 3], dims: RopeDims, theta: f32) -> Result<Tensor> {
+        const OP: &str = "rope_qkv_backward";
+        let dev = grads[0].cuda_device(OP)?;
+        let grads: Vec<Tensor> = grads.iter().map(|g| g.dense()).collect::<Result<_>>()?;
+        let table = table(&dev, dims.seq, dims.head_dim, theta)?;
+        let shape = [dims.batch, dims.seq, 3 * dims.heads * dims.head_dim];
+        crate::cuda::product_input_output(&dev, OP, &shape, |dqkv, dqkv_bf16| {
+            let buffers = [grads[0].cuda_f32(OP)?, grads[1].cuda_f32(OP)?, grads[2].cuda_f32(OP)?];
+            Ok(launch::rope_qkv_backward(&dev, buffers, dims, dqkv, dqkv_bf16, &table.cos, &table.sin)?)
+        })
     }
 
     /// Rotates every tensor of `xs` of the sizes `dims` (checked by the caller) in one

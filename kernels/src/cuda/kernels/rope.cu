@@ -7,39 +7,52 @@
 // not added: kernels/src/lib.rs). One thread per pair, or per 4 adjacent pairs (below).
 //
 // One launch rotates several tensors (attention's q and k): part p = blockIdx.y rotates
-// xs.v[p] into outs.v[p], [tokens = B·T, head_counts.v[p], D]; token t of a sequence uses
-// table row pos_offset + t % seq. out_bf16s.v[p] (when not 0) gets the output rounded to
-// nearest even, for the bf16 products reading it.
+// xs.v[p] into outs.v[p], each [tokens = B·T, head_counts.v[p], D] with token rows
+// x_strides.v[p] and out_strides.v[p] elements apart (H·D when dense; 3·H·D where q, k and v
+// sit side by side in one row, the packed QKV product); token t of a sequence uses table row
+// pos_offset + t % seq. A part whose rotates.v[p] is 0 is copied, not rotated (v, moved
+// beside q and k in the same launch). out_bf16s.v[p] (when not 0) gets the output rounded to
+// nearest even, for the bf16 products reading it, with out's layout.
 // A thread rotates W adjacent pairs per step: W = 4 when the halves split into 16-byte groups
-// (D/2 % 4 == 0 and every pointer aligned): 16-byte loads of x and the tables, 16-byte stores
-// of out and 8-byte of out_bf16; else W = 1. Index type I: unsigned int when every index fits
-// (the usual case), since a 64-bit division or modulo costs dozens of instructions on the GPU
-// (it is emulated) and each step needs four; i64 for larger tensors. The arithmetic per pair is
-// the same on every path, so the bits are too.
+// (D/2 % 4 == 0, strides multiples of 4 and every pointer aligned): 16-byte loads of x and the
+// tables, 16-byte stores of out and 8-byte of out_bf16; else W = 1. Index type I: unsigned int
+// when every index fits (the usual case), since a 64-bit division or modulo costs dozens of
+// instructions on the GPU (it is emulated) and each step needs four; i64 for larger tensors.
+// The arithmetic per pair is the same on every path, so the bits are too.
 template <int W, typename I>
 __device__ __forceinline__ void rope_rotate_part(const float* x, float* out, bf16_t* out_bf16, const float* cos_table,
                                                  const float* sin_table, I tokens, I heads, I seq, I head_dim,
-                                                 I pos_offset, float sign) {
+                                                 I x_stride, I out_stride, I pos_offset, float sign, bool rotate) {
     const I half = head_dim / 2, groups = half / W;  // groups of W pairs per head
     const I n = tokens * heads * groups;
     for (I g = (I)blockIdx.x * blockDim.x + threadIdx.x; g < n; g += (I)gridDim.x * blockDim.x) {
         I i = g % groups * W;       // the group's first pair in its head
         I token_head = g / groups;  // token·H + h
         I token = token_head / heads;
+        I head_at = (token_head - token * heads) * head_dim + i;
         I row = (pos_offset + token % seq) * half + i;
-        I at = token_head * head_dim + i;
-        float c[W], s[W], a[W], b[W], lo[W], hi[W];
-        load_f32(c, cos_table + row);
-        load_f32(s, sin_table + row);
-        load_f32(a, x + at);
-        load_f32(b, x + at + half);
-        // hi's sum is written a·sin + b·cos (the same value: addition commutes) so that NVRTC fuses
-        // the same product into an fma as it did for the one-pair-per-thread kernel:
-        // hi = fma(a, sin, b·cos), lo = a·cos − b·sin unfused. Same bits on the GPU too.
-        for (int k = 0; k < W; ++k) {
-            float sk = s[k] * sign;
-            lo[k] = a[k] * c[k] - b[k] * sk;
-            hi[k] = a[k] * sk + b[k] * c[k];
+        I at_x = token * x_stride + head_at;
+        I at = token * out_stride + head_at;
+        float a[W], b[W], lo[W], hi[W];
+        load_f32(a, x + at_x);
+        load_f32(b, x + at_x + half);
+        if (rotate) {
+            float c[W], s[W];
+            load_f32(c, cos_table + row);
+            load_f32(s, sin_table + row);
+            // hi's sum is written a·sin + b·cos (the same value: addition commutes) so that NVRTC
+            // fuses the same product into an fma as it did for the one-pair-per-thread kernel:
+            // hi = fma(a, sin, b·cos), lo = a·cos − b·sin unfused. Same bits on the GPU too.
+            for (int k = 0; k < W; ++k) {
+                float sk = s[k] * sign;
+                lo[k] = a[k] * c[k] - b[k] * sk;
+                hi[k] = a[k] * sk + b[k] * c[k];
+            }
+        } else {
+            for (int k = 0; k < W; ++k) {
+                lo[k] = a[k];
+                hi[k] = b[k];
+            }
         }
         store_f32(out + at, lo);
         store_f32(out + at + half, hi);
@@ -51,28 +64,33 @@ __device__ __forceinline__ void rope_rotate_part(const float* x, float* out, bf1
 }
 
 extern "C" __global__ void rope_rotate(TensorList xs, TensorList outs, TensorList out_bf16s, TensorList head_counts,
+                                       TensorList x_strides, TensorList out_strides, TensorList rotates,
                                        const float* cos_table, const float* sin_table, i64 tokens, i64 seq,
                                        i64 head_dim, i64 pos_offset, float sign) {
     const int p = blockIdx.y;
     const float* x = (const float*)xs.v[p];
     float* out = (float*)outs.v[p];
     bf16_t* out_bf16 = (bf16_t*)out_bf16s.v[p];
-    const i64 heads = head_counts.v[p];
+    const i64 heads = head_counts.v[p], x_stride = x_strides.v[p], out_stride = out_strides.v[p];
+    const bool rotate = rotates.v[p] != 0;
     // The launcher's grid covers groups of 4 pairs (rope.rs); any grid is correct.
-    const bool wide = (head_dim / 2) % 4 == 0 && is_aligned(x, 16) && is_aligned(out, 16) &&
-                      is_aligned(cos_table, 16) && is_aligned(sin_table, 16) && is_aligned(out_bf16, 8);
+    const bool wide = (head_dim / 2) % 4 == 0 && x_stride % 4 == 0 && out_stride % 4 == 0 && is_aligned(x, 16) &&
+                      is_aligned(out, 16) && is_aligned(cos_table, 16) && is_aligned(sin_table, 16) &&
+                      is_aligned(out_bf16, 8);
     // Every element and table index below 2³¹, so neither they nor the grid stride (< 2³¹) wrap
     // an unsigned int.
     const i64 limit = 1LL << 31;
-    const bool small = tokens * heads * head_dim < limit && (pos_offset + seq) * (head_dim / 2) < limit;
+    const i64 widest = x_stride > out_stride ? x_stride : out_stride;
+    const bool small = tokens * widest < limit && tokens * heads * head_dim < limit &&
+                       (pos_offset + seq) * (head_dim / 2) < limit;
     if (small && wide) {
         rope_rotate_part<4, unsigned int>(x, out, out_bf16, cos_table, sin_table, tokens, heads, seq, head_dim,
-                                          pos_offset, sign);
+                                          x_stride, out_stride, pos_offset, sign, rotate);
     } else if (small) {
         rope_rotate_part<1, unsigned int>(x, out, out_bf16, cos_table, sin_table, tokens, heads, seq, head_dim,
-                                          pos_offset, sign);
+                                          x_stride, out_stride, pos_offset, sign, rotate);
     } else {
-        rope_rotate_part<1, i64>(x, out, out_bf16, cos_table, sin_table, tokens, heads, seq, head_dim, pos_offset,
-                                 sign);
+        rope_rotate_part<1, i64>(x, out, out_bf16, cos_table, sin_table, tokens, heads, seq, head_dim, x_stride,
+                                 out_stride, pos_offset, sign, rotate);
     }
 }
