@@ -84,6 +84,43 @@ fn adamw_step_matches_the_cpu() {
     agree("adamw", |p| Box::new(Adam::new(p, AdamConfig { weight_decay: 0.1, ..AdamConfig::default() })));
 }
 
+/// Gradients that are views of one buffer (a fused gated projection's packed weight gradient,
+/// the data-parallel all-reduce's flat one) are read in place: the same update as dense ones,
+/// and no copy on the device.
+#[test]
+fn adamw_reads_gradients_that_are_rows_of_one_buffer_in_place() {
+    if no_gpu() {
+        return;
+    }
+    let (cpu_params, gpu_params) = (parameters(Device::Cpu), parameters(GPU));
+    let config = AdamConfig { weight_decay: 0.1, ..AdamConfig::default() };
+    let (mut cpu, mut gpu) = (Adam::new(cpu_params.clone(), config), Adam::new(gpu_params.clone(), config));
+    set_gradients(&cpu_params, 1);
+    // The same values, side by side in one GPU buffer, each gradient a view of its run.
+    let grads: Vec<Tensor> =
+        cpu_params.iter().map(|p| p.var.grad().unwrap().reshape(&[p.var.value_ref().numel()]).unwrap()).collect();
+    let flat = Tensor::cat(&grads.iter().collect::<Vec<_>>(), 0).unwrap().to_device(GPU).unwrap();
+    let mut at = 0;
+    for p in &gpu_params {
+        let n = p.var.value_ref().numel();
+        p.var.set_grad(Some(flat.narrow(0, at, n).unwrap().reshape(&p.var.shape()).unwrap()));
+        at += n;
+    }
+    let dev = tensor::cuda::device(0).unwrap();
+    cpu.step(0.01).unwrap();
+    let before = dev.counters();
+    gpu.step(0.01).unwrap();
+    let counted = dev.counters().since(&before);
+    // The device's counters also see the other tests' launches (they run beside this one);
+    // none of them copies a strided or offset view.
+    let copies = counted.launches_by_kernel.get("copy_strided");
+    assert_eq!(copies, None, "a gradient view was copied before the update: {counted:?}");
+    assert_eq!(counted.device_copies, 0, "a gradient view was copied: {counted:?}");
+    for (c, g) in cpu_params.iter().zip(&gpu_params) {
+        assert_close(&format!("adamw from views, {}", c.name), &c.var.value(), &g.var.value());
+    }
+}
+
 #[test]
 fn adam_step_matches_the_cpu() {
     if no_gpu() {

@@ -327,6 +327,56 @@ impl<T: DeviceScalar> DeviceBuffer<T> {
     }
 }
 
+/// A contiguous run of a buffer's elements, `len` of them from element `at`: part of a
+/// buffer read as a whole one (a parameter's gradient inside a packed gradient buffer that
+/// one product wrote for several parameters).
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceRun<'a, T: DeviceScalar> {
+    buffer: &'a DeviceBuffer<T>,
+    at: usize,
+    len: usize,
+}
+
+impl<'a, T: DeviceScalar> DeviceRun<'a, T> {
+    /// Elements `at..at + len` of `buffer`; errors when they run past its end.
+    pub fn new(buffer: &'a DeviceBuffer<T>, at: usize, len: usize) -> Result<DeviceRun<'a, T>> {
+        if at.checked_add(len).is_none_or(|end| end > buffer.len()) {
+            return Err(CudaError::shape(
+                "device run",
+                format!("elements {at}..{at}+{len} of a buffer of {}", buffer.len()),
+            ));
+        }
+        Ok(DeviceRun { buffer, at, len })
+    }
+
+    /// The buffer it is part of.
+    pub fn buffer(&self) -> &'a DeviceBuffer<T> {
+        self.buffer
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address of its first element.
+    pub fn device_ptr(&self) -> u64 {
+        self.buffer.ptr_at(self.at)
+    }
+}
+
+impl<'a, T: DeviceScalar> From<&'a DeviceBuffer<T>> for DeviceRun<'a, T> {
+    /// The whole buffer.
+    fn from(buffer: &'a DeviceBuffer<T>) -> DeviceRun<'a, T> {
+        DeviceRun { buffer, at: 0, len: buffer.len() }
+    }
+}
+
 impl<T: DeviceScalar> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         if let Some(block) = self.block.take() {

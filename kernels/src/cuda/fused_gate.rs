@@ -86,11 +86,10 @@ pub struct DeviceFusedGateParams<'a> {
     pub phi: Unary,
 }
 
-/// Gradient buffers of one modulator, written by the backward.
+/// Gradient buffers of one modulator, written by the backward (`dA` is part of
+/// [`DeviceFusedGateGrads::weights`]).
 #[derive(Debug)]
 pub struct DeviceGateGrads<'a> {
-    /// `dA: [r, d_in]`.
-    pub a_weight: &'a mut DeviceBuffer<f32>,
     /// `da: [r]`.
     pub a_bias: &'a mut DeviceBuffer<f32>,
     /// `dB: [m, r]`.
@@ -102,9 +101,9 @@ pub struct DeviceGateGrads<'a> {
 }
 
 impl DeviceGateGrads<'_> {
-    /// The five buffers, in field order.
-    fn buffers(&mut self) -> [&mut DeviceBuffer<f32>; 5] {
-        [&mut *self.a_weight, &mut *self.a_bias, &mut *self.b_weight, &mut *self.b_bias, &mut *self.alpha]
+    /// The four buffers, in field order.
+    fn buffers(&mut self) -> [&mut DeviceBuffer<f32>; 4] {
+        [&mut *self.a_bias, &mut *self.b_weight, &mut *self.b_bias, &mut *self.alpha]
     }
 }
 
@@ -117,8 +116,9 @@ pub struct DeviceFusedGateGrads<'a> {
     /// ([`Store::Accumulate`]: the GEMM's β = 1, so an input read by several projections gets
     /// its gradients summed without a separate add).
     pub x_store: Store,
-    /// `dW: [d_out, d_in]`.
-    pub weight: &'a mut DeviceBuffer<f32>,
+    /// `[dW; dA_c; dA_s]`: `[K, d_in]`, the gradient of the packed weight `[W; A_c; A_s]`
+    /// (one product writes it; each weight's gradient is its run of rows).
+    pub weights: &'a mut DeviceBuffer<f32>,
     /// The channel modulator's gradients.
     pub channel: DeviceGateGrads<'a>,
     /// The scalar modulator's gradients.
@@ -296,15 +296,13 @@ pub fn fused_gate_forward_unfused(
 fn check_grads(dev: &CudaDevice, op: &'static str, dims: &FusedGateDims, g: &DeviceFusedGateGrads) -> Result<()> {
     let FusedGateDims { rows, d_in, d_out, rank_channel: rc, rank_scalar: rs } = *dims;
     let (c, s) = (&g.channel, &g.scalar);
-    let expected: [(&DeviceBuffer<f32>, usize, &str); 12] = [
+    let expected: [(&DeviceBuffer<f32>, usize, &str); 10] = [
         (&*g.x, rows * d_in, "dx"),
-        (&*g.weight, d_out * d_in, "dW"),
-        (&*c.a_weight, rc * d_in, "channel dA"),
+        (&*g.weights, dims.width() * d_in, "[dW; dA_c; dA_s]"),
         (&*c.a_bias, rc, "channel da"),
         (&*c.b_weight, d_out * rc, "channel dB"),
         (&*c.b_bias, d_out, "channel db"),
         (&*c.alpha, 1, "channel dα"),
-        (&*s.a_weight, rs * d_in, "scalar dA"),
         (&*s.a_bias, rs, "scalar da"),
         (&*s.b_weight, rs, "scalar dB"),
         (&*s.b_bias, 1, "scalar db"),
@@ -341,8 +339,8 @@ pub enum GateProducts<'a> {
 /// the channel logits' gradient `dL_c`, `dU` (through `dH_c = dL_c·B_c`, summed in the
 /// kernel) and each row's terms of `dα_c`, `dα_s`, `db_s` and `dB_s = dl_sᵀ·H_s`; the bias,
 /// α and `dB_s` gradients are then column sums in a fixed order, and `dB_c = dL_cᵀ·H_c`,
-/// `dx = dZU·[W; A_c; A_s]`, `dW = dZᵀ·x`, `dA = dUᵀ·x` are cuBLAS products in the
-/// precision of `products`.
+/// `dx = dZU·[W; A_c; A_s]` and `[dW; dA_c; dA_s] = dZUᵀ·x` (one product) are cuBLAS
+/// products in the precision of `products`.
 #[allow(clippy::too_many_arguments)]
 pub fn fused_gate_backward(
     dev: &CudaDevice,
@@ -374,7 +372,7 @@ pub fn fused_gate_backward(
     if rows == 0 {
         // No rows: every gradient is an empty sum.
         let g = grads;
-        for buffer in [&mut *g.x, &mut *g.weight].into_iter().chain(g.channel.buffers()).chain(g.scalar.buffers()) {
+        for buffer in [&mut *g.x, &mut *g.weights].into_iter().chain(g.channel.buffers()).chain(g.scalar.buffers()) {
             dev.fill_zero(buffer)?;
         }
         return Ok(());
@@ -440,36 +438,22 @@ pub fn fused_gate_backward(
         rc,
     )?;
 
-    // dx = dZU·[W; A_c; A_s];  dW = dZᵀ·x;  dA_c = dU_cᵀ·x;  dA_s = dU_sᵀ·x
-    let parts = [
-        (0, d_out, p.weight, &mut *g.weight),
-        (d_out, rc, p.channel.a_weight, &mut *g.channel.a_weight),
-        (d_out + rc, rs, p.scalar.a_weight, &mut *g.scalar.a_weight),
-    ];
+    // dx = dZU·[W; A_c; A_s]
     if let Operands::Bf16 { packed, .. } = &operands {
         // The packed bf16 weight makes dx one product over K = d_out + r.
         let weight = Operand::rows(packed.device_ptr(), d_in);
         gemm(rows, d_in, k, operands.rows(Part::Dzu, 0, k), weight, g.x_store, g.x.device_ptr(), d_in)?;
     } else {
         // Three f32 weight buffers: the first product written, the others added onto it.
-        for (i, (offset, width, weight, _)) in parts.iter().enumerate() {
+        let parts = [(0, d_out, p.weight), (d_out, rc, p.channel.a_weight), (d_out + rc, rs, p.scalar.a_weight)];
+        for (i, (offset, width, weight)) in parts.iter().enumerate() {
             let (a, b) = (operands.rows(Part::Dzu, *offset, k), Operand::rows(weight.device_ptr(), d_in));
             gemm(rows, d_in, *width, a, b, if i == 0 { g.x_store } else { Store::Accumulate }, g.x.device_ptr(), d_in)?;
         }
     }
+    // [dW; dA_c; dA_s] = dZUᵀ·x: one product into the packed weight's gradient.
     let x_rows = operands.rows(Part::X, 0, d_in);
-    for (offset, width, _, dweight) in parts {
-        gemm(
-            width,
-            d_in,
-            rows,
-            operands.transposed(Part::Dzu, offset, k),
-            x_rows,
-            Store::Overwrite,
-            dweight.device_ptr(),
-            d_in,
-        )?;
-    }
+    gemm(k, d_in, rows, operands.transposed(Part::Dzu, 0, k), x_rows, Store::Overwrite, g.weights.device_ptr(), d_in)?;
     Ok(())
 }
 

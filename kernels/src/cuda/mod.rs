@@ -60,7 +60,7 @@ mod staging;
 pub mod swiglu;
 pub mod timer;
 
-pub use allocator::{AllocatorStats, DeviceBuffer, DeviceScalar};
+pub use allocator::{AllocatorStats, DeviceBuffer, DeviceRun, DeviceScalar};
 pub use counters::DeviceCounters;
 pub use device::CudaDevice;
 pub use error::{CudaError, Result};

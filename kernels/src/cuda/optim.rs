@@ -11,7 +11,7 @@ pub use crate::cpu::optim::AdamHyper;
 use cudarc::driver::LaunchConfig;
 use half::bf16;
 
-use super::allocator::DeviceBuffer;
+use super::allocator::{DeviceBuffer, DeviceRun};
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
 use super::launch::{
@@ -68,8 +68,8 @@ pub struct AdamTensor<'a> {
     /// The parameter's bf16 copy, rewritten from the updated parameter (rounded to nearest
     /// even), when bf16 products read it: no conversion launch before the next step's.
     pub param_bf16: Option<Bf16Destination<'a>>,
-    /// Its gradient.
-    pub grad: &'a DeviceBuffer<f32>,
+    /// Its gradient (a whole buffer, or its part of a packed gradient buffer).
+    pub grad: DeviceRun<'a, f32>,
     /// The first moment.
     pub m: &'a mut DeviceBuffer<f32>,
     /// The second moment.
@@ -93,7 +93,7 @@ pub const STEP_GUARD_LEN: usize = 4;
 /// [`sum_squares_all`]: super::reduce::sum_squares_all
 pub fn step_guard(
     dev: &CudaDevice,
-    grads: &[&DeviceBuffer<f32>],
+    grads: &[DeviceRun<f32>],
     loss_sum: &DeviceBuffer<f32>,
     loss_divisor: f32,
     max_norm: f32,
@@ -138,7 +138,7 @@ fn adam_update(
         ensure_len(op, "guard", guard.len(), STEP_GUARD_LEN)?;
     }
     for t in tensors.iter() {
-        check_owners(dev, op, &[t.param, t.grad, t.m, t.v])?;
+        check_owners(dev, op, &[t.param, t.grad.buffer(), t.m, t.v])?;
         ensure_len(op, "grad", t.grad.len(), t.param.len())?;
         ensure_len(op, "m", t.m.len(), t.param.len())?;
         ensure_len(op, "v", t.v.len(), t.param.len())?;

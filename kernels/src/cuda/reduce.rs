@@ -7,7 +7,7 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::allocator::DeviceBuffer;
+use super::allocator::{DeviceBuffer, DeviceRun};
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
 use super::launch::{
@@ -208,17 +208,18 @@ pub fn sum_squares(dev: &CudaDevice, x: &DeviceBuffer<f32>) -> Result<f64> {
 /// partials of [`sum_squares_partials`] downloaded and summed on the host in their order
 /// (the global gradient norm of all parameters in one synchronisation).
 pub fn sum_squares_all(dev: &CudaDevice, xs: &[&DeviceBuffer<f32>]) -> Result<f64> {
-    let partial = sum_squares_partials(dev, xs)?;
+    let runs: Vec<DeviceRun<f32>> = xs.iter().map(|&x| x.into()).collect();
+    let partial = sum_squares_partials(dev, &runs)?;
     Ok(dev.download(&partial)?.iter().sum())
 }
 
-/// The f64 partial sums of `Σ x_t[i]²` over several buffers, left on the device: each
-/// buffer's blocks (at most [`SQUARE_BLOCKS`]) in buffer order, one launch per
+/// The f64 partial sums of `Σ x_t[i]²` over several runs of buffers, left on the device: each
+/// run's blocks (at most [`SQUARE_BLOCKS`]) in buffer order, one launch per
 /// [`LIST_LEN`] buffers. Summed in their order (on the host by [`sum_squares_all`], on the
 /// device by the optimizers' step guard) they give the same f64, bit for bit.
-pub fn sum_squares_partials(dev: &CudaDevice, xs: &[&DeviceBuffer<f32>]) -> Result<DeviceBuffer<f64>> {
+pub fn sum_squares_partials(dev: &CudaDevice, xs: &[DeviceRun<f32>]) -> Result<DeviceBuffer<f64>> {
     for x in xs {
-        dev.check_owner("sum_squares", x)?;
+        dev.check_owner("sum_squares", x.buffer())?;
     }
     // Each buffer's block count and where its partials start.
     let blocks: Vec<usize> = xs.iter().map(|x| x.len().div_ceil(THREADS as usize).min(SQUARE_BLOCKS)).collect();

@@ -170,27 +170,32 @@ fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
     let gpu_backward = |products: GateProducts, dx_base: Option<&[f32]>| -> Vec<Vec<f32>> {
         let mut gdx = up(dev, &dx_base.map_or_else(|| stale(rows * d_in), <[f32]>::to_vec));
         let x_store = if dx_base.is_some() { Store::Accumulate } else { Store::Overwrite };
-        let mut gdw = up(dev, &stale(d_out * d_in));
-        let mut gdc: Vec<DeviceBuffer<f32>> =
-            [rc * d_in, rc, d_out * rc, d_out].iter().map(|&l| up(dev, &stale(l))).collect();
-        let mut gds: Vec<DeviceBuffer<f32>> = [rs * d_in, rs, rs, 1].iter().map(|&l| up(dev, &stale(l))).collect();
+        // [dW; dA_c; dA_s] in one buffer, as the backward writes them.
+        let mut gdweights = up(dev, &stale((d_out + rc + rs) * d_in));
+        let mut gdc: Vec<DeviceBuffer<f32>> = [rc, d_out * rc, d_out].iter().map(|&l| up(dev, &stale(l))).collect();
+        let mut gds: Vec<DeviceBuffer<f32>> = [rs, rs, 1].iter().map(|&l| up(dev, &stale(l))).collect();
         let (mut gdac, mut gdas) = (up(dev, &[f32::NAN]), up(dev, &[f32::NAN]));
         {
-            let [ca, cab, cb, cbb] = &mut gdc[..] else { unreachable!() };
-            let [sa, sab, sb, sbb] = &mut gds[..] else { unreachable!() };
+            let [cab, cb, cbb] = &mut gdc[..] else { unreachable!() };
+            let [sab, sb, sbb] = &mut gds[..] else { unreachable!() };
             let mut grads = DeviceFusedGateGrads {
                 x: &mut gdx,
                 x_store,
-                weight: &mut gdw,
-                channel: DeviceGateGrads { a_weight: ca, a_bias: cab, b_weight: cb, b_bias: cbb, alpha: &mut gdac },
-                scalar: DeviceGateGrads { a_weight: sa, a_bias: sab, b_weight: sb, b_bias: sbb, alpha: &mut gdas },
+                weights: &mut gdweights,
+                channel: DeviceGateGrads { a_bias: cab, b_weight: cb, b_bias: cbb, alpha: &mut gdac },
+                scalar: DeviceGateGrads { a_bias: sab, b_weight: sb, b_bias: sbb, alpha: &mut gdas },
             };
             let gx = up(dev, &case.x);
             let gdout = up(dev, &dout);
             cuda::fused_gate::fused_gate_backward(dev, &dims, &gx, &gp, &gzu, &gdout, products, &mut grads).unwrap();
         }
-        let mut got = vec![down(dev, &gdx), down(dev, &gdw)];
-        got.extend(gdc.iter().chain(&gds).chain([&gdac, &gdas]).map(|g| down(dev, g)));
+        let weights = down(dev, &gdweights);
+        let (dw, da) = weights.split_at(d_out * d_in);
+        let (da_c, da_s) = da.split_at(rc * d_in);
+        let mut got = vec![down(dev, &gdx), dw.to_vec(), da_c.to_vec()];
+        got.extend(gdc.iter().map(|g| down(dev, g)));
+        got.push(da_s.to_vec());
+        got.extend(gds.iter().chain([&gdac, &gdas]).map(|g| down(dev, g)));
         got
     };
     let names = ["dx", "dW", "channel dA", "channel da", "channel dB", "channel db"];

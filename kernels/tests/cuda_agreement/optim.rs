@@ -5,7 +5,7 @@ use kernels::cpu::optim::AdamHyper;
 use kernels::cuda;
 
 use half::bf16;
-use kernels::cuda::DeviceBuffer;
+use kernels::cuda::{DeviceBuffer, DeviceRun};
 
 use super::{assert_elementwise, down, up, Rng};
 
@@ -57,7 +57,7 @@ fn optimizers_agree_over_steps() {
                         (None, Some(at)) => Some(cuda::optim::Bf16Destination { buffer: &packed, at }),
                         (None, None) => None,
                     },
-                    grad,
+                    grad: grad.into(),
                     m,
                     v,
                 })
@@ -105,14 +105,14 @@ fn adam_rejects_bf16_copies_that_overlap() {
         cuda::optim::AdamTensor {
             param: &mut p1,
             param_bf16: Some(cuda::optim::Bf16Destination { buffer: &packed, at: 0 }),
-            grad: &grad,
+            grad: (&grad).into(),
             m: &mut m1,
             v: &mut v1,
         },
         cuda::optim::AdamTensor {
             param: &mut p2,
             param_bf16: Some(cuda::optim::Bf16Destination { buffer: &packed, at: 4 }),
-            grad: &grad,
+            grad: (&grad).into(),
             m: &mut m2,
             v: &mut v2,
         },
@@ -134,17 +134,20 @@ fn guarded_adamw(
     previous: Option<&[f32]>,
 ) -> (Vec<Vec<f32>>, Vec<f32>) {
     let mut gp: Vec<DeviceBuffer<f32>> = params.iter().map(|x| up(dev, x)).collect();
-    let gg: Vec<DeviceBuffer<f32>> = grads.iter().map(|g| up(dev, g)).collect();
+    // The gradients side by side in one buffer, each read as its run of it (as the packed
+    // weight gradient of a fused gated projection is).
+    let packed_grads = up(dev, &grads.concat());
+    let starts = grads.iter().scan(0, |next, g| Some(std::mem::replace(next, *next + g.len())));
+    let gg: Vec<DeviceRun<f32>> =
+        starts.zip(grads).map(|(at, g)| DeviceRun::new(&packed_grads, at, g.len()).unwrap()).collect();
     let mut gm: Vec<DeviceBuffer<f32>> = params.iter().map(|x| dev.zeros(x.len()).unwrap()).collect();
     let mut gv: Vec<DeviceBuffer<f32>> = params.iter().map(|x| dev.zeros(x.len()).unwrap()).collect();
     let mut guard = dev.alloc(cuda::optim::STEP_GUARD_LEN).unwrap();
-    let grad_refs: Vec<&DeviceBuffer<f32>> = gg.iter().collect();
     let previous = previous.map(|values| up(dev, values));
-    cuda::optim::step_guard(dev, &grad_refs, &up(dev, &[loss_sum]), 2.0, max_norm, previous.as_ref(), &mut guard)
-        .unwrap();
+    cuda::optim::step_guard(dev, &gg, &up(dev, &[loss_sum]), 2.0, max_norm, previous.as_ref(), &mut guard).unwrap();
     let mut tensors: Vec<cuda::optim::AdamTensor> = gp
         .iter_mut()
-        .zip(&gg)
+        .zip(gg)
         .zip(gm.iter_mut().zip(gv.iter_mut()))
         .map(|((param, grad), (m, v))| cuda::optim::AdamTensor { param, param_bf16: None, grad, m, v })
         .collect();

@@ -43,8 +43,9 @@ pub(crate) fn step_guard(
     previous: Option<&Tensor>,
 ) -> Result<Tensor> {
     const OP: &str = "step guard";
-    let grads: Vec<Tensor> = grads.iter().map(Tensor::dense).collect::<Result<_>>()?;
-    let buffers = grads.iter().map(|g| g.cuda_f32(OP)).collect::<Result<Vec<_>>>()?;
+    // A contiguous gradient is read where it is (its part of a packed gradient buffer too).
+    let grads: Vec<Tensor> = grads.iter().map(Tensor::contiguous).collect::<Result<_>>()?;
+    let runs = grads.iter().map(|g| g.cuda_f32_run(OP)).collect::<Result<Vec<_>>>()?;
     let loss_sum = loss_sum.dense()?;
     let tensor::Device::Cuda(ordinal) = loss_sum.device() else {
         return Err(tensor::Error::UnsupportedDevice { op: OP, device: loss_sum.device() });
@@ -55,7 +56,7 @@ pub(crate) fn step_guard(
     let buffer = guard.f32_buffer_mut(OP)?;
     let previous = previous.map(Tensor::dense).transpose()?;
     let previous = previous.as_ref().map(|p| p.cuda_f32(OP)).transpose()?;
-    kernels::cuda::optim::step_guard(&dev, &buffers, loss_sum.cuda_f32(OP)?, loss_divisor, max_norm, previous, buffer)?;
+    kernels::cuda::optim::step_guard(&dev, &runs, loss_sum.cuda_f32(OP)?, loss_divisor, max_norm, previous, buffer)?;
     Tensor::from_storage(Storage::Cuda(guard), &[STEP_GUARD_LEN])
 }
 
@@ -91,7 +92,7 @@ fn update_group(
     const OP: &str = "adam step";
     let hyper = group[0].hyper;
     let mut values: Vec<RefMut<Tensor>> = group.iter().map(|p| p.var.value_mut()).collect();
-    let grads: Vec<Tensor> = group.iter().map(|p| p.grad.dense()).collect::<Result<_>>()?;
+    let grads: Vec<Tensor> = group.iter().map(|p| p.grad.contiguous()).collect::<Result<_>>()?;
     let mut moments = Vec::with_capacity(group.len());
     for (p, value) in group.into_iter().zip(&values) {
         moments.push((p.m.device_buffer(value, OP)?, p.v.device_buffer(value, OP)?));
@@ -100,7 +101,7 @@ fn update_group(
     let mut tensors = Vec::with_capacity(values.len());
     for ((value, grad), (m, v)) in values.iter_mut().zip(&grads).zip(moments) {
         let (dev, param, param_bf16) = value.cuda_f32_mut_with_bf16_copy(OP)?;
-        tensors.push(AdamTensor { param, param_bf16, grad: grad.cuda_f32(OP)?, m, v });
+        tensors.push(AdamTensor { param, param_bf16, grad: grad.cuda_f32_run(OP)?, m, v });
         device = Some(dev);
     }
     let Some(dev) = device else { return Ok(()) };

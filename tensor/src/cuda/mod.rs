@@ -21,7 +21,7 @@ pub(crate) mod storage;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use half::bf16;
-use kernels::cuda::{CudaDevice, CudaError, DeviceBuffer};
+use kernels::cuda::{CudaDevice, CudaError, DeviceBuffer, DeviceRun};
 
 use crate::{DType, Error, Result, Storage, Tensor};
 
@@ -103,6 +103,21 @@ impl Tensor {
             });
         }
         storage.f32_buffer(op)
+    }
+
+    /// The f32 device elements of a contiguous GPU tensor, wherever they start in its buffer
+    /// (a gradient that is one part of a packed gradient buffer needs no copy, where
+    /// [`Tensor::cuda_f32`] needs the whole buffer); errors for a strided view.
+    pub fn cuda_f32_run(&self, op: &'static str) -> Result<DeviceRun<'_, f32>> {
+        let storage = self.cuda_storage().ok_or(Error::UnsupportedDevice { op, device: self.device })?;
+        if !self.is_contiguous() {
+            return Err(Error::InvalidShape {
+                op,
+                shape: self.shape.clone(),
+                reason: "a run of a CUDA buffer needs a contiguous view; call contiguous() first".into(),
+            });
+        }
+        Ok(DeviceRun::new(storage.f32_buffer(op)?, self.offset, self.numel())?)
     }
 
     /// [`Tensor::read_later`] of a GPU tensor: its values as f32, copied into a readback.

@@ -311,22 +311,22 @@ pub(crate) mod cuda {
         t.cuda_storage().ok_or(Error::UnsupportedDevice { op: OP, device: t.device })
     }
 
-    /// Fresh device gradients shaped like a modulator's five parameters (the backward writes them).
-    fn fresh_like_all(dev: &std::sync::Arc<kernels::cuda::CudaDevice>, values: &[Tensor]) -> Result<Vec<CudaStorage>> {
-        values.iter().map(|t| CudaStorage::alloc(dev, t.numel())).collect()
+    /// Fresh device gradients shaped like a modulator's parameters after `A` (`[a, B, b, α]`:
+    /// `dA` is part of the packed weight gradient), which the backward writes.
+    fn fresh_like_rest(dev: &std::sync::Arc<kernels::cuda::CudaDevice>, values: &[Tensor]) -> Result<Vec<CudaStorage>> {
+        values[1..].iter().map(|t| CudaStorage::alloc(dev, t.numel())).collect()
     }
 
-    /// The five gradient buffers of one modulator, borrowed together.
+    /// The four gradient buffers of one modulator after `dA`, borrowed together.
     fn device_grads(storages: &mut [CudaStorage]) -> Result<DeviceGateGrads<'_>> {
-        let [a_weight, a_bias, b_weight, b_bias, alpha] = storages else {
+        let [a_bias, b_weight, b_bias, alpha] = storages else {
             return Err(Error::InvalidShape {
                 op: OP,
                 shape: vec![storages.len()],
-                reason: "five modulator gradients".into(),
+                reason: "four modulator gradients after dA".into(),
             });
         };
         Ok(DeviceGateGrads {
-            a_weight: a_weight.f32_buffer_mut(OP)?,
             a_bias: a_bias.f32_buffer_mut(OP)?,
             b_weight: b_weight.f32_buffer_mut(OP)?,
             b_bias: b_bias.f32_buffer_mut(OP)?,
@@ -369,8 +369,10 @@ pub(crate) mod cuda {
             so_far.dtype() == DType::F32 && so_far.shape() == x.shape() && so_far.sole_dense_cuda_storage().is_some()
         });
         let mut dx_fresh = if absorb { None } else { Some(CudaStorage::alloc(&dev, x.numel())?) };
-        let mut dw = CudaStorage::alloc(&dev, w.numel())?;
-        let (mut dc, mut ds) = (fresh_like_all(&dev, &cv)?, fresh_like_all(&dev, &sv)?);
+        // [dW; dA_c; dA_s] in one buffer, written by one product; each weight's gradient is a
+        // view of its rows (the optimizer reads it in place).
+        let mut weights_grad = CudaStorage::alloc(&dev, dims.width() * dims.d_in)?;
+        let (mut dc, mut ds) = (fresh_like_rest(&dev, &cv)?, fresh_like_rest(&dev, &sv)?);
         {
             let (dx_buffer, x_store) = match (&mut dx_fresh, dx_so_far.as_mut()) {
                 (Some(fresh), _) => (fresh.f32_buffer_mut(OP)?, Store::Overwrite),
@@ -383,7 +385,7 @@ pub(crate) mod cuda {
             let mut grads = DeviceFusedGateGrads {
                 x: dx_buffer,
                 x_store,
-                weight: dw.f32_buffer_mut(OP)?,
+                weights: weights_grad.f32_buffer_mut(OP)?,
                 channel: device_grads(&mut dc)?,
                 scalar: device_grads(&mut ds)?,
             };
@@ -404,9 +406,15 @@ pub(crate) mod cuda {
             (None, Some(total)) => total,
             (None, None) => unreachable!("absorb needs a gradient so far"),
         };
-        let mut out = vec![dx, Tensor::from_cuda(dw, w.shape())?];
-        for (g, t) in dc.into_iter().zip(&cv).chain(ds.into_iter().zip(&sv)) {
-            out.push(Tensor::from_cuda(g, t.shape())?);
+        let weights_grad = Tensor::from_cuda(weights_grad, &[dims.width(), dims.d_in])?;
+        let (d_out, rc) = (dims.d_out, dims.rank_channel);
+        let rows_of = |at: usize, like: &Tensor| weights_grad.narrow(0, at, like.shape()[0]);
+        let mut out = vec![dx, rows_of(0, &w)?];
+        for (at, grads, values) in [(d_out, dc, &cv), (d_out + rc, ds, &sv)] {
+            out.push(rows_of(at, &values[0])?);
+            for (g, t) in grads.into_iter().zip(&values[1..]) {
+                out.push(Tensor::from_cuda(g, t.shape())?);
+            }
         }
         Ok(out)
     }
