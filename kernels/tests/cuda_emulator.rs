@@ -148,12 +148,13 @@ fn fused_gate_error(dev: &CudaDevice) -> f32 {
         DeviceFusedGateParams { weight: &weight, channel: gate(&channel), scalar: gate(&scalar), phi: Unary::Silu };
     let x: Vec<bf16> = values(dims.rows * dims.d_in, 13).into_iter().map(bf16::from_f32).collect();
     let x = dev.upload(&x).unwrap();
-    let packed = cuda::fused_gate::pack_weight(dev, &dims, &params).unwrap();
+    let group = [cuda::fused_gate::GateGroup { dims, params }];
+    let packed = cuda::fused_gate::pack_weight(dev, &group).unwrap();
     let (mut zu, mut fused) =
         (dev.alloc(dims.rows * dims.width()).unwrap(), dev.alloc(dims.rows * dims.d_out).unwrap());
     cuda::fused_gate::fused_gate_forward(dev, &dims, &x, &packed, &params, None, &mut fused).unwrap();
     let mut unfused = dev.alloc(dims.rows * dims.d_out).unwrap();
-    cuda::fused_gate::fused_gate_forward_unfused(dev, &dims, &x, &packed, &params, &mut zu, &mut unfused).unwrap();
+    cuda::fused_gate::fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, &mut unfused).unwrap();
     max_difference(&dev.download(&fused).unwrap(), &dev.download(&unfused).unwrap())
 }
 

@@ -86,21 +86,19 @@ impl Attention {
     }
 
     /// `x: [B, T, C] → [B, T, C]`; token t attends to tokens ≤ t, at RoPE position t.
-    /// Ungated q, k and v projections run as one product of their stacked weights where that
-    /// is one GEMM (a GPU under bf16 products: [`Var::packed_linear`]), read by attention
-    /// straight from the packed rows ([`Var::rotary_causal_attention_packed`]).
+    /// The q, k and v projections run as one op where that is one product (a GPU under bf16
+    /// products, plain or fused-gated projections alike: [`ModulatedProjection::forward_packed`]),
+    /// read by attention straight from the packed rows ([`Var::rotary_causal_attention_packed`]).
     pub fn forward(&self, x: &Var) -> Result<Var> {
         let theta = self.config.rope_theta;
         let heads = self.config.n_heads;
-        let (q, k, v) = (&self.q_proj, &self.k_proj, &self.v_proj);
-        if q.is_plain() && k.is_plain() && v.is_plain() && x.value_ref().packed_linear_is_one_product() {
-            let weights = [&q.linear.weight, &k.linear.weight, &v.linear.weight];
-            return self.forward_with(x, |rows, [b, t, h, head_dim], scale| {
-                let qkv = rows.packed_linear(&weights)?.reshape(&[b, t, 3 * h * head_dim])?;
-                Var::rotary_causal_attention_packed(&qkv, heads, scale, theta)
-            });
-        }
         self.forward_with(x, |rows, shape, scale| {
+            let qkv_projections = [&self.q_proj, &self.k_proj, &self.v_proj];
+            if let Some(qkv) = ModulatedProjection::forward_packed(&qkv_projections, rows)? {
+                let [b, t, h, head_dim] = shape;
+                let qkv = qkv.reshape(&[b, t, 3 * h * head_dim])?;
+                return Var::rotary_causal_attention_packed(&qkv, heads, scale, theta);
+            }
             let (q, k, v) = self.heads(rows, shape)?;
             Var::rotary_causal_attention(&q, &k, &v, scale, theta)
         })

@@ -5,10 +5,10 @@
 //! ```
 //! PyTorch equivalent: Hugging Face `LlamaMLP` (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`).
 //! `SiLU(·) ⊙ (·)` is one fused op ([`Var::swiglu`]), which keeps only the two projections for
-//! its backward. On a GPU under bf16 products, when the gate and up projections carry no
-//! gates, they run as one product of their packed weights ([`Var::packed_linear`], one GEMM
-//! forward and one for the input gradient) and the SwiGLU reads its two halves
-//! ([`Var::swiglu_halves`]).
+//! its backward. On a GPU under bf16 products the gate and up projections run as one op
+//! ([`ModulatedProjection::forward_packed`]: one product of their packed weights when they
+//! carry no gates, one fused gated group when both take the fused gate) and the SwiGLU reads
+//! the two halves of its rows ([`Var::swiglu_halves`]).
 //! Rows are flattened to `[N, C]` for the projections and restored at the end.
 
 use autograd::{Result, Var};
@@ -51,13 +51,11 @@ impl SwiGlu {
         let shape = x.shape();
         let d = self.gate_proj.in_features();
         let rows = x.reshape(&[x.value_ref().numel() / d.max(1), d])?;
-        let packs = rows.value_ref().packed_linear_is_one_product();
-        let hidden = if packs && self.gate_proj.is_plain() && self.up_proj.is_plain() {
-            // One product of the packed gate and up weights, SwiGLU over its two halves.
-            let weights = [&self.gate_proj.linear.weight, &self.up_proj.linear.weight];
-            rows.packed_linear(&weights)?.swiglu_halves()?
-        } else {
-            self.gate_proj.forward(&rows)?.swiglu(&self.up_proj.forward(&rows)?)?
+        // The gate and up projections as one op where that is one product, SwiGLU over its
+        // two halves.
+        let hidden = match ModulatedProjection::forward_packed(&[&self.gate_proj, &self.up_proj], &rows)? {
+            Some(gate_up) => gate_up.swiglu_halves()?,
+            None => self.gate_proj.forward(&rows)?.swiglu(&self.up_proj.forward(&rows)?)?,
         };
         let mut y = self.down_proj.forward(&hidden)?;
         for gate in &self.path_gates {

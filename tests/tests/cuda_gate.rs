@@ -11,6 +11,7 @@
 
 use std::sync::{Mutex, MutexGuard};
 
+use autograd::ops::GatedProjectionVars;
 use autograd::Var;
 use gradcheck::Tolerance;
 use nn::optim::{Adam, AdamConfig, Optimizer, Sgd};
@@ -112,6 +113,50 @@ fn fused_gated_projection_agrees_forward_and_backward() {
         let what = format!("fused gate {rows}x{d_in}->{d_out} r{rc}+{rs} {phi:?}");
         check(&what, &values, BF16_REL, |v| fused_gate(v, phi));
     }
+}
+
+/// q, k and v (or gate and up) as one fused group: on the GPU one gate launch forward and one
+/// row kernel and one column-sum launch backward for the whole group, against the CPU's
+/// projections one by one: outputs side by side, dx summed, every gradient.
+#[test]
+fn a_group_of_fused_gated_projections_agrees_forward_and_backward() {
+    if no_gpu() {
+        return;
+    }
+    let _serial = fused_gate_lock();
+    let mut rng = Rng::new(3);
+    let (rows, d_in, rc, rs) = (21, 32, 8, 4);
+    let widths = [24, 40, 16];
+    let mut values = gate_inputs(&mut rng, rows, d_in, widths[0], rc, rs);
+    for &d_out in &widths[1..] {
+        values.extend(gate_inputs(&mut rng, rows, d_in, d_out, rc, rs).into_iter().skip(1));
+    }
+    let group = |v: &[Var]| {
+        let projections: Vec<GatedProjectionVars> = v[1..]
+            .chunks(11)
+            .map(|p| GatedProjectionVars {
+                weight: &p[0],
+                channel: [&p[1], &p[2], &p[3], &p[4], &p[5]],
+                scalar: [&p[6], &p[7], &p[8], &p[9], &p[10]],
+            })
+            .collect();
+        v[0].fused_gated_projections(&projections, Unary::Silu)
+    };
+    check("fused gate group of 3", &values, BF16_REL, group);
+    let dev = tensor::cuda::device(0).unwrap();
+    let vars: Vec<Var> = values.iter().map(|t| Var::parameter(gpu(t))).collect();
+    group(&vars).unwrap();
+    let before = dev.counters();
+    let y = group(&vars).unwrap();
+    // The device's counters see the other tests' launches too (those of this file that run
+    // fused gate kernels hold the same lock), so only the fused gate's own kernels are counted.
+    let forward = dev.counters().since(&before).launches_by_kernel;
+    assert_eq!(forward.get("fused_gate_apply"), Some(&1), "one gate launch for the group: {forward:?}");
+    let before = dev.counters();
+    y.sum_all().unwrap().backward().unwrap();
+    let backward = dev.counters().since(&before).launches_by_kernel;
+    assert_eq!(backward.get("fused_gate_backward_rows"), Some(&1), "{backward:?}");
+    assert_eq!(backward.get("column_sums_many"), Some(&1), "{backward:?}");
 }
 
 /// On the GPU the projection's GEMM reads `[W; A_c; A_s]` packed in bf16, and that buffer is

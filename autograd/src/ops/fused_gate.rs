@@ -9,10 +9,22 @@
 //! GEMM output `ZU` and the modulators' rank-r results) lives in the graph node until the
 //! backward. Modulator arguments are `[A, a, B, b, α]` in that order.
 
-use tensor::ops::Unary;
+use tensor::ops::{GatedProjection, Unary};
 use tensor::{Result, Tensor};
 
 use crate::Var;
+
+/// One projection of [`Var::fused_gated_projections`]: its weight `[d_out, d_in]` and its
+/// channel and scalar modulators' `[A, a, B, b, α]`.
+#[derive(Clone, Copy)]
+pub struct GatedProjectionVars<'a> {
+    /// `W: [d_out, d_in]`.
+    pub weight: &'a Var,
+    /// The channel modulator's `[A, a, B, b, α]` (`B: [d_out, r_c]`).
+    pub channel: [&'a Var; 5],
+    /// The scalar modulator's `[A, a, B, b, α]` (`B: [1, r_s]`).
+    pub scalar: [&'a Var; 5],
+}
 
 impl Var {
     /// Fused `layer-channel-scalar` projection of `self: [..., d_in]` by `weight: [d_out, d_in]`
@@ -26,19 +38,37 @@ impl Var {
         scalar: [&Var; 5],
         phi: Unary,
     ) -> Result<Var> {
-        let (channel_values, scalar_values) = (channel.map(Var::value), scalar.map(Var::value));
-        let (y, saved) = self.value().fused_gated_projection(
-            &weight.value(),
-            channel_values.each_ref(),
-            scalar_values.each_ref(),
-            phi,
-        )?;
-        let inputs =
-            [vec![self.clone(), weight.clone()], channel.map(Var::clone).to_vec(), scalar.map(Var::clone).to_vec()];
+        self.fused_gated_projections(&[GatedProjectionVars { weight, channel, scalar }], phi)
+    }
+
+    /// [`Var::fused_gated_projection`] of `self` by each of `projections` (one φ and one pair
+    /// of ranks for all), their outputs side by side: `[..., Σ d_out]`. On a GPU the group is
+    /// one GEMM and one gate launch forward (LLaMA's q, k and v, or gate and up, which read
+    /// one input), where each projection alone would take its own.
+    pub fn fused_gated_projections(&self, projections: &[GatedProjectionVars], phi: Unary) -> Result<Var> {
+        let values: Vec<(Tensor, [Tensor; 5], [Tensor; 5])> = projections
+            .iter()
+            .map(|p| (p.weight.value(), p.channel.map(Var::value), p.scalar.map(Var::value)))
+            .collect();
+        let tensors: Vec<GatedProjection> = values
+            .iter()
+            .map(|(weight, channel, scalar)| GatedProjection {
+                weight,
+                channel: channel.each_ref(),
+                scalar: scalar.each_ref(),
+            })
+            .collect();
+        let (y, saved) = self.value().fused_gated_projections(&tensors, phi)?;
+        let mut inputs = vec![self.clone()];
+        for p in projections {
+            inputs.push(p.weight.clone());
+            inputs.extend(p.channel.map(Var::clone));
+            inputs.extend(p.scalar.map(Var::clone));
+        }
         // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cpu::fused_gate::fused_gate_backward.
         // The backward takes over x's gradient so far (q, k and v read one normalised input):
         // on the GPU its dx product adds onto it (β = 1) instead of a separate add after.
-        Ok(Var::from_op_absorbing(y, inputs.concat(), move |dy, dx_so_far| {
+        Ok(Var::from_op_absorbing(y, inputs, move |dy, dx_so_far| {
             Tensor::fused_gated_projection_backward(&saved, dy, dx_so_far)
         }))
     }
@@ -131,6 +161,57 @@ mod tests {
         let mut rng = Rng::new(5);
         let values = inputs(&mut rng, 3, 4, 10, 2, 3);
         if let Err(failure) = gradcheck(|v| call(v, Unary::Silu, true), &values) {
+            panic!("{failure}");
+        }
+    }
+
+    /// One projection's eleven parameters `[W, A_c, a_c, B_c, b_c, α_c, A_s, a_s, B_s, b_s, α_s]`.
+    fn projection(p: &[Var]) -> GatedProjectionVars<'_> {
+        GatedProjectionVars {
+            weight: &p[0],
+            channel: [&p[1], &p[2], &p[3], &p[4], &p[5]],
+            scalar: [&p[6], &p[7], &p[8], &p[9], &p[10]],
+        }
+    }
+
+    /// A group is its projections one by one: outputs side by side, `dx` summed, the same
+    /// parameter gradients (the CPU runs each projection's kernel in turn).
+    #[test]
+    fn a_group_is_its_projections_one_by_one() {
+        let mut rng = Rng::new(7);
+        let mut values = inputs(&mut rng, 4, 6, 5, 3, 2);
+        values.extend(inputs(&mut rng, 4, 6, 9, 3, 2).into_iter().skip(1));
+        let run = |grouped: bool| {
+            let vars: Vec<Var> = values.iter().cloned().map(Var::parameter).collect();
+            let (first, second) = (projection(&vars[1..12]), projection(&vars[12..23]));
+            let y = if grouped {
+                vars[0].fused_gated_projections(&[first, second], Unary::Silu).unwrap()
+            } else {
+                let each = |p: GatedProjectionVars| {
+                    vars[0].fused_gated_projection(p.weight, p.channel, p.scalar, Unary::Silu).unwrap()
+                };
+                Var::cat(&[&each(first), &each(second)], 2).unwrap()
+            };
+            let seed = Tensor::rand_normal(&y.shape(), 0.0, 1.0, &mut Rng::new(9));
+            y.backward_with(seed).unwrap();
+            (y.value().to_vec(), vars.iter().map(|v| v.grad().unwrap().to_vec()).collect::<Vec<_>>())
+        };
+        let (grouped, alone) = (run(true), run(false));
+        assert_eq!(grouped.0, alone.0, "forward differs");
+        for (i, (g, a)) in grouped.1.iter().zip(&alone.1).enumerate() {
+            let close = g.iter().zip(a).all(|(g, a)| (g - a).abs() <= 1e-5 + 1e-5 * a.abs());
+            assert!(close, "gradient of input {i} differs: {g:?} vs {a:?}");
+        }
+    }
+
+    #[test]
+    fn a_group_passes_gradcheck() {
+        let mut rng = Rng::new(8);
+        let mut values = inputs(&mut rng, 2, 3, 4, 2, 1);
+        values.extend(inputs(&mut rng, 2, 3, 2, 2, 1).into_iter().skip(1));
+        let group =
+            |v: &[Var]| v[0].fused_gated_projections(&[projection(&v[1..12]), projection(&v[12..23])], Unary::Sigmoid);
+        if let Err(failure) = gradcheck(group, &values) {
             panic!("{failure}");
         }
     }

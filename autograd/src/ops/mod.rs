@@ -21,4 +21,5 @@ mod swiglu;
 mod unary;
 mod view;
 
+pub use fused_gate::GatedProjectionVars;
 pub use tensor::ops::{Binary, Unary};

@@ -23,7 +23,7 @@ use kernels::cuda::attention::{
 use kernels::cuda::blas::{matmul_bf16, DeviceMat};
 use kernels::cuda::fused_gate::{
     fused_gate_forward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateParams, DeviceGateParams,
-    FusedGateDims, Unary,
+    FusedGateDims, GateGroup, Unary,
 };
 use kernels::cuda::swiglu::{swiglu_backward, swiglu_forward, swiglu_halves_backward, swiglu_halves_forward};
 use kernels::cuda::{CudaDevice, DeviceBuffer, Result};
@@ -140,14 +140,15 @@ fn bench_projection(dev: &CudaDevice, tokens: usize, d_in: usize, d_out: usize) 
     let dims = FusedGateDims { rows: tokens, d_in, d_out, rank_channel: 8, rank_scalar: 8 };
     let projection = Projection::new(dev, &dims)?;
     let p = projection.params();
-    let packed = pack_weight(dev, &dims, &p)?;
+    let group = [GateGroup { dims, params: p }];
+    let packed = pack_weight(dev, &group)?;
     let x: Vec<bf16> = values(tokens * d_in, 10, 2.0).into_iter().map(bf16::from_f32).collect();
     let x = dev.upload(&x)?;
     let mut zu = dev.alloc::<f32>(tokens * dims.width())?;
     let mut out = dev.alloc::<f32>(tokens * d_out)?;
     let mut out_ref = dev.alloc::<f32>(tokens * d_out)?;
 
-    fused_gate_forward_unfused(dev, &dims, &x, &packed, &p, &mut zu, &mut out_ref)?;
+    fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, &mut out_ref)?;
     fused_gate_forward(dev, &dims, &x, &packed, &p, None, &mut out)?;
     let what = format!("fused projection {d_in}→{d_out}");
     let worst = check(&what, &dev.download(&out)?, &dev.download(&out_ref)?, 1e-3);
@@ -158,8 +159,7 @@ fn bench_projection(dev: &CudaDevice, tokens: usize, d_in: usize, d_out: usize) 
     let (k, n) = (d_in, dims.width());
     let gemm = GemmDims { m: tokens, n, k };
     let gemm_s = best_seconds(dev, || matmul_bf16(dev, &mut zu, 0, x_mat, weight_t, gemm, Store::Overwrite))?;
-    let unfused_s =
-        best_seconds(dev, || fused_gate_forward_unfused(dev, &dims, &x, &packed, &p, &mut zu, &mut out_ref))?;
+    let unfused_s = best_seconds(dev, || fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, &mut out_ref))?;
     let fused_save_s = best_seconds(dev, || fused_gate_forward(dev, &dims, &x, &packed, &p, Some(&mut zu), &mut out))?;
     let fused_s = best_seconds(dev, || fused_gate_forward(dev, &dims, &x, &packed, &p, None, &mut out))?;
     let flops = 2.0 * tokens as f64 * dims.width() as f64 * d_in as f64;

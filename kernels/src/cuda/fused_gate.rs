@@ -30,7 +30,7 @@ use super::blas::{gemm, GemmDims, Operand, Precision};
 use super::device::CudaDevice;
 use super::elementwise::{pack_bf16, unary_code};
 use super::error::{ensure, ensure_len, CudaError, Result};
-use super::launch::{int, ptr, size, THREADS};
+use super::launch::{address_list, int, length_list, ptr, size, LIST_LEN, THREADS};
 use super::module::{Arg, KernelFamily};
 use super::reduce::{column_sums_many, ColumnSum};
 use crate::cpu::matmul::Store;
@@ -116,13 +116,95 @@ pub struct DeviceFusedGateGrads<'a> {
     /// ([`Store::Accumulate`]: the GEMM's β = 1, so an input read by several projections gets
     /// its gradients summed without a separate add).
     pub x_store: Store,
-    /// `[dW; dA_c; dA_s]`: `[K, d_in]`, the gradient of the packed weight `[W; A_c; A_s]`
-    /// (one product writes it; each weight's gradient is its run of rows).
+    /// The gradient of the packed weight, `[K, d_in]` in [`pack_weight`]'s layout (each
+    /// projection's `[dW; dA_c; dA_s]` in turn): one product writes it, and each weight's
+    /// gradient is its run of rows.
     pub weights: &'a mut DeviceBuffer<f32>,
-    /// The channel modulator's gradients.
-    pub channel: DeviceGateGrads<'a>,
-    /// The scalar modulator's gradients.
-    pub scalar: DeviceGateGrads<'a>,
+    /// Each projection's channel modulator's gradients, in group order.
+    pub channel: Vec<DeviceGateGrads<'a>>,
+    /// Each projection's scalar modulator's gradients, in group order.
+    pub scalar: Vec<DeviceGateGrads<'a>>,
+}
+
+/// One projection of a group of fused gated projections of one input (q, k and v; gate and
+/// up), which the launchers below compute together: its sizes (one `rows`, `d_in`, ranks and
+/// φ for the whole group; its own `d_out`) and parameters. A single projection is a group of
+/// one.
+#[derive(Clone, Copy, Debug)]
+pub struct GateGroup<'a> {
+    /// Its sizes.
+    pub dims: FusedGateDims,
+    /// Its weight and modulators.
+    pub params: DeviceFusedGateParams<'a>,
+}
+
+/// Most projections in one group (8 parameter addresses each fill the kernels' list).
+pub const MAX_GROUPS: usize = LIST_LEN / 8;
+
+/// Where a group's projections sit: group g's `[Z_g | U_cg | U_sg]` from ZU column `zu_at[g]`
+/// (ZU rows `zu_width` wide, as the packed weight's rows are ordered) and its `Ẑ_g` from
+/// output column `out_at[g]` (rows `out_width` wide).
+struct Layout {
+    rows: usize,
+    d_in: usize,
+    rank_channel: usize,
+    rank_scalar: usize,
+    zu_at: Vec<usize>,
+    out_at: Vec<usize>,
+    zu_width: usize,
+    out_width: usize,
+}
+
+/// Checks a group (1 to [`MAX_GROUPS`] projections sharing `rows`, `d_in`, ranks and φ, each
+/// with parameters of its sizes) and lays it out.
+fn layout(dev: &CudaDevice, op: &'static str, groups: &[GateGroup]) -> Result<Layout> {
+    let Some(first) = groups.first() else {
+        return Err(CudaError::shape(op, "a group of no projections".to_string()));
+    };
+    ensure(groups.len() <= MAX_GROUPS, op, || format!("{} projections, at most {MAX_GROUPS} per group", groups.len()))?;
+    let d = first.dims;
+    let mut layout = Layout {
+        rows: d.rows,
+        d_in: d.d_in,
+        rank_channel: d.rank_channel,
+        rank_scalar: d.rank_scalar,
+        zu_at: Vec::with_capacity(groups.len()),
+        out_at: Vec::with_capacity(groups.len()),
+        zu_width: 0,
+        out_width: 0,
+    };
+    for g in groups {
+        check_params(dev, op, &g.dims, &g.params)?;
+        let e = g.dims;
+        let shared = (e.rows, e.d_in, e.rank_channel, e.rank_scalar) == (d.rows, d.d_in, d.rank_channel, d.rank_scalar);
+        ensure(shared && g.params.phi == first.params.phi, op, || {
+            format!("the projections of a group differ in rows, d_in, ranks or φ: {e:?} and {d:?}")
+        })?;
+        layout.zu_at.push(layout.zu_width);
+        layout.out_at.push(layout.out_width);
+        layout.zu_width += e.width();
+        layout.out_width += e.d_out;
+    }
+    Ok(layout)
+}
+
+/// The row kernels' group arguments: every projection's eight modulator parameter addresses
+/// (`a_c, B_c, b_c, α_c, a_s, B_s, b_s, α_s`) and its place (first ZU column, first output
+/// column, `d_out`), as `gate_group` in fused_gate.cu reads them.
+fn group_lists(groups: &[GateGroup], layout: &Layout) -> [Arg; 2] {
+    let params = groups.iter().flat_map(|g| {
+        let (c, s) = (&g.params.channel, &g.params.scalar);
+        [c.a_bias, c.b_weight, c.b_bias, c.alpha, s.a_bias, s.b_weight, s.b_bias, s.alpha].map(DeviceBuffer::device_ptr)
+    });
+    let places = groups.iter().enumerate().flat_map(|(i, g)| [layout.zu_at[i], layout.out_at[i], g.dims.d_out]);
+    [address_list(params), length_list(places)]
+}
+
+/// The launch of a row kernel over `rows` rows of each of `groups` projections.
+fn group_row_warps(rows: usize, groups: usize) -> cudarc::driver::LaunchConfig {
+    let mut cfg = row_warps(rows);
+    cfg.grid_dim.1 = groups as u32;
+    cfg
 }
 
 /// Checks the parameters against `dims` (as the CPU's `check_lengths`) and the rank limit.
@@ -168,12 +250,15 @@ fn gate_args(p: &DeviceFusedGateParams) -> [Arg; 10] {
     ]
 }
 
-/// The concatenated weight `[W; A_c; A_s]` as one bf16 `[K, d_in]` buffer (row-major), the
-/// operand of [`fused_gate_forward`] and of [`fused_gate_backward`]'s bf16 products, in one
+/// The concatenated weight of a group, each projection's `[W; A_c; A_s]` in turn, as one
+/// bf16 `[K, d_in]` buffer (row-major), the operand of [`fused_gate_forward`] (a group of one)
+/// and [`fused_gate_forward_unfused`] and of [`fused_gate_backward`]'s bf16 products, in one
 /// launch. Rounds to nearest even, as the optimizer's update does when it rewrites the rows.
-pub fn pack_weight(dev: &CudaDevice, dims: &FusedGateDims, p: &DeviceFusedGateParams) -> Result<DeviceBuffer<bf16>> {
-    check_params(dev, "fused_gate pack_weight", dims, p)?;
-    pack_bf16(dev, &[p.weight, p.channel.a_weight, p.scalar.a_weight])
+pub fn pack_weight(dev: &CudaDevice, groups: &[GateGroup]) -> Result<DeviceBuffer<bf16>> {
+    layout(dev, "fused_gate pack_weight", groups)?;
+    let parts: Vec<&DeviceBuffer<f32>> =
+        groups.iter().flat_map(|g| [g.params.weight, g.params.channel.a_weight, g.params.scalar.a_weight]).collect();
+    pack_bf16(dev, &parts)
 }
 
 /// Checks `x` (bf16), the packed weight and the outputs of a forward.
@@ -246,68 +331,95 @@ pub fn fused_gate_forward(
     dev.launch(FAMILY, kernel, cfg, &args)
 }
 
-/// The gate alone from a saved `zu[N×K]`: `out = γ ⊙ Z` (the second half of the unfused path).
+/// The gate alone from a saved `zu` (`[N, K]` in [`pack_weight`]'s column order): every
+/// projection's `Ẑ_g = γ_g ⊙ Z_g`, side by side in `out` (`[N, Σ d_out]`), in one launch
+/// (the second half of the unfused path).
 pub fn fused_gate_apply(
     dev: &CudaDevice,
-    dims: &FusedGateDims,
+    groups: &[GateGroup],
     zu: &DeviceBuffer<f32>,
-    p: &DeviceFusedGateParams,
     out: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "fused_gate_apply";
-    check_params(dev, OP, dims, p)?;
+    let layout = layout(dev, OP, groups)?;
     dev.check_owner(OP, zu)?;
     dev.check_owner(OP, out)?;
-    ensure_len(OP, "zu", zu.len(), dims.rows * dims.width())?;
-    ensure_len(OP, "out", out.len(), dims.rows * dims.d_out)?;
-    let mut args = vec![ptr(zu)];
-    args.extend(gate_args(p));
-    args.extend([
-        size(dims.rows),
-        size(dims.d_out),
-        int(dims.rank_channel as i32),
-        int(dims.rank_scalar as i32),
+    ensure_len(OP, "zu", zu.len(), layout.rows * layout.zu_width)?;
+    ensure_len(OP, "out", out.len(), layout.rows * layout.out_width)?;
+    let (phi, phi_p) = unary_code(groups[0].params.phi);
+    let [params, places] = group_lists(groups, &layout);
+    let args = [
+        ptr(zu),
+        params,
+        places,
+        int(phi),
+        Arg::F32(phi_p),
+        size(layout.rows),
+        size(layout.zu_width),
+        size(layout.out_width),
+        int(layout.rank_channel as i32),
+        int(layout.rank_scalar as i32),
         ptr(out),
-    ]);
-    dev.launch(FAMILY, "fused_gate_apply", row_warps(dims.rows), &args)
+    ];
+    dev.launch(FAMILY, "fused_gate_apply", group_row_warps(layout.rows, groups.len()), &args)
 }
 
-/// The unfused reference path: a cuBLAS bf16 GEMM `zu = x·[W; A_c; A_s]ᵀ` (f32 output), then
-/// [`fused_gate_apply`]. Same inputs and outputs as [`fused_gate_forward`] with `zu` given.
+/// The engine's forward: a cuBLAS bf16 GEMM `zu = x·packedᵀ` (f32 output, `[N, K]`), then
+/// [`fused_gate_apply`] into `out` (`[N, Σ d_out]`), for a whole group in two launches. For a
+/// group of one, the same inputs and outputs as [`fused_gate_forward`] with `zu` given.
 pub fn fused_gate_forward_unfused(
     dev: &CudaDevice,
-    dims: &FusedGateDims,
+    groups: &[GateGroup],
     x: &DeviceBuffer<bf16>,
     packed: &DeviceBuffer<bf16>,
-    p: &DeviceFusedGateParams,
     zu: &mut DeviceBuffer<f32>,
     out: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "fused_gate_forward_unfused";
-    check_forward(dev, OP, dims, x, packed, p, Some(zu), out)?;
-    let (k, d_in) = (dims.width(), dims.d_in);
+    let layout = layout(dev, OP, groups)?;
+    for buffer in [x, packed] {
+        dev.check_owner(OP, buffer)?;
+    }
+    dev.check_owner(OP, zu)?;
+    let (k, d_in) = (layout.zu_width, layout.d_in);
+    ensure_len(OP, "x", x.len(), layout.rows * d_in)?;
+    ensure_len(OP, "packed weight", packed.len(), k * d_in)?;
+    ensure_len(OP, "zu", zu.len(), layout.rows * k)?;
     let (a, b) = (Operand::rows(x.device_ptr(), d_in), Operand::transposed(packed.device_ptr(), d_in));
-    let product = GemmDims { m: dims.rows, n: k, k: d_in };
+    let product = GemmDims { m: layout.rows, n: k, k: d_in };
     gemm(dev, Precision::Bf16, product, a, b, Store::Overwrite, (zu.device_ptr(), k))?;
-    fused_gate_apply(dev, dims, zu, p, out)
+    fused_gate_apply(dev, groups, zu, out)
 }
 
-/// Checks the gradient buffers against `dims`.
-fn check_grads(dev: &CudaDevice, op: &'static str, dims: &FusedGateDims, g: &DeviceFusedGateGrads) -> Result<()> {
-    let FusedGateDims { rows, d_in, d_out, rank_channel: rc, rank_scalar: rs } = *dims;
-    let (c, s) = (&g.channel, &g.scalar);
-    let expected: [(&DeviceBuffer<f32>, usize, &str); 10] = [
-        (&*g.x, rows * d_in, "dx"),
-        (&*g.weights, dims.width() * d_in, "[dW; dA_c; dA_s]"),
-        (&*c.a_bias, rc, "channel da"),
-        (&*c.b_weight, d_out * rc, "channel dB"),
-        (&*c.b_bias, d_out, "channel db"),
-        (&*c.alpha, 1, "channel dα"),
-        (&*s.a_bias, rs, "scalar da"),
-        (&*s.b_weight, rs, "scalar dB"),
-        (&*s.b_bias, 1, "scalar db"),
-        (&*s.alpha, 1, "scalar dα"),
+/// Checks the gradient buffers against the group's sizes.
+fn check_grads(
+    dev: &CudaDevice,
+    op: &'static str,
+    groups: &[GateGroup],
+    layout: &Layout,
+    g: &DeviceFusedGateGrads,
+) -> Result<()> {
+    ensure(g.channel.len() == groups.len() && g.scalar.len() == groups.len(), op, || {
+        format!("{} and {} modulator gradients for {} projections", g.channel.len(), g.scalar.len(), groups.len())
+    })?;
+    let mut expected = vec![
+        (&*g.x, layout.rows * layout.d_in, "dx"),
+        (&*g.weights, layout.zu_width * layout.d_in, "packed weight gradient"),
     ];
+    let (rc, rs) = (layout.rank_channel, layout.rank_scalar);
+    for ((group, c), s) in groups.iter().zip(&g.channel).zip(&g.scalar) {
+        let d_out = group.dims.d_out;
+        expected.extend([
+            (&*c.a_bias, rc, "channel da"),
+            (&*c.b_weight, d_out * rc, "channel dB"),
+            (&*c.b_bias, d_out, "channel db"),
+            (&*c.alpha, 1, "channel dα"),
+            (&*s.a_bias, rs, "scalar da"),
+            (&*s.b_weight, rs, "scalar dB"),
+            (&*s.b_bias, 1, "scalar db"),
+            (&*s.alpha, 1, "scalar dα"),
+        ]);
+    }
     for (buffer, want, name) in expected {
         dev.check_owner(op, buffer)?;
         ensure_len(op, name, buffer.len(), want)?;
@@ -332,57 +444,59 @@ pub enum GateProducts<'a> {
     },
 }
 
-/// Backward of the fused projection from the saved `zu` and the output gradient `dout`;
-/// `x` is the f32 input `[N, d_in]`. Writes every buffer of `grads`.
+/// Backward of a group of fused projections from the saved `zu` (`[N, K]`) and the output
+/// gradient `dout` (`[N, Σ d_out]`); `x` is the f32 input `[N, d_in]`. Writes every buffer
+/// of `grads`; `dx` is the sum over the group's projections.
 ///
 /// One row kernel recomputes `H`, `γ_s` and the channel logits from `zu` and writes `dZ`,
 /// the channel logits' gradient `dL_c`, `dU` (through `dH_c = dL_c·B_c`, summed in the
-/// kernel) and each row's terms of `dα_c`, `dα_s`, `db_s` and `dB_s = dl_sᵀ·H_s`; the bias,
-/// α and `dB_s` gradients are then column sums in a fixed order, and `dB_c = dL_cᵀ·H_c`,
-/// `dx = dZU·[W; A_c; A_s]` and `[dW; dA_c; dA_s] = dZUᵀ·x` (one product) are cuBLAS
-/// products in the precision of `products`.
+/// kernel) and each row's terms of `dα_c`, `dα_s`, `db_s` and `dB_s = dl_sᵀ·H_s`, for every
+/// projection; the bias, α and `dB_s` gradients are then column sums in a fixed order (one
+/// launch), `dB_c = dL_cᵀ·H_c` one product per projection, and `dx = dZU·packed` and the
+/// packed weight's gradient `dZUᵀ·x` one product each (in the precision of `products`).
 #[allow(clippy::too_many_arguments)]
 pub fn fused_gate_backward(
     dev: &CudaDevice,
-    dims: &FusedGateDims,
+    groups: &[GateGroup],
     x: &DeviceBuffer<f32>,
-    p: &DeviceFusedGateParams,
     zu: &DeviceBuffer<f32>,
     dout: &DeviceBuffer<f32>,
     products: GateProducts,
     grads: &mut DeviceFusedGateGrads,
 ) -> Result<()> {
     const OP: &str = "fused_gate_backward";
-    check_params(dev, OP, dims, p)?;
-    check_grads(dev, OP, dims, grads)?;
+    let layout = layout(dev, OP, groups)?;
+    check_grads(dev, OP, groups, &layout, grads)?;
     for buffer in [x, zu, dout] {
         dev.check_owner(OP, buffer)?;
     }
-    let FusedGateDims { rows, d_in, d_out, rank_channel: rc, rank_scalar: rs } = *dims;
-    let (k, r) = (dims.width(), rc + rs);
+    let Layout { rows, d_in, rank_channel: rc, rank_scalar: rs, zu_width: k, out_width, .. } = layout;
+    let (count, r) = (groups.len(), rc + rs);
     ensure_len(OP, "x", x.len(), rows * d_in)?;
     ensure_len(OP, "zu", zu.len(), rows * k)?;
-    ensure_len(OP, "dout", dout.len(), rows * d_out)?;
+    ensure_len(OP, "dout", dout.len(), rows * out_width)?;
     if let GateProducts::Bf16 { x: x_bf16, packed } = products {
         dev.check_owner(OP, x_bf16)?;
         dev.check_owner(OP, packed)?;
         ensure_len(OP, "x (bf16)", x_bf16.len(), rows * d_in)?;
         ensure_len(OP, "packed weight", packed.len(), k * d_in)?;
     }
+    let g = grads;
     if rows == 0 {
         // No rows: every gradient is an empty sum.
-        let g = grads;
-        for buffer in [&mut *g.x, &mut *g.weights].into_iter().chain(g.channel.buffers()).chain(g.scalar.buffers()) {
+        let modulators = g.channel.iter_mut().chain(g.scalar.iter_mut()).flat_map(DeviceGateGrads::buffers);
+        for buffer in [&mut *g.x, &mut *g.weights].into_iter().chain(modulators) {
             dev.fill_zero(buffer)?;
         }
         return Ok(());
     }
-    // dzu rows: [dZ | dU_c | dU_s]; row_terms rows: [dα_c, dα_s, dl_s, dl_s·H_s].
+    // dzu rows: ZU's layout; dlogits rows: the outputs'; hidden rows: each projection's H in
+    // turn; row_terms rows: each projection's [dα_c, dα_s, dl_s, dl_s·H_s] in turn.
     let terms = 3 + rs;
     let dzu = dev.alloc::<f32>(rows * k)?;
-    let dlogits = dev.alloc::<f32>(rows * d_out)?;
-    let hidden = dev.alloc::<f32>(rows * r)?;
-    let row_terms = dev.alloc::<f32>(rows * terms)?;
+    let dlogits = dev.alloc::<f32>(rows * out_width)?;
+    let hidden = dev.alloc::<f32>(rows * count * r)?;
+    let row_terms = dev.alloc::<f32>(rows * count * terms)?;
 
     let sources = Sources { x, dlogits: &dlogits, hidden: &hidden, dzu: &dzu };
     let operands = match products {
@@ -391,11 +505,18 @@ pub fn fused_gate_backward(
     };
     let bf16_copy = |part| Arg::Ptr(operands.bf16_copy(part));
 
-    let mut args = vec![ptr(zu), ptr(dout)];
-    args.extend(gate_args(p));
-    args.extend([
+    let (phi, phi_p) = unary_code(groups[0].params.phi);
+    let [params, places] = group_lists(groups, &layout);
+    let args = [
+        ptr(zu),
+        ptr(dout),
+        params,
+        places,
+        int(phi),
+        Arg::F32(phi_p),
         size(rows),
-        size(d_out),
+        size(k),
+        size(out_width),
         int(rc as i32),
         int(rs as i32),
         ptr(&dzu),
@@ -405,53 +526,58 @@ pub fn fused_gate_backward(
         bf16_copy(Part::Dzu),
         bf16_copy(Part::DLogits),
         bf16_copy(Part::Hidden),
-    ]);
-    dev.launch(FAMILY, "fused_gate_backward_rows", row_warps(rows), &args)?;
+    ];
+    dev.launch(FAMILY, "fused_gate_backward_rows", group_row_warps(rows, count), &args)?;
 
     // Cross-row sums: db_c = Σ dL_c, da = Σ dU, dα = Σ row terms, db_s = Σ dl_s and
-    // dB_s = Σ dl_s·H_s; all seven in one pair of launches.
-    let g = grads;
+    // dB_s = Σ dl_s·H_s; all seven of every projection in one launch.
     let sum = |src, cols, ld, dst: &DeviceBuffer<f32>| ColumnSum { src, cols, ld, dst: dst.device_ptr() };
-    let sums = [
-        sum(dlogits.device_ptr(), d_out, d_out, g.channel.b_bias),
-        sum(dzu.ptr_at(d_out), rc, k, g.channel.a_bias),
-        sum(dzu.ptr_at(d_out + rc), rs, k, g.scalar.a_bias),
-        sum(row_terms.ptr_at(0), 1, terms, g.channel.alpha),
-        sum(row_terms.ptr_at(1), 1, terms, g.scalar.alpha),
-        sum(row_terms.ptr_at(2), 1, terms, g.scalar.b_bias),
-        sum(row_terms.ptr_at(3), rs, terms, g.scalar.b_weight),
-    ];
+    let mut sums = Vec::with_capacity(7 * count);
+    for (i, ((group, c), s)) in groups.iter().zip(&g.channel).zip(&g.scalar).enumerate() {
+        let (zu_at, t) = (layout.zu_at[i] + group.dims.d_out, i * terms);
+        let row_term = |j: usize| row_terms.ptr_at(t + j);
+        sums.extend([
+            sum(dlogits.ptr_at(layout.out_at[i]), group.dims.d_out, out_width, c.b_bias),
+            sum(dzu.ptr_at(zu_at), rc, k, c.a_bias),
+            sum(dzu.ptr_at(zu_at + rc), rs, k, s.a_bias),
+            sum(row_term(0), 1, count * terms, c.alpha),
+            sum(row_term(1), 1, count * terms, s.alpha),
+            sum(row_term(2), 1, count * terms, s.b_bias),
+            sum(row_term(3), rs, count * terms, s.b_weight),
+        ]);
+    }
     column_sums_many(dev, rows, &sums)?;
 
     let precision = operands.precision();
     let gemm = |m, n, k, a, b, store, c: u64, ldc| gemm(dev, precision, GemmDims { m, n, k }, a, b, store, (c, ldc));
-    // dB_c = dL_cᵀ·H_c
-    let dlogits_t = operands.transposed(Part::DLogits, 0, d_out);
-    gemm(
-        d_out,
-        rc,
-        rows,
-        dlogits_t,
-        operands.rows(Part::Hidden, 0, r),
-        Store::Overwrite,
-        g.channel.b_weight.device_ptr(),
-        rc,
-    )?;
+    // dB_c = dL_cᵀ·H_c, per projection.
+    for (i, (group, c)) in groups.iter().zip(&g.channel).enumerate() {
+        let dlogits_t = operands.transposed(Part::DLogits, layout.out_at[i], out_width);
+        let h_c = operands.rows(Part::Hidden, i * r, count * r);
+        gemm(group.dims.d_out, rc, rows, dlogits_t, h_c, Store::Overwrite, c.b_weight.device_ptr(), rc)?;
+    }
 
-    // dx = dZU·[W; A_c; A_s]
+    // dx = dZU·packed
     if let Operands::Bf16 { packed, .. } = &operands {
-        // The packed bf16 weight makes dx one product over K = d_out + r.
+        // The packed bf16 weight makes dx one product over K.
         let weight = Operand::rows(packed.device_ptr(), d_in);
         gemm(rows, d_in, k, operands.rows(Part::Dzu, 0, k), weight, g.x_store, g.x.device_ptr(), d_in)?;
     } else {
-        // Three f32 weight buffers: the first product written, the others added onto it.
-        let parts = [(0, d_out, p.weight), (d_out, rc, p.channel.a_weight), (d_out + rc, rs, p.scalar.a_weight)];
-        for (i, (offset, width, weight)) in parts.iter().enumerate() {
-            let (a, b) = (operands.rows(Part::Dzu, *offset, k), Operand::rows(weight.device_ptr(), d_in));
-            gemm(rows, d_in, *width, a, b, if i == 0 { g.x_store } else { Store::Accumulate }, g.x.device_ptr(), d_in)?;
+        // Separate f32 weight buffers: the first product written, the others added onto it.
+        let mut store = g.x_store;
+        for (i, group) in groups.iter().enumerate() {
+            let (d_out, p) = (group.dims.d_out, &group.params);
+            let at = layout.zu_at[i];
+            let parts =
+                [(at, d_out, p.weight), (at + d_out, rc, p.channel.a_weight), (at + d_out + rc, rs, p.scalar.a_weight)];
+            for (offset, width, weight) in parts {
+                let (a, b) = (operands.rows(Part::Dzu, offset, k), Operand::rows(weight.device_ptr(), d_in));
+                gemm(rows, d_in, width, a, b, store, g.x.device_ptr(), d_in)?;
+                store = Store::Accumulate;
+            }
         }
     }
-    // [dW; dA_c; dA_s] = dZUᵀ·x: one product into the packed weight's gradient.
+    // The packed weight's gradient dZUᵀ·x: one product for every weight of the group.
     let x_rows = operands.rows(Part::X, 0, d_in);
     gemm(k, d_in, rows, operands.transposed(Part::Dzu, 0, k), x_rows, Store::Overwrite, g.weights.device_ptr(), d_in)?;
     Ok(())

@@ -7,7 +7,7 @@ use kernels::cpu::fused_gate::{FusedGateDims, FusedGateGrads, FusedGateParams, G
 use kernels::cpu::matmul::Store;
 use kernels::cpu::unary::Unary;
 use kernels::cuda::fused_gate::{
-    DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, GateProducts,
+    DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, GateGroup, GateProducts,
 };
 use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer};
 
@@ -110,109 +110,185 @@ impl DeviceGate {
     }
 }
 
-/// Runs the fused forward, the unfused forward and the backward on the device and on the
-/// CPU, and compares them with the relative bound `rel` (of the largest value).
+/// Runs the fused forward (the tensor-core kernel with the gate in its epilogue) on the
+/// device and on the CPU and compares them with the relative bound `rel` (of the largest
+/// value), then the unfused forward and the backward ([`check_group`], a group of one).
 fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
     let dims = case.dims;
-    let FusedGateDims { rows, d_in, d_out, rank_channel: rc, rank_scalar: rs } = dims;
-    let p = case.params(phi);
+    let FusedGateDims { rows, d_out, .. } = dims;
     // The device's forward multiplies bf16 copies of x, W and the A's (its backward reads
     // the f32 originals): the reference forward runs on the same rounded values.
     let rounded = case.rounded();
     let (mut zu, mut out) = (vec![0.0; rows * dims.width()], vec![0.0; rows * d_out]);
-    let saved = cpu::fused_gate::fused_gate_forward(&dims, &rounded.x, &rounded.params(phi), &mut zu, &mut out);
+    cpu::fused_gate::fused_gate_forward(&dims, &rounded.x, &rounded.params(phi), &mut zu, &mut out);
 
     let gate = DeviceGate::new(dev, case);
     let gp = gate.params(phi);
-    let packed = cuda::fused_gate::pack_weight(dev, &dims, &gp).unwrap();
-    let halves: Vec<bf16> = case.x.iter().map(|&v| bf16::from_f32(v)).collect();
-    let gx16 = dev.upload(&halves).unwrap();
+    let packed = cuda::fused_gate::pack_weight(dev, &[GateGroup { dims, params: gp }]).unwrap();
+    let gx16 = up_bf16(dev, &case.x);
     let mut gzu = dev.alloc(rows * dims.width()).unwrap();
     let mut gout = dev.alloc(rows * d_out).unwrap();
     cuda::fused_gate::fused_gate_forward(dev, &dims, &gx16, &packed, &gp, Some(&mut gzu), &mut gout).unwrap();
     let what = format!("{dims:?} {phi:?}");
     let fused = down(dev, &gout);
     assert_close(&format!("fused forward {what}"), &fused, &out, 0.0, rel);
-    // Without saving, the same output; the unfused path agrees with the fused one.
+    assert_close(&format!("fused forward zu {what}"), &down(dev, &gzu), &zu, 0.0, rel);
+    // Without saving, the same output.
     let mut gout2 = dev.alloc(rows * d_out).unwrap();
     cuda::fused_gate::fused_gate_forward(dev, &dims, &gx16, &packed, &gp, None, &mut gout2).unwrap();
     assert_eq!(down(dev, &gout2), fused, "saving zu changed the output");
-    let (mut gzu_ref, mut gout_ref) = (dev.alloc(rows * dims.width()).unwrap(), dev.alloc(rows * d_out).unwrap());
-    cuda::fused_gate::fused_gate_forward_unfused(dev, &dims, &gx16, &packed, &gp, &mut gzu_ref, &mut gout_ref).unwrap();
-    assert_close(&format!("unfused vs fused {what}"), &down(dev, &gout_ref), &fused, 0.0, 1e-4);
-    assert_close(&format!("unfused vs fused zu {what}"), &down(dev, &gzu_ref), &down(dev, &gzu), 0.0, 1e-4);
+    check_group(dev, std::slice::from_ref(case), phi, rel);
+}
 
-    // Backward into stale (NaN) gradient buffers: both devices must write every element.
-    let dout = Rng::new(rows as u64).vec(rows * d_out, -1.0, 1.0);
-    let mut dx = stale(rows * d_in);
-    let mut dw = stale(d_out * d_in);
-    let mut dc: Vec<Vec<f32>> = [rc * d_in, rc, d_out * rc, d_out].iter().map(|&l| stale(l)).collect();
-    let mut ds: Vec<Vec<f32>> = [rs * d_in, rs, rs, 1].iter().map(|&l| stale(l)).collect();
-    let (mut dalpha_c, mut dalpha_s) = (f32::NAN, f32::NAN);
-    {
-        let [ca, cab, cb, cbb] = &mut dc[..] else { unreachable!() };
-        let [sa, sab, sb, sbb] = &mut ds[..] else { unreachable!() };
-        let mut grads = FusedGateGrads {
-            x: &mut dx,
-            weight: &mut dw,
-            channel: GateGrads { a_weight: ca, a_bias: cab, b_weight: cb, b_bias: cbb, alpha: &mut dalpha_c },
-            scalar: GateGrads { a_weight: sa, a_bias: sab, b_weight: sb, b_bias: sbb, alpha: &mut dalpha_s },
-        };
-        let mut dzu = vec![0.0; zu.len()];
-        cpu::fused_gate::fused_gate_backward(&dims, &case.x, &p, &zu, &saved, &dout, &mut dzu, &mut grads);
+/// x in bf16 on the device, rounded to nearest even.
+fn up_bf16(dev: &CudaDevice, x: &[f32]) -> DeviceBuffer<bf16> {
+    dev.upload(&x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).unwrap()
+}
+
+/// A group of projections of one input (`cases` share `x`, rows, d_in and ranks) through the
+/// engine's path on the device (one GEMM and one gate launch forward, one backward) against
+/// each projection alone on the CPU: outputs side by side, `dx` summed, and every parameter's
+/// gradient, with f32 products (bound `rel`) and bf16 ones.
+fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32) {
+    let FusedGateDims { rows, d_in, rank_channel: rc, rank_scalar: rs, .. } = cases[0].dims;
+    let x = &cases[0].x;
+    let out_width: usize = cases.iter().map(|c| c.dims.d_out).sum();
+    let what = format!("{:?} {phi:?}", cases.iter().map(|c| c.dims).collect::<Vec<_>>());
+    // The CPU, projection by projection: the forward on the rounded values the device
+    // multiplies, the backward from its ZU with the f32 x and parameters (as the device's
+    // backward reads them), for its columns of one output gradient.
+    let dout = Rng::new(rows as u64).vec(rows * out_width, -1.0, 1.0);
+    let mut want_out = vec![0.0; rows * out_width];
+    let mut want_dx = vec![0.0; rows * d_in];
+    let mut want = Vec::new();
+    let mut at = 0;
+    for case in cases {
+        let dims = case.dims;
+        let d_out = dims.d_out;
+        let rounded = case.rounded();
+        let (mut zu, mut out) = (vec![0.0; rows * dims.width()], vec![0.0; rows * d_out]);
+        let saved = cpu::fused_gate::fused_gate_forward(&dims, &rounded.x, &rounded.params(phi), &mut zu, &mut out);
+        for n in 0..rows {
+            want_out[n * out_width + at..n * out_width + at + d_out].copy_from_slice(&out[n * d_out..(n + 1) * d_out]);
+        }
+        let dout_part: Vec<f32> =
+            (0..rows).flat_map(|n| dout[n * out_width + at..n * out_width + at + d_out].to_vec()).collect();
+        at += d_out;
+        let (mut dx, mut dw) = (stale(rows * d_in), stale(d_out * d_in));
+        let mut dc: Vec<Vec<f32>> = [rc * d_in, rc, d_out * rc, d_out].iter().map(|&l| stale(l)).collect();
+        let mut ds: Vec<Vec<f32>> = [rs * d_in, rs, rs, 1].iter().map(|&l| stale(l)).collect();
+        let (mut dalpha_c, mut dalpha_s) = (f32::NAN, f32::NAN);
+        {
+            let [ca, cab, cb, cbb] = &mut dc[..] else { unreachable!() };
+            let [sa, sab, sb, sbb] = &mut ds[..] else { unreachable!() };
+            let mut grads = FusedGateGrads {
+                x: &mut dx,
+                weight: &mut dw,
+                channel: GateGrads { a_weight: ca, a_bias: cab, b_weight: cb, b_bias: cbb, alpha: &mut dalpha_c },
+                scalar: GateGrads { a_weight: sa, a_bias: sab, b_weight: sb, b_bias: sbb, alpha: &mut dalpha_s },
+            };
+            let mut dzu = vec![0.0; zu.len()];
+            let p = case.params(phi);
+            cpu::fused_gate::fused_gate_backward(&dims, &case.x, &p, &zu, &saved, &dout_part, &mut dzu, &mut grads);
+        }
+        want_dx.iter_mut().zip(&dx).for_each(|(total, d)| *total += d);
+        // In the device's packed order: [dW; dA_c; dA_s], then the rest of each modulator.
+        want.push([dw, dc[0].clone(), ds[0].clone()].concat());
+        want.extend(dc[1..].iter().cloned().chain(ds[1..].iter().cloned()));
+        want.extend([vec![dalpha_c], vec![dalpha_s]]);
     }
-    let mut want = vec![dx, dw];
-    want.extend(dc);
-    want.extend(ds);
-    want.extend([vec![dalpha_c], vec![dalpha_s]]);
-    // The same gradients from the GPU, into stale buffers, with products of `precision`; dx
+
+    let gates: Vec<DeviceGate> = cases.iter().map(|c| DeviceGate::new(dev, c)).collect();
+    let group: Vec<GateGroup> =
+        cases.iter().zip(&gates).map(|(c, g)| GateGroup { dims: c.dims, params: g.params(phi) }).collect();
+    let packed = cuda::fused_gate::pack_weight(dev, &group).unwrap();
+    let gx16 = up_bf16(dev, x);
+    let width: usize = cases.iter().map(|c| c.dims.width()).sum();
+    let (mut gzu, mut gout) = (dev.alloc(rows * width).unwrap(), dev.alloc(rows * out_width).unwrap());
+    cuda::fused_gate::fused_gate_forward_unfused(dev, &group, &gx16, &packed, &mut gzu, &mut gout).unwrap();
+    assert_close(&format!("forward {what}"), &down(dev, &gout), &want_out, 0.0, rel);
+
+    // The backward into stale (NaN) gradient buffers: it must write every element. dx is
     // added onto `dx_base` instead when it is given (Store::Accumulate).
-    let gpu_backward = |products: GateProducts, dx_base: Option<&[f32]>| -> Vec<Vec<f32>> {
+    let gpu_backward = |products: GateProducts, dx_base: Option<&[f32]>| -> (Vec<f32>, Vec<Vec<f32>>) {
         let mut gdx = up(dev, &dx_base.map_or_else(|| stale(rows * d_in), <[f32]>::to_vec));
         let x_store = if dx_base.is_some() { Store::Accumulate } else { Store::Overwrite };
-        // [dW; dA_c; dA_s] in one buffer, as the backward writes them.
-        let mut gdweights = up(dev, &stale((d_out + rc + rs) * d_in));
-        let mut gdc: Vec<DeviceBuffer<f32>> = [rc, d_out * rc, d_out].iter().map(|&l| up(dev, &stale(l))).collect();
-        let mut gds: Vec<DeviceBuffer<f32>> = [rs, rs, 1].iter().map(|&l| up(dev, &stale(l))).collect();
-        let (mut gdac, mut gdas) = (up(dev, &[f32::NAN]), up(dev, &[f32::NAN]));
+        // Every projection's [dW; dA_c; dA_s] in one buffer, as the backward writes them.
+        let mut gdweights = up(dev, &stale(width * d_in));
+        let mut gdc: Vec<Vec<DeviceBuffer<f32>>> = cases
+            .iter()
+            .map(|c| [rc, c.dims.d_out * rc, c.dims.d_out, 1].iter().map(|&l| up(dev, &stale(l))).collect())
+            .collect();
+        let mut gds: Vec<Vec<DeviceBuffer<f32>>> =
+            cases.iter().map(|_| [rs, rs, 1, 1].iter().map(|&l| up(dev, &stale(l))).collect()).collect();
         {
-            let [cab, cb, cbb] = &mut gdc[..] else { unreachable!() };
-            let [sab, sb, sbb] = &mut gds[..] else { unreachable!() };
+            fn modulator(g: &mut [DeviceBuffer<f32>]) -> DeviceGateGrads<'_> {
+                let [a_bias, b_weight, b_bias, alpha] = g else { unreachable!() };
+                DeviceGateGrads { a_bias, b_weight, b_bias, alpha }
+            }
             let mut grads = DeviceFusedGateGrads {
                 x: &mut gdx,
                 x_store,
                 weights: &mut gdweights,
-                channel: DeviceGateGrads { a_bias: cab, b_weight: cb, b_bias: cbb, alpha: &mut gdac },
-                scalar: DeviceGateGrads { a_bias: sab, b_weight: sb, b_bias: sbb, alpha: &mut gdas },
+                channel: gdc.iter_mut().map(|g| modulator(g)).collect(),
+                scalar: gds.iter_mut().map(|g| modulator(g)).collect(),
             };
-            let gx = up(dev, &case.x);
+            let gx = up(dev, x);
             let gdout = up(dev, &dout);
-            cuda::fused_gate::fused_gate_backward(dev, &dims, &gx, &gp, &gzu, &gdout, products, &mut grads).unwrap();
+            cuda::fused_gate::fused_gate_backward(dev, &group, &gx, &gzu, &gdout, products, &mut grads).unwrap();
         }
         let weights = down(dev, &gdweights);
-        let (dw, da) = weights.split_at(d_out * d_in);
-        let (da_c, da_s) = da.split_at(rc * d_in);
-        let mut got = vec![down(dev, &gdx), dw.to_vec(), da_c.to_vec()];
-        got.extend(gdc.iter().map(|g| down(dev, g)));
-        got.push(da_s.to_vec());
-        got.extend(gds.iter().chain([&gdac, &gdas]).map(|g| down(dev, g)));
-        got
+        let mut got = Vec::new();
+        let mut at = 0;
+        for (i, case) in cases.iter().enumerate() {
+            got.push(weights[at * d_in..(at + case.dims.width()) * d_in].to_vec());
+            at += case.dims.width();
+            let (c, s) = (&gdc[i], &gds[i]);
+            got.extend(c[..3].iter().chain(&s[..3]).chain([&c[3], &s[3]]).map(|g| down(dev, g)));
+        }
+        (down(dev, &gdx), got)
     };
-    let names = ["dx", "dW", "channel dA", "channel da", "channel dB", "channel db"];
-    let names = names.iter().chain(&["scalar dA", "scalar da", "scalar dB", "scalar db", "channel dα", "scalar dα"]);
+    let names = ["[dW; dA_c; dA_s]", "channel da", "channel dB", "channel db", "scalar da", "scalar dB", "scalar db"];
+    let names: Vec<String> = (0..cases.len())
+        .flat_map(|i| names.iter().chain(&["channel dα", "scalar dα"]).map(move |n| format!("projection {i} {n}")))
+        .collect();
     // bf16 operands: about 8 significant bits each, so a bound relative to the largest entry.
     let bf16 = GateProducts::Bf16 { x: &gx16, packed: &packed };
     for (products, bound) in [(GateProducts::F32, rel), (bf16, 3e-2)] {
-        let got = gpu_backward(products, None);
-        for ((name, got), want) in names.clone().zip(&got).zip(&want) {
+        let (dx, got) = gpu_backward(products, None);
+        assert_close(&format!("dx {what} ({products:?})"), &dx, &want_dx, 0.0, bound);
+        for ((name, got), want) in names.iter().zip(&got).zip(&want) {
             assert_close(&format!("{name} {what} ({products:?})"), got, want, 0.0, bound);
         }
     }
-    // dx added onto the gradient an input already has (an input read by several projections).
+    // dx added onto the gradient an input already has (an input read by several ops).
     let dx_base = Rng::new(rows as u64 + 1).vec(rows * d_in, -1.0, 1.0);
-    let want_dx: Vec<f32> = want[0].iter().zip(&dx_base).map(|(dx, base)| base + dx).collect();
-    let got = gpu_backward(GateProducts::F32, Some(&dx_base));
-    assert_close(&format!("dx added onto a gradient so far {what}"), &got[0], &want_dx, 0.0, rel);
+    let want_sum: Vec<f32> = want_dx.iter().zip(&dx_base).map(|(dx, base)| base + dx).collect();
+    let (dx, _) = gpu_backward(GateProducts::F32, Some(&dx_base));
+    assert_close(&format!("dx added onto a gradient so far {what}"), &dx, &want_sum, 0.0, rel);
+}
+
+/// q, k and v, or gate and up: projections of one input of different widths in one group.
+#[test]
+fn a_group_of_fused_projections_agrees_with_each_alone() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(18);
+    let dims = |d_out, rank_channel| FusedGateDims { rows: 70, d_in: 48, d_out, rank_channel, rank_scalar: 4 };
+    for (widths, rank_channel, phi) in [(vec![64, 96, 40], 8, Unary::Sigmoid), (vec![33, 33], 12, Unary::Silu)] {
+        let mut cases: Vec<GateCase> =
+            widths.iter().map(|&w| GateCase::new(dims(w, rank_channel), &mut rng, true)).collect();
+        // One input for the whole group.
+        let x = cases[0].x.clone();
+        cases.iter_mut().for_each(|c| c.x = x.clone());
+        check_group(dev, &cases, phi, 1e-4);
+    }
+    // Projections of different ranks cannot share a group.
+    let cases = [GateCase::new(dims(16, 8), &mut rng, true), GateCase::new(dims(16, 4), &mut rng, true)];
+    let gates: Vec<DeviceGate> = cases.iter().map(|c| DeviceGate::new(dev, c)).collect();
+    let group: Vec<GateGroup> =
+        cases.iter().zip(&gates).map(|(c, g)| GateGroup { dims: c.dims, params: g.params(Unary::Sigmoid) }).collect();
+    let result = cuda::fused_gate::pack_weight(dev, &group);
+    assert!(matches!(result, Err(CudaError::Shape { .. })), "ranks 8 and 4 in one group: {result:?}");
 }
 
 #[test]
@@ -255,12 +331,12 @@ fn fused_gate_rejects_bad_shapes() {
     let dims = FusedGateDims { rows: 4, d_in: 8, d_out: 8, rank_channel: 40, rank_scalar: 40 };
     let case = GateCase::new(dims, &mut rng, true);
     let gate = DeviceGate::new(dev, &case);
-    let result = cuda::fused_gate::pack_weight(dev, &dims, &gate.params(Unary::Sigmoid));
+    let result = cuda::fused_gate::pack_weight(dev, &[GateGroup { dims, params: gate.params(Unary::Sigmoid) }]);
     assert!(matches!(result, Err(CudaError::Shape { .. })), "rank 80 accepted: {result:?}");
     let dims = FusedGateDims { rank_channel: 8, rank_scalar: 8, ..dims };
     let case = GateCase::new(dims, &mut rng, true);
     let gate = DeviceGate::new(dev, &case);
     let wrong = FusedGateDims { d_in: 9, ..dims };
-    let result = cuda::fused_gate::pack_weight(dev, &wrong, &gate.params(Unary::Sigmoid));
+    let result = cuda::fused_gate::pack_weight(dev, &[GateGroup { dims: wrong, params: gate.params(Unary::Sigmoid) }]);
     assert!(matches!(result, Err(CudaError::Shape { .. })), "wrong d_in accepted: {result:?}");
 }

@@ -6,6 +6,7 @@
 //! and applied in one pass over rows. That is the engine's default and its speed edge; the
 //! unfused composite stays for every other gate and for `fused = false`.
 
+use autograd::ops::{GatedProjectionVars, Unary};
 use autograd::{Result, Var};
 use tensor::{with_last_dim, Rng};
 
@@ -49,23 +50,64 @@ impl ModulatedProjection {
 
     /// `x: [..., in] → [..., out]`, through the fused op when the gates allow it.
     pub fn forward(&self, x: &Var) -> Result<Var> {
+        self.record_gates(x)?;
+        match self.fused_parts() {
+            Some((parts, phi)) => x.fused_gated_projections(&[parts], phi),
+            None => self.forward_unfused(x),
+        }
+    }
+
+    /// `projections` of the same `rows: [N, in]` as one op, their outputs side by side
+    /// (`[N, Σ out]`), where that is one product (a GPU under bf16 products:
+    /// [`tensor::Tensor::packed_linear_is_one_product`]): one GEMM of the stacked weights
+    /// when every projection is plain ([`Var::packed_linear`]), or one fused gated group when
+    /// every one takes the fused op with one φ ([`Var::fused_gated_projections`]). `None`
+    /// otherwise: run them one by one.
+    pub fn forward_packed(projections: &[&ModulatedProjection], rows: &Var) -> Result<Option<Var>> {
+        if !rows.value_ref().packed_linear_is_one_product() {
+            return Ok(None);
+        }
+        if projections.iter().all(|p| p.is_plain()) {
+            let weights: Vec<&Var> = projections.iter().map(|p| &p.linear.weight).collect();
+            return rows.packed_linear(&weights).map(Some);
+        }
+        let fused: Option<Vec<_>> = projections.iter().map(|p| p.fused_parts()).collect();
+        let Some(fused) = fused else { return Ok(None) };
+        let phi = fused[0].1;
+        if fused.iter().any(|(_, other)| *other != phi) {
+            return Ok(None);
+        }
+        for p in projections {
+            p.record_gates(rows)?;
+        }
+        let parts: Vec<GatedProjectionVars> = fused.into_iter().map(|(parts, _)| parts).collect();
+        rows.fused_gated_projections(&parts, phi).map(Some)
+    }
+
+    /// This projection's weight and modulators when it runs as the fused op (a lone
+    /// [`Gate::ChannelScalar`] whose two φ agree, no bias, `fused` on), with that φ.
+    fn fused_parts(&self) -> Option<(GatedProjectionVars<'_>, Unary)> {
+        match (self.fused, self.gates.as_slice(), &self.linear.bias) {
+            (true, [Gate::ChannelScalar { channel, scalar }], None) if channel.phi == scalar.phi => {
+                let parts = GatedProjectionVars {
+                    weight: &self.linear.weight,
+                    channel: channel.parameters_in_order(),
+                    scalar: scalar.parameters_in_order(),
+                };
+                Some((parts, channel.phi.unary()))
+            }
+            _ => None,
+        }
+    }
+
+    /// Hands the gates and their input to a running trace (`crate::trace`), if any.
+    fn record_gates(&self, x: &Var) -> Result<()> {
         if crate::trace::is_recording() {
             for gate in &self.gates {
                 crate::trace::record_gate(gate, x)?;
             }
         }
-        match (self.fused, self.gates.as_slice()) {
-            (true, [Gate::ChannelScalar { channel, scalar }]) if channel.phi == scalar.phi => {
-                let weight = &self.linear.weight;
-                x.fused_gated_projection(
-                    weight,
-                    channel.parameters_in_order(),
-                    scalar.parameters_in_order(),
-                    channel.phi.unary(),
-                )
-            }
-            _ => self.forward_unfused(x),
-        }
+        Ok(())
     }
 
     /// `x: [..., in] → [..., out]` composed from unfused ops (matmul, then each gate).

@@ -1,14 +1,16 @@
 //! The fused gated projection of Transponder (eq. 8-10), forward and backward, on either
-//! device. No autograd here: `autograd`'s `Var::fused_gated_projection` wires these two
+//! device, for one projection or a group of projections of one input (q, k and v; gate and
+//! up). No autograd here: `autograd`'s `Var::fused_gated_projection(s)` wires these two
 //! functions into the graph.
 //!
 //! `Ẑ = (x·Wᵀ) ⊙ σ̃_αc(φ(x·A_cᵀ + a_c)·B_cᵀ + b_c) ⊙ σ̃_αs(φ(x·A_sᵀ + a_s)·B_sᵀ + b_s)`, with
-//! `σ̃_α(z) = 2σ(αz)`. The forward is one GEMM over `[W | A_cᵀ | A_sᵀ]` and one pass over
-//! rows (`kernels::cpu::fused_gate`; on the GPU `kernels::cuda::fused_gate`, a bf16
-//! tensor-core GEMM with the gate in its epilogue). It saves `x`, the parameters (shared
-//! views, no copies), the GEMM output `ZU` (`N × (d_out + r_c + r_s)`) and, on the CPU, the
-//! modulators' rank-r results (on the GPU, the packed bf16 weight the GEMM read); backward
-//! recomputes only the channel gate from them.
+//! `σ̃_α(z) = 2σ(αz)`, for each projection; a group's outputs sit side by side along the last
+//! dimension. On the CPU each projection is one GEMM over `[W | A_cᵀ | A_sᵀ]` and one pass over
+//! rows (`kernels::cpu::fused_gate`); on the GPU the whole group is one bf16 tensor-core GEMM
+//! over every projection's `[W; A_c; A_s]` packed together, and one gate kernel
+//! (`kernels::cuda::fused_gate`). The forward saves `x`, the parameters (shared views, no
+//! copies), the GEMM output `ZU` and, on the CPU, the modulators' rank-r results (on the GPU,
+//! the packed bf16 weight the GEMM read); backward recomputes only the channel gate from them.
 //! Modulator arguments are `[A, a, B, b, α]` in that order.
 
 use kernels::cpu::fused_gate::{
@@ -20,27 +22,43 @@ use crate::{with_last_dim, Error, Result, Tensor};
 
 const OP: &str = "fused_gated_projection";
 
-/// What [`Tensor::fused_gated_projection`] keeps for its backward: the (contiguous) input
-/// and parameters, the GEMM output `ZU`, and the device's own extras.
+/// One projection of a fused gated group: its weight `[d_out, d_in]` and its channel and
+/// scalar modulators' `[A, a, B, b, α]` (`B: [d_out, r_c]` and `B: [1, r_s]`).
+#[derive(Clone, Copy, Debug)]
+pub struct GatedProjection<'a> {
+    /// `W: [d_out, d_in]`.
+    pub weight: &'a Tensor,
+    /// The channel modulator's `[A, a, B, b, α]`.
+    pub channel: [&'a Tensor; 5],
+    /// The scalar modulator's `[A, a, B, b, α]`.
+    pub scalar: [&'a Tensor; 5],
+}
+
+/// One projection's contiguous parameters, checked, with its sizes.
+struct Checked {
+    dims: FusedGateDims,
+    weight: Tensor,
+    channel: Vec<Tensor>,
+    scalar: Vec<Tensor>,
+}
+
+/// What [`Tensor::fused_gated_projections`] keeps for its backward: the (contiguous) input,
+/// every projection's parameters and sizes, and the device's own extras.
 pub struct FusedGateSaved {
-    pub(crate) dims: FusedGateDims,
-    pub(crate) x: Tensor,
-    pub(crate) weight: Tensor,
-    pub(crate) channel: Vec<Tensor>,
-    pub(crate) scalar: Vec<Tensor>,
-    pub(crate) phi: Unary,
-    pub(crate) zu: Tensor,
-    pub(crate) extra: SavedExtra,
+    projections: Vec<Checked>,
+    x: Tensor,
+    phi: Unary,
+    extra: SavedExtra,
 }
 
 /// The device-specific part of [`FusedGateSaved`].
-pub(crate) enum SavedExtra {
-    /// The CPU kernel's rank-r results and scalar gate.
-    Cpu(kernels::cpu::fused_gate::FusedGateSaved),
-    /// The packed bf16 `[W; A_c; A_s]` the forward's GEMM read, which the backward's bf16
-    /// products read too (the rest is recomputed from `ZU`).
+enum SavedExtra {
+    /// Each projection's GEMM output `ZU` and the CPU kernel's rank-r results.
+    Cpu(Vec<(Tensor, kernels::cpu::fused_gate::FusedGateSaved)>),
+    /// The group's GEMM output `ZU` (`[N, K]`, every projection's columns in turn) and the
+    /// packed bf16 weight it read, which the backward's bf16 products read too.
     #[cfg(feature = "cuda")]
-    Cuda { packed: std::sync::Arc<kernels::cuda::DeviceBuffer<half::bf16>> },
+    Cuda { zu: Tensor, packed: std::sync::Arc<kernels::cuda::DeviceBuffer<half::bf16>> },
 }
 
 /// Contiguous values of one modulator's `[A, a, B, b, α]`, with its rank, checked against
@@ -65,6 +83,40 @@ fn modulator_values(x: &Tensor, tensors: [&Tensor; 5], d_in: usize, m: usize) ->
         });
     }
     Ok((values, rank))
+}
+
+/// Checks one projection of `x: [..., d_in]`: devices, shapes, and (in a group) the first
+/// projection's ranks.
+fn check_projection(x: &Tensor, p: &GatedProjection, first: Option<&Checked>) -> Result<Checked> {
+    x.same_device(OP, p.weight)?;
+    let weight = p.weight.contiguous()?;
+    let (d_out, d_in) = match (weight.shape(), x.shape().last()) {
+        (&[o, i], Some(&xi)) if i == xi => (o, i),
+        _ => return Err(Error::ShapeMismatch { op: OP, lhs: x.shape().to_vec(), rhs: weight.shape().to_vec() }),
+    };
+    if d_in == 0 || d_out == 0 {
+        return Err(Error::InvalidShape {
+            op: OP,
+            shape: weight.shape().to_vec(),
+            reason: "the projection needs d_in > 0 and d_out > 0".into(),
+        });
+    }
+    let (channel, rank_channel) = modulator_values(x, p.channel, d_in, d_out)?;
+    let (scalar, rank_scalar) = modulator_values(x, p.scalar, d_in, 1)?;
+    let dims = FusedGateDims { rows: x.numel() / d_in, d_in, d_out, rank_channel, rank_scalar };
+    if let Some(first) = first {
+        if (rank_channel, rank_scalar) != (first.dims.rank_channel, first.dims.rank_scalar) {
+            return Err(Error::InvalidShape {
+                op: OP,
+                shape: vec![rank_channel, rank_scalar],
+                reason: format!(
+                    "the projections of a group share their ranks ({} and {} first)",
+                    first.dims.rank_channel, first.dims.rank_scalar
+                ),
+            });
+        }
+    }
+    Ok(Checked { dims, weight, channel, scalar })
 }
 
 fn gate_params(v: &[Tensor]) -> Result<GateParams<'_>> {
@@ -101,48 +153,65 @@ impl Tensor {
         scalar: [&Tensor; 5],
         phi: Unary,
     ) -> Result<(Tensor, FusedGateSaved)> {
-        self.same_device(OP, weight)?;
-        let x = self.contiguous()?;
-        let w = weight.contiguous()?;
-        let (d_out, d_in) = match (w.shape(), x.shape().last()) {
-            (&[o, i], Some(&xi)) if i == xi => (o, i),
-            _ => return Err(Error::ShapeMismatch { op: OP, lhs: x.shape().to_vec(), rhs: w.shape().to_vec() }),
-        };
-        if d_in == 0 || d_out == 0 {
-            return Err(Error::InvalidShape {
-                op: OP,
-                shape: w.shape().to_vec(),
-                reason: "the projection needs d_in > 0 and d_out > 0".into(),
-            });
-        }
-        let (cv, rank_channel) = modulator_values(&x, channel, d_in, d_out)?;
-        let (sv, rank_scalar) = modulator_values(&x, scalar, d_in, 1)?;
-        let dims = FusedGateDims { rows: x.numel() / d_in.max(1), d_in, d_out, rank_channel, rank_scalar };
-        let out_shape = with_last_dim(x.shape(), d_out);
-        #[cfg(feature = "cuda")]
-        if x.cuda_storage().is_some() {
-            let forward = cuda::forward(&dims, &x, &w, &cv, &sv, phi, &out_shape)?;
-            let (out, x, zu, packed) = forward;
-            let extra = SavedExtra::Cuda { packed };
-            return Ok((out, FusedGateSaved { dims, x, weight: w, channel: cv, scalar: sv, phi, zu, extra }));
-        }
-        let (mut zu, mut out) = (crate::pool::buffer(dims.rows * dims.width()), crate::pool::buffer(dims.rows * d_out));
-        let saved = {
-            let p =
-                FusedGateParams { weight: w.as_slice()?, channel: gate_params(&cv)?, scalar: gate_params(&sv)?, phi };
-            fused_gate_forward(&dims, x.as_slice()?, &p, &mut zu, &mut out)
-        };
-        let zu = Tensor::from_vec(zu, &[dims.rows, dims.width()])?;
-        let out = Tensor::from_vec(out, &out_shape)?;
-        let extra = SavedExtra::Cpu(saved);
-        Ok((out, FusedGateSaved { dims, x, weight: w, channel: cv, scalar: sv, phi, zu, extra }))
+        self.fused_gated_projections(&[GatedProjection { weight, channel, scalar }], phi)
     }
 
-    /// The backward of [`Tensor::fused_gated_projection`] for the output gradient `dy`:
-    /// `[dx, dW, dA_c, da_c, dB_c, db_c, dα_c, dA_s, da_s, dB_s, db_s, dα_s]`, each shaped like
-    /// its input. With `dx_so_far` (the gradient `x` has from the other ops that read it), the
-    /// first entry is that plus this projection's `dx`: on the GPU the `dx` product adds onto
-    /// `dx_so_far`'s buffer in place (β = 1) when it is its only owner.
+    /// [`Tensor::fused_gated_projection`] of `self` by each of `projections` (one φ and one
+    /// pair of ranks for all), the outputs side by side: `[..., Σ d_out]`. On a GPU the group
+    /// is one GEMM and one gate launch forward, and its backward one launch of each kind.
+    pub fn fused_gated_projections(
+        &self,
+        projections: &[GatedProjection],
+        phi: Unary,
+    ) -> Result<(Tensor, FusedGateSaved)> {
+        let x = self.contiguous()?;
+        let mut checked: Vec<Checked> = Vec::with_capacity(projections.len());
+        for p in projections {
+            let projection = check_projection(&x, p, checked.first())?;
+            checked.push(projection);
+        }
+        let total: usize = checked.iter().map(|p| p.dims.d_out).sum();
+        if checked.is_empty() {
+            return Err(Error::InvalidShape { op: OP, shape: vec![0], reason: "a group of no projections".into() });
+        }
+        let out_shape = with_last_dim(x.shape(), total);
+        #[cfg(feature = "cuda")]
+        if x.cuda_storage().is_some() {
+            let (out, x, zu, packed) = cuda::forward(&x, &checked, phi, &out_shape)?;
+            let extra = SavedExtra::Cuda { zu, packed };
+            return Ok((out, FusedGateSaved { projections: checked, x, phi, extra }));
+        }
+        let mut outs = Vec::with_capacity(checked.len());
+        let mut saved = Vec::with_capacity(checked.len());
+        for p in &checked {
+            let dims = p.dims;
+            let (mut zu, mut out) =
+                (crate::pool::buffer(dims.rows * dims.width()), crate::pool::buffer(dims.rows * dims.d_out));
+            let host = {
+                let params = FusedGateParams {
+                    weight: p.weight.as_slice()?,
+                    channel: gate_params(&p.channel)?,
+                    scalar: gate_params(&p.scalar)?,
+                    phi,
+                };
+                fused_gate_forward(&dims, x.as_slice()?, &params, &mut zu, &mut out)
+            };
+            saved.push((Tensor::from_vec(zu, &[dims.rows, dims.width()])?, host));
+            outs.push(Tensor::from_vec(out, &with_last_dim(x.shape(), dims.d_out))?);
+        }
+        let out = match outs.as_slice() {
+            [single] => single.clone(),
+            _ => Tensor::cat(&outs.iter().collect::<Vec<_>>(), x.shape().len() - 1)?,
+        };
+        Ok((out.reshape(&out_shape)?, FusedGateSaved { projections: checked, x, phi, extra: SavedExtra::Cpu(saved) }))
+    }
+
+    /// The backward of [`Tensor::fused_gated_projections`] for the output gradient `dy`:
+    /// `dx`, then each projection's `[dW, dA_c, da_c, dB_c, db_c, dα_c, dA_s, da_s, dB_s, db_s,
+    /// dα_s]`, each shaped like its input. With `dx_so_far` (the gradient `x` has from the
+    /// other ops that read it), the first entry is that plus this group's `dx`: on the GPU the
+    /// `dx` product adds onto `dx_so_far`'s buffer in place (β = 1) when it is its only owner.
+    /// On the GPU the weights' gradients are views of one buffer (one product writes them).
     pub fn fused_gated_projection_backward(
         saved: &FusedGateSaved,
         dy: &Tensor,
@@ -150,7 +219,8 @@ impl Tensor {
     ) -> Result<Vec<Tensor>> {
         let x = &saved.x;
         x.same_device(OP, dy)?;
-        let y_shape = with_last_dim(x.shape(), saved.dims.d_out);
+        let total: usize = saved.projections.iter().map(|p| p.dims.d_out).sum();
+        let y_shape = with_last_dim(x.shape(), total);
         if dy.shape() != y_shape {
             return Err(Error::ShapeMismatch { op: OP, lhs: y_shape, rhs: dy.shape().to_vec() });
         }
@@ -164,53 +234,66 @@ impl Tensor {
                 Ok(grads)
             }
             #[cfg(feature = "cuda")]
-            SavedExtra::Cuda { packed } => {
-                let FusedGateSaved { dims, x, weight, channel, scalar, phi, zu, .. } = saved;
-                cuda::backward(dims, x, weight, channel, scalar, *phi, zu, packed, dy, dx_so_far)
-            }
+            SavedExtra::Cuda { zu, packed } => cuda::backward(saved, zu, packed, dy, dx_so_far),
         }
     }
 }
 
-/// The CPU backward: `kernels::cpu::fused_gate::fused_gate_backward` into fresh buffers.
+/// The CPU backward: `kernels::cpu::fused_gate::fused_gate_backward` of each projection, on
+/// its columns of `dy`, into fresh buffers; `dx` summed over the projections in their order.
 fn cpu_backward(
     saved: &FusedGateSaved,
-    host: &kernels::cpu::fused_gate::FusedGateSaved,
+    host: &[(Tensor, kernels::cpu::fused_gate::FusedGateSaved)],
     dy: &Tensor,
 ) -> Result<Vec<Tensor>> {
-    let FusedGateSaved { dims, x, weight: w, channel: cv, scalar: sv, phi, zu, .. } = saved;
-    let dy = dy.contiguous()?;
-    let (mut dx, mut dw) = (crate::pool::buffer(x.numel()), crate::pool::buffer(w.numel()));
-    let (mut dc, mut ds) = (fresh_like_all(cv), fresh_like_all(sv));
-    let p = FusedGateParams { weight: w.as_slice()?, channel: gate_params(cv)?, scalar: gate_params(sv)?, phi: *phi };
-    let mut grads =
-        FusedGateGrads { x: &mut dx, weight: &mut dw, channel: gate_grads(&mut dc)?, scalar: gate_grads(&mut ds)? };
-    // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cpu::fused_gate::fused_gate_backward
-    let mut dzu = crate::pool::buffer(zu.numel());
-    fused_gate_backward(dims, x.as_slice()?, &p, zu.as_slice()?, host, dy.as_slice()?, &mut dzu, &mut grads);
-    crate::pool::recycle(dzu);
-    let mut out = vec![Tensor::from_vec(dx, x.shape())?, Tensor::from_vec(dw, w.shape())?];
-    for (g, t) in dc.into_iter().zip(cv).chain(ds.into_iter().zip(sv)) {
-        out.push(Tensor::from_vec(g, t.shape())?);
+    let FusedGateSaved { projections, x, phi, .. } = saved;
+    let last = x.shape().len() - 1;
+    let mut dx_total: Option<Tensor> = None;
+    let mut out = Vec::with_capacity(1 + 11 * projections.len());
+    let mut at = 0;
+    for (p, (zu, kernel_saved)) in projections.iter().zip(host) {
+        let Checked { dims, weight: w, channel: cv, scalar: sv } = p;
+        let dy_part = dy.narrow(last, at, dims.d_out)?.contiguous()?;
+        at += dims.d_out;
+        let (mut dx, mut dw) = (crate::pool::buffer(x.numel()), crate::pool::buffer(w.numel()));
+        let (mut dc, mut ds) = (fresh_like_all(cv), fresh_like_all(sv));
+        let params =
+            FusedGateParams { weight: w.as_slice()?, channel: gate_params(cv)?, scalar: gate_params(sv)?, phi: *phi };
+        let mut grads =
+            FusedGateGrads { x: &mut dx, weight: &mut dw, channel: gate_grads(&mut dc)?, scalar: gate_grads(&mut ds)? };
+        // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cpu::fused_gate::fused_gate_backward
+        let mut dzu = crate::pool::buffer(zu.numel());
+        let (x_values, zu_values, dy_values) = (x.as_slice()?, zu.as_slice()?, dy_part.as_slice()?);
+        fused_gate_backward(dims, x_values, &params, zu_values, kernel_saved, dy_values, &mut dzu, &mut grads);
+        crate::pool::recycle(dzu);
+        let dx = Tensor::from_vec(dx, x.shape())?;
+        dx_total = Some(match dx_total {
+            Some(sum) => sum.accumulate(dx)?,
+            None => dx,
+        });
+        out.push(Tensor::from_vec(dw, w.shape())?);
+        for (g, t) in dc.into_iter().zip(cv).chain(ds.into_iter().zip(sv)) {
+            out.push(Tensor::from_vec(g, t.shape())?);
+        }
     }
+    out.insert(0, dx_total.expect("a group has a projection (checked by the forward)"));
     Ok(out)
 }
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda {
-    //! The CUDA branch of `ops/fused_gate.rs`: the fused gated projection (Transponder eq. 8-10)
-    //! through `kernels::cuda::fused_gate`.
+    //! The CUDA branch of `ops/fused_gate.rs`: a group of fused gated projections of one input
+    //! (Transponder eq. 8-10) through `kernels::cuda::fused_gate`.
     //!
-    //! The forward reads `[W; A_c; A_s]` as one packed bf16 buffer, which is the three weights'
-    //! bf16 copy (`CudaStorage::shared_packed_bf16_copy`): packed once (one conversion launch)
-    //! the first time, and after any write to a weight other than the optimizer's step; the
-    //! step rewrites each weight's rows in place (AdamW writes the new values rounded beside
-    //! the f32 ones), so a training step converts no weight. It converts `x` to bf16 (the
-    //! copy its storage keeps, shared with the other projections of the same input), and runs
-    //! one cuBLAS bf16 GEMM for the f32 `ZU` (kept for the backward) and the gate kernel.
-    //! The backward reads `ZU`, the f32 `x` and the f32 weights; its products run in f32, or
-    //! under bf16 products (`--bf16`) on the tensor cores from the same bf16 `x` and packed
-    //! weight. α_c and α_s are read on the device by the kernels.
+    //! The forward reads every projection's `[W; A_c; A_s]` as one packed bf16 buffer, which is
+    //! the weights' shared bf16 copy (`CudaStorage::shared_packed_bf16_copy`): packed once (one
+    //! conversion launch) the first time, and after any write to a weight other than the
+    //! optimizer's step; the step rewrites each weight's rows in place (AdamW writes the new
+    //! values rounded beside the f32 ones), so a training step converts no weight. It converts
+    //! `x` to bf16 (the copy its storage keeps), and runs one cuBLAS bf16 GEMM for the f32 `ZU`
+    //! (kept for the backward) and one gate launch. The backward reads `ZU`, the f32 `x` and
+    //! the f32 weights; its products run in f32, or under bf16 products (`--bf16`) on the
+    //! tensor cores from the same bf16 `x` and packed weight. The α's are read on the device.
 
     use std::sync::Arc;
 
@@ -218,10 +301,11 @@ pub(crate) mod cuda {
     use kernels::cpu::matmul::Store;
     use kernels::cuda::fused_gate::{
         fused_gate_backward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams,
-        DeviceGateGrads, DeviceGateParams, FusedGateDims, GateProducts, Unary,
+        DeviceGateGrads, DeviceGateParams, GateGroup, GateProducts, Unary,
     };
     use kernels::cuda::{CudaDevice, DeviceBuffer};
 
+    use super::{Checked, FusedGateSaved};
     use crate::cuda::CudaStorage;
     use crate::{DType, Error, Result, Tensor};
 
@@ -238,26 +322,41 @@ pub(crate) mod cuda {
         })
     }
 
-    /// Dense f32 copies (or the tensors themselves when already so) of every parameter.
-    fn dense_f32(values: &[Tensor]) -> Result<Vec<Tensor>> {
-        values.iter().map(|t| t.to_dtype(DType::F32)?.dense()).collect()
+    /// A projection's parameters as dense f32 device tensors (the tensors themselves when
+    /// already so): `[W, A_c, a_c, B_c, b_c, α_c, A_s, a_s, B_s, b_s, α_s]`.
+    fn dense_f32(p: &Checked) -> Result<Vec<Tensor>> {
+        let all = std::iter::once(&p.weight).chain(&p.channel).chain(&p.scalar);
+        all.map(|t| t.to_dtype(DType::F32)?.dense()).collect()
     }
 
-    /// The packed bf16 `[W; A_c; A_s]` of the dense f32 weights `w`, `a_channel`, `a_scalar`
-    /// (whose device buffers `p` holds): their shared bf16 copy when they have one, else
+    /// The group's launcher view of `dense` ([`dense_f32`] of each projection).
+    fn groups<'a>(projections: &[Checked], dense: &'a [Vec<Tensor>], phi: Unary) -> Result<Vec<GateGroup<'a>>> {
+        projections
+            .iter()
+            .zip(dense)
+            .map(|(p, d)| {
+                let params = DeviceFusedGateParams {
+                    weight: d[0].cuda_f32(OP)?,
+                    channel: device_gate(&d[1..6])?,
+                    scalar: device_gate(&d[6..11])?,
+                    phi,
+                };
+                Ok(GateGroup { dims: p.dims, params })
+            })
+            .collect()
+    }
+
+    /// The packed bf16 weight of a group (each projection's `[W; A_c; A_s]` in turn), from the
+    /// dense f32 parameters `dense`: the weights' shared bf16 copy when they have one, else
     /// packed now (one launch) and made their shared copy, for the next forwards and for the
     /// optimizer's step to rewrite.
-    fn packed_weight(
-        dev: &CudaDevice,
-        dims: &FusedGateDims,
-        [w, a_channel, a_scalar]: [&Tensor; 3],
-        p: &DeviceFusedGateParams,
-    ) -> Result<Arc<DeviceBuffer<bf16>>> {
-        let members = [storage_of(w)?, storage_of(a_channel)?, storage_of(a_scalar)?];
+    fn packed_weight(dev: &CudaDevice, dense: &[Vec<Tensor>], group: &[GateGroup]) -> Result<Arc<DeviceBuffer<bf16>>> {
+        let members: Vec<&CudaStorage> =
+            dense.iter().flat_map(|d| [&d[0], &d[1], &d[6]]).map(storage_of).collect::<Result<_>>()?;
         if let Some(packed) = CudaStorage::shared_packed_bf16_copy(&members) {
             return Ok(packed);
         }
-        let packed = Arc::new(pack_weight(dev, dims, p)?);
+        let packed = Arc::new(pack_weight(dev, group)?);
         CudaStorage::share_packed_bf16_copy(&members, &packed);
         Ok(packed)
     }
@@ -265,28 +364,22 @@ pub(crate) mod cuda {
     /// Forward on the GPU: `(out, x as dense f32, ZU [N, K], the packed bf16 weight)`. `x`
     /// and the parameters are contiguous and shape-checked by the caller.
     #[allow(clippy::type_complexity)]
-    pub(crate) fn forward(
-        dims: &FusedGateDims,
+    pub(super) fn forward(
         x: &Tensor,
-        weight: &Tensor,
-        channel: &[Tensor],
-        scalar: &[Tensor],
+        projections: &[Checked],
         phi: Unary,
         out_shape: &[usize],
     ) -> Result<(Tensor, Tensor, Tensor, Arc<DeviceBuffer<bf16>>)> {
         let dev = x.cuda_device(OP)?;
-        let (w, cv, sv) = (weight.to_dtype(DType::F32)?.dense()?, dense_f32(channel)?, dense_f32(scalar)?);
-        let p = DeviceFusedGateParams {
-            weight: w.cuda_f32(OP)?,
-            channel: device_gate(&cv)?,
-            scalar: device_gate(&sv)?,
-            phi,
-        };
-        let packed = packed_weight(&dev, dims, [&w, &cv[0], &sv[0]], &p)?;
+        let dense = projections.iter().map(dense_f32).collect::<Result<Vec<_>>>()?;
+        let group = groups(projections, &dense, phi)?;
+        let packed = packed_weight(&dev, &dense, &group)?;
         let x_bf16 = x.to_dtype(DType::BF16)?.dense()?;
-        let x_bf16_buffer = x_bf16.cuda_storage().ok_or(Error::UnsupportedDevice { op: OP, device: x.device })?;
-        let mut zu = CudaStorage::alloc(&dev, dims.rows * dims.width())?;
-        let mut out = CudaStorage::alloc(&dev, dims.rows * dims.d_out)?;
+        let x_bf16_buffer = storage_of(&x_bf16)?;
+        let rows = projections[0].dims.rows;
+        let width: usize = projections.iter().map(|p| p.dims.width()).sum();
+        let mut zu = CudaStorage::alloc(&dev, rows * width)?;
+        let mut out = CudaStorage::alloc(&dev, out_shape.iter().product())?;
         // ZU from cuBLAS, then the gate kernel: measured 1.75x faster than the tensor-core kernel
         // with the gate in its epilogue (fused_gate_forward) on an H200 (cuda-bench, 131072 tokens,
         // 512 -> 512: 0.44 ms against 0.77 ms), whose main loop runs at a third of cuBLAS's speed.
@@ -294,15 +387,14 @@ pub(crate) mod cuda {
         // does not apply here.
         fused_gate_forward_unfused(
             &dev,
-            dims,
+            &group,
             x_bf16_buffer.bf16_buffer(OP)?,
             &packed,
-            &p,
             zu.f32_buffer_mut(OP)?,
             out.f32_buffer_mut(OP)?,
         )?;
         let out = Tensor::from_cuda(out, out_shape)?;
-        let zu = Tensor::from_cuda(zu, &[dims.rows, dims.width()])?;
+        let zu = Tensor::from_cuda(zu, &[rows, width])?;
         Ok((out, x.to_dtype(DType::F32)?.dense()?, zu, packed))
     }
 
@@ -313,7 +405,7 @@ pub(crate) mod cuda {
 
     /// Fresh device gradients shaped like a modulator's parameters after `A` (`[a, B, b, α]`:
     /// `dA` is part of the packed weight gradient), which the backward writes.
-    fn fresh_like_rest(dev: &std::sync::Arc<kernels::cuda::CudaDevice>, values: &[Tensor]) -> Result<Vec<CudaStorage>> {
+    fn fresh_like_rest(dev: &Arc<CudaDevice>, values: &[Tensor]) -> Result<Vec<CudaStorage>> {
         values[1..].iter().map(|t| CudaStorage::alloc(dev, t.numel())).collect()
     }
 
@@ -334,31 +426,22 @@ pub(crate) mod cuda {
         })
     }
 
-    /// Backward on the GPU: the twelve gradients in input order, from the forward's saved
-    /// dense f32 `x`, parameters, `ZU` and packed bf16 weight, for the output gradient `dy`;
-    /// `dx` is added onto `dx_so_far` (see [`Tensor::fused_gated_projection_backward`]).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn backward(
-        dims: &FusedGateDims,
-        x: &Tensor,
-        weight: &Tensor,
-        channel: &[Tensor],
-        scalar: &[Tensor],
-        phi: Unary,
+    /// Backward on the GPU: `dx`, then each projection's eleven gradients in input order,
+    /// from the forward's saved dense f32 `x`, parameters, `ZU` and packed bf16 weight, for
+    /// the output gradient `dy`; `dx` is added onto `dx_so_far` (see
+    /// [`Tensor::fused_gated_projection_backward`]).
+    pub(super) fn backward(
+        saved: &FusedGateSaved,
         zu: &Tensor,
         packed: &DeviceBuffer<bf16>,
         dy: &Tensor,
         dx_so_far: Option<Tensor>,
     ) -> Result<Vec<Tensor>> {
+        let FusedGateSaved { projections, x, phi, .. } = saved;
         let dev = x.cuda_device(OP)?;
         let (x, zu, dy) = (x.dense()?, zu.dense()?, dy.dense()?);
-        let (w, cv, sv) = (weight.to_dtype(DType::F32)?.dense()?, dense_f32(channel)?, dense_f32(scalar)?);
-        let p = DeviceFusedGateParams {
-            weight: w.cuda_f32(OP)?,
-            channel: device_gate(&cv)?,
-            scalar: device_gate(&sv)?,
-            phi,
-        };
+        let dense = projections.iter().map(dense_f32).collect::<Result<Vec<_>>>()?;
+        let group = groups(projections, &dense, *phi)?;
         let bf16_products = crate::cuda::matmul_precision() == crate::cuda::MatmulPrecision::Bf16;
         // Under bf16 products the backward reads x in bf16 too: the copy the forward made.
         let x_bf16 = if bf16_products { Some(x.to_dtype(DType::BF16)?) } else { None };
@@ -369,10 +452,15 @@ pub(crate) mod cuda {
             so_far.dtype() == DType::F32 && so_far.shape() == x.shape() && so_far.sole_dense_cuda_storage().is_some()
         });
         let mut dx_fresh = if absorb { None } else { Some(CudaStorage::alloc(&dev, x.numel())?) };
-        // [dW; dA_c; dA_s] in one buffer, written by one product; each weight's gradient is a
-        // view of its rows (the optimizer reads it in place).
-        let mut weights_grad = CudaStorage::alloc(&dev, dims.width() * dims.d_in)?;
-        let (mut dc, mut ds) = (fresh_like_rest(&dev, &cv)?, fresh_like_rest(&dev, &sv)?);
+        // Every weight's gradient in one buffer, written by one product; each is a view of its
+        // rows (the optimizer reads it in place).
+        let width: usize = projections.iter().map(|p| p.dims.width()).sum();
+        let d_in = projections[0].dims.d_in;
+        let mut weights_grad = CudaStorage::alloc(&dev, width * d_in)?;
+        let mut modulator_grads = Vec::with_capacity(projections.len());
+        for d in &dense {
+            modulator_grads.push((fresh_like_rest(&dev, &d[1..6])?, fresh_like_rest(&dev, &d[6..11])?));
+        }
         {
             let (dx_buffer, x_store) = match (&mut dx_fresh, dx_so_far.as_mut()) {
                 (Some(fresh), _) => (fresh.f32_buffer_mut(OP)?, Store::Overwrite),
@@ -382,12 +470,17 @@ pub(crate) mod cuda {
                 }
                 (None, None) => unreachable!("absorb needs a gradient so far"),
             };
+            let (mut channel, mut scalar) = (Vec::new(), Vec::new());
+            for (c, s) in &mut modulator_grads {
+                channel.push(device_grads(c)?);
+                scalar.push(device_grads(s)?);
+            }
             let mut grads = DeviceFusedGateGrads {
                 x: dx_buffer,
                 x_store,
                 weights: weights_grad.f32_buffer_mut(OP)?,
-                channel: device_grads(&mut dc)?,
-                scalar: device_grads(&mut ds)?,
+                channel,
+                scalar,
             };
             // Under bf16 products (`--bf16`) the backward's products run on the tensor cores too,
             // reading the bf16 copy of x the forward made (the storage keeps it) and its packed
@@ -398,7 +491,7 @@ pub(crate) mod cuda {
             };
             // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cuda::fused_gate::fused_gate_backward
             let (x, zu, dy) = (x.cuda_f32(OP)?, zu.cuda_f32(OP)?, dy.cuda_f32(OP)?);
-            fused_gate_backward(&dev, dims, x, &p, zu, dy, products, &mut grads)?;
+            fused_gate_backward(&dev, &group, x, zu, dy, products, &mut grads)?;
         }
         let dx = match (dx_fresh, dx_so_far) {
             (Some(fresh), None) => Tensor::from_cuda(fresh, x.shape())?,
@@ -406,15 +499,20 @@ pub(crate) mod cuda {
             (None, Some(total)) => total,
             (None, None) => unreachable!("absorb needs a gradient so far"),
         };
-        let weights_grad = Tensor::from_cuda(weights_grad, &[dims.width(), dims.d_in])?;
-        let (d_out, rc) = (dims.d_out, dims.rank_channel);
-        let rows_of = |at: usize, like: &Tensor| weights_grad.narrow(0, at, like.shape()[0]);
-        let mut out = vec![dx, rows_of(0, &w)?];
-        for (at, grads, values) in [(d_out, dc, &cv), (d_out + rc, ds, &sv)] {
-            out.push(rows_of(at, &values[0])?);
-            for (g, t) in grads.into_iter().zip(&values[1..]) {
-                out.push(Tensor::from_cuda(g, t.shape())?);
+        let weights_grad = Tensor::from_cuda(weights_grad, &[width, d_in])?;
+        let mut out = vec![dx];
+        let mut at = 0;
+        for ((p, d), (channel, scalar)) in projections.iter().zip(&dense).zip(modulator_grads) {
+            // This projection's rows of the packed gradient: dW, then dA_c, then dA_s.
+            let (d_out, rc) = (p.dims.d_out, p.dims.rank_channel);
+            out.push(weights_grad.narrow(0, at, d_out)?);
+            for (a_at, grads, values) in [(at + d_out, channel, &d[1..6]), (at + d_out + rc, scalar, &d[6..11])] {
+                out.push(weights_grad.narrow(0, a_at, values[0].shape()[0])?);
+                for (g, t) in grads.into_iter().zip(&values[1..]) {
+                    out.push(Tensor::from_cuda(g, t.shape())?);
+                }
             }
+            at += p.dims.width();
         }
         Ok(out)
     }

@@ -28,7 +28,7 @@ mod swiglu;
 pub use batch_norm::{BatchNormGrads, BatchNormOutput};
 pub use conv::Conv2dGrads;
 pub use cross_entropy::{CrossEntropy, SavedTargets};
-pub use fused_gate::FusedGateSaved;
+pub use fused_gate::{FusedGateSaved, GatedProjection};
 pub use kernels::cpu::binary::Binary;
 pub use kernels::cpu::unary::Unary;
 pub use linear_cross_entropy::{LinearCrossEntropy, LOGITS_CHUNK_BYTES};

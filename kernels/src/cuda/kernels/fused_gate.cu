@@ -17,8 +17,9 @@
 //
 // fused_gate_apply: the same gate from a ZU computed by cuBLAS (the engine's path: measured
 // faster than fused_gate_mma on an H200, whose main loop runs at a third of cuBLAS's speed;
-// see fused_gate.rs). The backward kernels mirror cpu/fused_gate.rs's row pass; its GEMMs
-// and column sums run through cuBLAS and reduce.cu.
+// see fused_gate.rs), for a group of projections of one input at once. The backward kernel
+// mirrors cpu/fused_gate.rs's row pass; its GEMMs and column sums run through cuBLAS and
+// reduce.cu.
 
 #define FG_BM 128        // rows of a block tile
 #define FG_BN 128        // Z columns of a block tile
@@ -319,10 +320,14 @@ extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r16(FG_P
 extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r32(FG_PARAMS) { fused_gate_mma<32>(FG_ARGS); }
 extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r64(FG_PARAMS) { fused_gate_mma<64>(FG_ARGS); }
 
-// The row kernels below (fused_gate_apply, fused_gate_backward_rows and _summaries) give each
-// row one warp, FG_ROW_WARPS rows per block, with no block barriers. Lane l walks columns l,
-// l + 32, ..., FG_ROW_BATCH of them at a time: their loads are issued together, so several
-// loads per lane are in flight (one at a time leaves DRAM mostly idle).
+// The row kernels below (fused_gate_apply and fused_gate_backward_rows) serve a group of
+// projections of one input at once (q, k and v; gate and up), each with its own weights and
+// modulators: the GEMM's ZU rows hold the groups' [Z_g | U_cg | U_sg] side by side
+// (zu_width columns in all) and the outputs their Ẑ_g side by side (out_width columns).
+// Grid (row blocks, groups): block (x, g) works on group g, each row of it one warp,
+// FG_ROW_WARPS rows per block, with no block barriers. Lane l walks columns l, l + 32, ...,
+// FG_ROW_BATCH of them at a time: their loads are issued together, so several loads per lane
+// are in flight (one at a time leaves DRAM mostly idle).
 #define FG_ROW_WARPS 8
 #define FG_ROW_BATCH 4
 
@@ -331,43 +336,60 @@ extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r64(FG_P
     for (i64 n = (i64)blockIdx.x * FG_ROW_WARPS + (threadIdx.x >> 5); n < (rows); \
          n += (i64)gridDim.x * FG_ROW_WARPS)
 
-// One row's H = φ(U + a) from its ZU row into h (this warp's shared slot), its h_c into every
-// lane's registers hr (channel_logit's register path) and, when given, into hidden /
-// hidden_bf16 (row n of [N, r]); the warp's lanes split the r columns.
+// One group of a grouped launch (fused_gate.rs group_lists): its modulators' parameters
+// (params.v[8g ..]: a_c, B_c, b_c, α_c, a_s, B_s, b_s, α_s; α as one-element device buffers)
+// and its place (layout.v[3g ..]: its first ZU column, its first output column, its d_out).
+struct GateGroup {
+    const float *a_c, *b_cw, *b_cb, *alpha_c, *a_s, *b_sw, *b_sb, *alpha_s;
+    i64 zu_at, out_at, d_out;
+};
+
+__device__ __forceinline__ GateGroup gate_group(const TensorList& params, const TensorList& layout, int g) {
+    const i64* p = params.v + 8 * g;
+    return GateGroup{(const float*)p[0], (const float*)p[1], (const float*)p[2], (const float*)p[3],
+                     (const float*)p[4], (const float*)p[5], (const float*)p[6], (const float*)p[7],
+                     layout.v[3 * g],    layout.v[3 * g + 1], layout.v[3 * g + 2]};
+}
+
+// One row's H = φ(U + a) from its ZU row (zr: the group's Z_g, U_g after d_out columns) into h
+// (this warp's shared slot), its h_c into every lane's registers hr (channel_logit's register
+// path) and, when given, into hidden / hidden_bf16 (r values from hidden_row); the warp's
+// lanes split the r columns.
 __device__ __forceinline__ void row_hidden(float* h, float (&hr)[FG_REG_RANK], const float* zr, const float* a_c,
-                                           const float* a_s, int phi, float phi_p, i64 d_out, int rc, int rs, i64 n,
-                                           float* hidden, bf16_t* hidden_bf16) {
+                                           const float* a_s, int phi, float phi_p, i64 d_out, int rc, int rs,
+                                           float* hidden_row, bf16_t* hidden_bf16_row) {
     const int lane = threadIdx.x & 31, r = rc + rs;
     __syncwarp();  // every lane is done with the previous row's h
     for (int t = lane; t < r; t += 32) {
         const float bias = t < rc ? a_c[t] : a_s[t - rc];
         const float value = unary_f(phi, zr[d_out + t] + bias, phi_p);
         h[t] = value;
-        if (hidden) hidden[n * r + t] = value;
-        if (hidden_bf16) hidden_bf16[n * r + t] = f32_to_bf16(value);
+        if (hidden_row) hidden_row[t] = value;
+        if (hidden_bf16_row) hidden_bf16_row[t] = f32_to_bf16(value);
     }
     __syncwarp();
 #pragma unroll
     for (int t = 0; t < FG_REG_RANK; ++t) hr[t] = t < rc ? h[t] : 0.0f;  // zeros past rc
 }
 
-// The gate alone, from a saved ZU [N, K]: out = σ̃_αc(H_c·B_cᵀ + b_c) ⊙ γ_s ⊙ Z (the second
-// half of the cuBLAS path; the same arithmetic as fused_gate_mma's epilogue).
-extern "C" __global__ void fused_gate_apply(const float* zu, const float* a_c, const float* b_cw, const float* b_cb,
-                                            const float* alpha_c_ptr, const float* a_s, const float* b_sw,
-                                            const float* b_sb, const float* alpha_s_ptr, int phi, float phi_p,
-                                            i64 rows, i64 d_out, int rc, int rs, float* out) {
-    const float alpha_c = *alpha_c_ptr, alpha_s = *alpha_s_ptr;
+// The gate alone, from a saved ZU: out = σ̃_αc(H_c·B_cᵀ + b_c) ⊙ γ_s ⊙ Z for every group
+// (the second half of the cuBLAS path; the same arithmetic as fused_gate_mma's epilogue).
+extern "C" __global__ void fused_gate_apply(const float* zu, TensorList params, TensorList layout, int phi,
+                                            float phi_p, i64 rows, i64 zu_width, i64 out_width, int rc, int rs,
+                                            float* out) {
+    const GateGroup g = gate_group(params, layout, blockIdx.y);
+    const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
     __shared__ float h_rows[FG_ROW_WARPS][FG_MAX_RANK];
     const int lane = threadIdx.x & 31;
     float* h = h_rows[threadIdx.x >> 5];
-    const i64 width = d_out + rc + rs;
     const bool regs = register_rank(rc);
+    const i64 d_out = g.d_out;
     WARP_ROWS(n, rows) {
-        const float* zr = zu + n * width;
+        const float* zr = zu + n * zu_width + g.zu_at;
+        float* out_row = out + n * out_width + g.out_at;
         float hr[FG_REG_RANK];
-        row_hidden(h, hr, zr, a_c, a_s, phi, phi_p, d_out, rc, rs, n, nullptr, nullptr);
-        const float scale = 2.0f * scalar_gate(h, b_sw, b_sb, alpha_s, rc, rs);
+        row_hidden(h, hr, zr, g.a_c, g.a_s, phi, phi_p, d_out, rc, rs, nullptr, nullptr);
+        const float scale = 2.0f * scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
         for (i64 j0 = lane; j0 < d_out; j0 += 32 * FG_ROW_BATCH) {
             float z[FG_ROW_BATCH];
 #pragma unroll
@@ -376,15 +398,15 @@ extern "C" __global__ void fused_gate_apply(const float* zu, const float* a_c, c
             for (int b = 0; b < FG_ROW_BATCH; ++b) {
                 const i64 j = j0 + 32 * b;
                 if (j >= d_out) break;
-                const float logit = channel_logit(hr, h, b_cw, j, rc, regs);
-                out[n * d_out + j] = sigmoid_f(alpha_c * (logit + b_cb[j])) * scale * z[b];
+                const float logit = channel_logit(hr, h, g.b_cw, j, rc, regs);
+                out_row[j] = sigmoid_f(alpha_c * (logit + g.b_cb[j])) * scale * z[b];
             }
         }
     }
 }
 
-// Backward row pass, one warp per row n. Recomputes H = φ(U + a) and γ_s, then per output
-// column j:
+// Backward row pass, one warp per row n of group g. Recomputes H = φ(U + a) and γ_s, then per
+// output column j:
 //   d/dZ = dẐ·γ_c·γ_s;  d/dγ_c = dẐ·Z·γ_s;  d/dγ_s = Σ_j dẐ·Z·γ_c;
 //   d/dl 2σ(αl) = α·γ(1 − γ/2),  d/dα 2σ(αl) = l·γ(1 − γ/2)  (l the logit with its bias);
 // and dH_c = dL_c·B_c as it goes (a lane sums its own columns in order, FG_REG_RANK ranks at
@@ -392,33 +414,36 @@ extern "C" __global__ void fused_gate_apply(const float* zu, const float* a_c, c
 // warp's sum is a fixed butterfly). Then the summaries:
 //   d/dl_s = dγ_s·α_s·γ_s(1 − γ_s/2),  dα_s term = dγ_s·l_s·γ_s(1 − γ_s/2),
 //   d/dU_c = dH_c ⊙ φ'(U_c + a_c),  d/dU_s = d/dl_s·B_s ⊙ φ'(U_s + a_s).
-// Writes dL_c into dlogits, H into hidden [N, r], dU into dzu[n, d_out..K), and the row's
-// terms of the cross-row sums into row_terms[n·(3 + rs) ..]: dα_c, dα_s, d/dl_s (for db_s)
-// and d/dl_s·H_s (for dB_s). dZ goes into dzu[n, 0..d_out) under f32 products; under bf16
-// products (the three bf16 pointers not null) only its bf16 copy is written (the products
-// are the only readers of dZ), with the bf16 copies of dU, dL_c and H, rounded to nearest even.
-extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float* dout, const float* a_c,
-                                                    const float* b_cw, const float* b_cb, const float* alpha_c_ptr,
-                                                    const float* a_s, const float* b_sw, const float* b_sb,
-                                                    const float* alpha_s_ptr, int phi, float phi_p, i64 rows,
-                                                    i64 d_out, int rc, int rs, float* dzu, float* dlogits,
+// dout and dlogits have the outputs' layout, dzu ZU's; group g's H goes into hidden's columns
+// g·r .. (row stride groups·r) and its row terms of the cross-row sums into row_terms' columns
+// g·(3 + rs) .. (row stride groups·(3 + rs)): dα_c, dα_s, d/dl_s (for db_s) and d/dl_s·H_s
+// (for dB_s). dZ goes into dzu under f32 products; under bf16 products (the three bf16
+// pointers not null) only its bf16 copy is written (the products are the only readers of dZ),
+// with the bf16 copies of dU, dL_c and H, rounded to nearest even.
+extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float* dout, TensorList params,
+                                                    TensorList layout, int phi, float phi_p, i64 rows, i64 zu_width,
+                                                    i64 out_width, int rc, int rs, float* dzu, float* dlogits,
                                                     float* hidden, float* row_terms, bf16_t* dzu_bf16,
                                                     bf16_t* dlogits_bf16, bf16_t* hidden_bf16) {
-    const float alpha_c = *alpha_c_ptr, alpha_s = *alpha_s_ptr;
+    const GateGroup g = gate_group(params, layout, blockIdx.y);
+    const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
     __shared__ float h_rows[FG_ROW_WARPS][FG_MAX_RANK];
     __shared__ float dh_rows[FG_ROW_WARPS][FG_MAX_RANK];
     const int lane = threadIdx.x & 31;
     float* h = h_rows[threadIdx.x >> 5];
     float* dh = dh_rows[threadIdx.x >> 5];
     const int r = rc + rs;
-    const i64 width = d_out + r;
-    const int terms = 3 + rs;
+    const i64 d_out = g.d_out;
+    const i64 hidden_width = (i64)gridDim.y * r, terms_width = (i64)gridDim.y * (3 + rs);
     const bool regs = register_rank(rc);
     WARP_ROWS(n, rows) {
-        const float* zr = zu + n * width;
+        const i64 zu_row = n * zu_width + g.zu_at, out_row = n * out_width + g.out_at;
+        const i64 hidden_row = n * hidden_width + (i64)blockIdx.y * r;
+        const float* zr = zu + zu_row;
         float hr[FG_REG_RANK];
-        row_hidden(h, hr, zr, a_c, a_s, phi, phi_p, d_out, rc, rs, n, hidden, hidden_bf16);
-        const float gate_s = scalar_gate(h, b_sw, b_sb, alpha_s, rc, rs);
+        row_hidden(h, hr, zr, g.a_c, g.a_s, phi, phi_p, d_out, rc, rs, hidden + hidden_row,
+                   hidden_bf16 ? hidden_bf16 + hidden_row : nullptr);
+        const float gate_s = scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
         float dgate_s = 0.0f, dalpha_c = 0.0f;
         float dh_part[FG_REG_RANK];  // this lane's share of dH_c[0..FG_REG_RANK)
 #pragma unroll
@@ -429,30 +454,30 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
             for (int b = 0; b < FG_ROW_BATCH; ++b) {
                 const i64 j = j0 + 32 * b;
                 z[b] = j < d_out ? zr[j] : 0.0f;
-                dy[b] = j < d_out ? dout[n * d_out + j] : 0.0f;
+                dy[b] = j < d_out ? dout[out_row + j] : 0.0f;
             }
 #pragma unroll
             for (int b = 0; b < FG_ROW_BATCH; ++b) {
                 const i64 j = j0 + 32 * b;
                 if (j >= d_out) break;
-                const float logit = channel_logit(hr, h, b_cw, j, rc, regs) + b_cb[j];
+                const float logit = channel_logit(hr, h, g.b_cw, j, rc, regs) + g.b_cb[j];
                 const float gate = 2.0f * sigmoid_f(alpha_c * logit);
                 const float dz = dy[b] * gate * gate_s;
                 const float dgate = dy[b] * z[b] * gate_s;
                 dgate_s += dy[b] * z[b] * gate;
                 const float slope = gate * (1.0f - 0.5f * gate);
                 const float dlogit = dgate * alpha_c * slope;
-                dlogits[n * d_out + j] = dlogit;
+                dlogits[out_row + j] = dlogit;
                 if (dzu_bf16) {
-                    dzu_bf16[n * width + j] = f32_to_bf16(dz);
-                    dlogits_bf16[n * d_out + j] = f32_to_bf16(dlogit);
+                    dzu_bf16[zu_row + j] = f32_to_bf16(dz);
+                    dlogits_bf16[out_row + j] = f32_to_bf16(dlogit);
                 } else {
-                    dzu[n * width + j] = dz;
+                    dzu[zu_row + j] = dz;
                 }
                 dalpha_c += dgate * logit * slope;
 #pragma unroll
                 for (int t = 0; t < FG_REG_RANK; ++t) {
-                    if (t < rc) dh_part[t] += dlogit * b_cw[j * rc + t];
+                    if (t < rc) dh_part[t] += dlogit * g.b_cw[j * rc + t];
                 }
             }
         }
@@ -463,10 +488,10 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
 #pragma unroll
                 for (int t = 0; t < FG_REG_RANK; ++t) dh_part[t] = 0.0f;
                 for (i64 j = lane; j < d_out; j += 32) {
-                    const float dlogit = dlogits[n * d_out + j];
+                    const float dlogit = dlogits[out_row + j];
 #pragma unroll
                     for (int t = 0; t < FG_REG_RANK; ++t) {
-                        if (t0 + t < rc) dh_part[t] += dlogit * b_cw[j * rc + t0 + t];
+                        if (t0 + t < rc) dh_part[t] += dlogit * g.b_cw[j * rc + t0 + t];
                     }
                 }
             }
@@ -481,11 +506,11 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
         dalpha_c = warp_sum(dalpha_c);
         // Every lane computes the row's scalar logit (rs terms, in order) rather than waiting on one.
         float logit_s = 0.0f;
-        for (int t = 0; t < rs; ++t) logit_s += b_sw[t] * h[rc + t];
-        logit_s += b_sb[0];
+        for (int t = 0; t < rs; ++t) logit_s += g.b_sw[t] * h[rc + t];
+        logit_s += g.b_sb[0];
         const float slope_s = gate_s * (1.0f - 0.5f * gate_s);
         const float dlogit_s = dgate_s * alpha_s * slope_s;
-        float* terms_row = row_terms + n * terms;
+        float* terms_row = row_terms + n * terms_width + (i64)blockIdx.y * (3 + rs);
         if (lane == 0) {
             terms_row[0] = dalpha_c;
             terms_row[1] = dgate_s * logit_s * slope_s;
@@ -493,11 +518,11 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
         }
         for (int t = lane; t < r; t += 32) {
             const bool channel = t < rc;
-            const float pre = zr[d_out + t] + (channel ? a_c[t] : a_s[t - rc]);
+            const float pre = zr[d_out + t] + (channel ? g.a_c[t] : g.a_s[t - rc]);
             const float dphi = unary_df(phi, pre, h[t], phi_p);
-            const float du = channel ? dh[t] * dphi : dlogit_s * b_sw[t - rc] * dphi;
-            dzu[n * width + d_out + t] = du;
-            if (dzu_bf16) dzu_bf16[n * width + d_out + t] = f32_to_bf16(du);
+            const float du = channel ? dh[t] * dphi : dlogit_s * g.b_sw[t - rc] * dphi;
+            dzu[zu_row + d_out + t] = du;
+            if (dzu_bf16) dzu_bf16[zu_row + d_out + t] = f32_to_bf16(du);
             if (!channel) terms_row[3 + t - rc] = dlogit_s * h[t];
         }
     }
