@@ -126,11 +126,14 @@ fn a_group_of_fused_gated_projections_agrees_forward_and_backward() {
     let _serial = fused_gate_lock();
     let mut rng = Rng::new(3);
     let (rows, d_in, rc, rs) = (21, 32, 8, 4);
-    let widths = [24, 40, 16];
-    let mut values = gate_inputs(&mut rng, rows, d_in, widths[0], rc, rs);
-    for &d_out in &widths[1..] {
-        values.extend(gate_inputs(&mut rng, rows, d_in, d_out, rc, rs).into_iter().skip(1));
-    }
+    // [x, then each projection's eleven parameters] for projections of these widths.
+    let mut inputs = |widths: [usize; 3]| {
+        let mut values = gate_inputs(&mut rng, rows, d_in, widths[0], rc, rs);
+        for &d_out in &widths[1..] {
+            values.extend(gate_inputs(&mut rng, rows, d_in, d_out, rc, rs).into_iter().skip(1));
+        }
+        values
+    };
     let group = |v: &[Var]| {
         let projections: Vec<GatedProjectionVars> = v[1..]
             .chunks(11)
@@ -142,7 +145,10 @@ fn a_group_of_fused_gated_projections_agrees_forward_and_backward() {
             .collect();
         v[0].fused_gated_projections(&projections, Unary::Silu)
     };
-    check("fused gate group of 3", &values, BF16_REL, group);
+    // Projections of one width take one batched product for their dB_c.
+    check("fused gate group of widths 32, 32, 32", &inputs([32, 32, 32]), BF16_REL, group);
+    let values = inputs([24, 40, 16]);
+    check("fused gate group of widths 24, 40, 16", &values, BF16_REL, group);
     let dev = tensor::cuda::device(0).unwrap();
     let vars: Vec<Var> = values.iter().map(|t| Var::parameter(gpu(t))).collect();
     group(&vars).unwrap();

@@ -26,7 +26,7 @@ pub use crate::cpu::fused_gate::FusedGateDims;
 pub use crate::cpu::unary::Unary;
 
 use super::allocator::DeviceBuffer;
-use super::blas::{gemm, GemmDims, Operand, Precision};
+use super::blas::{gemm, gemm_strided_batched, GemmDims, Operand, Precision};
 use super::device::CudaDevice;
 use super::elementwise::{pack_bf16, unary_code};
 use super::error::{ensure, ensure_len, CudaError, Result};
@@ -86,14 +86,12 @@ pub struct DeviceFusedGateParams<'a> {
     pub phi: Unary,
 }
 
-/// Gradient buffers of one modulator, written by the backward (`dA` is part of
-/// [`DeviceFusedGateGrads::weights`]).
+/// Gradient buffers of one modulator, written by the backward (`dA` and `dB` are parts of
+/// [`DeviceFusedGateGrads`]'s packed buffers).
 #[derive(Debug)]
 pub struct DeviceGateGrads<'a> {
     /// `da: [r]`.
     pub a_bias: &'a mut DeviceBuffer<f32>,
-    /// `dB: [m, r]`.
-    pub b_weight: &'a mut DeviceBuffer<f32>,
     /// `db: [m]`.
     pub b_bias: &'a mut DeviceBuffer<f32>,
     /// `dα`: a one-element buffer.
@@ -101,9 +99,9 @@ pub struct DeviceGateGrads<'a> {
 }
 
 impl DeviceGateGrads<'_> {
-    /// The four buffers, in field order.
-    fn buffers(&mut self) -> [&mut DeviceBuffer<f32>; 4] {
-        [&mut *self.a_bias, &mut *self.b_weight, &mut *self.b_bias, &mut *self.alpha]
+    /// The three buffers, in field order.
+    fn buffers(&mut self) -> [&mut DeviceBuffer<f32>; 3] {
+        [&mut *self.a_bias, &mut *self.b_bias, &mut *self.alpha]
     }
 }
 
@@ -120,6 +118,11 @@ pub struct DeviceFusedGateGrads<'a> {
     /// projection's `[dW; dA_c; dA_s]` in turn): one product writes it, and each weight's
     /// gradient is its run of rows.
     pub weights: &'a mut DeviceBuffer<f32>,
+    /// Every projection's channel `dB_c` in turn, `[Σ d_out, r_c]` (one product writes them
+    /// when the projections are of one width).
+    pub b_channel: &'a mut DeviceBuffer<f32>,
+    /// Every projection's scalar `dB_s` in turn, `[projections, r_s]`.
+    pub b_scalar: &'a mut DeviceBuffer<f32>,
     /// Each projection's channel modulator's gradients, in group order.
     pub channel: Vec<DeviceGateGrads<'a>>,
     /// Each projection's scalar modulator's gradients, in group order.
@@ -402,20 +405,20 @@ fn check_grads(
     ensure(g.channel.len() == groups.len() && g.scalar.len() == groups.len(), op, || {
         format!("{} and {} modulator gradients for {} projections", g.channel.len(), g.scalar.len(), groups.len())
     })?;
+    let (rc, rs) = (layout.rank_channel, layout.rank_scalar);
     let mut expected = vec![
         (&*g.x, layout.rows * layout.d_in, "dx"),
         (&*g.weights, layout.zu_width * layout.d_in, "packed weight gradient"),
+        (&*g.b_channel, layout.out_width * rc, "packed channel dB"),
+        (&*g.b_scalar, groups.len() * rs, "packed scalar dB"),
     ];
-    let (rc, rs) = (layout.rank_channel, layout.rank_scalar);
     for ((group, c), s) in groups.iter().zip(&g.channel).zip(&g.scalar) {
         let d_out = group.dims.d_out;
         expected.extend([
             (&*c.a_bias, rc, "channel da"),
-            (&*c.b_weight, d_out * rc, "channel dB"),
             (&*c.b_bias, d_out, "channel db"),
             (&*c.alpha, 1, "channel dα"),
             (&*s.a_bias, rs, "scalar da"),
-            (&*s.b_weight, rs, "scalar dB"),
             (&*s.b_bias, 1, "scalar db"),
             (&*s.alpha, 1, "scalar dα"),
         ]);
@@ -452,8 +455,9 @@ pub enum GateProducts<'a> {
 /// the channel logits' gradient `dL_c`, `dU` (through `dH_c = dL_c·B_c`, summed in the
 /// kernel) and each row's terms of `dα_c`, `dα_s`, `db_s` and `dB_s = dl_sᵀ·H_s`, for every
 /// projection; the bias, α and `dB_s` gradients are then column sums in a fixed order (one
-/// launch), `dB_c = dL_cᵀ·H_c` one product per projection, and `dx = dZU·packed` and the
-/// packed weight's gradient `dZUᵀ·x` one product each (in the precision of `products`).
+/// launch), `dB_c = dL_cᵀ·H_c` one (batched) product for projections of one width, and
+/// `dx = dZU·packed` and the packed weight's gradient `dZUᵀ·x` one product each (in the
+/// precision of `products`).
 #[allow(clippy::too_many_arguments)]
 pub fn fused_gate_backward(
     dev: &CudaDevice,
@@ -485,7 +489,7 @@ pub fn fused_gate_backward(
     if rows == 0 {
         // No rows: every gradient is an empty sum.
         let modulators = g.channel.iter_mut().chain(g.scalar.iter_mut()).flat_map(DeviceGateGrads::buffers);
-        for buffer in [&mut *g.x, &mut *g.weights].into_iter().chain(modulators) {
+        for buffer in [&mut *g.x, &mut *g.weights, &mut *g.b_channel, &mut *g.b_scalar].into_iter().chain(modulators) {
             dev.fill_zero(buffer)?;
         }
         return Ok(());
@@ -543,18 +547,28 @@ pub fn fused_gate_backward(
             sum(row_term(0), 1, count * terms, c.alpha),
             sum(row_term(1), 1, count * terms, s.alpha),
             sum(row_term(2), 1, count * terms, s.b_bias),
-            sum(row_term(3), rs, count * terms, s.b_weight),
         ]);
+        sums.push(ColumnSum { src: row_term(3), cols: rs, ld: count * terms, dst: g.b_scalar.ptr_at(i * rs) });
     }
     column_sums_many(dev, rows, &sums)?;
 
     let precision = operands.precision();
     let gemm = |m, n, k, a, b, store, c: u64, ldc| gemm(dev, precision, GemmDims { m, n, k }, a, b, store, (c, ldc));
-    // dB_c = dL_cᵀ·H_c, per projection.
-    for (i, (group, c)) in groups.iter().zip(&g.channel).enumerate() {
-        let dlogits_t = operands.transposed(Part::DLogits, layout.out_at[i], out_width);
-        let h_c = operands.rows(Part::Hidden, i * r, count * r);
-        gemm(group.dims.d_out, rc, rows, dlogits_t, h_c, Store::Overwrite, c.b_weight.device_ptr(), rc)?;
+    // dB_c = dL_cᵀ·H_c: one batched product for projections of one width, else one each.
+    let d_out = groups[0].dims.d_out;
+    if count > 1 && groups.iter().all(|group| group.dims.d_out == d_out) {
+        let dlogits_t = (operands.transposed(Part::DLogits, 0, out_width), d_out);
+        let h_c = (operands.rows(Part::Hidden, 0, count * r), r);
+        let dims = GemmDims { m: d_out, n: rc, k: rows };
+        let c = (g.b_channel.device_ptr(), rc, d_out * rc);
+        gemm_strided_batched(dev, precision, dims, dlogits_t, h_c, Store::Overwrite, c, count)?;
+    } else {
+        for (i, group) in groups.iter().enumerate() {
+            let dlogits_t = operands.transposed(Part::DLogits, layout.out_at[i], out_width);
+            let h_c = operands.rows(Part::Hidden, i * r, count * r);
+            let c = g.b_channel.ptr_at(layout.out_at[i] * rc);
+            gemm(group.dims.d_out, rc, rows, dlogits_t, h_c, Store::Overwrite, c, rc)?;
+        }
     }
 
     // dx = dZU·packed

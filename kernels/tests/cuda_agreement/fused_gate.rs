@@ -215,21 +215,24 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32) {
         let x_store = if dx_base.is_some() { Store::Accumulate } else { Store::Overwrite };
         // Every projection's [dW; dA_c; dA_s] in one buffer, as the backward writes them.
         let mut gdweights = up(dev, &stale(width * d_in));
-        let mut gdc: Vec<Vec<DeviceBuffer<f32>>> = cases
-            .iter()
-            .map(|c| [rc, c.dims.d_out * rc, c.dims.d_out, 1].iter().map(|&l| up(dev, &stale(l))).collect())
-            .collect();
+        // Every B_c's gradient in one buffer, every B_s's in another.
+        let mut gdb_channel = up(dev, &stale(out_width * rc));
+        let mut gdb_scalar = up(dev, &stale(cases.len() * rs));
+        let mut gdc: Vec<Vec<DeviceBuffer<f32>>> =
+            cases.iter().map(|c| [rc, c.dims.d_out, 1].iter().map(|&l| up(dev, &stale(l))).collect()).collect();
         let mut gds: Vec<Vec<DeviceBuffer<f32>>> =
-            cases.iter().map(|_| [rs, rs, 1, 1].iter().map(|&l| up(dev, &stale(l))).collect()).collect();
+            cases.iter().map(|_| [rs, 1, 1].iter().map(|&l| up(dev, &stale(l))).collect()).collect();
         {
             fn modulator(g: &mut [DeviceBuffer<f32>]) -> DeviceGateGrads<'_> {
-                let [a_bias, b_weight, b_bias, alpha] = g else { unreachable!() };
-                DeviceGateGrads { a_bias, b_weight, b_bias, alpha }
+                let [a_bias, b_bias, alpha] = g else { unreachable!() };
+                DeviceGateGrads { a_bias, b_bias, alpha }
             }
             let mut grads = DeviceFusedGateGrads {
                 x: &mut gdx,
                 x_store,
                 weights: &mut gdweights,
+                b_channel: &mut gdb_channel,
+                b_scalar: &mut gdb_scalar,
                 channel: gdc.iter_mut().map(|g| modulator(g)).collect(),
                 scalar: gds.iter_mut().map(|g| modulator(g)).collect(),
             };
@@ -237,14 +240,18 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32) {
             let gdout = up(dev, &dout);
             cuda::fused_gate::fused_gate_backward(dev, &group, &gx, &gzu, &gdout, products, &mut grads).unwrap();
         }
-        let weights = down(dev, &gdweights);
+        let (weights, b_channel, b_scalar) = (down(dev, &gdweights), down(dev, &gdb_channel), down(dev, &gdb_scalar));
         let mut got = Vec::new();
-        let mut at = 0;
+        let (mut at, mut out_at) = (0, 0);
         for (i, case) in cases.iter().enumerate() {
+            let d_out = case.dims.d_out;
             got.push(weights[at * d_in..(at + case.dims.width()) * d_in].to_vec());
             at += case.dims.width();
             let (c, s) = (&gdc[i], &gds[i]);
-            got.extend(c[..3].iter().chain(&s[..3]).chain([&c[3], &s[3]]).map(|g| down(dev, g)));
+            got.extend([down(dev, &c[0]), b_channel[out_at * rc..(out_at + d_out) * rc].to_vec(), down(dev, &c[1])]);
+            got.extend([down(dev, &s[0]), b_scalar[i * rs..(i + 1) * rs].to_vec(), down(dev, &s[1])]);
+            got.extend([down(dev, &c[2]), down(dev, &s[2])]);
+            out_at += d_out;
         }
         (down(dev, &gdx), got)
     };

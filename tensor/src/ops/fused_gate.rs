@@ -403,24 +403,20 @@ pub(crate) mod cuda {
         t.cuda_storage().ok_or(Error::UnsupportedDevice { op: OP, device: t.device })
     }
 
-    /// Fresh device gradients shaped like a modulator's parameters after `A` (`[a, B, b, α]`:
-    /// `dA` is part of the packed weight gradient), which the backward writes.
-    fn fresh_like_rest(dev: &Arc<CudaDevice>, values: &[Tensor]) -> Result<Vec<CudaStorage>> {
-        values[1..].iter().map(|t| CudaStorage::alloc(dev, t.numel())).collect()
+    /// Fresh device gradients shaped like a modulator's `[a, b, α]` (`values` is its
+    /// `[A, a, B, b, α]`; `dA` and `dB` are parts of packed buffers), which the backward writes.
+    fn fresh_biases(dev: &Arc<CudaDevice>, values: &[Tensor]) -> Result<[CudaStorage; 3]> {
+        Ok([
+            CudaStorage::alloc(dev, values[1].numel())?,
+            CudaStorage::alloc(dev, values[3].numel())?,
+            CudaStorage::alloc(dev, values[4].numel())?,
+        ])
     }
 
-    /// The four gradient buffers of one modulator after `dA`, borrowed together.
-    fn device_grads(storages: &mut [CudaStorage]) -> Result<DeviceGateGrads<'_>> {
-        let [a_bias, b_weight, b_bias, alpha] = storages else {
-            return Err(Error::InvalidShape {
-                op: OP,
-                shape: vec![storages.len()],
-                reason: "four modulator gradients after dA".into(),
-            });
-        };
+    /// The three gradient buffers of one modulator's `[a, b, α]`, borrowed together.
+    fn device_grads([a_bias, b_bias, alpha]: &mut [CudaStorage; 3]) -> Result<DeviceGateGrads<'_>> {
         Ok(DeviceGateGrads {
             a_bias: a_bias.f32_buffer_mut(OP)?,
-            b_weight: b_weight.f32_buffer_mut(OP)?,
             b_bias: b_bias.f32_buffer_mut(OP)?,
             alpha: alpha.f32_buffer_mut(OP)?,
         })
@@ -457,9 +453,14 @@ pub(crate) mod cuda {
         let width: usize = projections.iter().map(|p| p.dims.width()).sum();
         let d_in = projections[0].dims.d_in;
         let mut weights_grad = CudaStorage::alloc(&dev, width * d_in)?;
+        // Every B_c's gradient in one buffer and every B_s's in another, views likewise.
+        let out_width: usize = projections.iter().map(|p| p.dims.d_out).sum();
+        let (rc, rs) = (projections[0].dims.rank_channel, projections[0].dims.rank_scalar);
+        let mut b_channel_grad = CudaStorage::alloc(&dev, out_width * rc)?;
+        let mut b_scalar_grad = CudaStorage::alloc(&dev, projections.len() * rs)?;
         let mut modulator_grads = Vec::with_capacity(projections.len());
         for d in &dense {
-            modulator_grads.push((fresh_like_rest(&dev, &d[1..6])?, fresh_like_rest(&dev, &d[6..11])?));
+            modulator_grads.push((fresh_biases(&dev, &d[1..6])?, fresh_biases(&dev, &d[6..11])?));
         }
         {
             let (dx_buffer, x_store) = match (&mut dx_fresh, dx_so_far.as_mut()) {
@@ -479,6 +480,8 @@ pub(crate) mod cuda {
                 x: dx_buffer,
                 x_store,
                 weights: weights_grad.f32_buffer_mut(OP)?,
+                b_channel: b_channel_grad.f32_buffer_mut(OP)?,
+                b_scalar: b_scalar_grad.f32_buffer_mut(OP)?,
                 channel,
                 scalar,
             };
@@ -500,19 +503,31 @@ pub(crate) mod cuda {
             (None, None) => unreachable!("absorb needs a gradient so far"),
         };
         let weights_grad = Tensor::from_cuda(weights_grad, &[width, d_in])?;
+        let b_channel_grad = Tensor::from_cuda(b_channel_grad, &[out_width, rc])?;
+        let b_scalar_grad = Tensor::from_cuda(b_scalar_grad, &[projections.len(), rs])?;
         let mut out = vec![dx];
-        let mut at = 0;
-        for ((p, d), (channel, scalar)) in projections.iter().zip(&dense).zip(modulator_grads) {
-            // This projection's rows of the packed gradient: dW, then dA_c, then dA_s.
-            let (d_out, rc) = (p.dims.d_out, p.dims.rank_channel);
-            out.push(weights_grad.narrow(0, at, d_out)?);
-            for (a_at, grads, values) in [(at + d_out, channel, &d[1..6]), (at + d_out + rc, scalar, &d[6..11])] {
-                out.push(weights_grad.narrow(0, a_at, values[0].shape()[0])?);
-                for (g, t) in grads.into_iter().zip(&values[1..]) {
-                    out.push(Tensor::from_cuda(g, t.shape())?);
-                }
-            }
+        let (mut at, mut out_at) = (0, 0);
+        for (i, ((p, d), (channel, scalar))) in projections.iter().zip(&dense).zip(modulator_grads).enumerate() {
+            // This projection's rows of the packed gradients: dW, dA_c and dA_s of the weights',
+            // dB_c of the channel B's, dB_s of the scalar B's.
+            let d_out = p.dims.d_out;
+            let [da_c, db_c, dalpha_c] = channel;
+            let [da_s, db_s, dalpha_s] = scalar;
+            out.extend([
+                weights_grad.narrow(0, at, d_out)?,
+                weights_grad.narrow(0, at + d_out, rc)?,
+                Tensor::from_cuda(da_c, d[2].shape())?,
+                b_channel_grad.narrow(0, out_at, d_out)?,
+                Tensor::from_cuda(db_c, d[4].shape())?,
+                Tensor::from_cuda(dalpha_c, d[5].shape())?,
+                weights_grad.narrow(0, at + d_out + rc, rs)?,
+                Tensor::from_cuda(da_s, d[7].shape())?,
+                b_scalar_grad.narrow(0, i, 1)?,
+                Tensor::from_cuda(db_s, d[9].shape())?,
+                Tensor::from_cuda(dalpha_s, d[10].shape())?,
+            ]);
             at += p.dims.width();
+            out_at += d_out;
         }
         Ok(out)
     }
