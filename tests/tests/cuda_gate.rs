@@ -84,10 +84,19 @@ fn gate_inputs(rng: &mut Rng, rows: usize, d_in: usize, d_out: usize, rc: usize,
     ]
 }
 
+/// One projection's eleven parameters `[W, A_c, a_c, B_c, b_c, α_c, A_s, a_s, B_s, b_s, α_s]`.
+fn projection(p: &[Var]) -> GatedProjectionVars<'_> {
+    GatedProjectionVars {
+        weight: &p[0],
+        channel: [&p[1], &p[2], &p[3], &p[4], &p[5]],
+        scalar: [&p[6], &p[7], &p[8], &p[9], &p[10]],
+    }
+}
+
+/// `[x, projection's parameters]` through the fused op.
 fn fused_gate(v: &[Var], phi: Unary) -> autograd::Result<Var> {
-    let channel = [&v[2], &v[3], &v[4], &v[5], &v[6]];
-    let scalar = [&v[7], &v[8], &v[9], &v[10], &v[11]];
-    v[0].fused_gated_projection(&v[1], channel, scalar, phi)
+    let p = projection(&v[1..12]);
+    v[0].fused_gated_projection(p.weight, p.channel, p.scalar, phi)
 }
 
 /// Serialises the tests that run the fused projection on the GPU: one of them counts the
@@ -135,14 +144,7 @@ fn a_group_of_fused_gated_projections_agrees_forward_and_backward() {
         values
     };
     let group = |v: &[Var]| {
-        let projections: Vec<GatedProjectionVars> = v[1..]
-            .chunks(11)
-            .map(|p| GatedProjectionVars {
-                weight: &p[0],
-                channel: [&p[1], &p[2], &p[3], &p[4], &p[5]],
-                scalar: [&p[6], &p[7], &p[8], &p[9], &p[10]],
-            })
-            .collect();
+        let projections: Vec<GatedProjectionVars> = v[1..].chunks(11).map(projection).collect();
         v[0].fused_gated_projections(&projections, Unary::Silu)
     };
     // Projections of one width take one batched product for their dB_c.
