@@ -1,7 +1,9 @@
 //! GPU timings of the fused gated projection (Transponder eq. 8-10) against the bare cuBLAS
 //! GEMM of the same shape (`x·[W; A_c; A_s]ᵀ`, the floor) and the unfused path (that GEMM
 //! into `ZU`, then the gate kernel), at the llama-60m / llama-130m projection shapes; the FFN's
-//! gate and up projections as two GEMMs or one of the packed weights; then flash attention,
+//! gate and up projections as two GEMMs or one of the packed weights; q, k and v as three
+//! fused gated projections or one fused group, and that group against its bare products; then
+//! flash attention,
 //! forward and forward + backward (the time per layer of a training step), against the naive
 //! kernel that materialises the score matrix.
 //!
@@ -22,8 +24,8 @@ use kernels::cuda::attention::{
 };
 use kernels::cuda::blas::{matmul_bf16, DeviceMat};
 use kernels::cuda::fused_gate::{
-    fused_gate_forward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateParams, DeviceGateParams,
-    FusedGateDims, GateGroup, Unary,
+    fused_gate_backward, fused_gate_forward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads,
+    DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, FusedGateDims, GateGroup, GateProducts, Unary,
 };
 use kernels::cuda::swiglu::{swiglu_backward, swiglu_forward, swiglu_halves_backward, swiglu_halves_forward};
 use kernels::cuda::{CudaDevice, DeviceBuffer, Result};
@@ -247,6 +249,157 @@ fn bench_gate_up(dev: &CudaDevice, tokens: usize, d: usize, hidden: usize) -> Re
     Ok(())
 }
 
+/// Gradient buffers of one gated group's backward (`fused_gate_backward`'s outputs).
+struct GroupGrads {
+    x: DeviceBuffer<f32>,
+    weights: DeviceBuffer<f32>,
+    b_channel: DeviceBuffer<f32>,
+    b_scalar: DeviceBuffer<f32>,
+    /// Each projection's `[da, db, dα]` of its channel and its scalar modulator.
+    modulators: Vec<[[DeviceBuffer<f32>; 3]; 2]>,
+}
+
+impl GroupGrads {
+    fn new(dev: &CudaDevice, group: &[GateGroup]) -> Result<GroupGrads> {
+        let d = group[0].dims;
+        let (width, out_width): (usize, usize) =
+            (group.iter().map(|g| g.dims.width()).sum(), group.iter().map(|g| g.dims.d_out).sum());
+        let alloc = |len: usize| dev.alloc::<f32>(len);
+        let mut modulators = Vec::new();
+        for g in group {
+            let channel = [alloc(d.rank_channel)?, alloc(g.dims.d_out)?, alloc(1)?];
+            modulators.push([channel, [alloc(d.rank_scalar)?, alloc(1)?, alloc(1)?]]);
+        }
+        Ok(GroupGrads {
+            x: alloc(d.rows * d.d_in)?,
+            weights: alloc(width * d.d_in)?,
+            b_channel: alloc(out_width * d.rank_channel)?,
+            b_scalar: alloc(group.len() * d.rank_scalar)?,
+            modulators,
+        })
+    }
+
+    /// The launcher's view of the buffers.
+    fn device(&mut self) -> DeviceFusedGateGrads<'_> {
+        let (mut channel, mut scalar) = (Vec::new(), Vec::new());
+        for [[ca, cb, calpha], [sa, sb, salpha]] in &mut self.modulators {
+            channel.push(DeviceGateGrads { a_bias: ca, b_bias: cb, alpha: calpha });
+            scalar.push(DeviceGateGrads { a_bias: sa, b_bias: sb, alpha: salpha });
+        }
+        DeviceFusedGateGrads {
+            x: &mut self.x,
+            x_store: Store::Overwrite,
+            weights: &mut self.weights,
+            b_channel: &mut self.b_channel,
+            b_scalar: &mut self.b_scalar,
+            channel,
+            scalar,
+        }
+    }
+}
+
+/// q, k and v (`d → d` each, ranks 8 + 8) as three fused gated projections, each its own GEMM
+/// and gate launches, against one fused group (one GEMM and one gate launch forward, one of
+/// each kind backward: how the engine runs them now), forward and backward under bf16
+/// products; and the group against the bare products of its shape, the issue's measure (goal:
+/// forward ≤ 1.3× the bare GEMM `x·packedᵀ`, forward + backward ≤ 1.5× that GEMM with the
+/// backward's `dx = dZU·packed` and `dW = dZUᵀ·x`).
+fn bench_gate_group(dev: &CudaDevice, tokens: usize, d: usize) -> Result<()> {
+    let dims = FusedGateDims { rows: tokens, d_in: d, d_out: d, rank_channel: 8, rank_scalar: 8 };
+    let projections = [Projection::new(dev, &dims)?, Projection::new(dev, &dims)?, Projection::new(dev, &dims)?];
+    let group: Vec<GateGroup> = projections.iter().map(|p| GateGroup { dims, params: p.params() }).collect();
+    let singles: Vec<[GateGroup; 1]> = group.iter().map(|&g| [g]).collect();
+    let packed = pack_weight(dev, &group)?;
+    let packed_singles = singles.iter().map(|single| pack_weight(dev, single)).collect::<Result<Vec<_>>>()?;
+    let x16 = dev.upload(&values(tokens * d, 30, 2.0).into_iter().map(bf16::from_f32).collect::<Vec<_>>())?;
+    let x32 = dev.upload(&values(tokens * d, 30, 2.0))?;
+    let (width, k) = (dims.width(), 3 * dims.width());
+    let (mut zu, mut out) = (dev.alloc::<f32>(tokens * k)?, dev.alloc::<f32>(tokens * 3 * d)?);
+    let mut zu_singles = (0..3).map(|_| dev.alloc::<f32>(tokens * width)).collect::<Result<Vec<_>>>()?;
+    let mut out_singles = (0..3).map(|_| dev.alloc::<f32>(tokens * d)).collect::<Result<Vec<_>>>()?;
+    let dout = dev.upload(&values(tokens * 3 * d, 31, 1.0))?;
+    let dout_single = dev.upload(&values(tokens * d, 31, 1.0))?;
+
+    fused_gate_forward_unfused(dev, &group, &x16, &packed, &mut zu, &mut out)?;
+    for i in 0..3 {
+        fused_gate_forward_unfused(
+            dev,
+            &singles[i],
+            &x16,
+            &packed_singles[i],
+            &mut zu_singles[i],
+            &mut out_singles[i],
+        )?;
+    }
+    // The group's output is the three outputs side by side.
+    let grouped = dev.download(&out)?;
+    let first: Vec<f32> = grouped.chunks(3 * d).flat_map(|row| row[..d].to_vec()).collect();
+    let worst = check(&format!("gated group of 3 × {d}→{d}"), &first, &dev.download(&out_singles[0])?, 1e-5);
+
+    let forward_three_s = best_seconds(dev, || {
+        for i in 0..3 {
+            fused_gate_forward_unfused(
+                dev,
+                &singles[i],
+                &x16,
+                &packed_singles[i],
+                &mut zu_singles[i],
+                &mut out_singles[i],
+            )?;
+        }
+        Ok(())
+    })?;
+    let forward_group_s =
+        best_seconds(dev, || fused_gate_forward_unfused(dev, &group, &x16, &packed, &mut zu, &mut out))?;
+    let mut grads = GroupGrads::new(dev, &group)?;
+    let mut grads_singles = singles.iter().map(|single| GroupGrads::new(dev, single)).collect::<Result<Vec<_>>>()?;
+    let backward_three_s = best_seconds(dev, || {
+        for i in 0..3 {
+            let products = GateProducts::Bf16 { x: &x16, packed: &packed_singles[i] };
+            let zu = &zu_singles[i];
+            fused_gate_backward(dev, &singles[i], &x32, zu, &dout_single, products, &mut grads_singles[i].device())?;
+        }
+        Ok(())
+    })?;
+    let backward_group_s = best_seconds(dev, || {
+        let products = GateProducts::Bf16 { x: &x16, packed: &packed };
+        fused_gate_backward(dev, &group, &x32, &zu, &dout, products, &mut grads.device())
+    })?;
+
+    // The floor: the bare products of the group's shape (bf16 in, f32 out).
+    let x_mat = DeviceMat { buffer: &x16, offset: 0, row_stride: d, col_stride: 1 };
+    let packed_t = DeviceMat { buffer: &packed, offset: 0, row_stride: 1, col_stride: d };
+    let packed_rows = DeviceMat { buffer: &packed, offset: 0, row_stride: d, col_stride: 1 };
+    let dzu = dev.upload(&values(tokens * k, 32, 1.0).into_iter().map(bf16::from_f32).collect::<Vec<_>>())?;
+    let dzu_rows = DeviceMat { buffer: &dzu, offset: 0, row_stride: k, col_stride: 1 };
+    let dzu_t = DeviceMat { buffer: &dzu, offset: 0, row_stride: 1, col_stride: k };
+    let (mut dx, mut dw) = (dev.alloc::<f32>(tokens * d)?, dev.alloc::<f32>(k * d)?);
+    let gemm_s = best_seconds(dev, || {
+        matmul_bf16(dev, &mut zu, 0, x_mat, packed_t, GemmDims { m: tokens, n: k, k: d }, Store::Overwrite)
+    })?;
+    let gemms_s = best_seconds(dev, || {
+        matmul_bf16(dev, &mut zu, 0, x_mat, packed_t, GemmDims { m: tokens, n: k, k: d }, Store::Overwrite)?;
+        matmul_bf16(dev, &mut dx, 0, dzu_rows, packed_rows, GemmDims { m: tokens, n: d, k }, Store::Overwrite)?;
+        matmul_bf16(dev, &mut dw, 0, dzu_t, x_mat, GemmDims { m: k, n: d, k: tokens }, Store::Overwrite)
+    })?;
+    println!(
+        "gated q,k,v 3×{d}→{d} {tokens:>7} tokens | forward: three {:>7.3} ms, group {:>7.3} ms ({:.2}×; {:.2}× the bare \
+         GEMM {:.3} ms) | backward: three {:>7.3} ms, group {:>7.3} ms ({:.2}×) | group fwd+bwd {:.2}× the bare \
+         products {:.3} ms | max rel diff {worst:.1e}",
+        forward_three_s * 1e3,
+        forward_group_s * 1e3,
+        forward_group_s / forward_three_s,
+        forward_group_s / gemm_s,
+        gemm_s * 1e3,
+        backward_three_s * 1e3,
+        backward_group_s * 1e3,
+        backward_group_s / backward_three_s,
+        (forward_group_s + backward_group_s) / gemms_s,
+        gemms_s * 1e3,
+    );
+    Ok(())
+}
+
 fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, head_dim: usize) -> Result<()> {
     let len = batch * seq * heads * head_dim;
     let (q, k, v) =
@@ -310,6 +463,9 @@ fn main() {
         }
         for (d, hidden) in [(512, 1376), (768, 2048)] {
             bench_gate_up(&dev, tokens, d, hidden)?;
+        }
+        for d in [512, 768] {
+            bench_gate_group(&dev, tokens, d)?;
         }
         bench_attention(&dev, (tokens / 2048).max(1), 256, 8, 64)?;
         bench_attention(&dev, (tokens / 4096).max(1), 256, 12, 64)?;
