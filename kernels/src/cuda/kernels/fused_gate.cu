@@ -17,9 +17,9 @@
 //
 // fused_gate_apply: the same gate from a ZU computed by cuBLAS (the engine's path: measured
 // faster than fused_gate_mma on an H200, whose main loop runs at a third of cuBLAS's speed;
-// see fused_gate.rs), for a group of projections of one input at once. The backward kernel
-// mirrors cpu/fused_gate.rs's row pass; its GEMMs and column sums run through cuBLAS and
-// reduce.cu.
+// see cuda/fused_gate/mod.rs), for a group of projections of one input at once. The backward
+// kernel mirrors cpu/fused_gate.rs's row pass; its GEMMs and column sums run through cuBLAS
+// and reduce.cu.
 
 #define FG_BM 128        // rows of a block tile
 #define FG_BN 128        // Z columns of a block tile
@@ -336,9 +336,10 @@ extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r64(FG_P
     for (i64 n = (i64)blockIdx.x * FG_ROW_WARPS + (threadIdx.x >> 5); n < (rows); \
          n += (i64)gridDim.x * FG_ROW_WARPS)
 
-// One group of a grouped launch (fused_gate.rs group_lists): its modulators' parameters
-// (params.v[8g ..]: a_c, B_c, b_c, α_c, a_s, B_s, b_s, α_s; α as one-element device buffers)
-// and its place (layout.v[3g ..]: its first ZU column, its first output column, its d_out).
+// One projection of a grouped launch (group_lists in cuda/fused_gate/mod.rs): its modulators'
+// parameters (params.v[8g ..]: a_c, B_c, b_c, α_c, a_s, B_s, b_s, α_s; α as one-element device
+// buffers) and its place (layout.v[3g ..]: its first ZU column, its first output column, its
+// d_out).
 struct GateGroup {
     const float *a_c, *b_cw, *b_cb, *alpha_c, *a_s, *b_sw, *b_sb, *alpha_s;
     i64 zu_at, out_at, d_out;

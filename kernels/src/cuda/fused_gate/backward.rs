@@ -1,0 +1,364 @@
+//! The backward of a group of fused gated projections on the GPU (Transponder eq. 8-10):
+//! the gradient buffers it writes, the precision of its products, and the operands they read.
+
+use half::bf16;
+
+use super::super::allocator::DeviceBuffer;
+use super::super::blas::{gemm, gemm_strided_batched, GemmDims, Operand, Precision};
+use super::super::device::CudaDevice;
+use super::super::elementwise::unary_code;
+use super::super::error::{ensure, ensure_len, Result};
+use super::super::launch::{int, ptr, size};
+use super::super::module::Arg;
+use super::super::reduce::{column_sums_many, ColumnSum};
+use super::{group_lists, group_row_warps, layout, GateGroup, Layout, FAMILY};
+use crate::cpu::matmul::Store;
+
+/// Gradient buffers of one modulator, written by the backward (`dA` and `dB` are parts of
+/// [`DeviceFusedGateGrads`]'s packed buffers).
+#[derive(Debug)]
+pub struct DeviceGateGrads<'a> {
+    /// `da: [r]`.
+    pub a_bias: &'a mut DeviceBuffer<f32>,
+    /// `db: [m]`.
+    pub b_bias: &'a mut DeviceBuffer<f32>,
+    /// `dα`: a one-element buffer.
+    pub alpha: &'a mut DeviceBuffer<f32>,
+}
+
+impl DeviceGateGrads<'_> {
+    /// The three buffers, in field order.
+    fn buffers(&mut self) -> [&mut DeviceBuffer<f32>; 3] {
+        [&mut *self.a_bias, &mut *self.b_bias, &mut *self.alpha]
+    }
+}
+
+/// Gradient buffers of the fused projection, written by the backward.
+#[derive(Debug)]
+pub struct DeviceFusedGateGrads<'a> {
+    /// `dx: [N, d_in]`.
+    pub x: &'a mut DeviceBuffer<f32>,
+    /// Whether `dx` is written into `x` ([`Store::Overwrite`]) or added onto what `x` holds
+    /// ([`Store::Accumulate`]: the GEMM's β = 1, so an input read by several projections gets
+    /// its gradients summed without a separate add).
+    pub x_store: Store,
+    /// The gradient of the packed weight, `[K, d_in]` in [`pack_weight`]'s layout (each
+    /// projection's `[dW; dA_c; dA_s]` in turn): one product writes it, and each weight's
+    /// gradient is its run of rows.
+    pub weights: &'a mut DeviceBuffer<f32>,
+    /// Every projection's channel `dB_c` in turn, `[Σ d_out, r_c]` (one product writes them
+    /// when the projections are of one width).
+    pub b_channel: &'a mut DeviceBuffer<f32>,
+    /// Every projection's scalar `dB_s` in turn, `[projections, r_s]`.
+    pub b_scalar: &'a mut DeviceBuffer<f32>,
+    /// Each projection's channel modulator's gradients, in group order.
+    pub channel: Vec<DeviceGateGrads<'a>>,
+    /// Each projection's scalar modulator's gradients, in group order.
+    pub scalar: Vec<DeviceGateGrads<'a>>,
+}
+
+/// Checks the gradient buffers against the group's sizes.
+fn check_grads(
+    dev: &CudaDevice,
+    op: &'static str,
+    groups: &[GateGroup],
+    layout: &Layout,
+    g: &DeviceFusedGateGrads,
+) -> Result<()> {
+    ensure(g.channel.len() == groups.len() && g.scalar.len() == groups.len(), op, || {
+        format!("{} and {} modulator gradients for {} projections", g.channel.len(), g.scalar.len(), groups.len())
+    })?;
+    let (rc, rs) = (layout.rank_channel, layout.rank_scalar);
+    let mut expected = vec![
+        (&*g.x, layout.rows * layout.d_in, "dx"),
+        (&*g.weights, layout.zu_width * layout.d_in, "packed weight gradient"),
+        (&*g.b_channel, layout.out_width * rc, "packed channel dB"),
+        (&*g.b_scalar, groups.len() * rs, "packed scalar dB"),
+    ];
+    for ((group, c), s) in groups.iter().zip(&g.channel).zip(&g.scalar) {
+        let d_out = group.dims.d_out;
+        expected.extend([
+            (&*c.a_bias, rc, "channel da"),
+            (&*c.b_bias, d_out, "channel db"),
+            (&*c.alpha, 1, "channel dα"),
+            (&*s.a_bias, rs, "scalar da"),
+            (&*s.b_bias, 1, "scalar db"),
+            (&*s.alpha, 1, "scalar dα"),
+        ]);
+    }
+    for (buffer, want, name) in expected {
+        dev.check_owner(op, buffer)?;
+        ensure_len(op, name, buffer.len(), want)?;
+    }
+    Ok(())
+}
+
+/// The precision of [`fused_gate_backward`]'s products.
+#[derive(Clone, Copy, Debug)]
+pub enum GateProducts<'a> {
+    /// f32 operands and products (cuBLAS's default math mode: the CUDA cores, no TF32).
+    F32,
+    /// bf16 operands on the tensor cores, f32 accumulation and outputs (mixed precision, as
+    /// every other product under `--bf16`). `x` and the packed weight are the forward's bf16
+    /// operands; the backward's row kernel writes bf16 copies of the other operands beside
+    /// their f32 values (no conversion launch).
+    Bf16 {
+        /// `x` in bf16, `[N, d_in]`.
+        x: &'a DeviceBuffer<bf16>,
+        /// `[W; A_c; A_s]` in bf16, `[K, d_in]` ([`pack_weight`]'s layout).
+        packed: &'a DeviceBuffer<bf16>,
+    },
+}
+
+/// Backward of a group of fused projections from the saved `zu` (`[N, K]`) and the output
+/// gradient `dout` (`[N, Σ d_out]`); `x` is the f32 input `[N, d_in]`. Writes every buffer
+/// of `grads`; `dx` is the sum over the group's projections.
+///
+/// One row kernel recomputes `H`, `γ_s` and the channel logits from `zu` and writes `dZ`,
+/// the channel logits' gradient `dL_c`, `dU` (through `dH_c = dL_c·B_c`, summed in the
+/// kernel) and each row's terms of `dα_c`, `dα_s`, `db_s` and `dB_s = dl_sᵀ·H_s`, for every
+/// projection; the bias, α and `dB_s` gradients are then column sums in a fixed order (one
+/// launch), `dB_c = dL_cᵀ·H_c` one (batched) product for projections of one width, and
+/// `dx = dZU·packed` and the packed weight's gradient `dZUᵀ·x` one product each (in the
+/// precision of `products`).
+#[allow(clippy::too_many_arguments)]
+pub fn fused_gate_backward(
+    dev: &CudaDevice,
+    groups: &[GateGroup],
+    x: &DeviceBuffer<f32>,
+    zu: &DeviceBuffer<f32>,
+    dout: &DeviceBuffer<f32>,
+    products: GateProducts,
+    grads: &mut DeviceFusedGateGrads,
+) -> Result<()> {
+    const OP: &str = "fused_gate_backward";
+    let layout = layout(dev, OP, groups)?;
+    check_grads(dev, OP, groups, &layout, grads)?;
+    for buffer in [x, zu, dout] {
+        dev.check_owner(OP, buffer)?;
+    }
+    let Layout { rows, d_in, rank_channel: rc, rank_scalar: rs, zu_width: k, out_width, .. } = layout;
+    let (count, r) = (groups.len(), rc + rs);
+    ensure_len(OP, "x", x.len(), rows * d_in)?;
+    ensure_len(OP, "zu", zu.len(), rows * k)?;
+    ensure_len(OP, "dout", dout.len(), rows * out_width)?;
+    if let GateProducts::Bf16 { x: x_bf16, packed } = products {
+        dev.check_owner(OP, x_bf16)?;
+        dev.check_owner(OP, packed)?;
+        ensure_len(OP, "x (bf16)", x_bf16.len(), rows * d_in)?;
+        ensure_len(OP, "packed weight", packed.len(), k * d_in)?;
+    }
+    let g = grads;
+    if rows == 0 {
+        // No rows: every gradient is an empty sum.
+        let modulators = g.channel.iter_mut().chain(g.scalar.iter_mut()).flat_map(DeviceGateGrads::buffers);
+        for buffer in [&mut *g.x, &mut *g.weights, &mut *g.b_channel, &mut *g.b_scalar].into_iter().chain(modulators) {
+            dev.fill_zero(buffer)?;
+        }
+        return Ok(());
+    }
+    // dzu rows: ZU's layout; dlogits rows: the outputs'; hidden rows: each projection's H in
+    // turn; row_terms rows: each projection's [dα_c, dα_s, dl_s, dl_s·H_s] in turn.
+    let terms = 3 + rs;
+    let dzu = dev.alloc::<f32>(rows * k)?;
+    let dlogits = dev.alloc::<f32>(rows * out_width)?;
+    let hidden = dev.alloc::<f32>(rows * count * r)?;
+    let row_terms = dev.alloc::<f32>(rows * count * terms)?;
+
+    let sources = Sources { x, dlogits: &dlogits, hidden: &hidden, dzu: &dzu };
+    let operands = match products {
+        GateProducts::F32 => Operands::F32(sources),
+        GateProducts::Bf16 { x, packed } => Operands::bf16(dev, x, packed, &sources)?,
+    };
+    let bf16_copy = |part| Arg::Ptr(operands.bf16_copy(part));
+
+    let (phi, phi_p) = unary_code(groups[0].params.phi);
+    let [params, places] = group_lists(groups, &layout);
+    let args = [
+        ptr(zu),
+        ptr(dout),
+        params,
+        places,
+        int(phi),
+        Arg::F32(phi_p),
+        size(rows),
+        size(k),
+        size(out_width),
+        int(rc as i32),
+        int(rs as i32),
+        ptr(&dzu),
+        ptr(&dlogits),
+        ptr(&hidden),
+        ptr(&row_terms),
+        bf16_copy(Part::Dzu),
+        bf16_copy(Part::DLogits),
+        bf16_copy(Part::Hidden),
+    ];
+    dev.launch(FAMILY, "fused_gate_backward_rows", group_row_warps(rows, count), &args)?;
+
+    // Cross-row sums: db_c = Σ dL_c, da = Σ dU, dα = Σ row terms, db_s = Σ dl_s and
+    // dB_s = Σ dl_s·H_s; all seven of every projection in one launch.
+    let sum = |src, cols, ld, dst: &DeviceBuffer<f32>| ColumnSum { src, cols, ld, dst: dst.device_ptr() };
+    let mut sums = Vec::with_capacity(7 * count);
+    for (i, ((group, c), s)) in groups.iter().zip(&g.channel).zip(&g.scalar).enumerate() {
+        let (zu_at, t) = (layout.zu_at[i] + group.dims.d_out, i * terms);
+        let row_term = |j: usize| row_terms.ptr_at(t + j);
+        sums.extend([
+            sum(dlogits.ptr_at(layout.out_at[i]), group.dims.d_out, out_width, c.b_bias),
+            sum(dzu.ptr_at(zu_at), rc, k, c.a_bias),
+            sum(dzu.ptr_at(zu_at + rc), rs, k, s.a_bias),
+            sum(row_term(0), 1, count * terms, c.alpha),
+            sum(row_term(1), 1, count * terms, s.alpha),
+            sum(row_term(2), 1, count * terms, s.b_bias),
+        ]);
+        sums.push(ColumnSum { src: row_term(3), cols: rs, ld: count * terms, dst: g.b_scalar.ptr_at(i * rs) });
+    }
+    column_sums_many(dev, rows, &sums)?;
+
+    let precision = operands.precision();
+    let gemm = |m, n, k, a, b, store, c: u64, ldc| gemm(dev, precision, GemmDims { m, n, k }, a, b, store, (c, ldc));
+    // dB_c = dL_cᵀ·H_c: one batched product for projections of one width, else one each.
+    let d_out = groups[0].dims.d_out;
+    if count > 1 && groups.iter().all(|group| group.dims.d_out == d_out) {
+        let dlogits_t = (operands.transposed(Part::DLogits, 0, out_width), d_out);
+        let h_c = (operands.rows(Part::Hidden, 0, count * r), r);
+        let dims = GemmDims { m: d_out, n: rc, k: rows };
+        let c = (g.b_channel.device_ptr(), rc, d_out * rc);
+        gemm_strided_batched(dev, precision, dims, dlogits_t, h_c, Store::Overwrite, c, count)?;
+    } else {
+        for (i, group) in groups.iter().enumerate() {
+            let dlogits_t = operands.transposed(Part::DLogits, layout.out_at[i], out_width);
+            let h_c = operands.rows(Part::Hidden, i * r, count * r);
+            let c = g.b_channel.ptr_at(layout.out_at[i] * rc);
+            gemm(group.dims.d_out, rc, rows, dlogits_t, h_c, Store::Overwrite, c, rc)?;
+        }
+    }
+
+    // dx = dZU·packed
+    if let Operands::Bf16 { packed, .. } = &operands {
+        // The packed bf16 weight makes dx one product over K.
+        let weight = Operand::rows(packed.device_ptr(), d_in);
+        gemm(rows, d_in, k, operands.rows(Part::Dzu, 0, k), weight, g.x_store, g.x.device_ptr(), d_in)?;
+    } else {
+        // Separate f32 weight buffers: the first product written, the others added onto it.
+        let mut store = g.x_store;
+        for (i, group) in groups.iter().enumerate() {
+            let (d_out, p) = (group.dims.d_out, &group.params);
+            let at = layout.zu_at[i];
+            let parts =
+                [(at, d_out, p.weight), (at + d_out, rc, p.channel.a_weight), (at + d_out + rc, rs, p.scalar.a_weight)];
+            for (offset, width, weight) in parts {
+                let (a, b) = (operands.rows(Part::Dzu, offset, k), Operand::rows(weight.device_ptr(), d_in));
+                gemm(rows, d_in, width, a, b, store, g.x.device_ptr(), d_in)?;
+                store = Store::Accumulate;
+            }
+        }
+    }
+    // The packed weight's gradient dZUᵀ·x: one product for every weight of the group.
+    let x_rows = operands.rows(Part::X, 0, d_in);
+    gemm(k, d_in, rows, operands.transposed(Part::Dzu, 0, k), x_rows, Store::Overwrite, g.weights.device_ptr(), d_in)?;
+    Ok(())
+}
+
+/// The f32 operands of the backward's products.
+struct Sources<'a> {
+    x: &'a DeviceBuffer<f32>,
+    dlogits: &'a DeviceBuffer<f32>,
+    hidden: &'a DeviceBuffer<f32>,
+    dzu: &'a DeviceBuffer<f32>,
+}
+
+/// An operand of the backward's products (the packed weight is reached through
+/// [`Operands::Bf16`] directly: the f32 weights are separate buffers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    DLogits,
+    Hidden,
+    Dzu,
+    X,
+}
+
+/// Where the backward's products read their operands: the f32 buffers, or the forward's bf16
+/// `x` and packed weight, and the bf16 copies of the rest in one scratch buffer
+/// (`dL_c | H | dZU`, each part on a 16-byte boundary) that the row kernel writes beside its
+/// f32 outputs.
+enum Operands<'a> {
+    F32(Sources<'a>),
+    Bf16 {
+        x: &'a DeviceBuffer<bf16>,
+        /// `[W; A_c; A_s]`, `[K, d_in]`.
+        packed: &'a DeviceBuffer<bf16>,
+        scratch: DeviceBuffer<bf16>,
+        /// Where `dL_c`, `H` and `dZU` start in `scratch`.
+        at: [usize; 3],
+    },
+}
+
+impl<'a> Operands<'a> {
+    /// The bf16 operands: the given ones, and a scratch buffer laid out for the copies of
+    /// `dL_c`, `H` and `dZU` (written by the backward's row kernel).
+    fn bf16(
+        dev: &CudaDevice,
+        x: &'a DeviceBuffer<bf16>,
+        packed: &'a DeviceBuffer<bf16>,
+        s: &Sources,
+    ) -> Result<Operands<'a>> {
+        let mut end = 0;
+        let mut at = [0; 3];
+        for (slot, buffer) in at.iter_mut().zip([s.dlogits, s.hidden, s.dzu]) {
+            *slot = end;
+            end = (end + buffer.len()).next_multiple_of(8);
+        }
+        let scratch = dev.alloc::<bf16>(end)?;
+        Ok(Operands::Bf16 { x, packed, scratch, at })
+    }
+
+    /// Where a kernel writes the bf16 copy of `part` (0, none, for f32 products).
+    fn bf16_copy(&self, part: Part) -> u64 {
+        match self {
+            Operands::F32(_) => 0,
+            Operands::Bf16 { .. } => self.address(part, 0),
+        }
+    }
+
+    fn precision(&self) -> Precision {
+        match self {
+            Operands::F32(_) => Precision::F32,
+            Operands::Bf16 { .. } => Precision::Bf16,
+        }
+    }
+
+    /// The device address of element `offset` of `part`.
+    fn address(&self, part: Part, offset: usize) -> u64 {
+        match self {
+            Operands::F32(s) => {
+                let buffer = match part {
+                    Part::DLogits => s.dlogits,
+                    Part::Hidden => s.hidden,
+                    Part::Dzu => s.dzu,
+                    Part::X => s.x,
+                };
+                buffer.ptr_at(offset)
+            }
+            Operands::Bf16 { x, scratch, at, .. } => {
+                let start = match part {
+                    Part::DLogits => at[0],
+                    Part::Hidden => at[1],
+                    Part::Dzu => at[2],
+                    Part::X => return x.ptr_at(offset),
+                };
+                scratch.ptr_at(start + offset)
+            }
+        }
+    }
+
+    /// `part` from element `offset` as a row-major operand with row stride `ld`.
+    fn rows(&self, part: Part, offset: usize, ld: usize) -> Operand {
+        Operand::rows(self.address(part, offset), ld)
+    }
+
+    /// The transpose of [`Operands::rows`].
+    fn transposed(&self, part: Part, offset: usize, ld: usize) -> Operand {
+        Operand::transposed(self.address(part, offset), ld)
+    }
+}
