@@ -61,8 +61,8 @@ impl ModulatedProjection {
     /// (`[N, Σ out]`), where that is one product (a GPU under bf16 products:
     /// [`tensor::Tensor::packed_linear_is_one_product`]): one GEMM of the stacked weights
     /// when every projection is plain ([`Var::packed_linear`]), or one fused gated group when
-    /// every one takes the fused op with one φ ([`Var::fused_gated_projections`]). `None`
-    /// otherwise: run them one by one.
+    /// every one takes the fused op with one φ and one pair of ranks
+    /// ([`Var::fused_gated_projections`]). `None` otherwise: run them one by one.
     pub fn forward_packed(projections: &[&ModulatedProjection], rows: &Var) -> Result<Option<Var>> {
         if !rows.value_ref().packed_linear_is_one_product() {
             return Ok(None);
@@ -73,8 +73,10 @@ impl ModulatedProjection {
         }
         let fused: Option<Vec<_>> = projections.iter().map(|p| p.fused_parts()).collect();
         let Some(fused) = fused else { return Ok(None) };
-        let phi = fused[0].1;
-        if fused.iter().any(|(_, other)| *other != phi) {
+        // A group shares one φ and one pair of ranks.
+        let ranks = |p: &GatedProjectionVars| (p.channel[0].shape()[0], p.scalar[0].shape()[0]);
+        let (first, phi) = (ranks(&fused[0].0), fused[0].1);
+        if fused.iter().any(|(p, other)| *other != phi || ranks(p) != first) {
             return Ok(None);
         }
         for p in projections {

@@ -13,12 +13,15 @@
 //! rewrites) and accumulates in f32. [`fused_gate_forward`] writes `zu` only when asked
 //! (training); inference writes nothing but `Ẑ`.
 //!
-//! [`fused_gate_forward_unfused`] is the reference path (cuBLAS bf16 GEMM into `zu`, then
-//! [`fused_gate_apply`]); both give the same result to f32 rounding. The backward
-//! ([`fused_gate_backward`]) reads `zu`, the f32 `x` and f32 weights (under bf16 products,
-//! the forward's bf16 `x` and packed weight): one row kernel (the gate's elementwise
-//! backward and its rank-r products) plus cuBLAS products for `dx, dW, dA, dB_c`, and
-//! deterministic column sums for `da, db, dα, dB_s`. Gradients are written, not added.
+//! [`fused_gate_forward_unfused`] is the engine's path (cuBLAS bf16 GEMM into `zu`, then
+//! [`fused_gate_apply`]), for a [`GateGroup`] of projections of one input at once (q, k and
+//! v; gate and up: one GEMM over their weights packed together, one gate launch); it gives
+//! [`fused_gate_forward`]'s result to f32 rounding. The backward
+//! ([`fused_gate_backward`], `backward.rs`) reads `zu`, the f32 `x` and f32 weights (under
+//! bf16 products, the forward's bf16 `x` and packed weight): one row kernel (the gate's
+//! elementwise backward and its rank-r products) plus cuBLAS products for `dx`, the packed
+//! weights' gradient and `dB_c`, and deterministic column sums for `da, db, dα, dB_s`.
+//! Gradients are written, not added.
 
 use half::bf16;
 
