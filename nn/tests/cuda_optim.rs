@@ -85,8 +85,8 @@ fn adamw_step_matches_the_cpu() {
 }
 
 /// Gradients that are views of one buffer (a fused gated projection's packed weight gradient,
-/// the data-parallel all-reduce's flat one) are read in place: the same update as dense ones,
-/// and no copy on the device.
+/// the data-parallel all-reduce's flat one) are read in place by the gradient norm and AdamW:
+/// the same norm and update as dense ones, and no copy on the device.
 #[test]
 fn adamw_reads_gradients_that_are_rows_of_one_buffer_in_place() {
     if no_gpu() {
@@ -107,10 +107,13 @@ fn adamw_reads_gradients_that_are_rows_of_one_buffer_in_place() {
         at += n;
     }
     let dev = tensor::cuda::device(0).unwrap();
+    let cpu_norm = clip_grad_norm(&cpu_params, f32::INFINITY).unwrap();
     cpu.step(0.01).unwrap();
     let before = dev.counters();
+    let gpu_norm = clip_grad_norm(&gpu_params, f32::INFINITY).unwrap();
     gpu.step(0.01).unwrap();
     let counted = dev.counters().since(&before);
+    assert!((cpu_norm - gpu_norm).abs() <= 1e-5 * cpu_norm, "norm: cpu {cpu_norm} vs cuda {gpu_norm}");
     // The device's counters also see the other tests' launches (they run beside this one);
     // none of them copies a strided or offset view.
     let copies = counted.launches_by_kernel.get("copy_strided");

@@ -201,15 +201,14 @@ pub fn max_axis(
 
 /// `Σ x[i]²` accumulated in f64 (for global gradient-norm clipping); waits for the device.
 pub fn sum_squares(dev: &CudaDevice, x: &DeviceBuffer<f32>) -> Result<f64> {
-    sum_squares_all(dev, &[x])
+    sum_squares_all(dev, &[x.into()])
 }
 
 /// `Σ_t Σ_i x_t[i]²` over several buffers in f64, waiting for the device once: the block
 /// partials of [`sum_squares_partials`] downloaded and summed on the host in their order
 /// (the global gradient norm of all parameters in one synchronisation).
-pub fn sum_squares_all(dev: &CudaDevice, xs: &[&DeviceBuffer<f32>]) -> Result<f64> {
-    let runs: Vec<DeviceRun<f32>> = xs.iter().map(|&x| x.into()).collect();
-    let partial = sum_squares_partials(dev, &runs)?;
+pub fn sum_squares_all(dev: &CudaDevice, xs: &[DeviceRun<f32>]) -> Result<f64> {
+    let partial = sum_squares_partials(dev, xs)?;
     Ok(dev.download(&partial)?.iter().sum())
 }
 

@@ -168,7 +168,8 @@ fn the_step_guard_clips_and_skips_on_the_device() {
     let params: Vec<Vec<f32>> = lens.iter().map(|&n| rng.vec(n, -1.0, 1.0)).collect();
     let grads: Vec<Vec<f32>> = lens.iter().map(|&n| rng.vec(n, -1.0, 1.0)).collect();
     let uploaded: Vec<DeviceBuffer<f32>> = grads.iter().map(|g| up(dev, g)).collect();
-    let norm = cuda::reduce::sum_squares_all(dev, &uploaded.iter().collect::<Vec<_>>()).unwrap().sqrt() as f32;
+    let norm =
+        cuda::reduce::sum_squares_all(dev, &uploaded.iter().map(Into::into).collect::<Vec<_>>()).unwrap().sqrt() as f32;
     let h = AdamHyper { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1, step: 1 };
     for max_norm in [f32::INFINITY, norm / 4.0] {
         let (got, guard) = guarded_adamw(dev, &params, &grads, 3.0, max_norm, None);

@@ -45,7 +45,7 @@ fn sum_squares_of_many_tensors_agrees() {
     let mut rng = Rng::new(41);
     let xs: Vec<Vec<f32>> = (0..70).map(|i| rng.vec(1 + 97 * i, -2.0, 2.0)).collect();
     let uploaded: Vec<_> = xs.iter().map(|x| up(dev, x)).collect();
-    let got = cuda::reduce::sum_squares_all(dev, &uploaded.iter().collect::<Vec<_>>()).unwrap();
+    let got = cuda::reduce::sum_squares_all(dev, &uploaded.iter().map(Into::into).collect::<Vec<_>>()).unwrap();
     let want: f64 = xs.iter().map(|x| cpu::reduce::sum_squares(x)).sum();
     assert!((got - want).abs() <= 1e-9 * want, "{got} vs {want}");
 }

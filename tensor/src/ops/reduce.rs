@@ -223,10 +223,15 @@ pub(crate) mod cuda {
 
     /// A dense view of an f32 tensor (the CPU kernels take f32 only; so do these).
     fn dense_f32(x: &Tensor, op: &'static str) -> Result<Tensor> {
+        contiguous_f32(x, op)?.dense()
+    }
+
+    /// `x` as a contiguous f32 tensor (itself when it is one; an error for another type).
+    fn contiguous_f32(x: &Tensor, op: &'static str) -> Result<Tensor> {
         if x.dtype() != DType::F32 {
             return Err(Error::DTypeMismatch { op, expected: DType::F32, got: x.dtype() });
         }
-        x.dense()
+        x.contiguous()
     }
 
     /// `Σ_t Σ_i t[i]²` in f64 over GPU tensors, all on one device, waiting for it once (the
@@ -235,14 +240,16 @@ pub(crate) mod cuda {
         const OP: &str = "sum_squares";
         let Some(first) = tensors.first() else { return Ok(0.0) };
         let dev = first.cuda_device(OP)?;
-        let dense = tensors
+        // A contiguous tensor is read where it is (a view of part of a buffer too: the packed
+        // gradients of a fused gated group).
+        let contiguous = tensors
             .iter()
             .map(|t| {
                 first.same_device(OP, t)?;
-                dense_f32(t, OP)
+                contiguous_f32(t, OP)
             })
             .collect::<Result<Vec<_>>>()?;
-        let buffers = dense.iter().map(|t| t.cuda_f32(OP)).collect::<Result<Vec<_>>>()?;
-        Ok(launch::sum_squares_all(&dev, &buffers)?)
+        let runs = contiguous.iter().map(|t| t.cuda_f32_run(OP)).collect::<Result<Vec<_>>>()?;
+        Ok(launch::sum_squares_all(&dev, &runs)?)
     }
 }
