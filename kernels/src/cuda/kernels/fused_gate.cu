@@ -76,23 +76,37 @@ __device__ __forceinline__ bool register_rank(int rc) { return rc <= FG_REG_RANK
 
 // Column j's channel-gate logit before its bias, Σ_t h_c[t]·B_c[j, t] added in order, from
 // the row's h_c in registers (`regs`, see register_rank; hr is zero past rc) or in the warp's
-// shared slot h.
-__device__ __forceinline__ float channel_logit(const float (&hr)[FG_REG_RANK], const float* h, const float* b_cw,
-                                               i64 j, int rc, bool regs) {
+// shared slot h. On the register path the column's weights are left in w (zero past rc), for
+// the backward's d/dH_c to reuse without loading them again.
+__device__ __forceinline__ float channel_logit_keeping_weights(const float (&hr)[FG_REG_RANK], const float* h,
+                                                               const float* b_cw, i64 j, int rc, bool regs,
+                                                               float (&w)[FG_REG_RANK]) {
     const float* column = b_cw + j * rc;  // B_c[j, 0..rc), contiguous
     float logit = 0.0f;
+#pragma unroll
+    for (int t = 0; t < FG_REG_RANK; ++t) w[t] = 0.0f;
     if (regs) {
 #pragma unroll
         for (int t = 0; t < FG_REG_RANK; t += 4) {
             if (t >= rc) break;
             const f32x4 w4 = *reinterpret_cast<const f32x4*>(column + t);
 #pragma unroll
-            for (int k = 0; k < 4; ++k) logit += hr[t + k] * w4.v[k];
+            for (int k = 0; k < 4; ++k) {
+                w[t + k] = w4.v[k];
+                logit += hr[t + k] * w4.v[k];
+            }
         }
     } else {
         for (int t = 0; t < rc; ++t) logit += h[t] * column[t];
     }
     return logit;
+}
+
+// channel_logit_keeping_weights without the weights (the forward's gate).
+__device__ __forceinline__ float channel_logit(const float (&hr)[FG_REG_RANK], const float* h, const float* b_cw,
+                                               i64 j, int rc, bool regs) {
+    float w[FG_REG_RANK];
+    return channel_logit_keeping_weights(hr, h, b_cw, j, rc, regs, w);
 }
 
 // One row's scalar gate γ_s = 2σ(α_s·(B_s·H_s + b_s)) from its H (h[rc..rc + rs)).
@@ -461,7 +475,8 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
             for (int b = 0; b < FG_ROW_BATCH; ++b) {
                 const i64 j = j0 + 32 * b;
                 if (j >= d_out) break;
-                const float logit = channel_logit(hr, h, g.b_cw, j, rc, regs) + g.b_cb[j];
+                float w[FG_REG_RANK];
+                const float logit = channel_logit_keeping_weights(hr, h, g.b_cw, j, rc, regs, w) + g.b_cb[j];
                 const float gate = 2.0f * sigmoid_f(alpha_c * logit);
                 const float dz = dy[b] * gate * gate_s;
                 const float dgate = dy[b] * z[b] * gate_s;
@@ -476,9 +491,17 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
                     dzu[zu_row + j] = dz;
                 }
                 dalpha_c += dgate * logit * slope;
+                // d/dH_c += dL_c[j]·B_c[j, :], on the register path from the weights the logit
+                // loaded (no second load per element: an earlier in-kernel sum measured slower on
+                // an H200, 3.55 → 4.55 ms of row kernel per step; see the README).
+                if (regs) {
 #pragma unroll
-                for (int t = 0; t < FG_REG_RANK; ++t) {
-                    if (t < rc) dh_part[t] += dlogit * g.b_cw[j * rc + t];
+                    for (int t = 0; t < FG_REG_RANK; ++t) dh_part[t] += dlogit * w[t];
+                } else {
+#pragma unroll
+                    for (int t = 0; t < FG_REG_RANK; ++t) {
+                        if (t < rc) dh_part[t] += dlogit * g.b_cw[j * rc + t];
+                    }
                 }
             }
         }
