@@ -39,22 +39,23 @@ fn assert_f32_close(got: &Tensor, want: &Tensor, what: &str) {
     assert_close(got, want, F32_REL, F32_ABS, what);
 }
 
-/// Serialises the tests that run matmuls: the matmul precision is process-wide, and the
-/// bf16 test switches it.
-fn matmul_lock() -> MutexGuard<'static, ()> {
+/// Serialises the tests: the matmul precision is process-wide (the bf16 tests switch it), and
+/// so are the device's launch counters, which some tests read (a launch of a test running
+/// beside would be counted as theirs).
+fn device_lock() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Sets a matmul precision until dropped (restoring f32 even if the test fails), holding
-/// [`matmul_lock`] meanwhile.
+/// [`device_lock`] meanwhile.
 struct Precision {
     _lock: MutexGuard<'static, ()>,
 }
 
 impl Precision {
     fn set(precision: MatmulPrecision) -> Precision {
-        let lock = matmul_lock();
+        let lock = device_lock();
         set_matmul_precision(precision);
         Precision { _lock: lock }
     }
@@ -71,6 +72,7 @@ fn to_device_round_trips_f32_and_bf16() {
     if no_gpu() {
         return;
     }
+    let _serial = device_lock();
     let x = rand(&[3, 5, 7], -4.0, 4.0, 1);
     let on_gpu = gpu(&x);
     assert_eq!((on_gpu.device(), on_gpu.dtype()), (GPU, DType::F32));
@@ -95,6 +97,7 @@ fn constants_are_created_on_the_gpu() {
     if no_gpu() {
         return;
     }
+    let _serial = device_lock();
     let z = Tensor::zeros_on(&[2, 3], GPU).unwrap();
     assert_eq!((z.device(), z.to_host().unwrap().to_vec()), (GPU, vec![0.0; 6]));
     let f = Tensor::full_on(&[4], -1.25, GPU).unwrap();
@@ -109,6 +112,7 @@ fn mixing_devices_is_an_error() {
     if no_gpu() {
         return;
     }
+    let _serial = device_lock();
     let (cpu, on_gpu) = (rand(&[3, 3], -1.0, 1.0, 2), gpu(&rand(&[3, 3], -1.0, 1.0, 3)));
     let mismatch = |r: tensor::Result<Tensor>| matches!(r, Err(Error::DeviceMismatch { .. }));
     assert!(mismatch(cpu.add(&on_gpu)));
@@ -125,6 +129,7 @@ fn unary_ops_agree() {
     if no_gpu() {
         return;
     }
+    let _serial = device_lock();
     let x = rand(&[7, 33], -3.0, 3.0, 4);
     for op in [Unary::Exp, Unary::Sigmoid, Unary::Tanh, Unary::Relu, Unary::Silu, Unary::Neg, Unary::Square] {
         assert_f32_close(&gpu(&x).unary(op).unwrap(), &x.unary(op).unwrap(), &format!("{op:?}"));
@@ -143,6 +148,7 @@ fn binary_ops_with_broadcasting_agree() {
     if no_gpu() {
         return;
     }
+    let _serial = device_lock();
     let a = rand(&[4, 1, 5], -2.0, 2.0, 5);
     let b = rand(&[3, 1], 0.5, 2.0, 6);
     for op in [Binary::Add, Binary::Sub, Binary::Mul, Binary::Div, Binary::Maximum, Binary::Minimum] {
@@ -158,6 +164,7 @@ fn scalar_ops_agree() {
     if no_gpu() {
         return;
     }
+    let _serial = device_lock();
     let x = rand(&[6, 9], -2.0, 2.0, 7);
     for (op, s) in [(Binary::Add, 0.75), (Binary::Sub, -1.5), (Binary::Mul, 3.0), (Binary::Div, 4.0)] {
         assert_f32_close(&gpu(&x).scalar_op(op, s).unwrap(), &x.scalar_op(op, s).unwrap(), &format!("{op:?} {s}"));
@@ -169,6 +176,7 @@ fn select_agrees() {
     if no_gpu() {
         return;
     }
+    let _serial = device_lock();
     // cond: 0 or a large positive value (about half each).
     let cond = rand(&[4, 6], -1.0, 1.0, 8).scalar_op(Binary::Mul, 1e6).unwrap().unary(Unary::Relu).unwrap();
     let (a, b) = (rand(&[4, 6], -1.0, 1.0, 9), rand(&[6], -1.0, 1.0, 10));
@@ -181,6 +189,7 @@ fn accumulate_agrees() {
     if no_gpu() {
         return;
     }
+    let _serial = device_lock();
     let (x, y) = (rand(&[5, 8], -1.0, 1.0, 11), rand(&[5, 8], -1.0, 1.0, 12));
     let want = x.add(&y).unwrap();
     // Sole owners: added in place.
@@ -239,6 +248,7 @@ fn reductions_agree() {
     if no_gpu() {
         return;
     }
+    let _serial = device_lock();
     let x = rand(&[3, 50, 4], -1.0, 1.0, 14);
     let g = gpu(&x);
     for axis in 0..3 {
@@ -285,7 +295,7 @@ fn matmul_agrees() {
     if no_gpu() {
         return;
     }
-    let _lock = matmul_lock();
+    let _lock = device_lock();
     let check = |a: &Tensor, b: &Tensor, what: &str| {
         let want = a.matmul(b).unwrap();
         assert_f32_close(&gpu(a).matmul(&gpu(b)).unwrap(), &want, what);
@@ -542,6 +552,7 @@ fn cat_agrees() {
     if no_gpu() {
         return;
     }
+    let _serial = device_lock();
     let (a, b) = (rand(&[2, 3, 4], -1.0, 1.0, 29), rand(&[2, 3, 4], -1.0, 1.0, 30));
     for axis in 0..3 {
         let mut shape_c = vec![2, 3, 4];
@@ -582,7 +593,7 @@ fn linear_sigmoid_graph_agrees() {
     if no_gpu() {
         return;
     }
-    let _lock = matmul_lock();
+    let _lock = device_lock();
     let inputs = [rand(&[4, 6], -1.0, 1.0, 37), rand(&[6, 3], -1.0, 1.0, 38), rand(&[3], -1.0, 1.0, 39)];
     assert_graph_agrees(&inputs, |v| v[0].matmul(&v[1])?.add(&v[2])?.sigmoid()?.sum_all(), "(x·W + b).sigmoid().sum()");
 }
@@ -595,7 +606,7 @@ fn an_input_read_by_several_products_graph_agrees() {
     if no_gpu() {
         return;
     }
-    let _lock = matmul_lock();
+    let _lock = device_lock();
     let weight = |seed: u64| rand(&[5, 6], -1.0, 1.0, seed);
     let inputs = [rand(&[4, 6], -1.0, 1.0, 51), weight(52), weight(53), weight(54), rand(&[2, 6, 3], -1.0, 1.0, 55)];
     let loss = |v: &[Var]| {
@@ -612,7 +623,7 @@ fn view_reduce_select_graph_agrees() {
     if no_gpu() {
         return;
     }
-    let _lock = matmul_lock();
+    let _lock = device_lock();
     // Random values: maximum meets no ties; ties of max_axis (between filled 0.25s) go to
     // the first on both devices.
     let (x, z) = (rand(&[4, 6], -1.0, 1.0, 40), rand(&[5], -1.0, 1.0, 41));
