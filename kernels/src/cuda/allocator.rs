@@ -13,11 +13,19 @@
 //! On the emulated device (feature `cuda-emu`) a block is host memory between guard pages
 //! (`emu/memory.rs`); a buffer then sits at the end of its block, and every fresh or reused
 //! block is poisoned, so out-of-bounds accesses and reads of unwritten memory show.
+//!
+//! A CUDA graph (`graph.rs`) gets a private pool of its own ([`GraphPool`]): while one host
+//! thread runs a step in it, that thread's requests are served from the pool's free lists
+//! and its blocks go back there, never to the shared lists, so no work outside the graph is
+//! handed memory that a replay of the graph writes. During a capture a request the pool
+//! cannot serve is an error, not a driver allocation (which the capture would record): the
+//! step is run once in the pool first, which leaves every block the capture asks for free.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::{self, ThreadId};
 
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DriverError};
 
@@ -65,10 +73,48 @@ struct Block {
     memory: Memory,
     ptr: u64,
     class: usize,
+    /// The graph pool the block belongs to; `None` for the shared free lists.
+    pool: Option<u64>,
+}
+
+#[cfg(feature = "cuda-emu")]
+impl Block {
+    /// The block's address range: its first byte and its length.
+    fn span(&self) -> (u64, usize) {
+        match &self.memory {
+            Memory::Device { .. } => (self.ptr, self.class),
+            Memory::Emulated(host) => (host.start(), host.bytes()),
+        }
+    }
+}
+
+/// One graph's private pool: its free blocks by class, and (emulated) where all its blocks
+/// lie, for the replay's check of the addresses it touches.
+#[derive(Default)]
+struct PrivatePool {
+    free: HashMap<usize, Vec<Block>>,
+    #[cfg(feature = "cuda-emu")]
+    spans: Vec<(u64, usize)>,
+}
+
+/// The host thread whose requests a graph pool serves, and how.
+struct PoolUser {
+    thread: ThreadId,
+    pool: u64,
+    /// A capture is under way: a request the pool cannot serve is an error, and (on the
+    /// emulated device) the poisoning of a reused block is recorded with the graph's work.
+    capturing: bool,
+    #[cfg(feature = "cuda-emu")]
+    recording: Option<Arc<super::graph::Recording>>,
 }
 
 struct PoolState {
     free: HashMap<usize, Vec<Block>>,
+    /// The graph pools alive, by id.
+    private: HashMap<u64, PrivatePool>,
+    /// The thread a graph pool serves now, if any.
+    user: Option<PoolUser>,
+    next_pool: u64,
     /// The live buffers (address of element 0 → bytes), for the bytes a launch touches.
     live: BTreeMap<u64, usize>,
     stats: AllocatorStats,
@@ -76,7 +122,19 @@ struct PoolState {
 
 impl PoolState {
     fn new() -> PoolState {
-        PoolState { free: HashMap::new(), live: BTreeMap::new(), stats: AllocatorStats::default() }
+        PoolState {
+            free: HashMap::new(),
+            private: HashMap::new(),
+            user: None,
+            next_pool: 0,
+            live: BTreeMap::new(),
+            stats: AllocatorStats::default(),
+        }
+    }
+
+    /// The graph pool that serves the calling thread now, and whether it is capturing.
+    fn pool_of_this_thread(&self) -> Option<&PoolUser> {
+        self.user.as_ref().filter(|user| user.thread == thread::current().id())
     }
 }
 
@@ -105,26 +163,52 @@ impl Allocator {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// A block of at least `bytes`, from the free list when one of its class is cached, and
-    /// where a buffer of `bytes` starts in it (recorded as live under the same lock).
+    /// A block of at least `bytes`, from the free list when one of its class is cached (the
+    /// graph pool's, when one serves this thread), and where a buffer of `bytes` starts in
+    /// it (recorded as live under the same lock).
     fn take(&self, bytes: usize) -> Result<(Block, u64)> {
         let class = size_class(bytes);
-        {
+        let pool = {
             let mut state = self.lock();
-            if let Some(block) = state.free.get_mut(&class).and_then(Vec::pop) {
+            let user = state.pool_of_this_thread();
+            let (pool, capturing) = (user.map(|u| u.pool), user.is_some_and(|u| u.capturing));
+            #[cfg(feature = "cuda-emu")]
+            let recording = user.and_then(|u| u.recording.clone());
+            let cached = match pool {
+                Some(id) => state.private.get_mut(&id).and_then(|p| p.free.get_mut(&class)).and_then(Vec::pop),
+                None => state.free.get_mut(&class).and_then(Vec::pop),
+            };
+            if let Some(block) = cached {
                 state.stats.reuses += 1;
-                state.stats.cached_bytes -= class;
+                if pool.is_none() {
+                    state.stats.cached_bytes -= class;
+                }
                 let ptr = Allocator::place(&block, bytes);
                 state.live.insert(ptr, bytes);
                 drop(state);
                 #[cfg(feature = "cuda-emu")]
                 if let Memory::Emulated(host) = &block.memory {
                     host.poison();
+                    // A replay poisons the block where the capture's step reused it, as an
+                    // eager step would have.
+                    if let Some(recording) = recording {
+                        recording.poison(block.span());
+                    }
                 }
                 return Ok((block, ptr));
             }
-        }
-        let block = match &self.stream {
+            if capturing {
+                return Err(CudaError::Capture {
+                    op: "device allocation",
+                    message: format!(
+                        "the graph's pool has no free block of {class} bytes: run the step once in the pool \
+                         (CudaDevice::with_graph_pool) before capturing it, and drop what that run returned"
+                    ),
+                });
+            }
+            pool
+        };
+        let mut block = match &self.stream {
             Some(stream) => self.fresh_on_device(stream, class)?,
             None => self.fresh_emulated(class)?,
         };
@@ -133,6 +217,12 @@ impl Allocator {
         state.stats.allocations += 1;
         state.stats.reserved_bytes += class;
         state.live.insert(ptr, bytes);
+        // A pool dropped meanwhile (by another thread) leaves the block to the shared lists.
+        if let Some(_private) = pool.and_then(|id| state.private.get_mut(&id)) {
+            #[cfg(feature = "cuda-emu")]
+            _private.spans.push(block.span());
+            block.pool = pool;
+        }
         Ok((block, ptr))
     }
 
@@ -145,7 +235,7 @@ impl Allocator {
                 let (ptr, _sync) = slice.device_ptr(stream);
                 ptr
             };
-            Ok(Block { memory: Memory::Device { _slice: slice }, ptr, class })
+            Ok(Block { memory: Memory::Device { _slice: slice }, ptr, class, pool: None })
         };
         match fresh() {
             Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
@@ -170,7 +260,7 @@ impl Allocator {
                 context: format!("emulated device allocation of {class} bytes"),
                 message: "out of host memory (mmap failed)".to_string(),
             })?;
-        Ok(Block { ptr: host.start(), memory: Memory::Emulated(host), class })
+        Ok(Block { ptr: host.start(), memory: Memory::Emulated(host), class, pool: None })
     }
 
     #[cfg(not(feature = "cuda-emu"))]
@@ -188,12 +278,86 @@ impl Allocator {
         }
     }
 
-    /// Puts a block back on its free list; the buffer at `ptr` in it is no longer live.
-    fn give_back(&self, block: Block, ptr: u64) {
+    /// Puts a block back on its free list (its graph pool's, while that pool lives); the
+    /// buffer at `ptr` in it is no longer live.
+    fn give_back(&self, mut block: Block, ptr: u64) {
         let mut state = self.lock();
         state.live.remove(&ptr);
+        if let Some(private) = block.pool.and_then(|id| state.private.get_mut(&id)) {
+            private.free.entry(block.class).or_default().push(block);
+            return;
+        }
+        block.pool = None;
         state.stats.cached_bytes += block.class;
         state.free.entry(block.class).or_default().push(block);
+    }
+
+    /// A new, empty graph pool.
+    pub(crate) fn new_pool(&self) -> u64 {
+        let mut state = self.lock();
+        let id = state.next_pool;
+        state.next_pool += 1;
+        state.private.insert(id, PrivatePool::default());
+        id
+    }
+
+    /// Ends graph pool `id`: its free blocks join the shared free lists, and so will its
+    /// blocks still in use when they are dropped.
+    pub(crate) fn drop_pool(&self, id: u64) {
+        let mut state = self.lock();
+        let Some(private) = state.private.remove(&id) else { return };
+        for mut block in private.free.into_values().flatten() {
+            block.pool = None;
+            state.stats.cached_bytes += block.class;
+            state.free.entry(block.class).or_default().push(block);
+        }
+    }
+
+    /// Serves the calling thread's requests from graph pool `id` until [`Allocator::leave_pool`]
+    /// (`capturing`: refuse what the pool cannot serve; `recording`: where a capture on the
+    /// emulated device records the poisoning of reused blocks). Errors when a pool already
+    /// serves a thread.
+    pub(crate) fn enter_pool(
+        &self,
+        id: u64,
+        capturing: bool,
+        #[cfg(feature = "cuda-emu")] recording: Option<Arc<super::graph::Recording>>,
+    ) -> Result<()> {
+        let mut state = self.lock();
+        if state.user.is_some() {
+            return Err(CudaError::Capture {
+                op: "graph pool",
+                message: "a graph pool already serves a thread of this device: one step in a pool at a time"
+                    .to_string(),
+            });
+        }
+        if !state.private.contains_key(&id) {
+            return Err(CudaError::Capture { op: "graph pool", message: format!("pool {id} does not exist") });
+        }
+        let thread = thread::current().id();
+        #[cfg(feature = "cuda-emu")]
+        let user = PoolUser { thread, pool: id, capturing, recording };
+        #[cfg(not(feature = "cuda-emu"))]
+        let user = PoolUser { thread, pool: id, capturing };
+        state.user = Some(user);
+        Ok(())
+    }
+
+    /// Serves the calling thread from the shared free lists again.
+    pub(crate) fn leave_pool(&self) {
+        self.lock().user = None;
+    }
+
+    /// The first of `ptrs` that lies neither in a live buffer nor in a block of graph pool
+    /// `id`: memory a replay of that graph would touch after it was handed to someone else.
+    #[cfg(feature = "cuda-emu")]
+    pub(crate) fn outside_pool(&self, id: u64, ptrs: impl Iterator<Item = u64>) -> Option<u64> {
+        let state = self.lock();
+        let spans = state.private.get(&id).map_or(&[][..], |p| &p.spans[..]);
+        let in_live =
+            |p: u64| state.live.range(..=p).next_back().is_some_and(|(&start, &b)| p < start + b.max(1) as u64);
+        let in_pool = |p: u64| spans.iter().any(|&(start, bytes)| p >= start && p < start + bytes as u64);
+        ptrs.into_iter().find(|&p| !in_live(p) && !in_pool(p))
     }
 
     /// Returns every cached block to the driver.

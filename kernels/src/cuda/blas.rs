@@ -124,7 +124,7 @@ pub(crate) fn gemm(
     let cost = precision.cost((m, n, k), beta, 1);
     dev.cublas_call(precision.function(), precision.kind(), cost, || {
         let Some(gpu) = dev.driver() else {
-            return emulated(precision, (n, m, k), (b, 0), (a, 0), store, (c, ldc as usize, 0), 1);
+            return emulated(dev, precision, (n, m, k), (b, 0), (a, 0), store, (c, ldc as usize, 0), 1);
         };
         gpu.bind()?;
         let handle = *gpu.blas().handle();
@@ -207,7 +207,7 @@ pub(crate) fn gemm_strided_batched(
     dev.cublas_call(function, precision.kind(), cost, || {
         let Some(gpu) = dev.driver() else {
             let c = (c, ldc as usize, stride_c);
-            return emulated(precision, (n, m, k), (b, stride_b), (a, stride_a), store, c, batch);
+            return emulated(dev, precision, (n, m, k), (b, stride_b), (a, stride_a), store, c, batch);
         };
         gpu.bind()?;
         let handle = *gpu.blas().handle();
@@ -267,8 +267,10 @@ pub(crate) fn gemm_strided_batched(
 }
 
 /// The column-major cuBLAS call above (`first` is cuBLAS's A: our B; `dims` column-major,
-/// `(n, m, k)`) on the emulated device.
+/// `(n, m, k)`) on the emulated device: run now, or recorded by a capture.
+#[allow(clippy::too_many_arguments)]
 fn emulated(
+    dev: &CudaDevice,
     precision: Precision,
     dims: (usize, usize, usize),
     (first, stride_first): (Operand, usize),
@@ -288,11 +290,12 @@ fn emulated(
             (Precision::Bf16, _) => ("cublasGemmStridedBatchedEx", Operands::Bf16),
         };
         let (a, b) = ((col(first), stride_first), (col(second), stride_second));
-        gemm(call, operands, dims, 1.0, a, b, beta(store), c, batch)
+        let addresses = || vec![first.ptr, second.ptr, c.0];
+        dev.emulate(call, addresses, move |_| gemm(call, operands, dims, 1.0, a, b, beta(store), c, batch))
     }
     #[cfg(not(feature = "cuda-emu"))]
     {
-        let _ = (precision, dims, first, stride_first, second, stride_second, store, c, batch);
+        let _ = (dev, precision, dims, first, stride_first, second, stride_second, store, c, batch);
         Err(CudaError::Unavailable("no cuBLAS handle on this device".to_string()))
     }
 }

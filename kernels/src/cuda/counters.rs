@@ -65,6 +65,9 @@ pub struct DeviceCounters {
     /// Bytes of the buffers the collectives reduce or fill (the all-reduced or broadcast
     /// buffer, the reduce-scatter's input, the all-gather's output).
     pub collective_bytes: u64,
+    /// Replays of captured CUDA graphs (`graph.rs`): each also counts the work it queues,
+    /// launch by launch, as the eager step would.
+    pub graph_launches: u64,
 }
 
 /// [`DeviceCounters`]' scalar fields, listed once: their names (for reports and JSON) and
@@ -86,7 +89,7 @@ macro_rules! scalar_fields {
 }
 
 /// How many scalar counters [`DeviceCounters`] has.
-const SCALAR_FIELDS: usize = 19;
+const SCALAR_FIELDS: usize = 20;
 
 scalar_fields!(
     launches,
@@ -108,6 +111,7 @@ scalar_fields!(
     bytes_touched,
     collectives,
     collective_bytes,
+    graph_launches,
 );
 
 impl DeviceCounters {
@@ -155,6 +159,23 @@ impl Counters {
     /// A snapshot, with the allocator's `buffer_requests` and `driver_allocations` filled in.
     pub(crate) fn snapshot(&self, buffer_requests: u64, driver_allocations: u64) -> DeviceCounters {
         DeviceCounters { buffer_requests, driver_allocations, ..self.lock().clone() }
+    }
+
+    /// Sets the counts back to `snapshot` (the allocator's two are not kept here).
+    pub(crate) fn restore(&self, snapshot: &DeviceCounters) {
+        *self.lock() = DeviceCounters { buffer_requests: 0, driver_allocations: 0, ..snapshot.clone() };
+    }
+
+    /// One graph replay queueing `work` (a capture's counts, without allocator requests).
+    pub(crate) fn replay(&self, work: &DeviceCounters) {
+        let mut c = self.lock();
+        for (name, count) in &work.launches_by_kernel {
+            *c.launches_by_kernel.entry(name).or_default() += count;
+        }
+        for (field, add) in c.fields_mut().into_iter().zip(work.fields()) {
+            *field += add;
+        }
+        c.graph_launches += 1;
     }
 
     /// One kernel launch of `name` referencing `bytes`.
@@ -281,7 +302,25 @@ mod tests {
             ("bytes_touched", 20 + 24 + 8 + 4 + 16 + 64),
             ("collectives", u64::from(cfg!(feature = "nccl"))),
             ("collective_bytes", if cfg!(feature = "nccl") { 40 } else { 0 }),
+            ("graph_launches", 0),
         ];
         assert_eq!(totals, BTreeMap::from(expected));
+    }
+
+    #[test]
+    fn a_replay_counts_its_captures_work_once_more_and_one_graph_launch() {
+        let counters = Counters::default();
+        counters.kernel("a", 8);
+        let before = counters.snapshot(0, 0);
+        counters.kernel("b", 10);
+        counters.memset(4);
+        let work = counters.snapshot(0, 0).since(&before);
+        counters.restore(&before);
+        assert_eq!(counters.snapshot(0, 0), before, "a restore forgets the capture's counts");
+        counters.replay(&work);
+        counters.replay(&work);
+        let after = counters.snapshot(0, 0).since(&before);
+        assert_eq!(after.launches_by_kernel, BTreeMap::from([("b", 2)]));
+        assert_eq!((after.launches, after.memsets, after.bytes_touched, after.graph_launches), (2, 2, 28, 2));
     }
 }

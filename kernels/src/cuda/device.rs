@@ -24,6 +24,7 @@ use cudarc::driver::{result as driver, CudaContext, CudaFunction, CudaStream, La
 use super::allocator::{Allocator, AllocatorStats, DeviceBuffer, DeviceScalar};
 use super::counters::{Counters, DeviceCounters, GemmKind};
 use super::error::{ensure, CudaError, Result};
+use super::graph::CaptureState;
 use super::module::{panic_message, Arg, KernelCache, KernelFamily};
 use super::readback::ReadbackSlots;
 use super::staging::{Staging, StagingStream, CHUNK_BYTES};
@@ -43,6 +44,8 @@ pub struct CudaDevice {
     /// The arrival counters of the kernels that finish in their last block
     /// ([`CudaDevice::arrival_counters`]); made, and grown, on demand.
     arrivals: Mutex<Option<DeviceBuffer<u32>>>,
+    /// The capture under way, if any (`graph.rs`).
+    pub(crate) capture: Mutex<Option<CaptureState>>,
 }
 
 /// What runs the device's work.
@@ -59,8 +62,14 @@ pub(crate) struct Driver {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// cuBLAS's workspace, set once: its products never allocate one themselves, so a CUDA
+    /// graph captures them without a memory node (PyTorch does the same).
+    _blas_workspace: DeviceBuffer<f32>,
     kernels: KernelCache,
 }
+
+/// Bytes of cuBLAS's workspace: PyTorch's default on Hopper (`CUBLAS_WORKSPACE_CONFIG=:4096:8`).
+const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 impl Driver {
     /// The cuBLAS handle (bound to the device's stream).
@@ -180,6 +189,7 @@ impl CudaDevice {
             counters: Counters::default(),
             timer: KernelTimer::default(),
             arrivals: Mutex::default(),
+            capture: Mutex::default(),
         })
     }
 
@@ -214,7 +224,7 @@ impl CudaDevice {
     }
 
     #[cfg(feature = "cuda-emu")]
-    fn emulator(&self, op: &'static str) -> Result<&super::emu::Emulator> {
+    pub(crate) fn emulator(&self, op: &'static str) -> Result<&super::emu::Emulator> {
         match &self.backend {
             Backend::Emulated(emulator) => Ok(emulator),
             Backend::Driver(_) => Err(CudaError::shape(op, format!("{} is not the emulated device", self.label()))),
@@ -247,7 +257,19 @@ impl CudaDevice {
             ctx.compute_capability().map_err(|e| CudaError::driver("reading the compute capability", e))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".to_string());
         let allocator = Arc::new(Allocator::new(Arc::clone(&stream)));
-        let driver = Driver { ctx, stream, blas, kernels: KernelCache::new(capability) };
+        let workspace = DeviceBuffer::<f32>::new(&allocator, BLAS_WORKSPACE_BYTES / 4)?;
+        // SAFETY: the workspace is device memory of BLAS_WORKSPACE_BYTES that lives as long
+        // as the handle (both are fields of the driver state) and is used by nothing else.
+        unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                workspace.device_ptr() as *mut std::ffi::c_void,
+                BLAS_WORKSPACE_BYTES,
+            )
+        }
+        .result()
+        .map_err(|e| CudaError::blas("cublasSetWorkspace", e))?;
+        let driver = Driver { ctx, stream, blas, _blas_workspace: workspace, kernels: KernelCache::new(capability) };
         Ok(CudaDevice {
             ordinal,
             name,
@@ -259,6 +281,7 @@ impl CudaDevice {
             counters: Counters::default(),
             timer: KernelTimer::default(),
             arrivals: Mutex::default(),
+            capture: Mutex::default(),
         })
     }
 
@@ -290,6 +313,7 @@ impl CudaDevice {
 
     /// Waits until all queued work has finished; reports errors of asynchronous work.
     pub fn synchronize(&self) -> Result<()> {
+        self.refuse_in_capture("synchronize")?;
         self.counters.sync();
         match self.driver() {
             Some(driver) => driver.stream.synchronize().map_err(|e| CudaError::driver("stream synchronize", e)),
@@ -302,12 +326,32 @@ impl CudaDevice {
         self.allocator.stats()
     }
 
+    /// The caching allocator (graph pools are made in it).
+    pub(crate) fn allocator(&self) -> &Arc<Allocator> {
+        &self.allocator
+    }
+
     /// The work counted on this device since it was opened: take one snapshot before and
     /// one after a step and subtract ([`DeviceCounters::since`]).
     pub fn counters(&self) -> DeviceCounters {
         let stats = self.allocator.stats();
         let driver_allocations = stats.allocations + self.staging.allocations();
         self.counters.snapshot(stats.allocations + stats.reuses, driver_allocations)
+    }
+
+    /// Sets the counters back to `snapshot` (a capture's work is counted at its replays).
+    pub(crate) fn restore_counters(&self, snapshot: &DeviceCounters) {
+        self.counters.restore(snapshot);
+    }
+
+    /// Counts one graph replay that queues `work`.
+    pub(crate) fn count_replay(&self, work: &DeviceCounters) {
+        self.counters.replay(work);
+    }
+
+    /// Whether the kernel timer runs (a capture and a replay refuse it).
+    pub(crate) fn kernel_timer_running(&self) -> bool {
+        self.timer.is_running()
     }
 
     /// Starts timing every launch and cuBLAS call with a pair of CUDA events (the host's
@@ -343,6 +387,7 @@ impl CudaDevice {
         (flops, bytes): (u64, u64),
         call: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
+        self.capture_role(name)?;
         self.counters.gemm(name, kind, flops, bytes);
         self.timed(name, "cublas", call)
     }
@@ -385,11 +430,15 @@ impl CudaDevice {
         if buffer.is_empty() {
             return Ok(());
         }
+        self.capture_role("fill_zero")?;
         self.counters.memset(buffer.num_bytes());
         let Some(gpu) = self.driver() else {
-            // SAFETY: the emulated buffer's own host range.
-            unsafe { std::ptr::write_bytes(buffer.device_ptr() as *mut u8, 0, buffer.num_bytes()) };
-            return Ok(());
+            let (ptr, bytes) = (buffer.device_ptr(), buffer.num_bytes());
+            // SAFETY: the emulated buffer's own host range (a replay checks it is still the
+            // graph's before it runs).
+            return self.emulate_here("fill_zero", vec![ptr], move || unsafe {
+                std::ptr::write_bytes(ptr as *mut u8, 0, bytes)
+            });
         };
         gpu.bind()?;
         // SAFETY: the address range is the buffer's own, and the memset is queued on the
@@ -409,6 +458,7 @@ impl CudaDevice {
     /// chunks of at most 4 MiB: queued, the host slice is free again on return.
     pub fn copy_to_device<T: DeviceScalar>(&self, host: &[T], buffer: &mut DeviceBuffer<T>) -> Result<()> {
         self.check_owner("copy_to_device", buffer)?;
+        self.refuse_in_capture("copy_to_device")?;
         ensure(host.len() == buffer.len(), "copy_to_device", || {
             format!("host slice has {} elements, device buffer {}", host.len(), buffer.len())
         })?;
@@ -460,6 +510,7 @@ impl CudaDevice {
         if host.is_empty() {
             return Ok(());
         }
+        self.refuse_in_capture("copy_to_host")?;
         self.counters.download(std::mem::size_of_val(host));
         let Some(gpu) = self.driver() else {
             self.counters.sync();
@@ -493,12 +544,15 @@ impl CudaDevice {
             return Ok(());
         }
         let bytes = count * std::mem::size_of::<T>();
+        self.capture_role("copy_within_device")?;
         self.counters.device_copy(bytes);
         let Some(gpu) = self.driver() else {
-            // SAFETY: both ranges were checked against their (emulated, host) buffers above;
-            // `copy` allows the two to overlap.
-            unsafe { std::ptr::copy(src.ptr_at(src_offset) as *const u8, dst.ptr_at(dst_offset) as *mut u8, bytes) };
-            return Ok(());
+            let (from, to) = (src.ptr_at(src_offset), dst.ptr_at(dst_offset));
+            // SAFETY: both ranges were checked against their (emulated, host) buffers above
+            // (a replay checks they are still the graph's); `copy` allows them to overlap.
+            return self.emulate_here("copy_within_device", vec![from, to], move || unsafe {
+                std::ptr::copy(from as *const u8, to as *mut u8, bytes)
+            });
         };
         gpu.bind()?;
         // SAFETY: both ranges were checked against their buffers above.
@@ -506,15 +560,42 @@ impl CudaDevice {
             .map_err(|e| CudaError::driver("cuMemcpyDtoDAsync", e))
     }
 
-    /// Counts one NCCL collective over `bytes` (before the backend is chosen, like the rest).
+    /// Counts one NCCL collective over `bytes` (before the backend is chosen, like the rest);
+    /// refused during a capture (collectives are not captured).
     #[cfg(feature = "nccl")]
-    pub(crate) fn count_collective(&self, bytes: usize) {
+    pub(crate) fn count_collective(&self, bytes: usize) -> Result<()> {
+        self.refuse_in_capture("NCCL collective")?;
         self.counters.collective(bytes);
+        Ok(())
     }
 
     /// Errors unless `buffer` was allocated by this device.
     pub(crate) fn check_owner<T: DeviceScalar>(&self, op: &'static str, buffer: &DeviceBuffer<T>) -> Result<()> {
         ensure(buffer.belongs_to(&self.allocator), op, || format!("{buffer:?} belongs to another device"))
+    }
+
+    /// Emulated memory work (a memset, a copy), run now or recorded by a capture.
+    #[cfg(feature = "cuda-emu")]
+    fn emulate_here(
+        &self,
+        name: &'static str,
+        addresses: Vec<u64>,
+        run: impl Fn() + Send + Sync + 'static,
+    ) -> Result<()> {
+        self.emulate(
+            name,
+            || addresses,
+            move |_| {
+                run();
+                Ok(())
+            },
+        )
+    }
+
+    /// Without an emulator, there is no emulated work.
+    #[cfg(not(feature = "cuda-emu"))]
+    fn emulate_here(&self, name: &'static str, _addresses: Vec<u64>, _run: impl Fn()) -> Result<()> {
+        Err(CudaError::Unavailable(format!("{name}: no driver and no emulated device")))
     }
 
     /// Launches kernel `name` of `family` with `args` (in the kernel's parameter order).
@@ -528,6 +609,7 @@ impl CudaDevice {
         if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
             return Ok(());
         }
+        self.capture_role(name)?;
         let addresses = args.iter().flat_map(Arg::addresses);
         self.counters.kernel(name, self.allocator.bytes_referenced(addresses));
         self.timed(name, family.name(), || self.queue_launch(family, name, cfg, args))
@@ -539,7 +621,17 @@ impl CudaDevice {
         let gpu = match &self.backend {
             Backend::Driver(gpu) => gpu,
             #[cfg(feature = "cuda-emu")]
-            Backend::Emulated(emulator) => return super::emu::launch::launch(emulator, family, name, cfg, args),
+            Backend::Emulated(_) => {
+                let args = args.to_vec();
+                let addresses = || args.iter().flat_map(Arg::addresses).collect();
+                let run = {
+                    let args = args.clone();
+                    move |emulator: &super::emu::Emulator| {
+                        super::emu::launch::launch(emulator, family, name, cfg, &args)
+                    }
+                };
+                return self.emulate(name, addresses, run);
+            }
         };
         let function: CudaFunction = gpu.kernels.function(&gpu.ctx, family, name)?;
         let mut builder = gpu.stream.launch_builder(&function);

@@ -53,6 +53,15 @@ pub enum CudaError {
         /// NCCL's message (or the host collective's, naming the ranks involved).
         message: String,
     },
+    /// Work a CUDA graph capture cannot take (a host wait, a copy from the host, a device
+    /// allocation, another thread's work while the device captures), or a replay that
+    /// cannot run; named by the call.
+    Capture {
+        /// The call that was refused, e.g. `"synchronize"`.
+        op: &'static str,
+        /// Why, and what to do instead.
+        message: String,
+    },
     /// A device-side check failed (e.g. a cross-entropy target out of range).
     Invalid {
         /// The launcher.
@@ -88,6 +97,7 @@ impl fmt::Display for CudaError {
             CudaError::Compile { file, log } => write!(f, "NVRTC failed to compile {file}:\n{log}"),
             CudaError::Shape { op, message } => write!(f, "{op}: {message}"),
             CudaError::Invalid { op, message } => write!(f, "{op}: {message}"),
+            CudaError::Capture { op, message } => write!(f, "CUDA graph: {op}: {message}"),
             CudaError::Nccl { call, message } => write!(f, "NCCL error in {call}: {message}"),
             CudaError::Emulated { kernel, message } => write!(f, "kernel {kernel} on cuda:0 (emulated): {message}"),
         }

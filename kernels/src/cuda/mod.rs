@@ -6,6 +6,7 @@
 //! counters.rs    per-device counts of launches, products by precision, syncs, copies, bytes
 //! staging.rs     the pinned (page-locked) staging ring every host → device copy goes through
 //! timer.rs       the per-kernel timer (a CUDA event pair around each launch)
+//! graph.rs       CUDA graphs: a step captured once (its own memory pool), replayed per step
 //! module.rs      kernel families and launch arguments; NVRTC compilation of kernels/*.cu, cached
 //! nvrtc.rs       one NVRTC compile to CUBIN (or PTX), with the log on failure
 //! blas.rs        row-major cuBLAS products (f32 and bf16 → f32)
@@ -44,6 +45,7 @@ pub mod embedding;
 pub mod emu;
 pub mod error;
 pub mod fused_gate;
+pub mod graph;
 mod launch;
 pub mod module;
 #[cfg(feature = "nccl")]
@@ -64,4 +66,5 @@ pub use allocator::{AllocatorStats, DeviceBuffer, DeviceRun, DeviceScalar};
 pub use counters::DeviceCounters;
 pub use device::CudaDevice;
 pub use error::{CudaError, Result};
+pub use graph::{CapturedGraph, GraphPool};
 pub use timer::KernelTime;

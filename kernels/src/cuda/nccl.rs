@@ -251,7 +251,7 @@ impl NcclComm {
     pub fn all_reduce(&mut self, buffer: &mut DeviceBuffer<f32>, op: ReduceOp) -> Result<()> {
         self.device.check_owner("NcclComm::all_reduce", buffer)?;
         let count = buffer.len();
-        self.device.count_collective(buffer.num_bytes());
+        self.device.count_collective(buffer.num_bytes())?;
         let what = || format!("ncclAllReduce ({op:?}) of {count} f32 on rank {}", self.rank);
         match &mut self.backend {
             CommBackend::Gpu(comm) => {
@@ -271,7 +271,7 @@ impl NcclComm {
         self.device.check_owner("NcclComm::broadcast", buffer)?;
         ensure(root < self.world_size, "NcclComm::broadcast", || format!("root {root} of {} ranks", self.world_size))?;
         let count = buffer.len();
-        self.device.count_collective(buffer.num_bytes());
+        self.device.count_collective(buffer.num_bytes())?;
         let what = || format!("ncclBroadcast (root {root}) of {count} f32 on rank {}", self.rank);
         match &mut self.backend {
             CommBackend::Gpu(comm) => {
@@ -297,7 +297,7 @@ impl NcclComm {
         self.device.check_owner("NcclComm::reduce_scatter", recv)?;
         ensure_len("NcclComm::reduce_scatter", "send", send.len(), recv.len() * self.world_size)?;
         let count = recv.len();
-        self.device.count_collective(send.num_bytes());
+        self.device.count_collective(send.num_bytes())?;
         let what = || format!("ncclReduceScatter ({op:?}) of {count} f32 per rank on rank {}", self.rank);
         match &mut self.backend {
             CommBackend::Gpu(comm) => {
@@ -321,7 +321,7 @@ impl NcclComm {
         self.device.check_owner("NcclComm::all_gather", recv)?;
         ensure_len("NcclComm::all_gather", "recv", recv.len(), send.len() * self.world_size)?;
         let count = send.len();
-        self.device.count_collective(recv.num_bytes());
+        self.device.count_collective(recv.num_bytes())?;
         let what = || format!("ncclAllGather of {count} f32 per rank on rank {}", self.rank);
         match &mut self.backend {
             CommBackend::Gpu(comm) => {

@@ -110,6 +110,7 @@ impl CudaDevice {
         self.check_owner(OP, buffer)?;
         let bytes = buffer.num_bytes();
         ensure(bytes <= READBACK_BYTES, OP, || format!("{bytes} bytes; a readback holds at most {READBACK_BYTES}"))?;
+        self.refuse_in_capture(OP)?;
         self.count_readback(bytes);
         let Some(gpu) = self.driver() else {
             let mut values = vec![T::default(); buffer.len()];

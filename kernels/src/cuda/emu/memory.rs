@@ -53,6 +53,11 @@ impl HostBlock {
         self.start
     }
 
+    /// The block's length in bytes.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
     /// Fills the whole block with [`POISON`].
     pub(crate) fn poison(&self) {
         // SAFETY: the block's own mapped range.
@@ -130,6 +135,18 @@ pub(crate) fn register(block: &HostBlock, ptr: u64, len: usize, elem_bytes: usiz
         block_end: block.end(),
     };
     registry().insert(ptr, buffer);
+}
+
+/// Records `buffer` again unless a buffer is live at its address; whether it did. A graph
+/// replay revives the buffers its captured work touched, which its step has dropped since,
+/// for as long as that work runs, so the checks of a launch see them as the capture did.
+pub(crate) fn revive(buffer: LiveBuffer) -> bool {
+    let mut live = registry();
+    if live.contains_key(&buffer.ptr) {
+        return false;
+    }
+    live.insert(buffer.ptr, buffer);
+    true
 }
 
 /// Forgets the buffer at `ptr`.
