@@ -4,7 +4,9 @@
 //! device and read there by the Adam update, so the host learns them without holding it up.
 //!
 //! Mirrors `cpu::optim` (same [`AdamHyper`], same per-step constants computed in f64 on the
-//! host), so the two backends agree to f32 rounding. There is no backward.
+//! host), so the two backends agree to f32 rounding. There is no backward. Adam reads its
+//! per-step constants from device memory ([`adam_constants`], written by the host before the
+//! update), so an update captured in a CUDA graph reads each replay's step and learning rate.
 
 pub use crate::cpu::optim::AdamHyper;
 
@@ -15,14 +17,19 @@ use super::allocator::{DeviceBuffer, DeviceRun};
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
 use super::launch::{
-    address_list, block_list, check_owners, elementwise, int, length_list, opt_ptr, ptr, size, LIST_LEN, THREADS,
+    address_list, block_list, check_owners, elementwise, int, length_list, ptr, size, LIST_LEN, THREADS,
 };
 use super::module::{Arg, KernelFamily};
 use super::reduce::sum_squares_partials;
 
-/// The per-step scalars of Adam: `[step_size, 1/√(1 − β2ᵗ), decay, l2]`.
-fn adam_constants(op: &'static str, h: &AdamHyper, decoupled: bool) -> Result<[f32; 4]> {
-    ensure(h.step >= 1, op, || "step is 1-based".to_string())?;
+/// Length of Adam's per-step constants ([`adam_constants`]).
+pub const ADAM_CONSTANTS_LEN: usize = 4;
+
+/// The per-step scalars of Adam (`decoupled = false`) or AdamW at `h`'s step, learning rate
+/// and weight decay, `[step_size, 1/√(1 − β2ᵗ), decay, l2]`, computed in f64 as the CPU
+/// kernels do: copy them to the device buffer [`adam_step`] reads.
+pub fn adam_constants(h: &AdamHyper, decoupled: bool) -> Result<[f32; ADAM_CONSTANTS_LEN]> {
+    ensure(h.step >= 1, "adam_constants", || "step is 1-based".to_string())?;
     let t = i32::try_from(h.step).unwrap_or(i32::MAX);
     let correction1 = 1.0 - f64::from(h.beta1).powi(t);
     let correction2 = 1.0 - f64::from(h.beta2).powi(t);
@@ -79,6 +86,18 @@ pub struct AdamTensor<'a> {
 /// Length of a step guard: `[update, scale, norm, loss]` ([`step_guard`]).
 pub const STEP_GUARD_LEN: usize = 4;
 
+/// The step whose guard a [`step_guard`] comes after.
+#[derive(Clone, Copy, Debug)]
+pub enum Previous<'a> {
+    /// None: the first step of a run.
+    First,
+    /// The guard in this buffer.
+    Guard(&'a DeviceBuffer<f32>),
+    /// The guard the new one overwrites (read before it is written): one buffer for every
+    /// step, as a step captured in a CUDA graph rewrites at each replay.
+    InPlace,
+}
+
 /// The step guard of a training step into `guard` ([`STEP_GUARD_LEN`] f32 on the device):
 /// `[1 when the update may run, else 0; the clipping factor of the gradients; the global
 /// gradient norm ‖g‖ before clipping; the mean loss loss_sum / loss_divisor]`. The update may
@@ -97,17 +116,22 @@ pub fn step_guard(
     loss_sum: &DeviceBuffer<f32>,
     loss_divisor: f32,
     max_norm: f32,
-    previous: Option<&DeviceBuffer<f32>>,
+    previous: Previous,
     guard: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "step_guard";
     check_owners(dev, OP, &[loss_sum, guard])?;
     ensure_len(OP, "loss_sum", loss_sum.len(), 1)?;
     ensure_len(OP, "guard", guard.len(), STEP_GUARD_LEN)?;
-    if let Some(previous) = previous {
-        check_owners(dev, OP, &[previous])?;
-        ensure_len(OP, "previous", previous.len(), STEP_GUARD_LEN)?;
-    }
+    let previous = match previous {
+        Previous::First => Arg::Ptr(0),
+        Previous::Guard(previous) => {
+            check_owners(dev, OP, &[previous])?;
+            ensure_len(OP, "previous", previous.len(), STEP_GUARD_LEN)?;
+            ptr(previous)
+        }
+        Previous::InPlace => ptr(guard),
+    };
     let partial = sum_squares_partials(dev, grads)?;
     let args = [
         ptr(&partial),
@@ -115,24 +139,28 @@ pub fn step_guard(
         ptr(loss_sum),
         Arg::F32(loss_divisor),
         Arg::F32(max_norm),
-        opt_ptr(previous),
+        previous,
         ptr(guard),
     ];
     let one_thread = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
     dev.launch(KernelFamily::Optim, "step_guard", one_thread, &args)
 }
 
-/// Adam (`decoupled = false`) or AdamW over `tensors`, all with the hyper-parameters `h`:
-/// one launch per [`TENSORS_PER_LAUNCH`] tensors; with a `guard` ([`step_guard`]), skipped on
-/// the device when it says so and with the gradients scaled by its factor.
-fn adam_update(
+/// Adam or AdamW (as [`adam_constants`] says) over `tensors`, in place on every tensor's
+/// parameter, bf16 copy and moments, with `h`'s β1, β2 and ε and the per-step constants read
+/// from `constants` ([`ADAM_CONSTANTS_LEN`] f32 on the device) when the update runs: one
+/// launch per [`TENSORS_PER_LAUNCH`] tensors. With a `guard` ([`step_guard`]) the device
+/// skips the update or clips the gradients as it says.
+pub fn adam_step(
     dev: &CudaDevice,
-    op: &'static str,
     tensors: &mut [AdamTensor],
     h: &AdamHyper,
-    decoupled: bool,
+    constants: DeviceRun<f32>,
     guard: Option<&DeviceBuffer<f32>>,
 ) -> Result<()> {
+    let op = "adam_step";
+    dev.check_owner(op, constants.buffer())?;
+    ensure_len(op, "constants", constants.len(), ADAM_CONSTANTS_LEN)?;
     if let Some(guard) = guard {
         dev.check_owner(op, guard)?;
         ensure_len(op, "guard", guard.len(), STEP_GUARD_LEN)?;
@@ -151,7 +179,6 @@ fn adam_update(
         }
     }
     check_disjoint_copies(op, tensors)?;
-    let [step_size, inv_sqrt_correction2, decay, l2] = adam_constants(op, h, decoupled)?;
     for chunk in tensors.chunks_mut(TENSORS_PER_LAUNCH) {
         // Each tensor's own blocks, end to end along x: none idle beside a longer tensor.
         let (first_block, blocks) = block_list(chunk.iter().map(|t| adam_blocks(t.param.len())));
@@ -172,10 +199,7 @@ fn adam_update(
             Arg::F32(h.beta1),
             Arg::F32(h.beta2),
             Arg::F32(h.eps),
-            Arg::F32(step_size),
-            Arg::F32(inv_sqrt_correction2),
-            Arg::F32(decay),
-            Arg::F32(l2),
+            Arg::Ptr(constants.device_ptr()),
         ];
         dev.launch(KernelFamily::Optim, "adam_step", cfg, &args)?;
     }
@@ -199,46 +223,25 @@ fn check_disjoint_copies(op: &'static str, tensors: &[AdamTensor]) -> Result<()>
     Ok(())
 }
 
-/// AdamW (decoupled weight decay: `param -= lr·wd·param`), in place on every tensor's
-/// parameter, bf16 copy and moments; one launch per [`TENSORS_PER_LAUNCH`] tensors. With a
-/// `guard` ([`step_guard`]) the device skips the update or clips the gradients as it says.
-pub fn adamw_step(
-    dev: &CudaDevice,
-    tensors: &mut [AdamTensor],
-    h: &AdamHyper,
-    guard: Option<&DeviceBuffer<f32>>,
-) -> Result<()> {
-    adam_update(dev, "adamw_step", tensors, h, true, guard)
-}
-
-/// Adam with L2 decay folded into the gradient (`g + wd·param`), `torch.optim.Adam`; as
-/// [`adamw_step`] otherwise.
-pub fn adam_step(
-    dev: &CudaDevice,
-    tensors: &mut [AdamTensor],
-    h: &AdamHyper,
-    guard: Option<&DeviceBuffer<f32>>,
-) -> Result<()> {
-    adam_update(dev, "adam_step", tensors, h, false, guard)
-}
-
-/// SGD with momentum (PyTorch semantics, dampening 0; `nesterov` optional). A zeroed buffer
-/// reproduces PyTorch's first step. With `momentum == 0` the buffer is not touched and may
-/// be empty.
+/// SGD with momentum (PyTorch semantics, dampening 0; `nesterov` optional) at the learning
+/// rate `lr` holds on the device (one element, read when the update runs, so a captured
+/// update reads each replay's). A zeroed buffer reproduces PyTorch's first step. With
+/// `momentum == 0` the buffer is not touched and may be empty.
 #[allow(clippy::too_many_arguments)]
 pub fn sgd_step(
     dev: &CudaDevice,
     param: &mut DeviceBuffer<f32>,
     grad: &DeviceBuffer<f32>,
     momentum_buf: &mut DeviceBuffer<f32>,
-    lr: f32,
+    lr: &DeviceBuffer<f32>,
     momentum: f32,
     weight_decay: f32,
     nesterov: bool,
 ) -> Result<()> {
     const OP: &str = "sgd_step";
-    check_owners(dev, OP, &[param, grad, momentum_buf])?;
+    check_owners(dev, OP, &[param, grad, momentum_buf, lr])?;
     ensure_len(OP, "grad", grad.len(), param.len())?;
+    ensure_len(OP, "lr", lr.len(), 1)?;
     let use_buffer = momentum != 0.0;
     if use_buffer {
         ensure_len(OP, "momentum_buf", momentum_buf.len(), param.len())?;
@@ -248,7 +251,7 @@ pub fn sgd_step(
         ptr(grad),
         ptr(momentum_buf),
         size(param.len()),
-        Arg::F32(lr),
+        ptr(lr),
         Arg::F32(momentum),
         Arg::F32(weight_decay),
         int(i32::from(nesterov)),

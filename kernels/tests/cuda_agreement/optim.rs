@@ -9,6 +9,19 @@ use kernels::cuda::{DeviceBuffer, DeviceRun};
 
 use super::{assert_elementwise, down, up, Rng};
 
+/// Adam (`decoupled = false`) or AdamW at `h` over `tensors`: its per-step constants copied
+/// to the device, as the optimizer does before each update.
+fn adam(
+    dev: &cuda::CudaDevice,
+    tensors: &mut [cuda::optim::AdamTensor],
+    h: &AdamHyper,
+    decoupled: bool,
+    guard: Option<&DeviceBuffer<f32>>,
+) -> cuda::Result<()> {
+    let constants = up(dev, &cuda::optim::adam_constants(h, decoupled)?);
+    cuda::optim::adam_step(dev, tensors, h, (&constants).into(), guard)
+}
+
 #[test]
 fn optimizers_agree_over_steps() {
     let dev = device_or_skip!();
@@ -62,8 +75,7 @@ fn optimizers_agree_over_steps() {
                     v,
                 })
                 .collect();
-            let update = if decoupled { cuda::optim::adamw_step } else { cuda::optim::adam_step };
-            update(dev, &mut tensors, &h, None).unwrap();
+            adam(dev, &mut tensors, &h, decoupled, None).unwrap();
         }
         for (i, n) in lens.iter().enumerate() {
             let what = format!("adam(decoupled {decoupled}) tensor {i} of {n}");
@@ -86,7 +98,8 @@ fn optimizers_agree_over_steps() {
         for _ in 0..3 {
             let grad = rng.vec(len, -1.0, 1.0);
             cpu::optim::sgd_step(&mut p, &grad, &mut buf, 0.1, momentum, 0.01, nesterov);
-            cuda::optim::sgd_step(dev, &mut gp, &up(dev, &grad), &mut gbuf, 0.1, momentum, 0.01, nesterov).unwrap();
+            let lr = up(dev, &[0.1]);
+            cuda::optim::sgd_step(dev, &mut gp, &up(dev, &grad), &mut gbuf, &lr, momentum, 0.01, nesterov).unwrap();
         }
         assert_elementwise(&format!("sgd(momentum {momentum}, nesterov {nesterov})"), &down(dev, &gp), &p);
     }
@@ -118,7 +131,7 @@ fn adam_rejects_bf16_copies_that_overlap() {
         },
     ];
     let h = AdamHyper { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, step: 1 };
-    let err = cuda::optim::adamw_step(dev, &mut tensors, &h, None).expect_err("overlapping bf16 copies");
+    let err = adam(dev, &mut tensors, &h, true, None).expect_err("overlapping bf16 copies");
     assert!(err.to_string().contains("overlap"), "{err}");
 }
 
@@ -144,7 +157,8 @@ fn guarded_adamw(
     let mut gv: Vec<DeviceBuffer<f32>> = params.iter().map(|x| dev.zeros(x.len()).unwrap()).collect();
     let mut guard = dev.alloc(cuda::optim::STEP_GUARD_LEN).unwrap();
     let previous = previous.map(|values| up(dev, values));
-    cuda::optim::step_guard(dev, &gg, &up(dev, &[loss_sum]), 2.0, max_norm, previous.as_ref(), &mut guard).unwrap();
+    let previous = previous.as_ref().map_or(cuda::optim::Previous::First, cuda::optim::Previous::Guard);
+    cuda::optim::step_guard(dev, &gg, &up(dev, &[loss_sum]), 2.0, max_norm, previous, &mut guard).unwrap();
     let mut tensors: Vec<cuda::optim::AdamTensor> = gp
         .iter_mut()
         .zip(gg)
@@ -152,7 +166,7 @@ fn guarded_adamw(
         .map(|((param, grad), (m, v))| cuda::optim::AdamTensor { param, param_bf16: None, grad, m, v })
         .collect();
     let h = AdamHyper { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1, step: 1 };
-    cuda::optim::adamw_step(dev, &mut tensors, &h, Some(&guard)).unwrap();
+    adam(dev, &mut tensors, &h, true, Some(&guard)).unwrap();
     drop(tensors);
     (gp.iter().map(|p| down(dev, p)).collect(), down(dev, &guard))
 }

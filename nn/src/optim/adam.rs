@@ -41,6 +41,11 @@ pub struct Adam {
     first_moment: Vec<Slot>,
     second_moment: Vec<Slot>,
     step: u64,
+    /// The learning rate of the staged update.
+    lr: f32,
+    /// The staged update's constants on each GPU of the parameters (`super::cuda`).
+    #[cfg(feature = "cuda")]
+    constants: super::cuda::DeviceScalars,
 }
 
 impl Adam {
@@ -53,6 +58,9 @@ impl Adam {
             params,
             config,
             step: 0,
+            lr: 0.0,
+            #[cfg(feature = "cuda")]
+            constants: super::cuda::DeviceScalars::default(),
         }
     }
 
@@ -76,12 +84,12 @@ fn hyper(config: &AdamConfig, step: u64, p: &NamedParameter, lr: f32) -> AdamHyp
 }
 
 impl Adam {
-    /// One update at `lr`: on the CPU one parameter at a time, on a GPU all together (one
+    /// The staged update: on the CPU one parameter at a time, on a GPU all together (one
     /// multi-tensor launch per group of parameters sharing a device and hyper-parameters:
-    /// `super::cuda::adam_update`), which applies a GPU step `guard` itself when given.
-    fn update(&mut self, lr: f32, guard: Option<&Tensor>) -> Result<()> {
-        self.step += 1;
-        let (config, step) = (self.config, self.step);
+    /// `super::cuda::adam_update`, reading the staged constants), which applies a GPU step
+    /// `guard` itself when given.
+    fn update(&mut self, guard: Option<&Tensor>) -> Result<()> {
+        let (config, step, lr) = (self.config, self.step, self.lr);
         #[cfg(feature = "cuda")]
         let mut on_gpu = Vec::new();
         let moments = self.first_moment.iter_mut().zip(self.second_moment.iter_mut());
@@ -90,7 +98,8 @@ impl Adam {
             let hyper = hyper(&config, step, p, lr);
             #[cfg(feature = "cuda")]
             if p.var.value_ref().device() != tensor::Device::Cpu {
-                on_gpu.push(super::cuda::AdamParam { var: &p.var, grad, m, v, hyper });
+                let decays = p.var.value_ref().rank() >= 2;
+                on_gpu.push(super::cuda::AdamParam { var: &p.var, grad, m, v, hyper, decays });
                 continue;
             }
             if let Some(guard) = guard {
@@ -107,27 +116,56 @@ impl Adam {
             update(param, grad.as_slice()?, m.host()?, v.host()?, &hyper);
         }
         #[cfg(feature = "cuda")]
-        super::cuda::adam_update(on_gpu, config.decoupled, guard)?;
+        super::cuda::adam_update(on_gpu, &self.constants, guard)?;
         Ok(())
     }
 }
 
 impl Optimizer for Adam {
-    fn step(&mut self, lr: f32) -> Result<()> {
-        self.update(lr, None)
+    /// Counts the step and, for each GPU the parameters are on, writes the step's constants
+    /// (`kernels::cuda::optim::adam_constants` of the decaying and the other parameters) to
+    /// that GPU's constants buffer, which the update reads.
+    fn stage(&mut self, lr: f32) -> Result<()> {
+        self.step += 1;
+        self.lr = lr;
+        #[cfg(feature = "cuda")]
+        {
+            let mut devices: Vec<tensor::Device> = Vec::new();
+            for p in &self.params {
+                let device = p.var.value_ref().device();
+                if device != tensor::Device::Cpu && !devices.contains(&device) {
+                    devices.push(device);
+                }
+            }
+            for device in devices {
+                let groups = [self.config.weight_decay, 0.0].map(|weight_decay| AdamHyper {
+                    lr,
+                    beta1: self.config.beta1,
+                    beta2: self.config.beta2,
+                    eps: self.config.eps,
+                    weight_decay,
+                    step: self.step,
+                });
+                super::cuda::stage_adam_constants(&mut self.constants, device, &groups, self.config.decoupled)?;
+            }
+        }
+        Ok(())
     }
 
     /// A guard on a GPU (where [`super::step_guard`] puts it when every gradient is there) is
     /// read by the update on the device: no wait. When it skips the update, the step count
-    /// still advances; the trainer stops at such a step and never saves it.
-    fn step_guarded(&mut self, lr: f32, guard: &StepGuard) -> Result<()> {
-        if guard.tensor().device() == tensor::Device::Cpu {
-            if super::guard::apply_on_host(&self.params, guard)? {
-                self.update(lr, None)?;
+    /// has still advanced; the trainer stops at such a step and never saves it.
+    fn apply_staged(&mut self, guard: Option<&StepGuard>) -> Result<()> {
+        match guard {
+            Some(guard) if guard.tensor().device() == tensor::Device::Cpu => {
+                if super::guard::apply_on_host(&self.params, guard)? {
+                    self.update(None)?;
+                }
+                Ok(())
             }
-            return Ok(());
+            Some(guard) => self.update(Some(guard.tensor())),
+            None => self.update(None),
         }
-        self.update(lr, Some(guard.tensor()))
     }
 
     fn parameters(&self) -> &[NamedParameter] {

@@ -2,14 +2,19 @@
 //! in place on the parameters' device, with the state in [`Slot::Device`]s beside it (Adam:
 //! one multi-tensor launch per group of up to 64 parameters, which also rewrites the bf16
 //! copies bf16 products read; SGD: one launch per parameter). Same update
-//! rules and per-step constants as the CPU kernels, so both agree to f32 rounding.
+//! rules and per-step constants as the CPU kernels, so both agree to f32 rounding. The
+//! per-step constants (Adam's bias corrections and decay, SGD's learning rate) are read on
+//! the device from [`DeviceScalars`], which `Optimizer::stage` rewrites before each update.
 
 use std::cell::RefMut;
 
 use autograd::{Result, Var};
-use kernels::cuda::optim::{adam_step, adamw_step, sgd_step, AdamHyper, AdamTensor, STEP_GUARD_LEN};
+use kernels::cuda::optim::{
+    adam_constants, adam_step, sgd_step, AdamHyper, AdamTensor, Previous, ADAM_CONSTANTS_LEN, STEP_GUARD_LEN,
+};
+use kernels::cuda::{DeviceBuffer, DeviceRun};
 use tensor::cuda::CudaStorage;
-use tensor::{Storage, Tensor};
+use tensor::{Device, Storage, Tensor};
 
 use super::slot::Slot;
 
@@ -22,14 +27,69 @@ fn check_same_device(op: &'static str, param: &Tensor, grad: &Tensor) -> Result<
     }
 }
 
-/// A GPU parameter's part in an Adam step: the parameter, its gradient, its moments and
-/// its hyper-parameters.
+/// Per-step scalars an update reads on the device (Adam's constants, SGD's learning rate):
+/// one small f32 tensor per GPU, rewritten in place at each step (a copy from the host into
+/// the same buffer), so an update captured in a CUDA graph reads each replay's own.
+#[derive(Default)]
+pub(crate) struct DeviceScalars {
+    per_device: Vec<(Device, Tensor)>,
+}
+
+impl DeviceScalars {
+    /// Writes `values` to `device`'s buffer (made by the first write; later writes keep its
+    /// length and address).
+    pub(crate) fn write(&mut self, device: Device, values: &[f32]) -> Result<()> {
+        const OP: &str = "optimizer step constants";
+        match self.per_device.iter_mut().find(|(d, _)| *d == device) {
+            Some((_, scalars)) => {
+                let (dev, buffer) = scalars.cuda_f32_mut(OP)?;
+                dev.copy_to_device(values, buffer)?;
+            }
+            None => {
+                let scalars = Tensor::from_vec(values.to_vec(), &[values.len()])?.to_device(device)?;
+                self.per_device.push((device, scalars));
+            }
+        }
+        Ok(())
+    }
+
+    /// `device`'s buffer, as last written.
+    pub(crate) fn buffer(&self, device: Device, op: &'static str) -> Result<&DeviceBuffer<f32>> {
+        match self.per_device.iter().find(|(d, _)| *d == device) {
+            Some((_, scalars)) => scalars.cuda_f32(op),
+            None => Err(tensor::Error::InvalidShape {
+                op,
+                shape: vec![],
+                reason: format!("no update was staged for {device:?} (Optimizer::stage)"),
+            }),
+        }
+    }
+}
+
+/// Writes Adam's constants of each of `groups` (the decaying parameters', then the others')
+/// for `device`: `[group 0's ADAM_CONSTANTS_LEN | group 1's]`.
+pub(crate) fn stage_adam_constants(
+    scalars: &mut DeviceScalars,
+    device: Device,
+    groups: &[AdamHyper; 2],
+    decoupled: bool,
+) -> Result<()> {
+    let mut values = Vec::with_capacity(2 * ADAM_CONSTANTS_LEN);
+    for hyper in groups {
+        values.extend(adam_constants(hyper, decoupled)?);
+    }
+    scalars.write(device, &values)
+}
+
+/// A GPU parameter's part in an Adam step: the parameter, its gradient, its moments, its
+/// hyper-parameters and whether it decays (which of the staged constants it reads).
 pub(crate) struct AdamParam<'a> {
     pub var: &'a Var,
     pub grad: Tensor,
     pub m: &'a mut Slot,
     pub v: &'a mut Slot,
     pub hyper: AdamHyper,
+    pub decays: bool,
 }
 
 /// The step guard `[update, scale, norm, loss]` of GPU gradients `grads` and the summed loss
@@ -43,6 +103,44 @@ pub(crate) fn step_guard(
     previous: Option<&Tensor>,
 ) -> Result<Tensor> {
     const OP: &str = "step guard";
+    let tensor::Device::Cuda(ordinal) = loss_sum.device() else {
+        return Err(tensor::Error::UnsupportedDevice { op: OP, device: loss_sum.device() });
+    };
+    let dev = tensor::cuda::device(ordinal)?;
+    // Uninitialised: the kernel writes all four values (no memset launch per step).
+    let mut guard = CudaStorage::alloc(&dev, STEP_GUARD_LEN)?;
+    let previous = previous.map(Tensor::dense).transpose()?;
+    let previous = match &previous {
+        Some(p) => Previous::Guard(p.cuda_f32(OP)?),
+        None => Previous::First,
+    };
+    launch_step_guard(grads, loss_sum, loss_divisor, max_norm, previous, guard.f32_buffer_mut(OP)?)?;
+    Tensor::from_storage(Storage::Cuda(guard), &[STEP_GUARD_LEN])
+}
+
+/// [`step_guard`] written over `guard` (four values on the gradients' GPU), its verdict
+/// after the one `guard` held: the guard of a step captured in a CUDA graph.
+pub(crate) fn step_guard_in_place(
+    grads: &[Tensor],
+    loss_sum: &Tensor,
+    loss_divisor: f32,
+    max_norm: f32,
+    guard: &mut Tensor,
+) -> Result<()> {
+    let (_, buffer) = guard.cuda_f32_mut("step guard")?;
+    launch_step_guard(grads, loss_sum, loss_divisor, max_norm, Previous::InPlace, buffer)
+}
+
+/// The launches of a step guard into `guard`.
+fn launch_step_guard(
+    grads: &[Tensor],
+    loss_sum: &Tensor,
+    loss_divisor: f32,
+    max_norm: f32,
+    previous: Previous,
+    guard: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    const OP: &str = "step guard";
     // A contiguous gradient is read where it is (its part of a packed gradient buffer too).
     let grads: Vec<Tensor> = grads.iter().map(Tensor::contiguous).collect::<Result<_>>()?;
     let runs = grads.iter().map(|g| g.cuda_f32_run(OP)).collect::<Result<Vec<_>>>()?;
@@ -51,44 +149,38 @@ pub(crate) fn step_guard(
         return Err(tensor::Error::UnsupportedDevice { op: OP, device: loss_sum.device() });
     };
     let dev = tensor::cuda::device(ordinal)?;
-    // Uninitialised: the kernel writes all four values (no memset launch per step).
-    let mut guard = CudaStorage::alloc(&dev, STEP_GUARD_LEN)?;
-    let buffer = guard.f32_buffer_mut(OP)?;
-    let previous = previous.map(Tensor::dense).transpose()?;
-    let previous = previous.as_ref().map(|p| p.cuda_f32(OP)).transpose()?;
-    kernels::cuda::optim::step_guard(&dev, &runs, loss_sum.cuda_f32(OP)?, loss_divisor, max_norm, previous, buffer)?;
-    Tensor::from_storage(Storage::Cuda(guard), &[STEP_GUARD_LEN])
+    let loss = loss_sum.cuda_f32(OP)?;
+    Ok(kernels::cuda::optim::step_guard(&dev, &runs, loss, loss_divisor, max_norm, previous, guard)?)
 }
 
-/// One Adam (`decoupled = false`) or AdamW step of GPU parameters: grouped by device and
-/// hyper-parameters (matrices decay, vectors do not), each group updated by the
-/// multi-tensor kernel, one launch per `TENSORS_PER_LAUNCH` tensors (not one per tensor);
-/// under a step `guard` (on the parameters' device), applied as it says on the device.
-pub(crate) fn adam_update(params: Vec<AdamParam>, decoupled: bool, guard: Option<&Tensor>) -> Result<()> {
+/// One Adam or AdamW step of GPU parameters with the staged `constants`: grouped by device
+/// and decay (matrices decay, vectors do not), each group updated by the multi-tensor
+/// kernel, one launch per `TENSORS_PER_LAUNCH` tensors (not one per tensor); under a step
+/// `guard` (on the parameters' device), applied as it says on the device.
+pub(crate) fn adam_update(params: Vec<AdamParam>, constants: &DeviceScalars, guard: Option<&Tensor>) -> Result<()> {
     const OP: &str = "adam step";
     let mut groups: Vec<Vec<AdamParam>> = Vec::new();
     for p in params {
         let device = p.var.value_ref().device();
         check_same_device(OP, &p.var.value_ref(), &p.grad)?;
-        let key = |q: &AdamParam| (q.var.value_ref().device(), q.hyper.weight_decay.to_bits());
-        match groups.iter_mut().find(|g| key(&g[0]) == (device, p.hyper.weight_decay.to_bits())) {
+        let key = |q: &AdamParam| (q.var.value_ref().device(), q.decays);
+        match groups.iter_mut().find(|g| key(&g[0]) == (device, p.decays)) {
             Some(group) => group.push(p),
             None => groups.push(vec![p]),
         }
     }
     let guard = guard.map(|g| g.cuda_f32(OP)).transpose()?;
     for group in groups {
-        update_group(group, decoupled, guard)?;
+        let (device, decays) = (group[0].var.value_ref().device(), group[0].decays);
+        let staged = constants.buffer(device, OP)?;
+        let at = if decays { 0 } else { ADAM_CONSTANTS_LEN };
+        update_group(group, DeviceRun::new(staged, at, ADAM_CONSTANTS_LEN)?, guard)?;
     }
     Ok(())
 }
 
-/// One multi-tensor update of parameters that share a device and hyper-parameters.
-fn update_group(
-    group: Vec<AdamParam>,
-    decoupled: bool,
-    guard: Option<&kernels::cuda::DeviceBuffer<f32>>,
-) -> Result<()> {
+/// One multi-tensor update of parameters that share a device and their `constants`.
+fn update_group(group: Vec<AdamParam>, constants: DeviceRun<f32>, guard: Option<&DeviceBuffer<f32>>) -> Result<()> {
     const OP: &str = "adam step";
     let hyper = group[0].hyper;
     let mut values: Vec<RefMut<Tensor>> = group.iter().map(|p| p.var.value_mut()).collect();
@@ -105,22 +197,24 @@ fn update_group(
         device = Some(dev);
     }
     let Some(dev) = device else { return Ok(()) };
-    let update = if decoupled { adamw_step } else { adam_step };
-    Ok(update(&dev, &mut tensors, &hyper, guard)?)
+    Ok(adam_step(&dev, &mut tensors, &hyper, constants, guard)?)
 }
 
-/// One SGD-with-momentum update of a GPU `param` from its `grad` (PyTorch semantics).
+/// One SGD-with-momentum update of a GPU `param` from its `grad` (PyTorch semantics), at
+/// the learning rate staged in `lr` (one element on the parameter's device).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn sgd_update(
     param: &mut Tensor,
     grad: &Tensor,
     buffer: &mut Slot,
-    lr: f32,
+    lr: &DeviceScalars,
     momentum: f32,
     weight_decay: f32,
     nesterov: bool,
 ) -> Result<()> {
     const OP: &str = "sgd step";
     check_same_device(OP, param, grad)?;
+    let lr = lr.buffer(param.device(), OP)?;
     let buf = buffer.device_buffer(param, OP)?;
     let (dev, p) = param.cuda_f32_mut(OP)?;
     grad.with_cuda_f32(OP, |_, g| Ok(sgd_step(&dev, p, g, buf, lr, momentum, weight_decay, nesterov)?))

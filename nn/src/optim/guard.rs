@@ -53,6 +53,13 @@ impl StepGuard {
         Ok(StepGuard { tensor, queued, values: Cell::new(None) })
     }
 
+    /// The guard of four values `tensor`, with no copy to the host queued (read waits for
+    /// the device).
+    #[cfg(feature = "cuda")]
+    fn unread(tensor: Tensor) -> StepGuard {
+        StepGuard { tensor, queued: RefCell::new(None), values: Cell::new(None) }
+    }
+
     /// The guard as a tensor of four values on its device (for the GPU optimizers).
     pub fn tensor(&self) -> &Tensor {
         &self.tensor
@@ -111,6 +118,48 @@ pub fn step_guard(
     let scale = if update && norm > max_norm { max_norm / (norm + 1e-6) } else { 1.0 };
     let values = vec![f32::from(u8::from(update)), scale, norm, loss];
     StepGuard::new(Tensor::from_vec(values, &[4])?)
+}
+
+/// The step guard of a training step captured in a CUDA graph: one buffer of four values on
+/// the GPU that the step rewrites in place at every replay (its verdict after the one the
+/// buffer held: the step before's), and that the host reads after each replay.
+#[cfg(feature = "cuda")]
+pub struct GraphGuard {
+    tensor: Tensor,
+}
+
+#[cfg(feature = "cuda")]
+impl GraphGuard {
+    /// The guard on `device` of a step after `previous` (its values copied), or, without one,
+    /// of a run's first step.
+    pub fn after(previous: Option<&StepGuard>, device: tensor::Device) -> Result<GraphGuard> {
+        let tensor = match previous {
+            Some(previous) => previous.tensor.deep_copy()?.to_device(device)?,
+            // [update, scale, norm, loss]: "the step before updated".
+            None => Tensor::from_vec(vec![1.0, 1.0, 0.0, 0.0], &[4])?.to_device(device)?,
+        };
+        Ok(GraphGuard { tensor })
+    }
+
+    /// This step's verdict over the gradients of `params` and the summed loss `loss_sum`
+    /// ([`step_guard`]'s), written over the buffer on the GPU, as the guard the optimizer
+    /// applies ([`super::Optimizer::apply_staged`]); nothing is copied to the host.
+    pub fn update(
+        &mut self,
+        params: &[NamedParameter],
+        loss_sum: &Tensor,
+        loss_divisor: f32,
+        max_norm: f32,
+    ) -> Result<StepGuard> {
+        let grads: Vec<Tensor> = params.iter().filter_map(|p| p.var.grad()).collect();
+        super::cuda::step_guard_in_place(&grads, loss_sum, loss_divisor, max_norm, &mut self.tensor)?;
+        Ok(StepGuard::unread(self.tensor.clone()))
+    }
+
+    /// The verdict the buffer holds now (after a replay), its copy to the host queued now.
+    pub fn queue_read(&self) -> Result<StepGuard> {
+        StepGuard::new(self.tensor.clone())
+    }
 }
 
 /// The host's side of a guarded update ([`super::Optimizer::step_guarded`]'s default):

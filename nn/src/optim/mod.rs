@@ -16,6 +16,8 @@ mod sparse_rows;
 
 pub use adam::{Adam, AdamConfig};
 pub use clip::clip_grad_norm;
+#[cfg(feature = "cuda")]
+pub use guard::GraphGuard;
 pub use guard::{step_guard, GuardValues, StepGuard};
 pub use schedule::Schedule;
 pub use sgd::Sgd;
@@ -27,19 +29,34 @@ use tensor::Tensor;
 use crate::NamedParameter;
 
 /// What every optimizer offers the training loop and the checkpoint code.
+///
+/// An update has a host half, [`Optimizer::stage`] (the step count, and the step's constants
+/// written where the update reads them: on a GPU, device buffers at fixed addresses), and a
+/// device half, [`Optimizer::apply_staged`] (the update itself, which on a GPU only queues
+/// device work). [`Optimizer::step`] and [`Optimizer::step_guarded`] run both; a training
+/// step captured in a CUDA graph captures the second and runs the first before each replay,
+/// so every replay updates with its own step's learning rate and bias corrections.
 pub trait Optimizer {
-    /// Applies one update with learning rate `lr` to every parameter that has a gradient.
-    fn step(&mut self, lr: f32) -> Result<()>;
+    /// Stages an update at learning rate `lr` (counts the step, writes its constants).
+    fn stage(&mut self, lr: f32) -> Result<()>;
 
-    /// [`Optimizer::step`] under a [`StepGuard`]: no update when the guard says the step's
-    /// loss or gradient norm is not finite, otherwise the update of the gradients scaled by
-    /// the guard's clipping factor. This default reads the guard on the host; the GPU Adam
-    /// reads it on the device, so the host need not wait for the step's verdict first.
+    /// Applies the staged update to every parameter that has a gradient; under a
+    /// [`StepGuard`], none when the guard says the step's loss or gradient norm is not finite,
+    /// otherwise the update of the gradients scaled by the guard's clipping factor. A guard
+    /// on the host is applied there (the gradients scaled in place); the GPU optimizers read a GPU
+    /// guard on the device, so the host need not wait for the step's verdict first.
+    fn apply_staged(&mut self, guard: Option<&StepGuard>) -> Result<()>;
+
+    /// One update with learning rate `lr` of every parameter that has a gradient.
+    fn step(&mut self, lr: f32) -> Result<()> {
+        self.stage(lr)?;
+        self.apply_staged(None)
+    }
+
+    /// [`Optimizer::step`] under a [`StepGuard`] (see [`Optimizer::apply_staged`]).
     fn step_guarded(&mut self, lr: f32, guard: &StepGuard) -> Result<()> {
-        if guard::apply_on_host(self.parameters(), guard)? {
-            self.step(lr)?;
-        }
-        Ok(())
+        self.stage(lr)?;
+        self.apply_staged(Some(guard))
     }
 
     /// The parameters being optimised.

@@ -6,7 +6,7 @@ use kernels::cpu::optim::sgd_step;
 use tensor::Tensor;
 
 use super::slot::Slot;
-use super::{find_state, gradient_of, Optimizer};
+use super::{find_state, gradient_of, Optimizer, StepGuard};
 use crate::NamedParameter;
 
 /// SGD with a momentum buffer per parameter (on its parameter's device: parameters on a
@@ -17,24 +17,63 @@ pub struct Sgd {
     weight_decay: f32,
     nesterov: bool,
     buffers: Vec<Slot>,
+    /// The learning rate of the staged update.
+    lr: f32,
+    /// That learning rate on each GPU of the parameters, where the update reads it.
+    #[cfg(feature = "cuda")]
+    lr_on_device: super::cuda::DeviceScalars,
 }
 
 impl Sgd {
     /// Zero momentum buffers.
     pub fn new(params: Vec<NamedParameter>, momentum: f32, weight_decay: f32, nesterov: bool) -> Sgd {
         let buffers = params.iter().map(|p| Slot::zeros(p.var.value_ref().numel())).collect();
-        Sgd { params, momentum, weight_decay, nesterov, buffers }
+        Sgd {
+            params,
+            momentum,
+            weight_decay,
+            nesterov,
+            buffers,
+            lr: 0.0,
+            #[cfg(feature = "cuda")]
+            lr_on_device: super::cuda::DeviceScalars::default(),
+        }
     }
 }
 
 impl Optimizer for Sgd {
-    fn step(&mut self, lr: f32) -> Result<()> {
+    /// Keeps `lr`, and writes it to each GPU the parameters are on.
+    fn stage(&mut self, lr: f32) -> Result<()> {
+        self.lr = lr;
+        #[cfg(feature = "cuda")]
+        {
+            let mut devices: Vec<tensor::Device> = Vec::new();
+            for p in &self.params {
+                let device = p.var.value_ref().device();
+                if device != tensor::Device::Cpu && !devices.contains(&device) {
+                    devices.push(device);
+                    self.lr_on_device.write(device, &[lr])?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The update at the staged learning rate; a guard is applied on the host.
+    fn apply_staged(&mut self, guard: Option<&StepGuard>) -> Result<()> {
+        if let Some(guard) = guard {
+            if !super::guard::apply_on_host(&self.params, guard)? {
+                return Ok(());
+            }
+        }
+        let lr = self.lr;
         for (i, p) in self.params.iter().enumerate() {
             let Some(grad) = gradient_of(p)? else { continue };
             let mut value = p.var.value_mut();
             #[cfg(feature = "cuda")]
             if value.device() != tensor::Device::Cpu {
                 let (momentum, decay, nesterov) = (self.momentum, self.weight_decay, self.nesterov);
+                let lr = &self.lr_on_device;
                 super::cuda::sgd_update(&mut value, &grad, &mut self.buffers[i], lr, momentum, decay, nesterov)?;
                 continue;
             }

@@ -24,7 +24,7 @@ use autograd::Result;
 use kernels::cpu::optim::{adam_step, adamw_step, sgd_step, AdamHyper};
 use tensor::{Device, Tensor};
 
-use super::{find_state, gradient_of, AdamConfig, Optimizer};
+use super::{find_state, gradient_of, AdamConfig, Optimizer, StepGuard};
 use crate::NamedParameter;
 
 /// How the table rows are updated.
@@ -61,6 +61,8 @@ pub struct SparseRows {
     /// Per table: Adam second moment (empty for SGD).
     second: Vec<Vec<f32>>,
     step: u64,
+    /// The learning rate of the staged update.
+    lr: f32,
     rows_touched: usize,
 }
 
@@ -75,7 +77,7 @@ impl SparseRows {
             RowRule::Sgd { .. } => tables.iter().map(|_| Vec::new()).collect(),
         };
         let all = dense.parameters().iter().chain(&tables).cloned().collect();
-        SparseRows { dense, tables, rule, all, first, second, step: 0, rows_touched: 0 }
+        SparseRows { dense, tables, rule, all, first, second, step: 0, lr: 0.0, rows_touched: 0 }
     }
 
     /// Table rows updated by the last step (summed over tables).
@@ -85,15 +87,30 @@ impl SparseRows {
 }
 
 impl Optimizer for SparseRows {
-    fn step(&mut self, lr: f32) -> Result<()> {
+    /// Stages the dense optimizer's update and counts the tables' step.
+    fn stage(&mut self, lr: f32) -> Result<()> {
+        self.dense.stage(lr)?;
+        self.step += 1;
+        self.lr = lr;
+        Ok(())
+    }
+
+    /// The dense update, then the tables' seen rows; a guard is applied on the host, to the
+    /// tables and the dense parameters alike.
+    fn apply_staged(&mut self, guard: Option<&StepGuard>) -> Result<()> {
         for p in &self.tables {
             let device = p.var.value_ref().device();
             if device != Device::Cpu {
                 return Err(tensor::Error::UnsupportedDevice { op: "row-sparse table update (SparseRows)", device });
             }
         }
-        self.dense.step(lr)?;
-        self.step += 1;
+        if let Some(guard) = guard {
+            if !super::guard::apply_on_host(&self.all, guard)? {
+                return Ok(());
+            }
+        }
+        self.dense.apply_staged(None)?;
+        let lr = self.lr;
         self.rows_touched = 0;
         for (i, p) in self.tables.iter().enumerate() {
             let Some(grad) = gradient_of(p)? else { continue };

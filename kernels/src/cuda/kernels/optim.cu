@@ -5,7 +5,9 @@
 //   m ← β1·m + (1 − β1)·g;  v ← β2·v + (1 − β2)·g²
 //   p ← p − step_size·m / (√v·inv_sqrt_correction2 + eps)
 // AdamW passes decay = 1 − lr·wd, l2 = 0; Adam passes decay = 1, l2 = wd. The per-step
-// scalars (step_size = lr/(1 − β1ᵗ), 1/√(1 − β2ᵗ)) are computed on the host in f64.
+// scalars (step_size = lr/(1 − β1ᵗ), 1/√(1 − β2ᵗ), decay, l2) are computed on the host in
+// f64 and read from device memory (`constants`), where the host writes each step's before
+// the update runs: a CUDA graph that captured the update reads the step's own.
 //
 // One launch updates up to LIST_LEN tensors that share these scalars (PyTorch's
 // multi-tensor apply): their addresses and lengths come by value in TensorList structs
@@ -67,13 +69,14 @@ __device__ __forceinline__ void adam_quad(float* param, bf16_t* copy, const floa
     store_f32(v + i, vi);
 }
 
+// constants: [step_size, inv_sqrt_correction2, decay, l2]
 extern "C" __global__ void adam_step(TensorList params, TensorList bf16s, TensorList grads, TensorList ms,
                                      TensorList vs, TensorList lens, TensorList first_block, i64 count,
-                                     const float* guard, float beta1, float beta2, float eps, float step_size,
-                                     float inv_sqrt_correction2, float decay, float l2) {
+                                     const float* guard, float beta1, float beta2, float eps,
+                                     const float* constants) {
     if (guard && guard[GUARD_UPDATE] == 0.0f) return;
-    const AdamScalars a = {beta1, beta2, eps, step_size, inv_sqrt_correction2, decay, l2,
-                           guard ? guard[GUARD_SCALE] : 1.0f};
+    const AdamScalars a = {beta1,        beta2,        eps,          constants[0], constants[1],
+                           constants[2], constants[3], guard ? guard[GUARD_SCALE] : 1.0f};
     const int t = list_entry_of_block(first_block, count);
     float* param = (float*)params.v[t];
     const float* grad = (const float*)grads.v[t];
@@ -101,7 +104,8 @@ extern "C" __global__ void adam_step(TensorList params, TensorList bf16s, Tensor
 // clip_grad_norm_). The host reads the four values once the step is queued.
 // With the previous step's guard (`previous` not null) the verdict is also "no update" when
 // that step's was: the host reads a guard one step late, after it has queued the next step,
-// and a run stopped by a non-finite step must not move its weights afterwards.
+// and a run stopped by a non-finite step must not move its weights afterwards. `previous`
+// may be `guard` itself (a CUDA graph's step rewrites one guard): it is read before any write.
 extern "C" __global__ void step_guard(const double* partial, i64 count, const float* loss_sum, float loss_divisor,
                                       float max_norm, const float* previous, float* guard) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
@@ -119,9 +123,11 @@ extern "C" __global__ void step_guard(const double* partial, i64 count, const fl
 
 // torch.optim.SGD with dampening 0: d = g + wd·p; buf ← momentum·buf + d;
 // p ← p − lr·(nesterov ? d + momentum·buf : buf). With momentum == 0 (use_buffer = 0) the
-// buffer is not touched: p ← p − lr·d.
-extern "C" __global__ void sgd_step(float* param, const float* grad, float* buf, i64 n, float lr, float momentum,
-                                    float weight_decay, int nesterov, int use_buffer) {
+// buffer is not touched: p ← p − lr·d. The learning rate is read from device memory
+// (learning_rate[0]), where the host writes each step's before the update.
+extern "C" __global__ void sgd_step(float* param, const float* grad, float* buf, i64 n, const float* learning_rate,
+                                    float momentum, float weight_decay, int nesterov, int use_buffer) {
+    const float lr = learning_rate[0];
     GRID_STRIDE(i, n) {
         float p = param[i];
         float d = grad[i] + weight_decay * p;
