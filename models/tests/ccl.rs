@@ -7,7 +7,7 @@ use autograd::{no_grad, Var};
 use models::llama::{Llama, LlamaConfig};
 use nn::optim::{Adam, AdamConfig, Optimizer};
 use nn::Module;
-use tensor::Rng;
+use tensor::{Device, Rng, Tokens};
 
 const SEQ: usize = 12;
 
@@ -18,6 +18,11 @@ fn tiny(variant: &str) -> LlamaConfig {
 fn tokens(n: usize, seed: u64) -> Vec<u32> {
     let mut rng = Rng::new(seed);
     (0..n).map(|_| rng.below(64) as u32).collect()
+}
+
+/// `ids` on the CPU, as the model reads them.
+fn cpu(ids: &[u32]) -> Tokens {
+    Tokens::new(ids, Device::Cpu).unwrap()
 }
 
 #[test]
@@ -77,7 +82,7 @@ fn ccl_model_is_causal() {
     for mode in ["token", "causal-mean"] {
         let model = Llama::new(&LlamaConfig { ccl_mode: mode.into(), ..tiny("ccl") }, 1).unwrap();
         let ids = tokens(SEQ, 3);
-        let logits = |ids: &[u32]| no_grad(|| model.forward(ids, 1, SEQ)).unwrap().value().to_vec();
+        let logits = |ids: &[u32]| no_grad(|| model.forward(&cpu(ids), 1, SEQ)).unwrap().value().to_vec();
         let before = logits(&ids);
         let t0 = 7;
         let mut changed = ids.clone();
@@ -93,12 +98,12 @@ fn ccl_model_is_causal() {
 fn ccl_overfits_a_fixed_batch() {
     let model = Llama::new(&LlamaConfig { vocab_size: 32, ..tiny("ccl") }, 3).unwrap();
     let ids: Vec<u32> = tokens(2 * SEQ + 1, 11).into_iter().map(|t| t % 32).collect();
-    let (inputs, targets) = (&ids[..2 * SEQ], &ids[1..]);
+    let (inputs, targets) = (cpu(&ids[..2 * SEQ]), cpu(&ids[1..]));
     let mut optimizer = Adam::new(model.named_parameters(), AdamConfig { weight_decay: 0.0, ..AdamConfig::default() });
     let mut loss = f32::INFINITY;
     for _ in 0..100 {
         optimizer.zero_grad();
-        let l: Var = model.loss(inputs, targets, 2, SEQ).unwrap();
+        let l: Var = model.loss(&inputs, &targets, 2, SEQ).unwrap();
         l.backward().unwrap();
         optimizer.step(3e-3).unwrap();
         loss = l.value().item().unwrap();
@@ -108,7 +113,7 @@ fn ccl_overfits_a_fixed_batch() {
 
 #[test]
 fn trace_names_every_gate_and_keeps_the_logits() {
-    let ids = tokens(2 * SEQ, 5);
+    let ids = cpu(&tokens(2 * SEQ, 5));
     for (variant, expected) in [("transponder", 4 * 7 * 2), ("comt", 4 * 7), ("path-scalar", 4 * 2), ("ccl", 4 * 3 * 2)]
     {
         let model = Llama::new(&tiny(variant), 2).unwrap();

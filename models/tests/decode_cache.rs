@@ -7,7 +7,7 @@
 use autograd::no_grad;
 use models::llama::{DecodeCache, Llama, LlamaConfig, VARIANTS};
 use nn::Module;
-use tensor::{Device, Rng, Tensor};
+use tensor::{Device, Rng, Tensor, Tokens};
 
 const VOCAB: usize = 40;
 /// The two sequences: (prompt length, total length); both leave 7 tokens to decode.
@@ -53,6 +53,11 @@ fn tokens(n: usize, seed: u64) -> Vec<u32> {
     (0..n).map(|_| rng.below(VOCAB as u64) as u32).collect()
 }
 
+/// `ids` on `model`'s device.
+fn on(model: &Llama, ids: &[u32]) -> Tokens {
+    Tokens::new(ids, model.device()).unwrap()
+}
+
 /// Rows of a `[N, V]` logits tensor, on the host.
 fn rows(logits: &Tensor) -> Vec<Vec<f32>> {
     logits.to_host().unwrap().to_vec().chunks(VOCAB).map(<[f32]>::to_vec).collect()
@@ -65,7 +70,7 @@ fn cached_logits(model: &Llama, sequences: &[Vec<u32>]) -> Vec<Vec<Vec<f32>>> {
     let mut caches = Vec::new();
     for (sequence, &(prompt, _)) in sequences.iter().zip(&SEQUENCES) {
         let mut cache = DecodeCache::new(model, 1);
-        let logits = model.forward_cached(&sequence[..prompt], 1, prompt, &mut cache).unwrap();
+        let logits = model.forward_cached(&on(model, &sequence[..prompt]), 1, prompt, &mut cache).unwrap();
         out.push(rows(&logits.value()));
         caches.push(cache);
     }
@@ -79,7 +84,7 @@ fn cached_logits(model: &Llama, sequences: &[Vec<u32>]) -> Vec<Vec<Vec<f32>>> {
             .zip(&SEQUENCES)
             .flat_map(|(s, &(prompt, _))| s[prompt + done..prompt + done + chunk].to_vec())
             .collect();
-        let logits = rows(&model.forward_cached(&ids, sequences.len(), chunk, &mut cache).unwrap().value());
+        let logits = rows(&model.forward_cached(&on(model, &ids), sequences.len(), chunk, &mut cache).unwrap().value());
         for (i, chunk_rows) in logits.chunks(chunk).enumerate() {
             out[i].extend(chunk_rows.iter().cloned());
         }
@@ -100,7 +105,7 @@ fn check(config: &LlamaConfig, device: Device) {
     let sequences: Vec<Vec<u32>> = SEQUENCES.iter().enumerate().map(|(i, &(_, n))| tokens(n, 20 + i as u64)).collect();
     let cached = cached_logits(&model, &sequences);
     for (i, sequence) in sequences.iter().enumerate() {
-        let full = rows(&no_grad(|| model.forward(sequence, 1, sequence.len())).unwrap().value());
+        let full = rows(&no_grad(|| model.forward(&on(&model, sequence), 1, sequence.len())).unwrap().value());
         assert_eq!(cached[i].len(), full.len(), "{what}: positions of sequence {i}");
         for (t, (got, want)) in cached[i].iter().zip(&full).enumerate() {
             let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -139,11 +144,11 @@ fn cached_decoding_matches_the_full_forward_for_every_variant() {
 fn a_cache_for_another_batch_or_model_is_an_error() {
     let model = Llama::new(&small("pre-ln"), 1).unwrap();
     let mut cache = DecodeCache::new(&model, 2);
-    let err = model.forward_cached(&[1, 2], 1, 2, &mut cache).unwrap_err().to_string();
+    let err = model.forward_cached(&on(&model, &[1, 2]), 1, 2, &mut cache).unwrap_err().to_string();
     assert!(err.contains("2 sequences"), "{err}");
     let deeper = Llama::new(&LlamaConfig { n_layers: 5, ..small("pre-ln") }, 1).unwrap();
     let mut other = DecodeCache::new(&deeper, 1);
-    assert!(model.forward_cached(&[1], 1, 1, &mut other).is_err());
+    assert!(model.forward_cached(&on(&model, &[1]), 1, 1, &mut other).is_err());
     assert!(DecodeCache::stack(vec![DecodeCache::new(&model, 1), other]).is_err());
 }
 

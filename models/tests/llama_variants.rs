@@ -8,7 +8,7 @@ use autograd::Var;
 use models::llama::{Llama, LlamaConfig, TRANSPONDER_ALIAS, VARIANTS};
 use nn::optim::{Adam, AdamConfig, Optimizer};
 use nn::Module;
-use tensor::Rng;
+use tensor::{Device, Rng, Tokens};
 
 const BATCH: usize = 2;
 const SEQ: usize = 16;
@@ -23,11 +23,16 @@ fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
     (0..n).map(|_| rng.below(vocab as u64) as u32).collect()
 }
 
+/// `ids` on the CPU, as the models read them.
+fn cpu(ids: &[u32]) -> Tokens {
+    Tokens::new(ids, Device::Cpu).unwrap()
+}
+
 /// One forward and backward; returns the loss after checking every gradient.
 fn loss_and_check_gradients(config: &LlamaConfig) -> f32 {
     let model = Llama::new(config, 7).unwrap_or_else(|e| panic!("{}: {e}", config.variant));
-    let ids = tokens(BATCH * SEQ, config.vocab_size, 1);
-    let targets = tokens(BATCH * SEQ, config.vocab_size, 2);
+    let ids = cpu(&tokens(BATCH * SEQ, config.vocab_size, 1));
+    let targets = cpu(&tokens(BATCH * SEQ, config.vocab_size, 2));
     let loss = model.loss(&ids, &targets, BATCH, SEQ).unwrap();
     loss.backward().unwrap();
     let value = loss.value().item().unwrap();
@@ -166,13 +171,13 @@ fn overfit(variant: &str, steps: usize) -> f32 {
     let config = LlamaConfig { vocab_size: 32, ..tiny(variant) };
     let model = Llama::new(&config, 3).unwrap();
     let ids = tokens(BATCH * SEQ + 1, 32, 11);
-    let (inputs, targets) = (&ids[..BATCH * SEQ], &ids[1..]);
+    let (inputs, targets) = (cpu(&ids[..BATCH * SEQ]), cpu(&ids[1..]));
     let config = AdamConfig { weight_decay: 0.0, ..AdamConfig::default() };
     let mut optimizer = Adam::new(model.named_parameters(), config);
     let mut loss = f32::INFINITY;
     for _ in 0..steps {
         optimizer.zero_grad();
-        let l: Var = model.loss(inputs, targets, BATCH, SEQ).unwrap();
+        let l: Var = model.loss(&inputs, &targets, BATCH, SEQ).unwrap();
         l.backward().unwrap();
         optimizer.step(3e-3).unwrap();
         loss = l.value().item().unwrap();
@@ -200,8 +205,8 @@ fn transponder_overfits_a_fixed_batch() {
 fn fused_and_unfused_transponder_agree() {
     let run = |fused: bool| {
         let model = Llama::new(&LlamaConfig { fused, ..tiny("transponder") }, 5).unwrap();
-        let ids = tokens(BATCH * SEQ, 256, 4);
-        let loss = model.loss(&ids, &tokens(BATCH * SEQ, 256, 6), BATCH, SEQ).unwrap();
+        let ids = cpu(&tokens(BATCH * SEQ, 256, 4));
+        let loss = model.loss(&ids, &cpu(&tokens(BATCH * SEQ, 256, 6)), BATCH, SEQ).unwrap();
         loss.backward().unwrap();
         let grads: Vec<Vec<f32>> = model.named_parameters().iter().map(|p| p.var.grad().unwrap().to_vec()).collect();
         (loss.value().item().unwrap(), grads)

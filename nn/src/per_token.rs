@@ -10,7 +10,7 @@
 //! (the transform starts as a plain low-rank bottleneck; with U = 0 the output is 0 anyway).
 
 use autograd::{Result, Var};
-use tensor::{Error, Rng, Tensor};
+use tensor::{Error, Rng, Tensor, Tokens};
 
 use crate::init;
 use crate::module::{join, Module};
@@ -40,8 +40,9 @@ impl PerTokenTransform {
         }
     }
 
-    /// `x: [..., C]` with one token id per row → `[..., C]` (the residual update, not `x` + it).
-    pub fn forward(&self, x: &Var, ids: &[u32]) -> Result<Var> {
+    /// `x: [..., C]` with one token id per row (`ids` on `x`'s device) → `[..., C]` (the
+    /// residual update, not `x` + it).
+    pub fn forward(&self, x: &Var, ids: &Tokens) -> Result<Var> {
         let shape = x.shape();
         let (vocab, rank, dim) = (self.table.shape()[0], self.down.shape()[0], self.down.shape()[1]);
         let rows = x.value_ref().numel() / dim.max(1);
@@ -77,8 +78,8 @@ impl TokenScale {
         TokenScale { weight: init::ones(&[vocab, dim]) }
     }
 
-    /// `y: [..., C]` with one token id per row → `y ⊙ E[ids]`.
-    pub fn forward(&self, y: &Var, ids: &[u32]) -> Result<Var> {
+    /// `y: [..., C]` with one token id per row (`ids` on `y`'s device) → `y ⊙ E[ids]`.
+    pub fn forward(&self, y: &Var, ids: &Tokens) -> Result<Var> {
         let shape = y.shape();
         let ids_shape = &shape[..shape.len().saturating_sub(1)];
         y.mul(&self.weight.embedding(ids, ids_shape)?)

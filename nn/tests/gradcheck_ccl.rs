@@ -15,7 +15,7 @@ use nn::layers::{LayerNorm, Linear};
 use nn::per_token::{PerTokenTransform, TokenScale};
 use nn::Module;
 use proptest::prelude::*;
-use tensor::{Rng, Tensor};
+use tensor::{Device, Rng, Tensor, Tokens};
 
 const ABLATIONS: [CclAblation; 4] =
     [CclAblation::None, CclAblation::Static, CclAblation::NoOutGate, CclAblation::NoBasisGate];
@@ -130,6 +130,7 @@ proptest! {
         let mut rng = Rng::new(seed);
         let (vocab, dim) = (5, 4);
         let ids: Vec<u32> = (0..6).map(|_| rng.below(vocab as u64) as u32).collect();
+        let ids = Tokens::new(&ids, Device::Cpu).unwrap();
         let inputs = [
             random(&[2, 3, dim], 1.0, &mut rng),
             random(&[rank, dim], 0.7, &mut rng),
@@ -151,6 +152,7 @@ proptest! {
     fn token_scale_gradients(seed in any::<u64>()) {
         let mut rng = Rng::new(seed);
         let ids: Vec<u32> = (0..6).map(|_| rng.below(4) as u32).collect();
+        let ids = Tokens::new(&ids, Device::Cpu).unwrap();
         let inputs = [random(&[2, 3, 5], 1.0, &mut rng), random(&[4, 5], 1.0, &mut rng)];
         assert_gradcheck(
             "token scale",

@@ -23,7 +23,7 @@ use nn::modulator::{
 use nn::per_token::{PerTokenTransform, TokenScale};
 use nn::Module;
 use proptest::prelude::*;
-use tensor::{Rng, Tensor};
+use tensor::{Device, Rng, Tensor, Tokens};
 
 /// Elements checked per tensor: enough to catch a wrong rule, few enough to stay fast.
 const SAMPLES_PER_TENSOR: usize = 6;
@@ -138,6 +138,7 @@ proptest! {
                         vocab in 1usize..5) {
         let mut rng = Rng::new(seed);
         let ids: Vec<u32> = (0..rows).map(|_| rng.below(vocab as u64) as u32).collect();
+        let ids = Tokens::new(&ids, Device::Cpu).unwrap();
         let ptt = PerTokenTransform::new(vocab, dim, rank, &mut rng);
         let x = input(&[1, rows, dim], &mut rng);
         prop_assert!(ptt.forward(&x, &ids).unwrap().value().to_vec().iter().all(|&v| v == 0.0));

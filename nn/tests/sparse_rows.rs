@@ -5,7 +5,7 @@
 use autograd::Var;
 use nn::optim::{Adam, AdamConfig, Optimizer, RowRule, Sgd, SparseRows};
 use nn::NamedParameter;
-use tensor::{Rng, Tensor};
+use tensor::{Device, Rng, Tensor, Tokens};
 
 const VOCAB: usize = 10;
 const WIDTH: usize = 3;
@@ -20,7 +20,7 @@ fn parameters(seed: u64) -> (NamedParameter, NamedParameter) {
 
 /// Loss `Σ (E[ids]·W)²` so both parameters get gradients; only rows in `ids` of E do.
 fn backward(table: &Var, dense: &Var, ids: &[u32]) {
-    let y = table.embedding(ids, &[ids.len()]).unwrap().matmul(dense).unwrap();
+    let y = table.embedding(&Tokens::new(ids, Device::Cpu).unwrap(), &[ids.len()]).unwrap().matmul(dense).unwrap();
     y.square().unwrap().sum_all().unwrap().backward().unwrap();
 }
 

@@ -71,6 +71,15 @@ pub enum Error {
         /// The second operand's device.
         rhs: crate::Device,
     },
+    /// Data an op would change in place has another holder (an autograd op or a tape still
+    /// keeps a clone), which would see it change.
+    #[error("{op}: {what} are shared with another holder (an op or a tape still keeps a clone, which would see them change); drop it first, or make new ones")]
+    Shared {
+        /// The op that failed.
+        op: &'static str,
+        /// What is shared.
+        what: &'static str,
+    },
     /// The CUDA backend failed (no GPU, driver or library error, out of memory).
     #[error("{op} on the GPU: {message}")]
     Cuda {

@@ -3,7 +3,8 @@
 //!
 //! A [`Tensor`] is an immutable view (`Arc` storage + shape + strides + offset): views
 //! (reshape, permute, narrow, expand) share storage; ops return new tensors. Compute is f32;
-//! bf16 and f16 are storage formats converted with [`Tensor::to_dtype`].
+//! bf16 and f16 are storage formats converted with [`Tensor::to_dtype`]. A batch's token ids
+//! (and the LM head's targets) are [`Tokens`]: on a GPU uploaded once, read there by each op.
 
 mod alloc;
 mod creation;
@@ -17,6 +18,7 @@ pub mod rng;
 mod shape;
 mod storage;
 mod tensor;
+mod tokens;
 mod view;
 
 pub use dtype::{DType, Device};
@@ -25,3 +27,4 @@ pub use rng::Rng;
 pub use shape::{broadcast_shapes, contiguous_strides, with_last_dim};
 pub use storage::Storage;
 pub use tensor::{HostLater, Tensor};
+pub use tokens::Tokens;

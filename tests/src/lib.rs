@@ -18,7 +18,7 @@ use std::ops::RangeInclusive;
 use ::gradcheck::Tolerance;
 use autograd::{gradcheck, GradcheckReport, Var};
 use proptest::prelude::*;
-use tensor::{Result, Tensor};
+use tensor::{Device, Result, Tensor, Tokens};
 
 /// The largest size of one dimension in random shapes.
 pub const MAX_DIM: usize = 5;
@@ -351,6 +351,12 @@ pub fn assert_close_f32(what: &str, got: &[f32], expected: &[f32], rtol: f64, at
 /// Unwraps a result, panicking with the error's message (names the op and the shapes).
 pub fn ok<T>(what: &str, result: Result<T>) -> T {
     result.unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+/// `ids` as [`Tokens`] on `device` (what the embedding and the LM head's loss read), or a
+/// panic with the error's message.
+pub fn token_ids(ids: &[u32], device: Device) -> Tokens {
+    ok("Tokens::new", Tokens::new(ids, device))
 }
 
 /// The gradient a leaf received, or a panic naming it.

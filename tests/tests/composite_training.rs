@@ -8,7 +8,7 @@
 
 use autograd::{no_grad, Var};
 use tensor::ops::Binary;
-use tensor::{Rng, Tensor};
+use tensor::{Device, Rng, Tensor};
 use transponder_tests::*;
 
 fn loss_value(loss: &Var) -> f32 {
@@ -110,7 +110,7 @@ impl Block {
     /// Mean cross-entropy of next-token logits for `ids: [B, T]` against `targets: [B·T]`.
     fn loss(&self, ids: &[u32], targets: &[u32]) -> tensor::Result<Var> {
         let b = ids.len() / SEQ;
-        let x = self.embedding.embedding(ids, &[b, SEQ])?; // [B, T, C]
+        let x = self.embedding.embedding(&token_ids(ids, Device::Cpu), &[b, SEQ])?; // [B, T, C]
         let h = x.rms_norm(&self.norm1, 1e-5)?;
         let heads = |w: &Var| h.matmul(w)?.reshape(&[b, SEQ, HEADS, HEAD_DIM]);
         let q = heads(&self.wq)?.rope(10_000.0, 0)?;

@@ -15,7 +15,7 @@ use kernels::cuda::DeviceCounters;
 use tensor::cuda::{matmul_precision, set_matmul_precision, MatmulPrecision};
 use tensor::ops::{Binary, Unary};
 use tensor::{DType, Device, Error, Rng, Tensor};
-use transponder_tests::{gpu, no_gpu, GPU};
+use transponder_tests::{gpu, no_gpu, token_ids, GPU};
 
 const F32_REL: f32 = 1e-4;
 const F32_ABS: f32 = 1e-5;
@@ -641,10 +641,10 @@ fn view_reduce_select_graph_agrees() {
 
 /// The LM head's fused loss on the GPU against the CPU, in f32 and under bf16 products, in one
 /// chunk and in several (37 rows by at most 8: 8, 8, 8, 8, 5), some rows ignored, with an
-/// upstream gradient of 0.5 read on the device: the loss and both gradients agree, and each
-/// chunk is one launch of the fused cross-entropy kernel. (That nothing waits for the device
-/// is held for the whole step by `trainer/tests/cuda_budgets.rs`: tests running beside this
-/// one download.)
+/// upstream gradient of 0.5 read on the device: the loss and both gradients agree, each
+/// chunk is one launch of the fused cross-entropy kernel, and nothing is copied from the host
+/// (the kernel reads the targets from their `Tokens`, uploaded before). (That nothing waits
+/// for the device is held for the whole step by `trainer/tests/cuda_budgets.rs`.)
 #[test]
 fn linear_cross_entropy_agrees_in_f32_and_bf16() {
     if no_gpu() {
@@ -654,21 +654,25 @@ fn linear_cross_entropy_agrees_in_f32_and_bf16() {
     let (h, w) = (rand(&[rows, width], -2.0, 2.0, 50), rand(&[vocab, width], -1.0, 1.0, 51));
     let mut targets: Vec<u32> = (0..rows).map(|r| (r * 7919 % vocab) as u32).collect();
     targets.iter_mut().step_by(5).for_each(|t| *t = 7);
+    let dev = tensor::cuda::device(0).unwrap();
+    // The loss and gradients on `device`, and what the device counted meanwhile (the inputs
+    // are on it before).
     let run = |device: Device, chunk: Option<usize>| {
         let (hv, wv) = (Var::parameter(h.to_device(device).unwrap()), Var::parameter(w.to_device(device).unwrap()));
+        let (targets, upstream) = (token_ids(&targets, device), Tensor::full_on(&[], 0.5, device).unwrap());
+        let before = dev.counters();
         let loss = hv.linear_cross_entropy(&wv, &targets, Some(7), chunk).unwrap();
-        loss.backward_with(Tensor::full_on(&[], 0.5, device).unwrap()).unwrap();
-        [loss.value(), hv.grad().unwrap(), wv.grad().unwrap()]
+        loss.backward_with(upstream).unwrap();
+        let counted = dev.counters().since(&before);
+        ([loss.value(), hv.grad().unwrap(), wv.grad().unwrap()], counted)
     };
-    let dev = tensor::cuda::device(0).unwrap();
     for (precision, rel, abs) in [(MatmulPrecision::F32, F32_REL, F32_ABS), (MatmulPrecision::Bf16, BF16_REL, 1e-3)] {
         let _precision = Precision::set(precision);
         for chunk in [None, Some(8)] {
-            let want = run(Device::Cpu, chunk);
-            let before = dev.counters();
-            let got = run(GPU, chunk);
-            let counted = dev.counters().since(&before);
+            let (want, _) = run(Device::Cpu, chunk);
+            let (got, counted) = run(GPU, chunk);
             let what = format!("{precision:?}, chunk {chunk:?}");
+            assert_eq!(counted.host_to_device_copies, 0, "{what}: the loss copied from the host");
             let chunks = counted.launches_by_kernel.get("cross_entropy_forward_backward").copied();
             assert_eq!(chunks, Some(if chunk.is_some() { 5 } else { 1 }), "{what}: launches of the fused kernel");
             for (name, (got, want)) in ["loss", "dh", "dW"].iter().zip(got.iter().zip(&want)) {

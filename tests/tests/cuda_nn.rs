@@ -11,7 +11,7 @@
 
 use autograd::Var;
 use tensor::{Device, Error, Result, Tensor};
-use transponder_tests::{assert_close_f32, gpu, no_gpu, ok, seeded, GPU};
+use transponder_tests::{assert_close_f32, gpu, no_gpu, ok, seeded, token_ids, GPU};
 
 const RTOL: f64 = 1e-4;
 const ATOL: f64 = 1e-5;
@@ -238,16 +238,79 @@ fn embedding_agrees_with_repeated_ids() {
     let (vocab, dim) = (11, 48);
     let weight = seeded(&[vocab, dim], -1.0, 1.0, 60);
     let ids = ids(3 * 20, vocab); // 60 lookups into 11 rows: every row repeats
-    check_op("embedding", &[weight], SUM_ATOL, |v| v[0].embedding(&ids, &[3, 20]));
+    check_op("embedding", &[weight], SUM_ATOL, |v| {
+        v[0].embedding(&token_ids(&ids, v[0].value_ref().device()), &[3, 20])
+    });
+}
+
+/// The lookup and its weight gradient on `device` for `ids` (on that device already).
+fn embedding_and_gradient(weight: &Tensor, ids: &tensor::Tokens, dy: &Tensor) -> (Vec<f32>, Vec<f32>) {
+    let device = ids.device();
+    let y = ok("embedding", ok("to_device", weight.to_device(device)).embedding(ids, &[ids.len()]));
+    let dw = ok(
+        "embedding_backward",
+        Tensor::embedding_backward(ids, &ok("to_device", dy.to_device(device)), weight.shape()[0]),
+    );
+    (ok("to_host", y.to_host()).to_vec(), ok("to_host", dw.to_host()).to_vec())
+}
+
+/// Many repeated ids (4,096 positions over 37 of 500 rows): the GPU's gather and scatter-add,
+/// reading the ids and their grouping from the Tokens' device buffer, are the CPU's bit for
+/// bit (each id's rows summed in increasing position order on both).
+#[test]
+fn embedding_backward_is_the_cpus_bit_for_bit_with_repeated_ids() {
+    if no_gpu() {
+        return;
+    }
+    let (vocab, dim, n) = (500, 64, 4096);
+    let weight = seeded(&[vocab, dim], -1.0, 1.0, 62);
+    let dy = seeded(&[n, dim], -1.0, 1.0, 63);
+    let ids: Vec<u32> = (0..n).map(|i| ((i * i + 7 * i) % 37 * 13) as u32).collect();
+    let want = embedding_and_gradient(&weight, &token_ids(&ids, Device::Cpu), &dy);
+    let got = embedding_and_gradient(&weight, &token_ids(&ids, GPU), &dy);
+    assert_eq!(got.0, want.0, "gather");
+    assert_eq!(got.1, want.1, "scatter-add");
+}
+
+/// After `refill` the same device buffer holds the next batch: the lookup and its gradient are
+/// those of fresh Tokens of the new ids, and the CPU's. A graph that still holds the Tokens
+/// (for its backward) blocks the refill until it is dropped.
+#[test]
+fn embedding_after_a_refill_reads_the_new_ids() {
+    if no_gpu() {
+        return;
+    }
+    let (vocab, dim, n) = (40, 16, 300);
+    let weight = seeded(&[vocab, dim], -1.0, 1.0, 64);
+    let dy = seeded(&[n, dim], -1.0, 1.0, 65);
+    let first: Vec<u32> = (0..n).map(|i| (i % 7) as u32).collect();
+    let second = ids(n, vocab);
+    let mut tokens = token_ids(&first, GPU);
+    let before = embedding_and_gradient(&weight, &tokens, &dy);
+    let graph = ok("embedding", Var::parameter(gpu(&weight)).embedding(&tokens, &[n]));
+    let err = tokens.refill(&second).unwrap_err();
+    assert!(matches!(err, Error::Shared { op: "Tokens::refill", .. }), "refilled under a live graph: {err}");
+    drop(graph);
+    ok("refill", tokens.refill(&second));
+    let after = embedding_and_gradient(&weight, &tokens, &dy);
+    assert_ne!(after, before, "the refill changed nothing");
+    assert_eq!(after, embedding_and_gradient(&weight, &token_ids(&second, GPU), &dy), "refilled vs fresh Tokens");
+    assert_eq!(after, embedding_and_gradient(&weight, &token_ids(&second, Device::Cpu), &dy), "refilled vs the CPU");
 }
 
 #[test]
-fn embedding_rejects_an_id_out_of_range_on_the_gpu() {
+fn embedding_rejects_an_id_out_of_range_or_on_another_device() {
     if no_gpu() {
         return;
     }
     let weight = gpu(&seeded(&[3, 2], -1.0, 1.0, 61));
-    assert!(matches!(weight.embedding(&[3], &[1]).err(), Some(Error::IndexOutOfRange { .. })));
+    let err = weight.embedding(&token_ids(&[3], GPU), &[1]).unwrap_err();
+    assert!(matches!(err, Error::IndexOutOfRange { op: "embedding", index: 3, size: 3 }), "{err}");
+    let err = weight.embedding(&token_ids(&[0], Device::Cpu), &[1]).unwrap_err();
+    assert!(matches!(err, Error::DeviceMismatch { op: "embedding", .. }), "ids on the host: {err}");
+    let dy = gpu(&seeded(&[1, 2], -1.0, 1.0, 66));
+    let err = Tensor::embedding_backward(&token_ids(&[0], Device::Cpu), &dy, 3).unwrap_err();
+    assert!(matches!(err, Error::DeviceMismatch { op: "embedding_backward", .. }), "ids on the host: {err}");
 }
 
 #[test]

@@ -8,7 +8,7 @@
 
 use autograd::{is_grad_enabled, no_grad, Var};
 use proptest::prelude::*;
-use tensor::{Rng, Tensor};
+use tensor::{Device, Rng, Tensor};
 use transponder_tests::*;
 
 /// Cases per property: enough to hit size-1 dims, rank 0 and strided views, small enough
@@ -422,6 +422,7 @@ fn lm_head_loss_and_grads(
 ) -> [Vec<f32>; 3] {
     let (hv, wv) = (Var::parameter(h.clone()), Var::parameter(w.clone()));
     let (hx, wx) = (ok("view", lh.view(&hv)), ok("view", lw.view(&wv)));
+    let targets = &token_ids(targets, Device::Cpu);
     let loss = if fused {
         hx.linear_cross_entropy(&wx, targets, ignore, chunk)
     } else {
@@ -458,6 +459,7 @@ proptest! {
     #[test]
     fn linear_cross_entropy(((lh, h), (lw, w), targets, ignore, chunk) in linear_cross_entropy_inputs()) {
         // The numeric side runs under no_grad: the forward without its gradient products.
+        let targets = token_ids(&targets, Device::Cpu);
         assert_gradcheck(|v| lh.view(&v[0])?.linear_cross_entropy(&lw.view(&v[1])?, &targets, ignore, chunk), &[h, w]);
     }
 
@@ -559,6 +561,7 @@ proptest! {
         let n = numel(&ids_shape);
         (uniform_tensor(vec![vocab, c], -2.0, 2.0), prop::collection::vec(0..vocab as u32, n), Just(ids_shape))
     })) {
+        let ids = token_ids(&ids, Device::Cpu);
         assert_gradcheck(|v| v[0].embedding(&ids, &ids_shape), &[w]);
     }
 
@@ -810,7 +813,7 @@ fn cross_entropy_with_every_row_ignored_has_zero_loss_and_gradient() {
 #[test]
 fn linear_cross_entropy_computes_only_the_gradients_asked_for() {
     let (h, w) = (seeded(&[5, 3], -1.0, 1.0, 6), seeded(&[4, 3], -1.0, 1.0, 7));
-    let targets = [3, 0, 2, 2, 1];
+    let targets = token_ids(&[3, 0, 2, 2, 1], Device::Cpu);
     let full = |hv: &Var, wv: &Var| ok("loss", hv.linear_cross_entropy(wv, &targets, None, Some(2)));
     let (hv, wv) = (Var::parameter(h.clone()), Var::parameter(w.clone()));
     let loss = full(&hv, &wv);
@@ -829,21 +832,32 @@ fn linear_cross_entropy_computes_only_the_gradients_asked_for() {
 #[test]
 fn linear_cross_entropy_with_every_row_ignored_has_zero_loss_and_gradients() {
     let (h, w) = (Var::parameter(seeded(&[3, 2], -1.0, 1.0, 8)), Var::parameter(seeded(&[4, 2], -1.0, 1.0, 9)));
-    let loss = ok("linear_cross_entropy", h.linear_cross_entropy(&w, &[7, 7, 7], Some(7), Some(2)));
+    let loss =
+        ok("linear_cross_entropy", h.linear_cross_entropy(&w, &token_ids(&[7, 7, 7], Device::Cpu), Some(7), Some(2)));
     assert_eq!(ok("item", loss.value().item()), 0.0);
     ok("backward", loss.backward());
     for (name, v) in [("h", &h), ("W", &w)] {
         assert!(grad_of(name, v).iter().all(|&g| g == 0.0), "{name}: {:?}", grad_of(name, v));
     }
     // A target out of range is an error, as in cross_entropy.
-    let err = h.linear_cross_entropy(&w, &[0, 4, 1], None, None).expect_err("target 4 of 4 classes");
-    assert!(matches!(err, tensor::Error::IndexOutOfRange { .. }), "{err}");
+    let err = h.linear_cross_entropy(&w, &token_ids(&[0, 4, 1], Device::Cpu), None, None).expect_err("target 4");
+    assert!(matches!(err, tensor::Error::IndexOutOfRange { index: 4, size: 4, .. }), "{err}");
+    // The ignore index may be ≥ V; another target ≥ V beside it is still an error.
+    let targets = token_ids(&[9, 0, 9], Device::Cpu);
+    ok("ignored 9 of 4 classes", h.linear_cross_entropy(&w, &targets, Some(9), None));
+    let err = h.linear_cross_entropy(&w, &targets, Some(0), None).expect_err("target 9 not ignored");
+    assert!(matches!(err, tensor::Error::IndexOutOfRange { index: 9, .. }), "{err}");
 }
 
 #[test]
 fn embedding_gradient_counts_repeated_ids() {
     let w = Var::parameter(seeded(&[3, 2], -1.0, 1.0, 2));
-    ok("embedding", w.embedding(&[2, 0, 2, 2], &[2, 2]).and_then(|y| y.sum_all()).and_then(|y| y.backward()));
+    ok(
+        "embedding",
+        w.embedding(&token_ids(&[2, 0, 2, 2], Device::Cpu), &[2, 2])
+            .and_then(|y| y.sum_all())
+            .and_then(|y| y.backward()),
+    );
     assert_eq!(grad_of("w", &w), vec![1.0, 1.0, 0.0, 0.0, 3.0, 3.0]);
 }
 

@@ -12,7 +12,7 @@ use models::{Llama, LlamaConfig};
 use nn::optim::{Adam, AdamConfig, Optimizer};
 use nn::Module;
 use safetensors::tensor::{Dtype as FileDtype, SafeTensors};
-use tensor::Tensor;
+use tensor::{Device, Tensor, Tokens};
 
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/parity.safetensors");
 
@@ -112,6 +112,7 @@ fn check_variant(fixture: &Fixture, variant: &str) {
     }
 
     let (ids, targets) = (fixture.tokens("ids"), fixture.tokens("targets"));
+    let (ids, target_ids) = (Tokens::new(&ids, Device::Cpu).unwrap(), Tokens::new(&targets, Device::Cpu).unwrap());
     let (batch, seq) = (fixture.number("batch") as usize, fixture.number("seq") as usize);
     let mut closest = Closest::default();
     let logits = model.forward(&ids, batch, seq).unwrap();
@@ -140,7 +141,7 @@ fn check_variant(fixture: &Fixture, variant: &str) {
     for _ in 0..fixture.number("steps") as usize {
         optimizer.step(lr).unwrap();
         optimizer.zero_grad();
-        let loss = model.loss(&ids, &targets, batch, seq).unwrap();
+        let loss = model.loss(&ids, &target_ids, batch, seq).unwrap();
         losses.push(f64::from(loss.value().to_vec()[0]));
         loss.backward().unwrap();
     }

@@ -8,7 +8,7 @@
 
 use autograd::Var;
 use tensor::ops::Unary;
-use tensor::{Rng, Tensor};
+use tensor::{Device, Rng, Tensor, Tokens};
 
 const BATCH: usize = 2;
 const SEQ: usize = 48;
@@ -68,7 +68,7 @@ impl Model {
         all
     }
 
-    fn loss(&self, ids: &[u32], targets: &[u32]) -> tensor::Result<Var> {
+    fn loss(&self, ids: &Tokens, targets: &[u32]) -> tensor::Result<Var> {
         let x = self.embedding.embedding(ids, &[BATCH, SEQ])?;
         let h = x.rms_norm(&self.norm, 1e-5)?;
         let heads = |w: &Var| h.matmul(w)?.reshape(&[BATCH, SEQ, HEADS, HEAD_DIM]);
@@ -89,7 +89,7 @@ impl Model {
 }
 
 /// The loss and every gradient, flattened.
-fn loss_and_grads(model: &Model, ids: &[u32], targets: &[u32]) -> (f32, Vec<Vec<f32>>) {
+fn loss_and_grads(model: &Model, ids: &Tokens, targets: &[u32]) -> (f32, Vec<Vec<f32>>) {
     let params = model.params();
     for p in &params {
         p.zero_grad();
@@ -105,6 +105,7 @@ fn training_step_is_identical_with_recycled_buffers() {
     let mut rng = Rng::new(7);
     let model = Model::new(&mut rng);
     let ids: Vec<u32> = (0..BATCH * SEQ).map(|_| rng.below(VOCAB as u64) as u32).collect();
+    let ids = Tokens::new(&ids, Device::Cpu).unwrap();
     let targets: Vec<u32> = (0..BATCH * SEQ).map(|_| rng.below(VOCAB as u64) as u32).collect();
     tensor::pool::poison_reused_buffers(true);
     let first = loss_and_grads(&model, &ids, &targets);

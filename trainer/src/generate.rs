@@ -18,7 +18,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use autograd::no_grad;
 use models::llama::{DecodeCache, Llama, LlamaConfig};
-use tensor::Rng;
+use nn::Module;
+use tensor::{Rng, Tokens};
 
 use crate::checkpoint;
 use crate::tokenizer::{trained_tokenizer, Tokenizer};
@@ -125,22 +126,25 @@ fn room_for_new_tokens(config: &LlamaConfig, prompts: &[Vec<u32>], options: &Sam
 
 /// Extends every prompt by up to `options.max_new_tokens` sampled tokens with a KV cache:
 /// each prompt in one forward pass, then one forward pass per step over the batch's newest
-/// tokens (one position each), on the model's device.
+/// tokens (one position each), on the model's device. The steps' token ids share one
+/// [`Tokens`], refilled in place each step.
 pub fn generate(model: &Llama, prompts: &[Vec<u32>], options: &SamplingOptions) -> Result<Generation> {
     let steps = room_for_new_tokens(&model.config, prompts, options)?;
     let start = Instant::now();
+    let device = model.device();
     let mut rng = Rng::new(options.seed);
     let mut sequences = prompts.to_vec();
     let mut caches = Vec::with_capacity(prompts.len());
     let mut logits = Vec::with_capacity(prompts.len());
     for prompt in prompts {
         let mut cache = DecodeCache::new(model, 1);
-        let all = model.forward_cached(prompt, 1, prompt.len(), &mut cache)?.value();
+        let all = model.forward_cached(&Tokens::new(prompt, device)?, 1, prompt.len(), &mut cache)?.value();
         logits.push(all.narrow(0, prompt.len() - 1, 1)?.to_host()?.to_vec());
         caches.push(cache);
     }
     let mut cache = DecodeCache::stack(caches)?;
     let vocab = model.config.vocab_size;
+    let mut newest: Option<Tokens> = None;
     for step in 0..steps {
         let next: Vec<u32> = logits.iter().map(|row| pick(row, options, &mut rng)).collect();
         for (sequence, &token) in sequences.iter_mut().zip(&next) {
@@ -149,7 +153,14 @@ pub fn generate(model: &Llama, prompts: &[Vec<u32>], options: &SamplingOptions) 
         if step + 1 == steps {
             break;
         }
-        let all = model.forward_cached(&next, next.len(), 1, &mut cache)?.value().to_host()?.to_vec();
+        let ids = match &mut newest {
+            Some(ids) => {
+                ids.refill(&next)?;
+                ids
+            }
+            None => newest.insert(Tokens::new(&next, device)?),
+        };
+        let all = model.forward_cached(ids, next.len(), 1, &mut cache)?.value().to_host()?.to_vec();
         logits = all.chunks(vocab).map(<[f32]>::to_vec).collect();
     }
     Ok(finish(sequences, prompts, steps, options, start))
@@ -167,7 +178,8 @@ pub fn generate_uncached(model: &Llama, prompts: &[Vec<u32>], options: &Sampling
         for sequence in sequences.iter_mut() {
             // The sequence grows by a token per step, so this step's buffer sizes do not recur.
             let _release_pool = tensor::pool::ReleaseOnDrop;
-            let logits = no_grad(|| model.forward(sequence, 1, sequence.len()))?.value();
+            let ids = Tokens::new(sequence, model.device())?;
+            let logits = no_grad(|| model.forward(&ids, 1, sequence.len()))?.value();
             let last = logits.narrow(0, sequence.len() - 1, 1)?.to_host()?.to_vec();
             sequence.push(pick(&last, options, &mut rng));
         }

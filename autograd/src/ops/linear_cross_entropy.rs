@@ -10,20 +10,20 @@
 //! PyTorch equivalent: `F.cross_entropy(F.linear(h, W), targets, ignore_index=...)`, computed
 //! as Liger-Kernel's fused linear cross-entropy computes it.
 
-use tensor::{Result, Tensor};
+use tensor::{Result, Tensor, Tokens};
 
 use crate::{is_grad_enabled, Var};
 
 impl Var {
     /// Mean cross-entropy of the logits `self·weightᵀ` (`self: [N, C]`, `weight: [V, C]`, a
-    /// linear layer's weight, no bias) against `targets[N]`, skipping rows whose target is
-    /// `ignore_index`: [`Var::linear_cross_entropy_reference`] without its `[N, V]` logits
-    /// and their gradient. A rank-0 value on `self`'s device. `max_chunk_rows` caps the rows
+    /// linear layer's weight, no bias) against `targets[N]` (on `self`'s device), skipping
+    /// rows whose target is `ignore_index`: [`Var::linear_cross_entropy_reference`] without
+    /// its `[N, V]` logits and their gradient. A rank-0 value on `self`'s device. `max_chunk_rows` caps the rows
     /// of logits held at a time (`None`: as many as fit `tensor::ops::LOGITS_CHUNK_BYTES`).
     pub fn linear_cross_entropy(
         &self,
         weight: &Var,
-        targets: &[u32],
+        targets: &Tokens,
         ignore_index: Option<u32>,
         max_chunk_rows: Option<usize>,
     ) -> Result<Var> {
@@ -43,14 +43,14 @@ impl Var {
     }
 
     /// The same loss composed from unfused ops, `self.matmul(&weight.transpose(0, 1)?)?
-    /// .cross_entropy(targets, ignore_index)`: the reference [`Var::linear_cross_entropy`] is
+    /// .cross_entropy(targets.host(), ignore_index)`: the reference [`Var::linear_cross_entropy`] is
     /// tested against (it holds the `[N, V]` logits and their gradient).
     pub fn linear_cross_entropy_reference(
         &self,
         weight: &Var,
-        targets: &[u32],
+        targets: &Tokens,
         ignore_index: Option<u32>,
     ) -> Result<Var> {
-        self.matmul(&weight.transpose(0, 1)?)?.cross_entropy(targets, ignore_index)
+        self.matmul(&weight.transpose(0, 1)?)?.cross_entropy(targets.host(), ignore_index)
     }
 }

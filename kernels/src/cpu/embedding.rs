@@ -7,7 +7,9 @@
 //! (zeros for ids that never occur; the crate's contract, see `lib.rs`). Since ids repeat,
 //! the parallel version first groups positions by id (a counting sort) and then gives each
 //! thread whole rows of `dweight`: no two threads touch the same row, and every row receives
-//! its updates in increasing `i`, exactly as the sequential loop does.
+//! its updates in increasing `i`, exactly as the sequential loop does. [`grouping_table`] is
+//! the same grouping for the CUDA backward, as one `u32` table over the distinct ids
+//! (`tensor::Tokens` uploads it with the ids, once per batch).
 
 use super::binary::add_assign;
 use super::parallel;
@@ -53,7 +55,8 @@ pub fn embedding_backward(ids: &[u32], dy: &[f32], dim: usize, dweight: &mut [f3
 
 /// The positions of each id in CSR form: `positions[starts[v]..starts[v + 1]]` are the `i`
 /// with `ids[i] == v`, in increasing order, so a row's additions run in position order (the
-/// CPU backward and the CUDA launcher both sum in that order, and agree bit for bit).
+/// CPU backward sums in that order, and the CUDA kernel over [`grouping_table`]'s positions:
+/// the two agree bit for bit).
 pub struct PositionsById {
     /// `V + 1` offsets into `positions`.
     pub starts: Vec<usize>,
@@ -77,6 +80,47 @@ pub fn positions_by_id(ids: &[u32], vocab: usize) -> PositionsById {
         next[id as usize] += 1;
     }
     PositionsById { starts, positions }
+}
+
+/// Elements of the [`grouping_table`] of `n` ids: `3n + 2`.
+pub fn grouping_table_len(n: usize) -> usize {
+    3 * n + 2
+}
+
+/// The positions of `ids` grouped by id, as the one `u32` table the CUDA backward
+/// (`cuda::embedding::embedding_backward`) reads from device memory, laid out as
+/// `[rows: N | starts: N + 1 | positions: N | distinct: 1]` ([`grouping_table_len`]):
+/// the distinct ids ascend in `rows[..distinct]`, id `rows[u]` sits at
+/// `positions[starts[u]..starts[u + 1]]`, positions increasing, and `rows` and `starts` are
+/// zero past `distinct` (and `distinct + 1`). Every id is kept, whatever its value: the
+/// table is built without knowing the vocabulary (a batch's `Tokens` are), and the kernel
+/// drops ids ≥ V itself. A sort of `(id, position)` pairs rather than [`positions_by_id`]'s
+/// counting sort, whose counts would span every value up to the largest id (an ignore index
+/// such as `u32::MAX` among targets). `ids.len()` must fit a `u32` (the tensor layer checks).
+pub fn grouping_table(ids: &[u32]) -> Vec<u32> {
+    let n = ids.len();
+    assert!(u32::try_from(n).is_ok(), "grouping_table: {n} ids do not fit u32 positions");
+    // (id, position) packed in one u64 sorts by id, then by position: an unstable sort of
+    // distinct keys gives the stable order.
+    let mut keys: Vec<u64> = ids.iter().enumerate().map(|(i, &id)| (u64::from(id) << 32) | i as u64).collect();
+    keys.sort_unstable();
+    let mut table = vec![0u32; grouping_table_len(n)];
+    let (rows, rest) = table.split_at_mut(n);
+    let (starts, rest) = rest.split_at_mut(n + 1);
+    let (positions, distinct) = rest.split_at_mut(n);
+    let mut groups = 0;
+    for (p, &key) in keys.iter().enumerate() {
+        let id = (key >> 32) as u32;
+        if groups == 0 || rows[groups - 1] != id {
+            rows[groups] = id;
+            starts[groups] = p as u32;
+            groups += 1;
+        }
+        positions[p] = key as u32;
+    }
+    starts[groups] = n as u32;
+    distinct[0] = groups as u32;
+    table
 }
 
 /// Scalar reference gather (tests and benches).
@@ -123,6 +167,22 @@ mod tests {
             embedding_backward(&ids, &dy, dim, &mut dweight);
             prop_assert_eq!(dweight, scatter_reference(&ids, &dy, dim, vec![0.0; vocab * dim]));
         }
+    }
+
+    #[test]
+    fn grouping_table_lists_each_id_once_with_its_positions_in_order() {
+        let ids = [5, 2, 5, u32::MAX, 2, 5];
+        let table = grouping_table(&ids);
+        let n = ids.len();
+        assert_eq!(table.len(), grouping_table_len(n));
+        let (rows, starts, positions, distinct) =
+            (&table[..n], &table[n..2 * n + 1], &table[2 * n + 1..3 * n + 1], table[3 * n + 1]);
+        assert_eq!(distinct, 3);
+        assert_eq!(rows, [2, 5, u32::MAX, 0, 0, 0], "ascending, zero padding");
+        assert_eq!(starts, [0, 2, 5, 6, 0, 0, 0], "offsets, zero padding");
+        assert_eq!(positions, [1, 4, 0, 2, 5, 3], "each id's positions increasing");
+        // No ids: starts [0] and distinct 0.
+        assert_eq!(grouping_table(&[]), [0, 0]);
     }
 
     #[test]

@@ -1,18 +1,21 @@
 //! Launchers of `embedding.cu`: the row gather and its scatter-add backward.
 //!
-//! Mirrors `cpu::embedding`. The forward reads `ids` from a `u32` device buffer; the
-//! backward takes them on the host, groups the positions of each distinct id there and sums
-//! each id's rows in increasing position order, without atomics: deterministic, and equal to
-//! the CPU's bit for bit when `dweight` starts at zero. Ids are not range-checked on the
-//! device (that would need a wait): an id ≥ V reads as a zero row and its gradient is
+//! Mirrors `cpu::embedding`. Both read their indices from device memory, so neither copies
+//! anything from the host and neither's grid depends on the ids (a step of them can be
+//! replayed as a CUDA graph once the buffers are refilled): the forward reads `ids` as a
+//! `u32` run, the backward the grouping of the ids' positions by id
+//! ([`crate::cpu::embedding::grouping_table`], built on the host when the batch's ids are
+//! uploaded: `tensor::Tokens`), and sums each id's rows in increasing position order, without
+//! atomics: deterministic, and equal to the CPU's bit for bit. Ids are not range-checked on
+//! the device (that would need a wait): an id ≥ V reads as a zero row and its gradient is
 //! dropped.
 
-use super::allocator::DeviceBuffer;
+use super::allocator::{DeviceBuffer, DeviceRun};
 use super::device::CudaDevice;
 use super::error::{ensure, Result};
-use super::launch::{check_owners, elementwise, ptr, ptr_at, size};
+use super::launch::{check_owners, elementwise, ptr, run_ptr_at, size};
 use super::module::KernelFamily;
-use crate::cpu::embedding::{positions_by_id, PositionsById};
+use crate::cpu::embedding::grouping_table_len;
 
 /// Checks the table is whole rows of `dim` and `rows` holds one row per id; returns V.
 fn check(op: &'static str, table: usize, dim: usize, ids: usize, rows: usize) -> Result<usize> {
@@ -22,64 +25,46 @@ fn check(op: &'static str, table: usize, dim: usize, ids: usize, rows: usize) ->
     Ok(table.checked_div(dim).unwrap_or(0))
 }
 
-/// `out[i, :] = weight[ids[i], :]` (weight `[V, dim]`).
+/// `out[i, :] = weight[ids[i], :]` (weight `[V, dim]`, `ids` a run of `N` device ids).
 pub fn embedding_forward(
     dev: &CudaDevice,
     weight: &DeviceBuffer<f32>,
     dim: usize,
-    ids: &DeviceBuffer<u32>,
+    ids: DeviceRun<'_, u32>,
     out: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "embedding_forward";
     check_owners(dev, OP, &[weight, out])?;
-    dev.check_owner(OP, ids)?;
+    dev.check_owner(OP, ids.buffer())?;
     let vocab = check(OP, weight.len(), dim, ids.len(), out.len())?;
-    let args = [ptr(weight), ptr(ids), ptr(out), size(ids.len()), size(dim), size(vocab)];
+    let args = [ptr(weight), run_ptr_at(&ids, 0), ptr(out), size(ids.len()), size(dim), size(vocab)];
     dev.launch(KernelFamily::Embedding, "embedding_forward", elementwise(out.len()), &args)
 }
 
-/// `dweight[v, :] = Σ_{i : ids[i] = v} dy[i, :]` (zeros for ids that never occur; host
-/// `ids`), each id's rows summed in increasing `i` (see the module doc).
+/// `dweight[v, :] = Σ_{i : ids[i] = v} dy[i, :]` (zeros for ids that never occur), each
+/// id's rows summed in increasing `i`, for the `N` ids whose
+/// [`grouping_table`](crate::cpu::embedding::grouping_table) is `grouping` (`3N + 2` device
+/// elements: `N` comes from its length). The kernel reads the number of distinct ids from the
+/// table, so the grid is sized for `N` of them (its threads past the distinct ids do nothing).
 pub fn embedding_backward(
     dev: &CudaDevice,
-    ids: &[u32],
+    grouping: DeviceRun<'_, u32>,
     dy: &DeviceBuffer<f32>,
     dim: usize,
     dweight: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "embedding_backward";
     check_owners(dev, OP, &[dy, dweight])?;
-    let vocab = check(OP, dweight.len(), dim, ids.len(), dy.len())?;
+    dev.check_owner(OP, grouping.buffer())?;
+    let n = grouping.len().saturating_sub(2) / 3;
+    ensure(grouping_table_len(n) == grouping.len(), OP, || {
+        format!("a grouping table of {} elements is not 3N + 2 for any N", grouping.len())
+    })?;
+    let vocab = check(OP, dweight.len(), dim, n, dy.len())?;
     dev.fill_zero(dweight)?;
-    let grouped = group_positions(ids, vocab);
-    if grouped.rows.is_empty() || dim == 0 {
+    if n == 0 || dim == 0 {
         return Ok(());
     }
-    // One upload of the three index arrays, back to back: rows | starts | positions.
-    let distinct = grouped.rows.len();
-    let table: Vec<u32> = [grouped.rows, grouped.starts, grouped.positions].concat();
-    let table = dev.upload(&table)?;
-    let (rows, starts, positions) = (ptr_at(&table, 0), ptr_at(&table, distinct), ptr_at(&table, 2 * distinct + 1));
-    let args = [rows, starts, positions, ptr(dy), ptr(dweight), size(distinct), size(dim)];
-    // The index table goes back to the pool on return; later users queue after this kernel.
-    dev.launch(KernelFamily::Embedding, "embedding_backward", elementwise(distinct * dim), &args)
-}
-
-/// The distinct ids (`rows`) of [`positions_by_id`]'s grouping, with `starts` compacted to
-/// them, as the kernel reads them: id `rows[u]` sits at `positions[starts[u]..starts[u + 1]]`.
-struct GroupedPositions {
-    rows: Vec<u32>,
-    starts: Vec<u32>,
-    positions: Vec<u32>,
-}
-
-fn group_positions(ids: &[u32], vocab: usize) -> GroupedPositions {
-    let PositionsById { starts: by_id, positions } = positions_by_id(ids, vocab);
-    let (mut rows, mut starts) = (Vec::new(), Vec::new());
-    for (v, bounds) in by_id.windows(2).enumerate().filter(|(_, b)| b[1] > b[0]) {
-        rows.push(v as u32);
-        starts.push(bounds[0] as u32);
-    }
-    starts.push(positions.len() as u32);
-    GroupedPositions { rows, starts, positions: positions.into_iter().map(|i| i as u32).collect() }
+    let args = [run_ptr_at(&grouping, 0), size(n), ptr(dy), ptr(dweight), size(dim), size(vocab)];
+    dev.launch(KernelFamily::Embedding, "embedding_backward", elementwise(n * dim), &args)
 }

@@ -2,7 +2,7 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::allocator::{DeviceBuffer, DeviceScalar};
+use super::allocator::{DeviceBuffer, DeviceRun, DeviceScalar};
 use super::device::CudaDevice;
 use super::error::{CudaError, Result};
 use super::module::Arg;
@@ -74,6 +74,13 @@ pub(crate) fn ptr<T: DeviceScalar>(buffer: &DeviceBuffer<T>) -> Arg {
 /// The device address of element `offset` of `buffer`.
 pub(crate) fn ptr_at<T: DeviceScalar>(buffer: &DeviceBuffer<T>, offset: usize) -> Arg {
     Arg::Ptr(buffer.ptr_at(offset))
+}
+
+/// The device address of element `offset` of `run` (`offset ≤ len`): indices read in place
+/// from a part of a larger buffer (a batch's token ids).
+pub(crate) fn run_ptr_at<T: DeviceScalar>(run: &DeviceRun<T>, offset: usize) -> Arg {
+    debug_assert!(offset <= run.len(), "run_ptr_at: offset past the end");
+    Arg::Ptr(run.device_ptr() + (offset * std::mem::size_of::<T>()) as u64)
 }
 
 /// An optional buffer's address, or a null pointer.

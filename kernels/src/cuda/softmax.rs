@@ -9,10 +9,10 @@
 
 use half::bf16;
 
-use super::allocator::DeviceBuffer;
+use super::allocator::{DeviceBuffer, DeviceRun};
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, CudaError, Result};
-use super::launch::{check_owners, int, opt_ptr, per_row, ptr, ptr_at, row_threads, size};
+use super::launch::{check_owners, int, opt_ptr, per_row, ptr, ptr_at, row_threads, run_ptr_at, size};
 use super::module::{Arg, KernelFamily};
 
 pub use crate::cpu::cross_entropy::CrossEntropyDims;
@@ -245,11 +245,12 @@ pub struct LogitsGrad<'a> {
 /// `losses[first_row + r]` as [`cross_entropy_forward`] writes them (0 for rows whose target
 /// is the ignore index or ≥ `cols`: the caller refuses those first), and with `grad` the
 /// logits overwritten by `scale·(softmax − onehot)` as [`cross_entropy_backward`] writes
-/// `dlogits` (zeros for those rows). Does not wait for the device.
+/// `dlogits` (zeros for those rows). `targets` is a run of device ids (the ids of a batch's
+/// `tensor::Tokens`, read in place). Does not wait for the device.
 pub fn cross_entropy_forward_backward(
     dev: &CudaDevice,
     logits: &mut DeviceBuffer<f32>,
-    targets: &DeviceBuffer<u32>,
+    targets: DeviceRun<'_, u32>,
     first_row: usize,
     dims: &CrossEntropyDims,
     grad: Option<LogitsGrad>,
@@ -257,7 +258,7 @@ pub fn cross_entropy_forward_backward(
 ) -> Result<()> {
     const OP: &str = "cross_entropy_forward_backward";
     check_owners(dev, OP, &[logits, losses])?;
-    dev.check_owner(OP, targets)?;
+    dev.check_owner(OP, targets.buffer())?;
     let CrossEntropyDims { rows, cols, ignore_index } = *dims;
     let chunk = rows * cols;
     ensure(logits.len() >= chunk, OP, || format!("logits have {} elements, the chunk needs {chunk}", logits.len()))?;
@@ -280,7 +281,7 @@ pub fn cross_entropy_forward_backward(
     }
     let args = [
         ptr(logits),
-        ptr_at(targets, first_row),
+        run_ptr_at(&targets, first_row),
         size(rows),
         size(cols),
         ignore_code(ignore_index),

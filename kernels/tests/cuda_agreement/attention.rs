@@ -6,7 +6,7 @@ use kernels::cpu;
 use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::rope::RopeDims;
 use kernels::cuda::attention::AttentionPrecision::{Bf16, F32};
-use kernels::cuda::{self, CudaError};
+use kernels::cuda::{self, CudaError, DeviceRun};
 
 use super::{assert_elementwise, assert_reduced, assert_twin, down, stale, up, Rng};
 
@@ -123,6 +123,8 @@ fn rope_of_packed_qkv_agrees() {
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }
 
+/// The gather and the scatter-add read their indices from one device buffer laid out as
+/// `tensor::Tokens` lays it out (`[ids | grouping_table(ids)]`).
 #[test]
 fn embedding_agrees() {
     let dev = device_or_skip!();
@@ -131,28 +133,65 @@ fn embedding_agrees() {
     let weight = rng.vec(vocab * dim, -1.0, 1.0);
     // Few distinct ids, so rows repeat a lot in the scatter-add.
     let ids: Vec<u32> = (0..n).map(|_| rng.below(97)).collect();
-    let (gw, gids) = (up(dev, &weight), dev.upload(&ids).unwrap());
+    let staged = |ids: &[u32]| dev.upload(&[ids, &cpu::embedding::grouping_table(ids)].concat()).unwrap();
+    let runs = |table| {
+        let grouping = DeviceRun::new(table, n, cpu::embedding::grouping_table_len(n)).unwrap();
+        (DeviceRun::new(table, 0, n).unwrap(), grouping)
+    };
+    let (gw, table) = (up(dev, &weight), staged(&ids));
+    let (gids, grouping) = runs(&table);
     let mut out = vec![0.0; n * dim];
     cpu::embedding::embedding_forward(&weight, dim, &ids, &mut out);
     let mut gout = dev.alloc(n * dim).unwrap();
-    cuda::embedding::embedding_forward(dev, &gw, dim, &gids, &mut gout).unwrap();
+    cuda::embedding::embedding_forward(dev, &gw, dim, gids, &mut gout).unwrap();
     assert_eq!(down(dev, &gout), out, "gather is exact");
-    // The backward sums each id's rows in position order, as the CPU does: from zero (as the
-    // tensor layer calls it) the two agree bit for bit, and every run gives the same bits.
-    let dy = rng.vec(n * dim, -1.0, 1.0);
-    let mut dweight = vec![0.0; vocab * dim];
+    // The backward sums each id's rows in position order, as the CPU does: the two agree bit
+    // for bit, every run gives the same bits, and stale contents are overwritten.
+    let (dy, gdy) = {
+        let dy = rng.vec(n * dim, -1.0, 1.0);
+        let gdy = up(dev, &dy);
+        (dy, gdy)
+    };
+    let mut dweight = stale(vocab * dim);
     cpu::embedding::embedding_backward(&ids, &dy, dim, &mut dweight);
     for _ in 0..2 {
-        let mut gdw = dev.zeros(vocab * dim).unwrap();
-        cuda::embedding::embedding_backward(dev, &ids, &up(dev, &dy), dim, &mut gdw).unwrap();
+        let mut gdw = up(dev, &stale(vocab * dim));
+        cuda::embedding::embedding_backward(dev, grouping, &gdy, dim, &mut gdw).unwrap();
         assert_eq!(down(dev, &gdw), dweight, "embedding backward is the CPU's, bit for bit");
     }
-    // Onto existing values it adds each id's sum once: equal to rounding.
-    let mut dweight = weight.clone();
-    cpu::embedding::embedding_backward(&ids, &dy, dim, &mut dweight);
-    let mut gdw = up(dev, &weight);
-    cuda::embedding::embedding_backward(dev, &ids, &up(dev, &dy), dim, &mut gdw).unwrap();
-    assert_reduced("embedding backward", &down(dev, &gdw), &dweight);
+    // Ids ≥ V read as zero rows and their gradients are dropped: as if those positions had
+    // an id (500) no other position has, whose row is then cleared.
+    let mut with_bad = ids.clone();
+    for (i, bad) in [(3, vocab as u32), (100, u32::MAX), (4000, vocab as u32 + 7)] {
+        with_bad[i] = bad;
+    }
+    let table = staged(&with_bad);
+    let (gids, grouping) = runs(&table);
+    cuda::embedding::embedding_forward(dev, &gw, dim, gids, &mut gout).unwrap();
+    let gathered = down(dev, &gout);
+    for (i, &id) in with_bad.iter().enumerate() {
+        let want = if (id as usize) < vocab { &out[i * dim..][..dim] } else { &[0.0; 64][..] };
+        assert_eq!(&gathered[i * dim..][..dim], want, "row {i} (id {id})");
+    }
+    let stand_in: Vec<u32> = with_bad.iter().map(|&id| if (id as usize) < vocab { id } else { 500 }).collect();
+    cpu::embedding::embedding_backward(&stand_in, &dy, dim, &mut dweight);
+    dweight[500 * dim..][..dim].fill(0.0);
+    let mut gdw = up(dev, &stale(vocab * dim));
+    cuda::embedding::embedding_backward(dev, grouping, &gdy, dim, &mut gdw).unwrap();
+    assert_eq!(down(dev, &gdw), dweight, "ids ≥ V dropped from the backward");
+}
+
+/// The backward's shape errors: a table that is not `3N + 2` elements, and `dy` of another N.
+#[test]
+fn embedding_backward_rejects_a_bad_table() {
+    let dev = device_or_skip!();
+    let (dy, mut dw) = (up(dev, &[0.0; 8]), dev.alloc::<f32>(6).unwrap());
+    let table = dev.upload(&cpu::embedding::grouping_table(&[0, 1, 1, 2])).unwrap();
+    let short = DeviceRun::new(&table, 0, table.len() - 1).unwrap();
+    let result = cuda::embedding::embedding_backward(dev, short, &dy, 2, &mut dw);
+    assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
+    let result = cuda::embedding::embedding_backward(dev, (&table).into(), &dy, 4, &mut dw);
+    assert!(matches!(result, Err(CudaError::Shape { .. })), "dy of 2 ids for a table of 4: {result:?}");
 }
 
 /// One attention problem.

@@ -109,7 +109,7 @@ fn cross_entropy_forward_backward_agrees_on_a_chunk() {
             cuda::softmax::cross_entropy_forward_backward(
                 dev,
                 &mut glogits,
-                &gtargets,
+                (&gtargets).into(),
                 first,
                 &dims,
                 grad,

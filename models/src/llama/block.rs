@@ -25,7 +25,7 @@ use nn::modulator::{
 use nn::per_token::{PerTokenTransform, TokenScale};
 use nn::Module;
 use tensor::ops::Binary;
-use tensor::Rng;
+use tensor::{Rng, Tokens};
 
 use super::cache::BlockCache;
 use super::config::{LlamaConfig, Parsed};
@@ -180,13 +180,13 @@ impl DecoderBlock {
     /// `earlier` holds the activations before this block's input (LAuReL-PA reads them). A
     /// pre-ln block leaves its last residual add pending in the returned stream, for the next
     /// RMSNorm to run fused ([`Stream::normed`]).
-    pub fn forward(&self, x: &Stream, ids: &[u32], earlier: &[Var]) -> Result<Stream> {
+    pub fn forward(&self, x: &Stream, ids: &Tokens, earlier: &[Var]) -> Result<Stream> {
         self.forward_with(x, ids, earlier, |h| self.self_attn.forward(h), |h| self.mlp.forward(h))
     }
 
     /// [`DecoderBlock::forward`] for `T` new positions of each of `B` sequences, continuing
     /// the keys, values (and CCL running means) in `cache` (one entry per sequence).
-    pub fn forward_cached(&self, x: &Stream, ids: &[u32], earlier: &[Var], cache: &mut BlockCache) -> Result<Stream> {
+    pub fn forward_cached(&self, x: &Stream, ids: &Tokens, earlier: &[Var], cache: &mut BlockCache) -> Result<Stream> {
         let BlockCache { attention, context_means } = cache;
         self.forward_with(
             x,
@@ -201,7 +201,7 @@ impl DecoderBlock {
     fn forward_with(
         &self,
         x: &Stream,
-        ids: &[u32],
+        ids: &Tokens,
         earlier: &[Var],
         attention: impl FnOnce(&Var) -> autograd::Result<Var>,
         ffn: impl FnOnce(&Var) -> autograd::Result<Var>,

@@ -37,7 +37,7 @@ use nn::layers::Norm;
 use nn::layers::{DyT, Embedding, Linear};
 use nn::modulator::Stream;
 use nn::Module;
-use tensor::Rng;
+use tensor::{Rng, Tokens};
 
 use crate::{Error, Result};
 
@@ -70,13 +70,14 @@ impl Llama {
         Ok(Llama { config: config.clone(), embed_tokens, layers, norm, lm_head })
     }
 
-    /// Logits `[B·T, V]` for the row-major token ids `ids[B·T]` of `batch` sequences of `seq`.
-    pub fn forward(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Var> {
+    /// Logits `[B·T, V]` for the row-major token ids `ids[B·T]` of `batch` sequences of `seq`
+    /// (on the model's device, [`Module::device`]: every op of the pass reads the same ids).
+    pub fn forward(&self, ids: &Tokens, batch: usize, seq: usize) -> Result<Var> {
         Ok(self.lm_head.forward(&self.hidden(ids, batch, seq)?)?)
     }
 
     /// The final norm's output `[B·T, C]`: the LM head's input, for `ids` as [`Llama::forward`].
-    fn hidden(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Var> {
+    fn hidden(&self, ids: &Tokens, batch: usize, seq: usize) -> Result<Var> {
         self.forward_with(ids, batch, seq, |block, x, earlier, _| block.forward(x, ids, earlier))
     }
 
@@ -84,7 +85,7 @@ impl Llama {
     /// row-major), sequence `i` continuing at position `cache.lengths()[i]`; `cache` gains
     /// the new positions. The logits equal those [`Llama::forward`] gives at the same
     /// positions of the whole sequences. Inference only: runs without the autograd tape.
-    pub fn forward_cached(&self, ids: &[u32], batch: usize, seq: usize, cache: &mut DecodeCache) -> Result<Var> {
+    pub fn forward_cached(&self, ids: &Tokens, batch: usize, seq: usize, cache: &mut DecodeCache) -> Result<Var> {
         if cache.batch() != batch || cache.blocks.len() != self.layers.len() {
             return Err(Error::Config(format!(
                 "decode cache for {} sequences and {} blocks used with batch {batch} of a {}-block model",
@@ -106,7 +107,7 @@ impl Llama {
     /// add runs fused with the final RMSNorm ([`Stream::normed`]).
     fn forward_with(
         &self,
-        ids: &[u32],
+        ids: &Tokens,
         batch: usize,
         seq: usize,
         mut run_block: impl FnMut(&DecoderBlock, &Stream, &[Var], usize) -> Result<Stream>,
@@ -133,11 +134,12 @@ impl Llama {
         Ok(h.reshape(&[batch * seq, self.config.d_model])?)
     }
 
-    /// Mean cross-entropy of next-token `targets[B·T]` (rows with an out-of-range target are
-    /// an error; no ignore index): `forward(..).cross_entropy(targets, None)`, computed by the
-    /// LM head's fused loss ([`Var::linear_cross_entropy`], the head has no bias), which never
-    /// holds the `[B·T, V]` logits or their gradient. Training and evaluation both use it.
-    pub fn loss(&self, ids: &[u32], targets: &[u32], batch: usize, seq: usize) -> Result<Var> {
+    /// Mean cross-entropy of next-token `targets[B·T]` (on the model's device, as `ids`; rows
+    /// with an out-of-range target are an error; no ignore index): `forward(..)
+    /// .cross_entropy(targets, None)`, computed by the LM head's fused loss
+    /// ([`Var::linear_cross_entropy`], the head has no bias), which never holds the `[B·T, V]`
+    /// logits or their gradient. Training and evaluation both use it.
+    pub fn loss(&self, ids: &Tokens, targets: &Tokens, batch: usize, seq: usize) -> Result<Var> {
         if targets.len() != ids.len() {
             return Err(Error::Config(format!("{} targets for {} token ids", targets.len(), ids.len())));
         }

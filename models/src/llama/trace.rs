@@ -13,7 +13,7 @@ use std::collections::HashMap;
 
 use autograd::Var;
 use nn::Module;
-use tensor::Tensor;
+use tensor::{Tensor, Tokens};
 
 use super::Llama;
 use crate::Result;
@@ -43,7 +43,7 @@ impl GateTrace {
 
 impl Llama {
     /// [`Llama::forward`] that also returns every gate value, in the order the layers ran.
-    pub fn forward_with_trace(&self, ids: &[u32], batch: usize, seq: usize) -> Result<(Var, Vec<GateTrace>)> {
+    pub fn forward_with_trace(&self, ids: &Tokens, batch: usize, seq: usize) -> Result<(Var, Vec<GateTrace>)> {
         let (logits, records) = nn::trace::capture(|| self.forward(ids, batch, seq));
         let logits = logits?;
         let names: HashMap<u64, String> = self.named_parameters().into_iter().map(|p| (p.var.id(), p.name)).collect();

@@ -1,7 +1,7 @@
 //! Token embedding table `[V, C]`.
 
 use autograd::{Result, Var};
-use tensor::Rng;
+use tensor::{Rng, Tokens};
 
 use crate::init;
 use crate::module::{join, Module};
@@ -18,8 +18,8 @@ impl Embedding {
         Embedding { weight: init::normal(&[vocab, dim], std, rng) }
     }
 
-    /// `ids` shaped `ids_shape` → `ids_shape + [dim]`.
-    pub fn forward(&self, ids: &[u32], ids_shape: &[usize]) -> Result<Var> {
+    /// `ids` (on the table's device) shaped `ids_shape` → `ids_shape + [dim]`.
+    pub fn forward(&self, ids: &Tokens, ids_shape: &[usize]) -> Result<Var> {
         self.weight.embedding(ids, ids_shape)
     }
 }

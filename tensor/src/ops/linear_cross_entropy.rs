@@ -32,7 +32,7 @@ use kernels::cpu::cross_entropy::{cross_entropy_forward_backward, CrossEntropyDi
 use kernels::cpu::matmul::{matmul, GemmDims, MatRef, Store};
 
 use super::cross_entropy::mean_loss;
-use crate::{Error, Result, Tensor};
+use crate::{Error, Result, Tensor, Tokens};
 
 /// The most f32 logits one chunk of [`Tensor::linear_cross_entropy`] holds: 256 MiB.
 pub const LOGITS_CHUNK_BYTES: usize = 256 << 20;
@@ -107,9 +107,10 @@ fn chunk_rows(rows: usize, vocab: usize, max_rows: Option<usize>) -> usize {
 
 impl Tensor {
     /// Mean cross-entropy of the logits `self·weightᵀ` (`self: [N, C]`, `weight: [V, C]`, a
-    /// linear layer's `[out, in]` weight) against `targets[N]`, rows whose target is
-    /// `ignore_index` skipped: what `self.matmul(&weight.transpose(0, 1)?)?.cross_entropy(..)`
-    /// computes, without its `[N, V]` buffers (see the module doc). `needs` says which of
+    /// linear layer's `[out, in]` weight) against `targets[N]` (on `self`'s device: a GPU
+    /// reads them from their device buffer), rows whose target is `ignore_index` skipped:
+    /// what `self.matmul(&weight.transpose(0, 1)?)?.cross_entropy(..)` computes, without its
+    /// `[N, V]` buffers (see the module doc). `needs` says which of
     /// `[d loss/d self, d loss/d weight]` to compute (for an upstream gradient of 1: see
     /// [`Tensor::scaled_by_upstream`]); neither is evaluation. `max_chunk_rows` caps the rows
     /// per chunk below the default of [`LOGITS_CHUNK_BYTES`] of logits (tests use it to cross
@@ -117,7 +118,7 @@ impl Tensor {
     pub fn linear_cross_entropy(
         &self,
         weight: &Tensor,
-        targets: &[u32],
+        targets: &Tokens,
         ignore_index: Option<u32>,
         needs: [bool; 2],
         max_chunk_rows: Option<usize>,
@@ -134,10 +135,18 @@ impl Tensor {
         if targets.len() != rows {
             return Err(Error::ShapeMismatch { op: OP, lhs: self.shape.clone(), rhs: vec![targets.len()] });
         }
-        if let Some(&bad) = targets.iter().find(|&&t| t as usize >= vocab && Some(t) != ignore_index) {
-            return Err(Error::IndexOutOfRange { op: OP, index: bad as usize, size: vocab });
+        targets.check_device(OP, self.device)?;
+        let host = targets.host();
+        // The scan only when some target is ≥ V (the ignore index may be).
+        if targets.max_id().is_some_and(|max| max as usize >= vocab) {
+            if let Some(&bad) = host.iter().find(|&&t| t as usize >= vocab && Some(t) != ignore_index) {
+                return Err(Error::IndexOutOfRange { op: OP, index: bad as usize, size: vocab });
+            }
         }
-        let count = targets.iter().filter(|&&t| Some(t) != ignore_index).count();
+        let count = match ignore_index {
+            Some(ignore) => host.iter().filter(|&&t| t != ignore).count(),
+            None => rows,
+        };
         if rows == 0 {
             let loss = Tensor::zeros_on(&[], self.device)?;
             let dh = needs[0].then(|| Tensor::zeros_on(&[0, width], self.device)).transpose()?;
@@ -150,7 +159,7 @@ impl Tensor {
         if self.cuda_storage().is_some() {
             return cuda::linear_cross_entropy(self, weight, targets, &plan);
         }
-        linear_cross_entropy_cpu(self, weight, targets, &plan)
+        linear_cross_entropy_cpu(self, weight, host, &plan)
     }
 
     /// `upstream · g` for each saved gradient `g` of [`Tensor::linear_cross_entropy`]: the
@@ -234,8 +243,9 @@ mod tests {
 #[cfg(feature = "cuda")]
 mod cuda {
     //! The CUDA half: the same chunk loop with cuBLAS products (bf16 operands under bf16
-    //! products) and the fused cross-entropy kernel; the loss and the gradients stay on the
-    //! device, and nothing waits for it.
+    //! products) and the fused cross-entropy kernel, which reads the targets in place from
+    //! their Tokens' device buffer; the loss and the gradients stay on the device, and nothing
+    //! waits for it.
 
     use half::bf16;
     use kernels::cpu::matmul::{GemmDims, Store};
@@ -247,7 +257,7 @@ mod cuda {
     use super::{LinearCrossEntropy, Plan};
     use crate::cuda::{matmul_precision, CudaStorage, MatmulPrecision};
     use crate::ops::cross_entropy::cuda::mean_loss;
-    use crate::{DType, Error, Result, Tensor};
+    use crate::{DType, Error, Result, Tensor, Tokens};
 
     const OP: &str = "linear_cross_entropy";
 
@@ -310,7 +320,7 @@ mod cuda {
     pub(super) fn linear_cross_entropy(
         h: &Tensor,
         weight: &Tensor,
-        targets: &[u32],
+        targets: &Tokens,
         plan: &Plan,
     ) -> Result<LinearCrossEntropy> {
         let Plan { rows: n, width: c, vocab: v, chunk, count, needs, .. } = *plan;
@@ -326,7 +336,7 @@ mod cuda {
         let (h_f32, w_f32) = (h.cuda_f32(OP)?, weight.cuda_f32(OP)?);
         let w_rows = Operand::rows(w_f32, w_bf16, 0, c);
 
-        let device_targets = dev.upload(targets)?;
+        let targets = targets.device_ids(OP)?;
         let mut losses = dev.alloc::<f32>(n)?;
         // The chunk's logits, overwritten by their gradient; under bf16 products its bf16
         // copy too, which the two gradient products read.
@@ -348,7 +358,7 @@ mod cuda {
             cross_entropy_forward_backward(
                 &dev,
                 &mut logits,
-                &device_targets,
+                targets,
                 first,
                 &plan.chunk_dims(rows),
                 grad,

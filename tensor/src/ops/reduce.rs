@@ -157,6 +157,7 @@ pub(crate) mod cuda {
     //! The CUDA branch of `ops/reduce.rs`: sum and max (with argmax) over one axis of `x`
     //! viewed as `[outer, n, inner]`, and the backward of the max.
 
+    use kernels::cpu::embedding::grouping_table;
     use kernels::cuda::embedding::embedding_backward;
     use kernels::cuda::reduce as launch;
 
@@ -195,7 +196,8 @@ pub(crate) mod cuda {
 
     /// `dx[o, argmax[o, i], i] = dy[o, i]`, zero elsewhere, as a tensor of `shape`: a
     /// scatter of `dy` (dim-1 rows) to flat positions computed on the host from `argmax`
-    /// (each position distinct, so the result is exact). `argmax` entries are `< n`.
+    /// (each position distinct, so the result is exact), grouped and uploaded as the
+    /// embedding backward's table. `argmax` entries are `< n`.
     pub(crate) fn max_axis_backward(
         dy: &Tensor,
         argmax: &[usize],
@@ -218,7 +220,8 @@ pub(crate) mod cuda {
             .enumerate()
             .map(|(slot, &j)| ((slot / inner * n + j) * inner + slot % inner) as u32)
             .collect();
-        output(&dev, OP, shape, |dx| Ok(embedding_backward(&dev, &positions, dy.cuda_f32(OP)?, 1, dx)?))
+        let grouping = dev.upload(&grouping_table(&positions)).map_err(|e| cuda_error(OP, e))?;
+        output(&dev, OP, shape, |dx| Ok(embedding_backward(&dev, (&grouping).into(), dy.cuda_f32(OP)?, 1, dx)?))
     }
 
     /// A dense view of an f32 tensor (the CPU kernels take f32 only; so do these).

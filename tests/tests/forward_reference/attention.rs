@@ -3,7 +3,7 @@
 
 use gradcheck::oracle::{self, AttentionShape};
 use proptest::prelude::*;
-use tensor::Tensor;
+use tensor::{Device, Error, Tensor};
 use transponder_tests::*;
 
 use super::CASES;
@@ -66,11 +66,12 @@ proptest! {
         let c = w.shape()[1];
         let ws = w.to_vec();
         let expected: Vec<f32> = ids.iter().flat_map(|&i| ws[i as usize * c..(i as usize + 1) * c].to_vec()).collect();
-        let y = ok("embedding", w.embedding(&ids, &ids_shape));
+        let tokens = token_ids(&ids, Device::Cpu);
+        let y = ok("embedding", w.embedding(&tokens, &ids_shape));
         let out_shape = [ids_shape.as_slice(), &[c]].concat();
         prop_assert_eq!(y.shape(), out_shape.as_slice());
         prop_assert_eq!(y.to_vec(), expected.clone());
-        prop_assert_eq!(ok("embedding", non_contiguous(&w).embedding(&ids, &ids_shape)).to_vec(), expected);
+        prop_assert_eq!(ok("embedding", non_contiguous(&w).embedding(&tokens, &ids_shape)).to_vec(), expected);
     }
 
     #[test]
@@ -118,5 +119,8 @@ fn attention_and_rope_reject_bad_shapes() {
     assert!(Tensor::causal_attention(&q, &k, &k, 1.0).is_err(), "head dims differ");
     assert!(Tensor::zeros(&[1, 2, 1, 3]).rope(10_000.0, 0).is_err(), "odd head dim must be rejected");
     assert!(Tensor::zeros(&[2, 3]).rope(10_000.0, 0).is_err(), "rope needs rank 4");
-    assert!(Tensor::zeros(&[3, 2]).embedding(&[3], &[1]).is_err(), "id 3 of 3 rows must be rejected");
+    let err = Tensor::zeros(&[3, 2]).embedding(&token_ids(&[3], Device::Cpu), &[1]).unwrap_err();
+    assert!(matches!(err, Error::IndexOutOfRange { op: "embedding", index: 3, size: 3 }), "id 3 of 3 rows: {err}");
+    let err = Tensor::zeros(&[3, 2]).embedding(&token_ids(&[0, 1], Device::Cpu), &[3]).unwrap_err();
+    assert!(matches!(err, Error::ShapeMismatch { op: "embedding", .. }), "2 ids for shape [3]: {err}");
 }

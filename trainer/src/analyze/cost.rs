@@ -20,7 +20,7 @@ use autograd::no_grad;
 use models::llama::{Llama, LlamaConfig};
 use nn::Module;
 use serde::Serialize;
-use tensor::Rng;
+use tensor::{Rng, Tokens};
 
 use super::AnalyzeArgs;
 use crate::device::synchronize;
@@ -131,6 +131,8 @@ pub fn throughput(args: &AnalyzeArgs) -> Result<Vec<ThroughputRow>> {
     let mut rng = Rng::new(0);
     let ids: Vec<u32> = (0..batch * seq).map(|_| rng.below(args.vocab as u64) as u32).collect();
     let targets: Vec<u32> = (0..batch * seq).map(|_| rng.below(args.vocab as u64) as u32).collect();
+    // Uploaded once: every model runs on `args.device`.
+    let (ids, targets) = (Tokens::new(&ids, args.device)?, Tokens::new(&targets, args.device)?);
     let tokens = (batch * seq) as f64;
     crate::say!(
         "{:<9} {:>7} {:>12} {:>12} {:>16} {:>16}",

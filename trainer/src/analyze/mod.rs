@@ -27,7 +27,7 @@ use anyhow::{bail, ensure, Context, Result};
 use autograd::no_grad;
 use models::llama::{GateTrace, Llama, LlamaConfig};
 use nn::Module;
-use tensor::Device;
+use tensor::{Device, Tokens};
 
 use crate::checkpoint;
 use crate::data::token_file::TokenFile;
@@ -242,7 +242,8 @@ pub fn analyze_checkpoint(args: &AnalyzeArgs) -> Result<AnalysisReport> {
     tokenizer.ensure_vocab(config.vocab_size)?;
     let sequence = read_sequence(args, &tokenizer, config.vocab_size, config.seq_len)?;
     let seq = sequence.ids.len();
-    let (logits, traces) = no_grad(|| model.forward_with_trace(&sequence.ids, 1, seq))?;
+    let ids = Tokens::new(&sequence.ids, args.device)?;
+    let (logits, traces) = no_grad(|| model.forward_with_trace(&ids, 1, seq))?;
     let next_token_loss = mean_next_token_loss(&logits.value().to_host()?.to_vec(), &sequence.ids, config.vocab_size);
 
     let mut out = Output::new(&args.out)?;

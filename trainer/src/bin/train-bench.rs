@@ -47,7 +47,7 @@ use autograd::{no_grad, Var};
 use models::llama::{Llama, LlamaConfig};
 use nn::optim::{Adam, AdamConfig, Optimizer};
 use nn::Module;
-use tensor::{Device, Rng};
+use tensor::{Device, Rng, Tokens};
 use trainer::device::{device_name, ensure_available, parse_device, synchronize, MatmulPrecision};
 use trainer::gpu_counters::{time_kernels, CounterSnapshot};
 
@@ -245,16 +245,17 @@ fn run(args: Args) -> Result<()> {
 
     let tokens = args.batch * args.seq;
     let mut rng = Rng::new(args.seed + 1);
-    let mut batch = || -> (Vec<u32>, Vec<u32>) {
+    // A batch's inputs and targets on the model's device, uploaded once each (as the trainer does).
+    let mut batch = || -> Result<(Tokens, Tokens)> {
         let ids: Vec<u32> = (0..tokens + 1).map(|_| rng.below(args.vocab as u64) as u32).collect();
-        (ids[..tokens].to_vec(), ids[1..].to_vec())
+        Ok((Tokens::new(&ids[..tokens], args.device)?, Tokens::new(&ids[1..], args.device)?))
     };
 
     let mut cpu_start = process_cpu_seconds();
     let mut allocations_start = allocation_counts();
     let (mut step_s, mut fwd_s, mut bwd_s, mut opt_s, mut loss) = (vec![], vec![], vec![], vec![], f32::NAN);
     for i in 0..args.warmup + args.steps {
-        let (ids, targets) = batch();
+        let (ids, targets) = batch()?;
         if i == args.warmup {
             cpu_start = process_cpu_seconds();
             allocations_start = allocation_counts();
@@ -296,7 +297,7 @@ fn run(args: Args) -> Result<()> {
     // One more steady-state step, counted on the device: as the trainer runs it, without
     // the waits the timing above adds.
     let mut untimed_step = || -> Result<()> {
-        let (ids, targets) = batch();
+        let (ids, targets) = batch()?;
         if args.forward_only {
             no_grad(|| model.loss(&ids, &targets, args.batch, args.seq))?;
         } else {

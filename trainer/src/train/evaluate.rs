@@ -6,6 +6,8 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use autograd::no_grad;
 use models::llama::Llama;
+use nn::Module;
+use tensor::Tokens;
 
 use crate::data::sampler::{BatchSampler, SequentialSampler};
 use crate::data::token_file::{check_vocab, DataFormat, TokenFile};
@@ -43,10 +45,12 @@ pub fn evaluate(model: &Llama, data: &mut SequentialSampler, batches: usize) -> 
 pub(super) fn mean_loss(model: &Llama, data: &mut SequentialSampler, batches: usize) -> Result<f32> {
     data.reset();
     let batches = batches.min(data.batches_per_pass()).max(1);
+    let device = model.device();
     let mut total = 0.0f64;
     for _ in 0..batches {
         let batch = data.next_batch()?;
-        let loss = no_grad(|| model.loss(&batch.inputs, &batch.targets, batch.batch_size, batch.seq_len))?;
+        let (inputs, targets) = (Tokens::new(&batch.inputs, device)?, Tokens::new(&batch.targets, device)?);
+        let loss = no_grad(|| model.loss(&inputs, &targets, batch.batch_size, batch.seq_len))?;
         total += f64::from(loss.value().to_host()?.item()?);
     }
     Ok((total / batches as f64) as f32)

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use nn::optim::{clip_grad_norm, step_guard, Optimizer, StepGuard};
-use tensor::Tensor;
+use tensor::{Tensor, Tokens};
 
 use super::evaluate::mean_loss;
 use super::setup::Session;
@@ -120,14 +120,17 @@ impl Session<'_> {
 
     /// Forward and backward passes over `grad_accum` micro-batches, gradients summed (each
     /// loss scaled by `1 / (grad_accum × world_size)`). Returns the micro-batches' losses,
-    /// summed where they were computed (no wait for the device).
+    /// summed where they were computed (no wait for the device). Each micro-batch's inputs
+    /// and targets are uploaded once, as [`Tokens`] every op of its step reads.
     fn accumulate_gradients(&mut self) -> Result<Tensor> {
         let (batch_size, seq_len, accum) = (self.config.batch_size, self.config.seq_len, self.config.grad_accum);
         let micro_batches = (accum * self.config.world_size) as f32;
+        let device = self.config.device;
         let mut sum: Option<Tensor> = None;
         for _ in 0..accum {
             let batch = self.sampler.next_batch()?;
-            let loss = self.model.loss(&batch.inputs, &batch.targets, batch_size, seq_len)?;
+            let (inputs, targets) = (Tokens::new(&batch.inputs, device)?, Tokens::new(&batch.targets, device)?);
+            let loss = self.model.loss(&inputs, &targets, batch_size, seq_len)?;
             sum = Some(match sum {
                 None => loss.value(),
                 Some(sum) => sum.add(&loss.value())?,
