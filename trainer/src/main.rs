@@ -326,6 +326,10 @@ struct TrainArgs {
     /// bf16 inputs to the GPU's matrix products, f32 master weights (needs --device cuda).
     #[arg(long)]
     bf16: bool,
+    /// Capture the training step once as a CUDA graph and replay it every step (one GPU,
+    /// Adam/AdamW): one launch per step for the host to queue; the same losses.
+    #[arg(long)]
+    cuda_graph: bool,
 }
 
 impl TrainArgs {
@@ -354,6 +358,7 @@ impl TrainArgs {
         set!(d_model, d_basis, d_ctx, ccl_mode, ccl_ablation, momentum, rank, coverage, phi, device, data_format);
         c.lazy_tables |= self.lazy_tables;
         c.bf16 |= self.bf16;
+        c.cuda_graph = self.cuda_graph;
         c.post_ln |= self.post_ln;
         c.train_data = self.train_data.or(c.train_data);
         c.val_data = self.val_data.or(c.val_data);

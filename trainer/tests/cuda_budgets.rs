@@ -36,8 +36,9 @@ fn train_bench() -> PathBuf {
     }
 }
 
-/// The `"counters"` of one counted step of `variant`, or `None` (saying so) without a GPU.
-fn step_counters(variant: &str) -> Option<Value> {
+/// The `"counters"` of one counted step of `variant` (with `extra` flags), or `None` (saying
+/// so) without a GPU.
+fn step_counters(variant: &str, extra: &[&str]) -> Option<Value> {
     if !tensor::cuda::is_available() {
         assert!(
             std::env::var_os("TRANSPONDER_REQUIRE_CUDA").is_none(),
@@ -49,6 +50,7 @@ fn step_counters(variant: &str) -> Option<Value> {
     let output = Command::new(train_bench())
         .args(["--model", "llama-60m", "--variant", variant, "--batch", "1", "--seq", "16"])
         .args(["--steps", "1", "--warmup", "1", "--threads", "2", "--device", "cuda", "--bf16"])
+        .args(extra)
         .output()
         .expect("train-bench runs");
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -93,8 +95,8 @@ fn assert_met_budgets(variant: &str, counters: &Value) {
 
 #[test]
 fn a_bf16_step_stays_within_its_launch_copy_and_precision_budgets() {
-    let Some(pre_ln) = step_counters("pre-ln") else { return };
-    let transponder = step_counters("transponder").expect("the GPU is still there");
+    let Some(pre_ln) = step_counters("pre-ln", &[]) else { return };
+    let transponder = step_counters("transponder", &[]).expect("the GPU is still there");
     for (variant, counters) in [("pre-ln", &pre_ln), ("transponder", &transponder)] {
         eprintln!("{variant}: {counters}");
         assert_met_budgets(variant, counters);
@@ -110,4 +112,30 @@ fn a_bf16_step_stays_within_its_launch_copy_and_precision_budgets() {
         transponder_launches <= TRANSPONDER_LAUNCHES,
         "Transponder: {transponder_launches} launches, ceiling {TRANSPONDER_LAUNCHES}"
     );
+}
+
+/// What a replay of the step captured as a CUDA graph (`--cuda-graph`) queues: one graph
+/// launch, the eager step's launches kernel for kernel plus its step guard's (the gradient
+/// norm's partial sums and the verdict; the eager bench step runs no guard), and still no
+/// host synchronisation, driver allocation or pageable copy. (That a replay computes what
+/// the eager step computes, bit for bit, is `cuda_train.rs`'s test.)
+#[test]
+fn a_replayed_step_queues_the_eager_steps_launches_and_its_guard_in_one_graph_launch() {
+    let Some(eager) = step_counters("pre-ln", &[]) else { return };
+    let replayed = step_counters("pre-ln", &["--cuda-graph"]).expect("the GPU is still there");
+    eprintln!("replayed: {replayed}");
+    assert_met_budgets("pre-ln --cuda-graph", &replayed);
+    assert_eq!(count(&replayed, "graph_launches"), 1, "one graph launch per step");
+    assert_eq!(count(&replayed, "buffer_requests"), 1, "a replay allocates nothing (the guard's copy: 1)");
+    let (eager, replayed) = (&eager["launches_by_kernel"], &replayed["launches_by_kernel"]);
+    let guard_kernels = ["sum_squares_partial", "step_guard"];
+    for (kernel, launches) in eager.as_object().expect("launches_by_kernel") {
+        assert_eq!(&replayed[kernel], launches, "{kernel}: replayed launches differ from the eager step's");
+    }
+    for (kernel, launches) in replayed.as_object().expect("launches_by_kernel") {
+        assert!(
+            eager.get(kernel).is_some() || guard_kernels.contains(&kernel.as_str()),
+            "{kernel} ({launches}) is in the replay only"
+        );
+    }
 }

@@ -93,6 +93,58 @@ fn assert_within(what: &str, reference: &[f32], other: &[f32], rtol: f32) {
     }
 }
 
+/// Every logged number of a run's metrics (loss, validation loss, gradient norm), as bits.
+fn logged_bits(run_dir: &Path) -> Vec<(String, u64)> {
+    let text = std::fs::read_to_string(run_dir.join(METRICS_FILE)).unwrap();
+    let mut numbers = Vec::new();
+    for line in text.lines() {
+        let row: serde_json::Value = serde_json::from_str(line).unwrap();
+        for key in ["step", "loss", "val_loss", "grad_norm"] {
+            if let Some(value) = row[key].as_f64() {
+                numbers.push((key.to_string(), value.to_bits()));
+            }
+        }
+    }
+    numbers
+}
+
+/// `--cuda-graph` (the step run once in the graph's pool, captured, then replayed at every
+/// later step) logs what the eager run logs, bit for bit: the same kernels on the same data
+/// in the same order. bf16 Transponder (the fused gated groups) and f32 pre-ln, two
+/// micro-batches per step, with a validation pass and a checkpoint between replays.
+#[test]
+fn a_run_replayed_as_a_cuda_graph_logs_the_eager_runs_numbers_bit_for_bit() {
+    let Some(_turn) = gpu_to_myself() else {
+        return;
+    };
+    for (variant, bf16) in [("transponder", true), ("pre-ln", false)] {
+        let (eager_dir, graph_dir) = (scratch(&format!("eager-{variant}")), scratch(&format!("graph-{variant}")));
+        let run = |dir: &Path, cuda_graph: bool| {
+            let base = config(dir, GPU, 6);
+            let config = TrainConfig {
+                variant: variant.into(),
+                bf16,
+                cuda_graph,
+                grad_accum: 2,
+                eval_every: 3,
+                save_every: 3,
+                ..base
+            };
+            train(&config, false).unwrap();
+            logged_bits(&config.out_dir)
+        };
+        let eager = run(&eager_dir, false);
+        let dev = tensor::cuda::device(0).unwrap();
+        let before = dev.counters();
+        let graphed = run(&graph_dir, true);
+        // Steps 1 and 2 run eagerly (the second in the graph's pool); 3 to 6 are replays.
+        assert_eq!(dev.counters().since(&before).graph_launches, 4, "{variant}: replays");
+        assert!(eager.iter().filter(|(key, _)| key == "val_loss").count() >= 2, "{variant}: {eager:?}");
+        assert_eq!(eager, graphed, "{variant}: the graph run logged other numbers than the eager run");
+        println!("{variant}: {} numbers logged alike", eager.len());
+    }
+}
+
 /// bf16 products (f32 accumulation and master weights) against the f32 CPU run: each
 /// product rounds its inputs to 8 significant bits, so the losses drift further apart.
 const BF16_RTOL: f32 = 5e-2;
@@ -305,29 +357,34 @@ fn a_cuda_checkpoint_resumes_on_cuda_and_on_the_cpu() {
 
 /// The host reads each step's loss after queueing the next step: a divergence still stops at
 /// its own step (the step after it, already queued, is skipped on the device), with the log
-/// of a run that reads every step at once (it saves every step).
+/// of a run that reads every step at once (it saves every step), also when the steps are
+/// replays of a CUDA graph (whose step guard, rewritten in place, chains the same way).
 #[test]
 fn a_divergence_read_one_step_late_stops_at_its_own_step() {
     let Some(_gpu) = gpu_to_myself() else { return };
-    let run = |name: &str, save_every: usize| {
+    let run = |name: &str, save_every: usize, cuda_graph: bool| {
         let config = TrainConfig {
             lr: 1e30,
             grad_clip: 0.0,
             warmup: 0,
             schedule: ScheduleKind::Constant,
             save_every,
+            cuda_graph,
             ..config(&scratch(name), GPU, 12)
         };
         let error = train(&config, false).unwrap_err();
         let step = error.downcast_ref::<Diverged>().unwrap_or_else(|| panic!("not a divergence: {error:#}")).step;
         (step, losses(&config.out_dir))
     };
-    let (step_at_once, losses_at_once) = run("diverge-at-once", 1);
-    let (step_late, losses_late) = run("diverge-late", 0);
+    let (step_at_once, losses_at_once) = run("diverge-at-once", 1, false);
+    let (step_late, losses_late) = run("diverge-late", 0, false);
     assert!(step_at_once < 12, "the run did not diverge before its last step");
     assert_eq!(step_late, step_at_once, "the step named");
     assert_eq!(losses_late, losses_at_once, "the steps logged before it");
     assert_eq!(losses_late.len() + 1, step_late, "one row per good step");
+    println!("diverged at step {step_late}");
+    let (step_graph, losses_graph) = run("diverge-graph", 0, true);
+    assert_eq!((step_graph, losses_graph), (step_late, losses_late), "replayed as a CUDA graph");
 }
 
 #[test]

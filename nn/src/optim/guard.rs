@@ -156,9 +156,10 @@ impl GraphGuard {
         Ok(StepGuard::unread(self.tensor.clone()))
     }
 
-    /// The verdict the buffer holds now (after a replay), its copy to the host queued now.
+    /// The verdict the buffer holds now (after a replay): a copy of it on the device (the
+    /// next replay rewrites the buffer), whose copy to the host is queued now.
     pub fn queue_read(&self) -> Result<StepGuard> {
-        StepGuard::new(self.tensor.clone())
+        StepGuard::new(self.tensor.deep_copy()?)
     }
 }
 

@@ -180,10 +180,13 @@ impl CudaStorage {
 
     /// The f32 buffer for the optimizer's in-place update, and where the update must write
     /// the values' bf16 copy (rounded to nearest even) so that it stays current: `None` when
-    /// the storage has no copy (no bf16 product reads it), a fresh own copy in place of an
-    /// own one (as [`CudaStorage::f32_buffer_mut_with_bf16_copy`]: a tensor still holding
-    /// the old copy keeps its values), or this storage's rows of its packed buffer, rewritten
-    /// in place (the fused projection's next GEMM reads them with no conversion).
+    /// the storage has no copy (no bf16 product reads it), its own copy rewritten in place
+    /// when nothing else holds that copy, a fresh own copy in place of one still held
+    /// elsewhere (as [`CudaStorage::f32_buffer_mut_with_bf16_copy`]: the holder keeps its
+    /// values), or this storage's rows of its packed buffer, rewritten in place (the fused
+    /// projection's next GEMM reads them with no conversion). Rewriting in place keeps the
+    /// copy's address from step to step, which a training step replayed as a CUDA graph needs
+    /// (its products read the address they were captured with).
     ///
     /// Writing the packed rows in place changes nothing a caller still reads: the packed
     /// buffer is held only by the storages whose copies it holds and by the fused projections
@@ -193,7 +196,8 @@ impl CudaStorage {
         &mut self,
         op: &'static str,
     ) -> Result<(&mut DeviceBuffer<f32>, Option<Bf16Destination<'_>>)> {
-        if matches!(unlocked(&mut self.bf16_copy), Some(Bf16Copy::Own(_))) {
+        let held_elsewhere = |own: &Arc<Storage>| Arc::strong_count(own) > 1 || Arc::weak_count(own) > 0;
+        if matches!(unlocked(&mut self.bf16_copy), Some(Bf16Copy::Own(own)) if held_elsewhere(own)) {
             let (values, fresh) = self.f32_buffer_mut_with_bf16_copy(op)?;
             return Ok((values, Some(Bf16Destination { buffer: fresh, at: 0 })));
         }
@@ -203,7 +207,13 @@ impl CudaStorage {
         };
         match unlocked(bf16_copy) {
             Some(Bf16Copy::Packed { buffer, at }) => Ok((values, Some(Bf16Destination { buffer, at: *at }))),
-            _ => Ok((values, None)),
+            Some(Bf16Copy::Own(own)) => match Arc::get_mut(own) {
+                Some(Storage::Cuda(CudaStorage { data: CudaData::BF16(copy), .. })) => {
+                    Ok((values, Some(Bf16Destination { buffer: copy, at: 0 })))
+                }
+                _ => Err(crate::Error::DTypeMismatch { op, expected: DType::BF16, got: DType::F32 }),
+            },
+            None => Ok((values, None)),
         }
     }
 

@@ -28,7 +28,10 @@
 //! (`kernels::cuda::counters`). Then `--steps` more steps run back to back with one wait at
 //! the end (`"queued_tokens_per_s"`, `"queued_step_ms"`): the host prepares a step while the
 //! device runs the one before, as in `transponder train`, which reads each loss one step
-//! late. `--kernel-timer` runs one more step under the per-kernel
+//! late. `--cuda-graph` makes those untimed steps replays of the training step captured as a
+//! CUDA graph (`trainer::train::graph`, as `transponder train --cuda-graph` runs it: its
+//! step guard, without clipping, adds two launches to the eager step's; the counters then
+//! show the device work of one replay and `graph_launches: 1`). `--kernel-timer` runs one more step under the per-kernel
 //! timer (a CUDA event pair around every launch) and adds its time per kernel family
 //! (`"kernel_ms"`), printing the slowest kernels to stderr.
 //!
@@ -48,8 +51,11 @@ use models::llama::{Llama, LlamaConfig};
 use nn::optim::{Adam, AdamConfig, Optimizer};
 use nn::Module;
 use tensor::{Device, Rng, Tokens};
+use trainer::data::sampler::TokenBatch;
 use trainer::device::{device_name, ensure_available, parse_device, synchronize, MatmulPrecision};
 use trainer::gpu_counters::{time_kernels, CounterSnapshot};
+#[cfg(feature = "cuda")]
+use trainer::train::graph::{GraphStep, StepShape};
 
 struct Args {
     model: String,
@@ -65,6 +71,7 @@ struct Args {
     device: Device,
     bf16: bool,
     kernel_timer: bool,
+    cuda_graph: bool,
     vocab: usize,
 }
 
@@ -83,6 +90,7 @@ fn parse_args() -> Result<Args> {
         device: Device::Cpu,
         bf16: false,
         kernel_timer: false,
+        cuda_graph: false,
         vocab: 256,
     };
     let mut it = std::env::args().skip(1);
@@ -103,11 +111,12 @@ fn parse_args() -> Result<Args> {
             "--profile" => args.profile = true,
             "--bf16" => args.bf16 = true,
             "--kernel-timer" => args.kernel_timer = true,
+            "--cuda-graph" => args.cuda_graph = true,
             "-h" | "--help" => {
                 println!(
                     "train-bench --model NAME --variant NAME --batch B --seq T --steps N [--warmup N] \
                      [--threads N] [--seed S] [--vocab V] [--forward-only] [--profile] [--device cpu|cuda|cuda:N] [--bf16] \
-                     [--kernel-timer]"
+                     [--kernel-timer] [--cuda-graph]"
                 );
                 std::process::exit(0);
             }
@@ -119,6 +128,9 @@ fn parse_args() -> Result<Args> {
     }
     if args.kernel_timer && args.device == Device::Cpu {
         bail!("--kernel-timer times GPU kernels: it needs --device cuda");
+    }
+    if args.cuda_graph && (args.device == Device::Cpu || args.forward_only || args.kernel_timer) {
+        bail!("--cuda-graph replays training steps on a GPU: it needs --device cuda, without --forward-only or --kernel-timer");
     }
     Ok(args)
 }
@@ -245,17 +257,21 @@ fn run(args: Args) -> Result<()> {
 
     let tokens = args.batch * args.seq;
     let mut rng = Rng::new(args.seed + 1);
-    // A batch's inputs and targets on the model's device, uploaded once each (as the trainer does).
-    let mut batch = || -> Result<(Tokens, Tokens)> {
+    let mut host_batch = || -> TokenBatch {
         let ids: Vec<u32> = (0..tokens + 1).map(|_| rng.below(args.vocab as u64) as u32).collect();
-        Ok((Tokens::new(&ids[..tokens], args.device)?, Tokens::new(&ids[1..], args.device)?))
+        let (inputs, targets) = (ids[..tokens].to_vec(), ids[1..].to_vec());
+        TokenBatch { inputs, targets, batch_size: args.batch, seq_len: args.seq }
+    };
+    // A batch's inputs and targets on the model's device, uploaded once each (as the trainer does).
+    let on_device = |batch: &TokenBatch| -> Result<(Tokens, Tokens)> {
+        Ok((Tokens::new(&batch.inputs, args.device)?, Tokens::new(&batch.targets, args.device)?))
     };
 
     let mut cpu_start = process_cpu_seconds();
     let mut allocations_start = allocation_counts();
     let (mut step_s, mut fwd_s, mut bwd_s, mut opt_s, mut loss) = (vec![], vec![], vec![], vec![], f32::NAN);
     for i in 0..args.warmup + args.steps {
-        let (ids, targets) = batch()?;
+        let (ids, targets) = on_device(&host_batch())?;
         if i == args.warmup {
             cpu_start = process_cpu_seconds();
             allocations_start = allocation_counts();
@@ -295,9 +311,30 @@ fn run(args: Args) -> Result<()> {
     let allocations_end = allocation_counts();
 
     // One more steady-state step, counted on the device: as the trainer runs it, without
-    // the waits the timing above adds.
+    // the waits the timing above adds. With --cuda-graph, a replay of the captured step
+    // (`trainer::train::graph`): its guard (no clipping) is read after the next step is queued.
+    #[cfg(feature = "cuda")]
+    let (mut graph, mut unread): (Option<GraphStep>, Option<nn::optim::StepGuard>) = (None, None);
     let mut untimed_step = || -> Result<()> {
-        let (ids, targets) = batch()?;
+        let batch = host_batch();
+        #[cfg(feature = "cuda")]
+        if args.cuda_graph {
+            let batches = std::slice::from_ref(&batch);
+            let graph = match &mut graph {
+                Some(graph) => graph,
+                None => {
+                    let shape =
+                        StepShape { batch: args.batch, seq: args.seq, micro_batches: 1.0, max_norm: f32::INFINITY };
+                    graph.insert(GraphStep::new(&model, args.device, shape, batches, None)?)
+                }
+            };
+            let guard = graph.run(&model, &mut optimizer, batches, 1e-3)?;
+            if let Some(previous) = unread.replace(guard) {
+                loss = previous.read()?.loss;
+            }
+            return Ok(());
+        }
+        let (ids, targets) = on_device(&batch)?;
         if args.forward_only {
             no_grad(|| model.loss(&ids, &targets, args.batch, args.seq))?;
         } else {
@@ -309,6 +346,12 @@ fn run(args: Args) -> Result<()> {
         }
         Ok(())
     };
+    if args.cuda_graph {
+        // The eager first step, the step in the graph's pool, the capture and its replay.
+        for _ in 0..3 {
+            untimed_step()?;
+        }
+    }
     let before = CounterSnapshot::take(args.device)?;
     untimed_step()?;
     let counters = CounterSnapshot::take(args.device)?.since_json(&before);
@@ -323,6 +366,10 @@ fn run(args: Args) -> Result<()> {
     synchronize(args.device)?;
     let queued_step = queued_start.elapsed().as_secs_f64() / args.steps as f64;
     let kernel_ms = if args.kernel_timer { time_kernels(args.device, untimed_step)? } else { serde_json::Value::Null };
+    #[cfg(feature = "cuda")]
+    if let Some(last) = unread.take() {
+        loss = last.read()?.loss;
+    }
     let per_step = |end: u64, start: u64| (end - start) as f64 / args.steps as f64;
     if args.profile {
         print_profile(&Var::profile_stop(), args.steps);

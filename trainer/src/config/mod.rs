@@ -123,6 +123,11 @@ pub struct TrainConfig {
     /// on another device, and results do not depend on it beyond rounding.
     #[serde(skip, default = "crate::device::cpu")]
     pub device: Device,
+    /// Replay each step as a CUDA graph after capturing it once (`--cuda-graph`; single-GPU
+    /// runs with Adam/AdamW). Not part of the saved config either: it changes how the steps
+    /// are queued, not what they compute (the losses are the eager run's, bit for bit).
+    #[serde(skip)]
+    pub cuda_graph: bool,
 }
 
 impl Default for TrainConfig {
@@ -173,6 +178,7 @@ impl Default for TrainConfig {
             out_dir: PathBuf::from("runs/default"),
             bf16: false,
             device: Device::Cpu,
+            cuda_graph: false,
         }
     }
 }
@@ -301,8 +307,30 @@ impl TrainConfig {
         // A global batch the world size and batch size cannot make is an error naming both.
         self.for_world(self.world_size)?;
         crate::device::check_bf16(self.device, self.bf16)?;
+        if self.cuda_graph {
+            self.check_cuda_graph()?;
+        }
         if self.lazy_tables && self.device != Device::Cpu {
             bail!("lazy_tables (row-sparse table updates) runs on the CPU only; drop it for --device cuda");
+        }
+        Ok(())
+    }
+
+    /// Errors unless a run with `--cuda-graph` can capture its step: a GPU in a build with the
+    /// `cuda` feature, one process, and Adam/AdamW (whose update reads its per-step constants
+    /// and its guard on the device).
+    fn check_cuda_graph(&self) -> Result<()> {
+        if !cfg!(feature = "cuda") {
+            bail!("--cuda-graph needs a build with --features cuda");
+        }
+        if !matches!(self.device, Device::Cuda(_)) {
+            bail!("--cuda-graph replays the step on a GPU: add --device cuda");
+        }
+        if self.world_size > 1 {
+            bail!("--cuda-graph runs on one GPU: data parallel (world size {}) is not captured", self.world_size);
+        }
+        if self.optimizer == OptimizerKind::Sgd {
+            bail!("--cuda-graph needs --optimizer adam or adamw (SGD reads its step guard on the host)");
         }
         Ok(())
     }

@@ -11,7 +11,8 @@
 //! - [`log`]: the progress bar, the printed lines and the `metrics.jsonl` rows;
 //! - [`evaluate`]: validation loss on sequential windows;
 //! - [`data_parallel`]: several ranks as one run (the gradient all-reduce, the checks that
-//!   keep the ranks together).
+//!   keep the ranks together);
+//! - [`graph`]: the step captured once as a CUDA graph and replayed (`--cuda-graph`).
 //!
 //! On a GPU (`config.device`), the model is built and initialised on the host (the same
 //! weights as a CPU run of the same seed), then its parameters move to the device, where
@@ -22,6 +23,8 @@
 
 mod data_parallel;
 mod evaluate;
+#[cfg(feature = "cuda")]
+pub mod graph;
 mod log;
 pub mod resume;
 mod setup;

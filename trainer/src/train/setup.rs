@@ -40,6 +40,9 @@ pub(super) struct Session<'a> {
     pub start_step: usize,
     /// This rank's part in a data-parallel run (`None`: a single process).
     pub data_parallel: Option<DataParallel>,
+    /// The step replayed as a CUDA graph (`--cuda-graph`), made at the run's first step.
+    #[cfg(feature = "cuda")]
+    pub graph: Option<super::graph::GraphStep>,
     train_json: String,
     model_json: String,
     /// bf16 matrix products for as long as the run lives.
@@ -129,6 +132,8 @@ impl<'a> Session<'a> {
             checkpoint_path,
             start_step,
             data_parallel,
+            #[cfg(feature = "cuda")]
+            graph: None,
             train_json,
             model_json,
             _precision: precision,

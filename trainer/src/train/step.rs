@@ -14,8 +14,11 @@
 use std::time::Instant;
 
 use anyhow::Result;
+use models::llama::Llama;
 use nn::optim::{clip_grad_norm, step_guard, Optimizer, StepGuard};
 use tensor::{Tensor, Tokens};
+
+use crate::data::sampler::TokenBatch;
 
 use super::evaluate::mean_loss;
 use super::setup::Session;
@@ -72,12 +75,17 @@ impl Session<'_> {
             }
             Verdict::Known(outcome)
         } else {
-            let loss_sum = self.accumulate_gradients()?;
-            let micro_batches = self.config.grad_accum as f32;
             let previous = previous.and_then(|step| match &step.verdict {
                 Verdict::Guarded(guard) => Some(guard),
                 Verdict::Known(_) => None,
             });
+            #[cfg(feature = "cuda")]
+            if self.config.cuda_graph {
+                let guard = self.queue_graph_step(lr, previous)?;
+                return Ok(QueuedStep { done, lr, queued_at: Instant::now(), verdict: Verdict::Guarded(guard) });
+            }
+            let loss_sum = self.accumulate_gradients()?;
+            let micro_batches = self.config.grad_accum as f32;
             let clip = self.config.grad_clip;
             Verdict::Guarded(guarded_update(self.optimizer.as_mut(), &loss_sum, micro_batches, clip, lr, previous)?)
         };
@@ -123,21 +131,38 @@ impl Session<'_> {
     /// summed where they were computed (no wait for the device). Each micro-batch's inputs
     /// and targets are uploaded once, as [`Tokens`] every op of its step reads.
     fn accumulate_gradients(&mut self) -> Result<Tensor> {
-        let (batch_size, seq_len, accum) = (self.config.batch_size, self.config.seq_len, self.config.grad_accum);
-        let micro_batches = (accum * self.config.world_size) as f32;
+        let micro_batches = (self.config.grad_accum * self.config.world_size) as f32;
         let device = self.config.device;
-        let mut sum: Option<Tensor> = None;
-        for _ in 0..accum {
-            let batch = self.sampler.next_batch()?;
-            let (inputs, targets) = (Tokens::new(&batch.inputs, device)?, Tokens::new(&batch.targets, device)?);
-            let loss = self.model.loss(&inputs, &targets, batch_size, seq_len)?;
-            sum = Some(match sum {
-                None => loss.value(),
-                Some(sum) => sum.add(&loss.value())?,
-            });
-            loss.mul_scalar(1.0 / micro_batches)?.backward()?;
+        let mut tokens = Vec::with_capacity(self.config.grad_accum);
+        for batch in self.next_batches()? {
+            tokens.push((Tokens::new(&batch.inputs, device)?, Tokens::new(&batch.targets, device)?));
         }
-        Ok(sum.expect("grad_accum is at least 1"))
+        loss_and_gradients(&self.model, &tokens, self.config.batch_size, self.config.seq_len, micro_batches)
+    }
+
+    /// The step as a CUDA graph ([`super::graph`]): made at the first step, after `previous`.
+    #[cfg(feature = "cuda")]
+    fn queue_graph_step(&mut self, lr: f32, previous: Option<&StepGuard>) -> Result<StepGuard> {
+        let batches = self.next_batches()?;
+        let graph = match &mut self.graph {
+            Some(graph) => graph,
+            None => {
+                let shape = super::graph::StepShape {
+                    batch: self.config.batch_size,
+                    seq: self.config.seq_len,
+                    micro_batches: self.config.grad_accum as f32,
+                    max_norm: max_norm(self.config.grad_clip),
+                };
+                let graph = super::graph::GraphStep::new(&self.model, self.config.device, shape, &batches, previous)?;
+                self.graph.insert(graph)
+            }
+        };
+        graph.run(&self.model, self.optimizer.as_mut(), &batches, lr)
+    }
+
+    /// The step's `grad_accum` micro-batches.
+    pub(super) fn next_batches(&mut self) -> Result<Vec<TokenBatch>> {
+        (0..self.config.grad_accum).map(|_| self.sampler.next_batch()).collect()
     }
 
     /// [`Session::accumulate_gradients`], then the gradients and the rank's summed loss
@@ -149,6 +174,43 @@ impl Session<'_> {
         let data_parallel = self.data_parallel.as_mut().expect("called for data parallel runs");
         let total = data_parallel.all_reduce_gradients(self.optimizer.parameters(), &sum, done)?;
         Ok(total / micro_batches)
+    }
+}
+
+/// Forward and backward passes of `model` over micro-batches of token ids (`(inputs,
+/// targets)`, `batch` sequences of `seq` each), gradients summed onto the parameters' (each
+/// loss scaled by `1 / micro_batches` when that is not 1). Returns the micro-batches' losses, summed where they
+/// were computed (no wait for the device).
+pub(crate) fn loss_and_gradients(
+    model: &Llama,
+    tokens: &[(Tokens, Tokens)],
+    batch: usize,
+    seq: usize,
+    micro_batches: f32,
+) -> Result<Tensor> {
+    let mut sum: Option<Tensor> = None;
+    for (inputs, targets) in tokens {
+        let loss = model.loss(inputs, targets, batch, seq)?;
+        sum = Some(match sum {
+            None => loss.value(),
+            Some(sum) => sum.add(&loss.value())?,
+        });
+        // A scale of 1 changes no bit: the loss alone is backpropagated (two launches fewer).
+        if micro_batches == 1.0 {
+            loss.backward()?;
+        } else {
+            loss.mul_scalar(1.0 / micro_batches)?.backward()?;
+        }
+    }
+    sum.ok_or_else(|| anyhow::anyhow!("a step needs at least one micro-batch"))
+}
+
+/// The gradient norm a step clips to: `grad_clip`, or no clipping (∞) when it is 0.
+pub(crate) fn max_norm(grad_clip: f32) -> f32 {
+    if grad_clip > 0.0 {
+        grad_clip
+    } else {
+        f32::INFINITY
     }
 }
 
@@ -165,8 +227,7 @@ pub(crate) fn guarded_update(
     lr: f32,
     previous: Option<&StepGuard>,
 ) -> Result<StepGuard> {
-    let max_norm = if grad_clip > 0.0 { grad_clip } else { f32::INFINITY };
-    let guard = step_guard(optimizer.parameters(), loss_sum, micro_batches, max_norm, previous)?;
+    let guard = step_guard(optimizer.parameters(), loss_sum, micro_batches, max_norm(grad_clip), previous)?;
     optimizer.step_guarded(lr, &guard)?;
     optimizer.zero_grad();
     Ok(guard)
@@ -196,9 +257,8 @@ pub(crate) fn finite_update(
     if !loss.is_finite() {
         return Ok(Err(NonFinite { quantity: "loss", value: loss }));
     }
-    let max_norm = if grad_clip > 0.0 { grad_clip } else { f32::INFINITY };
     // A non-finite norm leaves the gradients unscaled (clip_grad_norm skips them).
-    let grad_norm = clip_grad_norm(optimizer.parameters(), max_norm)?;
+    let grad_norm = clip_grad_norm(optimizer.parameters(), max_norm(grad_clip))?;
     if !grad_norm.is_finite() {
         return Ok(Err(NonFinite { quantity: "gradient norm", value: grad_norm }));
     }
