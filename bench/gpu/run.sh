@@ -8,7 +8,7 @@
 # DEADLINE (seconds, default none) caps the whole script: each step's timeout shrinks to
 # what is left of it, and a step with under 10 s left is skipped, saying so.
 #
-#     bash bench/gpu/run.sh [steps...]     # steps: tests bench timer nccl compare train (default: all)
+#     bash bench/gpu/run.sh [steps...]     # steps: tests bench timer graph nccl compare train (default: all)
 #     DEADLINE=300 TRAIN_STEPS=100 COMPARE_ARGS="--repeats 1" bash bench/gpu/run.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -43,7 +43,7 @@ step() {
     tail -n 25 "$LOGS/$name.log"
     tar -C /tmp/gpu -czf "$OUT/logs.tgz" logs
 }
-steps=${*:-tests bench timer nccl compare train}
+steps=${*:-tests bench timer graph nccl compare train}
 for s in $steps; do
     case $s in
     tests)
@@ -65,6 +65,31 @@ for s in $steps; do
             step "timer-$variant" "$BIN/train-bench" --model llama-60m --variant "$variant" --batch 32 --seq 256 \
                 --steps 3 --warmup 2 --device cuda --bf16 --kernel-timer
         done
+        ;;
+    graph)
+        # The step replayed as a CUDA graph against the same steps queued eagerly, both variants,
+        # at the anchor's shape (vocab 32,000, batch 64 x 256): compare queued_tokens_per_s and
+        # the counters. Then 20 training steps eagerly and with --cuda-graph: the logged losses
+        # must be the same, bit for bit (graph-losses.log says).
+        for variant in pre-ln transponder; do
+            for mode in eager graph; do
+                flag=""
+                [ "$mode" = graph ] && flag="--cuda-graph"
+                step "graph-$variant-$mode" "$BIN/train-bench" --model llama-60m --variant "$variant" --vocab 32000 \
+                    --batch 64 --seq 256 --steps 10 --warmup 2 --device cuda --bf16 $flag
+            done
+        done
+        for mode in eager graph; do
+            flag=""
+            [ "$mode" = graph ] && flag="--cuda-graph"
+            step "train-60m-$mode" "$BIN/transponder" train --device cuda --bf16 $flag --model llama-60m \
+                --variant transponder --tokenizer gpt2 --batch-size 64 --seq-len 256 --lr 1e-3 --steps 20 \
+                --log-every 1 --eval-every 0 --save-every 0 --out-dir "/tmp/gpu/run-60m-$mode"
+        done
+        step graph-losses python3 -c '
+import json, sys
+rows = [[json.loads(l)["loss"] for l in open(f"/tmp/gpu/run-60m-{m}/metrics.jsonl")] for m in ("eager", "graph")]
+print("eager", rows[0]); print("graph", rows[1]); print("same bits:", rows[0] == rows[1]); sys.exit(rows[0] != rows[1])'
         ;;
     # The issue-28 anchor (vocab 32,000, batch 64 x 256), ours beside PyTorch eager, compile and
     # compile + CUDA graphs, one process each (compiling takes most of the time: its own limit,

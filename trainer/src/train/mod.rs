@@ -16,10 +16,11 @@
 //!
 //! On a GPU (`config.device`), the model is built and initialised on the host (the same
 //! weights as a CPU run of the same seed), then its parameters move to the device, where
-//! the optimizer keeps its state too. Token ids stay host slices (the embedding and the
-//! loss take them as such); each step's loss and gradient norm come back to the host once,
-//! read after the next step is queued (the finiteness checks, one step late: a step after a
-//! non-finite one is skipped on the device); checkpoints download parameters and state.
+//! the optimizer keeps its state too. A micro-batch's token ids and targets go to the device
+//! once each (`tensor::Tokens`), read there by every op; each step's loss and gradient norm
+//! come back to the host once, read after the next step is queued (the finiteness checks,
+//! one step late: a step after a non-finite one is skipped on the device); checkpoints
+//! download parameters and state.
 
 mod data_parallel;
 mod evaluate;
