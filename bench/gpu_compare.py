@@ -336,6 +336,11 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=2, help="processes per engine, mode and row (in turn)")
     p.add_argument("--threads", type=int, default=8, help="host threads of our engine (rayon)")
     p.add_argument("--fp32", action="store_true", help="plain f32 on both sides instead of bf16 matrix inputs")
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="also run ours with --cuda-graph (train mode: the step replayed as a CUDA graph), one more row",
+    )
     p.add_argument("--adamw", default="fused", choices=["fused", "foreach"], help="PyTorch's AdamW implementation")
     p.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS, help="GPU peak for MFU")
     p.add_argument("--json", help="also write every process's result here (one JSON object per line, run order)")
@@ -370,6 +375,8 @@ def commands(ours_bin, model, variant, mode, args):
     ours = [ours_bin] + flags + ["--device", "cuda", "--threads", str(args.threads)]
     ours += [] if args.fp32 else ["--bf16"]
     runs = [("transponder", ours)]
+    if args.cuda_graph and mode == "train":
+        runs.append(("transponder cuda-graph", ours + ["--cuda-graph"]))
     worker = [sys.executable, os.path.abspath(__file__), "--torch-worker"] + flags + ["--adamw", args.adamw]
     worker += ["--fp32"] if args.fp32 else []
     for torch_mode in args.torch_modes:
@@ -405,7 +412,7 @@ def fmt(value, spec, unit=""):
 
 
 def pytorch_results(results):
-    return [r for label, rows in results.items() if label != "transponder" for r in rows]
+    return [r for label, rows in results.items() if label.startswith("pytorch") for r in rows]
 
 
 def table_rows(model, variant, mode, results, args):
@@ -431,8 +438,10 @@ def table_rows(model, variant, mode, results, args):
             lines.append(f"| {model} | {variant} | {mode} | {label} | failed | | | | | | |")
             continue
         tps, queued = median_of(rows, "tokens_per_s"), median_of(rows, "queued_tokens_per_s")
-        ratio = ours_tps / tps if ours_tps and label != "transponder" else None
-        queued_ratio = ours_queued / queued if ours_queued and queued and label != "transponder" else None
+        # Ours against PyTorch's modes; our --cuda-graph row shows its own numbers only.
+        theirs = label.startswith("pytorch")
+        ratio = ours_tps / tps if ours_tps and theirs else None
+        queued_ratio = ours_queued / queued if ours_queued and queued and theirs else None
         mfu = 100 * per_token * tps / (args.peak_tflops * 1e12) if per_token else None
         reserved = max((r.get("gpu_reserved_mib") or float("nan")) for r in rows)
         allocated = max(r["gpu_allocated_mib"] for r in rows) if "gpu_allocated_mib" in rows[0] else None
