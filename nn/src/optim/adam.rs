@@ -129,25 +129,16 @@ impl Optimizer for Adam {
         self.step += 1;
         self.lr = lr;
         #[cfg(feature = "cuda")]
-        {
-            let mut devices: Vec<tensor::Device> = Vec::new();
-            for p in &self.params {
-                let device = p.var.value_ref().device();
-                if device != tensor::Device::Cpu && !devices.contains(&device) {
-                    devices.push(device);
-                }
-            }
-            for device in devices {
-                let groups = [self.config.weight_decay, 0.0].map(|weight_decay| AdamHyper {
-                    lr,
-                    beta1: self.config.beta1,
-                    beta2: self.config.beta2,
-                    eps: self.config.eps,
-                    weight_decay,
-                    step: self.step,
-                });
-                super::cuda::stage_adam_constants(&mut self.constants, device, &groups, self.config.decoupled)?;
-            }
+        for device in super::cuda::gpus_of(&self.params) {
+            let groups = [self.config.weight_decay, 0.0].map(|weight_decay| AdamHyper {
+                lr,
+                beta1: self.config.beta1,
+                beta2: self.config.beta2,
+                eps: self.config.eps,
+                weight_decay,
+                step: self.step,
+            });
+            super::cuda::stage_adam_constants(&mut self.constants, device, &groups, self.config.decoupled)?;
         }
         Ok(())
     }

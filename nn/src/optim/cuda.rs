@@ -66,6 +66,18 @@ impl DeviceScalars {
     }
 }
 
+/// The GPUs `params` live on, each once, in the order first met.
+pub(crate) fn gpus_of(params: &[crate::NamedParameter]) -> Vec<Device> {
+    let mut gpus: Vec<Device> = Vec::new();
+    for p in params {
+        let device = p.var.value_ref().device();
+        if device != Device::Cpu && !gpus.contains(&device) {
+            gpus.push(device);
+        }
+    }
+    gpus
+}
+
 /// Writes Adam's constants of each of `groups` (the decaying parameters', then the others')
 /// for `device`: `[group 0's ADAM_CONSTANTS_LEN | group 1's]`.
 pub(crate) fn stage_adam_constants(

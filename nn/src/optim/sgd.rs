@@ -46,15 +46,8 @@ impl Optimizer for Sgd {
     fn stage(&mut self, lr: f32) -> Result<()> {
         self.lr = lr;
         #[cfg(feature = "cuda")]
-        {
-            let mut devices: Vec<tensor::Device> = Vec::new();
-            for p in &self.params {
-                let device = p.var.value_ref().device();
-                if device != tensor::Device::Cpu && !devices.contains(&device) {
-                    devices.push(device);
-                    self.lr_on_device.write(device, &[lr])?;
-                }
-            }
+        for device in super::cuda::gpus_of(&self.params) {
+            self.lr_on_device.write(device, &[lr])?;
         }
         Ok(())
     }
