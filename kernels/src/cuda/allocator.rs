@@ -105,7 +105,7 @@ struct PoolUser {
     /// emulated device) the poisoning of a reused block is recorded with the graph's work.
     capturing: bool,
     #[cfg(feature = "cuda-emu")]
-    recording: Option<Arc<super::graph::Recording>>,
+    recording: Option<Arc<super::emu::recording::Recording>>,
 }
 
 struct PoolState {
@@ -321,7 +321,7 @@ impl Allocator {
         &self,
         id: u64,
         capturing: bool,
-        #[cfg(feature = "cuda-emu")] recording: Option<Arc<super::graph::Recording>>,
+        #[cfg(feature = "cuda-emu")] recording: Option<Arc<super::emu::recording::Recording>>,
     ) -> Result<()> {
         let mut state = self.lock();
         if state.user.is_some() {

@@ -24,7 +24,6 @@ use cudarc::driver::{result as driver, CudaContext, CudaFunction, CudaStream, La
 use super::allocator::{Allocator, AllocatorStats, DeviceBuffer, DeviceScalar};
 use super::counters::{Counters, DeviceCounters, GemmKind};
 use super::error::{ensure, CudaError, Result};
-use super::graph::CaptureState;
 use super::module::{panic_message, Arg, KernelCache, KernelFamily};
 use super::readback::ReadbackSlots;
 use super::staging::{Staging, StagingStream, CHUNK_BYTES};
@@ -46,6 +45,14 @@ pub struct CudaDevice {
     arrivals: Mutex<Option<DeviceBuffer<u32>>>,
     /// The capture under way, if any (`graph.rs`).
     pub(crate) capture: Mutex<Option<CaptureState>>,
+}
+
+/// The thread capturing a CUDA graph on a device (`graph.rs`), and (emulated) where its
+/// work is recorded.
+pub(crate) struct CaptureState {
+    pub(crate) thread: std::thread::ThreadId,
+    #[cfg(feature = "cuda-emu")]
+    pub(crate) recording: Option<Arc<super::emu::recording::Recording>>,
 }
 
 /// What runs the device's work.

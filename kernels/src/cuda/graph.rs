@@ -32,16 +32,16 @@
 //! replay checks that every address the record touches is a live buffer or a block of the
 //! graph's pool, which catches a graph that reads a buffer dropped since the capture.
 
-#[cfg(feature = "cuda-emu")]
-use std::sync::Mutex;
 use std::sync::{Arc, MutexGuard};
-use std::thread::{self, ThreadId};
+use std::thread;
 
 use cudarc::driver::sys;
 
 use super::allocator::Allocator;
 use super::counters::DeviceCounters;
-use super::device::CudaDevice;
+use super::device::{CaptureState, CudaDevice};
+#[cfg(feature = "cuda-emu")]
+use super::emu::recording::{Node, Recording};
 use super::error::{CudaError, Result};
 
 /// The private memory pool of one CUDA graph: what a step run in it allocates stays there
@@ -93,58 +93,12 @@ enum Body {
     Emulated(Vec<Node>),
 }
 
-/// The thread capturing on a device, and (emulated) where its work is recorded.
-pub(crate) struct CaptureState {
-    thread: ThreadId,
-    #[cfg(feature = "cuda-emu")]
-    recording: Option<Arc<Recording>>,
-}
-
 /// What this thread's device work does now.
 pub(crate) enum Role {
     /// Runs (emulated) or is queued (GPU) as usual.
     Eager,
     /// Is captured: on a GPU by the stream, on the emulator into this record.
     Capturing(#[cfg(feature = "cuda-emu")] Option<Arc<Recording>>),
-}
-
-/// One piece of emulated work a capture recorded.
-#[cfg(feature = "cuda-emu")]
-enum Node {
-    /// Device work: its name, the device addresses it touches, the buffers they were in at
-    /// the capture, and how to run it.
-    Work { name: &'static str, addresses: Vec<u64>, buffers: Vec<super::emu::memory::LiveBuffer>, run: EmulatedWork },
-    /// The poisoning of a block the capture's step reused (`allocator.rs`): `bytes` from `start`.
-    Poison { start: u64, bytes: usize },
-}
-
-/// Emulated device work, run again at each replay.
-#[cfg(feature = "cuda-emu")]
-pub(crate) type EmulatedWork = Box<dyn Fn(&super::emu::Emulator) -> Result<()> + Send + Sync>;
-
-/// The emulated work of a capture, in the order it was queued.
-#[cfg(feature = "cuda-emu")]
-#[derive(Default)]
-pub(crate) struct Recording {
-    nodes: Mutex<Vec<Node>>,
-}
-
-#[cfg(feature = "cuda-emu")]
-impl Recording {
-    fn lock(&self) -> MutexGuard<'_, Vec<Node>> {
-        self.nodes.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// Records work `name` touching `addresses`.
-    pub(crate) fn work(&self, name: &'static str, addresses: Vec<u64>, run: EmulatedWork) {
-        let buffers = addresses.iter().filter_map(|&address| super::emu::memory::containing(address)).collect();
-        self.lock().push(Node::Work { name, addresses, buffers, run });
-    }
-
-    /// Records the poisoning of the block `(start, bytes)`.
-    pub(crate) fn poison(&self, (start, bytes): (u64, usize)) {
-        self.lock().push(Node::Poison { start, bytes });
-    }
 }
 
 /// Ends a capture or a step in a pool however the closure returns (a panic included).
@@ -233,17 +187,19 @@ impl CudaDevice {
                 self.allocator().enter_pool(pool.id, true)
             }
         };
-        let outcome = {
+        let (outcome, body) = {
             let _leave = Leave { dev: self, capture: true };
-            match entered {
+            let outcome = match entered {
                 Ok(()) => work(),
                 Err(e) => Err(e.into()),
-            }
+            };
+            // Ended while the device is still this thread's: no other work lands in the graph.
+            let body = self.end_capture(
+                #[cfg(feature = "cuda-emu")]
+                recording,
+            );
+            (outcome, body)
         };
-        let body = self.end_capture(
-            #[cfg(feature = "cuda-emu")]
-            recording,
-        );
         // The capture ran nothing: its work is counted at each replay instead.
         let mut work_done = self.counters().since(&before);
         self.restore_counters(&before);
@@ -257,8 +213,7 @@ impl CudaDevice {
     fn end_capture(&self, #[cfg(feature = "cuda-emu")] recording: Option<Arc<Recording>>) -> Result<Body> {
         #[cfg(feature = "cuda-emu")]
         if let Some(recording) = recording {
-            let nodes = std::mem::take(&mut *recording.lock());
-            return Ok(Body::Emulated(nodes));
+            return Ok(Body::Emulated(recording.take()));
         }
         let gpu = self.driver().ok_or_else(|| CudaError::Unavailable("no driver behind this device".to_string()))?;
         gpu.bind()?;
@@ -295,37 +250,21 @@ impl CudaDevice {
     #[cfg(feature = "cuda-emu")]
     fn replay_emulated(&self, pool: u64, nodes: &[Node]) -> Result<()> {
         let emulator = self.emulator("replay")?;
-        for node in nodes {
-            if let Node::Work { name, addresses, .. } = node {
-                if let Some(address) = self.allocator().outside_pool(pool, addresses.iter().copied()) {
-                    return Err(CudaError::Capture {
-                        op: "replay",
-                        message: format!(
-                            "{name} touches {address:#x}, which is no longer a live buffer nor the graph's: a \
+        for (name, addresses) in nodes.iter().filter_map(Node::touches) {
+            if let Some(address) = self.allocator().outside_pool(pool, addresses.iter().copied()) {
+                return Err(CudaError::Capture {
+                    op: "replay",
+                    message: format!(
+                        "{name} touches {address:#x}, which is no longer a live buffer nor the graph's: a \
                              buffer the captured step read was dropped after the capture (keep it alive as long \
                              as the graph)"
-                        ),
-                    });
-                }
+                    ),
+                });
             }
         }
-        for node in nodes {
-            match node {
-                Node::Work { run, buffers, .. } => {
-                    let revived: Vec<u64> =
-                        buffers.iter().filter(|&&b| super::emu::memory::revive(b)).map(|b| b.ptr).collect();
-                    let ran = run(emulator);
-                    revived.into_iter().for_each(super::emu::memory::unregister);
-                    ran?;
-                }
-                // SAFETY: the block belongs to the graph's pool, which the graph owns: mapped
-                // for as long as the graph lives, and written here only by this replay.
-                Node::Poison { start, bytes } => unsafe {
-                    std::ptr::write_bytes(*start as *mut u8, super::emu::memory::POISON, *bytes)
-                },
-            }
-        }
-        Ok(())
+        // SAFETY: every address of the record is a live buffer or a block of the graph's
+        // pool (checked above), which the graph owns: mapped while it lives.
+        unsafe { super::emu::recording::run(nodes, emulator) }
     }
 
     /// What this thread's device work `op` does now: errors while another thread captures.

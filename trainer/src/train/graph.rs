@@ -25,7 +25,7 @@ use models::llama::Llama;
 use nn::optim::{GraphGuard, Optimizer, StepGuard};
 use tensor::{Device, Tokens};
 
-use super::step::loss_and_gradients;
+use super::accumulate::loss_and_gradients;
 use crate::data::sampler::TokenBatch;
 
 /// The shape of a step: what every replay of it computes over.

@@ -7,7 +7,7 @@
 //! - [`resume`]: which settings a resumed run takes from its directory, and which changes
 //!   are refused or warned about;
 //! - [`step`]: one optimizer step, stopped before the update when the loss or the gradient
-//!   norm is not finite;
+//!   norm is not finite ([`accumulate`]: its micro-batches' forward and backward passes);
 //! - [`log`]: the progress bar, the printed lines and the `metrics.jsonl` rows;
 //! - [`evaluate`]: validation loss on sequential windows;
 //! - [`data_parallel`]: several ranks as one run (the gradient all-reduce, the checks that
@@ -22,6 +22,7 @@
 //! one step late: a step after a non-finite one is skipped on the device); checkpoints
 //! download parameters and state.
 
+mod accumulate;
 mod data_parallel;
 mod evaluate;
 #[cfg(feature = "cuda")]

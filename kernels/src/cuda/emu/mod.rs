@@ -8,6 +8,7 @@
 //! memory.rs     device memory as guarded host pages; live buffers for error reports
 //! blas.rs       the cuBLAS calls the backend makes, with cuBLAS's semantics, on the CPU
 //! nccl.rs       the NCCL calls, with NCCL's contract, through the host collective (TCP)
+//! recording.rs  a CUDA graph's capture: the work recorded instead of run, replayed in order
 //! ```
 //!
 //! [`crate::cuda::CudaDevice`] runs on the emulator when no driver loads (or when
@@ -25,6 +26,7 @@ pub(crate) mod launch;
 pub(crate) mod memory;
 mod mutants;
 pub(crate) mod nccl;
+pub(crate) mod recording;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
