@@ -132,6 +132,12 @@ impl PoolState {
         }
     }
 
+    /// The live buffer (its first byte's address and its bytes) that `address` points into.
+    fn live_buffer_at(&self, address: u64) -> Option<(u64, usize)> {
+        let (&start, &bytes) = self.live.range(..=address).next_back()?;
+        (address < start + bytes as u64).then_some((start, bytes))
+    }
+
     /// The graph pool that serves the calling thread now, and whether it is capturing.
     fn pool_of_this_thread(&self) -> Option<&PoolUser> {
         self.user.as_ref().filter(|user| user.thread == thread::current().id())
@@ -354,8 +360,7 @@ impl Allocator {
     pub(crate) fn outside_pool(&self, id: u64, ptrs: impl Iterator<Item = u64>) -> Option<u64> {
         let state = self.lock();
         let spans = state.private.get(&id).map_or(&[][..], |p| &p.spans[..]);
-        let in_live =
-            |p: u64| state.live.range(..=p).next_back().is_some_and(|(&start, &b)| p < start + b.max(1) as u64);
+        let in_live = |p: u64| state.live_buffer_at(p).is_some();
         let in_pool = |p: u64| spans.iter().any(|&(start, bytes)| p >= start && p < start + bytes as u64);
         ptrs.into_iter().find(|&p| !in_live(p) && !in_pool(p))
     }
@@ -386,10 +391,7 @@ impl Allocator {
     /// (addresses outside every buffer count nothing).
     pub(crate) fn bytes_referenced(&self, ptrs: impl Iterator<Item = u64>) -> u64 {
         let state = self.lock();
-        let mut starts: Vec<(u64, usize)> = ptrs
-            .filter_map(|p| state.live.range(..=p).next_back().filter(|(&start, &bytes)| p < start + bytes as u64))
-            .map(|(&start, &bytes)| (start, bytes))
-            .collect();
+        let mut starts: Vec<(u64, usize)> = ptrs.filter_map(|p| state.live_buffer_at(p)).collect();
         starts.sort_unstable();
         starts.dedup();
         starts.iter().map(|&(_, bytes)| bytes as u64).sum()

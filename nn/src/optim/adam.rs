@@ -70,9 +70,14 @@ impl Adam {
     }
 }
 
-/// The update's hyper-parameters for parameter `p` at step `step` and learning rate `lr`.
-fn hyper(config: &AdamConfig, step: u64, p: &NamedParameter, lr: f32) -> AdamHyper {
-    let decays = p.var.value_ref().rank() >= 2;
+/// Whether Adam decays parameter `p` (matrices do; vectors and scalars do not).
+fn decays(p: &NamedParameter) -> bool {
+    p.var.value_ref().rank() >= 2
+}
+
+/// The update's hyper-parameters at step `step` and learning rate `lr` for parameters that
+/// `decays` or not.
+fn hyper(config: &AdamConfig, step: u64, decays: bool, lr: f32) -> AdamHyper {
     AdamHyper {
         lr,
         beta1: config.beta1,
@@ -95,10 +100,10 @@ impl Adam {
         let moments = self.first_moment.iter_mut().zip(self.second_moment.iter_mut());
         for (p, (m, v)) in self.params.iter().zip(moments) {
             let Some(grad) = gradient_of(p)? else { continue };
-            let hyper = hyper(&config, step, p, lr);
+            let decays = decays(p);
+            let hyper = hyper(&config, step, decays, lr);
             #[cfg(feature = "cuda")]
             if p.var.value_ref().device() != tensor::Device::Cpu {
-                let decays = p.var.value_ref().rank() >= 2;
                 on_gpu.push(super::cuda::AdamParam { var: &p.var, grad, m, v, hyper, decays });
                 continue;
             }
@@ -130,14 +135,7 @@ impl Optimizer for Adam {
         self.lr = lr;
         #[cfg(feature = "cuda")]
         for device in super::cuda::gpus_of(&self.params) {
-            let groups = [self.config.weight_decay, 0.0].map(|weight_decay| AdamHyper {
-                lr,
-                beta1: self.config.beta1,
-                beta2: self.config.beta2,
-                eps: self.config.eps,
-                weight_decay,
-                step: self.step,
-            });
+            let groups = [true, false].map(|decays| hyper(&self.config, self.step, decays, lr));
             super::cuda::stage_adam_constants(&mut self.constants, device, &groups, self.config.decoupled)?;
         }
         Ok(())

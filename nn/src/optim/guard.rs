@@ -163,8 +163,8 @@ impl GraphGuard {
     }
 }
 
-/// The host's side of a guarded update ([`super::Optimizer::step_guarded`]'s default):
-/// `false` when the guard says not to update, otherwise `true` with every gradient of
+/// The host's side of a guarded update (what an optimizer's `apply_staged` does with a
+/// guard on the host, and SGD's with any guard): `false` when the guard says not to update, otherwise `true` with every gradient of
 /// `params` scaled by its factor, as `clip_grad_norm` does.
 pub(crate) fn apply_on_host(params: &[NamedParameter], guard: &StepGuard) -> Result<bool> {
     let values = guard.read()?;

@@ -161,7 +161,7 @@ impl Session<'_> {
     }
 
     /// The step's `grad_accum` micro-batches.
-    pub(super) fn next_batches(&mut self) -> Result<Vec<TokenBatch>> {
+    fn next_batches(&mut self) -> Result<Vec<TokenBatch>> {
         (0..self.config.grad_accum).map(|_| self.sampler.next_batch()).collect()
     }
 
