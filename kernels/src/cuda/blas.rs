@@ -177,13 +177,11 @@ pub(crate) fn gemm(
     })
 }
 
-/// `batch` row-major products `C_i = op(A_i)·op(B_i)` of `precision` (`+=` with
-/// [`Store::Accumulate`]), where operand `i` starts `i·stride` elements after the first (a
-/// stride of 0 shares one matrix): one cuBLAS call.
-#[allow(clippy::too_many_arguments)]
+/// `batch` row-major f32 products `C_i = op(A_i)·op(B_i)` (`+=` with [`Store::Accumulate`]),
+/// where operand `i` starts `i·stride` elements after the first (a stride of 0 shares one
+/// matrix): one cuBLAS call (the convolutions' products, one per image of a chunk).
 pub(crate) fn gemm_strided_batched(
     dev: &CudaDevice,
-    precision: Precision,
     dims: GemmDims,
     (a, stride_a): (Operand, usize),
     (b, stride_b): (Operand, usize),
@@ -199,12 +197,9 @@ pub(crate) fn gemm_strided_batched(
     let (mi, ni, ki) = (to_i32(OP, "m", m)?, to_i32(OP, "n", n)?, to_i32(OP, "k", k)?);
     let (lda, ldb, ldc) = (to_i32(OP, "lda", a.ld.max(1))?, to_i32(OP, "ldb", b.ld.max(1))?, to_i32(OP, "ldc", ldc)?);
     let batch_i = to_i32(OP, "batch", batch)?;
+    let precision = Precision::F32;
     let cost = precision.cost((m, n, k), beta, batch);
-    let function = match precision {
-        Precision::F32 => "cublasSgemmStridedBatched",
-        Precision::Bf16 => "cublasGemmStridedBatchedEx",
-    };
-    dev.cublas_call(function, precision.kind(), cost, || {
+    dev.cublas_call("cublasSgemmStridedBatched", precision.kind(), cost, || {
         let Some(gpu) = dev.driver() else {
             let c = (c, ldc as usize, stride_c);
             return emulated(dev, precision, (n, m, k), (b, stride_b), (a, stride_a), store, c, batch);
@@ -214,55 +209,28 @@ pub(crate) fn gemm_strided_batched(
         let (stride_a, stride_b, stride_c) = (stride_a as i64, stride_b as i64, stride_c as i64);
         // SAFETY: as in `gemm`, for each of the `batch` products at the given strides.
         let status = unsafe {
-            match precision {
-                Precision::F32 => cublas::sgemm_strided_batched(
-                    handle,
-                    b.op(),
-                    a.op(),
-                    ni,
-                    mi,
-                    ki,
-                    &alpha,
-                    b.ptr as *const f32,
-                    ldb,
-                    stride_b,
-                    a.ptr as *const f32,
-                    lda,
-                    stride_a,
-                    &beta,
-                    c as *mut f32,
-                    ldc,
-                    stride_c,
-                    batch_i,
-                ),
-                Precision::Bf16 => cublas::gemm_strided_batched_ex(
-                    handle,
-                    b.op(),
-                    a.op(),
-                    ni,
-                    mi,
-                    ki,
-                    &alpha as *const f32 as *const c_void,
-                    b.ptr as *const c_void,
-                    sys::cudaDataType::CUDA_R_16BF,
-                    ldb,
-                    stride_b,
-                    a.ptr as *const c_void,
-                    sys::cudaDataType::CUDA_R_16BF,
-                    lda,
-                    stride_a,
-                    &beta as *const f32 as *const c_void,
-                    c as *mut c_void,
-                    sys::cudaDataType::CUDA_R_32F,
-                    ldc,
-                    stride_c,
-                    batch_i,
-                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
-                ),
-            }
+            cublas::sgemm_strided_batched(
+                handle,
+                b.op(),
+                a.op(),
+                ni,
+                mi,
+                ki,
+                &alpha,
+                b.ptr as *const f32,
+                ldb,
+                stride_b,
+                a.ptr as *const f32,
+                lda,
+                stride_a,
+                &beta,
+                c as *mut f32,
+                ldc,
+                stride_c,
+                batch_i,
+            )
         };
-        status.map_err(|e| CudaError::blas(format!("{precision:?} batched gemm {batch}×({m}×{n}×{k})"), e))
+        status.map_err(|e| CudaError::blas(format!("f32 batched gemm {batch}×({m}×{n}×{k})"), e))
     })
 }
 

@@ -114,7 +114,6 @@ pub fn conv2d_forward(
         };
         gemm_strided_batched(
             dev,
-            Precision::F32,
             GemmDims { m: g.out_channels, n: s.positions, k: s.depth },
             (Operand::rows(w.device_ptr(), s.depth), 0),
             (Operand::rows(cols, s.positions), col_stride),
@@ -196,11 +195,11 @@ pub fn conv2d_backward(
             match &mut dcol {
                 None => {
                     let out = (dx.ptr_at(first * s.x_image), positions, s.x_image);
-                    gemm_strided_batched(dev, Precision::F32, dims, w_t, dy_rows, Store::Overwrite, out, images)?;
+                    gemm_strided_batched(dev, dims, w_t, dy_rows, Store::Overwrite, out, images)?;
                 }
                 Some(dcol) => {
                     let out = (dcol.device_ptr(), positions, depth * positions);
-                    gemm_strided_batched(dev, Precision::F32, dims, w_t, dy_rows, Store::Overwrite, out, images)?;
+                    gemm_strided_batched(dev, dims, w_t, dy_rows, Store::Overwrite, out, images)?;
                     let mut args = vec![ptr(dcol), ptr_at(dx, first * s.x_image)];
                     args.extend(geometry_args(g, images));
                     dev.launch(FAMILY, "col2im", elementwise(images * s.x_image), &args)?;

@@ -651,6 +651,8 @@ impl CudaDevice {
                 Arg::Dims(v) => builder.arg(v),
                 Arg::Ptrs(v) => builder.arg(v),
                 Arg::Lengths(v) => builder.arg(v),
+                Arg::PtrTable(v) => builder.arg(&**v),
+                Arg::LengthTable(v) => builder.arg(&**v),
             };
         }
         // SAFETY: every launcher checks buffer lengths and shapes against the kernel's

@@ -28,18 +28,52 @@ pub(crate) fn length_list(lengths: impl Iterator<Item = usize>) -> Arg {
     Arg::Lengths(v)
 }
 
+/// Entries of a `TensorTable` (common.cuh): the tensors of one optimizer or squared-norm
+/// launch, a model's whole parameter group.
+pub(crate) const TABLE_LEN: usize = 512;
+
+/// The device addresses of up to [`TABLE_LEN`] buffers as a `TensorTable` argument.
+pub(crate) fn address_table(addresses: impl Iterator<Item = u64>) -> Arg {
+    let mut v = Box::new([0u64; TABLE_LEN]);
+    for (slot, address) in v.iter_mut().zip(addresses) {
+        *slot = address;
+    }
+    Arg::PtrTable(v)
+}
+
+/// Up to [`TABLE_LEN`] sizes as a `TensorTable` argument.
+pub(crate) fn length_table(lengths: impl Iterator<Item = usize>) -> Arg {
+    let mut v = Box::new([0i64; TABLE_LEN]);
+    for (slot, len) in v.iter_mut().zip(lengths) {
+        *slot = len as i64;
+    }
+    Arg::LengthTable(v)
+}
+
 /// The blocks of a multi-tensor launch laid end to end along grid.x, `blocks[e]` for entry e
 /// (`list_entry_of_block` in common.cuh): each entry's first block as a `TensorList`
 /// argument, and the total (the grid's x).
 pub(crate) fn block_list(blocks: impl Iterator<Item = usize>) -> (Arg, usize) {
+    let (first, total) = first_blocks(blocks);
+    (length_list(first.into_iter()), total)
+}
+
+/// [`block_list`] as a `TensorTable` argument (`table_entry_of_block` in common.cuh).
+pub(crate) fn block_table(blocks: impl Iterator<Item = usize>) -> (Arg, usize) {
+    let (first, total) = first_blocks(blocks);
+    (length_table(first.into_iter()), total)
+}
+
+/// Each entry's first block when `blocks[e]` are laid end to end, and their total.
+fn first_blocks(blocks: impl Iterator<Item = usize>) -> (Vec<usize>, usize) {
     let mut total = 0;
-    let first: Vec<usize> = blocks
+    let first = blocks
         .map(|b| {
             total += b;
             total - b
         })
         .collect();
-    (length_list(first.into_iter()), total)
+    (first, total)
 }
 
 /// Threads per block of the elementwise and row kernels.

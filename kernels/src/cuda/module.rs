@@ -19,7 +19,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
 
 use super::error::{CudaError, Result};
-use super::launch::LIST_LEN;
+use super::launch::{LIST_LEN, TABLE_LEN};
 use super::nvrtc::{compile, KernelImage, Output};
 
 /// Helpers shared by every kernel file.
@@ -102,7 +102,7 @@ impl KernelFamily {
 }
 
 /// One kernel argument, kept alive (in a slice) until the launch has read it.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) enum Arg {
     /// A device address (`T*` in the kernel).
     Ptr(u64),
@@ -119,6 +119,11 @@ pub(crate) enum Arg {
     Ptrs([u64; LIST_LEN]),
     /// Up to [`LIST_LEN`] lengths or offsets in a `TensorList` passed by value.
     Lengths([i64; LIST_LEN]),
+    /// Up to [`TABLE_LEN`] device addresses in a `TensorTable` (common.cuh) passed by value
+    /// (4 KB: kernel parameters past 4 KB in all need CUDA 12.1); unused entries are 0.
+    PtrTable(Box<[u64; TABLE_LEN]>),
+    /// Up to [`TABLE_LEN`] lengths or offsets in a `TensorTable` passed by value.
+    LengthTable(Box<[i64; TABLE_LEN]>),
 }
 
 impl Arg {
@@ -127,6 +132,7 @@ impl Arg {
         let list: &[u64] = match self {
             Arg::Ptr(ptr) => std::slice::from_ref(ptr),
             Arg::Ptrs(ptrs) => ptrs,
+            Arg::PtrTable(ptrs) => &ptrs[..],
             _ => &[],
         };
         list.iter().copied().filter(|&ptr| ptr != 0)

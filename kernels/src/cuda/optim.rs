@@ -17,7 +17,7 @@ use super::allocator::{DeviceBuffer, DeviceRun};
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
 use super::launch::{
-    address_list, block_list, check_owners, elementwise, int, length_list, ptr, size, LIST_LEN, THREADS,
+    address_table, block_table, check_owners, elementwise, int, length_table, ptr, size, TABLE_LEN, THREADS,
 };
 use super::module::{Arg, KernelFamily};
 use super::reduce::sum_squares_partials;
@@ -39,8 +39,9 @@ pub fn adam_constants(h: &AdamHyper, decoupled: bool) -> Result<[f32; ADAM_CONST
     Ok([step_size, inv_sqrt_correction2, decay, l2])
 }
 
-/// Tensors one `adam_step` launch updates (a `TensorList` of common.cuh holds 64).
-pub const TENSORS_PER_LAUNCH: usize = LIST_LEN;
+/// Tensors one `adam_step` launch updates (a `TensorTable` of common.cuh holds 512): a
+/// model's whole decay group, so one launch per group.
+pub const TENSORS_PER_LAUNCH: usize = TABLE_LEN;
 
 /// Most blocks of one tensor in an `adam_step` launch (its threads loop over the rest): about
 /// one full wave of a large GPU, so a big tensor alone still fills the device.
@@ -181,18 +182,18 @@ pub fn adam_step(
     check_disjoint_copies(op, tensors)?;
     for chunk in tensors.chunks_mut(TENSORS_PER_LAUNCH) {
         // Each tensor's own blocks, end to end along x: none idle beside a longer tensor.
-        let (first_block, blocks) = block_list(chunk.iter().map(|t| adam_blocks(t.param.len())));
+        let (first_block, blocks) = block_table(chunk.iter().map(|t| adam_blocks(t.param.len())));
         if blocks == 0 {
             continue;
         }
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         let args = [
-            address_list(chunk.iter().map(|t| t.param.device_ptr())),
-            address_list(chunk.iter().map(|t| t.param_bf16.as_ref().map_or(0, |copy| copy.buffer.ptr_at(copy.at)))),
-            address_list(chunk.iter().map(|t| t.grad.device_ptr())),
-            address_list(chunk.iter().map(|t| t.m.device_ptr())),
-            address_list(chunk.iter().map(|t| t.v.device_ptr())),
-            length_list(chunk.iter().map(|t| t.param.len())),
+            address_table(chunk.iter().map(|t| t.param.device_ptr())),
+            address_table(chunk.iter().map(|t| t.param_bf16.as_ref().map_or(0, |copy| copy.buffer.ptr_at(copy.at)))),
+            address_table(chunk.iter().map(|t| t.grad.device_ptr())),
+            address_table(chunk.iter().map(|t| t.m.device_ptr())),
+            address_table(chunk.iter().map(|t| t.v.device_ptr())),
+            length_table(chunk.iter().map(|t| t.param.len())),
             first_block,
             size(chunk.len()),
             Arg::Ptr(guard.map_or(0, DeviceBuffer::device_ptr)),

@@ -11,7 +11,8 @@ use super::allocator::{DeviceBuffer, DeviceRun};
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
 use super::launch::{
-    address_list, block_list, check_owners, elementwise, length_list, per_row, ptr, size, LIST_LEN, THREADS,
+    address_list, address_table, block_list, check_owners, elementwise, length_list, length_table, per_row, ptr, size,
+    LIST_LEN, TABLE_LEN, THREADS,
 };
 use super::module::{Arg, KernelFamily};
 
@@ -97,8 +98,9 @@ pub(crate) fn finish_column_sums(
     dev.launch(FAMILY, "column_sums_finish", cfg, &args)
 }
 
-/// One sum of [`column_sums_many`]: `dst[c] = Σ_r src[r·ld + c]` for `c < cols`, from raw
-/// addresses the caller has checked against their buffers.
+/// One sum of [`column_sums_many`] over `rows` rows of `src` (row stride `ld`), from raw
+/// addresses the caller has checked against their buffers: plain, `dst[c] = Σ_r src[r·ld + c]`
+/// for `c < cols`, or weighted by the columns of a second matrix ([`SumWeights`]).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ColumnSum {
     /// Element (0, 0) of the summed matrix.
@@ -107,41 +109,82 @@ pub(crate) struct ColumnSum {
     pub cols: usize,
     /// Row stride of `src`.
     pub ld: usize,
-    /// Where the `cols` sums go.
+    /// `None`: a plain sum. Some `w`: `dst[c·w.cols + k] = Σ_r src[r·ld + c]·w[r·w.ld + k]`,
+    /// the product `srcᵀ·w` (`[cols, w.cols]`, row-major) over the rows.
+    pub weights: Option<SumWeights>,
+    /// Where the `cols` sums (or `cols × w.cols` products) go.
     pub dst: u64,
 }
 
+/// The second operand of a weighted [`ColumnSum`]: `cols` columns from `ptr`, row stride `ld`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SumWeights {
+    /// Element (0, 0).
+    pub ptr: u64,
+    /// Its columns (at least 1).
+    pub cols: usize,
+    /// Its row stride.
+    pub ld: usize,
+}
+
+impl ColumnSum {
+    /// Values it writes per summed column: 1, or the weights' columns.
+    fn outputs(&self) -> usize {
+        self.weights.map_or(1, |w| w.cols)
+    }
+}
+
 /// Several column sums over the same `rows`: one launch per [`LIST_LEN`] sums instead of two
-/// per sum. Each sum has [`column_sums`]' chunks and order (f32 within a chunk, f64 across
-/// chunks), so it gives the same bits; the last block of each 32 columns to finish its chunk
-/// adds up their chunks (no finish kernel).
+/// per sum. Each plain sum has [`column_sums`]' chunks and order (f32 within a chunk, f64
+/// across chunks), so it gives the same bits; a weighted one sums its products (`fmaf`) in
+/// that order. The last block of each 32 columns to finish its chunk adds up their chunks (no
+/// finish kernel).
 pub(crate) fn column_sums_many(dev: &CudaDevice, rows: usize, sums: &[ColumnSum]) -> Result<()> {
+    const OP: &str = "column_sums_many";
+    let packed = |low: usize, high: usize| -> Result<usize> {
+        ensure(low <= u32::MAX as usize && high <= u32::MAX as usize, OP, || {
+            format!("{low} or {high} exceeds the 32 bits a column sum's packed sizes hold")
+        })?;
+        Ok(low | high << 32)
+    };
     for group in sums.chunks(LIST_LEN) {
-        let max_cols = group.iter().map(|s| s.cols).max().unwrap_or(0);
-        if max_cols == 0 {
-            continue;
-        }
         let (per_chunk, chunks) = chunking(rows, 1);
-        let partial = dev.alloc::<f32>(group.len() * chunks * max_cols)?;
+        let mut shapes = Vec::with_capacity(group.len());
+        let mut strides = Vec::with_capacity(group.len());
+        let mut partial_at = Vec::with_capacity(group.len());
+        let mut partial_len = 0;
+        for s in group {
+            let (weight_cols, weight_ld) = s.weights.map_or((0, 0), |w| (w.cols, w.ld));
+            ensure(s.weights.is_none() || weight_cols > 0, OP, || "a weighted sum by no columns".to_string())?;
+            shapes.push(packed(s.cols, weight_cols)?);
+            strides.push(packed(s.ld, weight_ld)?);
+            partial_at.push(partial_len);
+            partial_len += chunks * s.cols * s.outputs();
+        }
         // One block per 32 of each sum's own columns, the sums' blocks end to end; one arrival
         // counter per such block column.
         let (first_block, blocks) = block_list(group.iter().map(|s| s.cols.div_ceil(32)));
+        if blocks == 0 {
+            continue;
+        }
+        let partial = dev.alloc::<f32>(partial_len)?;
         let cfg =
             LaunchConfig { grid_dim: (blocks as u32, chunks as u32, 1), block_dim: (32, 8, 1), shared_mem_bytes: 0 };
         let args = [
             address_list(group.iter().map(|s| s.src)),
-            length_list(group.iter().map(|s| s.cols)),
-            length_list(group.iter().map(|s| s.ld)),
+            length_list(shapes.into_iter()),
+            length_list(strides.into_iter()),
+            address_list(group.iter().map(|s| s.weights.map_or(0, |w| w.ptr))),
             first_block,
             size(group.len()),
             size(rows),
             size(per_chunk),
-            size(max_cols),
+            length_list(partial_at.into_iter()),
             ptr(&partial),
             address_list(group.iter().map(|s| s.dst)),
             Arg::Ptr(dev.arrival_counters(blocks)?),
         ];
-        dev.launch(FAMILY, "column_sums_many", cfg, &args)?;
+        dev.launch(FAMILY, OP, cfg, &args)?;
     }
     Ok(())
 }
@@ -214,7 +257,7 @@ pub fn sum_squares_all(dev: &CudaDevice, xs: &[DeviceRun<f32>]) -> Result<f64> {
 
 /// The f64 partial sums of `Σ x_t[i]²` over several runs of buffers, left on the device: each
 /// run's blocks (at most [`SQUARE_BLOCKS`]) in buffer order, one launch per
-/// [`LIST_LEN`] buffers. Summed in their order (on the host by [`sum_squares_all`], on the
+/// [`TABLE_LEN`] buffers. Summed in their order (on the host by [`sum_squares_all`], on the
 /// device by the optimizers' step guard) they give the same f64, bit for bit.
 pub fn sum_squares_partials(dev: &CudaDevice, xs: &[DeviceRun<f32>]) -> Result<DeviceBuffer<f64>> {
     for x in xs {
@@ -224,7 +267,8 @@ pub fn sum_squares_partials(dev: &CudaDevice, xs: &[DeviceRun<f32>]) -> Result<D
     let blocks: Vec<usize> = xs.iter().map(|x| x.len().div_ceil(THREADS as usize).min(SQUARE_BLOCKS)).collect();
     let offsets: Vec<usize> = blocks.iter().scan(0, |next, b| Some(std::mem::replace(next, *next + b))).collect();
     let partial = dev.alloc::<f64>(blocks.iter().sum())?;
-    for ((chunk, blocks), offsets) in xs.chunks(LIST_LEN).zip(blocks.chunks(LIST_LEN)).zip(offsets.chunks(LIST_LEN)) {
+    for ((chunk, blocks), offsets) in xs.chunks(TABLE_LEN).zip(blocks.chunks(TABLE_LEN)).zip(offsets.chunks(TABLE_LEN))
+    {
         let most = blocks.iter().copied().max().unwrap_or(0);
         let cfg = LaunchConfig {
             grid_dim: (most as u32, chunk.len() as u32, 1),
@@ -232,10 +276,10 @@ pub fn sum_squares_partials(dev: &CudaDevice, xs: &[DeviceRun<f32>]) -> Result<D
             shared_mem_bytes: 0,
         };
         let args = [
-            address_list(chunk.iter().map(|x| x.device_ptr())),
-            length_list(chunk.iter().map(|x| x.len())),
-            length_list(blocks.iter().copied()),
-            length_list(offsets.iter().copied()),
+            address_table(chunk.iter().map(|x| x.device_ptr())),
+            length_table(chunk.iter().map(|x| x.len())),
+            length_table(blocks.iter().copied()),
+            length_table(offsets.iter().copied()),
             ptr(&partial),
         ];
         dev.launch(FAMILY, "sum_squares_partial", cfg, &args)?;
@@ -274,7 +318,7 @@ mod tests {
             .iter()
             .zip(&many)
             .enumerate()
-            .map(|(i, (&cols, dst))| ColumnSum { src: src.ptr_at(i), cols, ld, dst: dst.device_ptr() })
+            .map(|(i, (&cols, dst))| ColumnSum { src: src.ptr_at(i), cols, ld, weights: None, dst: dst.device_ptr() })
             .collect();
         column_sums_many(dev, rows, &sums).unwrap();
         for (sum, dst) in sums.iter().zip(&alone) {
@@ -285,6 +329,41 @@ mod tests {
             assert!(alone[..*cols].iter().all(|v| v.is_finite()), "{rows} rows, {cols} columns: {alone:?}");
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&many), bits(&alone), "{rows} rows, {cols} columns");
+        }
+    }
+
+    /// Weighted sums (`dst[c·kw + k] = Σ_r src[r, c]·w[r, k]`, kw of 3 and 11: one pass of
+    /// 8 weights and two) beside a plain one in one launch, against the host's f64 sums.
+    #[test]
+    fn weighted_column_sums_are_the_products_over_the_rows() {
+        let dev = CudaDevice::emulated().unwrap();
+        for rows in [0, 3, 5000] {
+            let (cols, ld, wld) = (45, 50, 12);
+            let (x, w) = (values(rows * ld, 1 + rows as u64), values(rows * wld, 2 + rows as u64));
+            let (src, weights) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
+            let stale = vec![f32::NAN; cols * 11];
+            let dsts: Vec<DeviceBuffer<f32>> = (0..3).map(|_| dev.upload(&stale).unwrap()).collect();
+            let weighted = |kw: usize, dst: &DeviceBuffer<f32>| ColumnSum {
+                src: src.device_ptr(),
+                cols,
+                ld,
+                weights: Some(SumWeights { ptr: weights.ptr_at(1), cols: kw, ld: wld }),
+                dst: dst.device_ptr(),
+            };
+            let plain = ColumnSum { src: src.device_ptr(), cols, ld, weights: None, dst: dsts[2].device_ptr() };
+            column_sums_many(&dev, rows, &[weighted(3, &dsts[0]), weighted(11, &dsts[1]), plain]).unwrap();
+            for (kw, dst) in [(3, &dsts[0]), (11, &dsts[1]), (0, &dsts[2])] {
+                let got = dev.download(dst).unwrap();
+                for c in 0..cols {
+                    for k in 0..kw.max(1) {
+                        let weight = |r: usize| if kw == 0 { 1.0 } else { f64::from(w[r * wld + 1 + k]) };
+                        let want: f64 = (0..rows).map(|r| f64::from(x[r * ld + c]) * weight(r)).sum();
+                        let value = got[c * kw.max(1) + k];
+                        let close = (f64::from(value) - want).abs() <= 1e-4 * (1.0 + want.abs());
+                        assert!(close, "{rows} rows, kw {kw}, column {c}, weight {k}: {value} vs {want}");
+                    }
+                }
+            }
         }
     }
 

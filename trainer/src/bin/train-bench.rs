@@ -30,7 +30,7 @@
 //! device runs the one before, as in `transponder train`, which reads each loss one step
 //! late. `--cuda-graph` makes those untimed steps replays of the training step captured as a
 //! CUDA graph (`trainer::train::graph`, as `transponder train --cuda-graph` runs it: its
-//! step guard, without clipping, adds the gradient norm's partial sums, one launch per 64
+//! step guard, without clipping, adds the gradient norm's partial sums, one launch per 512
 //! gradients, and the verdict to the eager step's launches; the counters then show the
 //! device work of one replay and `graph_launches: 1`). `--kernel-timer` runs one more step
 //! under the per-kernel timer (a CUDA event pair around every launch) and adds its time per kernel family

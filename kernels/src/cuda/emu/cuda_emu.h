@@ -178,7 +178,7 @@ void invoke(void (*kernel)(P...), void** args) {
 }
 
 // p pointer, i int, l long long, f float, d the 24-long-long dims struct, t the 64-long-long
-// TensorList of common.cuh, ? anything else.
+// TensorList and T the 512-long-long TensorTable of common.cuh, ? anything else.
 template <typename T>
 constexpr char kind() {
     return std::is_pointer<T>::value                       ? 'p'
@@ -187,7 +187,8 @@ constexpr char kind() {
            : std::is_same<T, float>::value                 ? 'f'
            : (std::is_class<T>::value && sizeof(T) == 192) ? 'd'
            : (std::is_class<T>::value && sizeof(T) == 512) ? 't'
-                                                           : '?';
+           : (std::is_class<T>::value && sizeof(T) == 4096) ? 'T'
+                                                            : '?';
 }
 
 template <typename... P>

@@ -11,7 +11,6 @@ use super::ffi::{kind, tp_emu_run_block, Dim3, TpBlockError, TpKernel};
 use super::memory::{check_canaries, containing, nearest, LiveBuffer};
 use super::Emulator;
 use crate::cuda::error::{CudaError, Result};
-use crate::cuda::launch::LIST_LEN;
 use crate::cuda::module::{Arg, KernelFamily};
 
 /// Threads a block may have (every CUDA GPU since compute capability 2.0).
@@ -57,14 +56,14 @@ impl Schedule {
     }
 }
 
-/// The bytes of one argument (the largest is a `TensorList`), aligned for any of the kernels'
-/// parameter types.
-#[repr(C, align(16))]
-struct ArgBytes([u8; 8 * LIST_LEN]);
+/// Kernel parameters a launch may pass in all (CUDA 12.1 and later, compute capability 7.0
+/// and later; 4,096 bytes before).
+const MAX_PARAMETER_BYTES: usize = 32_764;
 
-/// The argument list as the trampolines read it: one pointer per argument.
+/// The argument list as the trampolines read it: one pointer per argument, each to its value
+/// in 8-byte words (aligned for every parameter type the kernels take).
 struct ArgList {
-    _storage: Vec<ArgBytes>,
+    _storage: Vec<Vec<u64>>,
     pointers: Vec<*mut c_void>,
 }
 
@@ -78,31 +77,38 @@ impl ArgList {
     }
 }
 
-/// Writes a struct of 8-byte words (a dims struct, a `TensorList`) from the start of `bytes`.
-fn put_words(bytes: &mut ArgBytes, words: impl Iterator<Item = [u8; 8]>) {
-    for (chunk, word) in bytes.0.chunks_exact_mut(8).zip(words) {
-        chunk.copy_from_slice(&word);
+/// An argument's value as 8-byte words: a number in the first word's low bytes (native
+/// order), a struct word by word.
+fn words(arg: &Arg) -> Vec<u64> {
+    let low = |bytes: &[u8]| {
+        let mut word = [0u8; 8];
+        word[..bytes.len()].copy_from_slice(bytes);
+        vec![u64::from_ne_bytes(word)]
+    };
+    match arg {
+        Arg::Ptr(v) => vec![*v],
+        Arg::I32(v) => low(&v.to_ne_bytes()),
+        Arg::I64(v) => vec![*v as u64],
+        Arg::F32(v) => low(&v.to_ne_bytes()),
+        Arg::Dims(dims) => dims.iter().map(|&v| v as u64).collect(),
+        Arg::Ptrs(ptrs) => ptrs.to_vec(),
+        Arg::Lengths(lengths) => lengths.iter().map(|&v| v as u64).collect(),
+        Arg::PtrTable(ptrs) => ptrs.to_vec(),
+        Arg::LengthTable(lengths) => lengths.iter().map(|&v| v as u64).collect(),
+    }
+}
+
+/// The bytes an argument takes in the kernel's parameter space.
+fn parameter_bytes(arg: &Arg) -> usize {
+    match arg {
+        Arg::I32(_) | Arg::F32(_) => 4,
+        _ => 8 * words(arg).len(),
     }
 }
 
 fn pack(args: &[Arg]) -> ArgList {
-    let mut storage: Vec<ArgBytes> = args
-        .iter()
-        .map(|arg| {
-            let mut bytes = ArgBytes([0; 8 * LIST_LEN]);
-            match arg {
-                Arg::Ptr(v) => bytes.0[..8].copy_from_slice(&v.to_ne_bytes()),
-                Arg::I32(v) => bytes.0[..4].copy_from_slice(&v.to_ne_bytes()),
-                Arg::I64(v) => bytes.0[..8].copy_from_slice(&v.to_ne_bytes()),
-                Arg::F32(v) => bytes.0[..4].copy_from_slice(&v.to_ne_bytes()),
-                Arg::Dims(dims) => put_words(&mut bytes, dims.iter().map(|v| v.to_ne_bytes())),
-                Arg::Ptrs(ptrs) => put_words(&mut bytes, ptrs.iter().map(|v| v.to_ne_bytes())),
-                Arg::Lengths(lengths) => put_words(&mut bytes, lengths.iter().map(|v| v.to_ne_bytes())),
-            }
-            bytes
-        })
-        .collect();
-    let pointers = storage.iter_mut().map(|b| b.0.as_mut_ptr() as *mut c_void).collect();
+    let mut storage: Vec<Vec<u64>> = args.iter().map(words).collect();
+    let pointers = storage.iter_mut().map(|b| b.as_mut_ptr() as *mut c_void).collect();
     ArgList { _storage: storage, pointers }
 }
 
@@ -114,6 +120,7 @@ fn arg_kind(arg: &Arg) -> char {
         Arg::F32(_) => 'f',
         Arg::Dims(_) => 'd',
         Arg::Ptrs(_) | Arg::Lengths(_) => 't',
+        Arg::PtrTable(_) | Arg::LengthTable(_) => 'T',
     }
 }
 
@@ -125,6 +132,7 @@ fn kind_name(kind: char) -> &'static str {
         'f' => "float",
         'd' => "dims struct",
         't' => "tensor list",
+        'T' => "tensor table",
         _ => "unsupported type",
     }
 }
@@ -157,6 +165,14 @@ fn check(kernel: &TpKernel, cfg: &LaunchConfig, args: &[Arg]) -> Result<()> {
                 cfg.shared_mem_bytes
             ),
         ));
+    }
+    // Each parameter at its own alignment (4 or 8 bytes), as the driver lays them out.
+    let bytes = args.iter().fold(0usize, |end, arg| {
+        let size = parameter_bytes(arg);
+        end.next_multiple_of(size.min(8)) + size
+    });
+    if bytes > MAX_PARAMETER_BYTES {
+        return Err(error(name, format!("{bytes} bytes of arguments exceed the {MAX_PARAMETER_BYTES} a launch takes")));
     }
     let want: Vec<char> = kernel.signature().chars().collect();
     let got: Vec<char> = args.iter().map(arg_kind).collect();
@@ -311,11 +327,16 @@ mod tests {
         assert!(err.contains("axpy") && err.contains("2048×1×1") && err.contains("(emulated)"), "{err}");
         let err = dev.launch(family, "axpy", config(32, 64 * 1024), &args).unwrap_err().to_string();
         assert!(err.contains("65536 bytes of dynamic shared memory"), "{err}");
-        let wrong = [Arg::I32(2), args[1], args[2], args[3], args[4]];
+        let wrong = [Arg::I32(2), args[1].clone(), args[2].clone(), args[3].clone(), args[4].clone()];
         let err = dev.launch(family, "axpy", config(32, 0), &wrong).unwrap_err().to_string();
         assert!(err.contains("argument 0 (alpha) is a float, the launcher passed a int"), "{err}");
         let err = dev.launch(family, "axpy", config(32, 0), &args[..4]).unwrap_err().to_string();
         assert!(err.contains("takes 5 arguments (alpha, src, dst, dst_bf16, n), the launcher passed 4"), "{err}");
+        // Eight 4 KB tables and the five arguments: past the 32,764 bytes a launch takes.
+        let table = crate::cuda::launch::length_table(std::iter::empty());
+        let oversized: Vec<Arg> = args.iter().cloned().chain(std::iter::repeat_n(table, 8)).collect();
+        let err = dev.launch(family, "axpy", config(32, 0), &oversized).unwrap_err().to_string();
+        assert!(err.contains("32808 bytes of arguments exceed the 32764 a launch takes"), "{err}");
         let err = dev.launch(family, "no_such_kernel", config(32, 0), &args).unwrap_err().to_string();
         assert!(err.contains("no kernel no_such_kernel in elementwise.cu"), "{err}");
         // The correct launch runs: dst += 2·src with src = 0.

@@ -4,13 +4,13 @@
 use half::bf16;
 
 use super::super::allocator::DeviceBuffer;
-use super::super::blas::{gemm, gemm_strided_batched, GemmDims, Operand, Precision};
+use super::super::blas::{gemm, GemmDims, Operand, Precision};
 use super::super::device::CudaDevice;
 use super::super::elementwise::unary_code;
 use super::super::error::{ensure, ensure_len, Result};
 use super::super::launch::{int, ptr, size};
 use super::super::module::Arg;
-use super::super::reduce::{column_sums_many, ColumnSum};
+use super::super::reduce::{column_sums_many, ColumnSum, SumWeights};
 use super::{group_lists, group_row_warps, layout, GateGroup, Layout, FAMILY};
 use crate::cpu::matmul::Store;
 
@@ -100,8 +100,7 @@ pub enum GateProducts<'a> {
     F32,
     /// bf16 operands on the tensor cores, f32 accumulation and outputs (mixed precision, as
     /// every other product under `--bf16`). `x` and the packed weight are the forward's bf16
-    /// operands; the backward's row kernel writes bf16 copies of the other operands beside
-    /// their f32 values (no conversion launch).
+    /// operands; the backward's row kernel writes `dZU`'s bf16 copy (no conversion launch).
     Bf16 {
         /// `x` in bf16, `[N, d_in]`.
         x: &'a DeviceBuffer<bf16>,
@@ -117,10 +116,11 @@ pub enum GateProducts<'a> {
 /// One row kernel recomputes `H`, `γ_s` and the channel logits from `zu` and writes `dZ`,
 /// the channel logits' gradient `dL_c`, `dU` (through `dH_c = dL_c·B_c`, summed in the
 /// kernel) and each row's terms of `dα_c`, `dα_s`, `db_s` and `dB_s = dl_sᵀ·H_s`, for every
-/// projection; the bias, α and `dB_s` gradients are then column sums in a fixed order (one
-/// launch), `dB_c = dL_cᵀ·H_c` one (batched) product for projections of one width, and
-/// `dx = dZU·packed` and the packed weight's gradient `dZUᵀ·x` one product each (in the
-/// precision of `products`).
+/// projection; the bias, α, `dB_s` and `dB_c = dL_cᵀ·H_c` gradients are then column sums in
+/// a fixed order, `dB_c`'s weighted by `H_c` (one launch for all of them: `dB_c`'s inner
+/// dimension is the rows and its width the rank, a shape a GEMM launch would spend itself
+/// on), and `dx = dZU·packed` and the packed weight's gradient `dZUᵀ·x` one product each (in
+/// the precision of `products`).
 #[allow(clippy::too_many_arguments)]
 pub fn fused_gate_backward(
     dev: &CudaDevice,
@@ -165,12 +165,11 @@ pub fn fused_gate_backward(
     let hidden = dev.alloc::<f32>(rows * count * r)?;
     let row_terms = dev.alloc::<f32>(rows * count * terms)?;
 
-    let sources = Sources { x, dlogits: &dlogits, hidden: &hidden, dzu: &dzu };
+    let sources = Sources { x, dzu: &dzu };
     let operands = match products {
         GateProducts::F32 => Operands::F32(sources),
-        GateProducts::Bf16 { x, packed } => Operands::bf16(dev, x, packed, &sources)?,
+        GateProducts::Bf16 { x, packed } => Operands::Bf16 { x, packed, dzu: dev.alloc::<bf16>(rows * k)? },
     };
-    let bf16_copy = |part| Arg::Ptr(operands.bf16_copy(part));
 
     let (phi, phi_p) = unary_code(groups[0].params.phi);
     let [params, places] = group_lists(groups, &layout);
@@ -190,50 +189,39 @@ pub fn fused_gate_backward(
         ptr(&dlogits),
         ptr(&hidden),
         ptr(&row_terms),
-        bf16_copy(Part::Dzu),
-        bf16_copy(Part::DLogits),
-        bf16_copy(Part::Hidden),
+        Arg::Ptr(operands.dzu_bf16()),
     ];
     dev.launch(FAMILY, "fused_gate_backward_rows", group_row_warps(rows, count), &args)?;
 
-    // Cross-row sums: db_c = Σ dL_c, da = Σ dU, dα = Σ row terms, db_s = Σ dl_s and
-    // dB_s = Σ dl_s·H_s; all seven of every projection in one launch.
-    let sum = |src, cols, ld, dst: &DeviceBuffer<f32>| ColumnSum { src, cols, ld, dst: dst.device_ptr() };
-    let mut sums = Vec::with_capacity(7 * count);
+    // Cross-row sums: db_c = Σ dL_c, dB_c = dL_cᵀ·H_c (a sum over rows weighted by H_c's rc
+    // columns), da = Σ dU, dα = Σ row terms, db_s = Σ dl_s and dB_s = Σ dl_s·H_s; all eight of
+    // every projection in one launch.
+    let sum = |src, cols, ld, dst: u64| ColumnSum { src, cols, ld, weights: None, dst };
+    let mut sums = Vec::with_capacity(8 * count);
     for (i, ((group, c), s)) in groups.iter().zip(&g.channel).zip(&g.scalar).enumerate() {
-        let (zu_at, t) = (layout.zu_at[i] + group.dims.d_out, i * terms);
+        let (d_out, out_at) = (group.dims.d_out, layout.out_at[i]);
+        let (zu_at, t) = (layout.zu_at[i] + d_out, i * terms);
         let row_term = |j: usize| row_terms.ptr_at(t + j);
+        let terms_ld = count * terms;
         sums.extend([
-            sum(dlogits.ptr_at(layout.out_at[i]), group.dims.d_out, out_width, c.b_bias),
-            sum(dzu.ptr_at(zu_at), rc, k, c.a_bias),
-            sum(dzu.ptr_at(zu_at + rc), rs, k, s.a_bias),
-            sum(row_term(0), 1, count * terms, c.alpha),
-            sum(row_term(1), 1, count * terms, s.alpha),
-            sum(row_term(2), 1, count * terms, s.b_bias),
+            sum(dlogits.ptr_at(out_at), d_out, out_width, c.b_bias.device_ptr()),
+            sum(dzu.ptr_at(zu_at), rc, k, c.a_bias.device_ptr()),
+            sum(dzu.ptr_at(zu_at + rc), rs, k, s.a_bias.device_ptr()),
+            sum(row_term(0), 1, terms_ld, c.alpha.device_ptr()),
+            sum(row_term(1), 1, terms_ld, s.alpha.device_ptr()),
+            sum(row_term(2), 1, terms_ld, s.b_bias.device_ptr()),
+            sum(row_term(3), rs, terms_ld, g.b_scalar.ptr_at(i * rs)),
         ]);
-        sums.push(ColumnSum { src: row_term(3), cols: rs, ld: count * terms, dst: g.b_scalar.ptr_at(i * rs) });
+        if rc > 0 {
+            let h_c = SumWeights { ptr: hidden.ptr_at(i * r), cols: rc, ld: count * r };
+            let db_c = ColumnSum { weights: Some(h_c), ..sum(dlogits.ptr_at(out_at), d_out, out_width, 0) };
+            sums.push(ColumnSum { dst: g.b_channel.ptr_at(out_at * rc), ..db_c });
+        }
     }
     column_sums_many(dev, rows, &sums)?;
 
     let precision = operands.precision();
     let gemm = |m, n, k, a, b, store, c: u64, ldc| gemm(dev, precision, GemmDims { m, n, k }, a, b, store, (c, ldc));
-    // dB_c = dL_cᵀ·H_c: one batched product for projections of one width, else one each.
-    let d_out = groups[0].dims.d_out;
-    if count > 1 && groups.iter().all(|group| group.dims.d_out == d_out) {
-        let dlogits_t = (operands.transposed(Part::DLogits, 0, out_width), d_out);
-        let h_c = (operands.rows(Part::Hidden, 0, count * r), r);
-        let dims = GemmDims { m: d_out, n: rc, k: rows };
-        let c = (g.b_channel.device_ptr(), rc, d_out * rc);
-        gemm_strided_batched(dev, precision, dims, dlogits_t, h_c, Store::Overwrite, c, count)?;
-    } else {
-        for (i, group) in groups.iter().enumerate() {
-            let dlogits_t = operands.transposed(Part::DLogits, layout.out_at[i], out_width);
-            let h_c = operands.rows(Part::Hidden, i * r, count * r);
-            let c = g.b_channel.ptr_at(layout.out_at[i] * rc);
-            gemm(group.dims.d_out, rc, rows, dlogits_t, h_c, Store::Overwrite, c, rc)?;
-        }
-    }
-
     // dx = dZU·packed
     if let Operands::Bf16 { packed, .. } = &operands {
         // The packed bf16 weight makes dx one product over K.
@@ -263,8 +251,6 @@ pub fn fused_gate_backward(
 /// The f32 operands of the backward's products.
 struct Sources<'a> {
     x: &'a DeviceBuffer<f32>,
-    dlogits: &'a DeviceBuffer<f32>,
-    hidden: &'a DeviceBuffer<f32>,
     dzu: &'a DeviceBuffer<f32>,
 }
 
@@ -272,52 +258,30 @@ struct Sources<'a> {
 /// [`Operands::Bf16`] directly: the f32 weights are separate buffers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Part {
-    DLogits,
-    Hidden,
     Dzu,
     X,
 }
 
 /// Where the backward's products read their operands: the f32 buffers, or the forward's bf16
-/// `x` and packed weight, and the bf16 copies of the rest in one scratch buffer
-/// (`dL_c | H | dZU`, each part on a 16-byte boundary) that the row kernel writes beside its
-/// f32 outputs.
+/// `x` and packed weight and the bf16 copy of `dZU` that the row kernel writes in place of
+/// its f32 `dZ`.
 enum Operands<'a> {
     F32(Sources<'a>),
     Bf16 {
         x: &'a DeviceBuffer<bf16>,
         /// `[W; A_c; A_s]`, `[K, d_in]`.
         packed: &'a DeviceBuffer<bf16>,
-        scratch: DeviceBuffer<bf16>,
-        /// Where `dL_c`, `H` and `dZU` start in `scratch`.
-        at: [usize; 3],
+        /// `dZU` in bf16, `[N, K]`.
+        dzu: DeviceBuffer<bf16>,
     },
 }
 
-impl<'a> Operands<'a> {
-    /// The bf16 operands: the given ones, and a scratch buffer laid out for the copies of
-    /// `dL_c`, `H` and `dZU` (written by the backward's row kernel).
-    fn bf16(
-        dev: &CudaDevice,
-        x: &'a DeviceBuffer<bf16>,
-        packed: &'a DeviceBuffer<bf16>,
-        s: &Sources,
-    ) -> Result<Operands<'a>> {
-        let mut end = 0;
-        let mut at = [0; 3];
-        for (slot, buffer) in at.iter_mut().zip([s.dlogits, s.hidden, s.dzu]) {
-            *slot = end;
-            end = (end + buffer.len()).next_multiple_of(8);
-        }
-        let scratch = dev.alloc::<bf16>(end)?;
-        Ok(Operands::Bf16 { x, packed, scratch, at })
-    }
-
-    /// Where a kernel writes the bf16 copy of `part` (0, none, for f32 products).
-    fn bf16_copy(&self, part: Part) -> u64 {
+impl Operands<'_> {
+    /// Where the row kernel writes the bf16 copy of `dZU` (0, none, for f32 products).
+    fn dzu_bf16(&self) -> u64 {
         match self {
             Operands::F32(_) => 0,
-            Operands::Bf16 { .. } => self.address(part, 0),
+            Operands::Bf16 { dzu, .. } => dzu.device_ptr(),
         }
     }
 
@@ -330,25 +294,11 @@ impl<'a> Operands<'a> {
 
     /// The device address of element `offset` of `part`.
     fn address(&self, part: Part, offset: usize) -> u64 {
-        match self {
-            Operands::F32(s) => {
-                let buffer = match part {
-                    Part::DLogits => s.dlogits,
-                    Part::Hidden => s.hidden,
-                    Part::Dzu => s.dzu,
-                    Part::X => s.x,
-                };
-                buffer.ptr_at(offset)
-            }
-            Operands::Bf16 { x, scratch, at, .. } => {
-                let start = match part {
-                    Part::DLogits => at[0],
-                    Part::Hidden => at[1],
-                    Part::Dzu => at[2],
-                    Part::X => return x.ptr_at(offset),
-                };
-                scratch.ptr_at(start + offset)
-            }
+        match (self, part) {
+            (Operands::F32(s), Part::Dzu) => s.dzu.ptr_at(offset),
+            (Operands::F32(s), Part::X) => s.x.ptr_at(offset),
+            (Operands::Bf16 { dzu, .. }, Part::Dzu) => dzu.ptr_at(offset),
+            (Operands::Bf16 { x, .. }, Part::X) => x.ptr_at(offset),
         }
     }
 

@@ -19,8 +19,9 @@
 //! [`fused_gate_forward`]'s result to f32 rounding. The backward
 //! ([`fused_gate_backward`], `backward.rs`) reads `zu`, the f32 `x` and f32 weights (under
 //! bf16 products, the forward's bf16 `x` and packed weight): one row kernel (the gate's
-//! elementwise backward and its rank-r products) plus cuBLAS products for `dx`, the packed
-//! weights' gradient and `dB_c`, and deterministic column sums for `da, db, dα, dB_s`.
+//! elementwise backward and its rank-r products), one launch of deterministic column sums for
+//! `da, db, dα, dB_s` and `dB_c = dL_cᵀ·H_c` (weighted by `H_c`), and cuBLAS products for `dx`
+//! and the packed weights' gradient.
 //! Gradients are written, not added.
 
 use half::bf16;

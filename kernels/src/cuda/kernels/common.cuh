@@ -38,27 +38,56 @@ typedef unsigned short bf16_t;
 #endif
 
 // Up to 64 device addresses or lengths, passed by value: the tensors of a multi-tensor
-// launch (optimizer steps, several column sums at once); unused entries are 0. 64 keeps the
-// largest user, adam_step with seven lists (3.6 KB of arguments), inside the 4 KB of kernel
-// parameters every CUDA version accepts, and a model's whole group of matrices or of vectors
-// in one launch (llama-60m: 57 matrices).
+// launch (RoPE's parts, several column sums at once); unused entries are 0. A kernel's lists
+// stay inside the 4 KB of kernel parameters every CUDA version accepts.
 #define LIST_LEN 64
 struct TensorList {
     i64 v[LIST_LEN];
 };
 
+// Up to 512 device addresses or lengths, passed by value: the parameters of a model's whole
+// decay group in one optimizer launch (llama-60m Transponder: 282 matrices, 353 vectors and
+// scalars), and the gradients of one squared-norm launch. adam_step's seven tables are 28 KB
+// of arguments: kernel parameters past 4 KB need CUDA 12.1 (a 32,764-byte limit on every
+// architecture since Volta), which the CUDA 13 driver the engine loads has.
+#define TABLE_LEN 512
+struct TensorTable {
+    i64 v[TABLE_LEN];
+};
+
 // The entry whose blocks this block is among, in a multi-tensor launch that gives entry e of
 // `count` the blocks first_block.v[e] ≤ blockIdx.x < first_block.v[e + 1] (the last one's run
-// to gridDim.x; an entry with no blocks repeats the next one's first). Each entry gets blocks
-// for its own size, none that would find nothing to do beside a larger one.
+// to gridDim.x; an entry with no blocks repeats the next one's first): the last entry whose
+// first block is at most blockIdx.x. Each entry gets blocks for its own size, none that would
+// find nothing to do beside a larger one.
 __device__ __forceinline__ int list_entry_of_block(const TensorList& first_block, i64 count) {
     int e = 0;
     while (e + 1 < count && (i64)blockIdx.x >= first_block.v[e + 1]) ++e;
     return e;
 }
 
+// list_entry_of_block for a table: a binary search (first_block never decreases) over up to
+// TABLE_LEN entries, where a walk would take hundreds of steps per block.
+__device__ __forceinline__ int table_entry_of_block(const TensorTable& first_block, i64 count) {
+    int lo = 0, hi = (int)count - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (first_block.v[mid] <= (i64)blockIdx.x) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return lo;
+}
+
 // The number of blocks of entry e (list_entry_of_block).
 __device__ __forceinline__ i64 list_entry_blocks(const TensorList& first_block, i64 count, int e) {
+    return (e + 1 < count ? first_block.v[e + 1] : (i64)gridDim.x) - first_block.v[e];
+}
+
+// The number of blocks of entry e (table_entry_of_block).
+__device__ __forceinline__ i64 table_entry_blocks(const TensorTable& first_block, i64 count, int e) {
     return (e + 1 < count ? first_block.v[e + 1] : (i64)gridDim.x) - first_block.v[e];
 }
 

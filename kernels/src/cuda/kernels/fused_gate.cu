@@ -368,11 +368,11 @@ __device__ __forceinline__ GateGroup gate_group(const TensorList& params, const 
 
 // One row's H = φ(U + a) from its ZU row (zr: the group's Z_g, U_g after d_out columns) into h
 // (this warp's shared slot), its h_c into every lane's registers hr (channel_logit's register
-// path) and, when given, into hidden / hidden_bf16 (r values from hidden_row); the warp's
-// lanes split the r columns.
+// path) and, when given, into hidden (r values from hidden_row); the warp's lanes split the r
+// columns.
 __device__ __forceinline__ void row_hidden(float* h, float (&hr)[FG_REG_RANK], const float* zr, const float* a_c,
                                            const float* a_s, int phi, float phi_p, i64 d_out, int rc, int rs,
-                                           float* hidden_row, bf16_t* hidden_bf16_row) {
+                                           float* hidden_row) {
     const int lane = threadIdx.x & 31, r = rc + rs;
     __syncwarp();  // every lane is done with the previous row's h
     for (int t = lane; t < r; t += 32) {
@@ -380,7 +380,6 @@ __device__ __forceinline__ void row_hidden(float* h, float (&hr)[FG_REG_RANK], c
         const float value = unary_f(phi, zr[d_out + t] + bias, phi_p);
         h[t] = value;
         if (hidden_row) hidden_row[t] = value;
-        if (hidden_bf16_row) hidden_bf16_row[t] = f32_to_bf16(value);
     }
     __syncwarp();
 #pragma unroll
@@ -403,7 +402,7 @@ extern "C" __global__ void fused_gate_apply(const float* zu, TensorList params, 
         const float* zr = zu + n * zu_width + g.zu_at;
         float* out_row = out + n * out_width + g.out_at;
         float hr[FG_REG_RANK];
-        row_hidden(h, hr, zr, g.a_c, g.a_s, phi, phi_p, d_out, rc, rs, nullptr, nullptr);
+        row_hidden(h, hr, zr, g.a_c, g.a_s, phi, phi_p, d_out, rc, rs, nullptr);
         const float scale = 2.0f * scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
         for (i64 j0 = lane; j0 < d_out; j0 += 32 * FG_ROW_BATCH) {
             float z[FG_ROW_BATCH];
@@ -432,14 +431,14 @@ extern "C" __global__ void fused_gate_apply(const float* zu, TensorList params, 
 // dout and dlogits have the outputs' layout, dzu ZU's; group g's H goes into hidden's columns
 // g·r .. (row stride groups·r) and its row terms of the cross-row sums into row_terms' columns
 // g·(3 + rs) .. (row stride groups·(3 + rs)): dα_c, dα_s, d/dl_s (for db_s) and d/dl_s·H_s
-// (for dB_s). dZ goes into dzu under f32 products; under bf16 products (the three bf16
-// pointers not null) only its bf16 copy is written (the products are the only readers of dZ),
-// with the bf16 copies of dU, dL_c and H, rounded to nearest even.
+// (for dB_s). dZ goes into dzu under f32 products; under bf16 products (dzu_bf16 not null)
+// only its bf16 copy is written (the products are the only readers of dZ), with the bf16 copy
+// of dU, rounded to nearest even. dL_c and H stay f32: the column sums read them (db_c, and
+// dB_c = dL_cᵀ·H_c).
 extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float* dout, TensorList params,
                                                     TensorList layout, int phi, float phi_p, i64 rows, i64 zu_width,
                                                     i64 out_width, int rc, int rs, float* dzu, float* dlogits,
-                                                    float* hidden, float* row_terms, bf16_t* dzu_bf16,
-                                                    bf16_t* dlogits_bf16, bf16_t* hidden_bf16) {
+                                                    float* hidden, float* row_terms, bf16_t* dzu_bf16) {
     const GateGroup g = gate_group(params, layout, blockIdx.y);
     const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
     __shared__ float h_rows[FG_ROW_WARPS][FG_MAX_RANK];
@@ -456,8 +455,7 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
         const i64 hidden_row = n * hidden_width + (i64)blockIdx.y * r;
         const float* zr = zu + zu_row;
         float hr[FG_REG_RANK];
-        row_hidden(h, hr, zr, g.a_c, g.a_s, phi, phi_p, d_out, rc, rs, hidden + hidden_row,
-                   hidden_bf16 ? hidden_bf16 + hidden_row : nullptr);
+        row_hidden(h, hr, zr, g.a_c, g.a_s, phi, phi_p, d_out, rc, rs, hidden + hidden_row);
         const float gate_s = scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
         float dgate_s = 0.0f, dalpha_c = 0.0f;
         float dh_part[FG_REG_RANK];  // this lane's share of dH_c[0..FG_REG_RANK)
@@ -486,7 +484,6 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
                 dlogits[out_row + j] = dlogit;
                 if (dzu_bf16) {
                     dzu_bf16[zu_row + j] = f32_to_bf16(dz);
-                    dlogits_bf16[out_row + j] = f32_to_bf16(dlogit);
                 } else {
                     dzu[zu_row + j] = dz;
                 }

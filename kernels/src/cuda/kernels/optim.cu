@@ -9,10 +9,10 @@
 // f64 and read from device memory (`constants`), where the host writes each step's before
 // the update runs: a CUDA graph that captured the update reads the step's own.
 //
-// One launch updates up to LIST_LEN tensors that share these scalars (PyTorch's
-// multi-tensor apply): their addresses and lengths come by value in TensorList structs
+// One launch updates up to TABLE_LEN tensors that share these scalars (PyTorch's
+// multi-tensor apply): their addresses and lengths come by value in TensorTable structs
 // (common.cuh); each tensor has blocks for its own length along grid.x (first_block,
-// list_entry_of_block), none idle beside a longer tensor, and walks its elements with them.
+// table_entry_of_block), none idle beside a longer tensor, and walks its elements with them.
 // Each thread updates 4 consecutive elements per step with 16-byte loads and stores (8-byte
 // for the bf16 copy) when the tensor's pointers allow it, then the n % 4 last one at a time
 // (all of them when a pointer is not aligned): the same arithmetic per element either way.
@@ -70,14 +70,14 @@ __device__ __forceinline__ void adam_quad(float* param, bf16_t* copy, const floa
 }
 
 // constants: [step_size, inv_sqrt_correction2, decay, l2]
-extern "C" __global__ void adam_step(TensorList params, TensorList bf16s, TensorList grads, TensorList ms,
-                                     TensorList vs, TensorList lens, TensorList first_block, i64 count,
+extern "C" __global__ void adam_step(TensorTable params, TensorTable bf16s, TensorTable grads, TensorTable ms,
+                                     TensorTable vs, TensorTable lens, TensorTable first_block, i64 count,
                                      const float* guard, float beta1, float beta2, float eps,
                                      const float* constants) {
     if (guard && guard[GUARD_UPDATE] == 0.0f) return;
     const AdamScalars a = {beta1,        beta2,        eps,          constants[0], constants[1],
                            constants[2], constants[3], guard ? guard[GUARD_SCALE] : 1.0f};
-    const int t = list_entry_of_block(first_block, count);
+    const int t = table_entry_of_block(first_block, count);
     float* param = (float*)params.v[t];
     const float* grad = (const float*)grads.v[t];
     float* m = (float*)ms.v[t];
@@ -86,7 +86,7 @@ extern "C" __global__ void adam_step(TensorList params, TensorList bf16s, Tensor
     const i64 n = lens.v[t];
     // This tensor's own grid-stride loop over its blocks.
     const i64 first = ((i64)blockIdx.x - first_block.v[t]) * blockDim.x + threadIdx.x;
-    const i64 stride = list_entry_blocks(first_block, count, t) * blockDim.x;
+    const i64 stride = table_entry_blocks(first_block, count, t) * blockDim.x;
     const bool wide =
         is_aligned(param, 16) && is_aligned(grad, 16) && is_aligned(m, 16) && is_aligned(v, 16) && is_aligned(copy, 8);
     const i64 quads = wide ? n / 4 : 0;

@@ -62,32 +62,84 @@ extern "C" __global__ void column_sums_finish(const float* partial, i64 outer, i
     }
 }
 
-// Several column sums over the same rows in one launch (the fused gate's bias and α
-// gradients): dsts.v[s][col] = Σ_r srcs.v[s][r·lds.v[s] + col] for col < cols.v[s]. Grid
-// (Σ_s ⌈cols.v[s]/32⌉, chunks): sum s has the blocks from first_block.v[s] on, one per 32 of its
-// own columns, so a narrow sum beside a wide one launches no blocks that would find no column.
-// Each block writes one chunk's sums of its 32 columns in column_sums_partial's order,
-// partial[(s·chunks + chunk)·max_cols + col]; the last of the chunks' blocks of a column block
+// One chunk of a weighted column sum, kn ≤ 8 weights at a time: thread (x, y) adds
+// column[r·ld]·w[r·wld + k] over rows r0 + y, r0 + y + 8, ... < r1 for k < kn (fmaf, in row
+// order), then thread (x, k) adds the 8 lanes' k-th sums in y order into out[k]: one pair of
+// barriers for the kn sums. Every thread of the block calls it (it holds barriers); `valid`
+// is false past the last column. The weights' row is the same for the 32 lanes of a warp
+// (one broadcast load). `tile`: a [8][8][33] shared array.
+__device__ __forceinline__ void weighted_chunk_sum(const float* column, i64 ld, const float* w, i64 wld, int kn,
+                                                   bool valid, i64 r0, i64 r1, float (*tile)[8][33], float* out) {
+    float acc[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] = 0.0f;
+    if (valid) {
+        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) {
+            const float x = column[r * ld];
+            const float* wr = w + r * wld;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                if (k < kn) acc[k] = fmaf(x, wr[k], acc[k]);
+            }
+        }
+    }
+    __syncthreads();  // the previous pass's readers are done with the tile
+#pragma unroll
+    for (int k = 0; k < 8; ++k) tile[threadIdx.y][k][threadIdx.x] = acc[k];
+    __syncthreads();
+    if ((int)threadIdx.y < kn && valid) {
+        float sum = 0.0f;
+        for (int j = 0; j < 8; ++j) sum += tile[j][threadIdx.y][threadIdx.x];
+        out[threadIdx.y] = sum;
+    }
+}
+
+// Several column sums over the same rows in one launch (the fused gate's bias, α and B
+// gradients). Sum s reads srcs.v[s] (cols columns, row stride ld); plain (kw = 0):
+// dsts.v[s][col] = Σ_r src[r·ld + col]; weighted by kw columns of weights.v[s] (row stride
+// wld): dsts.v[s][col·kw + k] = Σ_r src[r·ld + col]·w[r·wld + k], a product Aᵀ·W whose
+// inner dimension is the rows (the channel gate's dB_c = dL_cᵀ·H_c, rank kw). shapes.v[s]
+// packs cols | kw << 32 and strides.v[s] ld | wld << 32 (every list of a launch must fit the
+// 4 KB of kernel arguments every CUDA version takes). Grid (Σ_s ⌈cols/32⌉, chunks): sum s has
+// the blocks from first_block.v[s] on, one per 32 of its own columns. Each block writes one
+// chunk's sums of its 32 columns, partial[partial_at.v[s] + (chunk·cols + col)·outputs + k]
+// (outputs = max(kw, 1)); the last of the chunks' blocks of a column block
 // (last_block_to_arrive on arrivals[blockIdx.x]) adds its columns' chunks in order in f64
-// (chunk_total: column_sums_finish's additions, so column_sums' bits), with the whole
-// parallelism of a separate finish kernel's block and no second launch.
-extern "C" __global__ void column_sums_many(TensorList srcs, TensorList cols, TensorList lds, TensorList first_block,
-                                            i64 count, i64 rows, i64 rows_per_chunk, i64 max_cols, float* partial,
+// (chunk_total: column_sums_finish's additions, so a plain sum has column_sums' bits), with
+// the whole parallelism of a separate finish kernel's block and no second launch.
+extern "C" __global__ void column_sums_many(TensorList srcs, TensorList shapes, TensorList strides,
+                                            TensorList weights, TensorList first_block, i64 count, i64 rows,
+                                            i64 rows_per_chunk, TensorList partial_at, float* partial,
                                             TensorList dsts, unsigned int* arrivals) {
     __shared__ float tile[8][33];
-    __shared__ float finish[8][32];  // chunk_total's tile: 8 chunks side by side (the block's rows)
+    __shared__ float weighted[8][8][33];  // weighted_chunk_sum's: 8 row lanes × 8 weights × 32 columns
+    __shared__ float finish[8][32];       // chunk_total's tile: 8 chunks side by side (the block's rows)
     const int s = list_entry_of_block(first_block, count);
+    const i64 cols = shapes.v[s] & 0xffffffffLL, ld = strides.v[s] & 0xffffffffLL, wld = strides.v[s] >> 32;
+    const int kw = (int)(shapes.v[s] >> 32), outputs = kw > 0 ? kw : 1;
     const i64 col = ((i64)blockIdx.x - first_block.v[s]) * 32 + threadIdx.x;
-    const bool valid = col < cols.v[s];
+    const bool valid = col < cols;
     const i64 chunk = blockIdx.y, chunks = gridDim.y;
     const i64 r0 = chunk * rows_per_chunk;
     const i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
-    column_chunk_sum((const float*)srcs.v[s] + col, lds.v[s], valid, r0, r1, tile,
-                     partial + (s * chunks + chunk) * max_cols + col);
+    const float* column = (const float*)srcs.v[s] + col;
+    float* chunk_out = partial + partial_at.v[s] + (chunk * cols + col) * outputs;
+    if (kw == 0) {
+        column_chunk_sum(column, ld, valid, r0, r1, tile, chunk_out);
+    } else {
+        const float* w = (const float*)weights.v[s];
+        for (int k0 = 0; k0 < kw; k0 += 8) {
+            const int kn = kw - k0 < 8 ? kw - k0 : 8;
+            weighted_chunk_sum(column, ld, w + k0, wld, kn, valid, r0, r1, weighted, chunk_out + k0);
+        }
+    }
     if (!last_block_to_arrive(arrivals + blockIdx.x, gridDim.y)) return;
-    const volatile float* column = partial + s * chunks * max_cols + col;
-    float total = chunk_total(chunks, valid, finish, [&](i64 c) { return column[c * max_cols]; });
-    if (threadIdx.y == 0 && valid) ((float*)dsts.v[s])[col] = total;
+    const volatile float* totals = partial + partial_at.v[s] + col * outputs;
+    float* dst = (float*)dsts.v[s] + col * outputs;
+    for (int k = 0; k < outputs; ++k) {
+        float total = chunk_total(chunks, valid, finish, [&](i64 c) { return totals[c * cols * outputs + k]; });
+        if (threadIdx.y == 0 && valid) dst[k] = total;
+    }
 }
 
 // Whether (v, i) beats (best, bi): NaN beats numbers, larger beats smaller, and among
@@ -168,11 +220,11 @@ extern "C" __global__ void max_inner(const float* x, i64 outer, i64 n, i64 inner
     }
 }
 
-// Σ x_t[i]² partials of up to LIST_LEN tensors in one launch, in f64: tensor t = blockIdx.y
+// Σ x_t[i]² partials of up to TABLE_LEN tensors in one launch, in f64: tensor t = blockIdx.y
 // has blocks.v[t] blocks (its own grid-stride over its lens.v[t] elements) and writes its
 // partials to partial[offsets.v[t] + block]; blocks past a tensor's count do nothing.
-extern "C" __global__ void sum_squares_partial(TensorList xs, TensorList lens, TensorList blocks, TensorList offsets,
-                                               double* partial) {
+extern "C" __global__ void sum_squares_partial(TensorTable xs, TensorTable lens, TensorTable blocks,
+                                               TensorTable offsets, double* partial) {
     const int t = blockIdx.y;
     const i64 own_blocks = blocks.v[t];
     if ((i64)blockIdx.x >= own_blocks) return;  // the whole block: block_sum_d is not reached
