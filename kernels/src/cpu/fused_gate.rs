@@ -252,6 +252,29 @@ pub fn fused_gate_forward(
             forward_block(dims, p, &gate, &c, x_rows, zu_rows, out_rows)
         })
         .collect();
+    saved_of(blocks)
+}
+
+/// The gate pass alone from a given `zu[N×K]` (Z and U in [`fused_gate_forward`]'s layout):
+/// writes `out[N×d_out] = Ẑ` and returns what the backward needs, as [`fused_gate_forward`]
+/// does after its product. The CPU twin of the GPU's gate launch, which reads the product
+/// saved in bf16: a reference that gates the same rounded `ZU`.
+pub fn fused_gate_from_zu(dims: &FusedGateDims, p: &FusedGateParams, zu: &[f32], out: &mut [f32]) -> FusedGateSaved {
+    let FusedGateDims { rows, d_out, .. } = *dims;
+    let k = dims.width();
+    assert_eq!(out.len(), rows * d_out, "fused_gate_from_zu: out is not N × d_out");
+    assert_eq!(zu.len(), rows * k, "fused_gate_from_zu: zu is not N × K");
+    let gate = ChannelGate::new(&p.channel, d_out);
+    let blocks: Vec<ForwardBlock> = zu
+        .par_chunks(BLOCK_ROWS * k)
+        .zip(out.par_chunks_mut(BLOCK_ROWS * d_out))
+        .map(|(zu_rows, out_rows)| gate_block(dims, p, &gate, zu_rows, out_rows))
+        .collect();
+    saved_of(blocks)
+}
+
+/// The blocks' shares of [`FusedGateSaved`], in row order.
+fn saved_of(blocks: Vec<ForwardBlock>) -> FusedGateSaved {
     let (mut hidden, mut gate_scalar, mut logit_scalar) = (Vec::new(), Vec::new(), Vec::new());
     for block in blocks {
         hidden.extend(block.hidden);
@@ -269,7 +292,7 @@ struct ForwardBlock {
 }
 
 /// The forward for the rows of `out` (starting at `x_rows`): `ZU = x·C` on this thread, then
-/// `H = φ(U + a)`, the scalar gate per row, and `Ẑ = γ_c ⊙ γ_s ⊙ Z` into `out`.
+/// the gate ([`gate_block`]).
 fn forward_block(
     dims: &FusedGateDims,
     p: &FusedGateParams,
@@ -279,10 +302,24 @@ fn forward_block(
     zu: &mut [f32],
     out: &mut [f32],
 ) -> ForwardBlock {
-    let FusedGateDims { d_in, d_out, rank_channel: rc, .. } = *dims;
+    let (d_in, k) = (dims.d_in, dims.width());
+    let rows = out.len() / dims.d_out;
+    matmul_serial(zu, 0, x_rows, columns_of(c, 0, d_in), GemmDims { m: rows, n: k, k: d_in }, Store::Overwrite);
+    gate_block(dims, p, gate, zu, out)
+}
+
+/// The gate for the rows of `out` from their `zu`: `H = φ(U + a)`, the scalar gate per row,
+/// and `Ẑ = γ_c ⊙ γ_s ⊙ Z` into `out`.
+fn gate_block(
+    dims: &FusedGateDims,
+    p: &FusedGateParams,
+    gate: &ChannelGate,
+    zu: &[f32],
+    out: &mut [f32],
+) -> ForwardBlock {
+    let FusedGateDims { d_out, rank_channel: rc, .. } = *dims;
     let (k, r) = (dims.width(), rc + dims.rank_scalar);
     let rows = out.len() / d_out;
-    matmul_serial(zu, 0, x_rows, columns_of(c, 0, d_in), GemmDims { m: rows, n: k, k: d_in }, Store::Overwrite);
     let mut hidden = vec![0.0; rows * r];
     unary_forward(p.phi, &hidden_inputs(p, zu, k, d_out), &mut hidden);
     let logit_scalar: Vec<f32> =
@@ -564,6 +601,14 @@ mod tests {
             for (a, b) in out.iter().zip(&expected) {
                 assert!((a - b).abs() <= 1e-5 + 1e-5 * b.abs(), "{phi:?}: {a} vs {b}");
             }
+            // The gate alone from the forward's ZU: the same output and saved state, bit for bit.
+            let mut again = vec![f32::NAN; out.len()];
+            let saved = fused_gate_from_zu(&dims, &p, &zu, &mut again);
+            let forward_saved = fused_gate_forward(&dims, &x, &p, &mut zu, &mut out);
+            assert_eq!(again, out, "{phi:?}: the gate from ZU differs from the forward's");
+            assert_eq!(saved.hidden, forward_saved.hidden, "{phi:?}: H differs");
+            assert_eq!(saved.gate_scalar, forward_saved.gate_scalar, "{phi:?}: γ_s differs");
+            assert_eq!(saved.logit_scalar, forward_saved.logit_scalar, "{phi:?}: the scalar logit differs");
         }
     }
 }

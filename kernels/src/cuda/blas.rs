@@ -18,7 +18,7 @@ use half::bf16;
 use super::allocator::{DeviceBuffer, DeviceScalar};
 use super::counters::GemmKind;
 use super::device::CudaDevice;
-use super::error::{CudaError, Result};
+use super::error::{ensure, CudaError, Result};
 use super::launch::to_i32;
 pub use crate::cpu::matmul::GemmDims;
 use crate::cpu::matmul::Store;
@@ -62,6 +62,9 @@ pub(crate) enum Precision {
     F32,
     /// bf16 operands, f32 output, f32 accumulate (tensor cores).
     Bf16,
+    /// bf16 operands, f32 accumulate (tensor cores), bf16 output (rounded to nearest even
+    /// once, from the f32 sum; overwrite only): a product saved for a backward, as autocast's.
+    Bf16Out,
 }
 
 impl Precision {
@@ -69,26 +72,27 @@ impl Precision {
     fn function(self) -> &'static str {
         match self {
             Precision::F32 => "cublasSgemm",
-            Precision::Bf16 => "cublasGemmEx",
+            Precision::Bf16 | Precision::Bf16Out => "cublasGemmEx",
         }
     }
 
     fn kind(self) -> GemmKind {
         match self {
             Precision::F32 => GemmKind::F32Simt,
-            Precision::Bf16 => GemmKind::Bf16TensorCore,
+            Precision::Bf16 | Precision::Bf16Out => GemmKind::Bf16TensorCore,
         }
     }
 
     /// FLOPs and bytes referenced of `batch` products `m×n×k` (the output read too when
     /// `beta` is not 0), for the device counters.
     fn cost(self, (m, n, k): (usize, usize, usize), beta: f32, batch: usize) -> (u64, u64) {
-        let operand_bytes = match self {
-            Precision::F32 => 4,
-            Precision::Bf16 => 2,
+        let (operand_bytes, output_bytes) = match self {
+            Precision::F32 => (4, 4),
+            Precision::Bf16 => (2, 4),
+            Precision::Bf16Out => (2, 2),
         };
         let output_passes = if beta == 0.0 { 1 } else { 2 };
-        let bytes = (m * k + k * n) * operand_bytes + m * n * 4 * output_passes;
+        let bytes = (m * k + k * n) * operand_bytes + m * n * output_bytes * output_passes;
         ((2 * m * n * k * batch) as u64, (bytes * batch) as u64)
     }
 }
@@ -115,6 +119,7 @@ pub(crate) fn gemm(
 ) -> Result<()> {
     const OP: &str = "gemm";
     let (GemmDims { m, n, k }, alpha, beta) = (dims, 1.0f32, beta(store));
+    ensure(precision != Precision::Bf16Out || beta == 0.0, OP, || "a bf16 output is overwritten, not added to".into())?;
     // An empty product leaves C as it is when accumulating (cuBLAS would scale it by beta).
     if m == 0 || n == 0 || (k == 0 && beta == 1.0) {
         return Ok(());
@@ -150,7 +155,7 @@ pub(crate) fn gemm(
                     c as *mut f32,
                     ldc,
                 ),
-                Precision::Bf16 => cublas::gemm_ex(
+                Precision::Bf16 | Precision::Bf16Out => cublas::gemm_ex(
                     handle,
                     b.op(),
                     a.op(),
@@ -166,7 +171,11 @@ pub(crate) fn gemm(
                     lda,
                     &beta as *const f32 as *const c_void,
                     c as *mut c_void,
-                    sys::cudaDataType::CUDA_R_32F,
+                    if precision == Precision::Bf16Out {
+                        sys::cudaDataType::CUDA_R_16BF
+                    } else {
+                        sys::cudaDataType::CUDA_R_32F
+                    },
                     ldc,
                     sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                     sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
@@ -254,8 +263,8 @@ fn emulated(
         let (call, operands) = match (precision, batch) {
             (Precision::F32, 1) => ("cublasSgemm", Operands::F32),
             (Precision::F32, _) => ("cublasSgemmStridedBatched", Operands::F32),
-            (Precision::Bf16, 1) => ("cublasGemmEx", Operands::Bf16),
-            (Precision::Bf16, _) => ("cublasGemmStridedBatchedEx", Operands::Bf16),
+            (Precision::Bf16, _) => ("cublasGemmEx", Operands::Bf16),
+            (Precision::Bf16Out, _) => ("cublasGemmEx", Operands::Bf16Out),
         };
         let (a, b) = ((col(first), stride_first), (col(second), stride_second));
         let addresses = || vec![first.ptr, second.ptr, c.0];

@@ -7,7 +7,7 @@ use kernels::cpu::fused_gate::{FusedGateDims, FusedGateGrads, FusedGateParams, G
 use kernels::cpu::matmul::Store;
 use kernels::cpu::unary::Unary;
 use kernels::cuda::fused_gate::{
-    DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, GateGroup, GateProducts,
+    DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, DeviceZu, GateGroup, GateProducts,
 };
 use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer};
 
@@ -110,6 +110,10 @@ impl DeviceGate {
     }
 }
 
+/// The bound, relative to the largest value, on the device's saved `ZU` against the CPU's
+/// f32 product: it is bf16 (8 significant bits, as autocast saves a product).
+const BF16_ZU: f32 = 1e-2;
+
 /// Runs the fused forward (the tensor-core kernel with the gate in its epilogue) on the
 /// device and on the CPU and compares them with the relative bound `rel` (of the largest
 /// value), then the unfused forward and the backward ([`check_group`], a group of one).
@@ -132,12 +136,15 @@ fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
     let what = format!("{dims:?} {phi:?}");
     let fused = down(dev, &gout);
     assert_close(&format!("fused forward {what}"), &fused, &out, 0.0, rel);
-    assert_close(&format!("fused forward zu {what}"), &down(dev, &gzu), &zu, 0.0, rel);
+    let gzu: Vec<f32> = dev.download(&gzu).unwrap().iter().map(|v| v.to_f32()).collect();
+    assert_close(&format!("fused forward zu {what}"), &gzu, &zu, 0.0, rel.max(BF16_ZU));
     // Without saving, the same output.
     let mut gout2 = dev.alloc(rows * d_out).unwrap();
     cuda::fused_gate::fused_gate_forward(dev, &dims, &gx16, &packed, &gp, None, &mut gout2).unwrap();
     assert_eq!(down(dev, &gout2), fused, "saving zu changed the output");
-    check_group(dev, std::slice::from_ref(case), phi, rel);
+    for bf16_zu in [false, true] {
+        check_group(dev, std::slice::from_ref(case), phi, rel, bf16_zu);
+    }
 }
 
 /// x in bf16 on the device, rounded to nearest even.
@@ -148,12 +155,14 @@ fn up_bf16(dev: &CudaDevice, x: &[f32]) -> DeviceBuffer<bf16> {
 /// A group of projections of one input (`cases` share `x`, rows, d_in and ranks) through the
 /// engine's path on the device (one GEMM and one gate launch forward, one backward) against
 /// each projection alone on the CPU: outputs side by side, `dx` summed, and every parameter's
-/// gradient, with f32 products (bound `rel`) and bf16 ones.
-fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32) {
+/// gradient, with f32 products (bound `rel`) and bf16 ones, the device saving `ZU` in f32 or
+/// (`bf16_zu`) bf16; then the CPU gates its `ZU` rounded to bf16 too, and its backward reads
+/// that.
+fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_zu: bool) {
     let FusedGateDims { rows, d_in, rank_channel: rc, rank_scalar: rs, .. } = cases[0].dims;
     let x = &cases[0].x;
     let out_width: usize = cases.iter().map(|c| c.dims.d_out).sum();
-    let what = format!("{:?} {phi:?}", cases.iter().map(|c| c.dims).collect::<Vec<_>>());
+    let what = format!("{:?} {phi:?} (bf16 ZU: {bf16_zu})", cases.iter().map(|c| c.dims).collect::<Vec<_>>());
     // The CPU, projection by projection: the forward on the rounded values the device
     // multiplies, the backward from its ZU with the f32 x and parameters (as the device's
     // backward reads them), for its columns of one output gradient.
@@ -167,7 +176,11 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32) {
         let d_out = dims.d_out;
         let rounded = case.rounded();
         let (mut zu, mut out) = (vec![0.0; rows * dims.width()], vec![0.0; rows * d_out]);
-        let saved = cpu::fused_gate::fused_gate_forward(&dims, &rounded.x, &rounded.params(phi), &mut zu, &mut out);
+        cpu::fused_gate::fused_gate_forward(&dims, &rounded.x, &rounded.params(phi), &mut zu, &mut out);
+        if bf16_zu {
+            zu.iter_mut().for_each(|v| *v = bf16::from_f32(*v).to_f32());
+        }
+        let saved = cpu::fused_gate::fused_gate_from_zu(&dims, &rounded.params(phi), &zu, &mut out);
         for n in 0..rows {
             want_out[n * out_width + at..n * out_width + at + d_out].copy_from_slice(&out[n * d_out..(n + 1) * d_out]);
         }
@@ -204,7 +217,8 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32) {
     let packed = cuda::fused_gate::pack_weight(dev, &group).unwrap();
     let gx16 = up_bf16(dev, x);
     let width: usize = cases.iter().map(|c| c.dims.width()).sum();
-    let (mut gzu, mut gout) = (dev.alloc(rows * width).unwrap(), dev.alloc(rows * out_width).unwrap());
+    let (mut gzu, mut gout) =
+        (DeviceZu::alloc(dev, rows * width, bf16_zu).unwrap(), dev.alloc(rows * out_width).unwrap());
     cuda::fused_gate::fused_gate_forward_unfused(dev, &group, &gx16, &packed, &mut gzu, &mut gout).unwrap();
     assert_close(&format!("forward {what}"), &down(dev, &gout), &want_out, 0.0, rel);
 
@@ -287,7 +301,9 @@ fn a_group_of_fused_projections_agrees_with_each_alone() {
         // One input for the whole group.
         let x = cases[0].x.clone();
         cases.iter_mut().for_each(|c| c.x = x.clone());
-        check_group(dev, &cases, phi, 1e-4);
+        for bf16_zu in [false, true] {
+            check_group(dev, &cases, phi, 1e-4, bf16_zu);
+        }
     }
     // Projections of different ranks cannot share a group.
     let cases = [GateCase::new(dims(16, 8), &mut rng, true), GateCase::new(dims(16, 4), &mut rng, true)];

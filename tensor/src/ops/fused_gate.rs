@@ -55,10 +55,11 @@ pub struct FusedGateSaved {
 enum SavedExtra {
     /// Each projection's GEMM output `ZU` and the CPU kernel's rank-r results.
     Cpu(Vec<(Tensor, kernels::cpu::fused_gate::FusedGateSaved)>),
-    /// The group's GEMM output `ZU` (`[N, K]`, every projection's columns in turn) and the
-    /// packed bf16 weight it read, which the backward's bf16 products read too.
+    /// The group's GEMM output `ZU` (`[N, K]`, every projection's columns in turn; bf16 under
+    /// bf16 products, as autocast saves a product) and the packed bf16 weight it read, which
+    /// the backward's bf16 products read too.
     #[cfg(feature = "cuda")]
-    Cuda { zu: Tensor, packed: std::sync::Arc<kernels::cuda::DeviceBuffer<half::bf16>> },
+    Cuda { zu: kernels::cuda::fused_gate::DeviceZu, packed: std::sync::Arc<kernels::cuda::DeviceBuffer<half::bf16>> },
 }
 
 /// Contiguous values of one modulator's `[A, a, B, b, α]`, with its rank, checked against
@@ -290,8 +291,9 @@ pub(crate) mod cuda {
     //! conversion launch) the first time, and after any write to a weight other than the
     //! optimizer's step; the step rewrites each weight's rows in place (AdamW writes the new
     //! values rounded beside the f32 ones), so a training step converts no weight. It converts
-    //! `x` to bf16 (the copy its storage keeps), and runs one cuBLAS bf16 GEMM for the f32 `ZU`
-    //! (kept for the backward) and one gate launch. The backward reads `ZU`, the f32 `x` and
+    //! `x` to bf16 (the copy its storage keeps), and runs one cuBLAS bf16 GEMM for `ZU` (kept
+    //! for the backward; written in bf16 under bf16 products, as autocast keeps a product's
+    //! output, else f32) and one gate launch. The backward reads `ZU`, the f32 `x` and
     //! the f32 weights; its products run in f32, or under bf16 products (`--bf16`) on the
     //! tensor cores from the same bf16 `x` and packed weight. The α's are read on the device.
 
@@ -301,7 +303,7 @@ pub(crate) mod cuda {
     use kernels::cpu::matmul::Store;
     use kernels::cuda::fused_gate::{
         fused_gate_backward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams,
-        DeviceGateGrads, DeviceGateParams, GateGroup, GateProducts, Unary,
+        DeviceGateGrads, DeviceGateParams, DeviceZu, GateGroup, GateProducts, Unary,
     };
     use kernels::cuda::{CudaDevice, DeviceBuffer};
 
@@ -361,15 +363,16 @@ pub(crate) mod cuda {
         Ok(packed)
     }
 
-    /// Forward on the GPU: `(out, x as dense f32, ZU [N, K], the packed bf16 weight)`. `x`
-    /// and the parameters are contiguous and shape-checked by the caller.
+    /// Forward on the GPU: `(out, x as dense f32, ZU [N, K], the packed bf16 weight)`, `ZU` in
+    /// bf16 under bf16 products. `x` and the parameters are contiguous and shape-checked by
+    /// the caller.
     #[allow(clippy::type_complexity)]
     pub(super) fn forward(
         x: &Tensor,
         projections: &[Checked],
         phi: Unary,
         out_shape: &[usize],
-    ) -> Result<(Tensor, Tensor, Tensor, Arc<DeviceBuffer<bf16>>)> {
+    ) -> Result<(Tensor, Tensor, DeviceZu, Arc<DeviceBuffer<bf16>>)> {
         let dev = x.cuda_device(OP)?;
         let dense = projections.iter().map(dense_f32).collect::<Result<Vec<_>>>()?;
         let group = groups(projections, &dense, phi)?;
@@ -378,7 +381,8 @@ pub(crate) mod cuda {
         let x_bf16_buffer = storage_of(&x_bf16)?;
         let rows = projections[0].dims.rows;
         let width: usize = projections.iter().map(|p| p.dims.width()).sum();
-        let mut zu = CudaStorage::alloc(&dev, rows * width)?;
+        let bf16_products = crate::cuda::matmul_precision() == crate::cuda::MatmulPrecision::Bf16;
+        let mut zu = DeviceZu::alloc(&dev, rows * width, bf16_products)?;
         let mut out = CudaStorage::alloc(&dev, out_shape.iter().product())?;
         // ZU from cuBLAS, then the gate kernel: measured 1.75x faster than the tensor-core kernel
         // with the gate in its epilogue (fused_gate_forward) on an H200 (cuda-bench, 131072 tokens,
@@ -390,11 +394,10 @@ pub(crate) mod cuda {
             &group,
             x_bf16_buffer.bf16_buffer(OP)?,
             &packed,
-            zu.f32_buffer_mut(OP)?,
+            &mut zu,
             out.f32_buffer_mut(OP)?,
         )?;
         let out = Tensor::from_cuda(out, out_shape)?;
-        let zu = Tensor::from_cuda(zu, &[rows, width])?;
         Ok((out, x.to_dtype(DType::F32)?.dense()?, zu, packed))
     }
 
@@ -428,14 +431,14 @@ pub(crate) mod cuda {
     /// [`Tensor::fused_gated_projection_backward`]).
     pub(super) fn backward(
         saved: &FusedGateSaved,
-        zu: &Tensor,
+        zu: &DeviceZu,
         packed: &DeviceBuffer<bf16>,
         dy: &Tensor,
         dx_so_far: Option<Tensor>,
     ) -> Result<Vec<Tensor>> {
         let FusedGateSaved { projections, x, phi, .. } = saved;
         let dev = x.cuda_device(OP)?;
-        let (x, zu, dy) = (x.dense()?, zu.dense()?, dy.dense()?);
+        let (x, dy) = (x.dense()?, dy.dense()?);
         let dense = projections.iter().map(dense_f32).collect::<Result<Vec<_>>>()?;
         let group = groups(projections, &dense, *phi)?;
         let bf16_products = crate::cuda::matmul_precision() == crate::cuda::MatmulPrecision::Bf16;
@@ -493,7 +496,7 @@ pub(crate) mod cuda {
                 None => GateProducts::F32,
             };
             // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cuda::fused_gate::fused_gate_backward
-            let (x, zu, dy) = (x.cuda_f32(OP)?, zu.cuda_f32(OP)?, dy.cuda_f32(OP)?);
+            let (x, dy) = (x.cuda_f32(OP)?, dy.cuda_f32(OP)?);
             fused_gate_backward(&dev, &group, x, zu, dy, products, &mut grads)?;
         }
         let dx = match (dx_fresh, dx_so_far) {

@@ -21,11 +21,15 @@ pub(crate) struct ColMajor {
     pub trans: bool,
 }
 
-/// Element type of the A and B operands (C is f32).
+/// Element types of the A and B operands and of C.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Operands {
+    /// f32 A, B and C.
     F32,
+    /// bf16 A and B, f32 C.
     Bf16,
+    /// bf16 A, B and C (the f32 sum rounded to nearest even once; beta 0).
+    Bf16Out,
 }
 
 fn blas_error(call: &str, message: String) -> CudaError {
@@ -115,21 +119,25 @@ pub(crate) fn gemm(
     if m == 0 || n == 0 || batch == 0 {
         return Ok(());
     }
-    let elem = match operands {
-        Operands::F32 => 4,
-        Operands::Bf16 => 2,
+    let (elem, c_elem) = match operands {
+        Operands::F32 => (4, 4),
+        Operands::Bf16 => (2, 4),
+        Operands::Bf16Out => (2, 2),
     };
+    if operands == Operands::Bf16Out && beta != 0.0 {
+        return Err(blas_error(call, "a bf16 C is overwritten (beta 0)".to_string()));
+    }
     for i in 0..batch {
         let (ai, bi, ci) = (
             ColMajor { ptr: a.ptr + (i * stride_a * elem) as u64, ..a },
             ColMajor { ptr: b.ptr + (i * stride_b * elem) as u64, ..b },
-            c + (i * stride_c * 4) as u64,
+            c + (i * stride_c * c_elem) as u64,
         );
         let (ar, ac) = stored(ai, m, k);
         let (br, bc) = stored(bi, k, n);
         check_extent(call, "A", ai.ptr, ai.ld, ar, ac, elem)?;
         check_extent(call, "B", bi.ptr, bi.ld, br, bc, elem)?;
-        check_extent(call, "C", ci, ldc, m, n, 4)?;
+        check_extent(call, "C", ci, ldc, m, n, c_elem)?;
         // SAFETY: every touched element of A, B and C lies in its buffer (checked above);
         // C is not aliased by A or B in the backend's calls.
         unsafe { product(operands, (m, n, k), alpha, ai, bi, beta, ci, ldc) };
@@ -152,6 +160,18 @@ unsafe fn product(
     c: u64,
     ldc: usize,
 ) {
+    if operands == Operands::Bf16Out {
+        // The f32 product, then each element rounded once (cuBLAS's epilogue).
+        let mut product32 = vec![0.0f32; m * n];
+        product(Operands::Bf16, (m, n, k), alpha, a, b, 0.0, product32.as_mut_ptr() as u64, m);
+        let dst = c as *mut half::bf16;
+        for j in 0..n {
+            for i in 0..m {
+                *dst.add(i + j * ldc) = half::bf16::from_f32(product32[i + j * m]);
+            }
+        }
+        return;
+    }
     let dst = c as *mut f32;
     if k == 0 {
         // C = beta·C (cuBLAS scales C even for an empty sum; beta = 0 writes zeros).
@@ -166,7 +186,7 @@ unsafe fn product(
     let (wide_a, wide_b);
     let (pa, pb) = match operands {
         Operands::F32 => (a.ptr as *const f32, b.ptr as *const f32),
-        Operands::Bf16 => {
+        Operands::Bf16 | Operands::Bf16Out => {
             wide_a = widen(a, m, k);
             wide_b = widen(b, k, n);
             (wide_a.as_ptr(), wide_b.as_ptr())

@@ -11,7 +11,7 @@ use super::super::error::{ensure, ensure_len, Result};
 use super::super::launch::{int, ptr, size};
 use super::super::module::Arg;
 use super::super::reduce::{column_sums_many, ColumnSum, SumWeights};
-use super::{group_lists, group_row_warps, layout, GateGroup, Layout, FAMILY};
+use super::{group_lists, group_row_warps, layout, DeviceZu, GateGroup, Layout, FAMILY};
 use crate::cpu::matmul::Store;
 
 /// Gradient buffers of one modulator, written by the backward (`dA` and `dB` are parts of
@@ -126,7 +126,7 @@ pub fn fused_gate_backward(
     dev: &CudaDevice,
     groups: &[GateGroup],
     x: &DeviceBuffer<f32>,
-    zu: &DeviceBuffer<f32>,
+    zu: &DeviceZu,
     dout: &DeviceBuffer<f32>,
     products: GateProducts,
     grads: &mut DeviceFusedGateGrads,
@@ -134,9 +134,10 @@ pub fn fused_gate_backward(
     const OP: &str = "fused_gate_backward";
     let layout = layout(dev, OP, groups)?;
     check_grads(dev, OP, groups, &layout, grads)?;
-    for buffer in [x, zu, dout] {
+    for buffer in [x, dout] {
         dev.check_owner(OP, buffer)?;
     }
+    zu.check_owner(dev, OP)?;
     let Layout { rows, d_in, rank_channel: rc, rank_scalar: rs, zu_width: k, out_width, .. } = layout;
     let (count, r) = (groups.len(), rc + rs);
     ensure_len(OP, "x", x.len(), rows * d_in)?;
@@ -174,7 +175,7 @@ pub fn fused_gate_backward(
     let (phi, phi_p) = unary_code(groups[0].params.phi);
     let [params, places] = group_lists(groups, &layout);
     let args = [
-        ptr(zu),
+        Arg::Ptr(zu.device_ptr()),
         ptr(dout),
         params,
         places,
@@ -191,7 +192,8 @@ pub fn fused_gate_backward(
         ptr(&row_terms),
         Arg::Ptr(operands.dzu_bf16()),
     ];
-    dev.launch(FAMILY, "fused_gate_backward_rows", group_row_warps(rows, count), &args)?;
+    let kernel = zu.kernel("fused_gate_backward_rows", "fused_gate_backward_rows_bf16");
+    dev.launch(FAMILY, kernel, group_row_warps(rows, count), &args)?;
 
     // Cross-row sums: db_c = Σ dL_c, dB_c = dL_cᵀ·H_c (a sum over rows weighted by H_c's rc
     // columns), da = Σ dU, dα = Σ row terms, db_s = Σ dl_s and dB_s = Σ dl_s·H_s; all eight of

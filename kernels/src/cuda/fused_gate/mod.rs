@@ -7,7 +7,8 @@
 //! ```
 //!
 //! Semantics are `cpu::fused_gate`'s (same [`FusedGateDims`], the same parameter roles, the
-//! same `zu` saved for backward). The forward reads `x` and the concatenated weight in bf16
+//! same `zu` saved for backward, f32 or, under bf16 products, bf16: [`DeviceZu`]). The forward
+//! reads `x` and the concatenated weight in bf16
 //! (`[W; A_c; A_s]` as one `[K, d_in]` bf16 buffer: [`pack_weight`] builds it in one launch;
 //! in training the caller keeps it as the weights' bf16 copy, which the optimizer's update
 //! rewrites) and accumulates in f32. [`fused_gate_forward`] writes `zu` only when asked
@@ -61,6 +62,61 @@ fn row_warps(rows: usize) -> cudarc::driver::LaunchConfig {
         grid_dim: (rows.div_ceil(ROWS_PER_BLOCK).min(MAX_ROW_BLOCKS) as u32, 1, 1),
         block_dim: (ROWS_PER_BLOCK as u32 * 32, 1, 1),
         shared_mem_bytes: 0,
+    }
+}
+
+/// A group's product `ZU = x·[W; A_c; A_s]ᵀ` (`[N, K]`), saved by the forward for its
+/// backward: f32, or bf16 under bf16 products (autocast's saved product: half the bytes to
+/// write, keep and read back twice). The row kernels come in both.
+#[derive(Debug)]
+pub enum DeviceZu {
+    /// f32 `ZU`.
+    F32(DeviceBuffer<f32>),
+    /// `ZU` rounded to bf16 (nearest even) from the f32 sums.
+    Bf16(DeviceBuffer<bf16>),
+}
+
+impl DeviceZu {
+    /// A fresh `ZU` of `len` elements, bf16 when `bf16` is set.
+    pub fn alloc(dev: &CudaDevice, len: usize, bf16: bool) -> Result<DeviceZu> {
+        Ok(if bf16 { DeviceZu::Bf16(dev.alloc(len)?) } else { DeviceZu::F32(dev.alloc(len)?) })
+    }
+
+    /// Its elements.
+    pub fn len(&self) -> usize {
+        match self {
+            DeviceZu::F32(b) => b.len(),
+            DeviceZu::Bf16(b) => b.len(),
+        }
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The address of element 0.
+    fn device_ptr(&self) -> u64 {
+        match self {
+            DeviceZu::F32(b) => b.device_ptr(),
+            DeviceZu::Bf16(b) => b.device_ptr(),
+        }
+    }
+
+    /// Errors unless it lives on `dev`.
+    fn check_owner(&self, dev: &CudaDevice, op: &'static str) -> Result<()> {
+        match self {
+            DeviceZu::F32(b) => dev.check_owner(op, b),
+            DeviceZu::Bf16(b) => dev.check_owner(op, b),
+        }
+    }
+
+    /// The row kernel for this element type: `f32_name` or `bf16_name`.
+    fn kernel(&self, f32_name: &'static str, bf16_name: &'static str) -> &'static str {
+        match self {
+            DeviceZu::F32(_) => f32_name,
+            DeviceZu::Bf16(_) => bf16_name,
+        }
     }
 }
 
@@ -237,7 +293,7 @@ fn check_forward(
     x: &DeviceBuffer<bf16>,
     packed: &DeviceBuffer<bf16>,
     p: &DeviceFusedGateParams,
-    zu: Option<&DeviceBuffer<f32>>,
+    zu: Option<&DeviceBuffer<bf16>>,
     out: &DeviceBuffer<f32>,
 ) -> Result<()> {
     check_params(dev, op, dims, p)?;
@@ -255,7 +311,8 @@ fn check_forward(
 }
 
 /// The fused forward: `out[N×d_out] = Ẑ` from one tensor-core GEMM whose epilogue computes
-/// the gate; `zu[N×K] = x·[W; A_c; A_s]ᵀ` is written only when given (save it for backward).
+/// the gate; `zu[N×K] = x·[W; A_c; A_s]ᵀ` (rounded to bf16) is written only when given (save
+/// it for backward).
 /// `x` is bf16 `[N, d_in]`, `packed` is [`pack_weight`]'s output. Needs compute capability 8.0+.
 pub fn fused_gate_forward(
     dev: &CudaDevice,
@@ -263,7 +320,7 @@ pub fn fused_gate_forward(
     x: &DeviceBuffer<bf16>,
     packed: &DeviceBuffer<bf16>,
     p: &DeviceFusedGateParams,
-    zu: Option<&mut DeviceBuffer<f32>>,
+    zu: Option<&mut DeviceBuffer<bf16>>,
     out: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "fused_gate_forward";
@@ -304,19 +361,19 @@ pub fn fused_gate_forward(
 pub fn fused_gate_apply(
     dev: &CudaDevice,
     groups: &[GateGroup],
-    zu: &DeviceBuffer<f32>,
+    zu: &DeviceZu,
     out: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "fused_gate_apply";
     let layout = layout(dev, OP, groups)?;
-    dev.check_owner(OP, zu)?;
+    zu.check_owner(dev, OP)?;
     dev.check_owner(OP, out)?;
     ensure_len(OP, "zu", zu.len(), layout.rows * layout.zu_width)?;
     ensure_len(OP, "out", out.len(), layout.rows * layout.out_width)?;
     let (phi, phi_p) = unary_code(groups[0].params.phi);
     let [params, places] = group_lists(groups, &layout);
     let args = [
-        ptr(zu),
+        Arg::Ptr(zu.device_ptr()),
         params,
         places,
         int(phi),
@@ -328,18 +385,20 @@ pub fn fused_gate_apply(
         int(layout.rank_scalar as i32),
         ptr(out),
     ];
-    dev.launch(FAMILY, "fused_gate_apply", group_row_warps(layout.rows, groups.len()), &args)
+    let kernel = zu.kernel("fused_gate_apply", "fused_gate_apply_bf16");
+    dev.launch(FAMILY, kernel, group_row_warps(layout.rows, groups.len()), &args)
 }
 
-/// The engine's forward: a cuBLAS bf16 GEMM `zu = x·packedᵀ` (f32 output, `[N, K]`), then
-/// [`fused_gate_apply`] into `out` (`[N, Σ d_out]`), for a whole group in two launches. For a
-/// group of one, the same inputs and outputs as [`fused_gate_forward`] with `zu` given.
+/// The engine's forward: a cuBLAS bf16 GEMM `zu = x·packedᵀ` (`[N, K]`, f32 accumulation,
+/// written in `zu`'s type), then [`fused_gate_apply`] into `out` (`[N, Σ d_out]`), for a whole
+/// group in two launches. For a group of one, the inputs and outputs of
+/// [`fused_gate_forward`] with `zu` given (which gates the f32 sums and saves them in bf16).
 pub fn fused_gate_forward_unfused(
     dev: &CudaDevice,
     groups: &[GateGroup],
     x: &DeviceBuffer<bf16>,
     packed: &DeviceBuffer<bf16>,
-    zu: &mut DeviceBuffer<f32>,
+    zu: &mut DeviceZu,
     out: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "fused_gate_forward_unfused";
@@ -347,13 +406,17 @@ pub fn fused_gate_forward_unfused(
     for buffer in [x, packed] {
         dev.check_owner(OP, buffer)?;
     }
-    dev.check_owner(OP, zu)?;
+    zu.check_owner(dev, OP)?;
     let (k, d_in) = (layout.zu_width, layout.d_in);
     ensure_len(OP, "x", x.len(), layout.rows * d_in)?;
     ensure_len(OP, "packed weight", packed.len(), k * d_in)?;
     ensure_len(OP, "zu", zu.len(), layout.rows * k)?;
     let (a, b) = (Operand::rows(x.device_ptr(), d_in), Operand::transposed(packed.device_ptr(), d_in));
     let product = GemmDims { m: layout.rows, n: k, k: d_in };
-    gemm(dev, Precision::Bf16, product, a, b, Store::Overwrite, (zu.device_ptr(), k))?;
+    let precision = match zu {
+        DeviceZu::F32(_) => Precision::Bf16,
+        DeviceZu::Bf16(_) => Precision::Bf16Out,
+    };
+    gemm(dev, precision, product, a, b, Store::Overwrite, (zu.device_ptr(), k))?;
     fused_gate_apply(dev, groups, zu, out)
 }

@@ -13,9 +13,10 @@
 // summary columns U for its BM rows (redundantly across column blocks: r/BN extra work), so
 // the epilogue has everything the gate needs: it computes H = φ(U + a), γ_s per row and
 // γ_c per element, and writes Ẑ. Z and U reach memory only when `zu` is given (training
-// saves them for backward; inference passes null).
+// saves them for backward; inference passes null), rounded to bf16 as a bf16 GEMM's output
+// (autocast's), the one copy of ZU the gate and its backward read.
 //
-// fused_gate_apply: the same gate from a ZU computed by cuBLAS (the engine's path: measured
+// fused_gate_apply: the same gate from a bf16 ZU computed by cuBLAS (the engine's path: measured
 // faster than fused_gate_mma on an H200, whose main loop runs at a third of cuBLAS's speed;
 // see cuda/fused_gate/mod.rs), for a group of projections of one input at once. The backward
 // kernel mirrors cpu/fused_gate.rs's row pass; its GEMMs and column sums run through cuBLAS
@@ -130,6 +131,16 @@ __device__ __forceinline__ void store_pair(float* p, float v0, float v1, bool se
     }
 }
 
+// store_pair rounded to bf16: one 4-byte store when `pairs` (p on a 4-byte boundary).
+__device__ __forceinline__ void store_bf16_pair(bf16_t* p, float v0, float v1, bool second, bool pairs) {
+    if (second && pairs) {
+        *reinterpret_cast<unsigned int*>(p) = (unsigned int)f32_to_bf16(v0) | ((unsigned int)f32_to_bf16(v1) << 16);
+    } else {
+        p[0] = f32_to_bf16(v0);
+        if (second) p[1] = f32_to_bf16(v1);
+    }
+}
+
 template <int RU>
 struct FgShared {
     static const int MAIN_BYTES = (FG_BM + FG_BN + RU) * FG_SK * 2;  // x, W and A tiles (bf16)
@@ -176,7 +187,7 @@ template <int RU>
 __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* cat_w, const float* a_c, const float* b_cw,
                                                const float* b_cb, float alpha_c, const float* a_s, const float* b_sw,
                                                const float* b_sb, float alpha_s, int phi, float phi_p, i64 rows,
-                                               i64 d_in, i64 d_out, int rc, int rs, float* zu, float* out) {
+                                               i64 d_in, i64 d_out, int rc, int rs, bf16_t* zu, float* out) {
     __shared__ __align__(16) unsigned char smem[FgShared<RU>::BYTES];
     const int r = rc + rs;
     const i64 width = d_out + r;
@@ -266,7 +277,9 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
             int col = ut * 8 + 2 * t4 + (e & 1);
             h[row * hs + col] = acc_u[ut][e];
             // U is saved once, by the first column block.
-            if (zu && blockIdx.x == 0 && col < r && m0 + row < rows) zu[(m0 + row) * width + d_out + col] = acc_u[ut][e];
+            if (zu && blockIdx.x == 0 && col < r && m0 + row < rows) {
+                zu[(m0 + row) * width + d_out + col] = f32_to_bf16(acc_u[ut][e]);
+            }
         }
     }
     __syncthreads();
@@ -315,7 +328,7 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
             const float y0 = sigmoid_f(alpha_c * (logit[0][i] + bias0)) * scale * z0;
             const float y1 = sigmoid_f(alpha_c * (logit[1][i] + bias1)) * scale * z1;
             store_pair(out + row * d_out + col, y0, y1, second, pairs_out);
-            if (zu) store_pair(zu + row * width + col, z0, z1, second, pairs_zu);
+            if (zu) store_bf16_pair(zu + row * width + col, z0, z1, second, pairs_zu);
         }
     }
 }
@@ -324,7 +337,7 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
     const bf16_t *x, const bf16_t *cat_w, const float *a_c, const float *b_cw, const float *b_cb,                   \
         const float *alpha_c, const float *a_s, const float *b_sw, const float *b_sb, const float *alpha_s, int phi, \
         float phi_p, i64 rows,                                                                                       \
-        i64 d_in, i64 d_out, int rc, int rs, float *zu, float *out
+        i64 d_in, i64 d_out, int rc, int rs, bf16_t *zu, float *out
 // α_c and α_s are one-element device buffers (no host read-back of a learnable α).
 #define FG_ARGS \
     x, cat_w, a_c, b_cw, b_cb, *alpha_c, a_s, b_sw, b_sb, *alpha_s, phi, phi_p, rows, d_in, d_out, rc, rs, zu, out
@@ -366,18 +379,24 @@ __device__ __forceinline__ GateGroup gate_group(const TensorList& params, const 
                      layout.v[3 * g],    layout.v[3 * g + 1], layout.v[3 * g + 2]};
 }
 
+// A saved ZU element as f32: ZU is f32, or bf16 under bf16 products (the row kernels come in
+// both; the arithmetic after the load is the same).
+__device__ __forceinline__ float zu_value(float v) { return v; }
+__device__ __forceinline__ float zu_value(bf16_t v) { return bf16_to_f32(v); }
+
 // One row's H = φ(U + a) from its ZU row (zr: the group's Z_g, U_g after d_out columns) into h
 // (this warp's shared slot), its h_c into every lane's registers hr (channel_logit's register
 // path) and, when given, into hidden (r values from hidden_row); the warp's lanes split the r
 // columns.
-__device__ __forceinline__ void row_hidden(float* h, float (&hr)[FG_REG_RANK], const float* zr, const float* a_c,
+template <class Z>
+__device__ __forceinline__ void row_hidden(float* h, float (&hr)[FG_REG_RANK], const Z* zr, const float* a_c,
                                            const float* a_s, int phi, float phi_p, i64 d_out, int rc, int rs,
                                            float* hidden_row) {
     const int lane = threadIdx.x & 31, r = rc + rs;
     __syncwarp();  // every lane is done with the previous row's h
     for (int t = lane; t < r; t += 32) {
         const float bias = t < rc ? a_c[t] : a_s[t - rc];
-        const float value = unary_f(phi, zr[d_out + t] + bias, phi_p);
+        const float value = unary_f(phi, zu_value(zr[d_out + t]) + bias, phi_p);
         h[t] = value;
         if (hidden_row) hidden_row[t] = value;
     }
@@ -388,9 +407,10 @@ __device__ __forceinline__ void row_hidden(float* h, float (&hr)[FG_REG_RANK], c
 
 // The gate alone, from a saved ZU: out = σ̃_αc(H_c·B_cᵀ + b_c) ⊙ γ_s ⊙ Z for every group
 // (the second half of the cuBLAS path; the same arithmetic as fused_gate_mma's epilogue).
-extern "C" __global__ void fused_gate_apply(const float* zu, TensorList params, TensorList layout, int phi,
-                                            float phi_p, i64 rows, i64 zu_width, i64 out_width, int rc, int rs,
-                                            float* out) {
+template <class Z>
+__device__ __forceinline__ void gate_apply(const Z* zu, const TensorList& params, const TensorList& layout, int phi,
+                                           float phi_p, i64 rows, i64 zu_width, i64 out_width, int rc, int rs,
+                                           float* out) {
     const GateGroup g = gate_group(params, layout, blockIdx.y);
     const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
     __shared__ float h_rows[FG_ROW_WARPS][FG_MAX_RANK];
@@ -399,7 +419,7 @@ extern "C" __global__ void fused_gate_apply(const float* zu, TensorList params, 
     const bool regs = register_rank(rc);
     const i64 d_out = g.d_out;
     WARP_ROWS(n, rows) {
-        const float* zr = zu + n * zu_width + g.zu_at;
+        const Z* zr = zu + n * zu_width + g.zu_at;
         float* out_row = out + n * out_width + g.out_at;
         float hr[FG_REG_RANK];
         row_hidden(h, hr, zr, g.a_c, g.a_s, phi, phi_p, d_out, rc, rs, nullptr);
@@ -407,7 +427,7 @@ extern "C" __global__ void fused_gate_apply(const float* zu, TensorList params, 
         for (i64 j0 = lane; j0 < d_out; j0 += 32 * FG_ROW_BATCH) {
             float z[FG_ROW_BATCH];
 #pragma unroll
-            for (int b = 0; b < FG_ROW_BATCH; ++b) z[b] = j0 + 32 * b < d_out ? zr[j0 + 32 * b] : 0.0f;
+            for (int b = 0; b < FG_ROW_BATCH; ++b) z[b] = j0 + 32 * b < d_out ? zu_value(zr[j0 + 32 * b]) : 0.0f;
 #pragma unroll
             for (int b = 0; b < FG_ROW_BATCH; ++b) {
                 const i64 j = j0 + 32 * b;
@@ -417,6 +437,19 @@ extern "C" __global__ void fused_gate_apply(const float* zu, TensorList params, 
             }
         }
     }
+}
+
+extern "C" __global__ void fused_gate_apply(const float* zu, TensorList params, TensorList layout, int phi,
+                                            float phi_p, i64 rows, i64 zu_width, i64 out_width, int rc, int rs,
+                                            float* out) {
+    gate_apply(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out);
+}
+
+// fused_gate_apply from a bf16 ZU (bf16 products).
+extern "C" __global__ void fused_gate_apply_bf16(const bf16_t* zu, TensorList params, TensorList layout, int phi,
+                                                 float phi_p, i64 rows, i64 zu_width, i64 out_width, int rc, int rs,
+                                                 float* out) {
+    gate_apply(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out);
 }
 
 // Backward row pass, one warp per row n of group g. Recomputes H = φ(U + a) and γ_s, then per
@@ -435,10 +468,11 @@ extern "C" __global__ void fused_gate_apply(const float* zu, TensorList params, 
 // only its bf16 copy is written (the products are the only readers of dZ), with the bf16 copy
 // of dU, rounded to nearest even. dL_c and H stay f32: the column sums read them (db_c, and
 // dB_c = dL_cᵀ·H_c).
-extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float* dout, TensorList params,
-                                                    TensorList layout, int phi, float phi_p, i64 rows, i64 zu_width,
-                                                    i64 out_width, int rc, int rs, float* dzu, float* dlogits,
-                                                    float* hidden, float* row_terms, bf16_t* dzu_bf16) {
+template <class Z>
+__device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dout, const TensorList& params,
+                                                   const TensorList& layout, int phi, float phi_p, i64 rows,
+                                                   i64 zu_width, i64 out_width, int rc, int rs, float* dzu,
+                                                   float* dlogits, float* hidden, float* row_terms, bf16_t* dzu_bf16) {
     const GateGroup g = gate_group(params, layout, blockIdx.y);
     const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
     __shared__ float h_rows[FG_ROW_WARPS][FG_MAX_RANK];
@@ -453,7 +487,7 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
     WARP_ROWS(n, rows) {
         const i64 zu_row = n * zu_width + g.zu_at, out_row = n * out_width + g.out_at;
         const i64 hidden_row = n * hidden_width + (i64)blockIdx.y * r;
-        const float* zr = zu + zu_row;
+        const Z* zr = zu + zu_row;
         float hr[FG_REG_RANK];
         row_hidden(h, hr, zr, g.a_c, g.a_s, phi, phi_p, d_out, rc, rs, hidden + hidden_row);
         const float gate_s = scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
@@ -466,7 +500,7 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
 #pragma unroll
             for (int b = 0; b < FG_ROW_BATCH; ++b) {
                 const i64 j = j0 + 32 * b;
-                z[b] = j < d_out ? zr[j] : 0.0f;
+                z[b] = j < d_out ? zu_value(zr[j]) : 0.0f;
                 dy[b] = j < d_out ? dout[out_row + j] : 0.0f;
             }
 #pragma unroll
@@ -539,7 +573,7 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
         }
         for (int t = lane; t < r; t += 32) {
             const bool channel = t < rc;
-            const float pre = zr[d_out + t] + (channel ? g.a_c[t] : g.a_s[t - rc]);
+            const float pre = zu_value(zr[d_out + t]) + (channel ? g.a_c[t] : g.a_s[t - rc]);
             const float dphi = unary_df(phi, pre, h[t], phi_p);
             const float du = channel ? dh[t] * dphi : dlogit_s * g.b_sw[t - rc] * dphi;
             dzu[zu_row + d_out + t] = du;
@@ -547,4 +581,22 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
             if (!channel) terms_row[3 + t - rc] = dlogit_s * h[t];
         }
     }
+}
+
+extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float* dout, TensorList params,
+                                                    TensorList layout, int phi, float phi_p, i64 rows, i64 zu_width,
+                                                    i64 out_width, int rc, int rs, float* dzu, float* dlogits,
+                                                    float* hidden, float* row_terms, bf16_t* dzu_bf16) {
+    gate_backward_rows(zu, dout, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, dzu, dlogits, hidden,
+                       row_terms, dzu_bf16);
+}
+
+// fused_gate_backward_rows from a bf16 ZU (bf16 products).
+extern "C" __global__ void fused_gate_backward_rows_bf16(const bf16_t* zu, const float* dout, TensorList params,
+                                                         TensorList layout, int phi, float phi_p, i64 rows,
+                                                         i64 zu_width, i64 out_width, int rc, int rs, float* dzu,
+                                                         float* dlogits, float* hidden, float* row_terms,
+                                                         bf16_t* dzu_bf16) {
+    gate_backward_rows(zu, dout, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, dzu, dlogits, hidden,
+                       row_terms, dzu_bf16);
 }
