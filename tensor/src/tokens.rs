@@ -17,8 +17,9 @@
 //! id `rows[u]` at `positions[starts[u]..starts[u + 1]]`, positions increasing (zeros past
 //! `distinct`). It is built on the host by a sort of `(id, position)` pairs, without knowing
 //! the vocabulary (so targets holding an ignore index such as `u32::MAX` cost no more), and the
-//! kernel drops ids ≥ V itself. On the CPU a `Tokens` holds the host ids only: the CPU kernels
-//! group by themselves.
+//! kernel drops ids ≥ V itself. Ids that no embedding reads (a step's targets, class labels)
+//! go up alone ([`Tokens::labels`]: `N` `u32`s, no sort). On the CPU a `Tokens` holds the host
+//! ids only: the CPU kernels group by themselves.
 //!
 //! Cloning is cheap (an `Arc`), so an autograd op keeps the batch's ids for its backward.
 
@@ -50,11 +51,25 @@ impl Tokens {
     /// `ids` on `device`: on a GPU uploaded with their grouping in one copy (see the module
     /// doc). Errors when the GPU cannot be opened, or for more ids than a `u32` position holds.
     pub fn new(ids: &[u32], device: Device) -> Result<Tokens> {
+        Tokens::build(ids, device, true)
+    }
+
+    /// Ids that no embedding reads (the targets of a loss, class labels) on `device`: on a GPU
+    /// uploaded without the grouping, which only the embedding backward reads (a quarter of
+    /// the bytes, and no sort on the host). Errors as [`Tokens::new`].
+    pub fn labels(ids: &[u32], device: Device) -> Result<Tokens> {
+        Tokens::build(ids, device, false)
+    }
+
+    /// [`Tokens::new`] (`grouped`) or [`Tokens::labels`].
+    fn build(ids: &[u32], device: Device, grouped: bool) -> Result<Tokens> {
         #[cfg(feature = "cuda")]
         let gpu = match device {
             Device::Cpu => None,
-            Device::Cuda(ordinal) => Some(cuda::DeviceTokens::upload(ids, ordinal)?),
+            Device::Cuda(ordinal) => Some(cuda::DeviceTokens::upload(ids, ordinal, grouped)?),
         };
+        #[cfg(not(feature = "cuda"))]
+        let _ = grouped;
         #[cfg(not(feature = "cuda"))]
         if let Device::Cuda(_) = device {
             return Err(Error::UnsupportedDevice { op: "Tokens::new (built without the cuda feature)", device });
@@ -71,8 +86,10 @@ impl Tokens {
 
     /// Overwrites the ids with `ids` (the same length), on the host and in the *same* device
     /// buffer (the address a captured CUDA graph reads), queued after the work already queued
-    /// that reads the old ones. Errors for another length, and while any clone of these
-    /// Tokens is alive (an op or a tape still holding them would see their ids change).
+    /// that reads the old ones. The ids they already hold cost nothing (no upload: a graph
+    /// step's first batch is the one its Tokens were made with). Errors for another length,
+    /// and, for other ids, while any clone of these Tokens is alive (an op or a tape still
+    /// holding them would see their ids change).
     pub fn refill(&mut self, ids: &[u32]) -> Result<()> {
         const OP: &str = "Tokens::refill";
         if ids.len() != self.len() {
@@ -81,6 +98,9 @@ impl Tokens {
                 shape: vec![ids.len()],
                 reason: format!("{} ids given, the Tokens hold {}: a refill keeps the length", ids.len(), self.len()),
             });
+        }
+        if ids == self.host() {
+            return Ok(());
         }
         let inner = Arc::get_mut(&mut self.inner).ok_or(Error::Shared { op: OP, what: "the token ids" })?;
         #[cfg(feature = "cuda")]
@@ -164,14 +184,15 @@ mod cuda {
     use crate::cuda::cuda_error;
     use crate::{Error, Result};
 
-    /// `[ids | grouping_table(ids)]` on one GPU.
+    /// `[ids | grouping_table(ids)]` on one GPU, or the ids alone (`grouped` false).
     pub(super) struct DeviceTokens {
         dev: Arc<CudaDevice>,
         buffer: DeviceBuffer<u32>,
+        grouped: bool,
     }
 
-    /// The host image of the device buffer: the ids, then their grouping.
-    fn staged(op: &'static str, ids: &[u32]) -> Result<Vec<u32>> {
+    /// The host image of the device buffer: the ids, then their grouping when `grouped`.
+    fn staged(op: &'static str, ids: &[u32], grouped: bool) -> Result<Vec<u32>> {
         if u32::try_from(ids.len()).is_err() {
             return Err(Error::InvalidShape {
                 op,
@@ -179,22 +200,24 @@ mod cuda {
                 reason: "more than 2³² − 1 ids cannot be grouped by u32 positions".into(),
             });
         }
-        Ok([ids, &grouping_table(ids)].concat())
+        Ok(if grouped { [ids, &grouping_table(ids)].concat() } else { ids.to_vec() })
     }
 
     impl DeviceTokens {
-        /// `ids` and their grouping on GPU `ordinal`, in one pinned copy.
-        pub(super) fn upload(ids: &[u32], ordinal: usize) -> Result<DeviceTokens> {
+        /// `ids`, and their grouping when `grouped`, on GPU `ordinal`, in one pinned copy.
+        pub(super) fn upload(ids: &[u32], ordinal: usize, grouped: bool) -> Result<DeviceTokens> {
             const OP: &str = "Tokens::new";
             let dev = crate::cuda::device(ordinal)?;
-            let buffer = dev.upload(&staged(OP, ids)?).map_err(|e| cuda_error(OP, e))?;
-            Ok(DeviceTokens { dev, buffer })
+            let buffer = dev.upload(&staged(OP, ids, grouped)?).map_err(|e| cuda_error(OP, e))?;
+            Ok(DeviceTokens { dev, buffer, grouped })
         }
 
-        /// Overwrites the buffer in place with `ids` (as many as before) and their grouping.
+        /// Overwrites the buffer in place with `ids` (as many as before), and their grouping
+        /// when it holds one.
         pub(super) fn refill(&mut self, ids: &[u32]) -> Result<()> {
             const OP: &str = "Tokens::refill";
-            self.dev.copy_to_device(&staged(OP, ids)?, &mut self.buffer).map_err(|e| cuda_error(OP, e))
+            let staged = staged(OP, ids, self.grouped)?;
+            self.dev.copy_to_device(&staged, &mut self.buffer).map_err(|e| cuda_error(OP, e))
         }
     }
 
@@ -210,10 +233,21 @@ mod cuda {
             Ok(DeviceRun::new(self.device_buffer(op)?, 0, self.len())?)
         }
 
-        /// The ids' grouping on the GPU, `3N + 2` elements (what the embedding backward reads).
+        /// The ids' grouping on the GPU, `3N + 2` elements (what the embedding backward reads);
+        /// an error naming `op` for [`Tokens::labels`], which have none.
         pub(crate) fn device_grouping(&self, op: &'static str) -> Result<DeviceRun<'_, u32>> {
             let n = self.len();
-            Ok(DeviceRun::new(self.device_buffer(op)?, n, grouping_table_len(n))?)
+            let gpu = self.inner.gpu.as_ref().ok_or(Error::UnsupportedDevice { op, device: self.device() })?;
+            if !gpu.grouped {
+                return Err(Error::InvalidShape {
+                    op,
+                    shape: vec![n],
+                    reason: "these ids were uploaded as labels, without the grouping an embedding's backward \
+                             reads (make them with Tokens::new)"
+                        .into(),
+                });
+            }
+            Ok(DeviceRun::new(&gpu.buffer, n, grouping_table_len(n))?)
         }
     }
 
@@ -277,6 +311,24 @@ mod cuda {
             drop(held);
             assert_eq!(downloaded(&tokens)[..3], [5, 5, 0], "a rejected refill writes nothing");
             tokens.refill(&[1, 2, 3]).unwrap();
+            // The ids they hold: no copy to the device, and no error while a clone is alive.
+            let Device::Cuda(ordinal) = device else { unreachable!("gpu() gives a CUDA device") };
+            let dev = crate::cuda::device(ordinal).unwrap();
+            let (held, before) = (tokens.clone(), dev.counters());
+            tokens.refill(&[1, 2, 3]).unwrap();
+            assert_eq!(dev.counters().since(&before).host_to_device_copies, 0, "an unchanged batch was uploaded");
+            drop(held);
+        }
+
+        #[test]
+        fn labels_go_up_without_the_grouping() {
+            let Some(device) = gpu() else { return };
+            let mut labels = Tokens::labels(&[7, 0, 7], device).unwrap();
+            assert_eq!(downloaded(&labels), [7, 0, 7], "the ids alone");
+            let err = labels.device_grouping("test").unwrap_err();
+            assert!(matches!(err, Error::InvalidShape { op: "test", .. }), "{err}");
+            labels.refill(&[1, 2, 3]).unwrap();
+            assert_eq!(downloaded(&labels), [1, 2, 3], "a refill keeps them ungrouped");
         }
 
         #[test]

@@ -132,7 +132,7 @@ pub fn throughput(args: &AnalyzeArgs) -> Result<Vec<ThroughputRow>> {
     let ids: Vec<u32> = (0..batch * seq).map(|_| rng.below(args.vocab as u64) as u32).collect();
     let targets: Vec<u32> = (0..batch * seq).map(|_| rng.below(args.vocab as u64) as u32).collect();
     // Uploaded once: every model runs on `args.device`.
-    let (ids, targets) = (Tokens::new(&ids, args.device)?, Tokens::new(&targets, args.device)?);
+    let (ids, targets) = (Tokens::new(&ids, args.device)?, Tokens::labels(&targets, args.device)?);
     let tokens = (batch * seq) as f64;
     crate::say!(
         "{:<9} {:>7} {:>12} {:>12} {:>16} {:>16}",

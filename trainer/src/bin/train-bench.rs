@@ -265,7 +265,7 @@ fn run(args: Args) -> Result<()> {
     };
     // A batch's inputs and targets on the model's device, uploaded once each (as the trainer does).
     let on_device = |batch: &TokenBatch| -> Result<(Tokens, Tokens)> {
-        Ok((Tokens::new(&batch.inputs, args.device)?, Tokens::new(&batch.targets, args.device)?))
+        Ok((Tokens::new(&batch.inputs, args.device)?, Tokens::labels(&batch.targets, args.device)?))
     };
 
     let mut cpu_start = process_cpu_seconds();

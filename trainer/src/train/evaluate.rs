@@ -49,7 +49,7 @@ pub(super) fn mean_loss(model: &Llama, data: &mut SequentialSampler, batches: us
     let mut total = 0.0f64;
     for _ in 0..batches {
         let batch = data.next_batch()?;
-        let (inputs, targets) = (Tokens::new(&batch.inputs, device)?, Tokens::new(&batch.targets, device)?);
+        let (inputs, targets) = (Tokens::new(&batch.inputs, device)?, Tokens::labels(&batch.targets, device)?);
         let loss = no_grad(|| model.loss(&inputs, &targets, batch.batch_size, batch.seq_len))?;
         total += f64::from(loss.value().to_host()?.item()?);
     }

@@ -80,7 +80,7 @@ impl GraphStep {
         let dev = tensor::cuda::device(ordinal)?;
         let mut tokens = Vec::with_capacity(first.len());
         for batch in first {
-            tokens.push((Tokens::new(&batch.inputs, device)?, Tokens::new(&batch.targets, device)?));
+            tokens.push((Tokens::new(&batch.inputs, device)?, Tokens::labels(&batch.targets, device)?));
         }
         let phase = Some(Phase::Warm(dev.graph_pool()));
         let guard = GraphGuard::after(previous, device)?;

@@ -135,7 +135,7 @@ impl Session<'_> {
         let device = self.config.device;
         let mut tokens = Vec::with_capacity(self.config.grad_accum);
         for batch in self.next_batches()? {
-            tokens.push((Tokens::new(&batch.inputs, device)?, Tokens::new(&batch.targets, device)?));
+            tokens.push((Tokens::new(&batch.inputs, device)?, Tokens::labels(&batch.targets, device)?));
         }
         loss_and_gradients(&self.model, &tokens, self.config.batch_size, self.config.seq_len, micro_batches)
     }

@@ -17,7 +17,8 @@
 //! [`fused_gate_forward_unfused`] is the engine's path (cuBLAS bf16 GEMM into `zu`, then
 //! [`fused_gate_apply`]), for a [`GateGroup`] of projections of one input at once (q, k and
 //! v; gate and up: one GEMM over their weights packed together, one gate launch); it gives
-//! [`fused_gate_forward`]'s result to f32 rounding. The backward
+//! [`fused_gate_forward`]'s result to f32 rounding with an f32 `zu`, to bf16 rounding with a
+//! bf16 one. The backward
 //! ([`fused_gate_backward`], `backward.rs`) reads `zu`, the f32 `x` and f32 weights (under
 //! bf16 products, the forward's bf16 `x` and packed weight): one row kernel (the gate's
 //! elementwise backward and its rank-r products), one launch of deterministic column sums for
