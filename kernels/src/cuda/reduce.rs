@@ -105,6 +105,8 @@ pub(crate) fn finish_column_sums(
 pub(crate) struct ColumnSum {
     /// Element (0, 0) of the summed matrix.
     pub src: u64,
+    /// Whether `src` holds bf16 values (read as f32), not f32 ones.
+    pub bf16: bool,
     /// Columns summed.
     pub cols: usize,
     /// Row stride of `src`.
@@ -135,15 +137,16 @@ impl ColumnSum {
 }
 
 /// Several column sums over the same `rows`: one launch per [`LIST_LEN`] sums instead of two
-/// per sum. Each plain sum has [`column_sums`]' chunks and order (f32 within a chunk, f64
-/// across chunks), so it gives the same bits; a weighted one sums its products (`fmaf`) in
-/// that order. The last block of each 32 columns to finish its chunk adds up their chunks (no
+/// per sum. Each plain sum of f32 values has [`column_sums`]' chunks and order (f32 within a
+/// chunk, f64 across chunks), so it gives the same bits; a weighted one sums its products
+/// (`fmaf`) in that order, and bf16 values are summed as f32 in the same way. The last block of each 32 columns to finish its chunk adds up their chunks (no
 /// finish kernel).
 pub(crate) fn column_sums_many(dev: &CudaDevice, rows: usize, sums: &[ColumnSum]) -> Result<()> {
     const OP: &str = "column_sums_many";
-    let packed = |low: usize, high: usize| -> Result<usize> {
-        ensure(low <= u32::MAX as usize && high <= u32::MAX as usize, OP, || {
-            format!("{low} or {high} exceeds the 32 bits a column sum's packed sizes hold")
+    // Two sizes to an i64 (every list of the launch must fit the 4 KB of arguments).
+    let packed = |low: usize, high: usize, high_bits: u32| -> Result<usize> {
+        ensure(low <= u32::MAX as usize && high < 1 << high_bits, OP, || {
+            format!("{low} or {high} exceeds the bits a column sum's packed sizes hold")
         })?;
         Ok(low | high << 32)
     };
@@ -156,8 +159,8 @@ pub(crate) fn column_sums_many(dev: &CudaDevice, rows: usize, sums: &[ColumnSum]
         for s in group {
             let (weight_cols, weight_ld) = s.weights.map_or((0, 0), |w| (w.cols, w.ld));
             ensure(s.weights.is_none() || weight_cols > 0, OP, || "a weighted sum by no columns".to_string())?;
-            shapes.push(packed(s.cols, weight_cols)?);
-            strides.push(packed(s.ld, weight_ld)?);
+            shapes.push(packed(s.cols, weight_cols, 16)? | usize::from(s.bf16) << 48);
+            strides.push(packed(s.ld, weight_ld, 31)?);
             partial_at.push(partial_len);
             partial_len += chunks * s.cols * s.outputs();
         }
@@ -318,7 +321,14 @@ mod tests {
             .iter()
             .zip(&many)
             .enumerate()
-            .map(|(i, (&cols, dst))| ColumnSum { src: src.ptr_at(i), cols, ld, weights: None, dst: dst.device_ptr() })
+            .map(|(i, (&cols, dst))| ColumnSum {
+                src: src.ptr_at(i),
+                bf16: false,
+                cols,
+                ld,
+                weights: None,
+                dst: dst.device_ptr(),
+            })
             .collect();
         column_sums_many(dev, rows, &sums).unwrap();
         for (sum, dst) in sums.iter().zip(&alone) {
@@ -333,7 +343,8 @@ mod tests {
     }
 
     /// Weighted sums (`dst[c·kw + k] = Σ_r src[r, c]·w[r, k]`, kw of 3 and 11: one pass of
-    /// 8 weights and two) beside a plain one in one launch, against the host's f64 sums.
+    /// 8 weights and two) beside a plain one in one launch, against the host's f64 sums; then
+    /// the same from a bf16 copy of `src`, against the sums of its rounded values.
     #[test]
     fn weighted_column_sums_are_the_products_over_the_rows() {
         let dev = CudaDevice::emulated().unwrap();
@@ -345,14 +356,39 @@ mod tests {
             let dsts: Vec<DeviceBuffer<f32>> = (0..3).map(|_| dev.upload(&stale).unwrap()).collect();
             let weighted = |kw: usize, dst: &DeviceBuffer<f32>| ColumnSum {
                 src: src.device_ptr(),
+                bf16: false,
                 cols,
                 ld,
                 weights: Some(SumWeights { ptr: weights.ptr_at(1), cols: kw, ld: wld }),
                 dst: dst.device_ptr(),
             };
-            let plain = ColumnSum { src: src.device_ptr(), cols, ld, weights: None, dst: dsts[2].device_ptr() };
+            let plain =
+                ColumnSum { src: src.device_ptr(), bf16: false, cols, ld, weights: None, dst: dsts[2].device_ptr() };
             column_sums_many(&dev, rows, &[weighted(3, &dsts[0]), weighted(11, &dsts[1]), plain]).unwrap();
-            for (kw, dst) in [(3, &dsts[0]), (11, &dsts[1]), (0, &dsts[2])] {
+            let rounded: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+            let src_bf16 = dev.upload(&rounded).unwrap();
+            let from_bf16 = |sum: ColumnSum, dst: &DeviceBuffer<f32>| ColumnSum {
+                src: src_bf16.device_ptr(),
+                bf16: true,
+                dst: dst.device_ptr(),
+                ..sum
+            };
+            let bf16_dsts: Vec<DeviceBuffer<f32>> = (0..2).map(|_| dev.upload(&stale).unwrap()).collect();
+            column_sums_many(
+                &dev,
+                rows,
+                &[from_bf16(weighted(11, &dsts[0]), &bf16_dsts[0]), from_bf16(plain, &bf16_dsts[1])],
+            )
+            .unwrap();
+            let x_rounded: Vec<f32> = rounded.iter().map(|v| v.to_f32()).collect();
+            let cases = [
+                (3, &dsts[0], &x),
+                (11, &dsts[1], &x),
+                (0, &dsts[2], &x),
+                (11, &bf16_dsts[0], &x_rounded),
+                (0, &bf16_dsts[1], &x_rounded),
+            ];
+            for (kw, dst, x) in cases {
                 let got = dev.download(dst).unwrap();
                 for c in 0..cols {
                     for k in 0..kw.max(1) {

@@ -114,7 +114,7 @@ pub enum GateProducts<'a> {
 /// of `grads`; `dx` is the sum over the group's projections.
 ///
 /// One row kernel recomputes `H`, `γ_s` and the channel logits from `zu` and writes `dZ`,
-/// the channel logits' gradient `dL_c`, `dU` (through `dH_c = dL_c·B_c`, summed in the
+/// the channel logits' gradient `dL_c` (bf16 under bf16 products), `dU` (through `dH_c = dL_c·B_c`, summed in the
 /// kernel) and each row's terms of `dα_c`, `dα_s`, `db_s` and `dB_s = dl_sᵀ·H_s`, for every
 /// projection; the bias, α, `dB_s` and `dB_c = dL_cᵀ·H_c` gradients are then column sums in
 /// a fixed order, `dB_c`'s weighted by `H_c` (one launch for all of them: `dB_c`'s inner
@@ -162,7 +162,7 @@ pub fn fused_gate_backward(
     // turn; row_terms rows: each projection's [dα_c, dα_s, dl_s, dl_s·H_s] in turn.
     let terms = 3 + rs;
     let dzu = dev.alloc::<f32>(rows * k)?;
-    let dlogits = dev.alloc::<f32>(rows * out_width)?;
+    let dlogits = DLogits::alloc(dev, rows * out_width, matches!(products, GateProducts::Bf16 { .. }))?;
     let hidden = dev.alloc::<f32>(rows * count * r)?;
     let row_terms = dev.alloc::<f32>(rows * count * terms)?;
 
@@ -187,10 +187,11 @@ pub fn fused_gate_backward(
         int(rc as i32),
         int(rs as i32),
         ptr(&dzu),
-        ptr(&dlogits),
+        Arg::Ptr(dlogits.f32_ptr()),
         ptr(&hidden),
         ptr(&row_terms),
         Arg::Ptr(operands.dzu_bf16()),
+        Arg::Ptr(dlogits.bf16_ptr()),
     ];
     let kernel = zu.kernel("fused_gate_backward_rows", "fused_gate_backward_rows_bf16");
     dev.launch(FAMILY, kernel, group_row_warps(rows, count), &args)?;
@@ -198,7 +199,9 @@ pub fn fused_gate_backward(
     // Cross-row sums: db_c = Σ dL_c, dB_c = dL_cᵀ·H_c (a sum over rows weighted by H_c's rc
     // columns), da = Σ dU, dα = Σ row terms, db_s = Σ dl_s and dB_s = Σ dl_s·H_s; all eight of
     // every projection in one launch.
-    let sum = |src, cols, ld, dst: u64| ColumnSum { src, cols, ld, weights: None, dst };
+    let sum = |src, cols, ld, dst: u64| ColumnSum { src, bf16: false, cols, ld, weights: None, dst };
+    let dlogits_sum =
+        |at, cols, dst: u64| ColumnSum { bf16: dlogits.is_bf16(), ..sum(dlogits.ptr_at(at), cols, out_width, dst) };
     let mut sums = Vec::with_capacity(8 * count);
     for (i, ((group, c), s)) in groups.iter().zip(&g.channel).zip(&g.scalar).enumerate() {
         let (d_out, out_at) = (group.dims.d_out, layout.out_at[i]);
@@ -206,7 +209,7 @@ pub fn fused_gate_backward(
         let row_term = |j: usize| row_terms.ptr_at(t + j);
         let terms_ld = count * terms;
         sums.extend([
-            sum(dlogits.ptr_at(out_at), d_out, out_width, c.b_bias.device_ptr()),
+            dlogits_sum(out_at, d_out, c.b_bias.device_ptr()),
             sum(dzu.ptr_at(zu_at), rc, k, c.a_bias.device_ptr()),
             sum(dzu.ptr_at(zu_at + rc), rs, k, s.a_bias.device_ptr()),
             sum(row_term(0), 1, terms_ld, c.alpha.device_ptr()),
@@ -216,8 +219,8 @@ pub fn fused_gate_backward(
         ]);
         if rc > 0 {
             let h_c = SumWeights { ptr: hidden.ptr_at(i * r), cols: rc, ld: count * r };
-            let db_c = ColumnSum { weights: Some(h_c), ..sum(dlogits.ptr_at(out_at), d_out, out_width, 0) };
-            sums.push(ColumnSum { dst: g.b_channel.ptr_at(out_at * rc), ..db_c });
+            let db_c = dlogits_sum(out_at, d_out, g.b_channel.ptr_at(out_at * rc));
+            sums.push(ColumnSum { weights: Some(h_c), ..db_c });
         }
     }
     column_sums_many(dev, rows, &sums)?;
@@ -248,6 +251,48 @@ pub fn fused_gate_backward(
     let x_rows = operands.rows(Part::X, 0, d_in);
     gemm(k, d_in, rows, operands.transposed(Part::Dzu, 0, k), x_rows, Store::Overwrite, g.weights.device_ptr(), d_in)?;
     Ok(())
+}
+
+/// The channel logits' gradient `dL_c` (`[N, Σ d_out]`), which the row kernel writes and the
+/// column sums read: f32, or bf16 under bf16 products (as autocast keeps an activation's
+/// gradient: half the bytes to write and read twice).
+enum DLogits {
+    F32(DeviceBuffer<f32>),
+    Bf16(DeviceBuffer<bf16>),
+}
+
+impl DLogits {
+    fn alloc(dev: &CudaDevice, len: usize, bf16: bool) -> Result<DLogits> {
+        Ok(if bf16 { DLogits::Bf16(dev.alloc(len)?) } else { DLogits::F32(dev.alloc(len)?) })
+    }
+
+    fn is_bf16(&self) -> bool {
+        matches!(self, DLogits::Bf16(_))
+    }
+
+    /// The row kernel's f32 `dlogits` argument (0 for bf16).
+    fn f32_ptr(&self) -> u64 {
+        match self {
+            DLogits::F32(b) => b.device_ptr(),
+            DLogits::Bf16(_) => 0,
+        }
+    }
+
+    /// The row kernel's `dlogits_bf16` argument (0 for f32).
+    fn bf16_ptr(&self) -> u64 {
+        match self {
+            DLogits::F32(_) => 0,
+            DLogits::Bf16(b) => b.device_ptr(),
+        }
+    }
+
+    /// The address of element `at`.
+    fn ptr_at(&self, at: usize) -> u64 {
+        match self {
+            DLogits::F32(b) => b.ptr_at(at),
+            DLogits::Bf16(b) => b.ptr_at(at),
+        }
+    }
 }
 
 /// The f32 operands of the backward's products.

@@ -466,13 +466,16 @@ extern "C" __global__ void fused_gate_apply_bf16(const bf16_t* zu, TensorList pa
 // g·(3 + rs) .. (row stride groups·(3 + rs)): dα_c, dα_s, d/dl_s (for db_s) and d/dl_s·H_s
 // (for dB_s). dZ goes into dzu under f32 products; under bf16 products (dzu_bf16 not null)
 // only its bf16 copy is written (the products are the only readers of dZ), with the bf16 copy
-// of dU, rounded to nearest even. dL_c and H stay f32: the column sums read them (db_c, and
-// dB_c = dL_cᵀ·H_c).
+// of dU, rounded to nearest even. dL_c goes into dlogits, or, when dlogits_bf16 is given
+// (bf16 products), only into dlogits_bf16 rounded to bf16, as autocast keeps an activation's
+// gradient: its readers are the column sums (db_c, and dB_c = dL_cᵀ·H_c) and this kernel's
+// passes for ranks past FG_REG_RANK. H stays f32.
 template <class Z>
 __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dout, const TensorList& params,
                                                    const TensorList& layout, int phi, float phi_p, i64 rows,
                                                    i64 zu_width, i64 out_width, int rc, int rs, float* dzu,
-                                                   float* dlogits, float* hidden, float* row_terms, bf16_t* dzu_bf16) {
+                                                   float* dlogits, float* hidden, float* row_terms, bf16_t* dzu_bf16,
+                                                   bf16_t* dlogits_bf16) {
     const GateGroup g = gate_group(params, layout, blockIdx.y);
     const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
     __shared__ float h_rows[FG_ROW_WARPS][FG_MAX_RANK];
@@ -515,7 +518,11 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dou
                 dgate_s += dy[b] * z[b] * gate;
                 const float slope = gate * (1.0f - 0.5f * gate);
                 const float dlogit = dgate * alpha_c * slope;
-                dlogits[out_row + j] = dlogit;
+                if (dlogits_bf16) {
+                    dlogits_bf16[out_row + j] = f32_to_bf16(dlogit);
+                } else {
+                    dlogits[out_row + j] = dlogit;
+                }
                 if (dzu_bf16) {
                     dzu_bf16[zu_row + j] = f32_to_bf16(dz);
                 } else {
@@ -543,7 +550,8 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dou
 #pragma unroll
                 for (int t = 0; t < FG_REG_RANK; ++t) dh_part[t] = 0.0f;
                 for (i64 j = lane; j < d_out; j += 32) {
-                    const float dlogit = dlogits[out_row + j];
+                    const float dlogit =
+                        dlogits_bf16 ? bf16_to_f32(dlogits_bf16[out_row + j]) : dlogits[out_row + j];
 #pragma unroll
                     for (int t = 0; t < FG_REG_RANK; ++t) {
                         if (t0 + t < rc) dh_part[t] += dlogit * g.b_cw[j * rc + t0 + t];
@@ -586,9 +594,10 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dou
 extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float* dout, TensorList params,
                                                     TensorList layout, int phi, float phi_p, i64 rows, i64 zu_width,
                                                     i64 out_width, int rc, int rs, float* dzu, float* dlogits,
-                                                    float* hidden, float* row_terms, bf16_t* dzu_bf16) {
+                                                    float* hidden, float* row_terms, bf16_t* dzu_bf16,
+                                                    bf16_t* dlogits_bf16) {
     gate_backward_rows(zu, dout, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, dzu, dlogits, hidden,
-                       row_terms, dzu_bf16);
+                       row_terms, dzu_bf16, dlogits_bf16);
 }
 
 // fused_gate_backward_rows from a bf16 ZU (bf16 products).
@@ -596,7 +605,7 @@ extern "C" __global__ void fused_gate_backward_rows_bf16(const bf16_t* zu, const
                                                          TensorList layout, int phi, float phi_p, i64 rows,
                                                          i64 zu_width, i64 out_width, int rc, int rs, float* dzu,
                                                          float* dlogits, float* hidden, float* row_terms,
-                                                         bf16_t* dzu_bf16) {
+                                                         bf16_t* dzu_bf16, bf16_t* dlogits_bf16) {
     gate_backward_rows(zu, dout, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, dzu, dlogits, hidden,
-                       row_terms, dzu_bf16);
+                       row_terms, dzu_bf16, dlogits_bf16);
 }

@@ -14,15 +14,20 @@ extern "C" __global__ void sum_rows(const float* x, i64 rows, i64 n, float* out)
     }
 }
 
+// A summed element as f32 (column_sums_many's sources are f32 or bf16).
+__device__ __forceinline__ float as_f32(float v) { return v; }
+__device__ __forceinline__ float as_f32(bf16_t v) { return bf16_to_f32(v); }
+
 // One chunk of one column's sum, the order every column sum uses: thread (x, y) of a
 // (32, 8) block adds rows r0 + y, r0 + y + 8, ... < r1 of its column (`column` points at
 // its row 0, row stride ld), then thread y = 0 adds the 8 lanes in y order into *out. Every
 // thread of the block calls it (it holds two barriers); `valid` is false past the last column.
-__device__ __forceinline__ void column_chunk_sum(const float* column, i64 ld, bool valid, i64 r0, i64 r1,
+template <class T>
+__device__ __forceinline__ void column_chunk_sum(const T* column, i64 ld, bool valid, i64 r0, i64 r1,
                                                  float (*tile)[33], float* out) {
     float acc = 0.0f;
     if (valid) {
-        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) acc += column[r * ld];
+        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) acc += as_f32(column[r * ld]);
     }
     __syncthreads();  // a previous call's readers are done with the tile
     tile[threadIdx.y][threadIdx.x] = acc;
@@ -68,14 +73,15 @@ extern "C" __global__ void column_sums_finish(const float* partial, i64 outer, i
 // barriers for the kn sums. Every thread of the block calls it (it holds barriers); `valid`
 // is false past the last column. The weights' row is the same for the 32 lanes of a warp
 // (one broadcast load). `tile`: a [8][8][33] shared array.
-__device__ __forceinline__ void weighted_chunk_sum(const float* column, i64 ld, const float* w, i64 wld, int kn,
+template <class T>
+__device__ __forceinline__ void weighted_chunk_sum(const T* column, i64 ld, const float* w, i64 wld, int kn,
                                                    bool valid, i64 r0, i64 r1, float (*tile)[8][33], float* out) {
     float acc[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc[k] = 0.0f;
     if (valid) {
         for (i64 r = r0 + threadIdx.y; r < r1; r += 8) {
-            const float x = column[r * ld];
+            const float x = as_f32(column[r * ld]);
             const float* wr = w + r * wld;
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
@@ -94,13 +100,28 @@ __device__ __forceinline__ void weighted_chunk_sum(const float* column, i64 ld, 
     }
 }
 
+// One block's chunk of a column sum, plain (kw = 0) or weighted by kw columns of w.
+template <class T>
+__device__ __forceinline__ void sum_chunk(const T* column, i64 ld, const float* w, i64 wld, int kw, bool valid,
+                                          i64 r0, i64 r1, float (*tile)[33], float (*weighted)[8][33], float* out) {
+    if (kw == 0) {
+        column_chunk_sum(column, ld, valid, r0, r1, tile, out);
+        return;
+    }
+    for (int k0 = 0; k0 < kw; k0 += 8) {
+        const int kn = kw - k0 < 8 ? kw - k0 : 8;
+        weighted_chunk_sum(column, ld, w + k0, wld, kn, valid, r0, r1, weighted, out + k0);
+    }
+}
+
 // Several column sums over the same rows in one launch (the fused gate's bias, α and B
 // gradients). Sum s reads srcs.v[s] (cols columns, row stride ld); plain (kw = 0):
 // dsts.v[s][col] = Σ_r src[r·ld + col]; weighted by kw columns of weights.v[s] (row stride
 // wld): dsts.v[s][col·kw + k] = Σ_r src[r·ld + col]·w[r·wld + k], a product Aᵀ·W whose
-// inner dimension is the rows (the channel gate's dB_c = dL_cᵀ·H_c, rank kw). shapes.v[s]
-// packs cols | kw << 32 and strides.v[s] ld | wld << 32 (every list of a launch must fit the
-// 4 KB of kernel arguments every CUDA version takes). Grid (Σ_s ⌈cols/32⌉, chunks): sum s has
+// inner dimension is the rows (the channel gate's dB_c = dL_cᵀ·H_c, rank kw). A source holds
+// f32 values, or bf16 ones (read as f32). shapes.v[s] packs cols | kw << 32 | bf16 << 48 and
+// strides.v[s] ld | wld << 32 (every list of a launch must fit the 4 KB of kernel arguments
+// every CUDA version takes). Grid (Σ_s ⌈cols/32⌉, chunks): sum s has
 // the blocks from first_block.v[s] on, one per 32 of its own columns. Each block writes one
 // chunk's sums of its 32 columns, partial[partial_at.v[s] + (chunk·cols + col)·outputs + k]
 // (outputs = max(kw, 1)); the last of the chunks' blocks of a column block
@@ -116,22 +137,20 @@ extern "C" __global__ void column_sums_many(TensorList srcs, TensorList shapes, 
     __shared__ float finish[8][32];       // chunk_total's tile: 8 chunks side by side (the block's rows)
     const int s = list_entry_of_block(first_block, count);
     const i64 cols = shapes.v[s] & 0xffffffffLL, ld = strides.v[s] & 0xffffffffLL, wld = strides.v[s] >> 32;
-    const int kw = (int)(shapes.v[s] >> 32), outputs = kw > 0 ? kw : 1;
+    const int kw = (int)((shapes.v[s] >> 32) & 0xffff), outputs = kw > 0 ? kw : 1;
+    const bool bf16_src = (shapes.v[s] >> 48) & 1;
     const i64 col = ((i64)blockIdx.x - first_block.v[s]) * 32 + threadIdx.x;
     const bool valid = col < cols;
     const i64 chunk = blockIdx.y, chunks = gridDim.y;
     const i64 r0 = chunk * rows_per_chunk;
     const i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
-    const float* column = (const float*)srcs.v[s] + col;
     float* chunk_out = partial + partial_at.v[s] + (chunk * cols + col) * outputs;
-    if (kw == 0) {
-        column_chunk_sum(column, ld, valid, r0, r1, tile, chunk_out);
+    if (bf16_src) {
+        sum_chunk((const bf16_t*)srcs.v[s] + col, ld, (const float*)weights.v[s], wld, kw, valid, r0, r1, tile,
+                  weighted, chunk_out);
     } else {
-        const float* w = (const float*)weights.v[s];
-        for (int k0 = 0; k0 < kw; k0 += 8) {
-            const int kn = kw - k0 < 8 ? kw - k0 : 8;
-            weighted_chunk_sum(column, ld, w + k0, wld, kn, valid, r0, r1, weighted, chunk_out + k0);
-        }
+        sum_chunk((const float*)srcs.v[s] + col, ld, (const float*)weights.v[s], wld, kw, valid, r0, r1, tile,
+                  weighted, chunk_out);
     }
     if (!last_block_to_arrive(arrivals + blockIdx.x, gridDim.y)) return;
     const volatile float* totals = partial + partial_at.v[s] + col * outputs;
