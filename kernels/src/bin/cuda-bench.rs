@@ -25,7 +25,8 @@ use kernels::cuda::attention::{
 use kernels::cuda::blas::{matmul_bf16, DeviceMat};
 use kernels::cuda::fused_gate::{
     fused_gate_backward, fused_gate_forward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads,
-    DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, DeviceZu, FusedGateDims, GateGroup, GateProducts, Unary,
+    DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, DeviceValues, FusedGateDims, GateGroup, GateProducts,
+    Unary,
 };
 use kernels::cuda::swiglu::{swiglu_backward, swiglu_forward, swiglu_halves_backward, swiglu_halves_forward};
 use kernels::cuda::{CudaDevice, DeviceBuffer, Result};
@@ -147,7 +148,7 @@ fn bench_projection(dev: &CudaDevice, tokens: usize, d_in: usize, d_out: usize) 
     let x: Vec<bf16> = values(tokens * d_in, 10, 2.0).into_iter().map(bf16::from_f32).collect();
     let x = dev.upload(&x)?;
     // ZU in bf16, as a --bf16 training step saves it (the mma kernel's own bf16 copy beside).
-    let mut zu = DeviceZu::alloc(dev, tokens * dims.width(), true)?;
+    let mut zu = DeviceValues::alloc(dev, tokens * dims.width(), true)?;
     let mut zu_mma = dev.alloc::<bf16>(tokens * dims.width())?;
     let mut floor = dev.alloc::<f32>(tokens * dims.width())?;
     let mut out = dev.alloc::<f32>(tokens * d_out)?;
@@ -319,8 +320,8 @@ fn bench_gate_group(dev: &CudaDevice, tokens: usize, d: usize) -> Result<()> {
     let x16 = dev.upload(&values(tokens * d, 30, 2.0).into_iter().map(bf16::from_f32).collect::<Vec<_>>())?;
     let x32 = dev.upload(&values(tokens * d, 30, 2.0))?;
     let (width, k) = (dims.width(), 3 * dims.width());
-    let (mut zu, mut out) = (DeviceZu::alloc(dev, tokens * k, true)?, dev.alloc::<f32>(tokens * 3 * d)?);
-    let mut zu_singles = (0..3).map(|_| DeviceZu::alloc(dev, tokens * width, true)).collect::<Result<Vec<_>>>()?;
+    let (mut zu, mut out) = (DeviceValues::alloc(dev, tokens * k, true)?, dev.alloc::<f32>(tokens * 3 * d)?);
+    let mut zu_singles = (0..3).map(|_| DeviceValues::alloc(dev, tokens * width, true)).collect::<Result<Vec<_>>>()?;
     let mut floor = dev.alloc::<f32>(tokens * k)?;
     let mut out_singles = (0..3).map(|_| dev.alloc::<f32>(tokens * d)).collect::<Result<Vec<_>>>()?;
     let dout = dev.upload(&values(tokens * 3 * d, 31, 1.0))?;

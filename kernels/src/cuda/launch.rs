@@ -12,20 +12,12 @@ pub(crate) const LIST_LEN: usize = 64;
 
 /// The device addresses of up to [`LIST_LEN`] buffers as a `TensorList` argument.
 pub(crate) fn address_list(addresses: impl Iterator<Item = u64>) -> Arg {
-    let mut v = [0u64; LIST_LEN];
-    for (slot, address) in v.iter_mut().zip(addresses) {
-        *slot = address;
-    }
-    Arg::Ptrs(v)
+    Arg::Ptrs(filled(addresses))
 }
 
 /// Up to [`LIST_LEN`] sizes as a `TensorList` argument.
 pub(crate) fn length_list(lengths: impl Iterator<Item = usize>) -> Arg {
-    let mut v = [0i64; LIST_LEN];
-    for (slot, len) in v.iter_mut().zip(lengths) {
-        *slot = len as i64;
-    }
-    Arg::Lengths(v)
+    Arg::Lengths(filled(lengths.map(|len| len as i64)))
 }
 
 /// Entries of a `TensorTable` (common.cuh): the tensors of one optimizer or squared-norm
@@ -34,20 +26,21 @@ pub(crate) const TABLE_LEN: usize = 512;
 
 /// The device addresses of up to [`TABLE_LEN`] buffers as a `TensorTable` argument.
 pub(crate) fn address_table(addresses: impl Iterator<Item = u64>) -> Arg {
-    let mut v = Box::new([0u64; TABLE_LEN]);
-    for (slot, address) in v.iter_mut().zip(addresses) {
-        *slot = address;
-    }
-    Arg::PtrTable(v)
+    Arg::PtrTable(Box::new(filled(addresses)))
 }
 
 /// Up to [`TABLE_LEN`] sizes as a `TensorTable` argument.
 pub(crate) fn length_table(lengths: impl Iterator<Item = usize>) -> Arg {
-    let mut v = Box::new([0i64; TABLE_LEN]);
-    for (slot, len) in v.iter_mut().zip(lengths) {
-        *slot = len as i64;
+    Arg::LengthTable(Box::new(filled(lengths.map(|len| len as i64))))
+}
+
+/// The first `N` of `values`, then zeros: a list's or table's entries (unused ones 0).
+fn filled<const N: usize, T: Copy + Default>(values: impl Iterator<Item = T>) -> [T; N] {
+    let mut v = [T::default(); N];
+    for (slot, value) in v.iter_mut().zip(values) {
+        *slot = value;
     }
-    Arg::LengthTable(v)
+    v
 }
 
 /// The blocks of a multi-tensor launch laid end to end along grid.x, `blocks[e]` for entry e

@@ -7,7 +7,8 @@ use kernels::cpu::fused_gate::{FusedGateDims, FusedGateGrads, FusedGateParams, G
 use kernels::cpu::matmul::Store;
 use kernels::cpu::unary::Unary;
 use kernels::cuda::fused_gate::{
-    DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, DeviceZu, GateGroup, GateProducts,
+    DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, DeviceValues, GateGroup,
+    GateProducts,
 };
 use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer};
 
@@ -218,7 +219,7 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
     let gx16 = up_bf16(dev, x);
     let width: usize = cases.iter().map(|c| c.dims.width()).sum();
     let (mut gzu, mut gout) =
-        (DeviceZu::alloc(dev, rows * width, bf16_zu).unwrap(), dev.alloc(rows * out_width).unwrap());
+        (DeviceValues::alloc(dev, rows * width, bf16_zu).unwrap(), dev.alloc(rows * out_width).unwrap());
     cuda::fused_gate::fused_gate_forward_unfused(dev, &group, &gx16, &packed, &mut gzu, &mut gout).unwrap();
     assert_close(&format!("forward {what}"), &down(dev, &gout), &want_out, 0.0, rel);
 

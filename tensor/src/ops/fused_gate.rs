@@ -59,7 +59,10 @@ enum SavedExtra {
     /// bf16 products, as autocast saves a product) and the packed bf16 weight it read, which
     /// the backward's bf16 products read too.
     #[cfg(feature = "cuda")]
-    Cuda { zu: kernels::cuda::fused_gate::DeviceZu, packed: std::sync::Arc<kernels::cuda::DeviceBuffer<half::bf16>> },
+    Cuda {
+        zu: kernels::cuda::fused_gate::DeviceValues,
+        packed: std::sync::Arc<kernels::cuda::DeviceBuffer<half::bf16>>,
+    },
 }
 
 /// Contiguous values of one modulator's `[A, a, B, b, α]`, with its rank, checked against
@@ -303,7 +306,7 @@ pub(crate) mod cuda {
     use kernels::cpu::matmul::Store;
     use kernels::cuda::fused_gate::{
         fused_gate_backward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams,
-        DeviceGateGrads, DeviceGateParams, DeviceZu, GateGroup, GateProducts, Unary,
+        DeviceGateGrads, DeviceGateParams, DeviceValues, GateGroup, GateProducts, Unary,
     };
     use kernels::cuda::{CudaDevice, DeviceBuffer};
 
@@ -372,7 +375,7 @@ pub(crate) mod cuda {
         projections: &[Checked],
         phi: Unary,
         out_shape: &[usize],
-    ) -> Result<(Tensor, Tensor, DeviceZu, Arc<DeviceBuffer<bf16>>)> {
+    ) -> Result<(Tensor, Tensor, DeviceValues, Arc<DeviceBuffer<bf16>>)> {
         let dev = x.cuda_device(OP)?;
         let dense = projections.iter().map(dense_f32).collect::<Result<Vec<_>>>()?;
         let group = groups(projections, &dense, phi)?;
@@ -382,7 +385,7 @@ pub(crate) mod cuda {
         let rows = projections[0].dims.rows;
         let width: usize = projections.iter().map(|p| p.dims.width()).sum();
         let bf16_products = crate::cuda::matmul_precision() == crate::cuda::MatmulPrecision::Bf16;
-        let mut zu = DeviceZu::alloc(&dev, rows * width, bf16_products)?;
+        let mut zu = DeviceValues::alloc(&dev, rows * width, bf16_products)?;
         let mut out = CudaStorage::alloc(&dev, out_shape.iter().product())?;
         // ZU from cuBLAS, then the gate kernel: measured 1.75x faster than the tensor-core kernel
         // with the gate in its epilogue (fused_gate_forward) on an H200 (cuda-bench, 131072 tokens,
@@ -431,7 +434,7 @@ pub(crate) mod cuda {
     /// [`Tensor::fused_gated_projection_backward`]).
     pub(super) fn backward(
         saved: &FusedGateSaved,
-        zu: &DeviceZu,
+        zu: &DeviceValues,
         packed: &DeviceBuffer<bf16>,
         dy: &Tensor,
         dx_so_far: Option<Tensor>,

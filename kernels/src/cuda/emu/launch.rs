@@ -102,7 +102,12 @@ fn words(arg: &Arg) -> Vec<u64> {
 fn parameter_bytes(arg: &Arg) -> usize {
     match arg {
         Arg::I32(_) | Arg::F32(_) => 4,
-        _ => 8 * words(arg).len(),
+        Arg::Ptr(_) | Arg::I64(_) => 8,
+        Arg::Dims(dims) => 8 * dims.len(),
+        Arg::Ptrs(ptrs) => 8 * ptrs.len(),
+        Arg::Lengths(lengths) => 8 * lengths.len(),
+        Arg::PtrTable(ptrs) => 8 * ptrs.len(),
+        Arg::LengthTable(lengths) => 8 * lengths.len(),
     }
 }
 

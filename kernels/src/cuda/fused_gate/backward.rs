@@ -11,7 +11,7 @@ use super::super::error::{ensure, ensure_len, Result};
 use super::super::launch::{int, ptr, size};
 use super::super::module::Arg;
 use super::super::reduce::{column_sums_many, ColumnSum, SumWeights};
-use super::{group_lists, group_row_warps, layout, DeviceZu, GateGroup, Layout, FAMILY};
+use super::{group_lists, group_row_warps, layout, DeviceValues, GateGroup, Layout, FAMILY};
 use crate::cpu::matmul::Store;
 
 /// Gradient buffers of one modulator, written by the backward (`dA` and `dB` are parts of
@@ -126,7 +126,7 @@ pub fn fused_gate_backward(
     dev: &CudaDevice,
     groups: &[GateGroup],
     x: &DeviceBuffer<f32>,
-    zu: &DeviceZu,
+    zu: &DeviceValues,
     dout: &DeviceBuffer<f32>,
     products: GateProducts,
     grads: &mut DeviceFusedGateGrads,
@@ -162,7 +162,8 @@ pub fn fused_gate_backward(
     // turn; row_terms rows: each projection's [dα_c, dα_s, dl_s, dl_s·H_s] in turn.
     let terms = 3 + rs;
     let dzu = dev.alloc::<f32>(rows * k)?;
-    let dlogits = DLogits::alloc(dev, rows * out_width, matches!(products, GateProducts::Bf16 { .. }))?;
+    // dL_c in bf16 under bf16 products, as autocast keeps an activation's gradient.
+    let dlogits = DeviceValues::alloc(dev, rows * out_width, matches!(products, GateProducts::Bf16 { .. }))?;
     let hidden = dev.alloc::<f32>(rows * count * r)?;
     let row_terms = dev.alloc::<f32>(rows * count * terms)?;
 
@@ -251,48 +252,6 @@ pub fn fused_gate_backward(
     let x_rows = operands.rows(Part::X, 0, d_in);
     gemm(k, d_in, rows, operands.transposed(Part::Dzu, 0, k), x_rows, Store::Overwrite, g.weights.device_ptr(), d_in)?;
     Ok(())
-}
-
-/// The channel logits' gradient `dL_c` (`[N, Σ d_out]`), which the row kernel writes and the
-/// column sums read: f32, or bf16 under bf16 products (as autocast keeps an activation's
-/// gradient: half the bytes to write and read twice).
-enum DLogits {
-    F32(DeviceBuffer<f32>),
-    Bf16(DeviceBuffer<bf16>),
-}
-
-impl DLogits {
-    fn alloc(dev: &CudaDevice, len: usize, bf16: bool) -> Result<DLogits> {
-        Ok(if bf16 { DLogits::Bf16(dev.alloc(len)?) } else { DLogits::F32(dev.alloc(len)?) })
-    }
-
-    fn is_bf16(&self) -> bool {
-        matches!(self, DLogits::Bf16(_))
-    }
-
-    /// The row kernel's f32 `dlogits` argument (0 for bf16).
-    fn f32_ptr(&self) -> u64 {
-        match self {
-            DLogits::F32(b) => b.device_ptr(),
-            DLogits::Bf16(_) => 0,
-        }
-    }
-
-    /// The row kernel's `dlogits_bf16` argument (0 for f32).
-    fn bf16_ptr(&self) -> u64 {
-        match self {
-            DLogits::F32(_) => 0,
-            DLogits::Bf16(b) => b.device_ptr(),
-        }
-    }
-
-    /// The address of element `at`.
-    fn ptr_at(&self, at: usize) -> u64 {
-        match self {
-            DLogits::F32(b) => b.ptr_at(at),
-            DLogits::Bf16(b) => b.ptr_at(at),
-        }
-    }
 }
 
 /// The f32 operands of the backward's products.

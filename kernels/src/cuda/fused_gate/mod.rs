@@ -7,7 +7,7 @@
 //! ```
 //!
 //! Semantics are `cpu::fused_gate`'s (same [`FusedGateDims`], the same parameter roles, the
-//! same `zu` saved for backward, f32 or, under bf16 products, bf16: [`DeviceZu`]). The forward
+//! same `zu` saved for backward, f32 or, under bf16 products, bf16: [`DeviceValues`]). The forward
 //! reads `x` and the concatenated weight in bf16
 //! (`[W; A_c; A_s]` as one `[K, d_in]` bf16 buffer: [`pack_weight`] builds it in one launch;
 //! in training the caller keeps it as the weights' bf16 copy, which the optimizer's update
@@ -66,28 +66,29 @@ fn row_warps(rows: usize) -> cudarc::driver::LaunchConfig {
     }
 }
 
-/// A group's product `ZU = x·[W; A_c; A_s]ᵀ` (`[N, K]`), saved by the forward for its
-/// backward: f32, or bf16 under bf16 products (autocast's saved product: half the bytes to
-/// write, keep and read back twice). The row kernels come in both.
+/// A buffer of the fused gate's f32 values, or of their bf16 rounding under bf16 products
+/// (autocast's storage: half the bytes to write and read back). Two of them: the group's
+/// product `ZU = x·[W; A_c; A_s]ᵀ` (`[N, K]`), which the forward saves for the backward, and
+/// the backward's channel logit gradient `dL_c`. The row kernels come in both element types.
 #[derive(Debug)]
-pub enum DeviceZu {
-    /// f32 `ZU`.
+pub enum DeviceValues {
+    /// f32 values.
     F32(DeviceBuffer<f32>),
-    /// `ZU` rounded to bf16 (nearest even) from the f32 sums.
+    /// Values rounded to bf16 (nearest even) from their f32 sums.
     Bf16(DeviceBuffer<bf16>),
 }
 
-impl DeviceZu {
-    /// A fresh `ZU` of `len` elements, bf16 when `bf16` is set.
-    pub fn alloc(dev: &CudaDevice, len: usize, bf16: bool) -> Result<DeviceZu> {
-        Ok(if bf16 { DeviceZu::Bf16(dev.alloc(len)?) } else { DeviceZu::F32(dev.alloc(len)?) })
+impl DeviceValues {
+    /// A fresh buffer of `len` elements, bf16 when `bf16` is set.
+    pub fn alloc(dev: &CudaDevice, len: usize, bf16: bool) -> Result<DeviceValues> {
+        Ok(if bf16 { DeviceValues::Bf16(dev.alloc(len)?) } else { DeviceValues::F32(dev.alloc(len)?) })
     }
 
     /// Its elements.
     pub fn len(&self) -> usize {
         match self {
-            DeviceZu::F32(b) => b.len(),
-            DeviceZu::Bf16(b) => b.len(),
+            DeviceValues::F32(b) => b.len(),
+            DeviceValues::Bf16(b) => b.len(),
         }
     }
 
@@ -96,27 +97,56 @@ impl DeviceZu {
         self.len() == 0
     }
 
+    /// Whether it holds bf16 values.
+    fn is_bf16(&self) -> bool {
+        matches!(self, DeviceValues::Bf16(_))
+    }
+
+    /// The address of element `at`.
+    fn ptr_at(&self, at: usize) -> u64 {
+        match self {
+            DeviceValues::F32(b) => b.ptr_at(at),
+            DeviceValues::Bf16(b) => b.ptr_at(at),
+        }
+    }
+
     /// The address of element 0.
     fn device_ptr(&self) -> u64 {
-        match self {
-            DeviceZu::F32(b) => b.device_ptr(),
-            DeviceZu::Bf16(b) => b.device_ptr(),
+        self.ptr_at(0)
+    }
+
+    /// The address of element 0 when it holds f32 values, else 0 (a kernel's null pointer).
+    fn f32_ptr(&self) -> u64 {
+        if self.is_bf16() {
+            0
+        } else {
+            self.device_ptr()
+        }
+    }
+
+    /// The address of element 0 when it holds bf16 values, else 0.
+    fn bf16_ptr(&self) -> u64 {
+        if self.is_bf16() {
+            self.device_ptr()
+        } else {
+            0
         }
     }
 
     /// Errors unless it lives on `dev`.
     fn check_owner(&self, dev: &CudaDevice, op: &'static str) -> Result<()> {
         match self {
-            DeviceZu::F32(b) => dev.check_owner(op, b),
-            DeviceZu::Bf16(b) => dev.check_owner(op, b),
+            DeviceValues::F32(b) => dev.check_owner(op, b),
+            DeviceValues::Bf16(b) => dev.check_owner(op, b),
         }
     }
 
-    /// The row kernel for this element type: `f32_name` or `bf16_name`.
+    /// The kernel for this element type: `f32_name` or `bf16_name`.
     fn kernel(&self, f32_name: &'static str, bf16_name: &'static str) -> &'static str {
-        match self {
-            DeviceZu::F32(_) => f32_name,
-            DeviceZu::Bf16(_) => bf16_name,
+        if self.is_bf16() {
+            bf16_name
+        } else {
+            f32_name
         }
     }
 }
@@ -362,7 +392,7 @@ pub fn fused_gate_forward(
 pub fn fused_gate_apply(
     dev: &CudaDevice,
     groups: &[GateGroup],
-    zu: &DeviceZu,
+    zu: &DeviceValues,
     out: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "fused_gate_apply";
@@ -399,7 +429,7 @@ pub fn fused_gate_forward_unfused(
     groups: &[GateGroup],
     x: &DeviceBuffer<bf16>,
     packed: &DeviceBuffer<bf16>,
-    zu: &mut DeviceZu,
+    zu: &mut DeviceValues,
     out: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "fused_gate_forward_unfused";
@@ -415,8 +445,8 @@ pub fn fused_gate_forward_unfused(
     let (a, b) = (Operand::rows(x.device_ptr(), d_in), Operand::transposed(packed.device_ptr(), d_in));
     let product = GemmDims { m: layout.rows, n: k, k: d_in };
     let precision = match zu {
-        DeviceZu::F32(_) => Precision::Bf16,
-        DeviceZu::Bf16(_) => Precision::Bf16Out,
+        DeviceValues::F32(_) => Precision::Bf16,
+        DeviceValues::Bf16(_) => Precision::Bf16Out,
     };
     gemm(dev, precision, product, a, b, Store::Overwrite, (zu.device_ptr(), k))?;
     fused_gate_apply(dev, groups, zu, out)

@@ -58,17 +58,11 @@ struct TensorTable {
 // The entry whose blocks this block is among, in a multi-tensor launch that gives entry e of
 // `count` the blocks first_block.v[e] ≤ blockIdx.x < first_block.v[e + 1] (the last one's run
 // to gridDim.x; an entry with no blocks repeats the next one's first): the last entry whose
-// first block is at most blockIdx.x. Each entry gets blocks for its own size, none that would
-// find nothing to do beside a larger one.
-__device__ __forceinline__ int list_entry_of_block(const TensorList& first_block, i64 count) {
-    int e = 0;
-    while (e + 1 < count && (i64)blockIdx.x >= first_block.v[e + 1]) ++e;
-    return e;
-}
-
-// list_entry_of_block for a table: a binary search (first_block never decreases) over up to
-// TABLE_LEN entries, where a walk would take hundreds of steps per block.
-__device__ __forceinline__ int table_entry_of_block(const TensorTable& first_block, i64 count) {
+// first block is at most blockIdx.x, by binary search (first_block never decreases; a table
+// has up to TABLE_LEN entries). Each entry gets blocks for its own size, none that would find
+// nothing to do beside a larger one. `List` is a TensorList or a TensorTable.
+template <class List>
+__device__ __forceinline__ int list_entry_of_block(const List& first_block, i64 count) {
     int lo = 0, hi = (int)count - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
@@ -82,12 +76,8 @@ __device__ __forceinline__ int table_entry_of_block(const TensorTable& first_blo
 }
 
 // The number of blocks of entry e (list_entry_of_block).
-__device__ __forceinline__ i64 list_entry_blocks(const TensorList& first_block, i64 count, int e) {
-    return (e + 1 < count ? first_block.v[e + 1] : (i64)gridDim.x) - first_block.v[e];
-}
-
-// The number of blocks of entry e (table_entry_of_block).
-__device__ __forceinline__ i64 table_entry_blocks(const TensorTable& first_block, i64 count, int e) {
+template <class List>
+__device__ __forceinline__ i64 list_entry_blocks(const List& first_block, i64 count, int e) {
     return (e + 1 < count ? first_block.v[e + 1] : (i64)gridDim.x) - first_block.v[e];
 }
 
@@ -206,6 +196,10 @@ __device__ __forceinline__ bool is_finite(float x) { return fabsf(x) < POS_INF; 
 // bf16 stored as its 16 bits; conversion rounds to nearest even, NaN stays a quiet NaN
 // (the same bits as half::bf16::from_f32 on the host).
 __device__ __forceinline__ float bf16_to_f32(bf16_t v) { return __uint_as_float(((unsigned int)v) << 16); }
+
+// A stored f32 or bf16 value as f32: kernels templated over their input's element type.
+__device__ __forceinline__ float as_f32(float v) { return v; }
+__device__ __forceinline__ float as_f32(bf16_t v) { return bf16_to_f32(v); }
 
 __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     unsigned int u = __float_as_uint(f);

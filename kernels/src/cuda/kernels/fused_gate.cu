@@ -379,11 +379,6 @@ __device__ __forceinline__ GateGroup gate_group(const TensorList& params, const 
                      layout.v[3 * g],    layout.v[3 * g + 1], layout.v[3 * g + 2]};
 }
 
-// A saved ZU element as f32: ZU is f32, or bf16 under bf16 products (the row kernels come in
-// both; the arithmetic after the load is the same).
-__device__ __forceinline__ float zu_value(float v) { return v; }
-__device__ __forceinline__ float zu_value(bf16_t v) { return bf16_to_f32(v); }
-
 // One row's H = φ(U + a) from its ZU row (zr: the group's Z_g, U_g after d_out columns) into h
 // (this warp's shared slot), its h_c into every lane's registers hr (channel_logit's register
 // path) and, when given, into hidden (r values from hidden_row); the warp's lanes split the r
@@ -396,7 +391,7 @@ __device__ __forceinline__ void row_hidden(float* h, float (&hr)[FG_REG_RANK], c
     __syncwarp();  // every lane is done with the previous row's h
     for (int t = lane; t < r; t += 32) {
         const float bias = t < rc ? a_c[t] : a_s[t - rc];
-        const float value = unary_f(phi, zu_value(zr[d_out + t]) + bias, phi_p);
+        const float value = unary_f(phi, as_f32(zr[d_out + t]) + bias, phi_p);
         h[t] = value;
         if (hidden_row) hidden_row[t] = value;
     }
@@ -427,7 +422,7 @@ __device__ __forceinline__ void gate_apply(const Z* zu, const TensorList& params
         for (i64 j0 = lane; j0 < d_out; j0 += 32 * FG_ROW_BATCH) {
             float z[FG_ROW_BATCH];
 #pragma unroll
-            for (int b = 0; b < FG_ROW_BATCH; ++b) z[b] = j0 + 32 * b < d_out ? zu_value(zr[j0 + 32 * b]) : 0.0f;
+            for (int b = 0; b < FG_ROW_BATCH; ++b) z[b] = j0 + 32 * b < d_out ? as_f32(zr[j0 + 32 * b]) : 0.0f;
 #pragma unroll
             for (int b = 0; b < FG_ROW_BATCH; ++b) {
                 const i64 j = j0 + 32 * b;
@@ -503,7 +498,7 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dou
 #pragma unroll
             for (int b = 0; b < FG_ROW_BATCH; ++b) {
                 const i64 j = j0 + 32 * b;
-                z[b] = j < d_out ? zu_value(zr[j]) : 0.0f;
+                z[b] = j < d_out ? as_f32(zr[j]) : 0.0f;
                 dy[b] = j < d_out ? dout[out_row + j] : 0.0f;
             }
 #pragma unroll
@@ -581,7 +576,7 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dou
         }
         for (int t = lane; t < r; t += 32) {
             const bool channel = t < rc;
-            const float pre = zu_value(zr[d_out + t]) + (channel ? g.a_c[t] : g.a_s[t - rc]);
+            const float pre = as_f32(zr[d_out + t]) + (channel ? g.a_c[t] : g.a_s[t - rc]);
             const float dphi = unary_df(phi, pre, h[t], phi_p);
             const float du = channel ? dh[t] * dphi : dlogit_s * g.b_sw[t - rc] * dphi;
             dzu[zu_row + d_out + t] = du;

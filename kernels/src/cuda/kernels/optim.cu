@@ -12,7 +12,7 @@
 // One launch updates up to TABLE_LEN tensors that share these scalars (PyTorch's
 // multi-tensor apply): their addresses and lengths come by value in TensorTable structs
 // (common.cuh); each tensor has blocks for its own length along grid.x (first_block,
-// table_entry_of_block), none idle beside a longer tensor, and walks its elements with them.
+// list_entry_of_block), none idle beside a longer tensor, and walks its elements with them.
 // Each thread updates 4 consecutive elements per step with 16-byte loads and stores (8-byte
 // for the bf16 copy) when the tensor's pointers allow it, then the n % 4 last one at a time
 // (all of them when a pointer is not aligned): the same arithmetic per element either way.
@@ -77,7 +77,7 @@ extern "C" __global__ void adam_step(TensorTable params, TensorTable bf16s, Tens
     if (guard && guard[GUARD_UPDATE] == 0.0f) return;
     const AdamScalars a = {beta1,        beta2,        eps,          constants[0], constants[1],
                            constants[2], constants[3], guard ? guard[GUARD_SCALE] : 1.0f};
-    const int t = table_entry_of_block(first_block, count);
+    const int t = list_entry_of_block(first_block, count);
     float* param = (float*)params.v[t];
     const float* grad = (const float*)grads.v[t];
     float* m = (float*)ms.v[t];
@@ -86,7 +86,7 @@ extern "C" __global__ void adam_step(TensorTable params, TensorTable bf16s, Tens
     const i64 n = lens.v[t];
     // This tensor's own grid-stride loop over its blocks.
     const i64 first = ((i64)blockIdx.x - first_block.v[t]) * blockDim.x + threadIdx.x;
-    const i64 stride = table_entry_blocks(first_block, count, t) * blockDim.x;
+    const i64 stride = list_entry_blocks(first_block, count, t) * blockDim.x;
     const bool wide =
         is_aligned(param, 16) && is_aligned(grad, 16) && is_aligned(m, 16) && is_aligned(v, 16) && is_aligned(copy, 8);
     const i64 quads = wide ? n / 4 : 0;

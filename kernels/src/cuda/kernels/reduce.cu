@@ -14,10 +14,6 @@ extern "C" __global__ void sum_rows(const float* x, i64 rows, i64 n, float* out)
     }
 }
 
-// A summed element as f32 (column_sums_many's sources are f32 or bf16).
-__device__ __forceinline__ float as_f32(float v) { return v; }
-__device__ __forceinline__ float as_f32(bf16_t v) { return bf16_to_f32(v); }
-
 // One chunk of one column's sum, the order every column sum uses: thread (x, y) of a
 // (32, 8) block adds rows r0 + y, r0 + y + 8, ... < r1 of its column (`column` points at
 // its row 0, row stride ld), then thread y = 0 adds the 8 lanes in y order into *out. Every
