@@ -1,7 +1,7 @@
 //! The graph node (`Var`), the backward walk, and the `no_grad` scope: the tape. Op timing
 //! lives in `profile.rs`; the walk only reports to it.
 
-use std::cell::{Cell, Ref, RefCell};
+use std::cell::{Cell, Ref, RefCell, RefMut};
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,15 +25,37 @@ thread_local! {
 }
 
 /// A tensor in the autograd graph. Cloning is cheap and shares the node.
+///
+/// The graph keeps every node that needs a gradient until the backward pass, but not every
+/// value: when the last `Var` of an op's output is dropped, its value is released (no one
+/// can read it any more), and the backward reads only the tensors each op saved in its
+/// closure. So a training step holds what its backward needs, as PyTorch's autograd does,
+/// and not every intermediate result of the forward (llama-60m: the packed q, k, v
+/// products, the projections' outputs, the FFN's down products).
 #[derive(Clone)]
-pub struct Var(Rc<Node>);
+pub struct Var(Rc<Holders>);
+
+/// What every clone of one [`Var`] shares; dropping the last releases an op node's value.
+struct Holders(Rc<Node>);
+
+impl Drop for Holders {
+    fn drop(&mut self) {
+        // Leaves (parameters, data) keep theirs: the model and the optimizer read them.
+        if self.0.backward.is_some() {
+            *self.0.value.borrow_mut() = None;
+        }
+    }
+}
 
 struct Node {
     id: u64,
-    value: RefCell<Tensor>,
+    /// `None` once no `Var` holds the node (op nodes only).
+    value: RefCell<Option<Tensor>>,
+    /// The value's shape, which the backward checks each gradient against.
+    shape: Vec<usize>,
     grad: RefCell<Option<Tensor>>,
     requires_grad: bool,
-    inputs: Vec<Var>,
+    inputs: Vec<Rc<Node>>,
     backward: Option<BackwardFn>,
     /// Whether `backward` takes over the gradient of `inputs[0]` summed so far.
     absorbs_first_input_gradient: bool,
@@ -41,12 +63,15 @@ struct Node {
     op: &'static str,
 }
 
+/// Why a `Var`'s node still has its value: it is released only when the last `Var` drops.
+const HELD: &str = "a Var's value is released only after its last Var is dropped";
+
 impl std::fmt::Debug for Var {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Var")
-            .field("id", &self.0.id)
-            .field("shape", &self.0.value.borrow().shape())
-            .field("requires_grad", &self.0.requires_grad)
+            .field("id", &self.node().id)
+            .field("shape", &self.node().shape)
+            .field("requires_grad", &self.node().requires_grad)
             .finish()
     }
 }
@@ -70,17 +95,23 @@ pub fn is_grad_enabled() -> bool {
 }
 
 impl Var {
+    /// The node every clone of this `Var` shares.
+    fn node(&self) -> &Rc<Node> {
+        &self.0 .0
+    }
+
     fn leaf(value: Tensor, requires_grad: bool) -> Var {
-        Var(Rc::new(Node {
+        Var(Rc::new(Holders(Rc::new(Node {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            value: RefCell::new(value),
+            shape: value.shape().to_vec(),
+            value: RefCell::new(Some(value)),
             grad: RefCell::new(None),
             requires_grad,
             inputs: Vec::new(),
             backward: None,
             absorbs_first_input_gradient: false,
             op: "leaf",
-        }))
+        }))))
     }
 
     /// A trainable leaf: gradients accumulate into [`Var::grad`].
@@ -100,7 +131,7 @@ impl Var {
     where
         F: Fn(&Tensor) -> Result<Vec<Tensor>> + 'static,
     {
-        Var::node(value, inputs, op_name::<F>(), false, Box::new(move |dy, _| backward(dy)))
+        Var::op_node(value, inputs, op_name::<F>(), false, Box::new(move |dy, _| backward(dy)))
     }
 
     /// [`Var::from_op`] whose `backward` also receives the gradient of `inputs[0]` summed so
@@ -114,75 +145,76 @@ impl Var {
     where
         F: Fn(&Tensor, Option<Tensor>) -> Result<Vec<Tensor>> + 'static,
     {
-        Var::node(value, inputs, op_name::<F>(), true, Box::new(backward))
+        Var::op_node(value, inputs, op_name::<F>(), true, Box::new(backward))
     }
 
-    fn node(value: Tensor, inputs: Vec<Var>, op: &'static str, absorbs: bool, backward: BackwardFn) -> Var {
+    fn op_node(value: Tensor, inputs: Vec<Var>, op: &'static str, absorbs: bool, backward: BackwardFn) -> Var {
         profile_forward(op);
         if !is_grad_enabled() || !inputs.iter().any(Var::requires_grad) {
             return Var::constant(value);
         }
-        Var(Rc::new(Node {
+        Var(Rc::new(Holders(Rc::new(Node {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            value: RefCell::new(value),
+            shape: value.shape().to_vec(),
+            value: RefCell::new(Some(value)),
             grad: RefCell::new(None),
             requires_grad: true,
-            inputs,
+            inputs: inputs.iter().map(|input| Rc::clone(input.node())).collect(),
             backward: Some(backward),
             absorbs_first_input_gradient: absorbs,
             op,
-        }))
+        }))))
     }
 
     /// Unique id of this node (parameters are looked up by it).
     pub fn id(&self) -> u64 {
-        self.0.id
+        self.node().id
     }
 
     /// The value (a cheap clone of the tensor view).
     pub fn value(&self) -> Tensor {
-        self.0.value.borrow().clone()
+        self.value_ref().clone()
     }
 
     /// Borrows the value without cloning.
     pub fn value_ref(&self) -> Ref<'_, Tensor> {
-        self.0.value.borrow()
+        Ref::map(self.node().value.borrow(), |value| value.as_ref().expect(HELD))
     }
 
     /// Replaces the value of a leaf (optimizer updates, checkpoint loads). The shape must
     /// not change.
     pub fn set_value(&self, value: Tensor) -> Result<()> {
-        let current = self.0.value.borrow().shape().to_vec();
+        let current = &self.node().shape;
         if current != value.shape() {
-            return Err(Error::ShapeMismatch { op: "set_value", lhs: current, rhs: value.shape().to_vec() });
+            return Err(Error::ShapeMismatch { op: "set_value", lhs: current.clone(), rhs: value.shape().to_vec() });
         }
-        *self.0.value.borrow_mut() = value;
+        *self.node().value.borrow_mut() = Some(value);
         Ok(())
     }
 
     /// Mutable access to a leaf's value, for in-place optimizer updates.
-    pub fn value_mut(&self) -> std::cell::RefMut<'_, Tensor> {
-        self.0.value.borrow_mut()
+    pub fn value_mut(&self) -> RefMut<'_, Tensor> {
+        RefMut::map(self.node().value.borrow_mut(), |value| value.as_mut().expect(HELD))
     }
 
     /// Shape of the value.
     pub fn shape(&self) -> Vec<usize> {
-        self.0.value.borrow().shape().to_vec()
+        self.node().shape.clone()
     }
 
     /// True when gradients flow to or through this node.
     pub fn requires_grad(&self) -> bool {
-        self.0.requires_grad
+        self.node().requires_grad
     }
 
     /// The accumulated gradient of a leaf, if any backward pass reached it.
     pub fn grad(&self) -> Option<Tensor> {
-        self.0.grad.borrow().clone()
+        self.node().grad.borrow().clone()
     }
 
     /// Replaces the accumulated gradient (gradient clipping, optimizer-side scaling).
     pub fn set_grad(&self, grad: Option<Tensor>) {
-        *self.0.grad.borrow_mut() = grad;
+        *self.node().grad.borrow_mut() = grad;
     }
 
     /// Clears the accumulated gradient.
@@ -218,10 +250,10 @@ impl Var {
         let mut grads: HashMap<u64, Tensor> = HashMap::new();
         grads.insert(self.id(), seed);
         let mut clock = profiling().then(Instant::now);
-        for node in self.reachable_in_reverse_order() {
-            let Some(grad) = grads.remove(&node.id()) else { continue };
-            let Some(backward) = &node.0.backward else {
-                let mut slot = node.0.grad.borrow_mut();
+        for node in reachable_in_reverse_order(self.node()) {
+            let Some(grad) = grads.remove(&node.id) else { continue };
+            let Some(backward) = &node.backward else {
+                let mut slot = node.grad.borrow_mut();
                 *slot = Some(match slot.take() {
                     Some(previous) => previous.accumulate(grad)?,
                     None => grad,
@@ -229,48 +261,48 @@ impl Var {
                 clock = profile_backward("leaf gradient", clock);
                 continue;
             };
-            let pending = match node.0.inputs.first() {
-                Some(first) if node.0.absorbs_first_input_gradient => grads.remove(&first.id()),
+            let pending = match node.inputs.first() {
+                Some(first) if node.absorbs_first_input_gradient => grads.remove(&first.id),
                 _ => None,
             };
             let input_grads = backward(&grad, pending)?;
             drop(grad);
-            for (input, input_grad) in node.0.inputs.iter().zip(input_grads) {
-                if !input.requires_grad() {
+            for (input, input_grad) in node.inputs.iter().zip(input_grads) {
+                if !input.requires_grad {
                     continue;
                 }
-                if input_grad.shape() != input.value_ref().shape() {
+                if input_grad.shape() != input.shape {
                     return Err(Error::ShapeMismatch {
                         op: "backward (gradient of an op input)",
-                        lhs: input.shape(),
+                        lhs: input.shape.clone(),
                         rhs: input_grad.shape().to_vec(),
                     });
                 }
                 // d/dx of a value used twice is the sum: added in place when possible.
-                let total = match grads.remove(&input.id()) {
+                let total = match grads.remove(&input.id) {
                     Some(previous) => previous.accumulate(input_grad)?,
                     None => input_grad,
                 };
-                grads.insert(input.id(), total);
+                grads.insert(input.id, total);
             }
-            clock = profile_backward(node.0.op, clock);
+            clock = profile_backward(node.op, clock);
         }
         Ok(())
     }
+}
 
-    /// Every node that needs a gradient and is reachable from `self`, newest first.
-    fn reachable_in_reverse_order(&self) -> Vec<Var> {
-        let mut seen = HashSet::new();
-        let mut stack = vec![self.clone()];
-        let mut order = Vec::new();
-        while let Some(var) = stack.pop() {
-            if !var.requires_grad() || !seen.insert(var.id()) {
-                continue;
-            }
-            stack.extend(var.0.inputs.iter().cloned());
-            order.push(var);
+/// Every node that needs a gradient and is reachable from `start`, newest first.
+fn reachable_in_reverse_order(start: &Rc<Node>) -> Vec<Rc<Node>> {
+    let mut seen = HashSet::new();
+    let mut stack = vec![Rc::clone(start)];
+    let mut order = Vec::new();
+    while let Some(node) = stack.pop() {
+        if !node.requires_grad || !seen.insert(node.id) {
+            continue;
         }
-        order.sort_by_key(|v| std::cmp::Reverse(v.id()));
-        order
+        stack.extend(node.inputs.iter().cloned());
+        order.push(node);
     }
+    order.sort_by_key(|node| std::cmp::Reverse(node.id));
+    order
 }

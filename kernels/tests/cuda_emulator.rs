@@ -17,7 +17,7 @@ use kernels::cpu::unary::Unary;
 use kernels::cuda::attention::AttentionPrecision::{Bf16, F32};
 use kernels::cuda::emu::{Mutant, Schedule};
 use kernels::cuda::fused_gate::{DeviceFusedGateParams, DeviceGateParams};
-use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer};
+use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer, Values};
 
 /// A fresh emulated device, running `mutant` when given.
 fn emulator(mutant: Option<Mutant>) -> CudaDevice {
@@ -61,7 +61,15 @@ fn attention_error(dev: &CudaDevice, schedule: Schedule) -> f32 {
     let dims = AttentionDims { batch, q_seq: seq, kv_seq: seq, heads, head_dim, scale: 1.0 / (head_dim as f32).sqrt() };
     let (mut flash, mut lse, mut naive) =
         (dev.alloc(len).unwrap(), dev.alloc(dims.lse_len()).unwrap(), dev.alloc(len).unwrap());
-    cuda::attention::causal_attention_forward(dev, &q, &k, &v, &dims, F32, (&mut flash, None), &mut lse).unwrap();
+    cuda::attention::causal_attention_forward(
+        dev,
+        [&q, &k, &v].map(Values::F32),
+        &dims,
+        F32,
+        (&mut flash, None),
+        &mut lse,
+    )
+    .unwrap();
     cuda::attention::causal_attention_naive(dev, &q, &k, &v, &dims, &mut naive).unwrap();
     max_difference(&dev.download(&flash).unwrap(), &dev.download(&naive).unwrap())
 }
@@ -93,12 +101,29 @@ fn tensor_core_attention(dev: &CudaDevice, schedule: Schedule) -> (Vec<Vec<f32>>
     let dims = AttentionDims { batch, q_seq: seq, kv_seq: seq, heads, head_dim, scale: 1.0 / (head_dim as f32).sqrt() };
     let alloc = || dev.alloc::<f32>(len).unwrap();
     let (mut out, mut lse, mut naive) = (alloc(), dev.alloc(dims.lse_len()).unwrap(), alloc());
-    cuda::attention::causal_attention_forward(dev, &q, &k, &v, &dims, Bf16, (&mut out, None), &mut lse).unwrap();
+    cuda::attention::causal_attention_forward(
+        dev,
+        [&q, &k, &v].map(Values::F32),
+        &dims,
+        Bf16,
+        (&mut out, None),
+        &mut lse,
+    )
+    .unwrap();
     cuda::attention::causal_attention_naive(dev, &q, &k, &v, &dims, &mut naive).unwrap();
     let (mut dq, mut dk, mut dv) = (alloc(), alloc(), alloc());
     let dv_twin = (&mut dv, None);
     cuda::attention::causal_attention_backward(
-        dev, &q, &k, &v, &out, &lse, &dout, &dims, Bf16, &mut dq, &mut dk, dv_twin,
+        dev,
+        [&q, &k, &v].map(Values::F32),
+        &out,
+        &lse,
+        &dout,
+        &dims,
+        Bf16,
+        &mut dq,
+        &mut dk,
+        dv_twin,
     )
     .unwrap();
     let error = max_difference(&dev.download(&out).unwrap(), &dev.download(&naive).unwrap());
@@ -155,7 +180,8 @@ fn fused_gate_error(dev: &CudaDevice) -> f32 {
     let mut fused = dev.alloc(dims.rows * dims.d_out).unwrap();
     cuda::fused_gate::fused_gate_forward(dev, &dims, &x, &packed, &params, None, &mut fused).unwrap();
     let mut unfused = dev.alloc(dims.rows * dims.d_out).unwrap();
-    cuda::fused_gate::fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, &mut unfused).unwrap();
+    let out = cuda::ValuesMut::F32(&mut unfused);
+    cuda::fused_gate::fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, out).unwrap();
     max_difference(&dev.download(&fused).unwrap(), &dev.download(&unfused).unwrap())
 }
 

@@ -15,6 +15,7 @@
 //! RoPE positions after the cached ones and attend to every cached position (the attention
 //! kernels align the causal mask bottom-right, so `Tq < Tk` is the cache case).
 
+use autograd::ops::ProductOutput;
 use autograd::{Result, Var};
 use tensor::{Error, Rng, Tensor};
 
@@ -94,7 +95,8 @@ impl Attention {
         let heads = self.config.n_heads;
         self.forward_with(x, |rows, shape, scale| {
             let qkv_projections = [&self.q_proj, &self.k_proj, &self.v_proj];
-            if let Some(qkv) = ModulatedProjection::forward_packed(&qkv_projections, rows)? {
+            // RoPE reads q, k and v in f32.
+            if let Some(qkv) = ModulatedProjection::forward_packed(&qkv_projections, rows, ProductOutput::F32)? {
                 let [b, t, h, head_dim] = shape;
                 let qkv = qkv.reshape(&[b, t, 3 * h * head_dim])?;
                 return Var::rotary_causal_attention_packed(&qkv, heads, scale, theta);

@@ -11,6 +11,7 @@
 //! the two halves of its rows ([`Var::swiglu_halves`]).
 //! Rows are flattened to `[N, C]` for the projections and restored at the end.
 
+use autograd::ops::ProductOutput;
 use autograd::{Result, Var};
 use tensor::Rng;
 
@@ -53,7 +54,10 @@ impl SwiGlu {
         let rows = x.reshape(&[x.value_ref().numel() / d.max(1), d])?;
         // The gate and up projections as one op where that is one product, SwiGLU over its
         // two halves.
-        let hidden = match ModulatedProjection::forward_packed(&[&self.gate_proj, &self.up_proj], &rows)? {
+        // SwiGLU reads a plain product's halves in bf16 under bf16 products, as autocast stores them.
+        let packed =
+            ModulatedProjection::forward_packed(&[&self.gate_proj, &self.up_proj], &rows, ProductOutput::Bf16)?;
+        let hidden = match packed {
             Some(gate_up) => gate_up.swiglu_halves()?,
             None => self.gate_proj.forward(&rows)?.swiglu(&self.up_proj.forward(&rows)?)?,
         };

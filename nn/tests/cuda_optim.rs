@@ -5,6 +5,8 @@
 //! and loaded into a fresh optimizer, and `Module::to_device`. Skips without a GPU.
 #![cfg(feature = "cuda")]
 
+use std::sync::{Mutex, MutexGuard};
+
 use autograd::Var;
 use gradcheck::Tolerance;
 use nn::layers::Linear;
@@ -24,6 +26,14 @@ fn no_gpu() -> bool {
     assert!(std::env::var_os("TRANSPONDER_REQUIRE_CUDA").is_none(), "TRANSPONDER_REQUIRE_CUDA is set: no CUDA device");
     eprintln!("skipping: no CUDA device");
     true
+}
+
+/// Serialises the tests: some read the device's counters, which count every test's work on
+/// the device (a deep copy of another test, counted in a window of this one's, was a copy
+/// it never made), and one sets the process-wide matmul precision.
+fn device_lock() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// A matrix (decayed by Adam) of an odd size and a vector (not decayed), on `device`.
@@ -81,6 +91,7 @@ fn adamw_step_matches_the_cpu() {
     if no_gpu() {
         return;
     }
+    let _device = device_lock();
     agree("adamw", |p| Box::new(Adam::new(p, AdamConfig { weight_decay: 0.1, ..AdamConfig::default() })));
 }
 
@@ -92,6 +103,7 @@ fn adamw_reads_gradients_that_are_rows_of_one_buffer_in_place() {
     if no_gpu() {
         return;
     }
+    let _device = device_lock();
     let (cpu_params, gpu_params) = (parameters(Device::Cpu), parameters(GPU));
     let config = AdamConfig { weight_decay: 0.1, ..AdamConfig::default() };
     let (mut cpu, mut gpu) = (Adam::new(cpu_params.clone(), config), Adam::new(gpu_params.clone(), config));
@@ -114,8 +126,7 @@ fn adamw_reads_gradients_that_are_rows_of_one_buffer_in_place() {
     gpu.step(0.01).unwrap();
     let counted = dev.counters().since(&before);
     assert!((cpu_norm - gpu_norm).abs() <= 1e-5 * cpu_norm, "norm: cpu {cpu_norm} vs cuda {gpu_norm}");
-    // The device's counters also see the other tests' launches (they run beside this one);
-    // none of them copies a strided or offset view.
+    // The tests of this binary run one at a time (`device_lock`): what is counted is this one's.
     let copies = counted.launches_by_kernel.get("copy_strided");
     assert_eq!(copies, None, "a gradient view was copied before the update: {counted:?}");
     assert_eq!(counted.device_copies, 0, "a gradient view was copied: {counted:?}");
@@ -129,6 +140,7 @@ fn adam_step_matches_the_cpu() {
     if no_gpu() {
         return;
     }
+    let _device = device_lock();
     let config = AdamConfig { weight_decay: 0.1, decoupled: false, ..AdamConfig::default() };
     agree("adam", |p| Box::new(Adam::new(p, config)));
 }
@@ -138,6 +150,7 @@ fn sgd_step_matches_the_cpu() {
     if no_gpu() {
         return;
     }
+    let _device = device_lock();
     agree("sgd momentum", |p| Box::new(Sgd::new(p, 0.9, 0.01, false)));
     agree("sgd nesterov", |p| Box::new(Sgd::new(p, 0.9, 0.0, true)));
     agree("sgd plain", |p| Box::new(Sgd::new(p, 0.0, 0.0, false)));
@@ -148,6 +161,7 @@ fn clipping_matches_the_cpu() {
     if no_gpu() {
         return;
     }
+    let _device = device_lock();
     let (cpu, gpu) = (parameters(Device::Cpu), parameters(GPU));
     set_gradients(&cpu, 1);
     set_gradients(&gpu, 1);
@@ -164,6 +178,7 @@ fn state_saved_on_the_gpu_loads_into_a_fresh_optimizer() {
     if no_gpu() {
         return;
     }
+    let _device = device_lock();
     let config = AdamConfig::default();
     let (first, second) = (parameters(GPU), parameters(GPU));
     let (mut a, mut b) = (Adam::new(first.clone(), config), Adam::new(second.clone(), config));
@@ -190,6 +205,7 @@ fn module_to_device_moves_every_parameter_and_back() {
     if no_gpu() {
         return;
     }
+    let _device = device_lock();
     let layer = Linear::new(5, 3, true, &mut Rng::new(1));
     let before: Vec<Vec<f32>> = layer.named_parameters().iter().map(|p| p.var.value().to_vec()).collect();
     layer.to_device(GPU).unwrap();
@@ -208,7 +224,8 @@ fn adamw_rewrites_the_bf16_copy_that_bf16_products_read() {
     if no_gpu() {
         return;
     }
-    // Process-wide, but no other test of this binary runs a product.
+    let _device = device_lock();
+    // Process-wide: the other tests of this binary wait (`device_lock`).
     set_matmul_precision(MatmulPrecision::Bf16);
     let dev = tensor::cuda::device(0).unwrap();
     let params = parameters(GPU);
@@ -235,6 +252,7 @@ fn a_guarded_adam_step_on_the_gpu_clips_on_the_device_and_skips_a_non_finite_ste
     if no_gpu() {
         return;
     }
+    let _device = device_lock();
     let loss_sum = Tensor::from_vec(vec![6.0], &[1]).unwrap().to_device(GPU).unwrap();
     for max_norm in [0.5, f32::INFINITY] {
         let (host_params, device_params) = (parameters(GPU), parameters(GPU));

@@ -218,6 +218,23 @@ impl Tensor {
         Tensor::from_vec(t.as_slice()?.to_vec(), &self.shape)
     }
 
+    /// What an op saves of this input when its backward reads it only as an operand of
+    /// matrix products (`dW = dYᵀ·X`): on a GPU under bf16 products, when the storage holds
+    /// its own bf16 copy (written beside the values by the op that made them), the same view
+    /// backed by that copy alone, so the f32 values are freed with the forward's other
+    /// results (autocast saves the bf16 cast as well). The bf16 products read the copy as
+    /// before, the same bits; a read as f32 widens it on the device. Otherwise the tensor
+    /// itself.
+    pub fn saved_for_products(&self) -> Tensor {
+        #[cfg(feature = "cuda")]
+        if crate::cuda::matmul_precision() == crate::cuda::MatmulPrecision::Bf16 {
+            if let Some(backed) = self.cuda_storage().and_then(|storage| storage.bf16_backed()) {
+                return Tensor { storage: Arc::new(Storage::Cuda(backed)), ..self.clone() };
+            }
+        }
+        self.clone()
+    }
+
     /// Converts the element type (f32 ↔ bf16 ↔ f16), rounding to nearest even.
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         if dtype == self.dtype() {

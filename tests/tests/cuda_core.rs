@@ -9,11 +9,12 @@
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
 
+use autograd::ops::GatedProjectionVars;
 use autograd::Var;
 use gradcheck::Tolerance;
 use kernels::cuda::DeviceCounters;
 use tensor::cuda::{matmul_precision, set_matmul_precision, MatmulPrecision};
-use tensor::ops::{Binary, Unary};
+use tensor::ops::{Binary, ProductOutput, Unary};
 use tensor::{DType, Device, Error, Rng, Tensor};
 use transponder_tests::{gpu, no_gpu, token_ids, GPU};
 
@@ -357,8 +358,8 @@ fn bf16_matmul_precision() {
 /// The gate and up projections as one product of their packed weights and SwiGLU over its
 /// halves, under bf16 products: the GPU agrees with the CPU (the projections one by one),
 /// forward and every gradient (x's added onto a gradient it already has), with one GEMM
-/// forward, one for the input gradient and one per weight gradient, and no conversion once
-/// the weights are packed.
+/// forward (its output in bf16, which SwiGLU reads), one for the input gradient and one per
+/// weight gradient, and no conversion once the weights are packed.
 #[test]
 fn packed_gate_up_and_swiglu_halves_agree() {
     if no_gpu() {
@@ -374,7 +375,7 @@ fn packed_gate_up_and_swiglu_halves_agree() {
         let on = |t: &Tensor| Var::parameter(t.to_device(device).unwrap());
         let (x, wg, wu) = (on(&x), on(&wg), on(&wu));
         let rows = x.reshape(&[10, 16]).unwrap();
-        let forward = || rows.packed_linear(&[&wg, &wu]).unwrap().swiglu_halves().unwrap();
+        let forward = || rows.packed_linear(&[&wg, &wu], ProductOutput::Bf16).unwrap().swiglu_halves().unwrap();
         // The second forward is the one counted: the first packs the weights and converts x.
         forward();
         let before = device_counters(device);
@@ -402,11 +403,58 @@ fn packed_gate_up_and_swiglu_halves_agree() {
     let count = |launches: &BTreeMap<&'static str, u64>, name: &str| launches.get(name).copied();
     let forward = forward.expect("a GPU counts its launches");
     assert_eq!(count(&forward, "cublasGemmEx"), Some(1), "one GEMM forward: {forward:?}");
-    assert_eq!(count(&forward, "swiglu_forward"), Some(1), "{forward:?}");
+    assert_eq!(count(&forward, "swiglu_forward_bf16"), Some(1), "{forward:?}");
     assert_eq!(forward.values().sum::<u64>(), 2, "nothing else forward: {forward:?}");
     let backward = backward.expect("a GPU counts its launches");
-    assert_eq!(count(&backward, "swiglu_backward"), Some(1), "{backward:?}");
+    assert_eq!(count(&backward, "swiglu_backward_bf16"), Some(1), "{backward:?}");
     assert_eq!(count(&backward, "f32_to_bf16_kernel"), None, "no conversion backward: {backward:?}");
+}
+
+/// Under bf16 products a fused gated group may store its output in bf16
+/// (`ProductOutput::Bf16`, for SwiGLU, which reads it so): the f32 output rounded to nearest
+/// even, bit for bit, and the same gradients bit for bit (the backward recomputes the gate
+/// from the saved `ZU` and never reads the output).
+#[test]
+fn a_fused_gated_group_stores_its_output_in_bf16_when_asked() {
+    if no_gpu() {
+        return;
+    }
+    let _precision = Precision::set(MatmulPrecision::Bf16);
+    let (rows, d_in, rc, rs) = (12, 32, 8, 4);
+    let mut seed = 70;
+    let mut t = |shape: &[usize], scale: f32| {
+        seed += 1;
+        rand(shape, -scale, scale, seed)
+    };
+    let mut values = vec![t(&[rows, d_in], 1.0)];
+    for d_out in [24, 16] {
+        values.extend([t(&[d_out, d_in], 0.3), t(&[rc, d_in], 0.3), t(&[rc], 0.3), t(&[d_out, rc], 0.5)]);
+        values.extend([t(&[d_out], 0.3), Tensor::full(&[1], 1.25), t(&[rs, d_in], 0.3), t(&[rs], 0.3)]);
+        values.extend([t(&[1, rs], 0.5), t(&[1], 0.3), Tensor::full(&[1], 0.75)]);
+    }
+    let weights = rand(&[rows, 40], -1.0, 1.0, 90);
+    let run = |output: ProductOutput| {
+        let vars: Vec<Var> = values.iter().map(|v| Var::parameter(gpu(v))).collect();
+        let projections: Vec<GatedProjectionVars> = vars[1..]
+            .chunks(11)
+            .map(|p| GatedProjectionVars {
+                weight: &p[0],
+                channel: [&p[1], &p[2], &p[3], &p[4], &p[5]],
+                scalar: [&p[6], &p[7], &p[8], &p[9], &p[10]],
+            })
+            .collect();
+        let y = vars[0].fused_gated_projections(&projections, Unary::Silu, output).unwrap();
+        let y_values = y.value().to_host().unwrap().to_vec();
+        y.mul(&Var::constant(gpu(&weights))).unwrap().sum_all().unwrap().backward().unwrap();
+        let grads: Vec<Vec<f32>> = vars.iter().map(|v| v.grad().unwrap().to_host().unwrap().to_vec()).collect();
+        (y_values, grads)
+    };
+    let (y_f32, grads_f32) = run(ProductOutput::F32);
+    let (y_bf16, grads_bf16) = run(ProductOutput::Bf16);
+    let f32_output = Tensor::from_vec(y_f32, &[rows, 40]).unwrap();
+    let rounded = f32_output.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap().to_vec();
+    assert_eq!(y_bf16, rounded, "the bf16 output is the f32 one rounded");
+    assert_eq!(grads_bf16, grads_f32, "the gradients do not depend on how the output is stored");
 }
 
 /// An ungated SwiGLU FFN under bf16 products: on the GPU its gate and up projections run as
@@ -464,6 +512,41 @@ fn device_counters(device: Device) -> Option<DeviceCounters> {
 /// Launches by kernel on `device` since `before` (`None` on the CPU).
 fn launches_since(device: Device, before: &Option<DeviceCounters>) -> Option<BTreeMap<&'static str, u64>> {
     Some(device_counters(device)?.since(before.as_ref()?).launches_by_kernel)
+}
+
+/// A training graph keeps what its backward reads, not every value: an op's output is freed
+/// once its last `Var` is dropped (the product's output below, which the sum's backward does
+/// not read), and under bf16 products an input that products save for their backward keeps
+/// only its bf16 copy (the norm's output: its f32 values go). The gradients are the same bits
+/// as with every `Var` held.
+#[test]
+fn a_graph_frees_the_values_its_backward_does_not_read() {
+    if no_gpu() {
+        return;
+    }
+    let _precision = Precision::set(MatmulPrecision::Bf16);
+    let dev = tensor::cuda::device(0).unwrap();
+    let (rows, d_in, d_out) = (64, 256, 128);
+    let (x, norm_w, w) =
+        (rand(&[rows, d_in], -1.0, 1.0, 51), rand(&[d_in], 0.5, 1.5, 52), rand(&[d_out, d_in], -1.0, 1.0, 53));
+    // The gradients of `sum(rms_norm(x)·Wᵀ)`, and the bytes in use with the graph built.
+    let run = |hold: bool| -> (Vec<Vec<f32>>, usize) {
+        let params = [&x, &norm_w, &w].map(|t| Var::parameter(gpu(t)));
+        let [x, norm_w, w] = &params;
+        let normed = x.rms_norm(norm_w, 1e-5).unwrap();
+        let y = normed.matmul(&w.transpose(0, 1).unwrap()).unwrap();
+        let loss = y.sum_all().unwrap();
+        let held = hold.then_some((normed, y));
+        let in_use = dev.allocator_stats().in_use_bytes;
+        loss.backward().unwrap();
+        drop(held);
+        (params.iter().map(|p| p.grad().unwrap().to_host().unwrap().to_vec()).collect(), in_use)
+    };
+    let (held_grads, held_bytes) = run(true);
+    let (grads, bytes) = run(false);
+    assert_eq!(grads, held_grads, "the gradients do not depend on what the graph keeps");
+    let freed = (rows * d_in + rows * d_out) * 4;
+    assert!(held_bytes >= bytes + freed, "{held_bytes} bytes in use with the values held, {bytes} without");
 }
 
 /// Under bf16 products a weight is converted once however many products read it, and an

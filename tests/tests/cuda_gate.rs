@@ -16,7 +16,7 @@ use autograd::Var;
 use gradcheck::Tolerance;
 use nn::optim::{Adam, AdamConfig, Optimizer, Sgd};
 use nn::NamedParameter;
-use tensor::ops::Unary;
+use tensor::ops::{ProductOutput, Unary};
 use tensor::{DType, Device, Error, Rng, Tensor};
 use transponder_tests::{gpu, no_gpu, GPU};
 
@@ -146,7 +146,7 @@ fn a_group_of_fused_gated_projections_agrees_forward_and_backward() {
     };
     let group = |v: &[Var]| {
         let projections: Vec<GatedProjectionVars> = v[1..].chunks(11).map(projection).collect();
-        v[0].fused_gated_projections(&projections, Unary::Silu)
+        v[0].fused_gated_projections(&projections, Unary::Silu, ProductOutput::F32)
     };
     check("fused gate group of widths 32, 32, 32", &inputs([32, 32, 32]), BF16_REL, group);
     let values = inputs([24, 40, 16]);

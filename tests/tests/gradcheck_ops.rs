@@ -8,6 +8,7 @@
 
 use autograd::{is_grad_enabled, no_grad, Var};
 use proptest::prelude::*;
+use tensor::ops::ProductOutput;
 use tensor::{Device, Rng, Tensor};
 use transponder_tests::*;
 
@@ -112,10 +113,10 @@ proptest! {
         let mut rng = Rng::new(seed);
         let mut values = vec![Tensor::rand_uniform(&[2, rows, d_in], -1.0, 1.0, &mut rng)];
         values.extend(outs.iter().map(|&out| Tensor::rand_uniform(&[out, d_in], -1.0, 1.0, &mut rng)));
-        assert_gradcheck(|v| v[0].packed_linear(&v[1..].iter().collect::<Vec<_>>()), &values);
+        assert_gradcheck(|v| v[0].packed_linear(&v[1..].iter().collect::<Vec<_>>(), ProductOutput::F32), &values);
         let vars: Vec<Var> = values.into_iter().map(Var::parameter).collect();
         let weights: Vec<&Var> = vars[1..].iter().collect();
-        let fused = vars[0].packed_linear(&weights).unwrap().value().to_vec();
+        let fused = vars[0].packed_linear(&weights, ProductOutput::Bf16).unwrap().value().to_vec();
         prop_assert_eq!(fused, vars[0].packed_linear_reference(&weights).unwrap().value().to_vec());
     }
 

@@ -9,7 +9,7 @@
 //! GEMM output `ZU` and the modulators' rank-r results) lives in the graph node until the
 //! backward. Modulator arguments are `[A, a, B, b, α]` in that order.
 
-use tensor::ops::{GatedProjection, Unary};
+use tensor::ops::{GatedProjection, ProductOutput, Unary};
 use tensor::{Result, Tensor};
 
 use crate::Var;
@@ -38,14 +38,20 @@ impl Var {
         scalar: [&Var; 5],
         phi: Unary,
     ) -> Result<Var> {
-        self.fused_gated_projections(&[GatedProjectionVars { weight, channel, scalar }], phi)
+        self.fused_gated_projections(&[GatedProjectionVars { weight, channel, scalar }], phi, ProductOutput::F32)
     }
 
     /// [`Var::fused_gated_projection`] of `self` by each of `projections` (one φ and one pair
     /// of ranks for all), their outputs side by side: `[..., Σ d_out]`. On a GPU the group is
     /// one GEMM and one gate launch forward (LLaMA's q, k and v, or gate and up, which read
     /// one input), where each projection alone would take its own.
-    pub fn fused_gated_projections(&self, projections: &[GatedProjectionVars], phi: Unary) -> Result<Var> {
+    /// `output` says how the outputs are stored ([`Tensor::fused_gated_projections`]).
+    pub fn fused_gated_projections(
+        &self,
+        projections: &[GatedProjectionVars],
+        phi: Unary,
+        output: ProductOutput,
+    ) -> Result<Var> {
         let values: Vec<(Tensor, [Tensor; 5], [Tensor; 5])> = projections
             .iter()
             .map(|p| (p.weight.value(), p.channel.map(Var::value), p.scalar.map(Var::value)))
@@ -58,7 +64,7 @@ impl Var {
                 scalar: scalar.each_ref(),
             })
             .collect();
-        let (y, saved) = self.value().fused_gated_projections(&tensors, phi)?;
+        let (y, saved) = self.value().fused_gated_projections(&tensors, phi, output)?;
         let mut inputs = vec![self.clone()];
         for p in projections {
             inputs.push(p.weight.clone());
@@ -185,7 +191,7 @@ mod tests {
             let vars: Vec<Var> = values.iter().cloned().map(Var::parameter).collect();
             let (first, second) = (projection(&vars[1..12]), projection(&vars[12..23]));
             let y = if grouped {
-                vars[0].fused_gated_projections(&[first, second], Unary::Silu).unwrap()
+                vars[0].fused_gated_projections(&[first, second], Unary::Silu, ProductOutput::F32).unwrap()
             } else {
                 let each = |p: GatedProjectionVars| {
                     vars[0].fused_gated_projection(p.weight, p.channel, p.scalar, Unary::Silu).unwrap()
@@ -209,8 +215,13 @@ mod tests {
         let mut rng = Rng::new(8);
         let mut values = inputs(&mut rng, 2, 3, 4, 2, 1);
         values.extend(inputs(&mut rng, 2, 3, 2, 2, 1).into_iter().skip(1));
-        let group =
-            |v: &[Var]| v[0].fused_gated_projections(&[projection(&v[1..12]), projection(&v[12..23])], Unary::Sigmoid);
+        let group = |v: &[Var]| {
+            v[0].fused_gated_projections(
+                &[projection(&v[1..12]), projection(&v[12..23])],
+                Unary::Sigmoid,
+                ProductOutput::F32,
+            )
+        };
         if let Err(failure) = gradcheck(group, &values) {
             panic!("{failure}");
         }

@@ -14,6 +14,9 @@ impl Var {
     pub fn matmul(&self, rhs: &Var) -> Result<Var> {
         let (a, b) = (self.value(), rhs.value());
         let y = a.matmul(&b)?;
+        // The backward reads `a` only as a product operand: under bf16 products its bf16 copy
+        // alone is kept. (`b`, usually a weight, is held by its parameter anyway.)
+        let a = a.saved_for_products();
         // dA = dY · Bᵀ, dB = Aᵀ · dY; batch dims that broadcast are summed back.
         Ok(Var::from_op_absorbing(y, vec![self.clone(), rhs.clone()], move |dy, da_so_far| {
             let b_t = last_two_swapped(&b)?;

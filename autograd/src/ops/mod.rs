@@ -22,4 +22,4 @@ mod unary;
 mod view;
 
 pub use fused_gate::GatedProjectionVars;
-pub use tensor::ops::{Binary, Unary};
+pub use tensor::ops::{Binary, ProductOutput, Unary};

@@ -5,18 +5,22 @@
 //! bf16 products, one GEMM over the weights' packed bf16 copy forward, and one for the input
 //! gradient.
 
+use tensor::ops::ProductOutput;
 use tensor::{Result, Tensor};
 
 use crate::Var;
 
 impl Var {
     /// `self: [..., in]` projected by each of `weights` (`[out_i, in]`), the results side by
-    /// side along the last dimension: `[..., Σ out_i]`. Agrees with
-    /// [`Var::packed_linear_reference`] to float tolerance, forward and backward.
-    pub fn packed_linear(&self, weights: &[&Var]) -> Result<Var> {
+    /// side along the last dimension: `[..., Σ out_i]`, stored as `output` says
+    /// ([`Tensor::packed_linear`]). Agrees with [`Var::packed_linear_reference`] to float
+    /// tolerance, forward and backward.
+    pub fn packed_linear(&self, weights: &[&Var], output: ProductOutput) -> Result<Var> {
         let values: Vec<Tensor> = weights.iter().map(|w| w.value()).collect();
         let x = self.value().contiguous()?;
-        let y = x.packed_linear(&values.iter().collect::<Vec<_>>())?;
+        let y = x.packed_linear(&values.iter().collect::<Vec<_>>(), output)?;
+        // The backward reads x only as a product operand: under bf16 products, its bf16 copy.
+        let x = x.saved_for_products();
         let inputs = [vec![self.clone()], weights.iter().map(|&w| w.clone()).collect()].concat();
         // dx = dy·[W_1; …; W_k] (added onto x's gradient so far: the q, k, v projections and
         // the residual read the same normalised input), dW_i = dy_iᵀ·x.

@@ -30,6 +30,7 @@ use kernels::cuda::fused_gate::{
 };
 use kernels::cuda::swiglu::{swiglu_backward, swiglu_forward, swiglu_halves_backward, swiglu_halves_forward};
 use kernels::cuda::{CudaDevice, DeviceBuffer, Result};
+use kernels::cuda::{Values, ValuesMut};
 
 /// Timed repetitions per measurement; the best is reported.
 const REPEATS: usize = 5;
@@ -154,7 +155,7 @@ fn bench_projection(dev: &CudaDevice, tokens: usize, d_in: usize, d_out: usize) 
     let mut out = dev.alloc::<f32>(tokens * d_out)?;
     let mut out_ref = dev.alloc::<f32>(tokens * d_out)?;
 
-    fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, &mut out_ref)?;
+    fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, ValuesMut::F32(&mut out_ref))?;
     fused_gate_forward(dev, &dims, &x, &packed, &p, None, &mut out)?;
     let what = format!("fused projection {d_in}→{d_out}");
     // The unfused path gates ZU rounded to bf16 (the copy it saves), the mma kernel the f32 sums.
@@ -166,7 +167,9 @@ fn bench_projection(dev: &CudaDevice, tokens: usize, d_in: usize, d_out: usize) 
     let (k, n) = (d_in, dims.width());
     let gemm = GemmDims { m: tokens, n, k };
     let gemm_s = best_seconds(dev, || matmul_bf16(dev, &mut floor, 0, x_mat, weight_t, gemm, Store::Overwrite))?;
-    let unfused_s = best_seconds(dev, || fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, &mut out_ref))?;
+    let unfused_s = best_seconds(dev, || {
+        fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, ValuesMut::F32(&mut out_ref))
+    })?;
     let fused_save_s =
         best_seconds(dev, || fused_gate_forward(dev, &dims, &x, &packed, &p, Some(&mut zu_mma), &mut out))?;
     let fused_s = best_seconds(dev, || fused_gate_forward(dev, &dims, &x, &packed, &p, None, &mut out))?;
@@ -221,7 +224,7 @@ fn bench_gate_up(dev: &CudaDevice, tokens: usize, d: usize, hidden: usize) -> Re
     let mut forward_one = || -> Result<()> {
         let both = GemmDims { m: tokens, n: 2 * hidden, k: d };
         matmul_bf16(dev, &mut gu, 0, x_mat, weight_t(0), both, Store::Overwrite)?;
-        swiglu_halves_forward(dev, &gu, hidden, &mut h_one, None)
+        swiglu_halves_forward(dev, Values::F32(&gu), hidden, &mut h_one, None)
     };
     let forward_one_s = best_seconds(dev, &mut forward_one)?;
     let what = format!("packed gate-up {d}→{hidden}");
@@ -236,7 +239,7 @@ fn bench_gate_up(dev: &CudaDevice, tokens: usize, d: usize, hidden: usize) -> Re
         matmul_bf16(dev, &mut dx_two, 0, lhs(&du16, hidden), weight(hidden), input_grad, Store::Accumulate)
     })?;
     let backward_one_s = best_seconds(dev, || {
-        swiglu_halves_backward(dev, &gu, &dh, hidden, &mut dgu, Some(&mut dgu16))?;
+        swiglu_halves_backward(dev, Values::F32(&gu), &dh, hidden, &mut dgu, Some(&mut dgu16))?;
         let both = GemmDims { m: tokens, n: d, k: 2 * hidden };
         matmul_bf16(dev, &mut dx_one, 0, lhs(&dgu16, 2 * hidden), weight(0), both, Store::Overwrite)
     })?;
@@ -318,7 +321,6 @@ fn bench_gate_group(dev: &CudaDevice, tokens: usize, d: usize) -> Result<()> {
     let packed = pack_weight(dev, &group)?;
     let packed_singles = singles.iter().map(|single| pack_weight(dev, single)).collect::<Result<Vec<_>>>()?;
     let x16 = dev.upload(&values(tokens * d, 30, 2.0).into_iter().map(bf16::from_f32).collect::<Vec<_>>())?;
-    let x32 = dev.upload(&values(tokens * d, 30, 2.0))?;
     let (width, k) = (dims.width(), 3 * dims.width());
     let (mut zu, mut out) = (DeviceValues::alloc(dev, tokens * k, true)?, dev.alloc::<f32>(tokens * 3 * d)?);
     let mut zu_singles = (0..3).map(|_| DeviceValues::alloc(dev, tokens * width, true)).collect::<Result<Vec<_>>>()?;
@@ -330,13 +332,14 @@ fn bench_gate_group(dev: &CudaDevice, tokens: usize, d: usize) -> Result<()> {
     let mut forward_three = || -> Result<()> {
         for (i, single) in singles.iter().enumerate() {
             let (zu, out) = (&mut zu_singles[i], &mut out_singles[i]);
-            fused_gate_forward_unfused(dev, single, &x16, &packed_singles[i], zu, out)?;
+            fused_gate_forward_unfused(dev, single, &x16, &packed_singles[i], zu, ValuesMut::F32(out))?;
         }
         Ok(())
     };
     let forward_three_s = best_seconds(dev, &mut forward_three)?;
-    let forward_group_s =
-        best_seconds(dev, || fused_gate_forward_unfused(dev, &group, &x16, &packed, &mut zu, &mut out))?;
+    let forward_group_s = best_seconds(dev, || {
+        fused_gate_forward_unfused(dev, &group, &x16, &packed, &mut zu, ValuesMut::F32(&mut out))
+    })?;
     // The group's output is the three outputs side by side (checked before any time is printed).
     let grouped = dev.download(&out)?;
     let first: Vec<f32> = grouped.chunks(3 * d).flat_map(|row| row[..d].to_vec()).collect();
@@ -347,13 +350,13 @@ fn bench_gate_group(dev: &CudaDevice, tokens: usize, d: usize) -> Result<()> {
         for i in 0..3 {
             let products = GateProducts::Bf16 { x: &x16, packed: &packed_singles[i] };
             let zu = &zu_singles[i];
-            fused_gate_backward(dev, &singles[i], &x32, zu, &dout_single, products, &mut grads_singles[i].device())?;
+            fused_gate_backward(dev, &singles[i], zu, &dout_single, products, &mut grads_singles[i].device())?;
         }
         Ok(())
     })?;
     let backward_group_s = best_seconds(dev, || {
         let products = GateProducts::Bf16 { x: &x16, packed: &packed };
-        fused_gate_backward(dev, &group, &x32, &zu, &dout, products, &mut grads.device())
+        fused_gate_backward(dev, &group, &zu, &dout, products, &mut grads.device())
     })?;
 
     // The floor: the bare products of the group's shape (bf16 in, f32 out).
@@ -413,16 +416,27 @@ fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, hea
         precisions.push((AttentionPrecision::Bf16, 2e-2));
     }
     for (precision, tolerance) in precisions {
-        causal_attention_forward(dev, &q, &k, &v, &dims, precision, (&mut out, None), &mut lse)?;
+        causal_attention_forward(dev, [&q, &k, &v].map(Values::F32), &dims, precision, (&mut out, None), &mut lse)?;
         let what = format!("flash attention ({precision:?}) B={batch} T={seq} H={heads} D={head_dim}");
         let worst = check(&what, &dev.download(&out)?, &naive, tolerance);
         let flash_s = best_seconds(dev, || {
-            causal_attention_forward(dev, &q, &k, &v, &dims, precision, (&mut out, None), &mut lse)
+            causal_attention_forward(dev, [&q, &k, &v].map(Values::F32), &dims, precision, (&mut out, None), &mut lse)
         })?;
         let train_s = best_seconds(dev, || {
-            causal_attention_forward(dev, &q, &k, &v, &dims, precision, (&mut out, None), &mut lse)?;
+            causal_attention_forward(dev, [&q, &k, &v].map(Values::F32), &dims, precision, (&mut out, None), &mut lse)?;
             let dv = (&mut dv, None);
-            causal_attention_backward(dev, &q, &k, &v, &out, &lse, &dout, &dims, precision, &mut dq, &mut dk, dv)
+            causal_attention_backward(
+                dev,
+                [&q, &k, &v].map(Values::F32),
+                &out,
+                &lse,
+                &dout,
+                &dims,
+                precision,
+                &mut dq,
+                &mut dk,
+                dv,
+            )
         })?;
         println!(
             "attention {precision:?} B={batch} T={seq} H={heads} D={head_dim} | flash {:>8.3} ms | naive {:>8.3} ms \

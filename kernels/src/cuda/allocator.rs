@@ -47,6 +47,19 @@ pub struct AllocatorStats {
     pub reserved_bytes: usize,
     /// Bytes sitting in the free lists.
     pub cached_bytes: usize,
+    /// Bytes of the blocks handed out and not yet given back (their size classes).
+    pub in_use_bytes: usize,
+    /// The most bytes ever in use at once: what the step needs, where `reserved_bytes` adds
+    /// what the free lists held of other size classes.
+    pub peak_in_use_bytes: usize,
+}
+
+impl AllocatorStats {
+    /// Counts a block of `class` bytes handed out.
+    fn hand_out(&mut self, class: usize) {
+        self.in_use_bytes += class;
+        self.peak_in_use_bytes = self.peak_in_use_bytes.max(self.in_use_bytes);
+    }
 }
 
 /// The size class (bytes actually reserved) of a request for `bytes`.
@@ -186,6 +199,7 @@ impl Allocator {
             };
             if let Some(block) = cached {
                 state.stats.reuses += 1;
+                state.stats.hand_out(class);
                 if pool.is_none() {
                     state.stats.cached_bytes -= class;
                 }
@@ -222,6 +236,7 @@ impl Allocator {
         let mut state = self.lock();
         state.stats.allocations += 1;
         state.stats.reserved_bytes += class;
+        state.stats.hand_out(class);
         state.live.insert(ptr, bytes);
         // A pool dropped meanwhile (by another thread) leaves the block to the shared lists.
         if let Some(_private) = pool.and_then(|id| state.private.get_mut(&id)) {
@@ -289,6 +304,7 @@ impl Allocator {
     fn give_back(&self, mut block: Block, ptr: u64) {
         let mut state = self.lock();
         state.live.remove(&ptr);
+        state.stats.in_use_bytes -= block.class;
         if let Some(private) = block.pool.and_then(|id| state.private.get_mut(&id)) {
             private.free.entry(block.class).or_default().push(block);
             return;

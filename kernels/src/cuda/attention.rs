@@ -8,7 +8,9 @@
 //! so `D ≤` [`MAX_HEAD_DIM`]; the tensor-core kernels take `D` ∈ {16, 32, 48, 64}
 //! ([`tensor_cores_fit`]); `B·H` is a grid dimension (≤ 65 535). Backward writes
 //! `dq`, `dk`, `dv` (every row once). The output and `dv`, which bf16 products read, may
-//! also be written as bf16 twins (rounded to nearest even) instead of converted later.
+//! also be written as bf16 twins (rounded to nearest even) instead of converted later. q, k
+//! and v are f32, or (for the tensor-core kernels) bf16 ([`Values`]): RoPE writes them so
+//! under bf16 products, rounded as the kernels' staging would round them.
 
 use cudarc::driver::LaunchConfig;
 use half::bf16;
@@ -18,6 +20,7 @@ use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, CudaError, Result};
 use super::launch::{check_owners, elementwise, opt_ptr, ptr, size};
 use super::module::{Arg, KernelFamily};
+use super::values::Values;
 use crate::cpu::attention::AttentionDims;
 
 /// Largest head dimension of the GPU kernels.
@@ -53,6 +56,25 @@ const MMA_DKV: [&str; 4] = [
     "attention_mma_backward_dkv_d32",
     "attention_mma_backward_dkv_d48",
     "attention_mma_backward_dkv_d64",
+];
+/// The same kernels reading bf16 q, k and v.
+const MMA_FORWARD_BF16: [&str; 4] = [
+    "attention_mma_forward_bf16_d16",
+    "attention_mma_forward_bf16_d32",
+    "attention_mma_forward_bf16_d48",
+    "attention_mma_forward_bf16_d64",
+];
+const MMA_DQ_BF16: [&str; 4] = [
+    "attention_mma_backward_dq_bf16_d16",
+    "attention_mma_backward_dq_bf16_d32",
+    "attention_mma_backward_dq_bf16_d48",
+    "attention_mma_backward_dq_bf16_d64",
+];
+const MMA_DKV_BF16: [&str; 4] = [
+    "attention_mma_backward_dkv_bf16_d16",
+    "attention_mma_backward_dkv_bf16_d32",
+    "attention_mma_backward_dkv_bf16_d48",
+    "attention_mma_backward_dkv_bf16_d64",
 ];
 
 /// The arithmetic of attention's products (`q·kᵀ`, `P·v` and the backward's).
@@ -153,6 +175,22 @@ impl Dims {
     }
 }
 
+/// Checks that q, k and v live on `dev` and share one element type, which bf16 only with
+/// tensor-core `precision` (the f32 kernels read f32); whether they are bf16.
+fn check_qkv(dev: &CudaDevice, op: &'static str, qkv: &[Values; 3], precision: AttentionPrecision) -> Result<bool> {
+    for values in qkv {
+        values.check_owner(dev, op)?;
+    }
+    let bf16 = qkv[0].is_bf16();
+    ensure(qkv.iter().all(|values| values.is_bf16() == bf16), op, || {
+        "q, k and v must share one element type".to_string()
+    })?;
+    ensure(!bf16 || precision == AttentionPrecision::Bf16, op, || {
+        "bf16 q, k and v need the tensor-core kernels (AttentionPrecision::Bf16)".to_string()
+    })?;
+    Ok(bf16)
+}
+
 /// Checks that a bf16 twin belongs to `dev` and has `len` elements.
 fn check_twin(
     dev: &CudaDevice,
@@ -169,21 +207,21 @@ fn check_twin(
 }
 
 /// `out` and `lse` (the log-sum-exp of each query's scaled scores, saved for backward) of
-/// the operands `dims` describes, as `cpu::attention::causal_attention_forward`, with
-/// products in `precision`; `out_bf16`, when given, gets `out` rounded to nearest even.
-#[allow(clippy::too_many_arguments)]
+/// the operands `dims` describes (`qkv`: q, k and v), as
+/// `cpu::attention::causal_attention_forward`, with products in `precision`; `out_bf16`, when
+/// given, gets `out` rounded to nearest even.
 pub fn causal_attention_forward(
     dev: &CudaDevice,
-    q: &DeviceBuffer<f32>,
-    k: &DeviceBuffer<f32>,
-    v: &DeviceBuffer<f32>,
+    qkv: [Values; 3],
     dims: &AttentionDims,
     precision: AttentionPrecision,
     (out, out_bf16): (&mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>),
     lse: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "causal_attention_forward";
-    check_owners(dev, OP, &[q, k, v, out, lse])?;
+    let bf16_inputs = check_qkv(dev, OP, &qkv, precision)?;
+    check_owners(dev, OP, &[out, lse])?;
+    let [q, k, v] = qkv;
     let d = check(OP, dims, q.len(), k.len(), v.len())?;
     ensure_len(OP, "out", out.len(), q.len())?;
     check_twin(dev, OP, "out_bf16", &out_bf16, out.len())?;
@@ -192,10 +230,11 @@ pub fn causal_attention_forward(
     if d.is_empty() {
         return Ok(());
     }
-    let mut args = vec![ptr(q), ptr(k), ptr(v), ptr(out), opt_ptr(out_bf16.as_deref()), ptr(lse)];
+    let mut args = vec![q.arg_at(0), k.arg_at(0), v.arg_at(0), ptr(out), opt_ptr(out_bf16.as_deref()), ptr(lse)];
     if precision == AttentionPrecision::Bf16 {
         args.extend(d.mma_args());
-        return dev.launch(MMA_FAMILY, d.mma_kernel(MMA_FORWARD), d.mma_grid(dims.q_seq), &args);
+        let kernels = if bf16_inputs { MMA_FORWARD_BF16 } else { MMA_FORWARD };
+        return dev.launch(MMA_FAMILY, d.mma_kernel(kernels), d.mma_grid(dims.q_seq), &args);
     }
     let shared = 2 * TILE * d.tile_stride() + WARPS * dims.head_dim;
     args.extend(d.args());
@@ -208,9 +247,7 @@ pub fn causal_attention_forward(
 #[allow(clippy::too_many_arguments)]
 pub fn causal_attention_backward(
     dev: &CudaDevice,
-    q: &DeviceBuffer<f32>,
-    k: &DeviceBuffer<f32>,
-    v: &DeviceBuffer<f32>,
+    qkv: [Values; 3],
     out: &DeviceBuffer<f32>,
     lse: &DeviceBuffer<f32>,
     dout: &DeviceBuffer<f32>,
@@ -221,7 +258,9 @@ pub fn causal_attention_backward(
     (dv, mut dv_bf16): (&mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>),
 ) -> Result<()> {
     const OP: &str = "causal_attention_backward";
-    check_owners(dev, OP, &[q, k, v, out, lse, dout, dq, dk, dv])?;
+    let bf16_inputs = check_qkv(dev, OP, &qkv, precision)?;
+    check_owners(dev, OP, &[out, lse, dout, dq, dk, dv])?;
+    let [q, k, v] = qkv;
     let d = check(OP, dims, q.len(), k.len(), v.len())?;
     ensure(out.len() == q.len() && dout.len() == q.len(), OP, || "out or dout has the wrong length".to_string())?;
     ensure_len(OP, "lse", lse.len(), dims.lse_len())?;
@@ -242,14 +281,16 @@ pub fn causal_attention_backward(
     // δ per query (Σ dout ⊙ out), written by the dq kernel and read by the dk, dv kernel.
     // It goes back to the pool on return; later users are queued after these kernels.
     let delta = dev.alloc::<f32>(dims.lse_len())?;
-    let mut dq_args = vec![ptr(q), ptr(k), ptr(v), ptr(out), ptr(dout), ptr(lse), ptr(&delta), ptr(dq)];
+    let (q, k, v) = (q.arg_at(0), k.arg_at(0), v.arg_at(0));
+    let mut dq_args = vec![q.clone(), k.clone(), v.clone(), ptr(out), ptr(dout), ptr(lse), ptr(&delta), ptr(dq)];
     let dv_bf16 = opt_ptr(dv_bf16.as_deref());
-    let mut dkv_args = vec![ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(&delta), ptr(dk), ptr(dv), dv_bf16];
+    let mut dkv_args = vec![q, k, v, ptr(dout), ptr(lse), ptr(&delta), ptr(dk), ptr(dv), dv_bf16];
     if precision == AttentionPrecision::Bf16 {
         dq_args.extend(d.mma_args());
         dkv_args.extend(d.mma_args());
-        dev.launch(MMA_FAMILY, d.mma_kernel(MMA_DQ), d.mma_grid(q_seq), &dq_args)?;
-        return dev.launch(MMA_FAMILY, d.mma_kernel(MMA_DKV), d.mma_grid(kv_seq), &dkv_args);
+        let (dq_kernels, dkv_kernels) = if bf16_inputs { (MMA_DQ_BF16, MMA_DKV_BF16) } else { (MMA_DQ, MMA_DKV) };
+        dev.launch(MMA_FAMILY, d.mma_kernel(dq_kernels), d.mma_grid(q_seq), &dq_args)?;
+        return dev.launch(MMA_FAMILY, d.mma_kernel(dkv_kernels), d.mma_grid(kv_seq), &dkv_args);
     }
     let stride = d.tile_stride();
     dq_args.extend(d.args());

@@ -345,11 +345,24 @@ pub fn matmul_bf16(
     product(dev, Precision::Bf16, (dst, dst_offset), lhs, rhs, dims, store)
 }
 
-/// The body of [`matmul`] and [`matmul_bf16`]: checks `dst` and both operands, then one gemm.
-fn product<T: DeviceScalar>(
+/// [`matmul_bf16`] writing its output in bf16 (rounded to nearest even once, from the f32
+/// sums; overwrite only): a product saved for its backward, as autocast stores it.
+pub fn matmul_bf16_out(
+    dev: &CudaDevice,
+    dst: &mut DeviceBuffer<bf16>,
+    lhs: DeviceMat<bf16>,
+    rhs: DeviceMat<bf16>,
+    dims: GemmDims,
+) -> Result<()> {
+    product(dev, Precision::Bf16Out, (dst, 0), lhs, rhs, dims, Store::Overwrite)
+}
+
+/// The body of [`matmul`], [`matmul_bf16`] and [`matmul_bf16_out`]: checks `dst` and both
+/// operands, then one gemm.
+fn product<T: DeviceScalar, D: DeviceScalar>(
     dev: &CudaDevice,
     precision: Precision,
-    (dst, dst_offset): (&mut DeviceBuffer<f32>, usize),
+    (dst, dst_offset): (&mut DeviceBuffer<D>, usize),
     lhs: DeviceMat<T>,
     rhs: DeviceMat<T>,
     dims: GemmDims,

@@ -61,6 +61,7 @@ pub mod softmax;
 mod staging;
 pub mod swiglu;
 pub mod timer;
+pub mod values;
 
 pub use allocator::{AllocatorStats, DeviceBuffer, DeviceRun, DeviceScalar};
 pub use counters::DeviceCounters;
@@ -68,3 +69,4 @@ pub use device::CudaDevice;
 pub use error::{CudaError, Result};
 pub use graph::{CapturedGraph, GraphPool};
 pub use timer::KernelTime;
+pub use values::{Values, ValuesMut};

@@ -14,6 +14,7 @@ use super::device::CudaDevice;
 use super::error::{ensure, CudaError, Result};
 use super::launch::{address_list, check_owners, elementwise, length_list, ptr, size, LIST_LEN};
 use super::module::{Arg, KernelFamily};
+use super::values::ValuesMut;
 use crate::cpu::rope::RopeDims;
 
 /// One tensor of a rotation: `x` and `out` of the sizes `dims` (`[B, T, H, D]`, token t at
@@ -158,34 +159,37 @@ pub fn rope_backward(
 
 /// The packed QKV product `qkv: [B, T, 3, H, D]` (each token's q, k and v side by side, as
 /// one GEMM of the stacked weights writes them) into the dense `[B, T, H, D]` tensors
-/// `R q`, `R k` and `v`, in one launch. `dims` are one part's sizes.
+/// `R q`, `R k` and `v`, in one launch: f32, or rounded to bf16 (nearest even) for the
+/// tensor-core attention, which reads them so. `dims` are one part's sizes.
 pub fn rope_qkv_forward(
     dev: &CudaDevice,
     qkv: &DeviceBuffer<f32>,
     dims: RopeDims,
-    [q, k, v]: [&mut DeviceBuffer<f32>; 3],
+    outputs: [ValuesMut; 3],
     cos: &DeviceBuffer<f32>,
     sin: &DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "rope_qkv_forward";
     let part_len = dims.len();
-    check_owners(dev, OP, &[qkv, q, k, v])?;
+    check_owners(dev, OP, &[qkv])?;
     ensure(qkv.len() == 3 * part_len, OP, || {
         format!("qkv has {} elements, 3·[B, T, H, D] needs {}", qkv.len(), 3 * part_len)
     })?;
-    for out in [&*q, &*k, &*v] {
+    for out in &outputs {
+        out.check_owner(dev, OP)?;
         check_dims(OP, dims, dims, part_len, out.len(), [cos, sin])?;
     }
     let width = dims.heads * dims.head_dim;
-    let lane = |part: usize, out: &DeviceBuffer<f32>| Lane {
+    let lane = |part: usize, out: &ValuesMut| Lane {
         x: qkv.ptr_at(part * width),
         x_stride: 3 * width,
-        out: out.device_ptr(),
+        out: if out.is_bf16() { 0 } else { out.address() },
         out_stride: width,
-        out_bf16: 0,
+        out_bf16: if out.is_bf16() { out.address() } else { 0 },
         heads: dims.heads,
         rotate: part < 2,
     };
+    let [q, k, v] = &outputs;
     let lanes = [lane(0, q), lane(1, k), lane(2, v)];
     launch(dev, dims, &lanes, [cos, sin], false)
 }

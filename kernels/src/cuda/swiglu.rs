@@ -4,9 +4,9 @@
 //! Mirrors `cpu::swiglu` with slices replaced by device buffers: the forward reads `g` and
 //! `u` once, the backward recomputes σ(g) from `g` and writes (`dg = ...`,
 //! `du = ...`). All buffers hold the same number of elements (any shape, flattened), or, for
-//! the `halves` forms, the gate and up values are the two halves of each row of one product. Each
-//! output may also be written as a bf16 twin (rounded to nearest even) for the bf16
-//! products that read it, instead of a conversion launch.
+//! the `halves` forms, the gate and up values are the two halves of each row of one product,
+//! f32 or bf16 ([`Values`]: a bf16 product's output). Each output may also be written as a bf16 twin (rounded to
+//! nearest even) for the bf16 products that read it, instead of a conversion launch.
 
 use cudarc::driver::LaunchConfig;
 use half::bf16;
@@ -16,6 +16,7 @@ use super::device::CudaDevice;
 use super::error::{ensure, Result};
 use super::launch::{check_owners, elementwise, opt_ptr, ptr, ptr_at, size};
 use super::module::KernelFamily;
+use super::values::Values;
 
 const FAMILY: KernelFamily = KernelFamily::Swiglu;
 
@@ -58,26 +59,21 @@ pub fn swiglu_forward(
 /// weights): `out[r, c] = silu(gate_up[r, c]) · gate_up[r, cols + c]`, `out: [rows, cols]`.
 pub fn swiglu_halves_forward(
     dev: &CudaDevice,
-    gate_up: &DeviceBuffer<f32>,
+    gate_up: Values,
     cols: usize,
     out: &mut DeviceBuffer<f32>,
     out_bf16: Option<&mut DeviceBuffer<bf16>>,
 ) -> Result<()> {
     const OP: &str = "swiglu_halves_forward";
-    check_owners(dev, OP, &[gate_up, out])?;
+    gate_up.check_owner(dev, OP)?;
+    dev.check_owner(OP, out)?;
     let n = out.len();
     check_halves(OP, gate_up.len(), cols, n)?;
     check_twin(dev, OP, &out_bf16, n)?;
-    let args = [
-        ptr(gate_up),
-        ptr_at(gate_up, cols),
-        ptr(out),
-        opt_ptr(out_bf16.as_deref()),
-        size(n),
-        size(cols),
-        size(2 * cols),
-    ];
-    dev.launch(FAMILY, "swiglu_forward", grid(n), &args)
+    let (gate, up) = (gate_up.arg_at(0), gate_up.arg_at(cols));
+    let args = [gate, up, ptr(out), opt_ptr(out_bf16.as_deref()), size(n), size(cols), size(2 * cols)];
+    let kernel = if gate_up.is_bf16() { "swiglu_forward_bf16" } else { "swiglu_forward" };
+    dev.launch(FAMILY, kernel, grid(n), &args)
 }
 
 /// Errors unless `gate_up` (`len` elements) holds the two `[rows, cols]` halves of an output of `n`.
@@ -122,14 +118,15 @@ pub fn swiglu_backward(
 /// recomputing σ(gate); also rounded to bf16 into `d_gate_up_bf16` when given.
 pub fn swiglu_halves_backward(
     dev: &CudaDevice,
-    gate_up: &DeviceBuffer<f32>,
+    gate_up: Values,
     dout: &DeviceBuffer<f32>,
     cols: usize,
     d_gate_up: &mut DeviceBuffer<f32>,
     d_gate_up_bf16: Option<&mut DeviceBuffer<bf16>>,
 ) -> Result<()> {
     const OP: &str = "swiglu_halves_backward";
-    check_owners(dev, OP, &[gate_up, dout, d_gate_up])?;
+    gate_up.check_owner(dev, OP)?;
+    check_owners(dev, OP, &[dout, d_gate_up])?;
     let n = dout.len();
     check_halves(OP, gate_up.len(), cols, n)?;
     check_halves(OP, d_gate_up.len(), cols, n)?;
@@ -137,8 +134,8 @@ pub fn swiglu_halves_backward(
     let twin = d_gate_up_bf16.as_deref();
     let (dgate_bf16, dup_bf16) = (opt_ptr(twin), twin.map_or(opt_ptr::<bf16>(None), |t| ptr_at(t, cols)));
     let args = [
-        ptr(gate_up),
-        ptr_at(gate_up, cols),
+        gate_up.arg_at(0),
+        gate_up.arg_at(cols),
         ptr(dout),
         ptr(d_gate_up),
         ptr_at(d_gate_up, cols),
@@ -148,5 +145,6 @@ pub fn swiglu_halves_backward(
         size(cols),
         size(2 * cols),
     ];
-    dev.launch(FAMILY, "swiglu_backward", grid(n), &args)
+    let kernel = if gate_up.is_bf16() { "swiglu_backward_bf16" } else { "swiglu_backward" };
+    dev.launch(FAMILY, kernel, grid(n), &args)
 }

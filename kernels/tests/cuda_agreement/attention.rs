@@ -6,7 +6,7 @@ use kernels::cpu;
 use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::rope::RopeDims;
 use kernels::cuda::attention::AttentionPrecision::{Bf16, F32};
-use kernels::cuda::{self, CudaError, DeviceRun};
+use kernels::cuda::{self, CudaError, DeviceRun, Values, ValuesMut};
 
 use super::{assert_elementwise, assert_reduced, assert_twin, down, stale, up, Rng};
 
@@ -87,14 +87,21 @@ fn rope_of_packed_qkv_agrees() {
         let gqkv = up(dev, &qkv);
         let mut outs = [0, 1, 2].map(|_| up(dev, &stale(dims.len())));
         let [gq, gk, gv] = &mut outs;
-        cuda::rope::rope_qkv_forward(dev, &gqkv, dims, [gq, gk, gv], &gcos, &gsin).unwrap();
-        for (p, out) in outs.iter().enumerate() {
+        let f32_outputs = [gq, gk, gv].map(ValuesMut::F32);
+        cuda::rope::rope_qkv_forward(dev, &gqkv, dims, f32_outputs, &gcos, &gsin).unwrap();
+        // The same in bf16 only (for the tensor-core attention): the f32 outputs rounded.
+        let mut rounded = [0, 1, 2].map(|_| dev.alloc::<bf16>(dims.len()).unwrap());
+        let [rq, rk, rv] = &mut rounded;
+        let bf16_outputs = [rq, rk, rv].map(ValuesMut::Bf16);
+        cuda::rope::rope_qkv_forward(dev, &gqkv, dims, bf16_outputs, &gcos, &gsin).unwrap();
+        for (p, (out, out_bf16)) in outs.iter().zip(&rounded).enumerate() {
             let x = part(&qkv, p);
             let mut want = x.clone();
             if p < 2 {
                 cpu::rope::rope_forward(&x, &cos, &sin, &dims, &mut want);
             }
             assert_elementwise(&format!("rope of packed qkv, part {p}"), &down(dev, out), &want);
+            assert_twin(dev, &format!("rope of packed qkv in bf16, part {p}"), out, out, out_bf16);
         }
         let grads = [0, 1, 2].map(|_| rng.vec(dims.len(), -2.0, 2.0));
         let ggrads = grads.each_ref().map(|g| up(dev, g));
@@ -119,7 +126,7 @@ fn rope_of_packed_qkv_agrees() {
     let short = up(dev, &[1.0; 8]);
     let mut outs = [0, 1, 2].map(|_| dev.alloc::<f32>(4).unwrap());
     let [q, k, v] = &mut outs;
-    let result = cuda::rope::rope_qkv_forward(dev, &short, dims, [q, k, v], &gcos, &gsin);
+    let result = cuda::rope::rope_qkv_forward(dev, &short, dims, [q, k, v].map(ValuesMut::F32), &gcos, &gsin);
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }
 
@@ -228,12 +235,20 @@ fn flash_attention_forward_and_backward_agree() {
         cpu::attention::causal_attention_forward(&q, &k, &v, &dims, &mut out, &mut lse);
         let (gq, gk, gv) = (up(dev, &q), up(dev, &k), up(dev, &v));
         let (mut gout, mut glse) = (dev.alloc(q.len()).unwrap(), dev.alloc(lse.len()).unwrap());
-        cuda::attention::causal_attention_forward(dev, &gq, &gk, &gv, &dims, F32, (&mut gout, None), &mut glse)
-            .unwrap();
+        cuda::attention::causal_attention_forward(
+            dev,
+            [&gq, &gk, &gv].map(Values::F32),
+            &dims,
+            F32,
+            (&mut gout, None),
+            &mut glse,
+        )
+        .unwrap();
         assert_reduced(&format!("attention out {c:?}"), &down(dev, &gout), &out);
         let (mut gout2, mut gout16) = (dev.alloc(q.len()).unwrap(), dev.alloc::<bf16>(q.len()).unwrap());
         let twin = (&mut gout2, Some(&mut gout16));
-        cuda::attention::causal_attention_forward(dev, &gq, &gk, &gv, &dims, F32, twin, &mut glse).unwrap();
+        cuda::attention::causal_attention_forward(dev, [&gq, &gk, &gv].map(Values::F32), &dims, F32, twin, &mut glse)
+            .unwrap();
         assert_twin(dev, &format!("attention out {c:?}"), &gout2, &gout, &gout16);
         assert_reduced(&format!("attention lse {c:?}"), &down(dev, &glse), &lse);
         let mut naive = dev.alloc(q.len()).unwrap();
@@ -247,9 +262,7 @@ fn flash_attention_forward_and_backward_agree() {
         let (mut gdq, mut gdk, mut gdv) = (up(dev, &sq), up(dev, &sk), up(dev, &sk));
         cuda::attention::causal_attention_backward(
             dev,
-            &gq,
-            &gk,
-            &gv,
+            [&gq, &gk, &gv].map(Values::F32),
             &up(dev, &out),
             &up(dev, &lse),
             &up(dev, &dout),
@@ -267,7 +280,16 @@ fn flash_attention_forward_and_backward_agree() {
         let (out_saved, lse_saved, dout_up) = (up(dev, &out), up(dev, &lse), up(dev, &dout));
         let dv_twin = (&mut gdv2, Some(&mut gdv16));
         cuda::attention::causal_attention_backward(
-            dev, &gq, &gk, &gv, &out_saved, &lse_saved, &dout_up, &dims, F32, &mut gdq, &mut gdk, dv_twin,
+            dev,
+            [&gq, &gk, &gv].map(Values::F32),
+            &out_saved,
+            &lse_saved,
+            &dout_up,
+            &dims,
+            F32,
+            &mut gdq,
+            &mut gdk,
+            dv_twin,
         )
         .unwrap();
         assert_twin(dev, &format!("attention dv {c:?}"), &gdv2, &gdv, &gdv16);
@@ -276,7 +298,14 @@ fn flash_attention_forward_and_backward_agree() {
     let big = dev.alloc(256).unwrap();
     let (mut o, mut l) = (dev.alloc(256).unwrap(), dev.alloc(1).unwrap());
     let dims = AttentionDims { batch: 1, q_seq: 1, kv_seq: 1, heads: 1, head_dim: 256, scale: 1.0 };
-    let result = cuda::attention::causal_attention_forward(dev, &big, &big, &big, &dims, F32, (&mut o, None), &mut l);
+    let result = cuda::attention::causal_attention_forward(
+        dev,
+        [&big, &big, &big].map(Values::F32),
+        &dims,
+        F32,
+        (&mut o, None),
+        &mut l,
+    );
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }
 
@@ -320,7 +349,8 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
         let (mut gout, mut glse) = (up(dev, &stale(q.len())), up(dev, &stale(lse.len())));
         let mut gout16 = dev.alloc::<bf16>(q.len()).unwrap();
         let twin = (&mut gout, Some(&mut gout16));
-        cuda::attention::causal_attention_forward(dev, &gq, &gk, &gv, &dims, Bf16, twin, &mut glse).unwrap();
+        cuda::attention::causal_attention_forward(dev, [&gq, &gk, &gv].map(Values::F32), &dims, Bf16, twin, &mut glse)
+            .unwrap();
         // 1e-2 of the largest value, and at least 1e-4 (the inputs are O(1)): with one visible
         // key the gradients are 0 up to the rounding of dP − δ.
         let bf16_close = |what: &str, got: &[f32], want: &[f32]| {
@@ -339,7 +369,16 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
             let mut gdv16 = dev.alloc::<bf16>(k.len()).unwrap();
             let dv_twin = (&mut gdv, Some(&mut gdv16));
             cuda::attention::causal_attention_backward(
-                dev, &gq, &gk, &gv, &gout, &glse, &gdout, &dims, Bf16, &mut gdq, &mut gdk, dv_twin,
+                dev,
+                [&gq, &gk, &gv].map(Values::F32),
+                &gout,
+                &glse,
+                &gdout,
+                &dims,
+                Bf16,
+                &mut gdq,
+                &mut gdk,
+                dv_twin,
             )
             .unwrap();
             assert_twin(dev, &format!("tensor-core attention dv {c:?}"), &gdv, &gdv, &gdv16);
@@ -349,13 +388,56 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
         bf16_close(&format!("tensor-core attention dq {c:?}"), &gdq, &dq);
         bf16_close(&format!("tensor-core attention dk {c:?}"), &gdk, &dk);
         bf16_close(&format!("tensor-core attention dv {c:?}"), &gdv, &dv);
-        assert_eq!(backward(), [gdq, gdk, gdv], "tensor-core attention backward is deterministic {c:?}");
+        let gradients = [gdq, gdk, gdv];
+        assert_eq!(backward(), gradients, "tensor-core attention backward is deterministic {c:?}");
+
+        // q, k and v already in bf16 (RoPE's output under bf16 products): the same bits as
+        // f32 inputs rounded by the kernels' staging, forward and backward.
+        let to_bf16 = |x: &[f32]| dev.upload(&x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).unwrap();
+        let (hq, hk, hv) = (to_bf16(&q), to_bf16(&k), to_bf16(&v));
+        let (mut hout, mut hlse) = (up(dev, &stale(q.len())), up(dev, &stale(lse.len())));
+        let inputs = [&hq, &hk, &hv].map(Values::Bf16);
+        cuda::attention::causal_attention_forward(dev, inputs, &dims, Bf16, (&mut hout, None), &mut hlse).unwrap();
+        assert_eq!(down(dev, &hout), down(dev, &gout), "bf16 inputs: out {c:?}");
+        assert_eq!(down(dev, &hlse), down(dev, &glse), "bf16 inputs: lse {c:?}");
+        let (mut hdq, mut hdk, mut hdv) =
+            (up(dev, &stale(q.len())), up(dev, &stale(k.len())), up(dev, &stale(k.len())));
+        cuda::attention::causal_attention_backward(
+            dev,
+            inputs,
+            &gout,
+            &glse,
+            &gdout,
+            &dims,
+            Bf16,
+            &mut hdq,
+            &mut hdk,
+            (&mut hdv, None),
+        )
+        .unwrap();
+        assert_eq!([hdq, hdk, hdv].map(|g| down(dev, &g)), gradients, "bf16 inputs: gradients {c:?}");
     }
+    // bf16 inputs need the tensor-core kernels, and q, k and v share one element type.
+    let dims = AttentionDims { batch: 1, q_seq: 2, kv_seq: 2, heads: 1, head_dim: 16, scale: 1.0 };
+    let (halves, floats) = (dev.alloc::<bf16>(32).unwrap(), dev.alloc::<f32>(32).unwrap());
+    let (mut o, mut l) = (dev.alloc(32).unwrap(), dev.alloc(2).unwrap());
+    let all_bf16 = [&halves, &halves, &halves].map(Values::Bf16);
+    let refused = cuda::attention::causal_attention_forward(dev, all_bf16, &dims, F32, (&mut o, None), &mut l);
+    assert!(matches!(refused, Err(CudaError::Shape { .. })), "{refused:?}");
+    let mixed = [Values::Bf16(&halves), Values::F32(&floats), Values::Bf16(&halves)];
+    let refused = cuda::attention::causal_attention_forward(dev, mixed, &dims, Bf16, (&mut o, None), &mut l);
+    assert!(matches!(refused, Err(CudaError::Shape { .. })), "{refused:?}");
     // Head dims the tensor-core kernels do not take are refused, not run on the CUDA cores.
     let buffer = dev.alloc(128).unwrap();
     let (mut o, mut l) = (dev.alloc(128).unwrap(), dev.alloc(1).unwrap());
     let dims = AttentionDims { batch: 1, q_seq: 1, kv_seq: 1, heads: 1, head_dim: 128, scale: 1.0 };
-    let result =
-        cuda::attention::causal_attention_forward(dev, &buffer, &buffer, &buffer, &dims, Bf16, (&mut o, None), &mut l);
+    let result = cuda::attention::causal_attention_forward(
+        dev,
+        [&buffer, &buffer, &buffer].map(Values::F32),
+        &dims,
+        Bf16,
+        (&mut o, None),
+        &mut l,
+    );
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }

@@ -5,6 +5,7 @@ use half::bf16;
 use kernels::cpu;
 use kernels::cpu::binary::Binary;
 use kernels::cpu::unary::Unary;
+use kernels::cuda::Values;
 use kernels::cuda::{self, CudaError, DeviceBuffer};
 
 use super::{assert_elementwise, assert_twin, down, stale, up, Rng};
@@ -195,7 +196,8 @@ fn swiglu_forward_and_backward_agree() {
 
 /// SwiGLU of the two halves of each row of one `[rows, 2·cols]` product, forward and
 /// backward (with bf16 twins), against the CPU's: a width of whole 16-byte groups and one of
-/// none (the one-element path), beside the plain kernels on the same values.
+/// none (the one-element path), beside the plain kernels on the same values; and from a bf16
+/// product, against the CPU's on the same values rounded.
 #[test]
 fn swiglu_halves_agree() {
     let dev = device_or_skip!();
@@ -209,8 +211,9 @@ fn swiglu_halves_agree() {
         let (g_gate_up, g_dout) = (up(dev, &gate_up), up(dev, &dout));
         let (mut gy, mut g_d) = (dev.alloc(n).unwrap(), up(dev, &stale(2 * n)));
         let (mut y16, mut d16) = (dev.alloc::<bf16>(n).unwrap(), dev.alloc::<bf16>(2 * n).unwrap());
-        cuda::swiglu::swiglu_halves_forward(dev, &g_gate_up, cols, &mut gy, Some(&mut y16)).unwrap();
-        cuda::swiglu::swiglu_halves_backward(dev, &g_gate_up, &g_dout, cols, &mut g_d, Some(&mut d16)).unwrap();
+        let f32_input = Values::F32(&g_gate_up);
+        cuda::swiglu::swiglu_halves_forward(dev, f32_input, cols, &mut gy, Some(&mut y16)).unwrap();
+        cuda::swiglu::swiglu_halves_backward(dev, f32_input, &g_dout, cols, &mut g_d, Some(&mut d16)).unwrap();
         let what = format!("swiglu halves {rows}×{cols}");
         assert_elementwise(&format!("{what} forward"), &down(dev, &gy), &y);
         assert_elementwise(&format!("{what} backward"), &down(dev, &g_d), &d_gate_up);
@@ -226,9 +229,23 @@ fn swiglu_halves_agree() {
         let mut plain = dev.alloc(n).unwrap();
         cuda::swiglu::swiglu_forward(dev, &up(dev, &gate), &up(dev, &upv), &mut plain, None).unwrap();
         assert_eq!(down(dev, &plain), down(dev, &gy), "{what}: the plain kernel on the halves");
+
+        // From bf16 gate and up values: the f32 kernels' results on the rounded values.
+        let rounded: Vec<bf16> = gate_up.iter().map(|&v| bf16::from_f32(v)).collect();
+        let widened: Vec<f32> = rounded.iter().map(|v| v.to_f32()).collect();
+        let (mut y_rounded, mut d_rounded) = (vec![0.0; n], stale(2 * n));
+        cpu::swiglu::swiglu_halves_forward(&widened, cols, &mut y_rounded);
+        cpu::swiglu::swiglu_halves_backward(&widened, &dout, cols, &mut d_rounded);
+        let g_rounded = dev.upload(&rounded).unwrap();
+        let bf16_input = Values::Bf16(&g_rounded);
+        cuda::swiglu::swiglu_halves_forward(dev, bf16_input, cols, &mut gy, None).unwrap();
+        cuda::swiglu::swiglu_halves_backward(dev, bf16_input, &g_dout, cols, &mut g_d, None).unwrap();
+        assert_elementwise(&format!("{what} forward from bf16"), &down(dev, &gy), &y_rounded);
+        assert_elementwise(&format!("{what} backward from bf16"), &down(dev, &g_d), &d_rounded);
     }
     let mut odd = dev.alloc(5).unwrap();
-    let refused = cuda::swiglu::swiglu_halves_forward(dev, &up(dev, &[0.0; 12]), 3, &mut odd, None);
+    let zeros = up(dev, &[0.0; 12]);
+    let refused = cuda::swiglu::swiglu_halves_forward(dev, Values::F32(&zeros), 3, &mut odd, None);
     assert!(matches!(refused, Err(CudaError::Shape { .. })), "{refused:?}");
 }
 

@@ -216,11 +216,12 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
     let group: Vec<GateGroup> =
         cases.iter().zip(&gates).map(|(c, g)| GateGroup { dims: c.dims, params: g.params(phi) }).collect();
     let packed = cuda::fused_gate::pack_weight(dev, &group).unwrap();
-    let gx16 = up_bf16(dev, x);
+    let (gx, gx16) = (up(dev, x), up_bf16(dev, x));
     let width: usize = cases.iter().map(|c| c.dims.width()).sum();
     let (mut gzu, mut gout) =
         (DeviceValues::alloc(dev, rows * width, bf16_zu).unwrap(), dev.alloc(rows * out_width).unwrap());
-    cuda::fused_gate::fused_gate_forward_unfused(dev, &group, &gx16, &packed, &mut gzu, &mut gout).unwrap();
+    let out = cuda::ValuesMut::F32(&mut gout);
+    cuda::fused_gate::fused_gate_forward_unfused(dev, &group, &gx16, &packed, &mut gzu, out).unwrap();
     assert_close(&format!("forward {what}"), &down(dev, &gout), &want_out, 0.0, rel);
 
     // The backward into stale (NaN) gradient buffers: it must write every element. dx is
@@ -251,9 +252,8 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
                 channel: gdc.iter_mut().map(|g| modulator(g)).collect(),
                 scalar: gds.iter_mut().map(|g| modulator(g)).collect(),
             };
-            let gx = up(dev, x);
             let gdout = up(dev, &dout);
-            cuda::fused_gate::fused_gate_backward(dev, &group, &gx, &gzu, &gdout, products, &mut grads).unwrap();
+            cuda::fused_gate::fused_gate_backward(dev, &group, &gzu, &gdout, products, &mut grads).unwrap();
         }
         let (weights, b_channel, b_scalar) = (down(dev, &gdweights), down(dev, &gdb_channel), down(dev, &gdb_scalar));
         let mut got = Vec::new();
@@ -276,7 +276,8 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
         .collect();
     // bf16 operands: about 8 significant bits each, so a bound relative to the largest entry.
     let bf16 = GateProducts::Bf16 { x: &gx16, packed: &packed };
-    for (products, bound) in [(GateProducts::F32, rel), (bf16, 3e-2)] {
+    let f32 = GateProducts::F32 { x: &gx };
+    for (products, bound) in [(f32, rel), (bf16, 3e-2)] {
         let (dx, got) = gpu_backward(products, None);
         assert_close(&format!("dx {what} ({products:?})"), &dx, &want_dx, 0.0, bound);
         for ((name, got), want) in names.iter().zip(&got).zip(&want) {
@@ -286,7 +287,7 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
     // dx added onto the gradient an input already has (an input read by several ops).
     let dx_base = Rng::new(rows as u64 + 1).vec(rows * d_in, -1.0, 1.0);
     let want_sum: Vec<f32> = want_dx.iter().zip(&dx_base).map(|(dx, base)| base + dx).collect();
-    let (dx, _) = gpu_backward(GateProducts::F32, Some(&dx_base));
+    let (dx, _) = gpu_backward(f32, Some(&dx_base));
     assert_close(&format!("dx added onto a gradient so far {what}"), &dx, &want_sum, 0.0, rel);
 }
 

@@ -6,7 +6,7 @@
 //! and applied in one pass over rows. That is the engine's default and its speed edge; the
 //! unfused composite stays for every other gate and for `fused = false`.
 
-use autograd::ops::{GatedProjectionVars, Unary};
+use autograd::ops::{GatedProjectionVars, ProductOutput, Unary};
 use autograd::{Result, Var};
 use tensor::{with_last_dim, Rng};
 
@@ -52,7 +52,7 @@ impl ModulatedProjection {
     pub fn forward(&self, x: &Var) -> Result<Var> {
         self.record_gates(x)?;
         match self.fused_parts() {
-            Some((parts, phi)) => x.fused_gated_projections(&[parts], phi),
+            Some((parts, phi)) => x.fused_gated_projections(&[parts], phi, ProductOutput::F32),
             None => self.forward_unfused(x),
         }
     }
@@ -62,14 +62,20 @@ impl ModulatedProjection {
     /// [`tensor::Tensor::packed_linear_is_one_product`]): one GEMM of the stacked weights
     /// when every projection is plain ([`Var::packed_linear`]), or one fused gated group when
     /// every one takes the fused op with one φ and one pair of ranks
-    /// ([`Var::fused_gated_projections`]). `None` otherwise: run them one by one.
-    pub fn forward_packed(projections: &[&ModulatedProjection], rows: &Var) -> Result<Option<Var>> {
+    /// ([`Var::fused_gated_projections`]). `None` otherwise: run them one by one. `output`
+    /// says how a plain product stores its result ([`ProductOutput`]: bf16 for a consumer
+    /// that reads bf16), and a fused group's too.
+    pub fn forward_packed(
+        projections: &[&ModulatedProjection],
+        rows: &Var,
+        output: ProductOutput,
+    ) -> Result<Option<Var>> {
         if !rows.value_ref().packed_linear_is_one_product() {
             return Ok(None);
         }
         if projections.iter().all(|p| p.is_plain()) {
             let weights: Vec<&Var> = projections.iter().map(|p| &p.linear.weight).collect();
-            return rows.packed_linear(&weights).map(Some);
+            return rows.packed_linear(&weights, output).map(Some);
         }
         let fused: Option<Vec<_>> = projections.iter().map(|p| p.fused_parts()).collect();
         let Some(fused) = fused else { return Ok(None) };
@@ -83,7 +89,7 @@ impl ModulatedProjection {
             p.record_gates(rows)?;
         }
         let parts: Vec<GatedProjectionVars> = fused.into_iter().map(|(parts, _)| parts).collect();
-        rows.fused_gated_projections(&parts, phi).map(Some)
+        rows.fused_gated_projections(&parts, phi, output).map(Some)
     }
 
     /// This projection's weight and modulators when it runs as the fused op (a lone

@@ -1,6 +1,6 @@
 //! Device storage: one buffer on one GPU, f32 or bf16, and the device that owns it.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use half::bf16;
 use kernels::cuda::optim::Bf16Destination;
@@ -14,6 +14,13 @@ use crate::{DType, Result, Storage};
 pub enum CudaData {
     F32(DeviceBuffer<f32>),
     BF16(DeviceBuffer<bf16>),
+    /// f32 values held as their bf16 rounding only (an activation a product saved for its
+    /// backward: [`CudaStorage::bf16_backed`]); widened to f32 on the device the first time
+    /// something reads them as f32, and kept.
+    Bf16Backed {
+        copy: Arc<Storage>,
+        widened: OnceLock<DeviceBuffer<f32>>,
+    },
 }
 
 /// A device buffer together with the [`CudaDevice`] it was allocated on (kept alive as
@@ -35,6 +42,10 @@ pub enum CudaData {
 /// [`CudaStorage::share_packed_bf16_copy`]). The optimizer's step rewrites each weight's rows
 /// in place ([`CudaStorage::f32_buffer_mut_for_update`]), and any other write forgets them as
 /// it forgets an own copy, so the projection packs again only after such a write.
+///
+/// An activation that bf16 products read and then save for their backward is saved as its
+/// bf16 copy alone ([`CudaStorage::bf16_backed`]), so its f32 buffer is freed with the rest
+/// of the forward's results.
 #[derive(Debug)]
 pub struct CudaStorage {
     device: Arc<CudaDevice>,
@@ -70,6 +81,26 @@ impl CudaStorage {
         CudaStorage { device: Arc::clone(device), data: CudaData::BF16(buffer), bf16_copy: Mutex::new(None) }
     }
 
+    /// f32 values held as their bf16 rounding `rounded` (a bf16 product's output, as autocast
+    /// stores it), widened on the device only if something reads them as f32.
+    pub fn bf16_rounded(device: &Arc<CudaDevice>, rounded: DeviceBuffer<bf16>) -> CudaStorage {
+        let copy = Arc::new(Storage::Cuda(CudaStorage::bf16(device, rounded)));
+        let data = CudaData::Bf16Backed { copy, widened: OnceLock::new() };
+        CudaStorage { device: Arc::clone(device), data, bf16_copy: Mutex::new(None) }
+    }
+
+    /// The bf16 values of a storage held as its bf16 rounding ([`CudaStorage::bf16_backed`],
+    /// [`CudaStorage::bf16_rounded`]), for kernels that read them directly; `None` otherwise.
+    pub fn bf16_backing(&self) -> Option<&DeviceBuffer<bf16>> {
+        match &self.data {
+            CudaData::Bf16Backed { copy, .. } => match &**copy {
+                Storage::Cuda(CudaStorage { data: CudaData::BF16(values), .. }) => Some(values),
+                _ => unreachable!("a bf16 backing is a bf16 device storage"),
+            },
+            _ => None,
+        }
+    }
+
     /// An uninitialised f32 buffer of `len` elements on `device` (every launcher that takes
     /// it as output overwrites it entirely).
     pub fn alloc(device: &Arc<CudaDevice>, len: usize) -> Result<CudaStorage> {
@@ -100,11 +131,29 @@ impl CudaStorage {
         &self.device
     }
 
+    /// The same values backed by this storage's own bf16 copy alone, when it has one (or is
+    /// itself so backed): what a product saves of an input whose backward reads it only as a
+    /// bf16 product operand. Its dtype is still f32; [`CudaStorage::f32_buffer`] widens the
+    /// copy back (one conversion launch, once) if anything reads it as f32.
+    pub fn bf16_backed(&self) -> Option<CudaStorage> {
+        let copy = match &self.data {
+            CudaData::Bf16Backed { copy, .. } => Arc::clone(copy),
+            CudaData::F32(_) => match &*self.lock_bf16_copy() {
+                Some(Bf16Copy::Own(own)) => Arc::clone(own),
+                _ => return None,
+            },
+            CudaData::BF16(_) => return None,
+        };
+        let data = CudaData::Bf16Backed { copy, widened: OnceLock::new() };
+        Some(CudaStorage { device: Arc::clone(&self.device), data, bf16_copy: Mutex::new(None) })
+    }
+
     /// Number of elements.
     pub fn len(&self) -> usize {
         match &self.data {
             CudaData::F32(b) => b.len(),
             CudaData::BF16(b) => b.len(),
+            CudaData::Bf16Backed { copy, .. } => copy.len(),
         }
     }
 
@@ -116,26 +165,53 @@ impl CudaStorage {
     /// The element type.
     pub fn dtype(&self) -> DType {
         match &self.data {
-            CudaData::F32(_) => DType::F32,
+            CudaData::F32(_) | CudaData::Bf16Backed { .. } => DType::F32,
             CudaData::BF16(_) => DType::BF16,
         }
     }
 
-    /// The f32 buffer, or an error naming `op` for bf16 storage.
+    /// The f32 buffer, or an error naming `op` for bf16 storage. A bf16-backed storage is
+    /// widened here, on first use.
     pub fn f32_buffer(&self, op: &'static str) -> Result<&DeviceBuffer<f32>> {
         match &self.data {
             CudaData::F32(b) => Ok(b),
             CudaData::BF16(_) => Err(crate::Error::DTypeMismatch { op, expected: DType::F32, got: DType::BF16 }),
+            CudaData::Bf16Backed { copy, widened } => {
+                if let Some(values) = widened.get() {
+                    return Ok(values);
+                }
+                let Storage::Cuda(copy) = &**copy else { unreachable!("a bf16 backing is device storage") };
+                let values = copy.converted(DType::F32)?;
+                let CudaData::F32(values) = values.data else { unreachable!("converted to f32") };
+                // Storages are shared across threads: another reader may have widened first.
+                Ok(widened.get_or_init(|| values))
+            }
         }
+    }
+
+    /// Turns a bf16-backed storage into a plain f32 one (its values widened, its backing its
+    /// bf16 copy), before a write.
+    fn make_f32(&mut self, op: &'static str) -> Result<()> {
+        if !matches!(self.data, CudaData::Bf16Backed { .. }) {
+            return Ok(());
+        }
+        self.f32_buffer(op)?;
+        let CudaData::Bf16Backed { copy, widened } = &mut self.data else { unreachable!("checked above") };
+        let (copy, values) = (Arc::clone(copy), widened.take().expect("widened above"));
+        self.data = CudaData::F32(values);
+        *unlocked(&mut self.bf16_copy) = Some(Bf16Copy::Own(copy));
+        Ok(())
     }
 
     /// The f32 buffer for writing, or an error naming `op` for bf16 storage. Forgets the
     /// bf16 copy, which the write makes stale.
     pub fn f32_buffer_mut(&mut self, op: &'static str) -> Result<&mut DeviceBuffer<f32>> {
+        self.make_f32(op)?;
         self.forget_bf16_copy();
         match &mut self.data {
             CudaData::F32(b) => Ok(b),
             CudaData::BF16(_) => Err(crate::Error::DTypeMismatch { op, expected: DType::F32, got: DType::BF16 }),
+            CudaData::Bf16Backed { .. } => unreachable!("made f32 above"),
         }
     }
 
@@ -159,6 +235,7 @@ impl CudaStorage {
         &mut self,
         op: &'static str,
     ) -> Result<(&mut DeviceBuffer<f32>, &mut DeviceBuffer<bf16>)> {
+        self.make_f32(op)?;
         // Dropped before the fresh one is allocated: the allocator may hand its memory back.
         self.forget_bf16_copy();
         let CudaStorage { device, data, bf16_copy } = self;
@@ -196,6 +273,7 @@ impl CudaStorage {
         &mut self,
         op: &'static str,
     ) -> Result<(&mut DeviceBuffer<f32>, Option<Bf16Destination<'_>>)> {
+        self.make_f32(op)?;
         let held_elsewhere = |own: &Arc<Storage>| Arc::strong_count(own) > 1 || Arc::weak_count(own) > 0;
         if matches!(unlocked(&mut self.bf16_copy), Some(Bf16Copy::Own(own)) if held_elsewhere(own)) {
             let (values, fresh) = self.f32_buffer_mut_with_bf16_copy(op)?;
@@ -252,15 +330,20 @@ impl CudaStorage {
     pub fn bf16_buffer(&self, op: &'static str) -> Result<&DeviceBuffer<bf16>> {
         match &self.data {
             CudaData::BF16(b) => Ok(b),
-            CudaData::F32(_) => Err(crate::Error::DTypeMismatch { op, expected: DType::BF16, got: DType::F32 }),
+            CudaData::F32(_) | CudaData::Bf16Backed { .. } => {
+                Err(crate::Error::DTypeMismatch { op, expected: DType::BF16, got: DType::F32 })
+            }
         }
     }
 
     /// A host copy (waits for the queued work that writes this buffer).
     pub fn download(&self) -> Result<Storage> {
+        let download = |e| cuda_error("download", e);
         match &self.data {
-            CudaData::F32(b) => Ok(Storage::F32(self.device.download(b).map_err(|e| cuda_error("download", e))?)),
-            CudaData::BF16(b) => Ok(Storage::BF16(self.device.download(b).map_err(|e| cuda_error("download", e))?)),
+            CudaData::F32(_) | CudaData::Bf16Backed { .. } => {
+                Ok(Storage::F32(self.device.download(self.f32_buffer("download")?).map_err(download)?))
+            }
+            CudaData::BF16(b) => Ok(Storage::BF16(self.device.download(b).map_err(download)?)),
         }
     }
 
@@ -269,7 +352,7 @@ impl CudaStorage {
     pub fn copy_strided(&self, offset: usize, shape: &[usize], strides: &[usize]) -> Result<CudaStorage> {
         let widened;
         let src = match &self.data {
-            CudaData::F32(b) => b,
+            CudaData::F32(_) | CudaData::Bf16Backed { .. } => self.f32_buffer("copy_strided")?,
             CudaData::BF16(_) => {
                 widened = self.converted(DType::F32)?;
                 widened.f32_buffer("copy_strided")?
@@ -289,6 +372,9 @@ impl CudaStorage {
     /// weight, read by no other product) gets a conversion each call, not kept: the packed
     /// buffer is never handed out as a tensor, so the optimizer can rewrite it in place.
     pub fn bf16_copy(&self) -> Result<Arc<Storage>> {
+        if let CudaData::Bf16Backed { copy, .. } = &self.data {
+            return Ok(Arc::clone(copy));
+        }
         let mut copy = self.lock_bf16_copy();
         match &*copy {
             Some(Bf16Copy::Own(own)) => Ok(Arc::clone(own)),
@@ -304,7 +390,7 @@ impl CudaStorage {
     /// Whether the storage keeps a bf16 copy of its own (made by [`CudaStorage::bf16_copy`] or
     /// written beside the values), which a bf16 product can read for any view of it.
     pub fn has_own_bf16_copy(&self) -> bool {
-        matches!(&*self.lock_bf16_copy(), Some(Bf16Copy::Own(_)))
+        matches!(self.data, CudaData::Bf16Backed { .. }) || matches!(&*self.lock_bf16_copy(), Some(Bf16Copy::Own(_)))
     }
 
     /// The whole buffer converted to `dtype` on the device (f32 ↔ bf16, rounding to nearest
@@ -313,6 +399,11 @@ impl CudaStorage {
         let dev = &self.device;
         let err = |e| cuda_error("to_dtype", e);
         match (&self.data, dtype) {
+            // The widened values are the copy's, exactly: convert from the copy either way.
+            (CudaData::Bf16Backed { copy, .. }, DType::F32 | DType::BF16) => match &**copy {
+                Storage::Cuda(copy) => copy.converted(dtype),
+                _ => unreachable!("a bf16 backing is device storage"),
+            },
             (CudaData::F32(src), DType::F32) => {
                 let mut dst = dev.alloc(src.len()).map_err(err)?;
                 dev.copy_within_device(src, 0, &mut dst, 0, src.len()).map_err(err)?;

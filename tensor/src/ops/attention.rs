@@ -100,6 +100,7 @@ pub(crate) mod cuda {
 
     use kernels::cpu::attention::AttentionDims;
     use kernels::cuda::attention::{self as launch, AttentionPrecision};
+    use kernels::cuda::Values;
 
     use crate::cuda::MatmulPrecision;
     use crate::cuda::{matmul_precision, output, product_input_buffers, product_input_output, CudaStorage};
@@ -115,6 +116,25 @@ pub(crate) mod cuda {
         }
     }
 
+    /// Whether attention over heads of `head_dim` reads q, k and v in bf16 (its tensor-core
+    /// kernels under bf16 products), so that whoever writes them (RoPE) writes bf16 only.
+    pub(crate) fn reads_bf16_inputs(head_dim: usize) -> bool {
+        matmul_precision() == MatmulPrecision::Bf16 && launch::tensor_cores_fit(head_dim)
+    }
+
+    /// q, k and v as the kernels read them: bf16 when they are held so (RoPE's output under
+    /// bf16 products) and the tensor-core kernels run, else f32 (widened if need be).
+    fn inputs<'a>(qkv: [&'a Tensor; 3], precision: AttentionPrecision, op: &'static str) -> Result<[Values<'a>; 3]> {
+        let value = |t: &'a Tensor| -> Result<Values<'a>> {
+            let backing = t.cuda_storage().and_then(|storage| storage.bf16_backing());
+            match backing {
+                Some(rounded) if precision == AttentionPrecision::Bf16 => Ok(Values::Bf16(rounded)),
+                _ => Ok(Values::F32(t.cuda_f32(op)?)),
+            }
+        };
+        Ok([value(qkv[0])?, value(qkv[1])?, value(qkv[2])?])
+    }
+
     /// `(out [B, Tq, H, D], lse [B, H, Tq])` of causal attention.
     pub(crate) fn causal_attention(
         q: &Tensor,
@@ -128,9 +148,10 @@ pub(crate) mod cuda {
         let mut lse = CudaStorage::alloc(&dev, dims.lse_len())?;
         // The output feeds the output projection: in bf16 too under bf16 products.
         let out = product_input_output(&dev, OP, q.shape(), |out, out_bf16| {
-            let (q, k, v) = (q.cuda_f32(OP)?, k.cuda_f32(OP)?, v.cuda_f32(OP)?);
+            let precision = precision(dims);
+            let qkv = inputs([&q, &k, &v], precision, OP)?;
             let lse = lse.f32_buffer_mut(OP)?;
-            Ok(launch::causal_attention_forward(&dev, q, k, v, dims, precision(dims), (out, out_bf16), lse)?)
+            Ok(launch::causal_attention_forward(&dev, qkv, dims, precision, (out, out_bf16), lse)?)
         })?;
         Ok((out, Tensor::from_cuda(lse, &super::lse_shape(dims))?))
     }
@@ -151,12 +172,12 @@ pub(crate) mod cuda {
         let (out, lse, dout) = (out.dense()?, lse.dense()?, dout.dense()?);
         let (mut dk, mut dv) = (CudaStorage::alloc(&dev, k.numel())?, CudaStorage::alloc(&dev, v.numel())?);
         let dq = output(&dev, OP, q.shape(), |dq| {
-            let (q, k, v) = (q.cuda_f32(OP)?, k.cuda_f32(OP)?, v.cuda_f32(OP)?);
+            let precision = precision(dims);
+            let qkv = inputs([&q, &k, &v], precision, OP)?;
             let (out, lse, dout) = (out.cuda_f32(OP)?, lse.cuda_f32(OP)?, dout.cuda_f32(OP)?);
             // dv feeds the value projection's backward products: in bf16 too under bf16.
             let (dk, dv) = (dk.f32_buffer_mut(OP)?, product_input_buffers(&mut dv, OP)?);
-            let precision = precision(dims);
-            Ok(launch::causal_attention_backward(&dev, q, k, v, out, lse, dout, dims, precision, dq, dk, dv)?)
+            Ok(launch::causal_attention_backward(&dev, qkv, out, lse, dout, dims, precision, dq, dk, dv)?)
         })?;
         Ok((dq, Tensor::from_cuda(dk, k.shape())?, Tensor::from_cuda(dv, v.shape())?))
     }

@@ -18,6 +18,7 @@ use kernels::cpu::fused_gate::{
 };
 use kernels::cpu::unary::Unary;
 
+use super::ProductOutput;
 use crate::{with_last_dim, Error, Result, Tensor};
 
 const OP: &str = "fused_gated_projection";
@@ -157,16 +158,19 @@ impl Tensor {
         scalar: [&Tensor; 5],
         phi: Unary,
     ) -> Result<(Tensor, FusedGateSaved)> {
-        self.fused_gated_projections(&[GatedProjection { weight, channel, scalar }], phi)
+        self.fused_gated_projections(&[GatedProjection { weight, channel, scalar }], phi, ProductOutput::F32)
     }
 
     /// [`Tensor::fused_gated_projection`] of `self` by each of `projections` (one φ and one
-    /// pair of ranks for all), the outputs side by side: `[..., Σ d_out]`. On a GPU the group
-    /// is one GEMM and one gate launch forward, and its backward one launch of each kind.
+    /// pair of ranks for all), the outputs side by side: `[..., Σ d_out]`, stored as `output`
+    /// says (bf16 only on a GPU under bf16 products). On a GPU the group is one GEMM and one
+    /// gate launch forward, and its backward one launch of each kind.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub fn fused_gated_projections(
         &self,
         projections: &[GatedProjection],
         phi: Unary,
+        output: ProductOutput,
     ) -> Result<(Tensor, FusedGateSaved)> {
         let x = self.contiguous()?;
         let mut checked: Vec<Checked> = Vec::with_capacity(projections.len());
@@ -181,8 +185,11 @@ impl Tensor {
         let out_shape = with_last_dim(x.shape(), total);
         #[cfg(feature = "cuda")]
         if x.cuda_storage().is_some() {
-            let (out, x, zu, packed) = cuda::forward(&x, &checked, phi, &out_shape)?;
+            let (out, x, zu, packed) = cuda::forward(&x, &checked, phi, &out_shape, output)?;
             let extra = SavedExtra::Cuda { zu, packed };
+            // The backward reads x only in its weight gradient's product: under bf16 products
+            // the bf16 copy alone is kept.
+            let x = x.saved_for_products();
             return Ok((out, FusedGateSaved { projections: checked, x, phi, extra }));
         }
         let mut outs = Vec::with_capacity(checked.len());
@@ -308,9 +315,9 @@ pub(crate) mod cuda {
         fused_gate_backward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams,
         DeviceGateGrads, DeviceGateParams, DeviceValues, GateGroup, GateProducts, Unary,
     };
-    use kernels::cuda::{CudaDevice, DeviceBuffer};
+    use kernels::cuda::{CudaDevice, DeviceBuffer, ValuesMut};
 
-    use super::{Checked, FusedGateSaved};
+    use super::{Checked, FusedGateSaved, ProductOutput};
     use crate::cuda::CudaStorage;
     use crate::{DType, Error, Result, Tensor};
 
@@ -367,14 +374,15 @@ pub(crate) mod cuda {
     }
 
     /// Forward on the GPU: `(out, x as dense f32, ZU [N, K], the packed bf16 weight)`, `ZU` in
-    /// bf16 under bf16 products. `x` and the parameters are contiguous and shape-checked by
-    /// the caller.
+    /// bf16 under bf16 products, and `out` too when `output` asks for it. `x` and the
+    /// parameters are contiguous and shape-checked by the caller.
     #[allow(clippy::type_complexity)]
     pub(super) fn forward(
         x: &Tensor,
         projections: &[Checked],
         phi: Unary,
         out_shape: &[usize],
+        output: ProductOutput,
     ) -> Result<(Tensor, Tensor, DeviceValues, Arc<DeviceBuffer<bf16>>)> {
         let dev = x.cuda_device(OP)?;
         let dense = projections.iter().map(dense_f32).collect::<Result<Vec<_>>>()?;
@@ -386,20 +394,29 @@ pub(crate) mod cuda {
         let width: usize = projections.iter().map(|p| p.dims.width()).sum();
         let bf16_products = crate::cuda::matmul_precision() == crate::cuda::MatmulPrecision::Bf16;
         let mut zu = DeviceValues::alloc(&dev, rows * width, bf16_products)?;
-        let mut out = CudaStorage::alloc(&dev, out_shape.iter().product())?;
+        let out_len = out_shape.iter().product();
         // ZU from cuBLAS, then the gate kernel: measured 1.75x faster than the tensor-core kernel
         // with the gate in its epilogue (fused_gate_forward) on an H200 (cuda-bench, 131072 tokens,
         // 512 -> 512: 0.44 ms against 0.77 ms), whose main loop runs at a third of cuBLAS's speed.
         // Training saves Z and U for the backward, so the epilogue kernel's saving (not writing them)
         // does not apply here.
-        fused_gate_forward_unfused(
-            &dev,
-            &group,
-            x_bf16_buffer.bf16_buffer(OP)?,
-            &packed,
-            &mut zu,
-            out.f32_buffer_mut(OP)?,
-        )?;
+        let x_bf16 = x_bf16_buffer.bf16_buffer(OP)?;
+        let out = if bf16_products && output == ProductOutput::Bf16 {
+            let mut rounded = dev.alloc(out_len).map_err(|e| crate::cuda::cuda_error(OP, e))?;
+            fused_gate_forward_unfused(&dev, &group, x_bf16, &packed, &mut zu, ValuesMut::Bf16(&mut rounded))?;
+            CudaStorage::bf16_rounded(&dev, rounded)
+        } else {
+            let mut out = CudaStorage::alloc(&dev, out_len)?;
+            fused_gate_forward_unfused(
+                &dev,
+                &group,
+                x_bf16,
+                &packed,
+                &mut zu,
+                ValuesMut::F32(out.f32_buffer_mut(OP)?),
+            )?;
+            out
+        };
         let out = Tensor::from_cuda(out, out_shape)?;
         Ok((out, x.to_dtype(DType::F32)?.dense()?, zu, packed))
     }
@@ -496,11 +513,10 @@ pub(crate) mod cuda {
             // weight.
             let products = match &x_bf16 {
                 Some(x_bf16) => GateProducts::Bf16 { x: storage_of(x_bf16)?.bf16_buffer(OP)?, packed },
-                None => GateProducts::F32,
+                None => GateProducts::F32 { x: x.cuda_f32(OP)? },
             };
             // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cuda::fused_gate::fused_gate_backward
-            let (x, dy) = (x.cuda_f32(OP)?, dy.cuda_f32(OP)?);
-            fused_gate_backward(&dev, &group, x, zu, dy, products, &mut grads)?;
+            fused_gate_backward(&dev, &group, zu, dy.cuda_f32(OP)?, products, &mut grads)?;
         }
         let dx = match (dx_fresh, dx_so_far) {
             (Some(fresh), None) => Tensor::from_cuda(fresh, x.shape())?,

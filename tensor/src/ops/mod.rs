@@ -33,4 +33,5 @@ pub use kernels::cpu::binary::Binary;
 pub use kernels::cpu::unary::Unary;
 pub use linear_cross_entropy::{LinearCrossEntropy, LOGITS_CHUNK_BYTES};
 pub use norm::{AddRmsNormOutput, LayerNormOutput, RmsNormOutput};
+pub use packed_linear::ProductOutput;
 pub use pool::MaxPoolIndices;

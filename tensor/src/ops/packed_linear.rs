@@ -15,6 +15,17 @@ use crate::{with_last_dim, Error, Result, Tensor};
 
 const OP: &str = "packed_linear";
 
+/// How [`Tensor::packed_linear`] stores its output on a GPU under bf16 products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProductOutput {
+    /// f32 values (for a consumer that reads f32: RoPE).
+    F32,
+    /// Their bf16 rounding, from the GEMM's f32 sums, as autocast stores a product (for a
+    /// consumer that reads bf16: SwiGLU over the halves): half the bytes written, read and
+    /// saved for the backward. Still f32 elsewhere (the CPU, f32 products).
+    Bf16,
+}
+
 /// `(rows, in)` of `x: [..., in]` and the `out_i` of each `weights[i]: [out_i, in]`, checked.
 fn dims(x: &Tensor, weights: &[&Tensor]) -> Result<(usize, usize, Vec<usize>)> {
     let d_in = x.shape().last().copied().unwrap_or(0);
@@ -49,15 +60,18 @@ impl Tensor {
     }
 
     /// `self: [..., in]` projected by each of `weights` (`[out_i, in]`), the results side by
-    /// side: `[..., Σ out_i]`, the same values as `cat([self·W_iᵀ], -1)`.
-    pub fn packed_linear(&self, weights: &[&Tensor]) -> Result<Tensor> {
+    /// side: `[..., Σ out_i]`, the same values as `cat([self·W_iᵀ], -1)` (rounded to bf16
+    /// when `output` says so and the product is one GEMM).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub fn packed_linear(&self, weights: &[&Tensor], output: ProductOutput) -> Result<Tensor> {
         let (rows, d_in, outs) = dims(self, weights)?;
         let total: usize = outs.iter().sum();
         #[cfg(feature = "cuda")]
         if cuda::uses_packed_product(self) {
             let x = self.contiguous()?.reshape(&[rows, d_in])?;
-            return cuda::forward(&x, weights, total)?.reshape(&with_last_dim(self.shape(), total));
+            return cuda::forward(&x, weights, total, output)?.reshape(&with_last_dim(self.shape(), total));
         }
+
         // One product of the weights stacked as rows (a copy of the weights, not of the output).
         let stacked = Tensor::cat(weights, 0)?;
         self.reshape(&[rows, d_in])?.matmul(&stacked.transpose(0, 1)?)?.reshape(&with_last_dim(self.shape(), total))
@@ -130,11 +144,12 @@ pub(crate) mod cuda {
 
     use half::bf16;
     use kernels::cpu::matmul::{GemmDims, Store};
-    use kernels::cuda::blas::{matmul_bf16, DeviceMat};
+    use kernels::cuda::blas::{matmul_bf16, matmul_bf16_out, DeviceMat};
     use kernels::cuda::elementwise::pack_bf16;
     use kernels::cuda::{CudaDevice, DeviceBuffer};
 
-    use crate::cuda::{matmul_precision, output, CudaStorage, MatmulPrecision};
+    use super::ProductOutput;
+    use crate::cuda::{matmul_precision, output as f32_output, CudaStorage, MatmulPrecision};
     use crate::{DType, Error, Result, Tensor};
 
     const OP: &str = "packed_linear";
@@ -169,20 +184,29 @@ pub(crate) mod cuda {
         t.to_dtype(DType::BF16)?.dense()
     }
 
-    /// `x·[W_1; …; W_k]ᵀ` for `x: [rows, in]` (contiguous): `[rows, total]`.
-    pub(crate) fn forward(x: &Tensor, weights: &[&Tensor], total: usize) -> Result<Tensor> {
+    /// `x·[W_1; …; W_k]ᵀ` for `x: [rows, in]` (contiguous): `[rows, total]`, f32 or held as
+    /// its bf16 rounding as `output` says.
+    pub(crate) fn forward(x: &Tensor, weights: &[&Tensor], total: usize, output: ProductOutput) -> Result<Tensor> {
         let dev = x.cuda_device(OP)?;
         let (rows, d_in) = (x.shape()[0], x.shape()[1]);
         let packed = packed_weight(&dev, weights)?;
         let x_bf16 = bf16_of(x)?;
         let x_buffer = storage_of(&x_bf16)?.bf16_buffer(OP)?;
-        output(&dev, OP, &[rows, total], |out| {
-            let lhs = DeviceMat { buffer: x_buffer, offset: 0, row_stride: d_in, col_stride: 1 };
-            // [W_1; …; W_k]ᵀ: element (i, j) is packed[j·in + i].
-            let rhs = DeviceMat { buffer: &*packed, offset: 0, row_stride: 1, col_stride: d_in };
-            let dims = GemmDims { m: rows, n: total, k: d_in };
-            matmul_bf16(&dev, out, 0, lhs, rhs, dims, Store::Overwrite).map_err(|e| crate::cuda::cuda_error(OP, e))
-        })
+        let lhs = DeviceMat { buffer: x_buffer, offset: 0, row_stride: d_in, col_stride: 1 };
+        // [W_1; …; W_k]ᵀ: element (i, j) is packed[j·in + i].
+        let rhs = DeviceMat { buffer: &*packed, offset: 0, row_stride: 1, col_stride: d_in };
+        let dims = GemmDims { m: rows, n: total, k: d_in };
+        let err = |e| crate::cuda::cuda_error(OP, e);
+        match output {
+            ProductOutput::F32 => f32_output(&dev, OP, &[rows, total], |out| {
+                matmul_bf16(&dev, out, 0, lhs, rhs, dims, Store::Overwrite).map_err(err)
+            }),
+            ProductOutput::Bf16 => {
+                let mut out = dev.alloc(rows * total).map_err(err)?;
+                matmul_bf16_out(&dev, &mut out, lhs, rhs, dims).map_err(err)?;
+                Tensor::from_cuda(CudaStorage::bf16_rounded(&dev, out), &[rows, total])
+            }
+        }
     }
 
     /// `so_far + dy·[W_1; …; W_k]` for `dy: [rows, total]` (contiguous): `[rows, in]`, added
@@ -206,7 +230,7 @@ pub(crate) mod cuda {
             product(storage.f32_buffer_mut(OP)?, Store::Accumulate)?;
             return Ok(so_far.expect("added onto in place"));
         }
-        let dx = output(&dev, OP, &[rows, d_in], |out| product(out, Store::Overwrite))?;
+        let dx = f32_output(&dev, OP, &[rows, d_in], |out| product(out, Store::Overwrite))?;
         match so_far {
             Some(sum) => sum.accumulate(dx),
             None => Ok(dx),

@@ -211,17 +211,19 @@ fn median(samples: &[f64]) -> f64 {
 }
 
 /// MiB the GPU's caching allocator holds from the driver (in use plus cached: its peak,
-/// since nothing is released during the run); `None` on the CPU.
+/// since nothing is released during the run) and the most it had in use at once; `None` on
+/// the CPU.
 #[cfg(feature = "cuda")]
-fn gpu_reserved_mib(device: Device) -> Result<Option<f64>> {
+fn gpu_memory_mib(device: Device) -> Result<Option<(f64, f64)>> {
     let Device::Cuda(ordinal) = device else { return Ok(None) };
     let stats = tensor::cuda::device(ordinal)?.allocator_stats();
-    Ok(Some(stats.reserved_bytes as f64 / (1 << 20) as f64))
+    let mib = |bytes: usize| bytes as f64 / (1 << 20) as f64;
+    Ok(Some((mib(stats.reserved_bytes), mib(stats.peak_in_use_bytes))))
 }
 
 /// Without the `cuda` feature no model runs on a GPU.
 #[cfg(not(feature = "cuda"))]
-fn gpu_reserved_mib(_device: Device) -> Result<Option<f64>> {
+fn gpu_memory_mib(_device: Device) -> Result<Option<(f64, f64)>> {
     Ok(None)
 }
 
@@ -378,6 +380,7 @@ fn run(args: Args) -> Result<()> {
     let step = median(&step_s);
     let mode = if args.forward_only { "forward" } else { "train" };
     let peak = proc_status_mib("VmHWM");
+    let gpu_memory = gpu_memory_mib(args.device)?;
     let line = serde_json::json!({
         "engine": "transponder",
         "model": args.model,
@@ -404,7 +407,8 @@ fn run(args: Args) -> Result<()> {
         "allocated_mib_per_step": per_step(allocations_end.1, allocations_start.1) / (1 << 20) as f64,
         "peak_rss_mib": peak,
         "peak_rss_over_start_mib": peak - rss_start,
-        "gpu_reserved_mib": gpu_reserved_mib(args.device)?,
+        "gpu_reserved_mib": gpu_memory.map(|(reserved, _)| reserved),
+        "gpu_peak_in_use_mib": gpu_memory.map(|(_, peak)| peak),
         "final_loss": loss,
         "counters": counters,
         "kernel_ms": kernel_ms,

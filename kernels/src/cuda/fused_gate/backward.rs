@@ -93,11 +93,14 @@ fn check_grads(
     Ok(())
 }
 
-/// The precision of [`fused_gate_backward`]'s products.
+/// The precision of [`fused_gate_backward`]'s products, and the input `x` they read in it.
 #[derive(Clone, Copy, Debug)]
 pub enum GateProducts<'a> {
     /// f32 operands and products (cuBLAS's default math mode: the CUDA cores, no TF32).
-    F32,
+    F32 {
+        /// `x`, `[N, d_in]`.
+        x: &'a DeviceBuffer<f32>,
+    },
     /// bf16 operands on the tensor cores, f32 accumulation and outputs (mixed precision, as
     /// every other product under `--bf16`). `x` and the packed weight are the forward's bf16
     /// operands; the backward's row kernel writes `dZU`'s bf16 copy (no conversion launch).
@@ -110,7 +113,8 @@ pub enum GateProducts<'a> {
 }
 
 /// Backward of a group of fused projections from the saved `zu` (`[N, K]`) and the output
-/// gradient `dout` (`[N, Σ d_out]`); `x` is the f32 input `[N, d_in]`. Writes every buffer
+/// gradient `dout` (`[N, Σ d_out]`); `products` holds the input `x`, read only by the
+/// weight gradient's product (so under bf16 products no f32 `x` is kept). Writes every buffer
 /// of `grads`; `dx` is the sum over the group's projections.
 ///
 /// One row kernel recomputes `H`, `γ_s` and the channel logits from `zu` and writes `dZ`,
@@ -125,7 +129,6 @@ pub enum GateProducts<'a> {
 pub fn fused_gate_backward(
     dev: &CudaDevice,
     groups: &[GateGroup],
-    x: &DeviceBuffer<f32>,
     zu: &DeviceValues,
     dout: &DeviceBuffer<f32>,
     products: GateProducts,
@@ -134,20 +137,23 @@ pub fn fused_gate_backward(
     const OP: &str = "fused_gate_backward";
     let layout = layout(dev, OP, groups)?;
     check_grads(dev, OP, groups, &layout, grads)?;
-    for buffer in [x, dout] {
-        dev.check_owner(OP, buffer)?;
-    }
+    dev.check_owner(OP, dout)?;
     zu.check_owner(dev, OP)?;
     let Layout { rows, d_in, rank_channel: rc, rank_scalar: rs, zu_width: k, out_width, .. } = layout;
     let (count, r) = (groups.len(), rc + rs);
-    ensure_len(OP, "x", x.len(), rows * d_in)?;
     ensure_len(OP, "zu", zu.len(), rows * k)?;
     ensure_len(OP, "dout", dout.len(), rows * out_width)?;
-    if let GateProducts::Bf16 { x: x_bf16, packed } = products {
-        dev.check_owner(OP, x_bf16)?;
-        dev.check_owner(OP, packed)?;
-        ensure_len(OP, "x (bf16)", x_bf16.len(), rows * d_in)?;
-        ensure_len(OP, "packed weight", packed.len(), k * d_in)?;
+    match products {
+        GateProducts::F32 { x } => {
+            dev.check_owner(OP, x)?;
+            ensure_len(OP, "x", x.len(), rows * d_in)?;
+        }
+        GateProducts::Bf16 { x, packed } => {
+            dev.check_owner(OP, x)?;
+            dev.check_owner(OP, packed)?;
+            ensure_len(OP, "x (bf16)", x.len(), rows * d_in)?;
+            ensure_len(OP, "packed weight", packed.len(), k * d_in)?;
+        }
     }
     let g = grads;
     if rows == 0 {
@@ -167,9 +173,8 @@ pub fn fused_gate_backward(
     let hidden = dev.alloc::<f32>(rows * count * r)?;
     let row_terms = dev.alloc::<f32>(rows * count * terms)?;
 
-    let sources = Sources { x, dzu: &dzu };
     let operands = match products {
-        GateProducts::F32 => Operands::F32(sources),
+        GateProducts::F32 { x } => Operands::F32(Sources { x, dzu: &dzu }),
         GateProducts::Bf16 { x, packed } => Operands::Bf16 { x, packed, dzu: dev.alloc::<bf16>(rows * k)? },
     };
 

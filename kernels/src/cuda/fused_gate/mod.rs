@@ -42,6 +42,7 @@ use super::elementwise::{pack_bf16, unary_code};
 use super::error::{ensure, ensure_len, CudaError, Result};
 use super::launch::{address_list, int, length_list, ptr, size, LIST_LEN, THREADS};
 use super::module::{Arg, KernelFamily};
+use super::values::ValuesMut;
 use crate::cpu::matmul::Store;
 
 /// Largest `r_c + r_s` the kernels take (the summary tile is padded to 16, 32 or 64).
@@ -388,19 +389,26 @@ pub fn fused_gate_forward(
 
 /// The gate alone from a saved `zu` (`[N, K]` in [`pack_weight`]'s column order): every
 /// projection's `Ẑ_g = γ_g ⊙ Z_g`, side by side in `out` (`[N, Σ d_out]`), in one launch
-/// (the second half of the unfused path).
-pub fn fused_gate_apply(
-    dev: &CudaDevice,
-    groups: &[GateGroup],
-    zu: &DeviceValues,
-    out: &mut DeviceBuffer<f32>,
-) -> Result<()> {
+/// (the second half of the unfused path). `out` is f32, or bf16 (for a consumer that reads
+/// bf16) from a bf16 `zu`.
+pub fn fused_gate_apply(dev: &CudaDevice, groups: &[GateGroup], zu: &DeviceValues, out: ValuesMut) -> Result<()> {
     const OP: &str = "fused_gate_apply";
     let layout = layout(dev, OP, groups)?;
     zu.check_owner(dev, OP)?;
-    dev.check_owner(OP, out)?;
+    out.check_owner(dev, OP)?;
     ensure_len(OP, "zu", zu.len(), layout.rows * layout.zu_width)?;
     ensure_len(OP, "out", out.len(), layout.rows * layout.out_width)?;
+    let kernel = match (zu.is_bf16(), out.is_bf16()) {
+        (false, false) => "fused_gate_apply",
+        (true, false) => "fused_gate_apply_bf16",
+        (true, true) => "fused_gate_apply_bf16_out",
+        (false, true) => {
+            return Err(CudaError::Invalid {
+                op: OP,
+                message: "a bf16 output needs a bf16 zu (bf16 products)".to_string(),
+            })
+        }
+    };
     let (phi, phi_p) = unary_code(groups[0].params.phi);
     let [params, places] = group_lists(groups, &layout);
     let args = [
@@ -414,14 +422,14 @@ pub fn fused_gate_apply(
         size(layout.out_width),
         int(layout.rank_channel as i32),
         int(layout.rank_scalar as i32),
-        ptr(out),
+        out.arg(),
     ];
-    let kernel = zu.kernel("fused_gate_apply", "fused_gate_apply_bf16");
     dev.launch(FAMILY, kernel, group_row_warps(layout.rows, groups.len()), &args)
 }
 
 /// The engine's forward: a cuBLAS bf16 GEMM `zu = x·packedᵀ` (`[N, K]`, f32 accumulation,
-/// written in `zu`'s type), then [`fused_gate_apply`] into `out` (`[N, Σ d_out]`), for a whole
+/// written in `zu`'s type), then [`fused_gate_apply`] into `out` (`[N, Σ d_out]`, f32 or
+/// bf16 as [`fused_gate_apply`] takes it), for a whole
 /// group in two launches. For a group of one, the inputs and outputs of
 /// [`fused_gate_forward`] with `zu` given (which gates the f32 sums and saves them in bf16).
 pub fn fused_gate_forward_unfused(
@@ -430,7 +438,7 @@ pub fn fused_gate_forward_unfused(
     x: &DeviceBuffer<bf16>,
     packed: &DeviceBuffer<bf16>,
     zu: &mut DeviceValues,
-    out: &mut DeviceBuffer<f32>,
+    out: ValuesMut,
 ) -> Result<()> {
     const OP: &str = "fused_gate_forward_unfused";
     let layout = layout(dev, OP, groups)?;

@@ -3,6 +3,9 @@
 // q [B, Tq, H, D], k and v [B, Tk, H, D] (f32), out [B, Tq, H, D], lse [B, H, Tq]; query i
 // sits at position i + (Tk − Tq) and attends keys s ≤ that position.
 //
+// q, k and v are f32, or already bf16 (the _bf16 entry points: RoPE rounds them as it writes
+// them, with the same rounding as the staging below, so both give the same bits).
+//
 // Precision (as PyTorch's SDPA under bf16 autocast): q, k, v and dO are rounded to bf16 as
 // they are staged, and so are the probabilities P and dS before their products; scores, the
 // online softmax (running max m, sum l), lse, δ and every accumulator stay f32.
@@ -46,59 +49,79 @@ __device__ __forceinline__ unsigned int bf16x2(float lo, float hi) {
     return (unsigned int)f32_to_bf16(lo) | ((unsigned int)f32_to_bf16(hi) << 16);
 }
 
-// Rows t0..t0+63 of head (b, h) of `src` ([B, T, H, D], f32) into tile[64][D + PAD] as bf16;
-// rows at or past `limit` are zero. A thread moves 4 adjacent floats at a time (one 16-byte
-// load, two 4-byte shared stores), STAGE_BATCH chunks a round, all of a round's loads issued
-// before its first store so that they are in flight together (a load-then-store loop waits
-// out each load's latency in turn); rounds of 4 keep the registers a round holds to 16.
+// Four adjacent values of a row as the staging moves them: f32 (16 bytes, rounded when
+// stored) or bf16 (8 bytes, stored as they are).
+template <typename In> struct Quad;
+template <> struct Quad<float> { typedef f32x4 type; };
+template <> struct Quad<bf16_t> { typedef bf16x4 type; };
+
+// Stores four staged values into a bf16 tile row (dst 8-byte aligned).
+__device__ __forceinline__ void store_quad(bf16_t* dst, const f32x4& q) {
+    unsigned int* words = reinterpret_cast<unsigned int*>(dst);
+    words[0] = bf16x2(q.v[0], q.v[1]);
+    words[1] = bf16x2(q.v[2], q.v[3]);
+}
+__device__ __forceinline__ void store_quad(bf16_t* dst, const bf16x4& q) { *reinterpret_cast<bf16x4*>(dst) = q; }
+
+// Rows t0..t0+63 of head (b, h) of `src` ([B, T, H, D], f32 or bf16) into tile[64][D + PAD]
+// as bf16; rows at or past `limit` are zero. A thread moves 4 adjacent values at a time (one
+// 16- or 8-byte load, then the shared stores), STAGE_BATCH chunks a round, all of a round's
+// loads issued before its first store so that they are in flight together (a load-then-store
+// loop waits out each load's latency in turn); rounds of 4 keep the registers a round holds
+// to 16.
 #define STAGE_BATCH 4
-template <int D>
-__device__ __forceinline__ void stage_bf16(bf16_t* tile, const float* src, i64 b, i64 h, i64 t0, i64 limit, i64 seq,
+template <int D, typename In>
+__device__ __forceinline__ void stage_bf16(bf16_t* tile, const In* src, i64 b, i64 h, i64 t0, i64 limit, i64 seq,
                                            i64 heads) {
-    constexpr int PER_THREAD = TC_TILE * D / 4 / TC_THREADS;  // D / 8 chunks of 4 floats
+    typedef typename Quad<In>::type Chunk;
+    constexpr int PER_THREAD = TC_TILE * D / 4 / TC_THREADS;  // D / 8 chunks of 4 values
     constexpr int BATCH = PER_THREAD < STAGE_BATCH ? PER_THREAD : STAGE_BATCH;
 #pragma unroll
     for (int i0 = 0; i0 < PER_THREAD; i0 += BATCH) {
-        f32x4 chunk[BATCH];
+        Chunk chunk[BATCH];
 #pragma unroll
         for (int i = 0; i < BATCH; ++i) {
             const int e = threadIdx.x + (i0 + i) * TC_THREADS, r = e / (D / 4), c = 4 * (e % (D / 4));
             const i64 t = t0 + r;
-            chunk[i] = f32x4{{0.0f, 0.0f, 0.0f, 0.0f}};
+            chunk[i] = Chunk{};
             if (i0 + i < PER_THREAD && t < limit)
-                chunk[i] = *reinterpret_cast<const f32x4*>(src + head_row(b, t, h, seq, heads, D) + c);
+                chunk[i] = *reinterpret_cast<const Chunk*>(src + head_row(b, t, h, seq, heads, D) + c);
         }
 #pragma unroll
         for (int i = 0; i < BATCH; ++i) {
             if (i0 + i >= PER_THREAD) break;
             const int e = threadIdx.x + (i0 + i) * TC_THREADS, r = e / (D / 4), c = 4 * (e % (D / 4));
-            unsigned int* dst = reinterpret_cast<unsigned int*>(tile + r * (D + TC_PAD) + c);
-            dst[0] = bf16x2(chunk[i].v[0], chunk[i].v[1]);
-            dst[1] = bf16x2(chunk[i].v[2], chunk[i].v[3]);
+            store_quad(tile + r * (D + TC_PAD) + c, chunk[i]);
         }
     }
 }
 
-// The A fragments of rows row0..row0+15 of head (b, h) of `src` (f32, rows ≥ limit are zero),
-// straight from global memory into registers: frag[kk] covers columns 16·kk..16·kk+15.
-template <int D>
-__device__ __forceinline__ void load_a_rows(unsigned int (*frag)[4], const float* src, i64 b, i64 h, i64 row0, i64 limit,
+// Two adjacent values p[0], p[1] as one register of bf16 halves, the first in the low half.
+__device__ __forceinline__ unsigned int pair_bf16(const float* p) {
+    const f32x2 pair = *reinterpret_cast<const f32x2*>(p);
+    return bf16x2(pair.v[0], pair.v[1]);
+}
+__device__ __forceinline__ unsigned int pair_bf16(const bf16_t* p) { return *reinterpret_cast<const unsigned int*>(p); }
+
+// The A fragments of rows row0..row0+15 of head (b, h) of `src` (f32 or bf16, rows ≥ limit
+// are zero), straight from global memory into registers: frag[kk] covers columns
+// 16·kk..16·kk+15.
+template <int D, typename In>
+__device__ __forceinline__ void load_a_rows(unsigned int (*frag)[4], const In* src, i64 b, i64 h, i64 row0, i64 limit,
                                             i64 seq, i64 heads) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         i64 row = row0 + g + 8 * half;
-        const float* p = src + head_row(b, row, h, seq, heads, D);
+        const In* p = src + head_row(b, row, h, seq, heads, D);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             int c = 16 * kk + 2 * t;
             frag[kk][half] = 0u;
             frag[kk][half + 2] = 0u;
             if (row < limit) {
-                const f32x2 lo = *reinterpret_cast<const f32x2*>(p + c);
-                const f32x2 hi = *reinterpret_cast<const f32x2*>(p + c + 8);
-                frag[kk][half] = bf16x2(lo.v[0], lo.v[1]);
-                frag[kk][half + 2] = bf16x2(hi.v[0], hi.v[1]);
+                frag[kk][half] = pair_bf16(p + c);
+                frag[kk][half + 2] = pair_bf16(p + c + 8);
             }
         }
     }
@@ -216,8 +239,8 @@ __device__ __forceinline__ QueryWarp query_warp(i64 q_seq, i64 kv_seq, i64 heads
 
 // ---------------------------------------------------------------------------------------
 // Forward: one block per 64 queries of one (b, h), grid (⌈Tq/64⌉, B·H).
-template <int D>
-__device__ __forceinline__ void attention_mma_forward(const float* q, const float* k, const float* v, float* out,
+template <int D, typename In>
+__device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, const In* v, float* out,
                                                       bf16_t* out_bf16, float* lse, i64 q_seq, i64 kv_seq, i64 heads,
                                                       float scale) {
     __shared__ __align__(16) bf16_t k_tile[TC_TILE * (D + TC_PAD)];
@@ -304,8 +327,8 @@ __device__ __forceinline__ void attention_mma_forward(const float* q, const floa
 
 // ---------------------------------------------------------------------------------------
 // dq (and δ): one block per 64 queries, grid (⌈Tq/64⌉, B·H), as the forward.
-template <int D>
-__device__ __forceinline__ void attention_mma_backward_dq(const float* q, const float* k, const float* v,
+template <int D, typename In>
+__device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In* k, const In* v,
                                                           const float* out, const float* dout, const float* lse,
                                                           float* delta, float* dq, i64 q_seq, i64 kv_seq, i64 heads,
                                                           float scale) {
@@ -374,8 +397,8 @@ __device__ __forceinline__ void attention_mma_backward_dq(const float* q, const 
 
 // ---------------------------------------------------------------------------------------
 // dk, dv: one block per 64 keys, grid (⌈Tk/64⌉, B·H), walking the query tiles that see them.
-template <int D>
-__device__ __forceinline__ void attention_mma_backward_dkv(const float* q, const float* k, const float* v,
+template <int D, typename In>
+__device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In* k, const In* v,
                                                            const float* dout, const float* lse, const float* delta,
                                                            float* dk, float* dv, bf16_t* dv_bf16, i64 q_seq,
                                                            i64 kv_seq, i64 heads, float scale) {
@@ -443,13 +466,22 @@ __device__ __forceinline__ void attention_mma_backward_dkv(const float* q, const
 #define MMA_FORWARD_PARAMS \
     const float *q, const float *k, const float *v, float *out, bf16_t *out_bf16, float *lse, i64 q_seq, i64 kv_seq, \
         i64 heads, float scale
+#define MMA_FORWARD_BF16_PARAMS \
+    const bf16_t *q, const bf16_t *k, const bf16_t *v, float *out, bf16_t *out_bf16, float *lse, i64 q_seq, \
+        i64 kv_seq, i64 heads, float scale
 #define MMA_FORWARD_ARGS q, k, v, out, out_bf16, lse, q_seq, kv_seq, heads, scale
 #define MMA_DQ_PARAMS                                                                                            \
     const float *q, const float *k, const float *v, const float *out, const float *dout, const float *lse,    \
         float *delta, float *dq, i64 q_seq, i64 kv_seq, i64 heads, float scale
+#define MMA_DQ_BF16_PARAMS                                                                                       \
+    const bf16_t *q, const bf16_t *k, const bf16_t *v, const float *out, const float *dout, const float *lse, \
+        float *delta, float *dq, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DQ_ARGS q, k, v, out, dout, lse, delta, dq, q_seq, kv_seq, heads, scale
 #define MMA_DKV_PARAMS                                                                                           \
     const float *q, const float *k, const float *v, const float *dout, const float *lse, const float *delta,  \
+        float *dk, float *dv, bf16_t *dv_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
+#define MMA_DKV_BF16_PARAMS                                                                                      \
+    const bf16_t *q, const bf16_t *k, const bf16_t *v, const float *dout, const float *lse, const float *delta, \
         float *dk, float *dv, bf16_t *dv_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DKV_ARGS q, k, v, dout, lse, delta, dk, dv, dv_bf16, q_seq, kv_seq, heads, scale
 
@@ -457,11 +489,23 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d32(MMA_FORWARD_PARAMS) { attention_mma_forward<32>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d48(MMA_FORWARD_PARAMS) { attention_mma_forward<48>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d64(MMA_FORWARD_PARAMS) { attention_mma_forward<64>(MMA_FORWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_bf16_d16(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<16>(MMA_FORWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_bf16_d32(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<32>(MMA_FORWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_bf16_d48(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<48>(MMA_FORWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_bf16_d64(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<64>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_d16(MMA_DQ_PARAMS) { attention_mma_backward_dq<16>(MMA_DQ_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_d32(MMA_DQ_PARAMS) { attention_mma_backward_dq<32>(MMA_DQ_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_d48(MMA_DQ_PARAMS) { attention_mma_backward_dq<48>(MMA_DQ_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_d64(MMA_DQ_PARAMS) { attention_mma_backward_dq<64>(MMA_DQ_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_bf16_d16(MMA_DQ_BF16_PARAMS) { attention_mma_backward_dq<16>(MMA_DQ_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_bf16_d32(MMA_DQ_BF16_PARAMS) { attention_mma_backward_dq<32>(MMA_DQ_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_bf16_d48(MMA_DQ_BF16_PARAMS) { attention_mma_backward_dq<48>(MMA_DQ_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_bf16_d64(MMA_DQ_BF16_PARAMS) { attention_mma_backward_dq<64>(MMA_DQ_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_d16(MMA_DKV_PARAMS) { attention_mma_backward_dkv<16>(MMA_DKV_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_d32(MMA_DKV_PARAMS) { attention_mma_backward_dkv<32>(MMA_DKV_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_d48(MMA_DKV_PARAMS) { attention_mma_backward_dkv<48>(MMA_DKV_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_d64(MMA_DKV_PARAMS) { attention_mma_backward_dkv<64>(MMA_DKV_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_d16(MMA_DKV_BF16_PARAMS) { attention_mma_backward_dkv<16>(MMA_DKV_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_d32(MMA_DKV_BF16_PARAMS) { attention_mma_backward_dkv<32>(MMA_DKV_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_d48(MMA_DKV_BF16_PARAMS) { attention_mma_backward_dkv<48>(MMA_DKV_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_d64(MMA_DKV_BF16_PARAMS) { attention_mma_backward_dkv<64>(MMA_DKV_ARGS); }

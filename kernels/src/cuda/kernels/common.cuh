@@ -208,6 +208,24 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// v[0..W) = p[0..W) widened from bf16: W = 4 in one 8-byte load (p 8-byte aligned), else one
+// by one. The same name as the f32 load, so kernels templated over their input's element type
+// load either.
+template <int W>
+__device__ __forceinline__ void load_f32(float (&v)[W], const bf16_t* p) {
+    if (W == 4) {
+        bf16x4 q = *reinterpret_cast<const bf16x4*>(p);
+        for (int k = 0; k < W; ++k) v[k] = bf16_to_f32(q.v[k]);
+    } else {
+        for (int k = 0; k < W; ++k) v[k] = bf16_to_f32(p[k]);
+    }
+}
+
+// *p = v stored in p's element type (bf16: rounded to nearest even): kernels templated over
+// their output's element type.
+__device__ __forceinline__ void store_as(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_as(bf16_t* p, float v) { *p = f32_to_bf16(v); }
+
 // p[0..W) = v[0..W) rounded to bf16: W = 4 in one 8-byte store (p 8-byte aligned), else one by one.
 template <int W>
 __device__ __forceinline__ void store_bf16(bf16_t* p, const float (&v)[W]) {

@@ -401,11 +401,12 @@ __device__ __forceinline__ void row_hidden(float* h, float (&hr)[FG_REG_RANK], c
 }
 
 // The gate alone, from a saved ZU: out = σ̃_αc(H_c·B_cᵀ + b_c) ⊙ γ_s ⊙ Z for every group
-// (the second half of the cuBLAS path; the same arithmetic as fused_gate_mma's epilogue).
-template <class Z>
+// (the second half of the cuBLAS path; the same arithmetic as fused_gate_mma's epilogue),
+// written as f32 or rounded to bf16 (O).
+template <class Z, class O>
 __device__ __forceinline__ void gate_apply(const Z* zu, const TensorList& params, const TensorList& layout, int phi,
                                            float phi_p, i64 rows, i64 zu_width, i64 out_width, int rc, int rs,
-                                           float* out) {
+                                           O* out) {
     const GateGroup g = gate_group(params, layout, blockIdx.y);
     const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
     __shared__ float h_rows[FG_ROW_WARPS][FG_MAX_RANK];
@@ -415,7 +416,7 @@ __device__ __forceinline__ void gate_apply(const Z* zu, const TensorList& params
     const i64 d_out = g.d_out;
     WARP_ROWS(n, rows) {
         const Z* zr = zu + n * zu_width + g.zu_at;
-        float* out_row = out + n * out_width + g.out_at;
+        O* out_row = out + n * out_width + g.out_at;
         float hr[FG_REG_RANK];
         row_hidden(h, hr, zr, g.a_c, g.a_s, phi, phi_p, d_out, rc, rs, nullptr);
         const float scale = 2.0f * scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
@@ -428,7 +429,7 @@ __device__ __forceinline__ void gate_apply(const Z* zu, const TensorList& params
                 const i64 j = j0 + 32 * b;
                 if (j >= d_out) break;
                 const float logit = channel_logit(hr, h, g.b_cw, j, rc, regs);
-                out_row[j] = sigmoid_f(alpha_c * (logit + g.b_cb[j])) * scale * z[b];
+                store_as(out_row + j, sigmoid_f(alpha_c * (logit + g.b_cb[j])) * scale * z[b]);
             }
         }
     }
@@ -444,6 +445,13 @@ extern "C" __global__ void fused_gate_apply(const float* zu, TensorList params, 
 extern "C" __global__ void fused_gate_apply_bf16(const bf16_t* zu, TensorList params, TensorList layout, int phi,
                                                  float phi_p, i64 rows, i64 zu_width, i64 out_width, int rc, int rs,
                                                  float* out) {
+    gate_apply(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out);
+}
+
+// fused_gate_apply from a bf16 ZU into a bf16 output (for a consumer that reads bf16: SwiGLU).
+extern "C" __global__ void fused_gate_apply_bf16_out(const bf16_t* zu, TensorList params, TensorList layout, int phi,
+                                                     float phi_p, i64 rows, i64 zu_width, i64 out_width, int rc,
+                                                     int rs, bf16_t* out) {
     gate_apply(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out);
 }
 

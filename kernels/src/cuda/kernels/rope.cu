@@ -12,7 +12,8 @@
 // sit side by side in one row, the packed QKV product); token t of a sequence uses table row
 // pos_offset + t % seq. A part whose rotates.v[p] is 0 is copied, not rotated (v, moved
 // beside q and k in the same launch). out_bf16s.v[p] (when not 0) gets the output rounded to
-// nearest even, for the bf16 products reading it, with out's layout.
+// nearest even, for the bf16 products reading it, with out's layout; outs.v[p] may then be 0
+// (no f32 output: q, k and v for the tensor-core attention, which reads bf16).
 // A thread rotates W adjacent pairs per step: W = 4 when the halves split into 16-byte groups
 // (D/2 % 4 == 0, strides multiples of 4 and every pointer aligned): 16-byte loads of x and the
 // tables, 16-byte stores of out and 8-byte of out_bf16; else W = 1. Index type I: unsigned int
@@ -54,8 +55,10 @@ __device__ __forceinline__ void rope_rotate_part(const float* x, float* out, bf1
                 hi[k] = b[k];
             }
         }
-        store_f32(out + at, lo);
-        store_f32(out + at + half, hi);
+        if (out) {
+            store_f32(out + at, lo);
+            store_f32(out + at + half, hi);
+        }
         if (out_bf16) {
             store_bf16(out_bf16 + at, lo);
             store_bf16(out_bf16 + at + half, hi);

@@ -3,7 +3,9 @@
 // recomputes σ(g) from g and writes (gradients are written, not added: kernels/src/lib.rs):
 //   dg = dy·u·σ(g)·(1 + g·(1 − σ(g))),   du = dy·g·σ(g)
 // Each f32 output may have a bf16 twin (non-null pointer): the same values rounded to nearest
-// even, as f32_to_bf16_kernel writes them, for the bf16 products that read the output.
+// even, as f32_to_bf16_kernel writes them, for the bf16 products that read the output. The
+// gate and up inputs are f32, or (the _bf16 kernels) bf16: a bf16 product's output, as
+// autocast stores it; the arithmetic is f32 either way.
 
 // Element i of the [rows, cols] output (or output gradient) is at row i / cols, column i % cols.
 // The gate and up inputs and their gradients have rows `stride` apart: stride == cols, plain
@@ -26,10 +28,10 @@ __device__ __forceinline__ i64 halves_at(i64 i, i64 cols, i64 stride) {
 // into whole groups of 4), then W = 1 for the rest (all of them otherwise). Same arithmetic per
 // element on both paths.
 
-// out[i] = g·σ(g)·u for i in [i0, i0 + W), reading gate and up at `at`
-template <int W>
-__device__ __forceinline__ void swiglu_forward_at(const float* gate, const float* up, float* out, bf16_t* out_bf16,
-                                                  i64 i0, i64 at) {
+// out[i] = g·σ(g)·u for i in [i0, i0 + W), reading gate and up (of type T) at `at`
+template <int W, typename T>
+__device__ __forceinline__ void swiglu_forward_at(const T* gate, const T* up, float* out, bf16_t* out_bf16, i64 i0,
+                                                  i64 at) {
     float g[W], u[W], y[W];
     load_f32(g, gate + at);
     load_f32(u, up + at);
@@ -38,19 +40,31 @@ __device__ __forceinline__ void swiglu_forward_at(const float* gate, const float
     if (out_bf16) store_bf16(out_bf16 + i0, y);
 }
 
-extern "C" __global__ void swiglu_forward(const float* gate, const float* up, float* out, bf16_t* out_bf16, i64 n,
-                                          i64 cols, i64 stride) {
-    const bool wide = is_aligned(gate, 16) && is_aligned(up, 16) && is_aligned(out, 16) && is_aligned(out_bf16, 8) &&
-                      (stride == cols || cols % 4 == 0);
+template <typename T>
+__device__ __forceinline__ void swiglu_forward_all(const T* gate, const T* up, float* out, bf16_t* out_bf16, i64 n,
+                                                   i64 cols, i64 stride) {
+    const unsigned int in_bytes = 4 * sizeof(T);
+    const bool wide = is_aligned(gate, in_bytes) && is_aligned(up, in_bytes) && is_aligned(out, 16) &&
+                      is_aligned(out_bf16, 8) && (stride == cols || cols % 4 == 0);
     const i64 quads = wide ? n / 4 : 0;
     GRID_STRIDE(q, quads) swiglu_forward_at<4>(gate, up, out, out_bf16, 4 * q, halves_at(4 * q, cols, stride));
     GRID_STRIDE_FROM(i, 4 * quads, n) swiglu_forward_at<1>(gate, up, out, out_bf16, i, halves_at(i, cols, stride));
 }
 
+extern "C" __global__ void swiglu_forward(const float* gate, const float* up, float* out, bf16_t* out_bf16, i64 n,
+                                          i64 cols, i64 stride) {
+    swiglu_forward_all(gate, up, out, out_bf16, n, cols, stride);
+}
+
+extern "C" __global__ void swiglu_forward_bf16(const bf16_t* gate, const bf16_t* up, float* out, bf16_t* out_bf16,
+                                               i64 n, i64 cols, i64 stride) {
+    swiglu_forward_all(gate, up, out, out_bf16, n, cols, stride);
+}
+
 // dgate = dout·up·silu'(gate),  dup = dout·silu(gate) for i in [i0, i0 + W): dout at i0, the
 // inputs and the gradients at `at`
-template <int W>
-__device__ __forceinline__ void swiglu_backward_at(const float* gate, const float* up, const float* dout,
+template <int W, typename T>
+__device__ __forceinline__ void swiglu_backward_at(const T* gate, const T* up, const float* dout,
                                                    float* dgate, float* dup, bf16_t* dgate_bf16, bf16_t* dup_bf16,
                                                    i64 i0, i64 at) {
     float g[W], u[W], dy[W], dg[W], du[W];
@@ -70,12 +84,14 @@ __device__ __forceinline__ void swiglu_backward_at(const float* gate, const floa
     if (dup_bf16) store_bf16(dup_bf16 + at, du);
 }
 
-extern "C" __global__ void swiglu_backward(const float* gate, const float* up, const float* dout, float* dgate,
-                                           float* dup, bf16_t* dgate_bf16, bf16_t* dup_bf16, i64 n, i64 cols,
-                                           i64 stride) {
-    const bool wide = is_aligned(gate, 16) && is_aligned(up, 16) && is_aligned(dout, 16) && is_aligned(dgate, 16) &&
-                      is_aligned(dup, 16) && is_aligned(dgate_bf16, 8) && is_aligned(dup_bf16, 8) &&
-                      (stride == cols || cols % 4 == 0);
+template <typename T>
+__device__ __forceinline__ void swiglu_backward_all(const T* gate, const T* up, const float* dout, float* dgate,
+                                                    float* dup, bf16_t* dgate_bf16, bf16_t* dup_bf16, i64 n,
+                                                    i64 cols, i64 stride) {
+    const unsigned int in_bytes = 4 * sizeof(T);
+    const bool wide = is_aligned(gate, in_bytes) && is_aligned(up, in_bytes) && is_aligned(dout, 16) &&
+                      is_aligned(dgate, 16) && is_aligned(dup, 16) && is_aligned(dgate_bf16, 8) &&
+                      is_aligned(dup_bf16, 8) && (stride == cols || cols % 4 == 0);
     const i64 quads = wide ? n / 4 : 0;
     GRID_STRIDE(q, quads) {
         swiglu_backward_at<4>(gate, up, dout, dgate, dup, dgate_bf16, dup_bf16, 4 * q, halves_at(4 * q, cols, stride));
@@ -83,4 +99,16 @@ extern "C" __global__ void swiglu_backward(const float* gate, const float* up, c
     GRID_STRIDE_FROM(i, 4 * quads, n) {
         swiglu_backward_at<1>(gate, up, dout, dgate, dup, dgate_bf16, dup_bf16, i, halves_at(i, cols, stride));
     }
+}
+
+extern "C" __global__ void swiglu_backward(const float* gate, const float* up, const float* dout, float* dgate,
+                                           float* dup, bf16_t* dgate_bf16, bf16_t* dup_bf16, i64 n, i64 cols,
+                                           i64 stride) {
+    swiglu_backward_all(gate, up, dout, dgate, dup, dgate_bf16, dup_bf16, n, cols, stride);
+}
+
+extern "C" __global__ void swiglu_backward_bf16(const bf16_t* gate, const bf16_t* up, const float* dout,
+                                                float* dgate, float* dup, bf16_t* dgate_bf16, bf16_t* dup_bf16, i64 n,
+                                                i64 cols, i64 stride) {
+    swiglu_backward_all(gate, up, dout, dgate, dup, dgate_bf16, dup_bf16, n, cols, stride);
 }
