@@ -457,6 +457,31 @@ fn a_fused_gated_group_stores_its_output_in_bf16_when_asked() {
     assert_eq!(grads_bf16, grads_f32, "the gradients do not depend on how the output is stored");
 }
 
+/// A product stored in bf16 (`ProductOutput::Bf16`) is still an f32 tensor: read as f32 it
+/// is its bf16 values widened, and written in place it becomes plain f32 storage holding the
+/// write (its bf16 rounding no longer stands for it).
+#[test]
+fn a_product_stored_in_bf16_reads_widened_and_takes_writes() {
+    if no_gpu() {
+        return;
+    }
+    let _precision = Precision::set(MatmulPrecision::Bf16);
+    let (x, w) = (rand(&[6, 16], -1.0, 1.0, 95), rand(&[8, 16], -1.0, 1.0, 96));
+    let mut y = gpu(&x).packed_linear(&[&gpu(&w)], ProductOutput::Bf16).unwrap();
+    assert_eq!(y.dtype(), DType::F32);
+    let f32_product = gpu(&x).packed_linear(&[&gpu(&w)], ProductOutput::F32).unwrap();
+    let rounded = f32_product.to_host().unwrap().to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+    assert_eq!(y.to_host().unwrap().to_vec(), rounded.to_vec(), "read as f32: the bf16 values widened");
+    let (dev, buffer) = y.cuda_f32_mut("test").unwrap();
+    kernels::cuda::elementwise::fill(&dev, 0.1, buffer).unwrap();
+    assert_eq!(y.to_host().unwrap().to_vec(), vec![0.1; 48], "the write is the value");
+    let copy = y.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap().to_host().unwrap();
+    assert_eq!(
+        copy.to_vec(),
+        Tensor::full(&[48], 0.1).to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap().to_vec()
+    );
+}
+
 /// An ungated SwiGLU FFN under bf16 products: on the GPU its gate and up projections run as
 /// one packed product (one GEMM forward for the two), on the CPU one by one; the output and
 /// every gradient agree (a swapped gate and up would not).
