@@ -327,6 +327,22 @@ fn cuda_training_matches_the_cpu_and_learns() {
     assert!(report.final_val_loss.is_some_and(f32::is_finite));
 }
 
+/// A frozen α (`fixed-alpha`: the constant 1, not a parameter, so `Module::to_device` does
+/// not move it) follows its gate onto the GPU: the run trains there as on the CPU (it was an
+/// error, "operands on different devices").
+#[test]
+fn a_frozen_alpha_follows_its_gate_onto_the_gpu() {
+    let Some(_turn) = gpu_to_myself() else {
+        return;
+    };
+    let (cpu_dir, gpu_dir) = (scratch("fixed-alpha-cpu"), scratch("fixed-alpha-gpu"));
+    let frozen = |dir: &Path, device| TrainConfig { variant: "fixed-alpha".into(), ..config(dir, device, 5) };
+    let (cpu, gpu) = (frozen(&cpu_dir, Device::Cpu), frozen(&gpu_dir, GPU));
+    train(&cpu, false).unwrap();
+    train(&gpu, false).unwrap();
+    assert_agree("fixed-alpha cuda vs cpu", &losses(&cpu.out_dir), &losses(&gpu.out_dir));
+}
+
 #[test]
 fn a_cuda_checkpoint_resumes_on_cuda_and_on_the_cpu() {
     let Some(_turn) = gpu_to_myself() else {

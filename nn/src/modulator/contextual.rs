@@ -6,7 +6,7 @@
 //! and broadcasts over the modulated output.
 
 use autograd::{Result, Var};
-use tensor::{Rng, Tensor};
+use tensor::{Device, Rng, Tensor};
 
 use super::{calibrated_sigmoid, Phi};
 use crate::init;
@@ -48,6 +48,17 @@ fn alpha(learnable: bool) -> Var {
     }
 }
 
+/// Puts a frozen α (the constant 1, not a parameter) on `device`. `Module::to_device` moves
+/// parameters only, so a frozen α follows the values it gates there at their first forward
+/// (one upload of one value, then none); a learnable α moves with the other parameters.
+fn place_frozen_alpha(alpha: &Var, learnable: bool, device: Device) -> Result<()> {
+    if !learnable && alpha.value_ref().device() != device {
+        let moved = alpha.value_ref().to_device(device)?;
+        alpha.set_value(moved)?;
+    }
+    Ok(())
+}
+
 /// `G(x) = σ̃_α(B·φ(A·x + a) + b)` (Transponder eq. 4 with the biases of SPEC §1).
 /// Init: A and B Kaiming-uniform, a and b zero, α = 1.
 pub struct Modulator {
@@ -87,9 +98,15 @@ impl Modulator {
 
     /// The gate `[..., m]` for `x: [..., d_in]`, values in (0, 2).
     pub fn forward(&self, x: &Var) -> Result<Var> {
+        self.place_frozen_alpha(x.value_ref().device())?;
         let hidden = self.phi.apply(&x.matmul(&self.a_weight.transpose(0, 1)?)?.add(&self.a_bias)?)?;
         let logits = hidden.matmul(&self.b_weight.transpose(0, 1)?)?.add(&self.b_bias)?;
         calibrated_sigmoid(&logits, &self.alpha)
+    }
+
+    /// Puts α on `device` when it is frozen (a constant that `Module::to_device` does not see).
+    pub fn place_frozen_alpha(&self, device: Device) -> Result<()> {
+        place_frozen_alpha(&self.alpha, self.learnable_alpha, device)
     }
 
     /// `[A, a, B, b, α]`, the order [`Var::fused_gated_projection`] takes.
@@ -144,6 +161,7 @@ impl NonContextualGate {
 
     /// The gate `[d_out]` (it broadcasts over tokens; the input is not read).
     pub fn forward(&self) -> Result<Var> {
+        place_frozen_alpha(&self.alpha, self.learnable_alpha, self.beta1.value_ref().device())?;
         calibrated_sigmoid(&self.beta2.mul(&self.beta1)?, &self.alpha)
     }
 }

@@ -8,7 +8,7 @@
 
 use autograd::ops::{GatedProjectionVars, ProductOutput, Unary};
 use autograd::{Result, Var};
-use tensor::{with_last_dim, Rng};
+use tensor::{with_last_dim, Device, Rng};
 
 use super::Gate;
 use crate::init::WeightInit;
@@ -51,6 +51,7 @@ impl ModulatedProjection {
     /// `x: [..., in] → [..., out]`, through the fused op when the gates allow it.
     pub fn forward(&self, x: &Var) -> Result<Var> {
         self.record_gates(x)?;
+        self.place_fused_alphas(x.value_ref().device())?;
         match self.fused_parts() {
             Some((parts, phi)) => x.fused_gated_projections(&[parts], phi, ProductOutput::F32),
             None => self.forward_unfused(x),
@@ -76,6 +77,9 @@ impl ModulatedProjection {
         if projections.iter().all(|p| p.is_plain()) {
             let weights: Vec<&Var> = projections.iter().map(|p| &p.linear.weight).collect();
             return rows.packed_linear(&weights, output).map(Some);
+        }
+        for p in projections {
+            p.place_fused_alphas(rows.value_ref().device())?;
         }
         let fused: Option<Vec<_>> = projections.iter().map(|p| p.fused_parts()).collect();
         let Some(fused) = fused else { return Ok(None) };
@@ -106,6 +110,16 @@ impl ModulatedProjection {
             }
             _ => None,
         }
+    }
+
+    /// Puts the fused op's frozen α's (constants, which `Module::to_device` does not move) on
+    /// `device`, where the fused op reads them with the other modulator parameters.
+    fn place_fused_alphas(&self, device: Device) -> Result<()> {
+        if let [Gate::ChannelScalar { channel, scalar }] = self.gates.as_slice() {
+            channel.place_frozen_alpha(device)?;
+            scalar.place_frozen_alpha(device)?;
+        }
+        Ok(())
     }
 
     /// Hands the gates and their input to a running trace (`crate::trace`), if any.
