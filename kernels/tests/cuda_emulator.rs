@@ -176,7 +176,7 @@ fn fused_gate_error(dev: &CudaDevice) -> f32 {
     let group = [cuda::fused_gate::GateGroup { dims, params }];
     let packed = cuda::fused_gate::pack_weight(dev, &group).unwrap();
     // The unfused path's ZU in f32: both gate the same f32 sums.
-    let mut zu = cuda::fused_gate::DeviceValues::alloc(dev, dims.rows * dims.width(), false).unwrap();
+    let mut zu = cuda::DeviceValues::alloc(dev, dims.rows * dims.width(), false).unwrap();
     let mut fused = dev.alloc(dims.rows * dims.d_out).unwrap();
     cuda::fused_gate::fused_gate_forward(dev, &dims, &x, &packed, &params, None, &mut fused).unwrap();
     let mut unfused = dev.alloc(dims.rows * dims.d_out).unwrap();

@@ -25,12 +25,11 @@ use kernels::cuda::attention::{
 use kernels::cuda::blas::{matmul_bf16, DeviceMat};
 use kernels::cuda::fused_gate::{
     fused_gate_backward, fused_gate_forward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads,
-    DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, DeviceValues, FusedGateDims, GateGroup, GateProducts,
-    Unary,
+    DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, FusedGateDims, GateGroup, GateProducts, Unary,
 };
 use kernels::cuda::swiglu::{swiglu_backward, swiglu_forward, swiglu_halves_backward, swiglu_halves_forward};
 use kernels::cuda::{CudaDevice, DeviceBuffer, Result};
-use kernels::cuda::{Values, ValuesMut};
+use kernels::cuda::{DeviceValues, Values, ValuesMut};
 
 /// Timed repetitions per measurement; the best is reported.
 const REPEATS: usize = 5;
@@ -395,8 +394,12 @@ fn bench_gate_group(dev: &CudaDevice, tokens: usize, d: usize) -> Result<()> {
 
 fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, head_dim: usize) -> Result<()> {
     let len = batch * seq * heads * head_dim;
-    let (q, k, v) =
-        (dev.upload(&values(len, 11, 1.0))?, dev.upload(&values(len, 12, 1.0))?, dev.upload(&values(len, 13, 1.0))?);
+    let (hq, hk, hv) = (values(len, 11, 1.0), values(len, 12, 1.0), values(len, 13, 1.0));
+    let (q, k, v) = (dev.upload(&hq)?, dev.upload(&hk)?, dev.upload(&hv)?);
+    // Under bf16 products training hands the tensor-core kernels q, k and v in bf16 (RoPE
+    // writes them so); the f32 kernels read f32.
+    let rounded = |x: &[f32]| dev.upload(&x.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>());
+    let (q16, k16, v16) = (rounded(&hq)?, rounded(&hk)?, rounded(&hv)?);
     let mut out = dev.alloc::<f32>(len)?;
     let mut naive_out = dev.alloc::<f32>(len)?;
     let scale = 1.0 / (head_dim as f32).sqrt();
@@ -416,27 +419,19 @@ fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, hea
         precisions.push((AttentionPrecision::Bf16, 2e-2));
     }
     for (precision, tolerance) in precisions {
-        causal_attention_forward(dev, [&q, &k, &v].map(Values::F32), &dims, precision, (&mut out, None), &mut lse)?;
+        let qkv = match precision {
+            AttentionPrecision::F32 => [&q, &k, &v].map(Values::F32),
+            AttentionPrecision::Bf16 => [&q16, &k16, &v16].map(Values::Bf16),
+        };
+        causal_attention_forward(dev, qkv, &dims, precision, (&mut out, None), &mut lse)?;
         let what = format!("flash attention ({precision:?}) B={batch} T={seq} H={heads} D={head_dim}");
         let worst = check(&what, &dev.download(&out)?, &naive, tolerance);
-        let flash_s = best_seconds(dev, || {
-            causal_attention_forward(dev, [&q, &k, &v].map(Values::F32), &dims, precision, (&mut out, None), &mut lse)
-        })?;
+        let flash_s =
+            best_seconds(dev, || causal_attention_forward(dev, qkv, &dims, precision, (&mut out, None), &mut lse))?;
         let train_s = best_seconds(dev, || {
-            causal_attention_forward(dev, [&q, &k, &v].map(Values::F32), &dims, precision, (&mut out, None), &mut lse)?;
+            causal_attention_forward(dev, qkv, &dims, precision, (&mut out, None), &mut lse)?;
             let dv = (&mut dv, None);
-            causal_attention_backward(
-                dev,
-                [&q, &k, &v].map(Values::F32),
-                &out,
-                &lse,
-                &dout,
-                &dims,
-                precision,
-                &mut dq,
-                &mut dk,
-                dv,
-            )
+            causal_attention_backward(dev, qkv, &out, &lse, &dout, &dims, precision, &mut dq, &mut dk, dv)
         })?;
         println!(
             "attention {precision:?} B={batch} T={seq} H={heads} D={head_dim} | flash {:>8.3} ms | naive {:>8.3} ms \

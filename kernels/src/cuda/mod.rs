@@ -69,4 +69,4 @@ pub use device::CudaDevice;
 pub use error::{CudaError, Result};
 pub use graph::{CapturedGraph, GraphPool};
 pub use timer::KernelTime;
-pub use values::{Values, ValuesMut};
+pub use values::{DeviceValues, Values, ValuesMut};

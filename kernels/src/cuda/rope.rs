@@ -176,6 +176,7 @@ pub fn rope_qkv_forward(
         format!("qkv has {} elements, 3·[B, T, H, D] needs {}", qkv.len(), 3 * part_len)
     })?;
     for out in &outputs {
+        let out = out.as_values();
         out.check_owner(dev, OP)?;
         check_dims(OP, dims, dims, part_len, out.len(), [cos, sin])?;
     }
@@ -183,9 +184,9 @@ pub fn rope_qkv_forward(
     let lane = |part: usize, out: &ValuesMut| Lane {
         x: qkv.ptr_at(part * width),
         x_stride: 3 * width,
-        out: if out.is_bf16() { 0 } else { out.address() },
+        out: out.as_values().f32_address(),
         out_stride: width,
-        out_bf16: if out.is_bf16() { out.address() } else { 0 },
+        out_bf16: out.as_values().bf16_address(),
         heads: dims.heads,
         rotate: part < 2,
     };

@@ -72,8 +72,7 @@ pub fn swiglu_halves_forward(
     check_twin(dev, OP, &out_bf16, n)?;
     let (gate, up) = (gate_up.arg_at(0), gate_up.arg_at(cols));
     let args = [gate, up, ptr(out), opt_ptr(out_bf16.as_deref()), size(n), size(cols), size(2 * cols)];
-    let kernel = if gate_up.is_bf16() { "swiglu_forward_bf16" } else { "swiglu_forward" };
-    dev.launch(FAMILY, kernel, grid(n), &args)
+    dev.launch(FAMILY, gate_up.kernel("swiglu_forward", "swiglu_forward_bf16"), grid(n), &args)
 }
 
 /// Errors unless `gate_up` (`len` elements) holds the two `[rows, cols]` halves of an output of `n`.
@@ -145,6 +144,5 @@ pub fn swiglu_halves_backward(
         size(cols),
         size(2 * cols),
     ];
-    let kernel = if gate_up.is_bf16() { "swiglu_backward_bf16" } else { "swiglu_backward" };
-    dev.launch(FAMILY, kernel, grid(n), &args)
+    dev.launch(FAMILY, gate_up.kernel("swiglu_backward", "swiglu_backward_bf16"), grid(n), &args)
 }

@@ -1,7 +1,8 @@
-//! Borrowed device arrays of f32 values or of their bf16 rounding, for the kernels that come
-//! in both element types: under bf16 products a product's output is stored in bf16 (as
-//! autocast stores it: half the bytes written and read), and the kernels that consume it read
-//! it so ([`Values`]) or write it so ([`ValuesMut`]); the arithmetic stays f32.
+//! Device arrays of f32 values or of their bf16 rounding, for the kernels that come in both
+//! element types: under bf16 products a product's output is stored in bf16 (as autocast
+//! stores it: half the bytes written and read), and the kernels that consume it read it so
+//! ([`Values`]) or write it so ([`ValuesMut`]); the arithmetic stays f32. [`DeviceValues`]
+//! owns such an array (the fused gate's saved `ZU` and its `dL_c`).
 
 use half::bf16;
 
@@ -22,6 +23,13 @@ pub enum Values<'a> {
 pub enum ValuesMut<'a> {
     F32(&'a mut DeviceBuffer<f32>),
     Bf16(&'a mut DeviceBuffer<bf16>),
+}
+
+/// An owned buffer of f32 values, or of their bf16 rounding (from their f32 sums).
+#[derive(Debug)]
+pub enum DeviceValues {
+    F32(DeviceBuffer<f32>),
+    Bf16(DeviceBuffer<bf16>),
 }
 
 impl Values<'_> {
@@ -51,52 +59,83 @@ impl Values<'_> {
         }
     }
 
-    /// The kernel argument: the address of element `at`.
-    pub(crate) fn arg_at(&self, at: usize) -> Arg {
-        Arg::Ptr(match self {
+    /// The address of element `at`.
+    pub(crate) fn address_at(&self, at: usize) -> u64 {
+        match self {
             Values::F32(b) => b.ptr_at(at),
             Values::Bf16(b) => b.ptr_at(at),
-        })
-    }
-}
-
-impl ValuesMut<'_> {
-    /// Its elements.
-    pub fn len(&self) -> usize {
-        match self {
-            ValuesMut::F32(b) => b.len(),
-            ValuesMut::Bf16(b) => b.len(),
-        }
-    }
-
-    /// Whether it has no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Whether it holds bf16 values.
-    pub fn is_bf16(&self) -> bool {
-        matches!(self, ValuesMut::Bf16(_))
-    }
-
-    /// Errors unless it lives on `dev`.
-    pub(crate) fn check_owner(&self, dev: &CudaDevice, op: &'static str) -> Result<()> {
-        match self {
-            ValuesMut::F32(b) => dev.check_owner(op, b),
-            ValuesMut::Bf16(b) => dev.check_owner(op, b),
         }
     }
 
     /// The address of element 0.
     pub(crate) fn address(&self) -> u64 {
-        match self {
-            ValuesMut::F32(b) => b.device_ptr(),
-            ValuesMut::Bf16(b) => b.device_ptr(),
+        self.address_at(0)
+    }
+
+    /// The address of element 0 when it holds f32 values, else 0 (a kernel's null pointer).
+    pub(crate) fn f32_address(&self) -> u64 {
+        if self.is_bf16() {
+            0
+        } else {
+            self.address()
         }
     }
 
-    /// The kernel argument: the address of element 0.
-    pub(crate) fn arg(&self) -> Arg {
-        Arg::Ptr(self.address())
+    /// The address of element 0 when it holds bf16 values, else 0.
+    pub(crate) fn bf16_address(&self) -> u64 {
+        if self.is_bf16() {
+            self.address()
+        } else {
+            0
+        }
+    }
+
+    /// The kernel argument: the address of element `at`.
+    pub(crate) fn arg_at(&self, at: usize) -> Arg {
+        Arg::Ptr(self.address_at(at))
+    }
+
+    /// The kernel for this element type: `f32_name` or `bf16_name`.
+    pub(crate) fn kernel(&self, f32_name: &'static str, bf16_name: &'static str) -> &'static str {
+        if self.is_bf16() {
+            bf16_name
+        } else {
+            f32_name
+        }
+    }
+}
+
+impl ValuesMut<'_> {
+    /// The same buffer, read-only (its length, address and element type).
+    pub fn as_values(&self) -> Values<'_> {
+        match self {
+            ValuesMut::F32(b) => Values::F32(b),
+            ValuesMut::Bf16(b) => Values::Bf16(b),
+        }
+    }
+}
+
+impl DeviceValues {
+    /// A fresh buffer of `len` elements, bf16 when `bf16` is set.
+    pub fn alloc(dev: &CudaDevice, len: usize, bf16: bool) -> Result<DeviceValues> {
+        Ok(if bf16 { DeviceValues::Bf16(dev.alloc(len)?) } else { DeviceValues::F32(dev.alloc(len)?) })
+    }
+
+    /// The buffer to read.
+    pub fn values(&self) -> Values<'_> {
+        match self {
+            DeviceValues::F32(b) => Values::F32(b),
+            DeviceValues::Bf16(b) => Values::Bf16(b),
+        }
+    }
+
+    /// Its elements.
+    pub fn len(&self) -> usize {
+        self.values().len()
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }

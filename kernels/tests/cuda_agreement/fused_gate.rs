@@ -7,8 +7,7 @@ use kernels::cpu::fused_gate::{FusedGateDims, FusedGateGrads, FusedGateParams, G
 use kernels::cpu::matmul::Store;
 use kernels::cpu::unary::Unary;
 use kernels::cuda::fused_gate::{
-    DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, DeviceValues, GateGroup,
-    GateProducts,
+    DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, GateGroup, GateProducts,
 };
 use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer};
 
@@ -219,7 +218,7 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
     let (gx, gx16) = (up(dev, x), up_bf16(dev, x));
     let width: usize = cases.iter().map(|c| c.dims.width()).sum();
     let (mut gzu, mut gout) =
-        (DeviceValues::alloc(dev, rows * width, bf16_zu).unwrap(), dev.alloc(rows * out_width).unwrap());
+        (cuda::DeviceValues::alloc(dev, rows * width, bf16_zu).unwrap(), dev.alloc(rows * out_width).unwrap());
     let out = cuda::ValuesMut::F32(&mut gout);
     cuda::fused_gate::fused_gate_forward_unfused(dev, &group, &gx16, &packed, &mut gzu, out).unwrap();
     assert_close(&format!("forward {what}"), &down(dev, &gout), &want_out, 0.0, rel);

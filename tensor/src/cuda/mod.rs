@@ -21,7 +21,7 @@ pub(crate) mod storage;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use half::bf16;
-use kernels::cuda::{CudaDevice, CudaError, DeviceBuffer, DeviceRun};
+use kernels::cuda::{CudaDevice, CudaError, DeviceBuffer, DeviceRun, Values};
 
 use crate::{DType, Error, Result, Storage, Tensor};
 
@@ -94,6 +94,22 @@ impl Tensor {
     /// The f32 device buffer of a [`Tensor::dense`] view (call that first), or an error
     /// naming `op` for CPU, bf16 or non-dense tensors.
     pub fn cuda_f32(&self, op: &'static str) -> Result<&DeviceBuffer<f32>> {
+        self.dense_storage(op)?.f32_buffer(op)
+    }
+
+    /// The values of a [`Tensor::dense`] f32 view for a kernel that reads either element
+    /// type: the bf16 rounding they are held as (a product stored in bf16), else the f32
+    /// buffer; errors as [`Tensor::cuda_f32`].
+    pub fn cuda_values(&self, op: &'static str) -> Result<Values<'_>> {
+        let storage = self.dense_storage(op)?;
+        match storage.bf16_backing() {
+            Some(rounded) => Ok(Values::Bf16(rounded)),
+            None => Ok(Values::F32(storage.f32_buffer(op)?)),
+        }
+    }
+
+    /// The device storage of a dense view: exactly its elements, in order, from offset 0.
+    fn dense_storage(&self, op: &'static str) -> Result<&CudaStorage> {
         let storage = self.cuda_storage().ok_or(Error::UnsupportedDevice { op, device: self.device })?;
         if !self.is_contiguous() || self.offset != 0 || storage.len() != self.numel() {
             return Err(Error::InvalidShape {
@@ -102,7 +118,7 @@ impl Tensor {
                 reason: "a CUDA launcher needs a dense view; call dense() first".into(),
             });
         }
-        storage.f32_buffer(op)
+        Ok(storage)
     }
 
     /// The f32 device elements of a contiguous GPU tensor, wherever they start in its buffer

@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use half::bf16;
 use kernels::cuda::optim::Bf16Destination;
-use kernels::cuda::{elementwise, CudaDevice, DeviceBuffer};
+use kernels::cuda::{elementwise, CudaDevice, DeviceBuffer, ValuesMut};
 
 use super::cuda_error;
 use crate::{DType, Result, Storage};
@@ -81,16 +81,41 @@ impl CudaStorage {
         CudaStorage { device: Arc::clone(device), data: CudaData::BF16(buffer), bf16_copy: Mutex::new(None) }
     }
 
-    /// f32 values held as their bf16 rounding `rounded` (a bf16 product's output, as autocast
-    /// stores it), widened on the device only if something reads them as f32.
-    pub fn bf16_rounded(device: &Arc<CudaDevice>, rounded: DeviceBuffer<bf16>) -> CudaStorage {
-        let copy = Arc::new(Storage::Cuda(CudaStorage::bf16(device, rounded)));
+    /// An uninitialised buffer of `len` f32 values for a kernel to write through
+    /// [`CudaStorage::values_mut`], held as their bf16 rounding when `rounded` (a product's
+    /// output stored in bf16, as autocast stores it: widened on the device only if something
+    /// reads it as f32).
+    pub fn alloc_values(device: &Arc<CudaDevice>, len: usize, rounded: bool) -> Result<CudaStorage> {
+        if !rounded {
+            return CudaStorage::alloc(device, len);
+        }
+        let buffer = device.alloc(len).map_err(|e| cuda_error("alloc", e))?;
+        let copy = Arc::new(Storage::Cuda(CudaStorage::bf16(device, buffer)));
         let data = CudaData::Bf16Backed { copy, widened: OnceLock::new() };
-        CudaStorage { device: Arc::clone(device), data, bf16_copy: Mutex::new(None) }
+        Ok(CudaStorage { device: Arc::clone(device), data, bf16_copy: Mutex::new(None) })
+    }
+
+    /// Where a kernel writes the values: the f32 buffer (forgetting the bf16 copy, as
+    /// [`CudaStorage::f32_buffer_mut`]), or the bf16 rounding of a storage held so and by
+    /// nothing else (one from [`CudaStorage::alloc_values`]); a bf16-backed storage that shares
+    /// its rounding becomes plain f32 first. Errors naming `op` for bf16 storage.
+    pub fn values_mut(&mut self, op: &'static str) -> Result<ValuesMut<'_>> {
+        let sole_rounding = matches!(&self.data, CudaData::Bf16Backed { copy, .. }
+            if Arc::strong_count(copy) == 1 && Arc::weak_count(copy) == 0);
+        if !sole_rounding {
+            return Ok(ValuesMut::F32(self.f32_buffer_mut(op)?));
+        }
+        let CudaData::Bf16Backed { copy, widened } = &mut self.data else { unreachable!("checked above") };
+        // The write makes any widened values stale.
+        *widened = OnceLock::new();
+        match Arc::get_mut(copy) {
+            Some(Storage::Cuda(CudaStorage { data: CudaData::BF16(rounded), .. })) => Ok(ValuesMut::Bf16(rounded)),
+            _ => unreachable!("a sole bf16 backing is a bf16 device storage"),
+        }
     }
 
     /// The bf16 values of a storage held as its bf16 rounding ([`CudaStorage::bf16_backed`],
-    /// [`CudaStorage::bf16_rounded`]), for kernels that read them directly; `None` otherwise.
+    /// [`CudaStorage::alloc_values`]), for kernels that read them directly; `None` otherwise.
     pub fn bf16_backing(&self) -> Option<&DeviceBuffer<bf16>> {
         match &self.data {
             CudaData::Bf16Backed { copy, .. } => match &**copy {

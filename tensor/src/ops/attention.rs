@@ -122,15 +122,12 @@ pub(crate) mod cuda {
         matmul_precision() == MatmulPrecision::Bf16 && launch::tensor_cores_fit(head_dim)
     }
 
-    /// q, k and v as the kernels read them: bf16 when they are held so (RoPE's output under
-    /// bf16 products) and the tensor-core kernels run, else f32 (widened if need be).
+    /// q, k and v as the kernels read them: as they are held (bf16, RoPE's output under bf16
+    /// products) when the tensor-core kernels run, else f32 (widened if need be).
     fn inputs<'a>(qkv: [&'a Tensor; 3], precision: AttentionPrecision, op: &'static str) -> Result<[Values<'a>; 3]> {
-        let value = |t: &'a Tensor| -> Result<Values<'a>> {
-            let backing = t.cuda_storage().and_then(|storage| storage.bf16_backing());
-            match backing {
-                Some(rounded) if precision == AttentionPrecision::Bf16 => Ok(Values::Bf16(rounded)),
-                _ => Ok(Values::F32(t.cuda_f32(op)?)),
-            }
+        let value = |t: &'a Tensor| match precision {
+            AttentionPrecision::Bf16 => t.cuda_values(op),
+            AttentionPrecision::F32 => Ok(Values::F32(t.cuda_f32(op)?)),
         };
         Ok([value(qkv[0])?, value(qkv[1])?, value(qkv[2])?])
     }

@@ -60,10 +60,7 @@ enum SavedExtra {
     /// bf16 products, as autocast saves a product) and the packed bf16 weight it read, which
     /// the backward's bf16 products read too.
     #[cfg(feature = "cuda")]
-    Cuda {
-        zu: kernels::cuda::fused_gate::DeviceValues,
-        packed: std::sync::Arc<kernels::cuda::DeviceBuffer<half::bf16>>,
-    },
+    Cuda { zu: kernels::cuda::DeviceValues, packed: std::sync::Arc<kernels::cuda::DeviceBuffer<half::bf16>> },
 }
 
 /// Contiguous values of one modulator's `[A, a, B, b, α]`, with its rank, checked against
@@ -313,9 +310,9 @@ pub(crate) mod cuda {
     use kernels::cpu::matmul::Store;
     use kernels::cuda::fused_gate::{
         fused_gate_backward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams,
-        DeviceGateGrads, DeviceGateParams, DeviceValues, GateGroup, GateProducts, Unary,
+        DeviceGateGrads, DeviceGateParams, GateGroup, GateProducts, Unary,
     };
-    use kernels::cuda::{CudaDevice, DeviceBuffer, ValuesMut};
+    use kernels::cuda::{CudaDevice, DeviceBuffer, DeviceValues};
 
     use super::{Checked, FusedGateSaved, ProductOutput};
     use crate::cuda::CudaStorage;
@@ -401,22 +398,8 @@ pub(crate) mod cuda {
         // Training saves Z and U for the backward, so the epilogue kernel's saving (not writing them)
         // does not apply here.
         let x_bf16 = x_bf16_buffer.bf16_buffer(OP)?;
-        let out = if bf16_products && output == ProductOutput::Bf16 {
-            let mut rounded = dev.alloc(out_len).map_err(|e| crate::cuda::cuda_error(OP, e))?;
-            fused_gate_forward_unfused(&dev, &group, x_bf16, &packed, &mut zu, ValuesMut::Bf16(&mut rounded))?;
-            CudaStorage::bf16_rounded(&dev, rounded)
-        } else {
-            let mut out = CudaStorage::alloc(&dev, out_len)?;
-            fused_gate_forward_unfused(
-                &dev,
-                &group,
-                x_bf16,
-                &packed,
-                &mut zu,
-                ValuesMut::F32(out.f32_buffer_mut(OP)?),
-            )?;
-            out
-        };
+        let mut out = CudaStorage::alloc_values(&dev, out_len, bf16_products && output == ProductOutput::Bf16)?;
+        fused_gate_forward_unfused(&dev, &group, x_bf16, &packed, &mut zu, out.values_mut(OP)?)?;
         let out = Tensor::from_cuda(out, out_shape)?;
         Ok((out, x.to_dtype(DType::F32)?.dense()?, zu, packed))
     }

@@ -146,10 +146,10 @@ pub(crate) mod cuda {
     use kernels::cpu::matmul::{GemmDims, Store};
     use kernels::cuda::blas::{matmul_bf16, matmul_bf16_out, DeviceMat};
     use kernels::cuda::elementwise::pack_bf16;
-    use kernels::cuda::{CudaDevice, DeviceBuffer};
+    use kernels::cuda::{CudaDevice, DeviceBuffer, ValuesMut};
 
     use super::ProductOutput;
-    use crate::cuda::{matmul_precision, output as f32_output, CudaStorage, MatmulPrecision};
+    use crate::cuda::{matmul_precision, output, CudaStorage, MatmulPrecision};
     use crate::{DType, Error, Result, Tensor};
 
     const OP: &str = "packed_linear";
@@ -196,17 +196,13 @@ pub(crate) mod cuda {
         // [W_1; …; W_k]ᵀ: element (i, j) is packed[j·in + i].
         let rhs = DeviceMat { buffer: &*packed, offset: 0, row_stride: 1, col_stride: d_in };
         let dims = GemmDims { m: rows, n: total, k: d_in };
-        let err = |e| crate::cuda::cuda_error(OP, e);
-        match output {
-            ProductOutput::F32 => f32_output(&dev, OP, &[rows, total], |out| {
-                matmul_bf16(&dev, out, 0, lhs, rhs, dims, Store::Overwrite).map_err(err)
-            }),
-            ProductOutput::Bf16 => {
-                let mut out = dev.alloc(rows * total).map_err(err)?;
-                matmul_bf16_out(&dev, &mut out, lhs, rhs, dims).map_err(err)?;
-                Tensor::from_cuda(CudaStorage::bf16_rounded(&dev, out), &[rows, total])
-            }
+        let mut out = CudaStorage::alloc_values(&dev, rows * total, output == ProductOutput::Bf16)?;
+        match out.values_mut(OP)? {
+            ValuesMut::F32(out) => matmul_bf16(&dev, out, 0, lhs, rhs, dims, Store::Overwrite),
+            ValuesMut::Bf16(out) => matmul_bf16_out(&dev, out, lhs, rhs, dims),
         }
+        .map_err(|e| crate::cuda::cuda_error(OP, e))?;
+        Tensor::from_cuda(out, &[rows, total])
     }
 
     /// `so_far + dy·[W_1; …; W_k]` for `dy: [rows, total]` (contiguous): `[rows, in]`, added
@@ -230,7 +226,7 @@ pub(crate) mod cuda {
             product(storage.f32_buffer_mut(OP)?, Store::Accumulate)?;
             return Ok(so_far.expect("added onto in place"));
         }
-        let dx = f32_output(&dev, OP, &[rows, d_in], |out| product(out, Store::Overwrite))?;
+        let dx = output(&dev, OP, &[rows, d_in], |out| product(out, Store::Overwrite))?;
         match so_far {
             Some(sum) => sum.accumulate(dx),
             None => Ok(dx),

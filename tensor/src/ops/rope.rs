@@ -155,7 +155,7 @@ pub(crate) mod cuda {
     use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
     use kernels::cpu::rope::{rope_table, RopeDims};
-    use kernels::cuda::{rope as launch, CudaDevice, DeviceBuffer, ValuesMut};
+    use kernels::cuda::{rope as launch, CudaDevice, DeviceBuffer};
 
     use crate::cuda::{product_input_buffers, CudaStorage};
     use crate::{Result, Tensor};
@@ -210,20 +210,11 @@ pub(crate) mod cuda {
         let dev = qkv.cuda_device(OP)?;
         let qkv = qkv.dense()?;
         let table = table(&dev, dims.seq, dims.head_dim, theta)?;
-        let (q, k, v) = if crate::ops::attention::cuda::reads_bf16_inputs(dims.head_dim) {
-            let alloc = || dev.alloc::<half::bf16>(dims.len()).map_err(|e| crate::cuda::cuda_error(OP, e));
-            let (mut q, mut k, mut v) = (alloc()?, alloc()?, alloc()?);
-            let outputs = [ValuesMut::Bf16(&mut q), ValuesMut::Bf16(&mut k), ValuesMut::Bf16(&mut v)];
-            launch::rope_qkv_forward(&dev, qkv.cuda_f32(OP)?, dims, outputs, &table.cos, &table.sin)?;
-            let rounded = |buffer| CudaStorage::bf16_rounded(&dev, buffer);
-            (rounded(q), rounded(k), rounded(v))
-        } else {
-            let alloc = || CudaStorage::alloc(&dev, dims.len());
-            let (mut q, mut k, mut v) = (alloc()?, alloc()?, alloc()?);
-            let outputs = [q.f32_buffer_mut(OP)?, k.f32_buffer_mut(OP)?, v.f32_buffer_mut(OP)?].map(ValuesMut::F32);
-            launch::rope_qkv_forward(&dev, qkv.cuda_f32(OP)?, dims, outputs, &table.cos, &table.sin)?;
-            (q, k, v)
-        };
+        let rounded = crate::ops::attention::cuda::reads_bf16_inputs(dims.head_dim);
+        let alloc = || CudaStorage::alloc_values(&dev, dims.len(), rounded);
+        let (mut q, mut k, mut v) = (alloc()?, alloc()?, alloc()?);
+        let outputs = [q.values_mut(OP)?, k.values_mut(OP)?, v.values_mut(OP)?];
+        launch::rope_qkv_forward(&dev, qkv.cuda_f32(OP)?, dims, outputs, &table.cos, &table.sin)?;
         let shape = [dims.batch, dims.seq, dims.heads, dims.head_dim];
         Ok((Tensor::from_cuda(q, &shape)?, Tensor::from_cuda(k, &shape)?, Tensor::from_cuda(v, &shape)?))
     }

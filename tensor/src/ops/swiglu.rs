@@ -103,7 +103,6 @@ pub(crate) mod cuda {
     //! two tensors or of the halves of one.
 
     use kernels::cuda::swiglu as launch;
-    use kernels::cuda::Values;
 
     use crate::cuda::{product_input_buffers, product_input_output, CudaStorage};
     use crate::{Result, Tensor};
@@ -140,17 +139,7 @@ pub(crate) mod cuda {
         let gate_up = gate_up.dense()?;
         // The result feeds the FFN's down projection: with bf16 products, written in bf16 too.
         product_input_output(&dev, OP, out_shape, |y, y_bf16| {
-            Ok(launch::swiglu_halves_forward(&dev, values(&gate_up, OP)?, cols, y, y_bf16)?)
-        })
-    }
-
-    /// The gate and up values as the kernels read them: bf16 when the product left them so
-    /// (`ProductOutput::Bf16`), else f32.
-    fn values<'a>(gate_up: &'a Tensor, op: &'static str) -> Result<Values<'a>> {
-        let storage = gate_up.cuda_storage().ok_or(crate::Error::UnsupportedDevice { op, device: gate_up.device })?;
-        Ok(match storage.bf16_backing() {
-            Some(rounded) => Values::Bf16(rounded),
-            None => Values::F32(gate_up.cuda_f32(op)?),
+            Ok(launch::swiglu_halves_forward(&dev, gate_up.cuda_values(OP)?, cols, y, y_bf16)?)
         })
     }
 
@@ -161,7 +150,7 @@ pub(crate) mod cuda {
         let (gate_up, dy) = (gate_up.dense()?, dy.dense()?);
         // It feeds the gate and up projections' backward products: in bf16 too under bf16.
         product_input_output(&dev, OP, gate_up.shape(), |d, d_bf16| {
-            Ok(launch::swiglu_halves_backward(&dev, values(&gate_up, OP)?, dy.cuda_f32(OP)?, cols, d, d_bf16)?)
+            Ok(launch::swiglu_halves_backward(&dev, gate_up.cuda_values(OP)?, dy.cuda_f32(OP)?, cols, d, d_bf16)?)
         })
     }
 }

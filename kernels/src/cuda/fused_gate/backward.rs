@@ -11,7 +11,8 @@ use super::super::error::{ensure, ensure_len, Result};
 use super::super::launch::{int, ptr, size};
 use super::super::module::Arg;
 use super::super::reduce::{column_sums_many, ColumnSum, SumWeights};
-use super::{group_lists, group_row_warps, layout, DeviceValues, GateGroup, Layout, FAMILY};
+use super::super::values::DeviceValues;
+use super::{group_lists, group_row_warps, layout, GateGroup, Layout, FAMILY};
 use crate::cpu::matmul::Store;
 
 /// Gradient buffers of one modulator, written by the backward (`dA` and `dB` are parts of
@@ -138,7 +139,7 @@ pub fn fused_gate_backward(
     let layout = layout(dev, OP, groups)?;
     check_grads(dev, OP, groups, &layout, grads)?;
     dev.check_owner(OP, dout)?;
-    zu.check_owner(dev, OP)?;
+    zu.values().check_owner(dev, OP)?;
     let Layout { rows, d_in, rank_channel: rc, rank_scalar: rs, zu_width: k, out_width, .. } = layout;
     let (count, r) = (groups.len(), rc + rs);
     ensure_len(OP, "zu", zu.len(), rows * k)?;
@@ -181,7 +182,7 @@ pub fn fused_gate_backward(
     let (phi, phi_p) = unary_code(groups[0].params.phi);
     let [params, places] = group_lists(groups, &layout);
     let args = [
-        Arg::Ptr(zu.device_ptr()),
+        zu.values().arg_at(0),
         ptr(dout),
         params,
         places,
@@ -193,21 +194,23 @@ pub fn fused_gate_backward(
         int(rc as i32),
         int(rs as i32),
         ptr(&dzu),
-        Arg::Ptr(dlogits.f32_ptr()),
+        Arg::Ptr(dlogits.values().f32_address()),
         ptr(&hidden),
         ptr(&row_terms),
         Arg::Ptr(operands.dzu_bf16()),
-        Arg::Ptr(dlogits.bf16_ptr()),
+        Arg::Ptr(dlogits.values().bf16_address()),
     ];
-    let kernel = zu.kernel("fused_gate_backward_rows", "fused_gate_backward_rows_bf16");
+    let kernel = zu.values().kernel("fused_gate_backward_rows", "fused_gate_backward_rows_bf16");
     dev.launch(FAMILY, kernel, group_row_warps(rows, count), &args)?;
 
     // Cross-row sums: db_c = Σ dL_c, dB_c = dL_cᵀ·H_c (a sum over rows weighted by H_c's rc
     // columns), da = Σ dU, dα = Σ row terms, db_s = Σ dl_s and dB_s = Σ dl_s·H_s; all eight of
     // every projection in one launch.
     let sum = |src, cols, ld, dst: u64| ColumnSum { src, bf16: false, cols, ld, weights: None, dst };
-    let dlogits_sum =
-        |at, cols, dst: u64| ColumnSum { bf16: dlogits.is_bf16(), ..sum(dlogits.ptr_at(at), cols, out_width, dst) };
+    let dlogits_sum = |at, cols, dst: u64| ColumnSum {
+        bf16: dlogits.values().is_bf16(),
+        ..sum(dlogits.values().address_at(at), cols, out_width, dst)
+    };
     let mut sums = Vec::with_capacity(8 * count);
     for (i, ((group, c), s)) in groups.iter().zip(&g.channel).zip(&g.scalar).enumerate() {
         let (d_out, out_at) = (group.dims.d_out, layout.out_at[i]);

@@ -42,7 +42,7 @@ use super::elementwise::{pack_bf16, unary_code};
 use super::error::{ensure, ensure_len, CudaError, Result};
 use super::launch::{address_list, int, length_list, ptr, size, LIST_LEN, THREADS};
 use super::module::{Arg, KernelFamily};
-use super::values::ValuesMut;
+use super::values::{DeviceValues, ValuesMut};
 use crate::cpu::matmul::Store;
 
 /// Largest `r_c + r_s` the kernels take (the summary tile is padded to 16, 32 or 64).
@@ -64,91 +64,6 @@ fn row_warps(rows: usize) -> cudarc::driver::LaunchConfig {
         grid_dim: (rows.div_ceil(ROWS_PER_BLOCK).min(MAX_ROW_BLOCKS) as u32, 1, 1),
         block_dim: (ROWS_PER_BLOCK as u32 * 32, 1, 1),
         shared_mem_bytes: 0,
-    }
-}
-
-/// A buffer of the fused gate's f32 values, or of their bf16 rounding under bf16 products
-/// (autocast's storage: half the bytes to write and read back). Two of them: the group's
-/// product `ZU = x·[W; A_c; A_s]ᵀ` (`[N, K]`), which the forward saves for the backward, and
-/// the backward's channel logit gradient `dL_c`. The row kernels come in both element types.
-#[derive(Debug)]
-pub enum DeviceValues {
-    /// f32 values.
-    F32(DeviceBuffer<f32>),
-    /// Values rounded to bf16 (nearest even) from their f32 sums.
-    Bf16(DeviceBuffer<bf16>),
-}
-
-impl DeviceValues {
-    /// A fresh buffer of `len` elements, bf16 when `bf16` is set.
-    pub fn alloc(dev: &CudaDevice, len: usize, bf16: bool) -> Result<DeviceValues> {
-        Ok(if bf16 { DeviceValues::Bf16(dev.alloc(len)?) } else { DeviceValues::F32(dev.alloc(len)?) })
-    }
-
-    /// Its elements.
-    pub fn len(&self) -> usize {
-        match self {
-            DeviceValues::F32(b) => b.len(),
-            DeviceValues::Bf16(b) => b.len(),
-        }
-    }
-
-    /// Whether it has no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Whether it holds bf16 values.
-    fn is_bf16(&self) -> bool {
-        matches!(self, DeviceValues::Bf16(_))
-    }
-
-    /// The address of element `at`.
-    fn ptr_at(&self, at: usize) -> u64 {
-        match self {
-            DeviceValues::F32(b) => b.ptr_at(at),
-            DeviceValues::Bf16(b) => b.ptr_at(at),
-        }
-    }
-
-    /// The address of element 0.
-    fn device_ptr(&self) -> u64 {
-        self.ptr_at(0)
-    }
-
-    /// The address of element 0 when it holds f32 values, else 0 (a kernel's null pointer).
-    fn f32_ptr(&self) -> u64 {
-        if self.is_bf16() {
-            0
-        } else {
-            self.device_ptr()
-        }
-    }
-
-    /// The address of element 0 when it holds bf16 values, else 0.
-    fn bf16_ptr(&self) -> u64 {
-        if self.is_bf16() {
-            self.device_ptr()
-        } else {
-            0
-        }
-    }
-
-    /// Errors unless it lives on `dev`.
-    fn check_owner(&self, dev: &CudaDevice, op: &'static str) -> Result<()> {
-        match self {
-            DeviceValues::F32(b) => dev.check_owner(op, b),
-            DeviceValues::Bf16(b) => dev.check_owner(op, b),
-        }
-    }
-
-    /// The kernel for this element type: `f32_name` or `bf16_name`.
-    fn kernel(&self, f32_name: &'static str, bf16_name: &'static str) -> &'static str {
-        if self.is_bf16() {
-            bf16_name
-        } else {
-            f32_name
-        }
     }
 }
 
@@ -394,11 +309,12 @@ pub fn fused_gate_forward(
 pub fn fused_gate_apply(dev: &CudaDevice, groups: &[GateGroup], zu: &DeviceValues, out: ValuesMut) -> Result<()> {
     const OP: &str = "fused_gate_apply";
     let layout = layout(dev, OP, groups)?;
+    let (zu, written) = (zu.values(), out.as_values());
     zu.check_owner(dev, OP)?;
-    out.check_owner(dev, OP)?;
+    written.check_owner(dev, OP)?;
     ensure_len(OP, "zu", zu.len(), layout.rows * layout.zu_width)?;
-    ensure_len(OP, "out", out.len(), layout.rows * layout.out_width)?;
-    let kernel = match (zu.is_bf16(), out.is_bf16()) {
+    ensure_len(OP, "out", written.len(), layout.rows * layout.out_width)?;
+    let kernel = match (zu.is_bf16(), written.is_bf16()) {
         (false, false) => "fused_gate_apply",
         (true, false) => "fused_gate_apply_bf16",
         (true, true) => "fused_gate_apply_bf16_out",
@@ -412,7 +328,7 @@ pub fn fused_gate_apply(dev: &CudaDevice, groups: &[GateGroup], zu: &DeviceValue
     let (phi, phi_p) = unary_code(groups[0].params.phi);
     let [params, places] = group_lists(groups, &layout);
     let args = [
-        Arg::Ptr(zu.device_ptr()),
+        zu.arg_at(0),
         params,
         places,
         int(phi),
@@ -422,7 +338,7 @@ pub fn fused_gate_apply(dev: &CudaDevice, groups: &[GateGroup], zu: &DeviceValue
         size(layout.out_width),
         int(layout.rank_channel as i32),
         int(layout.rank_scalar as i32),
-        out.arg(),
+        written.arg_at(0),
     ];
     dev.launch(FAMILY, kernel, group_row_warps(layout.rows, groups.len()), &args)
 }
@@ -445,7 +361,7 @@ pub fn fused_gate_forward_unfused(
     for buffer in [x, packed] {
         dev.check_owner(OP, buffer)?;
     }
-    zu.check_owner(dev, OP)?;
+    zu.values().check_owner(dev, OP)?;
     let (k, d_in) = (layout.zu_width, layout.d_in);
     ensure_len(OP, "x", x.len(), layout.rows * d_in)?;
     ensure_len(OP, "packed weight", packed.len(), k * d_in)?;
@@ -456,6 +372,6 @@ pub fn fused_gate_forward_unfused(
         DeviceValues::F32(_) => Precision::Bf16,
         DeviceValues::Bf16(_) => Precision::Bf16Out,
     };
-    gemm(dev, precision, product, a, b, Store::Overwrite, (zu.device_ptr(), k))?;
+    gemm(dev, precision, product, a, b, Store::Overwrite, (zu.values().address(), k))?;
     fused_gate_apply(dev, groups, zu, out)
 }
