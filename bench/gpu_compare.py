@@ -45,8 +45,8 @@ B*T / median step. Mixed precision: bf16 inputs to the matrix products, f32 mast
 f32 optimizer state (PyTorch: `torch.autocast("cuda", torch.bfloat16)`; ours: `--bf16`).
 `--fp32` runs both in plain f32 instead (no TF32 on either side).
 
-Memory: ours is `gpu_reserved_mib` (what our caching allocator holds from the driver at the
-end, its peak); PyTorch's is `torch.cuda.max_memory_reserved` (the same measure; CUDA graph
+Memory: ours is `gpu_reserved_mib` (the most our caching allocator held from the driver at
+once); PyTorch's is `torch.cuda.max_memory_reserved` (the same measure; CUDA graph
 pools included) and `torch.cuda.max_memory_allocated` (peak in live tensors), both over the
 whole process, compilation included.
 

@@ -1,25 +1,34 @@
 //! A caching allocator for device memory, so that a training step that asks for the same
 //! buffer sizes as the previous one makes no driver allocation at all.
 //!
-//! Requests are rounded up to a size class (eight classes per power of two, so at most
-//! 12.5 % is wasted; 256 bytes at least) and served from a free list per class. Dropping a
-//! [`DeviceBuffer`] hands its block back to the free list instead of freeing it. Everything
-//! runs on the device's single stream, so a block handed out again is only touched by work
-//! queued after the work that used it before: no synchronisation is needed on reuse.
+//! What it holds from the driver is a set of segments, and buffers are blocks inside them,
+//! placed by best fit, split off and merged again when given back (`segments.rs`): the
+//! bytes an activation gave back in the forward can hold a gradient of another size in the
+//! backward. Dropping a [`DeviceBuffer`] hands its block back instead of freeing it.
+//! Everything runs on the device's single stream, so a block handed out again is only
+//! touched by work queued after the work that used it before: no synchronisation is needed
+//! on reuse.
 //!
-//! When the driver reports out-of-memory, the cached blocks are released and the
-//! allocation is tried once more.
+//! When the driver reports out-of-memory, the segments with nothing in use are released and
+//! the allocation is tried once more.
 //!
-//! On the emulated device (feature `cuda-emu`) a block is host memory between guard pages
-//! (`emu/memory.rs`); a buffer then sits at the end of its block, and every fresh or reused
-//! block is poisoned, so out-of-bounds accesses and reads of unwritten memory show.
+//! On the emulated device (feature `cuda-emu`) the segments are bookkeeping alone (the same
+//! placements, so the same counts as on a GPU), and each buffer gets host memory of its own
+//! between guard pages (`emu/memory.rs`), from a cache of such blocks by size class; a
+//! buffer sits at the end of its block, and every fresh or reused block is poisoned, so
+//! out-of-bounds accesses and reads of unwritten memory show.
 //!
-//! A CUDA graph (`graph.rs`) gets a private pool of its own ([`GraphPool`]): while one host
-//! thread runs a step in it, that thread's requests are served from the pool's free lists
-//! and its blocks go back there, never to the shared lists, so no work outside the graph is
-//! handed memory that a replay of the graph writes. During a capture a request the pool
-//! cannot serve is an error, not a driver allocation (which the capture would record): the
-//! step is run once in the pool first, which leaves every block the capture asks for free.
+//! A CUDA graph (`graph.rs`) gets a private pool of its own ([`GraphPool`]), segments of its
+//! own: while one host thread runs a step in it, that thread's requests are placed in the
+//! pool's segments, never in the shared ones, so no work outside the graph is handed memory
+//! that a replay of the graph writes. During a capture a request the pool cannot place is
+//! an error, not a driver allocation (which the capture would record), so the step runs in
+//! the pool once first, and a pool places each run's requests where its last run placed
+//! the same requests (same order, same sizes) when those bytes are free: the capture finds
+//! every block where the run before found it. (Best fit alone would not promise that: the
+//! first run placed its requests while the pool's segments were still being added.) The
+//! shared arena does the same from one training step to the next once the optimizer marks
+//! its steps ([`Allocator::end_step`]), so a steady-state step adds no segment.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -30,104 +39,152 @@ use std::thread::{self, ThreadId};
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DriverError};
 
 use super::error::{CudaError, Result};
+use super::segments::{rounded, segment_bytes, Placement, Segments};
 
-/// The smallest block handed out, in bytes (also the alignment every block keeps).
-const MIN_BLOCK: usize = 256;
-/// Size classes per power of two.
+/// The smallest host block of the emulated device, in bytes.
+#[cfg(feature = "cuda-emu")]
+const MIN_HOST_BLOCK: usize = 256;
+/// The emulated device's host block classes per power of two.
+#[cfg(feature = "cuda-emu")]
 const CLASSES_PER_OCTAVE: usize = 8;
 
 /// Counters of the caching allocator, for tests and diagnostics.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AllocatorStats {
-    /// Blocks obtained from the driver (`cuMemAllocAsync`).
+    /// Driver allocations: segments added.
     pub allocations: u64,
-    /// Requests served from a free list without touching the driver.
+    /// Requests served from memory already held, without touching the driver.
     pub reuses: u64,
     /// Bytes held from the driver: in use plus cached.
     pub reserved_bytes: usize,
-    /// Bytes sitting in the free lists.
+    /// The most bytes ever held from the driver at once (what `reserved_bytes` was before
+    /// a release of the cache).
+    pub peak_reserved_bytes: usize,
+    /// Bytes of the segments' free blocks (graph pools' included).
     pub cached_bytes: usize,
-    /// Bytes of the blocks handed out and not yet given back (their size classes).
+    /// Bytes of the blocks handed out and not yet given back (as the blocks are rounded).
     pub in_use_bytes: usize,
     /// The most bytes ever in use at once: what the step needs, where `reserved_bytes` adds
-    /// what the free lists held of other size classes.
+    /// the free blocks too small or of the wrong kind for what was asked for.
     pub peak_in_use_bytes: usize,
 }
 
-impl AllocatorStats {
-    /// Counts a block of `class` bytes handed out.
-    fn hand_out(&mut self, class: usize) {
-        self.in_use_bytes += class;
-        self.peak_in_use_bytes = self.peak_in_use_bytes.max(self.in_use_bytes);
-    }
-}
-
-/// The size class (bytes actually reserved) of a request for `bytes`.
-pub fn size_class(bytes: usize) -> usize {
-    let bytes = bytes.max(MIN_BLOCK);
+/// The size class of an emulated host block for `bytes` (eight per power of two, so at
+/// most 12.5 % is wasted): the host memory behind a buffer, not what the device counts.
+#[cfg(feature = "cuda-emu")]
+fn host_class(bytes: usize) -> usize {
+    let bytes = bytes.max(MIN_HOST_BLOCK);
     let octave = bytes.next_power_of_two();
     // Classes between octave/2 and octave are octave/16 apart: bytes > octave/2, so the
     // rounding adds less than bytes/8.
-    let step = (octave / (2 * CLASSES_PER_OCTAVE)).max(MIN_BLOCK);
+    let step = (octave / (2 * CLASSES_PER_OCTAVE)).max(MIN_HOST_BLOCK);
     bytes.div_ceil(step) * step
 }
 
 /// Where a block's bytes live.
 enum Memory {
-    /// GPU memory from the driver (freed when the slice drops).
-    Device { _slice: CudaSlice<u8> },
-    /// Host pages of the emulated device.
+    /// Inside a segment, whose driver memory its arena holds (a GPU).
+    InSegment,
+    /// Host pages of the emulated device, the buffer's own.
     #[cfg(feature = "cuda-emu")]
     Emulated(super::emu::memory::HostBlock),
 }
 
-/// One block of device memory and its raw address.
+/// One block of device memory: its raw address, and where it is placed in which arena
+/// (`pool`: a graph pool's id, `None` for the shared one).
 struct Block {
     memory: Memory,
     ptr: u64,
-    class: usize,
-    /// The graph pool the block belongs to; `None` for the shared free lists.
+    placement: Placement,
     pool: Option<u64>,
 }
 
-#[cfg(feature = "cuda-emu")]
-impl Block {
-    /// The block's address range: its first byte and its length.
-    fn span(&self) -> (u64, usize) {
-        match &self.memory {
-            Memory::Device { .. } => (self.ptr, self.class),
-            Memory::Emulated(host) => (host.start(), host.bytes()),
-        }
-    }
+/// A segment's driver memory (on a GPU) and its first byte's address.
+struct SegmentMemory {
+    _slice: CudaSlice<u8>,
+    base: u64,
 }
 
-/// One graph's private pool: its free blocks by class, and (emulated) where all its blocks
-/// lie, for the replay's check of the addresses it touches.
+/// Memory held for one user: the device's shared arena, or a graph pool. Its segments, their
+/// driver memory and (emulated) the host blocks its buffers gave back, by class, and where
+/// every host block it ever had lies, for the replay's check of the addresses it touches.
 #[derive(Default)]
-struct PrivatePool {
-    free: HashMap<usize, Vec<Block>>,
+struct Arena {
+    segments: Segments,
+    memory: HashMap<u64, SegmentMemory>,
+    /// Whether it repeats placements: a graph pool's runs, the shared arena's training
+    /// steps (once [`Allocator::end_step`] has marked one).
+    repeats: bool,
+    /// The requests of its last run (rounded bytes) and where they went, and those of the
+    /// run under way.
+    last_run: Vec<(usize, Placement)>,
+    this_run: Vec<(usize, Placement)>,
+    #[cfg(feature = "cuda-emu")]
+    host_blocks: HashMap<usize, Vec<super::emu::memory::HostBlock>>,
     #[cfg(feature = "cuda-emu")]
     spans: Vec<(u64, usize)>,
+}
+
+impl Arena {
+    /// A graph pool's arena: it repeats its runs' placements.
+    fn pool() -> Arena {
+        Arena { repeats: true, ..Arena::default() }
+    }
+
+    /// Places a request for `bytes`: where the last run placed its request of the same
+    /// index when that was of the same size and those bytes are free (when it repeats),
+    /// else by best fit; `None` when no free block holds it.
+    fn take(&mut self, bytes: usize) -> Option<Placement> {
+        let wanted = rounded(bytes);
+        let repeated = match self.last_run.get(self.this_run.len()) {
+            Some(&(size, placement)) if self.repeats && size == wanted => self.segments.take_at(placement),
+            _ => None,
+        };
+        let placement = repeated.or_else(|| self.segments.take(bytes))?;
+        if self.repeats {
+            self.this_run.push((wanted, placement));
+        }
+        Some(placement)
+    }
+
+    /// Ends a run: its placements are the ones the next run repeats.
+    fn end_run(&mut self) {
+        self.last_run = std::mem::take(&mut self.this_run);
+    }
+
+    /// Takes over `other`'s segments, their memory and its host blocks.
+    fn absorb(&mut self, other: Arena) {
+        self.segments.absorb(other.segments);
+        self.memory.extend(other.memory);
+        #[cfg(feature = "cuda-emu")]
+        for (class, blocks) in other.host_blocks {
+            self.host_blocks.entry(class).or_default().extend(blocks);
+        }
+    }
 }
 
 /// The host thread whose requests a graph pool serves, and how.
 struct PoolUser {
     thread: ThreadId,
     pool: u64,
-    /// A capture is under way: a request the pool cannot serve is an error, and (on the
-    /// emulated device) the poisoning of a reused block is recorded with the graph's work.
+    /// A capture is under way: a request the pool cannot place is an error, and (on the
+    /// emulated device) the poisoning of each block handed out is recorded with the graph's
+    /// work.
     capturing: bool,
     #[cfg(feature = "cuda-emu")]
     recording: Option<Arc<super::emu::recording::Recording>>,
 }
 
 struct PoolState {
-    free: HashMap<usize, Vec<Block>>,
+    shared: Arena,
     /// The graph pools alive, by id.
-    private: HashMap<u64, PrivatePool>,
+    private: HashMap<u64, Arena>,
     /// The thread a graph pool serves now, if any.
     user: Option<PoolUser>,
     next_pool: u64,
+    /// Segment ids, unique across every arena (a pool's segments join the shared ones when
+    /// the pool ends).
+    next_segment: u64,
     /// The live buffers (address of element 0 → bytes), for the bytes a launch touches.
     live: BTreeMap<u64, usize>,
     stats: AllocatorStats,
@@ -136,10 +193,11 @@ struct PoolState {
 impl PoolState {
     fn new() -> PoolState {
         PoolState {
-            free: HashMap::new(),
+            shared: Arena::default(),
             private: HashMap::new(),
             user: None,
             next_pool: 0,
+            next_segment: 0,
             live: BTreeMap::new(),
             stats: AllocatorStats::default(),
         }
@@ -154,6 +212,14 @@ impl PoolState {
     /// The graph pool that serves the calling thread now, and whether it is capturing.
     fn pool_of_this_thread(&self) -> Option<&PoolUser> {
         self.user.as_ref().filter(|user| user.thread == thread::current().id())
+    }
+
+    /// Graph pool `pool`'s arena while it lives, else the shared one.
+    fn arena(&mut self, pool: Option<u64>) -> &mut Arena {
+        match pool.and_then(|id| self.private.get_mut(&id)) {
+            Some(arena) => arena,
+            None => &mut self.shared,
+        }
     }
 }
 
@@ -182,81 +248,99 @@ impl Allocator {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// A block of at least `bytes`, from the free list when one of its class is cached (the
-    /// graph pool's, when one serves this thread), and where a buffer of `bytes` starts in
-    /// it (recorded as live under the same lock).
+    /// A block of at least `bytes`, placed in the arena that serves this thread (a graph
+    /// pool's, when one does), and where a buffer of `bytes` starts in it (recorded as live
+    /// under the same lock). A segment is added when no free block holds the request.
     fn take(&self, bytes: usize) -> Result<(Block, u64)> {
-        let class = size_class(bytes);
-        let pool = {
-            let mut state = self.lock();
-            let user = state.pool_of_this_thread();
-            let (pool, capturing) = (user.map(|u| u.pool), user.is_some_and(|u| u.capturing));
-            #[cfg(feature = "cuda-emu")]
-            let recording = user.and_then(|u| u.recording.clone());
-            let cached = match pool {
-                Some(id) => state.private.get_mut(&id).and_then(|p| p.free.get_mut(&class)).and_then(Vec::pop),
-                None => state.free.get_mut(&class).and_then(Vec::pop),
-            };
-            if let Some(block) = cached {
+        let mut state = self.lock();
+        let user = state.pool_of_this_thread();
+        let (pool, capturing) = (user.map(|u| u.pool), user.is_some_and(|u| u.capturing));
+        #[cfg(feature = "cuda-emu")]
+        let recording = user.and_then(|u| u.recording.clone());
+        let placement = match state.arena(pool).take(bytes) {
+            Some(placement) => {
                 state.stats.reuses += 1;
-                state.stats.hand_out(class);
-                if pool.is_none() {
-                    state.stats.cached_bytes -= class;
-                }
-                let ptr = Allocator::place(&block, bytes);
-                state.live.insert(ptr, bytes);
-                drop(state);
-                #[cfg(feature = "cuda-emu")]
-                if let Memory::Emulated(host) = &block.memory {
-                    host.poison();
-                    // A replay poisons the block where the capture's step reused it, as an
-                    // eager step would have.
-                    if let Some(recording) = recording {
-                        recording.poison(block.span());
-                    }
-                }
-                return Ok((block, ptr));
+                placement
             }
-            if capturing {
+            None if capturing => {
                 return Err(CudaError::Capture {
                     op: "device allocation",
                     message: format!(
-                        "the graph's pool has no free block of {class} bytes: run the step once in the pool \
+                        "the graph's pool has no free block for {bytes} bytes: run the step once in the pool \
                          (CudaDevice::with_graph_pool) before capturing it, and drop what that run returned"
                     ),
                 });
             }
-            pool
+            None => {
+                let segment = segment_bytes(bytes);
+                let memory = match &self.stream {
+                    Some(stream) => {
+                        drop(state);
+                        let memory = self.driver_memory(stream, segment)?;
+                        state = self.lock();
+                        Some(memory)
+                    }
+                    None => None,
+                };
+                let id = state.next_segment;
+                state.next_segment += 1;
+                state.stats.allocations += 1;
+                state.stats.reserved_bytes += segment;
+                state.stats.peak_reserved_bytes = state.stats.peak_reserved_bytes.max(state.stats.reserved_bytes);
+                let arena = state.arena(pool);
+                arena.segments.add(id, bytes);
+                if let Some((slice, base)) = memory {
+                    arena.memory.insert(id, SegmentMemory { _slice: slice, base });
+                }
+                arena.take(bytes).expect("a segment added for a request holds it")
+            }
         };
-        let mut block = match &self.stream {
-            Some(stream) => self.fresh_on_device(stream, class)?,
-            None => self.fresh_emulated(class)?,
+        // The arena the block was placed in (a pool dropped by another thread meanwhile has
+        // handed its segments to the shared arena).
+        let pool = pool.filter(|id| state.private.contains_key(id));
+        let block = match state.arena(pool).memory.get(&placement.segment) {
+            Some(segment) => {
+                let ptr = segment.base + placement.offset as u64;
+                Block { memory: Memory::InSegment, ptr, placement, pool }
+            }
+            None => {
+                let memory = self.emulated_memory(state, placement, pool);
+                state = self.lock();
+                match memory {
+                    Ok(memory) => Block { memory, ptr: 0, placement, pool },
+                    Err(e) => {
+                        state.arena(pool).segments.give_back(placement);
+                        return Err(e);
+                    }
+                }
+            }
         };
         let ptr = Allocator::place(&block, bytes);
-        let mut state = self.lock();
-        state.stats.allocations += 1;
-        state.stats.reserved_bytes += class;
-        state.stats.hand_out(class);
+        state.stats.in_use_bytes += placement.bytes;
+        state.stats.peak_in_use_bytes = state.stats.peak_in_use_bytes.max(state.stats.in_use_bytes);
         state.live.insert(ptr, bytes);
-        // A pool dropped meanwhile (by another thread) leaves the block to the shared lists.
-        if let Some(_private) = pool.and_then(|id| state.private.get_mut(&id)) {
-            #[cfg(feature = "cuda-emu")]
-            _private.spans.push(block.span());
-            block.pool = pool;
+        drop(state);
+        #[cfg(feature = "cuda-emu")]
+        if let (Some(recording), Memory::Emulated(host)) = (recording, &block.memory) {
+            // A replay poisons the block where the capture's step was handed it, as an eager
+            // step would have.
+            recording.poison((host.start(), host.bytes()));
         }
-        Ok((block, ptr))
+        Ok((Block { ptr, ..block }, ptr))
     }
 
-    fn fresh_on_device(&self, stream: &Arc<CudaStream>, class: usize) -> Result<Block> {
-        let fresh = || -> std::result::Result<Block, DriverError> {
+    /// Driver memory of `bytes` and its address; on out-of-memory, the segments with
+    /// nothing in use are released and the allocation is tried once more.
+    fn driver_memory(&self, stream: &Arc<CudaStream>, bytes: usize) -> Result<(CudaSlice<u8>, u64)> {
+        let fresh = || -> std::result::Result<(CudaSlice<u8>, u64), DriverError> {
             // SAFETY: the bytes are uninitialised; every user of a buffer writes before it
             // reads (or zeroes it explicitly), as the launchers document.
-            let slice = unsafe { stream.alloc::<u8>(class) }?;
+            let slice = unsafe { stream.alloc::<u8>(bytes) }?;
             let ptr = {
                 let (ptr, _sync) = slice.device_ptr(stream);
                 ptr
             };
-            Ok(Block { memory: Memory::Device { _slice: slice }, ptr, class, pool: None })
+            Ok((slice, ptr))
         };
         match fresh() {
             Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
@@ -266,26 +350,44 @@ impl Allocator {
             }
             other => other,
         }
-        .map_err(|e| CudaError::driver(format!("device allocation of {class} bytes"), e))
+        .map_err(|e| CudaError::driver(format!("device allocation of {bytes} bytes"), e))
     }
 
+    /// Emulated memory for a block placed at `placement` in `pool`'s arena, poisoned: a
+    /// host block of its class the arena's buffers gave back, else a new mapping (the lock
+    /// is released first: mapping may release the cache).
     #[cfg(feature = "cuda-emu")]
-    fn fresh_emulated(&self, class: usize) -> Result<Block> {
-        let map = || super::emu::memory::HostBlock::map(class);
-        let host = map()
+    fn emulated_memory(
+        &self,
+        mut state: MutexGuard<'_, PoolState>,
+        placement: Placement,
+        pool: Option<u64>,
+    ) -> Result<Memory> {
+        use super::emu::memory::HostBlock;
+        let class = host_class(placement.bytes);
+        if let Some(host) = state.arena(pool).host_blocks.get_mut(&class).and_then(Vec::pop) {
+            drop(state);
+            host.poison();
+            return Ok(Memory::Emulated(host));
+        }
+        drop(state);
+        let host = HostBlock::map(class)
             .or_else(|| {
                 self.release_cached();
-                map()
+                HostBlock::map(class)
             })
             .ok_or_else(|| CudaError::Driver {
                 context: format!("emulated device allocation of {class} bytes"),
                 message: "out of host memory (mmap failed)".to_string(),
             })?;
-        Ok(Block { ptr: host.start(), memory: Memory::Emulated(host), class, pool: None })
+        if pool.is_some() {
+            self.lock().arena(pool).spans.push((host.start(), host.bytes()));
+        }
+        Ok(Memory::Emulated(host))
     }
 
     #[cfg(not(feature = "cuda-emu"))]
-    fn fresh_emulated(&self, _class: usize) -> Result<Block> {
+    fn emulated_memory(&self, _state: MutexGuard<'_, PoolState>, _at: Placement, _pool: Option<u64>) -> Result<Memory> {
         Err(CudaError::Unavailable("this build has no emulated device (feature cuda-emu)".to_string()))
     }
 
@@ -293,25 +395,24 @@ impl Allocator {
     /// an access past it faults) on the emulated device.
     fn place(block: &Block, _bytes: usize) -> u64 {
         match &block.memory {
-            Memory::Device { .. } => block.ptr,
+            Memory::InSegment => block.ptr,
             #[cfg(feature = "cuda-emu")]
             Memory::Emulated(host) => host.place(_bytes),
         }
     }
 
-    /// Puts a block back on its free list (its graph pool's, while that pool lives); the
-    /// buffer at `ptr` in it is no longer live.
-    fn give_back(&self, mut block: Block, ptr: u64) {
+    /// Puts a block back into its segment, merged with its free neighbours (the shared
+    /// arena's, when its graph pool has ended); the buffer at `ptr` in it is no longer live.
+    fn give_back(&self, block: Block, ptr: u64) {
         let mut state = self.lock();
         state.live.remove(&ptr);
-        state.stats.in_use_bytes -= block.class;
-        if let Some(private) = block.pool.and_then(|id| state.private.get_mut(&id)) {
-            private.free.entry(block.class).or_default().push(block);
-            return;
+        state.stats.in_use_bytes -= block.placement.bytes;
+        let arena = state.arena(block.pool);
+        arena.segments.give_back(block.placement);
+        #[cfg(feature = "cuda-emu")]
+        if let Memory::Emulated(host) = block.memory {
+            arena.host_blocks.entry(host_class(block.placement.bytes)).or_default().push(host);
         }
-        block.pool = None;
-        state.stats.cached_bytes += block.class;
-        state.free.entry(block.class).or_default().push(block);
     }
 
     /// A new, empty graph pool.
@@ -319,25 +420,22 @@ impl Allocator {
         let mut state = self.lock();
         let id = state.next_pool;
         state.next_pool += 1;
-        state.private.insert(id, PrivatePool::default());
+        state.private.insert(id, Arena::pool());
         id
     }
 
-    /// Ends graph pool `id`: its free blocks join the shared free lists, and so will its
-    /// blocks still in use when they are dropped.
+    /// Ends graph pool `id`: its segments join the shared arena, with their free blocks and
+    /// the blocks still in use, which are given back there.
     pub(crate) fn drop_pool(&self, id: u64) {
         let mut state = self.lock();
-        let Some(private) = state.private.remove(&id) else { return };
-        for mut block in private.free.into_values().flatten() {
-            block.pool = None;
-            state.stats.cached_bytes += block.class;
-            state.free.entry(block.class).or_default().push(block);
+        if let Some(arena) = state.private.remove(&id) {
+            state.shared.absorb(arena);
         }
     }
 
     /// Serves the calling thread's requests from graph pool `id` until [`Allocator::leave_pool`]
-    /// (`capturing`: refuse what the pool cannot serve; `recording`: where a capture on the
-    /// emulated device records the poisoning of reused blocks). Errors when a pool already
+    /// (`capturing`: refuse what the pool cannot place; `recording`: where a capture on the
+    /// emulated device records the poisoning of the blocks it is handed). Errors when a pool already
     /// serves a thread.
     pub(crate) fn enter_pool(
         &self,
@@ -362,12 +460,30 @@ impl Allocator {
         #[cfg(not(feature = "cuda-emu"))]
         let user = PoolUser { thread, pool: id, capturing };
         state.user = Some(user);
+        if let Some(arena) = state.private.get_mut(&id) {
+            arena.this_run.clear();
+        }
         Ok(())
     }
 
-    /// Serves the calling thread from the shared free lists again.
+    /// Serves the calling thread from the shared arena again; the pool's run ends (its
+    /// placements are the ones the next run repeats).
     pub(crate) fn leave_pool(&self) {
-        self.lock().user = None;
+        let mut state = self.lock();
+        let Some(user) = state.user.take() else { return };
+        if let Some(arena) = state.private.get_mut(&user.pool) {
+            arena.end_run();
+        }
+    }
+
+    /// Ends a training step in the shared arena: the next step's requests are placed where
+    /// this step placed the same requests (same order, same sizes) while those bytes are
+    /// free, so a step that repeats the one before adds no segment (best fit alone, starting
+    /// from memory the step before left free, may place them otherwise and need one more).
+    pub(crate) fn end_step(&self) {
+        let mut state = self.lock();
+        state.shared.repeats = true;
+        state.shared.end_run();
     }
 
     /// The first of `ptrs` that lies neither in a live buffer nor in a block of graph pool
@@ -375,32 +491,40 @@ impl Allocator {
     #[cfg(feature = "cuda-emu")]
     pub(crate) fn outside_pool(&self, id: u64, ptrs: impl Iterator<Item = u64>) -> Option<u64> {
         let state = self.lock();
-        let spans = state.private.get(&id).map_or(&[][..], |p| &p.spans[..]);
+        let spans = state.private.get(&id).map_or(&[][..], |arena| &arena.spans[..]);
         let in_live = |p: u64| state.live_buffer_at(p).is_some();
         let in_pool = |p: u64| spans.iter().any(|&(start, bytes)| p >= start && p < start + bytes as u64);
         ptrs.into_iter().find(|&p| !in_live(p) && !in_pool(p))
     }
 
-    /// Returns every cached block to the driver.
+    /// Returns the shared segments with nothing in use to the driver (and, emulated, the
+    /// host blocks the shared buffers gave back to the host). Graph pools keep theirs.
     pub(crate) fn release_cached(&self) {
-        let blocks: Vec<Block> = {
+        let (memory, _host) = {
             let mut state = self.lock();
-            let released = state.stats.cached_bytes;
-            state.stats.reserved_bytes -= released;
-            state.stats.cached_bytes = 0;
-            state.free.drain().flat_map(|(_, blocks)| blocks).collect()
+            let released = state.shared.segments.remove_free_segments();
+            state.stats.reserved_bytes -= released.iter().map(|&(_, bytes)| bytes).sum::<usize>();
+            let shared = &mut state.shared;
+            let memory: Vec<SegmentMemory> = released.iter().filter_map(|(id, _)| shared.memory.remove(id)).collect();
+            #[cfg(feature = "cuda-emu")]
+            let host: Vec<_> = shared.host_blocks.drain().flat_map(|(_, blocks)| blocks).collect();
+            #[cfg(not(feature = "cuda-emu"))]
+            let host = ();
+            (memory, host)
         };
         // Dropping a CudaSlice frees it in stream order; the driver needs the context current
         // on this thread (a failure is recorded by cudarc and reported by the next check).
         if let Some(stream) = &self.stream {
             let _ = stream.context().bind_to_thread();
         }
-        drop(blocks);
+        drop(memory);
     }
 
     /// A snapshot of the counters.
     pub(crate) fn stats(&self) -> AllocatorStats {
-        self.lock().stats
+        let state = self.lock();
+        let pools: usize = state.private.values().map(|arena| arena.segments.free_bytes()).sum();
+        AllocatorStats { cached_bytes: state.shared.segments.free_bytes() + pools, ..state.stats }
     }
 
     /// The bytes of the distinct live buffers that the addresses `ptrs` point into
@@ -581,16 +705,48 @@ impl<T: DeviceScalar> fmt::Debug for DeviceBuffer<T> {
 mod tests {
     use super::*;
 
+    /// One run of a step in an arena: 20 MiB for a while, then two of 12 MiB at once.
+    fn run(arena: &mut Arena, next_segment: &mut u64) -> Vec<Placement> {
+        let mut take = |arena: &mut Arena, bytes: usize| {
+            arena.take(bytes).unwrap_or_else(|| {
+                arena.segments.add(*next_segment, bytes);
+                *next_segment += 1;
+                arena.take(bytes).expect("a new segment holds it")
+            })
+        };
+        let first = take(arena, 20 << 20);
+        arena.segments.give_back(first);
+        let (second, third) = (take(arena, 12 << 20), take(arena, 12 << 20));
+        arena.segments.give_back(second);
+        arena.segments.give_back(third);
+        arena.end_run();
+        vec![first, second, third]
+    }
+
     #[test]
-    fn size_classes_round_up_by_at_most_an_eighth() {
-        assert_eq!(size_class(0), MIN_BLOCK);
-        assert_eq!(size_class(1), MIN_BLOCK);
-        assert_eq!(size_class(MIN_BLOCK + 1), 2 * MIN_BLOCK);
+    fn a_pool_repeats_its_last_runs_placements() {
+        let mut next_segment = 0;
+        let (mut pool, mut best_fit) = (Arena::pool(), Arena::default());
+        let placed = run(&mut pool, &mut next_segment);
+        assert_eq!(run(&mut pool, &mut next_segment), placed, "the second run repeats the first");
+        // Best fit alone moves the first 12 MiB into the 12 MiB segment the first run added
+        // after placing it.
+        let first = run(&mut best_fit, &mut next_segment);
+        let again = run(&mut best_fit, &mut next_segment);
+        assert_ne!(again[1].segment, first[1].segment);
+    }
+
+    #[cfg(feature = "cuda-emu")]
+    #[test]
+    fn host_classes_round_up_by_at_most_an_eighth() {
+        assert_eq!(host_class(0), MIN_HOST_BLOCK);
+        assert_eq!(host_class(1), MIN_HOST_BLOCK);
+        assert_eq!(host_class(MIN_HOST_BLOCK + 1), 2 * MIN_HOST_BLOCK);
         for bytes in [1000, 4096, 4097, 1 << 20, (1 << 20) + 1, 3 << 27] {
-            let class = size_class(bytes);
-            assert!(class >= bytes && class - bytes <= bytes / 8 + MIN_BLOCK, "{bytes} -> {class}");
-            assert_eq!(class % MIN_BLOCK, 0);
-            assert_eq!(size_class(class), class, "a class is its own class");
+            let class = host_class(bytes);
+            assert!(class >= bytes && class - bytes <= bytes / 8 + MIN_HOST_BLOCK, "{bytes} -> {class}");
+            assert_eq!(class % MIN_HOST_BLOCK, 0);
+            assert_eq!(host_class(class), class, "a class is its own class");
         }
     }
 }

@@ -414,6 +414,13 @@ impl CudaDevice {
         Ok(arrivals.as_ref().map_or(0, DeviceBuffer::device_ptr))
     }
 
+    /// Ends a training step for the caching allocator: the next step's buffers are placed
+    /// where this step's same requests were, so a step that repeats the one before makes no
+    /// driver allocation (`allocator.rs`). The optimizers call it as they clear gradients.
+    pub fn end_step(&self) {
+        self.allocator.end_step();
+    }
+
     /// Returns the allocator's cached (unused) blocks to the driver.
     pub fn release_cached_memory(&self) {
         self.allocator.release_cached();

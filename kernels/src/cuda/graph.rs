@@ -14,9 +14,10 @@
 //!   refused. Outputs are read after a replay, from buffers the graph writes.
 //! - **Memory comes from the graph's own pool** ([`GraphPool`], `allocator.rs`): the
 //!   addresses a replay writes are never handed to other work while the graph lives. A
-//!   capture may not allocate from the driver (a request its pool cannot serve is refused),
+//!   capture may not allocate from the driver (a request its pool cannot place is refused),
 //!   so the step runs once in the pool first ([`CudaDevice::with_graph_pool`]): an eager
-//!   step that leaves in the pool every block the capture will ask for, in the same order.
+//!   step whose placements the capture repeats, request for request (a pool places each
+//!   run's requests where its last run placed them).
 //! - **One thread**: while a thread captures, work queued on the device by any other thread
 //!   is refused (on a GPU it would land in the graph); NCCL collectives and the kernel timer
 //!   are refused too.
@@ -27,7 +28,7 @@
 //!
 //! On the emulated device a capture records each piece of work (a launch with its
 //! arguments, a cuBLAS product, a memset, a device copy) and the poisoning of every block
-//! its step reuses, and a replay runs that record in order: the GPU's semantics, checked in
+//! its step is handed, and a replay runs that record in order: the GPU's semantics, checked in
 //! CPU CI, including reads of memory the replayed step never wrote (NaN). Before running, a
 //! replay checks that every address the record touches is a live buffer or a block of the
 //! graph's pool, which catches a graph that reads a buffer dropped since the capture.
@@ -132,7 +133,7 @@ impl CudaDevice {
     }
 
     /// Runs `work` eagerly with this thread's device memory served from `pool`: the run
-    /// before a capture, which leaves in the pool what the capture of the same step needs.
+    /// before a capture, whose placements the capture of the same step repeats.
     pub fn with_graph_pool<T, E: From<CudaError>>(
         &self,
         pool: &GraphPool,

@@ -57,6 +57,7 @@ pub mod pool;
 pub mod readback;
 pub mod reduce;
 pub mod rope;
+mod segments;
 pub mod softmax;
 mod staging;
 pub mod swiglu;

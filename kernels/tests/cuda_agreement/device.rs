@@ -28,7 +28,9 @@ fn caching_allocator_reuses_blocks_across_steps() {
     };
     drop(step(&dev));
     let first = dev.allocator_stats();
-    assert_eq!(first.allocations, sizes.len() as u64 + 1, "{first:?}");
+    // The small buffers share one 2 MiB segment, the 4 MiB one has a 20 MiB segment.
+    assert_eq!(first.allocations, 2, "{first:?}");
+    assert_eq!(first.reserved_bytes, 22 << 20, "{first:?}");
     for _ in 0..3 {
         drop(step(&dev));
     }
@@ -36,13 +38,40 @@ fn caching_allocator_reuses_blocks_across_steps() {
     assert_eq!(after.allocations, first.allocations, "a repeated step allocated again: {after:?}");
     assert_eq!(after.reuses, first.reuses + 3 * (sizes.len() as u64 + 1), "{after:?}");
     assert_eq!(after.cached_bytes, after.reserved_bytes, "everything is back in the cache");
-    // A size of the same class is served from the cache too.
-    let again: DeviceBuffer<f32> = dev.alloc(1001).expect("alloc");
+    assert_eq!(after.in_use_bytes, 0, "{after:?}");
+    // Sizes the step never asked for are served from what it gave back.
+    let again: Vec<DeviceBuffer<f32>> =
+        [1001, 300_000, 3 << 20].iter().map(|&n| dev.alloc(n).expect("alloc")).collect();
     assert_eq!(dev.allocator_stats().allocations, first.allocations);
     drop(again);
     dev.release_cached_memory();
     let released = dev.allocator_stats();
     assert_eq!((released.reserved_bytes, released.cached_bytes), (0, 0), "{released:?}");
+    assert_eq!(released.peak_reserved_bytes, 22 << 20, "the peak outlives the release");
+}
+
+/// The bytes a large buffer gave back hold two smaller ones (split), and merge again into
+/// one block that holds the large size.
+#[test]
+fn caching_allocator_splits_and_merges_its_segments() {
+    let dev = match CudaDevice::new(0) {
+        Ok(dev) => dev,
+        Err(e) => return println!("skipping: no CUDA device ({e})"),
+    };
+    dev.release_cached_memory();
+    let base = dev.allocator_stats();
+    let large: DeviceBuffer<f32> = dev.alloc(6 << 20).expect("alloc");
+    let held = dev.allocator_stats();
+    assert_eq!((held.allocations - base.allocations, held.reserved_bytes), (1, 24 << 20), "{held:?}");
+    drop(large);
+    let halves: Vec<DeviceBuffer<f32>> = (0..2).map(|_| dev.alloc(3 << 20).expect("alloc")).collect();
+    assert_eq!(dev.allocator_stats().allocations, held.allocations, "the halves fit the freed bytes");
+    drop(halves);
+    let again: DeviceBuffer<f32> = dev.alloc(6 << 20).expect("alloc");
+    let merged = dev.allocator_stats();
+    assert_eq!(merged.allocations, held.allocations, "the halves merged back: {merged:?}");
+    assert_eq!(merged.reserved_bytes, 24 << 20);
+    drop(again);
 }
 
 #[test]

@@ -78,6 +78,20 @@ pub(crate) fn gpus_of(params: &[crate::NamedParameter]) -> Vec<Device> {
     gpus
 }
 
+/// Ends a training step on each GPU `params` live on ([`kernels::cuda::CudaDevice::end_step`]):
+/// the caching allocator places the next step's buffers where this step's were, so a
+/// steady-state step makes no driver allocation.
+pub(crate) fn end_step(params: &[crate::NamedParameter]) {
+    for device in gpus_of(params) {
+        if let Device::Cuda(ordinal) = device {
+            // The parameters live there, so the device is open: a failure here is none.
+            if let Ok(dev) = tensor::cuda::device(ordinal) {
+                dev.end_step();
+            }
+        }
+    }
+}
+
 /// Writes Adam's constants of each of `groups` (the decaying parameters', then the others')
 /// for `device`: `[group 0's ADAM_CONSTANTS_LEN | group 1's]`.
 pub(crate) fn stage_adam_constants(

@@ -62,11 +62,15 @@ pub trait Optimizer {
     /// The parameters being optimised.
     fn parameters(&self) -> &[NamedParameter];
 
-    /// Clears every parameter's gradient.
+    /// Clears every parameter's gradient, and ends the training step for the GPUs the
+    /// parameters live on (their caching allocators repeat this step's placements in the
+    /// next: `kernels/src/cuda/allocator.rs`).
     fn zero_grad(&self) {
         for p in self.parameters() {
             p.var.zero_grad();
         }
+        #[cfg(feature = "cuda")]
+        cuda::end_step(self.parameters());
     }
 
     /// Internal state as named tensors (moments, step count) for checkpoints. A tensor may

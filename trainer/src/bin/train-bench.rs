@@ -210,15 +210,15 @@ fn median(samples: &[f64]) -> f64 {
     }
 }
 
-/// MiB the GPU's caching allocator holds from the driver (in use plus cached: its peak,
-/// since nothing is released during the run) and the most it had in use at once; `None` on
-/// the CPU.
+/// The most MiB the GPU's caching allocator held from the driver at once (in use plus
+/// cached; `--cuda-graph` releases the cache once, before its steps in the graph's pool) and
+/// the most it had in use at once; `None` on the CPU.
 #[cfg(feature = "cuda")]
 fn gpu_memory_mib(device: Device) -> Result<Option<(f64, f64)>> {
     let Device::Cuda(ordinal) = device else { return Ok(None) };
     let stats = tensor::cuda::device(ordinal)?.allocator_stats();
     let mib = |bytes: usize| bytes as f64 / (1 << 20) as f64;
-    Ok(Some((mib(stats.reserved_bytes), mib(stats.peak_in_use_bytes))))
+    Ok(Some((mib(stats.peak_reserved_bytes), mib(stats.peak_in_use_bytes))))
 }
 
 /// Without the `cuda` feature no model runs on a GPU.
@@ -318,7 +318,8 @@ fn run(args: Args) -> Result<()> {
     // (`trainer::train::graph`): its guard (no clipping) is read after the next step is queued.
     #[cfg(feature = "cuda")]
     let (mut graph, mut unread): (Option<GraphStep>, Option<nn::optim::StepGuard>) = (None, None);
-    let mut untimed_step = || -> Result<()> {
+    // Returns whether the step ran as it will from now on (eagerly, or replayed).
+    let mut untimed_step = || -> Result<bool> {
         let batch = host_batch();
         #[cfg(feature = "cuda")]
         if args.cuda_graph {
@@ -335,7 +336,7 @@ fn run(args: Args) -> Result<()> {
             if let Some(previous) = unread.replace(guard) {
                 loss = previous.read()?.loss;
             }
-            return Ok(());
+            return Ok(graph.graph().is_some());
         }
         let (ids, targets) = on_device(&batch)?;
         if args.forward_only {
@@ -347,13 +348,11 @@ fn run(args: Args) -> Result<()> {
             optimizer.step(1e-3)?;
             optimizer.zero_grad();
         }
-        Ok(())
+        Ok(true)
     };
     if args.cuda_graph {
-        // The eager first step, the step in the graph's pool, the capture and its replay.
-        for _ in 0..3 {
-            untimed_step()?;
-        }
+        // The eager first step, the steps in the graph's pool, the capture and its replay.
+        while !untimed_step()? {}
     }
     let before = CounterSnapshot::take(args.device)?;
     untimed_step()?;
@@ -368,7 +367,11 @@ fn run(args: Args) -> Result<()> {
     }
     synchronize(args.device)?;
     let queued_step = queued_start.elapsed().as_secs_f64() / args.steps as f64;
-    let kernel_ms = if args.kernel_timer { time_kernels(args.device, untimed_step)? } else { serde_json::Value::Null };
+    let kernel_ms = if args.kernel_timer {
+        time_kernels(args.device, || untimed_step().map(drop))?
+    } else {
+        serde_json::Value::Null
+    };
     #[cfg(feature = "cuda")]
     if let Some(last) = unread.take() {
         loss = last.read()?.loss;

@@ -11,8 +11,10 @@
 //!
 //! The first graph step runs eagerly, as any first step (the optimizer's state and the other
 //! buffers a run keeps are made there, in the device's shared memory); the second runs
-//! eagerly in the graph's memory pool, which leaves there every block the capture asks for
-//! (a steady-state step frees all it allocates); the third is captured, then replayed; every
+//! eagerly in the graph's memory pool (after the device's shared memory that no buffer uses
+//! is returned to the driver), which leaves there every block the capture asks for, where
+//! the capture will ask for it (a steady-state step frees all it allocates, and a pool
+//! places a run's requests where its last run placed them); the third is captured, then replayed; every
 //! later step is replayed. All of them queue the same kernels on the same data in the same
 //! order as an eager step, so a run logs the losses of the eager run bit for bit
 //! (`tests/cuda_train.rs`).
@@ -114,6 +116,9 @@ impl GraphStep {
         self.phase = Some(match self.phase.take().context("an earlier graph step failed")? {
             Phase::Warm(pool) => {
                 step()?;
+                // What this step freed would sit unused beside the pool from now on (every
+                // later step allocates in the pool): back to the driver with it.
+                self.dev.release_cached_memory();
                 Phase::Rehearse(pool)
             }
             Phase::Rehearse(pool) => {
