@@ -81,20 +81,12 @@ fn host_class(bytes: usize) -> usize {
     bytes.div_ceil(step) * step
 }
 
-/// Where a block's bytes live.
-enum Memory {
-    /// Inside a segment, whose driver memory its arena holds (a GPU).
-    InSegment,
-    /// Host pages of the emulated device, the buffer's own.
-    #[cfg(feature = "cuda-emu")]
-    Emulated(super::emu::memory::HostBlock),
-}
-
-/// One block of device memory: its raw address, and where it is placed in which arena
-/// (`pool`: a graph pool's id, `None` for the shared one).
+/// One block of device memory: where it is placed in which arena (`pool`: a graph pool's
+/// id, `None` for the shared one). Its bytes are its segment's driver memory on a GPU, and
+/// on the emulated device host pages of the buffer's own (`host`).
 struct Block {
-    memory: Memory,
-    ptr: u64,
+    #[cfg(feature = "cuda-emu")]
+    host: Option<super::emu::memory::HostBlock>,
     placement: Placement,
     pool: Option<u64>,
 }
@@ -298,16 +290,14 @@ impl Allocator {
         // The arena the block was placed in (a pool dropped by another thread meanwhile has
         // handed its segments to the shared arena).
         let pool = pool.filter(|id| state.private.contains_key(id));
-        let block = match state.arena(pool).memory.get(&placement.segment) {
-            Some(segment) => {
-                let ptr = segment.base + placement.offset as u64;
-                Block { memory: Memory::InSegment, ptr, placement, pool }
-            }
+        let (_host, ptr) = match state.arena(pool).memory.get(&placement.segment) {
+            // A GPU: the buffer starts where its block does.
+            Some(segment) => (None, segment.base + placement.offset as u64),
             None => {
-                let memory = self.emulated_memory(state, placement, pool);
+                let memory = self.emulated_memory(state, placement, pool, bytes);
                 state = self.lock();
                 match memory {
-                    Ok(memory) => Block { memory, ptr: 0, placement, pool },
+                    Ok((host, ptr)) => (Some(host), ptr),
                     Err(e) => {
                         state.arena(pool).segments.give_back(placement);
                         return Err(e);
@@ -315,18 +305,23 @@ impl Allocator {
                 }
             }
         };
-        let ptr = Allocator::place(&block, bytes);
+        let block = Block {
+            #[cfg(feature = "cuda-emu")]
+            host: _host,
+            placement,
+            pool,
+        };
         state.stats.in_use_bytes += placement.bytes;
         state.stats.peak_in_use_bytes = state.stats.peak_in_use_bytes.max(state.stats.in_use_bytes);
         state.live.insert(ptr, bytes);
         drop(state);
         #[cfg(feature = "cuda-emu")]
-        if let (Some(recording), Memory::Emulated(host)) = (recording, &block.memory) {
+        if let (Some(recording), Some(host)) = (recording, &block.host) {
             // A replay poisons the block where the capture's step was handed it, as an eager
             // step would have.
             recording.poison((host.start(), host.bytes()));
         }
-        Ok((Block { ptr, ..block }, ptr))
+        Ok((block, ptr))
     }
 
     /// Driver memory of `bytes` and its address; on out-of-memory, the segments with
@@ -355,20 +350,23 @@ impl Allocator {
 
     /// Emulated memory for a block placed at `placement` in `pool`'s arena, poisoned: a
     /// host block of its class the arena's buffers gave back, else a new mapping (the lock
-    /// is released first: mapping may release the cache).
+    /// is released first: mapping may release the cache); and where a buffer of `bytes`
+    /// starts in it: at its end, so that an access past the buffer faults.
     #[cfg(feature = "cuda-emu")]
     fn emulated_memory(
         &self,
         mut state: MutexGuard<'_, PoolState>,
         placement: Placement,
         pool: Option<u64>,
-    ) -> Result<Memory> {
+        bytes: usize,
+    ) -> Result<(super::emu::memory::HostBlock, u64)> {
         use super::emu::memory::HostBlock;
         let class = host_class(placement.bytes);
         if let Some(host) = state.arena(pool).host_blocks.get_mut(&class).and_then(Vec::pop) {
             drop(state);
             host.poison();
-            return Ok(Memory::Emulated(host));
+            let ptr = host.place(bytes);
+            return Ok((host, ptr));
         }
         drop(state);
         let host = HostBlock::map(class)
@@ -383,22 +381,21 @@ impl Allocator {
         if pool.is_some() {
             self.lock().arena(pool).spans.push((host.start(), host.bytes()));
         }
-        Ok(Memory::Emulated(host))
+        let ptr = host.place(bytes);
+        Ok((host, ptr))
     }
 
+    /// Without the emulator every segment has driver memory, so this is never reached (and
+    /// no host block type exists to return).
     #[cfg(not(feature = "cuda-emu"))]
-    fn emulated_memory(&self, _state: MutexGuard<'_, PoolState>, _at: Placement, _pool: Option<u64>) -> Result<Memory> {
+    fn emulated_memory(
+        &self,
+        _state: MutexGuard<'_, PoolState>,
+        _at: Placement,
+        _pool: Option<u64>,
+        _bytes: usize,
+    ) -> Result<(std::convert::Infallible, u64)> {
         Err(CudaError::Unavailable("this build has no emulated device (feature cuda-emu)".to_string()))
-    }
-
-    /// Where a buffer of `bytes` starts in `block`: its start on a GPU, its end (so that
-    /// an access past it faults) on the emulated device.
-    fn place(block: &Block, _bytes: usize) -> u64 {
-        match &block.memory {
-            Memory::InSegment => block.ptr,
-            #[cfg(feature = "cuda-emu")]
-            Memory::Emulated(host) => host.place(_bytes),
-        }
     }
 
     /// Puts a block back into its segment, merged with its free neighbours (the shared
@@ -410,7 +407,7 @@ impl Allocator {
         let arena = state.arena(block.pool);
         arena.segments.give_back(block.placement);
         #[cfg(feature = "cuda-emu")]
-        if let Memory::Emulated(host) = block.memory {
+        if let Some(host) = block.host {
             arena.host_blocks.entry(host_class(block.placement.bytes)).or_default().push(host);
         }
     }
@@ -595,7 +592,7 @@ impl<T: DeviceScalar> DeviceBuffer<T> {
             (Some(block), ptr)
         };
         #[cfg(feature = "cuda-emu")]
-        if let Some(Block { memory: Memory::Emulated(host), .. }) = &block {
+        if let Some(Block { host: Some(host), .. }) = &block {
             super::emu::memory::register(host, ptr, len, std::mem::size_of::<T>(), T::NAME);
         }
         Ok(DeviceBuffer { block, ptr, len, allocator: Arc::clone(allocator), _marker: PhantomData })
@@ -687,7 +684,7 @@ impl<T: DeviceScalar> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         if let Some(block) = self.block.take() {
             #[cfg(feature = "cuda-emu")]
-            if matches!(block.memory, Memory::Emulated(_)) {
+            if block.host.is_some() {
                 super::emu::memory::unregister(self.ptr);
             }
             self.allocator.give_back(block, self.ptr);

@@ -351,7 +351,7 @@ fn run(args: Args) -> Result<()> {
         Ok(true)
     };
     if args.cuda_graph {
-        // The eager first step, the steps in the graph's pool, the capture and its replay.
+        // The eager first step, the step in the graph's pool, the capture and its replay.
         while !untimed_step()? {}
     }
     let before = CounterSnapshot::take(args.device)?;
