@@ -2,8 +2,8 @@
 //! as the emulated CUDA device runs them (src/cuda/emu/). Without it, does nothing.
 //!
 //! Each family becomes one C++ translation unit: `emu/cuda_emu.h`, `common.cuh`, the
-//! family's source with `extern "C" __global__` turned into `static`, then a generated
-//! trampoline per kernel and the family's kernel table. The test-only mutants (a kernel with
+//! family's source with `extern "C" __global__` turned into `static` (list parameters by
+//! `const` reference), then a generated trampoline per kernel and the family's kernel table. The test-only mutants (a kernel with
 //! one deliberate bug each, for the emulator's own tests) are made here by one textual edit
 //! of a family; an edit that no longer applies fails the build, so each mutant stays real.
 
@@ -124,7 +124,7 @@ mod emulator {
         writeln!(text, "#line 1 \"{}\"", kernels_dir.join("common.cuh").display()).unwrap();
         text.push_str(common);
         writeln!(text, "\n#line 1 \"{}\"", kernels_dir.join(file).display()).unwrap();
-        text.push_str(&source.replace("extern \"C\" __global__", "static"));
+        text.push_str(&host_source(source));
         text.push_str("\n// Generated trampolines and table.\n");
         for kernel in &kernels {
             let k = &kernel.name;
@@ -143,6 +143,41 @@ mod emulator {
         fs::write(&path, text).expect("OUT_DIR is writable");
         tables.push((file.to_string(), symbol, kernels.len()));
         path
+    }
+
+    /// The family's source as the host compiles it: each kernel a `static` function whose
+    /// `TensorList` and `TensorTable` parameters are taken by `const` reference. A GPU reads
+    /// a by-value parameter in place, from the constant bank; on the host every fiber would
+    /// copy it onto its stack (adam_step's seven 4 KiB tables: 28 KiB per thread, which was
+    /// two thirds of an emulated training step with gradient clipping). Comments are left
+    /// as they are; a kernel that wrote to its list would no longer compile.
+    fn host_source(source: &str) -> String {
+        let source = source.replace("extern \"C\" __global__", "static");
+        let mut text = String::with_capacity(source.len() + 1024);
+        for line in source.split_inclusive('\n') {
+            let (code, comment) = line.split_at(line.find("//").unwrap_or(line.len()));
+            let mut rest = code;
+            while let Some((at, name)) =
+                ["TensorList ", "TensorTable "].iter().filter_map(|name| rest.find(name).map(|at| (at, *name))).min()
+            {
+                let (before, after) = (&rest[..at], &rest[at + name.len()..]);
+                let is_parameter = !before.ends_with("const ")
+                    && !before.ends_with("struct ")
+                    && after.starts_with(|c: char| c.is_alphabetic() || c == '_');
+                text.push_str(before);
+                if is_parameter {
+                    text.push_str("const ");
+                    text.push_str(name.trim_end());
+                    text.push_str("& ");
+                } else {
+                    text.push_str(name);
+                }
+                rest = after;
+            }
+            text.push_str(rest);
+            text.push_str(comment);
+        }
+        text
     }
 
     /// Every `extern "C" __global__ void NAME(PARAMS)` of `source`, with parameter lists

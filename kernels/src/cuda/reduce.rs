@@ -11,8 +11,8 @@ use super::allocator::{DeviceBuffer, DeviceRun};
 use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, Result};
 use super::launch::{
-    address_list, address_table, block_list, check_owners, elementwise, length_list, length_table, per_row, ptr, size,
-    LIST_LEN, TABLE_LEN, THREADS,
+    address_list, address_table, block_list, block_table, check_owners, elementwise, length_list, length_table,
+    per_row, ptr, ptr_at, size, LIST_LEN, TABLE_LEN, THREADS,
 };
 use super::module::{Arg, KernelFamily};
 
@@ -259,33 +259,33 @@ pub fn sum_squares_all(dev: &CudaDevice, xs: &[DeviceRun<f32>]) -> Result<f64> {
 }
 
 /// The f64 partial sums of `Σ x_t[i]²` over several runs of buffers, left on the device: each
-/// run's blocks (at most [`SQUARE_BLOCKS`]) in buffer order, one launch per
-/// [`TABLE_LEN`] buffers. Summed in their order (on the host by [`sum_squares_all`], on the
-/// device by the optimizers' step guard) they give the same f64, bit for bit.
+/// run's blocks (at most [`SQUARE_BLOCKS`]) in buffer order, one launch per [`TABLE_LEN`]
+/// buffers, each buffer's blocks end to end along the grid (none idle beside a longer
+/// buffer). Summed in their order (on the host by [`sum_squares_all`], on the device by the
+/// optimizers' step guard) they give the same f64, bit for bit.
 pub fn sum_squares_partials(dev: &CudaDevice, xs: &[DeviceRun<f32>]) -> Result<DeviceBuffer<f64>> {
     for x in xs {
         dev.check_owner("sum_squares", x.buffer())?;
     }
-    // Each buffer's block count and where its partials start.
-    let blocks: Vec<usize> = xs.iter().map(|x| x.len().div_ceil(THREADS as usize).min(SQUARE_BLOCKS)).collect();
-    let offsets: Vec<usize> = blocks.iter().scan(0, |next, b| Some(std::mem::replace(next, *next + b))).collect();
-    let partial = dev.alloc::<f64>(blocks.iter().sum())?;
-    for ((chunk, blocks), offsets) in xs.chunks(TABLE_LEN).zip(blocks.chunks(TABLE_LEN)).zip(offsets.chunks(TABLE_LEN))
-    {
-        let most = blocks.iter().copied().max().unwrap_or(0);
-        let cfg = LaunchConfig {
-            grid_dim: (most as u32, chunk.len() as u32, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+    let blocks = |x: &DeviceRun<f32>| x.len().div_ceil(THREADS as usize).min(SQUARE_BLOCKS);
+    let partial = dev.alloc::<f64>(xs.iter().map(blocks).sum())?;
+    let mut written = 0;
+    for chunk in xs.chunks(TABLE_LEN) {
+        let (first_block, chunk_blocks) = block_table(chunk.iter().map(blocks));
+        if chunk_blocks == 0 {
+            continue;
+        }
+        let cfg =
+            LaunchConfig { grid_dim: (chunk_blocks as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         let args = [
             address_table(chunk.iter().map(|x| x.device_ptr())),
             length_table(chunk.iter().map(|x| x.len())),
-            length_table(blocks.iter().copied()),
-            length_table(offsets.iter().copied()),
-            ptr(&partial),
+            first_block,
+            size(chunk.len()),
+            ptr_at(&partial, written),
         ];
         dev.launch(FAMILY, "sum_squares_partial", cfg, &args)?;
+        written += chunk_blocks;
     }
     Ok(partial)
 }
@@ -401,6 +401,40 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The squared-norm partials of many runs of one packed buffer (as a model's gradients
+    /// lie), empty runs and runs of more than [`SQUARE_BLOCKS`] blocks among them, over more
+    /// than one launch's table: each run's blocks lie end to end, so its partials, summed in
+    /// order, are the bits of the run's partials alone.
+    #[test]
+    fn squared_norm_partials_lie_run_after_run() {
+        let dev = CudaDevice::emulated().unwrap();
+        let lens: Vec<usize> = (0..TABLE_LEN + 9).map(|i| [0, 1, 300, 5_000][i % 4] + i).collect();
+        let (lens, big) = ([lens, vec![0, 270_000, 0]].concat(), TABLE_LEN + 10);
+        let packed = dev.upload(&values(lens.iter().sum(), 7)).unwrap();
+        let mut at = 0;
+        let runs: Vec<DeviceRun<f32>> = lens
+            .iter()
+            .map(|&len| {
+                at += len;
+                DeviceRun::new(&packed, at - len, len).unwrap()
+            })
+            .collect();
+        let before = dev.counters();
+        let partial = dev.download(&sum_squares_partials(&dev, &runs).unwrap()).unwrap();
+        let launches = dev.counters().since(&before).launches_by_kernel;
+        assert_eq!(launches.get("sum_squares_partial"), Some(&2), "{launches:?}");
+        let mut next = 0;
+        for (i, run) in runs.iter().enumerate() {
+            let alone = dev.download(&sum_squares_partials(&dev, std::slice::from_ref(run)).unwrap()).unwrap();
+            assert_eq!(alone.len(), run.len().div_ceil(THREADS as usize).min(SQUARE_BLOCKS), "run {i}");
+            let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&partial[next..next + alone.len()]), bits(&alone), "run {i} of {} elements", run.len());
+            next += alone.len();
+        }
+        assert_eq!(next, partial.len());
+        assert!(runs[big].len().div_ceil(THREADS as usize) > SQUARE_BLOCKS);
     }
 
     #[test]

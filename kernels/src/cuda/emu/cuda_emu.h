@@ -167,9 +167,14 @@ struct TpKernel {
 
 namespace tp_emu_gen {
 
+// A parameter's type without const or reference: build.rs passes the list types by const
+// reference, so that each thread reads the launch's argument bytes in place.
+template <typename T>
+using Bare = std::remove_cv_t<std::remove_reference_t<T>>;
+
 template <typename... P, std::size_t... I>
 void call(void (*kernel)(P...), void** args, std::index_sequence<I...>) {
-    kernel(*static_cast<std::remove_cv_t<P>*>(args[I])...);
+    kernel(*static_cast<Bare<P>*>(args[I])...);
 }
 
 template <typename... P>
@@ -193,7 +198,7 @@ constexpr char kind() {
 
 template <typename... P>
 const char* signature(void (*)(P...)) {
-    static const char kinds[] = {kind<std::remove_cv_t<P>>()..., '\0'};
+    static const char kinds[] = {kind<Bare<P>>()..., '\0'};
     return kinds;
 }
 

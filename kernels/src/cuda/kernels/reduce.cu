@@ -235,21 +235,20 @@ extern "C" __global__ void max_inner(const float* x, i64 outer, i64 n, i64 inner
     }
 }
 
-// Σ x_t[i]² partials of up to TABLE_LEN tensors in one launch, in f64: tensor t = blockIdx.y
-// has blocks.v[t] blocks (its own grid-stride over its lens.v[t] elements) and writes its
-// partials to partial[offsets.v[t] + block]; blocks past a tensor's count do nothing.
-extern "C" __global__ void sum_squares_partial(TensorTable xs, TensorTable lens, TensorTable blocks,
-                                               TensorTable offsets, double* partial) {
-    const int t = blockIdx.y;
-    const i64 own_blocks = blocks.v[t];
-    if ((i64)blockIdx.x >= own_blocks) return;  // the whole block: block_sum_d is not reached
+// Σ x_t[i]² partials of up to TABLE_LEN tensors in one launch, in f64: tensor t has the
+// blocks from first_block.v[t] on (list_entry_of_block), a grid-stride loop of its own over
+// its lens.v[t] elements, and each block writes its partial to partial[blockIdx.x].
+extern "C" __global__ void sum_squares_partial(TensorTable xs, TensorTable lens, TensorTable first_block, i64 count,
+                                               double* partial) {
+    const int t = list_entry_of_block(first_block, count);
     const float* x = (const float*)xs.v[t];
     const i64 n = lens.v[t];
+    const i64 stride = list_entry_blocks(first_block, count, t) * blockDim.x;
     double acc = 0.0;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += own_blocks * blockDim.x) {
+    for (i64 i = ((i64)blockIdx.x - first_block.v[t]) * blockDim.x + threadIdx.x; i < n; i += stride) {
         double v = (double)x[i];
         acc += v * v;
     }
     acc = block_sum_d(acc);
-    if (threadIdx.x == 0) partial[offsets.v[t] + blockIdx.x] = acc;
+    if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
