@@ -17,7 +17,7 @@ use kernels::cpu::unary::Unary;
 use kernels::cuda::attention::AttentionPrecision::{Bf16, F32};
 use kernels::cuda::emu::{Mutant, Schedule};
 use kernels::cuda::fused_gate::{DeviceFusedGateParams, DeviceGateParams};
-use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer, Values};
+use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer, Values, ValuesMut};
 
 /// A fresh emulated device, running `mutant` when given.
 fn emulator(mutant: Option<Mutant>) -> CudaDevice {
@@ -66,7 +66,7 @@ fn attention_error(dev: &CudaDevice, schedule: Schedule) -> f32 {
         [&q, &k, &v].map(Values::F32),
         &dims,
         F32,
-        (&mut flash, None),
+        (ValuesMut::F32(&mut flash), None),
         &mut lse,
     )
     .unwrap();
@@ -106,7 +106,7 @@ fn tensor_core_attention(dev: &CudaDevice, schedule: Schedule) -> (Vec<Vec<f32>>
         [&q, &k, &v].map(Values::F32),
         &dims,
         Bf16,
-        (&mut out, None),
+        (ValuesMut::F32(&mut out), None),
         &mut lse,
     )
     .unwrap();
@@ -116,7 +116,7 @@ fn tensor_core_attention(dev: &CudaDevice, schedule: Schedule) -> (Vec<Vec<f32>>
     cuda::attention::causal_attention_backward(
         dev,
         [&q, &k, &v].map(Values::F32),
-        &out,
+        Values::F32(&out),
         &lse,
         &dout,
         &dims,

@@ -95,8 +95,8 @@ impl Attention {
         let heads = self.config.n_heads;
         self.forward_with(x, |rows, shape, scale| {
             let qkv_projections = [&self.q_proj, &self.k_proj, &self.v_proj];
-            // RoPE reads q, k and v in f32.
-            if let Some(qkv) = ModulatedProjection::forward_packed(&qkv_projections, rows, ProductOutput::F32)? {
+            // Stored in bf16, as autocast stores a product: RoPE reads either.
+            if let Some(qkv) = ModulatedProjection::forward_packed(&qkv_projections, rows, ProductOutput::Bf16)? {
                 let [b, t, h, head_dim] = shape;
                 let qkv = qkv.reshape(&[b, t, 3 * h * head_dim])?;
                 return Var::rotary_causal_attention_packed(&qkv, heads, scale, theta);

@@ -400,7 +400,6 @@ fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, hea
     // writes them so); the f32 kernels read f32.
     let rounded = |x: &[f32]| dev.upload(&x.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>());
     let (q16, k16, v16) = (rounded(&hq)?, rounded(&hk)?, rounded(&hv)?);
-    let mut out = dev.alloc::<f32>(len)?;
     let mut naive_out = dev.alloc::<f32>(len)?;
     let scale = 1.0 / (head_dim as f32).sqrt();
     let dims = AttentionDims { batch, q_seq: seq, kv_seq: seq, heads, head_dim, scale };
@@ -423,15 +422,23 @@ fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, hea
             AttentionPrecision::F32 => [&q, &k, &v].map(Values::F32),
             AttentionPrecision::Bf16 => [&q16, &k16, &v16].map(Values::Bf16),
         };
-        causal_attention_forward(dev, qkv, &dims, precision, (&mut out, None), &mut lse)?;
+        // The output as training stores it: bf16 from bf16 q, k and v, else f32.
+        let mut out = DeviceValues::alloc(dev, len, precision == AttentionPrecision::Bf16)?;
+        let forward = |out: &mut DeviceValues, lse: &mut DeviceBuffer<f32>| {
+            causal_attention_forward(dev, qkv, &dims, precision, (out.values_mut(), None), lse)
+        };
+        forward(&mut out, &mut lse)?;
+        let flash: Vec<f32> = match out.values() {
+            Values::F32(out) => dev.download(out)?,
+            Values::Bf16(out) => dev.download(out)?.iter().map(|v| v.to_f32()).collect(),
+        };
         let what = format!("flash attention ({precision:?}) B={batch} T={seq} H={heads} D={head_dim}");
-        let worst = check(&what, &dev.download(&out)?, &naive, tolerance);
-        let flash_s =
-            best_seconds(dev, || causal_attention_forward(dev, qkv, &dims, precision, (&mut out, None), &mut lse))?;
+        let worst = check(&what, &flash, &naive, tolerance);
+        let flash_s = best_seconds(dev, || forward(&mut out, &mut lse))?;
         let train_s = best_seconds(dev, || {
-            causal_attention_forward(dev, qkv, &dims, precision, (&mut out, None), &mut lse)?;
+            forward(&mut out, &mut lse)?;
             let dv = (&mut dv, None);
-            causal_attention_backward(dev, qkv, &out, &lse, &dout, &dims, precision, &mut dq, &mut dk, dv)
+            causal_attention_backward(dev, qkv, out.values(), &lse, &dout, &dims, precision, &mut dq, &mut dk, dv)
         })?;
         println!(
             "attention {precision:?} B={batch} T={seq} H={heads} D={head_dim} | flash {:>8.3} ms | naive {:>8.3} ms \

@@ -10,7 +10,9 @@
 //! `dq`, `dk`, `dv` (every row once). The output and `dv`, which bf16 products read, may
 //! also be written as bf16 twins (rounded to nearest even) instead of converted later. q, k
 //! and v are f32, or (for the tensor-core kernels) bf16 ([`Values`]): RoPE writes them so
-//! under bf16 products, rounded as the kernels' staging would round them.
+//! under bf16 products, rounded as the kernels' staging would round them. From bf16 q, k and
+//! v the output may be written in bf16 only, as FlashAttention-2 stores it; the backward then
+//! reads it so (δ = Σ dO ⊙ O from the stored O). f32 q, k and v go with an f32 output.
 
 use cudarc::driver::LaunchConfig;
 use half::bf16;
@@ -20,7 +22,7 @@ use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, CudaError, Result};
 use super::launch::{check_owners, elementwise, opt_ptr, ptr, size};
 use super::module::{Arg, KernelFamily};
-use super::values::Values;
+use super::values::{Values, ValuesMut};
 use crate::cpu::attention::AttentionDims;
 
 /// Largest head dimension of the GPU kernels.
@@ -208,29 +210,36 @@ fn check_twin(
 
 /// `out` and `lse` (the log-sum-exp of each query's scaled scores, saved for backward) of
 /// the operands `dims` describes (`qkv`: q, k and v), as
-/// `cpu::attention::causal_attention_forward`, with products in `precision`; `out_bf16`, when
-/// given, gets `out` rounded to nearest even.
+/// `cpu::attention::causal_attention_forward`, with products in `precision`. `out` is f32
+/// (`out_bf16`, when given, gets it rounded to nearest even), or, from bf16 q, k and v, bf16
+/// only (rounded to nearest even; no twin).
 pub fn causal_attention_forward(
     dev: &CudaDevice,
     qkv: [Values; 3],
     dims: &AttentionDims,
     precision: AttentionPrecision,
-    (out, out_bf16): (&mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>),
+    (out, out_bf16): (ValuesMut, Option<&mut DeviceBuffer<bf16>>),
     lse: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "causal_attention_forward";
     let bf16_inputs = check_qkv(dev, OP, &qkv, precision)?;
-    check_owners(dev, OP, &[out, lse])?;
+    let out = out.as_values();
+    out.check_owner(dev, OP)?;
+    check_owners(dev, OP, &[lse])?;
     let [q, k, v] = qkv;
     let d = check(OP, dims, q.len(), k.len(), v.len())?;
     ensure_len(OP, "out", out.len(), q.len())?;
+    ensure(!out.is_bf16() || (bf16_inputs && out_bf16.is_none()), OP, || {
+        "a bf16 output needs bf16 q, k and v, and no twin".to_string()
+    })?;
     check_twin(dev, OP, "out_bf16", &out_bf16, out.len())?;
     ensure_len(OP, "lse", lse.len(), dims.lse_len())?;
     d.check_precision(dev, OP, precision)?;
     if d.is_empty() {
         return Ok(());
     }
-    let mut args = vec![q.arg_at(0), k.arg_at(0), v.arg_at(0), ptr(out), opt_ptr(out_bf16.as_deref()), ptr(lse)];
+    let out_bf16 = if out.is_bf16() { out.arg_at(0) } else { opt_ptr(out_bf16.as_deref()) };
+    let mut args = vec![q.arg_at(0), k.arg_at(0), v.arg_at(0), Arg::Ptr(out.f32_address()), out_bf16, ptr(lse)];
     if precision == AttentionPrecision::Bf16 {
         args.extend(d.mma_args());
         let kernels = if bf16_inputs { MMA_FORWARD_BF16 } else { MMA_FORWARD };
@@ -243,12 +252,13 @@ pub fn causal_attention_forward(
 
 /// `dq, dk, dv =` gradients, recomputing probabilities from q, k and `lse`
 /// (`δ_i = Σ dout_i ⊙ out_i`), with products in `precision` (that of the forward which made
-/// `out` and `lse`); `dv_bf16`, when given, gets `dv` rounded to nearest even.
+/// `out` and `lse`); `out` is bf16 for bf16 q, k and v, else f32. `dv_bf16`, when given, gets
+/// `dv` rounded to nearest even.
 #[allow(clippy::too_many_arguments)]
 pub fn causal_attention_backward(
     dev: &CudaDevice,
     qkv: [Values; 3],
-    out: &DeviceBuffer<f32>,
+    out: Values,
     lse: &DeviceBuffer<f32>,
     dout: &DeviceBuffer<f32>,
     dims: &AttentionDims,
@@ -259,7 +269,11 @@ pub fn causal_attention_backward(
 ) -> Result<()> {
     const OP: &str = "causal_attention_backward";
     let bf16_inputs = check_qkv(dev, OP, &qkv, precision)?;
-    check_owners(dev, OP, &[out, lse, dout, dq, dk, dv])?;
+    out.check_owner(dev, OP)?;
+    check_owners(dev, OP, &[lse, dout, dq, dk, dv])?;
+    ensure(out.is_bf16() == bf16_inputs, OP, || {
+        "the saved output is bf16 exactly when q, k and v are (the tensor-core kernels)".to_string()
+    })?;
     let [q, k, v] = qkv;
     let d = check(OP, dims, q.len(), k.len(), v.len())?;
     ensure(out.len() == q.len() && dout.len() == q.len(), OP, || "out or dout has the wrong length".to_string())?;
@@ -282,7 +296,7 @@ pub fn causal_attention_backward(
     // It goes back to the pool on return; later users are queued after these kernels.
     let delta = dev.alloc::<f32>(dims.lse_len())?;
     let (q, k, v) = (q.arg_at(0), k.arg_at(0), v.arg_at(0));
-    let mut dq_args = vec![q.clone(), k.clone(), v.clone(), ptr(out), ptr(dout), ptr(lse), ptr(&delta), ptr(dq)];
+    let mut dq_args = vec![q.clone(), k.clone(), v.clone(), out.arg_at(0), ptr(dout), ptr(lse), ptr(&delta), ptr(dq)];
     let dv_bf16 = opt_ptr(dv_bf16.as_deref());
     let mut dkv_args = vec![q, k, v, ptr(dout), ptr(lse), ptr(&delta), ptr(dk), ptr(dv), dv_bf16];
     if precision == AttentionPrecision::Bf16 {

@@ -5,7 +5,8 @@
 //!
 //! Mirrors `cpu::rope`; the cos/sin tables are the CPU's `rope_table` uploaded once
 //! (`[max_seq, D/2]` each). An output that bf16 products read (the backward's `dq`, `dk`)
-//! may also be written as a bf16 twin (rounded to nearest even).
+//! may also be written as a bf16 twin (rounded to nearest even). The packed QKV product may
+//! be read in bf16 (stored so under bf16 products), widened for the rotation.
 
 use half::bf16;
 
@@ -14,7 +15,7 @@ use super::device::CudaDevice;
 use super::error::{ensure, CudaError, Result};
 use super::launch::{address_list, check_owners, elementwise, length_list, ptr, size, LIST_LEN};
 use super::module::{Arg, KernelFamily};
-use super::values::ValuesMut;
+use super::values::{Values, ValuesMut};
 use crate::cpu::rope::RopeDims;
 
 /// One tensor of a rotation: `x` and `out` of the sizes `dims` (`[B, T, H, D]`, token t at
@@ -74,7 +75,7 @@ fn rotate(
             rotate: true,
         });
     }
-    launch(dev, first, &lanes, tables, backward)
+    launch(dev, first, &lanes, tables, backward, false)
 }
 
 /// Checks one part's sizes against its buffers' lengths and the tables, and that it shares
@@ -100,13 +101,14 @@ fn check_twin(dev: &CudaDevice, op: &'static str, twin: &DeviceBuffer<bf16>, len
 }
 
 /// One launch of `rope_rotate` over `lanes` (checked), all of `dims`' batch, length, head dim
-/// and offset.
+/// and offset; every lane's `x` holds bf16 values when `x_is_bf16`, else f32.
 fn launch(
     dev: &CudaDevice,
     dims: RopeDims,
     lanes: &[Lane],
     [cos, sin]: [&DeviceBuffer<f32>; 2],
     backward: bool,
+    x_is_bf16: bool,
 ) -> Result<()> {
     check_owners(dev, "rope", &[cos, sin])?;
     let RopeDims { batch, seq, head_dim, pos_offset, .. } = dims;
@@ -132,6 +134,7 @@ fn launch(
         size(head_dim),
         size(pos_offset),
         Arg::F32(sign),
+        Arg::I32(i32::from(x_is_bf16)),
     ];
     dev.launch(KernelFamily::Rope, "rope_rotate", cfg, &args)
 }
@@ -158,12 +161,12 @@ pub fn rope_backward(
 }
 
 /// The packed QKV product `qkv: [B, T, 3, H, D]` (each token's q, k and v side by side, as
-/// one GEMM of the stacked weights writes them) into the dense `[B, T, H, D]` tensors
-/// `R q`, `R k` and `v`, in one launch: f32, or rounded to bf16 (nearest even) for the
-/// tensor-core attention, which reads them so. `dims` are one part's sizes.
+/// one GEMM of the stacked weights writes them; f32 or bf16) into the dense `[B, T, H, D]`
+/// tensors `R q`, `R k` and `v`, in one launch: f32, or rounded to bf16 (nearest even) for
+/// the tensor-core attention, which reads them so. `dims` are one part's sizes.
 pub fn rope_qkv_forward(
     dev: &CudaDevice,
-    qkv: &DeviceBuffer<f32>,
+    qkv: Values,
     dims: RopeDims,
     outputs: [ValuesMut; 3],
     cos: &DeviceBuffer<f32>,
@@ -171,7 +174,7 @@ pub fn rope_qkv_forward(
 ) -> Result<()> {
     const OP: &str = "rope_qkv_forward";
     let part_len = dims.len();
-    check_owners(dev, OP, &[qkv])?;
+    qkv.check_owner(dev, OP)?;
     ensure(qkv.len() == 3 * part_len, OP, || {
         format!("qkv has {} elements, 3·[B, T, H, D] needs {}", qkv.len(), 3 * part_len)
     })?;
@@ -182,7 +185,7 @@ pub fn rope_qkv_forward(
     }
     let width = dims.heads * dims.head_dim;
     let lane = |part: usize, out: &ValuesMut| Lane {
-        x: qkv.ptr_at(part * width),
+        x: qkv.address_at(part * width),
         x_stride: 3 * width,
         out: out.as_values().f32_address(),
         out_stride: width,
@@ -192,7 +195,7 @@ pub fn rope_qkv_forward(
     };
     let [q, k, v] = &outputs;
     let lanes = [lane(0, q), lane(1, k), lane(2, v)];
-    launch(dev, dims, &lanes, [cos, sin], false)
+    launch(dev, dims, &lanes, [cos, sin], false, qkv.is_bf16())
 }
 
 /// The backward of [`rope_qkv_forward`]: `dqkv: [B, T, 3, H, D]` from the dense gradients of
@@ -232,5 +235,5 @@ pub fn rope_qkv_backward(
         rotate: part < 2,
     };
     let lanes = [lane(0, dq), lane(1, dk), lane(2, dv)];
-    launch(dev, dims, &lanes, [cos, sin], true)
+    launch(dev, dims, &lanes, [cos, sin], true, false)
 }

@@ -129,6 +129,14 @@ impl DeviceValues {
         }
     }
 
+    /// The buffer to write.
+    pub fn values_mut(&mut self) -> ValuesMut<'_> {
+        match self {
+            DeviceValues::F32(b) => ValuesMut::F32(b),
+            DeviceValues::Bf16(b) => ValuesMut::Bf16(b),
+        }
+    }
+
     /// Its elements.
     pub fn len(&self) -> usize {
         self.values().len()

@@ -6,7 +6,7 @@ use kernels::cpu;
 use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::rope::RopeDims;
 use kernels::cuda::attention::AttentionPrecision::{Bf16, F32};
-use kernels::cuda::{self, CudaError, DeviceRun, Values, ValuesMut};
+use kernels::cuda::{self, CudaError, DeviceBuffer, DeviceRun, Values, ValuesMut};
 
 use super::{assert_elementwise, assert_reduced, assert_twin, down, stale, up, Rng};
 
@@ -88,20 +88,40 @@ fn rope_of_packed_qkv_agrees() {
         let mut outs = [0, 1, 2].map(|_| up(dev, &stale(dims.len())));
         let [gq, gk, gv] = &mut outs;
         let f32_outputs = [gq, gk, gv].map(ValuesMut::F32);
-        cuda::rope::rope_qkv_forward(dev, &gqkv, dims, f32_outputs, &gcos, &gsin).unwrap();
+        cuda::rope::rope_qkv_forward(dev, Values::F32(&gqkv), dims, f32_outputs, &gcos, &gsin).unwrap();
         // The same in bf16 only (for the tensor-core attention): the f32 outputs rounded.
         let mut rounded = [0, 1, 2].map(|_| dev.alloc::<bf16>(dims.len()).unwrap());
         let [rq, rk, rv] = &mut rounded;
         let bf16_outputs = [rq, rk, rv].map(ValuesMut::Bf16);
-        cuda::rope::rope_qkv_forward(dev, &gqkv, dims, bf16_outputs, &gcos, &gsin).unwrap();
+        cuda::rope::rope_qkv_forward(dev, Values::F32(&gqkv), dims, bf16_outputs, &gcos, &gsin).unwrap();
+        // From the packed product stored in bf16, as under bf16 products: the rotations of the
+        // rounded values, in f32 and in bf16.
+        let qkv_bf16: Vec<bf16> = qkv.iter().map(|&x| bf16::from_f32(x)).collect();
+        let qkv_rounded: Vec<f32> = qkv_bf16.iter().map(|x| x.to_f32()).collect();
+        let gqkv_bf16 = dev.upload(&qkv_bf16).unwrap();
+        let mut from_bf16 = [0, 1, 2].map(|_| up(dev, &stale(dims.len())));
+        let [fq, fk, fv] = &mut from_bf16;
+        let from_bf16_outputs = [fq, fk, fv].map(ValuesMut::F32);
+        cuda::rope::rope_qkv_forward(dev, Values::Bf16(&gqkv_bf16), dims, from_bf16_outputs, &gcos, &gsin).unwrap();
+        let mut both_bf16 = [0, 1, 2].map(|_| dev.alloc::<bf16>(dims.len()).unwrap());
+        let [bq, bk, bv] = &mut both_bf16;
+        let both_bf16_outputs = [bq, bk, bv].map(ValuesMut::Bf16);
+        cuda::rope::rope_qkv_forward(dev, Values::Bf16(&gqkv_bf16), dims, both_bf16_outputs, &gcos, &gsin).unwrap();
         for (p, (out, out_bf16)) in outs.iter().zip(&rounded).enumerate() {
-            let x = part(&qkv, p);
-            let mut want = x.clone();
-            if p < 2 {
-                cpu::rope::rope_forward(&x, &cos, &sin, &dims, &mut want);
-            }
-            assert_elementwise(&format!("rope of packed qkv, part {p}"), &down(dev, out), &want);
+            let rotated = |rows: &[f32]| {
+                let x = part(rows, p);
+                let mut want = x.clone();
+                if p < 2 {
+                    cpu::rope::rope_forward(&x, &cos, &sin, &dims, &mut want);
+                }
+                want
+            };
+            assert_elementwise(&format!("rope of packed qkv, part {p}"), &down(dev, out), &rotated(&qkv));
             assert_twin(dev, &format!("rope of packed qkv in bf16, part {p}"), out, out, out_bf16);
+            let (f32_out, bf16_out) = (&from_bf16[p], &both_bf16[p]);
+            let what = format!("rope of packed bf16 qkv, part {p}");
+            assert_elementwise(&what, &down(dev, f32_out), &rotated(&qkv_rounded));
+            assert_twin(dev, &format!("{what}, into bf16"), f32_out, f32_out, bf16_out);
         }
         let grads = [0, 1, 2].map(|_| rng.vec(dims.len(), -2.0, 2.0));
         let ggrads = grads.each_ref().map(|g| up(dev, g));
@@ -126,7 +146,8 @@ fn rope_of_packed_qkv_agrees() {
     let short = up(dev, &[1.0; 8]);
     let mut outs = [0, 1, 2].map(|_| dev.alloc::<f32>(4).unwrap());
     let [q, k, v] = &mut outs;
-    let result = cuda::rope::rope_qkv_forward(dev, &short, dims, [q, k, v].map(ValuesMut::F32), &gcos, &gsin);
+    let outputs = [q, k, v].map(ValuesMut::F32);
+    let result = cuda::rope::rope_qkv_forward(dev, Values::F32(&short), dims, outputs, &gcos, &gsin);
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }
 
@@ -240,13 +261,13 @@ fn flash_attention_forward_and_backward_agree() {
             [&gq, &gk, &gv].map(Values::F32),
             &dims,
             F32,
-            (&mut gout, None),
+            (ValuesMut::F32(&mut gout), None),
             &mut glse,
         )
         .unwrap();
         assert_reduced(&format!("attention out {c:?}"), &down(dev, &gout), &out);
         let (mut gout2, mut gout16) = (dev.alloc(q.len()).unwrap(), dev.alloc::<bf16>(q.len()).unwrap());
-        let twin = (&mut gout2, Some(&mut gout16));
+        let twin = (ValuesMut::F32(&mut gout2), Some(&mut gout16));
         cuda::attention::causal_attention_forward(dev, [&gq, &gk, &gv].map(Values::F32), &dims, F32, twin, &mut glse)
             .unwrap();
         assert_twin(dev, &format!("attention out {c:?}"), &gout2, &gout, &gout16);
@@ -263,7 +284,7 @@ fn flash_attention_forward_and_backward_agree() {
         cuda::attention::causal_attention_backward(
             dev,
             [&gq, &gk, &gv].map(Values::F32),
-            &up(dev, &out),
+            Values::F32(&up(dev, &out)),
             &up(dev, &lse),
             &up(dev, &dout),
             &dims,
@@ -282,7 +303,7 @@ fn flash_attention_forward_and_backward_agree() {
         cuda::attention::causal_attention_backward(
             dev,
             [&gq, &gk, &gv].map(Values::F32),
-            &out_saved,
+            Values::F32(&out_saved),
             &lse_saved,
             &dout_up,
             &dims,
@@ -303,7 +324,7 @@ fn flash_attention_forward_and_backward_agree() {
         [&big, &big, &big].map(Values::F32),
         &dims,
         F32,
-        (&mut o, None),
+        (ValuesMut::F32(&mut o), None),
         &mut l,
     );
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
@@ -348,7 +369,7 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
         let (gq, gk, gv) = (up(dev, &q), up(dev, &k), up(dev, &v));
         let (mut gout, mut glse) = (up(dev, &stale(q.len())), up(dev, &stale(lse.len())));
         let mut gout16 = dev.alloc::<bf16>(q.len()).unwrap();
-        let twin = (&mut gout, Some(&mut gout16));
+        let twin = (ValuesMut::F32(&mut gout), Some(&mut gout16));
         cuda::attention::causal_attention_forward(dev, [&gq, &gk, &gv].map(Values::F32), &dims, Bf16, twin, &mut glse)
             .unwrap();
         // 1e-2 of the largest value, and at least 1e-4 (the inputs are O(1)): with one visible
@@ -371,7 +392,7 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
             cuda::attention::causal_attention_backward(
                 dev,
                 [&gq, &gk, &gv].map(Values::F32),
-                &gout,
+                Values::F32(&gout),
                 &glse,
                 &gdout,
                 &dims,
@@ -392,40 +413,79 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
         assert_eq!(backward(), gradients, "tensor-core attention backward is deterministic {c:?}");
 
         // q, k and v already in bf16 (RoPE's output under bf16 products): the same bits as
-        // f32 inputs rounded by the kernels' staging, forward and backward.
+        // f32 inputs rounded by the kernels' staging, into an f32 output, or into a bf16 one
+        // alone (the f32 output's twin, bit for bit).
         let to_bf16 = |x: &[f32]| dev.upload(&x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).unwrap();
         let (hq, hk, hv) = (to_bf16(&q), to_bf16(&k), to_bf16(&v));
         let (mut hout, mut hlse) = (up(dev, &stale(q.len())), up(dev, &stale(lse.len())));
         let inputs = [&hq, &hk, &hv].map(Values::Bf16);
-        cuda::attention::causal_attention_forward(dev, inputs, &dims, Bf16, (&mut hout, None), &mut hlse).unwrap();
+        let into_f32 = (ValuesMut::F32(&mut hout), None);
+        cuda::attention::causal_attention_forward(dev, inputs, &dims, Bf16, into_f32, &mut hlse).unwrap();
         assert_eq!(down(dev, &hout), down(dev, &gout), "bf16 inputs: out {c:?}");
         assert_eq!(down(dev, &hlse), down(dev, &glse), "bf16 inputs: lse {c:?}");
-        let (mut hdq, mut hdk, mut hdv) =
-            (up(dev, &stale(q.len())), up(dev, &stale(k.len())), up(dev, &stale(k.len())));
-        cuda::attention::causal_attention_backward(
-            dev,
-            inputs,
-            &gout,
-            &glse,
-            &gdout,
-            &dims,
-            Bf16,
-            &mut hdq,
-            &mut hdk,
-            (&mut hdv, None),
-        )
-        .unwrap();
-        assert_eq!([hdq, hdk, hdv].map(|g| down(dev, &g)), gradients, "bf16 inputs: gradients {c:?}");
+        let mut hout16 = dev.alloc::<bf16>(q.len()).unwrap();
+        let into_bf16 = (ValuesMut::Bf16(&mut hout16), None);
+        cuda::attention::causal_attention_forward(dev, inputs, &dims, Bf16, into_bf16, &mut hlse).unwrap();
+        let bits = |x: &DeviceBuffer<bf16>| dev.download(x).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&hout16), bits(&gout16), "bf16 inputs: the bf16 output {c:?}");
+        assert_eq!(down(dev, &hlse), down(dev, &glse), "bf16 inputs, bf16 output: lse {c:?}");
+        // Their backward reads that bf16 output (δ = Σ dO ⊙ O of the stored O, as
+        // FlashAttention-2): within bf16 precision of the CPU, and deterministic.
+        let bf16_backward = || {
+            let (mut hdq, mut hdk, mut hdv) =
+                (up(dev, &stale(q.len())), up(dev, &stale(k.len())), up(dev, &stale(k.len())));
+            cuda::attention::causal_attention_backward(
+                dev,
+                inputs,
+                Values::Bf16(&hout16),
+                &hlse,
+                &gdout,
+                &dims,
+                Bf16,
+                &mut hdq,
+                &mut hdk,
+                (&mut hdv, None),
+            )
+            .unwrap();
+            [hdq, hdk, hdv].map(|g| down(dev, &g))
+        };
+        let [hdq, hdk, hdv] = bf16_backward();
+        bf16_close(&format!("tensor-core attention from a bf16 output, dq {c:?}"), &hdq, &dq);
+        bf16_close(&format!("tensor-core attention from a bf16 output, dk {c:?}"), &hdk, &dk);
+        bf16_close(&format!("tensor-core attention from a bf16 output, dv {c:?}"), &hdv, &dv);
+        assert_eq!(bf16_backward(), [hdq, hdk, hdv], "the backward from a bf16 output is deterministic {c:?}");
     }
     // bf16 inputs need the tensor-core kernels, and q, k and v share one element type.
     let dims = AttentionDims { batch: 1, q_seq: 2, kv_seq: 2, heads: 1, head_dim: 16, scale: 1.0 };
     let (halves, floats) = (dev.alloc::<bf16>(32).unwrap(), dev.alloc::<f32>(32).unwrap());
     let (mut o, mut l) = (dev.alloc(32).unwrap(), dev.alloc(2).unwrap());
     let all_bf16 = [&halves, &halves, &halves].map(Values::Bf16);
-    let refused = cuda::attention::causal_attention_forward(dev, all_bf16, &dims, F32, (&mut o, None), &mut l);
+    let refused =
+        cuda::attention::causal_attention_forward(dev, all_bf16, &dims, F32, (ValuesMut::F32(&mut o), None), &mut l);
     assert!(matches!(refused, Err(CudaError::Shape { .. })), "{refused:?}");
     let mixed = [Values::Bf16(&halves), Values::F32(&floats), Values::Bf16(&halves)];
-    let refused = cuda::attention::causal_attention_forward(dev, mixed, &dims, Bf16, (&mut o, None), &mut l);
+    let refused =
+        cuda::attention::causal_attention_forward(dev, mixed, &dims, Bf16, (ValuesMut::F32(&mut o), None), &mut l);
+    assert!(matches!(refused, Err(CudaError::Shape { .. })), "{refused:?}");
+    // A bf16 output only from bf16 q, k and v, and their backward only from a bf16 output.
+    let mut o16 = dev.alloc::<bf16>(32).unwrap();
+    let all_f32 = [&floats, &floats, &floats].map(Values::F32);
+    let into_bf16 = (ValuesMut::Bf16(&mut o16), None);
+    let refused = cuda::attention::causal_attention_forward(dev, all_f32, &dims, Bf16, into_bf16, &mut l);
+    assert!(matches!(refused, Err(CudaError::Shape { .. })), "{refused:?}");
+    let (mut gq, mut gk, mut gv) = (dev.alloc(32).unwrap(), dev.alloc(32).unwrap(), dev.alloc(32).unwrap());
+    let refused = cuda::attention::causal_attention_backward(
+        dev,
+        all_bf16,
+        Values::F32(&floats),
+        &l,
+        &floats,
+        &dims,
+        Bf16,
+        &mut gq,
+        &mut gk,
+        (&mut gv, None),
+    );
     assert!(matches!(refused, Err(CudaError::Shape { .. })), "{refused:?}");
     // Head dims the tensor-core kernels do not take are refused, not run on the CUDA cores.
     let buffer = dev.alloc(128).unwrap();
@@ -436,7 +496,7 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
         [&buffer, &buffer, &buffer].map(Values::F32),
         &dims,
         Bf16,
-        (&mut o, None),
+        (ValuesMut::F32(&mut o), None),
         &mut l,
     );
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");

@@ -96,11 +96,14 @@ pub(crate) mod cuda {
     //! `kernels::cuda::attention::MAX_HEAD_DIM` are refused with an error. Under bf16
     //! products ([`crate::cuda::MatmulPrecision::Bf16`]) attention's own products run in
     //! bf16 on the tensor cores too, as PyTorch's SDPA does under autocast, where the
-    //! kernels take the head dimension; otherwise, and in f32, on the CUDA cores.
+    //! kernels take the head dimension; otherwise, and in f32, on the CUDA cores. From bf16
+    //! q, k and v (RoPE's output under bf16 products) the output is stored in bf16 alone, as
+    //! FlashAttention-2 stores it: the output projection reads it so, and the backward's δ
+    //! reads it so.
 
     use kernels::cpu::attention::AttentionDims;
     use kernels::cuda::attention::{self as launch, AttentionPrecision};
-    use kernels::cuda::Values;
+    use kernels::cuda::{Values, ValuesMut};
 
     use crate::cuda::MatmulPrecision;
     use crate::cuda::{matmul_precision, output, product_input_buffers, product_input_output, CudaStorage};
@@ -143,13 +146,20 @@ pub(crate) mod cuda {
         let dev = q.cuda_device(OP)?;
         let (q, k, v) = (q.dense()?, k.dense()?, v.dense()?);
         let mut lse = CudaStorage::alloc(&dev, dims.lse_len())?;
-        // The output feeds the output projection: in bf16 too under bf16 products.
-        let out = product_input_output(&dev, OP, q.shape(), |out, out_bf16| {
-            let precision = precision(dims);
-            let qkv = inputs([&q, &k, &v], precision, OP)?;
-            let lse = lse.f32_buffer_mut(OP)?;
-            Ok(launch::causal_attention_forward(&dev, qkv, dims, precision, (out, out_bf16), lse)?)
-        })?;
+        let precision = precision(dims);
+        let qkv = inputs([&q, &k, &v], precision, OP)?;
+        let out = if qkv[0].is_bf16() {
+            let mut out = CudaStorage::alloc_values(&dev, q.numel(), true)?;
+            let values = out.values_mut(OP)?;
+            launch::causal_attention_forward(&dev, qkv, dims, precision, (values, None), lse.f32_buffer_mut(OP)?)?;
+            Tensor::from_cuda(out, q.shape())?
+        } else {
+            // The output feeds the output projection: in bf16 too under bf16 products.
+            product_input_output(&dev, OP, q.shape(), |out, out_bf16| {
+                let out = (ValuesMut::F32(out), out_bf16);
+                Ok(launch::causal_attention_forward(&dev, qkv, dims, precision, out, lse.f32_buffer_mut(OP)?)?)
+            })?
+        };
         Ok((out, Tensor::from_cuda(lse, &super::lse_shape(dims))?))
     }
 
@@ -171,7 +181,9 @@ pub(crate) mod cuda {
         let dq = output(&dev, OP, q.shape(), |dq| {
             let precision = precision(dims);
             let qkv = inputs([&q, &k, &v], precision, OP)?;
-            let (out, lse, dout) = (out.cuda_f32(OP)?, lse.cuda_f32(OP)?, dout.cuda_f32(OP)?);
+            // As the forward stored it: bf16 from bf16 q, k and v.
+            let out = if qkv[0].is_bf16() { out.cuda_values(OP)? } else { Values::F32(out.cuda_f32(OP)?) };
+            let (lse, dout) = (lse.cuda_f32(OP)?, dout.cuda_f32(OP)?);
             // dv feeds the value projection's backward products: in bf16 too under bf16.
             let (dk, dv) = (dk.f32_buffer_mut(OP)?, product_input_buffers(&mut dv, OP)?);
             Ok(launch::causal_attention_backward(&dev, qkv, out, lse, dout, dims, precision, dq, dk, dv)?)

@@ -18,11 +18,12 @@ const OP: &str = "packed_linear";
 /// How [`Tensor::packed_linear`] stores its output on a GPU under bf16 products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProductOutput {
-    /// f32 values (for a consumer that reads f32: RoPE).
+    /// f32 values (for a consumer that reads f32).
     F32,
     /// Their bf16 rounding, from the GEMM's f32 sums, as autocast stores a product (for a
-    /// consumer that reads bf16: SwiGLU over the halves): half the bytes written, read and
-    /// saved for the backward. Still f32 elsewhere (the CPU, f32 products).
+    /// consumer that reads bf16: SwiGLU over the halves, RoPE of the packed QKV product):
+    /// half the bytes written, read and saved for the backward. Still f32 elsewhere (the
+    /// CPU, f32 products).
     Bf16,
 }
 

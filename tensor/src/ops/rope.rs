@@ -201,10 +201,11 @@ pub(crate) mod cuda {
         Ok(table)
     }
 
-    /// [`Tensor::rope_qkv`] on the GPU: one launch for q, k (rotated) and v (moved). When
-    /// attention reads them in bf16 (its tensor-core kernels), they are written in bf16 only,
-    /// rounded as the kernels' staging rounds f32 ones: the same bits, half the bytes written,
-    /// read and saved for the backward.
+    /// [`Tensor::rope_qkv`] on the GPU: one launch for q, k (rotated) and v (moved), from the
+    /// packed product in f32 or in bf16 (stored so under bf16 products). When attention reads
+    /// them in bf16 (its tensor-core kernels), they are written in bf16 only, rounded as the
+    /// kernels' staging rounds f32 ones: the same bits, half the bytes written, read and
+    /// saved for the backward.
     pub(crate) fn rope_qkv(qkv: &Tensor, dims: RopeDims, theta: f32) -> Result<(Tensor, Tensor, Tensor)> {
         const OP: &str = "rope_qkv";
         let dev = qkv.cuda_device(OP)?;
@@ -214,7 +215,7 @@ pub(crate) mod cuda {
         let alloc = || CudaStorage::alloc_values(&dev, dims.len(), rounded);
         let (mut q, mut k, mut v) = (alloc()?, alloc()?, alloc()?);
         let outputs = [q.values_mut(OP)?, k.values_mut(OP)?, v.values_mut(OP)?];
-        launch::rope_qkv_forward(&dev, qkv.cuda_f32(OP)?, dims, outputs, &table.cos, &table.sin)?;
+        launch::rope_qkv_forward(&dev, qkv.cuda_values(OP)?, dims, outputs, &table.cos, &table.sin)?;
         let shape = [dims.batch, dims.seq, dims.heads, dims.head_dim];
         Ok((Tensor::from_cuda(q, &shape)?, Tensor::from_cuda(k, &shape)?, Tensor::from_cuda(v, &shape)?))
     }

@@ -4,7 +4,9 @@
 // sits at position i + (Tk − Tq) and attends keys s ≤ that position.
 //
 // q, k and v are f32, or already bf16 (the _bf16 entry points: RoPE rounds them as it writes
-// them, with the same rounding as the staging below, so both give the same bits).
+// them, with the same rounding as the staging below, so both give the same bits). The _bf16
+// forward may write its output in bf16 only (out null, as FlashAttention-2 stores O), and the
+// _bf16 dq kernel reads O so.
 //
 // Precision (as PyTorch's SDPA under bf16 autocast): q, k, v and dO are rounded to bf16 as
 // they are staged, and so are the probabilities P and dS before their products; scores, the
@@ -193,7 +195,7 @@ __device__ __forceinline__ float quad_max(float v) {
 }
 
 // Writes the warp's 16 × D result rows row0.. (`scale` times the accumulator) into `dst`
-// (and its bf16 twin when given), skipping rows at or past `limit`. A lane holds two adjacent
+// and its bf16 twin, each when given, skipping rows at or past `limit`. A lane holds two adjacent
 // columns of a row: it writes them as one 8-byte store (one 4-byte store of the bf16 pair), so
 // a warp's store fills whole 32-byte sectors instead of half of each.
 template <int D>
@@ -209,7 +211,7 @@ __device__ __forceinline__ void store_rows(const float (*acc)[4], float scale, f
         for (int nd = 0; nd < D / 8; ++nd) {
             const int c = 8 * nd + 2 * t;
             const float v0 = scale * acc[nd][2 * half], v1 = scale * acc[nd][2 * half + 1];
-            *reinterpret_cast<f32x2*>(dst + at + c) = f32x2{{v0, v1}};
+            if (dst) *reinterpret_cast<f32x2*>(dst + at + c) = f32x2{{v0, v1}};
             if (dst_bf16) *reinterpret_cast<unsigned int*>(dst_bf16 + at + c) = bf16x2(v0, v1);
         }
     }
@@ -327,9 +329,9 @@ __device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, 
 
 // ---------------------------------------------------------------------------------------
 // dq (and δ): one block per 64 queries, grid (⌈Tq/64⌉, B·H), as the forward.
-template <int D, typename In>
+template <int D, typename In, typename O>
 __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In* k, const In* v,
-                                                          const float* out, const float* dout, const float* lse,
+                                                          const O* out, const float* dout, const float* lse,
                                                           float* delta, float* dq, i64 q_seq, i64 kv_seq, i64 heads,
                                                           float scale) {
     __shared__ __align__(16) bf16_t k_tile[TC_TILE * (D + TC_PAD)];
@@ -340,8 +342,9 @@ __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In*
     const float* lse_bh = lse + (b * heads + h) * q_seq;
     float* delta_bh = delta + (b * heads + h) * q_seq;
 
-    // δ_i = Σ_d dO_i·O_i = Σ_s P_is·dP_is in f32, with dO rounded to bf16 as dP's product
-    // reads it, so that dP − δ cancels where it should (one visible key: dS = 0). Lanes 2r
+    // δ_i = Σ_d dO_i·O_i = Σ_s P_is·dP_is in f32 (O as stored, f32 or bf16), with dO rounded
+    // to bf16 as dP's product reads it, so that dP − δ cancels where it should (one visible
+    // key: O_i = V_0 exactly, and dS = 0). Lanes 2r
     // and 2r+1 sum row row0 + r, one half of d each; then each lane takes the sums of its
     // rows g and g + 8 from those lanes.
     float row_delta[2], row_lse[2];
@@ -351,7 +354,9 @@ __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In*
         float sum = 0.0f;
         if (row < q_seq) {
             const i64 at = head_row(b, row, h, q_seq, heads, D);
-            for (int d = part * (D / 2); d < (part + 1) * (D / 2); ++d) sum += bf16_to_f32(f32_to_bf16(dout[at + d])) * out[at + d];
+            for (int d = part * (D / 2); d < (part + 1) * (D / 2); ++d) {
+                sum += bf16_to_f32(f32_to_bf16(dout[at + d])) * as_f32(out[at + d]);
+            }
         }
         sum += __shfl_xor_sync(FULL_MASK, sum, 1);
         if (part == 0 && row < q_seq) delta_bh[row] = sum;
@@ -474,7 +479,7 @@ __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In
     const float *q, const float *k, const float *v, const float *out, const float *dout, const float *lse,    \
         float *delta, float *dq, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DQ_BF16_PARAMS                                                                                       \
-    const bf16_t *q, const bf16_t *k, const bf16_t *v, const float *out, const float *dout, const float *lse, \
+    const bf16_t *q, const bf16_t *k, const bf16_t *v, const bf16_t *out, const float *dout, const float *lse, \
         float *delta, float *dq, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DQ_ARGS q, k, v, out, dout, lse, delta, dq, q_seq, kv_seq, heads, scale
 #define MMA_DKV_PARAMS                                                                                           \
