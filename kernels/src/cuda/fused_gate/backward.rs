@@ -104,7 +104,8 @@ pub enum GateProducts<'a> {
     },
     /// bf16 operands on the tensor cores, f32 accumulation and outputs (mixed precision, as
     /// every other product under `--bf16`). `x` and the packed weight are the forward's bf16
-    /// operands; the backward's row kernel writes `dZU`'s bf16 copy (no conversion launch).
+    /// operands; the backward's row kernel writes `dZU` in bf16 alone (no conversion launch,
+    /// no f32 `[N, K]` buffer: the bias gradients of `U` sum an f32 copy of its few columns).
     Bf16 {
         /// `x` in bf16, `[N, d_in]`.
         x: &'a DeviceBuffer<bf16>,
@@ -165,17 +166,19 @@ pub fn fused_gate_backward(
         }
         return Ok(());
     }
-    // dzu rows: ZU's layout; dlogits rows: the outputs'; hidden rows: each projection's H in
-    // turn; row_terms rows: each projection's [dα_c, dα_s, dl_s, dl_s·H_s] in turn.
+    // dzu rows (f32 or bf16, for the products): ZU's layout; dlogits rows: the outputs';
+    // hidden and du rows: each projection's H and dU in turn (du in f32 for the column sums
+    // of da, a few columns where dzu has K); row_terms rows: each projection's
+    // [dα_c, dα_s, dl_s, dl_s·H_s] in turn.
     let terms = 3 + rs;
-    let dzu = dev.alloc::<f32>(rows * k)?;
     // dL_c in bf16 under bf16 products, as autocast keeps an activation's gradient.
     let dlogits = DeviceValues::alloc(dev, rows * out_width, matches!(products, GateProducts::Bf16 { .. }))?;
     let hidden = dev.alloc::<f32>(rows * count * r)?;
+    let du = dev.alloc::<f32>(rows * count * r)?;
     let row_terms = dev.alloc::<f32>(rows * count * terms)?;
 
     let operands = match products {
-        GateProducts::F32 { x } => Operands::F32(Sources { x, dzu: &dzu }),
+        GateProducts::F32 { x } => Operands::F32 { x, dzu: dev.alloc::<f32>(rows * k)? },
         GateProducts::Bf16 { x, packed } => Operands::Bf16 { x, packed, dzu: dev.alloc::<bf16>(rows * k)? },
     };
 
@@ -193,9 +196,10 @@ pub fn fused_gate_backward(
         size(out_width),
         int(rc as i32),
         int(rs as i32),
-        ptr(&dzu),
+        Arg::Ptr(operands.dzu_f32()),
         Arg::Ptr(dlogits.values().f32_address()),
         ptr(&hidden),
+        ptr(&du),
         ptr(&row_terms),
         Arg::Ptr(operands.dzu_bf16()),
         Arg::Ptr(dlogits.values().bf16_address()),
@@ -214,13 +218,13 @@ pub fn fused_gate_backward(
     let mut sums = Vec::with_capacity(8 * count);
     for (i, ((group, c), s)) in groups.iter().zip(&g.channel).zip(&g.scalar).enumerate() {
         let (d_out, out_at) = (group.dims.d_out, layout.out_at[i]);
-        let (zu_at, t) = (layout.zu_at[i] + d_out, i * terms);
+        let t = i * terms;
         let row_term = |j: usize| row_terms.ptr_at(t + j);
         let terms_ld = count * terms;
         sums.extend([
             dlogits_sum(out_at, d_out, c.b_bias.device_ptr()),
-            sum(dzu.ptr_at(zu_at), rc, k, c.a_bias.device_ptr()),
-            sum(dzu.ptr_at(zu_at + rc), rs, k, s.a_bias.device_ptr()),
+            sum(du.ptr_at(i * r), rc, count * r, c.a_bias.device_ptr()),
+            sum(du.ptr_at(i * r + rc), rs, count * r, s.a_bias.device_ptr()),
             sum(row_term(0), 1, terms_ld, c.alpha.device_ptr()),
             sum(row_term(1), 1, terms_ld, s.alpha.device_ptr()),
             sum(row_term(2), 1, terms_ld, s.b_bias.device_ptr()),
@@ -262,12 +266,6 @@ pub fn fused_gate_backward(
     Ok(())
 }
 
-/// The f32 operands of the backward's products.
-struct Sources<'a> {
-    x: &'a DeviceBuffer<f32>,
-    dzu: &'a DeviceBuffer<f32>,
-}
-
 /// An operand of the backward's products (the packed weight is reached through
 /// [`Operands::Bf16`] directly: the f32 weights are separate buffers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -276,11 +274,15 @@ enum Part {
     X,
 }
 
-/// Where the backward's products read their operands: the f32 buffers, or the forward's bf16
-/// `x` and packed weight and the bf16 copy of `dZU` that the row kernel writes in place of
-/// its f32 `dZ`.
+/// Where the backward's products read their operands: the f32 input and the f32 `dZU` that
+/// the row kernel writes, or the forward's bf16 `x` and packed weight and the bf16 `dZU`
+/// that the row kernel writes in its place.
 enum Operands<'a> {
-    F32(Sources<'a>),
+    F32 {
+        x: &'a DeviceBuffer<f32>,
+        /// `dZU`, `[N, K]`.
+        dzu: DeviceBuffer<f32>,
+    },
     Bf16 {
         x: &'a DeviceBuffer<bf16>,
         /// `[W; A_c; A_s]`, `[K, d_in]`.
@@ -291,17 +293,25 @@ enum Operands<'a> {
 }
 
 impl Operands<'_> {
-    /// Where the row kernel writes the bf16 copy of `dZU` (0, none, for f32 products).
+    /// Where the row kernel writes `dZU` in f32 (0, none, for bf16 products).
+    fn dzu_f32(&self) -> u64 {
+        match self {
+            Operands::F32 { dzu, .. } => dzu.device_ptr(),
+            Operands::Bf16 { .. } => 0,
+        }
+    }
+
+    /// Where the row kernel writes `dZU` in bf16 (0, none, for f32 products).
     fn dzu_bf16(&self) -> u64 {
         match self {
-            Operands::F32(_) => 0,
+            Operands::F32 { .. } => 0,
             Operands::Bf16 { dzu, .. } => dzu.device_ptr(),
         }
     }
 
     fn precision(&self) -> Precision {
         match self {
-            Operands::F32(_) => Precision::F32,
+            Operands::F32 { .. } => Precision::F32,
             Operands::Bf16 { .. } => Precision::Bf16,
         }
     }
@@ -309,8 +319,8 @@ impl Operands<'_> {
     /// The device address of element `offset` of `part`.
     fn address(&self, part: Part, offset: usize) -> u64 {
         match (self, part) {
-            (Operands::F32(s), Part::Dzu) => s.dzu.ptr_at(offset),
-            (Operands::F32(s), Part::X) => s.x.ptr_at(offset),
+            (Operands::F32 { dzu, .. }, Part::Dzu) => dzu.ptr_at(offset),
+            (Operands::F32 { x, .. }, Part::X) => x.ptr_at(offset),
             (Operands::Bf16 { dzu, .. }, Part::Dzu) => dzu.ptr_at(offset),
             (Operands::Bf16 { x, .. }, Part::X) => x.ptr_at(offset),
         }

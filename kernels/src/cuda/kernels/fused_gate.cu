@@ -464,12 +464,12 @@ extern "C" __global__ void fused_gate_apply_bf16_out(const bf16_t* zu, TensorLis
 // warp's sum is a fixed butterfly). Then the summaries:
 //   d/dl_s = dγ_s·α_s·γ_s(1 − γ_s/2),  dα_s term = dγ_s·l_s·γ_s(1 − γ_s/2),
 //   d/dU_c = dH_c ⊙ φ'(U_c + a_c),  d/dU_s = d/dl_s·B_s ⊙ φ'(U_s + a_s).
-// dout and dlogits have the outputs' layout, dzu ZU's; group g's H goes into hidden's columns
-// g·r .. (row stride groups·r) and its row terms of the cross-row sums into row_terms' columns
-// g·(3 + rs) .. (row stride groups·(3 + rs)): dα_c, dα_s, d/dl_s (for db_s) and d/dl_s·H_s
-// (for dB_s). dZ goes into dzu under f32 products; under bf16 products (dzu_bf16 not null)
-// only its bf16 copy is written (the products are the only readers of dZ), with the bf16 copy
-// of dU, rounded to nearest even. dL_c goes into dlogits, or, when dlogits_bf16 is given
+// dout and dlogits have the outputs' layout, dzu ZU's; group g's H and dU go into hidden's
+// and du's columns g·r .. (row stride groups·r; du in f32 for the column sums of da) and its
+// row terms of the cross-row sums into row_terms' columns g·(3 + rs) .. (row stride
+// groups·(3 + rs)): dα_c, dα_s, d/dl_s (for db_s) and d/dl_s·H_s (for dB_s). dZU (dZ and dU)
+// goes into dzu under f32 products; under bf16 products (dzu_bf16 not null, dzu null) only
+// into dzu_bf16, rounded to nearest even: the products are its only readers. dL_c goes into dlogits, or, when dlogits_bf16 is given
 // (bf16 products), only into dlogits_bf16 rounded to bf16, as autocast keeps an activation's
 // gradient: its readers are the column sums (db_c, and dB_c = dL_cᵀ·H_c) and this kernel's
 // passes for ranks past FG_REG_RANK. H stays f32.
@@ -477,8 +477,8 @@ template <class Z>
 __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dout, const TensorList& params,
                                                    const TensorList& layout, int phi, float phi_p, i64 rows,
                                                    i64 zu_width, i64 out_width, int rc, int rs, float* dzu,
-                                                   float* dlogits, float* hidden, float* row_terms, bf16_t* dzu_bf16,
-                                                   bf16_t* dlogits_bf16) {
+                                                   float* dlogits, float* hidden, float* du_rows, float* row_terms,
+                                                   bf16_t* dzu_bf16, bf16_t* dlogits_bf16) {
     const GateGroup g = gate_group(params, layout, blockIdx.y);
     const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
     __shared__ float h_rows[FG_ROW_WARPS][FG_MAX_RANK];
@@ -587,8 +587,12 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dou
             const float pre = as_f32(zr[d_out + t]) + (channel ? g.a_c[t] : g.a_s[t - rc]);
             const float dphi = unary_df(phi, pre, h[t], phi_p);
             const float du = channel ? dh[t] * dphi : dlogit_s * g.b_sw[t - rc] * dphi;
-            dzu[zu_row + d_out + t] = du;
-            if (dzu_bf16) dzu_bf16[zu_row + d_out + t] = f32_to_bf16(du);
+            du_rows[hidden_row + t] = du;
+            if (dzu_bf16) {
+                dzu_bf16[zu_row + d_out + t] = f32_to_bf16(du);
+            } else {
+                dzu[zu_row + d_out + t] = du;
+            }
             if (!channel) terms_row[3 + t - rc] = dlogit_s * h[t];
         }
     }
@@ -597,18 +601,18 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dou
 extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float* dout, TensorList params,
                                                     TensorList layout, int phi, float phi_p, i64 rows, i64 zu_width,
                                                     i64 out_width, int rc, int rs, float* dzu, float* dlogits,
-                                                    float* hidden, float* row_terms, bf16_t* dzu_bf16,
+                                                    float* hidden, float* du, float* row_terms, bf16_t* dzu_bf16,
                                                     bf16_t* dlogits_bf16) {
     gate_backward_rows(zu, dout, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, dzu, dlogits, hidden,
-                       row_terms, dzu_bf16, dlogits_bf16);
+                       du, row_terms, dzu_bf16, dlogits_bf16);
 }
 
 // fused_gate_backward_rows from a bf16 ZU (bf16 products).
 extern "C" __global__ void fused_gate_backward_rows_bf16(const bf16_t* zu, const float* dout, TensorList params,
                                                          TensorList layout, int phi, float phi_p, i64 rows,
                                                          i64 zu_width, i64 out_width, int rc, int rs, float* dzu,
-                                                         float* dlogits, float* hidden, float* row_terms,
+                                                         float* dlogits, float* hidden, float* du, float* row_terms,
                                                          bf16_t* dzu_bf16, bf16_t* dlogits_bf16) {
     gate_backward_rows(zu, dout, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, dzu, dlogits, hidden,
-                       row_terms, dzu_bf16, dlogits_bf16);
+                       du, row_terms, dzu_bf16, dlogits_bf16);
 }
