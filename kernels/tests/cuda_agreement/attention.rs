@@ -84,29 +84,29 @@ fn rope_of_packed_qkv_agrees() {
         let part = |rows: &[f32], p: usize| -> Vec<f32> {
             (0..tokens).flat_map(|t| rows[(3 * t + p) * width..(3 * t + p + 1) * width].to_vec()).collect()
         };
+        // R q, R k and v of packed rows, into f32 outputs or into bf16 ones alone (for the
+        // tensor-core attention).
+        let into_f32 = |packed: Values| {
+            let mut outs = [0, 1, 2].map(|_| up(dev, &stale(dims.len())));
+            let [q, k, v] = &mut outs;
+            cuda::rope::rope_qkv_forward(dev, packed, dims, [q, k, v].map(ValuesMut::F32), &gcos, &gsin).unwrap();
+            outs
+        };
+        let into_bf16 = |packed: Values| {
+            let mut outs = [0, 1, 2].map(|_| dev.alloc::<bf16>(dims.len()).unwrap());
+            let [q, k, v] = &mut outs;
+            cuda::rope::rope_qkv_forward(dev, packed, dims, [q, k, v].map(ValuesMut::Bf16), &gcos, &gsin).unwrap();
+            outs
+        };
+        // The bf16 outputs are the f32 ones rounded.
         let gqkv = up(dev, &qkv);
-        let mut outs = [0, 1, 2].map(|_| up(dev, &stale(dims.len())));
-        let [gq, gk, gv] = &mut outs;
-        let f32_outputs = [gq, gk, gv].map(ValuesMut::F32);
-        cuda::rope::rope_qkv_forward(dev, Values::F32(&gqkv), dims, f32_outputs, &gcos, &gsin).unwrap();
-        // The same in bf16 only (for the tensor-core attention): the f32 outputs rounded.
-        let mut rounded = [0, 1, 2].map(|_| dev.alloc::<bf16>(dims.len()).unwrap());
-        let [rq, rk, rv] = &mut rounded;
-        let bf16_outputs = [rq, rk, rv].map(ValuesMut::Bf16);
-        cuda::rope::rope_qkv_forward(dev, Values::F32(&gqkv), dims, bf16_outputs, &gcos, &gsin).unwrap();
+        let (outs, rounded) = (into_f32(Values::F32(&gqkv)), into_bf16(Values::F32(&gqkv)));
         // From the packed product stored in bf16, as under bf16 products: the rotations of the
         // rounded values, in f32 and in bf16.
         let qkv_bf16: Vec<bf16> = qkv.iter().map(|&x| bf16::from_f32(x)).collect();
         let qkv_rounded: Vec<f32> = qkv_bf16.iter().map(|x| x.to_f32()).collect();
         let gqkv_bf16 = dev.upload(&qkv_bf16).unwrap();
-        let mut from_bf16 = [0, 1, 2].map(|_| up(dev, &stale(dims.len())));
-        let [fq, fk, fv] = &mut from_bf16;
-        let from_bf16_outputs = [fq, fk, fv].map(ValuesMut::F32);
-        cuda::rope::rope_qkv_forward(dev, Values::Bf16(&gqkv_bf16), dims, from_bf16_outputs, &gcos, &gsin).unwrap();
-        let mut both_bf16 = [0, 1, 2].map(|_| dev.alloc::<bf16>(dims.len()).unwrap());
-        let [bq, bk, bv] = &mut both_bf16;
-        let both_bf16_outputs = [bq, bk, bv].map(ValuesMut::Bf16);
-        cuda::rope::rope_qkv_forward(dev, Values::Bf16(&gqkv_bf16), dims, both_bf16_outputs, &gcos, &gsin).unwrap();
+        let (from_bf16, both_bf16) = (into_f32(Values::Bf16(&gqkv_bf16)), into_bf16(Values::Bf16(&gqkv_bf16)));
         for (p, (out, out_bf16)) in outs.iter().zip(&rounded).enumerate() {
             let rotated = |rows: &[f32]| {
                 let x = part(rows, p);
