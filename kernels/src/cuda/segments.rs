@@ -112,23 +112,15 @@ impl Segments {
     pub(crate) fn take(&mut self, bytes: usize) -> Option<Placement> {
         let wanted = rounded(bytes);
         let small = is_small(wanted);
-        let (found, segment, offset) = *self.free_set(small).range((wanted, 0, 0)..).next()?;
-        self.free_set(small).remove(&(found, segment, offset));
+        let &(found, segment, offset) = self.free_set(small).range((wanted, 0, 0)..).next()?;
         let split_at_least = if small { ALIGN } else { SMALL_REQUEST };
         let taken = if found - wanted >= split_at_least { wanted } else { found };
-        let blocks = &mut self.segments.get_mut(&segment).expect("a free block's segment is held").blocks;
-        blocks.insert(offset, Block { bytes: taken, free: false });
-        if taken < found {
-            let rest = (found - taken, segment, offset + taken);
-            blocks.insert(rest.2, Block { bytes: rest.0, free: true });
-            self.free_set(small).insert(rest);
-        }
-        self.free_bytes -= taken;
-        Some(Placement { segment, offset, bytes: taken })
+        self.take_at(Placement { segment, offset, bytes: taken })
     }
 
     /// The block at `placement` exactly, when its bytes lie in one free block (which is
-    /// split around it); `None` otherwise. A graph pool repeats its last run's placements so.
+    /// split around it); `None` otherwise: best fit's choice ([`Segments::take`]), or a
+    /// placement of the last run that an arena repeats.
     pub(crate) fn take_at(&mut self, placement: Placement) -> Option<Placement> {
         let Placement { segment: id, offset, bytes } = placement;
         let segment = self.segments.get_mut(&id)?;

@@ -182,8 +182,7 @@ pub(crate) mod cuda {
             let precision = precision(dims);
             let qkv = inputs([&q, &k, &v], precision, OP)?;
             // As the forward stored it: bf16 from bf16 q, k and v.
-            let out = if qkv[0].is_bf16() { out.cuda_values(OP)? } else { Values::F32(out.cuda_f32(OP)?) };
-            let (lse, dout) = (lse.cuda_f32(OP)?, dout.cuda_f32(OP)?);
+            let (out, lse, dout) = (out.cuda_values(OP)?, lse.cuda_f32(OP)?, dout.cuda_f32(OP)?);
             // dv feeds the value projection's backward products: in bf16 too under bf16.
             let (dk, dv) = (dk.f32_buffer_mut(OP)?, product_input_buffers(&mut dv, OP)?);
             Ok(launch::causal_attention_backward(&dev, qkv, out, lse, dout, dims, precision, dq, dk, dv)?)

@@ -14,8 +14,8 @@
 //! eagerly in the graph's memory pool (after the device's shared memory that no buffer uses
 //! is returned to the driver), which leaves there every block the capture asks for, where
 //! the capture will ask for it (a steady-state step frees all it allocates, and a pool
-//! places a run's requests where its last run placed them); the third is captured, then replayed; every
-//! later step is replayed. All of them queue the same kernels on the same data in the same
+//! places a run's requests where its last run placed them); the third is captured, then
+//! replayed; every later step is replayed. All of them queue the same kernels on the same data in the same
 //! order as an eager step, so a run logs the losses of the eager run bit for bit
 //! (`tests/cuda_train.rs`).
 
