@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Registers, spills and shared memory of every CUDA kernel, and what they allow per SM.
+
+No GPU is needed: NVRTC (the PyPI wheel `.ci/run` installs, `nvidia-cuda-nvrtc`) compiles
+each kernel family exactly as the engine does (common.cuh, then the family's .cu;
+kernels/src/cuda/module.rs) with `-Xptxas -v`, and ptxas reports each kernel's resources.
+The occupancy column assumes a block of THREADS threads (the row kernels' and most
+launchers' 256) and sm_90's limits: 65,536 registers an SM, allocated per warp in units of
+256, at most 64 warps and 32 blocks an SM.
+
+    .ci/venv/bin/python bench/kernel_resources.py [family ...] [--arch sm_90] [--threads 256]
+
+Read it before and after a change to a kernel, beside the GPU's timer: a register count
+that drops an SM from 4 blocks to 3 costs a memory-bound kernel a quarter of its loads in
+flight.
+"""
+
+import argparse
+import ctypes
+import glob
+import os
+import re
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "src", "cuda", "kernels")
+
+
+def load_nvrtc():
+    """libnvrtc from the nvidia-cuda-nvrtc wheel of this Python, or from the loader's path."""
+    try:
+        import nvidia  # the wheel's namespace package
+
+        for path in glob.glob(os.path.join(nvidia.__path__[0], "cu*", "lib", "libnvrtc.so*")):
+            return ctypes.CDLL(path)
+    except ImportError:
+        pass
+    return ctypes.CDLL("libnvrtc.so")
+
+
+def compile_log(nvrtc, family, arch):
+    """ptxas's verbose log for one family, or an exit with NVRTC's compile log."""
+    with open(os.path.join(ROOT, "common.cuh")) as f:
+        common = f.read()
+    with open(os.path.join(ROOT, family + ".cu")) as f:
+        body = f.read()
+    source = f'#line 1 "common.cuh"\n{common}\n#line 1 "{family}.cu"\n{body}'
+    program = ctypes.c_void_p()
+    status = nvrtc.nvrtcCreateProgram(ctypes.byref(program), source.encode(), f"{family}.cu".encode(), 0, None, None)
+    if status != 0:
+        sys.exit(f"{family}: nvrtcCreateProgram failed with status {status}")
+    options = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-Xptxas", b"-v"]
+    status = nvrtc.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(program, log)
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+    text = log.value.decode(errors="replace")
+    if status != 0:
+        sys.exit(f"{family}: compilation failed (status {status})\n{text}")
+    return text
+
+
+def kernels_of(log):
+    """(kernel, registers, spill bytes stored, spill bytes loaded, shared bytes) per entry."""
+    rows, name, spills = [], None, (0, 0)
+    for line in log.splitlines():
+        entry = re.search(r"Compiling entry function '([^']+)'", line)
+        if entry:
+            name = entry.group(1)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if spill:
+            spills = (int(spill.group(1)), int(spill.group(2)))
+        used = re.search(r"Used (\d+) registers", line)
+        if used and name:
+            smem = re.search(r"(\d+) bytes smem", line)  # absent when the kernel has none
+            rows.append((name, int(used.group(1)), spills[0], spills[1], int(smem.group(1)) if smem else 0))
+            name, spills = None, (0, 0)
+    return rows
+
+
+def warps_per_sm(registers, threads):
+    """Resident warps an SM for `threads`-thread blocks, by registers alone (sm_90's limits)."""
+    warps_per_block = (threads + 31) // 32
+    per_warp = ((max(registers, 1) * 32 + 255) // 256) * 256
+    blocks = min(65536 // (per_warp * warps_per_block), 32, 64 // warps_per_block)
+    return blocks * warps_per_block
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("families", nargs="*", help="kernel files without .cu (default: all)")
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--threads", type=int, default=256, help="threads a block, for the occupancy column")
+    args = parser.parse_args()
+    families = args.families or sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.cu")))
+    nvrtc = load_nvrtc()
+    print(f"{'kernel':<52} {'regs':>5} {'spill st/ld':>12} {'smem':>7} {'warps/SM':>9}")
+    for family in families:
+        for name, registers, stored, loaded, smem in kernels_of(compile_log(nvrtc, family, args.arch)):
+            spill = f"{stored}/{loaded}"
+            print(f"{name:<52} {registers:>5} {spill:>12} {smem:>7} {warps_per_sm(registers, args.threads):>9}")
+
+
+if __name__ == "__main__":
+    main()
