@@ -4,9 +4,9 @@
 No GPU is needed: NVRTC (the PyPI wheel `.ci/run` installs, `nvidia-cuda-nvrtc`) compiles
 each kernel family exactly as the engine does (common.cuh, then the family's .cu;
 kernels/src/cuda/module.rs) with `-Xptxas -v`, and ptxas reports each kernel's resources.
-The occupancy column assumes a block of THREADS threads (the row kernels' and most
-launchers' 256) and sm_90's limits: 65,536 registers an SM, allocated per warp in units of
-256, at most 64 warps and 32 blocks an SM.
+The occupancy column counts registers alone (not shared memory), for blocks of `--threads`
+threads (default 256, the row kernels' and most launchers') under sm_90's limits: 65,536
+registers an SM, allocated per warp in units of 256, at most 64 warps and 32 blocks an SM.
 
     .ci/venv/bin/python bench/kernel_resources.py [family ...] [--arch sm_90] [--threads 256]
 
@@ -82,7 +82,7 @@ def kernels_of(log):
 def warps_per_sm(registers, threads):
     """Resident warps an SM for `threads`-thread blocks, by registers alone (sm_90's limits)."""
     warps_per_block = (threads + 31) // 32
-    per_warp = ((max(registers, 1) * 32 + 255) // 256) * 256
+    per_warp = ((registers * 32 + 255) // 256) * 256
     blocks = min(65536 // (per_warp * warps_per_block), 32, 64 // warps_per_block)
     return blocks * warps_per_block
 
