@@ -52,10 +52,10 @@ const BLOCK_M: usize = 128;
 const BLOCK_N: usize = 128;
 
 const FAMILY: KernelFamily = KernelFamily::FusedGate;
-/// Rows per block of the row kernels (`fused_gate_apply`, `fused_gate_backward_rows` and
+/// Rows per block of the backward's row kernels (`fused_gate_backward_rows` and
 /// `_summaries`), one warp each (FG_ROW_WARPS in fused_gate.cu).
 const ROWS_PER_BLOCK: usize = 8;
-/// Cap on their blocks (each warp loops over the rows past it).
+/// Cap on their row blocks and on `fused_gate_apply`'s (each block loops over the rows past it).
 const MAX_ROW_BLOCKS: usize = 1 << 16;
 
 /// The launch of a row kernel: one warp per row, [`ROWS_PER_BLOCK`] rows per block.
@@ -175,6 +175,27 @@ fn group_row_warps(rows: usize, groups: usize) -> cudarc::driver::LaunchConfig {
     let mut cfg = row_warps(rows);
     cfg.grid_dim.1 = groups as u32;
     cfg
+}
+
+/// `fused_gate_apply`'s blocks (FG_APPLY_* in fused_gate.cu): threads per block, output
+/// columns per block (a pair per thread) and rows per block of its row loop.
+const APPLY_THREADS: usize = 256;
+const APPLY_TILE: usize = 2 * APPLY_THREADS;
+const APPLY_ROWS: usize = 32;
+
+/// `fused_gate_apply`'s launch: (row blocks, column tiles of the widest projection,
+/// projections); a block of a narrower projection past its columns returns at once.
+fn apply_blocks(layout: &Layout, groups: &[GateGroup]) -> Result<cudarc::driver::LaunchConfig> {
+    let widest = groups.iter().map(|g| g.dims.d_out).max().unwrap_or(0);
+    let tiles = widest.div_ceil(APPLY_TILE);
+    ensure(tiles <= u16::MAX as usize, "fused_gate_apply", || {
+        format!("d_out {widest}: more than {} columns per projection", u16::MAX as usize * APPLY_TILE)
+    })?;
+    Ok(cudarc::driver::LaunchConfig {
+        grid_dim: (layout.rows.div_ceil(APPLY_ROWS).min(MAX_ROW_BLOCKS) as u32, tiles as u32, groups.len() as u32),
+        block_dim: (APPLY_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    })
 }
 
 /// Checks the parameters against `dims` (as the CPU's `check_lengths`) and the rank limit.
@@ -340,7 +361,7 @@ pub fn fused_gate_apply(dev: &CudaDevice, groups: &[GateGroup], zu: &DeviceValue
         int(layout.rank_scalar as i32),
         written.arg_at(0),
     ];
-    dev.launch(FAMILY, kernel, group_row_warps(layout.rows, groups.len()), &args)
+    dev.launch(FAMILY, kernel, apply_blocks(&layout, groups)?, &args)
 }
 
 /// The engine's forward: a cuBLAS bf16 GEMM `zu = x·packedᵀ` (`[N, K]`, f32 accumulation,

@@ -221,11 +221,6 @@ __device__ __forceinline__ void load_f32(float (&v)[W], const bf16_t* p) {
     }
 }
 
-// *p = v stored in p's element type (bf16: rounded to nearest even): kernels templated over
-// their output's element type.
-__device__ __forceinline__ void store_as(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store_as(bf16_t* p, float v) { *p = f32_to_bf16(v); }
-
 // p[0..W) = v[0..W) rounded to bf16: W = 4 in one 8-byte store (p 8-byte aligned), else one by one.
 template <int W>
 __device__ __forceinline__ void store_bf16(bf16_t* p, const float (&v)[W]) {

@@ -103,13 +103,6 @@ __device__ __forceinline__ float channel_logit_keeping_weights(const float (&hr)
     return logit;
 }
 
-// channel_logit_keeping_weights without the weights (the forward's gate).
-__device__ __forceinline__ float channel_logit(const float (&hr)[FG_REG_RANK], const float* h, const float* b_cw,
-                                               i64 j, int rc, bool regs) {
-    float w[FG_REG_RANK];
-    return channel_logit_keeping_weights(hr, h, b_cw, j, rc, regs, w);
-}
-
 // One row's scalar gate γ_s = 2σ(α_s·(B_s·H_s + b_s)) from its H (h[rc..rc + rs)).
 __device__ __forceinline__ float scalar_gate(const float* h, const float* b_sw, const float* b_sb, float alpha_s,
                                              int rc, int rs) {
@@ -132,7 +125,7 @@ __device__ __forceinline__ void store_pair(float* p, float v0, float v1, bool se
 }
 
 // store_pair rounded to bf16: one 4-byte store when `pairs` (p on a 4-byte boundary).
-__device__ __forceinline__ void store_bf16_pair(bf16_t* p, float v0, float v1, bool second, bool pairs) {
+__device__ __forceinline__ void store_pair(bf16_t* p, float v0, float v1, bool second, bool pairs) {
     if (second && pairs) {
         *reinterpret_cast<unsigned int*>(p) = (unsigned int)f32_to_bf16(v0) | ((unsigned int)f32_to_bf16(v1) << 16);
     } else {
@@ -328,7 +321,7 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
             const float y0 = sigmoid_f(alpha_c * (logit[0][i] + bias0)) * scale * z0;
             const float y1 = sigmoid_f(alpha_c * (logit[1][i] + bias1)) * scale * z1;
             store_pair(out + row * d_out + col, y0, y1, second, pairs_out);
-            if (zu) store_bf16_pair(zu + row * width + col, z0, z1, second, pairs_zu);
+            if (zu) store_pair(zu + row * width + col, z0, z1, second, pairs_zu);
         }
     }
 }
@@ -347,14 +340,14 @@ extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r16(FG_P
 extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r32(FG_PARAMS) { fused_gate_mma<32>(FG_ARGS); }
 extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r64(FG_PARAMS) { fused_gate_mma<64>(FG_ARGS); }
 
-// The row kernels below (fused_gate_apply and fused_gate_backward_rows) serve a group of
+// The grouped kernels below (fused_gate_apply and fused_gate_backward_rows) serve a group of
 // projections of one input at once (q, k and v; gate and up), each with its own weights and
 // modulators: the GEMM's ZU rows hold the groups' [Z_g | U_cg | U_sg] side by side
 // (zu_width columns in all) and the outputs their Ẑ_g side by side (out_width columns).
-// Grid (row blocks, groups): block (x, g) works on group g, each row of it one warp,
-// FG_ROW_WARPS rows per block, with no block barriers. Lane l walks columns l, l + 32, ...,
-// FG_ROW_BATCH of them at a time: their loads are issued together, so several loads per lane
-// are in flight (one at a time leaves DRAM mostly idle).
+// The backward's row kernel runs on a grid (row blocks, groups): block (x, g) works on group
+// g, each row of it one warp, FG_ROW_WARPS rows per block, with no block barriers. Lane l
+// walks columns l, l + 32, ..., FG_ROW_BATCH of them at a time: their loads are issued
+// together, so several loads per lane are in flight (one at a time leaves DRAM mostly idle).
 #define FG_ROW_WARPS 8
 #define FG_ROW_BATCH 4
 
@@ -400,58 +393,165 @@ __device__ __forceinline__ void row_hidden(float* h, float (&hr)[FG_REG_RANK], c
     for (int t = 0; t < FG_REG_RANK; ++t) hr[t] = t < rc ? h[t] : 0.0f;  // zeros past rc
 }
 
+// fused_gate_apply's blocks (apply_blocks in cuda/fused_gate/mod.rs): block (x, y, g) serves
+// column tile y of group g (FG_APPLY_TILE output columns, a pair of adjacent ones per
+// thread) for row blocks x, x + gridDim.x, ... of FG_APPLY_ROWS rows each. It is column-
+// stationary: a thread keeps its columns' B_c weights and b_c in registers for every row it
+// serves, so B_c is read once per FG_APPLY_ROWS rows rather than once per row, and the block
+// computes each row's H and γ_s once, into shared memory, where every thread reads them as a
+// broadcast. Each thread issues the Z loads of FG_APPLY_CHUNK rows before it computes and
+// stores their outputs, so that several loads per thread are in flight. __launch_bounds__ asks
+// for 3 blocks an SM (24 warps, at most 85 registers a thread; ptxas: 80 and a 4-byte spill)
+// rather than the 2 that its free choice of 98 registers allows: half again as many loads in
+// flight for a memory-bound kernel (bench/kernel_resources.py shows the counts).
+#define FG_APPLY_THREADS 256
+#define FG_APPLY_BLOCKS_PER_SM 3
+#define FG_APPLY_TILE (FG_APPLY_THREADS * 2)
+#define FG_APPLY_ROWS 32
+#define FG_APPLY_CHUNK 8
+
+// A row's columns col and col + 1 (`second`: col + 1 is a column) as one load where `pairs`
+// (the pair on a boundary of its size, as store_pair's), else one by one; zero when not read.
+__device__ __forceinline__ void load_pair(const float* p, bool second, bool pairs, float& v0, float& v1) {
+    if (second && pairs) {
+        const f32x2 q = *reinterpret_cast<const f32x2*>(p);
+        v0 = q.v[0];
+        v1 = q.v[1];
+    } else {
+        v0 = p[0];
+        v1 = second ? p[1] : 0.0f;
+    }
+}
+
+// load_pair from bf16: one 4-byte load when `pairs`.
+__device__ __forceinline__ void load_pair(const bf16_t* p, bool second, bool pairs, float& v0, float& v1) {
+    if (second && pairs) {
+        const unsigned int q = *reinterpret_cast<const unsigned int*>(p);
+        v0 = bf16_to_f32((bf16_t)(q & 0xffffu));
+        v1 = bf16_to_f32((bf16_t)(q >> 16));
+    } else {
+        v0 = bf16_to_f32(p[0]);
+        v1 = second ? bf16_to_f32(p[1]) : 0.0f;
+    }
+}
+
+// Column j's channel-gate logit before its bias, Σ_t h_c[t]·B_c[j, t] added in order (as
+// channel_logit), from the row's h_c in shared memory (h, 16-byte aligned) and, on the register
+// path, the column's weights w kept in registers.
+__device__ __forceinline__ float stationary_logit(const float* h, const float (&w)[FG_REG_RANK], const float* b_cw,
+                                                  i64 j, int rc, bool regs) {
+    float logit = 0.0f;
+    if (regs) {
+#pragma unroll
+        for (int t = 0; t < FG_REG_RANK; t += 4) {
+            if (t >= rc) break;
+            const f32x4 h4 = *reinterpret_cast<const f32x4*>(h + t);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) logit += h4.v[k] * w[t + k];
+        }
+    } else {
+        const float* column = b_cw + j * rc;
+        for (int t = 0; t < rc; ++t) logit += h[t] * column[t];
+    }
+    return logit;
+}
+
 // The gate alone, from a saved ZU: out = σ̃_αc(H_c·B_cᵀ + b_c) ⊙ γ_s ⊙ Z for every group
-// (the second half of the cuBLAS path; the same arithmetic as fused_gate_mma's epilogue),
-// written as f32 or rounded to bf16 (O).
+// (the second half of the cuBLAS path; the same arithmetic as fused_gate_mma's epilogue and in
+// the same order, so the same bits as a row at a time), written as f32 or rounded to bf16 (O).
 template <class Z, class O>
-__device__ __forceinline__ void gate_apply(const Z* zu, const TensorList& params, const TensorList& layout, int phi,
-                                           float phi_p, i64 rows, i64 zu_width, i64 out_width, int rc, int rs,
-                                           O* out) {
-    const GateGroup g = gate_group(params, layout, blockIdx.y);
+__device__ __forceinline__ void gate_apply(const Z* __restrict__ zu, const TensorList& params,
+                                           const TensorList& layout, int phi, float phi_p, i64 rows, i64 zu_width,
+                                           i64 out_width, int rc, int rs, O* __restrict__ out) {
+    const GateGroup g = gate_group(params, layout, blockIdx.z);
+    const i64 d_out = g.d_out, tile = (i64)blockIdx.y * FG_APPLY_TILE;
+    if (tile >= d_out) return;  // the whole block: a tile past this group's columns
+    __shared__ f32x4 h_quads[FG_APPLY_ROWS][FG_MAX_RANK / 4];  // each row's H, 16-byte aligned
+    __shared__ float scale_rows[FG_APPLY_ROWS];               // each row's 2·γ_s
     const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
-    __shared__ float h_rows[FG_ROW_WARPS][FG_MAX_RANK];
-    const int lane = threadIdx.x & 31;
-    float* h = h_rows[threadIdx.x >> 5];
     const bool regs = register_rank(rc);
-    const i64 d_out = g.d_out;
-    WARP_ROWS(n, rows) {
-        const Z* zr = zu + n * zu_width + g.zu_at;
-        O* out_row = out + n * out_width + g.out_at;
-        float hr[FG_REG_RANK];
-        row_hidden(h, hr, zr, g.a_c, g.a_s, phi, phi_p, d_out, rc, rs, nullptr);
-        const float scale = 2.0f * scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
-        for (i64 j0 = lane; j0 < d_out; j0 += 32 * FG_ROW_BATCH) {
-            float z[FG_ROW_BATCH];
+    // Both columns' reads and writes as pairs when every pair starts on an even element.
+    const bool pairs = ((zu_width | g.zu_at | out_width | g.out_at) & 1) == 0;
+    const int r = rc + rs;
+
+    // This thread's columns j and j + 1: their weights (register path) and biases.
+    const i64 j = tile + 2 * threadIdx.x;
+    const bool live = j < d_out, second = j + 1 < d_out;
+    float w[2][FG_REG_RANK], bias[2];
 #pragma unroll
-            for (int b = 0; b < FG_ROW_BATCH; ++b) z[b] = j0 + 32 * b < d_out ? as_f32(zr[j0 + 32 * b]) : 0.0f;
+    for (int c = 0; c < 2; ++c) {
+        const bool column = c == 0 ? live : second;
 #pragma unroll
-            for (int b = 0; b < FG_ROW_BATCH; ++b) {
-                const i64 j = j0 + 32 * b;
-                if (j >= d_out) break;
-                const float logit = channel_logit(hr, h, g.b_cw, j, rc, regs);
-                store_as(out_row + j, sigmoid_f(alpha_c * (logit + g.b_cb[j])) * scale * z[b]);
+        for (int t = 0; t < FG_REG_RANK; ++t) w[c][t] = 0.0f;
+        bias[c] = column ? g.b_cb[j + c] : 0.0f;
+        if (!regs || !column) continue;
+#pragma unroll
+        for (int t = 0; t < FG_REG_RANK; t += 4) {
+            if (t >= rc) break;
+            const f32x4 w4 = *reinterpret_cast<const f32x4*>(g.b_cw + (j + c) * rc + t);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) w[c][t + k] = w4.v[k];
+        }
+    }
+
+    for (i64 row0 = (i64)blockIdx.x * FG_APPLY_ROWS; row0 < rows; row0 += (i64)gridDim.x * FG_APPLY_ROWS) {
+        const int count = (int)(rows - row0 < FG_APPLY_ROWS ? rows - row0 : FG_APPLY_ROWS);
+        __syncthreads();  // every thread is done with the previous rows' H and γ_s
+        for (int e = threadIdx.x; e < count * r; e += FG_APPLY_THREADS) {
+            const int row = e / r, t = e % r;
+            const float a = t < rc ? g.a_c[t] : g.a_s[t - rc];
+            const Z* zr = zu + (row0 + row) * zu_width + g.zu_at;
+            reinterpret_cast<float*>(h_quads[row])[t] = unary_f(phi, as_f32(zr[d_out + t]) + a, phi_p);
+        }
+        __syncthreads();
+        if (threadIdx.x < count) {
+            const float* h = reinterpret_cast<const float*>(h_quads[threadIdx.x]);
+            scale_rows[threadIdx.x] = 2.0f * scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
+        }
+        __syncthreads();
+        if (!live) continue;
+        for (int c0 = 0; c0 < count; c0 += FG_APPLY_CHUNK) {
+            float z[FG_APPLY_CHUNK][2];
+#pragma unroll
+            for (int k = 0; k < FG_APPLY_CHUNK; ++k) {
+                z[k][0] = z[k][1] = 0.0f;
+                if (c0 + k < count) load_pair(zu + (row0 + c0 + k) * zu_width + g.zu_at + j, second, pairs, z[k][0], z[k][1]);
+            }
+#pragma unroll
+            for (int k = 0; k < FG_APPLY_CHUNK; ++k) {
+                if (c0 + k >= count) break;
+                const float* h = reinterpret_cast<const float*>(h_quads[c0 + k]);
+                const float scale = scale_rows[c0 + k];
+                float y[2] = {0.0f, 0.0f};
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    if (c == 1 && !second) break;
+                    const float logit = stationary_logit(h, w[c], g.b_cw, j + c, rc, regs);
+                    y[c] = sigmoid_f(alpha_c * (logit + bias[c])) * scale * z[k][c];
+                }
+                store_pair(out + (row0 + c0 + k) * out_width + g.out_at + j, y[0], y[1], second, pairs);
             }
         }
     }
 }
 
-extern "C" __global__ void fused_gate_apply(const float* zu, TensorList params, TensorList layout, int phi,
-                                            float phi_p, i64 rows, i64 zu_width, i64 out_width, int rc, int rs,
-                                            float* out) {
+extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_PER_SM)
+    fused_gate_apply(const float* zu, TensorList params, TensorList layout, int phi, float phi_p, i64 rows,
+                     i64 zu_width, i64 out_width, int rc, int rs, float* out) {
     gate_apply(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out);
 }
 
 // fused_gate_apply from a bf16 ZU (bf16 products).
-extern "C" __global__ void fused_gate_apply_bf16(const bf16_t* zu, TensorList params, TensorList layout, int phi,
-                                                 float phi_p, i64 rows, i64 zu_width, i64 out_width, int rc, int rs,
-                                                 float* out) {
+extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_PER_SM)
+    fused_gate_apply_bf16(const bf16_t* zu, TensorList params, TensorList layout, int phi, float phi_p, i64 rows,
+                          i64 zu_width, i64 out_width, int rc, int rs, float* out) {
     gate_apply(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out);
 }
 
 // fused_gate_apply from a bf16 ZU into a bf16 output (for a consumer that reads bf16: SwiGLU).
-extern "C" __global__ void fused_gate_apply_bf16_out(const bf16_t* zu, TensorList params, TensorList layout, int phi,
-                                                     float phi_p, i64 rows, i64 zu_width, i64 out_width, int rc,
-                                                     int rs, bf16_t* out) {
+extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_PER_SM)
+    fused_gate_apply_bf16_out(const bf16_t* zu, TensorList params, TensorList layout, int phi, float phi_p,
+                              i64 rows, i64 zu_width, i64 out_width, int rc, int rs, bf16_t* out) {
     gate_apply(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out);
 }
 
