@@ -348,8 +348,11 @@ extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r64(FG_P
 // g, each row of it one warp, FG_ROW_WARPS rows per block, with no block barriers. Lane l
 // walks columns l, l + 32, ..., FG_ROW_BATCH of them at a time: their loads are issued
 // together, so several loads per lane are in flight (one at a time leaves DRAM mostly idle).
+// 8 rather than 4 doubles them (16 warps an SM × 8 columns × 6 bytes of dẐ and Z: 24 KB, about
+// what an H200's bandwidth-latency product asks of an SM) for 107 registers against 105, still
+// 2 blocks an SM (bench/kernel_resources.py); each lane adds its columns in the same order.
 #define FG_ROW_WARPS 8
-#define FG_ROW_BATCH 4
+#define FG_ROW_BATCH 8
 
 // This warp's rows n of [0, rows): a grid-stride loop over rows, one warp each.
 #define WARP_ROWS(n, rows)                                                    \
