@@ -16,6 +16,7 @@ use super::error::{ensure, CudaError, Result};
 use super::launch::{check_owners, opt_ptr, per_row, ptr, row_threads, size};
 use super::module::{Arg, KernelFamily};
 use super::reduce::{chunking, finish_block, finish_column_sums};
+use super::values::{Values, ValuesMut};
 
 pub use crate::cpu::norm::{NormDims, NormGrads, RowStats};
 
@@ -36,67 +37,76 @@ fn check(
     dims.check(rows, stats, params).map_err(|message| CudaError::shape(op, message))
 }
 
-/// `y = x·rstd·weight`, `rstd = 1/√(mean(x²) + eps)` saved per row; `y_bf16`, when given,
-/// gets `y` rounded to nearest even (for the bf16 products that read `y`).
+/// `y = x·rstd·weight`, `rstd = 1/√(mean(x²) + eps)` saved per row. `y` is f32, with
+/// `y_bf16`, when given, getting it rounded to nearest even (for the bf16 products that read
+/// `y`), or bf16 alone (rounded so; no twin): under bf16 products nothing else reads it.
 pub fn rms_norm_forward(
     dev: &CudaDevice,
     x: &DeviceBuffer<f32>,
     weight: &DeviceBuffer<f32>,
     dims: &NormDims,
-    (y, y_bf16): (&mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>),
+    (y, y_bf16): (ValuesMut<'_>, Option<&mut DeviceBuffer<bf16>>),
     rstd: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "rms_norm_forward";
-    check_owners(dev, OP, &[x, weight, y, rstd])?;
-    check(OP, dims, &[("x", x.len()), ("y", y.len())], &[("rstd", rstd.len())], &[("weight", Some(weight.len()))])?;
-    if let Some(copy) = &y_bf16 {
-        dev.check_owner(OP, copy)?;
-        ensure(copy.len() == y.len(), OP, || format!("y_bf16 has {} elements, y {}", copy.len(), y.len()))?;
-    }
+    check_owners(dev, OP, &[x, weight, rstd])?;
+    let y = output_pointers(dev, OP, y.as_values(), y_bf16.as_deref())?;
+    check(OP, dims, &[("x", x.len()), ("y", y.len)], &[("rstd", rstd.len())], &[("weight", Some(weight.len()))])?;
     let NormDims { rows, cols, eps } = *dims;
-    let args =
-        [ptr(x), ptr(weight), ptr(y), opt_ptr(y_bf16.as_deref()), ptr(rstd), size(rows), size(cols), Arg::F32(eps)];
+    let args = [ptr(x), ptr(weight), y.f32, y.bf16, ptr(rstd), size(rows), size(cols), Arg::F32(eps)];
     dev.launch(FAMILY, "rms_norm_forward", per_row(rows, row_threads(cols)), &args)
 }
 
 /// The pre-ln LLaMA block's residual add and the next RMSNorm in one launch: `sum = x + delta`,
-/// then [`rms_norm_forward`] of `sum` (`y`, its bf16 copy when given, and `rstd`), bit for bit
-/// as the two apart. The backward is [`rms_norm_backward`] of `sum`.
+/// then [`rms_norm_forward`] of `sum` (`y` as there, and `rstd`), bit for bit as the two apart.
+/// The backward is [`rms_norm_backward`] of `sum`.
 pub fn add_rms_norm_forward(
     dev: &CudaDevice,
     (x, delta): (&DeviceBuffer<f32>, &DeviceBuffer<f32>),
     weight: &DeviceBuffer<f32>,
     dims: &NormDims,
-    (sum, y, y_bf16): (&mut DeviceBuffer<f32>, &mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>),
+    (sum, y, y_bf16): (&mut DeviceBuffer<f32>, ValuesMut<'_>, Option<&mut DeviceBuffer<bf16>>),
     rstd: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "add_rms_norm_forward";
-    check_owners(dev, OP, &[x, delta, weight, sum, y, rstd])?;
+    check_owners(dev, OP, &[x, delta, weight, sum, rstd])?;
+    let y = output_pointers(dev, OP, y.as_values(), y_bf16.as_deref())?;
     check(
         OP,
         dims,
-        &[("x", x.len()), ("delta", delta.len()), ("sum", sum.len()), ("y", y.len())],
+        &[("x", x.len()), ("delta", delta.len()), ("sum", sum.len()), ("y", y.len)],
         &[("rstd", rstd.len())],
         &[("weight", Some(weight.len()))],
     )?;
-    if let Some(copy) = &y_bf16 {
-        dev.check_owner(OP, copy)?;
-        ensure(copy.len() == y.len(), OP, || format!("y_bf16 has {} elements, y {}", copy.len(), y.len()))?;
-    }
     let NormDims { rows, cols, eps } = *dims;
-    let args = [
-        ptr(x),
-        ptr(delta),
-        ptr(weight),
-        ptr(sum),
-        ptr(y),
-        opt_ptr(y_bf16.as_deref()),
-        ptr(rstd),
-        size(rows),
-        size(cols),
-        Arg::F32(eps),
-    ];
+    let args =
+        [ptr(x), ptr(delta), ptr(weight), ptr(sum), y.f32, y.bf16, ptr(rstd), size(rows), size(cols), Arg::F32(eps)];
     dev.launch(FAMILY, "add_rms_norm_forward", per_row(rows, row_threads(cols)), &args)
+}
+
+/// A norm's output pointers: f32 `y` (or null when `y` is bf16) and its bf16 values (`y` when
+/// bf16, else the twin or null), and its length.
+struct OutputPointers {
+    f32: Arg,
+    bf16: Arg,
+    len: usize,
+}
+
+/// Checks `y` and its twin (owned by `dev`, the same length, no twin beside a bf16 `y`).
+fn output_pointers(
+    dev: &CudaDevice,
+    op: &'static str,
+    y: Values<'_>,
+    y_bf16: Option<&DeviceBuffer<bf16>>,
+) -> Result<OutputPointers> {
+    y.check_owner(dev, op)?;
+    if let Some(copy) = y_bf16 {
+        dev.check_owner(op, copy)?;
+        ensure(!y.is_bf16(), op, || "a bf16 y takes no bf16 twin".to_string())?;
+        ensure(copy.len() == y.len(), op, || format!("y_bf16 has {} elements, y {}", copy.len(), y.len()))?;
+    }
+    let bf16 = if y.is_bf16() { y.arg_at(0) } else { opt_ptr(y_bf16) };
+    Ok(OutputPointers { f32: Arg::Ptr(y.f32_address()), bf16, len: y.len() })
 }
 
 /// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` (when given) for RMSNorm, from the saved `rstd`.

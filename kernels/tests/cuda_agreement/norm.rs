@@ -4,7 +4,7 @@ use half::bf16;
 use kernels::cpu;
 use kernels::cpu::batch_norm::{Affine, BatchNormDims, BatchStats, RunningStats};
 use kernels::cpu::norm::{NormGrads, RowStats};
-use kernels::cuda::{self, CudaError};
+use kernels::cuda::{self, CudaError, ValuesMut};
 
 use super::{assert_close_to, assert_reduced, down, stale, up, Rng};
 
@@ -29,16 +29,25 @@ fn rms_norm_and_layer_norm_agree() {
         let (mut y, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows]);
         cpu::norm::rms_norm_forward(&x, &w, &dims, &mut y, &mut rstd);
         let (mut gy, mut grstd) = (dev.alloc(x.len()).unwrap(), dev.alloc(rows).unwrap());
-        cuda::norm::rms_norm_forward(dev, &gx, &gw, &dims, (&mut gy, None), &mut grstd).unwrap();
+        cuda::norm::rms_norm_forward(dev, &gx, &gw, &dims, (ValuesMut::F32(&mut gy), None), &mut grstd).unwrap();
         assert_reduced("rms y", &down(dev, &gy), &y);
         assert_reduced("rms rstd", &down(dev, &grstd), &rstd);
         // With a bf16 twin: the same y, and the twin is y rounded to nearest even.
         let (mut gy2, mut gy16) = (dev.alloc(x.len()).unwrap(), dev.alloc::<bf16>(x.len()).unwrap());
-        cuda::norm::rms_norm_forward(dev, &gx, &gw, &dims, (&mut gy2, Some(&mut gy16)), &mut grstd).unwrap();
+        cuda::norm::rms_norm_forward(dev, &gx, &gw, &dims, (ValuesMut::F32(&mut gy2), Some(&mut gy16)), &mut grstd)
+            .unwrap();
         let y2 = down(dev, &gy2);
         assert_eq!(y2, down(dev, &gy), "rms y with a twin");
         let rounded: Vec<bf16> = y2.iter().map(|&v| bf16::from_f32(v)).collect();
         assert_eq!(dev.download(&gy16).unwrap(), rounded, "rms y's bf16 twin is y rounded");
+        // y in bf16 alone: the twin's bits, and no twin beside it.
+        let mut gy_only = dev.alloc::<bf16>(x.len()).unwrap();
+        cuda::norm::rms_norm_forward(dev, &gx, &gw, &dims, (ValuesMut::Bf16(&mut gy_only), None), &mut grstd).unwrap();
+        assert_eq!(dev.download(&gy_only).unwrap(), rounded, "rms y in bf16 alone is y rounded");
+        let twin = Some(&mut gy16);
+        let result =
+            cuda::norm::rms_norm_forward(dev, &gx, &gw, &dims, (ValuesMut::Bf16(&mut gy_only), twin), &mut grstd);
+        assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
         let (mut dx, mut dw) = (start.clone(), wstart.clone());
         let grads = NormGrads { dx: &mut dx[..], dweight: Some(&mut dw[..]), dbias: None };
         cpu::norm::rms_norm_backward(&x, &w, &rstd, (&dy, None), &dims, grads);
@@ -123,8 +132,14 @@ fn rms_norm_and_layer_norm_agree() {
     // Shape errors come back before any launch.
     let (gx, gw) = (up(dev, &[1.0; 10]), up(dev, &[1.0; 3]));
     let (mut gy, mut gr) = (dev.alloc(10).unwrap(), dev.alloc(2).unwrap());
-    let result =
-        cuda::norm::rms_norm_forward(dev, &gx, &gw, &cpu::norm::NormDims::of(10, 5, 1e-5), (&mut gy, None), &mut gr);
+    let result = cuda::norm::rms_norm_forward(
+        dev,
+        &gx,
+        &gw,
+        &cpu::norm::NormDims::of(10, 5, 1e-5),
+        (ValuesMut::F32(&mut gy), None),
+        &mut gr,
+    );
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }
 
@@ -140,16 +155,21 @@ fn add_rms_norm_agrees_and_equals_add_then_rms_norm() {
         cpu::norm::add_rms_norm_forward(&x, &delta, &w, &dims, (&mut sum, &mut y), &mut rstd);
         let (mut gsum, mut gy, mut grstd) = (up(dev, &stale(x.len())), up(dev, &stale(x.len())), up(dev, &stale(rows)));
         let mut gy16 = dev.alloc::<bf16>(x.len()).unwrap();
-        let outputs = (&mut gsum, &mut gy, Some(&mut gy16));
+        let outputs = (&mut gsum, ValuesMut::F32(&mut gy), Some(&mut gy16));
         cuda::norm::add_rms_norm_forward(dev, (&gx, &gdelta), &gw, &dims, outputs, &mut grstd).unwrap();
         assert_eq!(down(dev, &gsum), sum, "sum is x + delta on both devices");
         assert_reduced("add_rms y", &down(dev, &gy), &y);
         assert_reduced("add_rms rstd", &down(dev, &grstd), &rstd);
         let rounded: Vec<bf16> = down(dev, &gy).iter().map(|&v| bf16::from_f32(v)).collect();
         assert_eq!(dev.download(&gy16).unwrap(), rounded, "add_rms y's bf16 twin is y rounded");
+        let (mut gsum_only, mut gy_only) = (up(dev, &stale(x.len())), dev.alloc::<bf16>(x.len()).unwrap());
+        let outputs = (&mut gsum_only, ValuesMut::Bf16(&mut gy_only), None);
+        cuda::norm::add_rms_norm_forward(dev, (&gx, &gdelta), &gw, &dims, outputs, &mut grstd).unwrap();
+        assert_eq!(down(dev, &gsum_only), sum, "sum beside a bf16 y");
+        assert_eq!(dev.download(&gy_only).unwrap(), rounded, "add_rms y in bf16 alone is y rounded");
         // The same arithmetic as rms_norm_forward of the sum, on the device too: bit for bit.
         let (mut gy2, mut grstd2) = (dev.alloc(x.len()).unwrap(), dev.alloc(rows).unwrap());
-        cuda::norm::rms_norm_forward(dev, &gsum, &gw, &dims, (&mut gy2, None), &mut grstd2).unwrap();
+        cuda::norm::rms_norm_forward(dev, &gsum, &gw, &dims, (ValuesMut::F32(&mut gy2), None), &mut grstd2).unwrap();
         assert_eq!(down(dev, &gy2), down(dev, &gy), "add_rms y equals rms_norm of the sum");
         assert_eq!(down(dev, &grstd2), down(dev, &grstd), "add_rms rstd equals rms_norm's");
     }
@@ -157,7 +177,14 @@ fn add_rms_norm_agrees_and_equals_add_then_rms_norm() {
     let (gx, gd, gw) = (up(dev, &[1.0; 10]), up(dev, &[1.0; 5]), up(dev, &[1.0; 5]));
     let (mut gs, mut gy, mut gr) = (dev.alloc(10).unwrap(), dev.alloc(10).unwrap(), dev.alloc(2).unwrap());
     let dims = cpu::norm::NormDims::of(10, 5, 1e-5);
-    let result = cuda::norm::add_rms_norm_forward(dev, (&gx, &gd), &gw, &dims, (&mut gs, &mut gy, None), &mut gr);
+    let result = cuda::norm::add_rms_norm_forward(
+        dev,
+        (&gx, &gd),
+        &gw,
+        &dims,
+        (&mut gs, ValuesMut::F32(&mut gy), None),
+        &mut gr,
+    );
     assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
 }
 

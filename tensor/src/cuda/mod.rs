@@ -21,7 +21,7 @@ pub(crate) mod storage;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use half::bf16;
-use kernels::cuda::{CudaDevice, CudaError, DeviceBuffer, DeviceRun, Values};
+use kernels::cuda::{CudaDevice, CudaError, DeviceBuffer, DeviceRun, Values, ValuesMut};
 
 use crate::{DType, Error, Result, Storage, Tensor};
 
@@ -204,6 +204,22 @@ pub(crate) fn product_input_output(
     let mut out = CudaStorage::alloc(dev, shape.iter().product())?;
     let (values, copy) = product_input_buffers(&mut out, op)?;
     launch(values, copy)?;
+    Tensor::from_cuda(out, shape)
+}
+
+/// A new tensor of `shape` on `dev` that only products read (a normalised activation): under
+/// bf16 products ([`matmul_precision`]) `launch` writes its values rounded to nearest even
+/// and nothing else (a bf16-backed storage, [`CudaStorage::alloc_values`]: no f32 buffer is
+/// written, and one is made only if something reads the values as f32), else in f32.
+pub(crate) fn product_only_output(
+    dev: &Arc<CudaDevice>,
+    op: &'static str,
+    shape: &[usize],
+    launch: impl FnOnce(ValuesMut<'_>) -> Result<()>,
+) -> Result<Tensor> {
+    let rounded = matmul_precision() == MatmulPrecision::Bf16;
+    let mut out = CudaStorage::alloc_values(dev, shape.iter().product(), rounded)?;
+    launch(out.values_mut(op)?)?;
     Tensor::from_cuda(out, shape)
 }
 

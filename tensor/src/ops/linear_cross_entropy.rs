@@ -252,7 +252,7 @@ mod cuda {
     use kernels::cuda::blas::{matmul, matmul_bf16, DeviceMat};
     use kernels::cuda::elementwise::scaled_copies;
     use kernels::cuda::softmax::{cross_entropy_forward_backward, LogitsGrad};
-    use kernels::cuda::{CudaDevice, DeviceBuffer};
+    use kernels::cuda::{CudaDevice, DeviceBuffer, Values};
 
     use super::{LinearCrossEntropy, Plan};
     use crate::cuda::{matmul_precision, CudaStorage, MatmulPrecision};
@@ -261,12 +261,11 @@ mod cuda {
 
     const OP: &str = "linear_cross_entropy";
 
-    /// One operand of a chunk's products: a row-major matrix view over an f32 buffer and,
-    /// under bf16 products, the same view over its bf16 copy (which the product then reads).
+    /// One operand of a chunk's products: a row-major matrix view over f32 values or, under
+    /// bf16 products, over their bf16 copy (the tensor-core product reads only that).
     #[derive(Clone, Copy)]
     struct Operand<'a> {
-        f32: &'a DeviceBuffer<f32>,
-        bf16: Option<&'a DeviceBuffer<bf16>>,
+        values: Values<'a>,
         offset: usize,
         row_stride: usize,
         col_stride: usize,
@@ -274,8 +273,8 @@ mod cuda {
 
     impl<'a> Operand<'a> {
         /// The row-major `[.., cols]` matrix from row `first`.
-        fn rows(f32: &'a DeviceBuffer<f32>, bf16: Option<&'a DeviceBuffer<bf16>>, first: usize, cols: usize) -> Self {
-            Operand { f32, bf16, offset: first * cols, row_stride: cols, col_stride: 1 }
+        fn rows(values: Values<'a>, first: usize, cols: usize) -> Self {
+            Operand { values, offset: first * cols, row_stride: cols, col_stride: 1 }
         }
 
         /// Its transpose (the same storage read by columns).
@@ -283,14 +282,14 @@ mod cuda {
             Operand { row_stride: self.col_stride, col_stride: self.row_stride, ..self }
         }
 
-        /// The view over `buffer`: the f32 values or their bf16 copy.
+        /// The view over `buffer`: the operand's f32 values or bf16 copy.
         fn view<T: kernels::cuda::DeviceScalar>(&self, buffer: &'a DeviceBuffer<T>) -> DeviceMat<'a, T> {
             DeviceMat { buffer, offset: self.offset, row_stride: self.row_stride, col_stride: self.col_stride }
         }
     }
 
-    /// `dst[at..] = lhs·rhs` (`+=` with [`Store::Accumulate`]): bf16 operands on the tensor
-    /// cores when both have their bf16 copy, f32 otherwise.
+    /// `dst[at..] = lhs·rhs` (`+=` with [`Store::Accumulate`]): two bf16 operands on the
+    /// tensor cores, or two f32 ones.
     fn product(
         dev: &CudaDevice,
         (dst, at): (&mut DeviceBuffer<f32>, usize),
@@ -299,9 +298,14 @@ mod cuda {
         dims: GemmDims,
         store: Store,
     ) -> Result<()> {
-        match (lhs.bf16, rhs.bf16) {
-            (Some(l), Some(r)) => matmul_bf16(dev, dst, at, lhs.view(l), rhs.view(r), dims, store)?,
-            _ => matmul(dev, dst, at, lhs.view(lhs.f32), rhs.view(rhs.f32), dims, store)?,
+        match (lhs.values, rhs.values) {
+            (Values::Bf16(l), Values::Bf16(r)) => matmul_bf16(dev, dst, at, lhs.view(l), rhs.view(r), dims, store)?,
+            (Values::F32(l), Values::F32(r)) => matmul(dev, dst, at, lhs.view(l), rhs.view(r), dims, store)?,
+            (l, r) => {
+                // One precision choice makes both operands: a mix is a bug, reported as such.
+                let dtype = |values: Values| if values.is_bf16() { DType::BF16 } else { DType::F32 };
+                return Err(Error::DTypeMismatch { op: OP, expected: dtype(l), got: dtype(r) });
+            }
         }
         Ok(())
     }
@@ -329,12 +333,12 @@ mod cuda {
         let grad_scale = plan.grad_scale();
         let bf16 = matmul_precision() == MatmulPrecision::Bf16;
         let copies = if bf16 { Some((bf16_copy(&h)?, bf16_copy(&weight)?)) } else { None };
-        let (h_bf16, w_bf16) = match &copies {
-            Some((h16, w16)) => (Some(bf16_buffer(h16)?), Some(bf16_buffer(w16)?)),
-            None => (None, None),
+        // Under bf16 products only the copies are read (h may be held in bf16 alone: a norm's output).
+        let (h_values, w_values) = match &copies {
+            Some((h16, w16)) => (Values::Bf16(bf16_buffer(h16)?), Values::Bf16(bf16_buffer(w16)?)),
+            None => (Values::F32(h.cuda_f32(OP)?), Values::F32(weight.cuda_f32(OP)?)),
         };
-        let (h_f32, w_f32) = (h.cuda_f32(OP)?, weight.cuda_f32(OP)?);
-        let w_rows = Operand::rows(w_f32, w_bf16, 0, c);
+        let w_rows = Operand::rows(w_values, 0, c);
 
         let targets = targets.device_ids(OP)?;
         let mut losses = dev.alloc::<f32>(n)?;
@@ -345,7 +349,7 @@ mod cuda {
         let mut dh = if needs[0] { Some(CudaStorage::alloc(&dev, n * c)?) } else { None };
         let mut dw = if needs[1] { Some(CudaStorage::alloc(&dev, v * c)?) } else { None };
         for (first, rows) in plan.chunks() {
-            let h_rows = Operand::rows(h_f32, h_bf16, first, c);
+            let h_rows = Operand::rows(h_values, first, c);
             product(
                 &dev,
                 (&mut logits, 0),
@@ -365,7 +369,7 @@ mod cuda {
                 &mut losses,
             )?;
             // The logits now hold dlogits = (softmax − onehot) / count (when a gradient is asked for).
-            let dlogits = Operand::rows(&logits, logits_bf16.as_ref(), 0, v);
+            let dlogits = Operand::rows(logits_bf16.as_ref().map_or(Values::F32(&logits), Values::Bf16), 0, v);
             if let Some(dh) = &mut dh {
                 // d/dh = dlogits · W
                 let dst = (dh.f32_buffer_mut(OP)?, first * c);

@@ -222,7 +222,7 @@ pub(crate) mod cuda {
     use kernels::cuda::DeviceBuffer;
 
     use super::{AddRmsNormOutput, LayerNormOutput, RmsNormOutput};
-    use crate::cuda::{output, product_input_output, CudaStorage};
+    use crate::cuda::{output, product_input_output, product_only_output, CudaStorage};
     use crate::{Result, Tensor};
 
     /// RMSNorm of `x` (`dims`) with `weight [cols]`; `rstd` saved per row.
@@ -231,10 +231,10 @@ pub(crate) mod cuda {
         let dev = x.cuda_device(OP)?;
         let (x, w) = (x.dense()?, weight.dense()?);
         let mut rstd = CudaStorage::alloc(&dev, dims.rows)?;
-        // y feeds the next products (attention, FFN, LM head): in bf16 too under bf16 products.
-        let y = product_input_output(&dev, OP, x.shape(), |y, y_bf16| {
+        // y feeds only the next products (attention, FFN, LM head): bf16 alone under bf16 products.
+        let y = product_only_output(&dev, OP, x.shape(), |y| {
             let rstd = rstd.f32_buffer_mut(OP)?;
-            Ok(launch::rms_norm_forward(&dev, x.cuda_f32(OP)?, w.cuda_f32(OP)?, dims, (y, y_bf16), rstd)?)
+            Ok(launch::rms_norm_forward(&dev, x.cuda_f32(OP)?, w.cuda_f32(OP)?, dims, (y, None), rstd)?)
         })?;
         Ok(RmsNormOutput { y, rstd: Tensor::from_cuda(rstd, &[dims.rows])? })
     }
@@ -251,11 +251,11 @@ pub(crate) mod cuda {
         let dev = x.cuda_device(OP)?;
         let (x, delta, w) = (x.dense()?, delta.dense()?, weight.dense()?);
         let (mut sum, mut rstd) = (CudaStorage::alloc(&dev, dims.len())?, CudaStorage::alloc(&dev, dims.rows)?);
-        // y feeds the next products (attention, FFN): in bf16 too under bf16 products.
-        let y = product_input_output(&dev, OP, x.shape(), |y, y_bf16| {
+        // y feeds only the next products (attention, FFN): bf16 alone under bf16 products.
+        let y = product_only_output(&dev, OP, x.shape(), |y| {
             let inputs = (x.cuda_f32(OP)?, delta.cuda_f32(OP)?);
             let (sum, rstd) = (sum.f32_buffer_mut(OP)?, rstd.f32_buffer_mut(OP)?);
-            Ok(launch::add_rms_norm_forward(&dev, inputs, w.cuda_f32(OP)?, dims, (sum, y, y_bf16), rstd)?)
+            Ok(launch::add_rms_norm_forward(&dev, inputs, w.cuda_f32(OP)?, dims, (sum, y, None), rstd)?)
         })?;
         Ok(AddRmsNormOutput {
             sum: Tensor::from_cuda(sum, x.shape())?,

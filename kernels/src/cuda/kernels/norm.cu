@@ -11,29 +11,31 @@
 
 // The end of one row's RMSNorm, shared by rms_norm_forward and add_rms_norm_forward so both
 // compute the same bits: ss (this thread's part of Σ x², over the columns it reads) summed over
-// the block, rstd = 1/√(mean(x²) + eps), y = x·rstd·w and its bf16 copy (when y_bf16 is not
-// null). Every thread of the block calls it (block_sum holds barriers).
+// the block, rstd = 1/√(mean(x²) + eps), y = x·rstd·w into yr and its bf16 rounding into
+// yr_bf16, each when not null (under bf16 products y may go in bf16 alone). Every thread of the
+// block calls it (block_sum holds barriers).
 __device__ __forceinline__ void rms_norm_row(const float* xr, float ss, const float* w, float* yr, bf16_t* yr_bf16,
                                              float* rstd, i64 cols, float eps) {
     ss = block_sum(ss);
     float rs = 1.0f / sqrtf(ss / (float)cols + eps);
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
         float v = xr[j] * rs * w[j];
-        yr[j] = v;
+        if (yr) yr[j] = v;
         if (yr_bf16) yr_bf16[j] = f32_to_bf16(v);
     }
     if (threadIdx.x == 0) *rstd = rs;
 }
 
 // y = x·rstd·w, rstd = 1/√(mean(x²) + eps)
-// y_bf16 (when not null) gets y rounded to nearest even, for the bf16 products reading y.
+// y_bf16 (when not null) gets y rounded to nearest even, for the bf16 products reading y; y
+// may then be null (y in bf16 alone).
 extern "C" __global__ void rms_norm_forward(const float* x, const float* w, float* y, bf16_t* y_bf16, float* rstd,
                                             i64 rows, i64 cols, float eps) {
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = x + r * cols;
         float ss = 0.0f;
         for (i64 j = threadIdx.x; j < cols; j += blockDim.x) ss += xr[j] * xr[j];
-        rms_norm_row(xr, ss, w, y + r * cols, y_bf16 ? y_bf16 + r * cols : nullptr, rstd + r, cols, eps);
+        rms_norm_row(xr, ss, w, y ? y + r * cols : nullptr, y_bf16 ? y_bf16 + r * cols : nullptr, rstd + r, cols, eps);
     }
 }
 
@@ -53,7 +55,7 @@ extern "C" __global__ void add_rms_norm_forward(const float* x, const float* del
             sr[j] = s;
             ss += s * s;
         }
-        rms_norm_row(sr, ss, w, y + r * cols, y_bf16 ? y_bf16 + r * cols : nullptr, rstd + r, cols, eps);
+        rms_norm_row(sr, ss, w, y ? y + r * cols : nullptr, y_bf16 ? y_bf16 + r * cols : nullptr, rstd + r, cols, eps);
     }
 }
 
