@@ -216,14 +216,14 @@ fn bench_gate_up(dev: &CudaDevice, tokens: usize, d: usize, hidden: usize) -> Re
     let mut forward_two = || -> Result<()> {
         matmul_bf16(dev, &mut g, 0, x_mat, weight_t(0), projection, Store::Overwrite)?;
         matmul_bf16(dev, &mut u, 0, x_mat, weight_t(hidden), projection, Store::Overwrite)?;
-        swiglu_forward(dev, &g, &u, &mut h_two, None)
+        swiglu_forward(dev, &g, &u, (ValuesMut::F32(&mut h_two), None))
     };
     forward_two()?;
     let forward_two_s = best_seconds(dev, &mut forward_two)?;
     let mut forward_one = || -> Result<()> {
         let both = GemmDims { m: tokens, n: 2 * hidden, k: d };
         matmul_bf16(dev, &mut gu, 0, x_mat, weight_t(0), both, Store::Overwrite)?;
-        swiglu_halves_forward(dev, Values::F32(&gu), hidden, &mut h_one, None)
+        swiglu_halves_forward(dev, Values::F32(&gu), hidden, (ValuesMut::F32(&mut h_one), None))
     };
     let forward_one_s = best_seconds(dev, &mut forward_one)?;
     let what = format!("packed gate-up {d}→{hidden}");

@@ -16,7 +16,7 @@ use super::error::{ensure, CudaError, Result};
 use super::launch::{check_owners, opt_ptr, per_row, ptr, row_threads, size};
 use super::module::{Arg, KernelFamily};
 use super::reduce::{chunking, finish_block, finish_column_sums};
-use super::values::{Values, ValuesMut};
+use super::values::{output_with_twin, ValuesMut};
 
 pub use crate::cpu::norm::{NormDims, NormGrads, RowStats};
 
@@ -50,10 +50,11 @@ pub fn rms_norm_forward(
 ) -> Result<()> {
     const OP: &str = "rms_norm_forward";
     check_owners(dev, OP, &[x, weight, rstd])?;
-    let y = output_pointers(dev, OP, y.as_values(), y_bf16.as_deref())?;
-    check(OP, dims, &[("x", x.len()), ("y", y.len)], &[("rstd", rstd.len())], &[("weight", Some(weight.len()))])?;
+    let y = y.as_values();
+    let [y_f32, y_bf16] = output_with_twin(dev, OP, y, y_bf16.as_deref())?;
+    check(OP, dims, &[("x", x.len()), ("y", y.len())], &[("rstd", rstd.len())], &[("weight", Some(weight.len()))])?;
     let NormDims { rows, cols, eps } = *dims;
-    let args = [ptr(x), ptr(weight), y.f32, y.bf16, ptr(rstd), size(rows), size(cols), Arg::F32(eps)];
+    let args = [ptr(x), ptr(weight), y_f32, y_bf16, ptr(rstd), size(rows), size(cols), Arg::F32(eps)];
     dev.launch(FAMILY, "rms_norm_forward", per_row(rows, row_threads(cols)), &args)
 }
 
@@ -70,43 +71,19 @@ pub fn add_rms_norm_forward(
 ) -> Result<()> {
     const OP: &str = "add_rms_norm_forward";
     check_owners(dev, OP, &[x, delta, weight, sum, rstd])?;
-    let y = output_pointers(dev, OP, y.as_values(), y_bf16.as_deref())?;
+    let y = y.as_values();
+    let [y_f32, y_bf16] = output_with_twin(dev, OP, y, y_bf16.as_deref())?;
     check(
         OP,
         dims,
-        &[("x", x.len()), ("delta", delta.len()), ("sum", sum.len()), ("y", y.len)],
+        &[("x", x.len()), ("delta", delta.len()), ("sum", sum.len()), ("y", y.len())],
         &[("rstd", rstd.len())],
         &[("weight", Some(weight.len()))],
     )?;
     let NormDims { rows, cols, eps } = *dims;
     let args =
-        [ptr(x), ptr(delta), ptr(weight), ptr(sum), y.f32, y.bf16, ptr(rstd), size(rows), size(cols), Arg::F32(eps)];
+        [ptr(x), ptr(delta), ptr(weight), ptr(sum), y_f32, y_bf16, ptr(rstd), size(rows), size(cols), Arg::F32(eps)];
     dev.launch(FAMILY, "add_rms_norm_forward", per_row(rows, row_threads(cols)), &args)
-}
-
-/// A norm's output pointers: f32 `y` (or null when `y` is bf16) and its bf16 values (`y` when
-/// bf16, else the twin or null), and its length.
-struct OutputPointers {
-    f32: Arg,
-    bf16: Arg,
-    len: usize,
-}
-
-/// Checks `y` and its twin (owned by `dev`, the same length, no twin beside a bf16 `y`).
-fn output_pointers(
-    dev: &CudaDevice,
-    op: &'static str,
-    y: Values<'_>,
-    y_bf16: Option<&DeviceBuffer<bf16>>,
-) -> Result<OutputPointers> {
-    y.check_owner(dev, op)?;
-    if let Some(copy) = y_bf16 {
-        dev.check_owner(op, copy)?;
-        ensure(!y.is_bf16(), op, || "a bf16 y takes no bf16 twin".to_string())?;
-        ensure(copy.len() == y.len(), op, || format!("y_bf16 has {} elements, y {}", copy.len(), y.len()))?;
-    }
-    let bf16 = if y.is_bf16() { y.arg_at(0) } else { opt_ptr(y_bf16) };
-    Ok(OutputPointers { f32: Arg::Ptr(y.f32_address()), bf16, len: y.len() })
 }
 
 /// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` (when given) for RMSNorm, from the saved `rstd`.

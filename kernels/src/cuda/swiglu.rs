@@ -16,7 +16,7 @@ use super::device::CudaDevice;
 use super::error::{ensure, Result};
 use super::launch::{check_owners, elementwise, opt_ptr, ptr, ptr_at, size};
 use super::module::KernelFamily;
-use super::values::Values;
+use super::values::{output_with_twin, Values, ValuesMut};
 
 const FAMILY: KernelFamily = KernelFamily::Swiglu;
 
@@ -35,43 +35,44 @@ fn check_twin(dev: &CudaDevice, op: &'static str, twin: &Option<&mut DeviceBuffe
     Ok(())
 }
 
-/// `out[i] = silu(gate[i]) · up[i]` (and `out_bf16[i]` = it rounded to bf16, when given).
+/// `out[i] = silu(gate[i]) · up[i]`: f32 (and `out_bf16[i]` = it rounded to bf16, when
+/// given), or bf16 alone (rounded so; no twin) when only bf16 products read it.
 pub fn swiglu_forward(
     dev: &CudaDevice,
     gate: &DeviceBuffer<f32>,
     up: &DeviceBuffer<f32>,
-    out: &mut DeviceBuffer<f32>,
-    out_bf16: Option<&mut DeviceBuffer<bf16>>,
+    (out, out_bf16): (ValuesMut<'_>, Option<&mut DeviceBuffer<bf16>>),
 ) -> Result<()> {
     const OP: &str = "swiglu_forward";
-    check_owners(dev, OP, &[gate, up, out])?;
+    check_owners(dev, OP, &[gate, up])?;
+    let out = out.as_values();
+    let [out_f32, out_bf16] = output_with_twin(dev, OP, out, out_bf16.as_deref())?;
     let n = out.len();
     ensure(gate.len() == n && up.len() == n, OP, || {
         format!("gate ({}), up ({}) and out ({n}) differ in length", gate.len(), up.len())
     })?;
-    check_twin(dev, OP, &out_bf16, n)?;
-    let args = [ptr(gate), ptr(up), ptr(out), opt_ptr(out_bf16.as_deref()), size(n), size(n), size(n)];
+    let args = [ptr(gate), ptr(up), out_f32, out_bf16, size(n), size(n), size(n)];
     dev.launch(FAMILY, "swiglu_forward", grid(n), &args)
 }
 
 /// SwiGLU of the two halves of one product `gate_up: [rows, 2·cols]` (gate in columns
 /// `[0, cols)`, up in `[cols, 2·cols)`, the FFN's one GEMM over its packed gate and up
-/// weights): `out[r, c] = silu(gate_up[r, c]) · gate_up[r, cols + c]`, `out: [rows, cols]`.
+/// weights): `out[r, c] = silu(gate_up[r, c]) · gate_up[r, cols + c]`, `out: [rows, cols]`,
+/// written as [`swiglu_forward`]'s.
 pub fn swiglu_halves_forward(
     dev: &CudaDevice,
     gate_up: Values,
     cols: usize,
-    out: &mut DeviceBuffer<f32>,
-    out_bf16: Option<&mut DeviceBuffer<bf16>>,
+    (out, out_bf16): (ValuesMut<'_>, Option<&mut DeviceBuffer<bf16>>),
 ) -> Result<()> {
     const OP: &str = "swiglu_halves_forward";
     gate_up.check_owner(dev, OP)?;
-    dev.check_owner(OP, out)?;
+    let out = out.as_values();
+    let [out_f32, out_bf16] = output_with_twin(dev, OP, out, out_bf16.as_deref())?;
     let n = out.len();
     check_halves(OP, gate_up.len(), cols, n)?;
-    check_twin(dev, OP, &out_bf16, n)?;
     let (gate, up) = (gate_up.arg_at(0), gate_up.arg_at(cols));
-    let args = [gate, up, ptr(out), opt_ptr(out_bf16.as_deref()), size(n), size(cols), size(2 * cols)];
+    let args = [gate, up, out_f32, out_bf16, size(n), size(cols), size(2 * cols)];
     dev.launch(FAMILY, gate_up.kernel("swiglu_forward", "swiglu_forward_bf16"), grid(n), &args)
 }
 

@@ -8,7 +8,8 @@ use half::bf16;
 
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
-use super::error::Result;
+use super::error::{ensure, Result};
+use super::launch::opt_ptr;
 use super::module::Arg;
 
 /// Values a kernel reads: f32, or their bf16 rounding.
@@ -146,4 +147,27 @@ impl DeviceValues {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// The two kernel arguments of an output written either in f32, with its bf16 twin when `twin`
+/// is given (the rounding the bf16 products that read it take), or in bf16 alone (`out` bf16,
+/// no twin): the f32 address or null, then the bf16 address (the output's or the twin's) or
+/// null. Errors naming `op` unless both are `dev`'s, the twin has the output's length, and a
+/// bf16 output comes without one.
+pub(crate) fn output_with_twin(
+    dev: &CudaDevice,
+    op: &'static str,
+    out: Values<'_>,
+    twin: Option<&DeviceBuffer<bf16>>,
+) -> Result<[Arg; 2]> {
+    out.check_owner(dev, op)?;
+    if let Some(twin) = twin {
+        dev.check_owner(op, twin)?;
+        ensure(!out.is_bf16(), op, || "a bf16 output takes no bf16 twin".to_string())?;
+        ensure(twin.len() == out.len(), op, || {
+            format!("a bf16 twin has {} elements, its output {}", twin.len(), out.len())
+        })?;
+    }
+    let bf16 = if out.is_bf16() { out.arg_at(0) } else { opt_ptr(twin) };
+    Ok([Arg::Ptr(out.f32_address()), bf16])
 }

@@ -5,8 +5,8 @@ use half::bf16;
 use kernels::cpu;
 use kernels::cpu::binary::Binary;
 use kernels::cpu::unary::Unary;
-use kernels::cuda::Values;
 use kernels::cuda::{self, CudaError, DeviceBuffer};
+use kernels::cuda::{Values, ValuesMut};
 
 use super::{assert_elementwise, assert_twin, down, stale, up, Rng};
 
@@ -166,7 +166,7 @@ fn swiglu_forward_and_backward_agree() {
     let (mut gdgate, mut gdup) = (up(dev, &dgate), up(dev, &dup));
     cpu::swiglu::swiglu_forward(&gate, &upv, &mut y);
     cpu::swiglu::swiglu_backward(&gate, &upv, &dout, &mut dgate, &mut dup);
-    cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut gy, None).unwrap();
+    cuda::swiglu::swiglu_forward(dev, &gg, &gu, (ValuesMut::F32(&mut gy), None)).unwrap();
     cuda::swiglu::swiglu_backward(dev, &gg, &gu, &gdout, &mut gdgate, &mut gdup, (None, None)).unwrap();
     assert_elementwise("swiglu forward", &down(dev, &gy), &y);
     // Both sides overwrite their stale gradient buffers.
@@ -176,7 +176,7 @@ fn swiglu_forward_and_backward_agree() {
     let twin = || dev.alloc::<bf16>(n).unwrap();
     let (mut y16, mut dgate16, mut dup16) = (twin(), twin(), twin());
     let (mut gy2, mut gdgate2, mut gdup2) = (dev.alloc(n).unwrap(), dev.alloc(n).unwrap(), dev.alloc(n).unwrap());
-    cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut gy2, Some(&mut y16)).unwrap();
+    cuda::swiglu::swiglu_forward(dev, &gg, &gu, (ValuesMut::F32(&mut gy2), Some(&mut y16))).unwrap();
     let twins = (Some(&mut dgate16), Some(&mut dup16));
     cuda::swiglu::swiglu_backward(dev, &gg, &gu, &gdout, &mut gdgate2, &mut gdup2, twins).unwrap();
     for (what, values, copy, first) in
@@ -188,9 +188,12 @@ fn swiglu_forward_and_backward_agree() {
         assert_eq!(dev.download(copy).unwrap(), rounded, "swiglu {what}: the twin is the output rounded");
     }
     let mut short = dev.alloc(n - 1).unwrap();
-    assert!(matches!(cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut short, None), Err(CudaError::Shape { .. })));
+    assert!(matches!(
+        cuda::swiglu::swiglu_forward(dev, &gg, &gu, (ValuesMut::F32(&mut short), None)),
+        Err(CudaError::Shape { .. })
+    ));
     let mut short16 = dev.alloc::<bf16>(n - 1).unwrap();
-    let wrong_twin = cuda::swiglu::swiglu_forward(dev, &gg, &gu, &mut gy, Some(&mut short16));
+    let wrong_twin = cuda::swiglu::swiglu_forward(dev, &gg, &gu, (ValuesMut::F32(&mut gy), Some(&mut short16)));
     assert!(matches!(wrong_twin, Err(CudaError::Shape { .. })));
 }
 
@@ -212,7 +215,7 @@ fn swiglu_halves_agree() {
         let (mut gy, mut g_d) = (dev.alloc(n).unwrap(), up(dev, &stale(2 * n)));
         let (mut y16, mut d16) = (dev.alloc::<bf16>(n).unwrap(), dev.alloc::<bf16>(2 * n).unwrap());
         let f32_input = Values::F32(&g_gate_up);
-        cuda::swiglu::swiglu_halves_forward(dev, f32_input, cols, &mut gy, Some(&mut y16)).unwrap();
+        cuda::swiglu::swiglu_halves_forward(dev, f32_input, cols, (ValuesMut::F32(&mut gy), Some(&mut y16))).unwrap();
         cuda::swiglu::swiglu_halves_backward(dev, f32_input, &g_dout, cols, &mut g_d, Some(&mut d16)).unwrap();
         let what = format!("swiglu halves {rows}×{cols}");
         assert_elementwise(&format!("{what} forward"), &down(dev, &gy), &y);
@@ -227,7 +230,7 @@ fn swiglu_halves_agree() {
         let gate: Vec<f32> = halves.iter().flat_map(|(g, _)| g.clone()).collect();
         let upv: Vec<f32> = halves.iter().flat_map(|(_, u)| u.clone()).collect();
         let mut plain = dev.alloc(n).unwrap();
-        cuda::swiglu::swiglu_forward(dev, &up(dev, &gate), &up(dev, &upv), &mut plain, None).unwrap();
+        cuda::swiglu::swiglu_forward(dev, &up(dev, &gate), &up(dev, &upv), (ValuesMut::F32(&mut plain), None)).unwrap();
         assert_eq!(down(dev, &plain), down(dev, &gy), "{what}: the plain kernel on the halves");
 
         // From bf16 gate and up values: the f32 kernels' results on the rounded values.
@@ -238,14 +241,22 @@ fn swiglu_halves_agree() {
         cpu::swiglu::swiglu_halves_backward(&widened, &dout, cols, &mut d_rounded);
         let g_rounded = dev.upload(&rounded).unwrap();
         let bf16_input = Values::Bf16(&g_rounded);
-        cuda::swiglu::swiglu_halves_forward(dev, bf16_input, cols, &mut gy, None).unwrap();
+        cuda::swiglu::swiglu_halves_forward(dev, bf16_input, cols, (ValuesMut::F32(&mut gy), None)).unwrap();
         cuda::swiglu::swiglu_halves_backward(dev, bf16_input, &g_dout, cols, &mut g_d, None).unwrap();
         assert_elementwise(&format!("{what} forward from bf16"), &down(dev, &gy), &y_rounded);
         assert_elementwise(&format!("{what} backward from bf16"), &down(dev, &g_d), &d_rounded);
+        // The output in bf16 alone (as the FFN's down product reads it): the f32 one rounded.
+        let mut y_only = dev.alloc::<bf16>(n).unwrap();
+        cuda::swiglu::swiglu_halves_forward(dev, bf16_input, cols, (ValuesMut::Bf16(&mut y_only), None)).unwrap();
+        let rounded_y: Vec<bf16> = down(dev, &gy).iter().map(|&v| bf16::from_f32(v)).collect();
+        assert_eq!(dev.download(&y_only).unwrap(), rounded_y, "{what}: the output in bf16 alone");
+        let refused =
+            cuda::swiglu::swiglu_halves_forward(dev, bf16_input, cols, (ValuesMut::Bf16(&mut y_only), Some(&mut y16)));
+        assert!(matches!(refused, Err(CudaError::Shape { .. })), "a bf16 output with a twin: {refused:?}");
     }
     let mut odd = dev.alloc(5).unwrap();
     let zeros = up(dev, &[0.0; 12]);
-    let refused = cuda::swiglu::swiglu_halves_forward(dev, Values::F32(&zeros), 3, &mut odd, None);
+    let refused = cuda::swiglu::swiglu_halves_forward(dev, Values::F32(&zeros), 3, (ValuesMut::F32(&mut odd), None));
     assert!(matches!(refused, Err(CudaError::Shape { .. })), "{refused:?}");
 }
 

@@ -104,7 +104,7 @@ pub(crate) mod cuda {
 
     use kernels::cuda::swiglu as launch;
 
-    use crate::cuda::{product_input_buffers, product_input_output, CudaStorage};
+    use crate::cuda::{product_input_buffers, product_input_output, product_only_output, CudaStorage};
     use crate::{Result, Tensor};
 
     /// `silu(gate) ⊙ up`, both of one shape.
@@ -112,9 +112,9 @@ pub(crate) mod cuda {
         const OP: &str = "swiglu";
         let dev = gate.cuda_device(OP)?;
         let (gate, up) = (gate.dense()?, up.dense()?);
-        // The result feeds the FFN's down projection: with bf16 products, written in bf16 too.
-        product_input_output(&dev, OP, gate.shape(), |y, y_bf16| {
-            Ok(launch::swiglu_forward(&dev, gate.cuda_f32(OP)?, up.cuda_f32(OP)?, y, y_bf16)?)
+        // The result feeds only the FFN's down projection: bf16 alone under bf16 products.
+        product_only_output(&dev, OP, gate.shape(), |y| {
+            Ok(launch::swiglu_forward(&dev, gate.cuda_f32(OP)?, up.cuda_f32(OP)?, (y, None))?)
         })
     }
 
@@ -137,9 +137,9 @@ pub(crate) mod cuda {
         const OP: &str = "swiglu_halves";
         let dev = gate_up.cuda_device(OP)?;
         let gate_up = gate_up.dense()?;
-        // The result feeds the FFN's down projection: with bf16 products, written in bf16 too.
-        product_input_output(&dev, OP, out_shape, |y, y_bf16| {
-            Ok(launch::swiglu_halves_forward(&dev, gate_up.cuda_values(OP)?, cols, y, y_bf16)?)
+        // The result feeds only the FFN's down projection: bf16 alone under bf16 products.
+        product_only_output(&dev, OP, out_shape, |y| {
+            Ok(launch::swiglu_halves_forward(&dev, gate_up.cuda_values(OP)?, cols, (y, None))?)
         })
     }
 

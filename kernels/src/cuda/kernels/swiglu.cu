@@ -3,7 +3,8 @@
 // recomputes σ(g) from g and writes (gradients are written, not added: kernels/src/lib.rs):
 //   dg = dy·u·σ(g)·(1 + g·(1 − σ(g))),   du = dy·g·σ(g)
 // Each f32 output may have a bf16 twin (non-null pointer): the same values rounded to nearest
-// even, as f32_to_bf16_kernel writes them, for the bf16 products that read the output. The
+// even, as f32_to_bf16_kernel writes them, for the bf16 products that read the output; the
+// forward's f32 output may be null (written in bf16 alone, for products its only readers). The
 // gate and up inputs are f32, or (the _bf16 kernels) bf16: a bf16 product's output, as
 // autocast stores it; the arithmetic is f32 either way.
 
@@ -36,7 +37,7 @@ __device__ __forceinline__ void swiglu_forward_at(const T* gate, const T* up, fl
     load_f32(g, gate + at);
     load_f32(u, up + at);
     for (int k = 0; k < W; ++k) y[k] = g[k] * sigmoid_f(g[k]) * u[k];
-    store_f32(out + i0, y);
+    if (out) store_f32(out + i0, y);
     if (out_bf16) store_bf16(out_bf16 + i0, y);
 }
 
