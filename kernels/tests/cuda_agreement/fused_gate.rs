@@ -330,6 +330,10 @@ fn fused_gate_agrees_with_bf16_representable_inputs() {
         (dims(256, 128, 130, 16, 8), Unary::Relu),
         (dims(77, 256, 64, 32, 16), Unary::Sigmoid),
         (dims(1, 8, 1, 1, 1), Unary::Silu),
+        // Wider than the row kernels' 512-column tiles: three tiles, the last one partly
+        // filled, on the register path and (rank 12, odd width) off it.
+        (dims(40, 32, 1100, 8, 4), Unary::Silu),
+        (dims(19, 16, 1031, 12, 3), Unary::Sigmoid),
     ] {
         let case = GateCase::new(d, &mut rng, true);
         check_fused_gate(dev, &case, phi, 1e-4);

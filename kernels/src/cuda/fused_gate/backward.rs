@@ -12,7 +12,7 @@ use super::super::launch::{int, ptr, size};
 use super::super::module::Arg;
 use super::super::reduce::{column_sums_many, ColumnSum, SumWeights};
 use super::super::values::DeviceValues;
-use super::{group_lists, group_row_warps, layout, GateGroup, Layout, FAMILY};
+use super::{backward_blocks, group_lists, layout, GateGroup, Layout, FAMILY};
 use crate::cpu::matmul::Store;
 
 /// Gradient buffers of one modulator, written by the backward (`dA` and `dB` are parts of
@@ -205,7 +205,7 @@ pub fn fused_gate_backward(
         Arg::Ptr(dlogits.values().bf16_address()),
     ];
     let kernel = zu.values().kernel("fused_gate_backward_rows", "fused_gate_backward_rows_bf16");
-    dev.launch(FAMILY, kernel, group_row_warps(rows, count), &args)?;
+    dev.launch(FAMILY, kernel, backward_blocks(&layout, count), &args)?;
 
     // Cross-row sums: db_c = Σ dL_c, dB_c = dL_cᵀ·H_c (a sum over rows weighted by H_c's rc
     // columns), da = Σ dU, dα = Σ row terms, db_s = Σ dl_s and dB_s = Σ dl_s·H_s; all eight of

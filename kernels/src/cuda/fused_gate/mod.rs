@@ -52,20 +52,9 @@ const BLOCK_M: usize = 128;
 const BLOCK_N: usize = 128;
 
 const FAMILY: KernelFamily = KernelFamily::FusedGate;
-/// Rows per block of the backward's row kernels (`fused_gate_backward_rows` and
-/// `_summaries`), one warp each (FG_ROW_WARPS in fused_gate.cu).
-const ROWS_PER_BLOCK: usize = 8;
-/// Cap on their row blocks and on `fused_gate_apply`'s (each block loops over the rows past it).
+/// Cap on the row blocks of `fused_gate_apply` and `fused_gate_backward_rows` (each block
+/// loops over the rows past it).
 const MAX_ROW_BLOCKS: usize = 1 << 16;
-
-/// The launch of a row kernel: one warp per row, [`ROWS_PER_BLOCK`] rows per block.
-fn row_warps(rows: usize) -> cudarc::driver::LaunchConfig {
-    cudarc::driver::LaunchConfig {
-        grid_dim: (rows.div_ceil(ROWS_PER_BLOCK).min(MAX_ROW_BLOCKS) as u32, 1, 1),
-        block_dim: (ROWS_PER_BLOCK as u32 * 32, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
 
 /// One modulator on the device: `A: [r, d_in]`, `a: [r]`, `B: [m, r]`, `b: [m]`, α.
 #[derive(Clone, Copy, Debug)]
@@ -170,11 +159,22 @@ fn group_lists(groups: &[GateGroup], layout: &Layout) -> [Arg; 2] {
     [address_list(params), length_list(places)]
 }
 
-/// The launch of a row kernel over `rows` rows of each of `groups` projections.
-fn group_row_warps(rows: usize, groups: usize) -> cudarc::driver::LaunchConfig {
-    let mut cfg = row_warps(rows);
-    cfg.grid_dim.1 = groups as u32;
-    cfg
+/// `fused_gate_backward_rows`'s blocks (FG_BACK_* in fused_gate.cu): threads per block (8
+/// warps) and rows per block of its row loop.
+const BACKWARD_THREADS: usize = 256;
+const BACKWARD_ROWS: usize = 16;
+
+/// `fused_gate_backward_rows`'s launch: (row blocks, projections), each block every column of
+/// its rows, with dynamic shared memory for each row's per-warp sums of `dH_c`, `d/dγ_s` and
+/// `dα_c` (`rank_channel + 2` floats; at most 16 × 8 × 66 × 4 = 33 KiB, under the 48 KiB a
+/// launch gets without opting in).
+fn backward_blocks(layout: &Layout, groups: usize) -> cudarc::driver::LaunchConfig {
+    let sums = layout.rank_channel + 2;
+    cudarc::driver::LaunchConfig {
+        grid_dim: (layout.rows.div_ceil(BACKWARD_ROWS).min(MAX_ROW_BLOCKS) as u32, groups as u32, 1),
+        block_dim: (BACKWARD_THREADS as u32, 1, 1),
+        shared_mem_bytes: (BACKWARD_ROWS * (BACKWARD_THREADS / 32) * sums * 4) as u32,
+    }
 }
 
 /// `fused_gate_apply`'s blocks (FG_APPLY_* in fused_gate.cu): threads per block, output

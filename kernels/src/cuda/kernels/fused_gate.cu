@@ -65,43 +65,14 @@ __device__ __forceinline__ u32x4 load_chunk(const bf16_t* base, i64 rows, i64 co
     return v;
 }
 
-// Channel ranks up to FG_REG_RANK (every preset's is 8) with rc % 4 == 0 take the row
-// kernels' register path: a lane keeps the row's h_c in registers and loads a column's
-// weights as 16-byte vectors (B_c is a whole device buffer, 16-byte aligned, and a column's rc
-// weights start at a multiple of 4), so a column's logit costs no shared-memory reads and 2
-// loads instead of 8.
+// Channel ranks up to FG_REG_RANK (every preset's is 8) with rc % 4 == 0 take the gate
+// kernels' register path: a thread keeps its columns' B_c weights in registers, loaded as
+// 16-byte vectors (B_c is a whole device buffer, 16-byte aligned, and a column's rc weights
+// start at a multiple of 4), and reads a row's h_c from shared memory 16 bytes at a time.
 #define FG_REG_RANK 8
 
 // Whether a channel rank takes the register path.
 __device__ __forceinline__ bool register_rank(int rc) { return rc <= FG_REG_RANK && (rc & 3) == 0; }
-
-// Column j's channel-gate logit before its bias, Σ_t h_c[t]·B_c[j, t] added in order, from
-// the row's h_c in registers (`regs`, see register_rank; hr is zero past rc) or in the warp's
-// shared slot h. On the register path the column's weights are left in w (zero past rc), for
-// the backward's d/dH_c to reuse without loading them again.
-__device__ __forceinline__ float channel_logit_keeping_weights(const float (&hr)[FG_REG_RANK], const float* h,
-                                                               const float* b_cw, i64 j, int rc, bool regs,
-                                                               float (&w)[FG_REG_RANK]) {
-    const float* column = b_cw + j * rc;  // B_c[j, 0..rc), contiguous
-    float logit = 0.0f;
-#pragma unroll
-    for (int t = 0; t < FG_REG_RANK; ++t) w[t] = 0.0f;
-    if (regs) {
-#pragma unroll
-        for (int t = 0; t < FG_REG_RANK; t += 4) {
-            if (t >= rc) break;
-            const f32x4 w4 = *reinterpret_cast<const f32x4*>(column + t);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                w[t + k] = w4.v[k];
-                logit += hr[t + k] * w4.v[k];
-            }
-        }
-    } else {
-        for (int t = 0; t < rc; ++t) logit += h[t] * column[t];
-    }
-    return logit;
-}
 
 // One row's scalar gate γ_s = 2σ(α_s·(B_s·H_s + b_s)) from its H (h[rc..rc + rs)).
 __device__ __forceinline__ float scalar_gate(const float* h, const float* b_sw, const float* b_sb, float alpha_s,
@@ -344,20 +315,9 @@ extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r64(FG_P
 // projections of one input at once (q, k and v; gate and up), each with its own weights and
 // modulators: the GEMM's ZU rows hold the groups' [Z_g | U_cg | U_sg] side by side
 // (zu_width columns in all) and the outputs their Ẑ_g side by side (out_width columns).
-// The backward's row kernel runs on a grid (row blocks, groups): block (x, g) works on group
-// g, each row of it one warp, FG_ROW_WARPS rows per block, with no block barriers. Lane l
-// walks columns l, l + 32, ..., FG_ROW_BATCH of them at a time: their loads are issued
-// together, so several loads per lane are in flight (one at a time leaves DRAM mostly idle).
-// 8 rather than 4 doubles them (16 warps an SM × 8 columns × 6 bytes of dẐ and Z: 24 KB, about
-// what an H200's bandwidth-latency product asks of an SM) for 107 registers against 105, still
-// 2 blocks an SM (bench/kernel_resources.py); each lane adds its columns in the same order.
-#define FG_ROW_WARPS 8
-#define FG_ROW_BATCH 8
-
-// This warp's rows n of [0, rows): a grid-stride loop over rows, one warp each.
-#define WARP_ROWS(n, rows)                                                    \
-    for (i64 n = (i64)blockIdx.x * FG_ROW_WARPS + (threadIdx.x >> 5); n < (rows); \
-         n += (i64)gridDim.x * FG_ROW_WARPS)
+// Both are column-stationary: a thread owns a pair of adjacent output columns, keeps their
+// B_c weights and b_c in registers while it walks a block of rows, and reads each row's H
+// and γ_s, which the block computes once into shared memory, as broadcasts.
 
 // One projection of a grouped launch (group_lists in cuda/fused_gate/mod.rs): its modulators'
 // parameters (params.v[8g ..]: a_c, B_c, b_c, α_c, a_s, B_s, b_s, α_s; α as one-element device
@@ -375,25 +335,45 @@ __device__ __forceinline__ GateGroup gate_group(const TensorList& params, const 
                      layout.v[3 * g],    layout.v[3 * g + 1], layout.v[3 * g + 2]};
 }
 
-// One row's H = φ(U + a) from its ZU row (zr: the group's Z_g, U_g after d_out columns) into h
-// (this warp's shared slot), its h_c into every lane's registers hr (channel_logit's register
-// path) and, when given, into hidden (r values from hidden_row); the warp's lanes split the r
-// columns.
+// Rows row0 .. row0 + count of group g: each row's H = φ(U + a) from its ZU row into
+// h[row] (the block's shared rows, 16-byte aligned) and, when hidden is given, into its r
+// columns from hidden_at of hidden's rows (hidden_width wide); the block's threads split
+// the count·r values. The caller puts a block barrier before (h free) and after (h written).
 template <class Z>
-__device__ __forceinline__ void row_hidden(float* h, float (&hr)[FG_REG_RANK], const Z* zr, const float* a_c,
-                                           const float* a_s, int phi, float phi_p, i64 d_out, int rc, int rs,
-                                           float* hidden_row) {
-    const int lane = threadIdx.x & 31, r = rc + rs;
-    __syncwarp();  // every lane is done with the previous row's h
-    for (int t = lane; t < r; t += 32) {
-        const float bias = t < rc ? a_c[t] : a_s[t - rc];
-        const float value = unary_f(phi, as_f32(zr[d_out + t]) + bias, phi_p);
-        h[t] = value;
-        if (hidden_row) hidden_row[t] = value;
+__device__ __forceinline__ void block_hidden(f32x4 (*h)[FG_MAX_RANK / 4], const Z* zu, const GateGroup& g, int phi,
+                                             float phi_p, i64 row0, int count, i64 zu_width, int rc, int rs,
+                                             float* hidden, i64 hidden_width, i64 hidden_at) {
+    const int r = rc + rs;
+    for (int e = threadIdx.x; e < count * r; e += blockDim.x) {
+        const int row = e / r, t = e % r;
+        const float a = t < rc ? g.a_c[t] : g.a_s[t - rc];
+        const Z* zr = zu + (row0 + row) * zu_width + g.zu_at;
+        const float value = unary_f(phi, as_f32(zr[g.d_out + t]) + a, phi_p);
+        reinterpret_cast<float*>(h[row])[t] = value;
+        if (hidden) hidden[(row0 + row) * hidden_width + hidden_at + t] = value;
     }
-    __syncwarp();
+}
+
+// A thread's columns j and j + 1 (`second`: j + 1 is a column too): their channel-gate
+// biases and, on the register path, their B_c weights (zeros past rc and for a column that
+// is not one).
+__device__ __forceinline__ void column_weights(const GateGroup& g, i64 j, bool live, bool second, int rc, bool regs,
+                                               float (&w)[2][FG_REG_RANK], float (&bias)[2]) {
 #pragma unroll
-    for (int t = 0; t < FG_REG_RANK; ++t) hr[t] = t < rc ? h[t] : 0.0f;  // zeros past rc
+    for (int c = 0; c < 2; ++c) {
+        const bool column = c == 0 ? live : second;
+#pragma unroll
+        for (int t = 0; t < FG_REG_RANK; ++t) w[c][t] = 0.0f;
+        bias[c] = column ? g.b_cb[j + c] : 0.0f;
+        if (!regs || !column) continue;
+#pragma unroll
+        for (int t = 0; t < FG_REG_RANK; t += 4) {
+            if (t >= rc) break;
+            const f32x4 w4 = *reinterpret_cast<const f32x4*>(g.b_cw + (j + c) * rc + t);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) w[c][t + k] = w4.v[k];
+        }
+    }
 }
 
 // fused_gate_apply's blocks (apply_blocks in cuda/fused_gate/mod.rs): block (x, y, g) serves
@@ -475,37 +455,17 @@ __device__ __forceinline__ void gate_apply(const Z* __restrict__ zu, const Tenso
     const bool regs = register_rank(rc);
     // Both columns' reads and writes as pairs when every pair starts on an even element.
     const bool pairs = ((zu_width | g.zu_at | out_width | g.out_at) & 1) == 0;
-    const int r = rc + rs;
 
     // This thread's columns j and j + 1: their weights (register path) and biases.
     const i64 j = tile + 2 * threadIdx.x;
     const bool live = j < d_out, second = j + 1 < d_out;
     float w[2][FG_REG_RANK], bias[2];
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-        const bool column = c == 0 ? live : second;
-#pragma unroll
-        for (int t = 0; t < FG_REG_RANK; ++t) w[c][t] = 0.0f;
-        bias[c] = column ? g.b_cb[j + c] : 0.0f;
-        if (!regs || !column) continue;
-#pragma unroll
-        for (int t = 0; t < FG_REG_RANK; t += 4) {
-            if (t >= rc) break;
-            const f32x4 w4 = *reinterpret_cast<const f32x4*>(g.b_cw + (j + c) * rc + t);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) w[c][t + k] = w4.v[k];
-        }
-    }
+    column_weights(g, j, live, second, rc, regs, w, bias);
 
     for (i64 row0 = (i64)blockIdx.x * FG_APPLY_ROWS; row0 < rows; row0 += (i64)gridDim.x * FG_APPLY_ROWS) {
         const int count = (int)(rows - row0 < FG_APPLY_ROWS ? rows - row0 : FG_APPLY_ROWS);
         __syncthreads();  // every thread is done with the previous rows' H and γ_s
-        for (int e = threadIdx.x; e < count * r; e += FG_APPLY_THREADS) {
-            const int row = e / r, t = e % r;
-            const float a = t < rc ? g.a_c[t] : g.a_s[t - rc];
-            const Z* zr = zu + (row0 + row) * zu_width + g.zu_at;
-            reinterpret_cast<float*>(h_quads[row])[t] = unary_f(phi, as_f32(zr[d_out + t]) + a, phi_p);
-        }
+        block_hidden(h_quads, zu, g, phi, phi_p, row0, count, zu_width, rc, rs, nullptr, 0, 0);
         __syncthreads();
         if (threadIdx.x < count) {
             const float* h = reinterpret_cast<const float*>(h_quads[threadIdx.x]);
@@ -558,13 +518,64 @@ extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_P
     gate_apply(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out);
 }
 
-// Backward row pass, one warp per row n of group g. Recomputes H = φ(U + a) and γ_s, then per
-// output column j:
-//   d/dZ = dẐ·γ_c·γ_s;  d/dγ_c = dẐ·Z·γ_s;  d/dγ_s = Σ_j dẐ·Z·γ_c;
-//   d/dl 2σ(αl) = α·γ(1 − γ/2),  d/dα 2σ(αl) = l·γ(1 − γ/2)  (l the logit with its bias);
-// and dH_c = dL_c·B_c as it goes (a lane sums its own columns in order, FG_REG_RANK ranks at
-// a time; ranks past the first FG_REG_RANK re-read the row's dL_c in further passes; the
-// warp's sum is a fixed butterfly). Then the summaries:
+// fused_gate_backward_rows's blocks (backward_blocks in cuda/fused_gate/mod.rs): block (x, g)
+// serves group g's row blocks x, x + gridDim.x, ... of FG_BACK_ROWS rows each, every column of
+// them: FG_BACK_TILE columns at a time, a pair of adjacent ones per thread, as
+// fused_gate_apply's threads. A block owning whole rows sums their cross-column terms itself,
+// so no partial sums leave the block and the order of additions is fixed. Dynamic shared
+// memory holds each row's per-warp sums (FG_BACK_ROWS × 8 warps × (rc + 2) floats). A
+// thread issues the dẐ and Z loads of FG_BACK_CHUNK rows before it computes them: 4 rows
+// (16 warps an SM × 4 rows × 12 bytes a lane: 24 KB in flight, as the warp-per-row kernel this
+// replaced) fit in 128 registers, 2 blocks an SM; 8 rows would take 167 registers, or spill
+// under the 2-block bound (bench/kernel_resources.py).
+#define FG_BACK_THREADS 256
+#define FG_BACK_WARPS (FG_BACK_THREADS / 32)
+#define FG_BACK_TILE (FG_BACK_THREADS * 2)
+#define FG_BACK_ROWS 16
+#define FG_BACK_CHUNK 4
+
+// Sums each of v[0..8) over the warp's 32 lanes in 9 shuffles rather than 8 butterflies' 40:
+// each step hands half of a lane's values to its partner and keeps the other half, so lane l
+// ends with value (l >> 2) & 7's total (every lane returns a total; lanes l and l ^ 1, l ^ 2
+// hold the same one). The order of additions is fixed.
+__device__ __forceinline__ float warp_sum_eight(float (&v)[8]) {
+    const int lane = threadIdx.x & 31;
+    const bool up16 = lane & 16, up8 = lane & 8, up4 = lane & 4;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float give = up16 ? v[k] : v[k + 4], keep = up16 ? v[k + 4] : v[k];
+        v[k] = keep + __shfl_xor_sync(FULL_MASK, give, 16);
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const float give = up8 ? v[k] : v[k + 2], keep = up8 ? v[k + 2] : v[k];
+        v[k] = keep + __shfl_xor_sync(FULL_MASK, give, 8);
+    }
+    const float give = up4 ? v[0] : v[1], keep = up4 ? v[1] : v[0];
+    float total = keep + __shfl_xor_sync(FULL_MASK, give, 4);
+    total += __shfl_xor_sync(FULL_MASK, total, 2);
+    total += __shfl_xor_sync(FULL_MASK, total, 1);
+    return total;
+}
+
+// a and b each summed over the warp in 5 shuffles (warp_sum_eight's first step, then a
+// butterfly): lanes 0-15 get a's total, lanes 16-31 b's.
+__device__ __forceinline__ float warp_sum_two(float a, float b) {
+    const bool up16 = threadIdx.x & 16;
+    float total = (up16 ? b : a) + __shfl_xor_sync(FULL_MASK, up16 ? a : b, 16);
+    for (int o = 8; o > 0; o >>= 1) total += __shfl_xor_sync(FULL_MASK, total, o);
+    return total;
+}
+
+// The backward of the gate, per element (Ẑ = γ_c ⊙ γ_s ⊙ Z, γ = 2σ(αl), l the logit with
+// its bias):
+//   d/dZ = dẐ·γ_c·γ_s;  d/dγ_c = dẐ·Z·γ_s;  d/dl_c = d/dγ_c·α_c·γ_c(1 − γ_c/2);
+//   dα_c's term d/dγ_c·l_c·γ_c(1 − γ_c/2);
+// and per row, summed over its columns: d/dγ_s = Σ_j dẐ·Z·γ_c, dα_c, and dH_c = dL_c·B_c.
+// A thread adds its pair of columns' terms, the warp sums them (warp_sum_eight: 8 ranks of
+// dH_c at a time; warp_sum_two: d/dγ_s and dα_c) into the row's slot for this warp, tile after
+// tile, and once the block's rows are done each row's warp slots are added in warp order.
+// Then the summaries, one warp per row:
 //   d/dl_s = dγ_s·α_s·γ_s(1 − γ_s/2),  dα_s term = dγ_s·l_s·γ_s(1 − γ_s/2),
 //   d/dU_c = dH_c ⊙ φ'(U_c + a_c),  d/dU_s = d/dl_s·B_s ⊙ φ'(U_s + a_s).
 // dout and dlogits have the outputs' layout, dzu ZU's; group g's H and dU go into hidden's
@@ -572,10 +583,10 @@ extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_P
 // row terms of the cross-row sums into row_terms' columns g·(3 + rs) .. (row stride
 // groups·(3 + rs)): dα_c, dα_s, d/dl_s (for db_s) and d/dl_s·H_s (for dB_s). dZU (dZ and dU)
 // goes into dzu under f32 products; under bf16 products (dzu_bf16 not null, dzu null) only
-// into dzu_bf16, rounded to nearest even: the products are its only readers. dL_c goes into dlogits, or, when dlogits_bf16 is given
-// (bf16 products), only into dlogits_bf16 rounded to bf16, as autocast keeps an activation's
-// gradient: its readers are the column sums (db_c, and dB_c = dL_cᵀ·H_c) and this kernel's
-// passes for ranks past FG_REG_RANK. H stays f32.
+// into dzu_bf16, rounded to nearest even: the products are its only readers. dL_c goes into
+// dlogits, or, when dlogits_bf16 is given (bf16 products), only into dlogits_bf16 rounded to
+// bf16, as autocast keeps an activation's gradient: its readers are the column sums (db_c,
+// and dB_c = dL_cᵀ·H_c). H stays f32.
 template <class Z>
 __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dout, const TensorList& params,
                                                    const TensorList& layout, int phi, float phi_p, i64 rows,
@@ -584,124 +595,151 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dou
                                                    bf16_t* dzu_bf16, bf16_t* dlogits_bf16) {
     const GateGroup g = gate_group(params, layout, blockIdx.y);
     const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
-    __shared__ float h_rows[FG_ROW_WARPS][FG_MAX_RANK];
-    __shared__ float dh_rows[FG_ROW_WARPS][FG_MAX_RANK];
-    const int lane = threadIdx.x & 31;
-    float* h = h_rows[threadIdx.x >> 5];
-    float* dh = dh_rows[threadIdx.x >> 5];
-    const int r = rc + rs;
+    __shared__ f32x4 h_quads[FG_BACK_ROWS][FG_MAX_RANK / 4];  // each row's H, 16-byte aligned
+    __shared__ float gate_rows[FG_BACK_ROWS];                // each row's γ_s
+    // slots[(row·warps + warp)·sums + t]: warp `warp`'s sum of dH_c[t] (t < rc), d/dγ_s (rc)
+    // and dα_c (rc + 1) over its columns of the row.
+    DYNAMIC_SHARED(float, slots);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int r = rc + rs, sums = rc + 2;
     const i64 d_out = g.d_out;
     const i64 hidden_width = (i64)gridDim.y * r, terms_width = (i64)gridDim.y * (3 + rs);
     const bool regs = register_rank(rc);
-    WARP_ROWS(n, rows) {
-        const i64 zu_row = n * zu_width + g.zu_at, out_row = n * out_width + g.out_at;
-        const i64 hidden_row = n * hidden_width + (i64)blockIdx.y * r;
-        const Z* zr = zu + zu_row;
-        float hr[FG_REG_RANK];
-        row_hidden(h, hr, zr, g.a_c, g.a_s, phi, phi_p, d_out, rc, rs, hidden + hidden_row);
-        const float gate_s = scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
-        float dgate_s = 0.0f, dalpha_c = 0.0f;
-        float dh_part[FG_REG_RANK];  // this lane's share of dH_c[0..FG_REG_RANK)
+    const bool pairs = ((zu_width | g.zu_at | out_width | g.out_at) & 1) == 0;
+
+    for (i64 row0 = (i64)blockIdx.x * FG_BACK_ROWS; row0 < rows; row0 += (i64)gridDim.x * FG_BACK_ROWS) {
+        const int count = (int)(rows - row0 < FG_BACK_ROWS ? rows - row0 : FG_BACK_ROWS);
+        __syncthreads();  // every thread is done with the previous rows' H, γ_s and slots
+        block_hidden(h_quads, zu, g, phi, phi_p, row0, count, zu_width, rc, rs, hidden, hidden_width,
+                     (i64)blockIdx.y * r);
+        for (int e = threadIdx.x; e < count * FG_BACK_WARPS * sums; e += FG_BACK_THREADS) slots[e] = 0.0f;
+        __syncthreads();
+        if (threadIdx.x < count) {
+            const float* h = reinterpret_cast<const float*>(h_quads[threadIdx.x]);
+            gate_rows[threadIdx.x] = scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
+        }
+        __syncthreads();
+
+        for (i64 tile = 0; tile < d_out; tile += FG_BACK_TILE) {
+            if (tile + 64 * warp >= d_out) continue;  // the whole warp: past the last column
+            const i64 j = tile + 2 * threadIdx.x;
+            const bool live = j < d_out, second = j + 1 < d_out;
+            float w[2][FG_REG_RANK], bias[2];
+            column_weights(g, j, live, second, rc, regs, w, bias);
+            for (int c0 = 0; c0 < count; c0 += FG_BACK_CHUNK) {
+                float z[FG_BACK_CHUNK][2], dy[FG_BACK_CHUNK][2];
 #pragma unroll
-        for (int t = 0; t < FG_REG_RANK; ++t) dh_part[t] = 0.0f;
-        for (i64 j0 = lane; j0 < d_out; j0 += 32 * FG_ROW_BATCH) {
-            float z[FG_ROW_BATCH], dy[FG_ROW_BATCH];
-#pragma unroll
-            for (int b = 0; b < FG_ROW_BATCH; ++b) {
-                const i64 j = j0 + 32 * b;
-                z[b] = j < d_out ? as_f32(zr[j]) : 0.0f;
-                dy[b] = j < d_out ? dout[out_row + j] : 0.0f;
-            }
-#pragma unroll
-            for (int b = 0; b < FG_ROW_BATCH; ++b) {
-                const i64 j = j0 + 32 * b;
-                if (j >= d_out) break;
-                float w[FG_REG_RANK];
-                const float logit = channel_logit_keeping_weights(hr, h, g.b_cw, j, rc, regs, w) + g.b_cb[j];
-                const float gate = 2.0f * sigmoid_f(alpha_c * logit);
-                const float dz = dy[b] * gate * gate_s;
-                const float dgate = dy[b] * z[b] * gate_s;
-                dgate_s += dy[b] * z[b] * gate;
-                const float slope = gate * (1.0f - 0.5f * gate);
-                const float dlogit = dgate * alpha_c * slope;
-                if (dlogits_bf16) {
-                    dlogits_bf16[out_row + j] = f32_to_bf16(dlogit);
-                } else {
-                    dlogits[out_row + j] = dlogit;
+                for (int k = 0; k < FG_BACK_CHUNK; ++k) {
+                    z[k][0] = z[k][1] = dy[k][0] = dy[k][1] = 0.0f;
+                    if (!live || c0 + k >= count) continue;
+                    const i64 n = row0 + c0 + k;
+                    load_pair(zu + n * zu_width + g.zu_at + j, second, pairs, z[k][0], z[k][1]);
+                    load_pair(dout + n * out_width + g.out_at + j, second, pairs, dy[k][0], dy[k][1]);
                 }
+#pragma unroll
+                for (int k = 0; k < FG_BACK_CHUNK; ++k) {
+                    if (c0 + k >= count) break;
+                    const i64 n = row0 + c0 + k;
+                    const float* h = reinterpret_cast<const float*>(h_quads[c0 + k]);
+                    const float gate_s = gate_rows[c0 + k];
+                    float dz[2] = {0.0f, 0.0f}, dl[2] = {0.0f, 0.0f}, dgate_s = 0.0f, dalpha_c = 0.0f;
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        if (!(c == 0 ? live : second)) break;
+                        const float logit = stationary_logit(h, w[c], g.b_cw, j + c, rc, regs) + bias[c];
+                        const float gate = 2.0f * sigmoid_f(alpha_c * logit);
+                        const float dgate = dy[k][c] * z[k][c] * gate_s;
+                        const float slope = gate * (1.0f - 0.5f * gate);
+                        dz[c] = dy[k][c] * gate * gate_s;
+                        dl[c] = dgate * alpha_c * slope;
+                        dgate_s += dy[k][c] * z[k][c] * gate;
+                        dalpha_c += dgate * logit * slope;
+                    }
+                    if (live) {
+                        if (dlogits_bf16) {
+                            store_pair(dlogits_bf16 + n * out_width + g.out_at + j, dl[0], dl[1], second, pairs);
+                        } else {
+                            store_pair(dlogits + n * out_width + g.out_at + j, dl[0], dl[1], second, pairs);
+                        }
+                        if (dzu_bf16) {
+                            store_pair(dzu_bf16 + n * zu_width + g.zu_at + j, dz[0], dz[1], second, pairs);
+                        } else {
+                            store_pair(dzu + n * zu_width + g.zu_at + j, dz[0], dz[1], second, pairs);
+                        }
+                    }
+                    // This warp's share of the row's sums (every lane takes part in the shuffles).
+                    float* slot = slots + ((c0 + k) * FG_BACK_WARPS + warp) * sums;
+                    for (int t0 = 0; t0 < rc; t0 += 8) {
+                        float part[8];
+#pragma unroll
+                        for (int t = 0; t < 8; ++t) {
+                            if (regs) {
+                                part[t] = dl[0] * w[0][t] + dl[1] * w[1][t];
+                            } else {
+                                const bool rank = t0 + t < rc;
+                                const float w0 = rank && live ? g.b_cw[j * rc + t0 + t] : 0.0f;
+                                const float w1 = rank && second ? g.b_cw[(j + 1) * rc + t0 + t] : 0.0f;
+                                part[t] = dl[0] * w0 + dl[1] * w1;
+                            }
+                        }
+                        const float total = warp_sum_eight(part);
+                        const int t = t0 + ((lane >> 2) & 7);
+                        if ((lane & 3) == 0 && t < rc) slot[t] += total;
+                    }
+                    const float total = warp_sum_two(dgate_s, dalpha_c);
+                    if (lane == 0) slot[rc] += total;
+                    if (lane == 16) slot[rc + 1] += total;
+                }
+            }
+        }
+        __syncthreads();  // every row's slots are summed
+
+        // The summaries: one warp per row; every lane adds the row's warp slots (in warp order).
+        for (int i = warp; i < count; i += FG_BACK_WARPS) {
+            const i64 n = row0 + i;
+            const float* h = reinterpret_cast<const float*>(h_quads[i]);
+            const float* row_slots = slots + i * FG_BACK_WARPS * sums;
+            float dgate_s = 0.0f, dalpha_c = 0.0f;
+            for (int v = 0; v < FG_BACK_WARPS; ++v) {
+                dgate_s += row_slots[v * sums + rc];
+                dalpha_c += row_slots[v * sums + rc + 1];
+            }
+            const float gate_s = gate_rows[i];
+            float logit_s = 0.0f;
+            for (int t = 0; t < rs; ++t) logit_s += g.b_sw[t] * h[rc + t];
+            logit_s += g.b_sb[0];
+            const float slope_s = gate_s * (1.0f - 0.5f * gate_s);
+            const float dlogit_s = dgate_s * alpha_s * slope_s;
+            float* terms_row = row_terms + n * terms_width + (i64)blockIdx.y * (3 + rs);
+            if (lane == 0) {
+                terms_row[0] = dalpha_c;
+                terms_row[1] = dgate_s * logit_s * slope_s;
+                terms_row[2] = dlogit_s;
+            }
+            const i64 zu_row = n * zu_width + g.zu_at, hidden_row = n * hidden_width + (i64)blockIdx.y * r;
+            for (int t = lane; t < r; t += 32) {
+                const bool channel = t < rc;
+                const float pre = as_f32(zu[zu_row + d_out + t]) + (channel ? g.a_c[t] : g.a_s[t - rc]);
+                const float dphi = unary_df(phi, pre, h[t], phi_p);
+                float dh = 0.0f;
+                if (channel) {
+                    for (int v = 0; v < FG_BACK_WARPS; ++v) dh += row_slots[v * sums + t];
+                }
+                const float du = channel ? dh * dphi : dlogit_s * g.b_sw[t - rc] * dphi;
+                du_rows[hidden_row + t] = du;
                 if (dzu_bf16) {
-                    dzu_bf16[zu_row + j] = f32_to_bf16(dz);
+                    dzu_bf16[zu_row + d_out + t] = f32_to_bf16(du);
                 } else {
-                    dzu[zu_row + j] = dz;
+                    dzu[zu_row + d_out + t] = du;
                 }
-                dalpha_c += dgate * logit * slope;
-                // d/dH_c += dL_c[j]·B_c[j, :], on the register path from the weights the logit
-                // loaded (no second load per element: an earlier in-kernel sum measured slower on
-                // an H200, 3.55 → 4.55 ms of row kernel per step; see the README).
-                if (regs) {
-#pragma unroll
-                    for (int t = 0; t < FG_REG_RANK; ++t) dh_part[t] += dlogit * w[t];
-                } else {
-#pragma unroll
-                    for (int t = 0; t < FG_REG_RANK; ++t) {
-                        if (t < rc) dh_part[t] += dlogit * g.b_cw[j * rc + t];
-                    }
-                }
+                if (!channel) terms_row[3 + t - rc] = dlogit_s * h[t];
             }
-        }
-        // dH_c: the first FG_REG_RANK ranks from the pass above, the rest from the row's dL_c
-        // (this lane's own writes, read back) FG_REG_RANK ranks per pass.
-        for (int t0 = 0; t0 < rc; t0 += FG_REG_RANK) {
-            if (t0 > 0) {
-#pragma unroll
-                for (int t = 0; t < FG_REG_RANK; ++t) dh_part[t] = 0.0f;
-                for (i64 j = lane; j < d_out; j += 32) {
-                    const float dlogit =
-                        dlogits_bf16 ? bf16_to_f32(dlogits_bf16[out_row + j]) : dlogits[out_row + j];
-#pragma unroll
-                    for (int t = 0; t < FG_REG_RANK; ++t) {
-                        if (t0 + t < rc) dh_part[t] += dlogit * g.b_cw[j * rc + t0 + t];
-                    }
-                }
-            }
-#pragma unroll
-            for (int t = 0; t < FG_REG_RANK; ++t) {
-                const float total = warp_sum(dh_part[t]);
-                if (lane == t && t0 + t < rc) dh[t0 + t] = total;
-            }
-        }
-        __syncwarp();  // dh is written
-        dgate_s = warp_sum(dgate_s);
-        dalpha_c = warp_sum(dalpha_c);
-        // Every lane computes the row's scalar logit (rs terms, in order) rather than waiting on one.
-        float logit_s = 0.0f;
-        for (int t = 0; t < rs; ++t) logit_s += g.b_sw[t] * h[rc + t];
-        logit_s += g.b_sb[0];
-        const float slope_s = gate_s * (1.0f - 0.5f * gate_s);
-        const float dlogit_s = dgate_s * alpha_s * slope_s;
-        float* terms_row = row_terms + n * terms_width + (i64)blockIdx.y * (3 + rs);
-        if (lane == 0) {
-            terms_row[0] = dalpha_c;
-            terms_row[1] = dgate_s * logit_s * slope_s;
-            terms_row[2] = dlogit_s;
-        }
-        for (int t = lane; t < r; t += 32) {
-            const bool channel = t < rc;
-            const float pre = as_f32(zr[d_out + t]) + (channel ? g.a_c[t] : g.a_s[t - rc]);
-            const float dphi = unary_df(phi, pre, h[t], phi_p);
-            const float du = channel ? dh[t] * dphi : dlogit_s * g.b_sw[t - rc] * dphi;
-            du_rows[hidden_row + t] = du;
-            if (dzu_bf16) {
-                dzu_bf16[zu_row + d_out + t] = f32_to_bf16(du);
-            } else {
-                dzu[zu_row + d_out + t] = du;
-            }
-            if (!channel) terms_row[3 + t - rc] = dlogit_s * h[t];
         }
     }
 }
 
-extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float* dout, TensorList params,
+extern "C" __global__ void __launch_bounds__(FG_BACK_THREADS, 2)
+    fused_gate_backward_rows(const float* zu, const float* dout, TensorList params,
                                                     TensorList layout, int phi, float phi_p, i64 rows, i64 zu_width,
                                                     i64 out_width, int rc, int rs, float* dzu, float* dlogits,
                                                     float* hidden, float* du, float* row_terms, bf16_t* dzu_bf16,
@@ -711,7 +749,8 @@ extern "C" __global__ void fused_gate_backward_rows(const float* zu, const float
 }
 
 // fused_gate_backward_rows from a bf16 ZU (bf16 products).
-extern "C" __global__ void fused_gate_backward_rows_bf16(const bf16_t* zu, const float* dout, TensorList params,
+extern "C" __global__ void __launch_bounds__(FG_BACK_THREADS, 2)
+    fused_gate_backward_rows_bf16(const bf16_t* zu, const float* dout, TensorList params,
                                                          TensorList layout, int phi, float phi_p, i64 rows,
                                                          i64 zu_width, i64 out_width, int rc, int rs, float* dzu,
                                                          float* dlogits, float* hidden, float* du, float* row_terms,
