@@ -6,6 +6,11 @@
 # Rust: carry `.gpu` there and run `bash bench/gpu/run.sh` (see the README's CUDA section).
 #
 #     bench/gpu/bundle.sh            # then: echo /.gpu/ >> .git/info/exclude (once)
+#     BASELINE=<git ref> bench/gpu/bundle.sh
+#
+# BASELINE also builds train-bench at that commit (a git worktree under target/, its own
+# target directory) as bin/train-bench-baseline, and run.sh's timer step then times both in
+# the same run: the before and after of kernels changed by sessions that had no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 FEATURES="kernels/cuda,kernels/nccl,tensor/cuda,autograd/cuda,nn/cuda,models/cuda,trainer/cuda,trainer/nccl,transponder-tests/cuda"
@@ -14,6 +19,17 @@ export CARGO_TARGET_DIR=target/gpu CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_R
 rm -rf .gpu/bin && mkdir -p .gpu/bin
 cargo build --release --workspace --features "$FEATURES" --bins
 cp target/gpu/release/{transponder,train-bench,cuda-bench} .gpu/bin/
+if [ -n "${BASELINE:-}" ]; then
+    tree="$PWD/target/gpu-baseline"
+    git worktree remove --force "$tree" 2>/dev/null || rm -rf "$tree"
+    git worktree prune
+    git worktree add --detach "$tree" "$BASELINE"
+    (cd "$tree" && CARGO_TARGET_DIR="$PWD/../gpu-baseline-target" \
+        cargo build --release --workspace --features "$FEATURES" --bin train-bench)
+    cp target/gpu-baseline-target/release/train-bench .gpu/bin/train-bench-baseline
+    git -C "$tree" rev-parse HEAD >.gpu/bin/baseline-commit
+    git worktree remove --force "$tree"
+fi
 # Every test binary whose name says cuda (kernels' cuda_agreement, tests/cuda_*), plus the
 # binaries that hold cuda-gated tests among others (the kernels, nn and trainer unit tests,
 # models' decode_cache), which run.sh filters by name.

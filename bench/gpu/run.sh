@@ -60,10 +60,15 @@ for s in $steps; do
     nccl) step nccl bash bench/gpu/nccl_check.sh "$BIN" ;;
     timer)
         # One step's time per kernel family (CUDA events around every launch) and the step's
-        # device counters, for both variants at the measured setting (vocab 256, 32 x 256).
+        # device counters, for both variants at the measured setting (vocab 256, 32 x 256);
+        # where the bundle holds a baseline build (bundle.sh's BASELINE), the same for it.
         for variant in pre-ln transponder; do
-            step "timer-$variant" "$BIN/train-bench" --model llama-60m --variant "$variant" --batch 32 --seq 256 \
-                --steps 3 --warmup 2 --device cuda --bf16 --kernel-timer
+            for build in "" -baseline; do
+                [ -x "$BIN/train-bench$build" ] || continue
+                [ -n "$build" ] && echo "baseline commit $(cat "$BIN/baseline-commit")"
+                step "timer-$variant$build" "$BIN/train-bench$build" --model llama-60m --variant "$variant" \
+                    --batch 32 --seq 256 --steps 3 --warmup 2 --device cuda --bf16 --kernel-timer
+            done
         done
         ;;
     graph)
