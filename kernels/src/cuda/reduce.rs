@@ -99,70 +99,33 @@ pub(crate) fn finish_column_sums(
 }
 
 /// One sum of [`column_sums_many`] over `rows` rows of `src` (row stride `ld`), from raw
-/// addresses the caller has checked against their buffers: plain, `dst[c] = Σ_r src[r·ld + c]`
-/// for `c < cols`, or weighted by the columns of a second matrix ([`SumWeights`]).
+/// addresses the caller has checked against their buffers: `dst[c] = Σ_r src[r·ld + c]` for
+/// `c < cols`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ColumnSum {
-    /// Element (0, 0) of the summed matrix.
+    /// Element (0, 0) of the summed matrix (f32).
     pub src: u64,
-    /// Whether `src` holds bf16 values (read as f32), not f32 ones.
-    pub bf16: bool,
     /// Columns summed.
     pub cols: usize,
     /// Row stride of `src`.
     pub ld: usize,
-    /// `None`: a plain sum. Some `w`: `dst[c·w.cols + k] = Σ_r src[r·ld + c]·w[r·w.ld + k]`,
-    /// the product `srcᵀ·w` (`[cols, w.cols]`, row-major) over the rows.
-    pub weights: Option<SumWeights>,
-    /// Where the `cols` sums (or `cols × w.cols` products) go.
+    /// Where the `cols` sums go.
     pub dst: u64,
 }
 
-/// The second operand of a weighted [`ColumnSum`]: `cols` columns from `ptr`, row stride `ld`.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct SumWeights {
-    /// Element (0, 0).
-    pub ptr: u64,
-    /// Its columns (at least 1).
-    pub cols: usize,
-    /// Its row stride.
-    pub ld: usize,
-}
-
-impl ColumnSum {
-    /// Values it writes per summed column: 1, or the weights' columns.
-    fn outputs(&self) -> usize {
-        self.weights.map_or(1, |w| w.cols)
-    }
-}
-
 /// Several column sums over the same `rows`: one launch per [`LIST_LEN`] sums instead of two
-/// per sum. Each plain sum of f32 values has [`column_sums`]' chunks and order (f32 within a
-/// chunk, f64 across chunks), so it gives the same bits; a weighted one sums its products
-/// (`fmaf`) in that order, and bf16 values are summed as f32 in the same way. The last block of each 32 columns to finish its chunk adds up their chunks (no
-/// finish kernel).
+/// per sum. Each sum has [`column_sums`]' chunks and order (f32 within a chunk, f64 across
+/// chunks), so it gives the same bits. The last block of each 32 columns to finish its chunk
+/// adds up their chunks (no finish kernel).
 pub(crate) fn column_sums_many(dev: &CudaDevice, rows: usize, sums: &[ColumnSum]) -> Result<()> {
     const OP: &str = "column_sums_many";
-    // Two sizes to an i64 (every list of the launch must fit the 4 KB of arguments).
-    let packed = |low: usize, high: usize, high_bits: u32| -> Result<usize> {
-        ensure(low <= u32::MAX as usize && high < 1 << high_bits, OP, || {
-            format!("{low} or {high} exceeds the bits a column sum's packed sizes hold")
-        })?;
-        Ok(low | high << 32)
-    };
     for group in sums.chunks(LIST_LEN) {
         let (per_chunk, chunks) = chunking(rows, 1);
-        let mut shapes = Vec::with_capacity(group.len());
-        let mut strides = Vec::with_capacity(group.len());
         let mut partial_at = Vec::with_capacity(group.len());
         let mut partial_len = 0;
         for s in group {
-            let (weight_cols, weight_ld) = s.weights.map_or((0, 0), |w| (w.cols, w.ld));
-            ensure(s.weights.is_none() || weight_cols > 0, OP, || "a weighted sum by no columns".to_string())?;
-            shapes.push(packed(s.cols, weight_cols, 16)? | usize::from(s.bf16) << 48);
-            strides.push(packed(s.ld, weight_ld, 31)?);
             partial_at.push(partial_len);
-            partial_len += chunks * s.cols * s.outputs();
+            partial_len += chunks * s.cols;
         }
         // One block per 32 of each sum's own columns, the sums' blocks end to end; one arrival
         // counter per such block column.
@@ -175,9 +138,8 @@ pub(crate) fn column_sums_many(dev: &CudaDevice, rows: usize, sums: &[ColumnSum]
             LaunchConfig { grid_dim: (blocks as u32, chunks as u32, 1), block_dim: (32, 8, 1), shared_mem_bytes: 0 };
         let args = [
             address_list(group.iter().map(|s| s.src)),
-            length_list(shapes.into_iter()),
-            length_list(strides.into_iter()),
-            address_list(group.iter().map(|s| s.weights.map_or(0, |w| w.ptr))),
+            length_list(group.iter().map(|s| s.cols)),
+            length_list(group.iter().map(|s| s.ld)),
             first_block,
             size(group.len()),
             size(rows),
@@ -321,14 +283,7 @@ mod tests {
             .iter()
             .zip(&many)
             .enumerate()
-            .map(|(i, (&cols, dst))| ColumnSum {
-                src: src.ptr_at(i),
-                bf16: false,
-                cols,
-                ld,
-                weights: None,
-                dst: dst.device_ptr(),
-            })
+            .map(|(i, (&cols, dst))| ColumnSum { src: src.ptr_at(i), cols, ld, dst: dst.device_ptr() })
             .collect();
         column_sums_many(dev, rows, &sums).unwrap();
         for (sum, dst) in sums.iter().zip(&alone) {
@@ -339,67 +294,6 @@ mod tests {
             assert!(alone[..*cols].iter().all(|v| v.is_finite()), "{rows} rows, {cols} columns: {alone:?}");
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&many), bits(&alone), "{rows} rows, {cols} columns");
-        }
-    }
-
-    /// Weighted sums (`dst[c·kw + k] = Σ_r src[r, c]·w[r, k]`, kw of 3 and 11: one pass of
-    /// 8 weights and two) beside a plain one in one launch, against the host's f64 sums; then
-    /// the same from a bf16 copy of `src`, against the sums of its rounded values.
-    #[test]
-    fn weighted_column_sums_are_the_products_over_the_rows() {
-        let dev = CudaDevice::emulated().unwrap();
-        for rows in [0, 3, 5000] {
-            let (cols, ld, wld) = (45, 50, 12);
-            let (x, w) = (values(rows * ld, 1 + rows as u64), values(rows * wld, 2 + rows as u64));
-            let (src, weights) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
-            let stale = vec![f32::NAN; cols * 11];
-            let dsts: Vec<DeviceBuffer<f32>> = (0..3).map(|_| dev.upload(&stale).unwrap()).collect();
-            let weighted = |kw: usize, dst: &DeviceBuffer<f32>| ColumnSum {
-                src: src.device_ptr(),
-                bf16: false,
-                cols,
-                ld,
-                weights: Some(SumWeights { ptr: weights.ptr_at(1), cols: kw, ld: wld }),
-                dst: dst.device_ptr(),
-            };
-            let plain =
-                ColumnSum { src: src.device_ptr(), bf16: false, cols, ld, weights: None, dst: dsts[2].device_ptr() };
-            column_sums_many(&dev, rows, &[weighted(3, &dsts[0]), weighted(11, &dsts[1]), plain]).unwrap();
-            let rounded: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
-            let src_bf16 = dev.upload(&rounded).unwrap();
-            let from_bf16 = |sum: ColumnSum, dst: &DeviceBuffer<f32>| ColumnSum {
-                src: src_bf16.device_ptr(),
-                bf16: true,
-                dst: dst.device_ptr(),
-                ..sum
-            };
-            let bf16_dsts: Vec<DeviceBuffer<f32>> = (0..2).map(|_| dev.upload(&stale).unwrap()).collect();
-            column_sums_many(
-                &dev,
-                rows,
-                &[from_bf16(weighted(11, &dsts[0]), &bf16_dsts[0]), from_bf16(plain, &bf16_dsts[1])],
-            )
-            .unwrap();
-            let x_rounded: Vec<f32> = rounded.iter().map(|v| v.to_f32()).collect();
-            let cases = [
-                (3, &dsts[0], &x),
-                (11, &dsts[1], &x),
-                (0, &dsts[2], &x),
-                (11, &bf16_dsts[0], &x_rounded),
-                (0, &bf16_dsts[1], &x_rounded),
-            ];
-            for (kw, dst, x) in cases {
-                let got = dev.download(dst).unwrap();
-                for c in 0..cols {
-                    for k in 0..kw.max(1) {
-                        let weight = |r: usize| if kw == 0 { 1.0 } else { f64::from(w[r * wld + 1 + k]) };
-                        let want: f64 = (0..rows).map(|r| f64::from(x[r * ld + c]) * weight(r)).sum();
-                        let value = got[c * kw.max(1) + k];
-                        let close = (f64::from(value) - want).abs() <= 1e-4 * (1.0 + want.abs());
-                        assert!(close, "{rows} rows, kw {kw}, column {c}, weight {k}: {value} vs {want}");
-                    }
-                }
-            }
         }
     }
 

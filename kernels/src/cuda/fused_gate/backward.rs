@@ -10,9 +10,9 @@ use super::super::elementwise::unary_code;
 use super::super::error::{ensure, ensure_len, Result};
 use super::super::launch::{int, ptr, size};
 use super::super::module::Arg;
-use super::super::reduce::{column_sums_many, ColumnSum, SumWeights};
+use super::super::reduce::{column_sums_many, ColumnSum};
 use super::super::values::DeviceValues;
-use super::{backward_blocks, group_lists, layout, GateGroup, Layout, FAMILY};
+use super::{group_lists, layout, BackwardSplit, GateGroup, Layout, FAMILY};
 use crate::cpu::matmul::Store;
 
 /// Gradient buffers of one modulator, written by the backward (`dA` and `dB` are parts of
@@ -119,14 +119,14 @@ pub enum GateProducts<'a> {
 /// weight gradient's product (so under bf16 products no f32 `x` is kept). Writes every buffer
 /// of `grads`; `dx` is the sum over the group's projections.
 ///
-/// One row kernel recomputes `H`, `γ_s` and the channel logits from `zu` and writes `dZ`,
-/// the channel logits' gradient `dL_c` (bf16 under bf16 products), `dU` (through `dH_c = dL_c·B_c`, summed in the
-/// kernel) and each row's terms of `dα_c`, `dα_s`, `db_s` and `dB_s = dl_sᵀ·H_s`, for every
-/// projection; the bias, α, `dB_s` and `dB_c = dL_cᵀ·H_c` gradients are then column sums in
-/// a fixed order, `dB_c`'s weighted by `H_c` (one launch for all of them: `dB_c`'s inner
-/// dimension is the rows and its width the rank, a shape a GEMM launch would spend itself
-/// on), and `dx = dZU·packed` and the packed weight's gradient `dZUᵀ·x` one product each (in
-/// the precision of `products`).
+/// One row kernel recomputes `H`, `γ_s` and the channel logits from `zu` and writes `dZ` and
+/// `dU` (through `dH_c = dL_c·B_c`, summed over each row's columns in the kernel), and, for
+/// every projection, each of its blocks' terms of the cross-row sums: `dB_c = dL_cᵀ·H_c` and
+/// `db_c` (each thread sums its column over the block's rows, so the channel logits'
+/// gradient `dL_c` is never stored), `da`, `dα_c`, `dα_s`, `db_s` and `dB_s = dl_sᵀ·H_s`. One
+/// column-sum launch adds the blocks' terms up in a fixed order (a few hundred rows where the
+/// sums over `N` rows used to be), and `dx = dZU·packed` and the packed weight's gradient
+/// `dZUᵀ·x` are one product each (in the precision of `products`).
 #[allow(clippy::too_many_arguments)]
 pub fn fused_gate_backward(
     dev: &CudaDevice,
@@ -166,16 +166,19 @@ pub fn fused_gate_backward(
         }
         return Ok(());
     }
-    // dzu rows (f32 or bf16, for the products): ZU's layout; dlogits rows: the outputs';
-    // hidden and du rows: each projection's H and dU in turn (du in f32 for the column sums
-    // of da, a few columns where dzu has K); row_terms rows: each projection's
-    // [dα_c, dα_s, dl_s, dl_s·H_s] in turn.
+    // The row kernel's block terms of the cross-row sums, one row per block (see
+    // gate_backward_rows in fused_gate.cu): dB_c's (`[blocks, out_width·rc]`, dB_c's packed
+    // layout), db_c's (`[blocks, out_width]`), dU's (`[blocks, groups·r]`, for da) and each
+    // projection's [dα_c, dα_s, dl_s, dl_s·H_s] (`[blocks, groups·(3 + rs)]`); row_sums is
+    // its scratch (`[N, groups, rc + 2]`).
     let terms = 3 + rs;
-    // dL_c in bf16 under bf16 products, as autocast keeps an activation's gradient.
-    let dlogits = DeviceValues::alloc(dev, rows * out_width, matches!(products, GateProducts::Bf16 { .. }))?;
-    let hidden = dev.alloc::<f32>(rows * count * r)?;
-    let du = dev.alloc::<f32>(rows * count * r)?;
-    let row_terms = dev.alloc::<f32>(rows * count * terms)?;
+    let split = BackwardSplit::new(rows);
+    let blocks = split.blocks;
+    let row_sums = dev.alloc::<f32>(rows * count * (rc + 2))?;
+    let weight_terms = dev.alloc::<f32>(blocks * out_width * rc)?;
+    let bias_terms = dev.alloc::<f32>(blocks * out_width)?;
+    let du_terms = dev.alloc::<f32>(blocks * count * r)?;
+    let row_terms = dev.alloc::<f32>(blocks * count * terms)?;
 
     let operands = match products {
         GateProducts::F32 { x } => Operands::F32 { x, dzu: dev.alloc::<f32>(rows * k)? },
@@ -192,51 +195,46 @@ pub fn fused_gate_backward(
         int(phi),
         Arg::F32(phi_p),
         size(rows),
+        size(split.rows_per_block),
         size(k),
         size(out_width),
         int(rc as i32),
         int(rs as i32),
         Arg::Ptr(operands.dzu_f32()),
-        Arg::Ptr(dlogits.values().f32_address()),
-        ptr(&hidden),
-        ptr(&du),
-        ptr(&row_terms),
         Arg::Ptr(operands.dzu_bf16()),
-        Arg::Ptr(dlogits.values().bf16_address()),
+        ptr(&row_sums),
+        ptr(&weight_terms),
+        ptr(&bias_terms),
+        ptr(&du_terms),
+        ptr(&row_terms),
     ];
     let kernel = zu.values().kernel("fused_gate_backward_rows", "fused_gate_backward_rows_bf16");
-    dev.launch(FAMILY, kernel, backward_blocks(&layout, count), &args)?;
+    dev.launch(FAMILY, kernel, split.launch(&layout, count), &args)?;
 
-    // Cross-row sums: db_c = Σ dL_c, dB_c = dL_cᵀ·H_c (a sum over rows weighted by H_c's rc
-    // columns), da = Σ dU, dα = Σ row terms, db_s = Σ dl_s and dB_s = Σ dl_s·H_s; all eight of
-    // every projection in one launch.
-    let sum = |src, cols, ld, dst: u64| ColumnSum { src, bf16: false, cols, ld, weights: None, dst };
-    let dlogits_sum = |at, cols, dst: u64| ColumnSum {
-        bf16: dlogits.values().is_bf16(),
-        ..sum(dlogits.values().address_at(at), cols, out_width, dst)
-    };
-    let mut sums = Vec::with_capacity(8 * count);
+    // The cross-row sums over the blocks' terms: db_c, dB_c, da, dα, db_s and dB_s of every
+    // projection in one launch (dB_c of every projection as one sum: its terms have the
+    // packed gradient's layout).
+    let sum = |src, cols, ld, dst: u64| ColumnSum { src, cols, ld, dst };
+    let mut sums = Vec::with_capacity(7 * count + 1);
+    if rc > 0 {
+        sums.push(sum(weight_terms.device_ptr(), out_width * rc, out_width * rc, g.b_channel.device_ptr()));
+    }
     for (i, ((group, c), s)) in groups.iter().zip(&g.channel).zip(&g.scalar).enumerate() {
         let (d_out, out_at) = (group.dims.d_out, layout.out_at[i]);
         let t = i * terms;
         let row_term = |j: usize| row_terms.ptr_at(t + j);
         let terms_ld = count * terms;
         sums.extend([
-            dlogits_sum(out_at, d_out, c.b_bias.device_ptr()),
-            sum(du.ptr_at(i * r), rc, count * r, c.a_bias.device_ptr()),
-            sum(du.ptr_at(i * r + rc), rs, count * r, s.a_bias.device_ptr()),
+            sum(bias_terms.ptr_at(out_at), d_out, out_width, c.b_bias.device_ptr()),
+            sum(du_terms.ptr_at(i * r), rc, count * r, c.a_bias.device_ptr()),
+            sum(du_terms.ptr_at(i * r + rc), rs, count * r, s.a_bias.device_ptr()),
             sum(row_term(0), 1, terms_ld, c.alpha.device_ptr()),
             sum(row_term(1), 1, terms_ld, s.alpha.device_ptr()),
             sum(row_term(2), 1, terms_ld, s.b_bias.device_ptr()),
             sum(row_term(3), rs, terms_ld, g.b_scalar.ptr_at(i * rs)),
         ]);
-        if rc > 0 {
-            let h_c = SumWeights { ptr: hidden.ptr_at(i * r), cols: rc, ld: count * r };
-            let db_c = dlogits_sum(out_at, d_out, g.b_channel.ptr_at(out_at * rc));
-            sums.push(ColumnSum { weights: Some(h_c), ..db_c });
-        }
     }
-    column_sums_many(dev, rows, &sums)?;
+    column_sums_many(dev, blocks, &sums)?;
 
     let precision = operands.precision();
     let gemm = |m, n, k, a, b, store, c: u64, ldc| gemm(dev, precision, GemmDims { m, n, k }, a, b, store, (c, ldc));

@@ -52,8 +52,7 @@ const BLOCK_M: usize = 128;
 const BLOCK_N: usize = 128;
 
 const FAMILY: KernelFamily = KernelFamily::FusedGate;
-/// Cap on the row blocks of `fused_gate_apply` and `fused_gate_backward_rows` (each block
-/// loops over the rows past it).
+/// Cap on `fused_gate_apply`'s row blocks (each block loops over the rows past it).
 const MAX_ROW_BLOCKS: usize = 1 << 16;
 
 /// One modulator on the device: `A: [r, d_in]`, `a: [r]`, `B: [m, r]`, `b: [m]`, α.
@@ -160,20 +159,39 @@ fn group_lists(groups: &[GateGroup], layout: &Layout) -> [Arg; 2] {
 }
 
 /// `fused_gate_backward_rows`'s blocks (FG_BACK_* in fused_gate.cu): threads per block (8
-/// warps) and rows per block of its row loop.
+/// warps, a column each), rows per row block of its loops, and about how many blocks each
+/// projection's rows are split into (two an SM on a 132-SM H100 or H200: enough to fill the
+/// card for a single projection, and few enough that the blocks' terms of the cross-row sums
+/// stay small beside `[N, d_out]`).
 const BACKWARD_THREADS: usize = 256;
 const BACKWARD_ROWS: usize = 16;
+const BACKWARD_BLOCKS: usize = 256;
 
-/// `fused_gate_backward_rows`'s launch: (row blocks, projections), each block every column of
-/// its rows, with dynamic shared memory for each row's per-warp sums of `dH_c`, `d/dγ_s` and
-/// `dα_c` (`rank_channel + 2` floats; at most 16 × 8 × 66 × 4 = 33 KiB, under the 48 KiB a
-/// launch gets without opting in).
-fn backward_blocks(layout: &Layout, groups: usize) -> cudarc::driver::LaunchConfig {
-    let sums = layout.rank_channel + 2;
-    cudarc::driver::LaunchConfig {
-        grid_dim: (layout.rows.div_ceil(BACKWARD_ROWS).min(MAX_ROW_BLOCKS) as u32, groups as u32, 1),
-        block_dim: (BACKWARD_THREADS as u32, 1, 1),
-        shared_mem_bytes: (BACKWARD_ROWS * (BACKWARD_THREADS / 32) * sums * 4) as u32,
+/// `fused_gate_backward_rows`'s split of the rows: each block's rows (a multiple of
+/// [`BACKWARD_ROWS`]) and the blocks per projection. A function of `rows` alone, so that the
+/// order of every sum is the same on every device.
+struct BackwardSplit {
+    rows_per_block: usize,
+    blocks: usize,
+}
+
+impl BackwardSplit {
+    fn new(rows: usize) -> BackwardSplit {
+        let row_blocks = rows.div_ceil(BACKWARD_ROWS).max(1);
+        let rows_per_block = row_blocks.div_ceil(BACKWARD_BLOCKS) * BACKWARD_ROWS;
+        BackwardSplit { rows_per_block, blocks: rows.div_ceil(rows_per_block).max(1) }
+    }
+
+    /// The launch: (blocks, projections), with dynamic shared memory for each row's per-warp
+    /// sums of `dH_c`, `d/dγ_s` and `dα_c` (`rank_channel + 2` floats; at most 16 × 8 × 66 × 4
+    /// = 33 KiB, under the 48 KiB a launch gets without opting in).
+    fn launch(&self, layout: &Layout, groups: usize) -> cudarc::driver::LaunchConfig {
+        let sums = layout.rank_channel + 2;
+        cudarc::driver::LaunchConfig {
+            grid_dim: (self.blocks as u32, groups as u32, 1),
+            block_dim: (BACKWARD_THREADS as u32, 1, 1),
+            shared_mem_bytes: (BACKWARD_ROWS * (BACKWARD_THREADS / 32) * sums * 4) as u32,
+        }
     }
 }
 

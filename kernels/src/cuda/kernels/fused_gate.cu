@@ -336,43 +336,34 @@ __device__ __forceinline__ GateGroup gate_group(const TensorList& params, const 
 }
 
 // Rows row0 .. row0 + count of group g: each row's H = φ(U + a) from its ZU row into
-// h[row] (the block's shared rows, 16-byte aligned) and, when hidden is given, into its r
-// columns from hidden_at of hidden's rows (hidden_width wide); the block's threads split
-// the count·r values. The caller puts a block barrier before (h free) and after (h written).
+// h[row] (the block's shared rows, 16-byte aligned); the block's threads split the count·r
+// values. The caller puts a block barrier before (h free) and after (h written).
 template <class Z>
 __device__ __forceinline__ void block_hidden(f32x4 (*h)[FG_MAX_RANK / 4], const Z* zu, const GateGroup& g, int phi,
-                                             float phi_p, i64 row0, int count, i64 zu_width, int rc, int rs,
-                                             float* hidden, i64 hidden_width, i64 hidden_at) {
+                                             float phi_p, i64 row0, int count, i64 zu_width, int rc, int rs) {
     const int r = rc + rs;
     for (int e = threadIdx.x; e < count * r; e += blockDim.x) {
         const int row = e / r, t = e % r;
         const float a = t < rc ? g.a_c[t] : g.a_s[t - rc];
         const Z* zr = zu + (row0 + row) * zu_width + g.zu_at;
-        const float value = unary_f(phi, as_f32(zr[g.d_out + t]) + a, phi_p);
-        reinterpret_cast<float*>(h[row])[t] = value;
-        if (hidden) hidden[(row0 + row) * hidden_width + hidden_at + t] = value;
+        reinterpret_cast<float*>(h[row])[t] = unary_f(phi, as_f32(zr[g.d_out + t]) + a, phi_p);
     }
 }
 
-// A thread's columns j and j + 1 (`second`: j + 1 is a column too): their channel-gate
-// biases and, on the register path, their B_c weights (zeros past rc and for a column that
-// is not one).
-__device__ __forceinline__ void column_weights(const GateGroup& g, i64 j, bool live, bool second, int rc, bool regs,
-                                               float (&w)[2][FG_REG_RANK], float (&bias)[2]) {
+// Column j's channel-gate bias and, on the register path, its B_c weights (zeros past rc,
+// and everything zero when `column` is false: j is past the last column).
+__device__ __forceinline__ void column_weight(const GateGroup& g, i64 j, bool column, int rc, bool regs,
+                                              float (&w)[FG_REG_RANK], float& bias) {
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-        const bool column = c == 0 ? live : second;
+    for (int t = 0; t < FG_REG_RANK; ++t) w[t] = 0.0f;
+    bias = column ? g.b_cb[j] : 0.0f;
+    if (!regs || !column) return;
 #pragma unroll
-        for (int t = 0; t < FG_REG_RANK; ++t) w[c][t] = 0.0f;
-        bias[c] = column ? g.b_cb[j + c] : 0.0f;
-        if (!regs || !column) continue;
+    for (int t = 0; t < FG_REG_RANK; t += 4) {
+        if (t >= rc) break;
+        const f32x4 w4 = *reinterpret_cast<const f32x4*>(g.b_cw + j * rc + t);
 #pragma unroll
-        for (int t = 0; t < FG_REG_RANK; t += 4) {
-            if (t >= rc) break;
-            const f32x4 w4 = *reinterpret_cast<const f32x4*>(g.b_cw + (j + c) * rc + t);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) w[c][t + k] = w4.v[k];
-        }
+        for (int k = 0; k < 4; ++k) w[t + k] = w4.v[k];
     }
 }
 
@@ -460,12 +451,13 @@ __device__ __forceinline__ void gate_apply(const Z* __restrict__ zu, const Tenso
     const i64 j = tile + 2 * threadIdx.x;
     const bool live = j < d_out, second = j + 1 < d_out;
     float w[2][FG_REG_RANK], bias[2];
-    column_weights(g, j, live, second, rc, regs, w, bias);
+    column_weight(g, j, live, rc, regs, w[0], bias[0]);
+    column_weight(g, j + 1, second, rc, regs, w[1], bias[1]);
 
     for (i64 row0 = (i64)blockIdx.x * FG_APPLY_ROWS; row0 < rows; row0 += (i64)gridDim.x * FG_APPLY_ROWS) {
         const int count = (int)(rows - row0 < FG_APPLY_ROWS ? rows - row0 : FG_APPLY_ROWS);
         __syncthreads();  // every thread is done with the previous rows' H and γ_s
-        block_hidden(h_quads, zu, g, phi, phi_p, row0, count, zu_width, rc, rs, nullptr, 0, 0);
+        block_hidden(h_quads, zu, g, phi, phi_p, row0, count, zu_width, rc, rs);
         __syncthreads();
         if (threadIdx.x < count) {
             const float* h = reinterpret_cast<const float*>(h_quads[threadIdx.x]);
@@ -519,24 +511,32 @@ extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_P
 }
 
 // fused_gate_backward_rows's blocks (backward_blocks in cuda/fused_gate/mod.rs): block (x, g)
-// serves group g's row blocks x, x + gridDim.x, ... of FG_BACK_ROWS rows each, every column of
-// them: FG_BACK_TILE columns at a time, a pair of adjacent ones per thread, as
-// fused_gate_apply's threads. A block owning whole rows sums their cross-column terms itself,
-// so no partial sums leave the block and the order of additions is fixed. Dynamic shared
-// memory holds each row's per-warp sums (FG_BACK_ROWS × 8 warps × (rc + 2) floats). A
-// thread issues the dẐ and Z loads of FG_BACK_CHUNK rows before it computes them: 4 rows
-// (16 warps an SM × 4 rows × 12 bytes a lane: 24 KB in flight, as the warp-per-row kernel this
-// replaced) fit in 128 registers, 2 blocks an SM; 8 rows would take 167 registers, or spill
-// under the 2-block bound (bench/kernel_resources.py).
+// owns group g's rows [x·rows_per_block, (x + 1)·rows_per_block) and every column of them. It
+// walks the columns in tiles of FG_BACK_TILE, one column per thread, and a tile's rows in
+// blocks of FG_BACK_ROWS, whose H and γ_s it computes once into shared memory. A thread keeps
+// its column's B_c weights and b_c in registers for the tile, and its sums over the block's
+// rows of dB_c = Σ_n dL_c[n, j]·H_c[n, :] and db_c = Σ_n dL_c[n, j], written once per tile as
+// the block's terms of those sums (a column sum over the blocks adds them up: no dL_c
+// [N, d_out] is stored and read back). The row sums over columns (dH_c, d/dγ_s, dα_c) go
+// through the warp sums below into per-warp shared slots (FG_BACK_ROWS × 8 warps × (rc + 2)
+// floats of dynamic shared memory), then, added in warp order, onto the row's sums of the
+// earlier tiles (row_sums, the block's own rows). Every order of additions is fixed, there
+// are no atomics, and a block reads back only what it wrote itself. A thread issues the dẐ
+// and Z loads of FG_BACK_CHUNK rows before it computes them (8 rows: 16 warps an SM × 8 ×
+// 6 bytes a lane, 24 KB in flight). ptxas (bench/kernel_resources.py): 128 registers under
+// the 2-blocks-an-SM bound, 16 warps an SM; the register path alone takes 126 with no spill,
+// the other ranks' path spills 12 bytes.
 #define FG_BACK_THREADS 256
 #define FG_BACK_WARPS (FG_BACK_THREADS / 32)
-#define FG_BACK_TILE (FG_BACK_THREADS * 2)
+#define FG_BACK_TILE FG_BACK_THREADS
 #define FG_BACK_ROWS 16
-#define FG_BACK_CHUNK 4
+#define FG_BACK_CHUNK 8
+// The per-block sums of the summaries: r dU values, dα_c, dα_s, d/dl_s, then rs d/dl_s·H_s.
+#define FG_BACK_TERMS (FG_MAX_RANK + 3 + FG_MAX_RANK)
 
 // Sums each of v[0..8) over the warp's 32 lanes in 9 shuffles rather than 8 butterflies' 40:
 // each step hands half of a lane's values to its partner and keeps the other half, so lane l
-// ends with value (l >> 2) & 7's total (every lane returns a total; lanes l and l ^ 1, l ^ 2
+// ends with value (l >> 2) & 7's total (every lane returns a total; lanes l, l ^ 1 and l ^ 2
 // hold the same one). The order of additions is fixed.
 __device__ __forceinline__ float warp_sum_eight(float (&v)[8]) {
     const int lane = threadIdx.x & 31;
@@ -569,102 +569,106 @@ __device__ __forceinline__ float warp_sum_two(float a, float b) {
 
 // The backward of the gate, per element (Ẑ = γ_c ⊙ γ_s ⊙ Z, γ = 2σ(αl), l the logit with
 // its bias):
-//   d/dZ = dẐ·γ_c·γ_s;  d/dγ_c = dẐ·Z·γ_s;  d/dl_c = d/dγ_c·α_c·γ_c(1 − γ_c/2);
+//   d/dZ = dẐ·γ_c·γ_s;  d/dγ_c = dẐ·Z·γ_s;  dL_c = d/dγ_c·α_c·γ_c(1 − γ_c/2);
 //   dα_c's term d/dγ_c·l_c·γ_c(1 − γ_c/2);
-// and per row, summed over its columns: d/dγ_s = Σ_j dẐ·Z·γ_c, dα_c, and dH_c = dL_c·B_c.
-// A thread adds its pair of columns' terms, the warp sums them (warp_sum_eight: 8 ranks of
-// dH_c at a time; warp_sum_two: d/dγ_s and dα_c) into the row's slot for this warp, tile after
-// tile, and once the block's rows are done each row's warp slots are added in warp order.
-// Then the summaries, one warp per row:
+// per row, summed over its columns: d/dγ_s = Σ_j dẐ·Z·γ_c, dα_c, and dH_c = dL_c·B_c; per
+// column, summed over the block's rows: dB_c = dL_cᵀ·H_c and db_c = Σ dL_c. Then the
+// summaries, one warp per row:
 //   d/dl_s = dγ_s·α_s·γ_s(1 − γ_s/2),  dα_s term = dγ_s·l_s·γ_s(1 − γ_s/2),
-//   d/dU_c = dH_c ⊙ φ'(U_c + a_c),  d/dU_s = d/dl_s·B_s ⊙ φ'(U_s + a_s).
-// dout and dlogits have the outputs' layout, dzu ZU's; group g's H and dU go into hidden's
-// and du's columns g·r .. (row stride groups·r; du in f32 for the column sums of da) and its
-// row terms of the cross-row sums into row_terms' columns g·(3 + rs) .. (row stride
-// groups·(3 + rs)): dα_c, dα_s, d/dl_s (for db_s) and d/dl_s·H_s (for dB_s). dZU (dZ and dU)
-// goes into dzu under f32 products; under bf16 products (dzu_bf16 not null, dzu null) only
-// into dzu_bf16, rounded to nearest even: the products are its only readers. dL_c goes into
-// dlogits, or, when dlogits_bf16 is given (bf16 products), only into dlogits_bf16 rounded to
-// bf16, as autocast keeps an activation's gradient: its readers are the column sums (db_c,
-// and dB_c = dL_cᵀ·H_c). H stays f32.
-template <class Z>
+//   d/dU_c = dH_c ⊙ φ'(U_c + a_c),  d/dU_s = d/dl_s·B_s ⊙ φ'(U_s + a_s),
+// whose sums over the block's rows (dU for da, dα_c, dα_s, d/dl_s for db_s, d/dl_s·H_s for
+// dB_s) are the block's terms of those cross-row sums. dout has the outputs' layout, dzu
+// ZU's: dZU goes into dzu under f32 products; under bf16 products (dzu_bf16 not null, dzu
+// null) only into dzu_bf16, rounded to nearest even: the products are its only readers.
+// The block terms, each a row x of a matrix with one row per block: weight_terms
+// [x][out_at + j][t] (`[blocks, out_width·rc]`, dB_c's packed layout), bias_terms
+// [x][out_at + j] (`[blocks, out_width]`), du_terms [x][g·r + t] (`[blocks, groups·r]`) and
+// row_terms [x][g·(3 + rs) + k] (`[blocks, groups·(3 + rs)]`: dα_c, dα_s, d/dl_s, d/dl_s·H_s).
+// row_sums (`[rows, groups, rc + 2]`) is the kernel's own scratch.
+template <class Z, bool REGS>
 __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dout, const TensorList& params,
                                                    const TensorList& layout, int phi, float phi_p, i64 rows,
-                                                   i64 zu_width, i64 out_width, int rc, int rs, float* dzu,
-                                                   float* dlogits, float* hidden, float* du_rows, float* row_terms,
-                                                   bf16_t* dzu_bf16, bf16_t* dlogits_bf16) {
+                                                   i64 rows_per_block, i64 zu_width, i64 out_width, int rc, int rs,
+                                                   float* dzu, bf16_t* dzu_bf16, float* row_sums,
+                                                   float* weight_terms, float* bias_terms, float* du_terms,
+                                                   float* row_terms) {
     const GateGroup g = gate_group(params, layout, blockIdx.y);
     const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
     __shared__ f32x4 h_quads[FG_BACK_ROWS][FG_MAX_RANK / 4];  // each row's H, 16-byte aligned
     __shared__ float gate_rows[FG_BACK_ROWS];                // each row's γ_s
+    __shared__ float warp_terms[FG_BACK_WARPS][FG_BACK_TERMS];
     // slots[(row·warps + warp)·sums + t]: warp `warp`'s sum of dH_c[t] (t < rc), d/dγ_s (rc)
     // and dα_c (rc + 1) over its columns of the row.
     DYNAMIC_SHARED(float, slots);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r = rc + rs, sums = rc + 2;
-    const i64 d_out = g.d_out;
-    const i64 hidden_width = (i64)gridDim.y * r, terms_width = (i64)gridDim.y * (3 + rs);
-    const bool regs = register_rank(rc);
-    const bool pairs = ((zu_width | g.zu_at | out_width | g.out_at) & 1) == 0;
+    const i64 d_out = g.d_out, groups = gridDim.y;
+    const i64 first = (i64)blockIdx.x * rows_per_block;
+    const i64 end = first + rows_per_block < rows ? first + rows_per_block : rows;
+    float* sums_of = row_sums + (i64)blockIdx.y * sums;  // row n's sums at sums_of[n·groups·sums]
+    float* weight_row = weight_terms + ((i64)blockIdx.x * out_width + g.out_at) * rc;
+    float* bias_row = bias_terms + (i64)blockIdx.x * out_width + g.out_at;
 
-    for (i64 row0 = (i64)blockIdx.x * FG_BACK_ROWS; row0 < rows; row0 += (i64)gridDim.x * FG_BACK_ROWS) {
-        const int count = (int)(rows - row0 < FG_BACK_ROWS ? rows - row0 : FG_BACK_ROWS);
-        __syncthreads();  // every thread is done with the previous rows' H, γ_s and slots
-        block_hidden(h_quads, zu, g, phi, phi_p, row0, count, zu_width, rc, rs, hidden, hidden_width,
-                     (i64)blockIdx.y * r);
-        for (int e = threadIdx.x; e < count * FG_BACK_WARPS * sums; e += FG_BACK_THREADS) slots[e] = 0.0f;
-        __syncthreads();
-        if (threadIdx.x < count) {
-            const float* h = reinterpret_cast<const float*>(h_quads[threadIdx.x]);
-            gate_rows[threadIdx.x] = scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
+    for (i64 tile = 0; tile < d_out; tile += FG_BACK_TILE) {
+        const i64 j = tile + threadIdx.x;
+        const bool live = j < d_out, warp_live = tile + 32 * warp < d_out;
+        float w[FG_REG_RANK], bias, dw[FG_REG_RANK], db = 0.0f;
+        column_weight(g, j, live, rc, REGS, w, bias);
+#pragma unroll
+        for (int t = 0; t < FG_REG_RANK; ++t) dw[t] = 0.0f;
+        if (!REGS && live) {
+            // Ranks past FG_REG_RANK sum in place, each thread its own column's.
+            for (int t = FG_REG_RANK; t < rc; ++t) weight_row[j * rc + t] = 0.0f;
         }
-        __syncthreads();
-
-        for (i64 tile = 0; tile < d_out; tile += FG_BACK_TILE) {
-            if (tile + 64 * warp >= d_out) continue;  // the whole warp: past the last column
-            const i64 j = tile + 2 * threadIdx.x;
-            const bool live = j < d_out, second = j + 1 < d_out;
-            float w[2][FG_REG_RANK], bias[2];
-            column_weights(g, j, live, second, rc, regs, w, bias);
-            for (int c0 = 0; c0 < count; c0 += FG_BACK_CHUNK) {
-                float z[FG_BACK_CHUNK][2], dy[FG_BACK_CHUNK][2];
+        for (i64 row0 = first; row0 < end; row0 += FG_BACK_ROWS) {
+            const int count = (int)(end - row0 < FG_BACK_ROWS ? end - row0 : FG_BACK_ROWS);
+            __syncthreads();  // every thread is done with the previous rows' H, γ_s and slots
+            block_hidden(h_quads, zu, g, phi, phi_p, row0, count, zu_width, rc, rs);
+            for (int e = threadIdx.x; e < count * FG_BACK_WARPS * sums; e += FG_BACK_THREADS) slots[e] = 0.0f;
+            __syncthreads();
+            if (threadIdx.x < count) {
+                const float* h = reinterpret_cast<const float*>(h_quads[threadIdx.x]);
+                gate_rows[threadIdx.x] = scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
+            }
+            __syncthreads();
+            for (int c0 = 0; warp_live && c0 < count; c0 += FG_BACK_CHUNK) {
+                float z[FG_BACK_CHUNK], dy[FG_BACK_CHUNK];
 #pragma unroll
                 for (int k = 0; k < FG_BACK_CHUNK; ++k) {
-                    z[k][0] = z[k][1] = dy[k][0] = dy[k][1] = 0.0f;
-                    if (!live || c0 + k >= count) continue;
                     const i64 n = row0 + c0 + k;
-                    load_pair(zu + n * zu_width + g.zu_at + j, second, pairs, z[k][0], z[k][1]);
-                    load_pair(dout + n * out_width + g.out_at + j, second, pairs, dy[k][0], dy[k][1]);
+                    const bool read = live && c0 + k < count;
+                    z[k] = read ? as_f32(zu[n * zu_width + g.zu_at + j]) : 0.0f;
+                    dy[k] = read ? dout[n * out_width + g.out_at + j] : 0.0f;
                 }
 #pragma unroll
                 for (int k = 0; k < FG_BACK_CHUNK; ++k) {
                     if (c0 + k >= count) break;
                     const i64 n = row0 + c0 + k;
                     const float* h = reinterpret_cast<const float*>(h_quads[c0 + k]);
-                    const float gate_s = gate_rows[c0 + k];
-                    float dz[2] = {0.0f, 0.0f}, dl[2] = {0.0f, 0.0f}, dgate_s = 0.0f, dalpha_c = 0.0f;
+                    float hc[FG_REG_RANK];  // the row's h_c[0..FG_REG_RANK), zeros past rc
 #pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        if (!(c == 0 ? live : second)) break;
-                        const float logit = stationary_logit(h, w[c], g.b_cw, j + c, rc, regs) + bias[c];
-                        const float gate = 2.0f * sigmoid_f(alpha_c * logit);
-                        const float dgate = dy[k][c] * z[k][c] * gate_s;
-                        const float slope = gate * (1.0f - 0.5f * gate);
-                        dz[c] = dy[k][c] * gate * gate_s;
-                        dl[c] = dgate * alpha_c * slope;
-                        dgate_s += dy[k][c] * z[k][c] * gate;
-                        dalpha_c += dgate * logit * slope;
-                    }
+                    for (int t = 0; t < FG_REG_RANK; ++t) hc[t] = t < rc ? h[t] : 0.0f;
+                    float dl = 0.0f, dgate_s = 0.0f, dalpha_c = 0.0f;
                     if (live) {
-                        if (dlogits_bf16) {
-                            store_pair(dlogits_bf16 + n * out_width + g.out_at + j, dl[0], dl[1], second, pairs);
-                        } else {
-                            store_pair(dlogits + n * out_width + g.out_at + j, dl[0], dl[1], second, pairs);
-                        }
+                        const float gate_s = gate_rows[c0 + k];
+                        const float logit = stationary_logit(h, w, g.b_cw, j, rc, REGS) + bias;
+                        const float gate = 2.0f * sigmoid_f(alpha_c * logit);
+                        const float dgate = dy[k] * z[k] * gate_s;
+                        const float slope = gate * (1.0f - 0.5f * gate);
+                        const float dz = dy[k] * gate * gate_s;
+                        dl = dgate * alpha_c * slope;
+                        dgate_s = dy[k] * z[k] * gate;
+                        dalpha_c = dgate * logit * slope;
                         if (dzu_bf16) {
-                            store_pair(dzu_bf16 + n * zu_width + g.zu_at + j, dz[0], dz[1], second, pairs);
+                            dzu_bf16[n * zu_width + g.zu_at + j] = f32_to_bf16(dz);
                         } else {
-                            store_pair(dzu + n * zu_width + g.zu_at + j, dz[0], dz[1], second, pairs);
+                            dzu[n * zu_width + g.zu_at + j] = dz;
+                        }
+                        db += dl;
+#pragma unroll
+                        for (int t = 0; t < FG_REG_RANK; ++t) dw[t] += dl * hc[t];
+                        if (!REGS) {
+                            for (int t = FG_REG_RANK; t < rc; ++t) weight_row[j * rc + t] += dl * h[t];
                         }
                     }
                     // This warp's share of the row's sums (every lane takes part in the shuffles).
@@ -673,14 +677,8 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dou
                         float part[8];
 #pragma unroll
                         for (int t = 0; t < 8; ++t) {
-                            if (regs) {
-                                part[t] = dl[0] * w[0][t] + dl[1] * w[1][t];
-                            } else {
-                                const bool rank = t0 + t < rc;
-                                const float w0 = rank && live ? g.b_cw[j * rc + t0 + t] : 0.0f;
-                                const float w1 = rank && second ? g.b_cw[(j + 1) * rc + t0 + t] : 0.0f;
-                                part[t] = dl[0] * w0 + dl[1] * w1;
-                            }
+                            const float weight = REGS ? w[t] : (t0 + t < rc && live ? g.b_cw[j * rc + t0 + t] : 0.0f);
+                            part[t] = dl * weight;
                         }
                         const float total = warp_sum_eight(part);
                         const int t = t0 + ((lane >> 2) & 7);
@@ -691,70 +689,124 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dou
                     if (lane == 16) slot[rc + 1] += total;
                 }
             }
+            __syncthreads();  // every row's slots are summed
+            // The block's sums of its rows for this tile, in warp order, onto the earlier tiles'.
+            for (int e = threadIdx.x; e < count * sums; e += FG_BACK_THREADS) {
+                const int i = e / sums, v = e % sums;
+                float total = 0.0f;
+                for (int u = 0; u < FG_BACK_WARPS; ++u) total += slots[(i * FG_BACK_WARPS + u) * sums + v];
+                float* p = sums_of + (row0 + i) * groups * sums + v;
+                *p = tile == 0 ? total : *p + total;
+            }
         }
-        __syncthreads();  // every row's slots are summed
+        if (live) {
+            for (int t = 0; t < rc && t < FG_REG_RANK; ++t) weight_row[j * rc + t] = dw[t];
+            bias_row[j] = db;
+        }
+    }
+    __syncthreads();  // every row's sums are in row_sums (this block's own writes)
 
-        // The summaries: one warp per row; every lane adds the row's warp slots (in warp order).
-        for (int i = warp; i < count; i += FG_BACK_WARPS) {
-            const i64 n = row0 + i;
-            const float* h = reinterpret_cast<const float*>(h_quads[i]);
-            const float* row_slots = slots + i * FG_BACK_WARPS * sums;
-            float dgate_s = 0.0f, dalpha_c = 0.0f;
-            for (int v = 0; v < FG_BACK_WARPS; ++v) {
-                dgate_s += row_slots[v * sums + rc];
-                dalpha_c += row_slots[v * sums + rc + 1];
+    // The summaries: one warp per row, its H again in the warp's shared row; each lane sums
+    // its own terms over the warp's rows (lane t's dU[t], dU[t + 32] and d/dl_s·H_s).
+    float* h = reinterpret_cast<float*>(h_quads[warp]);
+    float du_sum[2] = {0.0f, 0.0f}, hs_sum[2] = {0.0f, 0.0f}, dalpha_c_sum = 0.0f, dalpha_s_sum = 0.0f,
+          dlogit_s_sum = 0.0f;
+    for (i64 n = first + warp; n < end; n += FG_BACK_WARPS) {
+        const i64 zu_row = n * zu_width + g.zu_at;
+        __syncwarp();  // every lane is done with the previous row's h
+        for (int t = lane; t < r; t += 32) {
+            const float a = t < rc ? g.a_c[t] : g.a_s[t - rc];
+            h[t] = unary_f(phi, as_f32(zu[zu_row + d_out + t]) + a, phi_p);
+        }
+        __syncwarp();
+        const float gate_s = scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
+        const float* row = sums_of + n * groups * sums;
+        const float dgate_s = row[rc];
+        float logit_s = 0.0f;
+        for (int t = 0; t < rs; ++t) logit_s += g.b_sw[t] * h[rc + t];
+        logit_s += g.b_sb[0];
+        const float slope_s = gate_s * (1.0f - 0.5f * gate_s);
+        const float dlogit_s = dgate_s * alpha_s * slope_s;
+        dalpha_c_sum += row[rc + 1];
+        dalpha_s_sum += dgate_s * logit_s * slope_s;
+        dlogit_s_sum += dlogit_s;
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int t = lane + 32 * q;
+            if (t >= r) break;
+            const bool channel = t < rc;
+            const float pre = as_f32(zu[zu_row + d_out + t]) + (channel ? g.a_c[t] : g.a_s[t - rc]);
+            const float dphi = unary_df(phi, pre, h[t], phi_p);
+            const float du = channel ? row[t] * dphi : dlogit_s * g.b_sw[t - rc] * dphi;
+            du_sum[q] += du;
+            if (!channel) hs_sum[q] += dlogit_s * h[t];
+            if (dzu_bf16) {
+                dzu_bf16[zu_row + d_out + t] = f32_to_bf16(du);
+            } else {
+                dzu[zu_row + d_out + t] = du;
             }
-            const float gate_s = gate_rows[i];
-            float logit_s = 0.0f;
-            for (int t = 0; t < rs; ++t) logit_s += g.b_sw[t] * h[rc + t];
-            logit_s += g.b_sb[0];
-            const float slope_s = gate_s * (1.0f - 0.5f * gate_s);
-            const float dlogit_s = dgate_s * alpha_s * slope_s;
-            float* terms_row = row_terms + n * terms_width + (i64)blockIdx.y * (3 + rs);
-            if (lane == 0) {
-                terms_row[0] = dalpha_c;
-                terms_row[1] = dgate_s * logit_s * slope_s;
-                terms_row[2] = dlogit_s;
-            }
-            const i64 zu_row = n * zu_width + g.zu_at, hidden_row = n * hidden_width + (i64)blockIdx.y * r;
-            for (int t = lane; t < r; t += 32) {
-                const bool channel = t < rc;
-                const float pre = as_f32(zu[zu_row + d_out + t]) + (channel ? g.a_c[t] : g.a_s[t - rc]);
-                const float dphi = unary_df(phi, pre, h[t], phi_p);
-                float dh = 0.0f;
-                if (channel) {
-                    for (int v = 0; v < FG_BACK_WARPS; ++v) dh += row_slots[v * sums + t];
-                }
-                const float du = channel ? dh * dphi : dlogit_s * g.b_sw[t - rc] * dphi;
-                du_rows[hidden_row + t] = du;
-                if (dzu_bf16) {
-                    dzu_bf16[zu_row + d_out + t] = f32_to_bf16(du);
-                } else {
-                    dzu[zu_row + d_out + t] = du;
-                }
-                if (!channel) terms_row[3 + t - rc] = dlogit_s * h[t];
-            }
+        }
+    }
+    // The block's terms: each warp's sums, added in warp order.
+    float* mine = warp_terms[warp];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        const int t = lane + 32 * q;
+        if (t >= r) break;
+        mine[t] = du_sum[q];
+        if (t >= rc) mine[r + 3 + t - rc] = hs_sum[q];
+    }
+    if (lane == 0) {
+        mine[r] = dalpha_c_sum;
+        mine[r + 1] = dalpha_s_sum;
+        mine[r + 2] = dlogit_s_sum;
+    }
+    __syncthreads();
+    const int terms = 3 + rs;
+    for (int v = threadIdx.x; v < r + terms; v += FG_BACK_THREADS) {
+        float total = 0.0f;
+        for (int u = 0; u < FG_BACK_WARPS; ++u) total += warp_terms[u][v];
+        if (v < r) {
+            du_terms[(i64)blockIdx.x * groups * r + (i64)blockIdx.y * r + v] = total;
+        } else {
+            row_terms[(i64)blockIdx.x * groups * terms + (i64)blockIdx.y * terms + v - r] = total;
         }
     }
 }
 
+// gate_backward_rows on the register path or off it (register_rank): two instantiations, so
+// that the path every preset takes carries none of the other's registers.
+template <class Z>
+__device__ __forceinline__ void gate_backward_rows_any_rank(const Z* zu, const float* dout, const TensorList& params,
+                                                            const TensorList& layout, int phi, float phi_p, i64 rows,
+                                                            i64 rows_per_block, i64 zu_width, i64 out_width, int rc,
+                                                            int rs, float* dzu, bf16_t* dzu_bf16, float* row_sums,
+                                                            float* weight_terms, float* bias_terms, float* du_terms,
+                                                            float* row_terms) {
+    if (register_rank(rc)) {
+        gate_backward_rows<Z, true>(zu, dout, params, layout, phi, phi_p, rows, rows_per_block, zu_width, out_width,
+                                    rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms, row_terms);
+    } else {
+        gate_backward_rows<Z, false>(zu, dout, params, layout, phi, phi_p, rows, rows_per_block, zu_width, out_width,
+                                     rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms, row_terms);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(FG_BACK_THREADS, 2)
-    fused_gate_backward_rows(const float* zu, const float* dout, TensorList params,
-                                                    TensorList layout, int phi, float phi_p, i64 rows, i64 zu_width,
-                                                    i64 out_width, int rc, int rs, float* dzu, float* dlogits,
-                                                    float* hidden, float* du, float* row_terms, bf16_t* dzu_bf16,
-                                                    bf16_t* dlogits_bf16) {
-    gate_backward_rows(zu, dout, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, dzu, dlogits, hidden,
-                       du, row_terms, dzu_bf16, dlogits_bf16);
+    fused_gate_backward_rows(const float* zu, const float* dout, TensorList params, TensorList layout, int phi,
+                             float phi_p, i64 rows, i64 rows_per_block, i64 zu_width, i64 out_width, int rc, int rs,
+                             float* dzu, bf16_t* dzu_bf16, float* row_sums, float* weight_terms, float* bias_terms,
+                             float* du_terms, float* row_terms) {
+    gate_backward_rows_any_rank(zu, dout, params, layout, phi, phi_p, rows, rows_per_block, zu_width, out_width, rc,
+                                rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms, row_terms);
 }
 
 // fused_gate_backward_rows from a bf16 ZU (bf16 products).
 extern "C" __global__ void __launch_bounds__(FG_BACK_THREADS, 2)
-    fused_gate_backward_rows_bf16(const bf16_t* zu, const float* dout, TensorList params,
-                                                         TensorList layout, int phi, float phi_p, i64 rows,
-                                                         i64 zu_width, i64 out_width, int rc, int rs, float* dzu,
-                                                         float* dlogits, float* hidden, float* du, float* row_terms,
-                                                         bf16_t* dzu_bf16, bf16_t* dlogits_bf16) {
-    gate_backward_rows(zu, dout, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, dzu, dlogits, hidden,
-                       du, row_terms, dzu_bf16, dlogits_bf16);
+    fused_gate_backward_rows_bf16(const bf16_t* zu, const float* dout, TensorList params, TensorList layout, int phi,
+                                  float phi_p, i64 rows, i64 rows_per_block, i64 zu_width, i64 out_width, int rc,
+                                  int rs, float* dzu, bf16_t* dzu_bf16, float* row_sums, float* weight_terms,
+                                  float* bias_terms, float* du_terms, float* row_terms) {
+    gate_backward_rows_any_rank(zu, dout, params, layout, phi, phi_p, rows, rows_per_block, zu_width, out_width, rc,
+                                rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms, row_terms);
 }

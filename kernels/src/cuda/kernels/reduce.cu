@@ -18,12 +18,11 @@ extern "C" __global__ void sum_rows(const float* x, i64 rows, i64 n, float* out)
 // (32, 8) block adds rows r0 + y, r0 + y + 8, ... < r1 of its column (`column` points at
 // its row 0, row stride ld), then thread y = 0 adds the 8 lanes in y order into *out. Every
 // thread of the block calls it (it holds two barriers); `valid` is false past the last column.
-template <class T>
-__device__ __forceinline__ void column_chunk_sum(const T* column, i64 ld, bool valid, i64 r0, i64 r1,
+__device__ __forceinline__ void column_chunk_sum(const float* column, i64 ld, bool valid, i64 r0, i64 r1,
                                                  float (*tile)[33], float* out) {
     float acc = 0.0f;
     if (valid) {
-        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) acc += as_f32(column[r * ld]);
+        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) acc += column[r * ld];
     }
     __syncthreads();  // a previous call's readers are done with the tile
     tile[threadIdx.y][threadIdx.x] = acc;
@@ -63,98 +62,34 @@ extern "C" __global__ void column_sums_finish(const float* partial, i64 outer, i
     }
 }
 
-// One chunk of a weighted column sum, kn ≤ 8 weights at a time: thread (x, y) adds
-// column[r·ld]·w[r·wld + k] over rows r0 + y, r0 + y + 8, ... < r1 for k < kn (fmaf, in row
-// order), then thread (x, k) adds the 8 lanes' k-th sums in y order into out[k]: one pair of
-// barriers for the kn sums. Every thread of the block calls it (it holds barriers); `valid`
-// is false past the last column. The weights' row is the same for the 32 lanes of a warp
-// (one broadcast load). `tile`: a [8][8][33] shared array.
-template <class T>
-__device__ __forceinline__ void weighted_chunk_sum(const T* column, i64 ld, const float* w, i64 wld, int kn,
-                                                   bool valid, i64 r0, i64 r1, float (*tile)[8][33], float* out) {
-    float acc[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) acc[k] = 0.0f;
-    if (valid) {
-        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) {
-            const float x = as_f32(column[r * ld]);
-            const float* wr = w + r * wld;
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                if (k < kn) acc[k] = fmaf(x, wr[k], acc[k]);
-            }
-        }
-    }
-    __syncthreads();  // the previous pass's readers are done with the tile
-#pragma unroll
-    for (int k = 0; k < 8; ++k) tile[threadIdx.y][k][threadIdx.x] = acc[k];
-    __syncthreads();
-    if ((int)threadIdx.y < kn && valid) {
-        float sum = 0.0f;
-        for (int j = 0; j < 8; ++j) sum += tile[j][threadIdx.y][threadIdx.x];
-        out[threadIdx.y] = sum;
-    }
-}
-
-// One block's chunk of a column sum, plain (kw = 0) or weighted by kw columns of w.
-template <class T>
-__device__ __forceinline__ void sum_chunk(const T* column, i64 ld, const float* w, i64 wld, int kw, bool valid,
-                                          i64 r0, i64 r1, float (*tile)[33], float (*weighted)[8][33], float* out) {
-    if (kw == 0) {
-        column_chunk_sum(column, ld, valid, r0, r1, tile, out);
-        return;
-    }
-    for (int k0 = 0; k0 < kw; k0 += 8) {
-        const int kn = kw - k0 < 8 ? kw - k0 : 8;
-        weighted_chunk_sum(column, ld, w + k0, wld, kn, valid, r0, r1, weighted, out + k0);
-    }
-}
-
 // Several column sums over the same rows in one launch (the fused gate's bias, α and B
-// gradients). Sum s reads srcs.v[s] (cols columns, row stride ld); plain (kw = 0):
-// dsts.v[s][col] = Σ_r src[r·ld + col]; weighted by kw columns of weights.v[s] (row stride
-// wld): dsts.v[s][col·kw + k] = Σ_r src[r·ld + col]·w[r·wld + k], a product Aᵀ·W whose
-// inner dimension is the rows (the channel gate's dB_c = dL_cᵀ·H_c, rank kw). A source holds
-// f32 values, or bf16 ones (read as f32). shapes.v[s] packs cols | kw << 32 | bf16 << 48 and
-// strides.v[s] ld | wld << 32 (every list of a launch must fit the 4 KB of kernel arguments
-// every CUDA version takes). Grid (Σ_s ⌈cols/32⌉, chunks): sum s has
-// the blocks from first_block.v[s] on, one per 32 of its own columns. Each block writes one
-// chunk's sums of its 32 columns, partial[partial_at.v[s] + (chunk·cols + col)·outputs + k]
-// (outputs = max(kw, 1)); the last of the chunks' blocks of a column block
-// (last_block_to_arrive on arrivals[blockIdx.x]) adds its columns' chunks in order in f64
-// (chunk_total: column_sums_finish's additions, so a plain sum has column_sums' bits), with
-// the whole parallelism of a separate finish kernel's block and no second launch.
-extern "C" __global__ void column_sums_many(TensorList srcs, TensorList shapes, TensorList strides,
-                                            TensorList weights, TensorList first_block, i64 count, i64 rows,
-                                            i64 rows_per_chunk, TensorList partial_at, float* partial,
-                                            TensorList dsts, unsigned int* arrivals) {
+// gradients, from its row kernel's block terms): sum s reads srcs.v[s] (cols.v[s] columns,
+// row stride lds.v[s]), dsts.v[s][col] = Σ_r src[r·ld + col]. Grid (Σ_s ⌈cols/32⌉, chunks):
+// sum s has the blocks from first_block.v[s] on, one per 32 of its own columns. Each block
+// writes one chunk's sums of its 32 columns, partial[partial_at.v[s] + chunk·cols + col]; the
+// last of the chunks' blocks of a column block (last_block_to_arrive on arrivals[blockIdx.x])
+// adds its columns' chunks in order in f64 (chunk_total: column_sums_finish's additions, so
+// each sum has column_sums' bits), with the whole parallelism of a separate finish kernel's
+// block and no second launch.
+extern "C" __global__ void column_sums_many(TensorList srcs, TensorList cols_of, TensorList lds,
+                                            TensorList first_block, i64 count, i64 rows, i64 rows_per_chunk,
+                                            TensorList partial_at, float* partial, TensorList dsts,
+                                            unsigned int* arrivals) {
     __shared__ float tile[8][33];
-    __shared__ float weighted[8][8][33];  // weighted_chunk_sum's: 8 row lanes × 8 weights × 32 columns
-    __shared__ float finish[8][32];       // chunk_total's tile: 8 chunks side by side (the block's rows)
+    __shared__ float finish[8][32];  // chunk_total's tile: 8 chunks side by side (the block's rows)
     const int s = list_entry_of_block(first_block, count);
-    const i64 cols = shapes.v[s] & 0xffffffffLL, ld = strides.v[s] & 0xffffffffLL, wld = strides.v[s] >> 32;
-    const int kw = (int)((shapes.v[s] >> 32) & 0xffff), outputs = kw > 0 ? kw : 1;
-    const bool bf16_src = (shapes.v[s] >> 48) & 1;
+    const i64 cols = cols_of.v[s], ld = lds.v[s];
     const i64 col = ((i64)blockIdx.x - first_block.v[s]) * 32 + threadIdx.x;
     const bool valid = col < cols;
     const i64 chunk = blockIdx.y, chunks = gridDim.y;
     const i64 r0 = chunk * rows_per_chunk;
     const i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
-    float* chunk_out = partial + partial_at.v[s] + (chunk * cols + col) * outputs;
-    if (bf16_src) {
-        sum_chunk((const bf16_t*)srcs.v[s] + col, ld, (const float*)weights.v[s], wld, kw, valid, r0, r1, tile,
-                  weighted, chunk_out);
-    } else {
-        sum_chunk((const float*)srcs.v[s] + col, ld, (const float*)weights.v[s], wld, kw, valid, r0, r1, tile,
-                  weighted, chunk_out);
-    }
+    column_chunk_sum((const float*)srcs.v[s] + col, ld, valid, r0, r1, tile,
+                     partial + partial_at.v[s] + chunk * cols + col);
     if (!last_block_to_arrive(arrivals + blockIdx.x, gridDim.y)) return;
-    const volatile float* totals = partial + partial_at.v[s] + col * outputs;
-    float* dst = (float*)dsts.v[s] + col * outputs;
-    for (int k = 0; k < outputs; ++k) {
-        float total = chunk_total(chunks, valid, finish, [&](i64 c) { return totals[c * cols * outputs + k]; });
-        if (threadIdx.y == 0 && valid) dst[k] = total;
-    }
+    const volatile float* totals = partial + partial_at.v[s] + col;
+    const float total = chunk_total(chunks, valid, finish, [&](i64 c) { return totals[c * cols]; });
+    if (threadIdx.y == 0 && valid) ((float*)dsts.v[s])[col] = total;
 }
 
 // Whether (v, i) beats (best, bi): NaN beats numbers, larger beats smaller, and among
