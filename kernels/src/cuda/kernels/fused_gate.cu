@@ -375,8 +375,8 @@ __device__ __forceinline__ void column_weight(const GateGroup& g, i64 j, bool co
 // computes each row's H and γ_s once, into shared memory, where every thread reads them as a
 // broadcast. Each thread issues the Z loads of FG_APPLY_CHUNK rows before it computes and
 // stores their outputs, so that several loads per thread are in flight. __launch_bounds__ asks
-// for 3 blocks an SM (24 warps, at most 85 registers a thread; ptxas: 80 and a 4-byte spill)
-// rather than the 2 that its free choice of 98 registers allows: half again as many loads in
+// for 3 blocks an SM (24 warps, at most 85 registers a thread; ptxas: 80, no spill)
+// rather than the 2 that its free choice of 107 registers allows: half again as many loads in
 // flight for a memory-bound kernel (bench/kernel_resources.py shows the counts).
 #define FG_APPLY_THREADS 256
 #define FG_APPLY_BLOCKS_PER_SM 3
