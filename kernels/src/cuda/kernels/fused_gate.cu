@@ -519,13 +519,13 @@ extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_P
 // the block's terms of those sums (a column sum over the blocks adds them up: no dL_c
 // [N, d_out] is stored and read back). The row sums over columns (dH_c, d/dγ_s, dα_c) go
 // through the warp sums below into per-warp shared slots (FG_BACK_ROWS × 8 warps × (rc + 2)
-// floats of dynamic shared memory), then, added in warp order, onto the row's sums of the
+// floats), then, added in warp order, onto the row's sums of the
 // earlier tiles (row_sums, the block's own rows). Every order of additions is fixed, there
 // are no atomics, and a block reads back only what it wrote itself. A thread issues the dẐ
 // and Z loads of FG_BACK_CHUNK rows before it computes them (8 rows: 16 warps an SM × 8 ×
 // 6 bytes a lane, 24 KB in flight). ptxas (bench/kernel_resources.py): 128 registers under
-// the 2-blocks-an-SM bound, 16 warps an SM; the register path alone takes 126 with no spill,
-// the other ranks' path spills 12 bytes.
+// the 2-blocks-an-SM bound, 16 warps an SM; the register path alone fits them with no spill,
+// the other ranks' path spills 16 bytes.
 #define FG_BACK_THREADS 256
 #define FG_BACK_WARPS (FG_BACK_THREADS / 32)
 #define FG_BACK_TILE FG_BACK_THREADS
@@ -594,12 +594,16 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dou
                                                    float* row_terms) {
     const GateGroup g = gate_group(params, layout, blockIdx.y);
     const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
-    __shared__ f32x4 h_quads[FG_BACK_ROWS][FG_MAX_RANK / 4];  // each row's H, 16-byte aligned
-    __shared__ float gate_rows[FG_BACK_ROWS];                // each row's γ_s
-    __shared__ float warp_terms[FG_BACK_WARPS][FG_BACK_TERMS];
-    // slots[(row·warps + warp)·sums + t]: warp `warp`'s sum of dH_c[t] (t < rc), d/dγ_s (rc)
-    // and dα_c (rc + 1) over its columns of the row.
-    DYNAMIC_SHARED(float, slots);
+    // All of it dynamic shared memory (backward_shared_bytes in cuda/fused_gate/mod.rs), so
+    // the two instantiations share one allocation: each row's H (16-byte aligned), each row's
+    // γ_s, each warp's sums of the summaries' terms, then the slots: slots[(row·warps +
+    // warp)·sums + t] is warp `warp`'s sum of dH_c[t] (t < rc), d/dγ_s (rc) and dα_c (rc + 1)
+    // over its columns of the row.
+    DYNAMIC_SHARED(f32x4, backward_shared);
+    f32x4(*h_quads)[FG_MAX_RANK / 4] = reinterpret_cast<f32x4(*)[FG_MAX_RANK / 4]>(backward_shared);
+    float* gate_rows = reinterpret_cast<float*>(backward_shared + FG_BACK_ROWS * (FG_MAX_RANK / 4));
+    float(*warp_terms)[FG_BACK_TERMS] = reinterpret_cast<float(*)[FG_BACK_TERMS]>(gate_rows + FG_BACK_ROWS);
+    float* slots = warp_terms[FG_BACK_WARPS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r = rc + rs, sums = rc + 2;
     const i64 d_out = g.d_out, groups = gridDim.y;
