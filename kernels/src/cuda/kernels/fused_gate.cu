@@ -519,8 +519,8 @@ extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_P
 // the block's terms of those sums (a column sum over the blocks adds them up: no dL_c
 // [N, d_out] is stored and read back). The row sums over columns (dH_c, d/dγ_s, dα_c) go
 // through the warp sums below into per-warp shared slots (FG_BACK_ROWS × 8 warps × (rc + 2)
-// floats), then, added in warp order, onto the row's sums of the
-// earlier tiles (row_sums, the block's own rows). Every order of additions is fixed, there
+// floats), then, added in warp order, onto the row's sums of the earlier tiles (row_sums,
+// the block's own rows). Every order of additions is fixed, there
 // are no atomics, and a block reads back only what it wrote itself. A thread issues the dẐ
 // and Z loads of FG_BACK_CHUNK rows before it computes them (8 rows: 16 warps an SM × 8 ×
 // 6 bytes a lane, 24 KB in flight). ptxas (bench/kernel_resources.py): 128 registers under
@@ -536,8 +536,8 @@ extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_P
 
 // Sums each of v[0..8) over the warp's 32 lanes in 9 shuffles rather than 8 butterflies' 40:
 // each step hands half of a lane's values to its partner and keeps the other half, so lane l
-// ends with value (l >> 2) & 7's total (every lane returns a total; lanes l, l ^ 1 and l ^ 2
-// hold the same one). The order of additions is fixed.
+// ends with value (l >> 2) & 7's total (every lane returns one; the four lanes of a quad,
+// l & ~3 to l | 3, the same). The order of additions is fixed.
 __device__ __forceinline__ float warp_sum_eight(float (&v)[8]) {
     const int lane = threadIdx.x & 31;
     const bool up16 = lane & 16, up8 = lane & 8, up4 = lane & 4;
