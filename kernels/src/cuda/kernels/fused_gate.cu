@@ -315,9 +315,10 @@ extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r64(FG_P
 // projections of one input at once (q, k and v; gate and up), each with its own weights and
 // modulators: the GEMM's ZU rows hold the groups' [Z_g | U_cg | U_sg] side by side
 // (zu_width columns in all) and the outputs their Ẑ_g side by side (out_width columns).
-// Both are column-stationary: a thread owns a pair of adjacent output columns, keeps their
-// B_c weights and b_c in registers while it walks a block of rows, and reads each row's H
-// and γ_s, which the block computes once into shared memory, as broadcasts.
+// Both are column-stationary: a thread owns output columns (a pair of adjacent ones in the
+// apply, one in the backward), keeps their B_c weights and b_c in registers while it walks
+// a block of rows, and reads each row's H and γ_s, which the block computes once into
+// shared memory, as broadcasts.
 
 // One projection of a grouped launch (group_lists in cuda/fused_gate/mod.rs): its modulators'
 // parameters (params.v[8g ..]: a_c, B_c, b_c, α_c, a_s, B_s, b_s, α_s; α as one-element device
@@ -525,7 +526,7 @@ extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_P
 // and Z loads of FG_BACK_CHUNK rows before it computes them (8 rows: 16 warps an SM × 8 ×
 // 6 bytes a lane, 24 KB in flight). ptxas (bench/kernel_resources.py): 128 registers under
 // the 2-blocks-an-SM bound, 16 warps an SM; the register path alone fits them with no spill,
-// the other ranks' path spills 16 bytes.
+// the other ranks' path spills 20 bytes.
 #define FG_BACK_THREADS 256
 #define FG_BACK_WARPS (FG_BACK_THREADS / 32)
 #define FG_BACK_TILE FG_BACK_THREADS
@@ -717,10 +718,14 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dou
           dlogit_s_sum = 0.0f;
     for (i64 n = first + warp; n < end; n += FG_BACK_WARPS) {
         const i64 zu_row = n * zu_width + g.zu_at;
+        float pre[2];  // U + a of this lane's ranks t = lane, lane + 32
         __syncwarp();  // every lane is done with the previous row's h
-        for (int t = lane; t < r; t += 32) {
-            const float a = t < rc ? g.a_c[t] : g.a_s[t - rc];
-            h[t] = unary_f(phi, as_f32(zu[zu_row + d_out + t]) + a, phi_p);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int t = lane + 32 * q;
+            if (t >= r) break;
+            pre[q] = as_f32(zu[zu_row + d_out + t]) + (t < rc ? g.a_c[t] : g.a_s[t - rc]);
+            h[t] = unary_f(phi, pre[q], phi_p);
         }
         __syncwarp();
         const float gate_s = scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
@@ -739,8 +744,7 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dou
             const int t = lane + 32 * q;
             if (t >= r) break;
             const bool channel = t < rc;
-            const float pre = as_f32(zu[zu_row + d_out + t]) + (channel ? g.a_c[t] : g.a_s[t - rc]);
-            const float dphi = unary_df(phi, pre, h[t], phi_p);
+            const float dphi = unary_df(phi, pre[q], h[t], phi_p);
             const float du = channel ? row[t] * dphi : dlogit_s * g.b_sw[t - rc] * dphi;
             du_sum[q] += du;
             if (!channel) hs_sum[q] += dlogit_s * h[t];
