@@ -30,7 +30,7 @@ impl CounterSnapshot {
     }
 
     /// [`CounterSnapshot::since`] as JSON: every scalar counter by name, plus
-    /// `launches_by_kernel`; `null` on the CPU.
+    /// `launches_by_kernel` and `bytes_by_kernel`; `null` on the CPU.
     pub fn since_json(&self, earlier: &CounterSnapshot) -> Value {
         let Some(delta) = self.since(earlier) else { return Value::Null };
         let mut object = serde_json::Map::new();
@@ -38,6 +38,7 @@ impl CounterSnapshot {
             object.insert(name.to_string(), Value::from(value));
         }
         object.insert("launches_by_kernel".to_string(), serde_json::json!(delta.launches_by_kernel));
+        object.insert("bytes_by_kernel".to_string(), serde_json::json!(delta.bytes_by_kernel));
         Value::Object(object)
     }
 }

@@ -19,6 +19,9 @@ use std::sync::{Mutex, MutexGuard};
 pub struct DeviceCounters {
     /// Kernel launches and cuBLAS calls, by kernel name (cuBLAS calls by function).
     pub launches_by_kernel: BTreeMap<&'static str, u64>,
+    /// Bytes touched by kernel launches and cuBLAS calls, by the same names (the part of
+    /// `bytes_touched` that is not memsets and copies): where a step's memory traffic goes.
+    pub bytes_by_kernel: BTreeMap<&'static str, u64>,
     /// Every launch: kernels plus cuBLAS calls (the sum of `launches_by_kernel`).
     pub launches: u64,
     /// cuBLAS products with bf16 operands on the tensor cores (`cublasGemmEx`).
@@ -122,6 +125,10 @@ impl DeviceCounters {
             *count = count.saturating_sub(earlier.launches_by_kernel.get(name).copied().unwrap_or(0));
         }
         delta.launches_by_kernel.retain(|_, count| *count > 0);
+        for (name, bytes) in delta.bytes_by_kernel.iter_mut() {
+            *bytes = bytes.saturating_sub(earlier.bytes_by_kernel.get(name).copied().unwrap_or(0));
+        }
+        delta.bytes_by_kernel.retain(|name, _| delta.launches_by_kernel.contains_key(name));
         for (field, before) in delta.fields_mut().into_iter().zip(earlier.fields()) {
             *field = field.saturating_sub(before);
         }
@@ -172,6 +179,9 @@ impl Counters {
         for (name, count) in &work.launches_by_kernel {
             *c.launches_by_kernel.entry(name).or_default() += count;
         }
+        for (name, bytes) in &work.bytes_by_kernel {
+            *c.bytes_by_kernel.entry(name).or_default() += bytes;
+        }
         for (field, add) in c.fields_mut().into_iter().zip(work.fields()) {
             *field += add;
         }
@@ -183,6 +193,7 @@ impl Counters {
         let mut c = self.lock();
         c.launches += 1;
         *c.launches_by_kernel.entry(name).or_default() += 1;
+        *c.bytes_by_kernel.entry(name).or_default() += bytes;
         c.bytes_touched += bytes;
     }
 
@@ -191,6 +202,7 @@ impl Counters {
         let mut c = self.lock();
         c.launches += 1;
         *c.launches_by_kernel.entry(name).or_default() += 1;
+        *c.bytes_by_kernel.entry(name).or_default() += bytes;
         c.bytes_touched += bytes;
         match kind {
             GemmKind::Bf16TensorCore => {
@@ -281,6 +293,7 @@ mod tests {
         counters.collective(40);
         let delta = counters.snapshot(5, 1).since(&before);
         assert_eq!(delta.launches_by_kernel, BTreeMap::from([("b", 2), ("cublasGemmEx", 1)]));
+        assert_eq!(delta.bytes_by_kernel, BTreeMap::from([("b", 20), ("cublasGemmEx", 24)]));
         let totals: BTreeMap<&str, u64> = delta.totals().into_iter().collect();
         let expected = [
             ("launches", 3),
@@ -321,6 +334,7 @@ mod tests {
         counters.replay(&work);
         let after = counters.snapshot(0, 0).since(&before);
         assert_eq!(after.launches_by_kernel, BTreeMap::from([("b", 2)]));
+        assert_eq!(after.bytes_by_kernel, BTreeMap::from([("b", 20)]));
         assert_eq!((after.launches, after.memsets, after.bytes_touched, after.graph_launches), (2, 2, 28, 2));
     }
 }

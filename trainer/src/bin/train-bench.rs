@@ -24,8 +24,8 @@
 //! device), and the JSON's `"counters"` holds what the device was
 //! asked to do in it: launches (by kernel in `launches_by_kernel`), cuBLAS calls and FLOPs
 //! by precision (`f32_simt_gemm_flops`: products off the tensor cores), host
-//! synchronisations, pageable and pinned copies, driver allocations, bytes touched
-//! (`kernels::cuda::counters`). Then `--steps` more steps run back to back with one wait at
+//! synchronisations, pageable and pinned copies, driver allocations, bytes touched (by
+//! kernel in `bytes_by_kernel`; `kernels::cuda::counters`). Then `--steps` more steps run back to back with one wait at
 //! the end (`"queued_tokens_per_s"`, `"queued_step_ms"`): the host prepares a step while the
 //! device runs the one before, as in `transponder train`, which reads each loss one step
 //! late. `--cuda-graph` makes those untimed steps replays of the training step captured as a
