@@ -112,7 +112,6 @@ fn tensor_core_attention(dev: &CudaDevice, schedule: Schedule) -> (Vec<Vec<f32>>
     .unwrap();
     cuda::attention::causal_attention_naive(dev, &q, &k, &v, &dims, &mut naive).unwrap();
     let (mut dq, mut dk, mut dv) = (alloc(), alloc(), alloc());
-    let dv_twin = (&mut dv, None);
     cuda::attention::causal_attention_backward(
         dev,
         [&q, &k, &v].map(Values::F32),
@@ -121,9 +120,9 @@ fn tensor_core_attention(dev: &CudaDevice, schedule: Schedule) -> (Vec<Vec<f32>>
         &dout,
         &dims,
         Bf16,
-        &mut dq,
-        &mut dk,
-        dv_twin,
+        ValuesMut::F32(&mut dq),
+        ValuesMut::F32(&mut dk),
+        (ValuesMut::F32(&mut dv), None),
     )
     .unwrap();
     let error = max_difference(&dev.download(&out).unwrap(), &dev.download(&naive).unwrap());

@@ -208,7 +208,7 @@ fn bench_gate_up(dev: &CudaDevice, tokens: usize, d: usize, hidden: usize) -> Re
     let alloc = |len: usize| dev.alloc::<f32>(len);
     let (mut g, mut u, mut gu) = (alloc(tokens * hidden)?, alloc(tokens * hidden)?, alloc(tokens * 2 * hidden)?);
     let (mut h_two, mut h_one) = (alloc(tokens * hidden)?, alloc(tokens * hidden)?);
-    let (mut dg, mut du, mut dgu) = (alloc(tokens * hidden)?, alloc(tokens * hidden)?, alloc(tokens * 2 * hidden)?);
+    // The backward's gradients in bf16 alone, as training writes them under bf16 products.
     let (mut dg16, mut du16) = (dev.alloc::<bf16>(tokens * hidden)?, dev.alloc::<bf16>(tokens * hidden)?);
     let mut dgu16 = dev.alloc::<bf16>(tokens * 2 * hidden)?;
     let (mut dx_two, mut dx_one) = (alloc(tokens * d)?, alloc(tokens * d)?);
@@ -233,12 +233,12 @@ fn bench_gate_up(dev: &CudaDevice, tokens: usize, d: usize, hidden: usize) -> Re
         DeviceMat { buffer, offset: 0, row_stride, col_stride: 1 }
     }
     let backward_two_s = best_seconds(dev, || {
-        swiglu_backward(dev, &g, &u, &dh, &mut dg, &mut du, (Some(&mut dg16), Some(&mut du16)))?;
+        swiglu_backward(dev, &g, &u, &dh, ValuesMut::Bf16(&mut dg16), ValuesMut::Bf16(&mut du16))?;
         matmul_bf16(dev, &mut dx_two, 0, lhs(&dg16, hidden), weight(0), input_grad, Store::Overwrite)?;
         matmul_bf16(dev, &mut dx_two, 0, lhs(&du16, hidden), weight(hidden), input_grad, Store::Accumulate)
     })?;
     let backward_one_s = best_seconds(dev, || {
-        swiglu_halves_backward(dev, Values::F32(&gu), &dh, hidden, &mut dgu, Some(&mut dgu16))?;
+        swiglu_halves_backward(dev, Values::F32(&gu), &dh, hidden, ValuesMut::Bf16(&mut dgu16))?;
         let both = GemmDims { m: tokens, n: d, k: 2 * hidden };
         matmul_bf16(dev, &mut dx_one, 0, lhs(&dgu16, 2 * hidden), weight(0), both, Store::Overwrite)
     })?;
@@ -325,8 +325,10 @@ fn bench_gate_group(dev: &CudaDevice, tokens: usize, d: usize) -> Result<()> {
     let mut zu_singles = (0..3).map(|_| DeviceValues::alloc(dev, tokens * width, true)).collect::<Result<Vec<_>>>()?;
     let mut floor = dev.alloc::<f32>(tokens * k)?;
     let mut out_singles = (0..3).map(|_| dev.alloc::<f32>(tokens * d)).collect::<Result<Vec<_>>>()?;
-    let dout = dev.upload(&values(tokens * 3 * d, 31, 1.0))?;
-    let dout_single = dev.upload(&values(tokens * d, 31, 1.0))?;
+    // dẐ in bf16, as RoPE's backward writes q, k and v's under bf16 products.
+    let upload_bf16 =
+        |len, seed| dev.upload(&values(len, seed, 1.0).into_iter().map(bf16::from_f32).collect::<Vec<_>>());
+    let (dout, dout_single) = (upload_bf16(tokens * 3 * d, 31)?, upload_bf16(tokens * d, 31)?);
 
     let mut forward_three = || -> Result<()> {
         for (i, single) in singles.iter().enumerate() {
@@ -349,13 +351,14 @@ fn bench_gate_group(dev: &CudaDevice, tokens: usize, d: usize) -> Result<()> {
         for i in 0..3 {
             let products = GateProducts::Bf16 { x: &x16, packed: &packed_singles[i] };
             let zu = &zu_singles[i];
-            fused_gate_backward(dev, &singles[i], zu, &dout_single, products, &mut grads_singles[i].device())?;
+            let dout = Values::Bf16(&dout_single);
+            fused_gate_backward(dev, &singles[i], zu, dout, products, &mut grads_singles[i].device())?;
         }
         Ok(())
     })?;
     let backward_group_s = best_seconds(dev, || {
         let products = GateProducts::Bf16 { x: &x16, packed: &packed };
-        fused_gate_backward(dev, &group, &zu, &dout, products, &mut grads.device())
+        fused_gate_backward(dev, &group, &zu, Values::Bf16(&dout), products, &mut grads.device())
     })?;
 
     // The floor: the bare products of the group's shape (bf16 in, f32 out).
@@ -412,7 +415,6 @@ fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, hea
     // measures it beside us), with f32 products and, where the head dim fits, bf16 ones on
     // the tensor cores (checked against the naive f32 kernel to bf16's precision).
     let dout = dev.upload(&values(len, 14, 1.0))?;
-    let (mut dq, mut dk, mut dv) = (dev.alloc::<f32>(len)?, dev.alloc::<f32>(len)?, dev.alloc::<f32>(len)?);
     let mut precisions = vec![(AttentionPrecision::F32, 1e-4)];
     if tensor_cores_fit(head_dim) {
         precisions.push((AttentionPrecision::Bf16, 2e-2));
@@ -435,10 +437,14 @@ fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, hea
         let what = format!("flash attention ({precision:?}) B={batch} T={seq} H={heads} D={head_dim}");
         let worst = check(&what, &flash, &naive, tolerance);
         let flash_s = best_seconds(dev, || forward(&mut out, &mut lse))?;
+        // The gradients as training writes them: bf16 alone from the tensor cores, else f32.
+        let grads_bf16 = precision == AttentionPrecision::Bf16;
+        let alloc_grad = || DeviceValues::alloc(dev, len, grads_bf16);
+        let (mut dq, mut dk, mut dv) = (alloc_grad()?, alloc_grad()?, alloc_grad()?);
         let train_s = best_seconds(dev, || {
             forward(&mut out, &mut lse)?;
-            let dv = (&mut dv, None);
-            causal_attention_backward(dev, qkv, out.values(), &lse, &dout, &dims, precision, &mut dq, &mut dk, dv)
+            let (dq, dk, dv) = (dq.values_mut(), dk.values_mut(), (dv.values_mut(), None));
+            causal_attention_backward(dev, qkv, out.values(), &lse, &dout, &dims, precision, dq, dk, dv)
         })?;
         println!(
             "attention {precision:?} B={batch} T={seq} H={heads} D={head_dim} | flash {:>8.3} ms | naive {:>8.3} ms \

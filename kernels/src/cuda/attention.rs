@@ -8,7 +8,8 @@
 //! so `D ≤` [`MAX_HEAD_DIM`]; the tensor-core kernels take `D` ∈ {16, 32, 48, 64}
 //! ([`tensor_cores_fit`]); `B·H` is a grid dimension (≤ 65 535). Backward writes
 //! `dq`, `dk`, `dv` (every row once). The output and `dv`, which bf16 products read, may
-//! also be written as bf16 twins (rounded to nearest even) instead of converted later. q, k
+//! also be written as bf16 twins (rounded to nearest even) instead of converted later; the
+//! tensor-core kernels may write each gradient in bf16 alone. q, k
 //! and v are f32, or (for the tensor-core kernels) bf16 ([`Values`]): RoPE writes them so
 //! under bf16 products, rounded as the kernels' staging would round them. From bf16 q, k and
 //! v the output may be written in bf16 only, as FlashAttention-2 stores it; the backward then
@@ -252,8 +253,10 @@ pub fn causal_attention_forward(
 
 /// `dq, dk, dv =` gradients, recomputing probabilities from q, k and `lse`
 /// (`δ_i = Σ dout_i ⊙ out_i`), with products in `precision` (that of the forward which made
-/// `out` and `lse`); `out` is bf16 for bf16 q, k and v, else f32. `dv_bf16`, when given, gets
-/// `dv` rounded to nearest even.
+/// `out` and `lse`); `out` is bf16 for bf16 q, k and v, else f32. Each gradient is written
+/// in f32, or (the tensor-core kernels) rounded to bf16 alone when it is a bf16 buffer (its
+/// readers under bf16 products: RoPE's backward, the projections' products); `dv_bf16`, when
+/// given beside an f32 `dv`, gets `dv` rounded to nearest even.
 #[allow(clippy::too_many_arguments)]
 pub fn causal_attention_backward(
     dev: &CudaDevice,
@@ -263,14 +266,14 @@ pub fn causal_attention_backward(
     dout: &DeviceBuffer<f32>,
     dims: &AttentionDims,
     precision: AttentionPrecision,
-    dq: &mut DeviceBuffer<f32>,
-    dk: &mut DeviceBuffer<f32>,
-    (dv, mut dv_bf16): (&mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>),
+    dq: ValuesMut,
+    mut dk: ValuesMut,
+    (mut dv, mut dv_bf16): (ValuesMut, Option<&mut DeviceBuffer<bf16>>),
 ) -> Result<()> {
     const OP: &str = "causal_attention_backward";
     let bf16_inputs = check_qkv(dev, OP, &qkv, precision)?;
     out.check_owner(dev, OP)?;
-    check_owners(dev, OP, &[lse, dout, dq, dk, dv])?;
+    check_owners(dev, OP, &[lse, dout])?;
     ensure(out.is_bf16() == bf16_inputs, OP, || {
         "the saved output is bf16 exactly when q, k and v are (the tensor-core kernels)".to_string()
     })?;
@@ -278,29 +281,35 @@ pub fn causal_attention_backward(
     let d = check(OP, dims, q.len(), k.len(), v.len())?;
     ensure(out.len() == q.len() && dout.len() == q.len(), OP, || "out or dout has the wrong length".to_string())?;
     ensure_len(OP, "lse", lse.len(), dims.lse_len())?;
-    ensure(dq.len() == q.len() && dk.len() == k.len() && dv.len() == v.len(), OP, || {
-        "a gradient has the wrong length".to_string()
-    })?;
-    check_twin(dev, OP, "dv_bf16", &dv_bf16, dv.len())?;
+    check_grads(dev, OP, [dq.as_values(), dk.as_values(), dv.as_values()], [q.len(), k.len(), v.len()], precision)?;
+    ensure(!dv.as_values().is_bf16() || dv_bf16.is_none(), OP, || "a bf16 dv takes no bf16 twin".to_string())?;
+    check_twin(dev, OP, "dv_bf16", &dv_bf16, v.len())?;
     d.check_precision(dev, OP, precision)?;
     if d.is_empty() {
         // No queries: keys and values that nothing attends to have zero gradients.
-        dev.fill_zero(dk)?;
         if let Some(twin) = dv_bf16.as_deref_mut() {
             dev.fill_zero(twin)?;
         }
-        return dev.fill_zero(dv);
+        dk.fill_zero(dev)?;
+        return dv.fill_zero(dev);
     }
+    let (dq, dk, dv) = (dq.as_values(), dk.as_values(), dv.as_values());
     let AttentionDims { q_seq, kv_seq, head_dim, .. } = *dims;
     // δ per query (Σ dout ⊙ out), written by the dq kernel and read by the dk, dv kernel.
     // It goes back to the pool on return; later users are queued after these kernels.
     let delta = dev.alloc::<f32>(dims.lse_len())?;
     let (q, k, v) = (q.arg_at(0), k.arg_at(0), v.arg_at(0));
-    let mut dq_args = vec![q.clone(), k.clone(), v.clone(), out.arg_at(0), ptr(dout), ptr(lse), ptr(&delta), ptr(dq)];
-    let dv_bf16 = opt_ptr(dv_bf16.as_deref());
-    let mut dkv_args = vec![q, k, v, ptr(dout), ptr(lse), ptr(&delta), ptr(dk), ptr(dv), dv_bf16];
+    let [dq_f32, dq_bf16] = dq.typed_args_at(0);
+    let [dk_f32, dk_bf16] = dk.typed_args_at(0);
+    let [dv_f32, dv_own_bf16] = dv.typed_args_at(0);
+    let dv_bf16 = if dv.is_bf16() { dv_own_bf16 } else { opt_ptr(dv_bf16.as_deref()) };
+    let mut dq_args = vec![q.clone(), k.clone(), v.clone(), out.arg_at(0), ptr(dout), ptr(lse), ptr(&delta), dq_f32];
+    let mut dkv_args = vec![q, k, v, ptr(dout), ptr(lse), ptr(&delta), dk_f32];
     if precision == AttentionPrecision::Bf16 {
+        // The tensor-core kernels take each gradient's bf16 pointer beside its f32 one.
+        dq_args.push(dq_bf16);
         dq_args.extend(d.mma_args());
+        dkv_args.extend([dk_bf16, dv_f32, dv_bf16]);
         dkv_args.extend(d.mma_args());
         let (dq_kernels, dkv_kernels) = if bf16_inputs { (MMA_DQ_BF16, MMA_DKV_BF16) } else { (MMA_DQ, MMA_DKV) };
         dev.launch(MMA_FAMILY, d.mma_kernel(dq_kernels), d.mma_grid(q_seq), &dq_args)?;
@@ -309,9 +318,29 @@ pub fn causal_attention_backward(
     let stride = d.tile_stride();
     dq_args.extend(d.args());
     dev.launch(FAMILY, "attention_backward_dq", d.grid(q_seq, 2 * TILE * stride + 2 * WARPS * head_dim), &dq_args)?;
+    dkv_args.extend([dv_f32, dv_bf16]);
     dkv_args.extend(d.args());
     let shared = 2 * TILE * stride + 2 * WARPS * head_dim + 2 * TILE;
     dev.launch(FAMILY, "attention_backward_dkv", d.grid(kv_seq, shared), &dkv_args)
+}
+
+/// Checks the backward's gradients `[dq, dk, dv]`: `dev`'s, of the lengths of q, k and v, and
+/// in bf16 only for the tensor-core kernels.
+fn check_grads(
+    dev: &CudaDevice,
+    op: &'static str,
+    grads: [Values; 3],
+    lens: [usize; 3],
+    precision: AttentionPrecision,
+) -> Result<()> {
+    for (grad, len) in grads.iter().zip(lens) {
+        grad.check_owner(dev, op)?;
+        ensure(grad.len() == len, op, || format!("a gradient has {} elements, its input {len}", grad.len()))?;
+        ensure(!grad.is_bf16() || precision == AttentionPrecision::Bf16, op, || {
+            "gradients in bf16 need the tensor-core kernels".to_string()
+        })?;
+    }
+    Ok(())
 }
 
 /// The unfused baseline (for benches): materialises the `[B·H·Tq, Tk]` score matrix in

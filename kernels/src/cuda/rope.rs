@@ -199,41 +199,44 @@ pub fn rope_qkv_forward(
 }
 
 /// The backward of [`rope_qkv_forward`]: `dqkv: [B, T, 3, H, D]` from the dense gradients of
-/// its outputs (`Rᵀ dq`, `Rᵀ dk` and `dv` side by side in each token's row), in one launch;
-/// `dqkv_bf16`, when given, gets the same values rounded to nearest even (the packed
-/// product's input gradient reads it).
+/// its outputs (`Rᵀ dq`, `Rᵀ dk` and `dv` side by side in each token's row), in one launch.
+/// The gradients are all f32 or all bf16 (the tensor-core attention's backward writes them
+/// so); `dqkv` is written in f32, or rounded to bf16 alone (nearest even) when it is bf16: the
+/// packed product's backward, or the fused gate's, reads it so.
 pub fn rope_qkv_backward(
     dev: &CudaDevice,
-    [dq, dk, dv]: [&DeviceBuffer<f32>; 3],
+    grads: [Values; 3],
     dims: RopeDims,
-    dqkv: &mut DeviceBuffer<f32>,
-    dqkv_bf16: Option<&mut DeviceBuffer<bf16>>,
+    dqkv: ValuesMut,
     cos: &DeviceBuffer<f32>,
     sin: &DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "rope_qkv_backward";
     let part_len = dims.len();
-    check_owners(dev, OP, &[dq, dk, dv, dqkv])?;
+    let dqkv = dqkv.as_values();
+    dqkv.check_owner(dev, OP)?;
     ensure(dqkv.len() == 3 * part_len, OP, || {
         format!("dqkv has {} elements, 3·[B, T, H, D] needs {}", dqkv.len(), 3 * part_len)
     })?;
-    for grad in [dq, dk, dv] {
+    let bf16_grads = grads[0].is_bf16();
+    for grad in &grads {
+        grad.check_owner(dev, OP)?;
         check_dims(OP, dims, dims, grad.len(), part_len, [cos, sin])?;
-    }
-    if let Some(twin) = &dqkv_bf16 {
-        check_twin(dev, OP, twin, dqkv.len())?;
+        ensure(grad.is_bf16() == bf16_grads, OP, || "dq, dk and dv differ in element type".to_string())?;
     }
     let width = dims.heads * dims.head_dim;
-    let twin = dqkv_bf16.as_deref();
-    let lane = |part: usize, grad: &DeviceBuffer<f32>| Lane {
-        x: grad.device_ptr(),
-        x_stride: width,
-        out: dqkv.ptr_at(part * width),
-        out_stride: 3 * width,
-        out_bf16: twin.map_or(0, |twin| twin.ptr_at(part * width)),
-        heads: dims.heads,
-        rotate: part < 2,
+    let lane = |part: usize, grad: &Values| {
+        let [out, out_bf16] = dqkv.typed_addresses_at(part * width);
+        Lane {
+            x: grad.address(),
+            x_stride: width,
+            out,
+            out_stride: 3 * width,
+            out_bf16,
+            heads: dims.heads,
+            rotate: part < 2,
+        }
     };
-    let lanes = [lane(0, dq), lane(1, dk), lane(2, dv)];
-    launch(dev, dims, &lanes, [cos, sin], true, false)
+    let lanes = [lane(0, &grads[0]), lane(1, &grads[1]), lane(2, &grads[2])];
+    launch(dev, dims, &lanes, [cos, sin], true, bf16_grads)
 }

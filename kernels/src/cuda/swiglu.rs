@@ -5,8 +5,9 @@
 //! `u` once, the backward recomputes σ(g) from `g` and writes (`dg = ...`,
 //! `du = ...`). All buffers hold the same number of elements (any shape, flattened), or, for
 //! the `halves` forms, the gate and up values are the two halves of each row of one product,
-//! f32 or bf16 ([`Values`]: a bf16 product's output). Each output may also be written as a bf16 twin (rounded to
-//! nearest even) for the bf16 products that read it, instead of a conversion launch.
+//! f32 or bf16 ([`Values`]: a bf16 product's output). The forward's output may also be written
+//! as a bf16 twin (rounded to nearest even) for the bf16 products that read it, instead of a
+//! conversion launch, or in bf16 alone; the backward's gradients in f32 or in bf16 alone.
 
 use cudarc::driver::LaunchConfig;
 use half::bf16;
@@ -14,7 +15,7 @@ use half::bf16;
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, Result};
-use super::launch::{check_owners, elementwise, opt_ptr, ptr, ptr_at, size};
+use super::launch::{check_owners, elementwise, ptr, size};
 use super::module::KernelFamily;
 use super::values::{output_with_twin, Values, ValuesMut};
 
@@ -24,15 +25,6 @@ const FAMILY: KernelFamily = KernelFamily::Swiglu;
 /// swiglu.cu); the grid-stride loops make any grid correct.
 fn grid(n: usize) -> LaunchConfig {
     elementwise(n.div_ceil(4))
-}
-
-/// Checks that an output's bf16 twin belongs to `dev` and has `n` elements.
-fn check_twin(dev: &CudaDevice, op: &'static str, twin: &Option<&mut DeviceBuffer<bf16>>, n: usize) -> Result<()> {
-    if let Some(twin) = twin {
-        dev.check_owner(op, twin)?;
-        ensure(twin.len() == n, op, || format!("a bf16 twin has {} elements, its output {n}", twin.len()))?;
-    }
-    Ok(())
 }
 
 /// `out[i] = silu(gate[i]) · up[i]`: f32 (and `out_bf16[i]` = it rounded to bf16, when
@@ -84,18 +76,21 @@ fn check_halves(op: &'static str, len: usize, cols: usize, n: usize) -> Result<(
 }
 
 /// `dgate = dout · up · silu'(gate)` and `dup = dout · silu(gate)`, recomputing σ(gate); each
-/// also rounded to bf16 into its twin of `twins` (`(dgate, dup)`) when given.
+/// written in f32, or rounded to bf16 alone when it is a bf16 buffer (its readers are bf16
+/// products, or a kernel that reads bf16).
 pub fn swiglu_backward(
     dev: &CudaDevice,
     gate: &DeviceBuffer<f32>,
     up: &DeviceBuffer<f32>,
     dout: &DeviceBuffer<f32>,
-    dgate: &mut DeviceBuffer<f32>,
-    dup: &mut DeviceBuffer<f32>,
-    twins: (Option<&mut DeviceBuffer<bf16>>, Option<&mut DeviceBuffer<bf16>>),
+    dgate: ValuesMut,
+    dup: ValuesMut,
 ) -> Result<()> {
     const OP: &str = "swiglu_backward";
-    check_owners(dev, OP, &[gate, up, dout, dgate, dup])?;
+    check_owners(dev, OP, &[gate, up, dout])?;
+    let (dgate, dup) = (dgate.as_values(), dup.as_values());
+    dgate.check_owner(dev, OP)?;
+    dup.check_owner(dev, OP)?;
     let n = dgate.len();
     ensure(gate.len() == n && up.len() == n && dout.len() == n && dup.len() == n, OP, || {
         format!(
@@ -106,39 +101,37 @@ pub fn swiglu_backward(
             dup.len()
         )
     })?;
-    check_twin(dev, OP, &twins.0, n)?;
-    check_twin(dev, OP, &twins.1, n)?;
-    let (dgate_bf16, dup_bf16) = (opt_ptr(twins.0.as_deref()), opt_ptr(twins.1.as_deref()));
-    let args = [ptr(gate), ptr(up), ptr(dout), ptr(dgate), ptr(dup), dgate_bf16, dup_bf16, size(n), size(n), size(n)];
+    let ([dg, dg_bf16], [du, du_bf16]) = (dgate.typed_args_at(0), dup.typed_args_at(0));
+    let args = [ptr(gate), ptr(up), ptr(dout), dg, du, dg_bf16, du_bf16, size(n), size(n), size(n)];
     dev.launch(FAMILY, "swiglu_backward", grid(n), &args)
 }
 
 /// The backward of [`swiglu_halves_forward`]: `d_gate_up: [rows, 2·cols]` (the gate's
 /// gradient in the first `cols` columns of each row, up's in the rest) for `dout: [rows, cols]`,
-/// recomputing σ(gate); also rounded to bf16 into `d_gate_up_bf16` when given.
+/// recomputing σ(gate); written in f32, or rounded to bf16 alone when `d_gate_up` is bf16
+/// (under bf16 products: the gate and up product's backward, or the fused gate's, reads it so).
 pub fn swiglu_halves_backward(
     dev: &CudaDevice,
     gate_up: Values,
     dout: &DeviceBuffer<f32>,
     cols: usize,
-    d_gate_up: &mut DeviceBuffer<f32>,
-    d_gate_up_bf16: Option<&mut DeviceBuffer<bf16>>,
+    d_gate_up: ValuesMut,
 ) -> Result<()> {
     const OP: &str = "swiglu_halves_backward";
     gate_up.check_owner(dev, OP)?;
-    check_owners(dev, OP, &[dout, d_gate_up])?;
+    let d_gate_up = d_gate_up.as_values();
+    d_gate_up.check_owner(dev, OP)?;
+    dev.check_owner(OP, dout)?;
     let n = dout.len();
     check_halves(OP, gate_up.len(), cols, n)?;
     check_halves(OP, d_gate_up.len(), cols, n)?;
-    check_twin(dev, OP, &d_gate_up_bf16, 2 * n)?;
-    let twin = d_gate_up_bf16.as_deref();
-    let (dgate_bf16, dup_bf16) = (opt_ptr(twin), twin.map_or(opt_ptr::<bf16>(None), |t| ptr_at(t, cols)));
+    let ([dgate, dgate_bf16], [dup, dup_bf16]) = (d_gate_up.typed_args_at(0), d_gate_up.typed_args_at(cols));
     let args = [
         gate_up.arg_at(0),
         gate_up.arg_at(cols),
         ptr(dout),
-        ptr(d_gate_up),
-        ptr_at(d_gate_up, cols),
+        dgate,
+        dup,
         dgate_bf16,
         dup_bf16,
         size(n),

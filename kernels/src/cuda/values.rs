@@ -91,6 +91,21 @@ impl Values<'_> {
         }
     }
 
+    /// For a kernel that takes an f32 and a bf16 pointer, one of them null (0): `[address of
+    /// element at, 0]` for f32 values, `[0, address of element at]` for bf16 ones.
+    pub(crate) fn typed_addresses_at(&self, at: usize) -> [u64; 2] {
+        if self.is_bf16() {
+            [0, self.address_at(at)]
+        } else {
+            [self.address_at(at), 0]
+        }
+    }
+
+    /// [`Values::typed_addresses_at`] as kernel arguments.
+    pub(crate) fn typed_args_at(&self, at: usize) -> [Arg; 2] {
+        self.typed_addresses_at(at).map(Arg::Ptr)
+    }
+
     /// The kernel argument: the address of element `at`.
     pub(crate) fn arg_at(&self, at: usize) -> Arg {
         Arg::Ptr(self.address_at(at))
@@ -112,6 +127,14 @@ impl ValuesMut<'_> {
         match self {
             ValuesMut::F32(b) => Values::F32(b),
             ValuesMut::Bf16(b) => Values::Bf16(b),
+        }
+    }
+
+    /// Sets every element to zero (one memset).
+    pub(crate) fn fill_zero(&mut self, dev: &CudaDevice) -> Result<()> {
+        match self {
+            ValuesMut::F32(b) => dev.fill_zero(b),
+            ValuesMut::Bf16(b) => dev.fill_zero(b),
         }
     }
 }

@@ -6,7 +6,7 @@ use kernels::cpu;
 use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::rope::RopeDims;
 use kernels::cuda::attention::AttentionPrecision::{Bf16, F32};
-use kernels::cuda::{self, CudaError, DeviceBuffer, DeviceRun, Values, ValuesMut};
+use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer, DeviceRun, Values, ValuesMut};
 
 use super::{assert_elementwise, assert_reduced, assert_twin, down, stale, up, Rng};
 
@@ -125,19 +125,34 @@ fn rope_of_packed_qkv_agrees() {
         }
         let grads = [0, 1, 2].map(|_| rng.vec(dims.len(), -2.0, 2.0));
         let ggrads = grads.each_ref().map(|g| up(dev, g));
-        let mut dqkv = up(dev, &stale(3 * dims.len()));
-        let mut twin = dev.alloc::<bf16>(3 * dims.len()).unwrap();
-        let [dq, dk, dv] = &ggrads;
-        cuda::rope::rope_qkv_backward(dev, [dq, dk, dv], dims, &mut dqkv, Some(&mut twin), &gcos, &gsin).unwrap();
-        let got = down(dev, &dqkv);
-        for (p, grad) in grads.iter().enumerate() {
-            let mut want = grad.clone();
-            if p < 2 {
-                cpu::rope::rope_backward(grad, &cos, &sin, &dims, &mut want);
+        let backward = |grads: [Values; 3], dqkv: ValuesMut| {
+            cuda::rope::rope_qkv_backward(dev, grads, dims, dqkv, &gcos, &gsin).unwrap();
+        };
+        let unrotated = |grads: &[Vec<f32>; 3], got: &[f32], what: &str| {
+            for (p, grad) in grads.iter().enumerate() {
+                let mut want = grad.clone();
+                if p < 2 {
+                    cpu::rope::rope_backward(grad, &cos, &sin, &dims, &mut want);
+                }
+                assert_elementwise(&format!("{what}, part {p}"), &part(got, p), &want);
             }
-            assert_elementwise(&format!("rope of packed qkv backward, part {p}"), &part(&got, p), &want);
-        }
-        assert_twin(dev, "packed dqkv", &dqkv, &dqkv, &twin);
+        };
+        let mut dqkv = up(dev, &stale(3 * dims.len()));
+        backward(ggrads.each_ref().map(Values::F32), ValuesMut::F32(&mut dqkv));
+        unrotated(&grads, &down(dev, &dqkv), "rope of packed qkv backward");
+        // From bf16 gradients (the tensor-core attention's), into f32 and into bf16 alone:
+        // the rotations of the rounded values, and the bf16 result their rounding.
+        let rounded = grads.each_ref().map(|g| bf16_rounded(g));
+        let grads_bf16 = grads.each_ref().map(|g| to_bf16(dev, g));
+        let (mut from_bf16, mut alone) = (up(dev, &stale(3 * dims.len())), dev.alloc::<bf16>(3 * dims.len()).unwrap());
+        backward(grads_bf16.each_ref().map(Values::Bf16), ValuesMut::F32(&mut from_bf16));
+        unrotated(&rounded, &down(dev, &from_bf16), "rope of packed qkv backward from bf16");
+        backward(grads_bf16.each_ref().map(Values::Bf16), ValuesMut::Bf16(&mut alone));
+        assert_twin(dev, "packed dqkv in bf16 alone", &from_bf16, &from_bf16, &alone);
+        // The three gradients share one element type.
+        let mixed = [Values::Bf16(&grads_bf16[0]), Values::F32(&ggrads[1]), Values::Bf16(&grads_bf16[2])];
+        let refused = cuda::rope::rope_qkv_backward(dev, mixed, dims, ValuesMut::Bf16(&mut alone), &gcos, &gsin);
+        assert!(matches!(refused, Err(CudaError::Shape { .. })), "{refused:?}");
     }
     // A packed buffer of the wrong length is an error, not a wild read.
     let dims = RopeDims { batch: 1, seq: 2, heads: 1, head_dim: 2, pos_offset: 0 };
@@ -289,9 +304,9 @@ fn flash_attention_forward_and_backward_agree() {
             &up(dev, &dout),
             &dims,
             F32,
-            &mut gdq,
-            &mut gdk,
-            (&mut gdv, None),
+            ValuesMut::F32(&mut gdq),
+            ValuesMut::F32(&mut gdk),
+            (ValuesMut::F32(&mut gdv), None),
         )
         .unwrap();
         assert_reduced(&format!("attention dq {c:?}"), &down(dev, &gdq), &dq);
@@ -299,7 +314,7 @@ fn flash_attention_forward_and_backward_agree() {
         assert_reduced(&format!("attention dv {c:?}"), &down(dev, &gdv), &dv);
         let (mut gdv2, mut gdv16) = (up(dev, &sk), dev.alloc::<bf16>(k.len()).unwrap());
         let (out_saved, lse_saved, dout_up) = (up(dev, &out), up(dev, &lse), up(dev, &dout));
-        let dv_twin = (&mut gdv2, Some(&mut gdv16));
+        let dv_twin = (ValuesMut::F32(&mut gdv2), Some(&mut gdv16));
         cuda::attention::causal_attention_backward(
             dev,
             [&gq, &gk, &gv].map(Values::F32),
@@ -308,11 +323,26 @@ fn flash_attention_forward_and_backward_agree() {
             &dout_up,
             &dims,
             F32,
-            &mut gdq,
-            &mut gdk,
+            ValuesMut::F32(&mut gdq),
+            ValuesMut::F32(&mut gdk),
             dv_twin,
         )
         .unwrap();
+        // The CUDA-core kernels write f32 gradients only.
+        let mut dq16 = dev.alloc::<bf16>(q.len()).unwrap();
+        let refused = cuda::attention::causal_attention_backward(
+            dev,
+            [&gq, &gk, &gv].map(Values::F32),
+            Values::F32(&out_saved),
+            &lse_saved,
+            &dout_up,
+            &dims,
+            F32,
+            ValuesMut::Bf16(&mut dq16),
+            ValuesMut::F32(&mut gdk),
+            (ValuesMut::F32(&mut gdv), None),
+        );
+        assert!(matches!(refused, Err(CudaError::Shape { .. })), "{refused:?}");
         assert_twin(dev, &format!("attention dv {c:?}"), &gdv2, &gdv, &gdv16);
     }
     // A head dimension past the kernels' limit is refused.
@@ -333,6 +363,11 @@ fn flash_attention_forward_and_backward_agree() {
 /// `values` rounded to bf16 and back: the operands the tensor-core kernels multiply.
 fn bf16_rounded(values: &[f32]) -> Vec<f32> {
     values.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
+}
+
+/// `values` rounded to bf16, on `dev`.
+fn to_bf16(dev: &CudaDevice, values: &[f32]) -> DeviceBuffer<bf16> {
+    dev.upload(&values.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).unwrap()
 }
 
 /// The tensor-core kernels (bf16 products) against the CPU's f32 attention of the same
@@ -388,7 +423,7 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
             let (mut gdq, mut gdk, mut gdv) =
                 (up(dev, &stale(q.len())), up(dev, &stale(k.len())), up(dev, &stale(k.len())));
             let mut gdv16 = dev.alloc::<bf16>(k.len()).unwrap();
-            let dv_twin = (&mut gdv, Some(&mut gdv16));
+            let dv_twin = (ValuesMut::F32(&mut gdv), Some(&mut gdv16));
             cuda::attention::causal_attention_backward(
                 dev,
                 [&gq, &gk, &gv].map(Values::F32),
@@ -397,8 +432,8 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
                 &gdout,
                 &dims,
                 Bf16,
-                &mut gdq,
-                &mut gdk,
+                ValuesMut::F32(&mut gdq),
+                ValuesMut::F32(&mut gdk),
                 dv_twin,
             )
             .unwrap();
@@ -415,8 +450,7 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
         // q, k and v already in bf16 (RoPE's output under bf16 products): the same bits as
         // f32 inputs rounded by the kernels' staging, into an f32 output, or into a bf16 one
         // alone (the f32 output's twin, bit for bit).
-        let to_bf16 = |x: &[f32]| dev.upload(&x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).unwrap();
-        let (hq, hk, hv) = (to_bf16(&q), to_bf16(&k), to_bf16(&v));
+        let (hq, hk, hv) = (to_bf16(dev, &q), to_bf16(dev, &k), to_bf16(dev, &v));
         let (mut hout, mut hlse) = (up(dev, &stale(q.len())), up(dev, &stale(lse.len())));
         let inputs = [&hq, &hk, &hv].map(Values::Bf16);
         let into_f32 = (ValuesMut::F32(&mut hout), None);
@@ -431,9 +465,7 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
         assert_eq!(down(dev, &hlse), down(dev, &glse), "bf16 inputs, bf16 output: lse {c:?}");
         // Their backward reads that bf16 output (δ = Σ dO ⊙ O of the stored O, as
         // FlashAttention-2): within bf16 precision of the CPU, and deterministic.
-        let bf16_backward = || {
-            let (mut hdq, mut hdk, mut hdv) =
-                (up(dev, &stale(q.len())), up(dev, &stale(k.len())), up(dev, &stale(k.len())));
+        let bf16_backward = |[dq, dk, dv]: [ValuesMut; 3]| {
             cuda::attention::causal_attention_backward(
                 dev,
                 inputs,
@@ -442,18 +474,38 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
                 &gdout,
                 &dims,
                 Bf16,
-                &mut hdq,
-                &mut hdk,
-                (&mut hdv, None),
+                dq,
+                dk,
+                (dv, None),
             )
             .unwrap();
-            [hdq, hdk, hdv].map(|g| down(dev, &g))
         };
-        let [hdq, hdk, hdv] = bf16_backward();
+        let f32_backward = || {
+            let mut grads = [q.len(), k.len(), k.len()].map(|len| up(dev, &stale(len)));
+            let [hdq, hdk, hdv] = &mut grads;
+            bf16_backward([hdq, hdk, hdv].map(ValuesMut::F32));
+            grads
+        };
+        let grads = f32_backward();
+        let [hdq, hdk, hdv] = grads.each_ref().map(|g| down(dev, g));
         bf16_close(&format!("tensor-core attention from a bf16 output, dq {c:?}"), &hdq, &dq);
         bf16_close(&format!("tensor-core attention from a bf16 output, dk {c:?}"), &hdk, &dk);
         bf16_close(&format!("tensor-core attention from a bf16 output, dv {c:?}"), &hdv, &dv);
-        assert_eq!(bf16_backward(), [hdq, hdk, hdv], "the backward from a bf16 output is deterministic {c:?}");
+        let again = f32_backward().each_ref().map(|g| down(dev, g));
+        assert_eq!(again, [hdq, hdk, hdv], "the backward from a bf16 output is deterministic {c:?}");
+        // The gradients in bf16 alone (RoPE's backward reads them so): the f32 ones rounded.
+        let mut alone = [q.len(), k.len(), k.len()].map(|len| dev.alloc::<bf16>(len).unwrap());
+        let [adq, adk, adv] = &mut alone;
+        bf16_backward([adq, adk, adv].map(ValuesMut::Bf16));
+        for (name, (f32_grad, bf16_grad)) in ["dq", "dk", "dv"].iter().zip(grads.iter().zip(&alone)) {
+            assert_twin(
+                dev,
+                &format!("tensor-core attention {name} in bf16 alone {c:?}"),
+                f32_grad,
+                f32_grad,
+                bf16_grad,
+            );
+        }
     }
     // bf16 inputs need the tensor-core kernels, and q, k and v share one element type.
     let dims = AttentionDims { batch: 1, q_seq: 2, kv_seq: 2, heads: 1, head_dim: 16, scale: 1.0 };
@@ -482,9 +534,9 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
         &floats,
         &dims,
         Bf16,
-        &mut gq,
-        &mut gk,
-        (&mut gv, None),
+        ValuesMut::F32(&mut gq),
+        ValuesMut::F32(&mut gk),
+        (ValuesMut::F32(&mut gv), None),
     );
     assert!(matches!(refused, Err(CudaError::Shape { .. })), "{refused:?}");
     // Head dims the tensor-core kernels do not take are refused, not run on the CUDA cores.

@@ -167,26 +167,26 @@ fn swiglu_forward_and_backward_agree() {
     cpu::swiglu::swiglu_forward(&gate, &upv, &mut y);
     cpu::swiglu::swiglu_backward(&gate, &upv, &dout, &mut dgate, &mut dup);
     cuda::swiglu::swiglu_forward(dev, &gg, &gu, (ValuesMut::F32(&mut gy), None)).unwrap();
-    cuda::swiglu::swiglu_backward(dev, &gg, &gu, &gdout, &mut gdgate, &mut gdup, (None, None)).unwrap();
+    cuda::swiglu::swiglu_backward(dev, &gg, &gu, &gdout, ValuesMut::F32(&mut gdgate), ValuesMut::F32(&mut gdup))
+        .unwrap();
     assert_elementwise("swiglu forward", &down(dev, &gy), &y);
     // Both sides overwrite their stale gradient buffers.
     assert_elementwise("swiglu dgate", &down(dev, &gdgate), &dgate);
     assert_elementwise("swiglu dup", &down(dev, &gdup), &dup);
-    // With bf16 twins: the same f32 outputs, and the twins are them rounded to nearest even.
-    let twin = || dev.alloc::<bf16>(n).unwrap();
-    let (mut y16, mut dgate16, mut dup16) = (twin(), twin(), twin());
-    let (mut gy2, mut gdgate2, mut gdup2) = (dev.alloc(n).unwrap(), dev.alloc(n).unwrap(), dev.alloc(n).unwrap());
+    // The forward with a bf16 twin: the same f32 output, and the twin is it rounded to nearest
+    // even; the backward's gradients in bf16 alone: the f32 ones rounded.
+    let half_buffer = || dev.alloc::<bf16>(n).unwrap();
+    let (mut y16, mut dgate16, mut dup16) = (half_buffer(), half_buffer(), half_buffer());
+    let mut gy2 = dev.alloc(n).unwrap();
     cuda::swiglu::swiglu_forward(dev, &gg, &gu, (ValuesMut::F32(&mut gy2), Some(&mut y16))).unwrap();
-    let twins = (Some(&mut dgate16), Some(&mut dup16));
-    cuda::swiglu::swiglu_backward(dev, &gg, &gu, &gdout, &mut gdgate2, &mut gdup2, twins).unwrap();
-    for (what, values, copy, first) in
-        [("y", &gy2, &y16, &gy), ("dgate", &gdgate2, &dgate16, &gdgate), ("dup", &gdup2, &dup16, &gdup)]
-    {
+    let alone = (ValuesMut::Bf16(&mut dgate16), ValuesMut::Bf16(&mut dup16));
+    cuda::swiglu::swiglu_backward(dev, &gg, &gu, &gdout, alone.0, alone.1).unwrap();
+    for (what, values, copy) in [("y", &gy2, &y16), ("dgate", &gdgate, &dgate16), ("dup", &gdup, &dup16)] {
         let values = down(dev, values);
-        assert_eq!(values, down(dev, first), "swiglu {what}: the twin leaves the f32 output as it was");
         let rounded: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
-        assert_eq!(dev.download(copy).unwrap(), rounded, "swiglu {what}: the twin is the output rounded");
+        assert_eq!(dev.download(copy).unwrap(), rounded, "swiglu {what}: the bf16 values are the f32 ones rounded");
     }
+    assert_eq!(down(dev, &gy2), down(dev, &gy), "swiglu: the twin leaves the f32 output as it was");
     let mut short = dev.alloc(n - 1).unwrap();
     assert!(matches!(
         cuda::swiglu::swiglu_forward(dev, &gg, &gu, (ValuesMut::F32(&mut short), None)),
@@ -198,7 +198,7 @@ fn swiglu_forward_and_backward_agree() {
 }
 
 /// SwiGLU of the two halves of each row of one `[rows, 2·cols]` product, forward and
-/// backward (with bf16 twins), against the CPU's: a width of whole 16-byte groups and one of
+/// backward (with a bf16 twin, or in bf16 alone), against the CPU's: a width of whole 16-byte groups and one of
 /// none (the one-element path), beside the plain kernels on the same values; and from a bf16
 /// product, against the CPU's on the same values rounded.
 #[test]
@@ -216,13 +216,14 @@ fn swiglu_halves_agree() {
         let (mut y16, mut d16) = (dev.alloc::<bf16>(n).unwrap(), dev.alloc::<bf16>(2 * n).unwrap());
         let f32_input = Values::F32(&g_gate_up);
         cuda::swiglu::swiglu_halves_forward(dev, f32_input, cols, (ValuesMut::F32(&mut gy), Some(&mut y16))).unwrap();
-        cuda::swiglu::swiglu_halves_backward(dev, f32_input, &g_dout, cols, &mut g_d, Some(&mut d16)).unwrap();
+        cuda::swiglu::swiglu_halves_backward(dev, f32_input, &g_dout, cols, ValuesMut::F32(&mut g_d)).unwrap();
+        cuda::swiglu::swiglu_halves_backward(dev, f32_input, &g_dout, cols, ValuesMut::Bf16(&mut d16)).unwrap();
         let what = format!("swiglu halves {rows}×{cols}");
         assert_elementwise(&format!("{what} forward"), &down(dev, &gy), &y);
         assert_elementwise(&format!("{what} backward"), &down(dev, &g_d), &d_gate_up);
         for (values, copy) in [(&gy, &y16), (&g_d, &d16)] {
             let rounded: Vec<bf16> = down(dev, values).iter().map(|&v| bf16::from_f32(v)).collect();
-            assert_eq!(dev.download(copy).unwrap(), rounded, "{what}: the twin is the output rounded");
+            assert_eq!(dev.download(copy).unwrap(), rounded, "{what}: the bf16 values are the f32 ones rounded");
         }
         // The halves as separate tensors through the plain kernels: the same values.
         let halves: Vec<(Vec<f32>, Vec<f32>)> =
@@ -242,7 +243,7 @@ fn swiglu_halves_agree() {
         let g_rounded = dev.upload(&rounded).unwrap();
         let bf16_input = Values::Bf16(&g_rounded);
         cuda::swiglu::swiglu_halves_forward(dev, bf16_input, cols, (ValuesMut::F32(&mut gy), None)).unwrap();
-        cuda::swiglu::swiglu_halves_backward(dev, bf16_input, &g_dout, cols, &mut g_d, None).unwrap();
+        cuda::swiglu::swiglu_halves_backward(dev, bf16_input, &g_dout, cols, ValuesMut::F32(&mut g_d)).unwrap();
         assert_elementwise(&format!("{what} forward from bf16"), &down(dev, &gy), &y_rounded);
         assert_elementwise(&format!("{what} backward from bf16"), &down(dev, &g_d), &d_rounded);
         // The output in bf16 alone (as the FFN's down product reads it): the f32 one rounded.

@@ -168,8 +168,8 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
     // backward reads them), for its columns of one output gradient.
     let dout = Rng::new(rows as u64).vec(rows * out_width, -1.0, 1.0);
     let mut want_out = vec![0.0; rows * out_width];
-    let mut want_dx = vec![0.0; rows * d_in];
-    let mut want = Vec::new();
+    // Each projection's ZU and saved gate values, and its output in its columns of want_out.
+    let mut forwards = Vec::new();
     let mut at = 0;
     for case in cases {
         let dims = case.dims;
@@ -184,32 +184,47 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
         for n in 0..rows {
             want_out[n * out_width + at..n * out_width + at + d_out].copy_from_slice(&out[n * d_out..(n + 1) * d_out]);
         }
-        let dout_part: Vec<f32> =
-            (0..rows).flat_map(|n| dout[n * out_width + at..n * out_width + at + d_out].to_vec()).collect();
+        forwards.push((zu, saved));
         at += d_out;
-        let (mut dx, mut dw) = (stale(rows * d_in), stale(d_out * d_in));
-        let mut dc: Vec<Vec<f32>> = [rc * d_in, rc, d_out * rc, d_out].iter().map(|&l| stale(l)).collect();
-        let mut ds: Vec<Vec<f32>> = [rs * d_in, rs, rs, 1].iter().map(|&l| stale(l)).collect();
-        let (mut dalpha_c, mut dalpha_s) = (f32::NAN, f32::NAN);
-        {
-            let [ca, cab, cb, cbb] = &mut dc[..] else { unreachable!() };
-            let [sa, sab, sb, sbb] = &mut ds[..] else { unreachable!() };
-            let mut grads = FusedGateGrads {
-                x: &mut dx,
-                weight: &mut dw,
-                channel: GateGrads { a_weight: ca, a_bias: cab, b_weight: cb, b_bias: cbb, alpha: &mut dalpha_c },
-                scalar: GateGrads { a_weight: sa, a_bias: sab, b_weight: sb, b_bias: sbb, alpha: &mut dalpha_s },
-            };
-            let mut dzu = vec![0.0; zu.len()];
-            let p = case.params(phi);
-            cpu::fused_gate::fused_gate_backward(&dims, &case.x, &p, &zu, &saved, &dout_part, &mut dzu, &mut grads);
-        }
-        want_dx.iter_mut().zip(&dx).for_each(|(total, d)| *total += d);
-        // In the device's packed order: [dW; dA_c; dA_s], then the rest of each modulator.
-        want.push([dw, dc[0].clone(), ds[0].clone()].concat());
-        want.extend(dc[1..].iter().cloned().chain(ds[1..].iter().cloned()));
-        want.extend([vec![dalpha_c], vec![dalpha_s]]);
     }
+    // The backward for an output gradient: dx summed over the projections, and every
+    // parameter's gradient in the device's packed order.
+    let cpu_backward = |dout: &[f32]| {
+        let mut want_dx = vec![0.0; rows * d_in];
+        let mut want = Vec::new();
+        let mut at = 0;
+        for (case, (zu, saved)) in cases.iter().zip(&forwards) {
+            let dims = case.dims;
+            let d_out = dims.d_out;
+            let dout_part: Vec<f32> =
+                (0..rows).flat_map(|n| dout[n * out_width + at..n * out_width + at + d_out].to_vec()).collect();
+            at += d_out;
+            let (mut dx, mut dw) = (stale(rows * d_in), stale(d_out * d_in));
+            let mut dc: Vec<Vec<f32>> = [rc * d_in, rc, d_out * rc, d_out].iter().map(|&l| stale(l)).collect();
+            let mut ds: Vec<Vec<f32>> = [rs * d_in, rs, rs, 1].iter().map(|&l| stale(l)).collect();
+            let (mut dalpha_c, mut dalpha_s) = (f32::NAN, f32::NAN);
+            {
+                let [ca, cab, cb, cbb] = &mut dc[..] else { unreachable!() };
+                let [sa, sab, sb, sbb] = &mut ds[..] else { unreachable!() };
+                let mut grads = FusedGateGrads {
+                    x: &mut dx,
+                    weight: &mut dw,
+                    channel: GateGrads { a_weight: ca, a_bias: cab, b_weight: cb, b_bias: cbb, alpha: &mut dalpha_c },
+                    scalar: GateGrads { a_weight: sa, a_bias: sab, b_weight: sb, b_bias: sbb, alpha: &mut dalpha_s },
+                };
+                let mut dzu = vec![0.0; zu.len()];
+                let p = case.params(phi);
+                cpu::fused_gate::fused_gate_backward(&dims, &case.x, &p, zu, saved, &dout_part, &mut dzu, &mut grads);
+            }
+            want_dx.iter_mut().zip(&dx).for_each(|(total, d)| *total += d);
+            // In the device's packed order: [dW; dA_c; dA_s], then the rest of each modulator.
+            want.push([dw, dc[0].clone(), ds[0].clone()].concat());
+            want.extend(dc[1..].iter().cloned().chain(ds[1..].iter().cloned()));
+            want.extend([vec![dalpha_c], vec![dalpha_s]]);
+        }
+        (want_dx, want)
+    };
+    let wanted = cpu_backward(&dout);
 
     let gates: Vec<DeviceGate> = cases.iter().map(|c| DeviceGate::new(dev, c)).collect();
     let group: Vec<GateGroup> =
@@ -224,8 +239,10 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
     assert_close(&format!("forward {what}"), &down(dev, &gout), &want_out, 0.0, rel);
 
     // The backward into stale (NaN) gradient buffers: it must write every element. dx is
-    // added onto `dx_base` instead when it is given (Store::Accumulate).
-    let gpu_backward = |products: GateProducts, dx_base: Option<&[f32]>| -> (Vec<f32>, Vec<Vec<f32>>) {
+    // added onto `dx_base` instead when it is given (Store::Accumulate). The output gradient
+    // is read in bf16 with `dout_bf16` (as SwiGLU's and RoPE's backward write it under bf16
+    // products).
+    let gpu_backward = |products: GateProducts, dx_base: Option<&[f32]>, dout_bf16: bool| {
         let mut gdx = up(dev, &dx_base.map_or_else(|| stale(rows * d_in), <[f32]>::to_vec));
         let x_store = if dx_base.is_some() { Store::Accumulate } else { Store::Overwrite };
         // Every projection's [dW; dA_c; dA_s] in one buffer, as the backward writes them.
@@ -251,8 +268,9 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
                 channel: gdc.iter_mut().map(|g| modulator(g)).collect(),
                 scalar: gds.iter_mut().map(|g| modulator(g)).collect(),
             };
-            let gdout = up(dev, &dout);
-            cuda::fused_gate::fused_gate_backward(dev, &group, &gzu, &gdout, products, &mut grads).unwrap();
+            let (gdout, gdout16) = (up(dev, &dout), up_bf16(dev, &dout));
+            let dout = if dout_bf16 { cuda::Values::Bf16(&gdout16) } else { cuda::Values::F32(&gdout) };
+            cuda::fused_gate::fused_gate_backward(dev, &group, &gzu, dout, products, &mut grads)?;
         }
         let (weights, b_channel, b_scalar) = (down(dev, &gdweights), down(dev, &gdb_channel), down(dev, &gdb_scalar));
         let mut got = Vec::new();
@@ -267,7 +285,7 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
             got.extend([down(dev, &c[2]), down(dev, &s[2])]);
             out_at += d_out;
         }
-        (down(dev, &gdx), got)
+        Ok::<_, CudaError>((down(dev, &gdx), got))
     };
     let names = ["[dW; dA_c; dA_s]", "channel da", "channel dB", "channel db", "scalar da", "scalar dB", "scalar db"];
     let names: Vec<String> = (0..cases.len())
@@ -276,17 +294,29 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
     // bf16 operands: about 8 significant bits each, so a bound relative to the largest entry.
     let bf16 = GateProducts::Bf16 { x: &gx16, packed: &packed };
     let f32 = GateProducts::F32 { x: &gx };
+    let check =
+        |what: &str, (dx, got): (Vec<f32>, Vec<Vec<f32>>), (want_dx, want): &(Vec<f32>, Vec<Vec<f32>>), bound| {
+            assert_close(&format!("dx {what}"), &dx, want_dx, 0.0, bound);
+            for ((name, got), want) in names.iter().zip(&got).zip(want) {
+                assert_close(&format!("{name} {what}"), got, want, 0.0, bound);
+            }
+        };
     for (products, bound) in [(f32, rel), (bf16, 3e-2)] {
-        let (dx, got) = gpu_backward(products, None);
-        assert_close(&format!("dx {what} ({products:?})"), &dx, &want_dx, 0.0, bound);
-        for ((name, got), want) in names.iter().zip(&got).zip(&want) {
-            assert_close(&format!("{name} {what} ({products:?})"), got, want, 0.0, bound);
-        }
+        check(&format!("{what} ({products:?})"), gpu_backward(products, None, false).unwrap(), &wanted, bound);
+    }
+    // dout in bf16 (as SwiGLU's and RoPE's backward write it) beside a bf16 ZU: the CPU's
+    // backward of the rounded dout. Beside an f32 ZU it is refused.
+    let run = gpu_backward(bf16, None, true);
+    if bf16_zu {
+        let rounded: Vec<f32> = dout.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+        check(&format!("{what} (bf16 products, bf16 dout)"), run.unwrap(), &cpu_backward(&rounded), 3e-2);
+    } else {
+        assert!(matches!(run, Err(CudaError::Shape { .. })), "a bf16 dout beside an f32 ZU: {:?}", run.err());
     }
     // dx added onto the gradient an input already has (an input read by several ops).
     let dx_base = Rng::new(rows as u64 + 1).vec(rows * d_in, -1.0, 1.0);
-    let want_sum: Vec<f32> = want_dx.iter().zip(&dx_base).map(|(dx, base)| base + dx).collect();
-    let (dx, _) = gpu_backward(f32, Some(&dx_base));
+    let want_sum: Vec<f32> = wanted.0.iter().zip(&dx_base).map(|(dx, base)| base + dx).collect();
+    let (dx, _) = gpu_backward(f32, Some(&dx_base), false).unwrap();
     assert_close(&format!("dx added onto a gradient so far {what}"), &dx, &want_sum, 0.0, rel);
 }
 

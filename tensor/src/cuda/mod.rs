@@ -217,10 +217,15 @@ pub(crate) fn product_only_output(
     shape: &[usize],
     launch: impl FnOnce(ValuesMut<'_>) -> Result<()>,
 ) -> Result<Tensor> {
-    let rounded = matmul_precision() == MatmulPrecision::Bf16;
-    let mut out = CudaStorage::alloc_values(dev, shape.iter().product(), rounded)?;
+    let mut out = product_only_storage(dev, shape.iter().product())?;
     launch(out.values_mut(op)?)?;
     Tensor::from_cuda(out, shape)
+}
+
+/// The uninitialised storage of [`product_only_output`]: `len` values held as their bf16
+/// rounding alone under bf16 products, else in f32 (for an op with several such results).
+pub(crate) fn product_only_storage(dev: &Arc<CudaDevice>, len: usize) -> Result<CudaStorage> {
+    CudaStorage::alloc_values(dev, len, matmul_precision() == MatmulPrecision::Bf16)
 }
 
 /// Copies a host tensor to GPU `ordinal` (f32 and bf16 keep their type; f16 is widened).

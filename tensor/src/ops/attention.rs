@@ -106,7 +106,9 @@ pub(crate) mod cuda {
     use kernels::cuda::{Values, ValuesMut};
 
     use crate::cuda::MatmulPrecision;
-    use crate::cuda::{matmul_precision, output, product_input_buffers, product_input_output, CudaStorage};
+    use crate::cuda::{
+        matmul_precision, product_input_buffers, product_input_output, product_only_storage, CudaStorage,
+    };
     use crate::{Result, Tensor};
 
     /// The precision of attention's products for `dims` under the process's matmul precision.
@@ -177,16 +179,31 @@ pub(crate) mod cuda {
         let dev = q.cuda_device(OP)?;
         let (q, k, v) = (q.dense()?, k.dense()?, v.dense()?);
         let (out, lse, dout) = (out.dense()?, lse.dense()?, dout.dense()?);
-        let (mut dk, mut dv) = (CudaStorage::alloc(&dev, k.numel())?, CudaStorage::alloc(&dev, v.numel())?);
-        let dq = output(&dev, OP, q.shape(), |dq| {
-            let precision = precision(dims);
-            let qkv = inputs([&q, &k, &v], precision, OP)?;
-            // As the forward stored it: bf16 from bf16 q, k and v.
-            let (out, lse, dout) = (out.cuda_values(OP)?, lse.cuda_f32(OP)?, dout.cuda_f32(OP)?);
+        let precision = precision(dims);
+        let qkv = inputs([&q, &k, &v], precision, OP)?;
+        // As the forward stored it: bf16 from bf16 q, k and v.
+        let (out, lse, dout) = (out.cuda_values(OP)?, lse.cuda_f32(OP)?, dout.cuda_f32(OP)?);
+        let (dq, dk, dv) = if precision == AttentionPrecision::Bf16 {
+            // Read by RoPE's backward and the projections' products alone: bf16 alone, as
+            // FlashAttention-2's backward writes them under autocast.
+            let alloc = |len| product_only_storage(&dev, len);
+            let (mut dq, mut dk, mut dv) = (alloc(q.numel())?, alloc(k.numel())?, alloc(v.numel())?);
+            let grads = (dq.values_mut(OP)?, dk.values_mut(OP)?, (dv.values_mut(OP)?, None));
+            launch::causal_attention_backward(&dev, qkv, out, lse, dout, dims, precision, grads.0, grads.1, grads.2)?;
+            (dq, dk, dv)
+        } else {
+            let alloc = |len| CudaStorage::alloc(&dev, len);
+            let (mut dq, mut dk, mut dv) = (alloc(q.numel())?, alloc(k.numel())?, alloc(v.numel())?);
+            let (dq_buffer, dk_buffer) =
+                (ValuesMut::F32(dq.f32_buffer_mut(OP)?), ValuesMut::F32(dk.f32_buffer_mut(OP)?));
             // dv feeds the value projection's backward products: in bf16 too under bf16.
-            let (dk, dv) = (dk.f32_buffer_mut(OP)?, product_input_buffers(&mut dv, OP)?);
-            Ok(launch::causal_attention_backward(&dev, qkv, out, lse, dout, dims, precision, dq, dk, dv)?)
-        })?;
-        Ok((dq, Tensor::from_cuda(dk, k.shape())?, Tensor::from_cuda(dv, v.shape())?))
+            let (dv_buffer, dv_bf16) = product_input_buffers(&mut dv, OP)?;
+            let dv_buffers = (ValuesMut::F32(dv_buffer), dv_bf16);
+            launch::causal_attention_backward(
+                &dev, qkv, out, lse, dout, dims, precision, dq_buffer, dk_buffer, dv_buffers,
+            )?;
+            (dq, dk, dv)
+        };
+        Ok((Tensor::from_cuda(dq, q.shape())?, Tensor::from_cuda(dk, k.shape())?, Tensor::from_cuda(dv, v.shape())?))
     }
 }

@@ -312,7 +312,7 @@ pub(crate) mod cuda {
         fused_gate_backward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams,
         DeviceGateGrads, DeviceGateParams, GateGroup, GateProducts, Unary,
     };
-    use kernels::cuda::{CudaDevice, DeviceBuffer, DeviceValues};
+    use kernels::cuda::{CudaDevice, DeviceBuffer, DeviceValues, Values};
 
     use super::{Checked, FusedGateSaved, ProductOutput};
     use crate::cuda::CudaStorage;
@@ -499,7 +499,10 @@ pub(crate) mod cuda {
                 None => GateProducts::F32 { x: x.cuda_f32(OP)? },
             };
             // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cuda::fused_gate::fused_gate_backward
-            fused_gate_backward(&dev, &group, zu, dy.cuda_f32(OP)?, products, &mut grads)?;
+            // dẐ as its producer wrote it (bf16 alone from SwiGLU's or RoPE's backward under
+            // bf16 products) beside a bf16 ZU, else f32.
+            let dy_values = if zu.values().is_bf16() { dy.cuda_values(OP)? } else { Values::F32(dy.cuda_f32(OP)?) };
+            fused_gate_backward(&dev, &group, zu, dy_values, products, &mut grads)?;
         }
         let dx = match (dx_fresh, dx_so_far) {
             (Some(fresh), None) => Tensor::from_cuda(fresh, x.shape())?,

@@ -155,7 +155,7 @@ pub(crate) mod cuda {
     use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
     use kernels::cpu::rope::{rope_table, RopeDims};
-    use kernels::cuda::{rope as launch, CudaDevice, DeviceBuffer};
+    use kernels::cuda::{rope as launch, CudaDevice, DeviceBuffer, Values};
 
     use crate::cuda::{product_input_buffers, CudaStorage};
     use crate::{Result, Tensor};
@@ -221,16 +221,24 @@ pub(crate) mod cuda {
     }
 
     /// [`Tensor::rope_qkv_backward`] on the GPU: one launch writes every token's
-    /// `[Rᵀ dq | Rᵀ dk | dv]` row (and its bf16 copy under bf16 products).
+    /// `[Rᵀ dq | Rᵀ dk | dv]` row, read by the packed product's backward (or the fused
+    /// gate's) alone: in bf16 alone under bf16 products. The gradients are read as they are
+    /// held (bf16 from the tensor-core attention), widened when they differ in type.
     pub(crate) fn rope_qkv_backward(grads: [&Tensor; 3], dims: RopeDims, theta: f32) -> Result<Tensor> {
         const OP: &str = "rope_qkv_backward";
         let dev = grads[0].cuda_device(OP)?;
         let grads: Vec<Tensor> = grads.iter().map(|g| g.dense()).collect::<Result<_>>()?;
         let table = table(&dev, dims.seq, dims.head_dim, theta)?;
         let shape = [dims.batch, dims.seq, 3 * dims.heads * dims.head_dim];
-        crate::cuda::product_input_output(&dev, OP, &shape, |dqkv, dqkv_bf16| {
-            let buffers = [grads[0].cuda_f32(OP)?, grads[1].cuda_f32(OP)?, grads[2].cuda_f32(OP)?];
-            Ok(launch::rope_qkv_backward(&dev, buffers, dims, dqkv, dqkv_bf16, &table.cos, &table.sin)?)
+        crate::cuda::product_only_output(&dev, OP, &shape, |dqkv| {
+            let held = [grads[0].cuda_values(OP)?, grads[1].cuda_values(OP)?, grads[2].cuda_values(OP)?];
+            let values = if held.iter().all(|v| v.is_bf16() == held[0].is_bf16()) {
+                held
+            } else {
+                let [dq, dk, dv] = [&grads[0], &grads[1], &grads[2]].map(|g| g.cuda_f32(OP));
+                [Values::F32(dq?), Values::F32(dk?), Values::F32(dv?)]
+            };
+            Ok(launch::rope_qkv_backward(&dev, values, dims, dqkv, &table.cos, &table.sin)?)
         })
     }
 

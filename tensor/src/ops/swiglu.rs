@@ -104,7 +104,7 @@ pub(crate) mod cuda {
 
     use kernels::cuda::swiglu as launch;
 
-    use crate::cuda::{product_input_buffers, product_input_output, product_only_output, CudaStorage};
+    use crate::cuda::{product_only_output, product_only_storage};
     use crate::{Result, Tensor};
 
     /// `silu(gate) ⊙ up`, both of one shape.
@@ -123,12 +123,11 @@ pub(crate) mod cuda {
         const OP: &str = "swiglu_backward";
         let dev = gate.cuda_device(OP)?;
         let (gate, up, dy) = (gate.dense()?, up.dense()?, dy.dense()?);
-        let (mut dgate, mut dup) = (CudaStorage::alloc(&dev, gate.numel())?, CudaStorage::alloc(&dev, up.numel())?);
-        // Both feed the gate and up projections' backward products: in bf16 too under bf16.
-        let ((dg, dg_bf16), (du, du_bf16)) =
-            (product_input_buffers(&mut dgate, OP)?, product_input_buffers(&mut dup, OP)?);
         let (gate_values, up_values, dy) = (gate.cuda_f32(OP)?, up.cuda_f32(OP)?, dy.cuda_f32(OP)?);
-        launch::swiglu_backward(&dev, gate_values, up_values, dy, dg, du, (dg_bf16, du_bf16))?;
+        // Both feed the gate and up projections' backward products: bf16 alone under bf16.
+        let mut dgate = product_only_storage(&dev, gate.numel())?;
+        let mut dup = product_only_storage(&dev, up.numel())?;
+        launch::swiglu_backward(&dev, gate_values, up_values, dy, dgate.values_mut(OP)?, dup.values_mut(OP)?)?;
         Ok((Tensor::from_cuda(dgate, gate.shape())?, Tensor::from_cuda(dup, up.shape())?))
     }
 
@@ -148,9 +147,10 @@ pub(crate) mod cuda {
         const OP: &str = "swiglu_halves_backward";
         let dev = gate_up.cuda_device(OP)?;
         let (gate_up, dy) = (gate_up.dense()?, dy.dense()?);
-        // It feeds the gate and up projections' backward products: in bf16 too under bf16.
-        product_input_output(&dev, OP, gate_up.shape(), |d, d_bf16| {
-            Ok(launch::swiglu_halves_backward(&dev, gate_up.cuda_values(OP)?, dy.cuda_f32(OP)?, cols, d, d_bf16)?)
+        // It feeds the gate and up product's backward (or the fused gate's, which reads bf16
+        // too): bf16 alone under bf16 products.
+        product_only_output(&dev, OP, gate_up.shape(), |d| {
+            Ok(launch::swiglu_halves_backward(&dev, gate_up.cuda_values(OP)?, dy.cuda_f32(OP)?, cols, d)?)
         })
     }
 }

@@ -7,11 +7,11 @@ use super::super::allocator::DeviceBuffer;
 use super::super::blas::{gemm, GemmDims, Operand, Precision};
 use super::super::device::CudaDevice;
 use super::super::elementwise::unary_code;
-use super::super::error::{ensure, ensure_len, Result};
+use super::super::error::{ensure, ensure_len, CudaError, Result};
 use super::super::launch::{int, ptr, size};
 use super::super::module::Arg;
 use super::super::reduce::{column_sums_many, ColumnSum};
-use super::super::values::DeviceValues;
+use super::super::values::{DeviceValues, Values};
 use super::{group_lists, layout, BackwardSplit, GateGroup, Layout, FAMILY};
 use crate::cpu::matmul::Store;
 
@@ -115,7 +115,9 @@ pub enum GateProducts<'a> {
 }
 
 /// Backward of a group of fused projections from the saved `zu` (`[N, K]`) and the output
-/// gradient `dout` (`[N, Σ d_out]`); `products` holds the input `x`, read only by the
+/// gradient `dout` (`[N, Σ d_out]`: f32, or bf16 beside a bf16 `zu` when the consumer of the
+/// output wrote its gradient so, as SwiGLU's and RoPE's backward do under bf16 products);
+/// `products` holds the input `x`, read only by the
 /// weight gradient's product (so under bf16 products no f32 `x` is kept). Writes every buffer
 /// of `grads`; `dx` is the sum over the group's projections.
 ///
@@ -132,14 +134,14 @@ pub fn fused_gate_backward(
     dev: &CudaDevice,
     groups: &[GateGroup],
     zu: &DeviceValues,
-    dout: &DeviceBuffer<f32>,
+    dout: Values,
     products: GateProducts,
     grads: &mut DeviceFusedGateGrads,
 ) -> Result<()> {
     const OP: &str = "fused_gate_backward";
     let layout = layout(dev, OP, groups)?;
     check_grads(dev, OP, groups, &layout, grads)?;
-    dev.check_owner(OP, dout)?;
+    dout.check_owner(dev, OP)?;
     zu.values().check_owner(dev, OP)?;
     let Layout { rows, d_in, rank_channel: rc, rank_scalar: rs, zu_width: k, out_width, .. } = layout;
     let (count, r) = (groups.len(), rc + rs);
@@ -189,7 +191,7 @@ pub fn fused_gate_backward(
     let [params, places] = group_lists(groups, &layout);
     let args = [
         zu.values().arg_at(0),
-        ptr(dout),
+        dout.arg_at(0),
         params,
         places,
         int(phi),
@@ -208,7 +210,14 @@ pub fn fused_gate_backward(
         ptr(&du_terms),
         ptr(&row_terms),
     ];
-    let kernel = zu.values().kernel("fused_gate_backward_rows", "fused_gate_backward_rows_bf16");
+    let kernel = match (zu.values(), dout) {
+        (Values::F32(_), Values::F32(_)) => "fused_gate_backward_rows",
+        (Values::Bf16(_), Values::F32(_)) => "fused_gate_backward_rows_bf16",
+        (Values::Bf16(_), Values::Bf16(_)) => "fused_gate_backward_rows_bf16_dout_bf16",
+        (Values::F32(_), Values::Bf16(_)) => {
+            return Err(CudaError::shape(OP, "a bf16 dout needs a bf16 zu (bf16 products)".to_string()))
+        }
+    };
     dev.launch(FAMILY, kernel, split.launch(&layout, count), &args)?;
 
     // The cross-row sums over the blocks' terms: db_c, dB_c, da, dα, db_s and dB_s of every

@@ -6,7 +6,9 @@
 // q, k and v are f32, or already bf16 (the _bf16 entry points: RoPE rounds them as it writes
 // them, with the same rounding as the staging below, so both give the same bits). The _bf16
 // forward may write its output in bf16 only (out null, as FlashAttention-2 stores O), and the
-// _bf16 dq kernel reads O so.
+// _bf16 dq kernel reads O so. The backward writes each of dq, dk and dv in f32 (with a bf16
+// twin beside it when given a bf16 pointer too) or in bf16 alone (its f32 pointer null): under
+// bf16 products RoPE's backward and the projections' products read them so.
 //
 // Precision (as PyTorch's SDPA under bf16 autocast): q, k, v and dO are rounded to bf16 as
 // they are staged, and so are the probabilities P and dS before their products; scores, the
@@ -332,8 +334,8 @@ __device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, 
 template <int D, typename In, typename O>
 __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In* k, const In* v,
                                                           const O* out, const float* dout, const float* lse,
-                                                          float* delta, float* dq, i64 q_seq, i64 kv_seq, i64 heads,
-                                                          float scale) {
+                                                          float* delta, float* dq, bf16_t* dq_bf16, i64 q_seq,
+                                                          i64 kv_seq, i64 heads, float scale) {
     __shared__ __align__(16) bf16_t k_tile[TC_TILE * (D + TC_PAD)];
     __shared__ __align__(16) bf16_t v_tile[TC_TILE * (D + TC_PAD)];
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -397,7 +399,7 @@ __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In*
         }
         accumulate_p_tile<D>(acc, s, k_tile);
     }
-    store_rows<D>(acc, scale, dq, nullptr, b, h, row0, q_seq, q_seq, heads);
+    store_rows<D>(acc, scale, dq, dq_bf16, b, h, row0, q_seq, q_seq, heads);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -405,8 +407,8 @@ __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In*
 template <int D, typename In>
 __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In* k, const In* v,
                                                            const float* dout, const float* lse, const float* delta,
-                                                           float* dk, float* dv, bf16_t* dv_bf16, i64 q_seq,
-                                                           i64 kv_seq, i64 heads, float scale) {
+                                                           float* dk, bf16_t* dk_bf16, float* dv, bf16_t* dv_bf16,
+                                                           i64 q_seq, i64 kv_seq, i64 heads, float scale) {
     __shared__ __align__(16) bf16_t q_tile[TC_TILE * (D + TC_PAD)];
     __shared__ __align__(16) bf16_t do_tile[TC_TILE * (D + TC_PAD)];
     __shared__ float lse_tile[TC_TILE];
@@ -461,7 +463,7 @@ __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In
         accumulate_p_tile<D>(acc_v, st, do_tile);
         accumulate_p_tile<D>(acc_k, dpt, q_tile);
     }
-    store_rows<D>(acc_k, scale, dk, nullptr, b, h, row0, kv_seq, kv_seq, heads);
+    store_rows<D>(acc_k, scale, dk, dk_bf16, b, h, row0, kv_seq, kv_seq, heads);
     store_rows<D>(acc_v, 1.0f, dv, dv_bf16, b, h, row0, kv_seq, kv_seq, heads);
 }
 
@@ -477,18 +479,18 @@ __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In
 #define MMA_FORWARD_ARGS q, k, v, out, out_bf16, lse, q_seq, kv_seq, heads, scale
 #define MMA_DQ_PARAMS                                                                                            \
     const float *q, const float *k, const float *v, const float *out, const float *dout, const float *lse,    \
-        float *delta, float *dq, i64 q_seq, i64 kv_seq, i64 heads, float scale
+        float *delta, float *dq, bf16_t *dq_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DQ_BF16_PARAMS                                                                                       \
     const bf16_t *q, const bf16_t *k, const bf16_t *v, const bf16_t *out, const float *dout, const float *lse, \
-        float *delta, float *dq, i64 q_seq, i64 kv_seq, i64 heads, float scale
-#define MMA_DQ_ARGS q, k, v, out, dout, lse, delta, dq, q_seq, kv_seq, heads, scale
+        float *delta, float *dq, bf16_t *dq_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
+#define MMA_DQ_ARGS q, k, v, out, dout, lse, delta, dq, dq_bf16, q_seq, kv_seq, heads, scale
 #define MMA_DKV_PARAMS                                                                                           \
     const float *q, const float *k, const float *v, const float *dout, const float *lse, const float *delta,  \
-        float *dk, float *dv, bf16_t *dv_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
+        float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DKV_BF16_PARAMS                                                                                      \
     const bf16_t *q, const bf16_t *k, const bf16_t *v, const float *dout, const float *lse, const float *delta, \
-        float *dk, float *dv, bf16_t *dv_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
-#define MMA_DKV_ARGS q, k, v, dout, lse, delta, dk, dv, dv_bf16, q_seq, kv_seq, heads, scale
+        float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
+#define MMA_DKV_ARGS q, k, v, dout, lse, delta, dk, dk_bf16, dv, dv_bf16, q_seq, kv_seq, heads, scale
 
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d16(MMA_FORWARD_PARAMS) { attention_mma_forward<16>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d32(MMA_FORWARD_PARAMS) { attention_mma_forward<32>(MMA_FORWARD_ARGS); }

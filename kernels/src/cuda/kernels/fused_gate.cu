@@ -578,16 +578,16 @@ __device__ __forceinline__ float warp_sum_two(float a, float b) {
 //   d/dl_s = dγ_s·α_s·γ_s(1 − γ_s/2),  dα_s term = dγ_s·l_s·γ_s(1 − γ_s/2),
 //   d/dU_c = dH_c ⊙ φ'(U_c + a_c),  d/dU_s = d/dl_s·B_s ⊙ φ'(U_s + a_s),
 // whose sums over the block's rows (dU for da, dα_c, dα_s, d/dl_s for db_s, d/dl_s·H_s for
-// dB_s) are the block's terms of those cross-row sums. dout has the outputs' layout, dzu
-// ZU's: dZU goes into dzu under f32 products; under bf16 products (dzu_bf16 not null, dzu
+// dB_s) are the block's terms of those cross-row sums. dout has the outputs' layout (f32, or
+// bf16 when Ẑ's consumer wrote its gradient so), dzu ZU's: dZU goes into dzu under f32 products; under bf16 products (dzu_bf16 not null, dzu
 // null) only into dzu_bf16, rounded to nearest even: the products are its only readers.
 // The block terms, each a row x of a matrix with one row per block: weight_terms
 // [x][out_at + j][t] (`[blocks, out_width·rc]`, dB_c's packed layout), bias_terms
 // [x][out_at + j] (`[blocks, out_width]`), du_terms [x][g·r + t] (`[blocks, groups·r]`) and
 // row_terms [x][g·(3 + rs) + k] (`[blocks, groups·(3 + rs)]`: dα_c, dα_s, d/dl_s, d/dl_s·H_s).
 // row_sums (`[rows, groups, rc + 2]`) is the kernel's own scratch.
-template <class Z, bool REGS>
-__device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dout, const TensorList& params,
+template <class Z, class D, bool REGS>
+__device__ __forceinline__ void gate_backward_rows(const Z* zu, const D* dout, const TensorList& params,
                                                    const TensorList& layout, int phi, float phi_p, i64 rows,
                                                    i64 rows_per_block, i64 zu_width, i64 out_width, int rc, int rs,
                                                    float* dzu, bf16_t* dzu_bf16, float* row_sums,
@@ -643,7 +643,7 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dou
                     const i64 n = row0 + c0 + k;
                     const bool read = live && c0 + k < count;
                     z[k] = read ? as_f32(zu[n * zu_width + g.zu_at + j]) : 0.0f;
-                    dy[k] = read ? dout[n * out_width + g.out_at + j] : 0.0f;
+                    dy[k] = read ? as_f32(dout[n * out_width + g.out_at + j]) : 0.0f;
                 }
 #pragma unroll
                 for (int k = 0; k < FG_BACK_CHUNK; ++k) {
@@ -784,18 +784,18 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const float* dou
 
 // gate_backward_rows on the register path or off it (register_rank): two instantiations, so
 // that the path every preset takes carries none of the other's registers.
-template <class Z>
-__device__ __forceinline__ void gate_backward_rows_any_rank(const Z* zu, const float* dout, const TensorList& params,
+template <class Z, class D>
+__device__ __forceinline__ void gate_backward_rows_any_rank(const Z* zu, const D* dout, const TensorList& params,
                                                             const TensorList& layout, int phi, float phi_p, i64 rows,
                                                             i64 rows_per_block, i64 zu_width, i64 out_width, int rc,
                                                             int rs, float* dzu, bf16_t* dzu_bf16, float* row_sums,
                                                             float* weight_terms, float* bias_terms, float* du_terms,
                                                             float* row_terms) {
     if (register_rank(rc)) {
-        gate_backward_rows<Z, true>(zu, dout, params, layout, phi, phi_p, rows, rows_per_block, zu_width, out_width,
+        gate_backward_rows<Z, D, true>(zu, dout, params, layout, phi, phi_p, rows, rows_per_block, zu_width, out_width,
                                     rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms, row_terms);
     } else {
-        gate_backward_rows<Z, false>(zu, dout, params, layout, phi, phi_p, rows, rows_per_block, zu_width, out_width,
+        gate_backward_rows<Z, D, false>(zu, dout, params, layout, phi, phi_p, rows, rows_per_block, zu_width, out_width,
                                      rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms, row_terms);
     }
 }
@@ -815,6 +815,18 @@ extern "C" __global__ void __launch_bounds__(FG_BACK_THREADS, 2)
                                   float phi_p, i64 rows, i64 rows_per_block, i64 zu_width, i64 out_width, int rc,
                                   int rs, float* dzu, bf16_t* dzu_bf16, float* row_sums, float* weight_terms,
                                   float* bias_terms, float* du_terms, float* row_terms) {
+    gate_backward_rows_any_rank(zu, dout, params, layout, phi, phi_p, rows, rows_per_block, zu_width, out_width, rc,
+                                rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms, row_terms);
+}
+
+// fused_gate_backward_rows from a bf16 ZU and a bf16 dẐ (bf16 products, the consumer of Ẑ
+// writing its gradient in bf16: SwiGLU's backward, RoPE's).
+extern "C" __global__ void __launch_bounds__(FG_BACK_THREADS, 2)
+    fused_gate_backward_rows_bf16_dout_bf16(const bf16_t* zu, const bf16_t* dout, TensorList params,
+                                            TensorList layout, int phi, float phi_p, i64 rows, i64 rows_per_block,
+                                            i64 zu_width, i64 out_width, int rc, int rs, float* dzu,
+                                            bf16_t* dzu_bf16, float* row_sums, float* weight_terms,
+                                            float* bias_terms, float* du_terms, float* row_terms) {
     gate_backward_rows_any_rank(zu, dout, params, layout, phi, phi_p, rows, rows_per_block, zu_width, out_width, rc,
                                 rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms, row_terms);
 }

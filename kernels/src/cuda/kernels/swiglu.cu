@@ -2,9 +2,10 @@
 // loops, of separate gate and up tensors or of the two halves of one product. The backward
 // recomputes σ(g) from g and writes (gradients are written, not added: kernels/src/lib.rs):
 //   dg = dy·u·σ(g)·(1 + g·(1 − σ(g))),   du = dy·g·σ(g)
-// Each f32 output may have a bf16 twin (non-null pointer): the same values rounded to nearest
-// even, as f32_to_bf16_kernel writes them, for the bf16 products that read the output; the
-// forward's f32 output may be null (written in bf16 alone, for products its only readers). The
+// The forward's f32 output may have a bf16 twin (non-null pointer): the same values rounded to
+// nearest even, as f32_to_bf16_kernel writes them, for the bf16 products that read the output,
+// or be null (written in bf16 alone, for products its only readers). Each backward gradient is
+// written in f32 or (its f32 pointer null, its bf16 one not) rounded to bf16 alone. The
 // gate and up inputs are f32, or (the _bf16 kernels) bf16: a bf16 product's output, as
 // autocast stores it; the arithmetic is f32 either way.
 
@@ -79,8 +80,8 @@ __device__ __forceinline__ void swiglu_backward_at(const T* gate, const T* up, c
         dg[k] = dy[k] * u[k] * dsilu;
         du[k] = dy[k] * (g[k] * s);
     }
-    store_f32(dgate + at, dg);
-    store_f32(dup + at, du);
+    if (dgate) store_f32(dgate + at, dg);
+    if (dup) store_f32(dup + at, du);
     if (dgate_bf16) store_bf16(dgate_bf16 + at, dg);
     if (dup_bf16) store_bf16(dup_bf16 + at, du);
 }
