@@ -117,7 +117,7 @@ fn tensor_core_attention(dev: &CudaDevice, schedule: Schedule) -> (Vec<Vec<f32>>
         [&q, &k, &v].map(Values::F32),
         Values::F32(&out),
         &lse,
-        &dout,
+        Values::F32(&dout),
         &dims,
         Bf16,
         ValuesMut::F32(&mut dq),

@@ -238,7 +238,7 @@ fn bench_gate_up(dev: &CudaDevice, tokens: usize, d: usize, hidden: usize) -> Re
         matmul_bf16(dev, &mut dx_two, 0, lhs(&du16, hidden), weight(hidden), input_grad, Store::Accumulate)
     })?;
     let backward_one_s = best_seconds(dev, || {
-        swiglu_halves_backward(dev, Values::F32(&gu), &dh, hidden, ValuesMut::Bf16(&mut dgu16))?;
+        swiglu_halves_backward(dev, Values::F32(&gu), Values::F32(&dh), hidden, ValuesMut::Bf16(&mut dgu16))?;
         let both = GemmDims { m: tokens, n: d, k: 2 * hidden };
         matmul_bf16(dev, &mut dx_one, 0, lhs(&dgu16, 2 * hidden), weight(0), both, Store::Overwrite)
     })?;
@@ -414,7 +414,8 @@ fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, hea
     // SDPA's 481 µs at B 64, T 256, 8 heads of 64 on the H100 is the bar; gpu_compare.py
     // measures it beside us), with f32 products and, where the head dim fits, bf16 ones on
     // the tensor cores (checked against the naive f32 kernel to bf16's precision).
-    let dout = dev.upload(&values(len, 14, 1.0))?;
+    let hdout = values(len, 14, 1.0);
+    let (dout, dout16) = (dev.upload(&hdout)?, rounded(&hdout)?);
     let mut precisions = vec![(AttentionPrecision::F32, 1e-4)];
     if tensor_cores_fit(head_dim) {
         precisions.push((AttentionPrecision::Bf16, 2e-2));
@@ -437,14 +438,16 @@ fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, hea
         let what = format!("flash attention ({precision:?}) B={batch} T={seq} H={heads} D={head_dim}");
         let worst = check(&what, &flash, &naive, tolerance);
         let flash_s = best_seconds(dev, || forward(&mut out, &mut lse))?;
-        // The gradients as training writes them: bf16 alone from the tensor cores, else f32.
+        // dout and the gradients as training holds them: bf16 alone beside the tensor cores'
+        // bf16 q, k and v, else f32.
         let grads_bf16 = precision == AttentionPrecision::Bf16;
+        let dout = if grads_bf16 { Values::Bf16(&dout16) } else { Values::F32(&dout) };
         let alloc_grad = || DeviceValues::alloc(dev, len, grads_bf16);
         let (mut dq, mut dk, mut dv) = (alloc_grad()?, alloc_grad()?, alloc_grad()?);
         let train_s = best_seconds(dev, || {
             forward(&mut out, &mut lse)?;
             let (dq, dk, dv) = (dq.values_mut(), dk.values_mut(), (dv.values_mut(), None));
-            causal_attention_backward(dev, qkv, out.values(), &lse, &dout, &dims, precision, dq, dk, dv)
+            causal_attention_backward(dev, qkv, out.values(), &lse, dout, &dims, precision, dq, dk, dv)
         })?;
         println!(
             "attention {precision:?} B={batch} T={seq} H={heads} D={head_dim} | flash {:>8.3} ms | naive {:>8.3} ms \

@@ -79,6 +79,19 @@ const MMA_DKV_BF16: [&str; 4] = [
     "attention_mma_backward_dkv_bf16_d48",
     "attention_mma_backward_dkv_bf16_d64",
 ];
+/// The backward kernels reading a bf16 dout too.
+const MMA_DQ_DOUT_BF16: [&str; 4] = [
+    "attention_mma_backward_dq_bf16_dout_bf16_d16",
+    "attention_mma_backward_dq_bf16_dout_bf16_d32",
+    "attention_mma_backward_dq_bf16_dout_bf16_d48",
+    "attention_mma_backward_dq_bf16_dout_bf16_d64",
+];
+const MMA_DKV_DOUT_BF16: [&str; 4] = [
+    "attention_mma_backward_dkv_bf16_dout_bf16_d16",
+    "attention_mma_backward_dkv_bf16_dout_bf16_d32",
+    "attention_mma_backward_dkv_bf16_dout_bf16_d48",
+    "attention_mma_backward_dkv_bf16_dout_bf16_d64",
+];
 
 /// The arithmetic of attention's products (`q·kᵀ`, `P·v` and the backward's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -253,7 +266,8 @@ pub fn causal_attention_forward(
 
 /// `dq, dk, dv =` gradients, recomputing probabilities from q, k and `lse`
 /// (`δ_i = Σ dout_i ⊙ out_i`), with products in `precision` (that of the forward which made
-/// `out` and `lse`); `out` is bf16 for bf16 q, k and v, else f32. Each gradient is written
+/// `out` and `lse`); `out` is bf16 for bf16 q, k and v, else f32, and so may `dout` be (the
+/// output projection's input gradient under bf16 products). Each gradient is written
 /// in f32, or (the tensor-core kernels) rounded to bf16 alone when it is a bf16 buffer (its
 /// readers under bf16 products: RoPE's backward, the projections' products); `dv_bf16`, when
 /// given beside an f32 `dv`, gets `dv` rounded to nearest even.
@@ -263,7 +277,7 @@ pub fn causal_attention_backward(
     qkv: [Values; 3],
     out: Values,
     lse: &DeviceBuffer<f32>,
-    dout: &DeviceBuffer<f32>,
+    dout: Values,
     dims: &AttentionDims,
     precision: AttentionPrecision,
     dq: ValuesMut,
@@ -273,10 +287,12 @@ pub fn causal_attention_backward(
     const OP: &str = "causal_attention_backward";
     let bf16_inputs = check_qkv(dev, OP, &qkv, precision)?;
     out.check_owner(dev, OP)?;
-    check_owners(dev, OP, &[lse, dout])?;
+    check_owners(dev, OP, &[lse])?;
+    dout.check_owner(dev, OP)?;
     ensure(out.is_bf16() == bf16_inputs, OP, || {
         "the saved output is bf16 exactly when q, k and v are (the tensor-core kernels)".to_string()
     })?;
+    ensure(!dout.is_bf16() || bf16_inputs, OP, || "a bf16 dout needs bf16 q, k and v".to_string())?;
     let [q, k, v] = qkv;
     let d = check(OP, dims, q.len(), k.len(), v.len())?;
     ensure(out.len() == q.len() && dout.len() == q.len(), OP, || "out or dout has the wrong length".to_string())?;
@@ -303,15 +319,20 @@ pub fn causal_attention_backward(
     let [dk_f32, dk_bf16] = dk.typed_args_at(0);
     let [dv_f32, dv_own_bf16] = dv.typed_args_at(0);
     let dv_bf16 = if dv.is_bf16() { dv_own_bf16 } else { opt_ptr(dv_bf16.as_deref()) };
-    let mut dq_args = vec![q.clone(), k.clone(), v.clone(), out.arg_at(0), ptr(dout), ptr(lse), ptr(&delta), dq_f32];
-    let mut dkv_args = vec![q, k, v, ptr(dout), ptr(lse), ptr(&delta), dk_f32];
+    let mut dq_args =
+        vec![q.clone(), k.clone(), v.clone(), out.arg_at(0), dout.arg_at(0), ptr(lse), ptr(&delta), dq_f32];
+    let mut dkv_args = vec![q, k, v, dout.arg_at(0), ptr(lse), ptr(&delta), dk_f32];
     if precision == AttentionPrecision::Bf16 {
         // The tensor-core kernels take each gradient's bf16 pointer beside its f32 one.
         dq_args.push(dq_bf16);
         dq_args.extend(d.mma_args());
         dkv_args.extend([dk_bf16, dv_f32, dv_bf16]);
         dkv_args.extend(d.mma_args());
-        let (dq_kernels, dkv_kernels) = if bf16_inputs { (MMA_DQ_BF16, MMA_DKV_BF16) } else { (MMA_DQ, MMA_DKV) };
+        let (dq_kernels, dkv_kernels) = match (bf16_inputs, dout.is_bf16()) {
+            (true, true) => (MMA_DQ_DOUT_BF16, MMA_DKV_DOUT_BF16),
+            (true, false) => (MMA_DQ_BF16, MMA_DKV_BF16),
+            (false, _) => (MMA_DQ, MMA_DKV),
+        };
         dev.launch(MMA_FAMILY, d.mma_kernel(dq_kernels), d.mma_grid(q_seq), &dq_args)?;
         return dev.launch(MMA_FAMILY, d.mma_kernel(dkv_kernels), d.mma_grid(kv_seq), &dkv_args);
     }

@@ -16,7 +16,7 @@ use super::error::{ensure, CudaError, Result};
 use super::launch::{check_owners, opt_ptr, per_row, ptr, row_threads, size};
 use super::module::{Arg, KernelFamily};
 use super::reduce::{chunking, finish_block, finish_column_sums};
-use super::values::{output_with_twin, ValuesMut};
+use super::values::{output_with_twin, Values, ValuesMut};
 
 pub use crate::cpu::norm::{NormDims, NormGrads, RowStats};
 
@@ -89,19 +89,21 @@ pub fn add_rms_norm_forward(
 /// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` (when given) for RMSNorm, from the saved `rstd`.
 /// `residual`, when given, is the gradient already reaching `x` by another path (a pre-ln
 /// LLaMA block's residual stream): `dx` is then the total. `dx_bf16`, when given, gets `dx`
-/// rounded to nearest even (for the bf16 products that read it).
+/// rounded to nearest even (for the bf16 products that read it). `dy` is f32, or bf16 (the
+/// input gradient of the bf16 products that read `y`, stored so under bf16 products).
 pub fn rms_norm_backward(
     dev: &CudaDevice,
     x: &DeviceBuffer<f32>,
     weight: &DeviceBuffer<f32>,
     rstd: &DeviceBuffer<f32>,
-    (dy, residual): (&DeviceBuffer<f32>, Option<&DeviceBuffer<f32>>),
+    (dy, residual): (Values<'_>, Option<&DeviceBuffer<f32>>),
     dims: &NormDims,
     (grads, dx_bf16): (NormGrads<'_, DeviceBuffer<f32>>, Option<&mut DeviceBuffer<bf16>>),
 ) -> Result<()> {
     const OP: &str = "rms_norm_backward";
     let NormGrads { dx, dweight, dbias } = grads;
-    check_owners(dev, OP, &[x, weight, rstd, dy, dx])?;
+    check_owners(dev, OP, &[x, weight, rstd, dx])?;
+    dy.check_owner(dev, OP)?;
     check(
         OP,
         dims,
@@ -134,7 +136,7 @@ pub fn rms_norm_backward(
         ptr(x),
         ptr(weight),
         ptr(rstd),
-        ptr(dy),
+        dy.arg_at(0),
         opt_ptr(residual),
         ptr(dx),
         opt_ptr(dx_bf16.as_deref()),
@@ -143,7 +145,7 @@ pub fn rms_norm_backward(
         size(per_chunk),
         opt_ptr(lane_partial.as_ref()),
     ];
-    dev.launch(FAMILY, "rms_norm_backward", cfg, &args)?;
+    dev.launch(FAMILY, dy.kernel("rms_norm_backward", "rms_norm_backward_dy_bf16"), cfg, &args)?;
     if let (Some(partial), Some(dw)) = (&lane_partial, dweight) {
         // 32 columns per block, the chunks side by side (chunk_total, common.cuh).
         let cfg = LaunchConfig {

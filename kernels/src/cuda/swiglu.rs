@@ -14,7 +14,7 @@ use half::bf16;
 
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
-use super::error::{ensure, Result};
+use super::error::{ensure, CudaError, Result};
 use super::launch::{check_owners, elementwise, ptr, size};
 use super::module::KernelFamily;
 use super::values::{output_with_twin, Values, ValuesMut};
@@ -110,10 +110,11 @@ pub fn swiglu_backward(
 /// gradient in the first `cols` columns of each row, up's in the rest) for `dout: [rows, cols]`,
 /// recomputing σ(gate); written in f32, or rounded to bf16 alone when `d_gate_up` is bf16
 /// (under bf16 products: the gate and up product's backward, or the fused gate's, reads it so).
+/// `dout` is f32, or bf16 beside a bf16 `gate_up` (the down product's input gradient).
 pub fn swiglu_halves_backward(
     dev: &CudaDevice,
     gate_up: Values,
-    dout: &DeviceBuffer<f32>,
+    dout: Values,
     cols: usize,
     d_gate_up: ValuesMut,
 ) -> Result<()> {
@@ -121,7 +122,15 @@ pub fn swiglu_halves_backward(
     gate_up.check_owner(dev, OP)?;
     let d_gate_up = d_gate_up.as_values();
     d_gate_up.check_owner(dev, OP)?;
-    dev.check_owner(OP, dout)?;
+    dout.check_owner(dev, OP)?;
+    let kernel = match (gate_up, dout) {
+        (Values::F32(_), Values::F32(_)) => "swiglu_backward",
+        (Values::Bf16(_), Values::F32(_)) => "swiglu_backward_bf16",
+        (Values::Bf16(_), Values::Bf16(_)) => "swiglu_backward_bf16_dout_bf16",
+        (Values::F32(_), Values::Bf16(_)) => {
+            return Err(CudaError::shape(OP, "a bf16 dout needs bf16 gate and up values"));
+        }
+    };
     let n = dout.len();
     check_halves(OP, gate_up.len(), cols, n)?;
     check_halves(OP, d_gate_up.len(), cols, n)?;
@@ -129,7 +138,7 @@ pub fn swiglu_halves_backward(
     let args = [
         gate_up.arg_at(0),
         gate_up.arg_at(cols),
-        ptr(dout),
+        dout.arg_at(0),
         dgate,
         dup,
         dgate_bf16,
@@ -138,5 +147,5 @@ pub fn swiglu_halves_backward(
         size(cols),
         size(2 * cols),
     ];
-    dev.launch(FAMILY, gate_up.kernel("swiglu_backward", "swiglu_backward_bf16"), grid(n), &args)
+    dev.launch(FAMILY, kernel, grid(n), &args)
 }

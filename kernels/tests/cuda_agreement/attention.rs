@@ -301,7 +301,7 @@ fn flash_attention_forward_and_backward_agree() {
             [&gq, &gk, &gv].map(Values::F32),
             Values::F32(&up(dev, &out)),
             &up(dev, &lse),
-            &up(dev, &dout),
+            Values::F32(&up(dev, &dout)),
             &dims,
             F32,
             ValuesMut::F32(&mut gdq),
@@ -320,7 +320,7 @@ fn flash_attention_forward_and_backward_agree() {
             [&gq, &gk, &gv].map(Values::F32),
             Values::F32(&out_saved),
             &lse_saved,
-            &dout_up,
+            Values::F32(&dout_up),
             &dims,
             F32,
             ValuesMut::F32(&mut gdq),
@@ -335,7 +335,7 @@ fn flash_attention_forward_and_backward_agree() {
             [&gq, &gk, &gv].map(Values::F32),
             Values::F32(&out_saved),
             &lse_saved,
-            &dout_up,
+            Values::F32(&dout_up),
             &dims,
             F32,
             ValuesMut::Bf16(&mut dq16),
@@ -429,7 +429,7 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
                 [&gq, &gk, &gv].map(Values::F32),
                 Values::F32(&gout),
                 &glse,
-                &gdout,
+                Values::F32(&gdout),
                 &dims,
                 Bf16,
                 ValuesMut::F32(&mut gdq),
@@ -465,13 +465,14 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
         assert_eq!(down(dev, &hlse), down(dev, &glse), "bf16 inputs, bf16 output: lse {c:?}");
         // Their backward reads that bf16 output (δ = Σ dO ⊙ O of the stored O, as
         // FlashAttention-2): within bf16 precision of the CPU, and deterministic.
-        let bf16_backward = |[dq, dk, dv]: [ValuesMut; 3]| {
+        let gdout16 = to_bf16(dev, &dout);
+        let backward_from = |dout: Values, [dq, dk, dv]: [ValuesMut; 3]| {
             cuda::attention::causal_attention_backward(
                 dev,
                 inputs,
                 Values::Bf16(&hout16),
                 &hlse,
-                &gdout,
+                dout,
                 &dims,
                 Bf16,
                 dq,
@@ -483,7 +484,7 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
         let f32_backward = || {
             let mut grads = [q.len(), k.len(), k.len()].map(|len| up(dev, &stale(len)));
             let [hdq, hdk, hdv] = &mut grads;
-            bf16_backward([hdq, hdk, hdv].map(ValuesMut::F32));
+            backward_from(Values::F32(&gdout), [hdq, hdk, hdv].map(ValuesMut::F32));
             grads
         };
         let grads = f32_backward();
@@ -494,9 +495,16 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
         let again = f32_backward().each_ref().map(|g| down(dev, g));
         assert_eq!(again, [hdq, hdk, hdv], "the backward from a bf16 output is deterministic {c:?}");
         // The gradients in bf16 alone (RoPE's backward reads them so): the f32 ones rounded.
+        // dO in bf16 (the output projection's input gradient under bf16 products): the products
+        // and δ read it rounded either way, so the same bits.
+        let mut from_bf16 = [q.len(), k.len(), k.len()].map(|len| up(dev, &stale(len)));
+        let [bdq, bdk, bdv] = &mut from_bf16;
+        backward_from(Values::Bf16(&gdout16), [bdq, bdk, bdv].map(ValuesMut::F32));
+        let from_bf16 = from_bf16.each_ref().map(|g| down(dev, g));
+        assert_eq!(from_bf16, again, "tensor-core attention backward from a bf16 dout {c:?}");
         let mut alone = [q.len(), k.len(), k.len()].map(|len| dev.alloc::<bf16>(len).unwrap());
         let [adq, adk, adv] = &mut alone;
-        bf16_backward([adq, adk, adv].map(ValuesMut::Bf16));
+        backward_from(Values::F32(&gdout), [adq, adk, adv].map(ValuesMut::Bf16));
         for (name, (f32_grad, bf16_grad)) in ["dq", "dk", "dv"].iter().zip(grads.iter().zip(&alone)) {
             assert_twin(
                 dev,
@@ -531,13 +539,19 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
         all_bf16,
         Values::F32(&floats),
         &l,
-        &floats,
+        Values::F32(&floats),
         &dims,
         Bf16,
         ValuesMut::F32(&mut gq),
         ValuesMut::F32(&mut gk),
         (ValuesMut::F32(&mut gv), None),
     );
+    assert!(matches!(refused, Err(CudaError::Shape { .. })), "{refused:?}");
+    // A bf16 dout only beside bf16 q, k and v.
+    let grads = (ValuesMut::F32(&mut gq), ValuesMut::F32(&mut gk), (ValuesMut::F32(&mut gv), None));
+    let (out, dout) = (Values::F32(&floats), Values::Bf16(&halves));
+    let refused =
+        cuda::attention::causal_attention_backward(dev, all_f32, out, &l, dout, &dims, Bf16, grads.0, grads.1, grads.2);
     assert!(matches!(refused, Err(CudaError::Shape { .. })), "{refused:?}");
     // Head dims the tensor-core kernels do not take are refused, not run on the CUDA cores.
     let buffer = dev.alloc(128).unwrap();

@@ -216,8 +216,10 @@ fn swiglu_halves_agree() {
         let (mut y16, mut d16) = (dev.alloc::<bf16>(n).unwrap(), dev.alloc::<bf16>(2 * n).unwrap());
         let f32_input = Values::F32(&g_gate_up);
         cuda::swiglu::swiglu_halves_forward(dev, f32_input, cols, (ValuesMut::F32(&mut gy), Some(&mut y16))).unwrap();
-        cuda::swiglu::swiglu_halves_backward(dev, f32_input, &g_dout, cols, ValuesMut::F32(&mut g_d)).unwrap();
-        cuda::swiglu::swiglu_halves_backward(dev, f32_input, &g_dout, cols, ValuesMut::Bf16(&mut d16)).unwrap();
+        cuda::swiglu::swiglu_halves_backward(dev, f32_input, Values::F32(&g_dout), cols, ValuesMut::F32(&mut g_d))
+            .unwrap();
+        cuda::swiglu::swiglu_halves_backward(dev, f32_input, Values::F32(&g_dout), cols, ValuesMut::Bf16(&mut d16))
+            .unwrap();
         let what = format!("swiglu halves {rows}×{cols}");
         assert_elementwise(&format!("{what} forward"), &down(dev, &gy), &y);
         assert_elementwise(&format!("{what} backward"), &down(dev, &g_d), &d_gate_up);
@@ -243,9 +245,24 @@ fn swiglu_halves_agree() {
         let g_rounded = dev.upload(&rounded).unwrap();
         let bf16_input = Values::Bf16(&g_rounded);
         cuda::swiglu::swiglu_halves_forward(dev, bf16_input, cols, (ValuesMut::F32(&mut gy), None)).unwrap();
-        cuda::swiglu::swiglu_halves_backward(dev, bf16_input, &g_dout, cols, ValuesMut::F32(&mut g_d)).unwrap();
+        cuda::swiglu::swiglu_halves_backward(dev, bf16_input, Values::F32(&g_dout), cols, ValuesMut::F32(&mut g_d))
+            .unwrap();
         assert_elementwise(&format!("{what} forward from bf16"), &down(dev, &gy), &y_rounded);
         assert_elementwise(&format!("{what} backward from bf16"), &down(dev, &g_d), &d_rounded);
+        // dout in bf16 too (the down product's input gradient under bf16 products): the bits of
+        // the f32 dout kernel on the same values widened; beside f32 gate and up it is refused.
+        let dout16: Vec<bf16> = dout.iter().map(|&v| bf16::from_f32(v)).collect();
+        let dout_widened = up(dev, &dout16.iter().map(|v| v.to_f32()).collect::<Vec<_>>());
+        let g_dout16 = dev.upload(&dout16).unwrap();
+        let mut from_bf16 = up(dev, &stale(2 * n));
+        let bf16_dout = Values::Bf16(&g_dout16);
+        cuda::swiglu::swiglu_halves_backward(dev, bf16_input, bf16_dout, cols, ValuesMut::F32(&mut from_bf16)).unwrap();
+        let dout_f32 = Values::F32(&dout_widened);
+        cuda::swiglu::swiglu_halves_backward(dev, bf16_input, dout_f32, cols, ValuesMut::F32(&mut g_d)).unwrap();
+        assert_eq!(down(dev, &from_bf16), down(dev, &g_d), "{what}: the backward from a bf16 dout");
+        let refused =
+            cuda::swiglu::swiglu_halves_backward(dev, f32_input, bf16_dout, cols, ValuesMut::F32(&mut from_bf16));
+        assert!(matches!(refused, Err(CudaError::Shape { .. })), "a bf16 dout beside f32 gate and up: {refused:?}");
         // The output in bf16 alone (as the FFN's down product reads it): the f32 one rounded.
         let mut y_only = dev.alloc::<bf16>(n).unwrap();
         cuda::swiglu::swiglu_halves_forward(dev, bf16_input, cols, (ValuesMut::Bf16(&mut y_only), None)).unwrap();

@@ -4,7 +4,7 @@ use half::bf16;
 use kernels::cpu;
 use kernels::cpu::batch_norm::{Affine, BatchNormDims, BatchStats, RunningStats};
 use kernels::cpu::norm::{NormGrads, RowStats};
-use kernels::cuda::{self, CudaError, ValuesMut};
+use kernels::cuda::{self, CudaError, Values, ValuesMut};
 
 use super::{assert_close_to, assert_reduced, down, stale, up, Rng};
 
@@ -53,12 +53,27 @@ fn rms_norm_and_layer_norm_agree() {
         cpu::norm::rms_norm_backward(&x, &w, &rstd, (&dy, None), &dims, grads);
         let (mut gdx, mut gdw) = (up(dev, &start), up(dev, &wstart));
         let grads = NormGrads { dx: &mut gdx, dweight: Some(&mut gdw), dbias: None };
-        cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), (&gdy, None), &dims, (grads, None)).unwrap();
+        cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), (Values::F32(&gdy), None), &dims, (grads, None))
+            .unwrap();
         // dx = r·g − x·c cancels (over one column it is 0 up to eps and rounding): its
         // rounding is relative to the terms r·g, not to dx.
         let terms = (0..x.len()).fold(0.0f32, |m, i| m.max((dy[i] * w[i % cols] * rstd[i / cols]).abs()));
         assert_close_to("rms dx", &down(dev, &gdx), &dx, 1e-4, 1e-4 * terms);
         assert_reduced("rms dw", &down(dev, &gdw), &dw);
+        // dy in bf16 (the input gradient of the products reading y, under bf16 products): the
+        // same bits as the f32 kernel on the same values widened.
+        {
+            let dy16: Vec<bf16> = dy.iter().map(|&v| bf16::from_f32(v)).collect();
+            let widened: Vec<f32> = dy16.iter().map(|v| v.to_f32()).collect();
+            let (gdy16, gdy_widened, grstd) = (dev.upload(&dy16).unwrap(), up(dev, &widened), up(dev, &rstd));
+            let run = |dy: Values| {
+                let (mut gdx, mut gdw) = (up(dev, &start), up(dev, &wstart));
+                let grads = NormGrads { dx: &mut gdx, dweight: Some(&mut gdw), dbias: None };
+                cuda::norm::rms_norm_backward(dev, &gx, &gw, &grstd, (dy, None), &dims, (grads, None)).unwrap();
+                (down(dev, &gdx), down(dev, &gdw))
+            };
+            assert_eq!(run(Values::Bf16(&gdy16)), run(Values::F32(&gdy_widened)), "rms backward from a bf16 dy");
+        }
         // RMSNorm's backward kernel writes dw's partial sums in its own pass; they are those of
         // the separate pass over x and dy (LayerNorm's, here with mean 0 and RMSNorm's rstd),
         // in the same order: the same bits.
@@ -80,7 +95,7 @@ fn rms_norm_and_layer_norm_agree() {
         assert_eq!(total, want, "cpu dx with the residual gradient");
         let (mut gtotal, mut gtotal16) = (up(dev, &start), dev.alloc::<bf16>(x.len()).unwrap());
         let grads = NormGrads { dx: &mut gtotal, dweight: None, dbias: None };
-        let inputs = (&gdy, Some(&up(dev, &residual)));
+        let inputs = (Values::F32(&gdy), Some(&up(dev, &residual)));
         cuda::norm::rms_norm_backward(dev, &gx, &gw, &up(dev, &rstd), inputs, &dims, (grads, Some(&mut gtotal16)))
             .unwrap();
         let gtotal = down(dev, &gtotal);

@@ -48,12 +48,18 @@ impl ModulatedProjection {
         self.gates.is_empty() && self.linear.bias.is_none()
     }
 
-    /// `x: [..., in] → [..., out]`, through the fused op when the gates allow it.
+    /// `x: [..., in] → [..., out]`, through the fused op when the gates allow it, and a plain
+    /// projection as one packed product where that is one GEMM (a GPU under bf16 products:
+    /// its input gradient is then kept in bf16 alone, as autocast keeps it).
     pub fn forward(&self, x: &Var) -> Result<Var> {
         self.record_gates(x)?;
         self.place_fused_alphas(x.value_ref().device())?;
         match self.fused_parts() {
             Some((parts, phi)) => x.fused_gated_projections(&[parts], phi, ProductOutput::F32),
+            None if self.is_plain() && x.value_ref().packed_linear_is_one_product() => {
+                let y = self.flat_rows(x)?.packed_linear(&[&self.linear.weight], ProductOutput::F32)?;
+                y.reshape(&with_last_dim(&x.shape(), self.out_features()))
+            }
             None => self.forward_unfused(x),
         }
     }
@@ -134,18 +140,25 @@ impl ModulatedProjection {
 
     /// `x: [..., in] → [..., out]` composed from unfused ops (matmul, then each gate).
     pub fn forward_unfused(&self, x: &Var) -> Result<Var> {
-        let shape = x.shape();
-        let rows: usize = shape[..shape.len().saturating_sub(1)].iter().product();
-        // Rows already flat (`[rows, in]`) are read as they are, so every projection of one
-        // input reads the same graph node and adds its input gradient onto the others' in
-        // its own backward GEMM (`Var::matmul`), where a reshape apiece would leave the sum
-        // to the engine.
-        let flat = if shape.len() == 2 { x.clone() } else { x.reshape(&[rows, self.in_features()])? };
+        let flat = self.flat_rows(x)?;
         let mut y = self.linear.forward(&flat)?;
         for gate in &self.gates {
             y = y.mul(&gate.forward(&flat)?)?;
         }
-        y.reshape(&with_last_dim(&shape, self.out_features()))
+        y.reshape(&with_last_dim(&x.shape(), self.out_features()))
+    }
+
+    /// `x: [..., in]` as `[rows, in]`. Rows already flat are read as they are, so every
+    /// projection of one input reads the same graph node and adds its input gradient onto
+    /// the others' in its own backward GEMM (`Var::matmul`), where a reshape apiece would
+    /// leave the sum to the engine.
+    fn flat_rows(&self, x: &Var) -> Result<Var> {
+        let shape = x.shape();
+        if shape.len() == 2 {
+            return Ok(x.clone());
+        }
+        let rows: usize = shape[..shape.len().saturating_sub(1)].iter().product();
+        x.reshape(&[rows, self.in_features()])
     }
 }
 

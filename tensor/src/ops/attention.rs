@@ -181,8 +181,10 @@ pub(crate) mod cuda {
         let (out, lse, dout) = (out.dense()?, lse.dense()?, dout.dense()?);
         let precision = precision(dims);
         let qkv = inputs([&q, &k, &v], precision, OP)?;
-        // As the forward stored it: bf16 from bf16 q, k and v.
-        let (out, lse, dout) = (out.cuda_values(OP)?, lse.cuda_f32(OP)?, dout.cuda_f32(OP)?);
+        // As the forward stored it: bf16 from bf16 q, k and v; dout as held beside them (bf16
+        // alone from the output projection's backward under bf16 products).
+        let (out, lse) = (out.cuda_values(OP)?, lse.cuda_f32(OP)?);
+        let dout = if qkv[0].is_bf16() { dout.cuda_values(OP)? } else { Values::F32(dout.cuda_f32(OP)?) };
         let (dq, dk, dv) = if precision == AttentionPrecision::Bf16 {
             // Read by RoPE's backward and the projections' products alone: bf16 alone, as
             // FlashAttention-2's backward writes them under autocast.

@@ -279,7 +279,8 @@ pub(crate) mod cuda {
         let residual = residual.map(Tensor::dense).transpose()?;
         let mut dw = CudaStorage::alloc(&dev, dims.cols)?;
         let mut launch = |dx: &mut DeviceBuffer<f32>, dx_bf16: Option<&mut DeviceBuffer<bf16>>| {
-            let (x, w, rstd, dy) = (x.cuda_f32(OP)?, w.cuda_f32(OP)?, rstd.cuda_f32(OP)?, dy.cuda_f32(OP)?);
+            // dy as held: bf16 alone from the bf16 products that read y (under bf16 products).
+            let (x, w, rstd, dy) = (x.cuda_f32(OP)?, w.cuda_f32(OP)?, rstd.cuda_f32(OP)?, dy.cuda_values(OP)?);
             let residual = residual.as_ref().map(|r| r.cuda_f32(OP)).transpose()?;
             let grads = NormGrads { dx, dweight: Some(dw.f32_buffer_mut(OP)?), dbias: None };
             Ok(launch::rms_norm_backward(&dev, x, w, rstd, (dy, residual), dims, (grads, dx_bf16))?)

@@ -207,7 +207,8 @@ pub(crate) mod cuda {
     }
 
     /// `so_far + dy·[W_1; …; W_k]` for `dy: [rows, total]` (contiguous): `[rows, in]`, added
-    /// onto `so_far`'s buffer by the GEMM (β = 1) when this is its only owner.
+    /// onto `so_far`'s buffer by the GEMM (β = 1) when this is its only owner; without
+    /// `so_far`, in bf16 alone.
     pub(crate) fn input_grad(dy: &Tensor, weights: &[&Tensor], so_far: Option<Tensor>) -> Result<Tensor> {
         let dev = dy.cuda_device(OP)?;
         let (rows, total) = (dy.shape()[0], dy.shape()[1]);
@@ -227,10 +228,18 @@ pub(crate) mod cuda {
             product(storage.f32_buffer_mut(OP)?, Store::Accumulate)?;
             return Ok(so_far.expect("added onto in place"));
         }
-        let dx = output(&dev, OP, &[rows, d_in], |out| product(out, Store::Overwrite))?;
-        match so_far {
-            Some(sum) => sum.accumulate(dx),
-            None => Ok(dx),
-        }
+        let Some(sum) = so_far else {
+            // The input's only gradient: in bf16 alone, as autocast keeps a bf16 product
+            // input's gradient (its readers, RMSNorm's, SwiGLU's and attention's backward,
+            // read bf16; any other widens it on demand).
+            let mut dx = CudaStorage::alloc_values(&dev, rows * d_in, true)?;
+            match dx.values_mut(OP)? {
+                ValuesMut::Bf16(out) => matmul_bf16_out(&dev, out, lhs, rhs, dims),
+                ValuesMut::F32(out) => matmul_bf16(&dev, out, 0, lhs, rhs, dims, Store::Overwrite),
+            }
+            .map_err(|e| crate::cuda::cuda_error(OP, e))?;
+            return Tensor::from_cuda(dx, &[rows, d_in]);
+        };
+        sum.accumulate(output(&dev, OP, &[rows, d_in], |out| product(out, Store::Overwrite))?)
     }
 }

@@ -103,6 +103,7 @@ pub(crate) mod cuda {
     //! two tensors or of the halves of one.
 
     use kernels::cuda::swiglu as launch;
+    use kernels::cuda::Values;
 
     use crate::cuda::{product_only_output, product_only_storage};
     use crate::{Result, Tensor};
@@ -150,7 +151,10 @@ pub(crate) mod cuda {
         // It feeds the gate and up product's backward (or the fused gate's, which reads bf16
         // too): bf16 alone under bf16 products.
         product_only_output(&dev, OP, gate_up.shape(), |d| {
-            Ok(launch::swiglu_halves_backward(&dev, gate_up.cuda_values(OP)?, dy.cuda_f32(OP)?, cols, d)?)
+            let gate_up = gate_up.cuda_values(OP)?;
+            // dy as held (bf16 alone from the down product's backward) beside bf16 gate and up.
+            let dy = if gate_up.is_bf16() { dy.cuda_values(OP)? } else { Values::F32(dy.cuda_f32(OP)?) };
+            Ok(launch::swiglu_halves_backward(&dev, gate_up, dy, cols, d)?)
         })
     }
 }

@@ -8,7 +8,10 @@
 // forward may write its output in bf16 only (out null, as FlashAttention-2 stores O), and the
 // _bf16 dq kernel reads O so. The backward writes each of dq, dk and dv in f32 (with a bf16
 // twin beside it when given a bf16 pointer too) or in bf16 alone (its f32 pointer null): under
-// bf16 products RoPE's backward and the projections' products read them so.
+// bf16 products RoPE's backward and the projections' products read them so. dO is f32, or bf16
+// beside bf16 q, k, v and O (the _bf16_dout_bf16 entry points: the output projection's input
+// gradient, stored so under bf16 products); the products read it rounded to bf16 either way,
+// so a bf16 dO gives the bits of the f32 one it rounds.
 //
 // Precision (as PyTorch's SDPA under bf16 autocast): q, k, v and dO are rounded to bf16 as
 // they are staged, and so are the probabilities P and dS before their products; scores, the
@@ -329,11 +332,15 @@ __device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, 
     }
 }
 
+// dO's value as the products read it: rounded to bf16 (already so when stored in bf16).
+__device__ __forceinline__ float as_bf16_rounded(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+__device__ __forceinline__ float as_bf16_rounded(bf16_t v) { return bf16_to_f32(v); }
+
 // ---------------------------------------------------------------------------------------
 // dq (and δ): one block per 64 queries, grid (⌈Tq/64⌉, B·H), as the forward.
-template <int D, typename In, typename O>
+template <int D, typename In, typename O, typename Dy>
 __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In* k, const In* v,
-                                                          const O* out, const float* dout, const float* lse,
+                                                          const O* out, const Dy* dout, const float* lse,
                                                           float* delta, float* dq, bf16_t* dq_bf16, i64 q_seq,
                                                           i64 kv_seq, i64 heads, float scale) {
     __shared__ __align__(16) bf16_t k_tile[TC_TILE * (D + TC_PAD)];
@@ -357,7 +364,7 @@ __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In*
         if (row < q_seq) {
             const i64 at = head_row(b, row, h, q_seq, heads, D);
             for (int d = part * (D / 2); d < (part + 1) * (D / 2); ++d) {
-                sum += bf16_to_f32(f32_to_bf16(dout[at + d])) * as_f32(out[at + d]);
+                sum += as_bf16_rounded(dout[at + d]) * as_f32(out[at + d]);
             }
         }
         sum += __shfl_xor_sync(FULL_MASK, sum, 1);
@@ -404,9 +411,9 @@ __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In*
 
 // ---------------------------------------------------------------------------------------
 // dk, dv: one block per 64 keys, grid (⌈Tk/64⌉, B·H), walking the query tiles that see them.
-template <int D, typename In>
+template <int D, typename In, typename Dy>
 __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In* k, const In* v,
-                                                           const float* dout, const float* lse, const float* delta,
+                                                           const Dy* dout, const float* lse, const float* delta,
                                                            float* dk, bf16_t* dk_bf16, float* dv, bf16_t* dv_bf16,
                                                            i64 q_seq, i64 kv_seq, i64 heads, float scale) {
     __shared__ __align__(16) bf16_t q_tile[TC_TILE * (D + TC_PAD)];
@@ -483,12 +490,18 @@ __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In
 #define MMA_DQ_BF16_PARAMS                                                                                       \
     const bf16_t *q, const bf16_t *k, const bf16_t *v, const bf16_t *out, const float *dout, const float *lse, \
         float *delta, float *dq, bf16_t *dq_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
+#define MMA_DQ_DOUT_BF16_PARAMS                                                                                  \
+    const bf16_t *q, const bf16_t *k, const bf16_t *v, const bf16_t *out, const bf16_t *dout, const float *lse, \
+        float *delta, float *dq, bf16_t *dq_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DQ_ARGS q, k, v, out, dout, lse, delta, dq, dq_bf16, q_seq, kv_seq, heads, scale
 #define MMA_DKV_PARAMS                                                                                           \
     const float *q, const float *k, const float *v, const float *dout, const float *lse, const float *delta,  \
         float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DKV_BF16_PARAMS                                                                                      \
     const bf16_t *q, const bf16_t *k, const bf16_t *v, const float *dout, const float *lse, const float *delta, \
+        float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
+#define MMA_DKV_DOUT_BF16_PARAMS                                                                                    \
+    const bf16_t *q, const bf16_t *k, const bf16_t *v, const bf16_t *dout, const float *lse, const float *delta, \
         float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DKV_ARGS q, k, v, dout, lse, delta, dk, dk_bf16, dv, dv_bf16, q_seq, kv_seq, heads, scale
 
@@ -516,3 +529,11 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_d32(MMA_DKV_BF16_PARAMS) { attention_mma_backward_dkv<32>(MMA_DKV_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_d48(MMA_DKV_BF16_PARAMS) { attention_mma_backward_dkv<48>(MMA_DKV_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_d64(MMA_DKV_BF16_PARAMS) { attention_mma_backward_dkv<64>(MMA_DKV_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_bf16_dout_bf16_d16(MMA_DQ_DOUT_BF16_PARAMS) { attention_mma_backward_dq<16>(MMA_DQ_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_bf16_dout_bf16_d32(MMA_DQ_DOUT_BF16_PARAMS) { attention_mma_backward_dq<32>(MMA_DQ_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_bf16_dout_bf16_d48(MMA_DQ_DOUT_BF16_PARAMS) { attention_mma_backward_dq<48>(MMA_DQ_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_bf16_dout_bf16_d64(MMA_DQ_DOUT_BF16_PARAMS) { attention_mma_backward_dq<64>(MMA_DQ_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_dout_bf16_d16(MMA_DKV_DOUT_BF16_PARAMS) { attention_mma_backward_dkv<16>(MMA_DKV_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_dout_bf16_d32(MMA_DKV_DOUT_BF16_PARAMS) { attention_mma_backward_dkv<32>(MMA_DKV_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_dout_bf16_d48(MMA_DKV_DOUT_BF16_PARAMS) { attention_mma_backward_dkv<48>(MMA_DKV_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_dout_bf16_d64(MMA_DKV_DOUT_BF16_PARAMS) { attention_mma_backward_dkv<64>(MMA_DKV_ARGS); }

@@ -69,10 +69,12 @@ extern "C" __global__ void add_rms_norm_forward(const float* x, const float* del
 // at a time, the whole block on it, as one block per row would) and each thread adds its
 // columns' dy·x̂ into its own elements of lane_partial_w[(chunk·NORM_ROW_LANES + lane)·cols + j]
 // (no other thread touches them: no atomics, no barrier). rms_norm_weight_grad_finish adds
-// them up. lane_partial_w null: no weight gradient.
-extern "C" __global__ void rms_norm_backward(const float* x, const float* w, const float* rstd, const float* dy,
-                                             const float* residual, float* dx, bf16_t* dx_bf16, i64 rows, i64 cols,
-                                             i64 rows_per_chunk, float* lane_partial_w) {
+// them up. lane_partial_w null: no weight gradient. dy is f32, or (the _dy_bf16 kernel) bf16:
+// the input gradient of the bf16 products that read y, stored so under bf16 products.
+template <typename Dy>
+__device__ __forceinline__ void rms_norm_backward_rows(const float* x, const float* w, const float* rstd, const Dy* dy,
+                                                       const float* residual, float* dx, bf16_t* dx_bf16, i64 rows,
+                                                       i64 cols, i64 rows_per_chunk, float* lane_partial_w) {
     const i64 lane = blockIdx.x, chunk = blockIdx.y;
     const i64 r0 = chunk * rows_per_chunk;
     const i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
@@ -82,21 +84,35 @@ extern "C" __global__ void rms_norm_backward(const float* x, const float* w, con
     }
     for (i64 r = r0 + lane; r < r1; r += NORM_ROW_LANES) {
         const float* xr = x + r * cols;
-        const float* dyr = dy + r * cols;
+        const Dy* dyr = dy + r * cols;
         float* dxr = dx + r * cols;
         float rs = rstd[r];
         float gx = 0.0f;
-        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) gx += dyr[j] * w[j] * xr[j];
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) gx += as_f32(dyr[j]) * w[j] * xr[j];
         gx = block_sum(gx);
         float c = rs * rs * rs * gx / (float)cols;
         for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
-            float g = dyr[j] * w[j] * rs - xr[j] * c;
+            const float dyj = as_f32(dyr[j]);
+            float g = dyj * w[j] * rs - xr[j] * c;
             if (residual) g = residual[r * cols + j] + g;
             dxr[j] = g;
             if (dx_bf16) dx_bf16[r * cols + j] = f32_to_bf16(g);
-            if (dw_lane) dw_lane[j] += dyr[j] * xr[j] * rs;
+            if (dw_lane) dw_lane[j] += dyj * xr[j] * rs;
         }
     }
+}
+
+extern "C" __global__ void rms_norm_backward(const float* x, const float* w, const float* rstd, const float* dy,
+                                             const float* residual, float* dx, bf16_t* dx_bf16, i64 rows, i64 cols,
+                                             i64 rows_per_chunk, float* lane_partial_w) {
+    rms_norm_backward_rows(x, w, rstd, dy, residual, dx, dx_bf16, rows, cols, rows_per_chunk, lane_partial_w);
+}
+
+extern "C" __global__ void rms_norm_backward_dy_bf16(const float* x, const float* w, const float* rstd,
+                                                     const bf16_t* dy, const float* residual, float* dx,
+                                                     bf16_t* dx_bf16, i64 rows, i64 cols, i64 rows_per_chunk,
+                                                     float* lane_partial_w) {
+    rms_norm_backward_rows(x, w, rstd, dy, residual, dx, dx_bf16, rows, cols, rows_per_chunk, lane_partial_w);
 }
 
 // dw[j] = Σ_chunk (Σ_lane lane_partial_w[(chunk·NORM_ROW_LANES + lane)·cols + j]): the lanes of a

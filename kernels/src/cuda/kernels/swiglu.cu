@@ -7,7 +7,8 @@
 // or be null (written in bf16 alone, for products its only readers). Each backward gradient is
 // written in f32 or (its f32 pointer null, its bf16 one not) rounded to bf16 alone. The
 // gate and up inputs are f32, or (the _bf16 kernels) bf16: a bf16 product's output, as
-// autocast stores it; the arithmetic is f32 either way.
+// autocast stores it; the backward's dout is f32, or bf16 beside bf16 inputs (_dout_bf16: the
+// down product's input gradient under bf16 products). The arithmetic is f32 either way.
 
 // Element i of the [rows, cols] output (or output gradient) is at row i / cols, column i % cols.
 // The gate and up inputs and their gradients have rows `stride` apart: stride == cols, plain
@@ -65,8 +66,8 @@ extern "C" __global__ void swiglu_forward_bf16(const bf16_t* gate, const bf16_t*
 
 // dgate = dout·up·silu'(gate),  dup = dout·silu(gate) for i in [i0, i0 + W): dout at i0, the
 // inputs and the gradients at `at`
-template <int W, typename T>
-__device__ __forceinline__ void swiglu_backward_at(const T* gate, const T* up, const float* dout,
+template <int W, typename T, typename D>
+__device__ __forceinline__ void swiglu_backward_at(const T* gate, const T* up, const D* dout,
                                                    float* dgate, float* dup, bf16_t* dgate_bf16, bf16_t* dup_bf16,
                                                    i64 i0, i64 at) {
     float g[W], u[W], dy[W], dg[W], du[W];
@@ -86,12 +87,12 @@ __device__ __forceinline__ void swiglu_backward_at(const T* gate, const T* up, c
     if (dup_bf16) store_bf16(dup_bf16 + at, du);
 }
 
-template <typename T>
-__device__ __forceinline__ void swiglu_backward_all(const T* gate, const T* up, const float* dout, float* dgate,
+template <typename T, typename D>
+__device__ __forceinline__ void swiglu_backward_all(const T* gate, const T* up, const D* dout, float* dgate,
                                                     float* dup, bf16_t* dgate_bf16, bf16_t* dup_bf16, i64 n,
                                                     i64 cols, i64 stride) {
     const unsigned int in_bytes = 4 * sizeof(T);
-    const bool wide = is_aligned(gate, in_bytes) && is_aligned(up, in_bytes) && is_aligned(dout, 16) &&
+    const bool wide = is_aligned(gate, in_bytes) && is_aligned(up, in_bytes) && is_aligned(dout, 4 * sizeof(D)) &&
                       is_aligned(dgate, 16) && is_aligned(dup, 16) && is_aligned(dgate_bf16, 8) &&
                       is_aligned(dup_bf16, 8) && (stride == cols || cols % 4 == 0);
     const i64 quads = wide ? n / 4 : 0;
@@ -112,5 +113,13 @@ extern "C" __global__ void swiglu_backward(const float* gate, const float* up, c
 extern "C" __global__ void swiglu_backward_bf16(const bf16_t* gate, const bf16_t* up, const float* dout,
                                                 float* dgate, float* dup, bf16_t* dgate_bf16, bf16_t* dup_bf16, i64 n,
                                                 i64 cols, i64 stride) {
+    swiglu_backward_all(gate, up, dout, dgate, dup, dgate_bf16, dup_bf16, n, cols, stride);
+}
+
+// The backward from bf16 gate and up values and a bf16 dout (the down product's input
+// gradient, stored so under bf16 products).
+extern "C" __global__ void swiglu_backward_bf16_dout_bf16(const bf16_t* gate, const bf16_t* up, const bf16_t* dout,
+                                                          float* dgate, float* dup, bf16_t* dgate_bf16,
+                                                          bf16_t* dup_bf16, i64 n, i64 cols, i64 stride) {
     swiglu_backward_all(gate, up, dout, dgate, dup, dgate_bf16, dup_bf16, n, cols, stride);
 }
