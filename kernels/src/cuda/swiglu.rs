@@ -14,10 +14,10 @@ use half::bf16;
 
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
-use super::error::{ensure, CudaError, Result};
+use super::error::{ensure, Result};
 use super::launch::{check_owners, elementwise, ptr, size};
 use super::module::KernelFamily;
-use super::values::{output_with_twin, Values, ValuesMut};
+use super::values::{kernel_for_gradient, output_with_twin, Values, ValuesMut};
 
 const FAMILY: KernelFamily = KernelFamily::Swiglu;
 
@@ -123,14 +123,8 @@ pub fn swiglu_halves_backward(
     let d_gate_up = d_gate_up.as_values();
     d_gate_up.check_owner(dev, OP)?;
     dout.check_owner(dev, OP)?;
-    let kernel = match (gate_up, dout) {
-        (Values::F32(_), Values::F32(_)) => "swiglu_backward",
-        (Values::Bf16(_), Values::F32(_)) => "swiglu_backward_bf16",
-        (Values::Bf16(_), Values::Bf16(_)) => "swiglu_backward_bf16_dout_bf16",
-        (Values::F32(_), Values::Bf16(_)) => {
-            return Err(CudaError::shape(OP, "a bf16 dout needs bf16 gate and up values"));
-        }
-    };
+    let kernels = ["swiglu_backward", "swiglu_backward_bf16", "swiglu_backward_bf16_dout_bf16"];
+    let kernel = kernel_for_gradient(OP, gate_up, dout, kernels)?;
     let n = dout.len();
     check_halves(OP, gate_up.len(), cols, n)?;
     check_halves(OP, d_gate_up.len(), cols, n)?;

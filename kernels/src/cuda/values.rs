@@ -8,7 +8,7 @@ use half::bf16;
 
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
-use super::error::{ensure, Result};
+use super::error::{ensure, CudaError, Result};
 use super::launch::opt_ptr;
 use super::module::Arg;
 
@@ -169,6 +169,23 @@ impl DeviceValues {
     /// Whether it has no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// The kernel of a backward that reads an `input` and its output's `gradient`, each f32 or
+/// bf16: `[both f32, bf16 input and f32 gradient, both bf16]`. A bf16 gradient beside an f32
+/// input is refused (under bf16 products the input is stored in bf16 too).
+pub(crate) fn kernel_for_gradient(
+    op: &'static str,
+    input: Values<'_>,
+    gradient: Values<'_>,
+    [f32_kernel, bf16_input, all_bf16]: [&'static str; 3],
+) -> Result<&'static str> {
+    match (input.is_bf16(), gradient.is_bf16()) {
+        (false, false) => Ok(f32_kernel),
+        (true, false) => Ok(bf16_input),
+        (true, true) => Ok(all_bf16),
+        (false, true) => Err(CudaError::shape(op, "a bf16 gradient needs a bf16 input (bf16 products)")),
     }
 }
 

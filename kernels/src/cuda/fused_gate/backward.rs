@@ -7,11 +7,11 @@ use super::super::allocator::DeviceBuffer;
 use super::super::blas::{gemm, GemmDims, Operand, Precision};
 use super::super::device::CudaDevice;
 use super::super::elementwise::unary_code;
-use super::super::error::{ensure, ensure_len, CudaError, Result};
+use super::super::error::{ensure, ensure_len, Result};
 use super::super::launch::{int, ptr, size};
 use super::super::module::Arg;
 use super::super::reduce::{column_sums_many, ColumnSum};
-use super::super::values::{DeviceValues, Values};
+use super::super::values::{kernel_for_gradient, DeviceValues, Values};
 use super::{group_lists, layout, BackwardSplit, GateGroup, Layout, FAMILY};
 use crate::cpu::matmul::Store;
 
@@ -210,14 +210,9 @@ pub fn fused_gate_backward(
         ptr(&du_terms),
         ptr(&row_terms),
     ];
-    let kernel = match (zu.values(), dout) {
-        (Values::F32(_), Values::F32(_)) => "fused_gate_backward_rows",
-        (Values::Bf16(_), Values::F32(_)) => "fused_gate_backward_rows_bf16",
-        (Values::Bf16(_), Values::Bf16(_)) => "fused_gate_backward_rows_bf16_dout_bf16",
-        (Values::F32(_), Values::Bf16(_)) => {
-            return Err(CudaError::shape(OP, "a bf16 dout needs a bf16 zu (bf16 products)".to_string()))
-        }
-    };
+    let kernels =
+        ["fused_gate_backward_rows", "fused_gate_backward_rows_bf16", "fused_gate_backward_rows_bf16_dout_bf16"];
+    let kernel = kernel_for_gradient(OP, zu.values(), dout, kernels)?;
     dev.launch(FAMILY, kernel, split.launch(&layout, count), &args)?;
 
     // The cross-row sums over the blocks' terms: db_c, dB_c, da, dα, db_s and dB_s of every

@@ -579,8 +579,9 @@ __device__ __forceinline__ float warp_sum_two(float a, float b) {
 //   d/dU_c = dH_c ⊙ φ'(U_c + a_c),  d/dU_s = d/dl_s·B_s ⊙ φ'(U_s + a_s),
 // whose sums over the block's rows (dU for da, dα_c, dα_s, d/dl_s for db_s, d/dl_s·H_s for
 // dB_s) are the block's terms of those cross-row sums. dout has the outputs' layout (f32, or
-// bf16 when Ẑ's consumer wrote its gradient so), dzu ZU's: dZU goes into dzu under f32 products; under bf16 products (dzu_bf16 not null, dzu
-// null) only into dzu_bf16, rounded to nearest even: the products are its only readers.
+// bf16 when Ẑ's consumer wrote its gradient so), dzu ZU's: dZU goes into dzu under f32
+// products; under bf16 products (dzu_bf16 not null, dzu null) only into dzu_bf16, rounded to
+// nearest even: the products are its only readers.
 // The block terms, each a row x of a matrix with one row per block: weight_terms
 // [x][out_at + j][t] (`[blocks, out_width·rc]`, dB_c's packed layout), bias_terms
 // [x][out_at + j] (`[blocks, out_width]`), du_terms [x][g·r + t] (`[blocks, groups·r]`) and
