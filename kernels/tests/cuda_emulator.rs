@@ -4,6 +4,8 @@
 //!
 //! - a missing `__syncthreads()` (attention_forward) changes the result with the order the
 //!   threads run in;
+//! - a tile read before its cp.async copies are waited for (the tensor-core attention's
+//!   forward) holds what was there before them;
 //! - an mma fragment index off by one (fused_gate_mma) gives a wrong product;
 //! - a write one element past a buffer (fill_bias) is an error naming the kernel, the
 //!   argument and the element.
@@ -89,35 +91,41 @@ fn a_missing_syncthreads_changes_the_result_with_the_schedule() {
 }
 
 /// The tensor-core attention's forward and backward outputs (out, lse, dq, dk, dv) with the
-/// threads of every barrier phase run in `schedule`'s order; also its output's largest
+/// threads of every barrier phase run in `schedule`'s order, from f32 q, k, v and dO (staged
+/// through registers) or from bf16 ones (`bf16_inputs`: staged by cp.async, the backward reading
+/// the forward's bf16 output), the values in bf16 either way; also the output's largest
 /// difference from the naive f32 kernel.
-fn tensor_core_attention(dev: &CudaDevice, schedule: Schedule) -> (Vec<Vec<f32>>, f32) {
+fn tensor_core_attention(dev: &CudaDevice, schedule: Schedule, bf16_inputs: bool) -> (Vec<Vec<f32>>, f32) {
     dev.set_emulator_schedule(schedule).unwrap();
     // Two query blocks and two key tiles of 64 (partial), so tiles are staged several times.
     let (batch, seq, heads, head_dim) = (1, 100, 2, 32);
     let len = batch * seq * heads * head_dim;
-    let up = |seed| dev.upload(&values(len, seed)).unwrap();
+    let halves = |seed| values(len, seed).into_iter().map(bf16::from_f32).collect::<Vec<_>>();
+    let up = |seed| dev.upload(&halves(seed).into_iter().map(bf16::to_f32).collect::<Vec<_>>()).unwrap();
+    let up_bf16 = |seed| dev.upload(&halves(seed)).unwrap();
     let (q, k, v, dout) = (up(1), up(2), up(3), up(4));
+    let [hq, hk, hv, hdout] = [1, 2, 3, 4].map(up_bf16);
+    let inputs = || if bf16_inputs { [&hq, &hk, &hv].map(Values::Bf16) } else { [&q, &k, &v].map(Values::F32) };
     let dims = AttentionDims { batch, q_seq: seq, kv_seq: seq, heads, head_dim, scale: 1.0 / (head_dim as f32).sqrt() };
     let alloc = || dev.alloc::<f32>(len).unwrap();
     let (mut out, mut lse, mut naive) = (alloc(), dev.alloc(dims.lse_len()).unwrap(), alloc());
-    cuda::attention::causal_attention_forward(
-        dev,
-        [&q, &k, &v].map(Values::F32),
-        &dims,
-        Bf16,
-        (ValuesMut::F32(&mut out), None),
-        &mut lse,
-    )
-    .unwrap();
+    let mut out_bf16 = dev.alloc::<bf16>(len).unwrap();
+    let twin = bf16_inputs.then_some(&mut out_bf16);
+    cuda::attention::causal_attention_forward(dev, inputs(), &dims, Bf16, (ValuesMut::F32(&mut out), twin), &mut lse)
+        .unwrap();
     cuda::attention::causal_attention_naive(dev, &q, &k, &v, &dims, &mut naive).unwrap();
+    let (saved, dout) = if bf16_inputs {
+        (Values::Bf16(&out_bf16), Values::Bf16(&hdout))
+    } else {
+        (Values::F32(&out), Values::F32(&dout))
+    };
     let (mut dq, mut dk, mut dv) = (alloc(), alloc(), alloc());
     cuda::attention::causal_attention_backward(
         dev,
-        [&q, &k, &v].map(Values::F32),
-        Values::F32(&out),
+        inputs(),
+        saved,
         &lse,
-        Values::F32(&dout),
+        dout,
         &dims,
         Bf16,
         ValuesMut::F32(&mut dq),
@@ -132,12 +140,28 @@ fn tensor_core_attention(dev: &CudaDevice, schedule: Schedule) -> (Vec<Vec<f32>>
 #[test]
 fn tensor_core_attention_gives_the_same_bits_under_every_schedule() {
     let dev = emulator(None);
-    let (first, error) = tensor_core_attention(&dev, Schedule::Forward);
-    assert!(error < 2e-2, "tensor-core attention is far from the naive kernel: {error}");
-    for schedule in [Schedule::Reverse, Schedule::Shuffled] {
-        let (outputs, _) = tensor_core_attention(&dev, schedule);
-        assert!(outputs == first, "tensor-core attention changed with the schedule {schedule:?}");
+    for bf16_inputs in [false, true] {
+        let (first, error) = tensor_core_attention(&dev, Schedule::Forward, bf16_inputs);
+        assert!(
+            error < 2e-2,
+            "tensor-core attention (bf16 inputs {bf16_inputs}) is far from the naive kernel: {error}"
+        );
+        for schedule in [Schedule::Reverse, Schedule::Shuffled] {
+            let (outputs, _) = tensor_core_attention(&dev, schedule, bf16_inputs);
+            assert!(outputs == first, "tensor-core attention (bf16 inputs {bf16_inputs}) changed with {schedule:?}");
+        }
     }
+}
+
+#[test]
+fn a_missing_cp_async_wait_reads_a_tile_before_it_arrives() {
+    let correct = emulator(None);
+    let (_, error) = tensor_core_attention(&correct, Schedule::Forward, true);
+    assert!(error < 2e-2, "tensor-core attention from bf16 inputs is far from the naive kernel: {error}");
+    let mutant = emulator(Some(Mutant::AttentionMmaMissingWait));
+    let (_, wrong) = tensor_core_attention(&mutant, Schedule::Forward, true);
+    println!("tensor-core attention forward without its cp.async wait: largest difference {wrong} (correct: {error})");
+    assert!(wrong > 0.1, "the tile read before its copies arrived went unseen: {wrong}");
 }
 
 /// One modulator's device parameters from `[A, a, B, b, α]`.

@@ -10,6 +10,7 @@
 //   __shfl_*_sync        -> a warp collective through per-warp slots
 //   atomicAdd            -> a real atomic (blocks of one launch run on several OS threads)
 //   __threadfence()      -> a sequentially consistent fence
+//   cp.async             -> a copy queued per fiber, performed when a wait_group covers it
 // Math functions are the host's <cmath> ones: results may differ from the GPU's by an ulp.
 #pragma once
 
@@ -38,6 +39,17 @@ void syncthreads();
 const void* warp_exchange(unsigned int mask, const void* mine, unsigned int bytes, int source);
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 for the calling lane's fragments.
 void mma_m16n8k16_bf16(float* d, const unsigned int* a, const unsigned int* b);
+// cp.async of `bytes` (`src_bytes` of them read, the rest zeros) from device memory into
+// shared memory, deferred: the calling fiber's copy waits in its queue, in the group that its
+// next cp_async_commit closes, and is performed by the cp_async_wait that covers its group
+// (until then the destination keeps its old contents, as it may on a GPU). Errors on an
+// address that is not a multiple of `bytes`, as the GPU faults.
+void cp_async(void* dst, const void* src, int bytes, int src_bytes);
+// cp.async.commit_group: the fiber's queued copies since the last commit form one group.
+void cp_async_commit();
+// cp.async.wait_group n: performs every queued copy of the fiber's groups but the n most
+// recent (copies not yet committed stay queued).
+void cp_async_wait(int n);
 // __trap(): ends the launch with an error.
 [[noreturn]] void trap();
 // The launch's dynamic shared memory (`extern __shared__`), `bytes` as the launch gave.

@@ -9,6 +9,8 @@
 pub enum Mutant {
     /// `attention_forward` without the barrier between staging a K/V tile and reading it.
     AttentionMissingSync,
+    /// `attention_mma_forward` reading a key tile without waiting for its cp.async copies.
+    AttentionMmaMissingWait,
     /// `fused_gate_mma_r*` storing accumulator elements d1 of the summary columns' mma
     /// fragment in row g + 8 instead of g (a fragment index off by one).
     FusedGateFragmentRow,
@@ -30,7 +32,12 @@ pub struct MutantEdit {
 
 impl Mutant {
     /// Every mutant.
-    pub const ALL: [Mutant; 3] = [Mutant::AttentionMissingSync, Mutant::FusedGateFragmentRow, Mutant::FillBiasPastEnd];
+    pub const ALL: [Mutant; 4] = [
+        Mutant::AttentionMissingSync,
+        Mutant::AttentionMmaMissingWait,
+        Mutant::FusedGateFragmentRow,
+        Mutant::FillBiasPastEnd,
+    ];
 
     /// The edit that makes this mutant from its family's source.
     pub fn edit(self) -> MutantEdit {
@@ -40,6 +47,12 @@ impl Mutant {
                 name: "attention_missing_sync",
                 find: "        __syncthreads();\n        if (!active || s0 > position) continue;  // warp-uniform",
                 replace: "        if (!active || s0 > position) continue;  // warp-uniform",
+            },
+            Mutant::AttentionMmaMissingWait => MutantEdit {
+                family: "attention_mma",
+                name: "attention_mma_missing_wait",
+                find: "        cp_async_wait<1>();  // this thread's copies of tile s0 are done",
+                replace: "        // this thread's copies of tile s0 are done",
             },
             Mutant::FusedGateFragmentRow => MutantEdit {
                 family: "fused_gate",

@@ -78,6 +78,14 @@ enum ErrorKind : int { OK = 0, FAULT = 1, TRAP = 2, DEADLOCK = 3, COLLECTIVE = 4
 
 enum class State : unsigned char { Ready, AtBarrier, AtWarp, Exited };
 
+// One queued cp.async (tp_emu::cp_async): performed by the wait that covers its group.
+struct AsyncCopy {
+    void* dst;
+    const void* src;
+    int bytes, src_bytes;
+    unsigned long long group;
+};
+
 struct Fiber {
     void* sp;
     dim3 idx;
@@ -87,6 +95,8 @@ struct Fiber {
     unsigned long long seq;   // collectives this lane has completed
     char* stack_base;         // the mapping: a guard page, then the stack
     char* stack_top;
+    std::vector<AsyncCopy> copies;  // cp.async copies not yet waited for, oldest first
+    unsigned long long groups;      // cp.async groups committed
 };
 
 // One warp's exchange slots, double-buffered by the parity of the collective's sequence
@@ -438,6 +448,32 @@ void mma_m16n8k16_bf16(float* d, const unsigned int* a, const unsigned int* b) {
     }
 }
 
+void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+    const unsigned long long misaligned =
+        (reinterpret_cast<unsigned long long>(dst) | reinterpret_cast<unsigned long long>(src)) & (unsigned)(bytes - 1);
+    if ((bytes != 4 && bytes != 8 && bytes != 16) || src_bytes < 0 || src_bytes > bytes || misaligned) {
+        fail(FAULT, "cp.async of %d bytes (%d read) between %p and %p: sizes 4, 8 or 16, addresses multiples of it",
+             bytes, src_bytes, dst, src);
+        abandon_fiber();
+    }
+    Fiber* f = running->current;
+    f->copies.push_back(AsyncCopy{dst, src, bytes, src_bytes, f->groups});
+}
+
+void cp_async_commit() { running->current->groups++; }
+
+void cp_async_wait(int n) {
+    Fiber* f = running->current;
+    size_t done = 0;
+    for (; done < f->copies.size(); ++done) {
+        const AsyncCopy& c = f->copies[done];
+        if (c.group + (unsigned long long)n >= f->groups) break;  // among the n most recent, or uncommitted
+        std::memcpy(c.dst, c.src, (size_t)c.src_bytes);
+        std::memset(static_cast<char*>(c.dst) + c.src_bytes, 0, (size_t)(c.bytes - c.src_bytes));
+    }
+    f->copies.erase(f->copies.begin(), f->copies.begin() + (long)done);
+}
+
 void trap() {
     fail(TRAP, "the kernel executed __trap()");
     abandon_fiber();
@@ -500,6 +536,8 @@ extern "C" int tp_emu_run_block(void (*kernel)(void**), void** args, dim3 grid, 
         f.warp = (unsigned int)(i >> 5);
         f.mask = 0;
         f.seq = 0;
+        f.copies.clear();
+        f.groups = 0;
         // Stack tops 132 KiB apart would all fall in one cache set; shifting each by a
         // different multiple of 64 bytes (up to 64 KiB) spreads them over the sets.
         f.stack_base = base;

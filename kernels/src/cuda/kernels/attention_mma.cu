@@ -20,7 +20,9 @@
 // Work split. A block is 4 warps; each warp owns 16 rows of the output (queries for the
 // forward and dq, keys for dk/dv) and keeps its operand fragments and accumulators in
 // registers. The block walks tiles of 64 keys (or queries), staged row-major in shared
-// memory as bf16; every product reads them there:
+// memory as bf16, two buffers: bf16 inputs go in by cp.async, the next tile's copies in
+// flight while the warps multiply the current one (f32 inputs are rounded on the way through
+// registers, so their staging waits); every product reads the tiles there:
 //   forward  S = Q·Kᵀ, online softmax, O += P·V
 //   dq       S = Q·Kᵀ, dP = dO·Vᵀ, dS = P ⊙ (dP − δ), dQ += dS·K      (also writes δ)
 //   dk, dv   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − δ), dV += Pᵀ·dO, dK += dSᵀ·Q
@@ -56,50 +58,54 @@ __device__ __forceinline__ unsigned int bf16x2(float lo, float hi) {
     return (unsigned int)f32_to_bf16(lo) | ((unsigned int)f32_to_bf16(hi) << 16);
 }
 
-// Four adjacent values of a row as the staging moves them: f32 (16 bytes, rounded when
-// stored) or bf16 (8 bytes, stored as they are).
-template <typename In> struct Quad;
-template <> struct Quad<float> { typedef f32x4 type; };
-template <> struct Quad<bf16_t> { typedef bf16x4 type; };
-
-// Stores four staged values into a bf16 tile row (dst 8-byte aligned).
-__device__ __forceinline__ void store_quad(bf16_t* dst, const f32x4& q) {
-    unsigned int* words = reinterpret_cast<unsigned int*>(dst);
-    words[0] = bf16x2(q.v[0], q.v[1]);
-    words[1] = bf16x2(q.v[2], q.v[3]);
-}
-__device__ __forceinline__ void store_quad(bf16_t* dst, const bf16x4& q) { *reinterpret_cast<bf16x4*>(dst) = q; }
-
-// Rows t0..t0+63 of head (b, h) of `src` ([B, T, H, D], f32 or bf16) into tile[64][D + PAD]
-// as bf16; rows at or past `limit` are zero. A thread moves 4 adjacent values at a time (one
-// 16- or 8-byte load, then the shared stores), STAGE_BATCH chunks a round, all of a round's
-// loads issued before its first store so that they are in flight together (a load-then-store
-// loop waits out each load's latency in turn); rounds of 4 keep the registers a round holds
-// to 16.
+// Rows t0..t0+63 of head (b, h) of an f32 `src` ([B, T, H, D]) into tile[64][D + PAD],
+// rounded to bf16; rows at or past `limit` are zero. A thread moves 4 adjacent values at a time
+// (one 16-byte load, then the shared stores), STAGE_BATCH chunks a round, all of a round's loads
+// issued before its first store so that they are in flight together (a load-then-store loop
+// waits out each load's latency in turn); rounds of 4 keep the registers a round holds to 16.
+// The tile is complete when it returns.
 #define STAGE_BATCH 4
-template <int D, typename In>
-__device__ __forceinline__ void stage_bf16(bf16_t* tile, const In* src, i64 b, i64 h, i64 t0, i64 limit, i64 seq,
+template <int D>
+__device__ __forceinline__ void stage_tile(bf16_t* tile, const float* src, i64 b, i64 h, i64 t0, i64 limit, i64 seq,
                                            i64 heads) {
-    typedef typename Quad<In>::type Chunk;
     constexpr int PER_THREAD = TC_TILE * D / 4 / TC_THREADS;  // D / 8 chunks of 4 values
     constexpr int BATCH = PER_THREAD < STAGE_BATCH ? PER_THREAD : STAGE_BATCH;
 #pragma unroll
     for (int i0 = 0; i0 < PER_THREAD; i0 += BATCH) {
-        Chunk chunk[BATCH];
+        f32x4 chunk[BATCH];
 #pragma unroll
         for (int i = 0; i < BATCH; ++i) {
             const int e = threadIdx.x + (i0 + i) * TC_THREADS, r = e / (D / 4), c = 4 * (e % (D / 4));
             const i64 t = t0 + r;
-            chunk[i] = Chunk{};
+            chunk[i] = f32x4{};
             if (i0 + i < PER_THREAD && t < limit)
-                chunk[i] = *reinterpret_cast<const Chunk*>(src + head_row(b, t, h, seq, heads, D) + c);
+                chunk[i] = *reinterpret_cast<const f32x4*>(src + head_row(b, t, h, seq, heads, D) + c);
         }
 #pragma unroll
         for (int i = 0; i < BATCH; ++i) {
             if (i0 + i >= PER_THREAD) break;
             const int e = threadIdx.x + (i0 + i) * TC_THREADS, r = e / (D / 4), c = 4 * (e % (D / 4));
-            store_quad(tile + r * (D + TC_PAD) + c, chunk[i]);
+            unsigned int* words = reinterpret_cast<unsigned int*>(tile + r * (D + TC_PAD) + c);
+            words[0] = bf16x2(chunk[i].v[0], chunk[i].v[1]);
+            words[1] = bf16x2(chunk[i].v[2], chunk[i].v[3]);
         }
+    }
+}
+
+// The same rows of a bf16 `src` by cp.async (common.cuh), 16 bytes (8 values) a copy, D / 16
+// copies a thread, rows at or past `limit` zero-filled: issued, not complete. The caller
+// commits them as a group and waits for it, then a barrier, before the block reads the tile:
+// the kernels below stage the next tile while they multiply the current one.
+template <int D>
+__device__ __forceinline__ void stage_tile(bf16_t* tile, const bf16_t* src, i64 b, i64 h, i64 t0, i64 limit, i64 seq,
+                                           i64 heads) {
+    constexpr int COPIES = TC_TILE * D / 8 / TC_THREADS;
+#pragma unroll
+    for (int i = 0; i < COPIES; ++i) {
+        const int e = threadIdx.x + i * TC_THREADS, r = e / (D / 8), c = 8 * (e % (D / 8));
+        const i64 t = t0 + r;
+        const bool row = t < limit;
+        cp_async(tile + r * (D + TC_PAD) + c, row ? src + head_row(b, t, h, seq, heads, D) + c : src, 16, row ? 16 : 0);
     }
 }
 
@@ -246,16 +252,70 @@ __device__ __forceinline__ QueryWarp query_warp(i64 q_seq, i64 kv_seq, i64 heads
 
 // ---------------------------------------------------------------------------------------
 // Forward: one block per 64 queries of one (b, h), grid (⌈Tq/64⌉, B·H).
+
+// One key tile of the forward for a warp's 16 queries (fragments qa): S = Q·Kᵀ scaled and
+// masked, the online softmax's running max m and row sums l, O rescaled, then O += P·V.
+template <int D>
+__device__ __forceinline__ void forward_tile(const unsigned int (*qa)[4], const bf16_t* k_tile, const bf16_t* v_tile,
+                                             i64 s0, i64 kv_seq, const QueryWarp& w, float scale, float (*o)[4],
+                                             float (&m)[2], float (&l)[2]) {
+    const int t = threadIdx.x & 3;
+    float s[8][4];
+    product_a_tile_t<D>(s, qa, k_tile);
+    // Scale and mask; the new running max per row. Key 0 is in the first tile and every
+    // query sees it, so each row's max is finite from the first tile on.
+    float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int half = e >> 1;
+            const i64 key = s0 + 8 * nt + 2 * t + (e & 1);
+            s[nt][e] = key <= w.position[half] && key < kv_seq ? scale * s[nt][e] : NEG_INF;
+            tile_max[half] = fmaxf(tile_max[half], s[nt][e]);
+        }
+    }
+    float correction[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const float new_m = fmaxf(m[half], quad_max(tile_max[half]));
+        correction[half] = expf(m[half] - new_m);  // e^(−∞) = 0 on the first tile
+        m[half] = new_m;
+        l[half] *= correction[half];
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int half = e >> 1;
+            s[nt][e] = expf(s[nt][e] - m[half]);  // masked: e^(−∞) = 0
+            l[half] += s[nt][e];
+        }
+    }
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) {
+        o[nd][0] *= correction[0];
+        o[nd][1] *= correction[0];
+        o[nd][2] *= correction[1];
+        o[nd][3] *= correction[1];
+    }
+    accumulate_p_tile<D>(o, s, v_tile);
+}
+
 template <int D, typename In>
 __device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, const In* v, float* out,
                                                       bf16_t* out_bf16, float* lse, i64 q_seq, i64 kv_seq, i64 heads,
                                                       float scale) {
-    __shared__ __align__(16) bf16_t k_tile[TC_TILE * (D + TC_PAD)];
-    __shared__ __align__(16) bf16_t v_tile[TC_TILE * (D + TC_PAD)];
+    __shared__ __align__(16) bf16_t k_tiles[2][TC_TILE * (D + TC_PAD)];
+    __shared__ __align__(16) bf16_t v_tiles[2][TC_TILE * (D + TC_PAD)];
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const QueryWarp w = query_warp(q_seq, kv_seq, heads);
     const i64 b = w.b, h = w.h, row0 = w.row0;
 
+    // Key tile i goes into buffer i & 1: tile i + 1 is staged while tile i is multiplied.
+    stage_tile<D>(k_tiles[0], k, b, h, 0, kv_seq, kv_seq, heads);
+    stage_tile<D>(v_tiles[0], v, b, h, 0, kv_seq, kv_seq, heads);
+    cp_async_commit();
     unsigned int qa[D / 16][4];
     load_a_rows<D>(qa, q, b, h, row0, q_seq, q_seq, heads);
     float o[D / 8][4];
@@ -263,52 +323,20 @@ __device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, 
     for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};  // l: this lane's share of the row sum
 
-    for (i64 s0 = 0; s0 < w.end; s0 += TC_TILE) {
-        __syncthreads();  // every warp is done with the previous tile
-        stage_bf16<D>(k_tile, k, b, h, s0, kv_seq, kv_seq, heads);
-        stage_bf16<D>(v_tile, v, b, h, s0, kv_seq, kv_seq, heads);
-        __syncthreads();
-        if (row0 >= q_seq || s0 > w.warp_last) continue;  // warp-uniform: nothing visible here
-        float s[8][4];
-        product_a_tile_t<D>(s, qa, k_tile);
-        // Scale and mask; the new running max per row. Key 0 is in the first tile and every
-        // query sees it, so each row's max is finite from the first tile on.
-        float tile_max[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int half = e >> 1;
-                const i64 key = s0 + 8 * nt + 2 * t + (e & 1);
-                s[nt][e] = key <= w.position[half] && key < kv_seq ? scale * s[nt][e] : NEG_INF;
-                tile_max[half] = fmaxf(tile_max[half], s[nt][e]);
-            }
+    int buf = 0;
+    for (i64 s0 = 0; s0 < w.end; s0 += TC_TILE, buf ^= 1) {
+        if (s0 + TC_TILE < w.end) {
+            stage_tile<D>(k_tiles[buf ^ 1], k, b, h, s0 + TC_TILE, kv_seq, kv_seq, heads);
+            stage_tile<D>(v_tiles[buf ^ 1], v, b, h, s0 + TC_TILE, kv_seq, kv_seq, heads);
         }
-        float correction[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const float new_m = fmaxf(m[half], quad_max(tile_max[half]));
-            correction[half] = expf(m[half] - new_m);  // e^(−∞) = 0 on the first tile
-            m[half] = new_m;
-            l[half] *= correction[half];
+        cp_async_commit();
+        cp_async_wait<1>();  // this thread's copies of tile s0 are done (the next tile's may not be)
+        __syncthreads();     // and so are every thread's
+        // Warp-uniform: only where some key of the tile is visible to the warp's queries.
+        if (row0 < q_seq && s0 <= w.warp_last) {
+            forward_tile<D>(qa, k_tiles[buf], v_tiles[buf], s0, kv_seq, w, scale, o, m, l);
         }
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int half = e >> 1;
-                s[nt][e] = expf(s[nt][e] - m[half]);  // masked: e^(−∞) = 0
-                l[half] += s[nt][e];
-            }
-        }
-#pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) {
-            o[nd][0] *= correction[0];
-            o[nd][1] *= correction[0];
-            o[nd][2] *= correction[1];
-            o[nd][3] *= correction[1];
-        }
-        accumulate_p_tile<D>(o, s, v_tile);
+        __syncthreads();  // every warp is done with buffer buf before the tile after next goes into it
     }
     if (row0 >= q_seq) return;
     float inv[2];
@@ -338,18 +366,49 @@ __device__ __forceinline__ float as_bf16_rounded(bf16_t v) { return bf16_to_f32(
 
 // ---------------------------------------------------------------------------------------
 // dq (and δ): one block per 64 queries, grid (⌈Tq/64⌉, B·H), as the forward.
+
+// One key tile of dq for a warp's 16 queries (fragments qa, doa, their rows' lse and δ):
+// S = Q·Kᵀ, dP = dO·Vᵀ, dS = P ⊙ (dP − δ), dQ += dS·K.
+template <int D>
+__device__ __forceinline__ void dq_tile(const unsigned int (*qa)[4], const unsigned int (*doa)[4],
+                                        const bf16_t* k_tile, const bf16_t* v_tile, i64 s0, i64 kv_seq,
+                                        const QueryWarp& w, float scale, const float (&row_lse)[2],
+                                        const float (&row_delta)[2], float (*acc)[4]) {
+    const int t = threadIdx.x & 3;
+    float s[8][4], dp[8][4];
+    product_a_tile_t<D>(s, qa, k_tile);
+    product_a_tile_t<D>(dp, doa, v_tile);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int half = e >> 1;
+            const i64 key = s0 + 8 * nt + 2 * t + (e & 1);
+            const bool seen = key <= w.position[half] && key < kv_seq;
+            const float p = seen ? expf(scale * s[nt][e] - row_lse[half]) : 0.0f;
+            s[nt][e] = p * (dp[nt][e] - row_delta[half]);  // dS
+        }
+    }
+    accumulate_p_tile<D>(acc, s, k_tile);
+}
+
 template <int D, typename In, typename O, typename Dy>
 __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In* k, const In* v,
                                                           const O* out, const Dy* dout, const float* lse,
                                                           float* delta, float* dq, bf16_t* dq_bf16, i64 q_seq,
                                                           i64 kv_seq, i64 heads, float scale) {
-    __shared__ __align__(16) bf16_t k_tile[TC_TILE * (D + TC_PAD)];
-    __shared__ __align__(16) bf16_t v_tile[TC_TILE * (D + TC_PAD)];
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    __shared__ __align__(16) bf16_t k_tiles[2][TC_TILE * (D + TC_PAD)];
+    __shared__ __align__(16) bf16_t v_tiles[2][TC_TILE * (D + TC_PAD)];
+    const int lane = threadIdx.x & 31, g = lane >> 2;
     const QueryWarp w = query_warp(q_seq, kv_seq, heads);
     const i64 b = w.b, h = w.h, row0 = w.row0;
     const float* lse_bh = lse + (b * heads + h) * q_seq;
     float* delta_bh = delta + (b * heads + h) * q_seq;
+
+    // Key tile i goes into buffer i & 1 (as in the forward); the first is in flight during δ.
+    stage_tile<D>(k_tiles[0], k, b, h, 0, kv_seq, kv_seq, heads);
+    stage_tile<D>(v_tiles[0], v, b, h, 0, kv_seq, kv_seq, heads);
+    cp_async_commit();
 
     // δ_i = Σ_d dO_i·O_i = Σ_s P_is·dP_is in f32 (O as stored, f32 or bf16), with dO rounded
     // to bf16 as dP's product reads it, so that dP − δ cancels where it should (one visible
@@ -384,43 +443,80 @@ __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In*
 #pragma unroll
     for (int nd = 0; nd < D / 8; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.0f;
 
-    for (i64 s0 = 0; s0 < w.end; s0 += TC_TILE) {
-        __syncthreads();
-        stage_bf16<D>(k_tile, k, b, h, s0, kv_seq, kv_seq, heads);
-        stage_bf16<D>(v_tile, v, b, h, s0, kv_seq, kv_seq, heads);
-        __syncthreads();
-        if (row0 >= q_seq || s0 > w.warp_last) continue;
-        float s[8][4], dp[8][4];
-        product_a_tile_t<D>(s, qa, k_tile);
-        product_a_tile_t<D>(dp, doa, v_tile);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int half = e >> 1;
-                const i64 key = s0 + 8 * nt + 2 * t + (e & 1);
-                const bool seen = key <= w.position[half] && key < kv_seq;
-                const float p = seen ? expf(scale * s[nt][e] - row_lse[half]) : 0.0f;
-                s[nt][e] = p * (dp[nt][e] - row_delta[half]);  // dS
-            }
+    int buf = 0;
+    for (i64 s0 = 0; s0 < w.end; s0 += TC_TILE, buf ^= 1) {
+        if (s0 + TC_TILE < w.end) {
+            stage_tile<D>(k_tiles[buf ^ 1], k, b, h, s0 + TC_TILE, kv_seq, kv_seq, heads);
+            stage_tile<D>(v_tiles[buf ^ 1], v, b, h, s0 + TC_TILE, kv_seq, kv_seq, heads);
         }
-        accumulate_p_tile<D>(acc, s, k_tile);
+        cp_async_commit();
+        cp_async_wait<1>();  // tile s0's copies, this thread's, then (the barrier) every thread's
+        __syncthreads();
+        if (row0 < q_seq && s0 <= w.warp_last) {  // warp-uniform
+            dq_tile<D>(qa, doa, k_tiles[buf], v_tiles[buf], s0, kv_seq, w, scale, row_lse, row_delta, acc);
+        }
+        __syncthreads();  // every warp is done with buffer buf before the tile after next goes into it
     }
     store_rows<D>(acc, scale, dq, dq_bf16, b, h, row0, q_seq, q_seq, heads);
 }
 
 // ---------------------------------------------------------------------------------------
 // dk, dv: one block per 64 keys, grid (⌈Tk/64⌉, B·H), walking the query tiles that see them.
+
+// Query tile i0 of head (b, h) for dk/dv into one buffer: its Q and dO rows (stage_tile) and
+// their rows' lse and δ, threads 0-63 copying lse and 64-127 δ, 4 bytes each (zeros past q_seq).
+template <int D, typename In, typename Dy>
+__device__ __forceinline__ void stage_query_tile(bf16_t* q_tile, bf16_t* do_tile, float* lse_tile, float* delta_tile,
+                                                 const In* q, const Dy* dout, const float* lse_bh,
+                                                 const float* delta_bh, i64 b, i64 h, i64 i0, i64 q_seq, i64 heads) {
+    static_assert(TC_THREADS == 2 * TC_TILE, "a thread for each lse and each δ of a tile");
+    stage_tile<D>(q_tile, q, b, h, i0, q_seq, q_seq, heads);
+    stage_tile<D>(do_tile, dout, b, h, i0, q_seq, q_seq, heads);
+    const bool lse_part = threadIdx.x < TC_TILE;
+    const int e = threadIdx.x % TC_TILE;
+    const i64 i = i0 + e;
+    const float* src = lse_part ? lse_bh : delta_bh;
+    cp_async((lse_part ? lse_tile : delta_tile) + e, i < q_seq ? src + i : src, 4, i < q_seq ? 4 : 0);
+}
+
+// One query tile of dk/dv for a warp's 16 keys (fragments ka, va; key[] the lane's two keys):
+// Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, Pᵀ and dSᵀ = Pᵀ ⊙ (dPᵀ − δ), dV += Pᵀ·dO, dK += dSᵀ·Q.
+template <int D>
+__device__ __forceinline__ void dkv_tile(const unsigned int (*ka)[4], const unsigned int (*va)[4],
+                                         const bf16_t* q_tile, const bf16_t* do_tile, const float* lse_tile,
+                                         const float* delta_tile, i64 i0, i64 q_seq, i64 kv_seq, const i64 (&key)[2],
+                                         float scale, float (*acc_k)[4], float (*acc_v)[4]) {
+    const int t = threadIdx.x & 3;
+    const i64 offset = kv_seq - q_seq;
+    float st[8][4], dpt[8][4];
+    product_a_tile_t<D>(st, ka, q_tile);
+    product_a_tile_t<D>(dpt, va, do_tile);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int half = e >> 1, c = 8 * nt + 2 * t + (e & 1);
+            const i64 i = i0 + c;
+            const bool seen = i < q_seq && i + offset >= key[half] && key[half] < kv_seq;
+            const float p = seen ? expf(scale * st[nt][e] - lse_tile[c]) : 0.0f;
+            st[nt][e] = p;                                 // Pᵀ
+            dpt[nt][e] = p * (dpt[nt][e] - delta_tile[c]);  // dSᵀ
+        }
+    }
+    accumulate_p_tile<D>(acc_v, st, do_tile);
+    accumulate_p_tile<D>(acc_k, dpt, q_tile);
+}
+
 template <int D, typename In, typename Dy>
 __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In* k, const In* v,
                                                            const Dy* dout, const float* lse, const float* delta,
                                                            float* dk, bf16_t* dk_bf16, float* dv, bf16_t* dv_bf16,
                                                            i64 q_seq, i64 kv_seq, i64 heads, float scale) {
-    __shared__ __align__(16) bf16_t q_tile[TC_TILE * (D + TC_PAD)];
-    __shared__ __align__(16) bf16_t do_tile[TC_TILE * (D + TC_PAD)];
-    __shared__ float lse_tile[TC_TILE];
-    __shared__ float delta_tile[TC_TILE];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    __shared__ __align__(16) bf16_t q_tiles[2][TC_TILE * (D + TC_PAD)];
+    __shared__ __align__(16) bf16_t do_tiles[2][TC_TILE * (D + TC_PAD)];
+    __shared__ __align__(16) float lse_tiles[2][TC_TILE];
+    __shared__ __align__(16) float delta_tiles[2][TC_TILE];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
     const i64 b = blockIdx.y / heads, h = blockIdx.y % heads;
     const i64 offset = kv_seq - q_seq;
     const i64 s_first = (i64)blockIdx.x * TC_ROWS, row0 = s_first + 16 * warp;
@@ -430,6 +526,10 @@ __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In
     const float* lse_bh = lse + (b * heads + h) * q_seq;
     const float* delta_bh = delta + (b * heads + h) * q_seq;
 
+    // Query tile n goes into buffer n & 1: tile n + 1 is staged while tile n is multiplied.
+    stage_query_tile<D>(q_tiles[0], do_tiles[0], lse_tiles[0], delta_tiles[0], q, dout, lse_bh, delta_bh, b, h,
+                        i_start, q_seq, heads);
+    cp_async_commit();
     unsigned int ka[D / 16][4], va[D / 16][4];
     load_a_rows<D>(ka, k, b, h, row0, kv_seq, kv_seq, heads);
     load_a_rows<D>(va, v, b, h, row0, kv_seq, kv_seq, heads);
@@ -440,35 +540,21 @@ __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In
         acc_v[nd][0] = acc_v[nd][1] = acc_v[nd][2] = acc_v[nd][3] = 0.0f;
     }
 
-    for (i64 i0 = i_start; i0 < q_seq; i0 += TC_TILE) {
-        __syncthreads();
-        stage_bf16<D>(q_tile, q, b, h, i0, q_seq, q_seq, heads);
-        stage_bf16<D>(do_tile, dout, b, h, i0, q_seq, q_seq, heads);
-        for (int e = threadIdx.x; e < TC_TILE; e += TC_THREADS) {
-            const i64 i = i0 + e;
-            lse_tile[e] = i < q_seq ? lse_bh[i] : 0.0f;
-            delta_tile[e] = i < q_seq ? delta_bh[i] : 0.0f;
+    int buf = 0;
+    for (i64 i0 = i_start; i0 < q_seq; i0 += TC_TILE, buf ^= 1) {
+        if (i0 + TC_TILE < q_seq) {
+            stage_query_tile<D>(q_tiles[buf ^ 1], do_tiles[buf ^ 1], lse_tiles[buf ^ 1], delta_tiles[buf ^ 1], q, dout,
+                                lse_bh, delta_bh, b, h, i0 + TC_TILE, q_seq, heads);
         }
+        cp_async_commit();
+        cp_async_wait<1>();  // tile i0's copies, this thread's, then (the barrier) every thread's
         __syncthreads();
-        // Warp-uniform: no key of this warp, or no query of the tile sees any of them.
-        if (row0 >= kv_seq || i0 + TC_TILE - 1 + offset < row0) continue;
-        float st[8][4], dpt[8][4];
-        product_a_tile_t<D>(st, ka, q_tile);
-        product_a_tile_t<D>(dpt, va, do_tile);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int half = e >> 1, c = 8 * nt + 2 * t + (e & 1);
-                const i64 i = i0 + c;
-                const bool seen = i < q_seq && i + offset >= key[half] && key[half] < kv_seq;
-                const float p = seen ? expf(scale * st[nt][e] - lse_tile[c]) : 0.0f;
-                st[nt][e] = p;                                 // Pᵀ
-                dpt[nt][e] = p * (dpt[nt][e] - delta_tile[c]);  // dSᵀ
-            }
+        // Warp-uniform: only where the warp has keys and some query of the tile sees one.
+        if (row0 < kv_seq && i0 + TC_TILE - 1 + offset >= row0) {
+            dkv_tile<D>(ka, va, q_tiles[buf], do_tiles[buf], lse_tiles[buf], delta_tiles[buf], i0, q_seq, kv_seq, key,
+                        scale, acc_k, acc_v);
         }
-        accumulate_p_tile<D>(acc_v, st, do_tile);
-        accumulate_p_tile<D>(acc_k, dpt, q_tile);
+        __syncthreads();  // every warp is done with buffer buf before the tile after next goes into it
     }
     store_rows<D>(acc_k, scale, dk, dk_bf16, b, h, row0, kv_seq, kv_seq, heads);
     store_rows<D>(acc_v, 1.0f, dv, dv_bf16, b, h, row0, kv_seq, kv_seq, heads);

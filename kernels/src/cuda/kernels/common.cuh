@@ -23,7 +23,7 @@ typedef unsigned short bf16_t;
 
 // d += A·B for one warp: mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 with the PTX
 // ISA's fragment layout (see fused_gate.cu), `d` float[4], `a` u32[4], `b` u32[2] per lane.
-// The one inline assembly of the kernels; the emulator runs a C++ version of it.
+// Inline assembly, as cp_async below is; the emulator runs a C++ version of both.
 #if defined(__CUDA_EMULATOR__)
 #define MMA_M16N8K16_BF16(d, a, b) tp_emu::mma_m16n8k16_bf16((d), (a), (b))
 #elif __CUDA_ARCH__ >= 800
@@ -35,6 +35,49 @@ typedef unsigned short bf16_t;
         : "r"((a)[0]), "r"((a)[1]), "r"((a)[2]), "r"((a)[3]), "r"((b)[0]), "r"((b)[1]))
 #else
 #define MMA_M16N8K16_BF16(d, a, b) __trap()  // the launcher refuses devices below compute capability 8.0
+#endif
+
+// Asynchronous copies global → shared (cp.async, compute capability 8.0): a thread issues
+// copies of `bytes` (4 or 16; both addresses multiples of it) that go straight into shared
+// memory, no registers on the way, while the thread goes on computing; `src_bytes` 0 copies
+// nothing and fills the destination with zeros (a row past the end). cp_async_commit closes the
+// thread's copies issued since the last commit into a group; cp_async_wait<n> waits until at
+// most the n most recent groups are still in flight. A copy is visible to the thread that
+// issued it once waited for, to the rest of the block after a barrier that follows the wait.
+// The emulator performs each copy only when the wait covers it (emu/cuda_emu.h), so a read
+// before the wait sees the old contents there as it may on a GPU; below 8.0 the copy is plain.
+#if defined(__CUDA_EMULATOR__)
+__device__ __forceinline__ void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+    tp_emu::cp_async(dst, src, bytes, src_bytes);
+}
+__device__ __forceinline__ void cp_async_commit() { tp_emu::cp_async_commit(); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    tp_emu::cp_async_wait(N);
+}
+#elif __CUDA_ARCH__ >= 800
+__device__ __forceinline__ void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+    const unsigned int to = (unsigned int)__cvta_generic_to_shared(dst);
+    if (bytes == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(src), "r"(src_bytes));
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(to), "l"(src), "r"(src_bytes));
+    }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+#else
+__device__ __forceinline__ void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+    unsigned char* to = static_cast<unsigned char*>(dst);
+    const unsigned char* from = static_cast<const unsigned char*>(src);
+    for (int i = 0; i < bytes; ++i) to[i] = i < src_bytes ? from[i] : 0;
+}
+__device__ __forceinline__ void cp_async_commit() {}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {}
 #endif
 
 // Up to 64 device addresses or lengths, passed by value: the tensors of a multi-tensor
