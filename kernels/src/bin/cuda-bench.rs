@@ -295,7 +295,7 @@ impl GroupGrads {
             scalar.push(DeviceGateGrads { a_bias: sa, b_bias: sb, alpha: salpha });
         }
         DeviceFusedGateGrads {
-            x: &mut self.x,
+            x: ValuesMut::F32(&mut self.x),
             x_store: Store::Overwrite,
             weights: &mut self.weights,
             b_channel: &mut self.b_channel,

@@ -11,7 +11,7 @@ use kernels::cuda::fused_gate::{
 };
 use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer};
 
-use super::{assert_close, down, stale, up, Rng};
+use super::{assert_close, assert_close_to, down, stale, up, Rng};
 
 /// Host-side parameters of one fused projection.
 struct GateCase {
@@ -239,11 +239,12 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
     assert_close(&format!("forward {what}"), &down(dev, &gout), &want_out, 0.0, rel);
 
     // The backward into stale (NaN) gradient buffers: it must write every element. dx is
-    // added onto `dx_base` instead when it is given (Store::Accumulate). The output gradient
-    // is read in bf16 with `dout_bf16` (as SwiGLU's and RoPE's backward write it under bf16
-    // products).
-    let gpu_backward = |products: GateProducts, dx_base: Option<&[f32]>, dout_bf16: bool| {
+    // added onto `dx_base` instead when it is given (Store::Accumulate), and written in bf16
+    // alone with `dx_bf16` (an input whose readers take bf16). The output gradient is read in
+    // bf16 with `dout_bf16` (as SwiGLU's and RoPE's backward write it under bf16 products).
+    let gpu_backward = |products: GateProducts, dx_base: Option<&[f32]>, dout_bf16: bool, dx_bf16: bool| {
         let mut gdx = up(dev, &dx_base.map_or_else(|| stale(rows * d_in), <[f32]>::to_vec));
+        let mut gdx16 = up_bf16(dev, &stale(rows * d_in));
         let x_store = if dx_base.is_some() { Store::Accumulate } else { Store::Overwrite };
         // Every projection's [dW; dA_c; dA_s] in one buffer, as the backward writes them.
         let mut gdweights = up(dev, &stale(width * d_in));
@@ -260,7 +261,7 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
                 DeviceGateGrads { a_bias, b_bias, alpha }
             }
             let mut grads = DeviceFusedGateGrads {
-                x: &mut gdx,
+                x: if dx_bf16 { cuda::ValuesMut::Bf16(&mut gdx16) } else { cuda::ValuesMut::F32(&mut gdx) },
                 x_store,
                 weights: &mut gdweights,
                 b_channel: &mut gdb_channel,
@@ -285,7 +286,12 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
             got.extend([down(dev, &c[2]), down(dev, &s[2])]);
             out_at += d_out;
         }
-        Ok::<_, CudaError>((down(dev, &gdx), got))
+        let dx = if dx_bf16 {
+            dev.download(&gdx16).unwrap().into_iter().map(bf16::to_f32).collect()
+        } else {
+            down(dev, &gdx)
+        };
+        Ok::<_, CudaError>((dx, got))
     };
     let names = ["[dW; dA_c; dA_s]", "channel da", "channel dB", "channel db", "scalar da", "scalar dB", "scalar db"];
     let names: Vec<String> = (0..cases.len())
@@ -302,11 +308,11 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
             }
         };
     for (products, bound) in [(f32, rel), (bf16, 3e-2)] {
-        check(&format!("{what} ({products:?})"), gpu_backward(products, None, false).unwrap(), &wanted, bound);
+        check(&format!("{what} ({products:?})"), gpu_backward(products, None, false, false).unwrap(), &wanted, bound);
     }
     // dout in bf16 (as SwiGLU's and RoPE's backward write it) beside a bf16 ZU: the CPU's
     // backward of the rounded dout. Beside an f32 ZU it is refused.
-    let run = gpu_backward(bf16, None, true);
+    let run = gpu_backward(bf16, None, true, false);
     if bf16_zu {
         let rounded: Vec<f32> = dout.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
         check(&format!("{what} (bf16 products, bf16 dout)"), run.unwrap(), &cpu_backward(&rounded), 3e-2);
@@ -316,8 +322,19 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
     // dx added onto the gradient an input already has (an input read by several ops).
     let dx_base = Rng::new(rows as u64 + 1).vec(rows * d_in, -1.0, 1.0);
     let want_sum: Vec<f32> = wanted.0.iter().zip(&dx_base).map(|(dx, base)| base + dx).collect();
-    let (dx, _) = gpu_backward(f32, Some(&dx_base), false).unwrap();
+    let (dx, _) = gpu_backward(f32, Some(&dx_base), false, false).unwrap();
     assert_close(&format!("dx added onto a gradient so far {what}"), &dx, &want_sum, 0.0, rel);
+    // dx in bf16 alone under bf16 products: the f32 dx rounded (to within one bf16 step, the
+    // product's own sums rounded once), the other gradients the same bits. Refused beside f32
+    // products, and when added onto a gradient so far.
+    let (dx_f32, grads_f32) = gpu_backward(bf16, None, false, false).unwrap();
+    let (dx_half, grads_half) = gpu_backward(bf16, None, false, true).unwrap();
+    assert_close_to(&format!("dx in bf16 {what}"), &dx_half, &dx_f32, 1.0 / 256.0, 0.0);
+    assert_eq!(grads_half, grads_f32, "the parameters' gradients do not depend on dx's type {what}");
+    for (products, dx_base) in [(f32, None), (bf16, Some(&dx_base[..]))] {
+        let run = gpu_backward(products, dx_base, false, true);
+        assert!(matches!(run, Err(CudaError::Shape { .. })), "a bf16 dx refused {what}: {:?}", run.err());
+    }
 }
 
 /// q, k and v, or gate and up: projections of one input of different widths in one group.

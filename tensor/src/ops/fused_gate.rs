@@ -312,7 +312,7 @@ pub(crate) mod cuda {
         fused_gate_backward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams,
         DeviceGateGrads, DeviceGateParams, GateGroup, GateProducts, Unary,
     };
-    use kernels::cuda::{CudaDevice, DeviceBuffer, DeviceValues, Values};
+    use kernels::cuda::{CudaDevice, DeviceBuffer, DeviceValues, Values, ValuesMut};
 
     use super::{Checked, FusedGateSaved, ProductOutput};
     use crate::cuda::CudaStorage;
@@ -448,12 +448,16 @@ pub(crate) mod cuda {
         // Under bf16 products the backward reads x in bf16 too: the copy the forward made.
         let x_bf16 = if bf16_products { Some(x.to_dtype(DType::BF16)?) } else { None };
         // dx goes onto the gradient so far in place when this op holds the only reference to
-        // its whole f32 buffer; otherwise into a fresh buffer, added to the sum after.
+        // its whole f32 buffer; otherwise into a fresh buffer, added to the sum after. As x's
+        // only gradient under bf16 products it is bf16 alone, as autocast keeps a bf16 product
+        // input's gradient (its readers, RMSNorm's, SwiGLU's and attention's backward, read
+        // bf16; any other widens it on demand).
         let mut dx_so_far = dx_so_far;
         let absorb = dx_so_far.as_mut().is_some_and(|so_far| {
             so_far.dtype() == DType::F32 && so_far.shape() == x.shape() && so_far.sole_dense_cuda_storage().is_some()
         });
-        let mut dx_fresh = if absorb { None } else { Some(CudaStorage::alloc(&dev, x.numel())?) };
+        let dx_bf16 = bf16_products && dx_so_far.is_none();
+        let mut dx_fresh = if absorb { None } else { Some(CudaStorage::alloc_values(&dev, x.numel(), dx_bf16)?) };
         // Every weight's gradient in one buffer, written by one product; each is a view of its
         // rows (the optimizer reads it in place).
         let width: usize = projections.iter().map(|p| p.dims.width()).sum();
@@ -470,10 +474,10 @@ pub(crate) mod cuda {
         }
         {
             let (dx_buffer, x_store) = match (&mut dx_fresh, dx_so_far.as_mut()) {
-                (Some(fresh), _) => (fresh.f32_buffer_mut(OP)?, Store::Overwrite),
+                (Some(fresh), _) => (fresh.values_mut(OP)?, Store::Overwrite),
                 (None, Some(so_far)) => {
                     let storage = so_far.sole_dense_cuda_storage().expect("checked by `absorb`");
-                    (storage.f32_buffer_mut(OP)?, Store::Accumulate)
+                    (ValuesMut::F32(storage.f32_buffer_mut(OP)?), Store::Accumulate)
                 }
                 (None, None) => unreachable!("absorb needs a gradient so far"),
             };

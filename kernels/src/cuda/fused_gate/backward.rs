@@ -11,7 +11,7 @@ use super::super::error::{ensure, ensure_len, Result};
 use super::super::launch::{int, ptr, size};
 use super::super::module::Arg;
 use super::super::reduce::{column_sums_many, ColumnSum};
-use super::super::values::{kernel_for_gradient, DeviceValues, Values};
+use super::super::values::{kernel_for_gradient, DeviceValues, Values, ValuesMut};
 use super::{group_lists, layout, BackwardSplit, GateGroup, Layout, FAMILY};
 use crate::cpu::matmul::Store;
 
@@ -37,11 +37,12 @@ impl DeviceGateGrads<'_> {
 /// Gradient buffers of the fused projection, written by the backward.
 #[derive(Debug)]
 pub struct DeviceFusedGateGrads<'a> {
-    /// `dx: [N, d_in]`.
-    pub x: &'a mut DeviceBuffer<f32>,
+    /// `dx: [N, d_in]`: f32, or under bf16 products bf16 alone (rounded from the product's f32
+    /// sums, for an input whose only gradient this is and whose readers take bf16).
+    pub x: ValuesMut<'a>,
     /// Whether `dx` is written into `x` ([`Store::Overwrite`]) or added onto what `x` holds
     /// ([`Store::Accumulate`]: the GEMM's β = 1, so an input read by several projections gets
-    /// its gradients summed without a separate add).
+    /// its gradients summed without a separate add; f32 only).
     pub x_store: Store,
     /// The gradient of the packed weight, `[K, d_in]` in [`pack_weight`]'s layout (each
     /// projection's `[dW; dA_c; dA_s]` in turn): one product writes it, and each weight's
@@ -70,8 +71,11 @@ fn check_grads(
         format!("{} and {} modulator gradients for {} projections", g.channel.len(), g.scalar.len(), groups.len())
     })?;
     let (rc, rs) = (layout.rank_channel, layout.rank_scalar);
+    let dx = g.x.as_values();
+    dx.check_owner(dev, op)?;
+    ensure_len(op, "dx", dx.len(), layout.rows * layout.d_in)?;
+    ensure(!dx.is_bf16() || g.x_store == Store::Overwrite, op, || "a bf16 dx is written, not added to".to_string())?;
     let mut expected = vec![
-        (&*g.x, layout.rows * layout.d_in, "dx"),
         (&*g.weights, layout.zu_width * layout.d_in, "packed weight gradient"),
         (&*g.b_channel, layout.out_width * rc, "packed channel dB"),
         (&*g.b_scalar, groups.len() * rs, "packed scalar dB"),
@@ -151,6 +155,7 @@ pub fn fused_gate_backward(
         GateProducts::F32 { x } => {
             dev.check_owner(OP, x)?;
             ensure_len(OP, "x", x.len(), rows * d_in)?;
+            ensure(!grads.x.as_values().is_bf16(), OP, || "a bf16 dx needs bf16 products".to_string())?;
         }
         GateProducts::Bf16 { x, packed } => {
             dev.check_owner(OP, x)?;
@@ -163,10 +168,10 @@ pub fn fused_gate_backward(
     if rows == 0 {
         // No rows: every gradient is an empty sum.
         let modulators = g.channel.iter_mut().chain(g.scalar.iter_mut()).flat_map(DeviceGateGrads::buffers);
-        for buffer in [&mut *g.x, &mut *g.weights, &mut *g.b_channel, &mut *g.b_scalar].into_iter().chain(modulators) {
+        for buffer in [&mut *g.weights, &mut *g.b_channel, &mut *g.b_scalar].into_iter().chain(modulators) {
             dev.fill_zero(buffer)?;
         }
-        return Ok(());
+        return g.x.fill_zero(dev);
     }
     // The row kernel's block terms of the cross-row sums, one row per block (see
     // gate_backward_rows in fused_gate.cu): dB_c's (`[blocks, out_width·rc]`, dB_c's packed
@@ -241,12 +246,18 @@ pub fn fused_gate_backward(
     column_sums_many(dev, blocks, &sums)?;
 
     let precision = operands.precision();
-    let gemm = |m, n, k, a, b, store, c: u64, ldc| gemm(dev, precision, GemmDims { m, n, k }, a, b, store, (c, ldc));
+    let gemm = |precision, m, n, k, a, b, store, c: u64, ldc| {
+        gemm(dev, precision, GemmDims { m, n, k }, a, b, store, (c, ldc))
+    };
     // dx = dZU·packed
+    let dx = g.x.as_values();
     if let Operands::Bf16 { packed, .. } = &operands {
-        // The packed bf16 weight makes dx one product over K.
+        // The packed bf16 weight makes dx one product over K, rounded to bf16 as it is stored
+        // when dx is bf16.
         let weight = Operand::rows(packed.device_ptr(), d_in);
-        gemm(rows, d_in, k, operands.rows(Part::Dzu, 0, k), weight, g.x_store, g.x.device_ptr(), d_in)?;
+        let dx_precision = if dx.is_bf16() { Precision::Bf16Out } else { precision };
+        let dzu = operands.rows(Part::Dzu, 0, k);
+        gemm(dx_precision, rows, d_in, k, dzu, weight, g.x_store, dx.address(), d_in)?;
     } else {
         // Separate f32 weight buffers: the first product written, the others added onto it.
         let mut store = g.x_store;
@@ -257,14 +268,15 @@ pub fn fused_gate_backward(
                 [(at, d_out, p.weight), (at + d_out, rc, p.channel.a_weight), (at + d_out + rc, rs, p.scalar.a_weight)];
             for (offset, width, weight) in parts {
                 let (a, b) = (operands.rows(Part::Dzu, offset, k), Operand::rows(weight.device_ptr(), d_in));
-                gemm(rows, d_in, width, a, b, store, g.x.device_ptr(), d_in)?;
+                gemm(precision, rows, d_in, width, a, b, store, dx.address(), d_in)?;
                 store = Store::Accumulate;
             }
         }
     }
     // The packed weight's gradient dZUᵀ·x: one product for every weight of the group.
     let x_rows = operands.rows(Part::X, 0, d_in);
-    gemm(k, d_in, rows, operands.transposed(Part::Dzu, 0, k), x_rows, Store::Overwrite, g.weights.device_ptr(), d_in)?;
+    let dzu_t = operands.transposed(Part::Dzu, 0, k);
+    gemm(precision, k, d_in, rows, dzu_t, x_rows, Store::Overwrite, g.weights.device_ptr(), d_in)?;
     Ok(())
 }
 
