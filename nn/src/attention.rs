@@ -48,6 +48,11 @@ pub struct Attention {
     pub sdpa_gate: Option<DenseGate>,
     /// Path-level gates on the whole output, reading the layer input (eq. 7).
     pub path_gates: Vec<Gate>,
+    /// How `o_proj` stores the layer's output on a GPU under bf16 products when no path gate
+    /// follows it ([`ProductOutput`]): `Bf16` where the residual stream's fused add + RMSNorm
+    /// alone reads it (a pre-ln LLaMA block), as autocast stores a product; `F32` (the
+    /// default) for a consumer that reads f32.
+    pub output: ProductOutput,
     /// Width, heads and RoPE base.
     pub config: AttentionConfig,
 }
@@ -72,6 +77,7 @@ impl Attention {
             o_proj: projection(),
             sdpa_gate: None,
             path_gates: Vec::new(),
+            output: ProductOutput::F32,
             config,
         })
     }
@@ -156,7 +162,9 @@ impl Attention {
         if let Some(gate) = &self.sdpa_gate {
             o = o.mul(&gate.forward(&rows)?)?;
         }
-        let mut y = self.o_proj.forward(&o)?;
+        // A path gate's product reads o_proj's output in f32.
+        let output = if self.path_gates.is_empty() { self.output } else { ProductOutput::F32 };
+        let mut y = self.o_proj.forward_as(&o, output)?;
         for gate in &self.path_gates {
             crate::trace::record_gate(gate, &rows)?;
             y = y.mul(&gate.forward(&rows)?)?;

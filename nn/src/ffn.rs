@@ -29,6 +29,9 @@ pub struct SwiGlu {
     pub down_proj: ModulatedProjection,
     /// Path-level gates on the whole output, reading the FFN input (eq. 7).
     pub path_gates: Vec<Gate>,
+    /// How `down_proj` stores the output when no path gate follows it, as
+    /// [`crate::attention::Attention::output`] for `o_proj`.
+    pub output: ProductOutput,
 }
 
 impl SwiGlu {
@@ -39,6 +42,7 @@ impl SwiGlu {
             up_proj: ModulatedProjection::new(d_model, hidden, init, rng),
             down_proj: ModulatedProjection::new(hidden, d_model, init, rng),
             path_gates: Vec::new(),
+            output: ProductOutput::F32,
         }
     }
 
@@ -61,7 +65,8 @@ impl SwiGlu {
             Some(gate_up) => gate_up.swiglu_halves()?,
             None => self.gate_proj.forward(&rows)?.swiglu(&self.up_proj.forward(&rows)?)?,
         };
-        let mut y = self.down_proj.forward(&hidden)?;
+        let output = if self.path_gates.is_empty() { self.output } else { ProductOutput::F32 };
+        let mut y = self.down_proj.forward_as(&hidden, output)?;
         for gate in &self.path_gates {
             crate::trace::record_gate(gate, &rows)?;
             y = y.mul(&gate.forward(&rows)?)?;

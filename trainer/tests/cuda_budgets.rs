@@ -95,6 +95,19 @@ fn assert_met_budgets(variant: &str, counters: &Value) {
     for kernel in ["cross_entropy_forward", "cross_entropy_backward"] {
         assert!(!by_kernel.contains_key(kernel), "{variant}: {kernel} ran: the LM head's loss is not the fused one");
     }
+    // Products' outputs and input gradients stay in bf16 where only bf16 readers take them:
+    // the sublayers' outputs reach the residual add + RMSNorm in bf16, and SwiGLU's and
+    // attention's backward read their output gradients in bf16 (from the plain products and
+    // the fused gates alike).
+    let f32_readers = [
+        "add_rms_norm_forward",
+        "swiglu_backward_bf16",
+        "attention_mma_backward_dq_bf16_d64",
+        "attention_mma_backward_dkv_bf16_d64",
+    ];
+    for kernel in f32_readers {
+        assert!(!by_kernel.contains_key(kernel), "{variant}: {kernel} read an f32 product where bf16 is kept");
+    }
     let total: u64 = by_kernel.values().map(|v| v.as_u64().unwrap_or(0)).sum();
     assert_eq!(total, count(counters, "launches"), "{variant}: launches_by_kernel adds up to launches");
 }

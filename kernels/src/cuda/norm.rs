@@ -60,17 +60,19 @@ pub fn rms_norm_forward(
 
 /// The pre-ln LLaMA block's residual add and the next RMSNorm in one launch: `sum = x + delta`,
 /// then [`rms_norm_forward`] of `sum` (`y` as there, and `rstd`), bit for bit as the two apart.
-/// The backward is [`rms_norm_backward`] of `sum`.
+/// `delta` is f32, or bf16 (the sublayer's output projection, stored so under bf16 products),
+/// added as its widened values. The backward is [`rms_norm_backward`] of `sum`.
 pub fn add_rms_norm_forward(
     dev: &CudaDevice,
-    (x, delta): (&DeviceBuffer<f32>, &DeviceBuffer<f32>),
+    (x, delta): (&DeviceBuffer<f32>, Values<'_>),
     weight: &DeviceBuffer<f32>,
     dims: &NormDims,
     (sum, y, y_bf16): (&mut DeviceBuffer<f32>, ValuesMut<'_>, Option<&mut DeviceBuffer<bf16>>),
     rstd: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "add_rms_norm_forward";
-    check_owners(dev, OP, &[x, delta, weight, sum, rstd])?;
+    check_owners(dev, OP, &[x, weight, sum, rstd])?;
+    delta.check_owner(dev, OP)?;
     let y = y.as_values();
     let [y_f32, y_bf16] = output_with_twin(dev, OP, y, y_bf16.as_deref())?;
     check(
@@ -81,9 +83,20 @@ pub fn add_rms_norm_forward(
         &[("weight", Some(weight.len()))],
     )?;
     let NormDims { rows, cols, eps } = *dims;
-    let args =
-        [ptr(x), ptr(delta), ptr(weight), ptr(sum), y_f32, y_bf16, ptr(rstd), size(rows), size(cols), Arg::F32(eps)];
-    dev.launch(FAMILY, "add_rms_norm_forward", per_row(rows, row_threads(cols)), &args)
+    let args = [
+        ptr(x),
+        delta.arg_at(0),
+        ptr(weight),
+        ptr(sum),
+        y_f32,
+        y_bf16,
+        ptr(rstd),
+        size(rows),
+        size(cols),
+        Arg::F32(eps),
+    ];
+    let kernel = delta.kernel("add_rms_norm_forward", "add_rms_norm_forward_delta_bf16");
+    dev.launch(FAMILY, kernel, per_row(rows, row_threads(cols)), &args)
 }
 
 /// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` (when given) for RMSNorm, from the saved `rstd`.

@@ -171,7 +171,7 @@ fn add_rms_norm_agrees_and_equals_add_then_rms_norm() {
         let (mut gsum, mut gy, mut grstd) = (up(dev, &stale(x.len())), up(dev, &stale(x.len())), up(dev, &stale(rows)));
         let mut gy16 = dev.alloc::<bf16>(x.len()).unwrap();
         let outputs = (&mut gsum, ValuesMut::F32(&mut gy), Some(&mut gy16));
-        cuda::norm::add_rms_norm_forward(dev, (&gx, &gdelta), &gw, &dims, outputs, &mut grstd).unwrap();
+        cuda::norm::add_rms_norm_forward(dev, (&gx, Values::F32(&gdelta)), &gw, &dims, outputs, &mut grstd).unwrap();
         assert_eq!(down(dev, &gsum), sum, "sum is x + delta on both devices");
         assert_reduced("add_rms y", &down(dev, &gy), &y);
         assert_reduced("add_rms rstd", &down(dev, &grstd), &rstd);
@@ -179,7 +179,7 @@ fn add_rms_norm_agrees_and_equals_add_then_rms_norm() {
         assert_eq!(dev.download(&gy16).unwrap(), rounded, "add_rms y's bf16 twin is y rounded");
         let (mut gsum_only, mut gy_only) = (up(dev, &stale(x.len())), dev.alloc::<bf16>(x.len()).unwrap());
         let outputs = (&mut gsum_only, ValuesMut::Bf16(&mut gy_only), None);
-        cuda::norm::add_rms_norm_forward(dev, (&gx, &gdelta), &gw, &dims, outputs, &mut grstd).unwrap();
+        cuda::norm::add_rms_norm_forward(dev, (&gx, Values::F32(&gdelta)), &gw, &dims, outputs, &mut grstd).unwrap();
         assert_eq!(down(dev, &gsum_only), sum, "sum beside a bf16 y");
         assert_eq!(dev.download(&gy_only).unwrap(), rounded, "add_rms y in bf16 alone is y rounded");
         // The same arithmetic as rms_norm_forward of the sum, on the device too: bit for bit.
@@ -187,6 +187,18 @@ fn add_rms_norm_agrees_and_equals_add_then_rms_norm() {
         cuda::norm::rms_norm_forward(dev, &gsum, &gw, &dims, (ValuesMut::F32(&mut gy2), None), &mut grstd2).unwrap();
         assert_eq!(down(dev, &gy2), down(dev, &gy), "add_rms y equals rms_norm of the sum");
         assert_eq!(down(dev, &grstd2), down(dev, &grstd), "add_rms rstd equals rms_norm's");
+        // delta in bf16 (an output projection's product stored so): the f32 kernel's bits on
+        // the widened values.
+        let delta16: Vec<bf16> = delta.iter().map(|&v| bf16::from_f32(v)).collect();
+        let widened: Vec<f32> = delta16.iter().map(|v| v.to_f32()).collect();
+        let (gdelta16, gwidened) = (dev.upload(&delta16).unwrap(), up(dev, &widened));
+        let mut run = |delta: Values| {
+            let (mut gsum, mut gy) = (up(dev, &stale(x.len())), up(dev, &stale(x.len())));
+            let outputs = (&mut gsum, ValuesMut::F32(&mut gy), None);
+            cuda::norm::add_rms_norm_forward(dev, (&gx, delta), &gw, &dims, outputs, &mut grstd).unwrap();
+            (down(dev, &gsum), down(dev, &gy), down(dev, &grstd))
+        };
+        assert_eq!(run(Values::Bf16(&gdelta16)), run(Values::F32(&gwidened)), "add_rms from a bf16 delta");
     }
     // Shape errors come back before any launch.
     let (gx, gd, gw) = (up(dev, &[1.0; 10]), up(dev, &[1.0; 5]), up(dev, &[1.0; 5]));
@@ -194,7 +206,7 @@ fn add_rms_norm_agrees_and_equals_add_then_rms_norm() {
     let dims = cpu::norm::NormDims::of(10, 5, 1e-5);
     let result = cuda::norm::add_rms_norm_forward(
         dev,
-        (&gx, &gd),
+        (&gx, Values::F32(&gd)),
         &gw,
         &dims,
         (&mut gs, ValuesMut::F32(&mut gy), None),

@@ -24,7 +24,7 @@ use nn::modulator::{
 };
 use nn::per_token::{PerTokenTransform, TokenScale};
 use nn::Module;
-use tensor::ops::Binary;
+use tensor::ops::{Binary, ProductOutput};
 use tensor::{Rng, Tokens};
 
 use super::cache::BlockCache;
@@ -174,6 +174,22 @@ impl DecoderBlock {
                 .then(|| PerTokenTransform::new(vocab, d, config.resolved_per_token_rank(), rng)),
             token_scale: (parsed.variant == Variant::TokenScale).then(|| TokenScale::new(vocab, d)),
         })
+    }
+
+    /// Under bf16 products, stores each sublayer's output in bf16 where the residual stream's
+    /// fused add and RMSNorm alone read it ([`Residual::adds_fused`]): the attention's unless
+    /// the per-token transform reads the stream between the sublayers, the FFN's unless the
+    /// token scale multiplies it. The caller checks what reads the last block's output.
+    pub(crate) fn store_fused_outputs_in_bf16(&mut self) {
+        if !self.residual.adds_fused() {
+            return;
+        }
+        if self.per_token.is_none() {
+            self.self_attn.output = ProductOutput::Bf16;
+        }
+        if let (None, FeedForward::SwiGlu(mlp)) = (&self.token_scale, &mut self.mlp) {
+            mlp.output = ProductOutput::Bf16;
+        }
     }
 
     /// The residual stream `x: [B, T, C]` with the row-major token ids `ids[B·T]` → `[B, T, C]`.

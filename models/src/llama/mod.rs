@@ -62,10 +62,17 @@ impl Llama {
         let mut rng = Rng::new(seed);
         let (d, vocab) = (config.d_model, config.vocab_size);
         let embed_tokens = Embedding::new(vocab, d, config.init_std, &mut rng);
-        let layers = (0..config.n_layers)
+        let mut layers = (0..config.n_layers)
             .map(|l| DecoderBlock::new(config, &parsed, l, &mut rng))
             .collect::<Result<Vec<_>>>()?;
         let norm = if parsed.variant == Variant::Dyt { Norm::Dyt(DyT::new(d)) } else { Norm::rms(d, config.norm_eps) };
+        // Where the residual stream's fused add + RMSNorm alone reads the sublayers' outputs
+        // (each block's and, after the last, the final norm: no LAuReL-PA activations either),
+        // their output projections store them in bf16 under bf16 products, as autocast does.
+        let mixes_earlier = layers.iter().any(|block| block.residual.gamma.is_some());
+        if !mixes_earlier && matches!(norm, Norm::Rms(_)) {
+            layers.iter_mut().for_each(DecoderBlock::store_fused_outputs_in_bf16);
+        }
         let lm_head = WeightInit::Normal { std: config.init_std }.linear(d, vocab, &mut rng);
         Ok(Llama { config: config.clone(), embed_tokens, layers, norm, lm_head })
     }

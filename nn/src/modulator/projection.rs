@@ -52,12 +52,19 @@ impl ModulatedProjection {
     /// projection as one packed product where that is one GEMM (a GPU under bf16 products:
     /// its input gradient is then kept in bf16 alone, as autocast keeps it).
     pub fn forward(&self, x: &Var) -> Result<Var> {
+        self.forward_as(x, ProductOutput::F32)
+    }
+
+    /// [`ModulatedProjection::forward`], the fused op's or the packed product's result
+    /// stored as `output` says ([`ProductOutput`]: bf16 for a consumer that reads bf16, such
+    /// as the residual stream's fused add + RMSNorm); the unfused gates' products stay f32.
+    pub fn forward_as(&self, x: &Var, output: ProductOutput) -> Result<Var> {
         self.record_gates(x)?;
         self.place_fused_alphas(x.value_ref().device())?;
         match self.fused_parts() {
-            Some((parts, phi)) => x.fused_gated_projections(&[parts], phi, ProductOutput::F32),
+            Some((parts, phi)) => x.fused_gated_projections(&[parts], phi, output),
             None if self.is_plain() && x.value_ref().packed_linear_is_one_product() => {
-                let y = self.flat_rows(x)?.packed_linear(&[&self.linear.weight], ProductOutput::F32)?;
+                let y = self.flat_rows(x)?.packed_linear(&[&self.linear.weight], output)?;
                 y.reshape(&with_last_dim(&x.shape(), self.out_features()))
             }
             None => self.forward_unfused(x),

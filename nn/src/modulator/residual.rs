@@ -187,6 +187,18 @@ impl Residual {
         Ok(Stream::new(x))
     }
 
+    /// Whether [`Residual::forward`] adds each sublayer's output to the stream only through
+    /// the fused add + RMSNorm ([`Stream::normed`]): a pre-norm rule whose norms are RMSNorms,
+    /// with no LAuReL-PA sum over earlier activations (the FFN's output is left pending for
+    /// the next block's input norm or the model's final one).
+    pub fn adds_fused(&self) -> bool {
+        let rms = |norm: &Option<Norm>| matches!(norm, Some(Norm::Rms(_)));
+        self.pre_norm_scale().is_some()
+            && self.gamma.is_none()
+            && rms(&self.input_norm)
+            && rms(&self.post_attention_norm)
+    }
+
     /// The `s` of `x + F(s·Norm(x))` for the pre-norm rules (LAuReL-PA's sublayers are
     /// pre-ln's, s = 1); `None` for the others.
     fn pre_norm_scale(&self) -> Option<f32> {

@@ -253,7 +253,8 @@ pub(crate) mod cuda {
         let (mut sum, mut rstd) = (CudaStorage::alloc(&dev, dims.len())?, CudaStorage::alloc(&dev, dims.rows)?);
         // y feeds only the next products (attention, FFN): bf16 alone under bf16 products.
         let y = product_only_output(&dev, OP, x.shape(), |y| {
-            let inputs = (x.cuda_f32(OP)?, delta.cuda_f32(OP)?);
+            // delta as held: bf16 alone from an output projection that stored it so.
+            let inputs = (x.cuda_f32(OP)?, delta.cuda_values(OP)?);
             let (sum, rstd) = (sum.f32_buffer_mut(OP)?, rstd.f32_buffer_mut(OP)?);
             Ok(launch::add_rms_norm_forward(&dev, inputs, w.cuda_f32(OP)?, dims, (sum, y, None), rstd)?)
         })?;

@@ -41,22 +41,37 @@ extern "C" __global__ void rms_norm_forward(const float* x, const float* w, floa
 
 // The pre-ln LLaMA block's residual add and the next RMSNorm in one pass: sum = x + delta, then
 // rms_norm_forward of sum (same arithmetic and reduction order, so bit-identical to the add and
-// the norm launched apart). Each thread reads back only the sum elements it wrote.
-extern "C" __global__ void add_rms_norm_forward(const float* x, const float* delta, const float* w, float* sum,
-                                                float* y, bf16_t* y_bf16, float* rstd, i64 rows, i64 cols,
-                                                float eps) {
+// the norm launched apart). Each thread reads back only the sum elements it wrote. delta is f32,
+// or (the _delta_bf16 kernel) bf16: the sublayer's output projection, stored so under bf16
+// products as autocast stores a product, added to the f32 stream as its widened values.
+template <typename Delta>
+__device__ __forceinline__ void add_rms_norm_rows(const float* x, const Delta* delta, const float* w, float* sum,
+                                                  float* y, bf16_t* y_bf16, float* rstd, i64 rows, i64 cols,
+                                                  float eps) {
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = x + r * cols;
-        const float* dr = delta + r * cols;
+        const Delta* dr = delta + r * cols;
         float* sr = sum + r * cols;
         float ss = 0.0f;
         for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
-            float s = xr[j] + dr[j];
+            float s = xr[j] + as_f32(dr[j]);
             sr[j] = s;
             ss += s * s;
         }
         rms_norm_row(sr, ss, w, y ? y + r * cols : nullptr, y_bf16 ? y_bf16 + r * cols : nullptr, rstd + r, cols, eps);
     }
+}
+
+extern "C" __global__ void add_rms_norm_forward(const float* x, const float* delta, const float* w, float* sum,
+                                                float* y, bf16_t* y_bf16, float* rstd, i64 rows, i64 cols,
+                                                float eps) {
+    add_rms_norm_rows(x, delta, w, sum, y, y_bf16, rstd, rows, cols, eps);
+}
+
+extern "C" __global__ void add_rms_norm_forward_delta_bf16(const float* x, const bf16_t* delta, const float* w,
+                                                           float* sum, float* y, bf16_t* y_bf16, float* rstd, i64 rows,
+                                                           i64 cols, float eps) {
+    add_rms_norm_rows(x, delta, w, sum, y, y_bf16, rstd, rows, cols, eps);
 }
 
 // With g = dy ⊙ w:  d/dx_j = r·g_j − x_j·r³·(Σ_k g_k x_k)/C
