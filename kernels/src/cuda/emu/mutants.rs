@@ -9,7 +9,7 @@
 pub enum Mutant {
     /// `attention_forward` without the barrier between staging a K/V tile and reading it.
     AttentionMissingSync,
-    /// `attention_mma_forward` reading a key tile without waiting for its cp.async copies.
+    /// The tensor-core attention reading each tile without waiting for its cp.async copies.
     AttentionMmaMissingWait,
     /// `fused_gate_mma_r*` storing accumulator elements d1 of the summary columns' mma
     /// fragment in row g + 8 instead of g (a fragment index off by one).
@@ -51,8 +51,8 @@ impl Mutant {
             Mutant::AttentionMmaMissingWait => MutantEdit {
                 family: "attention_mma",
                 name: "attention_mma_missing_wait",
-                find: "        cp_async_wait<1>();  // this thread's copies of tile s0 are done",
-                replace: "        // this thread's copies of tile s0 are done",
+                find: "    cp_async_commit();\n    cp_async_wait<1>();\n    __syncthreads();",
+                replace: "    cp_async_commit();\n    __syncthreads();",
             },
             Mutant::FusedGateFragmentRow => MutantEdit {
                 family: "fused_gate",

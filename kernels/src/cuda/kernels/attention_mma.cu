@@ -109,6 +109,23 @@ __device__ __forceinline__ void stage_tile(bf16_t* tile, const bf16_t* src, i64 
     }
 }
 
+// Key tile s0 of head (b, h) into one K and one V buffer (the forward's and dq's operands).
+template <int D, typename In>
+__device__ __forceinline__ void stage_key_tile(bf16_t* k_tile, bf16_t* v_tile, const In* k, const In* v, i64 b, i64 h,
+                                               i64 s0, i64 kv_seq, i64 heads) {
+    stage_tile<D>(k_tile, k, b, h, s0, kv_seq, kv_seq, heads);
+    stage_tile<D>(v_tile, v, b, h, s0, kv_seq, kv_seq, heads);
+}
+
+// The current tile is in once this returns: the copies issued since the last call (the next
+// tile's, or none) are committed as a group, every earlier group (the current tile's) is
+// waited for, and the barrier makes every thread's copies visible to the block.
+__device__ __forceinline__ void wait_for_tile() {
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+}
+
 // Two adjacent values p[0], p[1] as one register of bf16 halves, the first in the low half.
 __device__ __forceinline__ unsigned int pair_bf16(const float* p) {
     const f32x2 pair = *reinterpret_cast<const f32x2*>(p);
@@ -313,8 +330,7 @@ __device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, 
     const i64 b = w.b, h = w.h, row0 = w.row0;
 
     // Key tile i goes into buffer i & 1: tile i + 1 is staged while tile i is multiplied.
-    stage_tile<D>(k_tiles[0], k, b, h, 0, kv_seq, kv_seq, heads);
-    stage_tile<D>(v_tiles[0], v, b, h, 0, kv_seq, kv_seq, heads);
+    stage_key_tile<D>(k_tiles[0], v_tiles[0], k, v, b, h, 0, kv_seq, heads);
     cp_async_commit();
     unsigned int qa[D / 16][4];
     load_a_rows<D>(qa, q, b, h, row0, q_seq, q_seq, heads);
@@ -326,12 +342,9 @@ __device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, 
     int buf = 0;
     for (i64 s0 = 0; s0 < w.end; s0 += TC_TILE, buf ^= 1) {
         if (s0 + TC_TILE < w.end) {
-            stage_tile<D>(k_tiles[buf ^ 1], k, b, h, s0 + TC_TILE, kv_seq, kv_seq, heads);
-            stage_tile<D>(v_tiles[buf ^ 1], v, b, h, s0 + TC_TILE, kv_seq, kv_seq, heads);
+            stage_key_tile<D>(k_tiles[buf ^ 1], v_tiles[buf ^ 1], k, v, b, h, s0 + TC_TILE, kv_seq, heads);
         }
-        cp_async_commit();
-        cp_async_wait<1>();  // this thread's copies of tile s0 are done (the next tile's may not be)
-        __syncthreads();     // and so are every thread's
+        wait_for_tile();
         // Warp-uniform: only where some key of the tile is visible to the warp's queries.
         if (row0 < q_seq && s0 <= w.warp_last) {
             forward_tile<D>(qa, k_tiles[buf], v_tiles[buf], s0, kv_seq, w, scale, o, m, l);
@@ -406,8 +419,7 @@ __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In*
     float* delta_bh = delta + (b * heads + h) * q_seq;
 
     // Key tile i goes into buffer i & 1 (as in the forward); the first is in flight during δ.
-    stage_tile<D>(k_tiles[0], k, b, h, 0, kv_seq, kv_seq, heads);
-    stage_tile<D>(v_tiles[0], v, b, h, 0, kv_seq, kv_seq, heads);
+    stage_key_tile<D>(k_tiles[0], v_tiles[0], k, v, b, h, 0, kv_seq, heads);
     cp_async_commit();
 
     // δ_i = Σ_d dO_i·O_i = Σ_s P_is·dP_is in f32 (O as stored, f32 or bf16), with dO rounded
@@ -446,12 +458,9 @@ __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In*
     int buf = 0;
     for (i64 s0 = 0; s0 < w.end; s0 += TC_TILE, buf ^= 1) {
         if (s0 + TC_TILE < w.end) {
-            stage_tile<D>(k_tiles[buf ^ 1], k, b, h, s0 + TC_TILE, kv_seq, kv_seq, heads);
-            stage_tile<D>(v_tiles[buf ^ 1], v, b, h, s0 + TC_TILE, kv_seq, kv_seq, heads);
+            stage_key_tile<D>(k_tiles[buf ^ 1], v_tiles[buf ^ 1], k, v, b, h, s0 + TC_TILE, kv_seq, heads);
         }
-        cp_async_commit();
-        cp_async_wait<1>();  // tile s0's copies, this thread's, then (the barrier) every thread's
-        __syncthreads();
+        wait_for_tile();
         if (row0 < q_seq && s0 <= w.warp_last) {  // warp-uniform
             dq_tile<D>(qa, doa, k_tiles[buf], v_tiles[buf], s0, kv_seq, w, scale, row_lse, row_delta, acc);
         }
@@ -546,9 +555,7 @@ __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In
             stage_query_tile<D>(q_tiles[buf ^ 1], do_tiles[buf ^ 1], lse_tiles[buf ^ 1], delta_tiles[buf ^ 1], q, dout,
                                 lse_bh, delta_bh, b, h, i0 + TC_TILE, q_seq, heads);
         }
-        cp_async_commit();
-        cp_async_wait<1>();  // tile i0's copies, this thread's, then (the barrier) every thread's
-        __syncthreads();
+        wait_for_tile();
         // Warp-uniform: only where the warp has keys and some query of the tile sees one.
         if (row0 < kv_seq && i0 + TC_TILE - 1 + offset >= row0) {
             dkv_tile<D>(ka, va, q_tiles[buf], do_tiles[buf], lse_tiles[buf], delta_tiles[buf], i0, q_seq, kv_seq, key,
