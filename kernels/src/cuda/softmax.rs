@@ -14,6 +14,7 @@ use super::device::CudaDevice;
 use super::error::{ensure, ensure_len, CudaError, Result};
 use super::launch::{check_owners, int, opt_ptr, per_row, ptr, ptr_at, row_threads, run_ptr_at, size};
 use super::module::{Arg, KernelFamily};
+use super::values::ValuesMut;
 
 pub use crate::cpu::cross_entropy::CrossEntropyDims;
 pub use crate::cpu::softmax::SoftmaxDims;
@@ -230,34 +231,29 @@ pub fn cross_entropy_backward(
     dev.launch(FAMILY, "cross_entropy_backward", per_row(rows, row_threads(cols)), &args)
 }
 
-/// The gradient [`cross_entropy_forward_backward`] writes over the logits.
-#[derive(Debug)]
-pub struct LogitsGrad<'a> {
-    /// The factor of `softmax − onehot`: the mean loss's `1 / count` (known on the host).
-    pub scale: f32,
-    /// Where the gradient rounded to nearest even goes too (`rows × cols` from element 0),
-    /// for the bf16 products that read it.
-    pub bf16: Option<&'a mut DeviceBuffer<bf16>>,
-}
-
 /// Rows `first_row..first_row + dims.rows` of a cross-entropy whose logits are the first
 /// `dims.rows × dims.cols` elements of `logits` (a chunk: `Tensor::linear_cross_entropy`):
 /// `losses[first_row + r]` as [`cross_entropy_forward`] writes them (0 for rows whose target
-/// is the ignore index or ≥ `cols`: the caller refuses those first), and with `grad` the
-/// logits overwritten by `scale·(softmax − onehot)` as [`cross_entropy_backward`] writes
-/// `dlogits` (zeros for those rows). `targets` is a run of device ids (the ids of a batch's
-/// `tensor::Tokens`, read in place). Does not wait for the device.
+/// is the ignore index or ≥ `cols`: the caller refuses those first), and with `grad_scale`
+/// the logits overwritten by `grad_scale·(softmax − onehot)` as [`cross_entropy_backward`]
+/// writes `dlogits` (zeros for those rows). The logits are f32, or bf16 (a bf16 product's
+/// output under bf16 products), read as their f32 values and overwritten by the gradient
+/// rounded to nearest even (its readers are the two bf16 products). `targets` is a run of
+/// device ids (the ids of a batch's `tensor::Tokens`, read in place). Does not wait for the
+/// device.
 pub fn cross_entropy_forward_backward(
     dev: &CudaDevice,
-    logits: &mut DeviceBuffer<f32>,
+    logits: ValuesMut<'_>,
     targets: DeviceRun<'_, u32>,
     first_row: usize,
     dims: &CrossEntropyDims,
-    grad: Option<LogitsGrad>,
+    grad_scale: Option<f32>,
     losses: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "cross_entropy_forward_backward";
-    check_owners(dev, OP, &[logits, losses])?;
+    let logits = logits.as_values();
+    logits.check_owner(dev, OP)?;
+    check_owners(dev, OP, &[losses])?;
     dev.check_owner(OP, targets.buffer())?;
     let CrossEntropyDims { rows, cols, ignore_index } = *dims;
     let chunk = rows * cols;
@@ -269,26 +265,16 @@ pub fn cross_entropy_forward_backward(
     if rows == 0 {
         return Ok(());
     }
-    let (scale, twin) = match grad {
-        Some(LogitsGrad { scale, bf16 }) => (Some(scale), bf16),
-        None => (None, None),
-    };
-    if let Some(twin) = &twin {
-        dev.check_owner(OP, twin)?;
-        ensure(twin.len() >= chunk, OP, || {
-            format!("the bf16 copy has {} elements, the chunk needs {chunk}", twin.len())
-        })?;
-    }
     let args = [
-        ptr(logits),
+        logits.arg_at(0),
         run_ptr_at(&targets, first_row),
         size(rows),
         size(cols),
         ignore_code(ignore_index),
         ptr_at(losses, first_row),
-        int(i32::from(scale.is_some())),
-        Arg::F32(scale.unwrap_or(0.0)),
-        opt_ptr(twin.as_deref()),
+        int(i32::from(grad_scale.is_some())),
+        Arg::F32(grad_scale.unwrap_or(0.0)),
     ];
-    dev.launch(FAMILY, "cross_entropy_forward_backward", per_row(rows, row_threads(cols)), &args)
+    let kernel = logits.kernel("cross_entropy_forward_backward", "cross_entropy_forward_backward_bf16");
+    dev.launch(FAMILY, kernel, per_row(rows, row_threads(cols)), &args)
 }

@@ -3,7 +3,7 @@
 
 use half::bf16;
 use kernels::cpu;
-use kernels::cuda::{self, CudaError, DeviceBuffer};
+use kernels::cuda::{self, CudaError, ValuesMut};
 
 use super::{assert_close, assert_reduced, assert_twin, down, stale, up, Rng};
 
@@ -81,8 +81,9 @@ fn cross_entropy_agrees_with_ignore_index() {
 }
 
 /// The fused pass on one chunk of rows, the chunk's first row at an offset of the targets and
-/// losses: the CPU's losses and gradient, the gradient's bf16 copy, and the logits left as
-/// they were without a gradient.
+/// losses: the CPU's losses and gradient, and the logits left as they were without a
+/// gradient; from bf16 logits (a bf16 product's output), the CPU's pass over their f32 values
+/// and the gradient rounded to bf16 over them.
 #[test]
 fn cross_entropy_forward_backward_agrees_on_a_chunk() {
     let dev = device_or_skip!();
@@ -96,19 +97,31 @@ fn cross_entropy_forward_backward_agrees_on_a_chunk() {
         }
         let dims = cpu::cross_entropy::CrossEntropyDims { rows, cols, ignore_index: ignore };
         let chunk_targets = &targets[first..][..rows];
-        let (mut dlogits, mut losses) = (logits.clone(), vec![0.0; rows]);
-        cpu::cross_entropy::cross_entropy_forward_backward(&mut dlogits, chunk_targets, &dims, Some(0.25), &mut losses);
+        let cpu_pass = |logits: &[f32]| {
+            let (mut dlogits, mut losses) = (logits.to_vec(), vec![0.0; rows]);
+            cpu::cross_entropy::cross_entropy_forward_backward(
+                &mut dlogits,
+                chunk_targets,
+                &dims,
+                Some(0.25),
+                &mut losses,
+            );
+            (dlogits, losses)
+        };
         let what = format!("fused cross-entropy {rows}×{cols} from row {first}");
         // The chunk buffer is longer than the chunk (the last chunk of a run): its tail is left.
         let tail = [1.5f32; 5];
         let gtargets = dev.upload(&targets).unwrap();
-        let run = |grad: bool, twin: Option<&mut DeviceBuffer<bf16>>| {
-            let mut glogits = up(dev, &[logits.as_slice(), &tail].concat());
+        let run = |logits: &[f32], grad: bool, bf16_logits: bool| {
+            let padded = [logits, &tail].concat();
+            let halves: Vec<bf16> = padded.iter().map(|&v| bf16::from_f32(v)).collect();
+            let (mut glogits, mut glogits16) = (up(dev, &padded), dev.upload(&halves).unwrap());
             let mut glosses = up(dev, &stale(total_rows));
-            let grad = grad.then_some(cuda::softmax::LogitsGrad { scale: 0.25, bf16: twin });
+            let values = if bf16_logits { ValuesMut::Bf16(&mut glogits16) } else { ValuesMut::F32(&mut glogits) };
+            let grad = grad.then_some(0.25);
             cuda::softmax::cross_entropy_forward_backward(
                 dev,
-                &mut glogits,
+                values,
                 (&gtargets).into(),
                 first,
                 &dims,
@@ -116,17 +129,29 @@ fn cross_entropy_forward_backward_agrees_on_a_chunk() {
                 &mut glosses,
             )
             .unwrap();
-            let (glogits, glosses) = (down(dev, &glogits), down(dev, &glosses));
+            let glogits = if bf16_logits {
+                dev.download(&glogits16).unwrap().into_iter().map(bf16::to_f32).collect()
+            } else {
+                down(dev, &glogits)
+            };
+            let glosses = down(dev, &glosses);
             assert_eq!(&glogits[rows * cols..], &tail, "{what}: wrote past the chunk");
             assert!(glosses[..first].iter().chain(&glosses[first + rows..]).all(|v| v.is_nan()), "{what}: other rows");
-            assert_close(&format!("{what}: losses"), &glosses[first..][..rows], &losses, 1e-5, 1e-6);
-            glogits[..rows * cols].to_vec()
+            (glogits[..rows * cols].to_vec(), glosses[first..][..rows].to_vec())
         };
-        assert_close(&format!("{what}: gradient"), &run(true, None), &dlogits, 1e-5, 1e-6);
-        assert_eq!(run(false, None), logits, "{what}: without a gradient the logits stay");
-        let mut twin = dev.alloc::<bf16>(rows * cols).unwrap();
-        let with_twin = run(true, Some(&mut twin));
-        let rounded: Vec<bf16> = with_twin.iter().map(|&v| bf16::from_f32(v)).collect();
-        assert_eq!(dev.download(&twin).unwrap(), rounded, "{what}: the twin is not the gradient rounded");
+        let (dlogits, losses) = cpu_pass(&logits);
+        let (gradient, glosses) = run(&logits, true, false);
+        assert_close(&format!("{what}: gradient"), &gradient, &dlogits, 1e-5, 1e-6);
+        assert_close(&format!("{what}: losses"), &glosses, &losses, 1e-5, 1e-6);
+        assert_eq!(run(&logits, false, false).0, logits, "{what}: without a gradient the logits stay");
+        // bf16 logits: the pass over their values, the gradient rounded to nearest even (within
+        // one bf16 step of the CPU's f32 gradient rounded: the device's expf may differ by an ulp).
+        let rounded: Vec<f32> = logits.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+        let (dlogits, losses) = cpu_pass(&rounded);
+        let (gradient, glosses) = run(&logits, true, true);
+        assert_close(&format!("{what}: losses from bf16 logits"), &glosses, &losses, 1e-5, 1e-6);
+        let want: Vec<f32> = dlogits.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+        assert_close(&format!("{what}: gradient over bf16 logits"), &gradient, &want, 1.0 / 128.0, 1e-6);
+        assert_eq!(run(&logits, false, true).0, rounded, "{what}: without a gradient the bf16 logits stay");
     }
 }

@@ -16,14 +16,16 @@
 //! `dh` and `dW` and its backward multiplies them by the loss's upstream gradient
 //! ([`Tensor::scaled_by_upstream`], read on the device). Without gradients (evaluation) only
 //! the first two lines run. The products have the precision of every matmul: on a GPU under
-//! bf16 products their operands are bf16 (`h`'s and `W`'s kept copies, and a bf16 copy of the
-//! gradient the pass writes beside it), f32 otherwise. Kernels: `kernels::cpu::cross_entropy::
+//! bf16 products their operands are bf16 (`h`'s and `W`'s kept copies) and so is the chunk,
+//! as autocast stores a product's output: the logits product rounds its f32 sums to bf16, the
+//! pass reads their f32 values and writes the gradient over them rounded to bf16, which the
+//! two gradient products read; f32 otherwise. Kernels: `kernels::cpu::cross_entropy::
 //! cross_entropy_forward_backward` (`kernels::cuda::softmax` on the GPU) and the GEMMs.
 //!
 //! Chunk size: at most [`LOGITS_CHUNK_BYTES`] (256 MiB) of f32 logits, the rows split evenly
-//! (V = 32,000: 8 chunks of 2,048 rows of 16,384; V = 256: up to 262,144 rows in one chunk).
-//! Each chunk's products are then still large (2,048 × 512 × 32,000 is 67 GFLOP), while the
-//! chunk (250 MiB there, plus 125 MiB for its bf16 copy under bf16 products) is small beside
+//! (V = 32,000: 8 chunks of 2,048 rows of 16,384; V = 256: up to 262,144 rows in one chunk),
+//! the same rows under bf16 products. Each chunk's products are then still large (2,048 × 512
+//! × 32,000 is 67 GFLOP), while the chunk (250 MiB there, 125 MiB in bf16) is small beside
 //! the 5 GB it replaces. What the op adds is `dh` and `dW`, kept from the forward to the
 //! backward, and their scaled copies (the backward may run twice, so it does not scale them
 //! in place): at the anchor 32 + 62.5 MiB each.
@@ -249,10 +251,10 @@ mod cuda {
 
     use half::bf16;
     use kernels::cpu::matmul::{GemmDims, Store};
-    use kernels::cuda::blas::{matmul, matmul_bf16, DeviceMat};
+    use kernels::cuda::blas::{matmul, matmul_bf16, matmul_bf16_out, DeviceMat};
     use kernels::cuda::elementwise::scaled_copies;
-    use kernels::cuda::softmax::{cross_entropy_forward_backward, LogitsGrad};
-    use kernels::cuda::{CudaDevice, DeviceBuffer, Values};
+    use kernels::cuda::softmax::cross_entropy_forward_backward;
+    use kernels::cuda::{CudaDevice, DeviceBuffer, DeviceValues, Values, ValuesMut};
 
     use super::{LinearCrossEntropy, Plan};
     use crate::cuda::{matmul_precision, CudaStorage, MatmulPrecision};
@@ -289,22 +291,32 @@ mod cuda {
     }
 
     /// `dst[at..] = lhs·rhs` (`+=` with [`Store::Accumulate`]): two bf16 operands on the
-    /// tensor cores, or two f32 ones.
+    /// tensor cores, or two f32 ones; into a bf16 `dst` (from element 0, overwritten) the
+    /// bf16 product's f32 sums rounded to nearest even.
     fn product(
         dev: &CudaDevice,
-        (dst, at): (&mut DeviceBuffer<f32>, usize),
+        (dst, at): (ValuesMut, usize),
         lhs: Operand,
         rhs: Operand,
         dims: GemmDims,
         store: Store,
     ) -> Result<()> {
-        match (lhs.values, rhs.values) {
-            (Values::Bf16(l), Values::Bf16(r)) => matmul_bf16(dev, dst, at, lhs.view(l), rhs.view(r), dims, store)?,
-            (Values::F32(l), Values::F32(r)) => matmul(dev, dst, at, lhs.view(l), rhs.view(r), dims, store)?,
-            (l, r) => {
-                // One precision choice makes both operands: a mix is a bug, reported as such.
+        match (lhs.values, rhs.values, dst) {
+            (Values::Bf16(l), Values::Bf16(r), ValuesMut::F32(dst)) => {
+                matmul_bf16(dev, dst, at, lhs.view(l), rhs.view(r), dims, store)?
+            }
+            (Values::Bf16(l), Values::Bf16(r), ValuesMut::Bf16(dst)) if at == 0 && store == Store::Overwrite => {
+                matmul_bf16_out(dev, dst, lhs.view(l), rhs.view(r), dims)?
+            }
+            (Values::F32(l), Values::F32(r), ValuesMut::F32(dst)) => {
+                matmul(dev, dst, at, lhs.view(l), rhs.view(r), dims, store)?
+            }
+            (l, r, dst) => {
+                // One precision choice makes both operands and the logits (a bf16 output is
+                // one whole product): anything else is a bug, reported as such.
                 let dtype = |values: Values| if values.is_bf16() { DType::BF16 } else { DType::F32 };
-                return Err(Error::DTypeMismatch { op: OP, expected: dtype(l), got: dtype(r) });
+                let got = if l.is_bf16() == r.is_bf16() { dst.as_values() } else { r };
+                return Err(Error::DTypeMismatch { op: OP, expected: dtype(l), got: dtype(got) });
             }
         }
         Ok(())
@@ -342,42 +354,36 @@ mod cuda {
 
         let targets = targets.device_ids(OP)?;
         let mut losses = dev.alloc::<f32>(n)?;
-        // The chunk's logits, overwritten by their gradient; under bf16 products its bf16
-        // copy too, which the two gradient products read.
-        let mut logits = dev.alloc::<f32>(chunk * v)?;
-        let mut logits_bf16 = if bf16 && grad_scale.is_some() { Some(dev.alloc::<bf16>(chunk * v)?) } else { None };
+        // The chunk's logits, overwritten by their gradient: under bf16 products in bf16, as
+        // autocast stores a product (the cross-entropy reads their f32 values, and the two
+        // gradient products read the gradient in bf16), else f32.
+        let mut logits = DeviceValues::alloc(&dev, chunk * v, bf16)?;
         let mut dh = if needs[0] { Some(CudaStorage::alloc(&dev, n * c)?) } else { None };
         let mut dw = if needs[1] { Some(CudaStorage::alloc(&dev, v * c)?) } else { None };
         for (first, rows) in plan.chunks() {
             let h_rows = Operand::rows(h_values, first, c);
-            product(
-                &dev,
-                (&mut logits, 0),
-                h_rows,
-                w_rows.transposed(),
-                GemmDims { m: rows, n: v, k: c },
-                Store::Overwrite,
-            )?;
-            let grad = grad_scale.map(|scale| LogitsGrad { scale, bf16: logits_bf16.as_mut() });
+            let dims = GemmDims { m: rows, n: v, k: c };
+            product(&dev, (logits.values_mut(), 0), h_rows, w_rows.transposed(), dims, Store::Overwrite)?;
+            let chunk_dims = plan.chunk_dims(rows);
             cross_entropy_forward_backward(
                 &dev,
-                &mut logits,
+                logits.values_mut(),
                 targets,
                 first,
-                &plan.chunk_dims(rows),
-                grad,
+                &chunk_dims,
+                grad_scale,
                 &mut losses,
             )?;
             // The logits now hold dlogits = (softmax − onehot) / count (when a gradient is asked for).
-            let dlogits = Operand::rows(logits_bf16.as_ref().map_or(Values::F32(&logits), Values::Bf16), 0, v);
+            let dlogits = Operand::rows(logits.values(), 0, v);
             if let Some(dh) = &mut dh {
                 // d/dh = dlogits · W
-                let dst = (dh.f32_buffer_mut(OP)?, first * c);
+                let dst = (ValuesMut::F32(dh.f32_buffer_mut(OP)?), first * c);
                 product(&dev, dst, dlogits, w_rows, GemmDims { m: rows, n: c, k: v }, Store::Overwrite)?;
             }
             if let Some(dw) = &mut dw {
                 // d/dW = dlogitsᵀ · h, summed over the chunks
-                let (dst, dims) = ((dw.f32_buffer_mut(OP)?, 0), GemmDims { m: v, n: c, k: rows });
+                let (dst, dims) = ((ValuesMut::F32(dw.f32_buffer_mut(OP)?), 0), GemmDims { m: v, n: c, k: rows });
                 product(&dev, dst, dlogits.transposed(), h_rows, dims, Plan::dweight_store(first))?;
             }
         }

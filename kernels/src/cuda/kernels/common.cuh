@@ -251,6 +251,10 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// *p = v in p's element type: f32 as it is, bf16 rounded to nearest even (as_f32's inverse).
+__device__ __forceinline__ void store_as(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_as(bf16_t* p, float v) { *p = f32_to_bf16(v); }
+
 // v[0..W) = p[0..W) widened from bf16: W = 4 in one 8-byte load (p 8-byte aligned), else one
 // by one. The same name as the f32 load, so kernels templated over their input's element type
 // load either.

@@ -2,17 +2,19 @@
 // over rows of `cols`: one block per row, the row read from global memory once per pass.
 // Backward kernels write their gradients, dx = ... (not added: kernels/src/lib.rs).
 
-// A row's maximum m and Σ_j e^(xr_j − m); every thread of the block gets both.
+// A row's maximum m and Σ_j e^(xr_j − m); every thread of the block gets both. The row is f32
+// or bf16 (the LM head's logits under bf16 products), summed as its f32 values.
 struct RowMaxSum {
     float m, s;
 };
 
-__device__ RowMaxSum row_max_sum(const float* xr, i64 cols) {
+template <typename T>
+__device__ RowMaxSum row_max_sum(const T* xr, i64 cols) {
     float m = NEG_INF;
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, xr[j]);
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, as_f32(xr[j]));
     m = block_max(m);
     float s = 0.0f;
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += expf(xr[j] - m);
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += expf(as_f32(xr[j]) - m);
     s = block_sum(s);
     return RowMaxSum{m, s};
 }
@@ -52,7 +54,8 @@ extern "C" __global__ void softmax_backward(const float* y, const float* dy, flo
 }
 
 // log Σ_j e^(xr_j) of one row, shifted by its maximum; every thread of the block gets it.
-__device__ float row_lse(const float* xr, i64 cols) {
+template <typename T>
+__device__ float row_lse(const T* xr, i64 cols) {
     const RowMaxSum row = row_max_sum(xr, cols);
     return row.m + logf(row.s);
 }
@@ -125,29 +128,43 @@ extern "C" __global__ void cross_entropy_backward(const float* logits, const uns
 }
 
 // The forward and the backward of a row in one visit, the gradient written over the logits
-// (the LM head's chunked loss: Tensor::linear_cross_entropy): losses[r] as
-// cross_entropy_forward writes it (0 for ignored rows and rows with a target ≥ cols, which
-// the caller has refused), then, when grad is not 0, logits[r] = scale·(softmax − onehot) as
-// cross_entropy_backward writes dlogits, with its bf16 copy when dlogits_bf16 is not null.
-// grad = 0 leaves the logits as they are (evaluation). No lse is kept: nothing reads it.
-extern "C" __global__ void cross_entropy_forward_backward(float* logits, const unsigned int* targets, i64 rows,
-                                                          i64 cols, i64 ignore, float* losses, int grad,
-                                                          float scale, bf16_t* dlogits_bf16) {
+// in their own element type (the LM head's chunked loss: Tensor::linear_cross_entropy):
+// losses[r] as cross_entropy_forward writes it (0 for ignored rows and rows with a target ≥
+// cols, which the caller has refused), then, when grad is not 0, logits[r] =
+// scale·(softmax − onehot) as cross_entropy_backward writes dlogits, rounded to nearest even
+// for bf16 logits (a bf16 product's output under bf16 products, as autocast stores it; the
+// gradient's readers are the two bf16 products). grad = 0 leaves the logits as they are
+// (evaluation). No lse is kept: nothing reads it. Each thread reads only the elements of a row
+// it writes, after the row's barriers.
+template <typename T>
+__device__ __forceinline__ void cross_entropy_rows(T* logits, const unsigned int* targets, i64 rows, i64 cols,
+                                                   i64 ignore, float* losses, int grad, float scale) {
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        float* xr = logits + r * cols;
+        T* xr = logits + r * cols;
         i64 t = (i64)targets[r];
         bool kept = t != ignore && t < cols;  // uniform across the block
         // The target's logit, read before the barriers of row_lse: after them the row is
         // overwritten.
-        float xt = kept ? xr[t] : 0.0f;
+        float xt = kept ? as_f32(xr[t]) : 0.0f;
         float l = row_lse(xr, cols);
         if (threadIdx.x == 0) losses[r] = kept ? l - xt : 0.0f;
         if (!grad) continue;
-        bf16_t* dr16 = dlogits_bf16 ? dlogits_bf16 + r * cols : nullptr;
-        if (kept) {
-            softmax_minus_onehot(xr, l, t, scale, cols, xr, dr16);
-        } else {
-            zero_row(cols, xr, dr16);
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            float p = expf(as_f32(xr[j]) - l);
+            float d = kept ? scale * (j == t ? p - 1.0f : p) : 0.0f;
+            store_as(xr + j, d);
         }
     }
+}
+
+extern "C" __global__ void cross_entropy_forward_backward(float* logits, const unsigned int* targets, i64 rows,
+                                                          i64 cols, i64 ignore, float* losses, int grad,
+                                                          float scale) {
+    cross_entropy_rows(logits, targets, rows, cols, ignore, losses, grad, scale);
+}
+
+extern "C" __global__ void cross_entropy_forward_backward_bf16(bf16_t* logits, const unsigned int* targets, i64 rows,
+                                                               i64 cols, i64 ignore, float* losses, int grad,
+                                                               float scale) {
+    cross_entropy_rows(logits, targets, rows, cols, ignore, losses, grad, scale);
 }
