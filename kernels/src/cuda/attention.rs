@@ -13,7 +13,10 @@
 //! and v are f32, or (for the tensor-core kernels) bf16 ([`Values`]): RoPE writes them so
 //! under bf16 products, rounded as the kernels' staging would round them. From bf16 q, k and
 //! v the output may be written in bf16 only, as FlashAttention-2 stores it; the backward then
-//! reads it so (δ = Σ dO ⊙ O from the stored O). f32 q, k and v go with an f32 output.
+//! reads it so (δ = Σ dO ⊙ O from the stored O). f32 q, k and v go with an f32 output. The
+//! tensor-core kernels stage bf16 tiles by `cp.async` into two shared buffers, the next tile
+//! in flight while the current one is multiplied; the `cp.async` copies need every bf16 input
+//! 16-byte aligned, which whole device buffers are.
 
 use cudarc::driver::LaunchConfig;
 use half::bf16;
