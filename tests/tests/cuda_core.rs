@@ -457,6 +457,48 @@ fn a_fused_gated_group_stores_its_output_in_bf16_when_asked() {
     assert_eq!(grads_bf16, grads_f32, "the gradients do not depend on how the output is stored");
 }
 
+/// Under bf16 products a fused gate's backward reads dẐ in bf16 where an f32 dẐ keeps a
+/// bf16 copy beside it (RMSNorm's backward writes one for a residual stream's sum, the o and
+/// down projections' dẐ): the gradients are then those of dẐ rounded to bf16, bit for bit;
+/// without the copy they are the f32 dẐ's, which differ.
+#[test]
+fn a_fused_gate_backward_reads_the_bf16_copy_an_f32_gradient_keeps() {
+    if no_gpu() {
+        return;
+    }
+    let _precision = Precision::set(MatmulPrecision::Bf16);
+    let (rows, d_in, d_out, rc, rs) = (12, 32, 24, 8, 4);
+    let mut seed = 110;
+    let mut t = |shape: &[usize], scale: f32| {
+        seed += 1;
+        rand(shape, -scale, scale, seed)
+    };
+    let mut values = vec![t(&[rows, d_in], 1.0), t(&[d_out, d_in], 0.3), t(&[rc, d_in], 0.3), t(&[rc], 0.3)];
+    values.extend([t(&[d_out, rc], 0.5), t(&[d_out], 0.3), Tensor::full(&[1], 1.25), t(&[rs, d_in], 0.3)]);
+    values.extend([t(&[rs], 0.3), t(&[1, rs], 0.5), t(&[1], 0.3), Tensor::full(&[1], 0.75)]);
+    let upstream = rand(&[rows, d_out], -1.0, 1.0, 130);
+    let gradients = |dy: Tensor| {
+        let vars: Vec<Var> = values.iter().map(|v| Var::parameter(gpu(v))).collect();
+        let p = &vars[1..];
+        let y = vars[0]
+            .fused_gated_projection(
+                &p[0],
+                [&p[1], &p[2], &p[3], &p[4], &p[5]],
+                [&p[6], &p[7], &p[8], &p[9], &p[10]],
+                Unary::Silu,
+            )
+            .unwrap();
+        y.backward_with(dy).unwrap();
+        vars.iter().map(|v| v.grad().unwrap().to_host().unwrap().to_vec()).collect::<Vec<_>>()
+    };
+    let with_copy = gpu(&upstream);
+    with_copy.to_dtype(DType::BF16).unwrap(); // the storage keeps the copy it makes
+    let rounded = upstream.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+    let from_rounded = gradients(gpu(&rounded));
+    assert_eq!(gradients(with_copy), from_rounded, "an f32 dẐ with a bf16 copy: the copy's gradients");
+    assert_ne!(gradients(gpu(&upstream)), from_rounded, "an f32 dẐ alone is read in f32");
+}
+
 /// A product stored in bf16 (`ProductOutput::Bf16`) is still an f32 tensor: read as f32 it
 /// is its bf16 values widened, and written in place it becomes plain f32 storage holding the
 /// write (its bf16 rounding no longer stands for it).

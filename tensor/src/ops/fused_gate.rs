@@ -503,9 +503,16 @@ pub(crate) mod cuda {
                 None => GateProducts::F32 { x: x.cuda_f32(OP)? },
             };
             // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cuda::fused_gate::fused_gate_backward
-            // dẐ as its producer wrote it (bf16 alone from SwiGLU's or RoPE's backward under
-            // bf16 products) beside a bf16 ZU, else f32.
-            let dy_values = if zu.values().is_bf16() { dy.cuda_values(OP)? } else { Values::F32(dy.cuda_f32(OP)?) };
+            // dẐ beside a bf16 ZU in bf16 where its producer keeps it so: bf16 alone (SwiGLU's or
+            // RoPE's backward under bf16 products), or the bf16 copy written beside an f32
+            // gradient (RMSNorm's backward of a residual stream's sum, which the o and down
+            // projections' dẐ is); else f32.
+            let dy_bf16 = zu.values().is_bf16() && storage_of(&dy)?.has_own_bf16_copy();
+            let dy_copy = if dy_bf16 { Some(dy.to_dtype(DType::BF16)?) } else { None };
+            let dy_values = match &dy_copy {
+                Some(copy) => Values::Bf16(storage_of(copy)?.bf16_buffer(OP)?),
+                None => Values::F32(dy.cuda_f32(OP)?),
+            };
             fused_gate_backward(&dev, &group, zu, dy_values, products, &mut grads)?;
         }
         let dx = match (dx_fresh, dx_so_far) {
