@@ -55,6 +55,12 @@ pub struct Llama {
     pub lm_head: Linear,
 }
 
+/// Whether some block mixes the activations before its input (LAuReL-PA's γ): the model then
+/// keeps every block's output and adds it up.
+fn mixes_earlier(layers: &[DecoderBlock]) -> bool {
+    layers.iter().any(|block| block.residual.gamma.is_some())
+}
+
 impl Llama {
     /// Validates `config` and initialises every parameter from `seed` (bit-reproducible).
     pub fn new(config: &LlamaConfig, seed: u64) -> Result<Llama> {
@@ -69,8 +75,7 @@ impl Llama {
         // Where the residual stream's fused add + RMSNorm alone reads the sublayers' outputs
         // (each block's and, after the last, the final norm: no LAuReL-PA activations either),
         // their output projections store them in bf16 under bf16 products, as autocast does.
-        let mixes_earlier = layers.iter().any(|block| block.residual.gamma.is_some());
-        if !mixes_earlier && matches!(norm, Norm::Rms(_)) {
+        if !mixes_earlier(&layers) && matches!(norm, Norm::Rms(_)) {
             layers.iter_mut().for_each(DecoderBlock::store_fused_outputs_in_bf16);
         }
         let lm_head = WeightInit::Normal { std: config.init_std }.linear(d, vocab, &mut rng);
@@ -125,7 +130,7 @@ impl Llama {
         let embedded = self.embed_tokens.forward(ids, &[batch, seq])?;
         // Activations x_0 (embedding), x_1, ...: LAuReL-PA mixes the ones before a block's
         // input. Kept only when a block reads them (which returns its output added).
-        let mixes_earlier = self.layers.iter().any(|block| block.residual.gamma.is_some());
+        let mixes_earlier = mixes_earlier(&self.layers);
         let mut activations = vec![embedded.clone()];
         let mut x = Stream::new(embedded);
         for (l, block) in self.layers.iter().enumerate() {

@@ -61,22 +61,24 @@ __device__ float row_lse(const T* xr, i64 cols) {
 }
 
 // d/dlogits_j (lse − logits_t) = softmax_j − [j = t]:  dr_j = scale·(e^(xr_j − lse) − [j = t]),
-// and dr16_j = dr_j rounded to nearest even when dr16 is not null. dr may be xr (the
-// gradient written over the logits): each thread reads only the elements it writes.
-__device__ void softmax_minus_onehot(const float* xr, float lse, i64 t, float scale, i64 cols, float* dr,
-                                     bf16_t* dr16) {
+// and dr16_j = dr_j rounded to nearest even when dr16 is not null. xr and dr are f32 or bf16
+// (dr stored in its own type: store_as). dr may be xr (the gradient written over the logits):
+// each thread reads only the elements it writes.
+template <typename X, typename D>
+__device__ void softmax_minus_onehot(const X* xr, float lse, i64 t, float scale, i64 cols, D* dr, bf16_t* dr16) {
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
-        float p = expf(xr[j] - lse);
+        float p = expf(as_f32(xr[j]) - lse);
         float d = scale * (j == t ? p - 1.0f : p);
-        dr[j] = d;
+        store_as(dr + j, d);
         if (dr16) dr16[j] = f32_to_bf16(d);
     }
 }
 
 // A row whose gradient is zero (ignored, or a target ≥ cols), and its bf16 copy.
-__device__ void zero_row(i64 cols, float* dr, bf16_t* dr16) {
+template <typename D>
+__device__ void zero_row(i64 cols, D* dr, bf16_t* dr16) {
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
-        dr[j] = 0.0f;
+        store_as(dr + j, 0.0f);
         if (dr16) dr16[j] = f32_to_bf16(0.0f);
     }
 }
@@ -149,10 +151,10 @@ __device__ __forceinline__ void cross_entropy_rows(T* logits, const unsigned int
         float l = row_lse(xr, cols);
         if (threadIdx.x == 0) losses[r] = kept ? l - xt : 0.0f;
         if (!grad) continue;
-        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
-            float p = expf(as_f32(xr[j]) - l);
-            float d = kept ? scale * (j == t ? p - 1.0f : p) : 0.0f;
-            store_as(xr + j, d);
+        if (kept) {
+            softmax_minus_onehot(xr, l, t, scale, cols, xr, nullptr);
+        } else {
+            zero_row(cols, xr, nullptr);
         }
     }
 }
