@@ -6,12 +6,16 @@
 //! cancels one more even power per column. Each new entry's error is estimated from its
 //! distance to its two parents; the entry with the smallest estimate wins, and the walk
 //! stops once that estimate is below the caller's target or the diagonal starts to
-//! diverge (noise has overtaken truncation).
+//! diverge (noise has overtaken truncation). A walk that ends far above the target for
+//! reasons rounding does not explain started too coarse: it is run again from a smaller step.
 
 use crate::Dtype;
 
-/// Step sizes at most (`h₀ … h₀/2⁵`, 12 function evaluations).
+/// Step sizes at most in one walk (`h₀ … h₀/2⁵`, 12 function evaluations).
 const LEVELS: usize = 6;
+
+/// Walks from a smaller first step after the first, at most (see [`derivative_with_noise`]).
+const RESTARTS: usize = 2;
 
 /// A numeric derivative and the estimates of its own error.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -29,24 +33,49 @@ pub struct Estimate {
 /// `d f / d t` at `t = x`, where `f` is a forward evaluated in `dtype`: every probe point
 /// is rounded to `dtype` first and the slope divides by the step actually taken, so the
 /// rounding of `x ± h` does not bias it. The first step is the table's, relative to
-/// `max(1, |x|)`; the walk stops early once the error estimate is a tenth of the table's
-/// absolute gradient tolerance. `f` is taken as exact (no noise bound).
+/// `max(1, |x|)` (smaller ones follow where that one is too coarse: see
+/// [`derivative_with_noise`]); a walk stops early once the error estimate is a tenth of the
+/// table's absolute gradient tolerance. `f` is taken as exact (no noise bound).
 pub fn derivative(x: f64, dtype: Dtype, mut f: impl FnMut(f64) -> f64) -> Estimate {
     derivative_with_noise(x, dtype, |t| (f(t), 0.0))
 }
 
 /// [`derivative`] of a forward that also returns a bound on its own rounding error at each
 /// point (`(value, noise)`), so the estimate can say how much of it may be noise.
+///
+/// The first walk starts from the table's step. Where `f` bends on a shorter scale than that
+/// step (a norm of a nearly vanishing vector, a parameter near a steep region), the table is
+/// not yet in its asymptotic regime when its diagonal stops improving, and the walk ends on an
+/// estimate whose error is truncation, far above the target and above what rounding explains.
+/// Then the walk runs again from a step 8× smaller (twice at most), and the estimate with the
+/// smaller error and noise wins.
 pub fn derivative_with_noise(x: f64, dtype: Dtype, mut f: impl FnMut(f64) -> (f64, f64)) -> Estimate {
     let table = dtype.table();
-    let target = table.gradient.atol / 10.0;
+    let mut h = table.step * x.abs().max(1.0);
+    let mut best = ridders_walk(x, h, dtype, &mut f);
+    for _ in 0..RESTARTS {
+        if best.error <= table.gradient.atol + 4.0 * best.noise {
+            break;
+        }
+        h /= 8.0;
+        let retry = ridders_walk(x, h, dtype, &mut f);
+        if retry.error + retry.noise < best.error + best.noise {
+            best = retry;
+        }
+    }
+    best
+}
+
+/// One Ridders walk from the first step `h`: halving it up to [`LEVELS`] times, the entry
+/// of the extrapolation table with the smallest error and noise.
+fn ridders_walk(x: f64, mut h: f64, dtype: Dtype, f: &mut impl FnMut(f64) -> (f64, f64)) -> Estimate {
+    let target = dtype.table().gradient.atol / 10.0;
     // One central difference and the bound on its rounding part.
     let mut central = |h: f64| {
         let (up, down) = (dtype.round(x + h), dtype.round(x - h));
         let ((f_up, noise_up), (f_down, noise_down)) = (f(up), f(down));
         ((f_up - f_down) / (up - down), (noise_up + noise_down) / (up - down))
     };
-    let mut h = table.step * x.abs().max(1.0);
     let mut previous = vec![central(h)];
     let mut best = Estimate { value: previous[0].0, error: f64::INFINITY, noise: previous[0].1 };
     for _ in 1..LEVELS {
@@ -103,6 +132,19 @@ mod tests {
         // A steep function: the first step is far too large, extrapolation recovers.
         let e = derivative(0.2, Dtype::F64, |t| (30.0 * t).exp());
         assert!((e.value / (30.0 * 6f64.exp()) - 1.0).abs() < 1e-8, "{e:?}");
+    }
+
+    #[test]
+    fn a_function_bending_inside_the_first_step_is_walked_again_from_a_finer_one() {
+        // The normalised value of a scalar that vanishes one first step (1e-2) away from x,
+        // as an RMSNorm of a nearly vanishing row: the first walk alone ends on truncation.
+        let (x, zero, eps) = (0.5, 0.49, 0.002);
+        let f = |t: f64| (t - zero) / ((t - zero).powi(2) + eps * eps).sqrt();
+        let exact = eps * eps / ((x - zero).powi(2) + eps * eps).powf(1.5);
+        let first = ridders_walk(x, Dtype::F32.table().step * x.max(1.0), Dtype::F32, &mut |t| (f(t), 0.0));
+        assert!((first.value - exact).abs() > 0.1, "{first:?}");
+        let e = derivative(x, Dtype::F32, f);
+        assert!((e.value - exact).abs() < 1e-4, "{e:?} against {exact}");
     }
 
     #[test]
