@@ -39,6 +39,10 @@ void syncthreads();
 const void* warp_exchange(unsigned int mask, const void* mine, unsigned int bytes, int source);
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 for the calling lane's fragments.
 void mma_m16n8k16_bf16(float* d, const unsigned int* a, const unsigned int* b);
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: `row` is this lane's row address (lane l:
+// row l % 8 of matrix l / 8, 16 bytes); d[j] gets this lane's two values of matrix j (common.cuh
+// ldmatrix_x4). Errors on an address that is not a multiple of 16, as the GPU faults.
+void ldmatrix_x4(unsigned int* d, const void* row, bool trans);
 // cp.async of `bytes` (`src_bytes` of them read, the rest zeros) from device memory into
 // shared memory, deferred: the calling fiber's copy waits in its queue, in the group that its
 // next cp_async_commit closes, and is performed by the cp_async_wait that covers its group

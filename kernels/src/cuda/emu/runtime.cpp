@@ -448,6 +448,34 @@ void mma_m16n8k16_bf16(float* d, const unsigned int* a, const unsigned int* b) {
     }
 }
 
+// Every lane's row address goes through the warp's slots; each lane then reads its values of
+// the four matrices straight from (shared) memory: row l / 4, columns 2·(l % 4) and 2·(l % 4) + 1
+// of each, or with `trans` rows 2·(l % 4) and 2·(l % 4) + 1 of column l / 4.
+void ldmatrix_x4(unsigned int* d, const void* row, bool trans) {
+    if (reinterpret_cast<unsigned long long>(row) & 15u) {
+        fail(FAULT, "ldmatrix row address %p is not a multiple of 16 bytes", row);
+        abandon_fiber();
+    }
+    const unsigned char(*slots)[32] = exchange(0xffffffffu, &row, sizeof row);
+    auto row_of = [&](unsigned int l) {
+        const unsigned short* r;
+        std::memcpy(&r, slots[l], sizeof r);
+        return r;
+    };
+    const unsigned int lane = running->current->lane, g = lane >> 2, t = lane & 3;
+    for (unsigned int j = 0; j < 4; ++j) {
+        unsigned int lo, hi;
+        if (trans) {
+            lo = row_of(8 * j + 2 * t)[g];
+            hi = row_of(8 * j + 2 * t + 1)[g];
+        } else {
+            lo = row_of(8 * j + g)[2 * t];
+            hi = row_of(8 * j + g)[2 * t + 1];
+        }
+        d[j] = lo | (hi << 16);
+    }
+}
+
 void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
     const unsigned long long misaligned =
         (reinterpret_cast<unsigned long long>(dst) | reinterpret_cast<unsigned long long>(src)) & (unsigned)(bytes - 1);

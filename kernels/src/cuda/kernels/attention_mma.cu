@@ -22,7 +22,8 @@
 // registers. The block walks tiles of 64 keys (or queries), staged row-major in shared
 // memory as bf16, two buffers: bf16 inputs go in by cp.async, the next tile's copies in
 // flight while the warps multiply the current one (f32 inputs are rounded on the way through
-// registers, so their staging waits); every product reads the tiles there:
+// registers, so their staging waits); every product reads its B fragments from the tiles there,
+// four 8 × 8 blocks an instruction (ldmatrix):
 //   forward  S = Q·Kᵀ, online softmax, O += P·V
 //   dq       S = Q·Kᵀ, dP = dO·Vᵀ, dS = P ⊙ (dP − δ), dQ += dS·K      (also writes δ)
 //   dk, dv   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − δ), dV += Pᵀ·dO, dK += dSᵀ·Q
@@ -45,9 +46,9 @@
 #define TC_THREADS (TC_WARPS * 32)
 #define TC_ROWS (TC_WARPS * 16)  // rows of the output per block: 16 per warp
 #define TC_TILE 64               // keys (forward, dq) or queries (dk/dv) per shared tile
-#define TC_PAD 8                 // bf16 padding per shared row: with it the 8 rows one
-                                 // fragment load touches fall in distinct banks for every
-                                 // supported D, so the 32 lanes' loads do not conflict
+#define TC_PAD 8                 // bf16 padding per shared row (16 bytes): with it the 8 rows
+                                 // of 16 bytes one ldmatrix matrix reads fall in distinct banks
+                                 // for every supported D, and rows stay 16-byte aligned
 
 __device__ __forceinline__ i64 head_row(i64 b, i64 t, i64 h, i64 seq, i64 heads, i64 head_dim) {
     return ((b * seq + t) * heads + h) * head_dim;
@@ -157,39 +158,42 @@ __device__ __forceinline__ void load_a_rows(unsigned int (*frag)[4], const In* s
     }
 }
 
-// The B fragment of B[k][n] = tile[n0 + n][k0 + k]: the tile's rows are B's columns (the
-// second factor of X·Yᵀ, Y staged row-major).
+// The B fragments of two adjacent 8-column tiles of B[k][n] = tile[n0 + n][k0 + k], k0..k0+15:
+// the tile's rows are B's columns (the second factor of X·Yᵀ, Y staged row-major). One
+// ldmatrix_x4 (common.cuh) of the four 8 × 8 blocks (rows n0.., n0 + 8.. × columns k0.., k0 + 8..):
+// frag[0], frag[1] for columns n0..n0+7, frag[2], frag[3] for n0+8..n0+15.
 template <int D>
-__device__ __forceinline__ void load_b_transposed(unsigned int* frag, const bf16_t* tile, int n0, int k0) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const bf16_t* row = tile + (n0 + g) * (D + TC_PAD) + k0 + 2 * t;
-    frag[0] = *reinterpret_cast<const unsigned int*>(row);
-    frag[1] = *reinterpret_cast<const unsigned int*>(row + 8);
+__device__ __forceinline__ void load_b_transposed_pair(unsigned int* frag, const bf16_t* tile, int n0, int k0) {
+    const int lane = threadIdx.x & 31;
+    const int row = n0 + (lane & 7) + 8 * (lane >> 4), col = k0 + 8 * ((lane >> 3) & 1);
+    ldmatrix_x4(frag, tile + row * (D + TC_PAD) + col);
 }
 
-// The B fragment of B[k][n] = tile[k0 + k][n0 + n]: the tile's rows are B's rows (the second
-// factor of X·Y, Y staged row-major); two halves from two rows per register.
+// The B fragments of two adjacent 8-column tiles of B[k][n] = tile[k0 + k][n0 + n], k0..k0+15:
+// the tile's rows are B's rows (the second factor of X·Y, Y staged row-major). One
+// ldmatrix_x4_trans of the blocks (rows k0.., k0 + 8.. × columns n0.., n0 + 8..): frag[0],
+// frag[1] for columns n0..n0+7, frag[2], frag[3] for n0+8..n0+15.
 template <int D>
-__device__ __forceinline__ void load_b(unsigned int* frag, const bf16_t* tile, int k0, int n0) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int stride = D + TC_PAD;
-    const bf16_t* col = tile + (k0 + 2 * t) * stride + n0 + g;
-    frag[0] = (unsigned int)col[0] | ((unsigned int)col[stride] << 16);
-    frag[1] = (unsigned int)col[8 * stride] | ((unsigned int)col[9 * stride] << 16);
+__device__ __forceinline__ void load_b_pair(unsigned int* frag, const bf16_t* tile, int k0, int n0) {
+    const int lane = threadIdx.x & 31;
+    const int row = k0 + (lane & 7) + 8 * ((lane >> 3) & 1), col = n0 + 8 * (lane >> 4);
+    ldmatrix_x4_trans(frag, tile + row * (D + TC_PAD) + col);
 }
 
 // acc[nt] (16 × 64: 8 tiles of 8 columns) = A · tileᵀ for the warp's 16 rows of A (fragments
-// `a`, depth D) and the 64 staged rows of `tile`.
+// `a`, depth D) and the 64 staged rows of `tile`. Each result tile sums its depth in order.
 template <int D>
 __device__ __forceinline__ void product_a_tile_t(float (*acc)[4], const unsigned int (*a)[4], const bf16_t* tile) {
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+    for (int nt = 0; nt < 8; nt += 2) {
         acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        acc[nt + 1][0] = acc[nt + 1][1] = acc[nt + 1][2] = acc[nt + 1][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            unsigned int b[2];
-            load_b_transposed<D>(b, tile, 8 * nt, 16 * kk);
+            unsigned int b[4];
+            load_b_transposed_pair<D>(b, tile, 8 * nt, 16 * kk);
             MMA_M16N8K16_BF16(acc[nt], a[kk], b);
+            MMA_M16N8K16_BF16(acc[nt + 1], a[kk], b + 2);
         }
     }
 }
@@ -204,10 +208,11 @@ __device__ __forceinline__ void accumulate_p_tile(float (*out)[4], const float (
         const float* hi = p[2 * kc + 1];
         unsigned int a[4] = {bf16x2(lo[0], lo[1]), bf16x2(lo[2], lo[3]), bf16x2(hi[0], hi[1]), bf16x2(hi[2], hi[3])};
 #pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) {
-            unsigned int b[2];
-            load_b<D>(b, tile, 16 * kc, 8 * nd);
+        for (int nd = 0; nd < D / 8; nd += 2) {
+            unsigned int b[4];
+            load_b_pair<D>(b, tile, 16 * kc, 8 * nd);
             MMA_M16N8K16_BF16(out[nd], a, b);
+            MMA_M16N8K16_BF16(out[nd + 1], a, b + 2);
         }
     }
 }

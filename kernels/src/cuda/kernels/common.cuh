@@ -80,6 +80,45 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {}
 #endif
 
+// Fragments from shared memory (ldmatrix, compute capability 7.5): one warp instruction loads
+// four 8 × 8 matrices of 16-bit values, where one LDS per register would take four. Lane l
+// gives the address of row l % 8 of matrix l / 8 (8 values, 16 bytes, 16-byte aligned), and
+// receives in d[j], of matrix j, the values (l / 4, 2·(l % 4)) and (l / 4, 2·(l % 4) + 1),
+// the first in the low half: with matrices (rows 0-7, columns 0-7), (8-15, 0-7), (0-7, 8-15),
+// (8-15, 8-15) of a row-major 16 × 16 tile that is an mma.m16n8k16 A fragment, and with the
+// rows of a tile that holds B's columns (B[k][n] = tile[n][k]) two B fragments. ldmatrix_x4_trans
+// gives (2·(l % 4), l / 4) and (2·(l % 4) + 1, l / 4) instead: B fragments of a tile that holds
+// B's rows (B[k][n] = tile[k][n]). The emulator runs a C++ version as a warp collective.
+#if defined(__CUDA_EMULATOR__)
+__device__ __forceinline__ void ldmatrix_x4(unsigned int* d, const bf16_t* row) { tp_emu::ldmatrix_x4(d, row, false); }
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int* d, const bf16_t* row) {
+    tp_emu::ldmatrix_x4(d, row, true);
+}
+#elif __CUDA_ARCH__ >= 800
+__device__ __forceinline__ void ldmatrix_x4(unsigned int* d, const bf16_t* row) {
+    const unsigned int at = (unsigned int)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(at));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int* d, const bf16_t* row) {
+    const unsigned int at = (unsigned int)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(at));
+}
+#else
+// Below 8.0 the mma kernels trap and their launchers refuse the device.
+__device__ __forceinline__ void ldmatrix_x4(unsigned int* d, const bf16_t*) {
+    d[0] = d[1] = d[2] = d[3] = 0u;
+    __trap();
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int* d, const bf16_t*) {
+    d[0] = d[1] = d[2] = d[3] = 0u;
+    __trap();
+}
+#endif
+
 // Up to 64 device addresses or lengths, passed by value: the tensors of a multi-tensor
 // launch (RoPE's parts, several column sums at once); unused entries are 0. A kernel's lists
 // stay inside the 4 KB of kernel parameters every CUDA version accepts.
