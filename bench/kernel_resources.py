@@ -13,14 +13,27 @@ registers an SM, allocated per warp in units of 256, at most 64 warps and 32 blo
 Read it before and after a change to a kernel, beside the GPU's timer: a register count
 that drops an SM from 4 blocks to 3 costs a memory-bound kernel a quarter of its loads in
 flight.
+
+`--count LDS,LDSM,HMMA` adds, per kernel, how many SASS instructions of each opcode the
+CUBIN holds (cuobjdump and the nvdisasm it runs, from the `nvidia-cuda-cuobjdump` and
+`nvidia-cuda-nvdisasm` wheels, or on the PATH): a static
+count of the code, not of what runs (a loop's body counts once), to compare two versions of
+one kernel's unrolled inner loop, e.g. its shared-memory loads against its tensor-core ops.
+
+    .ci/venv/bin/pip install nvidia-cuda-cuobjdump==13.5.37 nvidia-cuda-nvdisasm==13.5.37
+    .ci/venv/bin/python bench/kernel_resources.py attention_mma --threads 128 --count LDS,LDSM,HMMA
 """
 
 import argparse
+import collections
 import ctypes
 import glob
 import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "src", "cuda", "kernels")
 
@@ -37,8 +50,23 @@ def load_nvrtc():
     return ctypes.CDLL("libnvrtc.so")
 
 
-def compile_log(nvrtc, family, arch):
-    """ptxas's verbose log for one family, or an exit with NVRTC's compile log."""
+def load_cuobjdump():
+    """cuobjdump from the nvidia-cuda-cuobjdump wheel of this Python, or from the PATH."""
+    try:
+        import nvidia
+
+        for path in glob.glob(os.path.join(nvidia.__path__[0], "cu*", "bin", "cuobjdump")):
+            return path
+    except ImportError:
+        pass
+    found = shutil.which("cuobjdump")
+    if not found:
+        sys.exit("--count needs cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (NVRTC's version)")
+    return found
+
+
+def compile_family(nvrtc, family, arch):
+    """(ptxas's verbose log, the CUBIN) for one family, or an exit with NVRTC's compile log."""
     with open(os.path.join(ROOT, "common.cuh")) as f:
         common = f.read()
     with open(os.path.join(ROOT, family + ".cu")) as f:
@@ -54,11 +82,39 @@ def compile_log(nvrtc, family, arch):
     nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
     log = ctypes.create_string_buffer(size.value)
     nvrtc.nvrtcGetProgramLog(program, log)
+    cubin = b""
+    if status == 0:
+        nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size))
+        buffer = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetCUBIN(program, buffer)
+        cubin = buffer.raw
     nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
     text = log.value.decode(errors="replace")
     if status != 0:
         sys.exit(f"{family}: compilation failed (status {status})\n{text}")
-    return text
+    return text, cubin
+
+
+def opcode_counts(cuobjdump, cubin):
+    """{kernel: Counter of SASS opcodes (the mnemonic before its first '.')} of a CUBIN."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        # cuobjdump runs nvdisasm, which the wheels install beside it.
+        path = os.path.dirname(cuobjdump) + os.pathsep + os.environ.get("PATH", "")
+        env = dict(os.environ, PATH=path)
+        sass = subprocess.run([cuobjdump, "-sass", f.name], check=True, capture_output=True, text=True, env=env).stdout
+    counts, name = {}, None
+    for line in sass.splitlines():
+        function = re.match(r"\s*Function : (\S+)", line)
+        if function:
+            name = function.group(1)
+            counts[name] = collections.Counter()
+            continue
+        instruction = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+        if instruction and name:
+            counts[name][instruction.group(1)] += 1
+    return counts
 
 
 def kernels_of(log):
@@ -92,14 +148,23 @@ def main():
     parser.add_argument("families", nargs="*", help="kernel files without .cu (default: all)")
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--threads", type=int, default=256, help="threads a block, for the occupancy column")
+    parser.add_argument("--count", default="", help="SASS opcodes to count per kernel, comma-separated (LDS,LDSM)")
     args = parser.parse_args()
     families = args.families or sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.cu")))
+    opcodes = [op for op in args.count.split(",") if op]
+    cuobjdump = load_cuobjdump() if opcodes else None
     nvrtc = load_nvrtc()
-    print(f"{'kernel':<52} {'regs':>5} {'spill st/ld':>12} {'smem':>7} {'warps/SM':>9}")
+    columns = "".join(f" {op:>6}" for op in opcodes)
+    print(f"{'kernel':<52} {'regs':>5} {'spill st/ld':>12} {'smem':>7} {'warps/SM':>9}{columns}")
     for family in families:
-        for name, registers, stored, loaded, smem in kernels_of(compile_log(nvrtc, family, args.arch)):
+        log, cubin = compile_family(nvrtc, family, args.arch)
+        counts = opcode_counts(cuobjdump, cubin) if opcodes else {}
+        for name, registers, stored, loaded, smem in kernels_of(log):
             spill = f"{stored}/{loaded}"
-            print(f"{name:<52} {registers:>5} {spill:>12} {smem:>7} {warps_per_sm(registers, args.threads):>9}")
+            counted = "".join(f" {counts.get(name, {}).get(op, 0):>6}" for op in opcodes)
+            print(
+                f"{name:<52} {registers:>5} {spill:>12} {smem:>7} {warps_per_sm(registers, args.threads):>9}{counted}"
+            )
 
 
 if __name__ == "__main__":
