@@ -201,7 +201,8 @@ fn fused_gate_error(dev: &CudaDevice) -> f32 {
     // The unfused path's ZU in f32: both gate the same f32 sums.
     let mut zu = cuda::DeviceValues::alloc(dev, dims.rows * dims.width(), false).unwrap();
     let mut fused = dev.alloc(dims.rows * dims.d_out).unwrap();
-    cuda::fused_gate::fused_gate_forward(dev, &dims, &x, &packed, &params, None, &mut fused).unwrap();
+    cuda::fused_gate::fused_gate_forward(dev, &dims, &x, &packed, &params, None, cuda::ValuesMut::F32(&mut fused))
+        .unwrap();
     let mut unfused = dev.alloc(dims.rows * dims.d_out).unwrap();
     let out = cuda::ValuesMut::F32(&mut unfused);
     cuda::fused_gate::fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, out).unwrap();

@@ -22,7 +22,7 @@ use kernels::cpu::matmul::{GemmDims, Store};
 use kernels::cuda::attention::{
     causal_attention_backward, causal_attention_forward, causal_attention_naive, tensor_cores_fit, AttentionPrecision,
 };
-use kernels::cuda::blas::{matmul_bf16, DeviceMat};
+use kernels::cuda::blas::{matmul_bf16, matmul_bf16_out, DeviceMat};
 use kernels::cuda::fused_gate::{
     fused_gate_backward, fused_gate_forward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads,
     DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, FusedGateDims, GateGroup, GateProducts, Unary,
@@ -147,36 +147,41 @@ fn bench_projection(dev: &CudaDevice, tokens: usize, d_in: usize, d_out: usize) 
     let packed = pack_weight(dev, &group)?;
     let x: Vec<bf16> = values(tokens * d_in, 10, 2.0).into_iter().map(bf16::from_f32).collect();
     let x = dev.upload(&x)?;
-    // ZU in bf16, as a --bf16 training step saves it (the mma kernel's own bf16 copy beside).
+    // As a --bf16 training step runs them: ZU saved in bf16, Ẑ in bf16 for its consumer.
     let mut zu = DeviceValues::alloc(dev, tokens * dims.width(), true)?;
     let mut zu_mma = dev.alloc::<bf16>(tokens * dims.width())?;
-    let mut floor = dev.alloc::<f32>(tokens * dims.width())?;
-    let mut out = dev.alloc::<f32>(tokens * d_out)?;
-    let mut out_ref = dev.alloc::<f32>(tokens * d_out)?;
+    let mut floor = dev.alloc::<bf16>(tokens * dims.width())?;
+    let mut out = dev.alloc::<bf16>(tokens * d_out)?;
+    let mut out_ref = dev.alloc::<bf16>(tokens * d_out)?;
 
-    fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, ValuesMut::F32(&mut out_ref))?;
-    fused_gate_forward(dev, &dims, &x, &packed, &p, None, &mut out)?;
+    fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, ValuesMut::Bf16(&mut out_ref))?;
+    fused_gate_forward(dev, &dims, &x, &packed, &p, None, ValuesMut::Bf16(&mut out))?;
     let what = format!("fused projection {d_in}→{d_out}");
     // The unfused path gates ZU rounded to bf16 (the copy it saves), the mma kernel the f32 sums.
-    let worst = check(&what, &dev.download(&out)?, &dev.download(&out_ref)?, 1e-2);
+    let widen =
+        |b: &DeviceBuffer<bf16>| -> Result<Vec<f32>> { Ok(dev.download(b)?.iter().map(|v| v.to_f32()).collect()) };
+    let worst = check(&what, &widen(&out)?, &widen(&out_ref)?, 1e-2);
 
-    // The floor: the bare product ZU = x·[W; A_c; A_s]ᵀ, bf16 in, f32 out, as the unfused path runs it.
+    // The floor: the bare product ZU = x·[W; A_c; A_s]ᵀ, bf16 in, bf16 out (a plain projection
+    // under bf16 products).
     let x_mat = DeviceMat { buffer: &x, offset: 0, row_stride: d_in, col_stride: 1 };
     let weight_t = DeviceMat { buffer: &packed, offset: 0, row_stride: 1, col_stride: d_in };
     let (k, n) = (d_in, dims.width());
     let gemm = GemmDims { m: tokens, n, k };
-    let gemm_s = best_seconds(dev, || matmul_bf16(dev, &mut floor, 0, x_mat, weight_t, gemm, Store::Overwrite))?;
+    let gemm_s = best_seconds(dev, || matmul_bf16_out(dev, &mut floor, x_mat, weight_t, gemm))?;
     let unfused_s = best_seconds(dev, || {
-        fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, ValuesMut::F32(&mut out_ref))
+        fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, ValuesMut::Bf16(&mut out_ref))
     })?;
-    let fused_save_s =
-        best_seconds(dev, || fused_gate_forward(dev, &dims, &x, &packed, &p, Some(&mut zu_mma), &mut out))?;
-    let fused_s = best_seconds(dev, || fused_gate_forward(dev, &dims, &x, &packed, &p, None, &mut out))?;
+    let fused_save_s = best_seconds(dev, || {
+        fused_gate_forward(dev, &dims, &x, &packed, &p, Some(&mut zu_mma), ValuesMut::Bf16(&mut out))
+    })?;
+    let fused_s =
+        best_seconds(dev, || fused_gate_forward(dev, &dims, &x, &packed, &p, None, ValuesMut::Bf16(&mut out)))?;
     let flops = 2.0 * tokens as f64 * dims.width() as f64 * d_in as f64;
     let tflops = |s: f64| flops / s / 1e12;
     println!(
         "{d_in:>5}→{d_out:<5} {tokens:>7} tokens | bare GEMM {:>7.3} ms ({:>5.1} TFLOP/s) | unfused {:>7.3} ms ({:.2}× GEMM) \
-         | fused+save {:>7.3} ms ({:.2}×) | fused {:>7.3} ms ({:.2}×) | max rel diff {worst:.1e}",
+         | fused+save {:>7.3} ms ({:.2}×) | fused {:>7.3} ms ({:.2}×, {:>5.1} TFLOP/s) | max rel diff {worst:.1e}",
         gemm_s * 1e3,
         tflops(gemm_s),
         unfused_s * 1e3,
@@ -185,6 +190,7 @@ fn bench_projection(dev: &CudaDevice, tokens: usize, d_in: usize, d_out: usize) 
         fused_save_s / gemm_s,
         fused_s * 1e3,
         fused_s / gemm_s,
+        tflops(fused_s),
     );
     Ok(())
 }

@@ -9,7 +9,7 @@ use kernels::cpu::unary::Unary;
 use kernels::cuda::fused_gate::{
     DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, GateGroup, GateProducts,
 };
-use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer};
+use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer, ValuesMut};
 
 use super::{assert_close, assert_close_to, down, stale, up, Rng};
 
@@ -132,7 +132,8 @@ fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
     let gx16 = up_bf16(dev, &case.x);
     let mut gzu = dev.alloc(rows * dims.width()).unwrap();
     let mut gout = dev.alloc(rows * d_out).unwrap();
-    cuda::fused_gate::fused_gate_forward(dev, &dims, &gx16, &packed, &gp, Some(&mut gzu), &mut gout).unwrap();
+    cuda::fused_gate::fused_gate_forward(dev, &dims, &gx16, &packed, &gp, Some(&mut gzu), ValuesMut::F32(&mut gout))
+        .unwrap();
     let what = format!("{dims:?} {phi:?}");
     let fused = down(dev, &gout);
     assert_close(&format!("fused forward {what}"), &fused, &out, 0.0, rel);
@@ -140,8 +141,14 @@ fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
     assert_close(&format!("fused forward zu {what}"), &gzu, &zu, 0.0, rel.max(BF16_ZU));
     // Without saving, the same output.
     let mut gout2 = dev.alloc(rows * d_out).unwrap();
-    cuda::fused_gate::fused_gate_forward(dev, &dims, &gx16, &packed, &gp, None, &mut gout2).unwrap();
+    cuda::fused_gate::fused_gate_forward(dev, &dims, &gx16, &packed, &gp, None, ValuesMut::F32(&mut gout2)).unwrap();
     assert_eq!(down(dev, &gout2), fused, "saving zu changed the output");
+    // In bf16: the f32 output rounded to nearest even, bit for bit.
+    let mut gout16 = dev.alloc::<bf16>(rows * d_out).unwrap();
+    cuda::fused_gate::fused_gate_forward(dev, &dims, &gx16, &packed, &gp, None, ValuesMut::Bf16(&mut gout16)).unwrap();
+    let rounded_fused: Vec<u16> = fused.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    let got16: Vec<u16> = dev.download(&gout16).unwrap().iter().map(|v| v.to_bits()).collect();
+    assert_eq!(got16, rounded_fused, "the bf16 output is not the f32 one rounded ({what})");
     for bf16_zu in [false, true] {
         check_group(dev, std::slice::from_ref(case), phi, rel, bf16_zu);
     }
@@ -234,7 +241,7 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
     let width: usize = cases.iter().map(|c| c.dims.width()).sum();
     let (mut gzu, mut gout) =
         (cuda::DeviceValues::alloc(dev, rows * width, bf16_zu).unwrap(), dev.alloc(rows * out_width).unwrap());
-    let out = cuda::ValuesMut::F32(&mut gout);
+    let out = ValuesMut::F32(&mut gout);
     cuda::fused_gate::fused_gate_forward_unfused(dev, &group, &gx16, &packed, &mut gzu, out).unwrap();
     assert_close(&format!("forward {what}"), &down(dev, &gout), &want_out, 0.0, rel);
 
@@ -261,7 +268,7 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
                 DeviceGateGrads { a_bias, b_bias, alpha }
             }
             let mut grads = DeviceFusedGateGrads {
-                x: if dx_bf16 { cuda::ValuesMut::Bf16(&mut gdx16) } else { cuda::ValuesMut::F32(&mut gdx) },
+                x: if dx_bf16 { ValuesMut::Bf16(&mut gdx16) } else { ValuesMut::F32(&mut gdx) },
                 x_store,
                 weights: &mut gdweights,
                 b_channel: &mut gdb_channel,

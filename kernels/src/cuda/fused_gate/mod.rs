@@ -42,14 +42,32 @@ use super::elementwise::{pack_bf16, unary_code};
 use super::error::{ensure, ensure_len, CudaError, Result};
 use super::launch::{address_list, int, length_list, ptr, size, LIST_LEN, THREADS};
 use super::module::{Arg, KernelFamily};
-use super::values::{DeviceValues, ValuesMut};
+use super::values::{DeviceValues, Values, ValuesMut};
 use crate::cpu::matmul::Store;
 
 /// Largest `r_c + r_s` the kernels take (the summary tile is padded to 16, 32 or 64).
 pub const MAX_RANK: usize = 64;
-/// Rows and Z columns of one block tile of the tensor-core kernel.
+/// Rows, Z columns and depth of one block tile of the tensor-core kernel (FG_BM, FG_BN and
+/// FG_BK in fused_gate.cu).
 const BLOCK_M: usize = 128;
 const BLOCK_N: usize = 128;
+const BLOCK_K: usize = 32;
+
+/// `fused_gate_mma`'s dynamic shared memory at padded rank `ru` (FgShared in fused_gate.cu):
+/// two stages of bf16 tiles, x and W `[128][32]` and A `[ru][32]`, which the epilogue reuses
+/// for `H` (`[128][ru + 1]` f32) and `γ_s`.
+const fn mma_shared_bytes(ru: usize) -> usize {
+    let stages = 2 * (BLOCK_M + BLOCK_N + ru) * BLOCK_K * 2;
+    let epilogue = (BLOCK_M * (ru + 1) + BLOCK_M) * 4;
+    if stages > epilogue {
+        stages
+    } else {
+        epilogue
+    }
+}
+
+// The most it takes (at rank MAX_RANK) within the 48 KiB a launch gets without opting in.
+const _: () = assert!(mma_shared_bytes(MAX_RANK) <= 48 * 1024);
 
 const FAMILY: KernelFamily = KernelFamily::FusedGate;
 /// Cap on `fused_gate_apply`'s row blocks (each block loops over the rows past it).
@@ -290,12 +308,12 @@ fn check_forward(
     packed: &DeviceBuffer<bf16>,
     p: &DeviceFusedGateParams,
     zu: Option<&DeviceBuffer<bf16>>,
-    out: &DeviceBuffer<f32>,
+    out: &Values,
 ) -> Result<()> {
     check_params(dev, op, dims, p)?;
     dev.check_owner(op, x)?;
     dev.check_owner(op, packed)?;
-    dev.check_owner(op, out)?;
+    out.check_owner(dev, op)?;
     ensure_len(op, "x", x.len(), dims.rows * dims.d_in)?;
     ensure_len(op, "packed weight", packed.len(), dims.width() * dims.d_in)?;
     ensure_len(op, "out", out.len(), dims.rows * dims.d_out)?;
@@ -306,9 +324,9 @@ fn check_forward(
     Ok(())
 }
 
-/// The fused forward: `out[N×d_out] = Ẑ` from one tensor-core GEMM whose epilogue computes
-/// the gate; `zu[N×K] = x·[W; A_c; A_s]ᵀ` (rounded to bf16) is written only when given (save
-/// it for backward).
+/// The fused forward: `out[N×d_out] = Ẑ` (f32, or bf16 for a consumer that reads bf16) from
+/// one tensor-core GEMM whose epilogue computes the gate; `zu[N×K] = x·[W; A_c; A_s]ᵀ`
+/// (rounded to bf16) is written only when given (save it for backward).
 /// `x` is bf16 `[N, d_in]`, `packed` is [`pack_weight`]'s output. Needs compute capability 8.0+.
 pub fn fused_gate_forward(
     dev: &CudaDevice,
@@ -317,10 +335,11 @@ pub fn fused_gate_forward(
     packed: &DeviceBuffer<bf16>,
     p: &DeviceFusedGateParams,
     zu: Option<&mut DeviceBuffer<bf16>>,
-    out: &mut DeviceBuffer<f32>,
+    out: ValuesMut,
 ) -> Result<()> {
     const OP: &str = "fused_gate_forward";
-    check_forward(dev, OP, dims, x, packed, p, zu.as_deref(), out)?;
+    let out = out.as_values();
+    check_forward(dev, OP, dims, x, packed, p, zu.as_deref(), &out)?;
     let (major, minor) = dev.compute_capability();
     if major < 8 {
         return Err(CudaError::Invalid {
@@ -334,19 +353,27 @@ pub fn fused_gate_forward(
     }
     let blocks_m = rows.div_ceil(BLOCK_M);
     ensure(blocks_m <= 65_535, OP, || format!("{rows} rows exceed the grid limit of {}", 65_535 * BLOCK_M))?;
-    let kernel = match rc + rs {
-        0..=16 => "fused_gate_mma_r16",
-        17..=32 => "fused_gate_mma_r32",
-        _ => "fused_gate_mma_r64",
+    let padded_rank = match rc + rs {
+        0..=16 => 16,
+        17..=32 => 32,
+        _ => 64,
+    };
+    let kernel = match (padded_rank, out.is_bf16()) {
+        (16, false) => "fused_gate_mma_r16",
+        (32, false) => "fused_gate_mma_r32",
+        (_, false) => "fused_gate_mma_r64",
+        (16, true) => "fused_gate_mma_bf16_out_r16",
+        (32, true) => "fused_gate_mma_bf16_out_r32",
+        (_, true) => "fused_gate_mma_bf16_out_r64",
     };
     let zu_arg = Arg::Ptr(zu.as_deref().map_or(0, DeviceBuffer::device_ptr));
     let mut args = vec![ptr(x), ptr(packed)];
     args.extend(gate_args(p));
-    args.extend([size(rows), size(d_in), size(d_out), int(rc as i32), int(rs as i32), zu_arg, ptr(out)]);
+    args.extend([size(rows), size(d_in), size(d_out), int(rc as i32), int(rs as i32), zu_arg, out.arg_at(0)]);
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (d_out.div_ceil(BLOCK_N) as u32, blocks_m as u32, 1),
         block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: mma_shared_bytes(padded_rank) as u32,
     };
     dev.launch(FAMILY, kernel, cfg, &args)
 }

@@ -8,24 +8,30 @@
 // The concatenated weight is stored row-major as [K, d_in] bf16 (W's rows, then A_c's, then
 // A_s's), which is exactly the "col" B operand of mma.sync.
 //
-// fused_gate_mma_r{16,32,64}: a bf16 tensor-core GEMM (mma.sync.m16n8k16, f32 accumulate)
-// over the concatenated weight. A block owns a BM × BN tile of Z and also computes the r
-// summary columns U for its BM rows (redundantly across column blocks: r/BN extra work), so
-// the epilogue has everything the gate needs: it computes H = φ(U + a), γ_s per row and
-// γ_c per element, and writes Ẑ. Z and U reach memory only when `zu` is given (training
-// saves them for backward; inference passes null), rounded to bf16 as a bf16 GEMM's output
-// (autocast's), the one copy of ZU the gate and its backward read.
+// fused_gate_mma_r{16,32,64} (Ẑ in f32) and fused_gate_mma_bf16_out_r{16,32,64} (Ẑ in bf16):
+// a bf16 tensor-core GEMM (mma.sync.m16n8k16, f32 accumulate) over the concatenated weight.
+// A block owns a BM × BN tile of Z and also computes the r summary columns U for its BM rows
+// (redundantly across column blocks: r/BN extra work), so the epilogue has everything the
+// gate needs: it computes H = φ(U + a), γ_s per row and γ_c per element, and writes Ẑ. Z and
+// U reach memory only when `zu` is given (training saves them for backward; inference passes
+// null), rounded to bf16 as a bf16 GEMM's output (autocast's), the one copy of ZU the gate and
+// its backward read. The main loop, as a tuned GEMM's: the x, W and A tiles of the next depth
+// are copied into shared memory by cp.async (no registers on the way) while the warps multiply
+// the current ones, two stages deep; the warps read their fragments from the tiles by ldmatrix
+// (four 8 × 8 blocks an instruction), and the tiles' rows are XOR-swizzled so that those reads
+// and the copies touch every bank once.
 //
 // fused_gate_apply: the same gate from a bf16 ZU computed by cuBLAS (the engine's path: measured
-// faster than fused_gate_mma on an H200, whose main loop runs at a third of cuBLAS's speed;
-// see cuda/fused_gate/mod.rs), for a group of projections of one input at once. The backward
+// faster than fused_gate_mma on an H200 on 2026-11-27, when the mma kernel's main loop staged
+// its tiles through registers and read fragments one 32-bit load at a time, at a third of
+// cuBLAS's speed; the pipelined main loop above is not yet timed), for a group of projections
+// of one input at once. The backward
 // kernel mirrors cpu/fused_gate.rs's row pass; its GEMMs and column sums run through cuBLAS
 // and reduce.cu.
 
 #define FG_BM 128        // rows of a block tile
 #define FG_BN 128        // Z columns of a block tile
 #define FG_BK 32         // depth of a shared-memory stage
-#define FG_SK 40         // shared row stride in bf16 (BK + 8): 80-byte rows, conflict-free fragments
 #define FG_THREADS 256   // 8 warps: 2 along M (64 rows each) × 4 along N (32 columns each)
 #define FG_MAX_RANK 64
 
@@ -40,29 +46,116 @@ __device__ __forceinline__ void mma_bf16(float* d, const unsigned int* a, const 
     MMA_M16N8K16_BF16(d, a, b);
 }
 
-// Two adjacent bf16 at an even index of shared memory, as one 32-bit register.
-__device__ __forceinline__ unsigned int ld_pair(const bf16_t* p) { return *reinterpret_cast<const unsigned int*>(p); }
-
 // 8 bf16 (16 bytes) of row `row`, columns col..col+7 of a row-major [rows, cols] matrix;
-// zeros outside it. `vec`: cols % 8 == 0, so in-bounds chunks are 16-byte aligned.
-__device__ __forceinline__ u32x4 load_chunk(const bf16_t* base, i64 rows, i64 cols, i64 row, i64 col, bool vec) {
-    u32x4 v;
-    v.x = v.y = v.z = v.w = 0u;
-    if (row < rows && col < cols) {
-        const bf16_t* p = base + row * cols + col;
-        if (vec) {
-            v = *reinterpret_cast<const u32x4*>(p);
-        } else {
-            unsigned int e[8];
+// zeros outside it, one by one (rows of any width).
+__device__ __forceinline__ u32x4 load_chunk(const bf16_t* base, i64 rows, i64 cols, i64 row, i64 col) {
+    unsigned int e[8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) e[i] = col + i < cols ? (unsigned int)p[i] : 0u;
-            v.x = e[0] | (e[1] << 16);
-            v.y = e[2] | (e[3] << 16);
-            v.z = e[4] | (e[5] << 16);
-            v.w = e[6] | (e[7] << 16);
+    for (int i = 0; i < 8; ++i) e[i] = row < rows && col + i < cols ? (unsigned int)base[row * cols + col + i] : 0u;
+    return u32x4{e[0] | (e[1] << 16), e[2] | (e[3] << 16), e[4] | (e[5] << 16), e[6] | (e[7] << 16)};
+}
+
+// A shared tile's row holds FG_BK = 32 bf16: 64 bytes, four 16-byte chunks. Chunk c of row r
+// sits at chunk c ^ ((r / 2) % 4) of its row, so the 8 rows an ldmatrix block reads (one
+// chunk each, 8 consecutive rows: two rows per 128 bytes of banks) land in 8 distinct
+// 16-byte bank groups, as do a warp's copies. The offset, in bf16, of (row, chunk):
+__device__ __forceinline__ int fg_swizzled(int row, int chunk) { return row * FG_BK + ((chunk ^ ((row >> 1) & 3)) << 3); }
+
+// 16 bytes of row `row`, columns col..col+7 of a row-major [rows, cols] bf16 matrix into the
+// shared chunk `dst`, zeros outside it. `vec` (cols % 8 == 0: in-bounds chunks are 16-byte
+// aligned and whole) by cp.async, in flight until waited for; otherwise loaded value by value
+// and stored at once (a width the engine's presets never have).
+__device__ __forceinline__ void fg_copy_chunk(bf16_t* dst, const bf16_t* src, i64 rows, i64 cols, i64 row, i64 col,
+                                              bool vec) {
+    if (vec) {
+        const bool in = row < rows && col < cols;
+        cp_async(dst, in ? src + row * cols + col : src, 16, in ? 16 : 0);
+    } else {
+        *reinterpret_cast<u32x4*>(dst) = load_chunk(src, rows, cols, row, col);
+    }
+}
+
+// One stage of shared tiles: x [BM][BK], W [BN][BK] and A [RU][BK] (the r rows of A_c and
+// A_s, zeros past r), each row swizzled. The block's shared memory is dynamic, BYTES of it
+// (mma_shared_bytes in cuda/fused_gate/mod.rs): one allocation for every instantiation.
+template <int RU>
+struct FgShared {
+    static const int STAGE = (FG_BM + FG_BN + RU) * FG_BK;                  // bf16 values
+    static const int MAIN_BYTES = 2 * STAGE * 2;                              // two stages
+    static const int HS = RU + 1;                                             // odd f32 row stride of H
+    static const int EPILOGUE_BYTES = (FG_BM * HS + FG_BM) * 4;               // H [BM][HS] and γ_s [BM]
+    static const int BYTES = MAIN_BYTES > EPILOGUE_BYTES ? MAIN_BYTES : EPILOGUE_BYTES;
+};
+
+// Issues the copies of the stage at depth k0 into `stage`: two chunks of the x tile and two
+// of the W tile per thread (128 rows × 4 chunks each), one chunk of the A tile for the first
+// RU·4 threads.
+template <int RU>
+__device__ __forceinline__ void fg_stage(bf16_t* stage, const bf16_t* x, const bf16_t* cat_w, const bf16_t* u_weight,
+                                         i64 rows, i64 d_in, i64 d_out, int r, i64 m0, i64 n0, i64 k0, bool vec) {
+    const int tid = threadIdx.x;
+    bf16_t* as = stage;
+    bf16_t* bs = as + FG_BM * FG_BK;
+    bf16_t* us = bs + FG_BN * FG_BK;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const int chunk = tid + c * FG_THREADS, row = chunk >> 2, kc = chunk & 3;
+        fg_copy_chunk(as + fg_swizzled(row, kc), x, rows, d_in, m0 + row, k0 + 8 * kc, vec);
+        fg_copy_chunk(bs + fg_swizzled(row, kc), cat_w, d_out, d_in, n0 + row, k0 + 8 * kc, vec);
+    }
+    if (tid < RU * 4) fg_copy_chunk(us + fg_swizzled(tid >> 2, tid & 3), u_weight, r, d_in, tid >> 2, k0 + 8 * (tid & 3), vec);
+}
+
+// The A fragment (rows row0..row0+15, depth chunks kc, kc + 1 of a stage tile) by one
+// ldmatrix_x4: lane l gives row row0 + l % 8 (+ 8 for blocks 1 and 3), chunk kc (+ 1 for
+// blocks 2 and 3).
+__device__ __forceinline__ void fg_a_fragment(unsigned int* frag, const bf16_t* tile, int row0, int kc) {
+    const int lane = threadIdx.x & 31;
+    ldmatrix_x4(frag, tile + fg_swizzled(row0 + (lane & 7) + 8 * ((lane >> 3) & 1), kc + (lane >> 4)));
+}
+
+// The B fragments of two 8-column tiles, rows n0..n0+7 and n0+8..n0+15 of a stage tile (B's
+// columns: B[k][n] = tile[n][k]), depth chunks kc, kc + 1: frag[0], frag[1] for the first,
+// frag[2], frag[3] for the second.
+__device__ __forceinline__ void fg_b_fragments(unsigned int* frag, const bf16_t* tile, int n0, int kc) {
+    const int lane = threadIdx.x & 31;
+    ldmatrix_x4(frag, tile + fg_swizzled(n0 + (lane & 7) + 8 * (lane >> 4), kc + ((lane >> 3) & 1)));
+}
+
+// The warps' products of one stage: acc (the warp's 64 × 32 tile of Z) and acc_u (its 16 rows
+// warp·16.. of the block × all RU summary columns), each summing its depth in order.
+template <int RU>
+__device__ __forceinline__ void fg_multiply(const bf16_t* stage, float (*acc)[4][4], float (*acc_u)[4]) {
+    const int warp = threadIdx.x >> 5, warp_m = warp >> 2, warp_n = warp & 3;
+    const bf16_t* as = stage;
+    const bf16_t* bs = as + FG_BM * FG_BK;
+    const bf16_t* us = bs + FG_BN * FG_BK;
+#pragma unroll
+    for (int kc = 0; kc < FG_BK / 8; kc += 2) {
+        unsigned int af[4][4], bf[4][2];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) fg_a_fragment(af[mt], as, warp_m * 64 + mt * 16, kc);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+            unsigned int b[4];
+            fg_b_fragments(b, bs, warp_n * 32 + np * 16, kc);
+            bf[2 * np][0] = b[0], bf[2 * np][1] = b[1], bf[2 * np + 1][0] = b[2], bf[2 * np + 1][1] = b[3];
+        }
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) mma_bf16(acc[mt][nt], af[mt], bf[nt]);
+        // The summary columns: warp w owns rows 16w..16w+15 of the block, all RU columns.
+        unsigned int au[4];
+        fg_a_fragment(au, as, warp * 16, kc);
+#pragma unroll
+        for (int up = 0; up < RU / 16; ++up) {
+            unsigned int bu[4];
+            fg_b_fragments(bu, us, up * 16, kc);
+            mma_bf16(acc_u[2 * up], au, bu);
+            mma_bf16(acc_u[2 * up + 1], au, bu + 2);
         }
     }
-    return v;
 }
 
 // Channel ranks up to FG_REG_RANK (every preset's is 8) with rc % 4 == 0 take the gate
@@ -105,54 +198,15 @@ __device__ __forceinline__ void store_pair(bf16_t* p, float v0, float v1, bool s
     }
 }
 
-template <int RU>
-struct FgShared {
-    static const int MAIN_BYTES = (FG_BM + FG_BN + RU) * FG_SK * 2;  // x, W and A tiles (bf16)
-    static const int HS = RU + 1;                                    // odd f32 row stride of H
-    static const int EPILOGUE_BYTES = (FG_BM * HS + FG_BM) * 4;      // H [BM][HS] and γ_s [BM]
-    static const int BYTES = MAIN_BYTES > EPILOGUE_BYTES ? MAIN_BYTES : EPILOGUE_BYTES;
-};
-
-// Global → registers for the stage at depth k0: two 16-byte chunks of the x tile and of
-// the W tile per thread (128 rows × 4 chunks each), one chunk of the A tile for the first
-// RU·4 threads.
-template <int RU>
-__device__ __forceinline__ void fg_load(u32x4* ra, u32x4* rb, u32x4* ru, const bf16_t* x, const bf16_t* cat_w,
-                                        const bf16_t* u_weight, i64 rows, i64 d_in, i64 d_out, int r, i64 m0, i64 n0,
-                                        i64 k0, bool vec) {
-    const int tid = threadIdx.x;
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-        int chunk = tid + c * FG_THREADS;
-        int row = chunk >> 2, kc = (chunk & 3) * 8;
-        ra[c] = load_chunk(x, rows, d_in, m0 + row, k0 + kc, vec);
-        rb[c] = load_chunk(cat_w, d_out, d_in, n0 + row, k0 + kc, vec);
-    }
-    if (tid < RU * 4) *ru = load_chunk(u_weight, r, d_in, tid >> 2, k0 + (tid & 3) * 8, vec);
-}
-
-// Registers → shared memory (the same chunk mapping as fg_load).
-template <int RU>
-__device__ __forceinline__ void fg_store(const u32x4* ra, const u32x4* rb, const u32x4* ru, bf16_t* as, bf16_t* bs,
-                                         bf16_t* us) {
-    const int tid = threadIdx.x;
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-        int chunk = tid + c * FG_THREADS;
-        int row = chunk >> 2, kc = (chunk & 3) * 8;
-        *reinterpret_cast<u32x4*>(as + row * FG_SK + kc) = ra[c];
-        *reinterpret_cast<u32x4*>(bs + row * FG_SK + kc) = rb[c];
-    }
-    if (tid < RU * 4) *reinterpret_cast<u32x4*>(us + (tid >> 2) * FG_SK + (tid & 3) * 8) = *ru;
-}
-
-// One block: rows m0..m0+BM, Z columns n0..n0+BN, plus all r summary columns.
-template <int RU>
+// One block: rows m0..m0+BM, Z columns n0..n0+BN, plus all r summary columns; Ẑ in `Out`
+// (float or bf16_t).
+template <int RU, typename Out>
 __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* cat_w, const float* a_c, const float* b_cw,
                                                const float* b_cb, float alpha_c, const float* a_s, const float* b_sw,
                                                const float* b_sb, float alpha_s, int phi, float phi_p, i64 rows,
-                                               i64 d_in, i64 d_out, int rc, int rs, bf16_t* zu, float* out) {
-    __shared__ __align__(16) unsigned char smem[FgShared<RU>::BYTES];
+                                               i64 d_in, i64 d_out, int rc, int rs, bf16_t* zu, Out* out) {
+    DYNAMIC_SHARED(u32x4, mma_shared);
+    unsigned char* smem = reinterpret_cast<unsigned char*>(mma_shared);
     const int r = rc + rs;
     const i64 width = d_out + r;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -161,9 +215,7 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
     const i64 m0 = (i64)blockIdx.y * FG_BM, n0 = (i64)blockIdx.x * FG_BN;
     const bool vec = (d_in & 7) == 0;
     const bf16_t* u_weight = cat_w + d_out * d_in;
-    bf16_t* as = reinterpret_cast<bf16_t*>(smem);
-    bf16_t* bs = as + FG_BM * FG_SK;
-    bf16_t* us = bs + FG_BN * FG_SK;
+    bf16_t* stages = reinterpret_cast<bf16_t*>(smem);
 
     float acc[4][4][4];
     float acc_u[RU / 8][4];
@@ -178,58 +230,26 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_u[i][e] = 0.0f;
 
-    u32x4 ra[2], rb[2], ru;
-    fg_load<RU>(ra, rb, &ru, x, cat_w, u_weight, rows, d_in, d_out, r, m0, n0, 0, vec);
-    fg_store<RU>(ra, rb, &ru, as, bs, us);
-    __syncthreads();
-    for (i64 k0 = 0; k0 < d_in; k0 += FG_BK) {
-        const bool more = k0 + FG_BK < d_in;
-        // Prefetch the next stage into registers while this one is multiplied.
-        if (more) fg_load<RU>(ra, rb, &ru, x, cat_w, u_weight, rows, d_in, d_out, r, m0, n0, k0 + FG_BK, vec);
-#pragma unroll
-        for (int kk = 0; kk < FG_BK; kk += 16) {
-            unsigned int af[4][4], bf[4][2];
-#pragma unroll
-            for (int mt = 0; mt < 4; ++mt) {
-                const bf16_t* p = as + (warp_m * 64 + mt * 16 + g) * FG_SK + kk + 2 * t4;
-                af[mt][0] = ld_pair(p);
-                af[mt][1] = ld_pair(p + 8 * FG_SK);
-                af[mt][2] = ld_pair(p + 8);
-                af[mt][3] = ld_pair(p + 8 * FG_SK + 8);
-            }
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                const bf16_t* p = bs + (warp_n * 32 + nt * 8 + g) * FG_SK + kk + 2 * t4;
-                bf[nt][0] = ld_pair(p);
-                bf[nt][1] = ld_pair(p + 8);
-            }
-#pragma unroll
-            for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt) mma_bf16(acc[mt][nt], af[mt], bf[nt]);
-            // The summary columns: warp w owns rows 16w..16w+15 of the block, all RU columns.
-            unsigned int au[4];
-            const bf16_t* p = as + (warp * 16 + g) * FG_SK + kk + 2 * t4;
-            au[0] = ld_pair(p);
-            au[1] = ld_pair(p + 8 * FG_SK);
-            au[2] = ld_pair(p + 8);
-            au[3] = ld_pair(p + 8 * FG_SK + 8);
-#pragma unroll
-            for (int ut = 0; ut < RU / 8; ++ut) {
-                const bf16_t* q = us + (ut * 8 + g) * FG_SK + kk + 2 * t4;
-                unsigned int bu[2] = {ld_pair(q), ld_pair(q + 8)};
-                mma_bf16(acc_u[ut], au, bu);
-            }
+    // Depth step i goes into stage i & 1: step i + 1 is in flight while step i is multiplied.
+    fg_stage<RU>(stages, x, cat_w, u_weight, rows, d_in, d_out, r, m0, n0, 0, vec);
+    cp_async_commit();
+    int s = 0;
+    for (i64 k0 = 0; k0 < d_in; k0 += FG_BK, s ^= 1) {
+        if (k0 + FG_BK < d_in) {
+            fg_stage<RU>(stages + (s ^ 1) * FgShared<RU>::STAGE, x, cat_w, u_weight, rows, d_in, d_out, r, m0, n0,
+                         k0 + FG_BK, vec);
         }
-        __syncthreads();  // every warp is done reading this stage
-        if (more) {
-            fg_store<RU>(ra, rb, &ru, as, bs, us);
-            __syncthreads();
-        }
+        // The next step's copies (or none) form one group; every earlier group, this step's, is
+        // waited for; the barrier makes every thread's copies visible to the block.
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        fg_multiply<RU>(stages + s * FgShared<RU>::STAGE, acc, acc_u);
+        __syncthreads();  // every warp is done with stage s before the step after next goes into it
     }
 
-    // Epilogue. The shared tiles are free (the loop ended on a barrier); reuse them for
-    // H [BM][HS] (f32) and the per-row scalar gate.
+    // Epilogue. The shared tiles are free (the loop ended on a barrier, no copy is in flight);
+    // reuse them for H [BM][HS] (f32) and the per-row scalar gate.
     const int hs = FgShared<RU>::HS;
     float* h = reinterpret_cast<float*>(smem);
     float* gate_s = h + FG_BM * hs;
@@ -300,8 +320,11 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
 #define FG_PARAMS                                                                                                   \
     const bf16_t *x, const bf16_t *cat_w, const float *a_c, const float *b_cw, const float *b_cb,                   \
         const float *alpha_c, const float *a_s, const float *b_sw, const float *b_sb, const float *alpha_s, int phi, \
-        float phi_p, i64 rows,                                                                                       \
-        i64 d_in, i64 d_out, int rc, int rs, bf16_t *zu, float *out
+        float phi_p, i64 rows, i64 d_in, i64 d_out, int rc, int rs, bf16_t *zu, float *out
+#define FG_BF16_OUT_PARAMS                                                                                          \
+    const bf16_t *x, const bf16_t *cat_w, const float *a_c, const float *b_cw, const float *b_cb,                   \
+        const float *alpha_c, const float *a_s, const float *b_sw, const float *b_sb, const float *alpha_s, int phi, \
+        float phi_p, i64 rows, i64 d_in, i64 d_out, int rc, int rs, bf16_t *zu, bf16_t *out
 // α_c and α_s are one-element device buffers (no host read-back of a learnable α).
 #define FG_ARGS \
     x, cat_w, a_c, b_cw, b_cb, *alpha_c, a_s, b_sw, b_sb, *alpha_s, phi, phi_p, rows, d_in, d_out, rc, rs, zu, out
@@ -310,6 +333,9 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
 extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r16(FG_PARAMS) { fused_gate_mma<16>(FG_ARGS); }
 extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r32(FG_PARAMS) { fused_gate_mma<32>(FG_ARGS); }
 extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_r64(FG_PARAMS) { fused_gate_mma<64>(FG_ARGS); }
+extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_bf16_out_r16(FG_BF16_OUT_PARAMS) { fused_gate_mma<16>(FG_ARGS); }
+extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_bf16_out_r32(FG_BF16_OUT_PARAMS) { fused_gate_mma<32>(FG_ARGS); }
+extern "C" __global__ void __launch_bounds__(FG_THREADS) fused_gate_mma_bf16_out_r64(FG_BF16_OUT_PARAMS) { fused_gate_mma<64>(FG_ARGS); }
 
 // The grouped kernels below (fused_gate_apply and fused_gate_backward_rows) serve a group of
 // projections of one input at once (q, k and v; gate and up), each with its own weights and
