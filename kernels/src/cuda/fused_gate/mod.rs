@@ -55,10 +55,10 @@ const BLOCK_K: usize = 32;
 
 /// `fused_gate_mma`'s dynamic shared memory at padded rank `ru` (FgShared in fused_gate.cu):
 /// two stages of bf16 tiles, x and W `[128][32]` and A `[ru][32]`, which the epilogue reuses
-/// for `H` (`[128][ru + 1]` f32) and `γ_s`.
+/// for `H` (`[128][ru + 4]` f32) and `γ_s`.
 const fn mma_shared_bytes(ru: usize) -> usize {
     let stages = 2 * (BLOCK_M + BLOCK_N + ru) * BLOCK_K * 2;
-    let epilogue = (BLOCK_M * (ru + 1) + BLOCK_M) * 4;
+    let epilogue = (BLOCK_M * (ru + 4) + BLOCK_M) * 4;
     if stages > epilogue {
         stages
     } else {

@@ -82,7 +82,7 @@ template <int RU>
 struct FgShared {
     static const int STAGE = (FG_BM + FG_BN + RU) * FG_BK;                  // bf16 values
     static const int MAIN_BYTES = 2 * STAGE * 2;                              // two stages
-    static const int HS = RU + 1;                                             // odd f32 row stride of H
+    static const int HS = RU + 4;  // f32 row stride of H: 16-byte rows, 8 rows in distinct bank groups
     static const int EPILOGUE_BYTES = (FG_BM * HS + FG_BM) * 4;               // H [BM][HS] and γ_s [BM]
     static const int BYTES = MAIN_BYTES > EPILOGUE_BYTES ? MAIN_BYTES : EPILOGUE_BYTES;
 };
@@ -292,13 +292,40 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
         float logit[2][8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) logit[0][i] = logit[1][i] = 0.0f;
-        for (int t = 0; t < rc; ++t) {
-            const float w0 = b_cw[col * rc + t], w1 = b_cw[col1 * rc + t];
+        if (register_rank(rc)) {
+            // The pair's B_c weights in registers (16-byte loads), each row's h_c 16 bytes at a
+            // time: the 8 rows a warp reads at once sit in distinct bank groups (hs·4 bytes ≡
+            // 16 mod 128), and the 4 lanes of a row read the same address.
+            f32x4 w0[FG_REG_RANK / 4], w1[FG_REG_RANK / 4];
+#pragma unroll
+            for (int q = 0; q < FG_REG_RANK / 4; ++q) {
+                if (4 * q >= rc) break;
+                w0[q] = *reinterpret_cast<const f32x4*>(b_cw + col * rc + 4 * q);
+                w1[q] = *reinterpret_cast<const f32x4*>(b_cw + col1 * rc + 4 * q);
+            }
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                const float hv = h[(warp_m * 64 + (i >> 1) * 16 + g + (i & 1) * 8) * hs + t];
-                logit[0][i] += hv * w0;
-                logit[1][i] += hv * w1;
+                const f32x4* hq = reinterpret_cast<const f32x4*>(h + (warp_m * 64 + (i >> 1) * 16 + g + (i & 1) * 8) * hs);
+#pragma unroll
+                for (int q = 0; q < FG_REG_RANK / 4; ++q) {
+                    if (4 * q >= rc) break;
+                    const f32x4 hv = hq[q];
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        logit[0][i] += hv.v[k] * w0[q].v[k];
+                        logit[1][i] += hv.v[k] * w1[q].v[k];
+                    }
+                }
+            }
+        } else {
+            for (int t = 0; t < rc; ++t) {
+                const float w0 = b_cw[col * rc + t], w1 = b_cw[col1 * rc + t];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const float hv = h[(warp_m * 64 + (i >> 1) * 16 + g + (i & 1) * 8) * hs + t];
+                    logit[0][i] += hv * w0;
+                    logit[1][i] += hv * w1;
+                }
             }
         }
         const float bias0 = b_cb[col], bias1 = b_cb[col1];
