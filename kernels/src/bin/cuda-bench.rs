@@ -36,6 +36,11 @@ const REPEATS: usize = 5;
 /// Calls per timed repetition.
 const CALLS: usize = 10;
 
+/// A bf16 buffer's values, widened to f32 on the host.
+fn download_widened(dev: &CudaDevice, buffer: &DeviceBuffer<bf16>) -> Result<Vec<f32>> {
+    Ok(dev.download(buffer)?.iter().map(|v| v.to_f32()).collect())
+}
+
 /// Ends the run (status 1) unless `got` is within `tolerance` of `want` relative to the
 /// largest `|want|`; returns that worst relative difference.
 fn check(what: &str, got: &[f32], want: &[f32], tolerance: f32) -> f32 {
@@ -158,9 +163,7 @@ fn bench_projection(dev: &CudaDevice, tokens: usize, d_in: usize, d_out: usize) 
     fused_gate_forward(dev, &dims, &x, &packed, &p, None, ValuesMut::Bf16(&mut out))?;
     let what = format!("fused projection {d_in}→{d_out}");
     // The unfused path gates ZU rounded to bf16 (the copy it saves), the mma kernel the f32 sums.
-    let widen =
-        |b: &DeviceBuffer<bf16>| -> Result<Vec<f32>> { Ok(dev.download(b)?.iter().map(|v| v.to_f32()).collect()) };
-    let worst = check(&what, &widen(&out)?, &widen(&out_ref)?, 1e-2);
+    let worst = check(&what, &download_widened(dev, &out)?, &download_widened(dev, &out_ref)?, 1e-2);
 
     // The floor: the bare product ZU = x·[W; A_c; A_s]ᵀ, bf16 in, bf16 out (a plain projection
     // under bf16 products).
@@ -439,7 +442,7 @@ fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, hea
         forward(&mut out, &mut lse)?;
         let flash: Vec<f32> = match out.values() {
             Values::F32(out) => dev.download(out)?,
-            Values::Bf16(out) => dev.download(out)?.iter().map(|v| v.to_f32()).collect(),
+            Values::Bf16(out) => download_widened(dev, out)?,
         };
         let what = format!("flash attention ({precision:?}) B={batch} T={seq} H={heads} D={head_dim}");
         let worst = check(&what, &flash, &naive, tolerance);

@@ -353,19 +353,12 @@ pub fn fused_gate_forward(
     }
     let blocks_m = rows.div_ceil(BLOCK_M);
     ensure(blocks_m <= 65_535, OP, || format!("{rows} rows exceed the grid limit of {}", 65_535 * BLOCK_M))?;
-    let padded_rank = match rc + rs {
-        0..=16 => 16,
-        17..=32 => 32,
-        _ => 64,
+    let (padded_rank, f32_out, bf16_out) = match rc + rs {
+        0..=16 => (16, "fused_gate_mma_r16", "fused_gate_mma_bf16_out_r16"),
+        17..=32 => (32, "fused_gate_mma_r32", "fused_gate_mma_bf16_out_r32"),
+        _ => (64, "fused_gate_mma_r64", "fused_gate_mma_bf16_out_r64"),
     };
-    let kernel = match (padded_rank, out.is_bf16()) {
-        (16, false) => "fused_gate_mma_r16",
-        (32, false) => "fused_gate_mma_r32",
-        (_, false) => "fused_gate_mma_r64",
-        (16, true) => "fused_gate_mma_bf16_out_r16",
-        (32, true) => "fused_gate_mma_bf16_out_r32",
-        (_, true) => "fused_gate_mma_bf16_out_r64",
-    };
+    let kernel = out.kernel(f32_out, bf16_out);
     let zu_arg = Arg::Ptr(zu.as_deref().map_or(0, DeviceBuffer::device_ptr));
     let mut args = vec![ptr(x), ptr(packed)];
     args.extend(gate_args(p));

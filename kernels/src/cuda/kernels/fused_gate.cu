@@ -167,6 +167,60 @@ __device__ __forceinline__ void fg_multiply(const bf16_t* stage, float (*acc)[4]
 // Whether a channel rank takes the register path.
 __device__ __forceinline__ bool register_rank(int rc) { return rc <= FG_REG_RANK && (rc & 3) == 0; }
 
+// Column j's channel-gate bias b_c[j] and, on the register path, its B_c weights (zeros past
+// rc, and everything zero when `column` is false: j is past the last column).
+__device__ __forceinline__ void column_weight(const float* b_cw, const float* b_cb, i64 j, bool column, int rc,
+                                              bool regs, float (&w)[FG_REG_RANK], float& bias) {
+#pragma unroll
+    for (int t = 0; t < FG_REG_RANK; ++t) w[t] = 0.0f;
+    bias = column ? b_cb[j] : 0.0f;
+    if (!regs || !column) return;
+#pragma unroll
+    for (int t = 0; t < FG_REG_RANK; t += 4) {
+        if (t >= rc) break;
+        const f32x4 w4 = *reinterpret_cast<const f32x4*>(b_cw + j * rc + t);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[t + k] = w4.v[k];
+    }
+}
+
+// Column j's channel-gate logit before its bias, Σ_t h_c[t]·B_c[j, t] added in order (as
+// channel_logit), from the row's h_c in shared memory (h, 16-byte aligned) and, on the register
+// path, the column's weights w kept in registers.
+__device__ __forceinline__ float stationary_logit(const float* h, const float (&w)[FG_REG_RANK], const float* b_cw,
+                                                  i64 j, int rc, bool regs) {
+    float logit = 0.0f;
+    if (regs) {
+#pragma unroll
+        for (int t = 0; t < FG_REG_RANK; t += 4) {
+            if (t >= rc) break;
+            const f32x4 h4 = *reinterpret_cast<const f32x4*>(h + t);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) logit += h4.v[k] * w[t + k];
+        }
+    } else {
+        const float* column = b_cw + j * rc;
+        for (int t = 0; t < rc; ++t) logit += h[t] * column[t];
+    }
+    return logit;
+}
+
+// stationary_logit's register path for two columns (weights w[0], w[1]), the same sums,
+// each 16 bytes of the row's h_c (16-byte aligned) read once for both.
+__device__ __forceinline__ void register_logit_pair(const float* h, const float (&w)[2][FG_REG_RANK], int rc,
+                                                    float& logit0, float& logit1) {
+#pragma unroll
+    for (int t = 0; t < FG_REG_RANK; t += 4) {
+        if (t >= rc) break;
+        const f32x4 h4 = *reinterpret_cast<const f32x4*>(h + t);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            logit0 += h4.v[k] * w[0][t + k];
+            logit1 += h4.v[k] * w[1][t + k];
+        }
+    }
+}
+
 // One row's scalar gate γ_s = 2σ(α_s·(B_s·H_s + b_s)) from its H (h[rc..rc + rs)).
 __device__ __forceinline__ float scalar_gate(const float* h, const float* b_sw, const float* b_sb, float alpha_s,
                                              int rc, int rs) {
@@ -278,9 +332,9 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
     if (tid < FG_BM) gate_s[tid] = scalar_gate(h + tid * hs, b_sw, b_sb, alpha_s, rc, rs);
     __syncthreads();
     // Ẑ = σ(α_c·(H_c·B_cᵀ + b_c))·2·γ_s·Z. Per row of its fragment a thread holds two adjacent
-    // columns (2·t4, 2·t4 + 1): it computes both columns' logits in one pass over H (each h read
-    // once for two columns) and writes the pair as one 8-byte store, so each store of a warp
-    // fills whole 32-byte sectors (8 rows × 4 threads × 8 bytes) instead of half of each.
+    // columns (2·t4, 2·t4 + 1): it computes both columns' logits from the row's H and writes
+    // the pair as one 8-byte store, so each store of a warp fills whole 32-byte sectors (8 rows
+    // × 4 threads × 8 bytes) instead of half of each.
     const bool pairs_out = (d_out & 1) == 0;
     const bool pairs_zu = zu && (width & 1) == 0;
 #pragma unroll
@@ -289,33 +343,22 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
         if (col >= d_out) continue;
         const bool second = col + 1 < d_out;
         const i64 col1 = second ? col + 1 : col;  // a real column to read when the pair is cut
+        // The pair's weights (in registers on the register path) and biases, then its logits
+        // for the thread's 8 rows, in the apply kernel's order. The register path reads each
+        // row's h_c 16 bytes at a time: the 8 rows a warp reads at once sit in distinct bank
+        // groups (hs·4 bytes ≡ 16 mod 128), and the 4 lanes of a row read one address.
+        const bool regs = register_rank(rc);
+        float w[2][FG_REG_RANK], bias[2];
+        column_weight(b_cw, b_cb, col, true, rc, regs, w[0], bias[0]);
+        column_weight(b_cw, b_cb, col1, true, rc, regs, w[1], bias[1]);
         float logit[2][8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) logit[0][i] = logit[1][i] = 0.0f;
-        if (register_rank(rc)) {
-            // The pair's B_c weights in registers (16-byte loads), each row's h_c 16 bytes at a
-            // time: the 8 rows a warp reads at once sit in distinct bank groups (hs·4 bytes ≡
-            // 16 mod 128), and the 4 lanes of a row read the same address.
-            f32x4 w0[FG_REG_RANK / 4], w1[FG_REG_RANK / 4];
-#pragma unroll
-            for (int q = 0; q < FG_REG_RANK / 4; ++q) {
-                if (4 * q >= rc) break;
-                w0[q] = *reinterpret_cast<const f32x4*>(b_cw + col * rc + 4 * q);
-                w1[q] = *reinterpret_cast<const f32x4*>(b_cw + col1 * rc + 4 * q);
-            }
+        if (regs) {
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                const f32x4* hq = reinterpret_cast<const f32x4*>(h + (warp_m * 64 + (i >> 1) * 16 + g + (i & 1) * 8) * hs);
-#pragma unroll
-                for (int q = 0; q < FG_REG_RANK / 4; ++q) {
-                    if (4 * q >= rc) break;
-                    const f32x4 hv = hq[q];
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        logit[0][i] += hv.v[k] * w0[q].v[k];
-                        logit[1][i] += hv.v[k] * w1[q].v[k];
-                    }
-                }
+                const float* h_row = h + (warp_m * 64 + (i >> 1) * 16 + g + (i & 1) * 8) * hs;
+                register_logit_pair(h_row, w, rc, logit[0][i], logit[1][i]);
             }
         } else {
             for (int t = 0; t < rc; ++t) {
@@ -328,7 +371,6 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
                 }
             }
         }
-        const float bias0 = b_cb[col], bias1 = b_cb[col1];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const int row_local = warp_m * 64 + (i >> 1) * 16 + g + (i & 1) * 8;
@@ -336,8 +378,8 @@ __device__ __forceinline__ void fused_gate_mma(const bf16_t* x, const bf16_t* ca
             if (row >= rows) continue;
             const float scale = 2.0f * gate_s[row_local];
             const float z0 = acc[i >> 1][nt][(i & 1) * 2], z1 = acc[i >> 1][nt][(i & 1) * 2 + 1];
-            const float y0 = sigmoid_f(alpha_c * (logit[0][i] + bias0)) * scale * z0;
-            const float y1 = sigmoid_f(alpha_c * (logit[1][i] + bias1)) * scale * z1;
+            const float y0 = sigmoid_f(alpha_c * (logit[0][i] + bias[0])) * scale * z0;
+            const float y1 = sigmoid_f(alpha_c * (logit[1][i] + bias[1])) * scale * z1;
             store_pair(out + row * d_out + col, y0, y1, second, pairs_out);
             if (zu) store_pair(zu + row * width + col, z0, z1, second, pairs_zu);
         }
@@ -404,23 +446,6 @@ __device__ __forceinline__ void block_hidden(f32x4 (*h)[FG_MAX_RANK / 4], const 
     }
 }
 
-// Column j's channel-gate bias and, on the register path, its B_c weights (zeros past rc,
-// and everything zero when `column` is false: j is past the last column).
-__device__ __forceinline__ void column_weight(const GateGroup& g, i64 j, bool column, int rc, bool regs,
-                                              float (&w)[FG_REG_RANK], float& bias) {
-#pragma unroll
-    for (int t = 0; t < FG_REG_RANK; ++t) w[t] = 0.0f;
-    bias = column ? g.b_cb[j] : 0.0f;
-    if (!regs || !column) return;
-#pragma unroll
-    for (int t = 0; t < FG_REG_RANK; t += 4) {
-        if (t >= rc) break;
-        const f32x4 w4 = *reinterpret_cast<const f32x4*>(g.b_cw + j * rc + t);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) w[t + k] = w4.v[k];
-    }
-}
-
 // fused_gate_apply's blocks (apply_blocks in cuda/fused_gate/mod.rs): block (x, y, g) serves
 // column tile y of group g (FG_APPLY_TILE output columns, a pair of adjacent ones per
 // thread) for row blocks x, x + gridDim.x, ... of FG_APPLY_ROWS rows each. It is column-
@@ -463,27 +488,6 @@ __device__ __forceinline__ void load_pair(const bf16_t* p, bool second, bool pai
     }
 }
 
-// Column j's channel-gate logit before its bias, Σ_t h_c[t]·B_c[j, t] added in order (as
-// channel_logit), from the row's h_c in shared memory (h, 16-byte aligned) and, on the register
-// path, the column's weights w kept in registers.
-__device__ __forceinline__ float stationary_logit(const float* h, const float (&w)[FG_REG_RANK], const float* b_cw,
-                                                  i64 j, int rc, bool regs) {
-    float logit = 0.0f;
-    if (regs) {
-#pragma unroll
-        for (int t = 0; t < FG_REG_RANK; t += 4) {
-            if (t >= rc) break;
-            const f32x4 h4 = *reinterpret_cast<const f32x4*>(h + t);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) logit += h4.v[k] * w[t + k];
-        }
-    } else {
-        const float* column = b_cw + j * rc;
-        for (int t = 0; t < rc; ++t) logit += h[t] * column[t];
-    }
-    return logit;
-}
-
 // The gate alone, from a saved ZU: out = σ̃_αc(H_c·B_cᵀ + b_c) ⊙ γ_s ⊙ Z for every group
 // (the second half of the cuBLAS path; the same arithmetic as fused_gate_mma's epilogue and in
 // the same order, so the same bits as a row at a time), written as f32 or rounded to bf16 (O).
@@ -505,8 +509,8 @@ __device__ __forceinline__ void gate_apply(const Z* __restrict__ zu, const Tenso
     const i64 j = tile + 2 * threadIdx.x;
     const bool live = j < d_out, second = j + 1 < d_out;
     float w[2][FG_REG_RANK], bias[2];
-    column_weight(g, j, live, rc, regs, w[0], bias[0]);
-    column_weight(g, j + 1, second, rc, regs, w[1], bias[1]);
+    column_weight(g.b_cw, g.b_cb, j, live, rc, regs, w[0], bias[0]);
+    column_weight(g.b_cw, g.b_cb, j + 1, second, rc, regs, w[1], bias[1]);
 
     for (i64 row0 = (i64)blockIdx.x * FG_APPLY_ROWS; row0 < rows; row0 += (i64)gridDim.x * FG_APPLY_ROWS) {
         const int count = (int)(rows - row0 < FG_APPLY_ROWS ? rows - row0 : FG_APPLY_ROWS);
@@ -672,7 +676,7 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const D* dout, c
         const i64 j = tile + threadIdx.x;
         const bool live = j < d_out, warp_live = tile + 32 * warp < d_out;
         float w[FG_REG_RANK], bias, dw[FG_REG_RANK], db = 0.0f;
-        column_weight(g, j, live, rc, REGS, w, bias);
+        column_weight(g.b_cw, g.b_cb, j, live, rc, REGS, w, bias);
 #pragma unroll
         for (int t = 0; t < FG_REG_RANK; ++t) dw[t] = 0.0f;
         if (!REGS && live) {
