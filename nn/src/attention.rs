@@ -95,15 +95,24 @@ impl Attention {
     /// `x: [B, T, C] → [B, T, C]`; token t attends to tokens ≤ t, at RoPE position t.
     /// The q, k and v projections run as one op where that is one product (a GPU under bf16
     /// products, plain or fused-gated projections alike: [`ModulatedProjection::forward_packed`]),
-    /// read by attention straight from the packed rows ([`Var::rotary_causal_attention_packed`]).
+    /// read by attention straight from the packed rows ([`Var::rotary_causal_attention_packed`]);
+    /// fused-gated ones and attention are one op there ([`Var::fused_gated_rotary_attention`]:
+    /// the gate kernel writes q, k and v rotated).
     pub fn forward(&self, x: &Var) -> Result<Var> {
         let theta = self.config.rope_theta;
         let heads = self.config.n_heads;
         self.forward_with(x, |rows, shape, scale| {
             let qkv_projections = [&self.q_proj, &self.k_proj, &self.v_proj];
+            let [b, t, h, head_dim] = shape;
+            if rows.value_ref().packed_linear_is_one_product() {
+                if let Some((parts, phi)) = ModulatedProjection::fused_group(&qkv_projections, rows)? {
+                    let parts = [parts[0], parts[1], parts[2]];
+                    let tokens = rows.reshape(&[b, t, rows.shape()[1]])?;
+                    return tokens.fused_gated_rotary_attention(&parts, phi, heads, scale, theta);
+                }
+            }
             // Stored in bf16, as autocast stores a product: RoPE reads either.
             if let Some(qkv) = ModulatedProjection::forward_packed(&qkv_projections, rows, ProductOutput::Bf16)? {
-                let [b, t, h, head_dim] = shape;
                 let qkv = qkv.reshape(&[b, t, 3 * h * head_dim])?;
                 return Var::rotary_causal_attention_packed(&qkv, heads, scale, theta);
             }

@@ -410,6 +410,36 @@ fn packed_gate_up_and_swiglu_halves_agree() {
     assert_eq!(count(&backward, "f32_to_bf16_kernel"), None, "no conversion backward: {backward:?}");
 }
 
+/// `[x, then each projection's W, A_c, a_c, B_c, b_c, α_c, A_s, a_s, B_s, b_s, α_s]` of a fused
+/// gated group of `d_outs` outputs reading `x: x_shape` (its last dim the input width), ranks
+/// `(r_c, r_s)`, drawn from seeds after `seed`.
+fn gated_group_values(seed: u64, x_shape: &[usize], d_outs: &[usize], (rc, rs): (usize, usize)) -> Vec<Tensor> {
+    let d_in = x_shape[x_shape.len() - 1];
+    let mut seed = seed;
+    let mut t = |shape: &[usize], scale: f32| {
+        seed += 1;
+        rand(shape, -scale, scale, seed)
+    };
+    let mut values = vec![t(x_shape, 1.0)];
+    for &d_out in d_outs {
+        values.extend([t(&[d_out, d_in], 0.3), t(&[rc, d_in], 0.3), t(&[rc], 0.3), t(&[d_out, rc], 0.5)]);
+        values.extend([t(&[d_out], 0.3), Tensor::full(&[1], 1.25), t(&[rs, d_in], 0.3), t(&[rs], 0.3)]);
+        values.extend([t(&[1, rs], 0.5), t(&[1], 0.3), Tensor::full(&[1], 0.75)]);
+    }
+    values
+}
+
+/// The projections of [`gated_group_values`]' vars after `x`, eleven each.
+fn gated_group(vars: &[Var]) -> Vec<GatedProjectionVars<'_>> {
+    vars.chunks(11)
+        .map(|p| GatedProjectionVars {
+            weight: &p[0],
+            channel: [&p[1], &p[2], &p[3], &p[4], &p[5]],
+            scalar: [&p[6], &p[7], &p[8], &p[9], &p[10]],
+        })
+        .collect()
+}
+
 /// Under bf16 products a fused gated group may store its output in bf16
 /// (`ProductOutput::Bf16`, for SwiGLU, which reads it so): the f32 output rounded to nearest
 /// even, bit for bit, and the same gradients bit for bit (the backward recomputes the gate
@@ -420,29 +450,12 @@ fn a_fused_gated_group_stores_its_output_in_bf16_when_asked() {
         return;
     }
     let _precision = Precision::set(MatmulPrecision::Bf16);
-    let (rows, d_in, rc, rs) = (12, 32, 8, 4);
-    let mut seed = 70;
-    let mut t = |shape: &[usize], scale: f32| {
-        seed += 1;
-        rand(shape, -scale, scale, seed)
-    };
-    let mut values = vec![t(&[rows, d_in], 1.0)];
-    for d_out in [24, 16] {
-        values.extend([t(&[d_out, d_in], 0.3), t(&[rc, d_in], 0.3), t(&[rc], 0.3), t(&[d_out, rc], 0.5)]);
-        values.extend([t(&[d_out], 0.3), Tensor::full(&[1], 1.25), t(&[rs, d_in], 0.3), t(&[rs], 0.3)]);
-        values.extend([t(&[1, rs], 0.5), t(&[1], 0.3), Tensor::full(&[1], 0.75)]);
-    }
+    let rows = 12;
+    let values = gated_group_values(70, &[rows, 32], &[24, 16], (8, 4));
     let weights = rand(&[rows, 40], -1.0, 1.0, 90);
     let run = |output: ProductOutput| {
         let vars: Vec<Var> = values.iter().map(|v| Var::parameter(gpu(v))).collect();
-        let projections: Vec<GatedProjectionVars> = vars[1..]
-            .chunks(11)
-            .map(|p| GatedProjectionVars {
-                weight: &p[0],
-                channel: [&p[1], &p[2], &p[3], &p[4], &p[5]],
-                scalar: [&p[6], &p[7], &p[8], &p[9], &p[10]],
-            })
-            .collect();
+        let projections = gated_group(&vars[1..]);
         let y = vars[0].fused_gated_projections(&projections, Unary::Silu, output).unwrap();
         let y_values = y.value().to_host().unwrap().to_vec();
         y.mul(&Var::constant(gpu(&weights))).unwrap().sum_all().unwrap().backward().unwrap();
@@ -455,6 +468,54 @@ fn a_fused_gated_group_stores_its_output_in_bf16_when_asked() {
     let rounded = f32_output.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap().to_vec();
     assert_eq!(y_bf16, rounded, "the bf16 output is the f32 one rounded");
     assert_eq!(grads_bf16, grads_f32, "the gradients do not depend on how the output is stored");
+}
+
+/// Under bf16 products attention over gated q, k and v as one op
+/// (`Var::fused_gated_rotary_attention`) has no RoPE launch, forward or backward: the gate
+/// kernel writes q, k and v rotated (one launch after the GEMM) and attention's backward the
+/// packed gradient. It agrees with the two ops it replaces on the same device (the packed
+/// gated output, then attention over it) to bf16 precision: the one op rounds q and k once,
+/// the two ops twice (3e-2 of each result's largest value; a wrong rotation is off by O(1)).
+#[test]
+fn gated_rotary_attention_is_one_gate_launch_and_no_rope_under_bf16() {
+    if no_gpu() {
+        return;
+    }
+    let _precision = Precision::set(MatmulPrecision::Bf16);
+    let dev = tensor::cuda::device(0).unwrap();
+    let (batch, seq, heads, head_dim) = (2, 20, 2, 16);
+    let d_out = heads * head_dim;
+    let values = gated_group_values(120, &[batch, seq, 32], &[d_out; 3], (8, 4));
+    let dy = rand(&[batch, seq, heads, head_dim], -1.0, 1.0, 140);
+    let run = |one_op: bool| {
+        let vars: Vec<Var> = values.iter().map(|v| Var::parameter(gpu(v))).collect();
+        let parts = gated_group(&vars[1..]);
+        let before = dev.counters();
+        let y = if one_op {
+            vars[0].fused_gated_rotary_attention(&[parts[0], parts[1], parts[2]], Unary::Silu, heads, 0.25, 10_000.0)
+        } else {
+            let qkv = vars[0].fused_gated_projections(&parts, Unary::Silu, ProductOutput::Bf16).unwrap();
+            Var::rotary_causal_attention_packed(&qkv, heads, 0.25, 10_000.0)
+        }
+        .unwrap();
+        let forward = dev.counters().since(&before).launches_by_kernel;
+        let before = dev.counters();
+        y.backward_with(gpu(&dy)).unwrap();
+        let backward = dev.counters().since(&before).launches_by_kernel;
+        let mut results = vec![y.value().to_host().unwrap()];
+        results.extend(vars.iter().map(|v| v.grad().unwrap().to_host().unwrap()));
+        (results, forward, backward)
+    };
+    let (one_op, forward, backward) = run(true);
+    let (two_ops, _, _) = run(false);
+    for (i, (got, want)) in one_op.iter().zip(&two_ops).enumerate() {
+        let largest = want.to_vec().iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let tolerance = Tolerance { atol: f64::from(3e-2 * largest), rtol: 0.0 };
+        gradcheck::assert_close(&format!("result {i}"), &got.to_vec(), &want.to_vec(), tolerance);
+    }
+    let gate = forward.get("fused_gate_apply_rotary_qkv").copied();
+    assert_eq!(gate, Some(1), "one gate launch writes q, k and v: {forward:?}");
+    assert!(!forward.contains_key("rope_rotate") && !backward.contains_key("rope_rotate"), "{forward:?} {backward:?}");
 }
 
 /// Under bf16 products a fused gate's backward reads dẐ in bf16 where an f32 dẐ keeps a
@@ -644,6 +705,37 @@ fn a_bf16_copy_is_shared_by_products_and_forgotten_after_a_write() {
     assert_eq!(conversions(&before), 1, "only W is converted again");
     let want = x.to_host().unwrap().matmul(&Tensor::full(&[16, 4], 2.0)).unwrap();
     assert_close(&after_write, &want, BF16_REL, 0.0, "product after the write");
+}
+
+/// Under bf16 products the packed QKV attention's backward is the tensor-core attention
+/// kernels alone: they write the packed product's gradient `[Rᵀ dq | Rᵀ dk | dv]` themselves
+/// (no RoPE launch), within bf16 precision of the CPU's f32 gradient (1e-2 of the largest
+/// value, as the attention kernels' own test; a wrong rotation is off by O(1)).
+#[test]
+fn packed_rotary_attention_backward_is_two_launches_under_bf16() {
+    if no_gpu() {
+        return;
+    }
+    let _precision = Precision::set(MatmulPrecision::Bf16);
+    let dev = tensor::cuda::device(0).unwrap();
+    let (batch, seq, heads, head_dim) = (2, 70, 2, 16);
+    let qkv = rand(&[batch, seq, 3 * heads * head_dim], -1.5, 1.5, 81);
+    let dy = rand(&[batch, seq, heads, head_dim], -1.0, 1.0, 82);
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let gradient = |device: Device| {
+        let x = Var::parameter(qkv.to_device(device).unwrap());
+        let y = Var::rotary_causal_attention_packed(&x, heads, scale, 10_000.0).unwrap();
+        let before = dev.counters();
+        y.backward_with(dy.to_device(device).unwrap()).unwrap();
+        (x.grad().unwrap(), dev.counters().since(&before).launches_by_kernel)
+    };
+    let (want, _) = gradient(Device::Cpu);
+    let (got, launches) = gradient(GPU);
+    let largest = want.to_vec().iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    assert_close(&got, &want, 1e-2, 1e-2 * largest, "packed rotary attention dqkv");
+    assert!(!launches.contains_key("rope_rotate"), "RoPE's backward ran on its own: {launches:?}");
+    let attention = launches.iter().filter(|(name, _)| name.starts_with("attention_mma_backward"));
+    assert_eq!(attention.map(|(_, n)| n).sum::<u64>(), 2, "{launches:?}");
 }
 
 /// Under bf16 products, the ops whose results bf16 products read write those results' bf16

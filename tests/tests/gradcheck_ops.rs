@@ -6,6 +6,7 @@
 //! Below the property tests: gradient accumulation (reuse, repeated backward, zero_grad),
 //! `no_grad`/`detach`, and the documented tie/kink conventions.
 
+use autograd::ops::{GatedProjectionVars, Unary};
 use autograd::{is_grad_enabled, no_grad, Var};
 use proptest::prelude::*;
 use tensor::ops::ProductOutput;
@@ -617,6 +618,16 @@ proptest! {
     }
 
     #[test]
+    fn fused_gated_rotary_attention(
+        seed in any::<u64>(), b in 1..=2usize, t in 1..=3usize, heads in 1..=2usize, half in 1..=2usize,
+        ranks in (1..=2usize, 1..=2usize), silu in any::<bool>(),
+    ) {
+        let inputs = gated_qkv_inputs(seed, [b, t, 3], heads * 2 * half, ranks);
+        let phi = if silu { Unary::Silu } else { Unary::Sigmoid };
+        assert_gradcheck(|x| gated_rotary_attention(x, phi, heads), &inputs);
+    }
+
+    #[test]
     fn causal_attention_peaked_scores(seed in any::<u64>(), tq in 1..=4usize) {
         // scale 1 and |q·k| up to ~16: nearly one-hot attention rows.
         let q = seeded(&[1, tq, 2, 4], -2.0, 2.0, seed);
@@ -668,6 +679,69 @@ fn rotary_causal_attention_of_packed_qkv_is_the_op_on_its_parts_exactly() {
         .unwrap();
         out.mul(&out).unwrap().sum_all().unwrap().backward().unwrap();
         (out.value().to_vec(), qkv.grad().unwrap().to_vec())
+    };
+    assert_eq!(run(true), run(false));
+}
+
+/// `[x, then q's, k's and v's W, A_c, a_c, B_c, b_c, α_c, A_s, a_s, B_s, b_s, α_s]` of
+/// attention's gated q, k and v: `x: [B, T, d_in]`, each projection `d_out` wide, ranks
+/// `(r_c, r_s)`.
+fn gated_qkv_inputs(seed: u64, [b, t, d_in]: [usize; 3], d_out: usize, (rc, rs): (usize, usize)) -> Vec<Tensor> {
+    let mut seeds = seed..;
+    let mut next = |shape: &[usize], bound: f32| seeded(shape, -bound, bound, seeds.next().unwrap_or(seed));
+    let mut inputs = vec![next(&[b, t, d_in], 1.5)];
+    for _ in 0..3 {
+        let projection = [
+            next(&[d_out, d_in], 0.8),
+            next(&[rc, d_in], 0.8),
+            next(&[rc], 0.3),
+            next(&[d_out, rc], 0.8),
+            next(&[d_out], 0.3),
+            Tensor::from_vec(vec![1.2], &[1]).unwrap(),
+            next(&[rs, d_in], 0.8),
+            next(&[rs], 0.3),
+            next(&[1, rs], 0.8),
+            next(&[1], 0.3),
+            Tensor::from_vec(vec![0.7], &[1]).unwrap(),
+        ];
+        inputs.extend(projection);
+    }
+    inputs
+}
+
+/// The projection of `gated_qkv_inputs`' order starting at `p[0]`.
+fn gated_projection(p: &[Var]) -> GatedProjectionVars<'_> {
+    GatedProjectionVars {
+        weight: &p[0],
+        channel: [&p[1], &p[2], &p[3], &p[4], &p[5]],
+        scalar: [&p[6], &p[7], &p[8], &p[9], &p[10]],
+    }
+}
+
+/// `Var::fused_gated_rotary_attention` of `gated_qkv_inputs`' vars, scale 0.6, base 10,000.
+fn gated_rotary_attention(x: &[Var], phi: Unary, heads: usize) -> tensor::Result<Var> {
+    let projections = [gated_projection(&x[1..12]), gated_projection(&x[12..23]), gated_projection(&x[23..34])];
+    x[0].fused_gated_rotary_attention(&projections, phi, heads, 0.6, 10_000.0)
+}
+
+/// Attention over gated q, k and v as one op is the fused gated group, then attention over its
+/// packed output, bit for bit (the CPU runs those two ops): forward and every gradient.
+#[test]
+fn fused_gated_rotary_attention_is_the_group_then_attention_exactly() {
+    let inputs = gated_qkv_inputs(40, [2, 5, 6], 2 * 4, (3, 2));
+    let run = |one_op: bool| {
+        let vars: Vec<Var> = inputs.iter().cloned().map(Var::parameter).collect();
+        let out = if one_op {
+            gated_rotary_attention(&vars, Unary::Silu, 2)
+        } else {
+            let projections =
+                [gated_projection(&vars[1..12]), gated_projection(&vars[12..23]), gated_projection(&vars[23..34])];
+            let qkv = vars[0].fused_gated_projections(&projections, Unary::Silu, ProductOutput::F32).unwrap();
+            Var::rotary_causal_attention_packed(&qkv, 2, 0.6, 10_000.0)
+        }
+        .unwrap();
+        out.mul(&out).unwrap().sum_all().unwrap().backward().unwrap();
+        (out.value().to_vec(), vars.iter().map(|v| v.grad().unwrap().to_vec()).collect::<Vec<_>>())
     };
     assert_eq!(run(true), run(false));
 }

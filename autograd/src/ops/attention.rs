@@ -47,9 +47,9 @@ impl Var {
         let (out, lse) = Tensor::causal_attention(&qr, &kr, &v, scale)?;
         let saved_out = out.clone();
         Ok(Var::from_op(out, vec![qkv.clone()], move |dout| {
-            let (dqr, dkr, dv) = Tensor::causal_attention_backward(&qr, &kr, &v, &saved_out, &lse, dout, scale)?;
-            // d/dx of a rotation is the inverse rotation; dv goes back into its third of each row.
-            Ok(vec![Tensor::rope_qkv_backward(&dqr, &dkr, &dv, theta)?])
+            // d/dx of a rotation is the inverse rotation; dv goes back into its third of each
+            // row. On a GPU's tensor cores the attention kernels write those rows themselves.
+            Ok(vec![Tensor::rotary_attention_backward_packed(&qr, &kr, &v, &saved_out, &lse, dout, scale, theta)?])
         }))
     }
 }

@@ -52,31 +52,53 @@ impl Var {
         phi: Unary,
         output: ProductOutput,
     ) -> Result<Var> {
-        let values: Vec<(Tensor, [Tensor; 5], [Tensor; 5])> = projections
-            .iter()
-            .map(|p| (p.weight.value(), p.channel.map(Var::value), p.scalar.map(Var::value)))
-            .collect();
-        let tensors: Vec<GatedProjection> = values
-            .iter()
-            .map(|(weight, channel, scalar)| GatedProjection {
-                weight,
-                channel: channel.each_ref(),
-                scalar: scalar.each_ref(),
-            })
-            .collect();
-        let (y, saved) = self.value().fused_gated_projections(&tensors, phi, output)?;
+        let values = projection_values(projections);
+        let (y, saved) = self.value().fused_gated_projections(&borrowed(&values), phi, output)?;
+        // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cpu::fused_gate::fused_gate_backward.
+        // The backward takes over x's gradient so far (q, k and v read one normalised input):
+        // on the GPU its dx product adds onto it (β = 1) instead of a separate add after.
+        Ok(Var::from_op_absorbing(y, self.group_inputs(projections), move |dy, dx_so_far| {
+            Tensor::fused_gated_projection_backward(&saved, dy, dx_so_far)
+        }))
+    }
+
+    /// Attention over gated q, k and v as one op: [`Var::fused_gated_projections`] of
+    /// `self: [B, T, d_in]` by `projections` (q, k and v, one width `heads·D`), then
+    /// [`Var::rotary_causal_attention_packed`] of their packed output; returns `[B, T, H, D]`.
+    /// On a GPU under bf16 products the gate kernel writes q, k and v rotated
+    /// ([`Tensor::fused_gated_rope_qkv`]) and attention's backward writes the packed output's
+    /// gradient ([`Tensor::rotary_attention_backward_packed`]), so the packed output is never
+    /// stored and RoPE takes no launch of its own, forward or backward.
+    pub fn fused_gated_rotary_attention(
+        &self,
+        projections: &[GatedProjectionVars; 3],
+        phi: Unary,
+        heads: usize,
+        scale: f32,
+        theta: f32,
+    ) -> Result<Var> {
+        let values = projection_values(projections);
+        let tensors = borrowed(&values);
+        let tensors = [tensors[0], tensors[1], tensors[2]];
+        let (q, k, v, saved) = self.value().fused_gated_rope_qkv(&tensors, phi, heads, theta)?;
+        let (out, lse) = Tensor::causal_attention(&q, &k, &v, scale)?;
+        let saved_out = out.clone();
+        Ok(Var::from_op_absorbing(out, self.group_inputs(projections), move |dout, dx_so_far| {
+            let dqkv = Tensor::rotary_attention_backward_packed(&q, &k, &v, &saved_out, &lse, dout, scale, theta)?;
+            Tensor::fused_gated_projection_backward(&saved, &dqkv, dx_so_far)
+        }))
+    }
+
+    /// The inputs of a fused gated group's op, in the order its backward returns their
+    /// gradients: `self`, then each projection's weight and its modulators' `[A, a, B, b, α]`.
+    fn group_inputs(&self, projections: &[GatedProjectionVars]) -> Vec<Var> {
         let mut inputs = vec![self.clone()];
         for p in projections {
             inputs.push(p.weight.clone());
             inputs.extend(p.channel.map(Var::clone));
             inputs.extend(p.scalar.map(Var::clone));
         }
-        // d/dx, d/dW, d/dA, d/da, d/dB, d/db, d/dα: see kernels::cpu::fused_gate::fused_gate_backward.
-        // The backward takes over x's gradient so far (q, k and v read one normalised input):
-        // on the GPU its dx product adds onto it (β = 1) instead of a separate add after.
-        Ok(Var::from_op_absorbing(y, inputs, move |dy, dx_so_far| {
-            Tensor::fused_gated_projection_backward(&saved, dy, dx_so_far)
-        }))
+        inputs
     }
 
     /// The same projection composed from unfused ops (matmul, add, φ, sigmoid, mul): the
@@ -95,6 +117,23 @@ impl Var {
         let z = self.matmul(&weight.transpose(0, 1)?)?;
         z.mul(&modulator(channel)?)?.mul(&modulator(scalar)?)
     }
+}
+
+/// Each projection's weight and modulators' current values.
+fn projection_values(projections: &[GatedProjectionVars]) -> Vec<(Tensor, [Tensor; 5], [Tensor; 5])> {
+    projections.iter().map(|p| (p.weight.value(), p.channel.map(Var::value), p.scalar.map(Var::value))).collect()
+}
+
+/// [`projection_values`] as the tensor-level op takes them.
+fn borrowed(values: &[(Tensor, [Tensor; 5], [Tensor; 5])]) -> Vec<GatedProjection<'_>> {
+    values
+        .iter()
+        .map(|(weight, channel, scalar)| GatedProjection {
+            weight,
+            channel: channel.each_ref(),
+            scalar: scalar.each_ref(),
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -2,10 +2,11 @@
 //! GEMM of the same shape (`x·[W; A_c; A_s]ᵀ`, the floor) and the unfused path (that GEMM
 //! into `ZU`, then the gate kernel), at the llama-60m / llama-130m projection shapes; the FFN's
 //! gate and up projections as two GEMMs or one of the packed weights; q, k and v as three
-//! fused gated projections or one fused group, and that group against its bare products; then
-//! flash attention,
+//! fused gated projections or one fused group, and that group against its bare products, and
+//! its q, k and v rotated by RoPE after it or in its gate kernel; then flash attention,
 //! forward and forward + backward (the time per layer of a training step), against the naive
-//! kernel that materialises the score matrix.
+//! kernel that materialises the score matrix, and its backward into the packed QKV gradient
+//! with RoPE's backward after it or in its kernels.
 //!
 //! Run: `cargo run --release -p kernels --features cuda --bin cuda-bench [-- --tokens N]`
 //! (default N = 512·256 = 131 072 tokens; the attention batches are N/2048 and N/4096
@@ -19,14 +20,18 @@ use std::time::Instant;
 use half::bf16;
 use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::matmul::{GemmDims, Store};
+use kernels::cpu::rope::{rope_table, RopeDims};
 use kernels::cuda::attention::{
-    causal_attention_backward, causal_attention_forward, causal_attention_naive, tensor_cores_fit, AttentionPrecision,
+    causal_attention_backward, causal_attention_backward_packed, causal_attention_forward, causal_attention_naive,
+    tensor_cores_fit, AttentionPrecision,
 };
 use kernels::cuda::blas::{matmul_bf16, matmul_bf16_out, DeviceMat};
 use kernels::cuda::fused_gate::{
-    fused_gate_backward, fused_gate_forward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads,
-    DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, FusedGateDims, GateGroup, GateProducts, Unary,
+    fused_gate_backward, fused_gate_forward, fused_gate_forward_rotary_qkv, fused_gate_forward_unfused, pack_weight,
+    DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, FusedGateDims, GateGroup,
+    GateProducts, RotaryQkv, Unary,
 };
+use kernels::cuda::rope::{rope_qkv_backward, rope_qkv_forward};
 use kernels::cuda::swiglu::{swiglu_backward, swiglu_forward, swiglu_halves_backward, swiglu_halves_forward};
 use kernels::cuda::{CudaDevice, DeviceBuffer, Result};
 use kernels::cuda::{DeviceValues, Values, ValuesMut};
@@ -401,6 +406,38 @@ fn bench_gate_group(dev: &CudaDevice, tokens: usize, d: usize) -> Result<()> {
         (forward_group_s + backward_group_s) / gemms_s,
         gemms_s * 1e3,
     );
+
+    // The forward as attention reads it (q, k and v in bf16, q and k rotated by RoPE): the gate
+    // into the packed output, then RoPE's packed forward (three launches), against the gate
+    // kernel's rotary epilogue (two), in sequences of 256 of 64-dim heads.
+    let (seq, head_dim) = (if tokens.is_multiple_of(256) { 256 } else { tokens }, 64);
+    let (cos, sin) = rope_table(seq, head_dim, 10_000.0);
+    let (cos, sin) = (dev.upload(&cos)?, dev.upload(&sin)?);
+    let rope = RopeDims { batch: tokens / seq, seq, heads: d / head_dim, head_dim, pos_offset: 0 };
+    let mut gated = dev.alloc::<bf16>(tokens * 3 * d)?;
+    let mut rotated = [dev.alloc::<bf16>(tokens * d)?, dev.alloc::<bf16>(tokens * d)?, dev.alloc::<bf16>(tokens * d)?];
+    let gate_then_rope_s = best_seconds(dev, || {
+        fused_gate_forward_unfused(dev, &group, &x16, &packed, &mut zu, ValuesMut::Bf16(&mut gated))?;
+        let [q, k, v] = &mut rotated;
+        rope_qkv_forward(dev, Values::Bf16(&gated), rope, [q, k, v].map(ValuesMut::Bf16), &cos, &sin)
+    })?;
+    let unfused = rotated.each_ref().map(|part| download_widened(dev, part));
+    let rotary_epilogue_s = best_seconds(dev, || {
+        let [q, k, v] = &mut rotated;
+        let outs = RotaryQkv { seq, head_dim, cos: &cos, sin: &sin, outs: [q, k, v] };
+        fused_gate_forward_rotary_qkv(dev, &group, &x16, &packed, &mut zu, outs)
+    })?;
+    let mut worst = 0.0f32;
+    for (part, want) in rotated.iter().zip(unfused) {
+        worst = worst.max(check(&format!("gated q,k,v + RoPE 3×{d}→{d}"), &download_widened(dev, part)?, &want?, 1e-2));
+    }
+    println!(
+        "gated q,k,v + RoPE 3×{d}→{d} {tokens:>7} tokens | gate then RoPE {:>7.3} ms | rotary epilogue {:>7.3} ms \
+         ({:.2}×) | max rel diff {worst:.1e}",
+        gate_then_rope_s * 1e3,
+        rotary_epilogue_s * 1e3,
+        rotary_epilogue_s / gate_then_rope_s,
+    );
     Ok(())
 }
 
@@ -466,7 +503,50 @@ fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, hea
             naive_s / flash_s,
             train_s * 1e6,
         );
+        if precision == AttentionPrecision::Bf16 {
+            bench_rotary_backward(dev, &dims, qkv, out.values(), &lse, dout)?;
+        }
     }
+    Ok(())
+}
+
+/// The tensor-core backward of attention over RoPE's q and k from a packed QKV product: into
+/// dense gradients, then RoPE's packed backward (three launches), against the kernels
+/// writing the packed gradient themselves, dq and dk rotated back as they are stored (two).
+fn bench_rotary_backward(
+    dev: &CudaDevice,
+    dims: &AttentionDims,
+    qkv: [Values; 3],
+    out: Values,
+    lse: &DeviceBuffer<f32>,
+    dout: Values,
+) -> Result<()> {
+    let AttentionDims { batch, q_seq: seq, heads, head_dim, .. } = *dims;
+    let len = batch * seq * heads * head_dim;
+    let (cos, sin) = rope_table(seq, head_dim, 10_000.0);
+    let (cos, sin) = (dev.upload(&cos)?, dev.upload(&sin)?);
+    let rope = RopeDims { batch, seq, heads, head_dim, pos_offset: 0 };
+    let mut grads = [dev.alloc::<bf16>(len)?, dev.alloc::<bf16>(len)?, dev.alloc::<bf16>(len)?];
+    let mut dqkv = dev.alloc::<bf16>(3 * len)?;
+    let precision = AttentionPrecision::Bf16;
+    let backward_then_rope_s = best_seconds(dev, || {
+        let [dq, dk, dv] = &mut grads;
+        let (dq, dk, dv) = (ValuesMut::Bf16(dq), ValuesMut::Bf16(dk), (ValuesMut::Bf16(dv), None));
+        causal_attention_backward(dev, qkv, out, lse, dout, dims, precision, dq, dk, dv)?;
+        rope_qkv_backward(dev, grads.each_ref().map(Values::Bf16), rope, ValuesMut::Bf16(&mut dqkv), &cos, &sin)
+    })?;
+    let unfused = download_widened(dev, &dqkv)?;
+    let packed_s = best_seconds(dev, || {
+        causal_attention_backward_packed(dev, qkv, out, lse, dout, dims, ValuesMut::Bf16(&mut dqkv), &cos, &sin)
+    })?;
+    let what = format!("attention backward + RoPE B={batch} T={seq} H={heads} D={head_dim}");
+    let worst = check(&what, &download_widened(dev, &dqkv)?, &unfused, 2e-2);
+    println!(
+        "{what} | backward then RoPE {:>8.1} µs | packed backward {:>8.1} µs ({:.2}×) | max rel diff {worst:.1e}",
+        backward_then_rope_s * 1e6,
+        packed_s * 1e6,
+        packed_s / backward_then_rope_s,
+    );
     Ok(())
 }
 

@@ -9,7 +9,9 @@
 //! ([`tensor_cores_fit`]); `B·H` is a grid dimension (≤ 65 535). Backward writes
 //! `dq`, `dk`, `dv` (every row once). The output and `dv`, which bf16 products read, may
 //! also be written as bf16 twins (rounded to nearest even) instead of converted later; the
-//! tensor-core kernels may write each gradient in bf16 alone. q, k
+//! tensor-core kernels may write each gradient in bf16 alone, or write the three as the
+//! gradient of the packed QKV product RoPE took them from, dq and dk rotated back
+//! ([`causal_attention_backward_packed`]). q, k
 //! and v are f32, or (for the tensor-core kernels) bf16 ([`Values`]): RoPE writes them so
 //! under bf16 products, rounded as the kernels' staging would round them. From bf16 q, k and
 //! v the output may be written in bf16 only, as FlashAttention-2 stores it; the backward then
@@ -313,32 +315,29 @@ pub fn causal_attention_backward(
         return dv.fill_zero(dev);
     }
     let (dq, dk, dv) = (dq.as_values(), dk.as_values(), dv.as_values());
+    let [dv_f32, dv_own_bf16] = dv.typed_args_at(0);
+    let dv_bf16 = if dv.is_bf16() { dv_own_bf16 } else { opt_ptr(dv_bf16.as_deref()) };
+    if precision == AttentionPrecision::Bf16 {
+        // The tensor-core kernels take each gradient's bf16 pointer beside its f32 one.
+        let rows = GradRows {
+            dq: dq.typed_args_at(0),
+            dk: dk.typed_args_at(0),
+            dv: [dv_f32, dv_bf16],
+            stride: dims.heads * dims.head_dim,
+            tables: [Arg::Ptr(0), Arg::Ptr(0)],
+        };
+        return launch_mma_backward(dev, &d, [q, k, v], out, lse, dout, rows);
+    }
     let AttentionDims { q_seq, kv_seq, head_dim, .. } = *dims;
     // δ per query (Σ dout ⊙ out), written by the dq kernel and read by the dk, dv kernel.
     // It goes back to the pool on return; later users are queued after these kernels.
     let delta = dev.alloc::<f32>(dims.lse_len())?;
     let (q, k, v) = (q.arg_at(0), k.arg_at(0), v.arg_at(0));
-    let [dq_f32, dq_bf16] = dq.typed_args_at(0);
-    let [dk_f32, dk_bf16] = dk.typed_args_at(0);
-    let [dv_f32, dv_own_bf16] = dv.typed_args_at(0);
-    let dv_bf16 = if dv.is_bf16() { dv_own_bf16 } else { opt_ptr(dv_bf16.as_deref()) };
+    let [dq_f32, _] = dq.typed_args_at(0);
+    let [dk_f32, _] = dk.typed_args_at(0);
     let mut dq_args =
         vec![q.clone(), k.clone(), v.clone(), out.arg_at(0), dout.arg_at(0), ptr(lse), ptr(&delta), dq_f32];
     let mut dkv_args = vec![q, k, v, dout.arg_at(0), ptr(lse), ptr(&delta), dk_f32];
-    if precision == AttentionPrecision::Bf16 {
-        // The tensor-core kernels take each gradient's bf16 pointer beside its f32 one.
-        dq_args.push(dq_bf16);
-        dq_args.extend(d.mma_args());
-        dkv_args.extend([dk_bf16, dv_f32, dv_bf16]);
-        dkv_args.extend(d.mma_args());
-        let (dq_kernels, dkv_kernels) = match (bf16_inputs, dout.is_bf16()) {
-            (true, true) => (MMA_DQ_DOUT_BF16, MMA_DKV_DOUT_BF16),
-            (true, false) => (MMA_DQ_BF16, MMA_DKV_BF16),
-            (false, _) => (MMA_DQ, MMA_DKV),
-        };
-        dev.launch(MMA_FAMILY, d.mma_kernel(dq_kernels), d.mma_grid(q_seq), &dq_args)?;
-        return dev.launch(MMA_FAMILY, d.mma_kernel(dkv_kernels), d.mma_grid(kv_seq), &dkv_args);
-    }
     let stride = d.tile_stride();
     dq_args.extend(d.args());
     dev.launch(FAMILY, "attention_backward_dq", d.grid(q_seq, 2 * TILE * stride + 2 * WARPS * head_dim), &dq_args)?;
@@ -346,6 +345,110 @@ pub fn causal_attention_backward(
     dkv_args.extend(d.args());
     let shared = 2 * TILE * stride + 2 * WARPS * head_dim + 2 * TILE;
     dev.launch(FAMILY, "attention_backward_dkv", d.grid(kv_seq, shared), &dkv_args)
+}
+
+/// [`causal_attention_backward`] of attention over RoPE's rotations of q and k taken out of
+/// one packed QKV product (`qkv`: `rope::rope_qkv_forward`'s rotated q, k and v), written
+/// straight into that product's gradient `dqkv: [B, T, 3, H, D]`: each token's row is
+/// `[Rᵀ dq | Rᵀ dk | dv]`, what `rope::rope_qkv_backward` makes of the three gradients, with no
+/// launch of its own and no dense gradients in between. The kernels rotate dq and dk back by
+/// the tables the forward rotated by (`cos`, `sin`: `[positions, D/2]`, token t at row t) as
+/// they store them, from their f32 sums, so each value is rounded once (the unfused path
+/// rounds dq to bf16 before RoPE's backward reads it, and again after). `dqkv` is f32, or bf16
+/// alone (rounded to nearest even): the packed product's backward, or the fused gate's, reads
+/// it so. Tensor-core kernels only: bf16 q, k and v, `Tq = Tk`.
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention_backward_packed(
+    dev: &CudaDevice,
+    qkv: [Values; 3],
+    out: Values,
+    lse: &DeviceBuffer<f32>,
+    dout: Values,
+    dims: &AttentionDims,
+    dqkv: ValuesMut,
+    cos: &DeviceBuffer<f32>,
+    sin: &DeviceBuffer<f32>,
+) -> Result<()> {
+    const OP: &str = "causal_attention_backward_packed";
+    let precision = AttentionPrecision::Bf16;
+    let bf16_inputs = check_qkv(dev, OP, &qkv, precision)?;
+    ensure(bf16_inputs, OP, || "the packed backward reads bf16 q, k and v (RoPE's output)".to_string())?;
+    out.check_owner(dev, OP)?;
+    dout.check_owner(dev, OP)?;
+    check_owners(dev, OP, &[lse, cos, sin])?;
+    ensure(out.is_bf16(), OP, || "the saved output of bf16 q, k and v is bf16".to_string())?;
+    let [q, k, v] = qkv;
+    let d = check(OP, dims, q.len(), k.len(), v.len())?;
+    let AttentionDims { q_seq, kv_seq, heads, head_dim, .. } = *dims;
+    ensure(q_seq == kv_seq, OP, || format!("a packed product has one length, not Tq {q_seq} and Tk {kv_seq}"))?;
+    ensure(out.len() == q.len() && dout.len() == q.len(), OP, || "out or dout has the wrong length".to_string())?;
+    ensure_len(OP, "lse", lse.len(), dims.lse_len())?;
+    let dqkv = dqkv.as_values();
+    dqkv.check_owner(dev, OP)?;
+    ensure_len(OP, "dqkv", dqkv.len(), 3 * q.len())?;
+    let table_len = kv_seq * head_dim / 2;
+    ensure(cos.len() >= table_len && sin.len() >= table_len, OP, || {
+        format!("RoPE's tables hold {} and {} values, {kv_seq} positions need {table_len}", cos.len(), sin.len())
+    })?;
+    d.check_precision(dev, OP, precision)?;
+    if d.is_empty() {
+        return Ok(());
+    }
+    let width = heads * head_dim;
+    let rows = GradRows {
+        dq: dqkv.typed_args_at(0),
+        dk: dqkv.typed_args_at(width),
+        dv: dqkv.typed_args_at(2 * width),
+        stride: 3 * width,
+        tables: [ptr(cos), ptr(sin)],
+    };
+    launch_mma_backward(dev, &d, [q, k, v], out, lse, dout, rows)
+}
+
+/// Where the tensor-core backward stores dq, dk and dv (`RowsOut` in attention_mma.cu): each
+/// gradient's f32 and bf16 addresses (null where it has none), the elements between two
+/// tokens' rows, and RoPE's tables (null: stored as summed; else dq and dk rotated back).
+struct GradRows {
+    dq: [Arg; 2],
+    dk: [Arg; 2],
+    dv: [Arg; 2],
+    stride: usize,
+    tables: [Arg; 2],
+}
+
+/// The tensor-core backward's two launches (checked by the caller): the dq kernel, which also
+/// writes δ, then the dk, dv kernel, by the element types of q, k, v and dout.
+fn launch_mma_backward(
+    dev: &CudaDevice,
+    d: &Dims,
+    qkv: [Values; 3],
+    out: Values,
+    lse: &DeviceBuffer<f32>,
+    dout: Values,
+    rows: GradRows,
+) -> Result<()> {
+    let (dq_kernels, dkv_kernels) = match (qkv[0].is_bf16(), dout.is_bf16()) {
+        (true, true) => (MMA_DQ_DOUT_BF16, MMA_DKV_DOUT_BF16),
+        (true, false) => (MMA_DQ_BF16, MMA_DKV_BF16),
+        (false, _) => (MMA_DQ, MMA_DKV),
+    };
+    // δ per query (Σ dout ⊙ out), written by the dq kernel and read by the dk, dv kernel.
+    // It goes back to the pool on return; later users are queued after these kernels.
+    let delta = dev.alloc::<f32>(d.0.lse_len())?;
+    let [q, k, v] = qkv.map(|x| x.arg_at(0));
+    let [cos, sin] = rows.tables;
+    let layout = [size(rows.stride), cos, sin];
+    let mut dq_args = vec![q.clone(), k.clone(), v.clone(), out.arg_at(0), dout.arg_at(0), ptr(lse), ptr(&delta)];
+    dq_args.extend(rows.dq);
+    dq_args.extend(layout.clone());
+    dq_args.extend(d.mma_args());
+    let mut dkv_args = vec![q, k, v, dout.arg_at(0), ptr(lse), ptr(&delta)];
+    dkv_args.extend(rows.dk);
+    dkv_args.extend(rows.dv);
+    dkv_args.extend(layout);
+    dkv_args.extend(d.mma_args());
+    dev.launch(MMA_FAMILY, d.mma_kernel(dq_kernels), d.mma_grid(d.0.q_seq), &dq_args)?;
+    dev.launch(MMA_FAMILY, d.mma_kernel(dkv_kernels), d.mma_grid(d.0.kv_seq), &dkv_args)
 }
 
 /// Checks the backward's gradients `[dq, dk, dv]`: `dev`'s, of the lengths of q, k and v, and

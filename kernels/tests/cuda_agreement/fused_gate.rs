@@ -14,9 +14,9 @@ use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer, ValuesMut};
 use super::{assert_close, assert_close_to, down, stale, up, Rng};
 
 /// Host-side parameters of one fused projection.
-struct GateCase {
-    dims: FusedGateDims,
-    x: Vec<f32>,
+pub(super) struct GateCase {
+    pub(super) dims: FusedGateDims,
+    pub(super) x: Vec<f32>,
     w: Vec<f32>,
     channel: [Vec<f32>; 4],
     scalar: [Vec<f32>; 4],
@@ -29,7 +29,7 @@ fn round_bf16(v: Vec<f32>) -> Vec<f32> {
 
 impl GateCase {
     /// Random parameters; `x`, `W` and the `A`s bf16-representable when `exact`.
-    fn new(dims: FusedGateDims, rng: &mut Rng, exact: bool) -> GateCase {
+    pub(super) fn new(dims: FusedGateDims, rng: &mut Rng, exact: bool) -> GateCase {
         let FusedGateDims { rows, d_in, d_out, rank_channel: rc, rank_scalar: rs } = dims;
         let bound = 1.0 / (d_in as f32).sqrt();
         let round = |v: Vec<f32>| if exact { round_bf16(v) } else { v };
@@ -89,14 +89,14 @@ fn device_gate_params(p: &[DeviceBuffer<f32>]) -> DeviceGateParams<'_> {
 }
 
 /// The same parameters on the device, α_c and α_s as one-element buffers.
-struct DeviceGate {
+pub(super) struct DeviceGate {
     w: DeviceBuffer<f32>,
     channel: Vec<DeviceBuffer<f32>>,
     scalar: Vec<DeviceBuffer<f32>>,
 }
 
 impl DeviceGate {
-    fn new(dev: &CudaDevice, case: &GateCase) -> DeviceGate {
+    pub(super) fn new(dev: &CudaDevice, case: &GateCase) -> DeviceGate {
         DeviceGate {
             w: up(dev, &case.w),
             channel: case.channel.iter().chain([&vec![case.alphas.0]]).map(|v| up(dev, v)).collect(),
@@ -104,7 +104,7 @@ impl DeviceGate {
         }
     }
 
-    fn params(&self, phi: Unary) -> DeviceFusedGateParams<'_> {
+    pub(super) fn params(&self, phi: Unary) -> DeviceFusedGateParams<'_> {
         let gate = device_gate_params;
         DeviceFusedGateParams { weight: &self.w, channel: gate(&self.channel), scalar: gate(&self.scalar), phi }
     }
@@ -155,7 +155,7 @@ fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
 }
 
 /// x in bf16 on the device, rounded to nearest even.
-fn up_bf16(dev: &CudaDevice, x: &[f32]) -> DeviceBuffer<bf16> {
+pub(super) fn up_bf16(dev: &CudaDevice, x: &[f32]) -> DeviceBuffer<bf16> {
     dev.upload(&x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).unwrap()
 }
 

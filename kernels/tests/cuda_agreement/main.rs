@@ -45,10 +45,12 @@ mod conv;
 mod device;
 mod elementwise;
 mod fused_gate;
+mod gated_rotary_qkv;
 mod matmul;
 mod norm;
 mod optim;
 mod reduce;
+mod rotary_attention;
 mod softmax;
 
 /// A small xorshift generator: reproducible inputs without a dependency.

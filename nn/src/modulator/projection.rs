@@ -91,6 +91,19 @@ impl ModulatedProjection {
             let weights: Vec<&Var> = projections.iter().map(|p| &p.linear.weight).collect();
             return rows.packed_linear(&weights, output).map(Some);
         }
+        match ModulatedProjection::fused_group(projections, rows)? {
+            Some((parts, phi)) => rows.fused_gated_projections(&parts, phi, output).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// `projections` of `rows` as one fused gated group ([`Var::fused_gated_projections`]),
+    /// their weights and modulators with their φ, when every one takes the fused op with one
+    /// φ and one pair of ranks; `None` otherwise. Their gates go to a running trace.
+    pub fn fused_group<'a>(
+        projections: &[&'a ModulatedProjection],
+        rows: &Var,
+    ) -> Result<Option<(Vec<GatedProjectionVars<'a>>, Unary)>> {
         for p in projections {
             p.place_fused_alphas(rows.value_ref().device())?;
         }
@@ -98,15 +111,14 @@ impl ModulatedProjection {
         let Some(fused) = fused else { return Ok(None) };
         // A group shares one φ and one pair of ranks.
         let ranks = |p: &GatedProjectionVars| (p.channel[0].shape()[0], p.scalar[0].shape()[0]);
-        let (first, phi) = (ranks(&fused[0].0), fused[0].1);
+        let Some((first, phi)) = fused.first().map(|(p, phi)| (ranks(p), *phi)) else { return Ok(None) };
         if fused.iter().any(|(p, other)| *other != phi || ranks(p) != first) {
             return Ok(None);
         }
         for p in projections {
             p.record_gates(rows)?;
         }
-        let parts: Vec<GatedProjectionVars> = fused.into_iter().map(|(parts, _)| parts).collect();
-        rows.fused_gated_projections(&parts, phi, output).map(Some)
+        Ok(Some((fused.into_iter().map(|(parts, _)| parts).collect(), phi)))
     }
 
     /// This projection's weight and modulators when it runs as the fused op (a lone

@@ -87,6 +87,38 @@ impl Tensor {
         );
         Ok((Tensor::from_vec(dq, &q.shape)?, Tensor::from_vec(dk, &k.shape)?, Tensor::from_vec(dv, &v.shape)?))
     }
+
+    /// The gradient `[B, T, 3·H·D]` of the packed QKV product whose [`Tensor::rope_qkv`] gave
+    /// `q`, `k` and `v`, from attention over them ([`Tensor::causal_attention`]'s `out` and
+    /// `lse`) and its output gradient `dout`: [`Tensor::rope_qkv_backward`] of
+    /// [`Tensor::causal_attention_backward`]'s gradients. On a GPU's tensor cores the attention
+    /// kernels write it themselves, rotating dq and dk back as they store them (two launches,
+    /// no dense gradients in between, each value rounded once); elsewhere the two ops run in turn.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rotary_attention_backward_packed(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        scale: f32,
+        theta: f32,
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if q.cuda_storage().is_some() {
+            const OP: &str = "rotary_attention_backward_packed";
+            let dims = Tensor::attention_dims(OP, q, k, v, scale)?;
+            q.check_like(OP, out)?;
+            q.check_like(OP, dout)?;
+            q.check_row_stats(OP, lse, dims.lse_len())?;
+            if let Some(dqkv) = cuda::rotary_attention_backward_packed(q, k, v, out, lse, dout, &dims, theta)? {
+                return Ok(dqkv);
+            }
+        }
+        let (dq, dk, dv) = Tensor::causal_attention_backward(q, k, v, out, lse, dout, scale)?;
+        Tensor::rope_qkv_backward(&dq, &dk, &dv, theta)
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -107,7 +139,8 @@ pub(crate) mod cuda {
 
     use crate::cuda::MatmulPrecision;
     use crate::cuda::{
-        matmul_precision, product_input_buffers, product_input_output, product_only_storage, CudaStorage,
+        matmul_precision, product_input_buffers, product_input_output, product_only_output, product_only_storage,
+        CudaStorage,
     };
     use crate::{Result, Tensor};
 
@@ -207,5 +240,40 @@ pub(crate) mod cuda {
             (dq, dk, dv)
         };
         Ok((Tensor::from_cuda(dq, q.shape())?, Tensor::from_cuda(dk, k.shape())?, Tensor::from_cuda(dv, v.shape())?))
+    }
+
+    /// [`Tensor::rotary_attention_backward_packed`] in the tensor-core kernels' two launches,
+    /// when they run (bf16 products, a head dim they take, q, k and v held in bf16 as RoPE
+    /// writes them then, one length); `None` otherwise, for the caller's two ops.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn rotary_attention_backward_packed(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        dims: &AttentionDims,
+        theta: f32,
+    ) -> Result<Option<Tensor>> {
+        const OP: &str = "rotary_attention_backward_packed";
+        let dev = q.cuda_device(OP)?;
+        let (q, k, v) = (q.dense()?, k.dense()?, v.dense()?);
+        let qkv = [q.cuda_values(OP)?, k.cuda_values(OP)?, v.cuda_values(OP)?];
+        let fused = precision(dims) == AttentionPrecision::Bf16
+            && qkv.iter().all(|values| values.is_bf16())
+            && dims.q_seq == dims.kv_seq;
+        if !fused {
+            return Ok(None);
+        }
+        let (out, lse, dout) = (out.dense()?, lse.dense()?, dout.dense()?);
+        let table = crate::ops::rope::cuda::table(&dev, dims.kv_seq, dims.head_dim, theta)?;
+        let shape = [dims.batch, dims.q_seq, 3 * dims.heads * dims.head_dim];
+        // Read by the packed product's backward (or the fused gate's) alone: bf16 alone.
+        let dqkv = product_only_output(&dev, OP, &shape, |dqkv| {
+            let (out, lse, dout) = (out.cuda_values(OP)?, lse.cuda_f32(OP)?, dout.cuda_values(OP)?);
+            Ok(launch::causal_attention_backward_packed(&dev, qkv, out, lse, dout, dims, dqkv, &table.cos, &table.sin)?)
+        })?;
+        Ok(Some(dqkv))
     }
 }

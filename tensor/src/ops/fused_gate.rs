@@ -169,16 +169,8 @@ impl Tensor {
         phi: Unary,
         output: ProductOutput,
     ) -> Result<(Tensor, FusedGateSaved)> {
-        let x = self.contiguous()?;
-        let mut checked: Vec<Checked> = Vec::with_capacity(projections.len());
-        for p in projections {
-            let projection = check_projection(&x, p, checked.first())?;
-            checked.push(projection);
-        }
+        let (x, checked) = self.checked_group(projections)?;
         let total: usize = checked.iter().map(|p| p.dims.d_out).sum();
-        if checked.is_empty() {
-            return Err(Error::InvalidShape { op: OP, shape: vec![0], reason: "a group of no projections".into() });
-        }
         let out_shape = with_last_dim(x.shape(), total);
         #[cfg(feature = "cuda")]
         if x.cuda_storage().is_some() {
@@ -212,6 +204,50 @@ impl Tensor {
             _ => Tensor::cat(&outs.iter().collect::<Vec<_>>(), x.shape().len() - 1)?,
         };
         Ok((out.reshape(&out_shape)?, FusedGateSaved { projections: checked, x, phi, extra: SavedExtra::Cpu(saved) }))
+    }
+
+    /// Attention's gated q, k and v: [`Tensor::fused_gated_projections`] of `self: [B, T, d_in]`
+    /// by three projections of one width `heads·D`, then [`Tensor::rope_qkv`] of the packed
+    /// output, `(R q, R k, v)`, each `[B, T, H, D]`, with what the group's backward reads
+    /// ([`Tensor::fused_gated_projection_backward`] of the packed output's gradient, which
+    /// [`Tensor::rotary_attention_backward_packed`] gives). On a GPU under bf16 products, for a
+    /// head dim attention's tensor cores take, the gate kernel writes the three itself, q and k
+    /// rotated before they are rounded to bf16: the GEMM and one launch, where the two ops take
+    /// three. Elsewhere the two ops run in turn (the packed output in bf16 where that applies).
+    pub fn fused_gated_rope_qkv(
+        &self,
+        projections: &[GatedProjection; 3],
+        phi: Unary,
+        heads: usize,
+        theta: f32,
+    ) -> Result<(Tensor, Tensor, Tensor, FusedGateSaved)> {
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            let (x, checked) = self.checked_group(projections)?;
+            if let Some(((q, k, v), x, zu, packed)) = cuda::forward_rotary_qkv(&x, &checked, phi, heads, theta)? {
+                let extra = SavedExtra::Cuda { zu, packed };
+                let x = x.saved_for_products();
+                return Ok((q, k, v, FusedGateSaved { projections: checked, x, phi, extra }));
+            }
+        }
+        let (packed, saved) = self.fused_gated_projections(projections, phi, ProductOutput::Bf16)?;
+        let (q, k, v) = Tensor::rope_qkv(&packed, heads, theta)?;
+        Ok((q, k, v, saved))
+    }
+
+    /// `self` made contiguous, and each of `projections` checked against it and the first
+    /// (one φ's inputs, one pair of ranks): a group of at least one.
+    fn checked_group(&self, projections: &[GatedProjection]) -> Result<(Tensor, Vec<Checked>)> {
+        let x = self.contiguous()?;
+        let mut checked: Vec<Checked> = Vec::with_capacity(projections.len());
+        for p in projections {
+            let projection = check_projection(&x, p, checked.first())?;
+            checked.push(projection);
+        }
+        if checked.is_empty() {
+            return Err(Error::InvalidShape { op: OP, shape: vec![0], reason: "a group of no projections".into() });
+        }
+        Ok((x, checked))
     }
 
     /// The backward of [`Tensor::fused_gated_projections`] for the output gradient `dy`:
@@ -309,8 +345,9 @@ pub(crate) mod cuda {
     use half::bf16;
     use kernels::cpu::matmul::Store;
     use kernels::cuda::fused_gate::{
-        fused_gate_backward, fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams,
-        DeviceGateGrads, DeviceGateParams, GateGroup, GateProducts, Unary,
+        fused_gate_backward, fused_gate_forward_rotary_qkv, fused_gate_forward_unfused, pack_weight,
+        DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, GateGroup, GateProducts,
+        RotaryQkv, Unary,
     };
     use kernels::cuda::{CudaDevice, DeviceBuffer, DeviceValues, Values, ValuesMut};
 
@@ -386,22 +423,84 @@ pub(crate) mod cuda {
         let group = groups(projections, &dense, phi)?;
         let packed = packed_weight(&dev, &dense, &group)?;
         let x_bf16 = x.to_dtype(DType::BF16)?.dense()?;
-        let x_bf16_buffer = storage_of(&x_bf16)?;
-        let rows = projections[0].dims.rows;
-        let width: usize = projections.iter().map(|p| p.dims.width()).sum();
         let bf16_products = crate::cuda::matmul_precision() == crate::cuda::MatmulPrecision::Bf16;
-        let mut zu = DeviceValues::alloc(&dev, rows * width, bf16_products)?;
+        let mut zu = new_zu(&dev, projections, bf16_products)?;
         let out_len = out_shape.iter().product();
         // ZU from cuBLAS, then the gate kernel: measured 1.75x faster than the tensor-core kernel
         // with the gate in its epilogue (fused_gate_forward) on an H200 (cuda-bench, 131072 tokens,
         // 512 -> 512: 0.44 ms against 0.77 ms), whose main loop runs at a third of cuBLAS's speed.
         // Training saves Z and U for the backward, so the epilogue kernel's saving (not writing them)
         // does not apply here.
-        let x_bf16 = x_bf16_buffer.bf16_buffer(OP)?;
+        let x_bf16_buffer = storage_of(&x_bf16)?.bf16_buffer(OP)?;
         let mut out = CudaStorage::alloc_values(&dev, out_len, bf16_products && output == ProductOutput::Bf16)?;
-        fused_gate_forward_unfused(&dev, &group, x_bf16, &packed, &mut zu, out.values_mut(OP)?)?;
+        fused_gate_forward_unfused(&dev, &group, x_bf16_buffer, &packed, &mut zu, out.values_mut(OP)?)?;
         let out = Tensor::from_cuda(out, out_shape)?;
         Ok((out, x.to_dtype(DType::F32)?.dense()?, zu, packed))
+    }
+
+    /// `Tensor::fused_gated_rope_qkv` on the GPU where the gate kernel writes q, k and v
+    /// itself (bf16 products and a head dim attention's tensor cores take: attention then
+    /// reads them in bf16, as `rope_qkv` writes them there): `((R q, R k, v), x as dense f32,
+    /// ZU, the packed bf16 weight)`; `None` elsewhere. `x: [B, T, d_in]` and the three
+    /// projections are contiguous and shape-checked by the caller.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn forward_rotary_qkv(
+        x: &Tensor,
+        projections: &[Checked],
+        phi: Unary,
+        heads: usize,
+        theta: f32,
+    ) -> Result<Option<((Tensor, Tensor, Tensor), Tensor, DeviceValues, Arc<DeviceBuffer<bf16>>)>> {
+        let &[batch, seq, _] = x.shape() else {
+            return Err(Error::InvalidShape {
+                op: OP,
+                shape: x.shape().to_vec(),
+                reason: "expected [B, T, d_in]".into(),
+            });
+        };
+        let width = projections[0].dims.d_out;
+        let same_width = projections.iter().all(|p| p.dims.d_out == width);
+        if heads == 0 || !same_width || !width.is_multiple_of(heads) || !(width / heads).is_multiple_of(2) {
+            return Err(Error::InvalidShape {
+                op: OP,
+                shape: x.shape().to_vec(),
+                reason: format!("{heads} heads must split q, k and v's width {width} into even head dims"),
+            });
+        }
+        let head_dim = width / heads;
+        if !crate::ops::attention::cuda::reads_bf16_inputs(head_dim) || seq == 0 {
+            return Ok(None);
+        }
+        let dev = x.cuda_device(OP)?;
+        let dense = projections.iter().map(dense_f32).collect::<Result<Vec<_>>>()?;
+        let group = groups(projections, &dense, phi)?;
+        let packed = packed_weight(&dev, &dense, &group)?;
+        let x_bf16 = x.to_dtype(DType::BF16)?.dense()?;
+        let mut zu = new_zu(&dev, projections, true)?;
+        let table = crate::ops::rope::cuda::table(&dev, seq, head_dim, theta)?;
+        let alloc = || CudaStorage::alloc_values(&dev, batch * seq * width, true);
+        let (mut q, mut k, mut v) = (alloc()?, alloc()?, alloc()?);
+        let outs = [rounded_buffer(&mut q)?, rounded_buffer(&mut k)?, rounded_buffer(&mut v)?];
+        let rope = RotaryQkv { seq, head_dim, cos: &table.cos, sin: &table.sin, outs };
+        let x_bf16_buffer = storage_of(&x_bf16)?.bf16_buffer(OP)?;
+        fused_gate_forward_rotary_qkv(&dev, &group, x_bf16_buffer, &packed, &mut zu, rope)?;
+        let shape = [batch, seq, heads, head_dim];
+        let qkv = (Tensor::from_cuda(q, &shape)?, Tensor::from_cuda(k, &shape)?, Tensor::from_cuda(v, &shape)?);
+        Ok(Some((qkv, x.to_dtype(DType::F32)?.dense()?, zu, packed)))
+    }
+
+    /// The bf16 buffer a storage from `CudaStorage::alloc_values(.., true)` is held as.
+    fn rounded_buffer(storage: &mut CudaStorage) -> Result<&mut DeviceBuffer<bf16>> {
+        match storage.values_mut(OP)? {
+            ValuesMut::Bf16(buffer) => Ok(buffer),
+            ValuesMut::F32(_) => Err(Error::DTypeMismatch { op: OP, expected: DType::BF16, got: DType::F32 }),
+        }
+    }
+
+    /// A group's GEMM output `ZU` (`[N, K]`), in bf16 under bf16 products.
+    fn new_zu(dev: &Arc<CudaDevice>, projections: &[Checked], bf16: bool) -> Result<DeviceValues> {
+        let width: usize = projections.iter().map(|p| p.dims.width()).sum();
+        Ok(DeviceValues::alloc(dev, projections[0].dims.rows * width, bf16)?)
     }
 
     /// The device storage of a GPU tensor.

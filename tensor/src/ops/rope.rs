@@ -164,13 +164,13 @@ pub(crate) mod cuda {
     const MIN_POSITIONS: usize = 256;
 
     /// The cos and sin tables `[positions, head_dim / 2]` of one GPU, head dim and theta.
-    struct Table {
+    pub(crate) struct Table {
         device: Arc<CudaDevice>,
         head_dim: usize,
         theta_bits: u32,
         positions: usize,
-        cos: DeviceBuffer<f32>,
-        sin: DeviceBuffer<f32>,
+        pub(crate) cos: DeviceBuffer<f32>,
+        pub(crate) sin: DeviceBuffer<f32>,
     }
 
     impl Table {
@@ -180,7 +180,7 @@ pub(crate) mod cuda {
     }
 
     /// A table with at least `positions` rows on `dev`, from the cache or built and cached.
-    fn table(dev: &Arc<CudaDevice>, positions: usize, head_dim: usize, theta: f32) -> Result<Arc<Table>> {
+    pub(crate) fn table(dev: &Arc<CudaDevice>, positions: usize, head_dim: usize, theta: f32) -> Result<Arc<Table>> {
         static TABLES: OnceLock<Mutex<Vec<Arc<Table>>>> = OnceLock::new();
         let mut tables = TABLES.get_or_init(Mutex::default).lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(table) = tables.iter().find(|t| t.is_for(dev, head_dim, theta) && t.positions >= positions) {

@@ -18,7 +18,8 @@
 //! [`fused_gate_apply`]), for a [`GateGroup`] of projections of one input at once (q, k and
 //! v; gate and up: one GEMM over their weights packed together, one gate launch); it gives
 //! [`fused_gate_forward`]'s result to f32 rounding with an f32 `zu`, to bf16 rounding with a
-//! bf16 one. The backward
+//! bf16 one. [`fused_gate_forward_rotary_qkv`] is the same path for attention's q, k and v,
+//! its gate kernel writing them as attention reads them, q and k rotated by RoPE. The backward
 //! ([`fused_gate_backward`], `backward.rs`) reads `zu`, the f32 `x` and f32 weights (under
 //! bf16 products, the forward's bf16 `x` and packed weight): one row kernel (the gate's
 //! elementwise backward and its rank-r products), one launch of deterministic column sums for
@@ -425,22 +426,111 @@ pub fn fused_gate_forward_unfused(
     zu: &mut DeviceValues,
     out: ValuesMut,
 ) -> Result<()> {
-    const OP: &str = "fused_gate_forward_unfused";
+    zu_product(dev, "fused_gate_forward_unfused", groups, x, packed, zu)?;
+    fused_gate_apply(dev, groups, zu, out)
+}
+
+/// Where [`fused_gate_forward_rotary_qkv`] writes attention's q, k and v, and RoPE's tables.
+#[derive(Debug)]
+pub struct RotaryQkv<'a> {
+    /// Tokens per sequence: row n of the group is token `n % seq` of its sequence.
+    pub seq: usize,
+    /// The head dimension D (even): each projection's `d_out` is a whole number of heads.
+    pub head_dim: usize,
+    /// RoPE's cosines and sines, `[positions, D/2]` (at least `seq` positions): `rope_table`.
+    pub cos: &'a DeviceBuffer<f32>,
+    /// The sines.
+    pub sin: &'a DeviceBuffer<f32>,
+    /// q, k and v, each a dense bf16 `[N, d_out]`: `[B, T, H, D]`, written.
+    pub outs: [&'a mut DeviceBuffer<bf16>; 3],
+}
+
+/// The engine's forward of attention's gated q, k and v, a group of three projections of one
+/// `d_out` each under bf16 products: the GEMM of [`fused_gate_forward_unfused`] into the bf16
+/// `zu`, then one launch that gates the three and writes them as attention's tensor-core
+/// kernels read them, each a dense bf16 `[B, T, H, D]`, q and k rotated by RoPE (token t of a
+/// sequence at table row t): what `rope::rope_qkv_forward` makes of the packed gated output,
+/// without that launch, and with each value rounded once (the packed output is rounded to bf16
+/// before RoPE widens and rotates it, and again after).
+pub fn fused_gate_forward_rotary_qkv(
+    dev: &CudaDevice,
+    groups: &[GateGroup],
+    x: &DeviceBuffer<bf16>,
+    packed: &DeviceBuffer<bf16>,
+    zu: &mut DeviceValues,
+    rope: RotaryQkv,
+) -> Result<()> {
+    const OP: &str = "fused_gate_forward_rotary_qkv";
     let layout = layout(dev, OP, groups)?;
-    for buffer in [x, packed] {
-        dev.check_owner(OP, buffer)?;
+    let RotaryQkv { seq, head_dim, cos, sin, outs } = rope;
+    ensure(groups.len() == 3, OP, || format!("{} projections, not q, k and v", groups.len()))?;
+    let d_out = groups[0].dims.d_out;
+    ensure(groups.iter().all(|g| g.dims.d_out == d_out), OP, || "q, k and v differ in width".to_string())?;
+    ensure(head_dim > 0 && head_dim.is_multiple_of(2) && d_out.is_multiple_of(head_dim), OP, || {
+        format!("width {d_out} is not a whole number of heads of an even dimension {head_dim}")
+    })?;
+    ensure(seq > 0 && layout.rows.is_multiple_of(seq), OP, || {
+        format!("{} rows are not sequences of {seq}", layout.rows)
+    })?;
+    let table_len = seq * head_dim / 2;
+    ensure(cos.len() >= table_len && sin.len() >= table_len, OP, || {
+        format!("RoPE's tables hold {} and {} values, {seq} positions need {table_len}", cos.len(), sin.len())
+    })?;
+    // The kernel indexes the tables in 32 bits.
+    ensure(table_len <= i32::MAX as usize, OP, || format!("{seq} positions of {head_dim} dims: too long a table"))?;
+    dev.check_owner(OP, cos)?;
+    dev.check_owner(OP, sin)?;
+    for out in &outs {
+        dev.check_owner(OP, &**out)?;
+        ensure_len(OP, "q, k or v", out.len(), layout.rows * d_out)?;
     }
-    zu.values().check_owner(dev, OP)?;
+    ensure(zu.values().is_bf16(), OP, || "the rotary epilogue reads a bf16 zu (bf16 products)".to_string())?;
+    zu_product(dev, OP, groups, x, packed, zu)?;
+    let (phi, phi_p) = unary_code(groups[0].params.phi);
+    let [params, places] = group_lists(groups, &layout);
+    let args = [
+        zu.values().arg_at(0),
+        params,
+        places,
+        int(phi),
+        Arg::F32(phi_p),
+        size(layout.rows),
+        size(layout.zu_width),
+        int(layout.rank_channel as i32),
+        int(layout.rank_scalar as i32),
+        address_list(outs.iter().map(|out| out.device_ptr())),
+        ptr(cos),
+        ptr(sin),
+        size(seq),
+        size(head_dim),
+    ];
+    dev.launch(FAMILY, "fused_gate_apply_rotary_qkv", apply_blocks(&layout, groups)?, &args)
+}
+
+/// The group's GEMM `zu = x·packedᵀ` (`[N, K]`, f32 accumulation, written in `zu`'s type),
+/// checked against the group's layout.
+fn zu_product(
+    dev: &CudaDevice,
+    op: &'static str,
+    groups: &[GateGroup],
+    x: &DeviceBuffer<bf16>,
+    packed: &DeviceBuffer<bf16>,
+    zu: &mut DeviceValues,
+) -> Result<()> {
+    let layout = layout(dev, op, groups)?;
+    for buffer in [x, packed] {
+        dev.check_owner(op, buffer)?;
+    }
+    zu.values().check_owner(dev, op)?;
     let (k, d_in) = (layout.zu_width, layout.d_in);
-    ensure_len(OP, "x", x.len(), layout.rows * d_in)?;
-    ensure_len(OP, "packed weight", packed.len(), k * d_in)?;
-    ensure_len(OP, "zu", zu.len(), layout.rows * k)?;
+    ensure_len(op, "x", x.len(), layout.rows * d_in)?;
+    ensure_len(op, "packed weight", packed.len(), k * d_in)?;
+    ensure_len(op, "zu", zu.len(), layout.rows * k)?;
     let (a, b) = (Operand::rows(x.device_ptr(), d_in), Operand::transposed(packed.device_ptr(), d_in));
     let product = GemmDims { m: layout.rows, n: k, k: d_in };
     let precision = match zu {
         DeviceValues::F32(_) => Precision::Bf16,
         DeviceValues::Bf16(_) => Precision::Bf16Out,
     };
-    gemm(dev, precision, product, a, b, Store::Overwrite, (zu.values().address(), k))?;
-    fused_gate_apply(dev, groups, zu, out)
+    gemm(dev, precision, product, a, b, Store::Overwrite, (zu.values().address(), k))
 }

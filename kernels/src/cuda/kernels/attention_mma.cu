@@ -8,7 +8,9 @@
 // forward may write its output in bf16 only (out null, as FlashAttention-2 stores O), and the
 // _bf16 dq kernel reads O so. The backward writes each of dq, dk and dv in f32 (with a bf16
 // twin beside it when given a bf16 pointer too) or in bf16 alone (its f32 pointer null): under
-// bf16 products RoPE's backward and the projections' products read them so. dO is f32, or bf16
+// bf16 products the projections' products read them so. Given RoPE's tables it writes them as
+// the packed QKV product's gradient instead, dq and dk rotated back (RowsOut below), so that
+// RoPE's backward takes no launch of its own. dO is f32, or bf16
 // beside bf16 q, k, v and O (the _bf16_dout_bf16 entry points: the output projection's input
 // gradient, stored so under bf16 products); the products read it rounded to bf16 either way,
 // so a bf16 dO gives the bits of the f32 one it rounds.
@@ -227,25 +229,60 @@ __device__ __forceinline__ float quad_max(float v) {
     return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 2));
 }
 
-// Writes the warp's 16 × D result rows row0.. (`scale` times the accumulator) into `dst`
-// and its bf16 twin, each when given, skipping rows at or past `limit`. A lane holds two adjacent
-// columns of a row: it writes them as one 8-byte store (one 4-byte store of the bf16 pair), so
-// a warp's store fills whole 32-byte sectors instead of half of each.
+// Where a kernel stores its result rows: the f32 values and their bf16 twin (either may be
+// null), `stride` elements between two tokens' rows (H·D in a dense [B, T, H, D] tensor; 3·H·D
+// where the rows are a third of the packed QKV product's gradient [B, T, 3, H, D]) and, when
+// `cos` is given, RoPE's tables ([positions, D/2], rope.cu): each row is then rotated back (the
+// inverse rotation, RoPE's backward) by the angles of its position before it is stored, so
+// that the backward writes dqkv = [Rᵀ dq | Rᵀ dk | dv] itself, with no RoPE launch after it.
+struct RowsOut {
+    float* f32;
+    bf16_t* bf16;
+    i64 stride;
+    const float* cos;
+    const float* sin;
+};
+
+// Writes the warp's 16 × D result rows row0.. (`scale` times the accumulator) of head (b, h)
+// into `dst`, skipping rows at or past `limit`; row r sits at position r + position_offset
+// (RoPE's table row). A lane holds two adjacent columns of a row: it writes them as one
+// 8-byte store (one 4-byte store of the bf16 pair), so a warp's store fills whole 32-byte
+// sectors instead of half of each. Column c < D/2 pairs with c + D/2, which the same lane
+// holds in tile nd + D/16 (D/2 is a multiple of 8), so the rotation stays in registers.
 template <int D>
-__device__ __forceinline__ void store_rows(const float (*acc)[4], float scale, float* dst, bf16_t* dst_bf16, i64 b,
-                                           i64 h, i64 row0, i64 limit, i64 seq, i64 heads) {
+__device__ __forceinline__ void store_rows(const float (*acc)[4], float scale, const RowsOut& dst, i64 b, i64 h,
+                                           i64 row0, i64 limit, i64 seq, i64 position_offset) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         i64 row = row0 + g + 8 * half;
         if (row >= limit) continue;
-        i64 at = head_row(b, row, h, seq, heads, D);
+        i64 at = (b * seq + row) * dst.stride + h * D;
+        float v[D / 8][2];
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+            v[nd][0] = scale * acc[nd][2 * half];
+            v[nd][1] = scale * acc[nd][2 * half + 1];
+        }
+        if (dst.cos) {
+            const i64 table_row = (row + position_offset) * (D / 2);
+#pragma unroll
+            for (int nd = 0; nd < D / 16; ++nd) {
+                const int c = 8 * nd + 2 * t;
+                const f32x2 cos_pair = *reinterpret_cast<const f32x2*>(dst.cos + table_row + c);
+                const f32x2 sin_pair = *reinterpret_cast<const f32x2*>(dst.sin + table_row + c);
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float* partner = &v[nd + D / 16][e];
+                    rope_rotate_pair(v[nd][e], *partner, cos_pair.v[e], sin_pair.v[e], -1.0f, v[nd][e], *partner);
+                }
+            }
+        }
 #pragma unroll
         for (int nd = 0; nd < D / 8; ++nd) {
             const int c = 8 * nd + 2 * t;
-            const float v0 = scale * acc[nd][2 * half], v1 = scale * acc[nd][2 * half + 1];
-            if (dst) *reinterpret_cast<f32x2*>(dst + at + c) = f32x2{{v0, v1}};
-            if (dst_bf16) *reinterpret_cast<unsigned int*>(dst_bf16 + at + c) = bf16x2(v0, v1);
+            if (dst.f32) *reinterpret_cast<f32x2*>(dst.f32 + at + c) = f32x2{{v[nd][0], v[nd][1]}};
+            if (dst.bf16) *reinterpret_cast<unsigned int*>(dst.bf16 + at + c) = bf16x2(v[nd][0], v[nd][1]);
         }
     }
 }
@@ -370,7 +407,7 @@ __device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, 
         o[nd][2] *= inv[1];
         o[nd][3] *= inv[1];
     }
-    store_rows<D>(o, 1.0f, out, out_bf16, b, h, row0, q_seq, q_seq, heads);
+    store_rows<D>(o, 1.0f, RowsOut{out, out_bf16, heads * D, nullptr, nullptr}, b, h, row0, q_seq, q_seq, 0);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const i64 row = row0 + g + 8 * half;
@@ -413,8 +450,10 @@ __device__ __forceinline__ void dq_tile(const unsigned int (*qa)[4], const unsig
 template <int D, typename In, typename O, typename Dy>
 __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In* k, const In* v,
                                                           const O* out, const Dy* dout, const float* lse,
-                                                          float* delta, float* dq, bf16_t* dq_bf16, i64 q_seq,
-                                                          i64 kv_seq, i64 heads, float scale) {
+                                                          float* delta, float* dq, bf16_t* dq_bf16,
+                                                          i64 grad_stride, const float* cos_table,
+                                                          const float* sin_table, i64 q_seq, i64 kv_seq, i64 heads,
+                                                          float scale) {
     __shared__ __align__(16) bf16_t k_tiles[2][TC_TILE * (D + TC_PAD)];
     __shared__ __align__(16) bf16_t v_tiles[2][TC_TILE * (D + TC_PAD)];
     const int lane = threadIdx.x & 31, g = lane >> 2;
@@ -471,7 +510,8 @@ __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In*
         }
         __syncthreads();  // every warp is done with buffer buf before the tile after next goes into it
     }
-    store_rows<D>(acc, scale, dq, dq_bf16, b, h, row0, q_seq, q_seq, heads);
+    const RowsOut dq_rows{dq, dq_bf16, grad_stride, cos_table, sin_table};
+    store_rows<D>(acc, scale, dq_rows, b, h, row0, q_seq, q_seq, kv_seq - q_seq);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -525,7 +565,9 @@ template <int D, typename In, typename Dy>
 __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In* k, const In* v,
                                                            const Dy* dout, const float* lse, const float* delta,
                                                            float* dk, bf16_t* dk_bf16, float* dv, bf16_t* dv_bf16,
-                                                           i64 q_seq, i64 kv_seq, i64 heads, float scale) {
+                                                           i64 grad_stride, const float* cos_table,
+                                                           const float* sin_table, i64 q_seq, i64 kv_seq, i64 heads,
+                                                           float scale) {
     __shared__ __align__(16) bf16_t q_tiles[2][TC_TILE * (D + TC_PAD)];
     __shared__ __align__(16) bf16_t do_tiles[2][TC_TILE * (D + TC_PAD)];
     __shared__ __align__(16) float lse_tiles[2][TC_TILE];
@@ -568,8 +610,9 @@ __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In
         }
         __syncthreads();  // every warp is done with buffer buf before the tile after next goes into it
     }
-    store_rows<D>(acc_k, scale, dk, dk_bf16, b, h, row0, kv_seq, kv_seq, heads);
-    store_rows<D>(acc_v, 1.0f, dv, dv_bf16, b, h, row0, kv_seq, kv_seq, heads);
+    // dk rotated back by RoPE's tables when given (dv never: v is not rotated), each key at its own position.
+    store_rows<D>(acc_k, scale, RowsOut{dk, dk_bf16, grad_stride, cos_table, sin_table}, b, h, row0, kv_seq, kv_seq, 0);
+    store_rows<D>(acc_v, 1.0f, RowsOut{dv, dv_bf16, grad_stride, nullptr, nullptr}, b, h, row0, kv_seq, kv_seq, 0);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -584,24 +627,32 @@ __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In
 #define MMA_FORWARD_ARGS q, k, v, out, out_bf16, lse, q_seq, kv_seq, heads, scale
 #define MMA_DQ_PARAMS                                                                                            \
     const float *q, const float *k, const float *v, const float *out, const float *dout, const float *lse,    \
-        float *delta, float *dq, bf16_t *dq_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
+        float *delta, float *dq, bf16_t *dq_bf16, i64 grad_stride, const float *cos_table,                  \
+        const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DQ_BF16_PARAMS                                                                                       \
     const bf16_t *q, const bf16_t *k, const bf16_t *v, const bf16_t *out, const float *dout, const float *lse, \
-        float *delta, float *dq, bf16_t *dq_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
+        float *delta, float *dq, bf16_t *dq_bf16, i64 grad_stride, const float *cos_table,                  \
+        const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DQ_DOUT_BF16_PARAMS                                                                                  \
     const bf16_t *q, const bf16_t *k, const bf16_t *v, const bf16_t *out, const bf16_t *dout, const float *lse, \
-        float *delta, float *dq, bf16_t *dq_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
-#define MMA_DQ_ARGS q, k, v, out, dout, lse, delta, dq, dq_bf16, q_seq, kv_seq, heads, scale
+        float *delta, float *dq, bf16_t *dq_bf16, i64 grad_stride, const float *cos_table,                  \
+        const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
+#define MMA_DQ_ARGS \
+    q, k, v, out, dout, lse, delta, dq, dq_bf16, grad_stride, cos_table, sin_table, q_seq, kv_seq, heads, scale
 #define MMA_DKV_PARAMS                                                                                           \
     const float *q, const float *k, const float *v, const float *dout, const float *lse, const float *delta,  \
-        float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
+        float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 grad_stride, const float *cos_table,    \
+        const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DKV_BF16_PARAMS                                                                                      \
     const bf16_t *q, const bf16_t *k, const bf16_t *v, const float *dout, const float *lse, const float *delta, \
-        float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
+        float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 grad_stride, const float *cos_table,    \
+        const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DKV_DOUT_BF16_PARAMS                                                                                    \
     const bf16_t *q, const bf16_t *k, const bf16_t *v, const bf16_t *dout, const float *lse, const float *delta, \
-        float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 q_seq, i64 kv_seq, i64 heads, float scale
-#define MMA_DKV_ARGS q, k, v, dout, lse, delta, dk, dk_bf16, dv, dv_bf16, q_seq, kv_seq, heads, scale
+        float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 grad_stride, const float *cos_table,    \
+        const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
+#define MMA_DKV_ARGS \
+    q, k, v, dout, lse, delta, dk, dk_bf16, dv, dv_bf16, grad_stride, cos_table, sin_table, q_seq, kv_seq, heads, scale
 
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d16(MMA_FORWARD_PARAMS) { attention_mma_forward<16>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d32(MMA_FORWARD_PARAMS) { attention_mma_forward<32>(MMA_FORWARD_ARGS); }

@@ -319,6 +319,18 @@ __device__ __forceinline__ void store_bf16(bf16_t* p, const float (&v)[W]) {
     }
 }
 
+// RoPE's rotation of one pair (a, b) = (x[i], x[i + D/2]) by the angle whose cosine is c and
+// sine s·sign (sign −1: the inverse rotation, RoPE's backward): lo = a·c − b·s', hi = a·s' + b·c.
+// rope.cu and attention's backward, which rotates its dq and dk rows as it stores them, both
+// call it, so that the same f32 inputs give the same bits in either. hi is written a·s' + b·c
+// (not b·c + a·s') so that NVRTC fuses the same product into an fma in every caller.
+__device__ __forceinline__ void rope_rotate_pair(float a, float b, float c, float s, float sign, float& lo,
+                                                 float& hi) {
+    const float sk = s * sign;
+    lo = a * c - b * sk;
+    hi = a * sk + b * c;
+}
+
 // σ(x) through e^-|x| ≤ 1, so it never overflows (unary.rs `sigmoid`).
 __device__ __forceinline__ float sigmoid_f(float x) {
     float e = expf(-fabsf(x));

@@ -230,25 +230,27 @@ __device__ __forceinline__ float scalar_gate(const float* h, const float* b_sw, 
     return 2.0f * sigmoid_f(alpha_s * logit);
 }
 
-// A row's columns col and col + 1 (`second`: col + 1 is a column) as one 8-byte store where
-// `pairs` (an even row width: every pair is 8-byte aligned in a whole device buffer), else one
-// by one: the fragment epilogue's stores, so that a warp's store fills whole 32-byte sectors.
-__device__ __forceinline__ void store_pair(float* p, float v0, float v1, bool second, bool pairs) {
+// A row's columns col and col + apart (`second`: the second is a column; apart is 1, adjacent
+// columns, except for a RoPE pair of one head: gate_apply's rotary epilogue) as one 8-byte store
+// where `pairs` (adjacent columns and an even row width: every pair is 8-byte aligned in a
+// whole device buffer), else one by one: the fragment epilogue's stores, so that a warp's store
+// fills whole 32-byte sectors.
+__device__ __forceinline__ void store_pair(float* p, float v0, float v1, bool second, bool pairs, i64 apart = 1) {
     if (second && pairs) {
         *reinterpret_cast<f32x2*>(p) = f32x2{{v0, v1}};
     } else {
         p[0] = v0;
-        if (second) p[1] = v1;
+        if (second) p[apart] = v1;
     }
 }
 
 // store_pair rounded to bf16: one 4-byte store when `pairs` (p on a 4-byte boundary).
-__device__ __forceinline__ void store_pair(bf16_t* p, float v0, float v1, bool second, bool pairs) {
+__device__ __forceinline__ void store_pair(bf16_t* p, float v0, float v1, bool second, bool pairs, i64 apart = 1) {
     if (second && pairs) {
         *reinterpret_cast<unsigned int*>(p) = (unsigned int)f32_to_bf16(v0) | ((unsigned int)f32_to_bf16(v1) << 16);
     } else {
         p[0] = f32_to_bf16(v0);
-        if (second) p[1] = f32_to_bf16(v1);
+        if (second) p[apart] = f32_to_bf16(v1);
     }
 }
 
@@ -463,54 +465,79 @@ __device__ __forceinline__ void block_hidden(f32x4 (*h)[FG_MAX_RANK / 4], const 
 #define FG_APPLY_ROWS 32
 #define FG_APPLY_CHUNK 8
 
-// A row's columns col and col + 1 (`second`: col + 1 is a column) as one load where `pairs`
-// (the pair on a boundary of its size, as store_pair's), else one by one; zero when not read.
-__device__ __forceinline__ void load_pair(const float* p, bool second, bool pairs, float& v0, float& v1) {
+// A row's columns col and col + apart (`second`: the second is a column) as one load where
+// `pairs` (adjacent columns, the pair on a boundary of its size, as store_pair's), else one by
+// one; zero when not read.
+__device__ __forceinline__ void load_pair(const float* p, bool second, bool pairs, i64 apart, float& v0, float& v1) {
     if (second && pairs) {
         const f32x2 q = *reinterpret_cast<const f32x2*>(p);
         v0 = q.v[0];
         v1 = q.v[1];
     } else {
         v0 = p[0];
-        v1 = second ? p[1] : 0.0f;
+        v1 = second ? p[apart] : 0.0f;
     }
 }
 
 // load_pair from bf16: one 4-byte load when `pairs`.
-__device__ __forceinline__ void load_pair(const bf16_t* p, bool second, bool pairs, float& v0, float& v1) {
+__device__ __forceinline__ void load_pair(const bf16_t* p, bool second, bool pairs, i64 apart, float& v0, float& v1) {
     if (second && pairs) {
         const unsigned int q = *reinterpret_cast<const unsigned int*>(p);
         v0 = bf16_to_f32((bf16_t)(q & 0xffffu));
         v1 = bf16_to_f32((bf16_t)(q >> 16));
     } else {
         v0 = bf16_to_f32(p[0]);
-        v1 = second ? bf16_to_f32(p[1]) : 0.0f;
+        v1 = second ? bf16_to_f32(p[apart]) : 0.0f;
     }
 }
+
+// gate_apply's rotary epilogue (fused_gate_apply_rotary_qkv): attention's q, k and v as a
+// group of three projections of H·D outputs each, written as attention reads them, each its
+// own dense [N, H·D] (outs.v[g]), the first two (q and k) rotated by RoPE (rope.cu: token n at
+// table row n % seq of cos and sin, [positions, D/2]) before they are rounded: what
+// rope_rotate makes of the packed output, with no launch of its own and one rounding.
+struct RotaryQkv {
+    const TensorList* outs;
+    const float* cos;
+    const float* sin;
+    i64 seq, head_dim;
+};
 
 // The gate alone, from a saved ZU: out = σ̃_αc(H_c·B_cᵀ + b_c) ⊙ γ_s ⊙ Z for every group
 // (the second half of the cuBLAS path; the same arithmetic as fused_gate_mma's epilogue and in
 // the same order, so the same bits as a row at a time), written as f32 or rounded to bf16 (O).
-template <class Z, class O>
+// A thread's two columns are adjacent (j, j + 1), or with ROTARY the two columns of one RoPE
+// pair (i, i + D/2) of a head (pair p = tile / 2 + thread: a tile holds whole pairs for any
+// even D), rotated before they are stored (the rotary epilogue above).
+template <class Z, class O, bool ROTARY>
 __device__ __forceinline__ void gate_apply(const Z* __restrict__ zu, const TensorList& params,
                                            const TensorList& layout, int phi, float phi_p, i64 rows, i64 zu_width,
-                                           i64 out_width, int rc, int rs, O* __restrict__ out) {
+                                           i64 out_width, int rc, int rs, O* __restrict__ out, const RotaryQkv& rope) {
     const GateGroup g = gate_group(params, layout, blockIdx.z);
     const i64 d_out = g.d_out, tile = (i64)blockIdx.y * FG_APPLY_TILE;
     if (tile >= d_out) return;  // the whole block: a tile past this group's columns
     __shared__ f32x4 h_quads[FG_APPLY_ROWS][FG_MAX_RANK / 4];  // each row's H, 16-byte aligned
     __shared__ float scale_rows[FG_APPLY_ROWS];               // each row's 2·γ_s
+    __shared__ int table_rows[ROTARY ? FG_APPLY_ROWS : 1];    // each row's RoPE table offset
     const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
     const bool regs = register_rank(rc);
-    // Both columns' reads and writes as pairs when every pair starts on an even element.
-    const bool pairs = ((zu_width | g.zu_at | out_width | g.out_at) & 1) == 0;
 
-    // This thread's columns j and j + 1: their weights (register path) and biases.
-    const i64 j = tile + 2 * threadIdx.x;
-    const bool live = j < d_out, second = j + 1 < d_out;
+    // This thread's columns j and j + apart: their weights (register path) and biases.
+    const i64 half = ROTARY ? rope.head_dim / 2 : 1, pair = tile / 2 + threadIdx.x;
+    const i64 apart = ROTARY ? half : 1;
+    const i64 j = ROTARY ? pair / half * rope.head_dim + pair % half : tile + 2 * threadIdx.x;
+    const bool live = j < d_out, second = j + apart < d_out;
+    // Both columns' reads and writes as pairs when they are adjacent and every pair starts on
+    // an even element.
+    const bool pairs = !ROTARY && ((zu_width | g.zu_at | out_width | g.out_at) & 1) == 0;
     float w[2][FG_REG_RANK], bias[2];
     column_weight(g.b_cw, g.b_cb, j, live, rc, regs, w[0], bias[0]);
-    column_weight(g.b_cw, g.b_cb, j + 1, second, rc, regs, w[1], bias[1]);
+    column_weight(g.b_cw, g.b_cb, j + apart, second, rc, regs, w[1], bias[1]);
+    // Where the group's rows go, and whether they rotate (q and k: groups 0 and 1).
+    O* dst = ROTARY ? (O*)rope.outs->v[blockIdx.z] : out + g.out_at;
+    const i64 dst_width = ROTARY ? d_out : out_width;
+    const bool rotate = ROTARY && blockIdx.z < 2;
+    const int pair_at = ROTARY ? (int)(pair % half) : 0;  // the pair's column in the table's rows
 
     for (i64 row0 = (i64)blockIdx.x * FG_APPLY_ROWS; row0 < rows; row0 += (i64)gridDim.x * FG_APPLY_ROWS) {
         const int count = (int)(rows - row0 < FG_APPLY_ROWS ? rows - row0 : FG_APPLY_ROWS);
@@ -520,6 +547,9 @@ __device__ __forceinline__ void gate_apply(const Z* __restrict__ zu, const Tenso
         if (threadIdx.x < count) {
             const float* h = reinterpret_cast<const float*>(h_quads[threadIdx.x]);
             scale_rows[threadIdx.x] = 2.0f * scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
+            // The row's position within its sequence: one 64-bit modulo per row, not per pair.
+            // (Below 2³¹: a table of seq·D/2 floats; the launcher checks.)
+            if (ROTARY) table_rows[threadIdx.x] = (int)((row0 + threadIdx.x) % rope.seq * half);
         }
         __syncthreads();
         if (!live) continue;
@@ -528,44 +558,66 @@ __device__ __forceinline__ void gate_apply(const Z* __restrict__ zu, const Tenso
 #pragma unroll
             for (int k = 0; k < FG_APPLY_CHUNK; ++k) {
                 z[k][0] = z[k][1] = 0.0f;
-                if (c0 + k < count) load_pair(zu + (row0 + c0 + k) * zu_width + g.zu_at + j, second, pairs, z[k][0], z[k][1]);
+                const Z* zr = zu + (row0 + c0 + k) * zu_width + g.zu_at + j;
+                if (c0 + k < count) load_pair(zr, second, pairs, apart, z[k][0], z[k][1]);
             }
 #pragma unroll
             for (int k = 0; k < FG_APPLY_CHUNK; ++k) {
                 if (c0 + k >= count) break;
+                const i64 row = row0 + c0 + k;
                 const float* h = reinterpret_cast<const float*>(h_quads[c0 + k]);
                 const float scale = scale_rows[c0 + k];
                 float y[2] = {0.0f, 0.0f};
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     if (c == 1 && !second) break;
-                    const float logit = stationary_logit(h, w[c], g.b_cw, j + c, rc, regs);
+                    const float logit = stationary_logit(h, w[c], g.b_cw, j + c * apart, rc, regs);
                     y[c] = sigmoid_f(alpha_c * (logit + bias[c])) * scale * z[k][c];
                 }
-                store_pair(out + (row0 + c0 + k) * out_width + g.out_at + j, y[0], y[1], second, pairs);
+                if (rotate) {
+                    const int at = table_rows[c0 + k] + pair_at;
+                    rope_rotate_pair(y[0], y[1], rope.cos[at], rope.sin[at], 1.0f, y[0], y[1]);
+                }
+                store_pair(dst + row * dst_width + j, y[0], y[1], second, pairs, apart);
             }
         }
     }
 }
 
+// Without the rotary epilogue.
+#define NO_ROTARY RotaryQkv{nullptr, nullptr, nullptr, 1, 2}
+
 extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_PER_SM)
     fused_gate_apply(const float* zu, TensorList params, TensorList layout, int phi, float phi_p, i64 rows,
                      i64 zu_width, i64 out_width, int rc, int rs, float* out) {
-    gate_apply(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out);
+    gate_apply<float, float, false>(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out, NO_ROTARY);
 }
 
 // fused_gate_apply from a bf16 ZU (bf16 products).
 extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_PER_SM)
     fused_gate_apply_bf16(const bf16_t* zu, TensorList params, TensorList layout, int phi, float phi_p, i64 rows,
                           i64 zu_width, i64 out_width, int rc, int rs, float* out) {
-    gate_apply(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out);
+    gate_apply<bf16_t, float, false>(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out,
+                                     NO_ROTARY);
 }
 
 // fused_gate_apply from a bf16 ZU into a bf16 output (for a consumer that reads bf16: SwiGLU).
 extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_PER_SM)
     fused_gate_apply_bf16_out(const bf16_t* zu, TensorList params, TensorList layout, int phi, float phi_p,
                               i64 rows, i64 zu_width, i64 out_width, int rc, int rs, bf16_t* out) {
-    gate_apply(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out);
+    gate_apply<bf16_t, bf16_t, false>(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out,
+                                      NO_ROTARY);
+}
+
+// attention's gated q, k and v from a bf16 ZU into the bf16 outs.v[0..3] (the rotary
+// epilogue above), a group of three projections of H·D = head_dim·heads outputs each.
+extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_PER_SM)
+    fused_gate_apply_rotary_qkv(const bf16_t* zu, TensorList params, TensorList layout, int phi, float phi_p,
+                                i64 rows, i64 zu_width, int rc, int rs, TensorList outs, const float* cos_table,
+                                const float* sin_table, i64 seq, i64 head_dim) {
+    const RotaryQkv rope{&outs, cos_table, sin_table, seq, head_dim};
+    gate_apply<bf16_t, bf16_t, true>(zu, params, layout, phi, phi_p, rows, zu_width, 0, rc, rs, (bf16_t*)nullptr,
+                                     rope);
 }
 
 // fused_gate_backward_rows's blocks (backward_blocks in cuda/fused_gate/mod.rs): block (x, g)

@@ -43,14 +43,8 @@ __device__ __forceinline__ void rope_rotate_part(const X* x, float* out, bf16_t*
             float c[W], s[W];
             load_f32(c, cos_table + row);
             load_f32(s, sin_table + row);
-            // hi's sum is written a·sin + b·cos (the same value: addition commutes) so that NVRTC
-            // fuses the same product into an fma as it did for the one-pair-per-thread kernel:
-            // hi = fma(a, sin, b·cos), lo = a·cos − b·sin unfused. Same bits on the GPU too.
-            for (int k = 0; k < W; ++k) {
-                float sk = s[k] * sign;
-                lo[k] = a[k] * c[k] - b[k] * sk;
-                hi[k] = a[k] * sk + b[k] * c[k];
-            }
+            // The arithmetic of common.cuh's rope_rotate_pair, shared with attention's backward.
+            for (int k = 0; k < W; ++k) rope_rotate_pair(a[k], b[k], c[k], s[k], sign, lo[k], hi[k]);
         } else {
             for (int k = 0; k < W; ++k) {
                 lo[k] = a[k];

@@ -1,0 +1,133 @@
+//! The fused gate writing attention's q, k and v itself, q and k rotated by RoPE
+//! (`fused_gate_forward_rotary_qkv`), against the path it replaces: the packed gated output
+//! (`fused_gate_forward_unfused`, here in f32), then RoPE's packed forward (`rope_qkv_forward`)
+//! into bf16.
+
+use half::bf16;
+use kernels::cpu;
+use kernels::cpu::fused_gate::FusedGateDims;
+use kernels::cpu::rope::RopeDims;
+use kernels::cpu::unary::Unary;
+use kernels::cuda::fused_gate::{GateGroup, RotaryQkv};
+use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer, DeviceValues, Values, ValuesMut};
+
+use super::fused_gate::{up_bf16, DeviceGate, GateCase};
+use super::{assert_close_to, up, Rng};
+
+/// A bf16 buffer widened on the host.
+fn widened(dev: &CudaDevice, buffer: &DeviceBuffer<bf16>) -> Vec<f32> {
+    dev.download(buffer).unwrap().iter().map(|v| v.to_f32()).collect()
+}
+
+/// Three projections of one input (q, k and v) of `d_out` outputs each.
+fn qkv_cases(rng: &mut Rng, dims: FusedGateDims) -> Vec<GateCase> {
+    let mut cases: Vec<GateCase> = (0..3).map(|_| GateCase::new(dims, rng, true)).collect();
+    let x = cases[0].x.clone();
+    cases.iter_mut().for_each(|c| c.x = x.clone());
+    cases
+}
+
+/// The gated values are the same f32 values in both paths (the same kernel arithmetic per
+/// column), rotated by the same arithmetic (common.cuh's `rope_rotate_pair`), so q and k agree
+/// to one bf16 step of each value (room for the compiler fusing a product otherwise; on the
+/// emulated device they are the same bits) and v, which is not rotated, bit for bit. A wrong
+/// partner column, position, sign or output is off by O(1).
+#[test]
+fn rotary_qkv_gate_is_rope_of_the_packed_gate() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(31);
+    // Head dims of the tensor cores' and one of three pairs (D = 6); partial row blocks.
+    for (batch, seq, heads, head_dim, rank_channel, phi) in
+        [(2, 35, 2, 16, 8, Unary::Sigmoid), (1, 70, 3, 64, 12, Unary::Silu), (3, 5, 4, 6, 8, Unary::Sigmoid)]
+    {
+        let (rows, d_out) = (batch * seq, heads * head_dim);
+        let dims = FusedGateDims { rows, d_in: 48, d_out, rank_channel, rank_scalar: 4 };
+        let what = format!("B {batch}, T {seq}, H {heads}, D {head_dim}");
+        let cases = qkv_cases(&mut rng, dims);
+        let gates: Vec<DeviceGate> = cases.iter().map(|c| DeviceGate::new(dev, c)).collect();
+        let group: Vec<GateGroup> = gates.iter().map(|g| GateGroup { dims, params: g.params(phi) }).collect();
+        let packed = cuda::fused_gate::pack_weight(dev, &group).unwrap();
+        let x = up_bf16(dev, &cases[0].x);
+        let zu_len = rows * 3 * dims.width();
+        // A table longer than the sequence, as the engine's cached one is.
+        let (cos, sin) = cpu::rope::rope_table(seq + 3, head_dim, 10_000.0);
+        let (gcos, gsin) = (up(dev, &cos), up(dev, &sin));
+
+        // Unfused: the packed gated output in f32, then RoPE into bf16 q, k and v.
+        let mut zu = DeviceValues::alloc(dev, zu_len, true).unwrap();
+        let mut gated = dev.alloc::<f32>(rows * 3 * d_out).unwrap();
+        cuda::fused_gate::fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, ValuesMut::F32(&mut gated))
+            .unwrap();
+        let rope = RopeDims { batch, seq, heads, head_dim, pos_offset: 0 };
+        let mut want = [0, 1, 2].map(|_| dev.alloc::<bf16>(rows * d_out).unwrap());
+        let [q, k, v] = &mut want;
+        cuda::rope::rope_qkv_forward(dev, Values::F32(&gated), rope, [q, k, v].map(ValuesMut::Bf16), &gcos, &gsin)
+            .unwrap();
+
+        // Fused: the gate kernel writes them.
+        let mut fused_zu = DeviceValues::alloc(dev, zu_len, true).unwrap();
+        let mut got = [0, 1, 2].map(|_| dev.alloc::<bf16>(rows * d_out).unwrap());
+        let [q, k, v] = &mut got;
+        let outs = RotaryQkv { seq, head_dim, cos: &gcos, sin: &gsin, outs: [q, k, v] };
+        cuda::fused_gate::fused_gate_forward_rotary_qkv(dev, &group, &x, &packed, &mut fused_zu, outs).unwrap();
+
+        let bits = |zu: &DeviceValues| match zu.values() {
+            Values::Bf16(b) => dev.download(b).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            Values::F32(_) => unreachable!("allocated in bf16"),
+        };
+        assert_eq!(bits(&fused_zu), bits(&zu), "the saved ZU {what}");
+        for (part, (got, want)) in ["q", "k"].iter().zip(got.iter().zip(&want)) {
+            let want = widened(dev, want);
+            let largest = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            assert_close_to(&format!("rotated {part} {what}"), &widened(dev, got), &want, 1.0 / 256.0, 1e-6 * largest);
+        }
+        assert_eq!(widened(dev, &got[2]), widened(dev, &want[2]), "v {what}");
+    }
+}
+
+/// What the rotary epilogue cannot serve is refused, not written out of place.
+#[test]
+fn rotary_qkv_gate_refuses_what_it_cannot_serve() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(32);
+    let (seq, heads, head_dim) = (4, 2, 8);
+    let dims = FusedGateDims { rows: 2 * seq, d_in: 16, d_out: heads * head_dim, rank_channel: 4, rank_scalar: 4 };
+    let cases = qkv_cases(&mut rng, dims);
+    let gates: Vec<DeviceGate> = cases.iter().map(|c| DeviceGate::new(dev, c)).collect();
+    let group: Vec<GateGroup> = gates.iter().map(|g| GateGroup { dims, params: g.params(Unary::Sigmoid) }).collect();
+    let packed = cuda::fused_gate::pack_weight(dev, &group).unwrap();
+    let x = up_bf16(dev, &cases[0].x);
+    let (cos, sin) = cpu::rope::rope_table(seq, head_dim, 10_000.0);
+    let (gcos, gsin) = (up(dev, &cos), up(dev, &sin));
+    let (short_cos, short_sin) = cpu::rope::rope_table(seq - 1, head_dim, 10_000.0);
+    let (short_cos, short_sin) = (up(dev, &short_cos), up(dev, &short_sin));
+    let mut outs = [0, 1, 2].map(|_| dev.alloc::<bf16>(dims.rows * dims.d_out).unwrap());
+    let refuse = |group: &[GateGroup],
+                  bf16_zu: bool,
+                  seq: usize,
+                  head_dim: usize,
+                  tables: [&DeviceBuffer<f32>; 2],
+                  outs: &mut [DeviceBuffer<bf16>; 3]| {
+        let [q, k, v] = outs;
+        let rope = RotaryQkv { seq, head_dim, cos: tables[0], sin: tables[1], outs: [q, k, v] };
+        let width: usize = group.iter().map(|g| g.dims.width()).sum();
+        let mut zu = DeviceValues::alloc(dev, dims.rows * width, bf16_zu).unwrap();
+        let result = cuda::fused_gate::fused_gate_forward_rotary_qkv(dev, group, &x, &packed, &mut zu, rope);
+        assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
+    };
+    let tables = [&gcos, &gsin];
+    // Two projections, not q, k and v.
+    refuse(&group[..2], true, seq, head_dim, tables, &mut outs);
+    // An f32 ZU (f32 products).
+    refuse(&group, false, seq, head_dim, tables, &mut outs);
+    // Rows that are not whole sequences.
+    refuse(&group, true, seq + 1, head_dim, tables, &mut outs);
+    // A head dim that does not split the width, or is odd.
+    refuse(&group, true, seq, 6, tables, &mut outs);
+    refuse(&group, true, seq, 1, tables, &mut outs);
+    // Tables shorter than the sequence.
+    refuse(&group, true, seq, head_dim, [&short_cos, &short_sin], &mut outs);
+    // An output of the wrong length.
+    let mut short = [0, 1, 2].map(|i| dev.alloc::<bf16>(dims.rows * dims.d_out - i).unwrap());
+    refuse(&group, true, seq, head_dim, tables, &mut short);
+}
