@@ -57,13 +57,21 @@ impl SwiGlu {
         let d = self.gate_proj.in_features();
         let rows = x.reshape(&[x.value_ref().numel() / d.max(1), d])?;
         // The gate and up projections as one op where that is one product, SwiGLU over its
-        // two halves.
+        // two halves; fused-gated ones and SwiGLU as one op there (the gate kernel writes
+        // SwiGLU's output: [`Var::fused_gated_swiglu`]).
         // SwiGLU reads a plain product's halves in bf16 under bf16 products, as autocast stores them.
-        let packed =
-            ModulatedProjection::forward_packed(&[&self.gate_proj, &self.up_proj], &rows, ProductOutput::Bf16)?;
-        let hidden = match packed {
-            Some(gate_up) => gate_up.swiglu_halves()?,
-            None => self.gate_proj.forward(&rows)?.swiglu(&self.up_proj.forward(&rows)?)?,
+        let pair = [&self.gate_proj, &self.up_proj];
+        let fused = if rows.value_ref().packed_linear_is_one_product() {
+            ModulatedProjection::fused_group(&pair, &rows)?
+        } else {
+            None
+        };
+        let hidden = match fused {
+            Some((parts, phi)) => rows.fused_gated_swiglu(&[parts[0], parts[1]], phi)?,
+            None => match ModulatedProjection::forward_packed(&pair, &rows, ProductOutput::Bf16)? {
+                Some(gate_up) => gate_up.swiglu_halves()?,
+                None => self.gate_proj.forward(&rows)?.swiglu(&self.up_proj.forward(&rows)?)?,
+            },
         };
         let output = if self.path_gates.is_empty() { self.output } else { ProductOutput::F32 };
         let mut y = self.down_proj.forward_as(&hidden, output)?;

@@ -518,6 +518,43 @@ fn gated_rotary_attention_is_one_gate_launch_and_no_rope_under_bf16() {
     assert!(!forward.contains_key("rope_rotate") && !backward.contains_key("rope_rotate"), "{forward:?} {backward:?}");
 }
 
+/// Under bf16 products the FFN's gated gate and up projections and SwiGLU as one op
+/// (`Var::fused_gated_swiglu`) have no SwiGLU forward launch (the gate kernel writes SwiGLU's
+/// output), and give the two ops' results bit for bit: forward and every gradient.
+#[test]
+fn gated_swiglu_is_one_gate_launch_and_the_same_bits_under_bf16() {
+    if no_gpu() {
+        return;
+    }
+    let _precision = Precision::set(MatmulPrecision::Bf16);
+    let dev = tensor::cuda::device(0).unwrap();
+    let (rows, hidden) = (30, 40);
+    let values = gated_group_values(150, &[rows, 32], &[hidden; 2], (8, 4));
+    let dy = rand(&[rows, hidden], -1.0, 1.0, 160);
+    let run = |one_op: bool| {
+        let vars: Vec<Var> = values.iter().map(|v| Var::parameter(gpu(v))).collect();
+        let parts = gated_group(&vars[1..]);
+        let before = dev.counters();
+        let y = if one_op {
+            vars[0].fused_gated_swiglu(&[parts[0], parts[1]], Unary::Silu)
+        } else {
+            let gated = vars[0].fused_gated_projections(&parts, Unary::Silu, ProductOutput::Bf16).unwrap();
+            gated.swiglu_halves()
+        }
+        .unwrap();
+        let forward = dev.counters().since(&before).launches_by_kernel;
+        y.backward_with(gpu(&dy)).unwrap();
+        let mut results = vec![y.value().to_host().unwrap().to_vec()];
+        results.extend(vars.iter().map(|v| v.grad().unwrap().to_host().unwrap().to_vec()));
+        (results, forward)
+    };
+    let (one_op, forward) = run(true);
+    let (two_ops, _) = run(false);
+    assert_eq!(one_op, two_ops, "the same bits");
+    assert_eq!(forward.get("fused_gate_apply_swiglu").copied(), Some(1), "{forward:?}");
+    assert!(!forward.keys().any(|name| name.starts_with("swiglu")), "SwiGLU ran on its own: {forward:?}");
+}
+
 /// Under bf16 products a fused gate's backward reads dẐ in bf16 where an f32 dẐ keeps a
 /// bf16 copy beside it (RMSNorm's backward writes one for a residual stream's sum, the o and
 /// down projections' dẐ): the gradients are then those of dẐ rounded to bf16, bit for bit;

@@ -628,6 +628,17 @@ proptest! {
     }
 
     #[test]
+    fn fused_gated_swiglu(
+        seed in any::<u64>(), rows in 1..=3usize, d_in in 1..=3usize, width in 1..=3usize,
+        ranks in (1..=2usize, 1..=2usize), silu in any::<bool>(),
+    ) {
+        let mut inputs = gated_qkv_inputs(seed, [1, rows, d_in], width, ranks);
+        inputs.truncate(23);  // x, then gate's and up's eleven
+        let phi = if silu { Unary::Silu } else { Unary::Sigmoid };
+        assert_gradcheck(|x| x[0].fused_gated_swiglu(&[gated_projection(&x[1..12]), gated_projection(&x[12..23])], phi), &inputs);
+    }
+
+    #[test]
     fn causal_attention_peaked_scores(seed in any::<u64>(), tq in 1..=4usize) {
         // scale 1 and |q·k| up to ~16: nearly one-hot attention rows.
         let q = seeded(&[1, tq, 2, 4], -2.0, 2.0, seed);
@@ -685,7 +696,7 @@ fn rotary_causal_attention_of_packed_qkv_is_the_op_on_its_parts_exactly() {
 
 /// `[x, then q's, k's and v's W, A_c, a_c, B_c, b_c, α_c, A_s, a_s, B_s, b_s, α_s]` of
 /// attention's gated q, k and v: `x: [B, T, d_in]`, each projection `d_out` wide, ranks
-/// `(r_c, r_s)`.
+/// `(r_c, r_s)` (the first 23, x and two projections, serve the FFN's gate and up).
 fn gated_qkv_inputs(seed: u64, [b, t, d_in]: [usize; 3], d_out: usize, (rc, rs): (usize, usize)) -> Vec<Tensor> {
     let mut seeds = seed..;
     let mut next = |shape: &[usize], bound: f32| seeded(shape, -bound, bound, seeds.next().unwrap_or(seed));
@@ -738,6 +749,30 @@ fn fused_gated_rotary_attention_is_the_group_then_attention_exactly() {
                 [gated_projection(&vars[1..12]), gated_projection(&vars[12..23]), gated_projection(&vars[23..34])];
             let qkv = vars[0].fused_gated_projections(&projections, Unary::Silu, ProductOutput::F32).unwrap();
             Var::rotary_causal_attention_packed(&qkv, 2, 0.6, 10_000.0)
+        }
+        .unwrap();
+        out.mul(&out).unwrap().sum_all().unwrap().backward().unwrap();
+        (out.value().to_vec(), vars.iter().map(|v| v.grad().unwrap().to_vec()).collect::<Vec<_>>())
+    };
+    assert_eq!(run(true), run(false));
+}
+
+/// The FFN's gated gate and up projections and SwiGLU as one op are the fused gated group,
+/// then SwiGLU of its halves, bit for bit (the CPU runs those two ops): forward and every
+/// gradient.
+#[test]
+fn fused_gated_swiglu_is_the_group_then_swiglu_exactly() {
+    let mut inputs = gated_qkv_inputs(50, [2, 5, 6], 7, (3, 2));
+    inputs.truncate(23);
+    let run = |one_op: bool| {
+        let vars: Vec<Var> = inputs.iter().cloned().map(Var::parameter).collect();
+        let projections = [gated_projection(&vars[1..12]), gated_projection(&vars[12..23])];
+        let out = if one_op {
+            vars[0].fused_gated_swiglu(&projections, Unary::Silu)
+        } else {
+            vars[0]
+                .fused_gated_projections(&projections, Unary::Silu, ProductOutput::F32)
+                .and_then(|g| g.swiglu_halves())
         }
         .unwrap();
         out.mul(&out).unwrap().sum_all().unwrap().backward().unwrap();

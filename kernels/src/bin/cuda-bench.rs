@@ -1,7 +1,8 @@
 //! GPU timings of the fused gated projection (Transponder eq. 8-10) against the bare cuBLAS
 //! GEMM of the same shape (`x·[W; A_c; A_s]ᵀ`, the floor) and the unfused path (that GEMM
 //! into `ZU`, then the gate kernel), at the llama-60m / llama-130m projection shapes; the FFN's
-//! gate and up projections as two GEMMs or one of the packed weights; q, k and v as three
+//! gate and up projections as two GEMMs or one of the packed weights, and gated, with SwiGLU
+//! after the gate or in its kernel; q, k and v as three
 //! fused gated projections or one fused group, and that group against its bare products, and
 //! its q, k and v rotated by RoPE after it or in its gate kernel; then flash attention,
 //! forward and forward + backward (the time per layer of a training step), against the naive
@@ -27,9 +28,9 @@ use kernels::cuda::attention::{
 };
 use kernels::cuda::blas::{matmul_bf16, matmul_bf16_out, DeviceMat};
 use kernels::cuda::fused_gate::{
-    fused_gate_backward, fused_gate_forward, fused_gate_forward_rotary_qkv, fused_gate_forward_unfused, pack_weight,
-    DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, FusedGateDims, GateGroup,
-    GateProducts, RotaryQkv, Unary,
+    fused_gate_backward, fused_gate_forward, fused_gate_forward_rotary_qkv, fused_gate_forward_swiglu,
+    fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads,
+    DeviceGateParams, FusedGateDims, GateGroup, GateProducts, RotaryQkv, Unary,
 };
 use kernels::cuda::rope::{rope_qkv_backward, rope_qkv_forward};
 use kernels::cuda::swiglu::{swiglu_backward, swiglu_forward, swiglu_halves_backward, swiglu_halves_forward};
@@ -441,6 +442,35 @@ fn bench_gate_group(dev: &CudaDevice, tokens: usize, d: usize) -> Result<()> {
     Ok(())
 }
 
+/// The FFN's gated gate and up projections (`d → hidden` each, ranks 8 + 8) and SwiGLU: the
+/// gate into the packed output, then SwiGLU of its halves (three launches), against the gate
+/// kernel writing SwiGLU's output too (two), both in bf16 as a `--bf16` step holds them.
+fn bench_gated_swiglu(dev: &CudaDevice, tokens: usize, d: usize, hidden: usize) -> Result<()> {
+    let dims = FusedGateDims { rows: tokens, d_in: d, d_out: hidden, rank_channel: 8, rank_scalar: 8 };
+    let projections = [Projection::new(dev, &dims)?, Projection::new(dev, &dims)?];
+    let group: Vec<GateGroup> = projections.iter().map(|p| GateGroup { dims, params: p.params() }).collect();
+    let packed = pack_weight(dev, &group)?;
+    let x16 = dev.upload(&values(tokens * d, 40, 2.0).into_iter().map(bf16::from_f32).collect::<Vec<_>>())?;
+    let mut zu = DeviceValues::alloc(dev, tokens * 2 * dims.width(), true)?;
+    let (mut gated, mut y) = (dev.alloc::<bf16>(tokens * 2 * hidden)?, dev.alloc::<bf16>(tokens * hidden)?);
+    let gate_then_swiglu_s = best_seconds(dev, || {
+        fused_gate_forward_unfused(dev, &group, &x16, &packed, &mut zu, ValuesMut::Bf16(&mut gated))?;
+        swiglu_halves_forward(dev, Values::Bf16(&gated), hidden, (ValuesMut::Bf16(&mut y), None))
+    })?;
+    let unfused = download_widened(dev, &y)?;
+    let epilogue_s =
+        best_seconds(dev, || fused_gate_forward_swiglu(dev, &group, &x16, &packed, &mut zu, &mut gated, &mut y))?;
+    let worst = check(&format!("gated gate,up + SwiGLU {d}→{hidden}"), &download_widened(dev, &y)?, &unfused, 1e-2);
+    println!(
+        "gated gate,up + SwiGLU {d}→2×{hidden} {tokens:>7} tokens | gate then SwiGLU {:>7.3} ms | SwiGLU epilogue \
+         {:>7.3} ms ({:.2}×) | max rel diff {worst:.1e}",
+        gate_then_swiglu_s * 1e3,
+        epilogue_s * 1e3,
+        epilogue_s / gate_then_swiglu_s,
+    );
+    Ok(())
+}
+
 fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, head_dim: usize) -> Result<()> {
     let len = batch * seq * heads * head_dim;
     let (hq, hk, hv) = (values(len, 11, 1.0), values(len, 12, 1.0), values(len, 13, 1.0));
@@ -567,6 +597,7 @@ fn main() {
         }
         for (d, hidden) in [(512, 1376), (768, 2048)] {
             bench_gate_up(&dev, tokens, d, hidden)?;
+            bench_gated_swiglu(&dev, tokens, d, hidden)?;
         }
         for d in [512, 768] {
             bench_gate_group(&dev, tokens, d)?;

@@ -45,7 +45,7 @@ mod conv;
 mod device;
 mod elementwise;
 mod fused_gate;
-mod gated_rotary_qkv;
+mod gate_epilogues;
 mod matmul;
 mod norm;
 mod optim;

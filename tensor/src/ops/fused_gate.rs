@@ -235,6 +235,30 @@ impl Tensor {
         Ok((q, k, v, saved))
     }
 
+    /// The FFN's gated gate and up projections: [`Tensor::fused_gated_projections`] of
+    /// `self: [..., d_in]` by two projections of one width F, then [`Tensor::swiglu_halves`] of
+    /// the output: `(y [..., F], the gated output [..., 2F], what the group's backward reads)`
+    /// (the gated output is what [`Tensor::swiglu_halves_backward`] reads). On a GPU under bf16
+    /// products the gate kernel writes both (the GEMM and one launch, where the two ops take
+    /// three, and the same bits); elsewhere the two ops run in turn.
+    pub fn fused_gated_swiglu(
+        &self,
+        projections: &[GatedProjection; 2],
+        phi: Unary,
+    ) -> Result<(Tensor, Tensor, FusedGateSaved)> {
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() {
+            let (x, checked) = self.checked_group(projections)?;
+            if let Some(((y, gated), x, zu, packed)) = cuda::forward_swiglu(&x, &checked, phi)? {
+                let extra = SavedExtra::Cuda { zu, packed };
+                let x = x.saved_for_products();
+                return Ok((y, gated, FusedGateSaved { projections: checked, x, phi, extra }));
+            }
+        }
+        let (gated, saved) = self.fused_gated_projections(projections, phi, ProductOutput::Bf16)?;
+        Ok((gated.swiglu_halves()?, gated, saved))
+    }
+
     /// `self` made contiguous, and each of `projections` checked against it and the first
     /// (one φ's inputs, one pair of ranks): a group of at least one.
     fn checked_group(&self, projections: &[GatedProjection]) -> Result<(Tensor, Vec<Checked>)> {
@@ -345,15 +369,15 @@ pub(crate) mod cuda {
     use half::bf16;
     use kernels::cpu::matmul::Store;
     use kernels::cuda::fused_gate::{
-        fused_gate_backward, fused_gate_forward_rotary_qkv, fused_gate_forward_unfused, pack_weight,
-        DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, GateGroup, GateProducts,
-        RotaryQkv, Unary,
+        fused_gate_backward, fused_gate_forward_rotary_qkv, fused_gate_forward_swiglu, fused_gate_forward_unfused,
+        pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, GateGroup,
+        GateProducts, RotaryQkv, Unary,
     };
     use kernels::cuda::{CudaDevice, DeviceBuffer, DeviceValues, Values, ValuesMut};
 
     use super::{Checked, FusedGateSaved, ProductOutput};
     use crate::cuda::CudaStorage;
-    use crate::{DType, Error, Result, Tensor};
+    use crate::{with_last_dim, DType, Error, Result, Tensor};
 
     const OP: &str = "fused_gated_projection";
 
@@ -407,6 +431,37 @@ pub(crate) mod cuda {
         Ok(packed)
     }
 
+    /// What a group's GEMM reads: every projection's dense f32 parameters ([`dense_f32`]), whose
+    /// packed bf16 copy is its weight operand, and `x` in bf16.
+    struct GemmInputs {
+        dense: Vec<Vec<Tensor>>,
+        x_bf16: Tensor,
+    }
+
+    impl GemmInputs {
+        fn new(x: &Tensor, projections: &[Checked]) -> Result<GemmInputs> {
+            let dense = projections.iter().map(dense_f32).collect::<Result<Vec<_>>>()?;
+            Ok(GemmInputs { dense, x_bf16: x.to_dtype(DType::BF16)?.dense()? })
+        }
+
+        /// The launchers' view of the group ([`groups`]) and its packed bf16 weight.
+        fn group(
+            &self,
+            dev: &CudaDevice,
+            projections: &[Checked],
+            phi: Unary,
+        ) -> Result<(Vec<GateGroup<'_>>, Arc<DeviceBuffer<bf16>>)> {
+            let group = groups(projections, &self.dense, phi)?;
+            let packed = packed_weight(dev, &self.dense, &group)?;
+            Ok((group, packed))
+        }
+
+        /// `x`'s bf16 values.
+        fn x_bf16(&self) -> Result<&DeviceBuffer<bf16>> {
+            storage_of(&self.x_bf16)?.bf16_buffer(OP)
+        }
+    }
+
     /// Forward on the GPU: `(out, x as dense f32, ZU [N, K], the packed bf16 weight)`, `ZU` in
     /// bf16 under bf16 products, and `out` too when `output` asks for it. `x` and the
     /// parameters are contiguous and shape-checked by the caller.
@@ -419,10 +474,8 @@ pub(crate) mod cuda {
         output: ProductOutput,
     ) -> Result<(Tensor, Tensor, DeviceValues, Arc<DeviceBuffer<bf16>>)> {
         let dev = x.cuda_device(OP)?;
-        let dense = projections.iter().map(dense_f32).collect::<Result<Vec<_>>>()?;
-        let group = groups(projections, &dense, phi)?;
-        let packed = packed_weight(&dev, &dense, &group)?;
-        let x_bf16 = x.to_dtype(DType::BF16)?.dense()?;
+        let inputs = GemmInputs::new(x, projections)?;
+        let (group, packed) = inputs.group(&dev, projections, phi)?;
         let bf16_products = crate::cuda::matmul_precision() == crate::cuda::MatmulPrecision::Bf16;
         let mut zu = new_zu(&dev, projections, bf16_products)?;
         let out_len = out_shape.iter().product();
@@ -431,9 +484,8 @@ pub(crate) mod cuda {
         // 512 -> 512: 0.44 ms against 0.77 ms), whose main loop runs at a third of cuBLAS's speed.
         // Training saves Z and U for the backward, so the epilogue kernel's saving (not writing them)
         // does not apply here.
-        let x_bf16_buffer = storage_of(&x_bf16)?.bf16_buffer(OP)?;
         let mut out = CudaStorage::alloc_values(&dev, out_len, bf16_products && output == ProductOutput::Bf16)?;
-        fused_gate_forward_unfused(&dev, &group, x_bf16_buffer, &packed, &mut zu, out.values_mut(OP)?)?;
+        fused_gate_forward_unfused(&dev, &group, inputs.x_bf16()?, &packed, &mut zu, out.values_mut(OP)?)?;
         let out = Tensor::from_cuda(out, out_shape)?;
         Ok((out, x.to_dtype(DType::F32)?.dense()?, zu, packed))
     }
@@ -472,21 +524,52 @@ pub(crate) mod cuda {
             return Ok(None);
         }
         let dev = x.cuda_device(OP)?;
-        let dense = projections.iter().map(dense_f32).collect::<Result<Vec<_>>>()?;
-        let group = groups(projections, &dense, phi)?;
-        let packed = packed_weight(&dev, &dense, &group)?;
-        let x_bf16 = x.to_dtype(DType::BF16)?.dense()?;
+        let inputs = GemmInputs::new(x, projections)?;
+        let (group, packed) = inputs.group(&dev, projections, phi)?;
         let mut zu = new_zu(&dev, projections, true)?;
         let table = crate::ops::rope::cuda::table(&dev, seq, head_dim, theta)?;
         let alloc = || CudaStorage::alloc_values(&dev, batch * seq * width, true);
         let (mut q, mut k, mut v) = (alloc()?, alloc()?, alloc()?);
         let outs = [rounded_buffer(&mut q)?, rounded_buffer(&mut k)?, rounded_buffer(&mut v)?];
         let rope = RotaryQkv { seq, head_dim, cos: &table.cos, sin: &table.sin, outs };
-        let x_bf16_buffer = storage_of(&x_bf16)?.bf16_buffer(OP)?;
-        fused_gate_forward_rotary_qkv(&dev, &group, x_bf16_buffer, &packed, &mut zu, rope)?;
+        fused_gate_forward_rotary_qkv(&dev, &group, inputs.x_bf16()?, &packed, &mut zu, rope)?;
         let shape = [batch, seq, heads, head_dim];
         let qkv = (Tensor::from_cuda(q, &shape)?, Tensor::from_cuda(k, &shape)?, Tensor::from_cuda(v, &shape)?);
         Ok(Some((qkv, x.to_dtype(DType::F32)?.dense()?, zu, packed)))
+    }
+
+    /// `Tensor::fused_gated_swiglu` on the GPU where the gate kernel writes SwiGLU too (bf16
+    /// products): `((y, the gated output), x as dense f32, ZU, the packed bf16 weight)`, both
+    /// outputs in bf16 alone; `None` elsewhere. `x` and the two projections are contiguous and
+    /// shape-checked by the caller.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn forward_swiglu(
+        x: &Tensor,
+        projections: &[Checked],
+        phi: Unary,
+    ) -> Result<Option<((Tensor, Tensor), Tensor, DeviceValues, Arc<DeviceBuffer<bf16>>)>> {
+        let width = projections[0].dims.d_out;
+        if projections.iter().any(|p| p.dims.d_out != width) {
+            let reason = "the gate and up projections differ in width".into();
+            return Err(Error::InvalidShape { op: OP, shape: x.shape().to_vec(), reason });
+        }
+        if crate::cuda::matmul_precision() != crate::cuda::MatmulPrecision::Bf16 {
+            return Ok(None);
+        }
+        let dev = x.cuda_device(OP)?;
+        let inputs = GemmInputs::new(x, projections)?;
+        let (group, packed) = inputs.group(&dev, projections, phi)?;
+        let mut zu = new_zu(&dev, projections, true)?;
+        let rows = projections[0].dims.rows;
+        let mut gated = CudaStorage::alloc_values(&dev, rows * 2 * width, true)?;
+        let mut y = CudaStorage::alloc_values(&dev, rows * width, true)?;
+        let (gated_buffer, y_buffer) = (rounded_buffer(&mut gated)?, rounded_buffer(&mut y)?);
+        fused_gate_forward_swiglu(&dev, &group, inputs.x_bf16()?, &packed, &mut zu, gated_buffer, y_buffer)?;
+        let outputs = (
+            Tensor::from_cuda(y, &with_last_dim(x.shape(), width))?,
+            Tensor::from_cuda(gated, &with_last_dim(x.shape(), 2 * width))?,
+        );
+        Ok(Some((outputs, x.to_dtype(DType::F32)?.dense()?, zu, packed)))
     }
 
     /// The bf16 buffer a storage from `CudaStorage::alloc_values(.., true)` is held as.

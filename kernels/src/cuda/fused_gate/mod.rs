@@ -225,18 +225,28 @@ const fn backward_shared_bytes(rank_channel: usize) -> usize {
 const _: () = assert!(backward_shared_bytes(MAX_RANK) <= 48 * 1024);
 
 /// `fused_gate_apply`'s blocks (FG_APPLY_* in fused_gate.cu): threads per block, output
-/// columns per block (a pair per thread) and rows per block of its row loop.
+/// columns per block (a pair per thread; APPLY_SWIGLU's a column of each of two projections
+/// per thread) and rows per block of its row loop.
 const APPLY_THREADS: usize = 256;
 const APPLY_TILE: usize = 2 * APPLY_THREADS;
 const APPLY_ROWS: usize = 32;
 
-/// `fused_gate_apply`'s launch: (row blocks, column tiles of the widest projection,
-/// projections); a block of a narrower projection past its columns returns at once.
-fn apply_blocks(layout: &Layout, groups: &[GateGroup]) -> Result<cudarc::driver::LaunchConfig> {
+/// The gate kernels' leading arguments, in their order: `zu`, the group's lists
+/// ([`group_lists`]), φ and its exponent, the rows and `zu`'s row width.
+fn apply_args(zu: &Values, groups: &[GateGroup], layout: &Layout) -> Vec<Arg> {
+    let (phi, phi_p) = unary_code(groups[0].params.phi);
+    let [params, places] = group_lists(groups, layout);
+    vec![zu.arg_at(0), params, places, int(phi), Arg::F32(phi_p), size(layout.rows), size(layout.zu_width)]
+}
+
+/// `fused_gate_apply`'s launch: (row blocks, column tiles of `columns` of the widest
+/// projection, projections); a block of a narrower projection past its columns returns at
+/// once.
+fn apply_blocks(layout: &Layout, groups: &[GateGroup], columns: usize) -> Result<cudarc::driver::LaunchConfig> {
     let widest = groups.iter().map(|g| g.dims.d_out).max().unwrap_or(0);
-    let tiles = widest.div_ceil(APPLY_TILE);
+    let tiles = widest.div_ceil(columns);
     ensure(tiles <= u16::MAX as usize, "fused_gate_apply", || {
-        format!("d_out {widest}: more than {} columns per projection", u16::MAX as usize * APPLY_TILE)
+        format!("d_out {widest}: more than {} columns per projection", u16::MAX as usize * columns)
     })?;
     Ok(cudarc::driver::LaunchConfig {
         grid_dim: (layout.rows.div_ceil(APPLY_ROWS).min(MAX_ROW_BLOCKS) as u32, tiles as u32, groups.len() as u32),
@@ -395,22 +405,10 @@ pub fn fused_gate_apply(dev: &CudaDevice, groups: &[GateGroup], zu: &DeviceValue
             })
         }
     };
-    let (phi, phi_p) = unary_code(groups[0].params.phi);
-    let [params, places] = group_lists(groups, &layout);
-    let args = [
-        zu.arg_at(0),
-        params,
-        places,
-        int(phi),
-        Arg::F32(phi_p),
-        size(layout.rows),
-        size(layout.zu_width),
-        size(layout.out_width),
-        int(layout.rank_channel as i32),
-        int(layout.rank_scalar as i32),
-        written.arg_at(0),
-    ];
-    dev.launch(FAMILY, kernel, apply_blocks(&layout, groups)?, &args)
+    let mut args = apply_args(&zu, groups, &layout);
+    args.extend([size(layout.out_width), int(layout.rank_channel as i32), int(layout.rank_scalar as i32)]);
+    args.push(written.arg_at(0));
+    dev.launch(FAMILY, kernel, apply_blocks(&layout, groups, APPLY_TILE)?, &args)
 }
 
 /// The engine's forward: a cuBLAS bf16 GEMM `zu = x·packedᵀ` (`[N, K]`, f32 accumulation,
@@ -486,25 +484,43 @@ pub fn fused_gate_forward_rotary_qkv(
     }
     ensure(zu.values().is_bf16(), OP, || "the rotary epilogue reads a bf16 zu (bf16 products)".to_string())?;
     zu_product(dev, OP, groups, x, packed, zu)?;
-    let (phi, phi_p) = unary_code(groups[0].params.phi);
-    let [params, places] = group_lists(groups, &layout);
-    let args = [
-        zu.values().arg_at(0),
-        params,
-        places,
-        int(phi),
-        Arg::F32(phi_p),
-        size(layout.rows),
-        size(layout.zu_width),
-        int(layout.rank_channel as i32),
-        int(layout.rank_scalar as i32),
-        address_list(outs.iter().map(|out| out.device_ptr())),
-        ptr(cos),
-        ptr(sin),
-        size(seq),
-        size(head_dim),
-    ];
-    dev.launch(FAMILY, "fused_gate_apply_rotary_qkv", apply_blocks(&layout, groups)?, &args)
+    let mut args = apply_args(&zu.values(), groups, &layout);
+    args.extend([int(layout.rank_channel as i32), int(layout.rank_scalar as i32)]);
+    args.extend([address_list(outs.iter().map(|out| out.device_ptr())), ptr(cos), ptr(sin), size(seq), size(head_dim)]);
+    dev.launch(FAMILY, "fused_gate_apply_rotary_qkv", apply_blocks(&layout, groups, APPLY_TILE)?, &args)
+}
+
+/// The engine's forward of the FFN's gated gate and up projections (a group of two of one
+/// `d_out`) under bf16 products: the GEMM of [`fused_gate_forward_unfused`] into the bf16
+/// `zu`, then one launch that gates both, writes them side by side into `gated` (`[N, 2·d_out]`,
+/// bf16: SwiGLU's backward reads them) and writes SwiGLU of them into `out` (`[N, d_out]`,
+/// bf16): the bits of [`fused_gate_forward_unfused`] into bf16 then `swiglu::swiglu_halves_forward`
+/// into bf16, without the second launch and its read of `gated`.
+pub fn fused_gate_forward_swiglu(
+    dev: &CudaDevice,
+    groups: &[GateGroup],
+    x: &DeviceBuffer<bf16>,
+    packed: &DeviceBuffer<bf16>,
+    zu: &mut DeviceValues,
+    gated: &mut DeviceBuffer<bf16>,
+    out: &mut DeviceBuffer<bf16>,
+) -> Result<()> {
+    const OP: &str = "fused_gate_forward_swiglu";
+    let layout = layout(dev, OP, groups)?;
+    ensure(groups.len() == 2, OP, || format!("{} projections, not gate and up", groups.len()))?;
+    let d_out = groups[0].dims.d_out;
+    ensure(groups[1].dims.d_out == d_out, OP, || "the gate and up projections differ in width".to_string())?;
+    dev.check_owner(OP, gated)?;
+    dev.check_owner(OP, out)?;
+    ensure_len(OP, "gated", gated.len(), layout.rows * layout.out_width)?;
+    ensure_len(OP, "out", out.len(), layout.rows * d_out)?;
+    ensure(zu.values().is_bf16(), OP, || "SwiGLU's epilogue reads a bf16 zu (bf16 products)".to_string())?;
+    zu_product(dev, OP, groups, x, packed, zu)?;
+    let mut args = apply_args(&zu.values(), groups, &layout);
+    args.extend([size(layout.out_width), int(layout.rank_channel as i32), int(layout.rank_scalar as i32)]);
+    args.extend([ptr(gated), ptr(out)]);
+    // A block serves APPLY_THREADS columns of both projections: one group of blocks.
+    dev.launch(FAMILY, "fused_gate_apply_swiglu", apply_blocks(&layout, &groups[..1], APPLY_THREADS)?, &args)
 }
 
 /// The group's GEMM `zu = x·packedᵀ` (`[N, K]`, f32 accumulation, written in `zu`'s type),

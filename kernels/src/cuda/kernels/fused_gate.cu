@@ -449,8 +449,9 @@ __device__ __forceinline__ void block_hidden(f32x4 (*h)[FG_MAX_RANK / 4], const 
 }
 
 // fused_gate_apply's blocks (apply_blocks in cuda/fused_gate/mod.rs): block (x, y, g) serves
-// column tile y of group g (FG_APPLY_TILE output columns, a pair of adjacent ones per
-// thread) for row blocks x, x + gridDim.x, ... of FG_APPLY_ROWS rows each. It is column-
+// column tile y of group g (FG_APPLY_TILE output columns, a pair of adjacent ones per thread;
+// gate_apply's other pairings below) for row blocks x, x + gridDim.x, ... of FG_APPLY_ROWS
+// rows each. It is column-
 // stationary: a thread keeps its columns' B_c weights and b_c in registers for every row it
 // serves, so B_c is read once per FG_APPLY_ROWS rows rather than once per row, and the block
 // computes each row's H and γ_s once, into shared memory, where every thread reads them as a
@@ -491,11 +492,23 @@ __device__ __forceinline__ void load_pair(const bf16_t* p, bool second, bool pai
     }
 }
 
-// gate_apply's rotary epilogue (fused_gate_apply_rotary_qkv): attention's q, k and v as a
-// group of three projections of H·D outputs each, written as attention reads them, each its
-// own dense [N, H·D] (outs.v[g]), the first two (q and k) rotated by RoPE (rope.cu: token n at
-// table row n % seq of cos and sin, [positions, D/2]) before they are rounded: what
-// rope_rotate makes of the packed output, with no launch of its own and one rounding.
+// How gate_apply pairs a thread's two columns, and what it writes:
+//   APPLY_ADJACENT  columns j and j + 1 of one projection; Ẑ, f32 or bf16.
+//   APPLY_ROTARY    a RoPE pair (i, i + D/2) of one head of attention's q, k or v (a group of
+//                   three of H·D outputs each), written as attention reads them: each its own
+//                   dense bf16 [N, H·D] (rope.outs.v[g]), q and k (groups 0 and 1) rotated by
+//                   RoPE (rope.cu: token n at table row n % seq of cos and sin, [positions,
+//                   D/2]) before they are rounded; what rope_rotate makes of the packed output,
+//                   with no launch of its own and one rounding.
+//   APPLY_SWIGLU    column j of the FFN's gate and of its up projection (a group of two of one
+//                   d_out): Ẑ in bf16 (SwiGLU's backward reads it) and y = silu(ĝ)·û, bf16 into
+//                   swiglu_out [N, d_out], from ĝ and û as stored (rounded), with
+//                   swiglu.cu's arithmetic: the bits of the gate then swiglu_forward_bf16.
+#define APPLY_ADJACENT 0
+#define APPLY_ROTARY 1
+#define APPLY_SWIGLU 2
+
+// APPLY_ROTARY's outputs and tables.
 struct RotaryQkv {
     const TensorList* outs;
     const float* cos;
@@ -506,50 +519,68 @@ struct RotaryQkv {
 // The gate alone, from a saved ZU: out = σ̃_αc(H_c·B_cᵀ + b_c) ⊙ γ_s ⊙ Z for every group
 // (the second half of the cuBLAS path; the same arithmetic as fused_gate_mma's epilogue and in
 // the same order, so the same bits as a row at a time), written as f32 or rounded to bf16 (O).
-// A thread's two columns are adjacent (j, j + 1), or with ROTARY the two columns of one RoPE
-// pair (i, i + D/2) of a head (pair p = tile / 2 + thread: a tile holds whole pairs for any
-// even D), rotated before they are stored (the rotary epilogue above).
-template <class Z, class O, bool ROTARY>
+// A thread owns two columns, c = 0 and 1, paired as MODE says; each has its own group
+// (gs[c]: both blockIdx.z's, except APPLY_SWIGLU's gate and up), column (col[c]) and that
+// group's H and γ_s rows (part c of the shared rows when the groups differ).
+template <class Z, class O, int MODE>
 __device__ __forceinline__ void gate_apply(const Z* __restrict__ zu, const TensorList& params,
                                            const TensorList& layout, int phi, float phi_p, i64 rows, i64 zu_width,
-                                           i64 out_width, int rc, int rs, O* __restrict__ out, const RotaryQkv& rope) {
-    const GateGroup g = gate_group(params, layout, blockIdx.z);
-    const i64 d_out = g.d_out, tile = (i64)blockIdx.y * FG_APPLY_TILE;
+                                           i64 out_width, int rc, int rs, O* __restrict__ out, const RotaryQkv& rope,
+                                           bf16_t* __restrict__ swiglu_out) {
+    constexpr int PARTS = MODE == APPLY_SWIGLU ? 2 : 1;  // groups a block reads
+    const GateGroup gs[2] = {gate_group(params, layout, MODE == APPLY_SWIGLU ? 0 : blockIdx.z),
+                             gate_group(params, layout, MODE == APPLY_SWIGLU ? 1 : blockIdx.z)};
+    // Columns per block: a pair per thread of one projection, or one of each of two.
+    const i64 d_out = gs[0].d_out, tile = (i64)blockIdx.y * (PARTS == 2 ? FG_APPLY_THREADS : FG_APPLY_TILE);
     if (tile >= d_out) return;  // the whole block: a tile past this group's columns
-    __shared__ f32x4 h_quads[FG_APPLY_ROWS][FG_MAX_RANK / 4];  // each row's H, 16-byte aligned
-    __shared__ float scale_rows[FG_APPLY_ROWS];               // each row's 2·γ_s
-    __shared__ int table_rows[ROTARY ? FG_APPLY_ROWS : 1];    // each row's RoPE table offset
-    const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
+    __shared__ f32x4 h_quads[PARTS][FG_APPLY_ROWS][FG_MAX_RANK / 4];  // each row's H, 16-byte aligned
+    __shared__ float scale_rows[PARTS][FG_APPLY_ROWS];               // each row's 2·γ_s
+    __shared__ int table_rows[MODE == APPLY_ROTARY ? FG_APPLY_ROWS : 1];  // each row's RoPE table offset
+    const float alpha_c[2] = {*gs[0].alpha_c, *gs[1].alpha_c};
     const bool regs = register_rank(rc);
 
-    // This thread's columns j and j + apart: their weights (register path) and biases.
-    const i64 half = ROTARY ? rope.head_dim / 2 : 1, pair = tile / 2 + threadIdx.x;
-    const i64 apart = ROTARY ? half : 1;
-    const i64 j = ROTARY ? pair / half * rope.head_dim + pair % half : tile + 2 * threadIdx.x;
-    const bool live = j < d_out, second = j + apart < d_out;
+    // This thread's columns j and j + apart (the second's place in its ZU row and output row
+    // relative to the first's), their weights (register path) and biases.
+    const i64 half = MODE == APPLY_ROTARY ? rope.head_dim / 2 : 1, pair = tile / 2 + threadIdx.x;
+    i64 j, apart, zu_apart, out_apart;
+    if (MODE == APPLY_ROTARY) {
+        j = pair / half * rope.head_dim + pair % half;
+        apart = zu_apart = out_apart = half;
+    } else if (MODE == APPLY_SWIGLU) {
+        j = tile + threadIdx.x;
+        apart = 0;
+        zu_apart = gs[1].zu_at - gs[0].zu_at;
+        out_apart = gs[1].out_at - gs[0].out_at;
+    } else {
+        j = tile + 2 * threadIdx.x;
+        apart = zu_apart = out_apart = 1;
+    }
+    const bool live = j < d_out, second = j + apart < gs[1].d_out;
     // Both columns' reads and writes as pairs when they are adjacent and every pair starts on
     // an even element.
-    const bool pairs = !ROTARY && ((zu_width | g.zu_at | out_width | g.out_at) & 1) == 0;
+    const bool pairs = MODE == APPLY_ADJACENT && ((zu_width | gs[0].zu_at | out_width | gs[0].out_at) & 1) == 0;
     float w[2][FG_REG_RANK], bias[2];
-    column_weight(g.b_cw, g.b_cb, j, live, rc, regs, w[0], bias[0]);
-    column_weight(g.b_cw, g.b_cb, j + apart, second, rc, regs, w[1], bias[1]);
-    // Where the group's rows go, and whether they rotate (q and k: groups 0 and 1).
-    O* dst = ROTARY ? (O*)rope.outs->v[blockIdx.z] : out + g.out_at;
-    const i64 dst_width = ROTARY ? d_out : out_width;
-    const bool rotate = ROTARY && blockIdx.z < 2;
-    const int pair_at = ROTARY ? (int)(pair % half) : 0;  // the pair's column in the table's rows
+    column_weight(gs[0].b_cw, gs[0].b_cb, j, live, rc, regs, w[0], bias[0]);
+    column_weight(gs[1].b_cw, gs[1].b_cb, j + apart, second, rc, regs, w[1], bias[1]);
+    // Where the rows go, and whether they rotate (q and k: groups 0 and 1).
+    O* dst = MODE == APPLY_ROTARY ? (O*)rope.outs->v[blockIdx.z] : out + gs[0].out_at;
+    const i64 dst_width = MODE == APPLY_ROTARY ? d_out : out_width;
+    const bool rotate = MODE == APPLY_ROTARY && blockIdx.z < 2;
+    const int pair_at = MODE == APPLY_ROTARY ? (int)(pair % half) : 0;  // the pair's column in the table's rows
 
     for (i64 row0 = (i64)blockIdx.x * FG_APPLY_ROWS; row0 < rows; row0 += (i64)gridDim.x * FG_APPLY_ROWS) {
         const int count = (int)(rows - row0 < FG_APPLY_ROWS ? rows - row0 : FG_APPLY_ROWS);
         __syncthreads();  // every thread is done with the previous rows' H and γ_s
-        block_hidden(h_quads, zu, g, phi, phi_p, row0, count, zu_width, rc, rs);
+        for (int p = 0; p < PARTS; ++p) block_hidden(h_quads[p], zu, gs[p], phi, phi_p, row0, count, zu_width, rc, rs);
         __syncthreads();
         if (threadIdx.x < count) {
-            const float* h = reinterpret_cast<const float*>(h_quads[threadIdx.x]);
-            scale_rows[threadIdx.x] = 2.0f * scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
+            for (int p = 0; p < PARTS; ++p) {
+                const float* h = reinterpret_cast<const float*>(h_quads[p][threadIdx.x]);
+                scale_rows[p][threadIdx.x] = 2.0f * scalar_gate(h, gs[p].b_sw, gs[p].b_sb, *gs[p].alpha_s, rc, rs);
+            }
             // The row's position within its sequence: one 64-bit modulo per row, not per pair.
             // (Below 2³¹: a table of seq·D/2 floats; the launcher checks.)
-            if (ROTARY) table_rows[threadIdx.x] = (int)((row0 + threadIdx.x) % rope.seq * half);
+            if (MODE == APPLY_ROTARY) table_rows[threadIdx.x] = (int)((row0 + threadIdx.x) % rope.seq * half);
         }
         __syncthreads();
         if (!live) continue;
@@ -558,66 +589,81 @@ __device__ __forceinline__ void gate_apply(const Z* __restrict__ zu, const Tenso
 #pragma unroll
             for (int k = 0; k < FG_APPLY_CHUNK; ++k) {
                 z[k][0] = z[k][1] = 0.0f;
-                const Z* zr = zu + (row0 + c0 + k) * zu_width + g.zu_at + j;
-                if (c0 + k < count) load_pair(zr, second, pairs, apart, z[k][0], z[k][1]);
+                const Z* zr = zu + (row0 + c0 + k) * zu_width + gs[0].zu_at + j;
+                if (c0 + k < count) load_pair(zr, second, pairs, zu_apart, z[k][0], z[k][1]);
             }
 #pragma unroll
             for (int k = 0; k < FG_APPLY_CHUNK; ++k) {
                 if (c0 + k >= count) break;
                 const i64 row = row0 + c0 + k;
-                const float* h = reinterpret_cast<const float*>(h_quads[c0 + k]);
-                const float scale = scale_rows[c0 + k];
                 float y[2] = {0.0f, 0.0f};
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     if (c == 1 && !second) break;
-                    const float logit = stationary_logit(h, w[c], g.b_cw, j + c * apart, rc, regs);
-                    y[c] = sigmoid_f(alpha_c * (logit + bias[c])) * scale * z[k][c];
+                    const int part = PARTS == 2 ? c : 0;
+                    const float* h = reinterpret_cast<const float*>(h_quads[part][c0 + k]);
+                    const float logit = stationary_logit(h, w[c], gs[c].b_cw, j + c * apart, rc, regs);
+                    y[c] = sigmoid_f(alpha_c[c] * (logit + bias[c])) * scale_rows[part][c0 + k] * z[k][c];
                 }
                 if (rotate) {
                     const int at = table_rows[c0 + k] + pair_at;
                     rope_rotate_pair(y[0], y[1], rope.cos[at], rope.sin[at], 1.0f, y[0], y[1]);
                 }
-                store_pair(dst + row * dst_width + j, y[0], y[1], second, pairs, apart);
+                store_pair(dst + row * dst_width + j, y[0], y[1], second, pairs, out_apart);
+                if (MODE == APPLY_SWIGLU) {
+                    // swiglu_forward_at's arithmetic on the stored (rounded) ĝ and û.
+                    const float g = bf16_to_f32(f32_to_bf16(y[0])), u = bf16_to_f32(f32_to_bf16(y[1]));
+                    swiglu_out[row * d_out + j] = f32_to_bf16(g * sigmoid_f(g) * u);
+                }
             }
         }
     }
 }
 
-// Without the rotary epilogue.
+// No RoPE tables (every mode but APPLY_ROTARY).
 #define NO_ROTARY RotaryQkv{nullptr, nullptr, nullptr, 1, 2}
 
 extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_PER_SM)
     fused_gate_apply(const float* zu, TensorList params, TensorList layout, int phi, float phi_p, i64 rows,
                      i64 zu_width, i64 out_width, int rc, int rs, float* out) {
-    gate_apply<float, float, false>(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out, NO_ROTARY);
+    gate_apply<float, float, APPLY_ADJACENT>(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out,
+                                             NO_ROTARY, nullptr);
 }
 
 // fused_gate_apply from a bf16 ZU (bf16 products).
 extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_PER_SM)
     fused_gate_apply_bf16(const bf16_t* zu, TensorList params, TensorList layout, int phi, float phi_p, i64 rows,
                           i64 zu_width, i64 out_width, int rc, int rs, float* out) {
-    gate_apply<bf16_t, float, false>(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out,
-                                     NO_ROTARY);
+    gate_apply<bf16_t, float, APPLY_ADJACENT>(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out,
+                                              NO_ROTARY, nullptr);
 }
 
-// fused_gate_apply from a bf16 ZU into a bf16 output (for a consumer that reads bf16: SwiGLU).
+// fused_gate_apply from a bf16 ZU into a bf16 output (for a consumer that reads bf16).
 extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_PER_SM)
     fused_gate_apply_bf16_out(const bf16_t* zu, TensorList params, TensorList layout, int phi, float phi_p,
                               i64 rows, i64 zu_width, i64 out_width, int rc, int rs, bf16_t* out) {
-    gate_apply<bf16_t, bf16_t, false>(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out,
-                                      NO_ROTARY);
+    gate_apply<bf16_t, bf16_t, APPLY_ADJACENT>(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out,
+                                               NO_ROTARY, nullptr);
 }
 
-// attention's gated q, k and v from a bf16 ZU into the bf16 outs.v[0..3] (the rotary
-// epilogue above), a group of three projections of H·D = head_dim·heads outputs each.
+// Attention's gated q, k and v from a bf16 ZU into the bf16 outs.v[0..3] (APPLY_ROTARY), a
+// group of three projections of H·D = head_dim·heads outputs each.
 extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_PER_SM)
     fused_gate_apply_rotary_qkv(const bf16_t* zu, TensorList params, TensorList layout, int phi, float phi_p,
                                 i64 rows, i64 zu_width, int rc, int rs, TensorList outs, const float* cos_table,
                                 const float* sin_table, i64 seq, i64 head_dim) {
     const RotaryQkv rope{&outs, cos_table, sin_table, seq, head_dim};
-    gate_apply<bf16_t, bf16_t, true>(zu, params, layout, phi, phi_p, rows, zu_width, 0, rc, rs, (bf16_t*)nullptr,
-                                     rope);
+    gate_apply<bf16_t, bf16_t, APPLY_ROTARY>(zu, params, layout, phi, phi_p, rows, zu_width, 0, rc, rs,
+                                             (bf16_t*)nullptr, rope, nullptr);
+}
+
+// The FFN's gated gate and up projections from a bf16 ZU (APPLY_SWIGLU): Ẑ into `out`
+// ([N, 2·d_out], bf16) and SwiGLU of its halves into swiglu_out ([N, d_out], bf16).
+extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_PER_SM)
+    fused_gate_apply_swiglu(const bf16_t* zu, TensorList params, TensorList layout, int phi, float phi_p, i64 rows,
+                            i64 zu_width, i64 out_width, int rc, int rs, bf16_t* out, bf16_t* swiglu_out) {
+    gate_apply<bf16_t, bf16_t, APPLY_SWIGLU>(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out,
+                                             NO_ROTARY, swiglu_out);
 }
 
 // fused_gate_backward_rows's blocks (backward_blocks in cuda/fused_gate/mod.rs): block (x, g)

@@ -1,7 +1,8 @@
-//! The fused gate writing attention's q, k and v itself, q and k rotated by RoPE
-//! (`fused_gate_forward_rotary_qkv`), against the path it replaces: the packed gated output
-//! (`fused_gate_forward_unfused`, here in f32), then RoPE's packed forward (`rope_qkv_forward`)
-//! into bf16.
+//! The fused gate kernel writing what its consumer would: attention's q, k and v, q and k
+//! rotated by RoPE (`fused_gate_forward_rotary_qkv`), and the FFN's SwiGLU
+//! (`fused_gate_forward_swiglu`), each against the path it replaces: the packed gated output
+//! (`fused_gate_forward_unfused`), then RoPE's packed forward (`rope_qkv_forward`) or SwiGLU of
+//! its halves (`swiglu_halves_forward`).
 
 use half::bf16;
 use kernels::cpu;
@@ -19,9 +20,9 @@ fn widened(dev: &CudaDevice, buffer: &DeviceBuffer<bf16>) -> Vec<f32> {
     dev.download(buffer).unwrap().iter().map(|v| v.to_f32()).collect()
 }
 
-/// Three projections of one input (q, k and v) of `d_out` outputs each.
-fn qkv_cases(rng: &mut Rng, dims: FusedGateDims) -> Vec<GateCase> {
-    let mut cases: Vec<GateCase> = (0..3).map(|_| GateCase::new(dims, rng, true)).collect();
+/// `count` projections of one input (q, k and v; gate and up) of `d_out` outputs each.
+fn group_cases(rng: &mut Rng, dims: FusedGateDims, count: usize) -> Vec<GateCase> {
+    let mut cases: Vec<GateCase> = (0..count).map(|_| GateCase::new(dims, rng, true)).collect();
     let x = cases[0].x.clone();
     cases.iter_mut().for_each(|c| c.x = x.clone());
     cases
@@ -43,7 +44,7 @@ fn rotary_qkv_gate_is_rope_of_the_packed_gate() {
         let (rows, d_out) = (batch * seq, heads * head_dim);
         let dims = FusedGateDims { rows, d_in: 48, d_out, rank_channel, rank_scalar: 4 };
         let what = format!("B {batch}, T {seq}, H {heads}, D {head_dim}");
-        let cases = qkv_cases(&mut rng, dims);
+        let cases = group_cases(&mut rng, dims, 3);
         let gates: Vec<DeviceGate> = cases.iter().map(|c| DeviceGate::new(dev, c)).collect();
         let group: Vec<GateGroup> = gates.iter().map(|g| GateGroup { dims, params: g.params(phi) }).collect();
         let packed = cuda::fused_gate::pack_weight(dev, &group).unwrap();
@@ -92,7 +93,7 @@ fn rotary_qkv_gate_refuses_what_it_cannot_serve() {
     let mut rng = Rng::new(32);
     let (seq, heads, head_dim) = (4, 2, 8);
     let dims = FusedGateDims { rows: 2 * seq, d_in: 16, d_out: heads * head_dim, rank_channel: 4, rank_scalar: 4 };
-    let cases = qkv_cases(&mut rng, dims);
+    let cases = group_cases(&mut rng, dims, 3);
     let gates: Vec<DeviceGate> = cases.iter().map(|c| DeviceGate::new(dev, c)).collect();
     let group: Vec<GateGroup> = gates.iter().map(|g| GateGroup { dims, params: g.params(Unary::Sigmoid) }).collect();
     let packed = cuda::fused_gate::pack_weight(dev, &group).unwrap();
@@ -130,4 +131,78 @@ fn rotary_qkv_gate_refuses_what_it_cannot_serve() {
     // An output of the wrong length.
     let mut short = [0, 1, 2].map(|i| dev.alloc::<bf16>(dims.rows * dims.d_out - i).unwrap());
     refuse(&group, true, seq, head_dim, tables, &mut short);
+}
+
+/// The bits of a bf16 buffer.
+fn bits(dev: &CudaDevice, buffer: &DeviceBuffer<bf16>) -> Vec<u16> {
+    dev.download(buffer).unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+/// SwiGLU's epilogue reads the gated values as they are stored (rounded to bf16) with
+/// swiglu.cu's arithmetic, so the gated output and SwiGLU's are the two launches' bits.
+#[test]
+fn swiglu_gate_is_swiglu_of_the_packed_gate() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(33);
+    // Two column tiles (300 > 256), an odd width, partial row blocks.
+    for (rows, d_out, rank_channel, phi) in
+        [(70, 96, 8, Unary::Silu), (33, 300, 12, Unary::Sigmoid), (5, 17, 8, Unary::Silu)]
+    {
+        let dims = FusedGateDims { rows, d_in: 48, d_out, rank_channel, rank_scalar: 4 };
+        let what = format!("{dims:?} {phi:?}");
+        let cases = group_cases(&mut rng, dims, 2);
+        let gates: Vec<DeviceGate> = cases.iter().map(|c| DeviceGate::new(dev, c)).collect();
+        let group: Vec<GateGroup> = gates.iter().map(|g| GateGroup { dims, params: g.params(phi) }).collect();
+        let packed = cuda::fused_gate::pack_weight(dev, &group).unwrap();
+        let x = up_bf16(dev, &cases[0].x);
+        let zu_len = rows * 2 * dims.width();
+
+        let mut zu = DeviceValues::alloc(dev, zu_len, true).unwrap();
+        let mut gated = dev.alloc::<bf16>(rows * 2 * d_out).unwrap();
+        cuda::fused_gate::fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, ValuesMut::Bf16(&mut gated))
+            .unwrap();
+        let mut y = dev.alloc::<bf16>(rows * d_out).unwrap();
+        cuda::swiglu::swiglu_halves_forward(dev, Values::Bf16(&gated), d_out, (ValuesMut::Bf16(&mut y), None)).unwrap();
+
+        let mut fused_zu = DeviceValues::alloc(dev, zu_len, true).unwrap();
+        let mut fused_gated = dev.alloc::<bf16>(rows * 2 * d_out).unwrap();
+        let mut fused_y = dev.alloc::<bf16>(rows * d_out).unwrap();
+        cuda::fused_gate::fused_gate_forward_swiglu(
+            dev,
+            &group,
+            &x,
+            &packed,
+            &mut fused_zu,
+            &mut fused_gated,
+            &mut fused_y,
+        )
+        .unwrap();
+        assert_eq!(bits(dev, &fused_gated), bits(dev, &gated), "the gated output {what}");
+        assert_eq!(bits(dev, &fused_y), bits(dev, &y), "SwiGLU's output {what}");
+    }
+    // Gate and up of different widths, three projections, an f32 ZU or outputs of the wrong
+    // length are refused.
+    let dims = |d_out| FusedGateDims { rows: 4, d_in: 16, d_out, rank_channel: 4, rank_scalar: 4 };
+    let mut cases = [8, 12, 8].map(|d_out| GateCase::new(dims(d_out), &mut rng, true));
+    let x = cases[0].x.clone();
+    cases.iter_mut().for_each(|c| c.x = x.clone());
+    let gates: Vec<DeviceGate> = cases.iter().map(|c| DeviceGate::new(dev, c)).collect();
+    let group_of = |at: &[usize]| -> Vec<GateGroup> {
+        at.iter().map(|&i| GateGroup { dims: cases[i].dims, params: gates[i].params(Unary::Silu) }).collect()
+    };
+    let (uneven, even) = (group_of(&[0, 1]), group_of(&[0, 2]));
+    let x = up_bf16(dev, &x);
+    let refuse = |group: &[GateGroup], bf16_zu: bool, gated_len: usize, y_len: usize| {
+        let packed = cuda::fused_gate::pack_weight(dev, group).unwrap();
+        let width: usize = group.iter().map(|g| g.dims.width()).sum();
+        let mut zu = DeviceValues::alloc(dev, 4 * width, bf16_zu).unwrap();
+        let (mut gated, mut y) = (dev.alloc::<bf16>(gated_len).unwrap(), dev.alloc::<bf16>(y_len).unwrap());
+        let result = cuda::fused_gate::fused_gate_forward_swiglu(dev, group, &x, &packed, &mut zu, &mut gated, &mut y);
+        assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
+    };
+    refuse(&uneven, true, 4 * 20, 4 * 8);
+    refuse(&group_of(&[0, 2, 0]), true, 4 * 24, 4 * 8);
+    refuse(&even, false, 4 * 16, 4 * 8);
+    refuse(&even, true, 4 * 16, 4 * 8 - 1);
+    refuse(&even, true, 4 * 16 - 1, 4 * 8);
 }
