@@ -520,7 +520,7 @@ struct RotaryQkv {
 // (the second half of the cuBLAS path; the same arithmetic as fused_gate_mma's epilogue and in
 // the same order, so the same bits as a row at a time), written as f32 or rounded to bf16 (O).
 // A thread owns two columns, c = 0 and 1, paired as MODE says; each has its own group
-// (gs[c]: both blockIdx.z's, except APPLY_SWIGLU's gate and up), column (col[c]) and that
+// (gs[c]: both blockIdx.z's, except APPLY_SWIGLU's gate and up), column (j + c·apart) and that
 // group's H and γ_s rows (part c of the shared rows when the groups differ).
 template <class Z, class O, int MODE>
 __device__ __forceinline__ void gate_apply(const Z* __restrict__ zu, const TensorList& params,
@@ -539,8 +539,9 @@ __device__ __forceinline__ void gate_apply(const Z* __restrict__ zu, const Tenso
     const float alpha_c[2] = {*gs[0].alpha_c, *gs[1].alpha_c};
     const bool regs = register_rank(rc);
 
-    // This thread's columns j and j + apart (the second's place in its ZU row and output row
-    // relative to the first's), their weights (register path) and biases.
+    // This thread's columns, j of gs[0] and j + apart of gs[1] (the second sits zu_apart after
+    // the first in a ZU row and out_apart after it in an output row), their weights (register
+    // path) and biases.
     const i64 half = MODE == APPLY_ROTARY ? rope.head_dim / 2 : 1, pair = tile / 2 + threadIdx.x;
     i64 j, apart, zu_apart, out_apart;
     if (MODE == APPLY_ROTARY) {
