@@ -776,8 +776,8 @@ fn packed_rotary_attention_backward_is_two_launches_under_bf16() {
 }
 
 /// Under bf16 products, the ops whose results bf16 products read write those results' bf16
-/// copies themselves (RMSNorm; SwiGLU forward and backward; attention's output and dv; the
-/// RoPE backward; the sum of two gradients): the products convert only the weight, and equal the products of fresh
+/// copies themselves (RMSNorm, forward and backward; SwiGLU forward and backward; attention's
+/// output and dv; the RoPE backward; the sum of two gradients): the products convert only the weight, and equal the products of fresh
 /// copies of the same values (converted by the conversion kernel) bit for bit.
 #[test]
 fn results_that_products_read_come_with_their_bf16_copies() {
@@ -793,7 +793,10 @@ fn results_that_products_read_come_with_their_bf16_copies() {
     let wt = w_gpu.transpose(0, 1).unwrap();
     // W's copy first, so that only the results' copies are in question below.
     x.matmul(&wt).unwrap();
-    let normed = x.rms_norm(&norm_w, 1e-5).unwrap().y;
+    let norm = x.rms_norm(&norm_w, 1e-5).unwrap();
+    let normed = norm.y;
+    // The final norm's dx (no residual gradient to add): the last block's output gradient.
+    let (dnorm, _) = Tensor::rms_norm_backward(&x, &norm_w, &norm.rstd, &dy, None).unwrap();
     let gated = gate.swiglu(&up).unwrap();
     let (dgate, dup) = Tensor::swiglu_backward(&gate, &up, &dy).unwrap();
     // [B 1, T 6, H 2, D 8]: one batch of six tokens, viewed back as [6, 16] for the product.
@@ -807,6 +810,7 @@ fn results_that_products_read_come_with_their_bf16_copies() {
     let summed = dy.deep_copy().unwrap().accumulate(gate.clone()).unwrap();
     let results = [
         ("rms_norm y", normed),
+        ("rms_norm dx", dnorm),
         ("swiglu y", gated),
         ("swiglu dgate", dgate),
         ("swiglu dup", dup),

@@ -101,8 +101,9 @@ impl Tensor {
     /// `dx = rstd·(w⊙dy − x̂·mean(x̂⊙w⊙dy))`, `dweight = Σ_rows dy⊙x̂`, with `x̂ = x·rstd`.
     /// `residual`, when given, is the gradient already reaching `x` by another path (a pre-ln
     /// LLaMA block's residual stream, [`Tensor::add_rms_norm`]): `dx` is then `residual +` the
-    /// above, added in the same pass (and, under bf16 products on the GPU, with its bf16 copy,
-    /// as the engine's in-place sum of gradients writes it).
+    /// above, added in the same pass. Under bf16 products on the GPU `dx` comes with its bf16
+    /// copy either way (as the engine's in-place sum of gradients writes it): the projections'
+    /// backward products read it next.
     pub fn rms_norm_backward(
         x: &Tensor,
         weight: &Tensor,
@@ -266,7 +267,7 @@ pub(crate) mod cuda {
     }
 
     /// `(dx, dweight)` of RMSNorm from the saved `rstd`, `dx` with `residual` added when
-    /// given (then with its bf16 copy under bf16 products).
+    /// given, with its bf16 copy under bf16 products.
     pub(crate) fn rms_norm_backward(
         x: &Tensor,
         weight: &Tensor,
@@ -279,18 +280,16 @@ pub(crate) mod cuda {
         let (x, w, rstd, dy) = (x.dense()?, weight.dense()?, rstd.dense()?, dy.dense()?);
         let residual = residual.map(Tensor::dense).transpose()?;
         let mut dw = CudaStorage::alloc(&dev, dims.cols)?;
-        let mut launch = |dx: &mut DeviceBuffer<f32>, dx_bf16: Option<&mut DeviceBuffer<bf16>>| {
+        let launch = |dx: &mut DeviceBuffer<f32>, dx_bf16: Option<&mut DeviceBuffer<bf16>>| {
             // dy as held: bf16 alone from the bf16 products that read y (under bf16 products).
             let (x, w, rstd, dy) = (x.cuda_f32(OP)?, w.cuda_f32(OP)?, rstd.cuda_f32(OP)?, dy.cuda_values(OP)?);
             let residual = residual.as_ref().map(|r| r.cuda_f32(OP)).transpose()?;
             let grads = NormGrads { dx, dweight: Some(dw.f32_buffer_mut(OP)?), dbias: None };
             Ok(launch::rms_norm_backward(&dev, x, w, rstd, (dy, residual), dims, (grads, dx_bf16))?)
         };
-        // A sum of gradients is what the projections' backward products read next.
-        let dx = match &residual {
-            Some(_) => product_input_output(&dev, OP, x.shape(), launch)?,
-            None => output(&dev, OP, x.shape(), |dx| launch(dx, None))?,
-        };
+        // The projections' backward products read it next (a sum of gradients in a residual
+        // stream, or the final norm's dx, the last block's output gradient).
+        let dx = product_input_output(&dev, OP, x.shape(), launch)?;
         Ok((dx, Tensor::from_cuda(dw, &[dims.cols])?))
     }
 
