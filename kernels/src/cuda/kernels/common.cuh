@@ -321,9 +321,10 @@ __device__ __forceinline__ void store_bf16(bf16_t* p, const float (&v)[W]) {
 
 // RoPE's rotation of one pair (a, b) = (x[i], x[i + D/2]) by the angle whose cosine is c and
 // sine s·sign (sign −1: the inverse rotation, RoPE's backward): lo = a·c − b·s', hi = a·s' + b·c.
-// rope.cu and attention's backward, which rotates its dq and dk rows as it stores them, both
-// call it, so that the same f32 inputs give the same bits in either. hi is written a·s' + b·c
-// (not b·c + a·s') so that NVRTC fuses the same product into an fma in every caller.
+// rope.cu, attention's backward (which rotates its dq and dk rows back as it stores them) and
+// the fused gate's rotary epilogue (fused_gate.cu) all call it, so that the same f32 inputs give
+// the same bits in each. hi is written a·s' + b·c (not b·c + a·s') so that NVRTC fuses the
+// same product into an fma in every caller.
 __device__ __forceinline__ void rope_rotate_pair(float a, float b, float c, float s, float sign, float& lo,
                                                  float& hi) {
     const float sk = s * sign;
@@ -337,6 +338,10 @@ __device__ __forceinline__ float sigmoid_f(float x) {
     float s = 1.0f / (1.0f + e);
     return x >= 0.0f ? s : e * s;
 }
+
+// SwiGLU of one gate value g and one up value u, silu(g)·u = g·σ(g)·u: swiglu.cu's forward
+// and the fused gate's SwiGLU epilogue (fused_gate.cu) both call it, so they give the same bits.
+__device__ __forceinline__ float swiglu_value(float g, float u) { return g * sigmoid_f(g) * u; }
 
 // Unary op codes: the order of `cpu::unary::Unary` (Powf's exponent travels as `p`).
 #define OP_NEG 0

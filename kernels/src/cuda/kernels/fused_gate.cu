@@ -502,8 +502,8 @@ __device__ __forceinline__ void load_pair(const bf16_t* p, bool second, bool pai
 //                   with no launch of its own and one rounding.
 //   APPLY_SWIGLU    column j of the FFN's gate and of its up projection (a group of two of one
 //                   d_out): Ẑ in bf16 (SwiGLU's backward reads it) and y = silu(ĝ)·û, bf16 into
-//                   swiglu_out [N, d_out], from ĝ and û as stored (rounded), with
-//                   swiglu.cu's arithmetic: the bits of the gate then swiglu_forward_bf16.
+//                   swiglu_out [N, d_out], from ĝ and û as stored (rounded), by common.cuh's
+//                   swiglu_value, as swiglu.cu: the bits of the gate then swiglu_forward_bf16.
 #define APPLY_ADJACENT 0
 #define APPLY_ROTARY 1
 #define APPLY_SWIGLU 2
@@ -612,9 +612,9 @@ __device__ __forceinline__ void gate_apply(const Z* __restrict__ zu, const Tenso
                 }
                 store_pair(dst + row * dst_width + j, y[0], y[1], second, pairs, out_apart);
                 if (MODE == APPLY_SWIGLU) {
-                    // swiglu_forward_at's arithmetic on the stored (rounded) ĝ and û.
+                    // SwiGLU of ĝ and û as stored (rounded to bf16), as swiglu.cu reads them.
                     const float g = bf16_to_f32(f32_to_bf16(y[0])), u = bf16_to_f32(f32_to_bf16(y[1]));
-                    swiglu_out[row * d_out + j] = f32_to_bf16(g * sigmoid_f(g) * u);
+                    swiglu_out[row * d_out + j] = f32_to_bf16(swiglu_value(g, u));
                 }
             }
         }

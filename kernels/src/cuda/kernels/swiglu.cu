@@ -38,7 +38,7 @@ __device__ __forceinline__ void swiglu_forward_at(const T* gate, const T* up, fl
     float g[W], u[W], y[W];
     load_f32(g, gate + at);
     load_f32(u, up + at);
-    for (int k = 0; k < W; ++k) y[k] = g[k] * sigmoid_f(g[k]) * u[k];
+    for (int k = 0; k < W; ++k) y[k] = swiglu_value(g[k], u[k]);
     if (out) store_f32(out + i0, y);
     if (out_bf16) store_bf16(out_bf16 + i0, y);
 }
