@@ -290,22 +290,11 @@ pub fn causal_attention_backward(
     (mut dv, mut dv_bf16): (ValuesMut, Option<&mut DeviceBuffer<bf16>>),
 ) -> Result<()> {
     const OP: &str = "causal_attention_backward";
-    let bf16_inputs = check_qkv(dev, OP, &qkv, precision)?;
-    out.check_owner(dev, OP)?;
-    check_owners(dev, OP, &[lse])?;
-    dout.check_owner(dev, OP)?;
-    ensure(out.is_bf16() == bf16_inputs, OP, || {
-        "the saved output is bf16 exactly when q, k and v are (the tensor-core kernels)".to_string()
-    })?;
-    ensure(!dout.is_bf16() || bf16_inputs, OP, || "a bf16 dout needs bf16 q, k and v".to_string())?;
+    let d = check_backward_inputs(dev, OP, &qkv, &out, lse, &dout, dims, precision)?;
     let [q, k, v] = qkv;
-    let d = check(OP, dims, q.len(), k.len(), v.len())?;
-    ensure(out.len() == q.len() && dout.len() == q.len(), OP, || "out or dout has the wrong length".to_string())?;
-    ensure_len(OP, "lse", lse.len(), dims.lse_len())?;
     check_grads(dev, OP, [dq.as_values(), dk.as_values(), dv.as_values()], [q.len(), k.len(), v.len()], precision)?;
     ensure(!dv.as_values().is_bf16() || dv_bf16.is_none(), OP, || "a bf16 dv takes no bf16 twin".to_string())?;
     check_twin(dev, OP, "dv_bf16", &dv_bf16, v.len())?;
-    d.check_precision(dev, OP, precision)?;
     if d.is_empty() {
         // No queries: keys and values that nothing attends to have zero gradients.
         if let Some(twin) = dv_bf16.as_deref_mut() {
@@ -370,19 +359,12 @@ pub fn causal_attention_backward_packed(
     sin: &DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "causal_attention_backward_packed";
-    let precision = AttentionPrecision::Bf16;
-    let bf16_inputs = check_qkv(dev, OP, &qkv, precision)?;
-    ensure(bf16_inputs, OP, || "the packed backward reads bf16 q, k and v (RoPE's output)".to_string())?;
-    out.check_owner(dev, OP)?;
-    dout.check_owner(dev, OP)?;
-    check_owners(dev, OP, &[lse, cos, sin])?;
-    ensure(out.is_bf16(), OP, || "the saved output of bf16 q, k and v is bf16".to_string())?;
+    let d = check_backward_inputs(dev, OP, &qkv, &out, lse, &dout, dims, AttentionPrecision::Bf16)?;
+    ensure(qkv[0].is_bf16(), OP, || "the packed backward reads bf16 q, k and v (RoPE's output)".to_string())?;
+    check_owners(dev, OP, &[cos, sin])?;
     let [q, k, v] = qkv;
-    let d = check(OP, dims, q.len(), k.len(), v.len())?;
     let AttentionDims { q_seq, kv_seq, heads, head_dim, .. } = *dims;
     ensure(q_seq == kv_seq, OP, || format!("a packed product has one length, not Tq {q_seq} and Tk {kv_seq}"))?;
-    ensure(out.len() == q.len() && dout.len() == q.len(), OP, || "out or dout has the wrong length".to_string())?;
-    ensure_len(OP, "lse", lse.len(), dims.lse_len())?;
     let dqkv = dqkv.as_values();
     dqkv.check_owner(dev, OP)?;
     ensure_len(OP, "dqkv", dqkv.len(), 3 * q.len())?;
@@ -390,7 +372,6 @@ pub fn causal_attention_backward_packed(
     ensure(cos.len() >= table_len && sin.len() >= table_len, OP, || {
         format!("RoPE's tables hold {} and {} values, {kv_seq} positions need {table_len}", cos.len(), sin.len())
     })?;
-    d.check_precision(dev, OP, precision)?;
     if d.is_empty() {
         return Ok(());
     }
@@ -403,6 +384,36 @@ pub fn causal_attention_backward_packed(
         tables: [ptr(cos), ptr(sin)],
     };
     launch_mma_backward(dev, &d, [q, k, v], out, lse, dout, rows)
+}
+
+/// Checks the backward's inputs: q, k and v ([`check_qkv`]), the forward's `out` and `lse`
+/// and `dout`, on `dev`, of `dims`' sizes, `out` bf16 exactly when q, k and v are, `dout` bf16
+/// only beside them, and `precision` runnable on `dev`; returns the launch geometry.
+#[allow(clippy::too_many_arguments)]
+fn check_backward_inputs(
+    dev: &CudaDevice,
+    op: &'static str,
+    qkv: &[Values; 3],
+    out: &Values,
+    lse: &DeviceBuffer<f32>,
+    dout: &Values,
+    dims: &AttentionDims,
+    precision: AttentionPrecision,
+) -> Result<Dims> {
+    let bf16_inputs = check_qkv(dev, op, qkv, precision)?;
+    out.check_owner(dev, op)?;
+    check_owners(dev, op, &[lse])?;
+    dout.check_owner(dev, op)?;
+    ensure(out.is_bf16() == bf16_inputs, op, || {
+        "the saved output is bf16 exactly when q, k and v are (the tensor-core kernels)".to_string()
+    })?;
+    ensure(!dout.is_bf16() || bf16_inputs, op, || "a bf16 dout needs bf16 q, k and v".to_string())?;
+    let [q, k, v] = qkv;
+    let d = check(op, dims, q.len(), k.len(), v.len())?;
+    ensure(out.len() == q.len() && dout.len() == q.len(), op, || "out or dout has the wrong length".to_string())?;
+    ensure_len(op, "lse", lse.len(), dims.lse_len())?;
+    d.check_precision(dev, op, precision)?;
+    Ok(d)
 }
 
 /// Where the tensor-core backward stores dq, dk and dv (`RowsOut` in attention_mma.cu): each

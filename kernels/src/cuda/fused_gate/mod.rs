@@ -387,8 +387,12 @@ pub fn fused_gate_forward(
 /// (the second half of the unfused path). `out` is f32, or bf16 (for a consumer that reads
 /// bf16) from a bf16 `zu`.
 pub fn fused_gate_apply(dev: &CudaDevice, groups: &[GateGroup], zu: &DeviceValues, out: ValuesMut) -> Result<()> {
+    apply(dev, groups, &layout(dev, "fused_gate_apply", groups)?, zu, out)
+}
+
+/// [`fused_gate_apply`] of a group already laid out.
+fn apply(dev: &CudaDevice, groups: &[GateGroup], layout: &Layout, zu: &DeviceValues, out: ValuesMut) -> Result<()> {
     const OP: &str = "fused_gate_apply";
-    let layout = layout(dev, OP, groups)?;
     let (zu, written) = (zu.values(), out.as_values());
     zu.check_owner(dev, OP)?;
     written.check_owner(dev, OP)?;
@@ -405,10 +409,10 @@ pub fn fused_gate_apply(dev: &CudaDevice, groups: &[GateGroup], zu: &DeviceValue
             })
         }
     };
-    let mut args = apply_args(&zu, groups, &layout);
+    let mut args = apply_args(&zu, groups, layout);
     args.extend([size(layout.out_width), int(layout.rank_channel as i32), int(layout.rank_scalar as i32)]);
     args.push(written.arg_at(0));
-    dev.launch(FAMILY, kernel, apply_blocks(&layout, groups, APPLY_TILE)?, &args)
+    dev.launch(FAMILY, kernel, apply_blocks(layout, groups, APPLY_TILE)?, &args)
 }
 
 /// The engine's forward: a cuBLAS bf16 GEMM `zu = x·packedᵀ` (`[N, K]`, f32 accumulation,
@@ -424,8 +428,10 @@ pub fn fused_gate_forward_unfused(
     zu: &mut DeviceValues,
     out: ValuesMut,
 ) -> Result<()> {
-    zu_product(dev, "fused_gate_forward_unfused", groups, x, packed, zu)?;
-    fused_gate_apply(dev, groups, zu, out)
+    const OP: &str = "fused_gate_forward_unfused";
+    let layout = layout(dev, OP, groups)?;
+    zu_product(dev, OP, &layout, x, packed, zu)?;
+    apply(dev, groups, &layout, zu, out)
 }
 
 /// Where [`fused_gate_forward_rotary_qkv`] writes attention's q, k and v, and RoPE's tables.
@@ -461,9 +467,7 @@ pub fn fused_gate_forward_rotary_qkv(
     const OP: &str = "fused_gate_forward_rotary_qkv";
     let layout = layout(dev, OP, groups)?;
     let RotaryQkv { seq, head_dim, cos, sin, outs } = rope;
-    ensure(groups.len() == 3, OP, || format!("{} projections, not q, k and v", groups.len()))?;
-    let d_out = groups[0].dims.d_out;
-    ensure(groups.iter().all(|g| g.dims.d_out == d_out), OP, || "q, k and v differ in width".to_string())?;
+    let d_out = epilogue_group(OP, groups, &["q", "k", "v"], zu)?;
     ensure(head_dim > 0 && head_dim.is_multiple_of(2) && d_out.is_multiple_of(head_dim), OP, || {
         format!("width {d_out} is not a whole number of heads of an even dimension {head_dim}")
     })?;
@@ -482,8 +486,7 @@ pub fn fused_gate_forward_rotary_qkv(
         dev.check_owner(OP, &**out)?;
         ensure_len(OP, "q, k or v", out.len(), layout.rows * d_out)?;
     }
-    ensure(zu.values().is_bf16(), OP, || "the rotary epilogue reads a bf16 zu (bf16 products)".to_string())?;
-    zu_product(dev, OP, groups, x, packed, zu)?;
+    zu_product(dev, OP, &layout, x, packed, zu)?;
     let mut args = apply_args(&zu.values(), groups, &layout);
     args.extend([int(layout.rank_channel as i32), int(layout.rank_scalar as i32)]);
     args.extend([address_list(outs.iter().map(|out| out.device_ptr())), ptr(cos), ptr(sin), size(seq), size(head_dim)]);
@@ -507,15 +510,12 @@ pub fn fused_gate_forward_swiglu(
 ) -> Result<()> {
     const OP: &str = "fused_gate_forward_swiglu";
     let layout = layout(dev, OP, groups)?;
-    ensure(groups.len() == 2, OP, || format!("{} projections, not gate and up", groups.len()))?;
-    let d_out = groups[0].dims.d_out;
-    ensure(groups[1].dims.d_out == d_out, OP, || "the gate and up projections differ in width".to_string())?;
+    let d_out = epilogue_group(OP, groups, &["gate", "up"], zu)?;
     dev.check_owner(OP, gated)?;
     dev.check_owner(OP, out)?;
     ensure_len(OP, "gated", gated.len(), layout.rows * layout.out_width)?;
     ensure_len(OP, "out", out.len(), layout.rows * d_out)?;
-    ensure(zu.values().is_bf16(), OP, || "SwiGLU's epilogue reads a bf16 zu (bf16 products)".to_string())?;
-    zu_product(dev, OP, groups, x, packed, zu)?;
+    zu_product(dev, OP, &layout, x, packed, zu)?;
     let mut args = apply_args(&zu.values(), groups, &layout);
     args.extend([size(layout.out_width), int(layout.rank_channel as i32), int(layout.rank_scalar as i32)]);
     args.extend([ptr(gated), ptr(out)]);
@@ -523,17 +523,26 @@ pub fn fused_gate_forward_swiglu(
     dev.launch(FAMILY, "fused_gate_apply_swiglu", apply_blocks(&layout, &groups[..1], APPLY_THREADS)?, &args)
 }
 
+/// Checks the group of an epilogue that serves exactly the projections `names` (q, k and v;
+/// gate and up), of one width, from a bf16 `zu` (bf16 products); returns that width.
+fn epilogue_group(op: &'static str, groups: &[GateGroup], names: &[&str], zu: &DeviceValues) -> Result<usize> {
+    ensure(groups.len() == names.len(), op, || format!("{} projections, not {}", groups.len(), names.join(", ")))?;
+    let d_out = groups[0].dims.d_out;
+    ensure(groups.iter().all(|g| g.dims.d_out == d_out), op, || format!("{} differ in width", names.join(", ")))?;
+    ensure(zu.values().is_bf16(), op, || "the epilogue reads a bf16 zu (bf16 products)".to_string())?;
+    Ok(d_out)
+}
+
 /// The group's GEMM `zu = x·packedᵀ` (`[N, K]`, f32 accumulation, written in `zu`'s type),
-/// checked against the group's layout.
+/// checked against the group's `layout`.
 fn zu_product(
     dev: &CudaDevice,
     op: &'static str,
-    groups: &[GateGroup],
+    layout: &Layout,
     x: &DeviceBuffer<bf16>,
     packed: &DeviceBuffer<bf16>,
     zu: &mut DeviceValues,
 ) -> Result<()> {
-    let layout = layout(dev, op, groups)?;
     for buffer in [x, packed] {
         dev.check_owner(op, buffer)?;
     }
