@@ -29,6 +29,23 @@ impl Tensor {
         Ok(AttentionDims { batch: b, q_seq: tq, kv_seq: tk, heads: h, head_dim: d, scale })
     }
 
+    /// [`Tensor::attention_dims`] of a backward's operands, and its forward's `out` (shaped like
+    /// `q`) and `lse` (a value per query) and the output gradient `dout` (shaped like `q`).
+    fn attention_backward_dims(
+        op: &'static str,
+        [q, k, v]: [&Tensor; 3],
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        scale: f32,
+    ) -> Result<AttentionDims> {
+        let dims = Tensor::attention_dims(op, q, k, v, scale)?;
+        q.check_like(op, out)?;
+        q.check_like(op, dout)?;
+        q.check_row_stats(op, lse, dims.lse_len())?;
+        Ok(dims)
+    }
+
     /// Causal scaled-dot-product attention of `q: [B, Tq, H, D]` over `k, v: [B, Tk, H, D]`
     /// (Tq ≤ Tk; the queries are the last Tq positions). Returns the output `[B, Tq, H, D]`
     /// and the per-query log-sum-exp `[B, H, Tq]` (on the inputs' device) for backward. No
@@ -60,10 +77,7 @@ impl Tensor {
         scale: f32,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         const OP: &str = "causal_attention_backward";
-        let dims = Tensor::attention_dims(OP, q, k, v, scale)?;
-        q.check_like(OP, out)?;
-        q.check_like(OP, dout)?;
-        q.check_row_stats(OP, lse, dims.lse_len())?;
+        let dims = Tensor::attention_backward_dims(OP, [q, k, v], out, lse, dout, scale)?;
         #[cfg(feature = "cuda")]
         if q.cuda_storage().is_some() {
             return cuda::causal_attention_backward(q, k, v, out, lse, dout, &dims);
@@ -107,11 +121,8 @@ impl Tensor {
     ) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if q.cuda_storage().is_some() {
-            const OP: &str = "rotary_attention_backward_packed";
-            let dims = Tensor::attention_dims(OP, q, k, v, scale)?;
-            q.check_like(OP, out)?;
-            q.check_like(OP, dout)?;
-            q.check_row_stats(OP, lse, dims.lse_len())?;
+            let dims =
+                Tensor::attention_backward_dims("rotary_attention_backward_packed", [q, k, v], out, lse, dout, scale)?;
             if let Some(dqkv) = cuda::rotary_attention_backward_packed(q, k, v, out, lse, dout, &dims, theta)? {
                 return Ok(dqkv);
             }

@@ -52,6 +52,22 @@ pub struct FusedGateSaved {
     extra: SavedExtra,
 }
 
+#[cfg(feature = "cuda")]
+impl FusedGateSaved {
+    /// What a GPU forward keeps: `x` as the backward reads it (only in its weight gradient's
+    /// product: under bf16 products the bf16 copy alone is kept) and the forward's `state`.
+    fn on_device(
+        projections: Vec<Checked>,
+        x: &Tensor,
+        phi: Unary,
+        state: cuda::DeviceState,
+    ) -> Result<FusedGateSaved> {
+        let (zu, packed) = state;
+        let x = x.to_dtype(crate::DType::F32)?.dense()?.saved_for_products();
+        Ok(FusedGateSaved { projections, x, phi, extra: SavedExtra::Cuda { zu, packed } })
+    }
+}
+
 /// The device-specific part of [`FusedGateSaved`].
 enum SavedExtra {
     /// Each projection's GEMM output `ZU` and the CPU kernel's rank-r results.
@@ -174,12 +190,8 @@ impl Tensor {
         let out_shape = with_last_dim(x.shape(), total);
         #[cfg(feature = "cuda")]
         if x.cuda_storage().is_some() {
-            let (out, x, zu, packed) = cuda::forward(&x, &checked, phi, &out_shape, output)?;
-            let extra = SavedExtra::Cuda { zu, packed };
-            // The backward reads x only in its weight gradient's product: under bf16 products
-            // the bf16 copy alone is kept.
-            let x = x.saved_for_products();
-            return Ok((out, FusedGateSaved { projections: checked, x, phi, extra }));
+            let (out, state) = cuda::forward(&x, &checked, phi, &out_shape, output)?;
+            return Ok((out, FusedGateSaved::on_device(checked, &x, phi, state)?));
         }
         let mut outs = Vec::with_capacity(checked.len());
         let mut saved = Vec::with_capacity(checked.len());
@@ -224,10 +236,8 @@ impl Tensor {
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
             let (x, checked) = self.checked_group(projections)?;
-            if let Some(((q, k, v), x, zu, packed)) = cuda::forward_rotary_qkv(&x, &checked, phi, heads, theta)? {
-                let extra = SavedExtra::Cuda { zu, packed };
-                let x = x.saved_for_products();
-                return Ok((q, k, v, FusedGateSaved { projections: checked, x, phi, extra }));
+            if let Some(((q, k, v), state)) = cuda::forward_rotary_qkv(&x, &checked, phi, heads, theta)? {
+                return Ok((q, k, v, FusedGateSaved::on_device(checked, &x, phi, state)?));
             }
         }
         let (packed, saved) = self.fused_gated_projections(projections, phi, ProductOutput::Bf16)?;
@@ -249,10 +259,8 @@ impl Tensor {
         #[cfg(feature = "cuda")]
         if self.cuda_storage().is_some() {
             let (x, checked) = self.checked_group(projections)?;
-            if let Some(((y, gated), x, zu, packed)) = cuda::forward_swiglu(&x, &checked, phi)? {
-                let extra = SavedExtra::Cuda { zu, packed };
-                let x = x.saved_for_products();
-                return Ok((y, gated, FusedGateSaved { projections: checked, x, phi, extra }));
+            if let Some(((y, gated), state)) = cuda::forward_swiglu(&x, &checked, phi)? {
+                return Ok((y, gated, FusedGateSaved::on_device(checked, &x, phi, state)?));
             }
         }
         let (gated, saved) = self.fused_gated_projections(projections, phi, ProductOutput::Bf16)?;
@@ -431,6 +439,10 @@ pub(crate) mod cuda {
         Ok(packed)
     }
 
+    /// What a GPU forward hands its backward: the GEMM output `ZU` (`[N, K]`) and the packed
+    /// bf16 weight it read.
+    pub(super) type DeviceState = (DeviceValues, Arc<DeviceBuffer<bf16>>);
+
     /// What a group's GEMM reads: every projection's dense f32 parameters ([`dense_f32`]), whose
     /// packed bf16 copy is its weight operand, and `x` in bf16.
     struct GemmInputs {
@@ -462,17 +474,16 @@ pub(crate) mod cuda {
         }
     }
 
-    /// Forward on the GPU: `(out, x as dense f32, ZU [N, K], the packed bf16 weight)`, `ZU` in
+    /// Forward on the GPU: `(out, (ZU [N, K], the packed bf16 weight))`, `ZU` in
     /// bf16 under bf16 products, and `out` too when `output` asks for it. `x` and the
     /// parameters are contiguous and shape-checked by the caller.
-    #[allow(clippy::type_complexity)]
     pub(super) fn forward(
         x: &Tensor,
         projections: &[Checked],
         phi: Unary,
         out_shape: &[usize],
         output: ProductOutput,
-    ) -> Result<(Tensor, Tensor, DeviceValues, Arc<DeviceBuffer<bf16>>)> {
+    ) -> Result<(Tensor, DeviceState)> {
         let dev = x.cuda_device(OP)?;
         let inputs = GemmInputs::new(x, projections)?;
         let (group, packed) = inputs.group(&dev, projections, phi)?;
@@ -487,13 +498,13 @@ pub(crate) mod cuda {
         let mut out = CudaStorage::alloc_values(&dev, out_len, bf16_products && output == ProductOutput::Bf16)?;
         fused_gate_forward_unfused(&dev, &group, inputs.x_bf16()?, &packed, &mut zu, out.values_mut(OP)?)?;
         let out = Tensor::from_cuda(out, out_shape)?;
-        Ok((out, x.to_dtype(DType::F32)?.dense()?, zu, packed))
+        Ok((out, (zu, packed)))
     }
 
     /// `Tensor::fused_gated_rope_qkv` on the GPU where the gate kernel writes q, k and v
     /// itself (bf16 products and a head dim attention's tensor cores take: attention then
-    /// reads them in bf16, as `rope_qkv` writes them there): `((R q, R k, v), x as dense f32,
-    /// ZU, the packed bf16 weight)`; `None` elsewhere. `x: [B, T, d_in]` and the three
+    /// reads them in bf16, as `rope_qkv` writes them there): `((R q, R k, v), its
+    /// [`DeviceState`])`; `None` elsewhere. `x: [B, T, d_in]` and the three
     /// projections are contiguous and shape-checked by the caller.
     #[allow(clippy::type_complexity)]
     pub(super) fn forward_rotary_qkv(
@@ -502,7 +513,7 @@ pub(crate) mod cuda {
         phi: Unary,
         heads: usize,
         theta: f32,
-    ) -> Result<Option<((Tensor, Tensor, Tensor), Tensor, DeviceValues, Arc<DeviceBuffer<bf16>>)>> {
+    ) -> Result<Option<((Tensor, Tensor, Tensor), DeviceState)>> {
         let &[batch, seq, _] = x.shape() else {
             return Err(Error::InvalidShape {
                 op: OP,
@@ -535,19 +546,18 @@ pub(crate) mod cuda {
         fused_gate_forward_rotary_qkv(&dev, &group, inputs.x_bf16()?, &packed, &mut zu, rope)?;
         let shape = [batch, seq, heads, head_dim];
         let qkv = (Tensor::from_cuda(q, &shape)?, Tensor::from_cuda(k, &shape)?, Tensor::from_cuda(v, &shape)?);
-        Ok(Some((qkv, x.to_dtype(DType::F32)?.dense()?, zu, packed)))
+        Ok(Some((qkv, (zu, packed))))
     }
 
     /// `Tensor::fused_gated_swiglu` on the GPU where the gate kernel writes SwiGLU too (bf16
-    /// products): `((y, the gated output), x as dense f32, ZU, the packed bf16 weight)`, both
+    /// products): `((y, the gated output), its [`DeviceState`])`, both
     /// outputs in bf16 alone; `None` elsewhere. `x` and the two projections are contiguous and
     /// shape-checked by the caller.
-    #[allow(clippy::type_complexity)]
     pub(super) fn forward_swiglu(
         x: &Tensor,
         projections: &[Checked],
         phi: Unary,
-    ) -> Result<Option<((Tensor, Tensor), Tensor, DeviceValues, Arc<DeviceBuffer<bf16>>)>> {
+    ) -> Result<Option<((Tensor, Tensor), DeviceState)>> {
         let width = projections[0].dims.d_out;
         if projections.iter().any(|p| p.dims.d_out != width) {
             let reason = "the gate and up projections differ in width".into();
@@ -569,7 +579,7 @@ pub(crate) mod cuda {
             Tensor::from_cuda(y, &with_last_dim(x.shape(), width))?,
             Tensor::from_cuda(gated, &with_last_dim(x.shape(), 2 * width))?,
         );
-        Ok(Some((outputs, x.to_dtype(DType::F32)?.dense()?, zu, packed)))
+        Ok(Some((outputs, (zu, packed))))
     }
 
     /// The bf16 buffer a storage from `CudaStorage::alloc_values(.., true)` is held as.
