@@ -104,12 +104,10 @@ impl Attention {
         self.forward_with(x, |rows, shape, scale| {
             let qkv_projections = [&self.q_proj, &self.k_proj, &self.v_proj];
             let [b, t, h, head_dim] = shape;
-            if rows.value_ref().packed_linear_is_one_product() {
-                if let Some((parts, phi)) = ModulatedProjection::fused_group(&qkv_projections, rows)? {
-                    let parts = [parts[0], parts[1], parts[2]];
-                    let tokens = rows.reshape(&[b, t, rows.shape()[1]])?;
-                    return tokens.fused_gated_rotary_attention(&parts, phi, heads, scale, theta);
-                }
+            if let Some((parts, phi)) = ModulatedProjection::fused_group(&qkv_projections, rows)? {
+                let parts = [parts[0], parts[1], parts[2]];
+                let tokens = rows.reshape(&[b, t, rows.shape()[1]])?;
+                return tokens.fused_gated_rotary_attention(&parts, phi, heads, scale, theta);
             }
             // Stored in bf16, as autocast stores a product: RoPE reads either.
             if let Some(qkv) = ModulatedProjection::forward_packed(&qkv_projections, rows, ProductOutput::Bf16)? {

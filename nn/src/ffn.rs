@@ -61,12 +61,7 @@ impl SwiGlu {
         // SwiGLU's output: [`Var::fused_gated_swiglu`]).
         // SwiGLU reads a plain product's halves in bf16 under bf16 products, as autocast stores them.
         let pair = [&self.gate_proj, &self.up_proj];
-        let fused = if rows.value_ref().packed_linear_is_one_product() {
-            ModulatedProjection::fused_group(&pair, &rows)?
-        } else {
-            None
-        };
-        let hidden = match fused {
+        let hidden = match ModulatedProjection::fused_group(&pair, &rows)? {
             Some((parts, phi)) => rows.fused_gated_swiglu(&[parts[0], parts[1]], phi)?,
             None => match ModulatedProjection::forward_packed(&pair, &rows, ProductOutput::Bf16)? {
                 Some(gate_up) => gate_up.swiglu_halves()?,

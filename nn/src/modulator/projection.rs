@@ -98,12 +98,17 @@ impl ModulatedProjection {
     }
 
     /// `projections` of `rows` as one fused gated group ([`Var::fused_gated_projections`]),
-    /// their weights and modulators with their φ, when every one takes the fused op with one
-    /// φ and one pair of ranks; `None` otherwise. Their gates go to a running trace.
+    /// their weights and modulators with their φ, where that is one product (a GPU under bf16
+    /// products: [`tensor::Tensor::packed_linear_is_one_product`]) and every one takes the
+    /// fused op with one φ and one pair of ranks; `None` otherwise. Their gates go to a
+    /// running trace.
     pub fn fused_group<'a>(
         projections: &[&'a ModulatedProjection],
         rows: &Var,
     ) -> Result<Option<(Vec<GatedProjectionVars<'a>>, Unary)>> {
+        if !rows.value_ref().packed_linear_is_one_product() {
+            return Ok(None);
+        }
         for p in projections {
             p.place_fused_alphas(rows.value_ref().device())?;
         }
