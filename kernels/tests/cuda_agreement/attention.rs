@@ -6,9 +6,9 @@ use kernels::cpu;
 use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::rope::RopeDims;
 use kernels::cuda::attention::AttentionPrecision::{Bf16, F32};
-use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer, DeviceRun, Values, ValuesMut};
+use kernels::cuda::{self, CudaError, DeviceBuffer, DeviceRun, Values, ValuesMut};
 
-use super::{assert_elementwise, assert_reduced, assert_twin, down, stale, up, Rng};
+use super::{assert_elementwise, assert_reduced, assert_twin, down, stale, up, up_bf16, Rng};
 
 #[test]
 fn rope_agrees() {
@@ -143,7 +143,7 @@ fn rope_of_packed_qkv_agrees() {
         // From bf16 gradients (the tensor-core attention's), into f32 and into bf16 alone:
         // the rotations of the rounded values, and the bf16 result their rounding.
         let rounded = grads.each_ref().map(|g| bf16_rounded(g));
-        let grads_bf16 = grads.each_ref().map(|g| to_bf16(dev, g));
+        let grads_bf16 = grads.each_ref().map(|g| up_bf16(dev, g));
         let (mut from_bf16, mut alone) = (up(dev, &stale(3 * dims.len())), dev.alloc::<bf16>(3 * dims.len()).unwrap());
         backward(grads_bf16.each_ref().map(Values::Bf16), ValuesMut::F32(&mut from_bf16));
         unrotated(&rounded, &down(dev, &from_bf16), "rope of packed qkv backward from bf16");
@@ -365,11 +365,6 @@ fn bf16_rounded(values: &[f32]) -> Vec<f32> {
     values.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
 }
 
-/// `values` rounded to bf16, on `dev`.
-fn to_bf16(dev: &CudaDevice, values: &[f32]) -> DeviceBuffer<bf16> {
-    dev.upload(&values.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).unwrap()
-}
-
 /// The tensor-core kernels (bf16 products) against the CPU's f32 attention of the same
 /// bf16-rounded q, k, v and dout. What remains is the rounding of the probabilities P and of
 /// dS to bf16 before their products (relative 2⁻⁹ each), hence 1e-2 of the largest value;
@@ -450,7 +445,7 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
         // q, k and v already in bf16 (RoPE's output under bf16 products): the same bits as
         // f32 inputs rounded by the kernels' staging, into an f32 output, or into a bf16 one
         // alone (the f32 output's twin, bit for bit).
-        let (hq, hk, hv) = (to_bf16(dev, &q), to_bf16(dev, &k), to_bf16(dev, &v));
+        let (hq, hk, hv) = (up_bf16(dev, &q), up_bf16(dev, &k), up_bf16(dev, &v));
         let (mut hout, mut hlse) = (up(dev, &stale(q.len())), up(dev, &stale(lse.len())));
         let inputs = [&hq, &hk, &hv].map(Values::Bf16);
         let into_f32 = (ValuesMut::F32(&mut hout), None);
@@ -465,7 +460,7 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
         assert_eq!(down(dev, &hlse), down(dev, &glse), "bf16 inputs, bf16 output: lse {c:?}");
         // Their backward reads that bf16 output (δ = Σ dO ⊙ O of the stored O, as
         // FlashAttention-2): within bf16 precision of the CPU, and deterministic.
-        let gdout16 = to_bf16(dev, &dout);
+        let gdout16 = up_bf16(dev, &dout);
         let backward_from = |dout: Values, [dq, dk, dv]: [ValuesMut; 3]| {
             cuda::attention::causal_attention_backward(
                 dev,

@@ -11,7 +11,7 @@ use kernels::cuda::fused_gate::{
 };
 use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer, ValuesMut};
 
-use super::{assert_close, assert_close_to, down, stale, up, Rng};
+use super::{assert_close, assert_close_to, down, stale, up, up_bf16, Rng};
 
 /// Host-side parameters of one fused projection.
 pub(super) struct GateCase {
@@ -152,11 +152,6 @@ fn check_fused_gate(dev: &CudaDevice, case: &GateCase, phi: Unary, rel: f32) {
     for bf16_zu in [false, true] {
         check_group(dev, std::slice::from_ref(case), phi, rel, bf16_zu);
     }
-}
-
-/// x in bf16 on the device, rounded to nearest even.
-pub(super) fn up_bf16(dev: &CudaDevice, x: &[f32]) -> DeviceBuffer<bf16> {
-    dev.upload(&x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).unwrap()
 }
 
 /// A group of projections of one input (`cases` share `x`, rows, d_in and ranks) through the

@@ -12,13 +12,8 @@ use kernels::cpu::unary::Unary;
 use kernels::cuda::fused_gate::{GateGroup, RotaryQkv};
 use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer, DeviceValues, Values, ValuesMut};
 
-use super::fused_gate::{up_bf16, DeviceGate, GateCase};
-use super::{assert_close_to, up, Rng};
-
-/// A bf16 buffer widened on the host.
-fn widened(dev: &CudaDevice, buffer: &DeviceBuffer<bf16>) -> Vec<f32> {
-    dev.download(buffer).unwrap().iter().map(|v| v.to_f32()).collect()
-}
+use super::fused_gate::{DeviceGate, GateCase};
+use super::{assert_close_to, down_bf16, up, up_bf16, Rng};
 
 /// `count` projections of one input (q, k and v; gate and up) of `d_out` outputs each.
 fn group_cases(rng: &mut Rng, dims: FusedGateDims, count: usize) -> Vec<GateCase> {
@@ -78,11 +73,17 @@ fn rotary_qkv_gate_is_rope_of_the_packed_gate() {
         };
         assert_eq!(bits(&fused_zu), bits(&zu), "the saved ZU {what}");
         for (part, (got, want)) in ["q", "k"].iter().zip(got.iter().zip(&want)) {
-            let want = widened(dev, want);
+            let want = down_bf16(dev, want);
             let largest = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            assert_close_to(&format!("rotated {part} {what}"), &widened(dev, got), &want, 1.0 / 256.0, 1e-6 * largest);
+            assert_close_to(
+                &format!("rotated {part} {what}"),
+                &down_bf16(dev, got),
+                &want,
+                1.0 / 256.0,
+                1e-6 * largest,
+            );
         }
-        assert_eq!(widened(dev, &got[2]), widened(dev, &want[2]), "v {what}");
+        assert_eq!(down_bf16(dev, &got[2]), down_bf16(dev, &want[2]), "v {what}");
     }
 }
 

@@ -121,6 +121,16 @@ fn down(dev: &CudaDevice, buffer: &DeviceBuffer<f32>) -> Vec<f32> {
     dev.download(buffer).expect("download")
 }
 
+/// `host` rounded to bf16 (nearest even), on `dev`.
+fn up_bf16(dev: &CudaDevice, host: &[f32]) -> DeviceBuffer<bf16> {
+    dev.upload(&host.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).expect("upload")
+}
+
+/// A bf16 buffer's values, widened to f32 on the host.
+fn down_bf16(dev: &CudaDevice, buffer: &DeviceBuffer<bf16>) -> Vec<f32> {
+    dev.download(buffer).expect("download").iter().map(|v| v.to_f32()).collect()
+}
+
 /// A launch given a bf16 twin wrote the same f32 output as without one (`first`), and the
 /// twin holds that output rounded to nearest even.
 fn assert_twin(

@@ -8,19 +8,9 @@ use kernels::cpu;
 use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::rope::RopeDims;
 use kernels::cuda::attention::AttentionPrecision::Bf16;
-use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer, Values, ValuesMut};
+use kernels::cuda::{self, CudaError, DeviceBuffer, Values, ValuesMut};
 
-use super::{assert_close_to, down, stale, up, Rng};
-
-/// `values` rounded to bf16, on `dev`.
-fn to_bf16(dev: &CudaDevice, values: &[f32]) -> DeviceBuffer<bf16> {
-    dev.upload(&values.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).unwrap()
-}
-
-/// A bf16 buffer widened on the host.
-fn widened(dev: &CudaDevice, buffer: &DeviceBuffer<bf16>) -> Vec<f32> {
-    dev.download(buffer).unwrap().iter().map(|v| v.to_f32()).collect()
-}
+use super::{assert_close_to, down, down_bf16, stale, up, up_bf16, Rng};
 
 /// The fused rows are the unfused ones computed in one place: the same f32 sums rotated by
 /// the same arithmetic (common.cuh's `rope_rotate_pair`), so they agree to the last bits of
@@ -45,7 +35,7 @@ fn packed_attention_backward_is_rope_backward_of_the_gradients() {
 
         // The forward as training runs it under bf16 products: the packed product in bf16,
         // RoPE's q, k and v in bf16, attention's output in bf16.
-        let packed = to_bf16(dev, &rng.vec(3 * rope.len(), -2.0, 2.0));
+        let packed = up_bf16(dev, &rng.vec(3 * rope.len(), -2.0, 2.0));
         let mut qkv = [0, 1, 2].map(|_| dev.alloc::<bf16>(rope.len()).unwrap());
         let [q, k, v] = &mut qkv;
         cuda::rope::rope_qkv_forward(dev, Values::Bf16(&packed), rope, [q, k, v].map(ValuesMut::Bf16), &gcos, &gsin)
@@ -61,7 +51,7 @@ fn packed_attention_backward_is_rope_backward_of_the_gradients() {
             &mut lse,
         )
         .unwrap();
-        let dout = to_bf16(dev, &rng.vec(rope.len(), -1.0, 1.0));
+        let dout = up_bf16(dev, &rng.vec(rope.len(), -1.0, 1.0));
         let (out, dout) = (Values::Bf16(&out), Values::Bf16(&dout));
 
         // Unfused: dense f32 gradients, then RoPE's packed backward into f32 and into bf16.
@@ -95,11 +85,11 @@ fn packed_attention_backward_is_rope_backward_of_the_gradients() {
         assert_close_to(&format!("packed dqkv {case}"), &down(dev, &got), &want, 0.0, 1e-6 * largest);
         let mut alone = dev.alloc::<bf16>(3 * rope.len()).unwrap();
         fused(ValuesMut::Bf16(&mut alone)).unwrap();
-        let alone = widened(dev, &alone);
+        let alone = down_bf16(dev, &alone);
         assert_close_to(&format!("packed dqkv in bf16 {case}"), &alone, &want, 1.0 / 256.0, 1e-6 * largest);
         let mut again = dev.alloc::<bf16>(3 * rope.len()).unwrap();
         fused(ValuesMut::Bf16(&mut again)).unwrap();
-        assert_eq!(widened(dev, &again), alone, "the packed backward is deterministic {case}");
+        assert_eq!(down_bf16(dev, &again), alone, "the packed backward is deterministic {case}");
     }
 }
 
@@ -110,7 +100,7 @@ fn packed_attention_backward_refuses_what_it_cannot_serve() {
     let (seq, head_dim) = (4, 16);
     let dims = AttentionDims { batch: 1, q_seq: seq, kv_seq: seq, heads: 1, head_dim, scale: 1.0 };
     let len = seq * head_dim;
-    let halves = to_bf16(dev, &vec![0.5; len]);
+    let halves = up_bf16(dev, &vec![0.5; len]);
     let floats = up(dev, &vec![0.5; len]);
     let lse = up(dev, &vec![0.0; seq]);
     let (cos, sin) = cpu::rope::rope_table(seq, head_dim, 10_000.0);
@@ -135,7 +125,7 @@ fn packed_attention_backward_refuses_what_it_cannot_serve() {
     refuse(bf16_qkv, &dims, ValuesMut::Bf16(&mut dqkv), [&short_cos, &short_sin]);
     // Queries that are not the keys' tokens (a packed product has one length).
     let fewer = AttentionDims { q_seq: seq - 1, ..dims };
-    let queries = to_bf16(dev, &vec![0.5; (seq - 1) * head_dim]);
+    let queries = up_bf16(dev, &vec![0.5; (seq - 1) * head_dim]);
     let qkv = [Values::Bf16(&queries), Values::Bf16(&halves), Values::Bf16(&halves)];
     refuse(qkv, &fewer, ValuesMut::Bf16(&mut dqkv), [&gcos, &gsin]);
 }
