@@ -519,8 +519,11 @@ fn gated_rotary_attention_is_one_gate_launch_and_no_rope_under_bf16() {
 }
 
 /// Under bf16 products the FFN's gated gate and up projections and SwiGLU as one op
-/// (`Var::fused_gated_swiglu`) have no SwiGLU forward launch (the gate kernel writes SwiGLU's
-/// output), and give the two ops' results bit for bit: forward and every gradient.
+/// (`Var::fused_gated_swiglu`) have no SwiGLU launch of their own: the gate kernel writes
+/// SwiGLU's output, and, for an output gradient held in bf16 alone (as the down product's
+/// backward writes it), the gate's row kernel computes SwiGLU's backward. They give the two
+/// ops' results bit for bit, forward and every gradient, for that gradient and for an f32 one
+/// (which SwiGLU's backward launch reads, as in the two ops).
 #[test]
 fn gated_swiglu_is_one_gate_launch_and_the_same_bits_under_bf16() {
     if no_gpu() {
@@ -531,7 +534,13 @@ fn gated_swiglu_is_one_gate_launch_and_the_same_bits_under_bf16() {
     let (rows, hidden) = (30, 40);
     let values = gated_group_values(150, &[rows, 32], &[hidden; 2], (8, 4));
     let dy = rand(&[rows, hidden], -1.0, 1.0, 160);
-    let run = |one_op: bool| {
+    // dy held as its bf16 rounding alone (the storage's own copy, saved as products save it).
+    let bf16_alone = || {
+        let dy = gpu(&dy);
+        dy.to_dtype(DType::BF16).unwrap();
+        dy.saved_for_products()
+    };
+    let run = |one_op: bool, dy: Tensor| {
         let vars: Vec<Var> = values.iter().map(|v| Var::parameter(gpu(v))).collect();
         let parts = gated_group(&vars[1..]);
         let before = dev.counters();
@@ -543,16 +552,26 @@ fn gated_swiglu_is_one_gate_launch_and_the_same_bits_under_bf16() {
         }
         .unwrap();
         let forward = dev.counters().since(&before).launches_by_kernel;
-        y.backward_with(gpu(&dy)).unwrap();
+        let before = dev.counters();
+        y.backward_with(dy).unwrap();
+        let backward = dev.counters().since(&before).launches_by_kernel;
         let mut results = vec![y.value().to_host().unwrap().to_vec()];
         results.extend(vars.iter().map(|v| v.grad().unwrap().to_host().unwrap().to_vec()));
-        (results, forward)
+        (results, forward, backward)
     };
-    let (one_op, forward) = run(true);
-    let (two_ops, _) = run(false);
-    assert_eq!(one_op, two_ops, "the same bits");
+    let swiglu_launches =
+        |launches: &BTreeMap<&str, u64>| launches.keys().filter(|name| name.starts_with("swiglu")).count();
+    let (one_op, forward, backward) = run(true, bf16_alone());
+    let (two_ops, _, two_ops_backward) = run(false, bf16_alone());
+    assert_eq!(one_op, two_ops, "the same bits (a bf16 output gradient)");
     assert_eq!(forward.get("fused_gate_apply_swiglu").copied(), Some(1), "{forward:?}");
-    assert!(!forward.keys().any(|name| name.starts_with("swiglu")), "SwiGLU ran on its own: {forward:?}");
+    assert_eq!(swiglu_launches(&forward), 0, "SwiGLU ran on its own: {forward:?}");
+    assert_eq!(backward.get("fused_gate_backward_rows_swiglu").copied(), Some(1), "{backward:?}");
+    assert_eq!(swiglu_launches(&backward), 0, "SwiGLU's backward ran on its own: {backward:?}");
+    assert_eq!(swiglu_launches(&two_ops_backward), 1, "{two_ops_backward:?}");
+    let (one_op, _, _) = run(true, gpu(&dy));
+    let (two_ops, _, _) = run(false, gpu(&dy));
+    assert_eq!(one_op, two_ops, "the same bits (an f32 output gradient)");
 }
 
 /// Under bf16 products a fused gate's backward reads dẐ in bf16 where an f32 dẐ keeps a

@@ -93,14 +93,15 @@ impl Var {
     /// [`Var::fused_gated_projections`] of `self: [..., d_in]` by `projections` (gate and up,
     /// one width F), then [`Var::swiglu_halves`] of their output; returns `[..., F]`. On a GPU
     /// under bf16 products the gate kernel writes SwiGLU's output too
-    /// ([`Tensor::fused_gated_swiglu`]: the same bits as the two ops, one launch fewer).
+    /// ([`Tensor::fused_gated_swiglu`]) and the gate's backward computes SwiGLU's
+    /// ([`Tensor::fused_gated_swiglu_backward`]): the same bits as the two ops, one launch
+    /// fewer each way.
     pub fn fused_gated_swiglu(&self, projections: &[GatedProjectionVars; 2], phi: Unary) -> Result<Var> {
         let values = projection_values(projections);
         let tensors = borrowed(&values);
         let (y, gated, saved) = self.value().fused_gated_swiglu(&[tensors[0], tensors[1]], phi)?;
         Ok(Var::from_op_absorbing(y, self.group_inputs(projections), move |dy, dx_so_far| {
-            let dgated = Tensor::swiglu_halves_backward(&gated, dy)?;
-            Tensor::fused_gated_projection_backward(&saved, &dgated, dx_so_far)
+            Tensor::fused_gated_swiglu_backward(&saved, &gated, dy, dx_so_far)
         }))
     }
 

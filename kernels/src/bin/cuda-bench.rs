@@ -30,7 +30,7 @@ use kernels::cuda::blas::{matmul_bf16, matmul_bf16_out, DeviceMat};
 use kernels::cuda::fused_gate::{
     fused_gate_backward, fused_gate_forward, fused_gate_forward_rotary_qkv, fused_gate_forward_swiglu,
     fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads,
-    DeviceGateParams, FusedGateDims, GateGroup, GateProducts, RotaryQkv, Unary,
+    DeviceGateParams, FusedGateDims, GateGroup, GateProducts, OutputGrad, RotaryQkv, Unary,
 };
 use kernels::cuda::rope::{rope_qkv_backward, rope_qkv_forward};
 use kernels::cuda::swiglu::{swiglu_backward, swiglu_forward, swiglu_halves_backward, swiglu_halves_forward};
@@ -366,14 +366,15 @@ fn bench_gate_group(dev: &CudaDevice, tokens: usize, d: usize) -> Result<()> {
         for i in 0..3 {
             let products = GateProducts::Bf16 { x: &x16, packed: &packed_singles[i] };
             let zu = &zu_singles[i];
-            let dout = Values::Bf16(&dout_single);
+            let dout = OutputGrad::Direct(Values::Bf16(&dout_single));
             fused_gate_backward(dev, &singles[i], zu, dout, products, &mut grads_singles[i].device())?;
         }
         Ok(())
     })?;
     let backward_group_s = best_seconds(dev, || {
         let products = GateProducts::Bf16 { x: &x16, packed: &packed };
-        fused_gate_backward(dev, &group, &zu, Values::Bf16(&dout), products, &mut grads.device())
+        let dout = OutputGrad::Direct(Values::Bf16(&dout));
+        fused_gate_backward(dev, &group, &zu, dout, products, &mut grads.device())
     })?;
 
     // The floor: the bare products of the group's shape (bf16 in, f32 out).
@@ -444,7 +445,9 @@ fn bench_gate_group(dev: &CudaDevice, tokens: usize, d: usize) -> Result<()> {
 
 /// The FFN's gated gate and up projections (`d → hidden` each, ranks 8 + 8) and SwiGLU: the
 /// gate into the packed output, then SwiGLU of its halves (three launches), against the gate
-/// kernel writing SwiGLU's output too (two), both in bf16 as a `--bf16` step holds them.
+/// kernel writing SwiGLU's output too (two), both in bf16 as a `--bf16` step holds them; and
+/// backward, SwiGLU's backward then the gate's (six launches) against the gate's row kernel
+/// computing SwiGLU's backward (five).
 fn bench_gated_swiglu(dev: &CudaDevice, tokens: usize, d: usize, hidden: usize) -> Result<()> {
     let dims = FusedGateDims { rows: tokens, d_in: d, d_out: hidden, rank_channel: 8, rank_scalar: 8 };
     let projections = [Projection::new(dev, &dims)?, Projection::new(dev, &dims)?];
@@ -467,6 +470,29 @@ fn bench_gated_swiglu(dev: &CudaDevice, tokens: usize, d: usize, hidden: usize) 
         gate_then_swiglu_s * 1e3,
         epilogue_s * 1e3,
         epilogue_s / gate_then_swiglu_s,
+    );
+
+    let dy = dev.upload(&values(tokens * hidden, 41, 1.0).into_iter().map(bf16::from_f32).collect::<Vec<_>>())?;
+    let mut dgated = dev.alloc::<bf16>(tokens * 2 * hidden)?;
+    let (mut unfused_grads, mut fused_grads) = (GroupGrads::new(dev, &group)?, GroupGrads::new(dev, &group)?);
+    let products = GateProducts::Bf16 { x: &x16, packed: &packed };
+    let swiglu_then_gate_s = best_seconds(dev, || {
+        swiglu_halves_backward(dev, Values::Bf16(&gated), Values::Bf16(&dy), hidden, ValuesMut::Bf16(&mut dgated))?;
+        let dout = OutputGrad::Direct(Values::Bf16(&dgated));
+        fused_gate_backward(dev, &group, &zu, dout, products, &mut unfused_grads.device())
+    })?;
+    let swiglu_in_gate_s = best_seconds(dev, || {
+        let dout = OutputGrad::Swiglu { dout: &dy, gated: &gated };
+        fused_gate_backward(dev, &group, &zu, dout, products, &mut fused_grads.device())
+    })?;
+    let (want, got) = (dev.download(&unfused_grads.x)?, dev.download(&fused_grads.x)?);
+    let worst = check(&format!("gated gate,up + SwiGLU backward {d}→{hidden}"), &got, &want, 1e-5);
+    println!(
+        "gated gate,up + SwiGLU backward {d}→2×{hidden} {tokens:>7} tokens | SwiGLU then gate {:>7.3} ms | SwiGLU \
+         in gate {:>7.3} ms ({:.2}×) | max rel diff {worst:.1e}",
+        swiglu_then_gate_s * 1e3,
+        swiglu_in_gate_s * 1e3,
+        swiglu_in_gate_s / swiglu_then_gate_s,
     );
     Ok(())
 }

@@ -273,6 +273,7 @@ fn check_group(dev: &CudaDevice, cases: &[GateCase], phi: Unary, rel: f32, bf16_
             };
             let (gdout, gdout16) = (up(dev, &dout), up_bf16(dev, &dout));
             let dout = if dout_bf16 { cuda::Values::Bf16(&gdout16) } else { cuda::Values::F32(&gdout) };
+            let dout = cuda::fused_gate::OutputGrad::Direct(dout);
             cuda::fused_gate::fused_gate_backward(dev, &group, &gzu, dout, products, &mut grads)?;
         }
         let (weights, b_channel, b_scalar) = (down(dev, &gdweights), down(dev, &gdb_channel), down(dev, &gdb_scalar));

@@ -2,14 +2,18 @@
 //! rotated by RoPE (`fused_gate_forward_rotary_qkv`), and the FFN's SwiGLU
 //! (`fused_gate_forward_swiglu`), each against the path it replaces: the packed gated output
 //! (`fused_gate_forward_unfused`), then RoPE's packed forward (`rope_qkv_forward`) or SwiGLU of
-//! its halves (`swiglu_halves_forward`).
+//! its halves (`swiglu_halves_forward`); and the gate's backward computing SwiGLU's backward
+//! (`OutputGrad::Swiglu`) against SwiGLU's backward launch, then the gate's.
 
 use half::bf16;
 use kernels::cpu;
 use kernels::cpu::fused_gate::FusedGateDims;
+use kernels::cpu::matmul::Store;
 use kernels::cpu::rope::RopeDims;
 use kernels::cpu::unary::Unary;
-use kernels::cuda::fused_gate::{GateGroup, RotaryQkv};
+use kernels::cuda::fused_gate::{
+    DeviceFusedGateGrads, DeviceGateGrads, GateGroup, GateProducts, OutputGrad, RotaryQkv,
+};
 use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer, DeviceValues, Values, ValuesMut};
 
 use super::fused_gate::{DeviceGate, GateCase};
@@ -206,4 +210,146 @@ fn swiglu_gate_is_swiglu_of_the_packed_gate() {
     refuse(&even, false, 4 * 16, 4 * 8);
     refuse(&even, true, 4 * 16, 4 * 8 - 1);
     refuse(&even, true, 4 * 16 - 1, 4 * 8);
+}
+
+/// Every gradient buffer of a gated group's backward (`fused_gate_backward`'s outputs).
+struct GroupGrads {
+    x: DeviceBuffer<f32>,
+    weights: DeviceBuffer<f32>,
+    b_channel: DeviceBuffer<f32>,
+    b_scalar: DeviceBuffer<f32>,
+    /// Each projection's `[da, db, dα]` of its channel modulator, then of its scalar one.
+    modulators: Vec<[DeviceBuffer<f32>; 6]>,
+}
+
+impl GroupGrads {
+    /// Buffers for `group`'s gradients, NaN until the backward writes them.
+    fn stale(dev: &CudaDevice, group: &[GateGroup]) -> GroupGrads {
+        let d = group[0].dims;
+        let width: usize = group.iter().map(|g| g.dims.width()).sum();
+        let out_width: usize = group.iter().map(|g| g.dims.d_out).sum();
+        let nan = |len: usize| up(dev, &vec![f32::NAN; len]);
+        GroupGrads {
+            x: nan(d.rows * d.d_in),
+            weights: nan(width * d.d_in),
+            b_channel: nan(out_width * d.rank_channel),
+            b_scalar: nan(group.len() * d.rank_scalar),
+            modulators: group.iter().map(|g| [d.rank_channel, g.dims.d_out, 1, d.rank_scalar, 1, 1].map(nan)).collect(),
+        }
+    }
+
+    /// The launcher's view of the buffers (dx written in f32).
+    fn device(&mut self) -> DeviceFusedGateGrads<'_> {
+        let (mut channel, mut scalar) = (Vec::new(), Vec::new());
+        for [ca, cb, calpha, sa, sb, salpha] in &mut self.modulators {
+            channel.push(DeviceGateGrads { a_bias: ca, b_bias: cb, alpha: calpha });
+            scalar.push(DeviceGateGrads { a_bias: sa, b_bias: sb, alpha: salpha });
+        }
+        DeviceFusedGateGrads {
+            x: ValuesMut::F32(&mut self.x),
+            x_store: Store::Overwrite,
+            weights: &mut self.weights,
+            b_channel: &mut self.b_channel,
+            b_scalar: &mut self.b_scalar,
+            channel,
+            scalar,
+        }
+    }
+
+    /// Every buffer's bits, in field order.
+    fn bits(&self, dev: &CudaDevice) -> Vec<Vec<u32>> {
+        let all = [&self.x, &self.weights, &self.b_channel, &self.b_scalar].into_iter();
+        let all = all.chain(self.modulators.iter().flatten());
+        all.map(|b| dev.download(b).unwrap().iter().map(|v| v.to_bits()).collect()).collect()
+    }
+}
+
+/// SwiGLU's backward inside the gate's row kernel (`OutputGrad::Swiglu`) computes `dẐ` with
+/// swiglu.cu's arithmetic (common.cuh's `swiglu_gate_grad` and `swiglu_up_grad`), rounded to
+/// bf16 as SwiGLU's backward stores it, so every gradient is the bits of SwiGLU's backward
+/// launch followed by the gate's backward of its result. A swapped gate and up, a missing
+/// rounding or a wrong row stride moves them.
+#[test]
+fn swiglu_backward_in_the_gate_is_swiglus_then_the_gates() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(34);
+    // Two column tiles (300 > 256), an odd width, partial row blocks, the register rank path
+    // and the other one (12).
+    for (rows, d_out, rank_channel, phi) in
+        [(70, 96, 8, Unary::Silu), (33, 300, 12, Unary::Sigmoid), (5, 17, 8, Unary::Silu)]
+    {
+        let dims = FusedGateDims { rows, d_in: 48, d_out, rank_channel, rank_scalar: 4 };
+        let what = format!("{dims:?} {phi:?}");
+        let cases = group_cases(&mut rng, dims, 2);
+        let gates: Vec<DeviceGate> = cases.iter().map(|c| DeviceGate::new(dev, c)).collect();
+        let group: Vec<GateGroup> = gates.iter().map(|g| GateGroup { dims, params: g.params(phi) }).collect();
+        let packed = cuda::fused_gate::pack_weight(dev, &group).unwrap();
+        let x = up_bf16(dev, &cases[0].x);
+        let mut zu = DeviceValues::alloc(dev, rows * 2 * dims.width(), true).unwrap();
+        let mut gated = dev.alloc::<bf16>(rows * 2 * d_out).unwrap();
+        let mut y = dev.alloc::<bf16>(rows * d_out).unwrap();
+        cuda::fused_gate::fused_gate_forward_swiglu(dev, &group, &x, &packed, &mut zu, &mut gated, &mut y).unwrap();
+        let dy = up_bf16(dev, &rng.vec(rows * d_out, -1.0, 1.0));
+        let products = GateProducts::Bf16 { x: &x, packed: &packed };
+
+        // SwiGLU's backward (bf16 alone, as under bf16 products), then the gate's.
+        let mut dgated = dev.alloc::<bf16>(rows * 2 * d_out).unwrap();
+        let (gated_values, dy_values) = (Values::Bf16(&gated), Values::Bf16(&dy));
+        cuda::swiglu::swiglu_halves_backward(dev, gated_values, dy_values, d_out, ValuesMut::Bf16(&mut dgated))
+            .unwrap();
+        let mut want = GroupGrads::stale(dev, &group);
+        let direct = OutputGrad::Direct(Values::Bf16(&dgated));
+        cuda::fused_gate::fused_gate_backward(dev, &group, &zu, direct, products, &mut want.device()).unwrap();
+
+        let mut got = GroupGrads::stale(dev, &group);
+        let swiglu = OutputGrad::Swiglu { dout: &dy, gated: &gated };
+        cuda::fused_gate::fused_gate_backward(dev, &group, &zu, swiglu, products, &mut got.device()).unwrap();
+        let names = ["dx", "[dW; dA_c; dA_s]", "channel dB", "scalar dB"];
+        let modulator_names = ["channel da", "channel db", "channel dα", "scalar da", "scalar db", "scalar dα"];
+        let names = names
+            .into_iter()
+            .map(String::from)
+            .chain((0..2).flat_map(|i| modulator_names.iter().map(move |n| format!("projection {i} {n}"))));
+        for ((name, got), want) in names.zip(got.bits(dev)).zip(want.bits(dev)) {
+            let differ = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+            let first = got.iter().zip(&want).position(|(g, w)| g != w);
+            assert!(got.len() == want.len() && differ == 0, "{name} {what}: {differ} differ, the first at {first:?}");
+        }
+    }
+}
+
+/// What SwiGLU's backward inside the gate cannot serve is refused: a group that is not two
+/// projections of one width, an f32 ZU, and SwiGLU's output gradient or the gated output of
+/// the wrong length.
+#[test]
+fn swiglu_backward_in_the_gate_refuses_what_it_cannot_serve() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(35);
+    let rows = 4;
+    let dims = |d_out| FusedGateDims { rows, d_in: 16, d_out, rank_channel: 4, rank_scalar: 4 };
+    let mut cases = [8, 12, 8].map(|d_out| GateCase::new(dims(d_out), &mut rng, true));
+    let x = cases[0].x.clone();
+    cases.iter_mut().for_each(|c| c.x = x.clone());
+    let gates: Vec<DeviceGate> = cases.iter().map(|c| DeviceGate::new(dev, c)).collect();
+    let group_of = |at: &[usize]| -> Vec<GateGroup> {
+        at.iter().map(|&i| GateGroup { dims: cases[i].dims, params: gates[i].params(Unary::Silu) }).collect()
+    };
+    let x = up_bf16(dev, &x);
+    let refuse = |group: &[GateGroup], bf16_zu: bool, dout_len: usize, gated_len: usize| {
+        let packed = cuda::fused_gate::pack_weight(dev, group).unwrap();
+        let width: usize = group.iter().map(|g| g.dims.width()).sum();
+        let zu = DeviceValues::alloc(dev, rows * width, bf16_zu).unwrap();
+        let (dout, gated) = (dev.alloc::<bf16>(dout_len).unwrap(), dev.alloc::<bf16>(gated_len).unwrap());
+        let products = GateProducts::Bf16 { x: &x, packed: &packed };
+        let mut grads = GroupGrads::stale(dev, group);
+        let swiglu = OutputGrad::Swiglu { dout: &dout, gated: &gated };
+        let result = cuda::fused_gate::fused_gate_backward(dev, group, &zu, swiglu, products, &mut grads.device());
+        assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
+    };
+    refuse(&group_of(&[0, 1]), true, rows * 8, rows * 20);
+    refuse(&group_of(&[0, 2, 0]), true, rows * 12, rows * 24);
+    refuse(&group_of(&[0]), true, rows * 4, rows * 8);
+    refuse(&group_of(&[0, 2]), false, rows * 8, rows * 16);
+    refuse(&group_of(&[0, 2]), true, rows * 8 - 1, rows * 16);
+    refuse(&group_of(&[0, 2]), true, rows * 8, rows * 16 + 1);
 }

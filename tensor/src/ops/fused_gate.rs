@@ -310,8 +310,34 @@ impl Tensor {
                 Ok(grads)
             }
             #[cfg(feature = "cuda")]
-            SavedExtra::Cuda { zu, packed } => cuda::backward(saved, zu, packed, dy, dx_so_far),
+            SavedExtra::Cuda { zu, packed } => {
+                cuda::backward(saved, zu, packed, cuda::GradSource::Direct(dy), dx_so_far)
+            }
         }
+    }
+
+    /// The backward of [`Tensor::fused_gated_swiglu`] for SwiGLU's output gradient `dy`
+    /// (`[..., F]`), from the forward's gated output `gated` (`[..., 2F]`) and saved state:
+    /// [`Tensor::swiglu_halves_backward`], then [`Tensor::fused_gated_projection_backward`] of
+    /// its result, and the same values. On a GPU under bf16 products (a bf16 ZU, `gated` and
+    /// `dy` held in bf16, as the forward and the down product's backward write them) the
+    /// gate's row kernel computes SwiGLU's backward itself: one launch and one `[..., 2F]`
+    /// gradient fewer, the same bits.
+    pub fn fused_gated_swiglu_backward(
+        saved: &FusedGateSaved,
+        gated: &Tensor,
+        dy: &Tensor,
+        dx_so_far: Option<Tensor>,
+    ) -> Result<Vec<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if let SavedExtra::Cuda { zu, packed } = &saved.extra {
+            if cuda::swiglu_in_gate(saved, zu, gated, dy) {
+                let source = cuda::GradSource::Swiglu { dy, gated };
+                return cuda::backward(saved, zu, packed, source, dx_so_far);
+            }
+        }
+        let dgated = Tensor::swiglu_halves_backward(gated, dy)?;
+        Tensor::fused_gated_projection_backward(saved, &dgated, dx_so_far)
     }
 }
 
@@ -379,7 +405,7 @@ pub(crate) mod cuda {
     use kernels::cuda::fused_gate::{
         fused_gate_backward, fused_gate_forward_rotary_qkv, fused_gate_forward_swiglu, fused_gate_forward_unfused,
         pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, GateGroup,
-        GateProducts, RotaryQkv, Unary,
+        GateProducts, OutputGrad, RotaryQkv, Unary,
     };
     use kernels::cuda::{CudaDevice, DeviceBuffer, DeviceValues, Values, ValuesMut};
 
@@ -620,19 +646,47 @@ pub(crate) mod cuda {
         })
     }
 
+    /// What a GPU backward starts from.
+    pub(super) enum GradSource<'a> {
+        /// The group's output gradient `dẐ`.
+        Direct(&'a Tensor),
+        /// SwiGLU's output gradient `dy` and the gate and up group's gated output `gated`,
+        /// both held in bf16 ([`swiglu_in_gate`]): the row kernel computes `dẐ` from them.
+        Swiglu { dy: &'a Tensor, gated: &'a Tensor },
+    }
+
+    /// Whether the gate's row kernel can compute SwiGLU's backward for
+    /// [`Tensor::fused_gated_swiglu_backward`]: a bf16 ZU (bf16 products), and `gated` and
+    /// `dy` of the group's shapes, dense and held as bf16 alone on ZU's device (the values
+    /// SwiGLU's backward would read).
+    pub(super) fn swiglu_in_gate(saved: &FusedGateSaved, zu: &DeviceValues, gated: &Tensor, dy: &Tensor) -> bool {
+        let dense_bf16 = |t: &Tensor| {
+            let storage = t.cuda_storage().filter(|s| s.bf16_backing().is_some() && s.len() == t.numel());
+            t.device() == saved.x.device() && storage.is_some() && t.is_contiguous() && t.offset == 0
+        };
+        let total: usize = saved.projections.iter().map(|p| p.dims.d_out).sum();
+        let shapes = gated.shape() == with_last_dim(saved.x.shape(), total)
+            && dy.shape() == with_last_dim(saved.x.shape(), total / 2);
+        zu.values().is_bf16() && saved.projections.len() == 2 && shapes && dense_bf16(gated) && dense_bf16(dy)
+    }
+
     /// Backward on the GPU: `dx`, then each projection's eleven gradients in input order,
     /// from the forward's saved dense f32 `x`, parameters, `ZU` and packed bf16 weight, for
-    /// the output gradient `dy`; `dx` is added onto `dx_so_far` (see
+    /// the output gradient `source`; `dx` is added onto `dx_so_far` (see
     /// [`Tensor::fused_gated_projection_backward`]).
     pub(super) fn backward(
         saved: &FusedGateSaved,
         zu: &DeviceValues,
         packed: &DeviceBuffer<bf16>,
-        dy: &Tensor,
+        source: GradSource,
         dx_so_far: Option<Tensor>,
     ) -> Result<Vec<Tensor>> {
         let FusedGateSaved { projections, x, phi, .. } = saved;
         let dev = x.cuda_device(OP)?;
+        let (dy, gated) = match source {
+            GradSource::Direct(dy) => (dy, None),
+            GradSource::Swiglu { dy, gated } => (dy, Some(gated.dense()?)),
+        };
         let (x, dy) = (x.dense()?, dy.dense()?);
         let dense = projections.iter().map(dense_f32).collect::<Result<Vec<_>>>()?;
         let group = groups(projections, &dense, *phi)?;
@@ -705,7 +759,14 @@ pub(crate) mod cuda {
                 Some(copy) => Values::Bf16(storage_of(copy)?.bf16_buffer(OP)?),
                 None => Values::F32(dy.cuda_f32(OP)?),
             };
-            fused_gate_backward(&dev, &group, zu, dy_values, products, &mut grads)?;
+            let dout = match &gated {
+                None => OutputGrad::Direct(dy_values),
+                Some(gated) => match (dy_values, gated.cuda_values(OP)?) {
+                    (Values::Bf16(dout), Values::Bf16(gated)) => OutputGrad::Swiglu { dout, gated },
+                    _ => unreachable!("checked by swiglu_in_gate"),
+                },
+            };
+            fused_gate_backward(&dev, &group, zu, dout, products, &mut grads)?;
         }
         let dx = match (dx_fresh, dx_so_far) {
             (Some(fresh), None) => Tensor::from_cuda(fresh, x.shape())?,

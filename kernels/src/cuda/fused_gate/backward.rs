@@ -118,12 +118,60 @@ pub enum GateProducts<'a> {
     },
 }
 
+/// The gradient [`fused_gate_backward`] starts from.
+#[derive(Clone, Copy, Debug)]
+pub enum OutputGrad<'a> {
+    /// The output gradient `dẐ`, `[N, Σ d_out]`: f32, or bf16 beside a bf16 `zu` when the
+    /// consumer of the output wrote its gradient so (attention's and RoPE's backward under bf16
+    /// products).
+    Direct(Values<'a>),
+    /// The FFN's gate and up group (two projections of one width F) whose output SwiGLU read
+    /// ([`super::fused_gate_forward_swiglu`]), under bf16 products: SwiGLU's output gradient
+    /// `dout` (`[N, F]`) and the group's gated output `gated` (`[N, 2F]`, as that forward wrote
+    /// it). The row kernel computes `dẐ` from them with swiglu.cu's arithmetic, rounded to bf16
+    /// as SwiGLU's backward stores it: the same bits as that backward's launch, then this one
+    /// from its result, without the launch or its `[N, 2F]` gradient.
+    Swiglu {
+        /// SwiGLU's output gradient, `[N, F]`.
+        dout: &'a DeviceBuffer<bf16>,
+        /// The gate then up projection's gated outputs, `[N, 2F]`.
+        gated: &'a DeviceBuffer<bf16>,
+    },
+}
+
+impl OutputGrad<'_> {
+    /// Checks the buffers against the group (`[N, out_width]` of output) and `zu`.
+    fn check(
+        &self,
+        dev: &CudaDevice,
+        op: &'static str,
+        groups: &[GateGroup],
+        layout: &Layout,
+        zu: Values,
+    ) -> Result<()> {
+        let rows = layout.rows;
+        match *self {
+            OutputGrad::Direct(dout) => {
+                dout.check_owner(dev, op)?;
+                ensure_len(op, "dout", dout.len(), rows * layout.out_width)
+            }
+            OutputGrad::Swiglu { dout, gated } => {
+                let one_width = matches!(groups, [gate, up] if gate.dims.d_out == up.dims.d_out);
+                ensure(one_width, op, || "SwiGLU's backward needs two projections of one width".to_string())?;
+                ensure(zu.is_bf16(), op, || "SwiGLU's backward needs a bf16 zu (bf16 products)".to_string())?;
+                dev.check_owner(op, dout)?;
+                dev.check_owner(op, gated)?;
+                ensure_len(op, "SwiGLU's dout", dout.len(), rows * layout.out_width / 2)?;
+                ensure_len(op, "gated output", gated.len(), rows * layout.out_width)
+            }
+        }
+    }
+}
+
 /// Backward of a group of fused projections from the saved `zu` (`[N, K]`) and the output
-/// gradient `dout` (`[N, Σ d_out]`: f32, or bf16 beside a bf16 `zu` when the consumer of the
-/// output wrote its gradient so, as SwiGLU's and RoPE's backward do under bf16 products);
-/// `products` holds the input `x`, read only by the
-/// weight gradient's product (so under bf16 products no f32 `x` is kept). Writes every buffer
-/// of `grads`; `dx` is the sum over the group's projections.
+/// gradient `dout` ([`OutputGrad`]); `products` holds the input `x`, read only by the weight
+/// gradient's product (so under bf16 products no f32 `x` is kept). Writes every buffer of
+/// `grads`; `dx` is the sum over the group's projections.
 ///
 /// One row kernel recomputes `H`, `γ_s` and the channel logits from `zu` and writes `dZ` and
 /// `dU` (through `dH_c = dL_c·B_c`, summed over each row's columns in the kernel), and, for
@@ -138,19 +186,18 @@ pub fn fused_gate_backward(
     dev: &CudaDevice,
     groups: &[GateGroup],
     zu: &DeviceValues,
-    dout: Values,
+    dout: OutputGrad,
     products: GateProducts,
     grads: &mut DeviceFusedGateGrads,
 ) -> Result<()> {
     const OP: &str = "fused_gate_backward";
     let layout = layout(dev, OP, groups)?;
     check_grads(dev, OP, groups, &layout, grads)?;
-    dout.check_owner(dev, OP)?;
     zu.values().check_owner(dev, OP)?;
+    dout.check(dev, OP, groups, &layout, zu.values())?;
     let Layout { rows, d_in, rank_channel: rc, rank_scalar: rs, zu_width: k, out_width, .. } = layout;
     let (count, r) = (groups.len(), rc + rs);
     ensure_len(OP, "zu", zu.len(), rows * k)?;
-    ensure_len(OP, "dout", dout.len(), rows * out_width)?;
     match products {
         GateProducts::F32 { x } => {
             dev.check_owner(OP, x)?;
@@ -194,9 +241,20 @@ pub fn fused_gate_backward(
 
     let (phi, phi_p) = unary_code(groups[0].params.phi);
     let [params, places] = group_lists(groups, &layout);
-    let args = [
-        zu.values().arg_at(0),
-        dout.arg_at(0),
+    let (kernel, gradient_args) = match dout {
+        OutputGrad::Direct(dout) => {
+            let kernels = [
+                "fused_gate_backward_rows",
+                "fused_gate_backward_rows_bf16",
+                "fused_gate_backward_rows_bf16_dout_bf16",
+            ];
+            (kernel_for_gradient(OP, zu.values(), dout, kernels)?, vec![dout.arg_at(0)])
+        }
+        OutputGrad::Swiglu { dout, gated } => ("fused_gate_backward_rows_swiglu", vec![ptr(dout), ptr(gated)]),
+    };
+    let mut args = vec![zu.values().arg_at(0)];
+    args.extend(gradient_args);
+    args.extend([
         params,
         places,
         int(phi),
@@ -214,10 +272,7 @@ pub fn fused_gate_backward(
         ptr(&bias_terms),
         ptr(&du_terms),
         ptr(&row_terms),
-    ];
-    let kernels =
-        ["fused_gate_backward_rows", "fused_gate_backward_rows_bf16", "fused_gate_backward_rows_bf16_dout_bf16"];
-    let kernel = kernel_for_gradient(OP, zu.values(), dout, kernels)?;
+    ]);
     dev.launch(FAMILY, kernel, split.launch(&layout, count), &args)?;
 
     // The cross-row sums over the blocks' terms: db_c, dB_c, da, dα, db_s and dB_s of every

@@ -24,7 +24,9 @@
 //! bf16 products, the forward's bf16 `x` and packed weight): one row kernel (the gate's
 //! elementwise backward and its rank-r products), one launch of deterministic column sums for
 //! `da, db, dα, dB_s` and `dB_c = dL_cᵀ·H_c` (weighted by `H_c`), and cuBLAS products for `dx`
-//! and the packed weights' gradient.
+//! and the packed weights' gradient. For the FFN's gate and up group, whose output SwiGLU
+//! read ([`fused_gate_forward_swiglu`]), the row kernel computes SwiGLU's backward from its
+//! output gradient and the gated output ([`OutputGrad::Swiglu`]).
 //! Gradients are written, not added.
 
 use half::bf16;
@@ -34,7 +36,7 @@ pub use crate::cpu::unary::Unary;
 
 mod backward;
 
-pub use backward::{fused_gate_backward, DeviceFusedGateGrads, DeviceGateGrads, GateProducts};
+pub use backward::{fused_gate_backward, DeviceFusedGateGrads, DeviceGateGrads, GateProducts, OutputGrad};
 
 use super::allocator::DeviceBuffer;
 use super::blas::{gemm, GemmDims, Operand, Precision};

@@ -343,6 +343,16 @@ __device__ __forceinline__ float sigmoid_f(float x) {
 // and the fused gate's SwiGLU epilogue (fused_gate.cu) both call it, so they give the same bits.
 __device__ __forceinline__ float swiglu_value(float g, float u) { return g * sigmoid_f(g) * u; }
 
+// SwiGLU's backward at one element for its output gradient dy: d/dg = dy·u·silu'(g) with
+// silu'(g) = σ(g)·(1 + g·(1 − σ(g))), and d/du = dy·silu(g). swiglu.cu's backward and the fused
+// gate's SwiGLU backward (fused_gate.cu) both call them, so they give the same bits.
+__device__ __forceinline__ float swiglu_gate_grad(float g, float u, float dy) {
+    const float s = sigmoid_f(g);
+    const float dsilu = s * (1.0f + g * (1.0f - s));
+    return dy * u * dsilu;
+}
+__device__ __forceinline__ float swiglu_up_grad(float g, float dy) { return dy * (g * sigmoid_f(g)); }
+
 // Unary op codes: the order of `cpu::unary::Unary` (Powf's exponent travels as `p`).
 #define OP_NEG 0
 #define OP_EXP 1

@@ -724,6 +724,21 @@ __device__ __forceinline__ float warp_sum_two(float a, float b) {
     return total;
 }
 
+// dẐ[n, out_at + j] of group g: read from dout ([N, out_width]), or under SWIGLU computed
+// from SwiGLU's output gradient dout ([N, d_out]) and the group's gated output `gated`
+// ([N, 2·d_out]: the gate projection's columns, then up's), with swiglu.cu's arithmetic and
+// rounded to bf16 as swiglu_backward stores it under bf16 products: the same bits as the two
+// launches this replaces.
+template <bool SWIGLU, class D>
+__device__ __forceinline__ float output_grad(const D* dout, const bf16_t* gated, const GateGroup& g, i64 out_width,
+                                             i64 n, i64 j) {
+    if (!SWIGLU) return as_f32(dout[n * out_width + g.out_at + j]);
+    const bf16_t* row = gated + n * out_width;
+    const float gate = as_f32(row[j]), dy = as_f32(dout[n * g.d_out + j]);
+    const float grad = g.out_at == 0 ? swiglu_gate_grad(gate, as_f32(row[g.d_out + j]), dy) : swiglu_up_grad(gate, dy);
+    return as_f32(f32_to_bf16(grad));
+}
+
 // The backward of the gate, per element (Ẑ = γ_c ⊙ γ_s ⊙ Z, γ = 2σ(αl), l the logit with
 // its bias):
 //   d/dZ = dẐ·γ_c·γ_s;  d/dγ_c = dẐ·Z·γ_s;  dL_c = d/dγ_c·α_c·γ_c(1 − γ_c/2);
@@ -742,14 +757,16 @@ __device__ __forceinline__ float warp_sum_two(float a, float b) {
 // [x][out_at + j][t] (`[blocks, out_width·rc]`, dB_c's packed layout), bias_terms
 // [x][out_at + j] (`[blocks, out_width]`), du_terms [x][g·r + t] (`[blocks, groups·r]`) and
 // row_terms [x][g·(3 + rs) + k] (`[blocks, groups·(3 + rs)]`: dα_c, dα_s, d/dl_s, d/dl_s·H_s).
-// row_sums (`[rows, groups, rc + 2]`) is the kernel's own scratch.
-template <class Z, class D, bool REGS>
-__device__ __forceinline__ void gate_backward_rows(const Z* zu, const D* dout, const TensorList& params,
-                                                   const TensorList& layout, int phi, float phi_p, i64 rows,
-                                                   i64 rows_per_block, i64 zu_width, i64 out_width, int rc, int rs,
-                                                   float* dzu, bf16_t* dzu_bf16, float* row_sums,
-                                                   float* weight_terms, float* bias_terms, float* du_terms,
-                                                   float* row_terms) {
+// row_sums (`[rows, groups, rc + 2]`) is the kernel's own scratch. Under SWIGLU (the FFN's
+// gate and up group, whose output SwiGLU read: fused_gate_apply_swiglu) dout is SwiGLU's
+// output gradient and dẐ is computed from it (output_grad, above): no dẐ is stored.
+template <class Z, class D, bool REGS, bool SWIGLU>
+__device__ __forceinline__ void gate_backward_rows(const Z* zu, const D* dout, const bf16_t* gated,
+                                                   const TensorList& params, const TensorList& layout, int phi,
+                                                   float phi_p, i64 rows, i64 rows_per_block, i64 zu_width,
+                                                   i64 out_width, int rc, int rs, float* dzu, bf16_t* dzu_bf16,
+                                                   float* row_sums, float* weight_terms, float* bias_terms,
+                                                   float* du_terms, float* row_terms) {
     const GateGroup g = gate_group(params, layout, blockIdx.y);
     const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
     // All of it dynamic shared memory (backward_shared_bytes in cuda/fused_gate/mod.rs), so
@@ -800,7 +817,7 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const D* dout, c
                     const i64 n = row0 + c0 + k;
                     const bool read = live && c0 + k < count;
                     z[k] = read ? as_f32(zu[n * zu_width + g.zu_at + j]) : 0.0f;
-                    dy[k] = read ? as_f32(dout[n * out_width + g.out_at + j]) : 0.0f;
+                    dy[k] = read ? output_grad<SWIGLU>(dout, gated, g, out_width, n, j) : 0.0f;
                 }
 #pragma unroll
                 for (int k = 0; k < FG_BACK_CHUNK; ++k) {
@@ -941,19 +958,21 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const D* dout, c
 
 // gate_backward_rows on the register path or off it (register_rank): two instantiations, so
 // that the path every preset takes carries none of the other's registers.
-template <class Z, class D>
-__device__ __forceinline__ void gate_backward_rows_any_rank(const Z* zu, const D* dout, const TensorList& params,
-                                                            const TensorList& layout, int phi, float phi_p, i64 rows,
-                                                            i64 rows_per_block, i64 zu_width, i64 out_width, int rc,
-                                                            int rs, float* dzu, bf16_t* dzu_bf16, float* row_sums,
-                                                            float* weight_terms, float* bias_terms, float* du_terms,
-                                                            float* row_terms) {
+template <class Z, class D, bool SWIGLU = false>
+__device__ __forceinline__ void gate_backward_rows_any_rank(const Z* zu, const D* dout, const bf16_t* gated,
+                                                            const TensorList& params, const TensorList& layout,
+                                                            int phi, float phi_p, i64 rows, i64 rows_per_block,
+                                                            i64 zu_width, i64 out_width, int rc, int rs, float* dzu,
+                                                            bf16_t* dzu_bf16, float* row_sums, float* weight_terms,
+                                                            float* bias_terms, float* du_terms, float* row_terms) {
     if (register_rank(rc)) {
-        gate_backward_rows<Z, D, true>(zu, dout, params, layout, phi, phi_p, rows, rows_per_block, zu_width, out_width,
-                                    rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms, row_terms);
+        gate_backward_rows<Z, D, true, SWIGLU>(zu, dout, gated, params, layout, phi, phi_p, rows, rows_per_block,
+                                               zu_width, out_width, rc, rs, dzu, dzu_bf16, row_sums, weight_terms,
+                                               bias_terms, du_terms, row_terms);
     } else {
-        gate_backward_rows<Z, D, false>(zu, dout, params, layout, phi, phi_p, rows, rows_per_block, zu_width, out_width,
-                                     rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms, row_terms);
+        gate_backward_rows<Z, D, false, SWIGLU>(zu, dout, gated, params, layout, phi, phi_p, rows, rows_per_block,
+                                                zu_width, out_width, rc, rs, dzu, dzu_bf16, row_sums, weight_terms,
+                                                bias_terms, du_terms, row_terms);
     }
 }
 
@@ -962,8 +981,9 @@ extern "C" __global__ void __launch_bounds__(FG_BACK_THREADS, 2)
                              float phi_p, i64 rows, i64 rows_per_block, i64 zu_width, i64 out_width, int rc, int rs,
                              float* dzu, bf16_t* dzu_bf16, float* row_sums, float* weight_terms, float* bias_terms,
                              float* du_terms, float* row_terms) {
-    gate_backward_rows_any_rank(zu, dout, params, layout, phi, phi_p, rows, rows_per_block, zu_width, out_width, rc,
-                                rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms, row_terms);
+    gate_backward_rows_any_rank(zu, dout, nullptr, params, layout, phi, phi_p, rows, rows_per_block, zu_width,
+                                out_width, rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms,
+                                row_terms);
 }
 
 // fused_gate_backward_rows from a bf16 ZU (bf16 products).
@@ -972,8 +992,9 @@ extern "C" __global__ void __launch_bounds__(FG_BACK_THREADS, 2)
                                   float phi_p, i64 rows, i64 rows_per_block, i64 zu_width, i64 out_width, int rc,
                                   int rs, float* dzu, bf16_t* dzu_bf16, float* row_sums, float* weight_terms,
                                   float* bias_terms, float* du_terms, float* row_terms) {
-    gate_backward_rows_any_rank(zu, dout, params, layout, phi, phi_p, rows, rows_per_block, zu_width, out_width, rc,
-                                rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms, row_terms);
+    gate_backward_rows_any_rank(zu, dout, nullptr, params, layout, phi, phi_p, rows, rows_per_block, zu_width,
+                                out_width, rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms,
+                                row_terms);
 }
 
 // fused_gate_backward_rows from a bf16 ZU and a bf16 dẐ (bf16 products, the consumer of Ẑ
@@ -984,6 +1005,21 @@ extern "C" __global__ void __launch_bounds__(FG_BACK_THREADS, 2)
                                             i64 zu_width, i64 out_width, int rc, int rs, float* dzu,
                                             bf16_t* dzu_bf16, float* row_sums, float* weight_terms,
                                             float* bias_terms, float* du_terms, float* row_terms) {
-    gate_backward_rows_any_rank(zu, dout, params, layout, phi, phi_p, rows, rows_per_block, zu_width, out_width, rc,
-                                rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms, row_terms);
+    gate_backward_rows_any_rank(zu, dout, nullptr, params, layout, phi, phi_p, rows, rows_per_block, zu_width,
+                                out_width, rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms,
+                                row_terms);
+}
+
+// fused_gate_backward_rows of the FFN's gate and up group (bf16 products) from SwiGLU's output
+// gradient dout ([N, d_out], bf16) and the group's gated output ([N, 2·d_out], bf16, as
+// fused_gate_apply_swiglu wrote it): SwiGLU's backward inside the gate's (output_grad).
+extern "C" __global__ void __launch_bounds__(FG_BACK_THREADS, 2)
+    fused_gate_backward_rows_swiglu(const bf16_t* zu, const bf16_t* dout, const bf16_t* gated, TensorList params,
+                                    TensorList layout, int phi, float phi_p, i64 rows, i64 rows_per_block,
+                                    i64 zu_width, i64 out_width, int rc, int rs, float* dzu, bf16_t* dzu_bf16,
+                                    float* row_sums, float* weight_terms, float* bias_terms, float* du_terms,
+                                    float* row_terms) {
+    gate_backward_rows_any_rank<bf16_t, bf16_t, true>(zu, dout, gated, params, layout, phi, phi_p, rows,
+                                                      rows_per_block, zu_width, out_width, rc, rs, dzu, dzu_bf16,
+                                                      row_sums, weight_terms, bias_terms, du_terms, row_terms);
 }

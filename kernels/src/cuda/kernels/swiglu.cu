@@ -75,11 +75,8 @@ __device__ __forceinline__ void swiglu_backward_at(const T* gate, const T* up, c
     load_f32(dy, dout + i0);
     load_f32(u, up + at);
     for (int k = 0; k < W; ++k) {
-        float s = sigmoid_f(g[k]);
-        // d/dg silu(g) = σ(g)·(1 + g·(1 − σ(g)))
-        float dsilu = s * (1.0f + g[k] * (1.0f - s));
-        dg[k] = dy[k] * u[k] * dsilu;
-        du[k] = dy[k] * (g[k] * s);
+        dg[k] = swiglu_gate_grad(g[k], u[k], dy[k]);
+        du[k] = swiglu_up_grad(g[k], dy[k]);
     }
     if (dgate) store_f32(dgate + at, dg);
     if (dup) store_f32(dup + at, du);
