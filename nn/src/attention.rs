@@ -20,7 +20,7 @@ use autograd::{Result, Var};
 use tensor::{Error, Rng, Tensor};
 
 use crate::init::WeightInit;
-use crate::modulator::{DenseGate, Gate, ModulatedProjection};
+use crate::modulator::{Delta, DenseGate, Gate, ModulatedProjection};
 use crate::module::{join, Module};
 
 /// Shape of an attention layer.
@@ -50,8 +50,9 @@ pub struct Attention {
     pub path_gates: Vec<Gate>,
     /// How `o_proj` stores the layer's output on a GPU under bf16 products when no path gate
     /// follows it ([`ProductOutput`]): `Bf16` where the residual stream's fused add + RMSNorm
-    /// alone reads it (a pre-ln LLaMA block), as autocast stores a product; `F32` (the
-    /// default) for a consumer that reads f32.
+    /// alone reads it (a pre-ln LLaMA block), as autocast stores a product, and where a fused
+    /// gated `o_proj` may be left for that norm to run ([`Attention::forward_deferred`]); `F32`
+    /// (the default) for a consumer that reads f32.
     pub output: ProductOutput,
     /// Width, heads and RoPE base.
     pub config: AttentionConfig,
@@ -99,6 +100,14 @@ impl Attention {
     /// fused-gated ones and attention are one op there ([`Var::fused_gated_rotary_attention`]:
     /// the gate kernel writes q, k and v rotated).
     pub fn forward(&self, x: &Var) -> Result<Var> {
+        self.forward_deferred(x)?.value()
+    }
+
+    /// [`Attention::forward`] as the residual stream holds it ([`Delta`]): where the layer's
+    /// output goes to the stream's fused add and RMSNorm alone (`output` bf16, no path gate)
+    /// and `o_proj` is a fused gated projection on a GPU under bf16 products, `o_proj` is left
+    /// for that norm to run in its launch ([`ModulatedProjection::deferred`]).
+    pub fn forward_deferred(&self, x: &Var) -> Result<Delta> {
         let theta = self.config.rope_theta;
         let heads = self.config.n_heads;
         self.forward_with(x, |rows, shape, scale| {
@@ -144,7 +153,8 @@ impl Attention {
                 [single] => Ok(single.clone()),
                 _ => Var::cat(&outputs.iter().collect::<Vec<_>>(), 0),
             }
-        })
+        })?
+        .value()
     }
 
     /// The unrotated `[B, T, H, D]` heads of q, k and v, each from its own (gated) projection
@@ -156,8 +166,9 @@ impl Attention {
 
     /// The layer around its attention core: `attend(rows, [B, T, H, D], scale)` computes the
     /// `[B, T, H, D]` attention output from the `[B·T, C]` input rows (projections, RoPE and
-    /// attention), then come the SDPA gate, the output projection and the path gates.
-    fn forward_with(&self, x: &Var, attend: impl FnOnce(&Var, [usize; 4], f32) -> Result<Var>) -> Result<Var> {
+    /// attention), then come the SDPA gate, the output projection and the path gates; the
+    /// output projection deferred as [`Attention::forward_deferred`] says.
+    fn forward_with(&self, x: &Var, attend: impl FnOnce(&Var, [usize; 4], f32) -> Result<Var>) -> Result<Delta> {
         let &[b, t, d] = x.shape().as_slice() else {
             return Err(Error::InvalidShape { op: "attention", shape: x.shape(), reason: "expected [B, T, C]".into() });
         };
@@ -171,12 +182,17 @@ impl Attention {
         }
         // A path gate's product reads o_proj's output in f32.
         let output = if self.path_gates.is_empty() { self.output } else { ProductOutput::F32 };
+        if output == ProductOutput::Bf16 {
+            if let Some(gated) = self.o_proj.deferred(&o, &[b, t, d])? {
+                return Ok(Delta::Gated(gated));
+            }
+        }
         let mut y = self.o_proj.forward_as(&o, output)?;
         for gate in &self.path_gates {
             crate::trace::record_gate(gate, &rows)?;
             y = y.mul(&gate.forward(&rows)?)?;
         }
-        y.reshape(&[b, t, d])
+        Ok(Delta::Value(y.reshape(&[b, t, d])?))
     }
 }
 

@@ -16,7 +16,7 @@ use autograd::{Result, Var};
 use tensor::Rng;
 
 use crate::init::WeightInit;
-use crate::modulator::{Gate, ModulatedProjection};
+use crate::modulator::{Delta, Gate, ModulatedProjection};
 use crate::module::{join, Module};
 
 /// SwiGLU FFN: `C → hidden → C`.
@@ -53,6 +53,13 @@ impl SwiGlu {
 
     /// `x: [..., C] → [..., C]`.
     pub fn forward(&self, x: &Var) -> Result<Var> {
+        self.forward_deferred(x)?.value()
+    }
+
+    /// [`SwiGlu::forward`] as the residual stream holds it ([`Delta`]): `down_proj` left for
+    /// the stream's next RMSNorm to run in its launch where it may
+    /// ([`crate::attention::Attention::forward_deferred`] says when).
+    pub fn forward_deferred(&self, x: &Var) -> Result<Delta> {
         let shape = x.shape();
         let d = self.gate_proj.in_features();
         let rows = x.reshape(&[x.value_ref().numel() / d.max(1), d])?;
@@ -69,12 +76,17 @@ impl SwiGlu {
             },
         };
         let output = if self.path_gates.is_empty() { self.output } else { ProductOutput::F32 };
+        if output == ProductOutput::Bf16 {
+            if let Some(gated) = self.down_proj.deferred(&hidden, &shape)? {
+                return Ok(Delta::Gated(gated));
+            }
+        }
         let mut y = self.down_proj.forward_as(&hidden, output)?;
         for gate in &self.path_gates {
             crate::trace::record_gate(gate, &rows)?;
             y = y.mul(&gate.forward(&rows)?)?;
         }
-        y.reshape(&shape)
+        Ok(Delta::Value(y.reshape(&shape)?))
     }
 }
 

@@ -235,7 +235,7 @@ proptest! {
         let earlier: Vec<Var> = (0..2).map(|_| Var::constant(random(&[1, seq, d], &mut rng))).collect();
         let block = |x: &Var| {
             let between = None::<fn(&Var) -> autograd::Result<Var>>;
-            residual.forward(&Stream::new(x.clone()), &earlier, |h| attn.forward(h), between, |h| ffn.forward(h))?.value()
+            residual.forward(&Stream::new(x.clone()), &earlier, |h| attn.forward_deferred(h), between, |h| ffn.forward_deferred(h))?.value()
         };
         let x = input(&[1, seq, d], &mut rng);
         prop_assert_eq!(block(&x).unwrap().shape(), vec![1, seq, d]);

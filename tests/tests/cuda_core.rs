@@ -574,6 +574,52 @@ fn gated_swiglu_is_one_gate_launch_and_the_same_bits_under_bf16() {
     assert_eq!(one_op, two_ops, "the same bits (an f32 output gradient)");
 }
 
+/// Under bf16 products a gated output projection and the residual stream's add and RMSNorm
+/// as one op (`Var::fused_gated_add_rms_norm`) are one launch after the GEMM, with no gate
+/// apply and no add-and-norm launch of their own, and give the two ops' results bit for bit:
+/// the sum, the normalised sum and every gradient (the stream's, the input's, the norm
+/// weight's and the projection's), with a gradient reaching the sum from a later add.
+#[test]
+fn gated_add_rms_norm_is_one_launch_and_the_same_bits_under_bf16() {
+    if no_gpu() {
+        return;
+    }
+    let _precision = Precision::set(MatmulPrecision::Bf16);
+    let dev = tensor::cuda::device(0).unwrap();
+    let (batch, seq, d_in, d_out) = (2, 15, 24, 40);
+    let mut values = gated_group_values(170, &[batch * seq, d_in], &[d_out], (8, 4));
+    values.push(rand(&[batch, seq, d_out], -1.5, 1.5, 180));
+    values.push(rand(&[d_out], 0.5, 1.5, 181));
+    let (later, dy) = (rand(&[batch, seq, d_out], -1.0, 1.0, 182), rand(&[batch, seq, d_out], -1.0, 1.0, 183));
+    let run = |one_op: bool| {
+        let vars: Vec<Var> = values.iter().map(|v| Var::parameter(gpu(v))).collect();
+        let projection = gated_group(&vars[1..12])[0];
+        let (stream, weight) = (&vars[12], &vars[13]);
+        let before = dev.counters();
+        let (sum, normed) = if one_op {
+            vars[0].fused_gated_add_rms_norm(projection, Unary::Silu, stream, weight, 1e-5)
+        } else {
+            let delta = vars[0].fused_gated_projections(&[projection], Unary::Silu, ProductOutput::Bf16).unwrap();
+            stream.add_rms_norm(&delta.reshape(&[batch, seq, d_out]).unwrap(), weight, 1e-5)
+        }
+        .unwrap();
+        let forward = dev.counters().since(&before).launches_by_kernel;
+        // The sum also feeds a later residual add, as the stream does.
+        let out = sum.mul(&Var::constant(gpu(&later))).unwrap().add(&normed).unwrap();
+        out.backward_with(gpu(&dy)).unwrap();
+        let mut results = vec![sum.value().to_host().unwrap().to_vec(), normed.value().to_host().unwrap().to_vec()];
+        results.extend(vars.iter().map(|v| v.grad().unwrap().to_host().unwrap().to_vec()));
+        (results, forward)
+    };
+    let (one_op, forward) = run(true);
+    let (two_ops, two_ops_forward) = run(false);
+    assert_eq!(one_op, two_ops, "the same bits");
+    assert_eq!(forward.get("fused_gate_add_rms_norm").copied(), Some(1), "{forward:?}");
+    let apart = |name: &&&str| name.starts_with("fused_gate_apply") || name.starts_with("add_rms_norm");
+    assert_eq!(forward.keys().filter(apart).count(), 0, "{forward:?}");
+    assert_eq!(two_ops_forward.keys().filter(apart).count(), 2, "{two_ops_forward:?}");
+}
+
 /// Under bf16 products a fused gate's backward reads dẐ in bf16 where an f32 dẐ keeps a
 /// bf16 copy beside it (RMSNorm's backward writes one for a residual stream's sum, the o and
 /// down projections' dẐ): the gradients are then those of dẐ rounded to bf16, bit for bit;

@@ -639,6 +639,19 @@ proptest! {
     }
 
     #[test]
+    fn fused_gated_add_rms_norm(
+        seed in any::<u64>(), rows in 1..=3usize, d_in in 1..=3usize, width in 1..=4usize,
+        ranks in (1..=2usize, 1..=2usize), silu in any::<bool>(),
+    ) {
+        let mut inputs = gated_qkv_inputs(seed, [1, rows, d_in], width, ranks);
+        inputs.truncate(12);  // x, then one projection's eleven
+        inputs.push(seeded(&[1, rows, width], -1.5, 1.5, seed.wrapping_add(7)));  // the stream
+        inputs.push(seeded(&[width], 0.5, 1.5, seed.wrapping_add(8)));  // the norm's weight
+        let phi = if silu { Unary::Silu } else { Unary::Sigmoid };
+        assert_gradcheck(|x| gated_add_rms_norm(x, phi), &inputs);
+    }
+
+    #[test]
     fn causal_attention_peaked_scores(seed in any::<u64>(), tq in 1..=4usize) {
         // scale 1 and |q·k| up to ~16: nearly one-hot attention rows.
         let q = seeded(&[1, tq, 2, 4], -2.0, 2.0, seed);
@@ -729,6 +742,14 @@ fn gated_projection(p: &[Var]) -> GatedProjectionVars<'_> {
     }
 }
 
+/// [`Var::fused_gated_add_rms_norm`] of `x[0]` by the projection `x[1..12]` onto the stream
+/// `x[12]` with the norm weight `x[13]`: both results, the sum and the normalised sum, in one
+/// scalar's reach (their product).
+fn gated_add_rms_norm(x: &[Var], phi: Unary) -> tensor::Result<Var> {
+    let (sum, normed) = x[0].fused_gated_add_rms_norm(gated_projection(&x[1..12]), phi, &x[12], &x[13], 1e-5)?;
+    sum.mul(&normed)
+}
+
 /// `Var::fused_gated_rotary_attention` of `gated_qkv_inputs`' vars, scale 0.6, base 10,000.
 fn gated_rotary_attention(x: &[Var], phi: Unary, heads: usize) -> tensor::Result<Var> {
     let projections = [gated_projection(&x[1..12]), gated_projection(&x[12..23]), gated_projection(&x[23..34])];
@@ -777,6 +798,34 @@ fn fused_gated_swiglu_is_the_group_then_swiglu_exactly() {
         .unwrap();
         out.mul(&out).unwrap().sum_all().unwrap().backward().unwrap();
         (out.value().to_vec(), vars.iter().map(|v| v.grad().unwrap().to_vec()).collect::<Vec<_>>())
+    };
+    assert_eq!(run(true), run(false));
+}
+
+/// A gated output projection and the residual stream's add and RMSNorm as one op
+/// (`Var::fused_gated_add_rms_norm`) are the projection, then `Var::add_rms_norm` of the
+/// stream and its output, bit for bit (the CPU runs those two ops): both results and every
+/// gradient.
+#[test]
+fn fused_gated_add_rms_norm_is_the_projection_then_the_add_and_norm_exactly() {
+    let mut inputs = gated_qkv_inputs(60, [2, 5, 6], 7, (3, 2));
+    inputs.truncate(12);
+    inputs.push(seeded(&[2, 5, 7], -1.5, 1.5, 61));
+    inputs.push(seeded(&[7], 0.5, 1.5, 62));
+    let run = |one_op: bool| {
+        let vars: Vec<Var> = inputs.iter().cloned().map(Var::parameter).collect();
+        let (sum, normed) = if one_op {
+            vars[0].fused_gated_add_rms_norm(gated_projection(&vars[1..12]), Unary::Silu, &vars[12], &vars[13], 1e-5)
+        } else {
+            let projections = [gated_projection(&vars[1..12])];
+            let delta = vars[0].fused_gated_projections(&projections, Unary::Silu, ProductOutput::Bf16).unwrap();
+            vars[12].add_rms_norm(&delta, &vars[13], 1e-5)
+        }
+        .unwrap();
+        let out = sum.mul(&normed).unwrap();
+        out.sum_all().unwrap().backward().unwrap();
+        let results = [sum.value().to_vec(), normed.value().to_vec()];
+        (results, vars.iter().map(|v| v.grad().unwrap().to_vec()).collect::<Vec<_>>())
     };
     assert_eq!(run(true), run(false));
 }

@@ -20,7 +20,7 @@ use serde_json::Value;
 
 /// Today's ceilings (the counts of the current code).
 const PRE_LN_LAUNCHES: u64 = 231;
-const TRANSPONDER_LAUNCHES: u64 = 279;
+const TRANSPONDER_LAUNCHES: u64 = 263;
 
 /// The targets.
 const TARGET_PRE_LN_LAUNCHES: u64 = 250;

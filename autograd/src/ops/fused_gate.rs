@@ -10,7 +10,7 @@
 //! backward. Modulator arguments are `[A, a, B, b, α]` in that order.
 
 use tensor::ops::{GatedProjection, ProductOutput, Unary};
-use tensor::{Result, Tensor};
+use tensor::{with_last_dim, Result, Tensor};
 
 use crate::Var;
 
@@ -103,6 +103,47 @@ impl Var {
         Ok(Var::from_op_absorbing(y, self.group_inputs(projections), move |dy, dx_so_far| {
             Tensor::fused_gated_swiglu_backward(&saved, &gated, dy, dx_so_far)
         }))
+    }
+
+    /// A gated output projection (Transponder's o and down) and the residual stream's add and
+    /// next RMSNorm as one op: with `Ẑ` = [`Var::fused_gated_projections`] of `self: [..., d_in]`
+    /// by `projection` (stored in bf16), `(sum, normed)` = [`Var::add_rms_norm`] of `stream`
+    /// (`[..., d_out]`, as many rows) and `Ẑ` reshaped to it. On a GPU under bf16 products the
+    /// gate's launch adds and normalises too ([`Tensor::fused_gated_add_rms_norm`]): the same
+    /// bits as the two ops, one launch fewer and `Ẑ` never stored; elsewhere the two ops.
+    pub fn fused_gated_add_rms_norm(
+        &self,
+        projection: GatedProjectionVars,
+        phi: Unary,
+        stream: &Var,
+        weight: &Var,
+        eps: f32,
+    ) -> Result<(Var, Var)> {
+        let values = projection_values(&[projection]);
+        let w = weight.value().contiguous()?;
+        let fused = self.value().fused_gated_add_rms_norm(&borrowed(&values)[0], phi, &stream.value(), &w, eps)?;
+        let Some((out, saved)) = fused else {
+            let delta = self.fused_gated_projections(&[projection], phi, ProductOutput::Bf16)?;
+            return stream.add_rms_norm(&delta.reshape(&stream.shape())?, weight, eps);
+        };
+        let (sum, rstd) = (out.sum.clone(), out.rstd);
+        let output_shape = with_last_dim(&self.shape(), projection.weight.shape()[0]);
+        // sum = stream + Ẑ: the stream's gradient is d/d sum; the projection's input and
+        // parameters get the gate's backward of it (taking over the input's gradient so far).
+        let mut inputs = self.group_inputs(&[projection]);
+        inputs.push(stream.clone());
+        let sum_var = Var::from_op_absorbing(out.sum, inputs, move |dsum, dx_so_far| {
+            let mut grads = Tensor::fused_gated_projection_backward(&saved, &dsum.reshape(&output_shape)?, dx_so_far)?;
+            grads.push(dsum.clone());
+            Ok(grads)
+        });
+        // d/d sum: RMSNorm's backward, plus the gradient the sum already has from the later
+        // residual add, in the same pass (as Var::add_rms_norm).
+        let normed = Var::from_op_absorbing(out.y, vec![sum_var.clone(), weight.clone()], move |dy, dsum| {
+            let (dsum, dw) = Tensor::rms_norm_backward(&sum, &w, &rstd, dy, dsum.as_ref())?;
+            Ok(vec![dsum, dw])
+        });
+        Ok((sum_var, normed))
     }
 
     /// The inputs of a fused gated group's op, in the order its backward returns their

@@ -3,7 +3,9 @@
 //! (`fused_gate_forward_swiglu`), each against the path it replaces: the packed gated output
 //! (`fused_gate_forward_unfused`), then RoPE's packed forward (`rope_qkv_forward`) or SwiGLU of
 //! its halves (`swiglu_halves_forward`); and the gate's backward computing SwiGLU's backward
-//! (`OutputGrad::Swiglu`) against SwiGLU's backward launch, then the gate's.
+//! (`OutputGrad::Swiglu`) against SwiGLU's backward launch, then the gate's; and the output
+//! projection's gate inside the residual add and RMSNorm (`fused_gate_forward_add_rms_norm`)
+//! against the gate into bf16, then `add_rms_norm_forward`.
 
 use half::bf16;
 use kernels::cpu;
@@ -12,7 +14,7 @@ use kernels::cpu::matmul::Store;
 use kernels::cpu::rope::RopeDims;
 use kernels::cpu::unary::Unary;
 use kernels::cuda::fused_gate::{
-    DeviceFusedGateGrads, DeviceGateGrads, GateGroup, GateProducts, OutputGrad, RotaryQkv,
+    DeviceFusedGateGrads, DeviceGateGrads, GateGroup, GateProducts, OutputGrad, ResidualNorm, RotaryQkv,
 };
 use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer, DeviceValues, Values, ValuesMut};
 
@@ -352,4 +354,112 @@ fn swiglu_backward_in_the_gate_refuses_what_it_cannot_serve() {
     refuse(&group_of(&[0, 2]), false, rows * 8, rows * 16);
     refuse(&group_of(&[0, 2]), true, rows * 8 - 1, rows * 16);
     refuse(&group_of(&[0, 2]), true, rows * 8, rows * 16 + 1);
+}
+
+/// The gated output projection's residual add and RMSNorm (`fused_gate_forward_add_rms_norm`)
+/// computes `Ẑ` with the gate kernel's arithmetic (fused_gate.cu's `gated_value`), rounded to
+/// bf16 as the gate stores it, and the add and the norm with norm.cu's (common.cuh's
+/// `add_rms_norm_row`), so the saved ZU, the sum, the normalised sum (bf16 alone, or f32) and
+/// each row's rstd are the bits of the gate into bf16 then `add_rms_norm_forward`. A skipped
+/// rounding, a wrong row or a wrong gate moves them.
+#[test]
+fn gated_add_rms_norm_is_the_gate_then_the_add_and_norm() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(36);
+    // Widths below, at and above a block's 256 threads (one column a thread, then several);
+    // the register rank path and the other one (12).
+    for (rows, d_out, rank_channel, phi, y_bf16) in [
+        (7, 96, 8, Unary::Silu, true),
+        (5, 300, 12, Unary::Sigmoid, true),
+        (9, 17, 8, Unary::Silu, false),
+        (3, 256, 8, Unary::Sigmoid, false),
+    ] {
+        let dims = FusedGateDims { rows, d_in: 48, d_out, rank_channel, rank_scalar: 4 };
+        let what = format!("{dims:?} {phi:?} bf16 y {y_bf16}");
+        let case = GateCase::new(dims, &mut rng, true);
+        let gate = DeviceGate::new(dev, &case);
+        let group = [GateGroup { dims, params: gate.params(phi) }];
+        let packed = cuda::fused_gate::pack_weight(dev, &group).unwrap();
+        let x = up_bf16(dev, &case.x);
+        let stream = up(dev, &rng.vec(rows * d_out, -2.0, 2.0));
+        let weight = up(dev, &rng.vec(d_out, 0.5, 1.5));
+        let norm_dims = cuda::norm::NormDims { rows, cols: d_out, eps: 1e-5 };
+        let alloc_y = || DeviceValues::alloc(dev, rows * d_out, y_bf16).unwrap();
+        let y_bits = |y: &DeviceValues| match y.values() {
+            Values::Bf16(b) => bits(dev, b).into_iter().map(u32::from).collect::<Vec<_>>(),
+            Values::F32(f) => dev.download(f).unwrap().iter().map(|v| v.to_bits()).collect(),
+        };
+        let f32_bits = |b: &DeviceBuffer<f32>| dev.download(b).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+
+        // The gate into bf16, then the residual add and the norm.
+        let mut zu = DeviceValues::alloc(dev, rows * dims.width(), true).unwrap();
+        let mut gated = dev.alloc::<bf16>(rows * d_out).unwrap();
+        cuda::fused_gate::fused_gate_forward_unfused(dev, &group, &x, &packed, &mut zu, ValuesMut::Bf16(&mut gated))
+            .unwrap();
+        let (mut sum, mut rstd, mut y) = (dev.alloc::<f32>(rows * d_out).unwrap(), dev.alloc(rows).unwrap(), alloc_y());
+        let outs = (&mut sum, y.values_mut(), None);
+        cuda::norm::add_rms_norm_forward(dev, (&stream, Values::Bf16(&gated)), &weight, &norm_dims, outs, &mut rstd)
+            .unwrap();
+
+        // In one launch after the GEMM.
+        let mut fused_zu = DeviceValues::alloc(dev, rows * dims.width(), true).unwrap();
+        let (mut fused_sum, mut fused_rstd, mut fused_y) =
+            (dev.alloc::<f32>(rows * d_out).unwrap(), dev.alloc(rows).unwrap(), alloc_y());
+        let norm = ResidualNorm {
+            x: &stream,
+            weight: &weight,
+            eps: 1e-5,
+            sum: &mut fused_sum,
+            y: fused_y.values_mut(),
+            rstd: &mut fused_rstd,
+        };
+        cuda::fused_gate::fused_gate_forward_add_rms_norm(dev, &group, &x, &packed, &mut fused_zu, norm).unwrap();
+        let zu_bits = |zu: &DeviceValues| y_bits(zu);
+        assert_eq!(zu_bits(&fused_zu), zu_bits(&zu), "the saved ZU {what}");
+        assert_eq!(f32_bits(&fused_sum), f32_bits(&sum), "the sum {what}");
+        assert_eq!(y_bits(&fused_y), y_bits(&y), "the normalised sum {what}");
+        assert_eq!(f32_bits(&fused_rstd), f32_bits(&rstd), "rstd {what}");
+    }
+}
+
+/// What the gated residual add and norm cannot serve is refused: more than one projection,
+/// an f32 ZU, and a stream, weight or output of the wrong length.
+#[test]
+fn gated_add_rms_norm_refuses_what_it_cannot_serve() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(37);
+    let (rows, d_out) = (4, 8);
+    let dims = FusedGateDims { rows, d_in: 16, d_out, rank_channel: 4, rank_scalar: 4 };
+    let mut cases = [0, 1].map(|_| GateCase::new(dims, &mut rng, true));
+    let x = cases[0].x.clone();
+    cases.iter_mut().for_each(|c| c.x = x.clone());
+    let gates: Vec<DeviceGate> = cases.iter().map(|c| DeviceGate::new(dev, c)).collect();
+    let group: Vec<GateGroup> = gates.iter().map(|g| GateGroup { dims, params: g.params(Unary::Silu) }).collect();
+    let x = up_bf16(dev, &x);
+    let refuse = |group: &[GateGroup], bf16_zu: bool, [stream, weight, sum, y, rstd]: [usize; 5]| {
+        let packed = cuda::fused_gate::pack_weight(dev, group).unwrap();
+        let width: usize = group.iter().map(|g| g.dims.width()).sum();
+        let mut zu = DeviceValues::alloc(dev, rows * width, bf16_zu).unwrap();
+        let (stream, weight) = (dev.alloc::<f32>(stream).unwrap(), dev.alloc::<f32>(weight).unwrap());
+        let (mut sum, mut y, mut rstd) =
+            (dev.alloc::<f32>(sum).unwrap(), dev.alloc::<bf16>(y).unwrap(), dev.alloc::<f32>(rstd).unwrap());
+        let norm = ResidualNorm {
+            x: &stream,
+            weight: &weight,
+            eps: 1e-5,
+            sum: &mut sum,
+            y: ValuesMut::Bf16(&mut y),
+            rstd: &mut rstd,
+        };
+        let result = cuda::fused_gate::fused_gate_forward_add_rms_norm(dev, group, &x, &packed, &mut zu, norm);
+        assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
+    };
+    let lens = [rows * d_out, d_out, rows * d_out, rows * d_out, rows];
+    refuse(&group, true, [2 * rows * d_out, d_out, 2 * rows * d_out, 2 * rows * d_out, rows]);
+    refuse(&group[..1], false, lens);
+    for i in 0..5 {
+        let mut wrong = lens;
+        wrong[i] += 1;
+        refuse(&group[..1], true, wrong);
+    }
 }

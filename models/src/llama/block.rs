@@ -19,8 +19,8 @@ use nn::ffn::SwiGlu;
 use nn::init::WeightInit;
 use nn::layers::{DyT, Norm};
 use nn::modulator::{
-    ComtModulator, DenseGate, Gate, ModulatedProjection, Modulator, ModulatorConfig, NonContextualGate, Residual,
-    ResidualRule, Resolution, Stream,
+    ComtModulator, Delta, DenseGate, Gate, ModulatedProjection, Modulator, ModulatorConfig, NonContextualGate,
+    Residual, ResidualRule, Resolution, Stream,
 };
 use nn::per_token::{PerTokenTransform, TokenScale};
 use nn::Module;
@@ -179,7 +179,9 @@ impl DecoderBlock {
     /// Under bf16 products, stores each sublayer's output in bf16 where the residual stream's
     /// fused add and RMSNorm alone read it ([`Residual::adds_fused`]): the attention's unless
     /// the per-token transform reads the stream between the sublayers, the FFN's unless the
-    /// token scale multiplies it. The caller checks what reads the last block's output.
+    /// token scale multiplies it. The caller checks what reads the last block's output. A
+    /// fused gated output projection is then left for that norm to run in its own launch
+    /// ([`nn::attention::Attention::forward_deferred`], [`SwiGlu::forward_deferred`]).
     pub(crate) fn store_fused_outputs_in_bf16(&mut self) {
         if !self.residual.adds_fused() {
             return;
@@ -197,7 +199,7 @@ impl DecoderBlock {
     /// pre-ln block leaves its last residual add pending in the returned stream, for the next
     /// RMSNorm to run fused ([`Stream::normed`]).
     pub fn forward(&self, x: &Stream, ids: &Tokens, earlier: &[Var]) -> Result<Stream> {
-        self.forward_with(x, ids, earlier, |h| self.self_attn.forward(h), |h| self.mlp.forward(h))
+        self.forward_with(x, ids, earlier, |h| self.self_attn.forward_deferred(h), |h| self.mlp.forward_deferred(h))
     }
 
     /// [`DecoderBlock::forward`] for `T` new positions of each of `B` sequences, continuing
@@ -208,25 +210,26 @@ impl DecoderBlock {
             x,
             ids,
             earlier,
-            |h| self.self_attn.forward_cached(h, attention),
-            |h| self.mlp.forward_cached(h, context_means),
+            |h| self.self_attn.forward_cached(h, attention).map(Delta::Value),
+            |h| self.mlp.forward_cached(h, context_means).map(Delta::Value),
         )
     }
 
-    /// The block with its attention and FFN sublayers given as closures.
+    /// The block with its attention and FFN sublayers given as closures, each returning its
+    /// output as the residual stream holds it ([`Delta`]).
     fn forward_with(
         &self,
         x: &Stream,
         ids: &Tokens,
         earlier: &[Var],
-        attention: impl FnOnce(&Var) -> autograd::Result<Var>,
-        ffn: impl FnOnce(&Var) -> autograd::Result<Var>,
+        attention: impl FnOnce(&Var) -> autograd::Result<Delta>,
+        ffn: impl FnOnce(&Var) -> autograd::Result<Delta>,
     ) -> Result<Stream> {
         let between = self.per_token.as_ref().map(|ptt| |x: &Var| ptt.forward(x, ids));
         let mlp = |h: &Var| {
             let y = ffn(h)?;
             match &self.token_scale {
-                Some(scale) => scale.forward(&y, ids),
+                Some(scale) => Ok(Delta::Value(scale.forward(&y.value()?, ids)?)),
                 None => Ok(y),
             }
         };

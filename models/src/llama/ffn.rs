@@ -4,6 +4,7 @@
 use autograd::Var;
 use nn::ccl::{CclFfn, RunningMean};
 use nn::ffn::SwiGlu;
+use nn::modulator::Delta;
 use nn::Module;
 
 /// The FFN of one block. Parameters sit under `mlp.` either way.
@@ -20,6 +21,15 @@ impl FeedForward {
         match self {
             FeedForward::SwiGlu(f) => f.forward(h),
             FeedForward::Ccl(f) => f.forward(h),
+        }
+    }
+
+    /// [`FeedForward::forward`] as the residual stream holds it: a SwiGLU's `down_proj` may be
+    /// left for the stream's next RMSNorm to run ([`SwiGlu::forward_deferred`]).
+    pub fn forward_deferred(&self, h: &Var) -> autograd::Result<Delta> {
+        match self {
+            FeedForward::SwiGlu(f) => f.forward_deferred(h),
+            FeedForward::Ccl(f) => f.forward(h).map(Delta::Value),
         }
     }
 

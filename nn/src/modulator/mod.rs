@@ -25,8 +25,8 @@ pub use comt::ComtModulator;
 pub use contextual::{Modulator, ModulatorConfig, NonContextualGate, Resolution};
 pub use dense::DenseGate;
 pub use gate::Gate;
-pub use projection::ModulatedProjection;
-pub use residual::{Residual, ResidualRule, Stream};
+pub use projection::{GatedOutput, ModulatedProjection};
+pub use residual::{Delta, Residual, ResidualRule, Stream};
 
 use autograd::ops::Unary;
 use autograd::{Result, Var};

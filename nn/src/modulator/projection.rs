@@ -71,6 +71,29 @@ impl ModulatedProjection {
         }
     }
 
+    /// [`ModulatedProjection::forward_as`] of `x: [..., in]` with a bf16 output viewed as
+    /// `shape`, left to its reader to run ([`GatedOutput`]) where that reader can run it in one
+    /// launch with its own work: the residual stream's add and next RMSNorm
+    /// ([`GatedOutput::add_rms_norm`]). Where the projection is one product (a GPU under bf16
+    /// products) and takes the fused op; `None` otherwise (call `forward_as`). Its gates go to a
+    /// running trace now.
+    pub fn deferred(&self, x: &Var, shape: &[usize]) -> Result<Option<GatedOutput>> {
+        if !x.value_ref().packed_linear_is_one_product() {
+            return Ok(None);
+        }
+        self.place_fused_alphas(x.value_ref().device())?;
+        let Some((parts, phi)) = self.fused_parts() else { return Ok(None) };
+        self.record_gates(x)?;
+        Ok(Some(GatedOutput {
+            input: x.clone(),
+            weight: parts.weight.clone(),
+            channel: parts.channel.map(Var::clone),
+            scalar: parts.scalar.map(Var::clone),
+            phi,
+            shape: shape.to_vec(),
+        }))
+    }
+
     /// `projections` of the same `rows: [N, in]` as one op, their outputs side by side
     /// (`[N, Σ out]`), where that is one product (a GPU under bf16 products:
     /// [`tensor::Tensor::packed_linear_is_one_product`]): one GEMM of the stacked weights
@@ -183,6 +206,38 @@ impl ModulatedProjection {
         }
         let rows: usize = shape[..shape.len().saturating_sub(1)].iter().product();
         x.reshape(&[rows, self.in_features()])
+    }
+}
+
+/// A fused gated projection not yet run ([`ModulatedProjection::deferred`]): its input, its
+/// weight and modulators (shared handles, no copies), its φ and its output's shape, for the op
+/// that reads its output to run it, alone ([`GatedOutput::value`]) or in one launch with its
+/// own work ([`GatedOutput::add_rms_norm`]).
+#[derive(Clone)]
+pub struct GatedOutput {
+    input: Var,
+    weight: Var,
+    channel: [Var; 5],
+    scalar: [Var; 5],
+    phi: Unary,
+    shape: Vec<usize>,
+}
+
+impl GatedOutput {
+    fn parts(&self) -> GatedProjectionVars<'_> {
+        GatedProjectionVars { weight: &self.weight, channel: self.channel.each_ref(), scalar: self.scalar.each_ref() }
+    }
+
+    /// The projection's output in its shape, stored in bf16 ([`Var::fused_gated_projections`]).
+    pub fn value(&self) -> Result<Var> {
+        self.input.fused_gated_projections(&[self.parts()], self.phi, ProductOutput::Bf16)?.reshape(&self.shape)
+    }
+
+    /// `(stream + output, RMSNorm(stream + output))` for `stream` of the output's shape: one op ([`Var::fused_gated_add_rms_norm`], the gate's launch adding and
+    /// normalising too), with the same values as [`GatedOutput::value`] then
+    /// [`Var::add_rms_norm`].
+    pub fn add_rms_norm(&self, stream: &Var, weight: &Var, eps: f32) -> Result<(Var, Var)> {
+        self.input.fused_gated_add_rms_norm(self.parts(), self.phi, stream, weight, eps)
     }
 }
 

@@ -18,6 +18,7 @@
 use autograd::{Result, Var};
 use tensor::{Error, Rng};
 
+use super::GatedOutput;
 use crate::init;
 use crate::layers::Norm;
 use crate::module::{join, Module};
@@ -51,6 +52,28 @@ pub enum ResidualRule {
     },
 }
 
+/// A sublayer's output as the residual stream holds it until it is added: a value, or a gated
+/// output projection not yet run ([`GatedOutput`]: Transponder's o and down projections under
+/// bf16 products on a GPU), which the RMSNorm reading the stream runs in one launch with the
+/// add ([`Stream::normed`]).
+#[derive(Clone)]
+pub enum Delta {
+    /// The output.
+    Value(Var),
+    /// The projection that makes it.
+    Gated(GatedOutput),
+}
+
+impl Delta {
+    /// The output (running a deferred projection now).
+    pub fn value(&self) -> Result<Var> {
+        match self {
+            Delta::Value(v) => Ok(v.clone()),
+            Delta::Gated(g) => g.value(),
+        }
+    }
+}
+
 /// The residual stream between sublayers and blocks: `base + delta`, with the add of the last
 /// sublayer's output left pending so that the RMSNorm reading the stream runs it fused (the
 /// pre-ln LLaMA block's `x + F(Norm(x))`, read by the next block's `input_layernorm` or the
@@ -60,7 +83,7 @@ pub struct Stream {
     /// The stream before the pending output is added.
     pub base: Var,
     /// The last sublayer's output, not yet added.
-    pub delta: Option<Var>,
+    pub delta: Option<Delta>,
 }
 
 impl Stream {
@@ -72,16 +95,18 @@ impl Stream {
     /// The stream's value: `base + delta`, added now when pending.
     pub fn value(&self) -> Result<Var> {
         match &self.delta {
-            Some(delta) => self.base.add(delta),
+            Some(delta) => self.base.add(&delta.value()?),
             None => Ok(self.base.clone()),
         }
     }
 
     /// `(value, norm(value))`; a pending add runs fused with an RMSNorm
-    /// ([`crate::layers::RmsNorm::forward_after_add`]), with the same values as apart.
+    /// ([`crate::layers::RmsNorm::forward_after_add`]), and a pending gated projection too
+    /// ([`GatedOutput::add_rms_norm`]), with the same values as apart.
     pub fn normed(&self, norm: &Norm) -> Result<(Var, Var)> {
         match (norm, &self.delta) {
-            (Norm::Rms(norm), Some(delta)) => norm.forward_after_add(&self.base, delta),
+            (Norm::Rms(norm), Some(Delta::Value(delta))) => norm.forward_after_add(&self.base, delta),
+            (Norm::Rms(norm), Some(Delta::Gated(gated))) => gated.add_rms_norm(&self.base, &norm.weight, norm.eps),
             _ => {
                 let x = self.value()?;
                 let normed = norm.forward(&x)?;
@@ -148,9 +173,9 @@ impl Residual {
         &self,
         x: &Stream,
         earlier: &[Var],
-        attention: impl FnOnce(&Var) -> Result<Var>,
+        attention: impl FnOnce(&Var) -> Result<Delta>,
         between: Option<impl FnOnce(&Var) -> Result<Var>>,
-        mlp: impl FnOnce(&Var) -> Result<Var>,
+        mlp: impl FnOnce(&Var) -> Result<Delta>,
     ) -> Result<Stream> {
         let out = match (self.pre_norm_scale(), &self.input_norm, &self.post_attention_norm) {
             (Some(scale), Some(input_norm), Some(post_attention_norm @ Norm::Rms(_))) => {
@@ -158,9 +183,9 @@ impl Residual {
                 let attn = attention(&scaled(h, scale)?)?;
                 let stream = match between {
                     Some(between) => {
-                        let x = x.add(&attn)?;
+                        let x = x.add(&attn.value()?)?;
                         let delta = between(&x)?;
-                        Stream { base: x, delta: Some(delta) }
+                        Stream { base: x, delta: Some(Delta::Value(delta)) }
                     }
                     None => Stream { base: x, delta: Some(attn) },
                 };
@@ -168,11 +193,13 @@ impl Residual {
                 Stream { base: x, delta: Some(mlp(&scaled(h, scale)?)?) }
             }
             _ => {
+                let attention = |h: &Var| attention(h)?.value();
                 let x = self.sublayer(&x.value()?, self.input_norm.as_ref(), &self.attn_laurel, attention)?;
                 let x = match between {
                     Some(between) => x.add(&between(&x)?)?,
                     None => x,
                 };
+                let mlp = |h: &Var| mlp(h)?.value();
                 Stream::new(self.sublayer(&x, self.post_attention_norm.as_ref(), &self.mlp_laurel, mlp)?)
             }
         };

@@ -18,7 +18,7 @@ use kernels::cpu::fused_gate::{
 };
 use kernels::cpu::unary::Unary;
 
-use super::ProductOutput;
+use super::{AddRmsNormOutput, ProductOutput};
 use crate::{with_last_dim, Error, Result, Tensor};
 
 const OP: &str = "fused_gated_projection";
@@ -267,6 +267,31 @@ impl Tensor {
         Ok((gated.swiglu_halves()?, gated, saved))
     }
 
+    /// A gated output projection (Transponder's o and down: one projection) and the residual
+    /// stream's add and next RMSNorm as one op: `Ẑ` = [`Tensor::fused_gated_projections`] of
+    /// `self: [..., d_in]` by `projection`, stored in bf16, then [`Tensor::add_rms_norm`] of
+    /// `stream` (`[..., d_out]`, as many rows) and `Ẑ`: `(its output, what the group's backward
+    /// reads)`. On a GPU under bf16 products one launch after the GEMM gates each row, adds it
+    /// and normalises the sum, without storing `Ẑ` (the same bits as the two ops, one launch
+    /// fewer); `None` elsewhere, where the caller runs the two ops.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub fn fused_gated_add_rms_norm(
+        &self,
+        projection: &GatedProjection,
+        phi: Unary,
+        stream: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<Option<(AddRmsNormOutput, FusedGateSaved)>> {
+        #[cfg(feature = "cuda")]
+        if self.cuda_storage().is_some() && crate::cuda::matmul_precision() == crate::cuda::MatmulPrecision::Bf16 {
+            let (x, checked) = self.checked_group(std::slice::from_ref(projection))?;
+            let (out, state) = cuda::forward_add_rms_norm(&x, &checked, phi, stream, weight, eps)?;
+            return Ok(Some((out, FusedGateSaved::on_device(checked, &x, phi, state)?)));
+        }
+        Ok(None)
+    }
+
     /// `self` made contiguous, and each of `projections` checked against it and the first
     /// (one φ's inputs, one pair of ranks): a group of at least one.
     fn checked_group(&self, projections: &[GatedProjection]) -> Result<(Tensor, Vec<Checked>)> {
@@ -403,14 +428,14 @@ pub(crate) mod cuda {
     use half::bf16;
     use kernels::cpu::matmul::Store;
     use kernels::cuda::fused_gate::{
-        fused_gate_backward, fused_gate_forward_rotary_qkv, fused_gate_forward_swiglu, fused_gate_forward_unfused,
-        pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, GateGroup,
-        GateProducts, OutputGrad, RotaryQkv, Unary,
+        fused_gate_backward, fused_gate_forward_add_rms_norm, fused_gate_forward_rotary_qkv, fused_gate_forward_swiglu,
+        fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads,
+        DeviceGateParams, GateGroup, GateProducts, OutputGrad, ResidualNorm, RotaryQkv, Unary,
     };
     use kernels::cuda::{CudaDevice, DeviceBuffer, DeviceValues, Values, ValuesMut};
 
-    use super::{Checked, FusedGateSaved, ProductOutput};
-    use crate::cuda::CudaStorage;
+    use super::{AddRmsNormOutput, Checked, FusedGateSaved, ProductOutput};
+    use crate::cuda::{product_only_output, CudaStorage};
     use crate::{with_last_dim, DType, Error, Result, Tensor};
 
     const OP: &str = "fused_gated_projection";
@@ -609,6 +634,51 @@ pub(crate) mod cuda {
     }
 
     /// The bf16 buffer a storage from `CudaStorage::alloc_values(.., true)` is held as.
+    /// `Tensor::fused_gated_add_rms_norm` on the GPU under bf16 products: the add and norm's
+    /// output (the normalised sum in bf16 alone: the next products read it) and the
+    /// projection's [`DeviceState`]. `x` and the projection (a group of one) are contiguous and
+    /// shape-checked by the caller; `stream` and `weight` are checked here.
+    pub(super) fn forward_add_rms_norm(
+        x: &Tensor,
+        projections: &[Checked],
+        phi: Unary,
+        stream: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<(AddRmsNormOutput, DeviceState)> {
+        let dims = projections[0].dims;
+        let (rows, d_out) = (dims.rows, dims.d_out);
+        if stream.shape().last() != Some(&d_out) || stream.numel() != rows * d_out {
+            return Err(Error::ShapeMismatch { op: OP, lhs: vec![rows, d_out], rhs: stream.shape().to_vec() });
+        }
+        if weight.shape() != [d_out] {
+            return Err(Error::ShapeMismatch { op: OP, lhs: vec![d_out], rhs: weight.shape().to_vec() });
+        }
+        x.same_device(OP, stream)?;
+        x.same_device(OP, weight)?;
+        let dev = x.cuda_device(OP)?;
+        let inputs = GemmInputs::new(x, projections)?;
+        let (group, packed) = inputs.group(&dev, projections, phi)?;
+        let mut zu = new_zu(&dev, projections, true)?;
+        let (stream_values, weight) = (stream.dense()?, weight.dense()?);
+        let (mut sum, mut rstd) = (CudaStorage::alloc(&dev, rows * d_out)?, CudaStorage::alloc(&dev, rows)?);
+        // y feeds only the next products (attention, FFN): bf16 alone under bf16 products.
+        let y = product_only_output(&dev, OP, stream.shape(), |y| {
+            let norm = ResidualNorm {
+                x: stream_values.cuda_f32(OP)?,
+                weight: weight.cuda_f32(OP)?,
+                eps,
+                sum: sum.f32_buffer_mut(OP)?,
+                y,
+                rstd: rstd.f32_buffer_mut(OP)?,
+            };
+            Ok(fused_gate_forward_add_rms_norm(&dev, &group, inputs.x_bf16()?, &packed, &mut zu, norm)?)
+        })?;
+        let sum = Tensor::from_cuda(sum, stream.shape())?;
+        let out = AddRmsNormOutput { sum, y, rstd: Tensor::from_cuda(rstd, &[rows])? };
+        Ok((out, (zu, packed)))
+    }
+
     fn rounded_buffer(storage: &mut CudaStorage) -> Result<&mut DeviceBuffer<bf16>> {
         match storage.values_mut(OP)? {
             ValuesMut::Bf16(buffer) => Ok(buffer),

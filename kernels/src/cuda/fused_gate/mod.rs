@@ -43,9 +43,9 @@ use super::blas::{gemm, GemmDims, Operand, Precision};
 use super::device::CudaDevice;
 use super::elementwise::{pack_bf16, unary_code};
 use super::error::{ensure, ensure_len, CudaError, Result};
-use super::launch::{address_list, int, length_list, ptr, size, LIST_LEN, THREADS};
+use super::launch::{address_list, int, length_list, per_row, ptr, row_threads, size, LIST_LEN, THREADS};
 use super::module::{Arg, KernelFamily};
-use super::values::{DeviceValues, Values, ValuesMut};
+use super::values::{output_with_twin, DeviceValues, Values, ValuesMut};
 use crate::cpu::matmul::Store;
 
 /// Largest `r_c + r_s` the kernels take (the summary tile is padded to 16, 32 or 64).
@@ -523,6 +523,64 @@ pub fn fused_gate_forward_swiglu(
     args.extend([ptr(gated), ptr(out)]);
     // A block serves APPLY_THREADS columns of both projections: one group of blocks.
     dev.launch(FAMILY, "fused_gate_apply_swiglu", apply_blocks(&layout, &groups[..1], APPLY_THREADS)?, &args)
+}
+
+/// The residual stream's add and RMSNorm that read a gated projection's output
+/// ([`fused_gate_forward_add_rms_norm`]): `sum = x + Ẑ`, `y = sum / √(mean(sum²) + eps) · weight`
+/// per row of `d_out`, as `norm::add_rms_norm_forward` writes them.
+#[derive(Debug)]
+pub struct ResidualNorm<'a> {
+    /// The residual stream before the add, `[N, d_out]`.
+    pub x: &'a DeviceBuffer<f32>,
+    /// RMSNorm's weight, `[d_out]`.
+    pub weight: &'a DeviceBuffer<f32>,
+    /// Added to the mean square under the square root.
+    pub eps: f32,
+    /// `x + Ẑ`, `[N, d_out]`, written.
+    pub sum: &'a mut DeviceBuffer<f32>,
+    /// The normalised sum, `[N, d_out]`: f32, or bf16 alone (the next products' operand),
+    /// written.
+    pub y: ValuesMut<'a>,
+    /// Each row's `1/√(mean(sum²) + eps)`, `[N]`, written (the backward reads it).
+    pub rstd: &'a mut DeviceBuffer<f32>,
+}
+
+/// The engine's forward of a gated output projection (Transponder's o and down: a group of
+/// one) whose output only the residual stream's add and the next RMSNorm read, under bf16
+/// products: the GEMM of [`fused_gate_forward_unfused`] into the bf16 `zu`, then one launch
+/// that gates each row and adds it to the stream and normalises the sum (`norm`): the bits of
+/// [`fused_gate_forward_unfused`] into bf16 then `norm::add_rms_norm_forward` of its output,
+/// without that launch, and without storing `Ẑ` or reading it back.
+pub fn fused_gate_forward_add_rms_norm(
+    dev: &CudaDevice,
+    groups: &[GateGroup],
+    x: &DeviceBuffer<bf16>,
+    packed: &DeviceBuffer<bf16>,
+    zu: &mut DeviceValues,
+    norm: ResidualNorm,
+) -> Result<()> {
+    const OP: &str = "fused_gate_forward_add_rms_norm";
+    let layout = layout(dev, OP, groups)?;
+    let d_out = epilogue_group(OP, groups, &["the output projection"], zu)?;
+    let ResidualNorm { x: stream, weight, eps, sum, y, rstd } = norm;
+    let y = y.as_values();
+    let rows = layout.rows;
+    for (buffer, len, name) in [(stream, rows * d_out, "x"), (&*sum, rows * d_out, "sum"), (&*rstd, rows, "rstd")] {
+        dev.check_owner(OP, buffer)?;
+        ensure_len(OP, name, buffer.len(), len)?;
+    }
+    dev.check_owner(OP, weight)?;
+    ensure_len(OP, "weight", weight.len(), d_out)?;
+    ensure_len(OP, "y", y.len(), rows * d_out)?;
+    let [y_f32, y_bf16] = output_with_twin(dev, OP, y, None)?;
+    zu_product(dev, OP, &layout, x, packed, zu)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let mut args = apply_args(&zu.values(), groups, &layout);
+    args.extend([int(layout.rank_channel as i32), int(layout.rank_scalar as i32)]);
+    args.extend([ptr(stream), ptr(weight), ptr(sum), y_f32, y_bf16, ptr(rstd), Arg::F32(eps)]);
+    dev.launch(FAMILY, "fused_gate_add_rms_norm", per_row(rows, row_threads(d_out)), &args)
 }
 
 /// Checks the group of an epilogue that serves exactly the projections `names` (q, k and v;

@@ -492,3 +492,36 @@ __device__ float block_max(float v) {
     __syncthreads();
     return partials_m[0];
 }
+
+// The end of one row's RMSNorm (norm.cu), shared by rms_norm_forward and add_rms_norm_row
+// below so all compute the same bits: ss (this thread's part of Σ x², over the columns it
+// reads) summed over the block, rstd = 1/√(mean(x²) + eps), y = x·rstd·w into yr and its bf16
+// rounding into yr_bf16, each when not null (under bf16 products y may go in bf16 alone).
+// Every thread of the block calls it (block_sum holds barriers).
+__device__ __forceinline__ void rms_norm_row(const float* xr, float ss, const float* w, float* yr, bf16_t* yr_bf16,
+                                             float* rstd, i64 cols, float eps) {
+    ss = block_sum(ss);
+    float rs = 1.0f / sqrtf(ss / (float)cols + eps);
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        float v = xr[j] * rs * w[j];
+        if (yr) yr[j] = v;
+        if (yr_bf16) yr_bf16[j] = f32_to_bf16(v);
+    }
+    if (threadIdx.x == 0) *rstd = rs;
+}
+
+// One row of a residual add and the next RMSNorm (norm.cu's add_rms_norm_forward; the fused
+// gate's, fused_gate.cu): sr[j] = xr[j] + delta(j), then rms_norm_row of the sum (the add's
+// and the norm's arithmetic and reduction order, so bit-identical to the two launched apart).
+// Each thread reads back only the sum elements it wrote. Every thread of the block calls it.
+template <class DeltaAt>
+__device__ __forceinline__ void add_rms_norm_row(const float* xr, DeltaAt delta, const float* w, float* sr, float* yr,
+                                                 bf16_t* yr_bf16, float* rstd, i64 cols, float eps) {
+    float ss = 0.0f;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        const float s = xr[j] + delta(j);
+        sr[j] = s;
+        ss += s * s;
+    }
+    rms_norm_row(sr, ss, w, yr, yr_bf16, rstd, cols, eps);
+}

@@ -230,6 +230,13 @@ __device__ __forceinline__ float scalar_gate(const float* h, const float* b_sw, 
     return 2.0f * sigmoid_f(alpha_s * logit);
 }
 
+// One gated output Ẑ = σ̃_αc(logit + b_c)·(2γ_s)·z = 2σ(α_c(logit + b_c))·γ_s·z from column j's
+// channel logit before its bias, its bias, the row's doubled scalar gate `scale` and its z:
+// gate_apply's and fused_gate_add_rms_norm's arithmetic, one function so both give the same bits.
+__device__ __forceinline__ float gated_value(float logit, float bias, float alpha_c, float scale, float z) {
+    return sigmoid_f(alpha_c * (logit + bias)) * scale * z;
+}
+
 // A row's columns col and col + apart (`second`: the second is a column; apart is 1, adjacent
 // columns, except for a RoPE pair of one head: gate_apply's rotary epilogue) as one 8-byte store
 // where `pairs` (adjacent columns and an even row width: every pair is 8-byte aligned in a
@@ -604,7 +611,7 @@ __device__ __forceinline__ void gate_apply(const Z* __restrict__ zu, const Tenso
                     const int part = PARTS == 2 ? c : 0;
                     const float* h = reinterpret_cast<const float*>(h_quads[part][c0 + k]);
                     const float logit = stationary_logit(h, w[c], gs[c].b_cw, j + c * apart, rc, regs);
-                    y[c] = sigmoid_f(alpha_c[c] * (logit + bias[c])) * scale_rows[part][c0 + k] * z[k][c];
+                    y[c] = gated_value(logit, bias[c], alpha_c[c], scale_rows[part][c0 + k], z[k][c]);
                 }
                 if (rotate) {
                     const int at = table_rows[c0 + k] + pair_at;
@@ -665,6 +672,39 @@ extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_P
                             i64 zu_width, i64 out_width, int rc, int rs, bf16_t* out, bf16_t* swiglu_out) {
     gate_apply<bf16_t, bf16_t, APPLY_SWIGLU>(zu, params, layout, phi, phi_p, rows, zu_width, out_width, rc, rs, out,
                                              NO_ROTARY, swiglu_out);
+}
+
+// The residual stream's add and the next RMSNorm of a gated projection's output (Transponder's
+// o and down projections, a group of one, from a bf16 ZU): for each row, Ẑ as
+// fused_gate_apply_bf16_out stores it (gated_value, rounded to bf16), then sum = x + Ẑ and
+// y = rms_norm(sum)·w as add_rms_norm_forward_delta_bf16 computes them (add_rms_norm_row,
+// common.cuh): the bits of the two launches, without storing Ẑ or reading it back. One block
+// per row (norm.cu's launch: blockDim.x = row_threads(d_out)); the block computes the row's H
+// into shared memory and each thread its columns' channel logits, reading B_c's rows from L1.
+// sum, y (or y_bf16 alone) and rstd as add_rms_norm_forward writes them.
+extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList params, TensorList layout, int phi,
+                                                   float phi_p, i64 rows, i64 zu_width, int rc, int rs, const float* x,
+                                                   const float* w, float* sum, float* y, bf16_t* y_bf16, float* rstd,
+                                                   float eps) {
+    const GateGroup g = gate_group(params, layout, 0);
+    const i64 cols = g.d_out;
+    const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
+    __shared__ f32x4 h_quads[1][FG_MAX_RANK / 4];  // the row's H, 16-byte aligned
+    const float no_registers[FG_REG_RANK] = {};   // stationary_logit reads B_c from memory
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        __syncthreads();  // every thread is done with the previous row's H
+        block_hidden(h_quads, zu, g, phi, phi_p, r, 1, zu_width, rc, rs);
+        __syncthreads();
+        const float* h = reinterpret_cast<const float*>(h_quads[0]);
+        const float scale = 2.0f * scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
+        const bf16_t* zr = zu + r * zu_width + g.zu_at;
+        const auto gated = [&](i64 j) {
+            const float logit = stationary_logit(h, no_registers, g.b_cw, j, rc, false);
+            return as_f32(f32_to_bf16(gated_value(logit, g.b_cb[j], alpha_c, scale, as_f32(zr[j]))));
+        };
+        add_rms_norm_row(x + r * cols, gated, w, sum + r * cols, y ? y + r * cols : nullptr,
+                         y_bf16 ? y_bf16 + r * cols : nullptr, rstd + r, cols, eps);
+    }
 }
 
 // fused_gate_backward_rows's blocks (backward_blocks in cuda/fused_gate/mod.rs): block (x, g)

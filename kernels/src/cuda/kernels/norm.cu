@@ -3,28 +3,13 @@
 // are written, not added: kernels/src/lib.rs). The weight/bias gradients are column sums over
 // rows in a fixed order (no atomics): LayerNorm's come from norm_param_grads_partial, finished
 // by reduce.cu's column_sums_finish; RMSNorm's backward writes the same partial sums itself,
-// finished by rms_norm_weight_grad_finish (same order, same bits).
+// finished by rms_norm_weight_grad_finish (same order, same bits). The rows' forward ends are
+// common.cuh's rms_norm_row and add_rms_norm_row, which the fused gate's residual add and norm
+// (fused_gate.cu) shares.
 
 // Row lanes of a chunk of rows in the norms' column sums: lane l holds rows r0 + l, r0 + l + 8,
 // ... of the chunk (norm_param_grads_partial's blockDim.y).
 #define NORM_ROW_LANES 8
-
-// The end of one row's RMSNorm, shared by rms_norm_forward and add_rms_norm_forward so both
-// compute the same bits: ss (this thread's part of Σ x², over the columns it reads) summed over
-// the block, rstd = 1/√(mean(x²) + eps), y = x·rstd·w into yr and its bf16 rounding into
-// yr_bf16, each when not null (under bf16 products y may go in bf16 alone). Every thread of the
-// block calls it (block_sum holds barriers).
-__device__ __forceinline__ void rms_norm_row(const float* xr, float ss, const float* w, float* yr, bf16_t* yr_bf16,
-                                             float* rstd, i64 cols, float eps) {
-    ss = block_sum(ss);
-    float rs = 1.0f / sqrtf(ss / (float)cols + eps);
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
-        float v = xr[j] * rs * w[j];
-        if (yr) yr[j] = v;
-        if (yr_bf16) yr_bf16[j] = f32_to_bf16(v);
-    }
-    if (threadIdx.x == 0) *rstd = rs;
-}
 
 // y = x·rstd·w, rstd = 1/√(mean(x²) + eps)
 // y_bf16 (when not null) gets y rounded to nearest even, for the bf16 products reading y; y
@@ -39,26 +24,18 @@ extern "C" __global__ void rms_norm_forward(const float* x, const float* w, floa
     }
 }
 
-// The pre-ln LLaMA block's residual add and the next RMSNorm in one pass: sum = x + delta, then
-// rms_norm_forward of sum (same arithmetic and reduction order, so bit-identical to the add and
-// the norm launched apart). Each thread reads back only the sum elements it wrote. delta is f32,
-// or (the _delta_bf16 kernel) bf16: the sublayer's output projection, stored so under bf16
-// products as autocast stores a product, added to the f32 stream as its widened values.
+// The pre-ln LLaMA block's residual add and the next RMSNorm in one pass, a row at a time
+// (add_rms_norm_row, common.cuh). delta is f32, or (the _delta_bf16 kernel) bf16: the
+// sublayer's output projection, stored so under bf16 products as autocast stores a product,
+// added to the f32 stream as its widened values.
 template <typename Delta>
 __device__ __forceinline__ void add_rms_norm_rows(const float* x, const Delta* delta, const float* w, float* sum,
                                                   float* y, bf16_t* y_bf16, float* rstd, i64 rows, i64 cols,
                                                   float eps) {
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float* xr = x + r * cols;
         const Delta* dr = delta + r * cols;
-        float* sr = sum + r * cols;
-        float ss = 0.0f;
-        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
-            float s = xr[j] + as_f32(dr[j]);
-            sr[j] = s;
-            ss += s * s;
-        }
-        rms_norm_row(sr, ss, w, y ? y + r * cols : nullptr, y_bf16 ? y_bf16 + r * cols : nullptr, rstd + r, cols, eps);
+        add_rms_norm_row(x + r * cols, [&](i64 j) { return as_f32(dr[j]); }, w, sum + r * cols,
+                         y ? y + r * cols : nullptr, y_bf16 ? y_bf16 + r * cols : nullptr, rstd + r, cols, eps);
     }
 }
 
