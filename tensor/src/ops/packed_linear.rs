@@ -5,11 +5,11 @@
 //!
 //! The point is the GPU under bf16 products: the GEMM reads the weights' shared packed bf16
 //! copy (`CudaStorage::share_packed_bf16_copy`, which AdamW rewrites in place), so the forward
-//! is one GEMM where the projections took k, and so is the input gradient
-//! `dx = dy·[W_1; …; W_k]`; each weight gradient `dW_i = dy_iᵀ·x` reads its block of `dy`'s
-//! columns in place. Otherwise (the CPU, f32 products) the same values come from the plain
-//! ops: one product of the weights stacked (a copy of the weights), and the input gradient
-//! summed projection by projection.
+//! is one GEMM where the projections took k, and so are the input gradient
+//! `dx = dy·[W_1; …; W_k]` and the weights' gradients `[dW_1; …; dW_k] = dyᵀ·x` (each weight's
+//! gradient a view of its rows). Otherwise (the CPU, f32 products) the same values come from
+//! the plain ops: one product of the weights stacked (a copy of the weights), the input
+//! gradient summed projection by projection, and each weight's gradient its own product.
 
 use crate::{with_last_dim, Error, Result, Tensor};
 
@@ -116,6 +116,18 @@ impl Tensor {
         #[cfg(not(feature = "cuda"))]
         let dx = summed_input_grad(&blocks, weights, so_far)?;
         let mut grads = vec![dx.reshape(x.shape())?];
+        #[cfg(feature = "cuda")]
+        if cuda::uses_packed_product(x) {
+            // [dW_1; …; dW_k] = dyᵀ·x: one GEMM, each weight's gradient a view of its rows (the
+            // optimizer reads it in place).
+            let stacked = dy_rows.transpose(0, 1)?.matmul(&x_rows)?;
+            let mut at = 0;
+            for &out in &outs {
+                grads.push(stacked.narrow(0, at, out)?);
+                at += out;
+            }
+            return Ok(grads);
+        }
         for block in &blocks {
             // dW_i = dy_iᵀ·x, in W's own layout; dy_i is read in place.
             grads.push(block.transpose(0, 1)?.matmul(&x_rows)?);
