@@ -4,7 +4,8 @@
 //! gate and up projections as two GEMMs or one of the packed weights, and gated, with SwiGLU
 //! after the gate or in its kernel; q, k and v as three
 //! fused gated projections or one fused group, and that group against its bare products, and
-//! its q, k and v rotated by RoPE after it or in its gate kernel; then flash attention,
+//! its q, k and v rotated by RoPE after it or in its gate kernel; the o and down projections'
+//! gate then the residual add and RMSNorm, or those in the gate's launch; then flash attention,
 //! forward and forward + backward (the time per layer of a training step), against the naive
 //! kernel that materialises the score matrix, and its backward into the packed QKV gradient
 //! with RoPE's backward after it or in its kernels.
@@ -28,10 +29,12 @@ use kernels::cuda::attention::{
 };
 use kernels::cuda::blas::{matmul_bf16, matmul_bf16_out, DeviceMat};
 use kernels::cuda::fused_gate::{
-    fused_gate_backward, fused_gate_forward, fused_gate_forward_rotary_qkv, fused_gate_forward_swiglu,
-    fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads,
-    DeviceGateParams, FusedGateDims, GateGroup, GateProducts, OutputGrad, RotaryQkv, Unary,
+    fused_gate_backward, fused_gate_forward, fused_gate_forward_add_rms_norm, fused_gate_forward_rotary_qkv,
+    fused_gate_forward_swiglu, fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams,
+    DeviceGateGrads, DeviceGateParams, FusedGateDims, GateGroup, GateProducts, OutputGrad, ResidualNorm, RotaryQkv,
+    Unary,
 };
+use kernels::cuda::norm::{add_rms_norm_forward, NormDims};
 use kernels::cuda::rope::{rope_qkv_backward, rope_qkv_forward};
 use kernels::cuda::swiglu::{swiglu_backward, swiglu_forward, swiglu_halves_backward, swiglu_halves_forward};
 use kernels::cuda::{CudaDevice, DeviceBuffer, Result};
@@ -497,6 +500,50 @@ fn bench_gated_swiglu(dev: &CudaDevice, tokens: usize, d: usize, hidden: usize) 
     Ok(())
 }
 
+/// A gated output projection (`hidden → d`, ranks 8 + 8: Transponder's down; `d → d` its o)
+/// and the residual stream's add and next RMSNorm: the gate into bf16, then the add and norm
+/// (three launches), against the gate's launch doing the add and norm (two), in bf16 as a
+/// `--bf16` step holds them.
+fn bench_gated_add_norm(dev: &CudaDevice, tokens: usize, d_in: usize, d: usize) -> Result<()> {
+    let dims = FusedGateDims { rows: tokens, d_in, d_out: d, rank_channel: 8, rank_scalar: 8 };
+    let projection = Projection::new(dev, &dims)?;
+    let group = [GateGroup { dims, params: projection.params() }];
+    let packed = pack_weight(dev, &group)?;
+    let x16 = dev.upload(&values(tokens * d_in, 42, 2.0).into_iter().map(bf16::from_f32).collect::<Vec<_>>())?;
+    let (stream, weight) = (dev.upload(&values(tokens * d, 43, 2.0))?, dev.upload(&values(d, 44, 1.0))?);
+    let mut zu = DeviceValues::alloc(dev, tokens * dims.width(), true)?;
+    let mut gated = dev.alloc::<bf16>(tokens * d)?;
+    let (mut sum, mut y, mut rstd) =
+        (dev.alloc::<f32>(tokens * d)?, dev.alloc::<bf16>(tokens * d)?, dev.alloc(tokens)?);
+    let norm_dims = NormDims { rows: tokens, cols: d, eps: 1e-5 };
+    let gate_then_norm_s = best_seconds(dev, || {
+        fused_gate_forward_unfused(dev, &group, &x16, &packed, &mut zu, ValuesMut::Bf16(&mut gated))?;
+        let outs = (&mut sum, ValuesMut::Bf16(&mut y), None);
+        add_rms_norm_forward(dev, (&stream, Values::Bf16(&gated)), &weight, &norm_dims, outs, &mut rstd)
+    })?;
+    let unfused = download_widened(dev, &y)?;
+    let in_gate_s = best_seconds(dev, || {
+        let norm = ResidualNorm {
+            x: &stream,
+            weight: &weight,
+            eps: 1e-5,
+            sum: &mut sum,
+            y: ValuesMut::Bf16(&mut y),
+            rstd: &mut rstd,
+        };
+        fused_gate_forward_add_rms_norm(dev, &group, &x16, &packed, &mut zu, norm)
+    })?;
+    let worst = check(&format!("gated {d_in}→{d} + add + RMSNorm"), &download_widened(dev, &y)?, &unfused, 1e-5);
+    println!(
+        "gated {d_in}→{d} + add + RMSNorm {tokens:>7} tokens | gate then add+norm {:>7.3} ms | add+norm in gate \
+         {:>7.3} ms ({:.2}×) | max rel diff {worst:.1e}",
+        gate_then_norm_s * 1e3,
+        in_gate_s * 1e3,
+        in_gate_s / gate_then_norm_s,
+    );
+    Ok(())
+}
+
 fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, head_dim: usize) -> Result<()> {
     let len = batch * seq * heads * head_dim;
     let (hq, hk, hv) = (values(len, 11, 1.0), values(len, 12, 1.0), values(len, 13, 1.0));
@@ -627,6 +674,9 @@ fn main() {
         }
         for d in [512, 768] {
             bench_gate_group(&dev, tokens, d)?;
+        }
+        for (d_in, d) in [(512, 512), (1376, 512), (768, 768), (2048, 768)] {
+            bench_gated_add_norm(&dev, tokens, d_in, d)?;
         }
         bench_attention(&dev, (tokens / 2048).max(1), 256, 8, 64)?;
         bench_attention(&dev, (tokens / 4096).max(1), 256, 12, 64)?;

@@ -680,7 +680,8 @@ extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_P
 // y = rms_norm(sum)·w as add_rms_norm_forward_delta_bf16 computes them (add_rms_norm_row,
 // common.cuh): the bits of the two launches, without storing Ẑ or reading it back. One block
 // per row (norm.cu's launch: blockDim.x = row_threads(d_out)); the block computes the row's H
-// into shared memory and each thread its columns' channel logits, reading B_c's rows from L1.
+// into shared memory and each thread its columns' channel logits, reading each column's B_c row
+// (16-byte loads on the register path; the rows stay in L1 from row to row).
 // sum, y (or y_bf16 alone) and rstd as add_rms_norm_forward writes them.
 extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList params, TensorList layout, int phi,
                                                    float phi_p, i64 rows, i64 zu_width, int rc, int rs, const float* x,
@@ -690,7 +691,7 @@ extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList 
     const i64 cols = g.d_out;
     const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
     __shared__ f32x4 h_quads[1][FG_MAX_RANK / 4];  // the row's H, 16-byte aligned
-    const float no_registers[FG_REG_RANK] = {};   // stationary_logit reads B_c from memory
+    const bool regs = register_rank(rc);
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         __syncthreads();  // every thread is done with the previous row's H
         block_hidden(h_quads, zu, g, phi, phi_p, r, 1, zu_width, rc, rs);
@@ -699,8 +700,10 @@ extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList 
         const float scale = 2.0f * scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
         const bf16_t* zr = zu + r * zu_width + g.zu_at;
         const auto gated = [&](i64 j) {
-            const float logit = stationary_logit(h, no_registers, g.b_cw, j, rc, false);
-            return as_f32(f32_to_bf16(gated_value(logit, g.b_cb[j], alpha_c, scale, as_f32(zr[j]))));
+            float w[FG_REG_RANK], bias;  // column j's B_c row (16-byte loads on the register path) and b_c
+            column_weight(g.b_cw, g.b_cb, j, true, rc, regs, w, bias);
+            const float logit = stationary_logit(h, w, g.b_cw, j, rc, regs);
+            return as_f32(f32_to_bf16(gated_value(logit, bias, alpha_c, scale, as_f32(zr[j]))));
         };
         add_rms_norm_row(x + r * cols, gated, w, sum + r * cols, y ? y + r * cols : nullptr,
                          y_bf16 ? y_bf16 + r * cols : nullptr, rstd + r, cols, eps);
