@@ -21,12 +21,21 @@ use kernels::cuda::{self, CudaDevice, CudaError, DeviceBuffer, DeviceValues, Val
 use super::fused_gate::{DeviceGate, GateCase};
 use super::{assert_close_to, down_bf16, up, up_bf16, Rng};
 
-/// `count` projections of one input (q, k and v; gate and up) of `d_out` outputs each.
-fn group_cases(rng: &mut Rng, dims: FusedGateDims, count: usize) -> Vec<GateCase> {
-    let mut cases: Vec<GateCase> = (0..count).map(|_| GateCase::new(dims, rng, true)).collect();
-    let x = cases[0].x.clone();
-    cases.iter_mut().for_each(|c| c.x = x.clone());
-    cases
+/// `count` projections of one input (q, k and v; gate and up) of `dims` each, random, on the
+/// device, and that input in bf16.
+fn device_group(
+    dev: &CudaDevice,
+    rng: &mut Rng,
+    dims: FusedGateDims,
+    count: usize,
+) -> (Vec<DeviceGate>, DeviceBuffer<bf16>) {
+    let cases: Vec<GateCase> = (0..count).map(|_| GateCase::new(dims, rng, true)).collect();
+    (cases.iter().map(|c| DeviceGate::new(dev, c)).collect(), up_bf16(dev, &cases[0].x))
+}
+
+/// The launchers' view of `gates` (each of `dims`, φ `phi`).
+fn launch_group(gates: &[DeviceGate], dims: FusedGateDims, phi: Unary) -> Vec<GateGroup<'_>> {
+    gates.iter().map(|g| GateGroup { dims, params: g.params(phi) }).collect()
 }
 
 /// The gated values are the same f32 values in both paths (the same kernel arithmetic per
@@ -45,11 +54,9 @@ fn rotary_qkv_gate_is_rope_of_the_packed_gate() {
         let (rows, d_out) = (batch * seq, heads * head_dim);
         let dims = FusedGateDims { rows, d_in: 48, d_out, rank_channel, rank_scalar: 4 };
         let what = format!("B {batch}, T {seq}, H {heads}, D {head_dim}");
-        let cases = group_cases(&mut rng, dims, 3);
-        let gates: Vec<DeviceGate> = cases.iter().map(|c| DeviceGate::new(dev, c)).collect();
-        let group: Vec<GateGroup> = gates.iter().map(|g| GateGroup { dims, params: g.params(phi) }).collect();
+        let (gates, x) = device_group(dev, &mut rng, dims, 3);
+        let group = launch_group(&gates, dims, phi);
         let packed = cuda::fused_gate::pack_weight(dev, &group).unwrap();
-        let x = up_bf16(dev, &cases[0].x);
         let zu_len = rows * 3 * dims.width();
         // A table longer than the sequence, as the engine's cached one is.
         let (cos, sin) = cpu::rope::rope_table(seq + 3, head_dim, 10_000.0);
@@ -100,11 +107,9 @@ fn rotary_qkv_gate_refuses_what_it_cannot_serve() {
     let mut rng = Rng::new(32);
     let (seq, heads, head_dim) = (4, 2, 8);
     let dims = FusedGateDims { rows: 2 * seq, d_in: 16, d_out: heads * head_dim, rank_channel: 4, rank_scalar: 4 };
-    let cases = group_cases(&mut rng, dims, 3);
-    let gates: Vec<DeviceGate> = cases.iter().map(|c| DeviceGate::new(dev, c)).collect();
-    let group: Vec<GateGroup> = gates.iter().map(|g| GateGroup { dims, params: g.params(Unary::Sigmoid) }).collect();
+    let (gates, x) = device_group(dev, &mut rng, dims, 3);
+    let group = launch_group(&gates, dims, Unary::Sigmoid);
     let packed = cuda::fused_gate::pack_weight(dev, &group).unwrap();
-    let x = up_bf16(dev, &cases[0].x);
     let (cos, sin) = cpu::rope::rope_table(seq, head_dim, 10_000.0);
     let (gcos, gsin) = (up(dev, &cos), up(dev, &sin));
     let (short_cos, short_sin) = cpu::rope::rope_table(seq - 1, head_dim, 10_000.0);
@@ -157,11 +162,9 @@ fn swiglu_gate_is_swiglu_of_the_packed_gate() {
     {
         let dims = FusedGateDims { rows, d_in: 48, d_out, rank_channel, rank_scalar: 4 };
         let what = format!("{dims:?} {phi:?}");
-        let cases = group_cases(&mut rng, dims, 2);
-        let gates: Vec<DeviceGate> = cases.iter().map(|c| DeviceGate::new(dev, c)).collect();
-        let group: Vec<GateGroup> = gates.iter().map(|g| GateGroup { dims, params: g.params(phi) }).collect();
+        let (gates, x) = device_group(dev, &mut rng, dims, 2);
+        let group = launch_group(&gates, dims, phi);
         let packed = cuda::fused_gate::pack_weight(dev, &group).unwrap();
-        let x = up_bf16(dev, &cases[0].x);
         let zu_len = rows * 2 * dims.width();
 
         let mut zu = DeviceValues::alloc(dev, zu_len, true).unwrap();
@@ -282,11 +285,9 @@ fn swiglu_backward_in_the_gate_is_swiglus_then_the_gates() {
     {
         let dims = FusedGateDims { rows, d_in: 48, d_out, rank_channel, rank_scalar: 4 };
         let what = format!("{dims:?} {phi:?}");
-        let cases = group_cases(&mut rng, dims, 2);
-        let gates: Vec<DeviceGate> = cases.iter().map(|c| DeviceGate::new(dev, c)).collect();
-        let group: Vec<GateGroup> = gates.iter().map(|g| GateGroup { dims, params: g.params(phi) }).collect();
+        let (gates, x) = device_group(dev, &mut rng, dims, 2);
+        let group = launch_group(&gates, dims, phi);
         let packed = cuda::fused_gate::pack_weight(dev, &group).unwrap();
-        let x = up_bf16(dev, &cases[0].x);
         let mut zu = DeviceValues::alloc(dev, rows * 2 * dims.width(), true).unwrap();
         let mut gated = dev.alloc::<bf16>(rows * 2 * d_out).unwrap();
         let mut y = dev.alloc::<bf16>(rows * d_out).unwrap();

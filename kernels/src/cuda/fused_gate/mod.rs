@@ -19,7 +19,11 @@
 //! v; gate and up: one GEMM over their weights packed together, one gate launch); it gives
 //! [`fused_gate_forward`]'s result to f32 rounding with an f32 `zu`, to bf16 rounding with a
 //! bf16 one. [`fused_gate_forward_rotary_qkv`] is the same path for attention's q, k and v,
-//! its gate kernel writing them as attention reads them, q and k rotated by RoPE. The backward
+//! its gate kernel writing them as attention reads them, q and k rotated by RoPE;
+//! [`fused_gate_forward_swiglu`] for the FFN's gate and up, writing SwiGLU's output too; and
+//! [`fused_gate_forward_add_rms_norm`] for an output projection (o, down) whose output only the
+//! residual stream's add and next RMSNorm read, its launch doing those instead of storing Ẑ.
+//! The backward
 //! ([`fused_gate_backward`], `backward.rs`) reads `zu`, the f32 `x` and f32 weights (under
 //! bf16 products, the forward's bf16 `x` and packed weight): one row kernel (the gate's
 //! elementwise backward and its rank-r products), one launch of deterministic column sums for
