@@ -620,6 +620,69 @@ fn gated_add_rms_norm_is_one_launch_and_the_same_bits_under_bf16() {
     assert_eq!(two_ops_forward.keys().filter(apart).count(), 2, "{two_ops_forward:?}");
 }
 
+/// Every result of `run` on the GPU (under bf16 products) against the CPU's (f32), each to
+/// `3e-2` of the CPU result's largest value, and at least `6e-3`: the GPU's products read bf16
+/// and it stores some results in bf16, so a bound at the bf16 level; the floor is for the α's
+/// gradients, one sum over every row and column whose terms cancel (seen: 0.0224 against the
+/// GPU's 0.0200, where every tensor result agrees to 1.2% of its largest value). A wrong gate,
+/// a missing rounding or a wrong row is off by far more.
+fn assert_bf16_gpu_agrees_with_cpu(what: &str, run: impl Fn(Device) -> Vec<Tensor>) {
+    let want = run(Device::Cpu);
+    let got = run(GPU);
+    assert_eq!(got.len(), want.len(), "{what}: result count");
+    for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+        let (got, want) = (got.to_host().unwrap().to_vec(), want.to_vec());
+        let largest = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let tolerance = Tolerance { atol: f64::from(3e-2 * largest.max(0.2)), rtol: 0.0 };
+        gradcheck::assert_close(&format!("{what}: result {i}"), &got, &want, tolerance);
+    }
+}
+
+/// The fused ops of Transponder's FFN and output projections on the GPU under bf16 products,
+/// SwiGLU's backward inside the gate's (an output gradient held in bf16 alone, as the down
+/// product's backward writes it) and the o/down gate inside the residual add and RMSNorm,
+/// agree with the CPU's f32 ops: outputs and every gradient.
+#[test]
+fn gated_swiglu_and_gated_add_rms_norm_agree_with_the_cpu_under_bf16() {
+    if no_gpu() {
+        return;
+    }
+    let _precision = Precision::set(MatmulPrecision::Bf16);
+    let (rows, d_in, hidden) = (30, 32, 40);
+    let values = gated_group_values(190, &[rows, d_in], &[hidden; 2], (8, 4));
+    // dy as the GPU holds it (bf16 alone), the CPU reading the same rounded values.
+    let dy = rand(&[rows, hidden], -1.0, 1.0, 191).to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+    assert_bf16_gpu_agrees_with_cpu("gated SwiGLU", |device| {
+        let vars: Vec<Var> = values.iter().map(|v| Var::parameter(v.to_device(device).unwrap())).collect();
+        let parts = gated_group(&vars[1..]);
+        let y = vars[0].fused_gated_swiglu(&[parts[0], parts[1]], Unary::Silu).unwrap();
+        let dy = dy.to_device(device).unwrap();
+        dy.to_dtype(DType::BF16).unwrap();
+        y.backward_with(dy.saved_for_products()).unwrap();
+        let mut results = vec![y.value()];
+        results.extend(vars.iter().map(|v| v.grad().unwrap()));
+        results
+    });
+
+    let (batch, seq, d_out) = (2, 15, 24);
+    let mut values = gated_group_values(192, &[batch * seq, d_in], &[d_out], (8, 4));
+    values.push(rand(&[batch, seq, d_out], -1.5, 1.5, 193));
+    values.push(rand(&[d_out], 0.5, 1.5, 194));
+    let (later, dy) = (rand(&[batch, seq, d_out], -1.0, 1.0, 195), rand(&[batch, seq, d_out], -1.0, 1.0, 196));
+    assert_bf16_gpu_agrees_with_cpu("gated add and RMSNorm", |device| {
+        let vars: Vec<Var> = values.iter().map(|v| Var::parameter(v.to_device(device).unwrap())).collect();
+        let projection = gated_group(&vars[1..12])[0];
+        let (sum, normed) =
+            vars[0].fused_gated_add_rms_norm(projection, Unary::Silu, &vars[12], &vars[13], 1e-5).unwrap();
+        let later = Var::constant(later.to_device(device).unwrap());
+        let out = sum.mul(&later).unwrap().add(&normed).unwrap();
+        out.backward_with(dy.to_device(device).unwrap()).unwrap();
+        let mut results = vec![sum.value(), normed.value()];
+        results.extend(vars.iter().map(|v| v.grad().unwrap()));
+        results
+    });
+}
+
 /// Under bf16 products a fused gate's backward reads dẐ in bf16 where an f32 dẐ keeps a
 /// bf16 copy beside it (RMSNorm's backward writes one for a residual stream's sum, the o and
 /// down projections' dẐ): the gradients are then those of dẐ rounded to bf16, bit for bit;
