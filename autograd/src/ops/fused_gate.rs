@@ -126,24 +126,20 @@ impl Var {
             let delta = self.fused_gated_projections(&[projection], phi, ProductOutput::Bf16)?;
             return stream.add_rms_norm(&delta.reshape(&stream.shape())?, weight, eps);
         };
-        let (sum, rstd) = (out.sum.clone(), out.rstd);
         let output_shape = with_last_dim(&self.shape(), projection.weight.shape()[0]);
         // sum = stream + Ẑ: the stream's gradient is d/d sum; the projection's input and
         // parameters get the gate's backward of it (taking over the input's gradient so far).
         let mut inputs = self.group_inputs(&[projection]);
         inputs.push(stream.clone());
-        let sum_var = Var::from_op_absorbing(out.sum, inputs, move |dsum, dx_so_far| {
-            let mut grads = Tensor::fused_gated_projection_backward(&saved, &dsum.reshape(&output_shape)?, dx_so_far)?;
-            grads.push(dsum.clone());
-            Ok(grads)
-        });
-        // d/d sum: RMSNorm's backward, plus the gradient the sum already has from the later
-        // residual add, in the same pass (as Var::add_rms_norm).
-        let normed = Var::from_op_absorbing(out.y, vec![sum_var.clone(), weight.clone()], move |dy, dsum| {
-            let (dsum, dw) = Tensor::rms_norm_backward(&sum, &w, &rstd, dy, dsum.as_ref())?;
-            Ok(vec![dsum, dw])
-        });
-        Ok((sum_var, normed))
+        let sum_node = |sum| {
+            Var::from_op_absorbing(sum, inputs, move |dsum, dx_so_far| {
+                let dy = dsum.reshape(&output_shape)?;
+                let mut grads = Tensor::fused_gated_projection_backward(&saved, &dy, dx_so_far)?;
+                grads.push(dsum.clone());
+                Ok(grads)
+            })
+        };
+        Ok(Var::add_rms_norm_nodes(out, sum_node, weight, w))
     }
 
     /// The inputs of a fused gated group's op, in the order its backward returns their

@@ -109,7 +109,7 @@ impl Tensor {
     }
 
     /// The device storage of a dense view: exactly its elements, in order, from offset 0.
-    fn dense_storage(&self, op: &'static str) -> Result<&CudaStorage> {
+    pub(crate) fn dense_storage(&self, op: &'static str) -> Result<&CudaStorage> {
         let storage = self.cuda_storage().ok_or(Error::UnsupportedDevice { op, device: self.device })?;
         if !self.is_contiguous() || self.offset != 0 || storage.len() != self.numel() {
             return Err(Error::InvalidShape {

@@ -651,11 +651,8 @@ pub(crate) mod cuda {
         if stream.shape().last() != Some(&d_out) || stream.numel() != rows * d_out {
             return Err(Error::ShapeMismatch { op: OP, lhs: vec![rows, d_out], rhs: stream.shape().to_vec() });
         }
-        if weight.shape() != [d_out] {
-            return Err(Error::ShapeMismatch { op: OP, lhs: vec![d_out], rhs: weight.shape().to_vec() });
-        }
+        stream.check_weight(OP, Some(weight), d_out)?;
         x.same_device(OP, stream)?;
-        x.same_device(OP, weight)?;
         let dev = x.cuda_device(OP)?;
         let inputs = GemmInputs::new(x, projections)?;
         let (group, packed) = inputs.group(&dev, projections, phi)?;
@@ -731,8 +728,7 @@ pub(crate) mod cuda {
     /// SwiGLU's backward would read).
     pub(super) fn swiglu_in_gate(saved: &FusedGateSaved, zu: &DeviceValues, gated: &Tensor, dy: &Tensor) -> bool {
         let dense_bf16 = |t: &Tensor| {
-            let storage = t.cuda_storage().filter(|s| s.bf16_backing().is_some() && s.len() == t.numel());
-            t.device() == saved.x.device() && storage.is_some() && t.is_contiguous() && t.offset == 0
+            t.device() == saved.x.device() && t.dense_storage(OP).is_ok_and(|s| s.bf16_backing().is_some())
         };
         let total: usize = saved.projections.iter().map(|p| p.dims.d_out).sum();
         let shapes = gated.shape() == with_last_dim(saved.x.shape(), total)

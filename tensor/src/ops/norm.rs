@@ -38,7 +38,7 @@ pub struct LayerNormOutput {
 
 impl Tensor {
     /// Errors unless `weight` (when given) is `[cols]` on this tensor's device.
-    fn check_weight(&self, op: &'static str, weight: Option<&Tensor>, cols: usize) -> Result<()> {
+    pub(super) fn check_weight(&self, op: &'static str, weight: Option<&Tensor>, cols: usize) -> Result<()> {
         match weight {
             Some(w) if w.shape != [cols] => {
                 Err(Error::ShapeMismatch { op, lhs: self.shape.clone(), rhs: w.shape.clone() })

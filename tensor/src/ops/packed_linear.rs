@@ -100,40 +100,40 @@ impl Tensor {
         let x_rows = x.reshape(&[rows, d_in])?;
         let dy_rows = dy.contiguous()?.reshape(&[rows, total])?;
         let so_far = dx_so_far.map(|so_far| so_far.reshape(&[rows, d_in])).transpose()?;
-        let mut blocks = Vec::with_capacity(outs.len());
-        let mut at = 0;
-        for &out in &outs {
-            blocks.push(dy_rows.narrow(1, at, out)?);
-            at += out;
-        }
-        #[cfg(feature = "cuda")]
-        let dx = if cuda::uses_packed_product(x) {
-            // dx = dy·[W_1; …; W_k]: one GEMM over the packed weight.
-            cuda::input_grad(&dy_rows, weights, so_far)?
-        } else {
-            summed_input_grad(&blocks, weights, so_far)?
-        };
-        #[cfg(not(feature = "cuda"))]
-        let dx = summed_input_grad(&blocks, weights, so_far)?;
-        let mut grads = vec![dx.reshape(x.shape())?];
         #[cfg(feature = "cuda")]
         if cuda::uses_packed_product(x) {
-            // [dW_1; …; dW_k] = dyᵀ·x: one GEMM, each weight's gradient a view of its rows (the
-            // optimizer reads it in place).
+            // dx = dy·[W_1; …; W_k]: one GEMM over the packed weight. [dW_1; …; dW_k] = dyᵀ·x:
+            // one GEMM, each weight's gradient a view of its rows (the optimizer reads it in
+            // place).
+            let dx = cuda::input_grad(&dy_rows, weights, so_far)?;
             let stacked = dy_rows.transpose(0, 1)?.matmul(&x_rows)?;
-            let mut at = 0;
-            for &out in &outs {
-                grads.push(stacked.narrow(0, at, out)?);
-                at += out;
-            }
+            let mut grads = vec![dx.reshape(x.shape())?];
+            grads.extend(runs(&stacked, 0, &outs)?);
             return Ok(grads);
         }
+        let blocks = runs(&dy_rows, 1, &outs)?;
+        let dx = summed_input_grad(&blocks, weights, so_far)?;
+        let mut grads = vec![dx.reshape(x.shape())?];
         for block in &blocks {
             // dW_i = dy_iᵀ·x, in W's own layout; dy_i is read in place.
             grads.push(block.transpose(0, 1)?.matmul(&x_rows)?);
         }
         Ok(grads)
     }
+}
+
+/// `t`'s consecutive runs of `lengths` along `dim`, as views: projection i's block of a packed
+/// product's columns, or of a stacked gradient's rows.
+fn runs(t: &Tensor, dim: usize, lengths: &[usize]) -> Result<Vec<Tensor>> {
+    let mut at = 0;
+    lengths
+        .iter()
+        .map(|&len| {
+            let run = t.narrow(dim, at, len);
+            at += len;
+            run
+        })
+        .collect()
 }
 
 /// `dx = so_far + Σ_i dy_i·W_i`, projection by projection (each added by its GEMM when it can).

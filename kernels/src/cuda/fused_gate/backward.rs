@@ -12,7 +12,7 @@ use super::super::launch::{int, ptr, size};
 use super::super::module::Arg;
 use super::super::reduce::{column_sums_many, ColumnSum};
 use super::super::values::{kernel_for_gradient, DeviceValues, Values, ValuesMut};
-use super::{group_lists, layout, BackwardSplit, GateGroup, Layout, FAMILY};
+use super::{epilogue_group, group_lists, layout, BackwardSplit, GateGroup, Layout, FAMILY};
 use crate::cpu::matmul::Store;
 
 /// Gradient buffers of one modulator, written by the backward (`dA` and `dB` are parts of
@@ -140,14 +140,15 @@ pub enum OutputGrad<'a> {
 }
 
 impl OutputGrad<'_> {
-    /// Checks the buffers against the group (`[N, out_width]` of output) and `zu`.
+    /// Checks the buffers against the group (`[N, out_width]` of output) and `zu`; SwiGLU's
+    /// against the group its forward epilogue serves ([`epilogue_group`]).
     fn check(
         &self,
         dev: &CudaDevice,
         op: &'static str,
         groups: &[GateGroup],
         layout: &Layout,
-        zu: Values,
+        zu: &DeviceValues,
     ) -> Result<()> {
         let rows = layout.rows;
         match *self {
@@ -156,12 +157,10 @@ impl OutputGrad<'_> {
                 ensure_len(op, "dout", dout.len(), rows * layout.out_width)
             }
             OutputGrad::Swiglu { dout, gated } => {
-                let one_width = matches!(groups, [gate, up] if gate.dims.d_out == up.dims.d_out);
-                ensure(one_width, op, || "SwiGLU's backward needs two projections of one width".to_string())?;
-                ensure(zu.is_bf16(), op, || "SwiGLU's backward needs a bf16 zu (bf16 products)".to_string())?;
+                let d_out = epilogue_group(op, groups, &["gate", "up"], zu)?;
                 dev.check_owner(op, dout)?;
                 dev.check_owner(op, gated)?;
-                ensure_len(op, "SwiGLU's dout", dout.len(), rows * layout.out_width / 2)?;
+                ensure_len(op, "SwiGLU's dout", dout.len(), rows * d_out)?;
                 ensure_len(op, "gated output", gated.len(), rows * layout.out_width)
             }
         }
@@ -194,7 +193,7 @@ pub fn fused_gate_backward(
     let layout = layout(dev, OP, groups)?;
     check_grads(dev, OP, groups, &layout, grads)?;
     zu.values().check_owner(dev, OP)?;
-    dout.check(dev, OP, groups, &layout, zu.values())?;
+    dout.check(dev, OP, groups, &layout, zu)?;
     let Layout { rows, d_in, rank_channel: rc, rank_scalar: rs, zu_width: k, out_width, .. } = layout;
     let (count, r) = (groups.len(), rc + rs);
     ensure_len(OP, "zu", zu.len(), rows * k)?;

@@ -36,6 +36,7 @@
 use half::bf16;
 
 pub use crate::cpu::fused_gate::FusedGateDims;
+use crate::cpu::norm::NormDims;
 pub use crate::cpu::unary::Unary;
 
 mod backward;
@@ -47,7 +48,7 @@ use super::blas::{gemm, GemmDims, Operand, Precision};
 use super::device::CudaDevice;
 use super::elementwise::{pack_bf16, unary_code};
 use super::error::{ensure, ensure_len, CudaError, Result};
-use super::launch::{address_list, int, length_list, per_row, ptr, row_threads, size, LIST_LEN, THREADS};
+use super::launch::{address_list, check_owners, int, length_list, per_row, ptr, row_threads, size, LIST_LEN, THREADS};
 use super::module::{Arg, KernelFamily};
 use super::values::{output_with_twin, DeviceValues, Values, ValuesMut};
 use crate::cpu::matmul::Store;
@@ -568,23 +569,18 @@ pub fn fused_gate_forward_add_rms_norm(
     let d_out = epilogue_group(OP, groups, &["the output projection"], zu)?;
     let ResidualNorm { x: stream, weight, eps, sum, y, rstd } = norm;
     let y = y.as_values();
-    let rows = layout.rows;
-    for (buffer, len, name) in [(stream, rows * d_out, "x"), (&*sum, rows * d_out, "sum"), (&*rstd, rows, "rstd")] {
-        dev.check_owner(OP, buffer)?;
-        ensure_len(OP, name, buffer.len(), len)?;
-    }
-    dev.check_owner(OP, weight)?;
-    ensure_len(OP, "weight", weight.len(), d_out)?;
-    ensure_len(OP, "y", y.len(), rows * d_out)?;
+    // norm::add_rms_norm_forward's checks of the same operands.
+    check_owners(dev, OP, &[stream, weight, sum, rstd])?;
     let [y_f32, y_bf16] = output_with_twin(dev, OP, y, None)?;
+    let dims = NormDims { rows: layout.rows, cols: d_out, eps };
+    let row_operands = [("x", stream.len()), ("sum", sum.len()), ("y", y.len())];
+    let params = [("weight", Some(weight.len()))];
+    dims.check(&row_operands, &[("rstd", rstd.len())], &params).map_err(|message| CudaError::shape(OP, message))?;
     zu_product(dev, OP, &layout, x, packed, zu)?;
-    if rows == 0 {
-        return Ok(());
-    }
     let mut args = apply_args(&zu.values(), groups, &layout);
     args.extend([int(layout.rank_channel as i32), int(layout.rank_scalar as i32)]);
     args.extend([ptr(stream), ptr(weight), ptr(sum), y_f32, y_bf16, ptr(rstd), Arg::F32(eps)]);
-    dev.launch(FAMILY, "fused_gate_add_rms_norm", per_row(rows, row_threads(d_out)), &args)
+    dev.launch(FAMILY, "fused_gate_add_rms_norm", per_row(layout.rows, row_threads(d_out)), &args)
 }
 
 /// Checks the group of an epilogue that serves exactly the projections `names` (q, k and v;
