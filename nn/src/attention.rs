@@ -182,10 +182,8 @@ impl Attention {
         }
         // A path gate's product reads o_proj's output in f32.
         let output = if self.path_gates.is_empty() { self.output } else { ProductOutput::F32 };
-        if output == ProductOutput::Bf16 {
-            if let Some(gated) = self.o_proj.deferred(&o, &[b, t, d])? {
-                return Ok(Delta::Gated(gated));
-            }
+        if let Some(gated) = self.o_proj.deferred(&o, output, &[b, t, d])? {
+            return Ok(Delta::Gated(gated));
         }
         let mut y = self.o_proj.forward_as(&o, output)?;
         for gate in &self.path_gates {

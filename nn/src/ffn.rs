@@ -76,10 +76,8 @@ impl SwiGlu {
             },
         };
         let output = if self.path_gates.is_empty() { self.output } else { ProductOutput::F32 };
-        if output == ProductOutput::Bf16 {
-            if let Some(gated) = self.down_proj.deferred(&hidden, &shape)? {
-                return Ok(Delta::Gated(gated));
-            }
+        if let Some(gated) = self.down_proj.deferred(&hidden, output, &shape)? {
+            return Ok(Delta::Gated(gated));
         }
         let mut y = self.down_proj.forward_as(&hidden, output)?;
         for gate in &self.path_gates {

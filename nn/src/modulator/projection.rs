@@ -71,19 +71,19 @@ impl ModulatedProjection {
         }
     }
 
-    /// [`ModulatedProjection::forward_as`] of `x: [..., in]` with a bf16 output viewed as
-    /// `shape`, left to its reader to run ([`GatedOutput`]) where that reader can run it in one
-    /// launch with its own work: the residual stream's add and next RMSNorm
-    /// ([`GatedOutput::add_rms_norm`]). Where the projection is one product (a GPU under bf16
-    /// products) and takes the fused op; `None` otherwise (call `forward_as`). Its gates go to a
-    /// running trace now.
-    pub fn deferred(&self, x: &Var, shape: &[usize]) -> Result<Option<GatedOutput>> {
-        if !x.value_ref().packed_linear_is_one_product() {
+    /// [`ModulatedProjection::forward_as`] of `x: [..., in]` viewed as `shape`, left to its
+    /// reader to run ([`GatedOutput`]) where that reader can run it in one launch with its own
+    /// work: the residual stream's add and next RMSNorm ([`GatedOutput::add_rms_norm`]), which
+    /// alone reads an output stored in bf16 (`output`). Where the output is bf16, and the
+    /// projection is one product (a GPU under bf16 products) and takes the fused op; `None`
+    /// otherwise (call `forward_as`). Its gates go to a running trace now.
+    pub fn deferred(&self, x: &Var, output: ProductOutput, shape: &[usize]) -> Result<Option<GatedOutput>> {
+        if output != ProductOutput::Bf16 {
             return Ok(None);
         }
-        self.place_fused_alphas(x.value_ref().device())?;
-        let Some((parts, phi)) = self.fused_parts() else { return Ok(None) };
-        self.record_gates(x)?;
+        // A group of one: the checks, the α's placement and the trace of `fused_group`.
+        let Some((group, phi)) = ModulatedProjection::fused_group(&[self], x)? else { return Ok(None) };
+        let Some(parts) = group.first() else { return Ok(None) };
         Ok(Some(GatedOutput {
             input: x.clone(),
             weight: parts.weight.clone(),
