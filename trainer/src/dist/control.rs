@@ -107,9 +107,14 @@ impl ControlChannel {
         Ok(ControlChannel { shared, streams, watchers })
     }
 
-    /// The step the run is at (atomic), for failure messages.
+    /// The step the run is at (atomic), for failure messages; the peers are told too, and name
+    /// that step if this rank dies (a rank may die a step ahead of a peer still finishing the
+    /// step before, saving a checkpoint, say).
     pub fn set_step(&self, step: usize) {
-        self.shared.step.store(step as u64, Ordering::Relaxed);
+        let step = step as u64;
+        if self.shared.step.swap(step, Ordering::Relaxed) != step {
+            self.shared.send(None, &Frame { tag: Tag::Step, origin: self.shared.rank, step, message: String::new() });
+        }
     }
 
     /// The run's last good checkpoint path, for failure messages.
@@ -248,8 +253,11 @@ impl Shared {
 
     /// Rank 0's watcher of rank `peer`.
     fn watch_rank(&self, peer: usize, mut reader: TcpStream) {
+        // The step `peer` last said it started.
+        let mut peer_step = NO_STEP;
         loop {
             match Frame::read(&mut reader) {
+                Ok(Frame { tag: Tag::Step, step, .. }) => peer_step = step,
                 Ok(Frame { tag: Tag::Done, .. }) => {
                     lock(&self.state).done.push(peer);
                     self.changed.notify_all();
@@ -268,7 +276,7 @@ impl Shared {
                     if self.stopping.load(Ordering::SeqCst) || lock(&self.state).done.contains(&peer) {
                         return;
                     }
-                    let step = self.step();
+                    let step = if peer_step == NO_STEP { self.step() } else { peer_step };
                     let line = format!(
                         "rank {peer} exited (connection closed) {}: stopping rank 0; {}",
                         at(step),
@@ -285,24 +293,33 @@ impl Shared {
 
     /// A non-zero rank's watcher of rank 0.
     fn watch_host(&self, mut reader: TcpStream) {
-        let line = match Frame::read(&mut reader) {
-            Ok(Frame { tag: Tag::Done, .. }) => {
-                lock(&self.state).released = true;
-                self.changed.notify_all();
-                return;
-            }
-            Ok(Frame { tag: Tag::Failed, origin, step, message }) => {
-                format!("rank {origin} failed {}: {message};", at(step))
-            }
-            Ok(Frame { tag: Tag::Lost, origin, step, .. }) => {
-                format!("rank {origin} exited (connection closed) {}:", at(step))
-            }
-            Err(_) => {
-                if self.stopping.load(Ordering::SeqCst) {
+        // The step rank 0 last said it started.
+        let mut host_step = NO_STEP;
+        let line = loop {
+            break match Frame::read(&mut reader) {
+                Ok(Frame { tag: Tag::Done, .. }) => {
+                    lock(&self.state).released = true;
+                    self.changed.notify_all();
                     return;
                 }
-                format!("lost rank 0 (the rendezvous host) {}: connection closed;", at(self.step()))
-            }
+                Ok(Frame { tag: Tag::Failed, origin, step, message }) => {
+                    format!("rank {origin} failed {}: {message};", at(step))
+                }
+                Ok(Frame { tag: Tag::Lost, origin, step, .. }) => {
+                    format!("rank {origin} exited (connection closed) {}:", at(step))
+                }
+                Ok(Frame { tag: Tag::Step, step, .. }) => {
+                    host_step = step;
+                    continue;
+                }
+                Err(_) => {
+                    if self.stopping.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let step = if host_step == NO_STEP { self.step() } else { host_step };
+                    format!("lost rank 0 (the rendezvous host) {}: connection closed;", at(step))
+                }
+            };
         };
         self.stop(format!("{line} stopping rank {}; {}", self.rank, self.checkpoint_text()), None);
     }
@@ -350,6 +367,33 @@ mod tests {
                     last checkpoint: /runs/a/checkpoint.safetensors (rerun with --resume to continue)";
         assert_eq!(lines[1], (1, want.into()));
         assert_eq!(stops.next(Duration::from_millis(200)), None, "one line per rank");
+    }
+
+    #[test]
+    fn a_rank_that_dies_a_step_ahead_of_rank_0_is_named_at_its_own_step() {
+        let (mut ranks, stops) = channels(3);
+        ranks[0].set_step(2);
+        ranks[1].set_step(2);
+        ranks[2].set_step(2);
+        ranks[2].set_step(3);
+        drop(ranks.pop());
+        let lines = stops.take(2);
+        assert_eq!(
+            lines[0],
+            (0, "rank 2 exited (connection closed) at step 3: stopping rank 0; no checkpoint yet".into())
+        );
+        assert!(lines[1].1.starts_with("rank 2 exited (connection closed) at step 3: stopping rank 1"), "{lines:?}");
+    }
+
+    #[test]
+    fn losing_rank_0_a_step_ahead_names_its_step() {
+        let (mut ranks, stops) = channels(2);
+        ranks[1].set_step(2);
+        ranks[0].set_step(2);
+        ranks[0].set_step(3);
+        drop(ranks.remove(0));
+        let lines = stops.take(1);
+        assert!(lines[0].1.starts_with("lost rank 0 (the rendezvous host) at step 3: connection closed"), "{lines:?}");
     }
 
     #[test]

@@ -4,15 +4,15 @@
 //!   config fingerprint u64;
 //! - reply, rank 0 → rank k: status u8 (0 accepted, 1 refused), then the communicator id
 //!   (128 bytes) or a UTF-8 message (u32 length + bytes) saying why;
-//! - control frames, both ways afterwards: tag u8 (1 failed, 2 lost, 3 done), origin rank u32,
-//!   step u64 ([`NO_STEP`] before the first), message (u32 length + UTF-8 bytes).
+//! - control frames, both ways afterwards: tag u8 (1 failed, 2 lost, 3 done, 4 step), origin
+//!   rank u32, step u64 ([`NO_STEP`] before the first), message (u32 length + UTF-8 bytes).
 
 use std::io::{self, Read, Write};
 
 /// The first bytes of every hello: something else on MASTER_PORT is refused by name.
 pub const MAGIC: [u8; 4] = *b"TPDR";
 /// Bumped whenever a message changes: ranks of different builds refuse each other.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// The step field before the first step.
 pub const NO_STEP: u64 = u64::MAX;
 
@@ -111,6 +111,9 @@ pub enum Tag {
     Lost = 2,
     /// The origin rank reached the end of the run (rank 0's: everyone did).
     Done = 3,
+    /// The origin rank started the step: a peer names it if the origin dies, as the peer may
+    /// still be finishing the step before (saving a checkpoint, say).
+    Step = 4,
 }
 
 /// One control-channel message.
@@ -143,6 +146,7 @@ impl Frame {
             1 => Tag::Failed,
             2 => Tag::Lost,
             3 => Tag::Done,
+            4 => Tag::Step,
             tag => return Err(io::Error::new(io::ErrorKind::InvalidData, format!("unknown control frame {tag}"))),
         };
         Ok(Frame { tag, origin: read_u32(input)? as usize, step: read_u64(input)?, message: read_text(input)? })
@@ -200,11 +204,14 @@ mod tests {
         Reply::Refused("no".into()).write(&mut bytes).unwrap();
         let frame = Frame { tag: Tag::Failed, origin: 2, step: 9, message: "out of memory".into() };
         frame.write(&mut bytes).unwrap();
+        let step = Frame { tag: Tag::Step, origin: 1, step: 10, message: String::new() };
+        step.write(&mut bytes).unwrap();
         let mut input = &bytes[..];
         assert_eq!(Hello::read(&mut input).unwrap(), hello);
         assert_eq!(Reply::read(&mut input).unwrap(), Reply::Accepted(id));
         assert_eq!(Reply::read(&mut input).unwrap(), Reply::Refused("no".into()));
         assert_eq!(Frame::read(&mut input).unwrap(), frame);
+        assert_eq!(Frame::read(&mut input).unwrap(), step);
         assert_eq!(Frame::read(&mut input).unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
     }
 }
