@@ -109,7 +109,8 @@ impl ControlChannel {
 
     /// The step the run is at (atomic), for failure messages; the peers are told too, and name
     /// that step if this rank dies (a rank may die a step ahead of a peer still finishing the
-    /// step before, saving a checkpoint, say).
+    /// step before, saving a checkpoint, say). One 17-byte frame per peer per step: a rank
+    /// other than 0 writes one, rank 0 one to every other rank.
     pub fn set_step(&self, step: usize) {
         let step = step as u64;
         if self.shared.step.swap(step, Ordering::Relaxed) != step {
