@@ -578,7 +578,9 @@ fn gated_swiglu_is_one_gate_launch_and_the_same_bits_under_bf16() {
 /// as one op (`Var::fused_gated_add_rms_norm`) are one launch after the GEMM, with no gate
 /// apply and no add-and-norm launch of their own, and give the two ops' results bit for bit:
 /// the sum, the normalised sum and every gradient (the stream's, the input's, the norm
-/// weight's and the projection's), with a gradient reaching the sum from a later add.
+/// weight's and the projection's), with a gradient reaching the sum from a later add. The
+/// backward finishes the norm's weight gradient in the gate's column-sum launch: no
+/// `rms_norm_weight_grad_finish` of its own.
 #[test]
 fn gated_add_rms_norm_is_one_launch_and_the_same_bits_under_bf16() {
     if no_gpu() {
@@ -606,14 +608,21 @@ fn gated_add_rms_norm_is_one_launch_and_the_same_bits_under_bf16() {
         let forward = dev.counters().since(&before).launches_by_kernel;
         // The sum also feeds a later residual add, as the stream does.
         let out = sum.mul(&Var::constant(gpu(&later))).unwrap().add(&normed).unwrap();
+        let before = dev.counters();
         out.backward_with(gpu(&dy)).unwrap();
+        let backward = dev.counters().since(&before).launches_by_kernel;
         let mut results = vec![sum.value().to_host().unwrap().to_vec(), normed.value().to_host().unwrap().to_vec()];
         results.extend(vars.iter().map(|v| v.grad().unwrap().to_host().unwrap().to_vec()));
-        (results, forward)
+        (results, forward, backward)
     };
-    let (one_op, forward) = run(true);
-    let (two_ops, two_ops_forward) = run(false);
+    let (one_op, forward, backward) = run(true);
+    let (two_ops, two_ops_forward, two_ops_backward) = run(false);
     assert_eq!(one_op, two_ops, "the same bits");
+    let finish =
+        |launches: &std::collections::BTreeMap<&str, u64>| launches.get("rms_norm_weight_grad_finish").copied();
+    assert_eq!(finish(&backward), None, "{backward:?}");
+    assert_eq!(finish(&two_ops_backward), Some(1), "{two_ops_backward:?}");
+    assert_eq!(backward.get("column_sums_many"), two_ops_backward.get("column_sums_many"), "{backward:?}");
     assert_eq!(forward.get("fused_gate_add_rms_norm").copied(), Some(1), "{forward:?}");
     let apart = |name: &&&str| name.starts_with("fused_gate_apply") || name.starts_with("add_rms_norm");
     assert_eq!(forward.keys().filter(apart).count(), 0, "{forward:?}");

@@ -39,17 +39,15 @@ impl Var {
 
     /// [`Var::rotary_causal_attention`] of the packed QKV product `qkv: [B, T, 3·H·D]` (each
     /// token's q, k and v side by side: one GEMM of the stacked weights, [`Var::packed_linear`])
-    /// with `heads` heads; returns `[B, T, H, D]`. The rotations and the move of v out of the
-    /// packed rows are one launch on a GPU, and so is the backward's `dqkv`
-    /// (`Tensor::rope_qkv`), so packing the three projections adds no launch.
+    /// with `heads` heads; returns `[B, T, H, D]`. On a GPU's tensor cores under bf16 products
+    /// the attention kernels read the packed product and rotate q and k as they load them,
+    /// forward and backward, so RoPE takes no launch; elsewhere the rotations and the move of
+    /// v out of the packed rows are one launch each way on a GPU
+    /// ([`Tensor::rotary_attention_packed`]).
     pub fn rotary_causal_attention_packed(qkv: &Var, heads: usize, scale: f32, theta: f32) -> Result<Var> {
-        let (qr, kr, v) = Tensor::rope_qkv(&qkv.value_ref(), heads, theta)?;
-        let (out, lse) = Tensor::causal_attention(&qr, &kr, &v, scale)?;
-        let saved_out = out.clone();
-        Ok(Var::from_op(out, vec![qkv.clone()], move |dout| {
-            // d/dx of a rotation is the inverse rotation; dv goes back into its third of each
-            // row. On a GPU's tensor cores the attention kernels write those rows themselves.
-            Ok(vec![Tensor::rotary_attention_backward_packed(&qr, &kr, &v, &saved_out, &lse, dout, scale, theta)?])
-        }))
+        let attention = Tensor::rotary_attention_packed(&qkv.value_ref(), heads, scale, theta)?;
+        let out = attention.out.clone();
+        // d/dx of a rotation is the inverse rotation; dv goes back into its third of each row.
+        Ok(Var::from_op(out, vec![qkv.clone()], move |dout| Ok(vec![attention.backward(dout)?])))
     }
 }

@@ -9,8 +9,8 @@
 //! GEMM output `ZU` and the modulators' rank-r results) lives in the graph node until the
 //! backward. Modulator arguments are `[A, a, B, b, α]` in that order.
 
-use tensor::ops::{GatedProjection, ProductOutput, Unary};
-use tensor::{with_last_dim, Result, Tensor};
+use tensor::ops::{AddRmsNormOutput, GatedProjection, ProductOutput, Unary};
+use tensor::{Result, Tensor};
 
 use crate::Var;
 
@@ -109,8 +109,10 @@ impl Var {
     /// next RMSNorm as one op: with `Ẑ` = [`Var::fused_gated_projections`] of `self: [..., d_in]`
     /// by `projection` (stored in bf16), `(sum, normed)` = [`Var::add_rms_norm`] of `stream`
     /// (`[..., d_out]`, as many rows) and `Ẑ` reshaped to it. On a GPU under bf16 products the
-    /// gate's launch adds and normalises too ([`Tensor::fused_gated_add_rms_norm`]): the same
-    /// bits as the two ops, one launch fewer and `Ẑ` never stored; elsewhere the two ops.
+    /// gate's launch adds and normalises too ([`Tensor::fused_gated_add_rms_norm`]), and the
+    /// backward finishes the norm's weight gradient in the gate's column-sum launch
+    /// ([`Tensor::fused_gated_add_rms_norm_backward`]): the same bits as the two ops, a launch
+    /// fewer each way and `Ẑ` never stored; elsewhere the two ops.
     pub fn fused_gated_add_rms_norm(
         &self,
         projection: GatedProjectionVars,
@@ -126,20 +128,22 @@ impl Var {
             let delta = self.fused_gated_projections(&[projection], phi, ProductOutput::Bf16)?;
             return stream.add_rms_norm(&delta.reshape(&stream.shape())?, weight, eps);
         };
-        let output_shape = with_last_dim(&self.shape(), projection.weight.shape()[0]);
-        // sum = stream + Ẑ: the stream's gradient is d/d sum; the projection's input and
-        // parameters get the gate's backward of it (taking over the input's gradient so far).
-        let mut inputs = self.group_inputs(&[projection]);
-        inputs.push(stream.clone());
-        let sum_node = |sum| {
-            Var::from_op_absorbing(sum, inputs, move |dsum, dx_so_far| {
-                let dy = dsum.reshape(&output_shape)?;
-                let mut grads = Tensor::fused_gated_projection_backward(&saved, &dy, dx_so_far)?;
-                grads.push(dsum.clone());
-                Ok(grads)
-            })
-        };
-        Ok(Var::add_rms_norm_nodes(out, sum_node, weight, w))
+        // sum = stream + Ẑ: the stream's gradient is d/d sum, which the norm's node computes
+        // (adding the gradient the sum has from the later residual add, in the same pass)
+        // with the gate's backward of it for the projection's input and parameters, and the
+        // norm's weight gradient finished in the gate's column-sum launch: one node for the
+        // whole backward, the sum's node passing d/d sum on to the stream.
+        let AddRmsNormOutput { sum, y, rstd } = out;
+        let saved_sum = sum.clone();
+        let sum_var = Var::from_op(sum, vec![stream.clone()], |dsum| Ok(vec![dsum.clone()]));
+        let mut inputs = vec![sum_var.clone(), weight.clone()];
+        inputs.extend(self.group_inputs(&[projection]));
+        let normed = Var::from_op_absorbing(y, inputs, move |dy, dsum_so_far| {
+            let norm = (&saved_sum, &w, &rstd);
+            let (dsum, dw, grads) = Tensor::fused_gated_add_rms_norm_backward(&saved, norm, dy, dsum_so_far.as_ref())?;
+            Ok([dsum, dw].into_iter().chain(grads).collect())
+        });
+        Ok((sum_var, normed))
     }
 
     /// The inputs of a fused gated group's op, in the order its backward returns their

@@ -2,7 +2,6 @@
 //! input and per-row statistics (rstd, and mean for LayerNorm), nothing else; the
 //! backward rules are `Tensor::rms_norm_backward` and `Tensor::layer_norm_backward`.
 
-use tensor::ops::AddRmsNormOutput;
 use tensor::{Result, Tensor};
 
 use crate::Var;
@@ -31,30 +30,16 @@ impl Var {
         let (x, d, w) = (self.value_ref(), delta.value_ref(), weight.value().contiguous()?);
         let out = x.add_rms_norm(&d, &w, eps)?;
         // d(x + delta)/dx = d(x + delta)/d delta = 1
-        let inputs = vec![self.clone(), delta.clone()];
-        let sum_node = |sum| Var::from_op(sum, inputs, |dsum| Ok(vec![dsum.clone(), dsum.clone()]));
-        Ok(Var::add_rms_norm_nodes(out, sum_node, weight, w))
-    }
-
-    /// The graph nodes of a fused residual add and RMSNorm's output `out` (`w`: `weight`'s
-    /// contiguous value): the sum's, made by `sum_node` from the sum's value, and the
-    /// normalised sum's, whose backward is RMSNorm's of the sum. [`Var::add_rms_norm`] and
-    /// the gated add and norm (`Var::fused_gated_add_rms_norm`) differ only in the first.
-    pub(crate) fn add_rms_norm_nodes(
-        out: AddRmsNormOutput,
-        sum_node: impl FnOnce(Tensor) -> Var,
-        weight: &Var,
-        w: Tensor,
-    ) -> (Var, Var) {
         let (sum, rstd) = (out.sum.clone(), out.rstd);
-        let sum_var = sum_node(out.sum);
+        let sum_var =
+            Var::from_op(out.sum, vec![self.clone(), delta.clone()], |dsum| Ok(vec![dsum.clone(), dsum.clone()]));
         // d/d sum: rstd·(w⊙dy − ŝ·mean(ŝ⊙w⊙dy)), ŝ = sum·rstd, plus the gradient the sum
         // already has from the later residual add, in the same pass; dw = Σ_rows dy⊙ŝ
         let normed = Var::from_op_absorbing(out.y, vec![sum_var.clone(), weight.clone()], move |dy, dsum| {
             let (dsum, dw) = Tensor::rms_norm_backward(&sum, &w, &rstd, dy, dsum.as_ref())?;
             Ok(vec![dsum, dw])
         });
-        (sum_var, normed)
+        Ok((sum_var, normed))
     }
 
     /// `(x − mean)/sqrt(var + eps) (· weight + bias)` over the last axis.

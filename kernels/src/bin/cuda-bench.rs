@@ -8,7 +8,8 @@
 //! gate then the residual add and RMSNorm, or those in the gate's launch; then flash attention,
 //! forward and forward + backward (the time per layer of a training step), against the naive
 //! kernel that materialises the score matrix, and its backward into the packed QKV gradient
-//! with RoPE's backward after it or in its kernels.
+//! with RoPE's backward after it or in its kernels, and RoPE's forward before it or in its
+//! kernels (the packed product read unrotated).
 //!
 //! Run: `cargo run --release -p kernels --features cuda --bin cuda-bench [-- --tokens N]`
 //! (default N = 512·256 = 131 072 tokens; the attention batches are N/2048 and N/4096
@@ -25,7 +26,7 @@ use kernels::cpu::matmul::{GemmDims, Store};
 use kernels::cpu::rope::{rope_table, RopeDims};
 use kernels::cuda::attention::{
     causal_attention_backward, causal_attention_backward_packed, causal_attention_forward, causal_attention_naive,
-    tensor_cores_fit, AttentionPrecision,
+    rotary_causal_attention_forward_packed, tensor_cores_fit, AttentionPrecision, QkvInputs,
 };
 use kernels::cuda::blas::{matmul_bf16, matmul_bf16_out, DeviceMat};
 use kernels::cuda::fused_gate::{
@@ -608,6 +609,7 @@ fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, hea
         );
         if precision == AttentionPrecision::Bf16 {
             bench_rotary_backward(dev, &dims, qkv, out.values(), &lse, dout)?;
+            bench_rotary_on_load(dev, &dims, Values::Bf16(&dout16))?;
         }
     }
     Ok(())
@@ -640,7 +642,8 @@ fn bench_rotary_backward(
     })?;
     let unfused = download_widened(dev, &dqkv)?;
     let packed_s = best_seconds(dev, || {
-        causal_attention_backward_packed(dev, qkv, out, lse, dout, dims, ValuesMut::Bf16(&mut dqkv), &cos, &sin)
+        let inputs = QkvInputs::Dense(qkv);
+        causal_attention_backward_packed(dev, inputs, out, lse, dout, dims, ValuesMut::Bf16(&mut dqkv), &cos, &sin)
     })?;
     let what = format!("attention backward + RoPE B={batch} T={seq} H={heads} D={head_dim}");
     let worst = check(&what, &download_widened(dev, &dqkv)?, &unfused, 2e-2);
@@ -649,6 +652,67 @@ fn bench_rotary_backward(
         backward_then_rope_s * 1e6,
         packed_s * 1e6,
         packed_s / backward_then_rope_s,
+    );
+    Ok(())
+}
+
+/// Attention over RoPE's q and k from a packed bf16 QKV product, forward and forward +
+/// backward into the packed gradient (a pre-ln layer's attention in a training step): RoPE's
+/// launch into dense q, k and v, then the kernels, against the kernels reading the packed
+/// product unrotated and rotating q and k as they load them ([`QkvInputs::Packed`]). Both give
+/// the same bits.
+fn bench_rotary_on_load(dev: &CudaDevice, dims: &AttentionDims, dout: Values) -> Result<()> {
+    let AttentionDims { batch, q_seq: seq, heads, head_dim, .. } = *dims;
+    let len = batch * seq * heads * head_dim;
+    let packed: Vec<bf16> = values(3 * len, 15, 1.0).into_iter().map(bf16::from_f32).collect();
+    let qkv = dev.upload(&packed)?;
+    let (cos, sin) = rope_table(seq, head_dim, 10_000.0);
+    let (cos, sin) = (dev.upload(&cos)?, dev.upload(&sin)?);
+    let rope = RopeDims { batch, seq, heads, head_dim, pos_offset: 0 };
+    let mut parts = [dev.alloc::<bf16>(len)?, dev.alloc::<bf16>(len)?, dev.alloc::<bf16>(len)?];
+    let (mut out, mut lse, mut dqkv) =
+        (dev.alloc::<bf16>(len)?, dev.alloc::<f32>(dims.lse_len())?, dev.alloc(3 * len)?);
+    let precision = AttentionPrecision::Bf16;
+    let rope_then_forward = |parts: &mut [DeviceBuffer<bf16>; 3], out: &mut DeviceBuffer<bf16>, lse: &mut _| {
+        let [q, k, v] = parts;
+        let outputs = [ValuesMut::Bf16(q), ValuesMut::Bf16(k), ValuesMut::Bf16(v)];
+        rope_qkv_forward(dev, Values::Bf16(&qkv), rope, outputs, &cos, &sin)?;
+        let inputs = parts.each_ref().map(Values::Bf16);
+        causal_attention_forward(dev, inputs, dims, precision, (ValuesMut::Bf16(out), None), lse)
+    };
+    let rope_forward_s = best_seconds(dev, || rope_then_forward(&mut parts, &mut out, &mut lse))?;
+    let unfused_out = download_widened(dev, &out)?;
+    let backward =
+        |inputs: QkvInputs, out: &DeviceBuffer<bf16>, lse: &DeviceBuffer<f32>, dqkv: &mut DeviceBuffer<bf16>| {
+            let out = Values::Bf16(out);
+            causal_attention_backward_packed(dev, inputs, out, lse, dout, dims, ValuesMut::Bf16(dqkv), &cos, &sin)
+        };
+    let rope_train_s = best_seconds(dev, || {
+        rope_then_forward(&mut parts, &mut out, &mut lse)?;
+        backward(QkvInputs::Dense(parts.each_ref().map(Values::Bf16)), &out, &lse, &mut dqkv)
+    })?;
+    let unfused_dqkv = download_widened(dev, &dqkv)?;
+    let on_load = |out: &mut DeviceBuffer<bf16>, lse: &mut DeviceBuffer<f32>| {
+        rotary_causal_attention_forward_packed(dev, Values::Bf16(&qkv), dims, ValuesMut::Bf16(out), lse, (&cos, &sin))
+    };
+    let on_load_forward_s = best_seconds(dev, || on_load(&mut out, &mut lse))?;
+    let packed = QkvInputs::Packed { qkv: Values::Bf16(&qkv), cos: &cos, sin: &sin };
+    let on_load_train_s = best_seconds(dev, || {
+        on_load(&mut out, &mut lse)?;
+        backward(packed, &out, &lse, &mut dqkv)
+    })?;
+    let what = format!("RoPE + attention B={batch} T={seq} H={heads} D={head_dim}");
+    check(&what, &download_widened(dev, &out)?, &unfused_out, 0.0);
+    check(&what, &download_widened(dev, &dqkv)?, &unfused_dqkv, 0.0);
+    println!(
+        "{what} | RoPE then forward {:>8.1} µs | rotated on load {:>8.1} µs ({:.2}×) | fwd+bwd {:>8.1} µs → {:>8.1} µs \
+         ({:.2}×) | same bits",
+        rope_forward_s * 1e6,
+        on_load_forward_s * 1e6,
+        on_load_forward_s / rope_forward_s,
+        rope_train_s * 1e6,
+        on_load_train_s * 1e6,
+        on_load_train_s / rope_train_s,
     );
     Ok(())
 }

@@ -11,7 +11,9 @@
 //! also be written as bf16 twins (rounded to nearest even) instead of converted later; the
 //! tensor-core kernels may write each gradient in bf16 alone, or write the three as the
 //! gradient of the packed QKV product RoPE took them from, dq and dk rotated back
-//! ([`causal_attention_backward_packed`]). q, k
+//! ([`causal_attention_backward_packed`]); they may also read q, k and v from that packed
+//! product unrotated, rotating q and k as they load them ([`QkvInputs::Packed`],
+//! [`rotary_causal_attention_forward_packed`]), so that RoPE takes no launch at all. q, k
 //! and v are f32, or (for the tensor-core kernels) bf16 ([`Values`]): RoPE writes them so
 //! under bf16 products, rounded as the kernels' staging would round them. From bf16 q, k and
 //! v the output may be written in bf16 only, as FlashAttention-2 stores it; the backward then
@@ -258,15 +260,142 @@ pub fn causal_attention_forward(
         return Ok(());
     }
     let out_bf16 = if out.is_bf16() { out.arg_at(0) } else { opt_ptr(out_bf16.as_deref()) };
-    let mut args = vec![q.arg_at(0), k.arg_at(0), v.arg_at(0), Arg::Ptr(out.f32_address()), out_bf16, ptr(lse)];
     if precision == AttentionPrecision::Bf16 {
-        args.extend(d.mma_args());
-        let kernels = if bf16_inputs { MMA_FORWARD_BF16 } else { MMA_FORWARD };
-        return dev.launch(MMA_FAMILY, d.mma_kernel(kernels), d.mma_grid(dims.q_seq), &args);
+        let inputs = QkvInputs::Dense([q, k, v]).rows_in(dims);
+        return launch_mma_forward(dev, &d, inputs, bf16_inputs, [Arg::Ptr(out.f32_address()), out_bf16], lse);
     }
+    let mut args = vec![q.arg_at(0), k.arg_at(0), v.arg_at(0), Arg::Ptr(out.f32_address()), out_bf16, ptr(lse)];
     let shared = 2 * TILE * d.tile_stride() + WARPS * dims.head_dim;
     args.extend(d.args());
     dev.launch(FAMILY, "attention_forward", d.grid(dims.q_seq, shared), &args)
+}
+
+/// Where the tensor-core kernels read q, k and v (`RowsIn` in attention_mma.cu).
+#[derive(Clone, Copy, Debug)]
+pub enum QkvInputs<'a> {
+    /// Dense `[B, T, H, D]` q, k and v, as attention reads them (RoPE, or the fused gate's
+    /// rotary epilogue, has rotated q and k already).
+    Dense([Values<'a>; 3]),
+    /// The packed QKV product `[B, T, 3, H, D]` in bf16, q and k not rotated: the kernels
+    /// rotate them by RoPE's tables (token t at position t) as they load them, with rope.cu's
+    /// arithmetic and rounding, so they compute what they would from `rope_qkv_forward`'s
+    /// outputs, bit for bit.
+    Packed { qkv: Values<'a>, cos: &'a DeviceBuffer<f32>, sin: &'a DeviceBuffer<f32> },
+}
+
+/// A kernel's q, k and v arguments and their `RowsIn`: the three addresses, the elements
+/// between two tokens' rows and RoPE's tables (null when q and k are read as they are).
+struct RowsIn {
+    qkv: [Arg; 3],
+    layout: [Arg; 3],
+}
+
+impl QkvInputs<'_> {
+    /// The kernels' arguments for these inputs of `dims` (checked by the caller).
+    fn rows_in(&self, dims: &AttentionDims) -> RowsIn {
+        let width = dims.heads * dims.head_dim;
+        match self {
+            QkvInputs::Dense(qkv) => {
+                RowsIn { qkv: qkv.map(|x| x.arg_at(0)), layout: [size(width), Arg::Ptr(0), Arg::Ptr(0)] }
+            }
+            QkvInputs::Packed { qkv, cos, sin } => RowsIn {
+                qkv: [qkv.arg_at(0), qkv.arg_at(width), qkv.arg_at(2 * width)],
+                layout: [size(3 * width), ptr(*cos), ptr(*sin)],
+            },
+        }
+    }
+
+    /// Checks the inputs against `dims`: owned by `dev`, one element type (bf16 with tensor-core
+    /// `precision` only), and a packed product bf16, of one length (Tq = Tk) and with tables
+    /// covering its positions; returns the launch geometry and whether they are bf16.
+    fn check(
+        &self,
+        dev: &CudaDevice,
+        op: &'static str,
+        dims: &AttentionDims,
+        precision: AttentionPrecision,
+    ) -> Result<(Dims, bool)> {
+        match self {
+            QkvInputs::Dense(qkv) => {
+                let bf16 = check_qkv(dev, op, qkv, precision)?;
+                Ok((check(op, dims, qkv[0].len(), qkv[1].len(), qkv[2].len())?, bf16))
+            }
+            QkvInputs::Packed { qkv, cos, sin } => {
+                qkv.check_owner(dev, op)?;
+                check_owners(dev, op, &[*cos, *sin])?;
+                ensure(qkv.is_bf16() && precision == AttentionPrecision::Bf16, op, || {
+                    "an unrotated packed product is read by the tensor-core kernels, in bf16".to_string()
+                })?;
+                let AttentionDims { q_seq, kv_seq, head_dim, .. } = *dims;
+                ensure(q_seq == kv_seq, op, || {
+                    format!("a packed product has one length, not Tq {q_seq} and Tk {kv_seq}")
+                })?;
+                let part = dims.batch * kv_seq * dims.heads * head_dim;
+                ensure_len(op, "qkv", qkv.len(), 3 * part)?;
+                check_tables(op, dims, cos, sin)?;
+                Ok((check(op, dims, part, part, part)?, true))
+            }
+        }
+    }
+}
+
+/// Checks that RoPE's tables cover `dims`' key positions.
+fn check_tables(
+    op: &'static str,
+    dims: &AttentionDims,
+    cos: &DeviceBuffer<f32>,
+    sin: &DeviceBuffer<f32>,
+) -> Result<()> {
+    let table_len = dims.kv_seq * dims.head_dim / 2;
+    ensure(cos.len() >= table_len && sin.len() >= table_len, op, || {
+        format!("RoPE's tables hold {} and {} values, {} positions need {table_len}", cos.len(), sin.len(), dims.kv_seq)
+    })
+}
+
+/// The tensor-core forward's launch (checked by the caller): `out` as `[f32, bf16]` addresses.
+fn launch_mma_forward(
+    dev: &CudaDevice,
+    d: &Dims,
+    inputs: RowsIn,
+    bf16_inputs: bool,
+    out: [Arg; 2],
+    lse: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    let mut args = Vec::from(inputs.qkv);
+    args.extend(inputs.layout);
+    args.extend(out);
+    args.push(ptr(lse));
+    args.extend(d.mma_args());
+    let kernels = if bf16_inputs { MMA_FORWARD_BF16 } else { MMA_FORWARD };
+    dev.launch(MMA_FAMILY, d.mma_kernel(kernels), d.mma_grid(d.0.q_seq), &args)
+}
+
+/// [`causal_attention_forward`] on the tensor cores over RoPE's rotations of q and k, read
+/// from the packed QKV product `qkv` (`[B, T, 3, H, D]`, bf16) and rotated as they are loaded
+/// by `cos` and `sin` (`[positions, D/2]`, token t at row t): the bits of
+/// `rope::rope_qkv_forward` then [`causal_attention_forward`], with no launch and no dense
+/// q, k, v in between. `out` is f32 or bf16 alone (as FlashAttention-2 stores it), `lse` f32.
+pub fn rotary_causal_attention_forward_packed(
+    dev: &CudaDevice,
+    qkv: Values,
+    dims: &AttentionDims,
+    out: ValuesMut,
+    lse: &mut DeviceBuffer<f32>,
+    (cos, sin): (&DeviceBuffer<f32>, &DeviceBuffer<f32>),
+) -> Result<()> {
+    const OP: &str = "rotary_causal_attention_forward_packed";
+    let inputs = QkvInputs::Packed { qkv, cos, sin };
+    let (d, _) = inputs.check(dev, OP, dims, AttentionPrecision::Bf16)?;
+    check_owners(dev, OP, &[lse])?;
+    let out = out.as_values();
+    out.check_owner(dev, OP)?;
+    ensure_len(OP, "out", out.len(), dims.batch * dims.q_seq * dims.heads * dims.head_dim)?;
+    ensure_len(OP, "lse", lse.len(), dims.lse_len())?;
+    d.check_precision(dev, OP, AttentionPrecision::Bf16)?;
+    if d.is_empty() {
+        return Ok(());
+    }
+    launch_mma_forward(dev, &d, inputs.rows_in(dims), true, out.typed_args_at(0), lse)
 }
 
 /// `dq, dk, dv =` gradients, recomputing probabilities from q, k and `lse`
@@ -290,7 +419,7 @@ pub fn causal_attention_backward(
     (mut dv, mut dv_bf16): (ValuesMut, Option<&mut DeviceBuffer<bf16>>),
 ) -> Result<()> {
     const OP: &str = "causal_attention_backward";
-    let d = check_backward_inputs(dev, OP, &qkv, &out, lse, &dout, dims, precision)?;
+    let (d, _) = check_backward_inputs(dev, OP, &QkvInputs::Dense(qkv), &out, lse, &dout, dims, precision)?;
     let [q, k, v] = qkv;
     check_grads(dev, OP, [dq.as_values(), dk.as_values(), dv.as_values()], [q.len(), k.len(), v.len()], precision)?;
     ensure(!dv.as_values().is_bf16() || dv_bf16.is_none(), OP, || "a bf16 dv takes no bf16 twin".to_string())?;
@@ -315,7 +444,8 @@ pub fn causal_attention_backward(
             stride: dims.heads * dims.head_dim,
             tables: [Arg::Ptr(0), Arg::Ptr(0)],
         };
-        return launch_mma_backward(dev, &d, [q, k, v], out, lse, dout, rows);
+        let inputs = QkvInputs::Dense([q, k, v]).rows_in(dims);
+        return launch_mma_backward(dev, &d, (inputs, q.is_bf16()), out, lse, dout, rows);
     }
     let AttentionDims { q_seq, kv_seq, head_dim, .. } = *dims;
     // δ per query (Σ dout ⊙ out), written by the dq kernel and read by the dk, dv kernel.
@@ -337,19 +467,20 @@ pub fn causal_attention_backward(
 }
 
 /// [`causal_attention_backward`] of attention over RoPE's rotations of q and k taken out of
-/// one packed QKV product (`qkv`: `rope::rope_qkv_forward`'s rotated q, k and v), written
-/// straight into that product's gradient `dqkv: [B, T, 3, H, D]`: each token's row is
-/// `[Rᵀ dq | Rᵀ dk | dv]`, what `rope::rope_qkv_backward` makes of the three gradients, with no
-/// launch of its own and no dense gradients in between. The kernels rotate dq and dk back by
-/// the tables the forward rotated by (`cos`, `sin`: `[positions, D/2]`, token t at row t) as
-/// they store them, from their f32 sums, so each value is rounded once (the unfused path
-/// rounds dq to bf16 before RoPE's backward reads it, and again after). `dqkv` is f32, or bf16
-/// alone (rounded to nearest even): the packed product's backward, or the fused gate's, reads
-/// it so. Tensor-core kernels only: bf16 q, k and v, `Tq = Tk`.
+/// one packed QKV product, written straight into that product's gradient
+/// `dqkv: [B, T, 3, H, D]`: each token's row is `[Rᵀ dq | Rᵀ dk | dv]`, what
+/// `rope::rope_qkv_backward` makes of the three gradients, with no launch of its own and no
+/// dense gradients in between. `inputs` are `rope::rope_qkv_forward`'s rotated q, k and v
+/// (bf16), or the packed product itself, rotated as it is loaded ([`QkvInputs::Packed`]). The
+/// kernels rotate dq and dk back by the tables the forward rotated by (`cos`, `sin`:
+/// `[positions, D/2]`, token t at row t) as they store them, from their f32 sums, so each value
+/// is rounded once (the unfused path rounds dq to bf16 before RoPE's backward reads it, and
+/// again after). `dqkv` is f32, or bf16 alone (rounded to nearest even): the packed product's
+/// backward, or the fused gate's, reads it so. Tensor-core kernels only: bf16 inputs, `Tq = Tk`.
 #[allow(clippy::too_many_arguments)]
 pub fn causal_attention_backward_packed(
     dev: &CudaDevice,
-    qkv: [Values; 3],
+    inputs: QkvInputs,
     out: Values,
     lse: &DeviceBuffer<f32>,
     dout: Values,
@@ -359,19 +490,16 @@ pub fn causal_attention_backward_packed(
     sin: &DeviceBuffer<f32>,
 ) -> Result<()> {
     const OP: &str = "causal_attention_backward_packed";
-    let d = check_backward_inputs(dev, OP, &qkv, &out, lse, &dout, dims, AttentionPrecision::Bf16)?;
-    ensure(qkv[0].is_bf16(), OP, || "the packed backward reads bf16 q, k and v (RoPE's output)".to_string())?;
+    let (d, bf16_inputs) = check_backward_inputs(dev, OP, &inputs, &out, lse, &dout, dims, AttentionPrecision::Bf16)?;
+    ensure(bf16_inputs, OP, || "the packed backward reads bf16 q, k and v (RoPE's output)".to_string())?;
     check_owners(dev, OP, &[cos, sin])?;
-    let [q, k, v] = qkv;
     let AttentionDims { q_seq, kv_seq, heads, head_dim, .. } = *dims;
     ensure(q_seq == kv_seq, OP, || format!("a packed product has one length, not Tq {q_seq} and Tk {kv_seq}"))?;
     let dqkv = dqkv.as_values();
     dqkv.check_owner(dev, OP)?;
-    ensure_len(OP, "dqkv", dqkv.len(), 3 * q.len())?;
-    let table_len = kv_seq * head_dim / 2;
-    ensure(cos.len() >= table_len && sin.len() >= table_len, OP, || {
-        format!("RoPE's tables hold {} and {} values, {kv_seq} positions need {table_len}", cos.len(), sin.len())
-    })?;
+    let part = dims.batch * q_seq * heads * head_dim;
+    ensure_len(OP, "dqkv", dqkv.len(), 3 * part)?;
+    check_tables(OP, dims, cos, sin)?;
     if d.is_empty() {
         return Ok(());
     }
@@ -383,24 +511,25 @@ pub fn causal_attention_backward_packed(
         stride: 3 * width,
         tables: [ptr(cos), ptr(sin)],
     };
-    launch_mma_backward(dev, &d, [q, k, v], out, lse, dout, rows)
+    launch_mma_backward(dev, &d, (inputs.rows_in(dims), true), out, lse, dout, rows)
 }
 
-/// Checks the backward's inputs: q, k and v ([`check_qkv`]), the forward's `out` and `lse`
-/// and `dout`, on `dev`, of `dims`' sizes, `out` bf16 exactly when q, k and v are, `dout` bf16
-/// only beside them, and `precision` runnable on `dev`; returns the launch geometry.
+/// Checks the backward's inputs: q, k and v ([`QkvInputs::check`]), the forward's `out` and
+/// `lse` and `dout`, on `dev`, of `dims`' sizes, `out` bf16 exactly when q, k and v are, `dout`
+/// bf16 only beside them, and `precision` runnable on `dev`; returns the launch geometry and
+/// whether the inputs are bf16.
 #[allow(clippy::too_many_arguments)]
 fn check_backward_inputs(
     dev: &CudaDevice,
     op: &'static str,
-    qkv: &[Values; 3],
+    inputs: &QkvInputs,
     out: &Values,
     lse: &DeviceBuffer<f32>,
     dout: &Values,
     dims: &AttentionDims,
     precision: AttentionPrecision,
-) -> Result<Dims> {
-    let bf16_inputs = check_qkv(dev, op, qkv, precision)?;
+) -> Result<(Dims, bool)> {
+    let (d, bf16_inputs) = inputs.check(dev, op, dims, precision)?;
     out.check_owner(dev, op)?;
     check_owners(dev, op, &[lse])?;
     dout.check_owner(dev, op)?;
@@ -408,12 +537,11 @@ fn check_backward_inputs(
         "the saved output is bf16 exactly when q, k and v are (the tensor-core kernels)".to_string()
     })?;
     ensure(!dout.is_bf16() || bf16_inputs, op, || "a bf16 dout needs bf16 q, k and v".to_string())?;
-    let [q, k, v] = qkv;
-    let d = check(op, dims, q.len(), k.len(), v.len())?;
-    ensure(out.len() == q.len() && dout.len() == q.len(), op, || "out or dout has the wrong length".to_string())?;
+    let q_len = dims.batch * dims.q_seq * dims.heads * dims.head_dim;
+    ensure(out.len() == q_len && dout.len() == q_len, op, || "out or dout has the wrong length".to_string())?;
     ensure_len(op, "lse", lse.len(), dims.lse_len())?;
     d.check_precision(dev, op, precision)?;
-    Ok(d)
+    Ok((d, bf16_inputs))
 }
 
 /// Where the tensor-core backward stores dq, dk and dv (`RowsOut` in attention_mma.cu): each
@@ -428,17 +556,18 @@ struct GradRows {
 }
 
 /// The tensor-core backward's two launches (checked by the caller): the dq kernel, which also
-/// writes δ, then the dk, dv kernel, by the element types of q, k, v and dout.
+/// writes δ, then the dk, dv kernel, by the element types of the inputs (`inputs.1`: bf16) and
+/// dout.
 fn launch_mma_backward(
     dev: &CudaDevice,
     d: &Dims,
-    qkv: [Values; 3],
+    (inputs, bf16_inputs): (RowsIn, bool),
     out: Values,
     lse: &DeviceBuffer<f32>,
     dout: Values,
     rows: GradRows,
 ) -> Result<()> {
-    let (dq_kernels, dkv_kernels) = match (qkv[0].is_bf16(), dout.is_bf16()) {
+    let (dq_kernels, dkv_kernels) = match (bf16_inputs, dout.is_bf16()) {
         (true, true) => (MMA_DQ_DOUT_BF16, MMA_DKV_DOUT_BF16),
         (true, false) => (MMA_DQ_BF16, MMA_DKV_BF16),
         (false, _) => (MMA_DQ, MMA_DKV),
@@ -446,14 +575,17 @@ fn launch_mma_backward(
     // δ per query (Σ dout ⊙ out), written by the dq kernel and read by the dk, dv kernel.
     // It goes back to the pool on return; later users are queued after these kernels.
     let delta = dev.alloc::<f32>(d.0.lse_len())?;
-    let [q, k, v] = qkv.map(|x| x.arg_at(0));
     let [cos, sin] = rows.tables;
     let layout = [size(rows.stride), cos, sin];
-    let mut dq_args = vec![q.clone(), k.clone(), v.clone(), out.arg_at(0), dout.arg_at(0), ptr(lse), ptr(&delta)];
+    let mut dq_args = Vec::from(inputs.qkv.clone());
+    dq_args.extend(inputs.layout.clone());
+    dq_args.extend([out.arg_at(0), dout.arg_at(0), ptr(lse), ptr(&delta)]);
     dq_args.extend(rows.dq);
     dq_args.extend(layout.clone());
     dq_args.extend(d.mma_args());
-    let mut dkv_args = vec![q, k, v, dout.arg_at(0), ptr(lse), ptr(&delta)];
+    let mut dkv_args = Vec::from(inputs.qkv);
+    dkv_args.extend(inputs.layout);
+    dkv_args.extend([dout.arg_at(0), ptr(lse), ptr(&delta)]);
     dkv_args.extend(rows.dk);
     dkv_args.extend(rows.dv);
     dkv_args.extend(layout);

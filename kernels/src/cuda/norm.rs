@@ -4,8 +4,9 @@
 //! `dx = ...` and `dweight`/`dbias = ...` (never reads them). The parameter gradients are column
 //! sums over rows in a fixed order (partial sums per chunk of rows, then the chunks in
 //! order), so they repeat bit for bit. RMSNorm's backward kernel writes its weight's partial
-//! sums in the pass that writes `dx` (two launches in all); LayerNorm's come from a second
-//! pass over `x` and `dy` (three).
+//! sums in the pass that writes `dx` (two launches in all, or one when a later launch finishes
+//! the partials: [`rms_norm_backward_partial`]); LayerNorm's come from a second pass over `x`
+//! and `dy` (three).
 
 use cudarc::driver::LaunchConfig;
 use half::bf16;
@@ -15,7 +16,7 @@ use super::device::CudaDevice;
 use super::error::{ensure, CudaError, Result};
 use super::launch::{check_owners, opt_ptr, per_row, ptr, row_threads, size};
 use super::module::{Arg, KernelFamily};
-use super::reduce::{chunking, finish_block, finish_column_sums};
+use super::reduce::{chunking, finish_block, finish_column_sums, ColumnSum};
 use super::values::{output_with_twin, Values, ValuesMut};
 
 pub use crate::cpu::norm::{NormDims, NormGrads, RowStats};
@@ -115,31 +116,105 @@ pub fn rms_norm_backward(
 ) -> Result<()> {
     const OP: &str = "rms_norm_backward";
     let NormGrads { dx, dweight, dbias } = grads;
-    check_owners(dev, OP, &[x, weight, rstd, dx])?;
-    dy.check_owner(dev, OP)?;
+    ensure(dbias.is_none(), OP, || "RMSNorm has no bias".to_string())?;
+    if let Some(dw) = &dweight {
+        dev.check_owner(OP, dw)?;
+        ensure(dw.len() == dims.cols, OP, || format!("dweight has {} elements, expected {}", dw.len(), dims.cols))?;
+    }
+    let inputs = (x, weight, rstd);
+    let partials = backward_rows(dev, OP, inputs, (dy, residual), dims, (dx, dx_bf16), dweight.is_some())?;
+    if let (Some(partials), Some(dw)) = (&partials, dweight) {
+        // 32 columns per block, the chunks side by side (chunk_total, common.cuh).
+        let RmsNormWeightPartials { lane_partial, chunks, cols } = partials;
+        let cfg = LaunchConfig {
+            grid_dim: (cols.div_ceil(32) as u32, 1, 1),
+            block_dim: finish_block(*chunks),
+            shared_mem_bytes: 0,
+        };
+        let args = [ptr(lane_partial), size(*chunks), size(*cols), ptr(dw)];
+        dev.launch(FAMILY, "rms_norm_weight_grad_finish", cfg, &args)?;
+    }
+    Ok(())
+}
+
+/// RMSNorm's weight gradient as its backward kernel leaves it: one partial sum per row lane
+/// of each chunk of rows ([`rms_norm_backward_partial`]), finished by a later launch that sums
+/// other things too (the fused gate's column sums: `fused_gate_backward_with_norm`), with no
+/// launch of its own.
+#[derive(Debug)]
+pub struct RmsNormWeightPartials {
+    lane_partial: DeviceBuffer<f32>,
+    chunks: usize,
+    cols: usize,
+}
+
+impl RmsNormWeightPartials {
+    /// The weight gradient's length.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The partials' buffer, for an owner check.
+    pub(crate) fn buffer(&self) -> &DeviceBuffer<f32> {
+        &self.lane_partial
+    }
+
+    /// The column sum writing the weight gradient to `dw` (a device address the caller has
+    /// checked): the lanes of a chunk in order in f32, then the chunks in f64, as
+    /// `rms_norm_weight_grad_finish` adds them (a chunk of [`ROW_LANES`] rows, one per lane),
+    /// so the same bits.
+    pub(crate) fn finish_sum(&self, dw: u64) -> ColumnSum {
+        let rows = (ROW_LANES * self.chunks, ROW_LANES);
+        ColumnSum { src: self.lane_partial.device_ptr(), cols: self.cols, ld: self.cols, dst: dw, own_rows: Some(rows) }
+    }
+}
+
+/// [`rms_norm_backward`]'s `dx` (the same launch and bits), with the weight gradient left as
+/// its partial sums for a later launch to finish.
+pub fn rms_norm_backward_partial(
+    dev: &CudaDevice,
+    (x, weight, rstd): (&DeviceBuffer<f32>, &DeviceBuffer<f32>, &DeviceBuffer<f32>),
+    (dy, residual): (Values<'_>, Option<&DeviceBuffer<f32>>),
+    dims: &NormDims,
+    (dx, dx_bf16): (&mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>),
+) -> Result<RmsNormWeightPartials> {
+    const OP: &str = "rms_norm_backward_partial";
+    let partials = backward_rows(dev, OP, (x, weight, rstd), (dy, residual), dims, (dx, dx_bf16), true)?;
+    Ok(partials.expect("asked for the weight's partials"))
+}
+
+/// RMSNorm's backward kernel (checked here): `dx` (and its bf16 copy), and with `weight_grad`
+/// the weight gradient's lane partials.
+fn backward_rows(
+    dev: &CudaDevice,
+    op: &'static str,
+    (x, weight, rstd): (&DeviceBuffer<f32>, &DeviceBuffer<f32>, &DeviceBuffer<f32>),
+    (dy, residual): (Values<'_>, Option<&DeviceBuffer<f32>>),
+    dims: &NormDims,
+    (dx, dx_bf16): (&mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<bf16>>),
+    weight_grad: bool,
+) -> Result<Option<RmsNormWeightPartials>> {
+    check_owners(dev, op, &[x, weight, rstd, dx])?;
+    dy.check_owner(dev, op)?;
     check(
-        OP,
+        op,
         dims,
         &[("x", x.len()), ("dy", dy.len()), ("dx", dx.len()), ("residual", residual.map_or(x.len(), |r| r.len()))],
         &[("rstd", rstd.len())],
-        &[("weight", Some(weight.len())), ("dweight", dweight.as_ref().map(|w| w.len()))],
+        &[("weight", Some(weight.len()))],
     )?;
-    ensure(dbias.is_none(), OP, || "RMSNorm has no bias".to_string())?;
-    if let Some(g) = &dweight {
-        dev.check_owner(OP, g)?;
-    }
     if let Some(r) = residual {
-        dev.check_owner(OP, r)?;
+        dev.check_owner(op, r)?;
     }
     if let Some(copy) = &dx_bf16 {
-        dev.check_owner(OP, copy)?;
-        ensure(copy.len() == dx.len(), OP, || format!("dx_bf16 has {} elements, dx {}", copy.len(), dx.len()))?;
+        dev.check_owner(op, copy)?;
+        ensure(copy.len() == dx.len(), op, || format!("dx_bf16 has {} elements, dx {}", copy.len(), dx.len()))?;
     }
     let NormDims { rows, cols, .. } = *dims;
     // The weight's gradient in the order of LayerNorm's (`layer_norm_param_grads`): one partial
     // sum per lane of each chunk of rows, written by the backward kernel, then the finish.
     let (per_chunk, chunks) = chunking(rows, 1);
-    let lane_partial = dweight.as_ref().map(|_| dev.alloc::<f32>(ROW_LANES * chunks * cols)).transpose()?;
+    let lane_partial = weight_grad.then(|| dev.alloc::<f32>(ROW_LANES * chunks * cols)).transpose()?;
     let cfg = LaunchConfig {
         grid_dim: (ROW_LANES as u32, chunks as u32, 1),
         block_dim: (row_threads(cols), 1, 1),
@@ -159,17 +234,7 @@ pub fn rms_norm_backward(
         opt_ptr(lane_partial.as_ref()),
     ];
     dev.launch(FAMILY, dy.kernel("rms_norm_backward", "rms_norm_backward_dy_bf16"), cfg, &args)?;
-    if let (Some(partial), Some(dw)) = (&lane_partial, dweight) {
-        // 32 columns per block, the chunks side by side (chunk_total, common.cuh).
-        let cfg = LaunchConfig {
-            grid_dim: (cols.div_ceil(32) as u32, 1, 1),
-            block_dim: finish_block(chunks),
-            shared_mem_bytes: 0,
-        };
-        let args = [ptr(partial), size(chunks), size(cols), ptr(dw)];
-        dev.launch(FAMILY, "rms_norm_weight_grad_finish", cfg, &args)?;
-    }
-    Ok(())
+    Ok(lane_partial.map(|lane_partial| RmsNormWeightPartials { lane_partial, chunks, cols }))
 }
 
 /// `y = (x − mean)·rstd (· weight + bias if given)`; `mean` and `rstd` saved per row.
@@ -279,4 +344,65 @@ fn layer_norm_param_grads(
         finish_column_sums(dev, partial, 1, chunks, cols, db.device_ptr())?;
     }
     Ok(())
+}
+
+#[cfg(all(test, feature = "cuda-emu"))]
+mod tests {
+    use super::super::reduce::column_sums_many;
+    use super::*;
+
+    /// Values in [-1, 1) whose sums round differently in another order.
+    fn values(len: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// The weight gradient's partials finished in a column-sum launch beside other sums of
+    /// other rows (as the fused gate finishes them: `finish_sum`) are the bits of
+    /// `rms_norm_backward`'s own finish, and `dx` is the same launch's: for one chunk of rows,
+    /// several, and a partial last chunk, and with fewer and more chunks than the other sums.
+    #[test]
+    fn partials_finished_in_a_column_sum_launch_are_the_finish_kernels_bits() {
+        let dev = CudaDevice::emulated().unwrap();
+        for (rows, cols, other_rows) in [(5, 24, 70), (300, 40, 3), (1000, 33, 200)] {
+            let dims = NormDims { rows, cols, eps: 0.0 };
+            let (x, dy) = (dev.upload(&values(rows * cols, 1)).unwrap(), dev.upload(&values(rows * cols, 2)).unwrap());
+            let weight = dev.upload(&values(cols, 3)).unwrap();
+            let rstd = dev.upload(&vec![1.25; rows]).unwrap();
+            let (mut dx, mut dw) = (dev.alloc::<f32>(rows * cols).unwrap(), dev.alloc::<f32>(cols).unwrap());
+            let grads = NormGrads { dx: &mut dx, dweight: Some(&mut dw), dbias: None };
+            rms_norm_backward(&dev, &x, &weight, &rstd, (Values::F32(&dy), None), &dims, (grads, None)).unwrap();
+
+            let mut partial_dx = dev.alloc::<f32>(rows * cols).unwrap();
+            let inputs = (&x, &weight, &rstd);
+            let partials =
+                rms_norm_backward_partial(&dev, inputs, (Values::F32(&dy), None), &dims, (&mut partial_dx, None))
+                    .unwrap();
+            assert_eq!(partials.cols(), cols);
+            let other = dev.upload(&values(other_rows * 50, 4)).unwrap();
+            let (finished, other_sum) = (dev.upload(&vec![f32::NAN; cols]).unwrap(), dev.alloc::<f32>(50).unwrap());
+            let other_alone = dev.alloc::<f32>(50).unwrap();
+            let sum_of_other = |dst: &DeviceBuffer<f32>| ColumnSum {
+                src: other.device_ptr(),
+                cols: 50,
+                ld: 50,
+                dst: dst.device_ptr(),
+                own_rows: None,
+            };
+            let sums = [sum_of_other(&other_sum), partials.finish_sum(finished.device_ptr())];
+            column_sums_many(&dev, other_rows, &sums).unwrap();
+            column_sums_many(&dev, other_rows, &[sum_of_other(&other_alone)]).unwrap();
+            let bits = |b: &DeviceBuffer<f32>| dev.download(b).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&finished), bits(&dw), "dw, {rows} rows");
+            assert_eq!(bits(&partial_dx), bits(&dx), "dx, {rows} rows");
+            assert_eq!(bits(&other_sum), bits(&other_alone), "the other sum, {rows} rows");
+        }
+    }
 }

@@ -111,21 +111,29 @@ pub(crate) struct ColumnSum {
     pub ld: usize,
     /// Where the `cols` sums go.
     pub dst: u64,
+    /// `Some((rows, rows_per_chunk))`: this sum's own rows and chunks (partial sums written
+    /// already chunked, as RMSNorm's backward writes its weight gradient's: `rows_per_chunk`
+    /// of them a chunk); `None`: the launch's rows, chunked as [`column_sums`] chunks them.
+    pub own_rows: Option<(usize, usize)>,
 }
 
-/// Several column sums over the same `rows`: one launch per [`LIST_LEN`] sums instead of two
-/// per sum. Each sum has [`column_sums`]' chunks and order (f32 within a chunk, f64 across
-/// chunks), so it gives the same bits. The last block of each 32 columns to finish its chunk
-/// adds up their chunks (no finish kernel).
+/// Several column sums over `rows` rows (or a sum's [`ColumnSum::own_rows`]): one launch per
+/// [`LIST_LEN`] sums instead of two per sum. Each sum has [`column_sums`]' chunks and order
+/// (f32 within a chunk, f64 across chunks), so it gives the same bits. The last block of each
+/// 32 columns to finish its chunk adds up their chunks (no finish kernel).
 pub(crate) fn column_sums_many(dev: &CudaDevice, rows: usize, sums: &[ColumnSum]) -> Result<()> {
     const OP: &str = "column_sums_many";
     for group in sums.chunks(LIST_LEN) {
-        let (per_chunk, chunks) = chunking(rows, 1);
+        // Each sum's rows and rows per chunk; the grid's chunks are the most any sum has.
+        let chunked: Vec<(usize, usize)> =
+            group.iter().map(|s| s.own_rows.unwrap_or_else(|| (rows, chunking(rows, 1).0))).collect();
+        let chunks_of = |(rows, per_chunk): (usize, usize)| rows.div_ceil(per_chunk).max(1);
+        let chunks = chunked.iter().map(|&c| chunks_of(c)).max().unwrap_or(1);
         let mut partial_at = Vec::with_capacity(group.len());
         let mut partial_len = 0;
-        for s in group {
+        for (s, &c) in group.iter().zip(&chunked) {
             partial_at.push(partial_len);
-            partial_len += chunks * s.cols;
+            partial_len += chunks_of(c) * s.cols;
         }
         // One block per 32 of each sum's own columns, the sums' blocks end to end; one arrival
         // counter per such block column.
@@ -142,8 +150,8 @@ pub(crate) fn column_sums_many(dev: &CudaDevice, rows: usize, sums: &[ColumnSum]
             length_list(group.iter().map(|s| s.ld)),
             first_block,
             size(group.len()),
-            size(rows),
-            size(per_chunk),
+            length_list(chunked.iter().map(|c| c.0)),
+            length_list(chunked.iter().map(|c| c.1)),
             length_list(partial_at.into_iter()),
             ptr(&partial),
             address_list(group.iter().map(|s| s.dst)),
@@ -283,7 +291,7 @@ mod tests {
             .iter()
             .zip(&many)
             .enumerate()
-            .map(|(i, (&cols, dst))| ColumnSum { src: src.ptr_at(i), cols, ld, dst: dst.device_ptr() })
+            .map(|(i, (&cols, dst))| ColumnSum { src: src.ptr_at(i), cols, ld, dst: dst.device_ptr(), own_rows: None })
             .collect();
         column_sums_many(dev, rows, &sums).unwrap();
         for (sum, dst) in sums.iter().zip(&alone) {

@@ -1,13 +1,16 @@
 //! The tensor-core attention backward writing the packed QKV product's gradient itself
 //! (`causal_attention_backward_packed`: dq and dk rotated back by RoPE's tables as they are
 //! stored) against the unfused path it replaces: the backward into dense f32 gradients, then
-//! RoPE's packed backward (`rope_qkv_backward`).
+//! RoPE's packed backward (`rope_qkv_backward`); and the kernels reading the packed product
+//! unrotated, rotating q and k as they load them (`QkvInputs::Packed`), against RoPE's
+//! launch before them (`rope_qkv_forward`).
 
 use half::bf16;
 use kernels::cpu;
 use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::rope::RopeDims;
 use kernels::cuda::attention::AttentionPrecision::Bf16;
+use kernels::cuda::attention::QkvInputs;
 use kernels::cuda::{self, CudaError, DeviceBuffer, Values, ValuesMut};
 
 use super::{assert_close_to, down, down_bf16, stale, up, up_bf16, Rng};
@@ -77,6 +80,7 @@ fn packed_attention_backward_is_rope_backward_of_the_gradients() {
 
         // Fused, into f32 and into bf16 alone.
         let fused = |dqkv: ValuesMut| {
+            let inputs = QkvInputs::Dense(inputs);
             cuda::attention::causal_attention_backward_packed(dev, inputs, out, &lse, dout, &dims, dqkv, &gcos, &gsin)
         };
         let mut got = up(dev, &stale(3 * rope.len()));
@@ -110,7 +114,15 @@ fn packed_attention_backward_refuses_what_it_cannot_serve() {
     let refuse = |qkv: [Values; 3], dims: &AttentionDims, dqkv: ValuesMut, tables: [&DeviceBuffer<f32>; 2]| {
         let (out, dout) = (Values::Bf16(&halves), Values::Bf16(&halves));
         let result = cuda::attention::causal_attention_backward_packed(
-            dev, qkv, out, &lse, dout, dims, dqkv, tables[0], tables[1],
+            dev,
+            QkvInputs::Dense(qkv),
+            out,
+            &lse,
+            dout,
+            dims,
+            dqkv,
+            tables[0],
+            tables[1],
         );
         assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
     };
@@ -128,4 +140,120 @@ fn packed_attention_backward_refuses_what_it_cannot_serve() {
     let queries = up_bf16(dev, &vec![0.5; (seq - 1) * head_dim]);
     let qkv = [Values::Bf16(&queries), Values::Bf16(&halves), Values::Bf16(&halves)];
     refuse(qkv, &fewer, ValuesMut::Bf16(&mut dqkv), [&gcos, &gsin]);
+}
+
+/// Rotating q and k as the kernels load them is RoPE's launch before them computed in place:
+/// the same widening, rotation (`rope_rotate_pair`) and rounding of the same bf16 product, so
+/// the output, lse and the packed gradient are the same bits, in every tensor-core head dim,
+/// with partial tiles, one token and none; the table is longer than the sequence, as the
+/// engine's cached one is. A wrong partner column, position, sign or row stride is off by O(1).
+#[test]
+fn rotating_on_load_is_rope_then_attention_bit_for_bit() {
+    let dev = device_or_skip!();
+    let mut rng = Rng::new(29);
+    for (batch, seq, heads, head_dim) in
+        [(2, 70, 3, 16), (1, 1, 1, 32), (2, 133, 2, 48), (1, 192, 2, 64), (1, 0, 2, 16)]
+    {
+        let case = format!("B {batch}, T {seq}, H {heads}, D {head_dim}");
+        let rope = RopeDims { batch, seq, heads, head_dim, pos_offset: 0 };
+        let dims = AttentionDims { batch, q_seq: seq, kv_seq: seq, heads, head_dim, scale: 0.3 };
+        let (cos, sin) = cpu::rope::rope_table(seq + 5, head_dim, 10_000.0);
+        let (gcos, gsin) = (up(dev, &cos), up(dev, &sin));
+        let packed = up_bf16(dev, &rng.vec(3 * rope.len(), -2.0, 2.0));
+        let dout = up_bf16(dev, &rng.vec(rope.len(), -1.0, 1.0));
+        let dout = Values::Bf16(&dout);
+
+        // RoPE's launch, then the kernels over its dense q, k and v.
+        let mut parts = [0, 1, 2].map(|_| dev.alloc::<bf16>(rope.len()).unwrap());
+        let [q, k, v] = &mut parts;
+        cuda::rope::rope_qkv_forward(dev, Values::Bf16(&packed), rope, [q, k, v].map(ValuesMut::Bf16), &gcos, &gsin)
+            .unwrap();
+        let dense = parts.each_ref().map(Values::Bf16);
+        let (mut want_out, mut want_lse) = (dev.alloc::<bf16>(rope.len()).unwrap(), up(dev, &stale(dims.lse_len())));
+        let out = (ValuesMut::Bf16(&mut want_out), None);
+        cuda::attention::causal_attention_forward(dev, dense, &dims, Bf16, out, &mut want_lse).unwrap();
+        let mut want_dqkv = dev.alloc::<bf16>(3 * rope.len()).unwrap();
+        let (saved, dqkv) = (Values::Bf16(&want_out), ValuesMut::Bf16(&mut want_dqkv));
+        cuda::attention::causal_attention_backward_packed(
+            dev,
+            QkvInputs::Dense(dense),
+            saved,
+            &want_lse,
+            dout,
+            &dims,
+            dqkv,
+            &gcos,
+            &gsin,
+        )
+        .unwrap();
+
+        // The packed product read unrotated.
+        let (mut out, mut lse) = (dev.alloc::<bf16>(rope.len()).unwrap(), up(dev, &stale(dims.lse_len())));
+        let tables = (&gcos, &gsin);
+        cuda::attention::rotary_causal_attention_forward_packed(
+            dev,
+            Values::Bf16(&packed),
+            &dims,
+            ValuesMut::Bf16(&mut out),
+            &mut lse,
+            tables,
+        )
+        .unwrap();
+        // Tolerance 0: equal values, element by element (the first difference is named).
+        assert_close_to(&format!("output {case}"), &down_bf16(dev, &out), &down_bf16(dev, &want_out), 0.0, 0.0);
+        assert_close_to(&format!("lse {case}"), &down(dev, &lse), &down(dev, &want_lse), 0.0, 0.0);
+        let mut dqkv = dev.alloc::<bf16>(3 * rope.len()).unwrap();
+        let inputs = QkvInputs::Packed { qkv: Values::Bf16(&packed), cos: &gcos, sin: &gsin };
+        let saved = Values::Bf16(&out);
+        cuda::attention::causal_attention_backward_packed(
+            dev,
+            inputs,
+            saved,
+            &lse,
+            dout,
+            &dims,
+            ValuesMut::Bf16(&mut dqkv),
+            &gcos,
+            &gsin,
+        )
+        .unwrap();
+        let (got, want) = (down_bf16(dev, &dqkv), down_bf16(dev, &want_dqkv));
+        assert_close_to(&format!("packed gradient {case}"), &got, &want, 0.0, 0.0);
+    }
+}
+
+/// What the kernels cannot read from a packed product is refused before any launch.
+#[test]
+fn rotating_on_load_refuses_what_it_cannot_serve() {
+    let dev = device_or_skip!();
+    let (seq, head_dim) = (4, 16);
+    let dims = AttentionDims { batch: 1, q_seq: seq, kv_seq: seq, heads: 1, head_dim, scale: 1.0 };
+    let len = seq * head_dim;
+    let (cos, sin) = cpu::rope::rope_table(seq, head_dim, 10_000.0);
+    let (gcos, gsin) = (up(dev, &cos), up(dev, &sin));
+    let (mut out, mut lse) = (dev.alloc::<bf16>(len).unwrap(), up(dev, &vec![0.0; seq]));
+    let mut refuse = |qkv: Values, dims: &AttentionDims, tables: (&DeviceBuffer<f32>, &DeviceBuffer<f32>)| {
+        let result = cuda::attention::rotary_causal_attention_forward_packed(
+            dev,
+            qkv,
+            dims,
+            ValuesMut::Bf16(&mut out),
+            &mut lse,
+            tables,
+        );
+        assert!(matches!(result, Err(CudaError::Shape { .. })), "{result:?}");
+    };
+    // An f32 product (RoPE rotates f32 values before the staging rounds them: not this path).
+    let floats = up(dev, &vec![0.5; 3 * len]);
+    refuse(Values::F32(&floats), &dims, (&gcos, &gsin));
+    // A product of the wrong length.
+    let short = up_bf16(dev, &vec![0.5; 2 * len]);
+    refuse(Values::Bf16(&short), &dims, (&gcos, &gsin));
+    // Tables shorter than the sequence.
+    let packed = up_bf16(dev, &vec![0.5; 3 * len]);
+    let (cos, sin) = cpu::rope::rope_table(seq - 1, head_dim, 10_000.0);
+    let (short_cos, short_sin) = (up(dev, &cos), up(dev, &sin));
+    refuse(Values::Bf16(&packed), &dims, (&short_cos, &short_sin));
+    // Queries that are not the keys' tokens (a packed product has one length).
+    refuse(Values::Bf16(&packed), &AttentionDims { q_seq: seq - 1, ..dims }, (&gcos, &gsin));
 }

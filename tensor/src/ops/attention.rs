@@ -283,7 +283,10 @@ pub(crate) mod cuda {
         // Read by the packed product's backward (or the fused gate's) alone: bf16 alone.
         let dqkv = product_only_output(&dev, OP, &shape, |dqkv| {
             let (out, lse, dout) = (out.cuda_values(OP)?, lse.cuda_f32(OP)?, dout.cuda_values(OP)?);
-            Ok(launch::causal_attention_backward_packed(&dev, qkv, out, lse, dout, dims, dqkv, &table.cos, &table.sin)?)
+            let inputs = launch::QkvInputs::Dense(qkv);
+            Ok(launch::causal_attention_backward_packed(
+                &dev, inputs, out, lse, dout, dims, dqkv, &table.cos, &table.sin,
+            )?)
         })?;
         Ok(Some(dqkv))
     }

@@ -307,6 +307,49 @@ impl Tensor {
         Ok((x, checked))
     }
 
+    /// The backward of [`Tensor::fused_gated_add_rms_norm`] for the normalised output's
+    /// gradient `dy`, from the forward's `sum`, the norm's `weight` and `rstd`, and what the
+    /// group saved: `(d sum, d weight, the group's gradients)`, `d sum` with `dsum_so_far` (the
+    /// gradient the sum has from the later residual add) added in the norm's pass, the group's
+    /// gradients those of [`Tensor::fused_gated_projection_backward`] of `d sum`. The same
+    /// values as [`Tensor::rms_norm_backward`] then that; on the GPU the norm's weight gradient
+    /// is finished in the gate's column-sum launch (one launch fewer, the same bits).
+    pub fn fused_gated_add_rms_norm_backward(
+        saved: &FusedGateSaved,
+        (sum, weight, rstd): (&Tensor, &Tensor, &Tensor),
+        dy: &Tensor,
+        dsum_so_far: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor, Vec<Tensor>)> {
+        const NORM: &str = "fused_gated_add_rms_norm_backward";
+        let cols = sum.last_dim(NORM)?;
+        sum.check_weight(NORM, Some(weight), cols)?;
+        sum.check_like(NORM, dy)?;
+        if let Some(so_far) = dsum_so_far {
+            sum.check_like(NORM, so_far)?;
+        }
+        let dims = kernels::cpu::norm::NormDims::of(sum.numel(), cols, 0.0);
+        sum.check_row_stats(NORM, rstd, dims.rows)?;
+        let output_shape = with_last_dim(saved.x.shape(), cols);
+        match &saved.extra {
+            #[cfg(feature = "cuda")]
+            SavedExtra::Cuda { zu, packed } => {
+                let grads_of = (dy, dsum_so_far);
+                let (dsum, partials) =
+                    super::norm::cuda::rms_norm_backward_partial(sum, weight, rstd, grads_of, &dims)?;
+                let mut dw = crate::cuda::CudaStorage::alloc(&sum.cuda_device(NORM)?, cols)?;
+                let dy = dsum.reshape(&output_shape)?;
+                let finish = (&partials, dw.f32_buffer_mut(NORM)?);
+                let grads = cuda::backward(saved, zu, packed, cuda::GradSource::Direct(&dy), None, Some(finish))?;
+                Ok((dsum, Tensor::from_cuda(dw, &[cols])?, grads))
+            }
+            SavedExtra::Cpu(_) => {
+                let (dsum, dw) = Tensor::rms_norm_backward(sum, weight, rstd, dy, dsum_so_far)?;
+                let grads = Tensor::fused_gated_projection_backward(saved, &dsum.reshape(&output_shape)?, None)?;
+                Ok((dsum, dw, grads))
+            }
+        }
+    }
+
     /// The backward of [`Tensor::fused_gated_projections`] for the output gradient `dy`:
     /// `dx`, then each projection's `[dW, dA_c, da_c, dB_c, db_c, dα_c, dA_s, da_s, dB_s, db_s,
     /// dα_s]`, each shaped like its input. With `dx_so_far` (the gradient `x` has from the
@@ -336,7 +379,7 @@ impl Tensor {
             }
             #[cfg(feature = "cuda")]
             SavedExtra::Cuda { zu, packed } => {
-                cuda::backward(saved, zu, packed, cuda::GradSource::Direct(dy), dx_so_far)
+                cuda::backward(saved, zu, packed, cuda::GradSource::Direct(dy), dx_so_far, None)
             }
         }
     }
@@ -358,7 +401,7 @@ impl Tensor {
         if let SavedExtra::Cuda { zu, packed } = &saved.extra {
             if cuda::swiglu_in_gate(saved, zu, gated, dy) {
                 let source = cuda::GradSource::Swiglu { dy, gated };
-                return cuda::backward(saved, zu, packed, source, dx_so_far);
+                return cuda::backward(saved, zu, packed, source, dx_so_far, None);
             }
         }
         let dgated = Tensor::swiglu_halves_backward(gated, dy)?;
@@ -428,10 +471,12 @@ pub(crate) mod cuda {
     use half::bf16;
     use kernels::cpu::matmul::Store;
     use kernels::cuda::fused_gate::{
-        fused_gate_backward, fused_gate_forward_add_rms_norm, fused_gate_forward_rotary_qkv, fused_gate_forward_swiglu,
-        fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads, DeviceFusedGateParams, DeviceGateGrads,
-        DeviceGateParams, GateGroup, GateProducts, OutputGrad, ResidualNorm, RotaryQkv, Unary,
+        fused_gate_backward_with_norm, fused_gate_forward_add_rms_norm, fused_gate_forward_rotary_qkv,
+        fused_gate_forward_swiglu, fused_gate_forward_unfused, pack_weight, DeviceFusedGateGrads,
+        DeviceFusedGateParams, DeviceGateGrads, DeviceGateParams, GateGroup, GateProducts, OutputGrad, ResidualNorm,
+        RotaryQkv, Unary,
     };
+    use kernels::cuda::norm::RmsNormWeightPartials;
     use kernels::cuda::{CudaDevice, DeviceBuffer, DeviceValues, Values, ValuesMut};
 
     use super::{AddRmsNormOutput, Checked, FusedGateSaved, ProductOutput};
@@ -746,6 +791,7 @@ pub(crate) mod cuda {
         packed: &DeviceBuffer<bf16>,
         source: GradSource,
         dx_so_far: Option<Tensor>,
+        norm: Option<(&RmsNormWeightPartials, &mut DeviceBuffer<f32>)>,
     ) -> Result<Vec<Tensor>> {
         let FusedGateSaved { projections, x, phi, .. } = saved;
         let dev = x.cuda_device(OP)?;
@@ -832,7 +878,7 @@ pub(crate) mod cuda {
                     _ => unreachable!("checked by swiglu_in_gate"),
                 },
             };
-            fused_gate_backward(&dev, &group, zu, dout, products, &mut grads)?;
+            fused_gate_backward_with_norm(&dev, &group, zu, dout, products, &mut grads, norm)?;
         }
         let dx = match (dx_fresh, dx_so_far) {
             (Some(fresh), None) => Tensor::from_cuda(fresh, x.shape())?,

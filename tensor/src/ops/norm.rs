@@ -219,7 +219,7 @@ pub(crate) mod cuda {
     //! per-row statistics on the device, and backwards that write fresh gradients.
 
     use half::bf16;
-    use kernels::cuda::norm::{self as launch, NormDims, NormGrads, RowStats};
+    use kernels::cuda::norm::{self as launch, NormDims, NormGrads, RmsNormWeightPartials, RowStats};
     use kernels::cuda::DeviceBuffer;
 
     use super::{AddRmsNormOutput, LayerNormOutput, RmsNormOutput};
@@ -291,6 +291,30 @@ pub(crate) mod cuda {
         // stream, or the final norm's dx, the last block's output gradient).
         let dx = product_input_output(&dev, OP, x.shape(), launch)?;
         Ok((dx, Tensor::from_cuda(dw, &[dims.cols])?))
+    }
+
+    /// [`rms_norm_backward`]'s `dx` (checked by the caller), with the weight gradient left as
+    /// its partial sums for a later launch to finish (the fused gate's column sums).
+    pub(crate) fn rms_norm_backward_partial(
+        x: &Tensor,
+        weight: &Tensor,
+        rstd: &Tensor,
+        (dy, residual): (&Tensor, Option<&Tensor>),
+        dims: &NormDims,
+    ) -> Result<(Tensor, RmsNormWeightPartials)> {
+        const OP: &str = "rms_norm_backward";
+        let dev = x.cuda_device(OP)?;
+        let (x, w, rstd, dy) = (x.dense()?, weight.dense()?, rstd.dense()?, dy.dense()?);
+        let residual = residual.map(Tensor::dense).transpose()?;
+        let mut partials = None;
+        let dx = product_input_output(&dev, OP, x.shape(), |dx, dx_bf16| {
+            let (x, w, rstd, dy) = (x.cuda_f32(OP)?, w.cuda_f32(OP)?, rstd.cuda_f32(OP)?, dy.cuda_values(OP)?);
+            let residual = residual.as_ref().map(|r| r.cuda_f32(OP)).transpose()?;
+            let inputs = (x, w, rstd);
+            partials = Some(launch::rms_norm_backward_partial(&dev, inputs, (dy, residual), dims, (dx, dx_bf16))?);
+            Ok(())
+        })?;
+        Ok((dx, partials.expect("written by the launch")))
     }
 
     /// LayerNorm of `x` (`dims`) with optional `weight`/`bias [cols]`; `mean` and `rstd`

@@ -126,7 +126,7 @@ impl Tensor {
 
 /// The sizes of one part (q, k or v) of a packed `[B, T, 3·H·D]` QKV product of `heads`
 /// heads of an even width.
-fn qkv_dims(op: &'static str, shape: &[usize], heads: usize) -> Result<RopeDims> {
+pub(crate) fn qkv_dims(op: &'static str, shape: &[usize], heads: usize) -> Result<RopeDims> {
     let invalid = |reason: String| Error::InvalidShape { op, shape: shape.to_vec(), reason };
     let &[batch, seq, width] = shape else { return Err(invalid("expected [B, T, 3·H·D]".into())) };
     if heads == 0 || !width.is_multiple_of(3 * heads) || !(width / (3 * heads)).is_multiple_of(2) {

@@ -8,8 +8,9 @@ use super::super::blas::{gemm, GemmDims, Operand, Precision};
 use super::super::device::CudaDevice;
 use super::super::elementwise::unary_code;
 use super::super::error::{ensure, ensure_len, Result};
-use super::super::launch::{int, ptr, size};
+use super::super::launch::{check_owners, int, ptr, size};
 use super::super::module::Arg;
+use super::super::norm::RmsNormWeightPartials;
 use super::super::reduce::{column_sums_many, ColumnSum};
 use super::super::values::{kernel_for_gradient, DeviceValues, Values, ValuesMut};
 use super::{epilogue_group, group_lists, layout, BackwardSplit, GateGroup, Layout, FAMILY};
@@ -189,7 +190,28 @@ pub fn fused_gate_backward(
     products: GateProducts,
     grads: &mut DeviceFusedGateGrads,
 ) -> Result<()> {
+    fused_gate_backward_with_norm(dev, groups, zu, dout, products, grads, None)
+}
+
+/// [`fused_gate_backward`] of a gated output projection whose output a residual add and
+/// RMSNorm read (`fused_gate_forward_add_rms_norm`), with that norm's weight gradient `dw`
+/// finished from its backward's partial sums (`norm::rms_norm_backward_partial`) in the
+/// gate's column-sum launch: the same bits as the norm's own finish, one launch fewer.
+#[allow(clippy::too_many_arguments)]
+pub fn fused_gate_backward_with_norm(
+    dev: &CudaDevice,
+    groups: &[GateGroup],
+    zu: &DeviceValues,
+    dout: OutputGrad,
+    products: GateProducts,
+    grads: &mut DeviceFusedGateGrads,
+    norm: Option<(&RmsNormWeightPartials, &mut DeviceBuffer<f32>)>,
+) -> Result<()> {
     const OP: &str = "fused_gate_backward";
+    if let Some((partials, dw)) = &norm {
+        check_owners(dev, OP, &[partials.buffer(), &**dw])?;
+        ensure_len(OP, "the norm's dw", dw.len(), partials.cols())?;
+    }
     let layout = layout(dev, OP, groups)?;
     check_grads(dev, OP, groups, &layout, grads)?;
     zu.values().check_owner(dev, OP)?;
@@ -216,6 +238,9 @@ pub fn fused_gate_backward(
         let modulators = g.channel.iter_mut().chain(g.scalar.iter_mut()).flat_map(DeviceGateGrads::buffers);
         for buffer in [&mut *g.weights, &mut *g.b_channel, &mut *g.b_scalar].into_iter().chain(modulators) {
             dev.fill_zero(buffer)?;
+        }
+        if let Some((_, dw)) = norm {
+            dev.fill_zero(dw)?;
         }
         return g.x.fill_zero(dev);
     }
@@ -277,7 +302,7 @@ pub fn fused_gate_backward(
     // The cross-row sums over the blocks' terms: db_c, dB_c, da, dα, db_s and dB_s of every
     // projection in one launch (dB_c of every projection as one sum: its terms have the
     // packed gradient's layout).
-    let sum = |src, cols, ld, dst: u64| ColumnSum { src, cols, ld, dst };
+    let sum = |src, cols, ld, dst: u64| ColumnSum { src, cols, ld, dst, own_rows: None };
     let mut sums = Vec::with_capacity(7 * count + 1);
     if rc > 0 {
         sums.push(sum(weight_terms.device_ptr(), out_width * rc, out_width * rc, g.b_channel.device_ptr()));
@@ -296,6 +321,9 @@ pub fn fused_gate_backward(
             sum(row_term(2), 1, terms_ld, s.b_bias.device_ptr()),
             sum(row_term(3), rs, terms_ld, g.b_scalar.ptr_at(i * rs)),
         ]);
+    }
+    if let Some((partials, dw)) = &norm {
+        sums.push(partials.finish_sum(dw.device_ptr()));
     }
     column_sums_many(dev, blocks, &sums)?;
 

@@ -41,7 +41,9 @@ pub use crate::cpu::unary::Unary;
 
 mod backward;
 
-pub use backward::{fused_gate_backward, DeviceFusedGateGrads, DeviceGateGrads, GateProducts, OutputGrad};
+pub use backward::{
+    fused_gate_backward, fused_gate_backward_with_norm, DeviceFusedGateGrads, DeviceGateGrads, GateProducts, OutputGrad,
+};
 
 use super::allocator::DeviceBuffer;
 use super::blas::{gemm, GemmDims, Operand, Precision};

@@ -10,7 +10,10 @@
 // twin beside it when given a bf16 pointer too) or in bf16 alone (its f32 pointer null): under
 // bf16 products the projections' products read them so. Given RoPE's tables it writes them as
 // the packed QKV product's gradient instead, dq and dk rotated back (RowsOut below), so that
-// RoPE's backward takes no launch of its own. dO is f32, or bf16
+// RoPE's backward takes no launch of its own. The bf16 inputs may also be read straight from
+// the packed QKV product ([B, T, 3, H, D], tokens 3·H·D elements apart) unrotated, q and k
+// rotated by RoPE's tables as they are loaded (RowsIn below), so that RoPE's forward takes no
+// launch either. dO is f32, or bf16
 // beside bf16 q, k, v and O (the _bf16_dout_bf16 entry points: the output projection's input
 // gradient, stored so under bf16 products); the products read it rounded to bf16 either way,
 // so a bf16 dO gives the bits of the f32 one it rounds.
@@ -52,9 +55,22 @@
                                  // of 16 bytes one ldmatrix matrix reads fall in distinct banks
                                  // for every supported D, and rows stay 16-byte aligned
 
-__device__ __forceinline__ i64 head_row(i64 b, i64 t, i64 h, i64 seq, i64 heads, i64 head_dim) {
-    return ((b * seq + t) * heads + h) * head_dim;
+// Where row (b, t) of head h starts in a tensor whose tokens are `stride` elements apart (H·D
+// when dense [B, T, H, D]; 3·H·D in the packed QKV product).
+template <int D>
+__device__ __forceinline__ i64 head_row(i64 b, i64 t, i64 h, i64 seq, i64 stride) {
+    return (b * seq + t) * stride + h * D;
 }
+
+// How a kernel reads q, k and v: tokens `stride` elements apart and, when `cos` is given
+// (bf16 inputs, Tq = Tk), q and k rotated by RoPE's tables ([positions, D/2], rope.cu: row t
+// at position t) as they are loaded: widened, rotated in f32 (common.cuh's rope_rotate_pair)
+// and rounded to bf16, the bits rope.cu writes from the same bf16 product. v is never rotated.
+struct RowsIn {
+    i64 stride;
+    const float* cos;
+    const float* sin;
+};
 
 // Two floats rounded to bf16 in one register, the first in the low half.
 __device__ __forceinline__ unsigned int bf16x2(float lo, float hi) {
@@ -70,7 +86,7 @@ __device__ __forceinline__ unsigned int bf16x2(float lo, float hi) {
 #define STAGE_BATCH 4
 template <int D>
 __device__ __forceinline__ void stage_tile(bf16_t* tile, const float* src, i64 b, i64 h, i64 t0, i64 limit, i64 seq,
-                                           i64 heads) {
+                                           i64 stride) {
     constexpr int PER_THREAD = TC_TILE * D / 4 / TC_THREADS;  // D / 8 chunks of 4 values
     constexpr int BATCH = PER_THREAD < STAGE_BATCH ? PER_THREAD : STAGE_BATCH;
 #pragma unroll
@@ -82,7 +98,7 @@ __device__ __forceinline__ void stage_tile(bf16_t* tile, const float* src, i64 b
             const i64 t = t0 + r;
             chunk[i] = f32x4{};
             if (i0 + i < PER_THREAD && t < limit)
-                chunk[i] = *reinterpret_cast<const f32x4*>(src + head_row(b, t, h, seq, heads, D) + c);
+                chunk[i] = *reinterpret_cast<const f32x4*>(src + head_row<D>(b, t, h, seq, stride) + c);
         }
 #pragma unroll
         for (int i = 0; i < BATCH; ++i) {
@@ -101,23 +117,46 @@ __device__ __forceinline__ void stage_tile(bf16_t* tile, const float* src, i64 b
 // the kernels below stage the next tile while they multiply the current one.
 template <int D>
 __device__ __forceinline__ void stage_tile(bf16_t* tile, const bf16_t* src, i64 b, i64 h, i64 t0, i64 limit, i64 seq,
-                                           i64 heads) {
+                                           i64 stride) {
     constexpr int COPIES = TC_TILE * D / 8 / TC_THREADS;
 #pragma unroll
     for (int i = 0; i < COPIES; ++i) {
         const int e = threadIdx.x + i * TC_THREADS, r = e / (D / 8), c = 8 * (e % (D / 8));
         const i64 t = t0 + r;
         const bool row = t < limit;
-        cp_async(tile + r * (D + TC_PAD) + c, row ? src + head_row(b, t, h, seq, heads, D) + c : src, 16, row ? 16 : 0);
+        cp_async(tile + r * (D + TC_PAD) + c, row ? src + head_row<D>(b, t, h, seq, stride) + c : src, 16, row ? 16 : 0);
     }
 }
 
 // Key tile s0 of head (b, h) into one K and one V buffer (the forward's and dq's operands).
 template <int D, typename In>
 __device__ __forceinline__ void stage_key_tile(bf16_t* k_tile, bf16_t* v_tile, const In* k, const In* v, i64 b, i64 h,
-                                               i64 s0, i64 kv_seq, i64 heads) {
-    stage_tile<D>(k_tile, k, b, h, s0, kv_seq, kv_seq, heads);
-    stage_tile<D>(v_tile, v, b, h, s0, kv_seq, kv_seq, heads);
+                                               i64 s0, i64 kv_seq, i64 stride) {
+    stage_tile<D>(k_tile, k, b, h, s0, kv_seq, kv_seq, stride);
+    stage_tile<D>(v_tile, v, b, h, s0, kv_seq, kv_seq, stride);
+}
+
+// Rotates the rows t0.. below `limit` of a complete staged tile in place by RoPE's tables
+// (RowsIn), 4 pairs at a time (8-byte shared and 16-byte table accesses). The caller's barrier
+// then makes the rotated tile visible to the block.
+template <int D>
+__device__ __forceinline__ void rotate_tile(bf16_t* tile, i64 t0, i64 limit, const float* cos, const float* sin) {
+    constexpr int GROUPS = D / 8;  // groups of 4 pairs per row
+    for (int e = threadIdx.x; e < TC_TILE * GROUPS; e += TC_THREADS) {
+        const int r = e / GROUPS, c = 4 * (e % GROUPS);
+        const i64 t = t0 + r;
+        if (t >= limit) continue;
+        bf16_t* lo_at = tile + r * (D + TC_PAD) + c;
+        float a[4], b[4], co[4], si[4], lo[4], hi[4];
+        load_f32(a, (const bf16_t*)lo_at);
+        load_f32(b, (const bf16_t*)(lo_at + D / 2));
+        load_f32(co, cos + t * (D / 2) + c);
+        load_f32(si, sin + t * (D / 2) + c);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) rope_rotate_pair(a[k], b[k], co[k], si[k], 1.0f, lo[k], hi[k]);
+        store_bf16(lo_at, lo);
+        store_bf16(lo_at + D / 2, hi);
+    }
 }
 
 // The current tile is in once this returns: the copies issued since the last call (the next
@@ -137,16 +176,19 @@ __device__ __forceinline__ unsigned int pair_bf16(const float* p) {
 __device__ __forceinline__ unsigned int pair_bf16(const bf16_t* p) { return *reinterpret_cast<const unsigned int*>(p); }
 
 // The A fragments of rows row0..row0+15 of head (b, h) of `src` (f32 or bf16, rows ≥ limit
-// are zero), straight from global memory into registers: frag[kk] covers columns
-// 16·kk..16·kk+15.
+// are zero; tokens `stride` elements apart), straight from global memory into registers:
+// frag[kk] covers columns 16·kk..16·kk+15. Given RoPE's tables (bf16 `src`, RowsIn), each row
+// is rotated as it is loaded: a lane holds columns 8m + 2t and 8m + 2t + 1 of its rows for
+// every m, so column c < D/2 and its partner c + D/2 (D/2 a multiple of 8) are the same lane's.
 template <int D, typename In>
 __device__ __forceinline__ void load_a_rows(unsigned int (*frag)[4], const In* src, i64 b, i64 h, i64 row0, i64 limit,
-                                            i64 seq, i64 heads) {
+                                            i64 seq, i64 stride, const float* cos = nullptr,
+                                            const float* sin = nullptr) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         i64 row = row0 + g + 8 * half;
-        const In* p = src + head_row(b, row, h, seq, heads, D);
+        const In* p = src + head_row<D>(b, row, h, seq, stride);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             int c = 16 * kk + 2 * t;
@@ -155,6 +197,26 @@ __device__ __forceinline__ void load_a_rows(unsigned int (*frag)[4], const In* s
             if (row < limit) {
                 frag[kk][half] = pair_bf16(p + c);
                 frag[kk][half + 2] = pair_bf16(p + c + 8);
+            }
+        }
+        if (cos && row < limit) {
+            // Columns 8m + 2t, +1 sit in frag[m / 2][half + 2·(m % 2)].
+#pragma unroll
+            for (int m = 0; m < D / 16; ++m) {
+                const int pm = m + D / 16, c = 8 * m + 2 * t;
+                unsigned int& lo_word = frag[m / 2][half + 2 * (m % 2)];
+                unsigned int& hi_word = frag[pm / 2][half + 2 * (pm % 2)];
+                const f32x2 co = *reinterpret_cast<const f32x2*>(cos + row * (D / 2) + c);
+                const f32x2 si = *reinterpret_cast<const f32x2*>(sin + row * (D / 2) + c);
+                float lo[2], hi[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float a = bf16_to_f32((bf16_t)(lo_word >> (16 * e)));
+                    const float b = bf16_to_f32((bf16_t)(hi_word >> (16 * e)));
+                    rope_rotate_pair(a, b, co.v[e], si.v[e], 1.0f, lo[e], hi[e]);
+                }
+                lo_word = bf16x2(lo[0], lo[1]);
+                hi_word = bf16x2(hi[0], hi[1]);
             }
         }
     }
@@ -362,7 +424,7 @@ __device__ __forceinline__ void forward_tile(const unsigned int (*qa)[4], const 
 }
 
 template <int D, typename In>
-__device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, const In* v, float* out,
+__device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, const In* v, RowsIn in, float* out,
                                                       bf16_t* out_bf16, float* lse, i64 q_seq, i64 kv_seq, i64 heads,
                                                       float scale) {
     __shared__ __align__(16) bf16_t k_tiles[2][TC_TILE * (D + TC_PAD)];
@@ -372,10 +434,10 @@ __device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, 
     const i64 b = w.b, h = w.h, row0 = w.row0;
 
     // Key tile i goes into buffer i & 1: tile i + 1 is staged while tile i is multiplied.
-    stage_key_tile<D>(k_tiles[0], v_tiles[0], k, v, b, h, 0, kv_seq, heads);
+    stage_key_tile<D>(k_tiles[0], v_tiles[0], k, v, b, h, 0, kv_seq, in.stride);
     cp_async_commit();
     unsigned int qa[D / 16][4];
-    load_a_rows<D>(qa, q, b, h, row0, q_seq, q_seq, heads);
+    load_a_rows<D>(qa, q, b, h, row0, q_seq, q_seq, in.stride, in.cos, in.sin);
     float o[D / 8][4];
 #pragma unroll
     for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
@@ -384,9 +446,13 @@ __device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, 
     int buf = 0;
     for (i64 s0 = 0; s0 < w.end; s0 += TC_TILE, buf ^= 1) {
         if (s0 + TC_TILE < w.end) {
-            stage_key_tile<D>(k_tiles[buf ^ 1], v_tiles[buf ^ 1], k, v, b, h, s0 + TC_TILE, kv_seq, heads);
+            stage_key_tile<D>(k_tiles[buf ^ 1], v_tiles[buf ^ 1], k, v, b, h, s0 + TC_TILE, kv_seq, in.stride);
         }
         wait_for_tile();
+        if (in.cos) {
+            rotate_tile<D>(k_tiles[buf], s0, kv_seq, in.cos, in.sin);
+            __syncthreads();
+        }
         // Warp-uniform: only where some key of the tile is visible to the warp's queries.
         if (row0 < q_seq && s0 <= w.warp_last) {
             forward_tile<D>(qa, k_tiles[buf], v_tiles[buf], s0, kv_seq, w, scale, o, m, l);
@@ -448,7 +514,7 @@ __device__ __forceinline__ void dq_tile(const unsigned int (*qa)[4], const unsig
 }
 
 template <int D, typename In, typename O, typename Dy>
-__device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In* k, const In* v,
+__device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In* k, const In* v, RowsIn in,
                                                           const O* out, const Dy* dout, const float* lse,
                                                           float* delta, float* dq, bf16_t* dq_bf16,
                                                           i64 grad_stride, const float* cos_table,
@@ -463,7 +529,7 @@ __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In*
     float* delta_bh = delta + (b * heads + h) * q_seq;
 
     // Key tile i goes into buffer i & 1 (as in the forward); the first is in flight during δ.
-    stage_key_tile<D>(k_tiles[0], v_tiles[0], k, v, b, h, 0, kv_seq, heads);
+    stage_key_tile<D>(k_tiles[0], v_tiles[0], k, v, b, h, 0, kv_seq, in.stride);
     cp_async_commit();
 
     // δ_i = Σ_d dO_i·O_i = Σ_s P_is·dP_is in f32 (O as stored, f32 or bf16), with dO rounded
@@ -477,7 +543,7 @@ __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In*
         const i64 row = row0 + r;
         float sum = 0.0f;
         if (row < q_seq) {
-            const i64 at = head_row(b, row, h, q_seq, heads, D);
+            const i64 at = head_row<D>(b, row, h, q_seq, heads * D);
             for (int d = part * (D / 2); d < (part + 1) * (D / 2); ++d) {
                 sum += as_bf16_rounded(dout[at + d]) * as_f32(out[at + d]);
             }
@@ -493,8 +559,8 @@ __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In*
     }
 
     unsigned int qa[D / 16][4], doa[D / 16][4];
-    load_a_rows<D>(qa, q, b, h, row0, q_seq, q_seq, heads);
-    load_a_rows<D>(doa, dout, b, h, row0, q_seq, q_seq, heads);
+    load_a_rows<D>(qa, q, b, h, row0, q_seq, q_seq, in.stride, in.cos, in.sin);
+    load_a_rows<D>(doa, dout, b, h, row0, q_seq, q_seq, heads * D);
     float acc[D / 8][4];
 #pragma unroll
     for (int nd = 0; nd < D / 8; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.0f;
@@ -502,9 +568,13 @@ __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In*
     int buf = 0;
     for (i64 s0 = 0; s0 < w.end; s0 += TC_TILE, buf ^= 1) {
         if (s0 + TC_TILE < w.end) {
-            stage_key_tile<D>(k_tiles[buf ^ 1], v_tiles[buf ^ 1], k, v, b, h, s0 + TC_TILE, kv_seq, heads);
+            stage_key_tile<D>(k_tiles[buf ^ 1], v_tiles[buf ^ 1], k, v, b, h, s0 + TC_TILE, kv_seq, in.stride);
         }
         wait_for_tile();
+        if (in.cos) {
+            rotate_tile<D>(k_tiles[buf], s0, kv_seq, in.cos, in.sin);
+            __syncthreads();
+        }
         if (row0 < q_seq && s0 <= w.warp_last) {  // warp-uniform
             dq_tile<D>(qa, doa, k_tiles[buf], v_tiles[buf], s0, kv_seq, w, scale, row_lse, row_delta, acc);
         }
@@ -522,10 +592,11 @@ __device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In*
 template <int D, typename In, typename Dy>
 __device__ __forceinline__ void stage_query_tile(bf16_t* q_tile, bf16_t* do_tile, float* lse_tile, float* delta_tile,
                                                  const In* q, const Dy* dout, const float* lse_bh,
-                                                 const float* delta_bh, i64 b, i64 h, i64 i0, i64 q_seq, i64 heads) {
+                                                 const float* delta_bh, i64 b, i64 h, i64 i0, i64 q_seq, i64 heads,
+                                                 i64 q_stride) {
     static_assert(TC_THREADS == 2 * TC_TILE, "a thread for each lse and each δ of a tile");
-    stage_tile<D>(q_tile, q, b, h, i0, q_seq, q_seq, heads);
-    stage_tile<D>(do_tile, dout, b, h, i0, q_seq, q_seq, heads);
+    stage_tile<D>(q_tile, q, b, h, i0, q_seq, q_seq, q_stride);
+    stage_tile<D>(do_tile, dout, b, h, i0, q_seq, q_seq, heads * D);
     const bool lse_part = threadIdx.x < TC_TILE;
     const int e = threadIdx.x % TC_TILE;
     const i64 i = i0 + e;
@@ -562,7 +633,7 @@ __device__ __forceinline__ void dkv_tile(const unsigned int (*ka)[4], const unsi
 }
 
 template <int D, typename In, typename Dy>
-__device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In* k, const In* v,
+__device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In* k, const In* v, RowsIn in,
                                                            const Dy* dout, const float* lse, const float* delta,
                                                            float* dk, bf16_t* dk_bf16, float* dv, bf16_t* dv_bf16,
                                                            i64 grad_stride, const float* cos_table,
@@ -584,11 +655,11 @@ __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In
 
     // Query tile n goes into buffer n & 1: tile n + 1 is staged while tile n is multiplied.
     stage_query_tile<D>(q_tiles[0], do_tiles[0], lse_tiles[0], delta_tiles[0], q, dout, lse_bh, delta_bh, b, h,
-                        i_start, q_seq, heads);
+                        i_start, q_seq, heads, in.stride);
     cp_async_commit();
     unsigned int ka[D / 16][4], va[D / 16][4];
-    load_a_rows<D>(ka, k, b, h, row0, kv_seq, kv_seq, heads);
-    load_a_rows<D>(va, v, b, h, row0, kv_seq, kv_seq, heads);
+    load_a_rows<D>(ka, k, b, h, row0, kv_seq, kv_seq, in.stride, in.cos, in.sin);
+    load_a_rows<D>(va, v, b, h, row0, kv_seq, kv_seq, in.stride);
     float acc_k[D / 8][4], acc_v[D / 8][4];
 #pragma unroll
     for (int nd = 0; nd < D / 8; ++nd) {
@@ -600,9 +671,13 @@ __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In
     for (i64 i0 = i_start; i0 < q_seq; i0 += TC_TILE, buf ^= 1) {
         if (i0 + TC_TILE < q_seq) {
             stage_query_tile<D>(q_tiles[buf ^ 1], do_tiles[buf ^ 1], lse_tiles[buf ^ 1], delta_tiles[buf ^ 1], q, dout,
-                                lse_bh, delta_bh, b, h, i0 + TC_TILE, q_seq, heads);
+                                lse_bh, delta_bh, b, h, i0 + TC_TILE, q_seq, heads, in.stride);
         }
         wait_for_tile();
+        if (in.cos) {
+            rotate_tile<D>(q_tiles[buf], i0, q_seq, in.cos, in.sin);
+            __syncthreads();
+        }
         // Warp-uniform: only where the warp has keys and some query of the tile sees one.
         if (row0 < kv_seq && i0 + TC_TILE - 1 + offset >= row0) {
             dkv_tile<D>(ka, va, q_tiles[buf], do_tiles[buf], lse_tiles[buf], delta_tiles[buf], i0, q_seq, kv_seq, key,
@@ -616,52 +691,56 @@ __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In
 }
 
 // ---------------------------------------------------------------------------------------
-// One entry point per kernel and supported head dim (attention.rs picks by D).
+// One entry point per kernel and supported head dim (attention.rs picks by D). Every one takes
+// its inputs' RowsIn after q, k and v (the f32 ones dense and unrotated: attention.rs passes
+// RoPE's tables only beside bf16 inputs).
+#define MMA_IN_PARAMS i64 in_stride, const float *in_cos, const float *in_sin
+#define MMA_IN_ARGS RowsIn{in_stride, in_cos, in_sin}
 
 #define MMA_FORWARD_PARAMS \
-    const float *q, const float *k, const float *v, float *out, bf16_t *out_bf16, float *lse, i64 q_seq, i64 kv_seq, \
+    const float *q, const float *k, const float *v, MMA_IN_PARAMS, float *out, bf16_t *out_bf16, float *lse, i64 q_seq, i64 kv_seq, \
         i64 heads, float scale
 #define MMA_FORWARD_BF16_PARAMS \
-    const bf16_t *q, const bf16_t *k, const bf16_t *v, float *out, bf16_t *out_bf16, float *lse, i64 q_seq, \
+    const bf16_t *q, const bf16_t *k, const bf16_t *v, MMA_IN_PARAMS, float *out, bf16_t *out_bf16, float *lse, i64 q_seq, \
         i64 kv_seq, i64 heads, float scale
-#define MMA_FORWARD_ARGS q, k, v, out, out_bf16, lse, q_seq, kv_seq, heads, scale
+#define MMA_FORWARD_ARGS q, k, v, MMA_IN_ARGS, out, out_bf16, lse, q_seq, kv_seq, heads, scale
 #define MMA_DQ_PARAMS                                                                                            \
-    const float *q, const float *k, const float *v, const float *out, const float *dout, const float *lse,    \
+    const float *q, const float *k, const float *v, MMA_IN_PARAMS, const float *out, const float *dout, const float *lse,    \
         float *delta, float *dq, bf16_t *dq_bf16, i64 grad_stride, const float *cos_table,                  \
         const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DQ_BF16_PARAMS                                                                                       \
-    const bf16_t *q, const bf16_t *k, const bf16_t *v, const bf16_t *out, const float *dout, const float *lse, \
+    const bf16_t *q, const bf16_t *k, const bf16_t *v, MMA_IN_PARAMS, const bf16_t *out, const float *dout, const float *lse, \
         float *delta, float *dq, bf16_t *dq_bf16, i64 grad_stride, const float *cos_table,                  \
         const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DQ_DOUT_BF16_PARAMS                                                                                  \
-    const bf16_t *q, const bf16_t *k, const bf16_t *v, const bf16_t *out, const bf16_t *dout, const float *lse, \
+    const bf16_t *q, const bf16_t *k, const bf16_t *v, MMA_IN_PARAMS, const bf16_t *out, const bf16_t *dout, const float *lse, \
         float *delta, float *dq, bf16_t *dq_bf16, i64 grad_stride, const float *cos_table,                  \
         const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DQ_ARGS \
-    q, k, v, out, dout, lse, delta, dq, dq_bf16, grad_stride, cos_table, sin_table, q_seq, kv_seq, heads, scale
+    q, k, v, MMA_IN_ARGS, out, dout, lse, delta, dq, dq_bf16, grad_stride, cos_table, sin_table, q_seq, kv_seq, heads, scale
 #define MMA_DKV_PARAMS                                                                                           \
-    const float *q, const float *k, const float *v, const float *dout, const float *lse, const float *delta,  \
+    const float *q, const float *k, const float *v, MMA_IN_PARAMS, const float *dout, const float *lse, const float *delta,  \
         float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 grad_stride, const float *cos_table,    \
         const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DKV_BF16_PARAMS                                                                                      \
-    const bf16_t *q, const bf16_t *k, const bf16_t *v, const float *dout, const float *lse, const float *delta, \
+    const bf16_t *q, const bf16_t *k, const bf16_t *v, MMA_IN_PARAMS, const float *dout, const float *lse, const float *delta, \
         float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 grad_stride, const float *cos_table,    \
         const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DKV_DOUT_BF16_PARAMS                                                                                    \
-    const bf16_t *q, const bf16_t *k, const bf16_t *v, const bf16_t *dout, const float *lse, const float *delta, \
+    const bf16_t *q, const bf16_t *k, const bf16_t *v, MMA_IN_PARAMS, const bf16_t *dout, const float *lse, const float *delta, \
         float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 grad_stride, const float *cos_table,    \
         const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
 #define MMA_DKV_ARGS \
-    q, k, v, dout, lse, delta, dk, dk_bf16, dv, dv_bf16, grad_stride, cos_table, sin_table, q_seq, kv_seq, heads, scale
+    q, k, v, MMA_IN_ARGS, dout, lse, delta, dk, dk_bf16, dv, dv_bf16, grad_stride, cos_table, sin_table, q_seq, kv_seq, heads, scale
 
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d16(MMA_FORWARD_PARAMS) { attention_mma_forward<16>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d32(MMA_FORWARD_PARAMS) { attention_mma_forward<32>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d48(MMA_FORWARD_PARAMS) { attention_mma_forward<48>(MMA_FORWARD_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d64(MMA_FORWARD_PARAMS) { attention_mma_forward<64>(MMA_FORWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 3) attention_mma_forward_d64(MMA_FORWARD_PARAMS) { attention_mma_forward<64>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_bf16_d16(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<16>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_bf16_d32(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<32>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_bf16_d48(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<48>(MMA_FORWARD_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_bf16_d64(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<64>(MMA_FORWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 3) attention_mma_forward_bf16_d64(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<64>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_d16(MMA_DQ_PARAMS) { attention_mma_backward_dq<16>(MMA_DQ_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_d32(MMA_DQ_PARAMS) { attention_mma_backward_dq<32>(MMA_DQ_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_d48(MMA_DQ_PARAMS) { attention_mma_backward_dq<48>(MMA_DQ_ARGS); }

@@ -62,30 +62,35 @@ extern "C" __global__ void column_sums_finish(const float* partial, i64 outer, i
     }
 }
 
-// Several column sums over the same rows in one launch (the fused gate's bias, α and B
-// gradients, from its row kernel's block terms): sum s reads srcs.v[s] (cols.v[s] columns,
-// row stride lds.v[s]), dsts.v[s][col] = Σ_r src[r·ld + col]. Grid (Σ_s ⌈cols/32⌉, chunks):
-// sum s has the blocks from first_block.v[s] on, one per 32 of its own columns. Each block
+// Several column sums in one launch (the fused gate's bias, α and B gradients, from its row
+// kernel's block terms, and a residual RMSNorm's weight gradient from its lane partials): sum
+// s reads rows_of.v[s] rows of srcs.v[s] (cols.v[s] columns, row stride lds.v[s]) in chunks of
+// per_chunk_of.v[s] rows, dsts.v[s][col] = Σ_r src[r·ld + col]. Grid (Σ_s ⌈cols/32⌉, the most
+// chunks of any sum): sum s has the blocks from first_block.v[s] on, one per 32 of its own
+// columns; a block past its sum's chunks only counts itself in. Each block
 // writes one chunk's sums of its 32 columns, partial[partial_at.v[s] + chunk·cols + col]; the
 // last of the chunks' blocks of a column block (last_block_to_arrive on arrivals[blockIdx.x])
 // adds its columns' chunks in order in f64 (chunk_total: column_sums_finish's additions, so
 // each sum has column_sums' bits), with the whole parallelism of a separate finish kernel's
 // block and no second launch.
 extern "C" __global__ void column_sums_many(TensorList srcs, TensorList cols_of, TensorList lds,
-                                            TensorList first_block, i64 count, i64 rows, i64 rows_per_chunk,
-                                            TensorList partial_at, float* partial, TensorList dsts,
-                                            unsigned int* arrivals) {
+                                            TensorList first_block, i64 count, TensorList rows_of,
+                                            TensorList per_chunk_of, TensorList partial_at, float* partial,
+                                            TensorList dsts, unsigned int* arrivals) {
     __shared__ float tile[8][33];
     __shared__ float finish[8][32];  // chunk_total's tile: 8 chunks side by side (the block's rows)
     const int s = list_entry_of_block(first_block, count);
-    const i64 cols = cols_of.v[s], ld = lds.v[s];
+    const i64 cols = cols_of.v[s], ld = lds.v[s], rows = rows_of.v[s], rows_per_chunk = per_chunk_of.v[s];
     const i64 col = ((i64)blockIdx.x - first_block.v[s]) * 32 + threadIdx.x;
     const bool valid = col < cols;
-    const i64 chunk = blockIdx.y, chunks = gridDim.y;
-    const i64 r0 = chunk * rows_per_chunk;
-    const i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
-    column_chunk_sum((const float*)srcs.v[s] + col, ld, valid, r0, r1, tile,
-                     partial + partial_at.v[s] + chunk * cols + col);
+    const i64 chunk = blockIdx.y;
+    const i64 chunks = rows > rows_per_chunk ? (rows + rows_per_chunk - 1) / rows_per_chunk : 1;
+    if (chunk < chunks) {  // block-uniform
+        const i64 r0 = chunk * rows_per_chunk;
+        const i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+        column_chunk_sum((const float*)srcs.v[s] + col, ld, valid, r0, r1, tile,
+                         partial + partial_at.v[s] + chunk * cols + col);
+    }
     if (!last_block_to_arrive(arrivals + blockIdx.x, gridDim.y)) return;
     const volatile float* totals = partial + partial_at.v[s] + col;
     const float total = chunk_total(chunks, valid, finish, [&](i64 c) { return totals[c * cols]; });
