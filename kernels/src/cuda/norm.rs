@@ -349,20 +349,8 @@ fn layer_norm_param_grads(
 #[cfg(all(test, feature = "cuda-emu"))]
 mod tests {
     use super::super::reduce::column_sums_many;
+    use super::super::reduce::tests::values;
     use super::*;
-
-    /// Values in [-1, 1) whose sums round differently in another order.
-    fn values(len: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
-    }
 
     /// The weight gradient's partials finished in a column-sum launch beside other sums of
     /// other rows (as the fused gate finishes them: `finish_sum`) are the bits of

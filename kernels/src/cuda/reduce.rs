@@ -261,11 +261,11 @@ pub fn sum_squares_partials(dev: &CudaDevice, xs: &[DeviceRun<f32>]) -> Result<D
 }
 
 #[cfg(all(test, feature = "cuda-emu"))]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// Values in [-1, 1) whose sums round differently in another order.
-    fn values(len: usize, seed: u64) -> Vec<f32> {
+    pub(in crate::cuda) fn values(len: usize, seed: u64) -> Vec<f32> {
         let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         (0..len)
             .map(|_| {
