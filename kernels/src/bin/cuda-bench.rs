@@ -696,7 +696,7 @@ fn bench_rotary_on_load(dev: &CudaDevice, dims: &AttentionDims, dout: Values) ->
         rotary_causal_attention_forward_packed(dev, Values::Bf16(&qkv), dims, ValuesMut::Bf16(out), lse, (&cos, &sin))
     };
     let on_load_forward_s = best_seconds(dev, || on_load(&mut out, &mut lse))?;
-    let packed = QkvInputs::Packed { qkv: Values::Bf16(&qkv), cos: &cos, sin: &sin };
+    let packed = QkvInputs::Packed(Values::Bf16(&qkv));
     let on_load_train_s = best_seconds(dev, || {
         on_load(&mut out, &mut lse)?;
         backward(packed, &out, &lse, &mut dqkv)

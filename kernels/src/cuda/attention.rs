@@ -261,7 +261,7 @@ pub fn causal_attention_forward(
     }
     let out_bf16 = if out.is_bf16() { out.arg_at(0) } else { opt_ptr(out_bf16.as_deref()) };
     if precision == AttentionPrecision::Bf16 {
-        let inputs = QkvInputs::Dense([q, k, v]).rows_in(dims);
+        let inputs = RowsIn::dense([q, k, v], dims);
         return launch_mma_forward(dev, &d, inputs, bf16_inputs, [Arg::Ptr(out.f32_address()), out_bf16], lse);
     }
     let mut args = vec![q.arg_at(0), k.arg_at(0), v.arg_at(0), Arg::Ptr(out.f32_address()), out_bf16, ptr(lse)];
@@ -277,10 +277,10 @@ pub enum QkvInputs<'a> {
     /// rotary epilogue, has rotated q and k already).
     Dense([Values<'a>; 3]),
     /// The packed QKV product `[B, T, 3, H, D]` in bf16, q and k not rotated: the kernels
-    /// rotate them by RoPE's tables (token t at position t) as they load them, with rope.cu's
-    /// arithmetic and rounding, so they compute what they would from `rope_qkv_forward`'s
-    /// outputs, bit for bit.
-    Packed { qkv: Values<'a>, cos: &'a DeviceBuffer<f32>, sin: &'a DeviceBuffer<f32> },
+    /// rotate them by RoPE's tables (the ones the launcher is given, token t at position t) as
+    /// they load them, with rope.cu's arithmetic and rounding, so they compute what they would
+    /// from `rope_qkv_forward`'s outputs, bit for bit.
+    Packed(Values<'a>),
 }
 
 /// A kernel's q, k and v arguments and their `RowsIn`: the three addresses, the elements
@@ -290,24 +290,33 @@ struct RowsIn {
     layout: [Arg; 3],
 }
 
-impl QkvInputs<'_> {
-    /// The kernels' arguments for these inputs of `dims` (checked by the caller).
-    fn rows_in(&self, dims: &AttentionDims) -> RowsIn {
+impl RowsIn {
+    /// Dense q, k and v of `dims`, read as they are.
+    fn dense(qkv: [Values; 3], dims: &AttentionDims) -> RowsIn {
         let width = dims.heads * dims.head_dim;
-        match self {
-            QkvInputs::Dense(qkv) => {
-                RowsIn { qkv: qkv.map(|x| x.arg_at(0)), layout: [size(width), Arg::Ptr(0), Arg::Ptr(0)] }
-            }
-            QkvInputs::Packed { qkv, cos, sin } => RowsIn {
-                qkv: [qkv.arg_at(0), qkv.arg_at(width), qkv.arg_at(2 * width)],
-                layout: [size(3 * width), ptr(*cos), ptr(*sin)],
-            },
+        RowsIn { qkv: qkv.map(|x| x.arg_at(0)), layout: [size(width), Arg::Ptr(0), Arg::Ptr(0)] }
+    }
+
+    /// A packed product of `dims`, its q and k rotated by `[cos, sin]` as they are loaded.
+    fn packed(qkv: Values, dims: &AttentionDims, [cos, sin]: [Arg; 2]) -> RowsIn {
+        let width = dims.heads * dims.head_dim;
+        RowsIn { qkv: [qkv.arg_at(0), qkv.arg_at(width), qkv.arg_at(2 * width)], layout: [size(3 * width), cos, sin] }
+    }
+}
+
+impl QkvInputs<'_> {
+    /// The kernels' arguments for these inputs of `dims` (checked by the caller): a packed
+    /// product's q and k rotated by `tables` (`[cos, sin]`), dense ones read as they are.
+    fn rows_in(&self, dims: &AttentionDims, tables: [Arg; 2]) -> RowsIn {
+        match *self {
+            QkvInputs::Dense(qkv) => RowsIn::dense(qkv, dims),
+            QkvInputs::Packed(qkv) => RowsIn::packed(qkv, dims, tables),
         }
     }
 
     /// Checks the inputs against `dims`: owned by `dev`, one element type (bf16 with tensor-core
-    /// `precision` only), and a packed product bf16, of one length (Tq = Tk) and with tables
-    /// covering its positions; returns the launch geometry and whether they are bf16.
+    /// `precision` only), and a packed product bf16 and of one length (Tq = Tk; its launcher
+    /// checks RoPE's tables); returns the launch geometry and whether they are bf16.
     fn check(
         &self,
         dev: &CudaDevice,
@@ -320,9 +329,8 @@ impl QkvInputs<'_> {
                 let bf16 = check_qkv(dev, op, qkv, precision)?;
                 Ok((check(op, dims, qkv[0].len(), qkv[1].len(), qkv[2].len())?, bf16))
             }
-            QkvInputs::Packed { qkv, cos, sin } => {
+            QkvInputs::Packed(qkv) => {
                 qkv.check_owner(dev, op)?;
-                check_owners(dev, op, &[*cos, *sin])?;
                 ensure(qkv.is_bf16() && precision == AttentionPrecision::Bf16, op, || {
                     "an unrotated packed product is read by the tensor-core kernels, in bf16".to_string()
                 })?;
@@ -332,20 +340,21 @@ impl QkvInputs<'_> {
                 })?;
                 let part = dims.batch * kv_seq * dims.heads * head_dim;
                 ensure_len(op, "qkv", qkv.len(), 3 * part)?;
-                check_tables(op, dims, cos, sin)?;
                 Ok((check(op, dims, part, part, part)?, true))
             }
         }
     }
 }
 
-/// Checks that RoPE's tables cover `dims`' key positions.
+/// Checks that RoPE's tables are `dev`'s and cover `dims`' key positions.
 fn check_tables(
+    dev: &CudaDevice,
     op: &'static str,
     dims: &AttentionDims,
     cos: &DeviceBuffer<f32>,
     sin: &DeviceBuffer<f32>,
 ) -> Result<()> {
+    check_owners(dev, op, &[cos, sin])?;
     let table_len = dims.kv_seq * dims.head_dim / 2;
     ensure(cos.len() >= table_len && sin.len() >= table_len, op, || {
         format!("RoPE's tables hold {} and {} values, {} positions need {table_len}", cos.len(), sin.len(), dims.kv_seq)
@@ -384,8 +393,8 @@ pub fn rotary_causal_attention_forward_packed(
     (cos, sin): (&DeviceBuffer<f32>, &DeviceBuffer<f32>),
 ) -> Result<()> {
     const OP: &str = "rotary_causal_attention_forward_packed";
-    let inputs = QkvInputs::Packed { qkv, cos, sin };
-    let (d, _) = inputs.check(dev, OP, dims, AttentionPrecision::Bf16)?;
+    let (d, _) = QkvInputs::Packed(qkv).check(dev, OP, dims, AttentionPrecision::Bf16)?;
+    check_tables(dev, OP, dims, cos, sin)?;
     check_owners(dev, OP, &[lse])?;
     let out = out.as_values();
     out.check_owner(dev, OP)?;
@@ -395,7 +404,8 @@ pub fn rotary_causal_attention_forward_packed(
     if d.is_empty() {
         return Ok(());
     }
-    launch_mma_forward(dev, &d, inputs.rows_in(dims), true, out.typed_args_at(0), lse)
+    let inputs = RowsIn::packed(qkv, dims, [ptr(cos), ptr(sin)]);
+    launch_mma_forward(dev, &d, inputs, true, out.typed_args_at(0), lse)
 }
 
 /// `dq, dk, dv =` gradients, recomputing probabilities from q, k and `lse`
@@ -444,7 +454,7 @@ pub fn causal_attention_backward(
             stride: dims.heads * dims.head_dim,
             tables: [Arg::Ptr(0), Arg::Ptr(0)],
         };
-        let inputs = QkvInputs::Dense([q, k, v]).rows_in(dims);
+        let inputs = RowsIn::dense([q, k, v], dims);
         return launch_mma_backward(dev, &d, (inputs, q.is_bf16()), out, lse, dout, rows);
     }
     let AttentionDims { q_seq, kv_seq, head_dim, .. } = *dims;
@@ -473,7 +483,8 @@ pub fn causal_attention_backward(
 /// dense gradients in between. `inputs` are `rope::rope_qkv_forward`'s rotated q, k and v
 /// (bf16), or the packed product itself, rotated as it is loaded ([`QkvInputs::Packed`]). The
 /// kernels rotate dq and dk back by the tables the forward rotated by (`cos`, `sin`:
-/// `[positions, D/2]`, token t at row t) as they store them, from their f32 sums, so each value
+/// `[positions, D/2]`, token t at row t; a packed product's q and k are rotated by them as
+/// they are loaded) as they store them, from their f32 sums, so each value
 /// is rounded once (the unfused path rounds dq to bf16 before RoPE's backward reads it, and
 /// again after). `dqkv` is f32, or bf16 alone (rounded to nearest even): the packed product's
 /// backward, or the fused gate's, reads it so. Tensor-core kernels only: bf16 inputs, `Tq = Tk`.
@@ -492,26 +503,26 @@ pub fn causal_attention_backward_packed(
     const OP: &str = "causal_attention_backward_packed";
     let (d, bf16_inputs) = check_backward_inputs(dev, OP, &inputs, &out, lse, &dout, dims, AttentionPrecision::Bf16)?;
     ensure(bf16_inputs, OP, || "the packed backward reads bf16 q, k and v (RoPE's output)".to_string())?;
-    check_owners(dev, OP, &[cos, sin])?;
     let AttentionDims { q_seq, kv_seq, heads, head_dim, .. } = *dims;
     ensure(q_seq == kv_seq, OP, || format!("a packed product has one length, not Tq {q_seq} and Tk {kv_seq}"))?;
     let dqkv = dqkv.as_values();
     dqkv.check_owner(dev, OP)?;
     let part = dims.batch * q_seq * heads * head_dim;
     ensure_len(OP, "dqkv", dqkv.len(), 3 * part)?;
-    check_tables(OP, dims, cos, sin)?;
+    check_tables(dev, OP, dims, cos, sin)?;
     if d.is_empty() {
         return Ok(());
     }
     let width = heads * head_dim;
+    let tables = [ptr(cos), ptr(sin)];
     let rows = GradRows {
         dq: dqkv.typed_args_at(0),
         dk: dqkv.typed_args_at(width),
         dv: dqkv.typed_args_at(2 * width),
         stride: 3 * width,
-        tables: [ptr(cos), ptr(sin)],
+        tables: tables.clone(),
     };
-    launch_mma_backward(dev, &d, (inputs.rows_in(dims), true), out, lse, dout, rows)
+    launch_mma_backward(dev, &d, (inputs.rows_in(dims, tables), true), out, lse, dout, rows)
 }
 
 /// Checks the backward's inputs: q, k and v ([`QkvInputs::check`]), the forward's `out` and

@@ -203,7 +203,7 @@ fn rotating_on_load_is_rope_then_attention_bit_for_bit() {
         assert_close_to(&format!("output {case}"), &down_bf16(dev, &out), &down_bf16(dev, &want_out), 0.0, 0.0);
         assert_close_to(&format!("lse {case}"), &down(dev, &lse), &down(dev, &want_lse), 0.0, 0.0);
         let mut dqkv = dev.alloc::<bf16>(3 * rope.len()).unwrap();
-        let inputs = QkvInputs::Packed { qkv: Values::Bf16(&packed), cos: &gcos, sin: &gsin };
+        let inputs = QkvInputs::Packed(Values::Bf16(&packed));
         let saved = Values::Bf16(&out);
         cuda::attention::causal_attention_backward_packed(
             dev,

@@ -144,9 +144,11 @@ pub(crate) mod cuda {
     //! FlashAttention-2 stores it: the output projection reads it so, and the backward's δ
     //! reads it so.
 
+    use std::sync::Arc;
+
     use kernels::cpu::attention::AttentionDims;
     use kernels::cuda::attention::{self as launch, AttentionPrecision};
-    use kernels::cuda::{Values, ValuesMut};
+    use kernels::cuda::{CudaDevice, Values, ValuesMut};
 
     use crate::cuda::MatmulPrecision;
     use crate::cuda::{
@@ -277,17 +279,31 @@ pub(crate) mod cuda {
         if !fused {
             return Ok(None);
         }
+        let saved = [out, lse, dout];
+        Ok(Some(packed_gradient(&dev, launch::QkvInputs::Dense(qkv), saved, dims, theta)?))
+    }
+
+    /// The packed QKV product's gradient `[B, T, 3·H·D]` from the tensor-core backward over
+    /// `inputs` (RoPE's dense q, k and v, or the packed product itself, rotated as it is
+    /// loaded), `[out, lse, dout]` the forward's output and log-sum-exp and the output's
+    /// gradient: dq and dk rotated back by RoPE's tables (base `theta`) as they are stored.
+    /// Read by the packed product's backward (or the fused gate's) alone: bf16 alone.
+    pub(crate) fn packed_gradient(
+        dev: &Arc<CudaDevice>,
+        inputs: launch::QkvInputs,
+        [out, lse, dout]: [&Tensor; 3],
+        dims: &AttentionDims,
+        theta: f32,
+    ) -> Result<Tensor> {
+        const OP: &str = "rotary_attention_backward_packed";
         let (out, lse, dout) = (out.dense()?, lse.dense()?, dout.dense()?);
-        let table = crate::ops::rope::cuda::table(&dev, dims.kv_seq, dims.head_dim, theta)?;
+        let table = crate::ops::rope::cuda::table(dev, dims.kv_seq, dims.head_dim, theta)?;
         let shape = [dims.batch, dims.q_seq, 3 * dims.heads * dims.head_dim];
-        // Read by the packed product's backward (or the fused gate's) alone: bf16 alone.
-        let dqkv = product_only_output(&dev, OP, &shape, |dqkv| {
+        product_only_output(dev, OP, &shape, |dqkv| {
             let (out, lse, dout) = (out.cuda_values(OP)?, lse.cuda_f32(OP)?, dout.cuda_values(OP)?);
-            let inputs = launch::QkvInputs::Dense(qkv);
             Ok(launch::causal_attention_backward_packed(
-                &dev, inputs, out, lse, dout, dims, dqkv, &table.cos, &table.sin,
+                dev, inputs, out, lse, dout, dims, dqkv, &table.cos, &table.sin,
             )?)
-        })?;
-        Ok(Some(dqkv))
+        })
     }
 }

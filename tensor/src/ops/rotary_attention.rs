@@ -71,8 +71,8 @@ mod cuda {
     use kernels::cpu::rope::RopeDims;
     use kernels::cuda::attention::{self as launch, QkvInputs};
 
-    use crate::cuda::{product_only_output, CudaStorage};
-    use crate::ops::attention::cuda::reads_bf16_inputs;
+    use crate::cuda::CudaStorage;
+    use crate::ops::attention::cuda::{packed_gradient, reads_bf16_inputs};
     use crate::ops::rope::cuda::table;
     use crate::{Result, Tensor};
 
@@ -129,16 +129,8 @@ mod cuda {
         const OP: &str = "rotary_attention_backward_packed";
         let dev = qkv.cuda_device(OP)?;
         let dims = crate::ops::rope::qkv_dims(OP, qkv.shape(), heads)?;
-        let attention = attention_dims(dims, scale);
         out.check_like(OP, dout)?;
-        let (out, lse, dout) = (out.dense()?, lse.dense()?, dout.dense()?);
-        let table = table(&dev, dims.seq, dims.head_dim, theta)?;
-        product_only_output(&dev, OP, qkv.shape(), |dqkv| {
-            let inputs = QkvInputs::Packed { qkv: qkv.cuda_values(OP)?, cos: &table.cos, sin: &table.sin };
-            let (out, lse, dout) = (out.cuda_values(OP)?, lse.cuda_f32(OP)?, dout.cuda_values(OP)?);
-            Ok(launch::causal_attention_backward_packed(
-                &dev, inputs, out, lse, dout, &attention, dqkv, &table.cos, &table.sin,
-            )?)
-        })
+        let inputs = QkvInputs::Packed(qkv.cuda_values(OP)?);
+        packed_gradient(&dev, inputs, [out, lse, dout], &attention_dims(dims, scale), theta)
     }
 }
