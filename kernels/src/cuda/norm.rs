@@ -123,18 +123,10 @@ pub fn rms_norm_backward(
     }
     let inputs = (x, weight, rstd);
     let partials = backward_rows(dev, OP, inputs, (dy, residual), dims, (dx, dx_bf16), dweight.is_some())?;
-    if let (Some(partials), Some(dw)) = (&partials, dweight) {
-        // 32 columns per block, the chunks side by side (chunk_total, common.cuh).
-        let RmsNormWeightPartials { lane_partial, chunks, cols } = partials;
-        let cfg = LaunchConfig {
-            grid_dim: (cols.div_ceil(32) as u32, 1, 1),
-            block_dim: finish_block(*chunks),
-            shared_mem_bytes: 0,
-        };
-        let args = [ptr(lane_partial), size(*chunks), size(*cols), ptr(dw)];
-        dev.launch(FAMILY, "rms_norm_weight_grad_finish", cfg, &args)?;
+    match (partials, dweight) {
+        (Some(partials), Some(dw)) => partials.finish(dev, dw),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// RMSNorm's weight gradient as its backward kernel leaves it: one partial sum per row lane
@@ -152,6 +144,21 @@ impl RmsNormWeightPartials {
     /// The weight gradient's length.
     pub fn cols(&self) -> usize {
         self.cols
+    }
+
+    /// The weight gradient into `dw` (`cols` values on the partials' device) in a launch of its
+    /// own: 32 columns per block, the chunks side by side (chunk_total, common.cuh).
+    pub fn finish(&self, dev: &CudaDevice, dw: &mut DeviceBuffer<f32>) -> Result<()> {
+        const OP: &str = "rms_norm_weight_grad_finish";
+        check_owners(dev, OP, &[&self.lane_partial, dw])?;
+        ensure(dw.len() == self.cols, OP, || format!("dweight has {} elements, expected {}", dw.len(), self.cols))?;
+        let cfg = LaunchConfig {
+            grid_dim: (self.cols.div_ceil(32) as u32, 1, 1),
+            block_dim: finish_block(self.chunks),
+            shared_mem_bytes: 0,
+        };
+        let args = [ptr(&self.lane_partial), size(self.chunks), size(self.cols), ptr(dw)];
+        dev.launch(FAMILY, OP, cfg, &args)
     }
 
     /// The partials' buffer, for an owner check.

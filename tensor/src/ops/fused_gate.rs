@@ -321,14 +321,8 @@ impl Tensor {
         dsum_so_far: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor, Vec<Tensor>)> {
         const NORM: &str = "fused_gated_add_rms_norm_backward";
-        let cols = sum.last_dim(NORM)?;
-        sum.check_weight(NORM, Some(weight), cols)?;
-        sum.check_like(NORM, dy)?;
-        if let Some(so_far) = dsum_so_far {
-            sum.check_like(NORM, so_far)?;
-        }
-        let dims = kernels::cpu::norm::NormDims::of(sum.numel(), cols, 0.0);
-        sum.check_row_stats(NORM, rstd, dims.rows)?;
+        let dims = sum.rms_norm_backward_dims(NORM, weight, rstd, dy, dsum_so_far)?;
+        let cols = dims.cols;
         let output_shape = with_last_dim(saved.x.shape(), cols);
         match &saved.extra {
             #[cfg(feature = "cuda")]

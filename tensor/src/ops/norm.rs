@@ -112,15 +112,8 @@ impl Tensor {
         residual: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
         const OP: &str = "rms_norm_backward";
-        let cols = x.last_dim(OP)?;
-        x.check_weight(OP, Some(weight), cols)?;
-        x.check_like(OP, dy)?;
-        if let Some(residual) = residual {
-            x.check_like(OP, residual)?;
-        }
-        // Backward reads the saved rstd: eps is not used.
-        let dims = NormDims::of(x.numel(), cols, 0.0);
-        x.check_row_stats(OP, rstd, dims.rows)?;
+        let dims = x.rms_norm_backward_dims(OP, weight, rstd, dy, residual)?;
+        let cols = dims.cols;
         #[cfg(feature = "cuda")]
         if x.cuda_storage().is_some() {
             return cuda::rms_norm_backward(x, weight, rstd, (dy, residual), &dims);
@@ -138,6 +131,29 @@ impl Tensor {
             NormGrads { dx: &mut dx, dweight: Some(&mut dw), dbias: None },
         );
         Ok((Tensor::from_vec(dx, &x.shape)?, Tensor::from_vec(dw, &w.shape)?))
+    }
+
+    /// Checks the operands of RMSNorm's backward of `self` (its input, or the sum a residual
+    /// add normalised) once, for either device's kernels: `weight [cols]`, `dy` and `residual`
+    /// shaped like `self`, a saved `rstd` per row; returns the sizes.
+    pub(super) fn rms_norm_backward_dims(
+        &self,
+        op: &'static str,
+        weight: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        residual: Option<&Tensor>,
+    ) -> Result<NormDims> {
+        let cols = self.last_dim(op)?;
+        self.check_weight(op, Some(weight), cols)?;
+        self.check_like(op, dy)?;
+        if let Some(residual) = residual {
+            self.check_like(op, residual)?;
+        }
+        // Backward reads the saved rstd: eps is not used.
+        let dims = NormDims::of(self.numel(), cols, 0.0);
+        self.check_row_stats(op, rstd, dims.rows)?;
+        Ok(dims)
     }
 
     /// LayerNorm over the last axis, with optional affine weight and bias.
@@ -218,9 +234,7 @@ pub(crate) mod cuda {
     //! The CUDA branch of RMSNorm and LayerNorm in `ops/norm.rs`: forwards that keep their
     //! per-row statistics on the device, and backwards that write fresh gradients.
 
-    use half::bf16;
     use kernels::cuda::norm::{self as launch, NormDims, NormGrads, RmsNormWeightPartials, RowStats};
-    use kernels::cuda::DeviceBuffer;
 
     use super::{AddRmsNormOutput, LayerNormOutput, RmsNormOutput};
     use crate::cuda::{output, product_input_output, product_only_output, CudaStorage};
@@ -272,29 +286,23 @@ pub(crate) mod cuda {
         x: &Tensor,
         weight: &Tensor,
         rstd: &Tensor,
-        (dy, residual): (&Tensor, Option<&Tensor>),
+        grads_of: (&Tensor, Option<&Tensor>),
         dims: &NormDims,
     ) -> Result<(Tensor, Tensor)> {
         const OP: &str = "rms_norm_backward";
+        let (dx, partials) = rms_norm_backward_partial(x, weight, rstd, grads_of, dims)?;
         let dev = x.cuda_device(OP)?;
-        let (x, w, rstd, dy) = (x.dense()?, weight.dense()?, rstd.dense()?, dy.dense()?);
-        let residual = residual.map(Tensor::dense).transpose()?;
         let mut dw = CudaStorage::alloc(&dev, dims.cols)?;
-        let launch = |dx: &mut DeviceBuffer<f32>, dx_bf16: Option<&mut DeviceBuffer<bf16>>| {
-            // dy as held: bf16 alone from the bf16 products that read y (under bf16 products).
-            let (x, w, rstd, dy) = (x.cuda_f32(OP)?, w.cuda_f32(OP)?, rstd.cuda_f32(OP)?, dy.cuda_values(OP)?);
-            let residual = residual.as_ref().map(|r| r.cuda_f32(OP)).transpose()?;
-            let grads = NormGrads { dx, dweight: Some(dw.f32_buffer_mut(OP)?), dbias: None };
-            Ok(launch::rms_norm_backward(&dev, x, w, rstd, (dy, residual), dims, (grads, dx_bf16))?)
-        };
-        // The projections' backward products read it next (a sum of gradients in a residual
-        // stream, or the final norm's dx, the last block's output gradient).
-        let dx = product_input_output(&dev, OP, x.shape(), launch)?;
+        partials.finish(&dev, dw.f32_buffer_mut(OP)?)?;
         Ok((dx, Tensor::from_cuda(dw, &[dims.cols])?))
     }
 
     /// [`rms_norm_backward`]'s `dx` (checked by the caller), with the weight gradient left as
-    /// its partial sums for a later launch to finish (the fused gate's column sums).
+    /// its partial sums for a later launch to finish (its own, or the fused gate's column
+    /// sums). `dx` comes with its bf16 copy under bf16 products: the projections' backward
+    /// products read it next (a sum of gradients in a residual stream, or the final norm's dx,
+    /// the last block's output gradient); dy is read as held (bf16 alone from the bf16
+    /// products that read y, under bf16 products).
     pub(crate) fn rms_norm_backward_partial(
         x: &Tensor,
         weight: &Tensor,
