@@ -9,7 +9,8 @@
 //! forward and forward + backward (the time per layer of a training step), against the naive
 //! kernel that materialises the score matrix, and its backward into the packed QKV gradient
 //! with RoPE's backward after it or in its kernels, and RoPE's forward before it or in its
-//! kernels (the packed product read unrotated).
+//! kernels (the packed product read unrotated); and the residual add + RMSNorm and RMSNorm's
+//! backward against a device copy of as many bytes.
 //!
 //! Run: `cargo run --release -p kernels --features cuda --bin cuda-bench [-- --tokens N]`
 //! (default N = 512·256 = 131 072 tokens; the attention batches are N/2048 and N/4096
@@ -35,7 +36,7 @@ use kernels::cuda::fused_gate::{
     DeviceGateGrads, DeviceGateParams, FusedGateDims, GateGroup, GateProducts, OutputGrad, ResidualNorm, RotaryQkv,
     Unary,
 };
-use kernels::cuda::norm::{add_rms_norm_forward, NormDims};
+use kernels::cuda::norm::{add_rms_norm_forward, rms_norm_backward, NormDims, NormGrads};
 use kernels::cuda::rope::{rope_qkv_backward, rope_qkv_forward};
 use kernels::cuda::swiglu::{swiglu_backward, swiglu_forward, swiglu_halves_backward, swiglu_halves_forward};
 use kernels::cuda::{CudaDevice, DeviceBuffer, Result};
@@ -545,6 +546,55 @@ fn bench_gated_add_norm(dev: &CudaDevice, tokens: usize, d_in: usize, d: usize) 
     Ok(())
 }
 
+/// The pre-ln block's residual add and RMSNorm (`[tokens, d]`, the f32 stream plus a bf16
+/// output projection, y in bf16) and RMSNorm's backward (bf16 `dy` beside the stream's
+/// gradient, `dx` in f32 and bf16, the weight's gradient), as a `--bf16` step runs them, each
+/// against a device-to-device copy of as many bytes as it reads and writes: memory-bound
+/// kernels, so the ratio says how far from the card's copy bandwidth each one runs.
+fn bench_rms_norm(dev: &CudaDevice, tokens: usize, d: usize) -> Result<()> {
+    let n = tokens * d;
+    let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
+    let (stream, weight) = (dev.upload(&values(n, 51, 2.0))?, dev.upload(&values(d, 52, 1.0))?);
+    let delta = dev.upload(&to_bf16(values(n, 53, 2.0)))?;
+    let (mut sum, mut y, mut rstd) = (dev.alloc::<f32>(n)?, dev.alloc::<bf16>(n)?, dev.alloc::<f32>(tokens)?);
+    let dims = NormDims { rows: tokens, cols: d, eps: 1e-5 };
+    let forward_s = best_seconds(dev, || {
+        let outs = (&mut sum, ValuesMut::Bf16(&mut y), None);
+        add_rms_norm_forward(dev, (&stream, Values::Bf16(&delta)), &weight, &dims, outs, &mut rstd)
+    })?;
+    let (dy, residual) = (dev.upload(&to_bf16(values(n, 54, 1.0)))?, dev.upload(&values(n, 55, 1.0))?);
+    let (mut dx, mut dx_bf16, mut dw) = (dev.alloc::<f32>(n)?, dev.alloc::<bf16>(n)?, dev.alloc::<f32>(d)?);
+    let backward_s = best_seconds(dev, || {
+        let grads = NormGrads { dx: &mut dx, dweight: Some(&mut dw), dbias: None };
+        rms_norm_backward(
+            dev,
+            &sum,
+            &weight,
+            &rstd,
+            (Values::Bf16(&dy), Some(&residual)),
+            &dims,
+            (grads, Some(&mut dx_bf16)),
+        )
+    })?;
+    // Bytes per element: forward x, sum (f32) and delta, y (bf16); backward x, residual, dx
+    // (f32) and dy, dx_bf16 (bf16). A copy of b bytes reads and writes b.
+    let copy_s = |bytes_moved: usize| -> Result<f64> {
+        let half = bytes_moved / 2 / 4;
+        let (src, mut dst) = (dev.alloc::<f32>(half)?, dev.alloc::<f32>(half)?);
+        best_seconds(dev, || dev.copy_within_device(&src, 0, &mut dst, 0, half))
+    };
+    let (forward_copy_s, backward_copy_s) = (copy_s(12 * n)?, copy_s(16 * n)?);
+    println!(
+        "add + RMSNorm d {d} {tokens:>7} tokens | forward {:>7.3} ms ({:.2}× a copy of its bytes) | backward {:>7.3} ms \
+         ({:.2}× a copy)",
+        forward_s * 1e3,
+        forward_s / forward_copy_s,
+        backward_s * 1e3,
+        backward_s / backward_copy_s,
+    );
+    Ok(())
+}
+
 fn bench_attention(dev: &CudaDevice, batch: usize, seq: usize, heads: usize, head_dim: usize) -> Result<()> {
     let len = batch * seq * heads * head_dim;
     let (hq, hk, hv) = (values(len, 11, 1.0), values(len, 12, 1.0), values(len, 13, 1.0));
@@ -741,6 +791,9 @@ fn main() {
         }
         for (d_in, d) in [(512, 512), (1376, 512), (768, 768), (2048, 768)] {
             bench_gated_add_norm(&dev, tokens, d_in, d)?;
+        }
+        for d in [512, 768] {
+            bench_rms_norm(&dev, tokens, d)?;
         }
         bench_attention(&dev, (tokens / 2048).max(1), 256, 8, 64)?;
         bench_attention(&dev, (tokens / 4096).max(1), 256, 12, 64)?;

@@ -25,7 +25,18 @@ const FAMILY: KernelFamily = KernelFamily::Norm;
 
 /// Row lanes of a chunk of rows in the parameter gradients' column sums (`NORM_ROW_LANES` in
 /// `norm.cu`): lane `l` sums rows `l, l + 8, ...` of the chunk, then the lanes are added in order.
+/// Also the warps of an RMSNorm block, one row (or one row lane) each.
 const ROW_LANES: usize = 8;
+
+/// Cap on the blocks of an RMSNorm row launch (the kernels loop over the rest).
+const MAX_ROW_BLOCKS: usize = 1 << 20;
+
+/// The launch of an RMSNorm row kernel (`norm.cu`, and the fused gate's residual add and norm):
+/// a warp per row, [`ROW_LANES`] rows a block of 256 threads.
+pub(crate) fn warp_per_row(rows: usize) -> LaunchConfig {
+    let blocks = rows.div_ceil(ROW_LANES).clamp(1, MAX_ROW_BLOCKS) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * ROW_LANES as u32, 1, 1), shared_mem_bytes: 0 }
+}
 
 /// [`NormDims::check`], as on the CPU, as a shape error naming `op`.
 fn check(
@@ -56,7 +67,7 @@ pub fn rms_norm_forward(
     check(OP, dims, &[("x", x.len()), ("y", y.len())], &[("rstd", rstd.len())], &[("weight", Some(weight.len()))])?;
     let NormDims { rows, cols, eps } = *dims;
     let args = [ptr(x), ptr(weight), y_f32, y_bf16, ptr(rstd), size(rows), size(cols), Arg::F32(eps)];
-    dev.launch(FAMILY, "rms_norm_forward", per_row(rows, row_threads(cols)), &args)
+    dev.launch(FAMILY, "rms_norm_forward", warp_per_row(rows), &args)
 }
 
 /// The pre-ln LLaMA block's residual add and the next RMSNorm in one launch: `sum = x + delta`,
@@ -97,7 +108,7 @@ pub fn add_rms_norm_forward(
         Arg::F32(eps),
     ];
     let kernel = delta.kernel("add_rms_norm_forward", "add_rms_norm_forward_delta_bf16");
-    dev.launch(FAMILY, kernel, per_row(rows, row_threads(cols)), &args)
+    dev.launch(FAMILY, kernel, warp_per_row(rows), &args)
 }
 
 /// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` (when given) for RMSNorm, from the saved `rstd`.
@@ -222,11 +233,9 @@ fn backward_rows(
     // sum per lane of each chunk of rows, written by the backward kernel, then the finish.
     let (per_chunk, chunks) = chunking(rows, 1);
     let lane_partial = weight_grad.then(|| dev.alloc::<f32>(ROW_LANES * chunks * cols)).transpose()?;
-    let cfg = LaunchConfig {
-        grid_dim: (ROW_LANES as u32, chunks as u32, 1),
-        block_dim: (row_threads(cols), 1, 1),
-        shared_mem_bytes: 0,
-    };
+    // A block per chunk, a warp per row lane.
+    let cfg =
+        LaunchConfig { grid_dim: (chunks as u32, 1, 1), block_dim: (32 * ROW_LANES as u32, 1, 1), shared_mem_bytes: 0 };
     let args = [
         ptr(x),
         ptr(weight),

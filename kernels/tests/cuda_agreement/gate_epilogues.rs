@@ -360,20 +360,22 @@ fn swiglu_backward_in_the_gate_refuses_what_it_cannot_serve() {
 /// The gated output projection's residual add and RMSNorm (`fused_gate_forward_add_rms_norm`)
 /// computes `Ẑ` with the gate kernel's arithmetic (fused_gate.cu's `gated_value`), rounded to
 /// bf16 as the gate stores it, and the add and the norm with norm.cu's (common.cuh's
-/// `add_rms_norm_row`), so the saved ZU, the sum, the normalised sum (bf16 alone, or f32) and
+/// `warp_add_rms_norm_row`), so the saved ZU, the sum, the normalised sum (bf16 alone, or f32) and
 /// each row's rstd are the bits of the gate into bf16 then `add_rms_norm_forward`. A skipped
 /// rounding, a wrong row or a wrong gate moves them.
 #[test]
 fn gated_add_rms_norm_is_the_gate_then_the_add_and_norm() {
     let dev = device_or_skip!();
     let mut rng = Rng::new(36);
-    // Widths below, at and above a block's 256 threads (one column a thread, then several);
-    // the register rank path and the other one (12).
+    // Widths a warp's lanes hold in one chunk of 4 columns or several, not a multiple of 4
+    // (17: column by column), and past the 1,024 columns a lane keeps in registers (1,100);
+    // more rows than a block's 8 warps; the register rank path and the other one (12).
     for (rows, d_out, rank_channel, phi, y_bf16) in [
         (7, 96, 8, Unary::Silu, true),
         (5, 300, 12, Unary::Sigmoid, true),
         (9, 17, 8, Unary::Silu, false),
         (3, 256, 8, Unary::Sigmoid, false),
+        (11, 1100, 8, Unary::Silu, true),
     ] {
         let dims = FusedGateDims { rows, d_in: 48, d_out, rank_channel, rank_scalar: 4 };
         let what = format!("{dims:?} {phi:?} bf16 y {y_bf16}");

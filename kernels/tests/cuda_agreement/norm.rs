@@ -13,7 +13,7 @@ fn rms_norm_and_layer_norm_agree() {
     let dev = device_or_skip!();
     let mut rng = Rng::new(7);
     // (66000, 5): chunks of 65 rows (more than 64·1024 rows), lanes of 8 or 9 rows.
-    for (rows, cols) in [(2048, 67), (3, 768), (1, 1), (5000, 32), (66_000, 5)] {
+    for (rows, cols) in [(2048, 67), (3, 768), (1, 1), (5000, 32), (66_000, 5), (9, 1100), (3, 1027)] {
         let (x, w, b, dy) = (
             rng.vec(rows * cols, -2.0, 2.0),
             rng.vec(cols, 0.5, 1.5),
@@ -162,7 +162,7 @@ fn rms_norm_and_layer_norm_agree() {
 fn add_rms_norm_agrees_and_equals_add_then_rms_norm() {
     let dev = device_or_skip!();
     let mut rng = Rng::new(8);
-    for (rows, cols) in [(2048, 67), (3, 768), (1, 1), (16, 512)] {
+    for (rows, cols) in [(2048, 67), (3, 768), (1, 1), (16, 512), (9, 1100), (3, 1027)] {
         let (x, delta, w) = (rng.vec(rows * cols, -2.0, 2.0), rng.vec(rows * cols, -2.0, 2.0), rng.vec(cols, 0.5, 1.5));
         let (gx, gdelta, gw) = (up(dev, &x), up(dev, &delta), up(dev, &w));
         let dims = cpu::norm::NormDims { rows, cols, eps: 1e-5 };

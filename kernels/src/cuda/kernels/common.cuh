@@ -493,35 +493,121 @@ __device__ float block_max(float v) {
     return partials_m[0];
 }
 
-// The end of one row's RMSNorm (norm.cu), shared by rms_norm_forward and add_rms_norm_row
-// below so all compute the same bits: ss (this thread's part of Σ x², over the columns it
-// reads) summed over the block, rstd = 1/√(mean(x²) + eps), y = x·rstd·w into yr and its bf16
-// rounding into yr_bf16, each when not null (under bf16 products y may go in bf16 alone).
-// Every thread of the block calls it (block_sum holds barriers).
-__device__ __forceinline__ void rms_norm_row(const float* xr, float ss, const float* w, float* yr, bf16_t* yr_bf16,
-                                             float* rstd, i64 cols, float eps) {
-    ss = block_sum(ss);
-    float rs = 1.0f / sqrtf(ss / (float)cols + eps);
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
-        float v = xr[j] * rs * w[j];
-        if (yr) yr[j] = v;
-        if (yr_bf16) yr_bf16[j] = f32_to_bf16(v);
+// ---------------------------------------------------------------------------------------
+// RMSNorm rows, one warp per row (norm.cu's forward and backward kernels, and the fused gate's
+// residual add and norm in fused_gate.cu, so that all compute the same bits). Lane l holds
+// the row's chunks of 4 columns l, l + 32, l + 64, ... (columns 4·(l + 32k) .. 4·(l + 32k) + 3),
+// sums its share of a row's reduction over its chunks in that order, and the warp then adds
+// the lanes' shares (warp_sum: every lane gets the same bits). No block barrier and no shared
+// memory per row, where a block per row waited at two barriers for every row. A chunk moves as
+// one 16-byte access of f32 (8 bytes of bf16) where `quads` says the row's width is a multiple
+// of 4 and every row pointer is aligned so, else element by element: the same columns in the
+// same order either way, so `quads` never changes a bit.
+#define ROW_QUADS 8  // chunks a lane keeps in registers between a row's passes: rows up to 1,024 wide
+
+// v = chunk j..j+3 of `row` (f32, or bf16 widened), zero past `cols`.
+template <typename T>
+__device__ __forceinline__ void load_chunk(float (&v)[4], const T* row, i64 j, i64 cols, bool quads) {
+    if (quads) {
+        load_f32(v, row + j);
+        return;
     }
-    if (threadIdx.x == 0) *rstd = rs;
+    for (int e = 0; e < 4; ++e) v[e] = j + e < cols ? as_f32(row[j + e]) : 0.0f;
 }
 
-// One row of a residual add and the next RMSNorm (norm.cu's add_rms_norm_forward; the fused
-// gate's, fused_gate.cu): sr[j] = xr[j] + delta(j), then rms_norm_row of the sum (the add's
-// and the norm's arithmetic and reduction order, so bit-identical to the two launched apart).
-// Each thread reads back only the sum elements it wrote. Every thread of the block calls it.
-template <class DeltaAt>
-__device__ __forceinline__ void add_rms_norm_row(const float* xr, DeltaAt delta, const float* w, float* sr, float* yr,
-                                                 bf16_t* yr_bf16, float* rstd, i64 cols, float eps) {
-    float ss = 0.0f;
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
-        const float s = xr[j] + delta(j);
-        sr[j] = s;
-        ss += s * s;
+// Chunk j..j+3 of `row` = v (f32, or rounded to bf16), the columns below `cols`.
+__device__ __forceinline__ void store_chunk(float* row, const float (&v)[4], i64 j, i64 cols, bool quads) {
+    if (quads) {
+        store_f32(row + j, v);
+        return;
     }
-    rms_norm_row(sr, ss, w, yr, yr_bf16, rstd, cols, eps);
+    for (int e = 0; e < 4 && j + e < cols; ++e) row[j + e] = v[e];
+}
+__device__ __forceinline__ void store_chunk(bf16_t* row, const float (&v)[4], i64 j, i64 cols, bool quads) {
+    if (quads) {
+        store_bf16(row + j, v);
+        return;
+    }
+    for (int e = 0; e < 4 && j + e < cols; ++e) row[j + e] = f32_to_bf16(v[e]);
+}
+
+// One row's RMSNorm by the calling warp: in(j, v) sets v to the row's input at chunk j (x, or
+// a residual sum x + delta; loads and arithmetic only), which is stored into `sr` when not null
+// (the sum), then rstd = 1/√(mean(x²) + eps) into *rstd and y = x·rstd·w into yr and its bf16
+// rounding into yr_bf16, each when not null (under bf16 products y may go in bf16 alone). A
+// lane keeps its first ROW_QUADS chunks in registers, and each pass issues all their loads
+// before its first store (a store may alias a later load, so a load after it waits for it):
+// a row's loads are in flight together. Past those chunks (rows wider than 1,024) a lane goes
+// chunk by chunk and reads `back` again in the second pass: the input row as stored (x, or the
+// sum in `sr`, which may be x's own buffer).
+template <class ChunkIn>
+__device__ __forceinline__ void warp_rms_norm_row(ChunkIn in, float* sr, const float* back, const float* w, float* yr,
+                                                  bf16_t* yr_bf16, float* rstd, i64 cols, float eps, bool quads) {
+    const int lane = threadIdx.x & 31;
+    float kept[ROW_QUADS][4];
+#pragma unroll
+    for (int k = 0; k < ROW_QUADS; ++k) {
+        const i64 j = 4 * (lane + 32 * k);
+        kept[k][0] = kept[k][1] = kept[k][2] = kept[k][3] = 0.0f;
+        if (j < cols) in(j, kept[k]);
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < ROW_QUADS; ++k) {
+        const i64 j = 4 * (lane + 32 * k);
+        if (sr && j < cols) store_chunk(sr, kept[k], j, cols, quads);
+        for (int e = 0; e < 4; ++e) ss += kept[k][e] * kept[k][e];
+    }
+    for (i64 j = 4 * (lane + 32 * ROW_QUADS); j < cols; j += 128) {
+        float v[4];
+        in(j, v);
+        if (sr) store_chunk(sr, v, j, cols, quads);
+        for (int e = 0; e < 4; ++e) ss += v[e] * v[e];
+    }
+    ss = warp_sum(ss);
+    const float rs = 1.0f / sqrtf(ss / (float)cols + eps);
+    // y = v·rs·w, in place of v
+    const auto scale = [&](i64 j, float (&v)[4]) {
+        float wj[4];
+        load_chunk(wj, w, j, cols, quads);
+        for (int e = 0; e < 4; ++e) v[e] = v[e] * rs * wj[e];
+    };
+    const auto out = [&](i64 j, const float (&y)[4]) {
+        if (yr) store_chunk(yr, y, j, cols, quads);
+        if (yr_bf16) store_chunk(yr_bf16, y, j, cols, quads);
+    };
+#pragma unroll
+    for (int k = 0; k < ROW_QUADS; ++k) {
+        const i64 j = 4 * (lane + 32 * k);
+        if (j < cols) scale(j, kept[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < ROW_QUADS; ++k) {
+        const i64 j = 4 * (lane + 32 * k);
+        if (j < cols) out(j, kept[k]);
+    }
+    for (i64 j = 4 * (lane + 32 * ROW_QUADS); j < cols; j += 128) {
+        float v[4];
+        load_chunk(v, back, j, cols, quads);
+        scale(j, v);
+        out(j, v);
+    }
+    if (lane == 0) *rstd = rs;
+}
+
+// One row of a residual add and the next RMSNorm by the calling warp (norm.cu's
+// add_rms_norm_forward; the fused gate's, fused_gate.cu): sr = xr + delta, then
+// warp_rms_norm_row of the sum, where delta(j, d) sets d to chunk j of the delta (zero past
+// cols): the add's and the norm's arithmetic, so bit-identical to the two launched apart.
+template <class DeltaChunk>
+__device__ __forceinline__ void warp_add_rms_norm_row(const float* xr, DeltaChunk delta, const float* w, float* sr,
+                                                      float* yr, bf16_t* yr_bf16, float* rstd, i64 cols, float eps,
+                                                      bool quads) {
+    const auto in = [&](i64 j, float (&v)[4]) {
+        float x[4], d[4];
+        load_chunk(x, xr, j, cols, quads);
+        delta(j, d);
+        for (int e = 0; e < 4; ++e) v[e] = x[e] + d[e];
+    };
+    warp_rms_norm_row(in, sr, sr, w, yr, yr_bf16, rstd, cols, eps, quads);
 }

@@ -677,12 +677,13 @@ extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_P
 // The residual stream's add and the next RMSNorm of a gated projection's output (Transponder's
 // o and down projections, a group of one, from a bf16 ZU): for each row, Ẑ as
 // fused_gate_apply_bf16_out stores it (gated_value, rounded to bf16), then sum = x + Ẑ and
-// y = rms_norm(sum)·w as add_rms_norm_forward_delta_bf16 computes them (add_rms_norm_row,
-// common.cuh): the bits of the two launches, without storing Ẑ or reading it back. One block
-// per row (norm.cu's launch: blockDim.x = row_threads(d_out)); the block computes the row's H
-// into shared memory and each thread its columns' channel logits, reading each column's B_c row
-// (16-byte loads on the register path; the rows stay in L1 from row to row).
+// y = rms_norm(sum)·w as add_rms_norm_forward_delta_bf16 computes them (warp_add_rms_norm_row,
+// common.cuh): the bits of the two launches, without storing Ẑ or reading it back. A warp per
+// row, 8 rows a block (norm.cu's launch); the block computes its rows' H into shared memory,
+// then each lane its columns' channel logits, reading each column's B_c row (16-byte loads on
+// the register path; the rows stay in L1 from row to row).
 // sum, y (or y_bf16 alone) and rstd as add_rms_norm_forward writes them.
+#define FG_NORM_ROWS 8  // rows a block: one a warp (NORM_ROW_LANES in norm.cu)
 extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList params, TensorList layout, int phi,
                                                    float phi_p, i64 rows, i64 zu_width, int rc, int rs, const float* x,
                                                    const float* w, float* sum, float* y, bf16_t* y_bf16, float* rstd,
@@ -690,23 +691,36 @@ extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList 
     const GateGroup g = gate_group(params, layout, 0);
     const i64 cols = g.d_out;
     const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
-    __shared__ f32x4 h_quads[1][FG_MAX_RANK / 4];  // the row's H, 16-byte aligned
+    __shared__ f32x4 h_quads[FG_NORM_ROWS][FG_MAX_RANK / 4];  // each row's H, 16-byte aligned
     const bool regs = register_rank(rc);
-    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        __syncthreads();  // every thread is done with the previous row's H
-        block_hidden(h_quads, zu, g, phi, phi_p, r, 1, zu_width, rc, rs);
+    const int warp = threadIdx.x >> 5;
+    const bool quads = (cols & 3) == 0 && is_aligned(x, 16) && is_aligned(w, 16) && is_aligned(sum, 16) &&
+                       is_aligned(y, 16) && is_aligned(y_bf16, 8);
+    for (i64 r0 = (i64)blockIdx.x * FG_NORM_ROWS; r0 < rows; r0 += (i64)gridDim.x * FG_NORM_ROWS) {
+        __syncthreads();  // every warp is done with the previous rows' H
+        const int count = rows - r0 < FG_NORM_ROWS ? (int)(rows - r0) : FG_NORM_ROWS;
+        block_hidden(h_quads, zu, g, phi, phi_p, r0, count, zu_width, rc, rs);
         __syncthreads();
-        const float* h = reinterpret_cast<const float*>(h_quads[0]);
+        const i64 r = r0 + warp;
+        if (warp >= count) continue;  // warp-uniform; the next rows' barriers are the loop's top
+        const float* h = reinterpret_cast<const float*>(h_quads[warp]);
         const float scale = 2.0f * scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
         const bf16_t* zr = zu + r * zu_width + g.zu_at;
-        const auto gated = [&](i64 j) {
-            float w[FG_REG_RANK], bias;  // column j's B_c row (16-byte loads on the register path) and b_c
-            column_weight(g.b_cw, g.b_cb, j, true, rc, regs, w, bias);
-            const float logit = stationary_logit(h, w, g.b_cw, j, rc, regs);
-            return as_f32(f32_to_bf16(gated_value(logit, bias, alpha_c, scale, as_f32(zr[j]))));
+        const bool z_quads = quads && is_aligned(zr, 8);
+        const auto gated = [&](i64 j, float (&d)[4]) {
+            float z[4];
+            load_chunk(z, zr, j, cols, z_quads);
+            for (int e = 0; e < 4; ++e) {
+                d[e] = 0.0f;
+                if (j + e >= cols) continue;
+                float bw[FG_REG_RANK], bias;  // column j + e's B_c row (16-byte loads on the register path) and b_c
+                column_weight(g.b_cw, g.b_cb, j + e, true, rc, regs, bw, bias);
+                const float logit = stationary_logit(h, bw, g.b_cw, j + e, rc, regs);
+                d[e] = as_f32(f32_to_bf16(gated_value(logit, bias, alpha_c, scale, z[e])));
+            }
         };
-        add_rms_norm_row(x + r * cols, gated, w, sum + r * cols, y ? y + r * cols : nullptr,
-                         y_bf16 ? y_bf16 + r * cols : nullptr, rstd + r, cols, eps);
+        warp_add_rms_norm_row(x + r * cols, gated, w, sum + r * cols, y ? y + r * cols : nullptr,
+                              y_bf16 ? y_bf16 + r * cols : nullptr, rstd + r, cols, eps, quads);
     }
 }
 
