@@ -55,17 +55,19 @@ const MMA_FORWARD: [&str; 4] = [
     "attention_mma_forward_d48",
     "attention_mma_forward_d64",
 ];
-const MMA_DQ: [&str; 4] = [
-    "attention_mma_backward_dq_d16",
-    "attention_mma_backward_dq_d32",
-    "attention_mma_backward_dq_d48",
-    "attention_mma_backward_dq_d64",
+/// The backward (dk, dv and the groups' partial dq in one pass over each key tile), then the
+/// finish of dq.
+const MMA_BACKWARD: [&str; 4] = [
+    "attention_mma_backward_d16",
+    "attention_mma_backward_d32",
+    "attention_mma_backward_d48",
+    "attention_mma_backward_d64",
 ];
-const MMA_DKV: [&str; 4] = [
-    "attention_mma_backward_dkv_d16",
-    "attention_mma_backward_dkv_d32",
-    "attention_mma_backward_dkv_d48",
-    "attention_mma_backward_dkv_d64",
+const MMA_DQ_FINISH: [&str; 4] = [
+    "attention_mma_backward_dq_finish_d16",
+    "attention_mma_backward_dq_finish_d32",
+    "attention_mma_backward_dq_finish_d48",
+    "attention_mma_backward_dq_finish_d64",
 ];
 /// The same kernels reading bf16 q, k and v.
 const MMA_FORWARD_BF16: [&str; 4] = [
@@ -74,30 +76,18 @@ const MMA_FORWARD_BF16: [&str; 4] = [
     "attention_mma_forward_bf16_d48",
     "attention_mma_forward_bf16_d64",
 ];
-const MMA_DQ_BF16: [&str; 4] = [
-    "attention_mma_backward_dq_bf16_d16",
-    "attention_mma_backward_dq_bf16_d32",
-    "attention_mma_backward_dq_bf16_d48",
-    "attention_mma_backward_dq_bf16_d64",
+const MMA_BACKWARD_BF16: [&str; 4] = [
+    "attention_mma_backward_bf16_d16",
+    "attention_mma_backward_bf16_d32",
+    "attention_mma_backward_bf16_d48",
+    "attention_mma_backward_bf16_d64",
 ];
-const MMA_DKV_BF16: [&str; 4] = [
-    "attention_mma_backward_dkv_bf16_d16",
-    "attention_mma_backward_dkv_bf16_d32",
-    "attention_mma_backward_dkv_bf16_d48",
-    "attention_mma_backward_dkv_bf16_d64",
-];
-/// The backward kernels reading a bf16 dout too.
-const MMA_DQ_DOUT_BF16: [&str; 4] = [
-    "attention_mma_backward_dq_bf16_dout_bf16_d16",
-    "attention_mma_backward_dq_bf16_dout_bf16_d32",
-    "attention_mma_backward_dq_bf16_dout_bf16_d48",
-    "attention_mma_backward_dq_bf16_dout_bf16_d64",
-];
-const MMA_DKV_DOUT_BF16: [&str; 4] = [
-    "attention_mma_backward_dkv_bf16_dout_bf16_d16",
-    "attention_mma_backward_dkv_bf16_dout_bf16_d32",
-    "attention_mma_backward_dkv_bf16_dout_bf16_d48",
-    "attention_mma_backward_dkv_bf16_dout_bf16_d64",
+/// The backward reading a bf16 dout too.
+const MMA_BACKWARD_DOUT_BF16: [&str; 4] = [
+    "attention_mma_backward_bf16_dout_bf16_d16",
+    "attention_mma_backward_bf16_dout_bf16_d32",
+    "attention_mma_backward_bf16_dout_bf16_d48",
+    "attention_mma_backward_bf16_dout_bf16_d64",
 ];
 
 /// The arithmetic of attention's products (`q·kᵀ`, `P·v` and the backward's).
@@ -566,9 +556,23 @@ struct GradRows {
     tables: [Arg; 2],
 }
 
-/// The tensor-core backward's two launches (checked by the caller): the dq kernel, which also
-/// writes δ, then the dk, dv kernel, by the element types of the inputs (`inputs.1`: bf16) and
-/// dout.
+/// Blocks of the tensor-core backward wanted at least, about 4 per SM of a 132-SM GPU (2
+/// run at once by registers): where `B·H` heads give fewer, each head's key tiles are split
+/// into up to [`MAX_KEY_GROUPS`] groups, a block each.
+const BACKWARD_BLOCKS: usize = 512;
+/// Most groups of key tiles per head: each holds a partial dq of its own (f32, `Tq × D` a head).
+const MAX_KEY_GROUPS: usize = 16;
+
+/// The groups of each head's key tiles (grid.x of the backward, `attention_mma.cu`): as few as
+/// give [`BACKWARD_BLOCKS`] blocks, at least one, at most one per key tile and [`MAX_KEY_GROUPS`].
+fn key_tile_groups(kv_seq: usize, heads_total: usize) -> usize {
+    let tiles = kv_seq.div_ceil(TENSOR_CORE_ROWS).max(1);
+    BACKWARD_BLOCKS.div_ceil(heads_total.max(1)).clamp(1, tiles.min(MAX_KEY_GROUPS))
+}
+
+/// The tensor-core backward's two launches (checked by the caller): dk, dv and each group's
+/// partial dq in one pass over each key tile, by the element types of the inputs (`inputs.1`:
+/// bf16) and dout, then the finish that adds the partials up into dq.
 fn launch_mma_backward(
     dev: &CudaDevice,
     d: &Dims,
@@ -578,31 +582,35 @@ fn launch_mma_backward(
     dout: Values,
     rows: GradRows,
 ) -> Result<()> {
-    let (dq_kernels, dkv_kernels) = match (bf16_inputs, dout.is_bf16()) {
-        (true, true) => (MMA_DQ_DOUT_BF16, MMA_DKV_DOUT_BF16),
-        (true, false) => (MMA_DQ_BF16, MMA_DKV_BF16),
-        (false, _) => (MMA_DQ, MMA_DKV),
+    let kernels = match (bf16_inputs, dout.is_bf16()) {
+        (true, true) => MMA_BACKWARD_DOUT_BF16,
+        (true, false) => MMA_BACKWARD_BF16,
+        (false, _) => MMA_BACKWARD,
     };
-    // δ per query (Σ dout ⊙ out), written by the dq kernel and read by the dk, dv kernel.
-    // It goes back to the pool on return; later users are queued after these kernels.
-    let delta = dev.alloc::<f32>(d.0.lse_len())?;
+    let AttentionDims { batch, heads, q_seq, kv_seq, head_dim, .. } = d.0;
+    let heads_total = batch * heads;
+    let groups = key_tile_groups(kv_seq, heads_total);
+    // Each group's δ per query (Σ dout ⊙ out) and partial dq, written and read by its block
+    // alone, then dq's finish. They go back to the pool on return; later users are queued
+    // after these kernels.
+    let delta = dev.alloc::<f32>(groups * heads_total * q_seq)?;
+    let dq_part = dev.alloc::<f32>(groups * heads_total * q_seq * head_dim)?;
     let [cos, sin] = rows.tables;
     let layout = [size(rows.stride), cos, sin];
-    let mut dq_args = Vec::from(inputs.qkv.clone());
-    dq_args.extend(inputs.layout.clone());
-    dq_args.extend([out.arg_at(0), dout.arg_at(0), ptr(lse), ptr(&delta)]);
-    dq_args.extend(rows.dq);
-    dq_args.extend(layout.clone());
-    dq_args.extend(d.mma_args());
-    let mut dkv_args = Vec::from(inputs.qkv);
-    dkv_args.extend(inputs.layout);
-    dkv_args.extend([dout.arg_at(0), ptr(lse), ptr(&delta)]);
-    dkv_args.extend(rows.dk);
-    dkv_args.extend(rows.dv);
-    dkv_args.extend(layout);
-    dkv_args.extend(d.mma_args());
-    dev.launch(MMA_FAMILY, d.mma_kernel(dq_kernels), d.mma_grid(d.0.q_seq), &dq_args)?;
-    dev.launch(MMA_FAMILY, d.mma_kernel(dkv_kernels), d.mma_grid(d.0.kv_seq), &dkv_args)
+    let mut args = Vec::from(inputs.qkv);
+    args.extend(inputs.layout);
+    args.extend([out.arg_at(0), dout.arg_at(0), ptr(lse), ptr(&delta), ptr(&dq_part)]);
+    args.extend(rows.dk);
+    args.extend(rows.dv);
+    args.extend(layout.clone());
+    args.extend(d.mma_args());
+    let grid = LaunchConfig { grid_dim: (groups as u32, heads_total as u32, 1), ..d.mma_grid(kv_seq) };
+    dev.launch(MMA_FAMILY, d.mma_kernel(kernels), grid, &args)?;
+    let mut finish_args = vec![ptr(&dq_part), size(groups)];
+    finish_args.extend(rows.dq);
+    finish_args.extend(layout);
+    finish_args.extend(d.mma_args());
+    dev.launch(MMA_FAMILY, d.mma_kernel(MMA_DQ_FINISH), d.mma_grid(q_seq), &finish_args)
 }
 
 /// Checks the backward's gradients `[dq, dk, dv]`: `dev`'s, of the lengths of q, k and v, and

@@ -382,6 +382,11 @@ fn tensor_core_attention_agrees_to_bf16_precision() {
         AttentionCase { batch: 2, q_seq: 5, kv_seq: 133, heads: 2, head_dim: 48 },
         AttentionCase { batch: 1, q_seq: 129, kv_seq: 200, heads: 2, head_dim: 64 },
         AttentionCase { batch: 1, q_seq: 192, kv_seq: 192, heads: 2, head_dim: 64 },
+        // Enough heads that a backward block takes several key tiles (the partial dq read back
+        // and added to): 256 heads, 2 groups of 3 key tiles; 512 heads, one group of 3, with
+        // query tiles that do not start on a key tile's boundary (Tk − Tq = 70).
+        AttentionCase { batch: 32, q_seq: 150, kv_seq: 150, heads: 8, head_dim: 16 },
+        AttentionCase { batch: 64, q_seq: 100, kv_seq: 170, heads: 8, head_dim: 32 },
     ];
     for c in cases {
         let AttentionCase { batch, q_seq, kv_seq, heads, head_dim } = c;

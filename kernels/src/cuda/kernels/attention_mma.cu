@@ -6,7 +6,7 @@
 // q, k and v are f32, or already bf16 (the _bf16 entry points: RoPE rounds them as it writes
 // them, with the same rounding as the staging below, so both give the same bits). The _bf16
 // forward may write its output in bf16 only (out null, as FlashAttention-2 stores O), and the
-// _bf16 dq kernel reads O so. The backward writes each of dq, dk and dv in f32 (with a bf16
+// _bf16 backward reads O so. The backward writes each of dq, dk and dv in f32 (with a bf16
 // twin beside it when given a bf16 pointer too) or in bf16 alone (its f32 pointer null): under
 // bf16 products the projections' products read them so. Given RoPE's tables it writes them as
 // the packed QKV product's gradient instead, dq and dk rotated back (RowsOut below), so that
@@ -23,15 +23,15 @@
 // online softmax (running max m, sum l), lse, δ and every accumulator stay f32.
 //
 // Work split. A block is 4 warps; each warp owns 16 rows of the output (queries for the
-// forward and dq, keys for dk/dv) and keeps its operand fragments and accumulators in
+// forward, keys for the backward) and keeps its operand fragments and accumulators in
 // registers. The block walks tiles of 64 keys (or queries), staged row-major in shared
 // memory as bf16, two buffers: bf16 inputs go in by cp.async, the next tile's copies in
 // flight while the warps multiply the current one (f32 inputs are rounded on the way through
 // registers, so their staging waits); every product reads its B fragments from the tiles there,
 // four 8 × 8 blocks an instruction (ldmatrix):
-//   forward  S = Q·Kᵀ, online softmax, O += P·V
-//   dq       S = Q·Kᵀ, dP = dO·Vᵀ, dS = P ⊙ (dP − δ), dQ += dS·K      (also writes δ)
-//   dk, dv   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − δ), dV += Pᵀ·dO, dK += dSᵀ·Q
+//   forward   S = Q·Kᵀ, online softmax, O += P·V
+//   backward  Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − δ), dV += Pᵀ·dO, dK += dSᵀ·Q, and
+//             dQ += dS·K into the block's own partial dq (then a finish adds the partials)
 // No atomics, a fixed order of additions: every run gives the same bits.
 //
 // Global accesses move 2 or 4 floats at once (8- and 16-byte loads and stores): every
@@ -50,7 +50,7 @@
 #define TC_WARPS 4
 #define TC_THREADS (TC_WARPS * 32)
 #define TC_ROWS (TC_WARPS * 16)  // rows of the output per block: 16 per warp
-#define TC_TILE 64               // keys (forward, dq) or queries (dk/dv) per shared tile
+#define TC_TILE 64               // keys (forward) or queries (backward) per shared tile
 #define TC_PAD 8                 // bf16 padding per shared row (16 bytes): with it the 8 rows
                                  // of 16 bytes one ldmatrix matrix reads fall in distinct banks
                                  // for every supported D, and rows stay 16-byte aligned
@@ -481,147 +481,92 @@ __device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, 
     }
 }
 
-// dO's value as the products read it: rounded to bf16 (already so when stored in bf16).
-__device__ __forceinline__ float as_bf16_rounded(float v) { return bf16_to_f32(f32_to_bf16(v)); }
-__device__ __forceinline__ float as_bf16_rounded(bf16_t v) { return bf16_to_f32(v); }
-
 // ---------------------------------------------------------------------------------------
-// dq (and δ): one block per 64 queries, grid (⌈Tq/64⌉, B·H), as the forward.
+// Backward: one pass over each key tile for dk, dv and dq together, grid (G, B·H), then a
+// finish launch for dq.
+//
+// Block (g, b·H + h) takes key tiles g, g + G, g + 2G, ... of head (b, h), in order (G =
+// gridDim.x, the key tiles' groups: the launcher picks enough for the GPU's SMs). For each key
+// tile it walks the query tiles that see it, FlashAttention-2's backward, each warp owning 16
+// keys (fragments ka, va):
+//   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, Pᵀ and dSᵀ = Pᵀ ⊙ (dPᵀ − δ), dV += Pᵀ·dO, dK += dSᵀ·Q     (dkv_tile)
+//   dQ += dS·K                                                                   (dq_update)
+// dK and dV stay in registers until the key tile's last query tile. For dQ the warps put
+// their rows of dSᵀ in shared memory (over the query tile's stage, which the products above
+// have read by then) and each warp multiplies 16 query rows of dS by the key tile, staged
+// beside. FlashAttention-2 adds dQ into global memory with atomics, in whatever order the
+// blocks arrive; here the block adds into its group's own f32 partial (dq_part[g][b, h]: [Tq,
+// D]): written on the group's first key tile (whose query tiles include every one its later
+// key tiles see), then read back and added to, by this block alone, in the order of its key
+// tiles. The finish launch adds the groups' partials in group order, scales and stores dq.
+// No atomics: every run gives the same bits. (The two kernels this replaced, one for dq and
+// one for dk and dv, each computed S, P and dP: seven tile products where this takes five.)
+//
+// δ_i = Σ_d dO_i·O_i = Σ_s P_is·dP_is in f32, from O as stored and dO as staged (rounded to
+// bf16, as dP's product reads it, so that dP − δ cancels where it should: one visible key,
+// O_i = V_0 exactly, and dS = 0): the block computes it on its group's first key tile into
+// the stage and its group's delta_part row, and later key tiles stage it from there as lse.
 
-// One key tile of dq for a warp's 16 queries (fragments qa, doa, their rows' lse and δ):
-// S = Q·Kᵀ, dP = dO·Vᵀ, dS = P ⊙ (dP − δ), dQ += dS·K.
-template <int D>
-__device__ __forceinline__ void dq_tile(const unsigned int (*qa)[4], const unsigned int (*doa)[4],
-                                        const bf16_t* k_tile, const bf16_t* v_tile, i64 s0, i64 kv_seq,
-                                        const QueryWarp& w, float scale, const float (&row_lse)[2],
-                                        const float (&row_delta)[2], float (*acc)[4]) {
-    const int t = threadIdx.x & 3;
-    float s[8][4], dp[8][4];
-    product_a_tile_t<D>(s, qa, k_tile);
-    product_a_tile_t<D>(dp, doa, v_tile);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int half = e >> 1;
-            const i64 key = s0 + 8 * nt + 2 * t + (e & 1);
-            const bool seen = key <= w.position[half] && key < kv_seq;
-            const float p = seen ? expf(scale * s[nt][e] - row_lse[half]) : 0.0f;
-            s[nt][e] = p * (dp[nt][e] - row_delta[half]);  // dS
-        }
-    }
-    accumulate_p_tile<D>(acc, s, k_tile);
-}
-
-template <int D, typename In, typename O, typename Dy>
-__device__ __forceinline__ void attention_mma_backward_dq(const In* q, const In* k, const In* v, RowsIn in,
-                                                          const O* out, const Dy* dout, const float* lse,
-                                                          float* delta, float* dq, bf16_t* dq_bf16,
-                                                          i64 grad_stride, const float* cos_table,
-                                                          const float* sin_table, i64 q_seq, i64 kv_seq, i64 heads,
-                                                          float scale) {
-    __shared__ __align__(16) bf16_t k_tiles[2][TC_TILE * (D + TC_PAD)];
-    __shared__ __align__(16) bf16_t v_tiles[2][TC_TILE * (D + TC_PAD)];
-    const int lane = threadIdx.x & 31, g = lane >> 2;
-    const QueryWarp w = query_warp(q_seq, kv_seq, heads);
-    const i64 b = w.b, h = w.h, row0 = w.row0;
-    const float* lse_bh = lse + (b * heads + h) * q_seq;
-    float* delta_bh = delta + (b * heads + h) * q_seq;
-
-    // Key tile i goes into buffer i & 1 (as in the forward); the first is in flight during δ.
-    stage_key_tile<D>(k_tiles[0], v_tiles[0], k, v, b, h, 0, kv_seq, in.stride);
-    cp_async_commit();
-
-    // δ_i = Σ_d dO_i·O_i = Σ_s P_is·dP_is in f32 (O as stored, f32 or bf16), with dO rounded
-    // to bf16 as dP's product reads it, so that dP − δ cancels where it should (one visible
-    // key: O_i = V_0 exactly, and dS = 0). Lanes 2r and 2r+1 sum row row0 + r, one half of d
-    // each; then each lane takes the sums of its rows g and g + 8 from those lanes.
-    float row_delta[2], row_lse[2];
-    {
-        const int r = lane >> 1, part = lane & 1;
-        const i64 row = row0 + r;
-        float sum = 0.0f;
-        if (row < q_seq) {
-            const i64 at = head_row<D>(b, row, h, q_seq, heads * D) + part * (D / 2);
-            // 4 values of each at a time (16-byte f32 or 8-byte bf16 loads; D/2 is a multiple
-            // of 8, so every chunk is aligned), summed in the order of d.
-#pragma unroll
-            for (int d = 0; d < D / 2; d += 4) {
-                float dy[4], o[4];
-                load_f32(dy, dout + at + d);
-                load_f32(o, out + at + d);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) sum += as_bf16_rounded(dy[e]) * o[e];
-            }
-        }
-        sum += __shfl_xor_sync(FULL_MASK, sum, 1);
-        if (part == 0 && row < q_seq) delta_bh[row] = sum;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            row_delta[half] = __shfl_sync(FULL_MASK, sum, 2 * (g + 8 * half));
-            const i64 own = row0 + g + 8 * half;
-            row_lse[half] = own < q_seq ? lse_bh[own] : 0.0f;
-        }
-    }
-
-    unsigned int qa[D / 16][4], doa[D / 16][4];
-    load_a_rows<D>(qa, q, b, h, row0, q_seq, q_seq, in.stride, in.cos, in.sin);
-    load_a_rows<D>(doa, dout, b, h, row0, q_seq, q_seq, heads * D);
-    float acc[D / 8][4];
-#pragma unroll
-    for (int nd = 0; nd < D / 8; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.0f;
-
-    int buf = 0;
-    for (i64 s0 = 0; s0 < w.end; s0 += TC_TILE, buf ^= 1) {
-        if (s0 + TC_TILE < w.end) {
-            stage_key_tile<D>(k_tiles[buf ^ 1], v_tiles[buf ^ 1], k, v, b, h, s0 + TC_TILE, kv_seq, in.stride);
-        }
-        wait_for_tile();
-        if (in.cos) {
-            rotate_tile<D>(k_tiles[buf], s0, kv_seq, in.cos, in.sin);
-            __syncthreads();
-        }
-        if (row0 < q_seq && s0 <= w.warp_last) {  // warp-uniform
-            dq_tile<D>(qa, doa, k_tiles[buf], v_tiles[buf], s0, kv_seq, w, scale, row_lse, row_delta, acc);
-        }
-        __syncthreads();  // every warp is done with buffer buf before the tile after next goes into it
-    }
-    const RowsOut dq_rows{dq, dq_bf16, grad_stride, cos_table, sin_table};
-    store_rows<D>(acc, scale, dq_rows, b, h, row0, q_seq, q_seq, kv_seq - q_seq);
-}
-
-// ---------------------------------------------------------------------------------------
-// dk, dv: one block per 64 keys, grid (⌈Tk/64⌉, B·H), walking the query tiles that see them.
-
-// Query tile i0 of head (b, h) for dk/dv into one buffer: its Q and dO rows (stage_tile) and
-// their rows' lse and δ, threads 0-63 copying lse and 64-127 δ, 4 bytes each (zeros past q_seq).
+// Query tile i0 of head (b, h) into one stage: its Q and dO rows (stage_tile), their rows' lse
+// and (with_delta) δ, threads 0-63 copying lse and 64-127 δ, 4 bytes each (zeros past q_seq).
 template <int D, typename In, typename Dy>
 __device__ __forceinline__ void stage_query_tile(bf16_t* q_tile, bf16_t* do_tile, float* lse_tile, float* delta_tile,
                                                  const In* q, const Dy* dout, const float* lse_bh,
-                                                 const float* delta_bh, i64 b, i64 h, i64 i0, i64 q_seq, i64 heads,
-                                                 i64 q_stride) {
+                                                 const float* delta_bh, bool with_delta, i64 b, i64 h, i64 i0,
+                                                 i64 q_seq, i64 heads, i64 q_stride) {
     static_assert(TC_THREADS == 2 * TC_TILE, "a thread for each lse and each δ of a tile");
     stage_tile<D>(q_tile, q, b, h, i0, q_seq, q_seq, q_stride);
     stage_tile<D>(do_tile, dout, b, h, i0, q_seq, q_seq, heads * D);
     const bool lse_part = threadIdx.x < TC_TILE;
+    if (!lse_part && !with_delta) return;
     const int e = threadIdx.x % TC_TILE;
     const i64 i = i0 + e;
     const float* src = lse_part ? lse_bh : delta_bh;
     cp_async((lse_part ? lse_tile : delta_tile) + e, i < q_seq ? src + i : src, 4, i < q_seq ? 4 : 0);
 }
 
+// δ of the staged query tile's rows: threads 2r and 2r + 1 sum row r's two halves of the
+// columns in order (dO as staged, O as stored, 4 values a load), then add the two, into the
+// stage's δ (zero past q_seq) and the group's delta row.
+template <int D, typename O>
+__device__ __forceinline__ void delta_rows(float* delta_tile, float* delta_bh, const bf16_t* do_tile, const O* out,
+                                           i64 b, i64 h, i64 i0, i64 q_seq, i64 heads) {
+    static_assert(TC_THREADS == 2 * TC_TILE, "two threads a row");
+    const int r = threadIdx.x >> 1, part = threadIdx.x & 1;
+    const i64 row = i0 + r;
+    float sum = 0.0f;
+    if (row < q_seq) {
+        const O* o = out + head_row<D>(b, row, h, q_seq, heads * D) + part * (D / 2);
+        const bf16_t* dy = do_tile + r * (D + TC_PAD) + part * (D / 2);
+#pragma unroll
+        for (int d = 0; d < D / 2; d += 4) {
+            float dyv[4], ov[4];
+            load_f32(dyv, dy + d);
+            load_f32(ov, o + d);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sum += dyv[e] * ov[e];
+        }
+    }
+    sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+    if (part == 0) {
+        delta_tile[r] = row < q_seq ? sum : 0.0f;
+        if (row < q_seq) delta_bh[row] = sum;
+    }
+}
+
 // One query tile of dk/dv for a warp's 16 keys (fragments ka, va; key[] the lane's two keys):
-// Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, Pᵀ and dSᵀ = Pᵀ ⊙ (dPᵀ − δ), dV += Pᵀ·dO, dK += dSᵀ·Q.
+// Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, Pᵀ and dSᵀ = Pᵀ ⊙ (dPᵀ − δ), dV += Pᵀ·dO, dK += dSᵀ·Q; dSᵀ is left
+// in ds (f32, the result tiles' layout) for dQ.
 template <int D>
 __device__ __forceinline__ void dkv_tile(const unsigned int (*ka)[4], const unsigned int (*va)[4],
                                          const bf16_t* q_tile, const bf16_t* do_tile, const float* lse_tile,
                                          const float* delta_tile, i64 i0, i64 q_seq, i64 kv_seq, const i64 (&key)[2],
-                                         float scale, float (*acc_k)[4], float (*acc_v)[4]) {
+                                         float scale, float (*acc_k)[4], float (*acc_v)[4], float (*ds)[4]) {
     const int t = threadIdx.x & 3;
     const i64 offset = kv_seq - q_seq;
-    float st[8][4], dpt[8][4];
+    float st[8][4];
     product_a_tile_t<D>(st, ka, q_tile);
-    product_a_tile_t<D>(dpt, va, do_tile);
+    product_a_tile_t<D>(ds, va, do_tile);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -630,70 +575,205 @@ __device__ __forceinline__ void dkv_tile(const unsigned int (*ka)[4], const unsi
             const i64 i = i0 + c;
             const bool seen = i < q_seq && i + offset >= key[half] && key[half] < kv_seq;
             const float p = seen ? expf(scale * st[nt][e] - lse_tile[c]) : 0.0f;
-            st[nt][e] = p;                                 // Pᵀ
-            dpt[nt][e] = p * (dpt[nt][e] - delta_tile[c]);  // dSᵀ
+            st[nt][e] = p;                               // Pᵀ
+            ds[nt][e] = p * (ds[nt][e] - delta_tile[c]);  // dSᵀ
         }
     }
     accumulate_p_tile<D>(acc_v, st, do_tile);
-    accumulate_p_tile<D>(acc_k, dpt, q_tile);
+    accumulate_p_tile<D>(acc_k, ds, q_tile);
 }
 
-template <int D, typename In, typename Dy>
-__device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In* k, const In* v, RowsIn in,
-                                                           const Dy* dout, const float* lse, const float* delta,
-                                                           float* dk, bf16_t* dk_bf16, float* dv, bf16_t* dv_bf16,
-                                                           i64 grad_stride, const float* cos_table,
-                                                           const float* sin_table, i64 q_seq, i64 kv_seq, i64 heads,
-                                                           float scale) {
-    __shared__ __align__(16) bf16_t q_tiles[2][TC_TILE * (D + TC_PAD)];
-    __shared__ __align__(16) bf16_t do_tiles[2][TC_TILE * (D + TC_PAD)];
+// dSᵀ's shared tile: [64 keys][64 queries + PAD] bf16, so that its transposing loads (ldmatrix
+// .trans) fall in distinct banks as the other tiles' do.
+#define DS_ROW (TC_TILE + TC_PAD)
+
+// The warp's 16 rows of dSᵀ (keys 16·warp + g, + 8; f32 result tiles `ds`) into the shared
+// tile, rounded to bf16 as dK's product rounded them; zeros where the warp saw no query of the
+// tile (`seen` false: ds holds nothing).
+__device__ __forceinline__ void store_ds(bf16_t* tile, const float (*ds)[4], bool seen) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = 16 * warp + g + 8 * half, col = 8 * nt + 2 * t;
+            *reinterpret_cast<unsigned int*>(tile + row * DS_ROW + col) =
+                seen ? bf16x2(ds[nt][2 * half], ds[nt][2 * half + 1]) : 0u;
+        }
+    }
+}
+
+// The A fragment of rows m0..m0+15, columns k0..k0+15 of A = tileᵀ for a tile stored [k][m]
+// (rows DS_ROW apart): one ldmatrix_x4_trans of the four 8 × 8 blocks (k0.., m0..), (k0..,
+// m0 + 8..), (k0 + 8.., m0..), (k0 + 8.., m0 + 8..), which are a0..a3.
+__device__ __forceinline__ void load_a_transposed(unsigned int* frag, const bf16_t* tile, int m0, int k0) {
+    const int lane = threadIdx.x & 31, matrix = lane >> 3;
+    const int row = k0 + (lane & 7) + 8 * (matrix >> 1), col = m0 + 8 * (matrix & 1);
+    ldmatrix_x4_trans(frag, tile + row * DS_ROW + col);
+}
+
+// The warp's 16 query rows (i0 + 16·warp + g, + 8) of its group's partial dq (dq_bh: [Tq, D])
+// += dS·K: dS [64 queries][64 keys] read from the stored dSᵀ tile by transposing loads, K the
+// staged key tile. Written, not added, on the group's first key tile (`first`). Rows at or
+// past q_seq are neither read nor written.
+template <int D>
+__device__ __forceinline__ void dq_update(float* dq_bh, const bf16_t* ds_tile, const bf16_t* k_tile, i64 i0,
+                                          i64 q_seq, bool first) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    float acc[D / 8][4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const i64 row = i0 + 16 * warp + g + 8 * half;
+        const bool read = !first && row < q_seq;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+            const f32x2 p = read ? *reinterpret_cast<const f32x2*>(dq_bh + row * D + 8 * nd + 2 * t) : f32x2{};
+            acc[nd][2 * half] = p.v[0];
+            acc[nd][2 * half + 1] = p.v[1];
+        }
+    }
+#pragma unroll
+    for (int kc = 0; kc < TC_TILE / 16; ++kc) {
+        unsigned int a[4];
+        load_a_transposed(a, ds_tile, 16 * warp, 16 * kc);
+#pragma unroll
+        for (int nd = 0; nd < D / 8; nd += 2) {
+            unsigned int b[4];
+            load_b_pair<D>(b, k_tile, 16 * kc, 8 * nd);
+            MMA_M16N8K16_BF16(acc[nd], a, b);
+            MMA_M16N8K16_BF16(acc[nd + 1], a, b + 2);
+        }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const i64 row = i0 + 16 * warp + g + 8 * half;
+        if (row >= q_seq) continue;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+            *reinterpret_cast<f32x2*>(dq_bh + row * D + 8 * nd + 2 * t) = f32x2{{acc[nd][2 * half], acc[nd][2 * half + 1]}};
+        }
+    }
+}
+
+template <int D, typename In, typename O, typename Dy>
+__device__ __forceinline__ void attention_mma_backward(const In* q, const In* k, const In* v, RowsIn in, const O* out,
+                                                       const Dy* dout, const float* lse, float* delta_part,
+                                                       float* dq_part, float* dk, bf16_t* dk_bf16, float* dv,
+                                                       bf16_t* dv_bf16, i64 grad_stride, const float* cos_table,
+                                                       const float* sin_table, i64 q_seq, i64 kv_seq, i64 heads,
+                                                       float scale) {
+    constexpr int TILE_ELEMS = TC_TILE * (D + TC_PAD);
+    constexpr int STAGE = 2 * TILE_ELEMS;  // a query tile's Q rows, then its dO rows
+    constexpr int DS_ELEMS = TC_TILE * DS_ROW;
+    __shared__ __align__(16) bf16_t stages[2][STAGE];
+    __shared__ __align__(16) bf16_t ds_own[DS_ELEMS > STAGE ? DS_ELEMS : 1];  // D = 16: dSᵀ outgrows a stage
+    __shared__ __align__(16) bf16_t k_tile[TILE_ELEMS];
     __shared__ __align__(16) float lse_tiles[2][TC_TILE];
     __shared__ __align__(16) float delta_tiles[2][TC_TILE];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
-    const i64 b = blockIdx.y / heads, h = blockIdx.y % heads;
+    const i64 group = blockIdx.x, groups = gridDim.x, bh = blockIdx.y, heads_total = gridDim.y;
+    const i64 b = bh / heads, h = bh % heads;
     const i64 offset = kv_seq - q_seq;
-    const i64 s_first = (i64)blockIdx.x * TC_ROWS, row0 = s_first + 16 * warp;
-    const i64 key[2] = {row0 + g, row0 + g + 8};
-    // The first query that sees key s_first: i + offset ≥ s_first.
-    const i64 i_start = s_first > offset ? s_first - offset : 0;
-    const float* lse_bh = lse + (b * heads + h) * q_seq;
-    const float* delta_bh = delta + (b * heads + h) * q_seq;
+    const float* lse_bh = lse + bh * q_seq;
+    float* delta_bh = delta_part + (group * heads_total + bh) * q_seq;
+    float* dq_bh = dq_part + (group * heads_total + bh) * q_seq * D;
 
-    // Query tile n goes into buffer n & 1: tile n + 1 is staged while tile n is multiplied.
-    stage_query_tile<D>(q_tiles[0], do_tiles[0], lse_tiles[0], delta_tiles[0], q, dout, lse_bh, delta_bh, b, h,
-                        i_start, q_seq, heads, in.stride);
-    cp_async_commit();
-    unsigned int ka[D / 16][4], va[D / 16][4];
-    load_a_rows<D>(ka, k, b, h, row0, kv_seq, kv_seq, in.stride, in.cos, in.sin);
-    load_a_rows<D>(va, v, b, h, row0, kv_seq, kv_seq, in.stride);
-    float acc_k[D / 8][4], acc_v[D / 8][4];
+    for (i64 s_first = group * TC_TILE; s_first < kv_seq; s_first += groups * TC_TILE) {
+        const bool first = s_first == group * TC_TILE;
+        const i64 row0 = s_first + 16 * warp;
+        const i64 key[2] = {row0 + g, row0 + g + 8};
+        // The first query that sees key s_first: i + offset ≥ s_first.
+        const i64 i_start = s_first > offset ? s_first - offset : 0;
+
+        // Query tile n goes into stage n & 1: tile n + 1 is staged while tile n is multiplied.
+        // The key tile (for dQ's products) goes in with the first.
+        stage_tile<D>(k_tile, k, b, h, s_first, kv_seq, kv_seq, in.stride);
+        stage_query_tile<D>(stages[0], stages[0] + TILE_ELEMS, lse_tiles[0], delta_tiles[0], q, dout, lse_bh, delta_bh,
+                            !first, b, h, i_start, q_seq, heads, in.stride);
+        cp_async_commit();
+        unsigned int ka[D / 16][4], va[D / 16][4];
+        load_a_rows<D>(ka, k, b, h, row0, kv_seq, kv_seq, in.stride, in.cos, in.sin);
+        load_a_rows<D>(va, v, b, h, row0, kv_seq, kv_seq, in.stride);
+        float acc_k[D / 8][4], acc_v[D / 8][4];
 #pragma unroll
-    for (int nd = 0; nd < D / 8; ++nd) {
-        acc_k[nd][0] = acc_k[nd][1] = acc_k[nd][2] = acc_k[nd][3] = 0.0f;
-        acc_v[nd][0] = acc_v[nd][1] = acc_v[nd][2] = acc_v[nd][3] = 0.0f;
-    }
+        for (int nd = 0; nd < D / 8; ++nd) {
+            acc_k[nd][0] = acc_k[nd][1] = acc_k[nd][2] = acc_k[nd][3] = 0.0f;
+            acc_v[nd][0] = acc_v[nd][1] = acc_v[nd][2] = acc_v[nd][3] = 0.0f;
+        }
 
-    int buf = 0;
-    for (i64 i0 = i_start; i0 < q_seq; i0 += TC_TILE, buf ^= 1) {
-        if (i0 + TC_TILE < q_seq) {
-            stage_query_tile<D>(q_tiles[buf ^ 1], do_tiles[buf ^ 1], lse_tiles[buf ^ 1], delta_tiles[buf ^ 1], q, dout,
-                                lse_bh, delta_bh, b, h, i0 + TC_TILE, q_seq, heads, in.stride);
-        }
-        wait_for_tile();
-        if (in.cos) {
-            rotate_tile<D>(q_tiles[buf], i0, q_seq, in.cos, in.sin);
+        int buf = 0;
+        for (i64 i0 = i_start; i0 < q_seq; i0 += TC_TILE, buf ^= 1) {
+            bf16_t* q_tile = stages[buf];
+            bf16_t* do_tile = stages[buf] + TILE_ELEMS;
+            if (i0 + TC_TILE < q_seq) {
+                stage_query_tile<D>(stages[buf ^ 1], stages[buf ^ 1] + TILE_ELEMS, lse_tiles[buf ^ 1],
+                                    delta_tiles[buf ^ 1], q, dout, lse_bh, delta_bh, !first, b, h, i0 + TC_TILE, q_seq,
+                                    heads, in.stride);
+            }
+            wait_for_tile();
+            if (in.cos) {
+                rotate_tile<D>(q_tile, i0, q_seq, in.cos, in.sin);
+                if (i0 == i_start) rotate_tile<D>(k_tile, s_first, kv_seq, in.cos, in.sin);
+                __syncthreads();
+            }
+            if (first) {
+                delta_rows<D>(delta_tiles[buf], delta_bh, do_tile, out, b, h, i0, q_seq, heads);
+                __syncthreads();
+            }
+            // Warp-uniform: only where the warp has keys and some query of the tile sees one.
+            const bool seen = row0 < kv_seq && i0 + TC_TILE - 1 + offset >= row0;
+            float ds[8][4];
+            if (seen) {
+                dkv_tile<D>(ka, va, q_tile, do_tile, lse_tiles[buf], delta_tiles[buf], i0, q_seq, kv_seq, key, scale,
+                            acc_k, acc_v, ds);
+            }
+            __syncthreads();  // every warp is done with the stage's Q and dO: dSᵀ goes over them
+            bf16_t* ds_tile = DS_ELEMS > STAGE ? ds_own : q_tile;
+            store_ds(ds_tile, ds, seen);
             __syncthreads();
+            dq_update<D>(dq_bh, ds_tile, k_tile, i0, q_seq, first);
+            __syncthreads();  // every warp is done with the stage before the tile after next goes into it
         }
-        // Warp-uniform: only where the warp has keys and some query of the tile sees one.
-        if (row0 < kv_seq && i0 + TC_TILE - 1 + offset >= row0) {
-            dkv_tile<D>(ka, va, q_tiles[buf], do_tiles[buf], lse_tiles[buf], delta_tiles[buf], i0, q_seq, kv_seq, key,
-                        scale, acc_k, acc_v);
-        }
-        __syncthreads();  // every warp is done with buffer buf before the tile after next goes into it
+        // dk rotated back by RoPE's tables when given (dv never: v is not rotated), each key at its own position.
+        store_rows<D>(acc_k, scale, RowsOut{dk, dk_bf16, grad_stride, cos_table, sin_table}, b, h, row0, kv_seq, kv_seq,
+                      0);
+        store_rows<D>(acc_v, 1.0f, RowsOut{dv, dv_bf16, grad_stride, nullptr, nullptr}, b, h, row0, kv_seq, kv_seq, 0);
     }
-    // dk rotated back by RoPE's tables when given (dv never: v is not rotated), each key at its own position.
-    store_rows<D>(acc_k, scale, RowsOut{dk, dk_bf16, grad_stride, cos_table, sin_table}, b, h, row0, kv_seq, kv_seq, 0);
-    store_rows<D>(acc_v, 1.0f, RowsOut{dv, dv_bf16, grad_stride, nullptr, nullptr}, b, h, row0, kv_seq, kv_seq, 0);
+}
+
+// dq = scale · Σ_g dq_part[g] (the groups in order, each from its first key tile's first
+// query on: the rows it wrote), stored as the backward's other gradients are (store_rows:
+// rotated back by RoPE's tables when given). One block per 64 queries of one (b, h), grid
+// (⌈Tq/64⌉, B·H), a warp per 16 rows, as the forward.
+template <int D>
+__device__ __forceinline__ void attention_mma_backward_dq_finish(const float* dq_part, i64 groups, float* dq,
+                                                                 bf16_t* dq_bf16, i64 grad_stride,
+                                                                 const float* cos_table, const float* sin_table,
+                                                                 i64 q_seq, i64 kv_seq, i64 heads, float scale) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const i64 bh = blockIdx.y, heads_total = gridDim.y, b = bh / heads, h = bh % heads;
+    const i64 row0 = (i64)blockIdx.x * TC_ROWS + 16 * warp;
+    const i64 offset = kv_seq - q_seq;
+    float acc[D / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.0f;
+    for (i64 group = 0; group < groups; ++group) {
+        const i64 s_first = group * TC_TILE;
+        const i64 first_row = s_first > offset ? s_first - offset : 0;
+        const float* part = dq_part + (group * heads_total + bh) * q_seq * D;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const i64 row = row0 + g + 8 * half;
+            if (row >= q_seq || row < first_row) continue;
+#pragma unroll
+            for (int nd = 0; nd < D / 8; ++nd) {
+                const f32x2 p = *reinterpret_cast<const f32x2*>(part + row * D + 8 * nd + 2 * t);
+                acc[nd][2 * half] += p.v[0];
+                acc[nd][2 * half + 1] += p.v[1];
+            }
+        }
+    }
+    store_rows<D>(acc, scale, RowsOut{dq, dq_bf16, grad_stride, cos_table, sin_table}, b, h, row0, q_seq, q_seq, offset);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -710,34 +790,23 @@ __device__ __forceinline__ void attention_mma_backward_dkv(const In* q, const In
     const bf16_t *q, const bf16_t *k, const bf16_t *v, MMA_IN_PARAMS, float *out, bf16_t *out_bf16, float *lse, i64 q_seq, \
         i64 kv_seq, i64 heads, float scale
 #define MMA_FORWARD_ARGS q, k, v, MMA_IN_ARGS, out, out_bf16, lse, q_seq, kv_seq, heads, scale
-#define MMA_DQ_PARAMS                                                                                            \
-    const float *q, const float *k, const float *v, MMA_IN_PARAMS, const float *out, const float *dout, const float *lse,    \
-        float *delta, float *dq, bf16_t *dq_bf16, i64 grad_stride, const float *cos_table,                  \
+#define MMA_BACKWARD_TAIL                                                                                         \
+    const float *lse, float *delta_part, float *dq_part, float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16,    \
+        i64 grad_stride, const float *cos_table, const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
+#define MMA_BACKWARD_PARAMS \
+    const float *q, const float *k, const float *v, MMA_IN_PARAMS, const float *out, const float *dout, MMA_BACKWARD_TAIL
+#define MMA_BACKWARD_BF16_PARAMS \
+    const bf16_t *q, const bf16_t *k, const bf16_t *v, MMA_IN_PARAMS, const bf16_t *out, const float *dout, MMA_BACKWARD_TAIL
+#define MMA_BACKWARD_DOUT_BF16_PARAMS                                                                             \
+    const bf16_t *q, const bf16_t *k, const bf16_t *v, MMA_IN_PARAMS, const bf16_t *out, const bf16_t *dout,          \
+        MMA_BACKWARD_TAIL
+#define MMA_BACKWARD_ARGS                                                                                        \
+    q, k, v, MMA_IN_ARGS, out, dout, lse, delta_part, dq_part, dk, dk_bf16, dv, dv_bf16, grad_stride, cos_table,      \
+        sin_table, q_seq, kv_seq, heads, scale
+#define MMA_DQ_FINISH_PARAMS                                                                                      \
+    const float *dq_part, i64 groups, float *dq, bf16_t *dq_bf16, i64 grad_stride, const float *cos_table,            \
         const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
-#define MMA_DQ_BF16_PARAMS                                                                                       \
-    const bf16_t *q, const bf16_t *k, const bf16_t *v, MMA_IN_PARAMS, const bf16_t *out, const float *dout, const float *lse, \
-        float *delta, float *dq, bf16_t *dq_bf16, i64 grad_stride, const float *cos_table,                  \
-        const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
-#define MMA_DQ_DOUT_BF16_PARAMS                                                                                  \
-    const bf16_t *q, const bf16_t *k, const bf16_t *v, MMA_IN_PARAMS, const bf16_t *out, const bf16_t *dout, const float *lse, \
-        float *delta, float *dq, bf16_t *dq_bf16, i64 grad_stride, const float *cos_table,                  \
-        const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
-#define MMA_DQ_ARGS \
-    q, k, v, MMA_IN_ARGS, out, dout, lse, delta, dq, dq_bf16, grad_stride, cos_table, sin_table, q_seq, kv_seq, heads, scale
-#define MMA_DKV_PARAMS                                                                                           \
-    const float *q, const float *k, const float *v, MMA_IN_PARAMS, const float *dout, const float *lse, const float *delta,  \
-        float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 grad_stride, const float *cos_table,    \
-        const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
-#define MMA_DKV_BF16_PARAMS                                                                                      \
-    const bf16_t *q, const bf16_t *k, const bf16_t *v, MMA_IN_PARAMS, const float *dout, const float *lse, const float *delta, \
-        float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 grad_stride, const float *cos_table,    \
-        const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
-#define MMA_DKV_DOUT_BF16_PARAMS                                                                                    \
-    const bf16_t *q, const bf16_t *k, const bf16_t *v, MMA_IN_PARAMS, const bf16_t *dout, const float *lse, const float *delta, \
-        float *dk, bf16_t *dk_bf16, float *dv, bf16_t *dv_bf16, i64 grad_stride, const float *cos_table,    \
-        const float *sin_table, i64 q_seq, i64 kv_seq, i64 heads, float scale
-#define MMA_DKV_ARGS \
-    q, k, v, MMA_IN_ARGS, dout, lse, delta, dk, dk_bf16, dv, dv_bf16, grad_stride, cos_table, sin_table, q_seq, kv_seq, heads, scale
+#define MMA_DQ_FINISH_ARGS dq_part, groups, dq, dq_bf16, grad_stride, cos_table, sin_table, q_seq, kv_seq, heads, scale
 
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d16(MMA_FORWARD_PARAMS) { attention_mma_forward<16>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d32(MMA_FORWARD_PARAMS) { attention_mma_forward<32>(MMA_FORWARD_ARGS); }
@@ -747,27 +816,19 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_b
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_bf16_d32(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<32>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_bf16_d48(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<48>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 3) attention_mma_forward_bf16_d64(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<64>(MMA_FORWARD_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_d16(MMA_DQ_PARAMS) { attention_mma_backward_dq<16>(MMA_DQ_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_d32(MMA_DQ_PARAMS) { attention_mma_backward_dq<32>(MMA_DQ_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_d48(MMA_DQ_PARAMS) { attention_mma_backward_dq<48>(MMA_DQ_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_d64(MMA_DQ_PARAMS) { attention_mma_backward_dq<64>(MMA_DQ_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_bf16_d16(MMA_DQ_BF16_PARAMS) { attention_mma_backward_dq<16>(MMA_DQ_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_bf16_d32(MMA_DQ_BF16_PARAMS) { attention_mma_backward_dq<32>(MMA_DQ_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_bf16_d48(MMA_DQ_BF16_PARAMS) { attention_mma_backward_dq<48>(MMA_DQ_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_bf16_d64(MMA_DQ_BF16_PARAMS) { attention_mma_backward_dq<64>(MMA_DQ_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_d16(MMA_DKV_PARAMS) { attention_mma_backward_dkv<16>(MMA_DKV_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_d32(MMA_DKV_PARAMS) { attention_mma_backward_dkv<32>(MMA_DKV_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_d48(MMA_DKV_PARAMS) { attention_mma_backward_dkv<48>(MMA_DKV_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_d64(MMA_DKV_PARAMS) { attention_mma_backward_dkv<64>(MMA_DKV_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_d16(MMA_DKV_BF16_PARAMS) { attention_mma_backward_dkv<16>(MMA_DKV_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_d32(MMA_DKV_BF16_PARAMS) { attention_mma_backward_dkv<32>(MMA_DKV_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_d48(MMA_DKV_BF16_PARAMS) { attention_mma_backward_dkv<48>(MMA_DKV_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_d64(MMA_DKV_BF16_PARAMS) { attention_mma_backward_dkv<64>(MMA_DKV_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_bf16_dout_bf16_d16(MMA_DQ_DOUT_BF16_PARAMS) { attention_mma_backward_dq<16>(MMA_DQ_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_bf16_dout_bf16_d32(MMA_DQ_DOUT_BF16_PARAMS) { attention_mma_backward_dq<32>(MMA_DQ_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_bf16_dout_bf16_d48(MMA_DQ_DOUT_BF16_PARAMS) { attention_mma_backward_dq<48>(MMA_DQ_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_bf16_dout_bf16_d64(MMA_DQ_DOUT_BF16_PARAMS) { attention_mma_backward_dq<64>(MMA_DQ_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_dout_bf16_d16(MMA_DKV_DOUT_BF16_PARAMS) { attention_mma_backward_dkv<16>(MMA_DKV_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_dout_bf16_d32(MMA_DKV_DOUT_BF16_PARAMS) { attention_mma_backward_dkv<32>(MMA_DKV_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_dout_bf16_d48(MMA_DKV_DOUT_BF16_PARAMS) { attention_mma_backward_dkv<48>(MMA_DKV_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dkv_bf16_dout_bf16_d64(MMA_DKV_DOUT_BF16_PARAMS) { attention_mma_backward_dkv<64>(MMA_DKV_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_d16(MMA_BACKWARD_PARAMS) { attention_mma_backward<16>(MMA_BACKWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_d32(MMA_BACKWARD_PARAMS) { attention_mma_backward<32>(MMA_BACKWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_d48(MMA_BACKWARD_PARAMS) { attention_mma_backward<48>(MMA_BACKWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_d64(MMA_BACKWARD_PARAMS) { attention_mma_backward<64>(MMA_BACKWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_bf16_d16(MMA_BACKWARD_BF16_PARAMS) { attention_mma_backward<16>(MMA_BACKWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_bf16_d32(MMA_BACKWARD_BF16_PARAMS) { attention_mma_backward<32>(MMA_BACKWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_bf16_d48(MMA_BACKWARD_BF16_PARAMS) { attention_mma_backward<48>(MMA_BACKWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_bf16_d64(MMA_BACKWARD_BF16_PARAMS) { attention_mma_backward<64>(MMA_BACKWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_bf16_dout_bf16_d16(MMA_BACKWARD_DOUT_BF16_PARAMS) { attention_mma_backward<16>(MMA_BACKWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_bf16_dout_bf16_d32(MMA_BACKWARD_DOUT_BF16_PARAMS) { attention_mma_backward<32>(MMA_BACKWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_bf16_dout_bf16_d48(MMA_BACKWARD_DOUT_BF16_PARAMS) { attention_mma_backward<48>(MMA_BACKWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_bf16_dout_bf16_d64(MMA_BACKWARD_DOUT_BF16_PARAMS) { attention_mma_backward<64>(MMA_BACKWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_finish_d16(MMA_DQ_FINISH_PARAMS) { attention_mma_backward_dq_finish<16>(MMA_DQ_FINISH_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_finish_d32(MMA_DQ_FINISH_PARAMS) { attention_mma_backward_dq_finish<32>(MMA_DQ_FINISH_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_finish_d48(MMA_DQ_FINISH_PARAMS) { attention_mma_backward_dq_finish<48>(MMA_DQ_FINISH_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_dq_finish_d64(MMA_DQ_FINISH_PARAMS) { attention_mma_backward_dq_finish<64>(MMA_DQ_FINISH_ARGS); }
