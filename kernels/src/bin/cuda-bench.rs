@@ -10,7 +10,7 @@
 //! kernel that materialises the score matrix, and its backward into the packed QKV gradient
 //! with RoPE's backward after it or in its kernels, and RoPE's forward before it or in its
 //! kernels (the packed product read unrotated); and the residual add + RMSNorm and RMSNorm's
-//! backward against a device copy of as many bytes.
+//! backward against the CPU's results, timed against a device copy of as many bytes.
 //!
 //! Run: `cargo run --release -p kernels --features cuda --bin cuda-bench [-- --tokens N]`
 //! (default N = 512·256 = 131 072 tokens; the attention batches are N/2048 and N/4096
@@ -22,6 +22,7 @@
 use std::time::Instant;
 
 use half::bf16;
+use kernels::cpu;
 use kernels::cpu::attention::AttentionDims;
 use kernels::cpu::matmul::{GemmDims, Store};
 use kernels::cpu::rope::{rope_table, RopeDims};
@@ -549,39 +550,47 @@ fn bench_gated_add_norm(dev: &CudaDevice, tokens: usize, d_in: usize, d: usize) 
 /// The pre-ln block's residual add and RMSNorm (`[tokens, d]`, the f32 stream plus a bf16
 /// output projection, y in bf16) and RMSNorm's backward (bf16 `dy` beside the stream's
 /// gradient, `dx` in f32 and bf16, the weight's gradient), as a `--bf16` step runs them, each
-/// against a device-to-device copy of as many bytes as it reads and writes: memory-bound
-/// kernels, so the ratio says how far from the card's copy bandwidth each one runs.
+/// checked against the CPU's and timed against a device-to-device copy of as many bytes as it
+/// reads and writes: memory-bound kernels, so the ratio says how far from the card's copy
+/// bandwidth each one runs.
 fn bench_rms_norm(dev: &CudaDevice, tokens: usize, d: usize) -> Result<()> {
     let n = tokens * d;
-    let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
-    let (stream, weight) = (dev.upload(&values(n, 51, 2.0))?, dev.upload(&values(d, 52, 1.0))?);
-    let delta = dev.upload(&to_bf16(values(n, 53, 2.0)))?;
+    let bf16_values = |seed: u64, bound: f32| -> Vec<f32> {
+        values(n, seed, bound).into_iter().map(|v| bf16::from_f32(v).to_f32()).collect()
+    };
+    let to_bf16 = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
+    let (x, w, delta) = (values(n, 51, 2.0), values(d, 52, 1.0), bf16_values(53, 2.0));
+    let (stream, weight, delta16) = (dev.upload(&x)?, dev.upload(&w)?, dev.upload(&to_bf16(&delta))?);
     let (mut sum, mut y, mut rstd) = (dev.alloc::<f32>(n)?, dev.alloc::<bf16>(n)?, dev.alloc::<f32>(tokens)?);
     let dims = NormDims { rows: tokens, cols: d, eps: 1e-5 };
     let forward_s = best_seconds(dev, || {
         let outs = (&mut sum, ValuesMut::Bf16(&mut y), None);
-        add_rms_norm_forward(dev, (&stream, Values::Bf16(&delta)), &weight, &dims, outs, &mut rstd)
+        add_rms_norm_forward(dev, (&stream, Values::Bf16(&delta16)), &weight, &dims, outs, &mut rstd)
     })?;
-    let (dy, residual) = (dev.upload(&to_bf16(values(n, 54, 1.0)))?, dev.upload(&values(n, 55, 1.0))?);
+    let (mut cpu_sum, mut cpu_y, mut cpu_rstd) = (vec![0.0; n], vec![0.0; n], vec![0.0; tokens]);
+    cpu::norm::add_rms_norm_forward(&x, &delta, &w, &dims, (&mut cpu_sum, &mut cpu_y), &mut cpu_rstd);
+    check(&format!("add + RMSNorm d {d}"), &download_widened(dev, &y)?, &cpu_y, 1e-2);
+
+    let (dy, residual) = (bf16_values(54, 1.0), values(n, 55, 1.0));
+    let (dy16, residual_dev) = (dev.upload(&to_bf16(&dy))?, dev.upload(&residual)?);
     let (mut dx, mut dx_bf16, mut dw) = (dev.alloc::<f32>(n)?, dev.alloc::<bf16>(n)?, dev.alloc::<f32>(d)?);
     let backward_s = best_seconds(dev, || {
         let grads = NormGrads { dx: &mut dx, dweight: Some(&mut dw), dbias: None };
-        rms_norm_backward(
-            dev,
-            &sum,
-            &weight,
-            &rstd,
-            (Values::Bf16(&dy), Some(&residual)),
-            &dims,
-            (grads, Some(&mut dx_bf16)),
-        )
+        let dy_in = (Values::Bf16(&dy16), Some(&residual_dev));
+        rms_norm_backward(dev, &sum, &weight, &rstd, dy_in, &dims, (grads, Some(&mut dx_bf16)))
     })?;
+    let (mut cpu_dx, mut cpu_dw) = (vec![0.0; n], vec![0.0; d]);
+    let grads = NormGrads { dx: &mut cpu_dx[..], dweight: Some(&mut cpu_dw[..]), dbias: None };
+    cpu::norm::rms_norm_backward(&cpu_sum, &w, &cpu_rstd, (&dy, Some(&residual)), &dims, grads);
+    check(&format!("RMSNorm backward d {d} dx"), &dev.download(&dx)?, &cpu_dx, 1e-4);
+    check(&format!("RMSNorm backward d {d} dw"), &dev.download(&dw)?, &cpu_dw, 1e-4);
+
     // Bytes per element: forward x, sum (f32) and delta, y (bf16); backward x, residual, dx
     // (f32) and dy, dx_bf16 (bf16). A copy of b bytes reads and writes b.
     let copy_s = |bytes_moved: usize| -> Result<f64> {
-        let half = bytes_moved / 2 / 4;
-        let (src, mut dst) = (dev.alloc::<f32>(half)?, dev.alloc::<f32>(half)?);
-        best_seconds(dev, || dev.copy_within_device(&src, 0, &mut dst, 0, half))
+        let floats = bytes_moved / 2 / 4;
+        let (src, mut dst) = (dev.alloc::<f32>(floats)?, dev.alloc::<f32>(floats)?);
+        best_seconds(dev, || dev.copy_within_device(&src, 0, &mut dst, 0, floats))
     };
     let (forward_copy_s, backward_copy_s) = (copy_s(12 * n)?, copy_s(16 * n)?);
     println!(

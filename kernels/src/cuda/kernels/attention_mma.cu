@@ -262,6 +262,19 @@ __device__ __forceinline__ void product_a_tile_t(float (*acc)[4], const unsigned
     }
 }
 
+// out[nd] (16 × D) += A · tile[k0 .. k0 + 16] for one A fragment `a` (16 rows, depth 16) and
+// staged rows k0.. of `tile`.
+template <int D>
+__device__ __forceinline__ void accumulate_rows(float (*out)[4], const unsigned int (&a)[4], const bf16_t* tile, int k0) {
+#pragma unroll
+    for (int nd = 0; nd < D / 8; nd += 2) {
+        unsigned int b[4];
+        load_b_pair<D>(b, tile, k0, 8 * nd);
+        MMA_M16N8K16_BF16(out[nd], a, b);
+        MMA_M16N8K16_BF16(out[nd + 1], a, b + 2);
+    }
+}
+
 // out[nd] (16 × D) += P · tile for P (16 × 64, the f32 result tiles `p`, rounded to bf16 here)
 // and the 64 staged rows of `tile`.
 template <int D>
@@ -270,14 +283,9 @@ __device__ __forceinline__ void accumulate_p_tile(float (*out)[4], const float (
     for (int kc = 0; kc < 4; ++kc) {
         const float* lo = p[2 * kc];
         const float* hi = p[2 * kc + 1];
-        unsigned int a[4] = {bf16x2(lo[0], lo[1]), bf16x2(lo[2], lo[3]), bf16x2(hi[0], hi[1]), bf16x2(hi[2], hi[3])};
-#pragma unroll
-        for (int nd = 0; nd < D / 8; nd += 2) {
-            unsigned int b[4];
-            load_b_pair<D>(b, tile, 16 * kc, 8 * nd);
-            MMA_M16N8K16_BF16(out[nd], a, b);
-            MMA_M16N8K16_BF16(out[nd + 1], a, b + 2);
-        }
+        const unsigned int a[4] = {bf16x2(lo[0], lo[1]), bf16x2(lo[2], lo[3]), bf16x2(hi[0], hi[1]),
+                                   bf16x2(hi[2], hi[3])};
+        accumulate_rows<D>(out, a, tile, 16 * kc);
     }
 }
 
@@ -636,13 +644,7 @@ __device__ __forceinline__ void dq_update(float* dq_bh, const bf16_t* ds_tile, c
     for (int kc = 0; kc < TC_TILE / 16; ++kc) {
         unsigned int a[4];
         load_a_transposed(a, ds_tile, 16 * warp, 16 * kc);
-#pragma unroll
-        for (int nd = 0; nd < D / 8; nd += 2) {
-            unsigned int b[4];
-            load_b_pair<D>(b, k_tile, 16 * kc, 8 * nd);
-            MMA_M16N8K16_BF16(acc[nd], a, b);
-            MMA_M16N8K16_BF16(acc[nd + 1], a, b + 2);
-        }
+        accumulate_rows<D>(acc, a, k_tile, 16 * kc);
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
