@@ -656,3 +656,20 @@ pub fn causal_attention_naive(
     args.extend(d.args());
     dev.launch(FAMILY, "attention_naive_forward", elementwise(rows), &args)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One group where the heads alone fill the GPU (the anchor's 64 × 8 heads), more for fewer
+    /// heads, never more than the key tiles nor [`MAX_KEY_GROUPS`], and one for no keys.
+    #[test]
+    fn key_tile_groups_split_few_heads_long_sequences_only() {
+        assert_eq!(key_tile_groups(256, 512), 1);
+        assert_eq!(key_tile_groups(256, 256), 2);
+        assert_eq!(key_tile_groups(256, 8), 4);
+        assert_eq!(key_tile_groups(8192, 8), MAX_KEY_GROUPS);
+        assert_eq!(key_tile_groups(150, 256), 2);
+        assert_eq!(key_tile_groups(0, 4), 1);
+    }
+}
