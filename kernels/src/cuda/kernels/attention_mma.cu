@@ -498,7 +498,7 @@ __device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, 
 // tile it walks the query tiles that see it, FlashAttention-2's backward, each warp owning 16
 // keys (fragments ka, va):
 //   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, Pᵀ and dSᵀ = Pᵀ ⊙ (dPᵀ − δ), dV += Pᵀ·dO, dK += dSᵀ·Q     (dkv_tile)
-//   dQ += dS·K                                                                   (dq_update)
+//   dQ += dS·K                                                   (load_dq_partial, dq_update)
 // dK and dV stay in registers until the key tile's last query tile. For dQ the warps put
 // their rows of dSᵀ in shared memory (over the query tile's stage, which the products above
 // have read by then) and each warp multiplies 16 query rows of dS by the key tile, staged
@@ -621,14 +621,12 @@ __device__ __forceinline__ void load_a_transposed(unsigned int* frag, const bf16
 }
 
 // The warp's 16 query rows (i0 + 16·warp + g, + 8) of its group's partial dq (dq_bh: [Tq, D])
-// += dS·K: dS [64 queries][64 keys] read from the stored dSᵀ tile by transposing loads, K the
-// staged key tile. Written, not added, on the group's first key tile (`first`). Rows at or
-// past q_seq are neither read nor written.
+// in the result tiles' layout: as stored, or zeros on the group's first key tile (`first`),
+// which writes them, and past q_seq. Loaded before the tile's other work, so that the loads
+// are in flight while it runs.
 template <int D>
-__device__ __forceinline__ void dq_update(float* dq_bh, const bf16_t* ds_tile, const bf16_t* k_tile, i64 i0,
-                                          i64 q_seq, bool first) {
+__device__ __forceinline__ void load_dq_partial(float (*acc)[4], const float* dq_bh, i64 i0, i64 q_seq, bool first) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    float acc[D / 8][4];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const i64 row = i0 + 16 * warp + g + 8 * half;
@@ -640,6 +638,14 @@ __device__ __forceinline__ void dq_update(float* dq_bh, const bf16_t* ds_tile, c
             acc[nd][2 * half + 1] = p.v[1];
         }
     }
+}
+
+// Those rows += dS·K (dS [64 queries][64 keys] read from the stored dSᵀ tile by transposing
+// loads, K the staged key tile), then stored back; rows at or past q_seq are not stored.
+template <int D>
+__device__ __forceinline__ void dq_update(float (*acc)[4], float* dq_bh, const bf16_t* ds_tile, const bf16_t* k_tile,
+                                          i64 i0, i64 q_seq) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int kc = 0; kc < TC_TILE / 16; ++kc) {
         unsigned int a[4];
@@ -729,11 +735,13 @@ __device__ __forceinline__ void attention_mma_backward(const In* q, const In* k,
                 dkv_tile<D>(ka, va, q_tile, do_tile, lse_tiles[buf], delta_tiles[buf], i0, q_seq, kv_seq, key, scale,
                             acc_k, acc_v, ds);
             }
+            float dq_acc[D / 8][4];
+            load_dq_partial<D>(dq_acc, dq_bh, i0, q_seq, first);
             __syncthreads();  // every warp is done with the stage's Q and dO: dSᵀ goes over them
             bf16_t* ds_tile = DS_ELEMS > STAGE ? ds_own : q_tile;
             store_ds(ds_tile, ds, seen);
             __syncthreads();
-            dq_update<D>(dq_bh, ds_tile, k_tile, i0, q_seq, first);
+            dq_update<D>(dq_acc, dq_bh, ds_tile, k_tile, i0, q_seq);
             __syncthreads();  // every warp is done with the stage before the tile after next goes into it
         }
         // dk rotated back by RoPE's tables when given (dv never: v is not rotated), each key at its own position.
