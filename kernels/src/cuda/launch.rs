@@ -80,12 +80,18 @@ pub(crate) fn elementwise(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
-/// Cap on the blocks of a one-block-per-row launch (the kernels loop over the rest).
+/// Cap on the blocks of a row launch (the kernels loop over the rest).
 const MAX_ROW_BLOCKS: usize = 1 << 20;
 
 /// One block per row (row kernels loop `r += gridDim.x` past the cap), `threads` each.
 pub(crate) fn per_row(rows: usize, threads: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows.min(MAX_ROW_BLOCKS) as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// One warp per row, `warps` rows a block (row kernels loop `r += gridDim.x·warps` past the cap).
+pub(crate) fn warp_per_row(rows: usize, warps: usize) -> LaunchConfig {
+    let blocks = rows.div_ceil(warps).clamp(1, MAX_ROW_BLOCKS) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * warps as u32, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// Threads for a block that walks a row of `cols`: a warp multiple between 32 and 256.

@@ -14,7 +14,7 @@ use half::bf16;
 use super::allocator::DeviceBuffer;
 use super::device::CudaDevice;
 use super::error::{ensure, CudaError, Result};
-use super::launch::{check_owners, opt_ptr, per_row, ptr, row_threads, size};
+use super::launch::{check_owners, opt_ptr, per_row, ptr, row_threads, size, warp_per_row};
 use super::module::{Arg, KernelFamily};
 use super::reduce::{chunking, finish_block, finish_column_sums, ColumnSum};
 use super::values::{output_with_twin, Values, ValuesMut};
@@ -28,14 +28,10 @@ const FAMILY: KernelFamily = KernelFamily::Norm;
 /// Also the warps of an RMSNorm block, one row (or one row lane) each.
 const ROW_LANES: usize = 8;
 
-/// Cap on the blocks of an RMSNorm row launch (the kernels loop over the rest).
-const MAX_ROW_BLOCKS: usize = 1 << 20;
-
 /// The launch of an RMSNorm row kernel (`norm.cu`, and the fused gate's residual add and norm):
 /// a warp per row, [`ROW_LANES`] rows a block of 256 threads.
-pub(crate) fn warp_per_row(rows: usize) -> LaunchConfig {
-    let blocks = rows.div_ceil(ROW_LANES).clamp(1, MAX_ROW_BLOCKS) as u32;
-    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * ROW_LANES as u32, 1, 1), shared_mem_bytes: 0 }
+pub(crate) fn rms_norm_rows(rows: usize) -> LaunchConfig {
+    warp_per_row(rows, ROW_LANES)
 }
 
 /// [`NormDims::check`], as on the CPU, as a shape error naming `op`.
@@ -67,7 +63,7 @@ pub fn rms_norm_forward(
     check(OP, dims, &[("x", x.len()), ("y", y.len())], &[("rstd", rstd.len())], &[("weight", Some(weight.len()))])?;
     let NormDims { rows, cols, eps } = *dims;
     let args = [ptr(x), ptr(weight), y_f32, y_bf16, ptr(rstd), size(rows), size(cols), Arg::F32(eps)];
-    dev.launch(FAMILY, "rms_norm_forward", warp_per_row(rows), &args)
+    dev.launch(FAMILY, "rms_norm_forward", rms_norm_rows(rows), &args)
 }
 
 /// The pre-ln LLaMA block's residual add and the next RMSNorm in one launch: `sum = x + delta`,
@@ -108,7 +104,7 @@ pub fn add_rms_norm_forward(
         Arg::F32(eps),
     ];
     let kernel = delta.kernel("add_rms_norm_forward", "add_rms_norm_forward_delta_bf16");
-    dev.launch(FAMILY, kernel, warp_per_row(rows), &args)
+    dev.launch(FAMILY, kernel, rms_norm_rows(rows), &args)
 }
 
 /// `dx = ∂L/∂x` and `dweight = ∂L/∂weight` (when given) for RMSNorm, from the saved `rstd`.

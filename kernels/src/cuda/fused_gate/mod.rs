@@ -52,7 +52,7 @@ use super::elementwise::{pack_bf16, unary_code};
 use super::error::{ensure, ensure_len, CudaError, Result};
 use super::launch::{address_list, check_owners, int, length_list, ptr, size, LIST_LEN, THREADS};
 use super::module::{Arg, KernelFamily};
-use super::norm::warp_per_row;
+use super::norm::rms_norm_rows;
 use super::values::{output_with_twin, DeviceValues, Values, ValuesMut};
 use crate::cpu::matmul::Store;
 
@@ -583,7 +583,7 @@ pub fn fused_gate_forward_add_rms_norm(
     let mut args = apply_args(&zu.values(), groups, &layout);
     args.extend([int(layout.rank_channel as i32), int(layout.rank_scalar as i32)]);
     args.extend([ptr(stream), ptr(weight), ptr(sum), y_f32, y_bf16, ptr(rstd), Arg::F32(eps)]);
-    dev.launch(FAMILY, "fused_gate_add_rms_norm", warp_per_row(layout.rows), &args)
+    dev.launch(FAMILY, "fused_gate_add_rms_norm", rms_norm_rows(layout.rows), &args)
 }
 
 /// Checks the group of an epilogue that serves exactly the projections `names` (q, k and v;

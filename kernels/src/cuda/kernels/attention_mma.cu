@@ -128,7 +128,7 @@ __device__ __forceinline__ void stage_tile(bf16_t* tile, const bf16_t* src, i64 
     }
 }
 
-// Key tile s0 of head (b, h) into one K and one V buffer (the forward's and dq's operands).
+// Key tile s0 of head (b, h) into one K and one V buffer (the forward's operands).
 template <int D, typename In>
 __device__ __forceinline__ void stage_key_tile(bf16_t* k_tile, bf16_t* v_tile, const In* k, const In* v, i64 b, i64 h,
                                                i64 s0, i64 kv_seq, i64 stride) {
@@ -357,7 +357,7 @@ __device__ __forceinline__ void store_rows(const float (*acc)[4], float scale, c
     }
 }
 
-// Where a warp of a query block (forward, dq) stands: head (b, h), its 16 queries from row0,
+// Where a warp of a forward block stands: head (b, h), its 16 queries from row0,
 // the keys its block needs (0..end) and its own last visible key (warp_last), and the
 // positions of the lane's two query rows g and g + 8.
 struct QueryWarp {
@@ -514,6 +514,11 @@ __device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, 
 // bf16, as dP's product reads it, so that dP − δ cancels where it should: one visible key,
 // O_i = V_0 exactly, and dS = 0): the block computes it on its group's first key tile into
 // the stage and its group's delta_part row, and later key tiles stage it from there as lse.
+
+// The first query that sees key s: query i sits at position i + offset (offset = Tk − Tq) and
+// sees keys up to it. A backward block walks query tiles from there, and so writes its
+// group's partial dq from there on, where the finish reads it.
+__device__ __forceinline__ i64 first_query_seeing(i64 s, i64 offset) { return s > offset ? s - offset : 0; }
 
 // Query tile i0 of head (b, h) into one stage: its Q and dO rows (stage_tile), their rows' lse
 // and (with_delta) δ, threads 0-63 copying lse and 64-127 δ, 4 bytes each (zeros past q_seq).
@@ -690,8 +695,7 @@ __device__ __forceinline__ void attention_mma_backward(const In* q, const In* k,
         const bool first = s_first == group * TC_TILE;
         const i64 row0 = s_first + 16 * warp;
         const i64 key[2] = {row0 + g, row0 + g + 8};
-        // The first query that sees key s_first: i + offset ≥ s_first.
-        const i64 i_start = s_first > offset ? s_first - offset : 0;
+        const i64 i_start = first_query_seeing(s_first, offset);
 
         // Query tile n goes into stage n & 1: tile n + 1 is staged while tile n is multiplied.
         // The key tile (for dQ's products) goes in with the first.
@@ -768,8 +772,7 @@ __device__ __forceinline__ void attention_mma_backward_dq_finish(const float* dq
 #pragma unroll
     for (int nd = 0; nd < D / 8; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.0f;
     for (i64 group = 0; group < groups; ++group) {
-        const i64 s_first = group * TC_TILE;
-        const i64 first_row = s_first > offset ? s_first - offset : 0;
+        const i64 first_row = first_query_seeing(group * TC_TILE, offset);
         const float* part = dq_part + (group * heads_total + bh) * q_seq * D;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {

@@ -504,6 +504,9 @@ __device__ float block_max(float v) {
 // of 4 and every row pointer is aligned so, else element by element: the same columns in the
 // same order either way, so `quads` never changes a bit.
 #define ROW_QUADS 8  // chunks a lane keeps in registers between a row's passes: rows up to 1,024 wide
+// Warps a block of the RMSNorm row kernels (norm.cu, fused_gate.cu): a row each, or in the
+// backward a row lane of its chunk (norm.rs's ROW_LANES).
+#define NORM_ROW_LANES 8
 
 // v = chunk j..j+3 of `row` (f32, or bf16 widened), zero past `cols`.
 template <typename T>

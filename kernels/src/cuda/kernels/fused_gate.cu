@@ -683,7 +683,6 @@ extern "C" __global__ void __launch_bounds__(FG_APPLY_THREADS, FG_APPLY_BLOCKS_P
 // then each lane its columns' channel logits, reading each column's B_c row (16-byte loads on
 // the register path; the rows stay in L1 from row to row).
 // sum, y (or y_bf16 alone) and rstd as add_rms_norm_forward writes them.
-#define FG_NORM_ROWS 8  // rows a block: one a warp (NORM_ROW_LANES in norm.cu)
 extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList params, TensorList layout, int phi,
                                                    float phi_p, i64 rows, i64 zu_width, int rc, int rs, const float* x,
                                                    const float* w, float* sum, float* y, bf16_t* y_bf16, float* rstd,
@@ -691,14 +690,14 @@ extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList 
     const GateGroup g = gate_group(params, layout, 0);
     const i64 cols = g.d_out;
     const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
-    __shared__ f32x4 h_quads[FG_NORM_ROWS][FG_MAX_RANK / 4];  // each row's H, 16-byte aligned
+    __shared__ f32x4 h_quads[NORM_ROW_LANES][FG_MAX_RANK / 4];  // each row's H, 16-byte aligned
     const bool regs = register_rank(rc);
     const int warp = threadIdx.x >> 5;
     const bool quads = (cols & 3) == 0 && is_aligned(x, 16) && is_aligned(w, 16) && is_aligned(sum, 16) &&
                        is_aligned(y, 16) && is_aligned(y_bf16, 8);
-    for (i64 r0 = (i64)blockIdx.x * FG_NORM_ROWS; r0 < rows; r0 += (i64)gridDim.x * FG_NORM_ROWS) {
+    for (i64 r0 = (i64)blockIdx.x * NORM_ROW_LANES; r0 < rows; r0 += (i64)gridDim.x * NORM_ROW_LANES) {
         __syncthreads();  // every warp is done with the previous rows' H
-        const int count = rows - r0 < FG_NORM_ROWS ? (int)(rows - r0) : FG_NORM_ROWS;
+        const int count = rows - r0 < NORM_ROW_LANES ? (int)(rows - r0) : NORM_ROW_LANES;
         block_hidden(h_quads, zu, g, phi, phi_p, r0, count, zu_width, rc, rs);
         __syncthreads();
         const i64 r = r0 + warp;

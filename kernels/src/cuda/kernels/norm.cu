@@ -8,9 +8,9 @@
 // order, same bits). The rows' forward ends are common.cuh's warp_rms_norm_row and
 // warp_add_rms_norm_row, which the fused gate's residual add and norm (fused_gate.cu) shares.
 
-// Row lanes of a chunk of rows in the norms' column sums: lane l holds rows r0 + l, r0 + l + 8,
-// ... of the chunk (norm_param_grads_partial's blockDim.y; the warps of an RMSNorm backward block).
-#define NORM_ROW_LANES 8
+// Row lanes of a chunk of rows in the norms' column sums (NORM_ROW_LANES, common.cuh): lane l
+// holds rows r0 + l, r0 + l + 8, ... of the chunk (norm_param_grads_partial's blockDim.y; the
+// warps of an RMSNorm backward block).
 
 // Rows r, r + gridDim.x·8, ... for warp w of the RMSNorm row kernels' blocks: r = blockIdx.x·8 + w.
 #define NORM_WARP_ROWS(r, rows) \
