@@ -297,7 +297,7 @@ pub fn fused_gate_backward_with_norm(
         ptr(&du_terms),
         ptr(&row_terms),
     ]);
-    dev.launch(FAMILY, kernel, split.launch(&layout, count), &args)?;
+    dev.launch(FAMILY, kernel, split.launch(count), &args)?;
 
     // The cross-row sums over the blocks' terms: db_c, dB_c, da, dα, db_s and dB_s of every
     // projection in one launch (dB_c of every projection as one sum: its terms have the

@@ -211,28 +211,28 @@ impl BackwardSplit {
         BackwardSplit { rows_per_block, blocks: rows.div_ceil(rows_per_block).max(1) }
     }
 
-    /// The launch: (blocks, projections), with [`backward_shared_bytes`] of dynamic shared
+    /// The launch: (blocks, projections), with [`BACKWARD_SHARED_BYTES`] of dynamic shared
     /// memory.
-    fn launch(&self, layout: &Layout, groups: usize) -> cudarc::driver::LaunchConfig {
+    fn launch(&self, groups: usize) -> cudarc::driver::LaunchConfig {
         cudarc::driver::LaunchConfig {
             grid_dim: (self.blocks as u32, groups as u32, 1),
             block_dim: (BACKWARD_THREADS as u32, 1, 1),
-            shared_mem_bytes: backward_shared_bytes(layout.rank_channel) as u32,
+            shared_mem_bytes: BACKWARD_SHARED_BYTES as u32,
         }
     }
 }
 
 /// `fused_gate_backward_rows`' shared memory, all of it dynamic (gate_backward_rows in
 /// fused_gate.cu lays it out): each row's `H` (`MAX_RANK` floats) and `γ_s`, each warp's sums
-/// of the summaries' terms (`2·MAX_RANK + 3` floats), and each row's per-warp sums of `dH_c`,
-/// `d/dγ_s` and `dα_c` (`rank_channel + 2` floats).
-const fn backward_shared_bytes(rank_channel: usize) -> usize {
+/// of the summaries' terms (`2·MAX_RANK + 3` floats), and the stage of a chunk of rows (a row
+/// per warp) for the row sums: three terms per element of the chunk's rows of a column tile.
+const BACKWARD_SHARED_BYTES: usize = {
     let warps = BACKWARD_THREADS / 32;
-    4 * (BACKWARD_ROWS * (MAX_RANK + 1) + warps * (2 * MAX_RANK + 3) + BACKWARD_ROWS * warps * (rank_channel + 2))
-}
+    4 * (BACKWARD_ROWS * (MAX_RANK + 1) + warps * (2 * MAX_RANK + 3) + warps * 3 * BACKWARD_THREADS)
+};
 
-// The most it takes (at rank MAX_RANK) within the 48 KiB a launch gets without opting in.
-const _: () = assert!(backward_shared_bytes(MAX_RANK) <= 48 * 1024);
+// Within the 48 KiB a launch gets without opting in.
+const _: () = assert!(BACKWARD_SHARED_BYTES <= 48 * 1024);
 
 /// `fused_gate_apply`'s blocks (FG_APPLY_* in fused_gate.cu): threads per block, output
 /// columns per block (a pair per thread; APPLY_SWIGLU's a column of each of two projections

@@ -21,6 +21,16 @@ typedef unsigned short bf16_t;
 #define DYNAMIC_SHARED(T, name) extern __shared__ T name[]
 #endif
 
+// Tells the compiler that `p` points to global memory, so that loads through it are global
+// loads (LDG) rather than generic ones (LD). A function that is not inlined cannot see that its
+// pointer arguments came from the kernel's, and a pointer made from a TensorList's integers
+// carries no address space either. Nothing to say on the emulator.
+#ifdef __CUDA_EMULATOR__
+#define ASSUME_GLOBAL(p) ((void)(p))
+#else
+#define ASSUME_GLOBAL(p) __builtin_assume(__isGlobal(p))
+#endif
+
 // d += A·B for one warp: mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 with the PTX
 // ISA's fragment layout (see fused_gate.cu), `d` float[4], `a` u32[4], `b` u32[2] per lane.
 // Inline assembly, as cp_async below is; the emulator runs a C++ version of both.

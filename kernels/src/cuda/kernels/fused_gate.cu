@@ -730,20 +730,26 @@ extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList 
 // its column's B_c weights and b_c in registers for the tile, and its sums over the block's
 // rows of dB_c = Σ_n dL_c[n, j]·H_c[n, :] and db_c = Σ_n dL_c[n, j], written once per tile as
 // the block's terms of those sums (a column sum over the blocks adds them up: no dL_c
-// [N, d_out] is stored and read back). The row sums over columns (dH_c, d/dγ_s, dα_c) go
-// through the warp sums below into per-warp shared slots (FG_BACK_ROWS × 8 warps × (rc + 2)
-// floats), then, added in warp order, onto the row's sums of the earlier tiles (row_sums,
-// the block's own rows). Every order of additions is fixed, there
-// are no atomics, and a block reads back only what it wrote itself. A thread issues the dẐ
-// and Z loads of FG_BACK_CHUNK rows before it computes them (8 rows: 16 warps an SM × 8 ×
-// 6 bytes a lane, 24 KB in flight). ptxas (bench/kernel_resources.py): 128 registers under
-// the 2-blocks-an-SM bound, 16 warps an SM; the register path alone fits them with no spill,
-// the other ranks' path spills 20 bytes.
+// [N, d_out] is stored and read back). The row sums over columns (dH_c = dL_c·B_c, d/dγ_s,
+// dα_c) take a transpose through shared memory: the threads stage each element's three terms
+// for FG_BACK_CHUNK rows, then warp w sums row w's over the tile's columns (tile_row_sums:
+// a lane adds its eight columns' in order, then the warp's lanes are summed once per 8 ranks),
+// onto the row's sums of the earlier tiles (row_sums, the block's own rows). So a row's sums
+// over a tile cost one warp 14 shuffles, where each of the 8 warps spent 14 on its own 32
+// columns of the row (and as many selects and adds). Every order of additions is fixed,
+// there are no atomics, and a block reads back only what it wrote itself. A thread issues
+// the dẐ and Z loads of FG_BACK_CHUNK rows before it computes them (8 rows: 16 warps an SM ×
+// 8 × 6 bytes a lane, 24 KB in flight). ptxas (bench/kernel_resources.py): 128 registers
+// under the 2-blocks-an-SM bound, 16 warps an SM.
 #define FG_BACK_THREADS 256
 #define FG_BACK_WARPS (FG_BACK_THREADS / 32)
 #define FG_BACK_TILE FG_BACK_THREADS
 #define FG_BACK_ROWS 16
 #define FG_BACK_CHUNK 8
+static_assert(FG_BACK_CHUNK == FG_BACK_WARPS, "tile_row_sums gives each row of a chunk a warp");
+static_assert(FG_BACK_ROWS % FG_BACK_CHUNK == 0, "a row block is whole chunks");
+// The terms a thread stages per element of a chunk for the row sums: dL_c, d/dγ_s's and dα_c's.
+#define FG_BACK_STAGED 3
 // The per-block sums of the summaries: r dU values, dα_c, dα_s, d/dl_s, then rs d/dl_s·H_s.
 #define FG_BACK_TERMS (FG_MAX_RANK + 3 + FG_MAX_RANK)
 
@@ -778,6 +784,60 @@ __device__ __forceinline__ float warp_sum_two(float a, float b) {
     float total = (up16 ? b : a) + __shfl_xor_sync(FULL_MASK, up16 ? a : b, 16);
     for (int o = 8; o > 0; o >>= 1) total += __shfl_xor_sync(FULL_MASK, total, o);
     return total;
+}
+
+// One row of a chunk's stage summed over the tile's columns by one warp: the row's
+// dH_c[t] = Σ_c dL_c[c]·B_c[tile + c, t] (t < rc), d/dγ_s = Σ_c and dα_c = Σ_c of their
+// terms, set into the row's sums (sums[t], sums[rc], sums[rc + 1]) on the first tile and
+// added onto them after. Lane l takes columns l, l + 32, ... (conflict-free shared reads),
+// adds its eight in order, then warp_sum_eight sums 8 ranks at once and warp_sum_two the two
+// scalars: a fixed order. B_c is read from global memory (L1: the tile's rows of it are read
+// by every row), as 16-byte vectors on the register path (register_rank).
+template <bool REGS>
+__device__ __forceinline__ void tile_row_sums(const float (*staged)[FG_BACK_TILE], const GateGroup& g, i64 tile,
+                                              int rc, float* sums, bool first_tile) {
+    constexpr int PER_LANE = FG_BACK_TILE / 32;
+    const int lane = threadIdx.x & 31;
+    const int columns = g.d_out - tile < FG_BACK_TILE ? (int)(g.d_out - tile) : FG_BACK_TILE;
+    for (int t0 = 0; t0 < rc; t0 += 8) {
+        float part[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) part[e] = 0.0f;
+#pragma unroll 4  // four columns' loads in flight; all eight take the function past 128 registers
+        for (int i = 0; i < PER_LANE; ++i) {
+            const int c = lane + 32 * i;
+            const bool column = c < columns;
+            const float dl = staged[0][c];
+            const float* weights = g.b_cw + (tile + c) * rc + t0;
+            float b[8];
+#pragma unroll
+            for (int e = 0; e < 8; e += 4) {
+                if (REGS) {
+                    f32x4 b4 = f32x4{};
+                    if (column && t0 + e < rc) b4 = *reinterpret_cast<const f32x4*>(weights + e);
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) b[e + k] = b4.v[k];
+                } else {
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) b[e + k] = column && t0 + e + k < rc ? weights[e + k] : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < 8; ++e) part[e] += dl * b[e];
+        }
+        const float total = warp_sum_eight(part);
+        const int t = t0 + ((lane >> 2) & 7);
+        if ((lane & 3) == 0 && t < rc) sums[t] = first_tile ? total : sums[t] + total;
+    }
+    float dgate_s = 0.0f, dalpha_c = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        dgate_s += staged[1][lane + 32 * i];
+        dalpha_c += staged[2][lane + 32 * i];
+    }
+    const float total = warp_sum_two(dgate_s, dalpha_c);
+    const int v = lane == 0 ? rc : rc + 1;
+    if (lane == 0 || lane == 16) sums[v] = first_tile ? total : sums[v] + total;
 }
 
 // dẐ[n, out_at + j] of group g: read from dout ([N, out_width]), or under SWIGLU computed
@@ -817,24 +877,24 @@ __device__ __forceinline__ float output_grad(const D* dout, const bf16_t* gated,
 // gate and up group, whose output SwiGLU read: fused_gate_apply_swiglu) dout is SwiGLU's
 // output gradient and dẐ is computed from it (output_grad, above): no dẐ is stored.
 template <class Z, class D, bool REGS, bool SWIGLU>
-__device__ __forceinline__ void gate_backward_rows(const Z* zu, const D* dout, const bf16_t* gated,
-                                                   const TensorList& params, const TensorList& layout, int phi,
-                                                   float phi_p, i64 rows, i64 rows_per_block, i64 zu_width,
-                                                   i64 out_width, int rc, int rs, float* dzu, bf16_t* dzu_bf16,
-                                                   float* row_sums, float* weight_terms, float* bias_terms,
-                                                   float* du_terms, float* row_terms) {
-    const GateGroup g = gate_group(params, layout, blockIdx.y);
+__device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, const bf16_t* gated, const GateGroup g,
+                                               int phi, float phi_p, i64 rows, i64 rows_per_block, i64 zu_width,
+                                               i64 out_width, int rc, int rs, float* dzu, bf16_t* dzu_bf16,
+                                               float* row_sums, float* weight_terms, float* bias_terms,
+                                               float* du_terms, float* row_terms) {
+    const float* parameters[] = {g.a_c, g.b_cw, g.b_cb, g.alpha_c, g.a_s, g.b_sw, g.b_sb, g.alpha_s};
+    for (const float* p : parameters) ASSUME_GLOBAL(p);
     const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
-    // All of it dynamic shared memory (backward_shared_bytes in cuda/fused_gate/mod.rs), so
+    // All of it dynamic shared memory (BACKWARD_SHARED_BYTES in cuda/fused_gate/mod.rs), so
     // the two instantiations share one allocation: each row's H (16-byte aligned), each row's
-    // γ_s, each warp's sums of the summaries' terms, then the slots: slots[(row·warps +
-    // warp)·sums + t] is warp `warp`'s sum of dH_c[t] (t < rc), d/dγ_s (rc) and dα_c (rc + 1)
-    // over its columns of the row.
+    // γ_s, each warp's sums of the summaries' terms, then the chunk's stage: staged[k][s][c]
+    // is term s (dL_c, d/dγ_s's, dα_c's) of row k of the chunk, column c of the tile.
     DYNAMIC_SHARED(f32x4, backward_shared);
     f32x4(*h_quads)[FG_MAX_RANK / 4] = reinterpret_cast<f32x4(*)[FG_MAX_RANK / 4]>(backward_shared);
     float* gate_rows = reinterpret_cast<float*>(backward_shared + FG_BACK_ROWS * (FG_MAX_RANK / 4));
     float(*warp_terms)[FG_BACK_TERMS] = reinterpret_cast<float(*)[FG_BACK_TERMS]>(gate_rows + FG_BACK_ROWS);
-    float* slots = warp_terms[FG_BACK_WARPS];
+    float(*staged)[FG_BACK_STAGED][FG_BACK_TILE] =
+        reinterpret_cast<float(*)[FG_BACK_STAGED][FG_BACK_TILE]>(warp_terms[FG_BACK_WARPS]);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r = rc + rs, sums = rc + 2;
     const i64 d_out = g.d_out, groups = gridDim.y;
@@ -846,7 +906,7 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const D* dout, c
 
     for (i64 tile = 0; tile < d_out; tile += FG_BACK_TILE) {
         const i64 j = tile + threadIdx.x;
-        const bool live = j < d_out, warp_live = tile + 32 * warp < d_out;
+        const bool live = j < d_out;
         float w[FG_REG_RANK], bias, dw[FG_REG_RANK], db = 0.0f;
         column_weight(g.b_cw, g.b_cb, j, live, rc, REGS, w, bias);
 #pragma unroll
@@ -857,16 +917,16 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const D* dout, c
         }
         for (i64 row0 = first; row0 < end; row0 += FG_BACK_ROWS) {
             const int count = (int)(end - row0 < FG_BACK_ROWS ? end - row0 : FG_BACK_ROWS);
-            __syncthreads();  // every thread is done with the previous rows' H, γ_s and slots
+            __syncthreads();  // every thread is done with the previous rows' H, γ_s and stage
             block_hidden(h_quads, zu, g, phi, phi_p, row0, count, zu_width, rc, rs);
-            for (int e = threadIdx.x; e < count * FG_BACK_WARPS * sums; e += FG_BACK_THREADS) slots[e] = 0.0f;
             __syncthreads();
             if (threadIdx.x < count) {
                 const float* h = reinterpret_cast<const float*>(h_quads[threadIdx.x]);
                 gate_rows[threadIdx.x] = scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
             }
             __syncthreads();
-            for (int c0 = 0; warp_live && c0 < count; c0 += FG_BACK_CHUNK) {
+            for (int c0 = 0; c0 < count; c0 += FG_BACK_CHUNK) {
+                if (c0 > 0) __syncthreads();  // the previous chunk's stage is summed
                 float z[FG_BACK_CHUNK], dy[FG_BACK_CHUNK];
 #pragma unroll
                 for (int k = 0; k < FG_BACK_CHUNK; ++k) {
@@ -880,9 +940,6 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const D* dout, c
                     if (c0 + k >= count) break;
                     const i64 n = row0 + c0 + k;
                     const float* h = reinterpret_cast<const float*>(h_quads[c0 + k]);
-                    float hc[FG_REG_RANK];  // the row's h_c[0..FG_REG_RANK), zeros past rc
-#pragma unroll
-                    for (int t = 0; t < FG_REG_RANK; ++t) hc[t] = t < rc ? h[t] : 0.0f;
                     float dl = 0.0f, dgate_s = 0.0f, dalpha_c = 0.0f;
                     if (live) {
                         const float gate_s = gate_rows[c0 + k];
@@ -901,37 +958,20 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const D* dout, c
                         }
                         db += dl;
 #pragma unroll
-                        for (int t = 0; t < FG_REG_RANK; ++t) dw[t] += dl * hc[t];
+                        for (int t = 0; t < FG_REG_RANK; ++t) dw[t] += dl * (t < rc ? h[t] : 0.0f);
                         if (!REGS) {
                             for (int t = FG_REG_RANK; t < rc; ++t) weight_row[j * rc + t] += dl * h[t];
                         }
                     }
-                    // This warp's share of the row's sums (every lane takes part in the shuffles).
-                    float* slot = slots + ((c0 + k) * FG_BACK_WARPS + warp) * sums;
-                    for (int t0 = 0; t0 < rc; t0 += 8) {
-                        float part[8];
-#pragma unroll
-                        for (int t = 0; t < 8; ++t) {
-                            const float weight = REGS ? w[t] : (t0 + t < rc && live ? g.b_cw[j * rc + t0 + t] : 0.0f);
-                            part[t] = dl * weight;
-                        }
-                        const float total = warp_sum_eight(part);
-                        const int t = t0 + ((lane >> 2) & 7);
-                        if ((lane & 3) == 0 && t < rc) slot[t] += total;
-                    }
-                    const float total = warp_sum_two(dgate_s, dalpha_c);
-                    if (lane == 0) slot[rc] += total;
-                    if (lane == 16) slot[rc + 1] += total;
+                    staged[k][0][threadIdx.x] = dl;
+                    staged[k][1][threadIdx.x] = dgate_s;
+                    staged[k][2][threadIdx.x] = dalpha_c;
                 }
-            }
-            __syncthreads();  // every row's slots are summed
-            // The block's sums of its rows for this tile, in warp order, onto the earlier tiles'.
-            for (int e = threadIdx.x; e < count * sums; e += FG_BACK_THREADS) {
-                const int i = e / sums, v = e % sums;
-                float total = 0.0f;
-                for (int u = 0; u < FG_BACK_WARPS; ++u) total += slots[(i * FG_BACK_WARPS + u) * sums + v];
-                float* p = sums_of + (row0 + i) * groups * sums + v;
-                *p = tile == 0 ? total : *p + total;
+                __syncthreads();  // the chunk's stage is written
+                if (c0 + warp < count) {
+                    float* sums_row = sums_of + (row0 + c0 + warp) * groups * sums;
+                    tile_row_sums<REGS>(staged[warp], g, tile, rc, sums_row, tile == 0);
+                }
             }
         }
         if (live) {
@@ -1012,8 +1052,11 @@ __device__ __forceinline__ void gate_backward_rows(const Z* zu, const D* dout, c
     }
 }
 
-// gate_backward_rows on the register path or off it (register_rank): two instantiations, so
-// that the path every preset takes carries none of the other's registers.
+// gate_backward_rows on the register path or off it (register_rank): two instantiations, each
+// a function of its own (not inlined), so that ptxas allocates each one's registers alone:
+// inlined side by side, the two paths' live ranges spilled (52 bytes stored, 168 loaded) where
+// each alone fits in 128 registers with none. The group's parameters go by value, in
+// registers: the kernel's lists by reference would be copied to the stack first.
 template <class Z, class D, bool SWIGLU = false>
 __device__ __forceinline__ void gate_backward_rows_any_rank(const Z* zu, const D* dout, const bf16_t* gated,
                                                             const TensorList& params, const TensorList& layout,
@@ -1021,14 +1064,15 @@ __device__ __forceinline__ void gate_backward_rows_any_rank(const Z* zu, const D
                                                             i64 zu_width, i64 out_width, int rc, int rs, float* dzu,
                                                             bf16_t* dzu_bf16, float* row_sums, float* weight_terms,
                                                             float* bias_terms, float* du_terms, float* row_terms) {
+    const GateGroup g = gate_group(params, layout, blockIdx.y);
     if (register_rank(rc)) {
-        gate_backward_rows<Z, D, true, SWIGLU>(zu, dout, gated, params, layout, phi, phi_p, rows, rows_per_block,
-                                               zu_width, out_width, rc, rs, dzu, dzu_bf16, row_sums, weight_terms,
-                                               bias_terms, du_terms, row_terms);
+        gate_backward_rows<Z, D, true, SWIGLU>(zu, dout, gated, g, phi, phi_p, rows, rows_per_block, zu_width,
+                                               out_width, rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms,
+                                               du_terms, row_terms);
     } else {
-        gate_backward_rows<Z, D, false, SWIGLU>(zu, dout, gated, params, layout, phi, phi_p, rows, rows_per_block,
-                                                zu_width, out_width, rc, rs, dzu, dzu_bf16, row_sums, weight_terms,
-                                                bias_terms, du_terms, row_terms);
+        gate_backward_rows<Z, D, false, SWIGLU>(zu, dout, gated, g, phi, phi_p, rows, rows_per_block, zu_width,
+                                                out_width, rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms,
+                                                du_terms, row_terms);
     }
 }
 
