@@ -118,7 +118,11 @@ def opcode_counts(cuobjdump, cubin):
 
 
 def kernels_of(log):
-    """(kernel, registers, spill bytes stored, spill bytes loaded, shared bytes) per entry."""
+    """(kernel, registers, spill bytes stored, spill bytes loaded, shared bytes) per entry.
+
+    A kernel's spills include those of the device functions it calls that were not inlined
+    (`__noinline__`): ptxas reports each such function after the kernel's register count.
+    """
     rows, name, spills = [], None, (0, 0)
     for line in log.splitlines():
         entry = re.search(r"Compiling entry function '([^']+)'", line)
@@ -126,7 +130,12 @@ def kernels_of(log):
             name = entry.group(1)
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
         if spill:
-            spills = (int(spill.group(1)), int(spill.group(2)))
+            stored, loaded = int(spill.group(1)), int(spill.group(2))
+            if name:
+                spills = (spills[0] + stored, spills[1] + loaded)
+            elif rows:  # a callee of the kernel just reported
+                kernel, registers, kernel_stored, kernel_loaded, smem = rows[-1]
+                rows[-1] = (kernel, registers, kernel_stored + stored, kernel_loaded + loaded, smem)
         used = re.search(r"Used (\d+) registers", line)
         if used and name:
             smem = re.search(r"(\d+) bytes smem", line)  # absent when the kernel has none

@@ -184,24 +184,45 @@ __device__ __forceinline__ void column_weight(const float* b_cw, const float* b_
     }
 }
 
+// On the register path, a row's h_c[0..FG_REG_RANK) from shared memory (h, 16-byte aligned)
+// into registers, 16 bytes at a time, zeros past rc (h holds H_s there).
+__device__ __forceinline__ void register_hidden(const float* h, int rc, float (&hc)[FG_REG_RANK]) {
+#pragma unroll
+    for (int t = 0; t < FG_REG_RANK; t += 4) {
+        const f32x4 h4 = t < rc ? *reinterpret_cast<const f32x4*>(h + t) : f32x4{};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) hc[t + k] = h4.v[k];
+    }
+}
+
+// On the register path, a column's channel-gate logit before its bias, Σ_t h_c[t]·B_c[j, t]
+// added in order (as channel_logit), from the row's h_c and the column's weights w, both in
+// registers.
+__device__ __forceinline__ float register_logit(const float (&hc)[FG_REG_RANK], const float (&w)[FG_REG_RANK],
+                                                int rc) {
+    float logit = 0.0f;
+#pragma unroll
+    for (int t = 0; t < FG_REG_RANK; t += 4) {
+        if (t >= rc) break;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) logit += hc[t + k] * w[t + k];
+    }
+    return logit;
+}
+
 // Column j's channel-gate logit before its bias, Σ_t h_c[t]·B_c[j, t] added in order (as
 // channel_logit), from the row's h_c in shared memory (h, 16-byte aligned) and, on the register
 // path, the column's weights w kept in registers.
 __device__ __forceinline__ float stationary_logit(const float* h, const float (&w)[FG_REG_RANK], const float* b_cw,
                                                   i64 j, int rc, bool regs) {
-    float logit = 0.0f;
     if (regs) {
-#pragma unroll
-        for (int t = 0; t < FG_REG_RANK; t += 4) {
-            if (t >= rc) break;
-            const f32x4 h4 = *reinterpret_cast<const f32x4*>(h + t);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) logit += h4.v[k] * w[t + k];
-        }
-    } else {
-        const float* column = b_cw + j * rc;
-        for (int t = 0; t < rc; ++t) logit += h[t] * column[t];
+        float hc[FG_REG_RANK];
+        register_hidden(h, rc, hc);
+        return register_logit(hc, w, rc);
     }
+    float logit = 0.0f;
+    const float* column = b_cw + j * rc;
+    for (int t = 0; t < rc; ++t) logit += h[t] * column[t];
     return logit;
 }
 
@@ -740,7 +761,8 @@ extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList 
 // there are no atomics, and a block reads back only what it wrote itself. A thread issues
 // the dẐ and Z loads of FG_BACK_CHUNK rows before it computes them (8 rows: 16 warps an SM ×
 // 8 × 6 bytes a lane, 24 KB in flight). ptxas (bench/kernel_resources.py): 128 registers
-// under the 2-blocks-an-SM bound, 16 warps an SM.
+// under the 2-blocks-an-SM bound, 16 warps an SM; the register path no spill, the other
+// ranks' path 8 bytes.
 #define FG_BACK_THREADS 256
 #define FG_BACK_WARPS (FG_BACK_THREADS / 32)
 #define FG_BACK_TILE FG_BACK_THREADS
@@ -803,12 +825,12 @@ __device__ __forceinline__ void tile_row_sums(const float (*staged)[FG_BACK_TILE
         float part[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) part[e] = 0.0f;
+        const float* weights = g.b_cw + (tile + lane) * rc + t0;  // column c's, then 32 columns on
 #pragma unroll 4  // four columns' loads in flight; all eight take the function past 128 registers
-        for (int i = 0; i < PER_LANE; ++i) {
+        for (int i = 0; i < PER_LANE; ++i, weights += 32 * rc) {
             const int c = lane + 32 * i;
             const bool column = c < columns;
             const float dl = staged[0][c];
-            const float* weights = g.b_cw + (tile + c) * rc + t0;
             float b[8];
 #pragma unroll
             for (int e = 0; e < 8; e += 4) {
@@ -927,23 +949,33 @@ __device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, cons
             __syncthreads();
             for (int c0 = 0; c0 < count; c0 += FG_BACK_CHUNK) {
                 if (c0 > 0) __syncthreads();  // the previous chunk's stage is summed
+                // Element (row0 + c0, j) of ZU and dZU; a row further is zu_width further.
+                const i64 first_element = (row0 + c0) * zu_width + g.zu_at + j;
                 float z[FG_BACK_CHUNK], dy[FG_BACK_CHUNK];
 #pragma unroll
                 for (int k = 0; k < FG_BACK_CHUNK; ++k) {
                     const i64 n = row0 + c0 + k;
                     const bool read = live && c0 + k < count;
-                    z[k] = read ? as_f32(zu[n * zu_width + g.zu_at + j]) : 0.0f;
+                    z[k] = read ? as_f32(zu[first_element + k * zu_width]) : 0.0f;
                     dy[k] = read ? output_grad<SWIGLU>(dout, gated, g, out_width, n, j) : 0.0f;
                 }
+                i64 element = first_element;
 #pragma unroll
-                for (int k = 0; k < FG_BACK_CHUNK; ++k) {
+                for (int k = 0; k < FG_BACK_CHUNK; ++k, element += zu_width) {
                     if (c0 + k >= count) break;
-                    const i64 n = row0 + c0 + k;
                     const float* h = reinterpret_cast<const float*>(h_quads[c0 + k]);
+                    float hc[FG_REG_RANK];  // the row's h_c[0..FG_REG_RANK), zeros past rc
+                    if (REGS) {
+                        register_hidden(h, rc, hc);
+                    } else {
+#pragma unroll
+                        for (int t = 0; t < FG_REG_RANK; ++t) hc[t] = t < rc ? h[t] : 0.0f;
+                    }
                     float dl = 0.0f, dgate_s = 0.0f, dalpha_c = 0.0f;
                     if (live) {
                         const float gate_s = gate_rows[c0 + k];
-                        const float logit = stationary_logit(h, w, g.b_cw, j, rc, REGS) + bias;
+                        const float logit =
+                            (REGS ? register_logit(hc, w, rc) : stationary_logit(h, w, g.b_cw, j, rc, false)) + bias;
                         const float gate = 2.0f * sigmoid_f(alpha_c * logit);
                         const float dgate = dy[k] * z[k] * gate_s;
                         const float slope = gate * (1.0f - 0.5f * gate);
@@ -952,13 +984,13 @@ __device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, cons
                         dgate_s = dy[k] * z[k] * gate;
                         dalpha_c = dgate * logit * slope;
                         if (dzu_bf16) {
-                            dzu_bf16[n * zu_width + g.zu_at + j] = f32_to_bf16(dz);
+                            dzu_bf16[element] = f32_to_bf16(dz);
                         } else {
-                            dzu[n * zu_width + g.zu_at + j] = dz;
+                            dzu[element] = dz;
                         }
                         db += dl;
 #pragma unroll
-                        for (int t = 0; t < FG_REG_RANK; ++t) dw[t] += dl * (t < rc ? h[t] : 0.0f);
+                        for (int t = 0; t < FG_REG_RANK; ++t) dw[t] += dl * hc[t];
                         if (!REGS) {
                             for (int t = FG_REG_RANK; t < rc; ++t) weight_row[j * rc + t] += dl * h[t];
                         }
