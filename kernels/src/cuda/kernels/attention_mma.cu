@@ -72,11 +72,6 @@ struct RowsIn {
     const float* sin;
 };
 
-// Two floats rounded to bf16 in one register, the first in the low half.
-__device__ __forceinline__ unsigned int bf16x2(float lo, float hi) {
-    return (unsigned int)f32_to_bf16(lo) | ((unsigned int)f32_to_bf16(hi) << 16);
-}
-
 // Rows t0..t0+63 of head (b, h) of an f32 `src` ([B, T, H, D]) into tile[64][D + PAD],
 // rounded to bf16; rows at or past `limit` are zero. A thread moves 4 adjacent values at a time
 // (one 16-byte load, then the shared stores), STAGE_BATCH chunks a round, all of a round's loads

@@ -246,6 +246,9 @@ struct alignas(8) bf16x4 {
 struct alignas(8) f32x2 {
     float v[2];
 };
+struct alignas(8) u32x2 {  // 4 bf16 as two packed pairs (bf16x2)
+    unsigned int v[2];
+};
 
 // Whether p is a multiple of `bytes` (a power of two); a null pointer is.
 __device__ __forceinline__ bool is_aligned(const void* p, unsigned int bytes) {
@@ -285,20 +288,43 @@ __device__ __forceinline__ bool is_nan(float x) { return x != x; }
 // Neither infinite nor NaN (a NaN compares false).
 __device__ __forceinline__ bool is_finite(float x) { return fabsf(x) < POS_INF; }
 
-// bf16 stored as its 16 bits; conversion rounds to nearest even, NaN stays a quiet NaN
-// (the same bits as half::bf16::from_f32 on the host).
+// bf16 stored as its 16 bits; conversion rounds to nearest even: for every number the same
+// bits as half::bf16::from_f32 on the host. On a GPU (compute capability 8.0 and up) the
+// conversion is one instruction (cvt.rn.bf16.f32; two values at once, bf16x2), where the
+// integer rounding below takes six; a NaN becomes the canonical quiet NaN there, and keeps
+// its payload, quieted, in the integer rounding (the emulator's, as half's).
 __device__ __forceinline__ float bf16_to_f32(bf16_t v) { return __uint_as_float(((unsigned int)v) << 16); }
 
 // A stored f32 or bf16 value as f32: kernels templated over their input's element type.
 __device__ __forceinline__ float as_f32(float v) { return v; }
 __device__ __forceinline__ float as_f32(bf16_t v) { return bf16_to_f32(v); }
 
+#if !defined(__CUDA_EMULATOR__) && __CUDA_ARCH__ >= 800
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    bf16_t h;
+    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Two floats rounded to bf16 in one 32-bit word, `lo` in the low half.
+__device__ __forceinline__ unsigned int bf16x2(float lo, float hi) {
+    unsigned int packed;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+    return packed;
+}
+#else
 __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     unsigned int u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (bf16_t)(u >> 16);
 }
+
+// Two floats rounded to bf16 in one 32-bit word, `lo` in the low half.
+__device__ __forceinline__ unsigned int bf16x2(float lo, float hi) {
+    return (unsigned int)f32_to_bf16(lo) | ((unsigned int)f32_to_bf16(hi) << 16);
+}
+#endif
 
 // *p = v in p's element type: f32 as it is, bf16 rounded to nearest even (as_f32's inverse).
 __device__ __forceinline__ void store_as(float* p, float v) { *p = v; }
@@ -321,9 +347,7 @@ __device__ __forceinline__ void load_f32(float (&v)[W], const bf16_t* p) {
 template <int W>
 __device__ __forceinline__ void store_bf16(bf16_t* p, const float (&v)[W]) {
     if (W == 4) {
-        bf16x4 q;
-        for (int k = 0; k < W; ++k) q.v[k] = f32_to_bf16(v[k]);
-        *reinterpret_cast<bf16x4*>(p) = q;
+        *reinterpret_cast<u32x2*>(p) = u32x2{{bf16x2(v[0], v[1]), bf16x2(v[2], v[3])}};
     } else {
         for (int k = 0; k < W; ++k) p[k] = f32_to_bf16(v[k]);
     }

@@ -275,7 +275,7 @@ __device__ __forceinline__ void store_pair(float* p, float v0, float v1, bool se
 // store_pair rounded to bf16: one 4-byte store when `pairs` (p on a 4-byte boundary).
 __device__ __forceinline__ void store_pair(bf16_t* p, float v0, float v1, bool second, bool pairs, i64 apart = 1) {
     if (second && pairs) {
-        *reinterpret_cast<unsigned int*>(p) = (unsigned int)f32_to_bf16(v0) | ((unsigned int)f32_to_bf16(v1) << 16);
+        *reinterpret_cast<unsigned int*>(p) = bf16x2(v0, v1);
     } else {
         p[0] = f32_to_bf16(v0);
         if (second) p[apart] = f32_to_bf16(v1);

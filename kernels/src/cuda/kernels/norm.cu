@@ -13,14 +13,18 @@
 // warps of an RMSNorm backward block).
 
 // Rows r, r + gridDim.x·8, ... for warp w of the RMSNorm row kernels' blocks: r = blockIdx.x·8 + w.
+// The row kernels ask for 2 blocks (16 warps) an SM, at most 128 registers a thread
+// (__launch_bounds__ below): ptxas's free choice took add_rms_norm_forward to 129 (one block,
+// 8 warps).
 #define NORM_WARP_ROWS(r, rows) \
     for (i64 r = (i64)blockIdx.x * NORM_ROW_LANES + (threadIdx.x >> 5); r < (rows); r += (i64)gridDim.x * NORM_ROW_LANES)
 
 // y = x·rstd·w, rstd = 1/√(mean(x²) + eps)
 // y_bf16 (when not null) gets y rounded to nearest even, for the bf16 products reading y; y
 // may then be null (y in bf16 alone).
-extern "C" __global__ void rms_norm_forward(const float* x, const float* w, float* y, bf16_t* y_bf16, float* rstd,
-                                            i64 rows, i64 cols, float eps) {
+extern "C" __global__ void __launch_bounds__(NORM_ROW_LANES * 32, 2)
+    rms_norm_forward(const float* x, const float* w, float* y, bf16_t* y_bf16, float* rstd, i64 rows, i64 cols,
+                     float eps) {
     const bool quads = (cols & 3) == 0 && is_aligned(x, 16) && is_aligned(w, 16) && is_aligned(y, 16) &&
                        is_aligned(y_bf16, 8);
     NORM_WARP_ROWS(r, rows) {
@@ -49,15 +53,15 @@ __device__ __forceinline__ void add_rms_norm_rows(const float* x, const Delta* d
     }
 }
 
-extern "C" __global__ void add_rms_norm_forward(const float* x, const float* delta, const float* w, float* sum,
-                                                float* y, bf16_t* y_bf16, float* rstd, i64 rows, i64 cols,
-                                                float eps) {
+extern "C" __global__ void __launch_bounds__(NORM_ROW_LANES * 32, 2)
+    add_rms_norm_forward(const float* x, const float* delta, const float* w, float* sum, float* y, bf16_t* y_bf16,
+                         float* rstd, i64 rows, i64 cols, float eps) {
     add_rms_norm_rows(x, delta, w, sum, y, y_bf16, rstd, rows, cols, eps);
 }
 
-extern "C" __global__ void add_rms_norm_forward_delta_bf16(const float* x, const bf16_t* delta, const float* w,
-                                                           float* sum, float* y, bf16_t* y_bf16, float* rstd, i64 rows,
-                                                           i64 cols, float eps) {
+extern "C" __global__ void __launch_bounds__(NORM_ROW_LANES * 32, 2)
+    add_rms_norm_forward_delta_bf16(const float* x, const bf16_t* delta, const float* w, float* sum, float* y,
+                                    bf16_t* y_bf16, float* rstd, i64 rows, i64 cols, float eps) {
     add_rms_norm_rows(x, delta, w, sum, y, y_bf16, rstd, rows, cols, eps);
 }
 
@@ -165,16 +169,16 @@ __device__ __forceinline__ void rms_norm_backward_rows(const float* x, const flo
     }
 }
 
-extern "C" __global__ void rms_norm_backward(const float* x, const float* w, const float* rstd, const float* dy,
-                                             const float* residual, float* dx, bf16_t* dx_bf16, i64 rows, i64 cols,
-                                             i64 rows_per_chunk, float* lane_partial_w) {
+extern "C" __global__ void __launch_bounds__(NORM_ROW_LANES * 32, 2)
+    rms_norm_backward(const float* x, const float* w, const float* rstd, const float* dy, const float* residual,
+                      float* dx, bf16_t* dx_bf16, i64 rows, i64 cols, i64 rows_per_chunk, float* lane_partial_w) {
     rms_norm_backward_rows(x, w, rstd, dy, residual, dx, dx_bf16, rows, cols, rows_per_chunk, lane_partial_w);
 }
 
-extern "C" __global__ void rms_norm_backward_dy_bf16(const float* x, const float* w, const float* rstd,
-                                                     const bf16_t* dy, const float* residual, float* dx,
-                                                     bf16_t* dx_bf16, i64 rows, i64 cols, i64 rows_per_chunk,
-                                                     float* lane_partial_w) {
+extern "C" __global__ void __launch_bounds__(NORM_ROW_LANES * 32, 2)
+    rms_norm_backward_dy_bf16(const float* x, const float* w, const float* rstd, const bf16_t* dy,
+                              const float* residual, float* dx, bf16_t* dx_bf16, i64 rows, i64 cols, i64 rows_per_chunk,
+                              float* lane_partial_w) {
     rms_norm_backward_rows(x, w, rstd, dy, residual, dx, dx_bf16, rows, cols, rows_per_chunk, lane_partial_w);
 }
 
