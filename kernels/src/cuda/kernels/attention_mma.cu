@@ -20,7 +20,9 @@
 //
 // Precision (as PyTorch's SDPA under bf16 autocast): q, k, v and dO are rounded to bf16 as
 // they are staged, and so are the probabilities P and dS before their products; scores, the
-// online softmax (running max m, sum l), lse, δ and every accumulator stay f32.
+// online softmax (running max m, sum l), lse, δ and every accumulator stay f32. The softmax
+// works in base 2 (scores scaled by scale·log₂e, exponentials by exp2f), lse is stored in
+// natural units; the causal mask is tested only in tiles some query of the warp sees in part.
 //
 // Work split. A block is 4 warps; each warp owns 16 rows of the output (queries for the
 // forward, keys for the backward) and keeps its operand fragments and accumulators in
@@ -353,10 +355,11 @@ __device__ __forceinline__ void store_rows(const float (*acc)[4], float scale, c
 }
 
 // Where a warp of a forward block stands: head (b, h), its 16 queries from row0,
-// the keys its block needs (0..end) and its own last visible key (warp_last), and the
+// the keys its block needs (0..end), the last key its first query sees (warp_first: every key
+// up to it is seen by all its queries) and the last its last query sees (warp_last), and the
 // positions of the lane's two query rows g and g + 8.
 struct QueryWarp {
-    i64 b, h, row0, end, warp_last, position[2];
+    i64 b, h, row0, end, warp_first, warp_last, position[2];
 };
 
 __device__ __forceinline__ QueryWarp query_warp(i64 q_seq, i64 kv_seq, i64 heads) {
@@ -368,6 +371,7 @@ __device__ __forceinline__ QueryWarp query_warp(i64 q_seq, i64 kv_seq, i64 heads
     w.h = blockIdx.y % heads;
     w.row0 = row0;
     w.end = (q0 + TC_ROWS < q_seq ? q0 + TC_ROWS : q_seq) + offset;
+    w.warp_first = row0 + offset;
     w.warp_last = (row0 + 15 < q_seq ? row0 + 15 : q_seq - 1) + offset;
     w.position[0] = row0 + g + offset;
     w.position[1] = row0 + g + 8 + offset;
@@ -377,33 +381,53 @@ __device__ __forceinline__ QueryWarp query_warp(i64 q_seq, i64 kv_seq, i64 heads
 // ---------------------------------------------------------------------------------------
 // Forward: one block per 64 queries of one (b, h), grid (⌈Tq/64⌉, B·H).
 
-// One key tile of the forward for a warp's 16 queries (fragments qa): S = Q·Kᵀ scaled and
-// masked, the online softmax's running max m and row sums l, O rescaled, then O += P·V.
-template <int D>
-__device__ __forceinline__ void forward_tile(const unsigned int (*qa)[4], const bf16_t* k_tile, const bf16_t* v_tile,
-                                             i64 s0, i64 kv_seq, const QueryWarp& w, float scale, float (*o)[4],
-                                             float (&m)[2], float (&l)[2]) {
+// The scores of a key tile from s0 for a warp's 16 queries, scaled by scale_log2 (the
+// softmax's scale times log₂e: the forward's softmax works in base 2, as FlashAttention's does,
+// so that each exponential is one exp2), masked where MASKED (keys past a query's position or
+// past kv_seq become −∞; a tile every query of the warp sees whole skips the test), and their
+// max per row (this lane's share).
+template <bool MASKED>
+__device__ __forceinline__ void scale_scores(float (&s)[8][4], i64 s0, i64 kv_seq, const QueryWarp& w,
+                                             float scale_log2, float (&tile_max)[2]) {
     const int t = threadIdx.x & 3;
-    float s[8][4];
-    product_a_tile_t<D>(s, qa, k_tile);
-    // Scale and mask; the new running max per row. Key 0 is in the first tile and every
-    // query sees it, so each row's max is finite from the first tile on.
-    float tile_max[2] = {NEG_INF, NEG_INF};
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int half = e >> 1;
-            const i64 key = s0 + 8 * nt + 2 * t + (e & 1);
-            s[nt][e] = key <= w.position[half] && key < kv_seq ? scale * s[nt][e] : NEG_INF;
-            tile_max[half] = fmaxf(tile_max[half], s[nt][e]);
+            float score = scale_log2 * s[nt][e];
+            if (MASKED) {
+                const i64 key = s0 + 8 * nt + 2 * t + (e & 1);
+                if (key > w.position[half] || key >= kv_seq) score = NEG_INF;
+            }
+            s[nt][e] = score;
+            tile_max[half] = fmaxf(tile_max[half], score);
         }
+    }
+}
+
+// One key tile of the forward for a warp's 16 queries (fragments qa): S = Q·Kᵀ scaled and
+// masked, the online softmax's running max m and row sums l (in base 2: P = 2^(S·scale·log₂e −
+// m) = e^(S·scale − m·ln 2)), O rescaled, then O += P·V.
+template <int D>
+__device__ __forceinline__ void forward_tile(const unsigned int (*qa)[4], const bf16_t* k_tile, const bf16_t* v_tile,
+                                             i64 s0, i64 kv_seq, const QueryWarp& w, float scale_log2, float (*o)[4],
+                                             float (&m)[2], float (&l)[2]) {
+    float s[8][4];
+    product_a_tile_t<D>(s, qa, k_tile);
+    // Scale and mask; the new running max per row. Key 0 is in the first tile and every
+    // query sees it, so each row's max is finite from the first tile on.
+    float tile_max[2] = {NEG_INF, NEG_INF};
+    if (s0 + TC_TILE - 1 <= w.warp_first && s0 + TC_TILE <= kv_seq) {  // warp-uniform
+        scale_scores<false>(s, s0, kv_seq, w, scale_log2, tile_max);
+    } else {
+        scale_scores<true>(s, s0, kv_seq, w, scale_log2, tile_max);
     }
     float correction[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const float new_m = fmaxf(m[half], quad_max(tile_max[half]));
-        correction[half] = expf(m[half] - new_m);  // e^(−∞) = 0 on the first tile
+        correction[half] = exp2f(m[half] - new_m);  // 2^(−∞) = 0 on the first tile
         m[half] = new_m;
         l[half] *= correction[half];
     }
@@ -412,7 +436,7 @@ __device__ __forceinline__ void forward_tile(const unsigned int (*qa)[4], const 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int half = e >> 1;
-            s[nt][e] = expf(s[nt][e] - m[half]);  // masked: e^(−∞) = 0
+            s[nt][e] = exp2f(s[nt][e] - m[half]);  // masked: 2^(−∞) = 0
             l[half] += s[nt][e];
         }
     }
@@ -458,7 +482,7 @@ __device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, 
         }
         // Warp-uniform: only where some key of the tile is visible to the warp's queries.
         if (row0 < q_seq && s0 <= w.warp_last) {
-            forward_tile<D>(qa, k_tiles[buf], v_tiles[buf], s0, kv_seq, w, scale, o, m, l);
+            forward_tile<D>(qa, k_tiles[buf], v_tiles[buf], s0, kv_seq, w, scale * LOG2E, o, m, l);
         }
         __syncthreads();  // every warp is done with buffer buf before the tile after next goes into it
     }
@@ -480,7 +504,7 @@ __device__ __forceinline__ void attention_mma_forward(const In* q, const In* k, 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const i64 row = row0 + g + 8 * half;
-        if (t == 0 && row < q_seq) lse[(b * heads + h) * q_seq + row] = m[half] + logf(l[half]);
+        if (t == 0 && row < q_seq) lse[(b * heads + h) * q_seq + row] = m[half] * LN2 + logf(l[half]);
     }
 }
 
@@ -565,27 +589,46 @@ __device__ __forceinline__ void delta_rows(float* delta_tile, float* delta_bh, c
 // One query tile of dk/dv for a warp's 16 keys (fragments ka, va; key[] the lane's two keys):
 // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, Pᵀ and dSᵀ = Pᵀ ⊙ (dPᵀ − δ), dV += Pᵀ·dO, dK += dSᵀ·Q; dSᵀ is left
 // in ds (f32, the result tiles' layout) for dQ.
-template <int D>
-__device__ __forceinline__ void dkv_tile(const unsigned int (*ka)[4], const unsigned int (*va)[4],
-                                         const bf16_t* q_tile, const bf16_t* do_tile, const float* lse_tile,
-                                         const float* delta_tile, i64 i0, i64 q_seq, i64 kv_seq, const i64 (&key)[2],
-                                         float scale, float (*acc_k)[4], float (*acc_v)[4], float (*ds)[4]) {
+// Pᵀ and dSᵀ of a query tile from i0 for a warp's keys: P = 2^(S·scale·log₂e − lse·log₂e),
+// the forward's probabilities (its softmax in base 2, lse in natural units), zero where the
+// query does not see the key when MASKED (a tile whose every query sees all the warp's keys
+// skips the test).
+template <bool MASKED>
+__device__ __forceinline__ void probabilities(float (&st)[8][4], float (*ds)[4], const float* lse_tile,
+                                              const float* delta_tile, i64 i0, i64 q_seq, i64 kv_seq,
+                                              const i64 (&key)[2], float scale_log2) {
     const int t = threadIdx.x & 3;
     const i64 offset = kv_seq - q_seq;
-    float st[8][4];
-    product_a_tile_t<D>(st, ka, q_tile);
-    product_a_tile_t<D>(ds, va, do_tile);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int half = e >> 1, c = 8 * nt + 2 * t + (e & 1);
-            const i64 i = i0 + c;
-            const bool seen = i < q_seq && i + offset >= key[half] && key[half] < kv_seq;
-            const float p = seen ? expf(scale * st[nt][e] - lse_tile[c]) : 0.0f;
+            float p = exp2f(scale_log2 * st[nt][e] - LOG2E * lse_tile[c]);
+            if (MASKED) {
+                const i64 i = i0 + c;
+                if (i >= q_seq || i + offset < key[half] || key[half] >= kv_seq) p = 0.0f;
+            }
             st[nt][e] = p;                               // Pᵀ
             ds[nt][e] = p * (ds[nt][e] - delta_tile[c]);  // dSᵀ
         }
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void dkv_tile(const unsigned int (*ka)[4], const unsigned int (*va)[4],
+                                         const bf16_t* q_tile, const bf16_t* do_tile, const float* lse_tile,
+                                         const float* delta_tile, i64 i0, i64 q_seq, i64 kv_seq, const i64 (&key)[2],
+                                         i64 warp_last_key, float scale_log2, float (*acc_k)[4], float (*acc_v)[4],
+                                         float (*ds)[4]) {
+    float st[8][4];
+    product_a_tile_t<D>(st, ka, q_tile);
+    product_a_tile_t<D>(ds, va, do_tile);
+    // Warp-uniform: every query of the tile sees every key of the warp.
+    if (i0 + TC_TILE <= q_seq && i0 + kv_seq - q_seq >= warp_last_key && warp_last_key < kv_seq) {
+        probabilities<false>(st, ds, lse_tile, delta_tile, i0, q_seq, kv_seq, key, scale_log2);
+    } else {
+        probabilities<true>(st, ds, lse_tile, delta_tile, i0, q_seq, kv_seq, key, scale_log2);
     }
     accumulate_p_tile<D>(acc_v, st, do_tile);
     accumulate_p_tile<D>(acc_k, ds, q_tile);
@@ -731,8 +774,8 @@ __device__ __forceinline__ void attention_mma_backward(const In* q, const In* k,
             const bool seen = row0 < kv_seq && i0 + TC_TILE - 1 + offset >= row0;
             float ds[8][4];
             if (seen) {
-                dkv_tile<D>(ka, va, q_tile, do_tile, lse_tiles[buf], delta_tiles[buf], i0, q_seq, kv_seq, key, scale,
-                            acc_k, acc_v, ds);
+                dkv_tile<D>(ka, va, q_tile, do_tile, lse_tiles[buf], delta_tiles[buf], i0, q_seq, kv_seq, key,
+                            row0 + 15, scale * LOG2E, acc_k, acc_v, ds);
             }
             float dq_acc[D / 8][4];
             load_dq_partial<D>(dq_acc, dq_bh, i0, q_seq, first);

@@ -280,6 +280,8 @@ __device__ __forceinline__ void store_f32(float* p, const float (&v)[W]) {
 
 // Constants built from their formula, as on the CPU (unary.rs).
 #define FRAC_1_SQRT_2 0.70710678118654752440f   // 1/√2
+#define LOG2E 1.44269504088896340736f  // log₂e
+#define LN2 0.69314718055994530942f    // ln 2
 #define FRAC_1_SQRT_2PI 0.39894228040143267794f // 1/√(2π)
 #define SQRT_2_OVER_PI 0.79788456080286535588f  // √(2/π)
 #define GELU_TANH_CUBIC 0.044715f               // the cubic coefficient of the tanh GELU
