@@ -390,16 +390,20 @@ template <bool MASKED>
 __device__ __forceinline__ void scale_scores(float (&s)[8][4], i64 s0, i64 kv_seq, const QueryWarp& w,
                                              float scale_log2, float (&tile_max)[2]) {
     const int t = threadIdx.x & 3;
+    // Key s0 + c is seen by the lane's query row `half` when c < seen[half] (in 32 bits).
+    int seen[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const i64 end = (w.position[half] + 1 < kv_seq ? w.position[half] + 1 : kv_seq) - s0;
+        seen[half] = (int)(end < 0 ? 0 : end > TC_TILE ? TC_TILE : end);
+    }
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int half = e >> 1;
             float score = scale_log2 * s[nt][e];
-            if (MASKED) {
-                const i64 key = s0 + 8 * nt + 2 * t + (e & 1);
-                if (key > w.position[half] || key >= kv_seq) score = NEG_INF;
-            }
+            if (MASKED && 8 * nt + 2 * t + (e & 1) >= seen[half]) score = NEG_INF;
             s[nt][e] = score;
             tile_max[half] = fmaxf(tile_max[half], score);
         }
@@ -598,17 +602,22 @@ __device__ __forceinline__ void probabilities(float (&st)[8][4], float (*ds)[4],
                                               const float* delta_tile, i64 i0, i64 q_seq, i64 kv_seq,
                                               const i64 (&key)[2], float scale_log2) {
     const int t = threadIdx.x & 3;
-    const i64 offset = kv_seq - q_seq;
+    // Query i0 + c sees key[half] when c < rows (a query of the tile) and c ≥ first[half] (its
+    // position i0 + c + Tk − Tq reaches the key; never for a key past kv_seq): both in 32 bits.
+    const auto clamp_to_tile = [](i64 v) { return (int)(v < 0 ? 0 : v > TC_TILE ? TC_TILE : v); };
+    const int rows = clamp_to_tile(q_seq - i0);
+    int first[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        first[half] = key[half] < kv_seq ? clamp_to_tile(key[half] - (kv_seq - q_seq) - i0) : TC_TILE;
+    }
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int half = e >> 1, c = 8 * nt + 2 * t + (e & 1);
             float p = exp2f(scale_log2 * st[nt][e] - LOG2E * lse_tile[c]);
-            if (MASKED) {
-                const i64 i = i0 + c;
-                if (i >= q_seq || i + offset < key[half] || key[half] >= kv_seq) p = 0.0f;
-            }
+            if (MASKED && (c >= rows || c < first[half])) p = 0.0f;
             st[nt][e] = p;                               // Pᵀ
             ds[nt][e] = p * (ds[nt][e] - delta_tile[c]);  // dSᵀ
         }
