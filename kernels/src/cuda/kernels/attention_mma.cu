@@ -21,7 +21,7 @@
 // Precision (as PyTorch's SDPA under bf16 autocast): q, k, v and dO are rounded to bf16 as
 // they are staged, and so are the probabilities P and dS before their products; scores, the
 // online softmax (running max m, sum l), lse, δ and every accumulator stay f32. The softmax
-// works in base 2 (scores scaled by scale·log₂e, exponentials by exp2f), lse is stored in
+// works in base 2 (scores scaled by scale·log₂e, exponentials by exp2_ftz), lse is stored in
 // natural units; the causal mask is tested only in tiles some query of the warp sees in part.
 //
 // Work split. A block is 4 warps; each warp owns 16 rows of the output (queries for the
@@ -431,7 +431,7 @@ __device__ __forceinline__ void forward_tile(const unsigned int (*qa)[4], const 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const float new_m = fmaxf(m[half], quad_max(tile_max[half]));
-        correction[half] = exp2f(m[half] - new_m);  // 2^(−∞) = 0 on the first tile
+        correction[half] = exp2_ftz(m[half] - new_m);  // 2^(−∞) = 0 on the first tile
         m[half] = new_m;
         l[half] *= correction[half];
     }
@@ -440,7 +440,7 @@ __device__ __forceinline__ void forward_tile(const unsigned int (*qa)[4], const 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int half = e >> 1;
-            s[nt][e] = exp2f(s[nt][e] - m[half]);  // masked: 2^(−∞) = 0
+            s[nt][e] = exp2_ftz(s[nt][e] - m[half]);  // masked: 2^(−∞) = 0
             l[half] += s[nt][e];
         }
     }
@@ -616,7 +616,7 @@ __device__ __forceinline__ void probabilities(float (&st)[8][4], float (*ds)[4],
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int half = e >> 1, c = 8 * nt + 2 * t + (e & 1);
-            float p = exp2f(scale_log2 * st[nt][e] - LOG2E * lse_tile[c]);
+            float p = exp2_ftz(scale_log2 * st[nt][e] - LOG2E * lse_tile[c]);
             if (MASKED && (c >= rows || c < first[half])) p = 0.0f;
             st[nt][e] = p;                               // Pᵀ
             ds[nt][e] = p * (ds[nt][e] - delta_tile[c]);  // dSᵀ
@@ -873,7 +873,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_d48(MMA_FORWARD_PARAMS) { attention_mma_forward<48>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 3) attention_mma_forward_d64(MMA_FORWARD_PARAMS) { attention_mma_forward<64>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_bf16_d16(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<16>(MMA_FORWARD_ARGS); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_bf16_d32(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<32>(MMA_FORWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 4) attention_mma_forward_bf16_d32(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<32>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_forward_bf16_d48(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<48>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 3) attention_mma_forward_bf16_d64(MMA_FORWARD_BF16_PARAMS) { attention_mma_forward<64>(MMA_FORWARD_ARGS); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_mma_backward_d16(MMA_BACKWARD_PARAMS) { attention_mma_backward<16>(MMA_BACKWARD_ARGS); }

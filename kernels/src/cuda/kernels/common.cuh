@@ -31,6 +31,22 @@ typedef unsigned short bf16_t;
 #define ASSUME_GLOBAL(p) __builtin_assume(__isGlobal(p))
 #endif
 
+// 2^x by the hardware's exp2 alone (ex2.approx.ftz: MUFU.EX2, as exp2f's within 2 ulp), a
+// result below 2^−126 flushed to zero: exp2f adds a test and two scalings a value to keep
+// those. For attention's softmax, where such a value is below 2^−126 of its row's largest.
+#ifdef __CUDA_EMULATOR__
+__device__ __forceinline__ float exp2_ftz(float x) {
+    const float r = exp2f(x);
+    return r < 1.17549435e-38f ? 0.0f : r;
+}
+#else
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+#endif
+
 // d += A·B for one warp: mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 with the PTX
 // ISA's fragment layout (see fused_gate.cu), `d` float[4], `a` u32[4], `b` u32[2] per lane.
 // Inline assembly, as cp_async below is; the emulator runs a C++ version of both.
