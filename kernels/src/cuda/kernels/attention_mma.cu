@@ -381,6 +381,10 @@ __device__ __forceinline__ QueryWarp query_warp(i64 q_seq, i64 kv_seq, i64 heads
 // ---------------------------------------------------------------------------------------
 // Forward: one block per 64 queries of one (b, h), grid (⌈Tq/64⌉, B·H).
 
+// v clamped to a tile's 0..TC_TILE, in 32 bits: the masks' bounds, so that their tests per
+// score compare ints.
+__device__ __forceinline__ int clamp_to_tile(i64 v) { return (int)(v < 0 ? 0 : v > TC_TILE ? TC_TILE : v); }
+
 // The scores of a key tile from s0 for a warp's 16 queries, scaled by scale_log2 (the
 // softmax's scale times log₂e: the forward's softmax works in base 2, as FlashAttention's does,
 // so that each exponential is one exp2), masked where MASKED (keys past a query's position or
@@ -394,8 +398,7 @@ __device__ __forceinline__ void scale_scores(float (&s)[8][4], i64 s0, i64 kv_se
     int seen[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const i64 end = (w.position[half] + 1 < kv_seq ? w.position[half] + 1 : kv_seq) - s0;
-        seen[half] = (int)(end < 0 ? 0 : end > TC_TILE ? TC_TILE : end);
+        seen[half] = clamp_to_tile((w.position[half] + 1 < kv_seq ? w.position[half] + 1 : kv_seq) - s0);
     }
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -590,9 +593,6 @@ __device__ __forceinline__ void delta_rows(float* delta_tile, float* delta_bh, c
     }
 }
 
-// One query tile of dk/dv for a warp's 16 keys (fragments ka, va; key[] the lane's two keys):
-// Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, Pᵀ and dSᵀ = Pᵀ ⊙ (dPᵀ − δ), dV += Pᵀ·dO, dK += dSᵀ·Q; dSᵀ is left
-// in ds (f32, the result tiles' layout) for dQ.
 // Pᵀ and dSᵀ of a query tile from i0 for a warp's keys: P = 2^(S·scale·log₂e − lse·log₂e),
 // the forward's probabilities (its softmax in base 2, lse in natural units), zero where the
 // query does not see the key when MASKED (a tile whose every query sees all the warp's keys
@@ -604,7 +604,6 @@ __device__ __forceinline__ void probabilities(float (&st)[8][4], float (*ds)[4],
     const int t = threadIdx.x & 3;
     // Query i0 + c sees key[half] when c < rows (a query of the tile) and c ≥ first[half] (its
     // position i0 + c + Tk − Tq reaches the key; never for a key past kv_seq): both in 32 bits.
-    const auto clamp_to_tile = [](i64 v) { return (int)(v < 0 ? 0 : v > TC_TILE ? TC_TILE : v); };
     const int rows = clamp_to_tile(q_seq - i0);
     int first[2];
 #pragma unroll
@@ -624,6 +623,9 @@ __device__ __forceinline__ void probabilities(float (&st)[8][4], float (*ds)[4],
     }
 }
 
+// One query tile of dk/dv for a warp's 16 keys (fragments ka, va; key[] the lane's two keys,
+// warp_last_key the warp's last): Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, Pᵀ and dSᵀ = Pᵀ ⊙ (dPᵀ − δ),
+// dV += Pᵀ·dO, dK += dSᵀ·Q; dSᵀ is left in ds (f32, the result tiles' layout) for dQ.
 template <int D>
 __device__ __forceinline__ void dkv_tile(const unsigned int (*ka)[4], const unsigned int (*va)[4],
                                          const bf16_t* q_tile, const bf16_t* do_tile, const float* lse_tile,

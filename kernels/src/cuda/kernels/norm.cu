@@ -11,11 +11,12 @@
 // Row lanes of a chunk of rows in the norms' column sums (NORM_ROW_LANES, common.cuh): lane l
 // holds rows r0 + l, r0 + l + 8, ... of the chunk (norm_param_grads_partial's blockDim.y; the
 // warps of an RMSNorm backward block).
+//
+// The RMSNorm row kernels (NORM_ROW_LANES warps a block) ask for 2 blocks (16 warps) an SM, at
+// most 128 registers a thread (their __launch_bounds__): ptxas's free choice took
+// add_rms_norm_forward to 129 (one block, 8 warps).
 
 // Rows r, r + gridDim.x·8, ... for warp w of the RMSNorm row kernels' blocks: r = blockIdx.x·8 + w.
-// The row kernels ask for 2 blocks (16 warps) an SM, at most 128 registers a thread
-// (__launch_bounds__ below): ptxas's free choice took add_rms_norm_forward to 129 (one block,
-// 8 warps).
 #define NORM_WARP_ROWS(r, rows) \
     for (i64 r = (i64)blockIdx.x * NORM_ROW_LANES + (threadIdx.x >> 5); r < (rows); r += (i64)gridDim.x * NORM_ROW_LANES)
 
