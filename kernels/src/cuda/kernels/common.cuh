@@ -33,16 +33,27 @@ typedef unsigned short bf16_t;
 
 // 2^x by the hardware's exp2 alone (ex2.approx.ftz: MUFU.EX2, as exp2f's within 2 ulp), a
 // result below 2^−126 flushed to zero: exp2f adds a test and two scalings a value to keep
-// those. For attention's softmax, where such a value is below 2^−126 of its row's largest.
+// those. For attention's softmax, where such a value is below 2^−126 of its row's largest,
+// and sigmoid_f, where it is below 2^−126 of 1.
+//
+// 1/x by the hardware's reciprocal alone (rcp.approx.ftz: MUFU.RCP, within 1 ulp), where
+// `1.0f / x` adds a Newton step and a call for huge or tiny x to round it exactly. For x
+// between 2^−126 and 2^126 (sigmoid_f's 1 + e^−|x| in [1, 2]).
 #ifdef __CUDA_EMULATOR__
 __device__ __forceinline__ float exp2_ftz(float x) {
     const float r = exp2f(x);
     return r < 1.17549435e-38f ? 0.0f : r;
 }
+__device__ __forceinline__ float rcp_approx(float x) { return 1.0f / x; }
 #else
 __device__ __forceinline__ float exp2_ftz(float x) {
     float r;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ float rcp_approx(float x) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
     return r;
 }
 #endif
@@ -384,10 +395,14 @@ __device__ __forceinline__ void rope_rotate_pair(float a, float b, float c, floa
     hi = a * sk + b * c;
 }
 
-// σ(x) through e^-|x| ≤ 1, so it never overflows (unary.rs `sigmoid`).
+// σ(x) through e^-|x| ≤ 1, so it never overflows (unary.rs `sigmoid`). e^-|x| as
+// 2^(−|x|·log₂e) by exp2_ftz and 1/(1 + e) by rcp_approx: 6 instructions where expf and an
+// exact division take about 25 (the gate kernels take one or two a gated element), within a
+// few ulp of the CPU's σ (the argument's rounding adds |x|·2^−24 relative to e^−|x|);
+// below −87, where e^−|x| < 2^−126, σ is 0 (the CPU's is a subnormal).
 __device__ __forceinline__ float sigmoid_f(float x) {
-    float e = expf(-fabsf(x));
-    float s = 1.0f / (1.0f + e);
+    const float e = exp2_ftz(-fabsf(x) * LOG2E);
+    const float s = rcp_approx(1.0f + e);
     return x >= 0.0f ? s : e * s;
 }
 
