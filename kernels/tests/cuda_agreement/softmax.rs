@@ -11,7 +11,9 @@ use super::{assert_close, assert_reduced, assert_twin, down, stale, up, Rng};
 fn softmax_and_log_softmax_agree() {
     let dev = device_or_skip!();
     let mut rng = Rng::new(5);
-    for (rows, cols) in [(300, 257), (7, 1), (3, 5000), (64, 33)] {
+    // Widths a multiple of 4 take the kernels' 4-column chunks (4,100: four chunks a step, then
+    // one); the others, element by element.
+    for (rows, cols) in [(300, 257), (7, 1), (3, 5000), (64, 33), (5, 4100), (9, 64)] {
         let x = rng.vec(rows * cols, -20.0, 20.0);
         let dy = rng.vec(rows * cols, -1.0, 1.0);
         let start = stale(rows * cols);
@@ -42,7 +44,9 @@ fn softmax_and_log_softmax_agree() {
 fn cross_entropy_agrees_with_ignore_index() {
     let dev = device_or_skip!();
     let mut rng = Rng::new(6);
-    for (rows, cols, ignore) in [(64, 5003, None), (300, 37, Some(3u32)), (5, 1, None)] {
+    for (rows, cols, ignore) in
+        [(64, 5003, None), (300, 37, Some(3u32)), (5, 1, None), (16, 8192, Some(7)), (40, 96, None)]
+    {
         let logits = rng.vec(rows * cols, -8.0, 8.0);
         let targets: Vec<u32> = (0..rows).map(|_| rng.below(cols as u32)).collect();
         let (mut losses, mut lse) = (vec![0.0; rows], vec![0.0; rows]);
@@ -88,7 +92,9 @@ fn cross_entropy_agrees_with_ignore_index() {
 fn cross_entropy_forward_backward_agrees_on_a_chunk() {
     let dev = device_or_skip!();
     let mut rng = Rng::new(7);
-    for (rows, cols, first, ignore) in [(40, 3001, 7, Some(5u32)), (33, 37, 0, None), (6, 1, 2, None)] {
+    for (rows, cols, first, ignore) in
+        [(40, 3001, 7, Some(5u32)), (33, 37, 0, None), (6, 1, 2, None), (12, 4100, 3, Some(2)), (9, 256, 1, None)]
+    {
         let total_rows = first + rows + 3;
         let logits = rng.vec(rows * cols, -8.0, 8.0);
         let mut targets: Vec<u32> = (0..total_rows).map(|_| rng.below(cols as u32)).collect();
