@@ -211,22 +211,18 @@ __device__ __forceinline__ float register_logit(const float (&hc)[FG_REG_RANK], 
 }
 
 // Column j's channel-gate logit before its bias, Σ_t h_c[t]·B_c[j, t] added in order (as
-// channel_logit), from the row's h_c in shared memory (h, 16-byte aligned) and, on the register
-// path, the column's weights w kept in registers.
-__device__ __forceinline__ float stationary_logit(const float* h, const float (&w)[FG_REG_RANK], const float* b_cw,
-                                                  i64 j, int rc, bool regs) {
-    if (regs) {
-        float hc[FG_REG_RANK];
-        register_hidden(h, rc, hc);
-        return register_logit(hc, w, rc);
-    }
+// channel_logit), off the register path: the row's h_c in shared memory (h) and the column's
+// B_c row read from global memory (b_cw) one value at a time. On the register path a kernel
+// reads a row's h_c into registers once (register_hidden) for all its columns' logits
+// (register_logit): the same sums.
+__device__ __forceinline__ float column_logit(const float* h, const float* b_cw, i64 j, int rc) {
     float logit = 0.0f;
     const float* column = b_cw + j * rc;
     for (int t = 0; t < rc; ++t) logit += h[t] * column[t];
     return logit;
 }
 
-// stationary_logit's register path for two columns (weights w[0], w[1]), the same sums,
+// The register path's logits for two columns (weights w[0], w[1]), the same sums,
 // each 16 bytes of the row's h_c (16-byte aligned) read once for both. Not register_hidden
 // then register_logit twice: in fused_gate_mma's epilogue, that took ptxas from 128 to 148
 // registers (r32) and the kernel from 7,384 to 10,512 instructions.
@@ -633,7 +629,13 @@ __device__ __forceinline__ void gate_apply(const Z* __restrict__ zu, const Tenso
                     if (c == 1 && !second) break;
                     const int part = PARTS == 2 ? c : 0;
                     const float* h = reinterpret_cast<const float*>(h_quads[part][c0 + k]);
-                    const float logit = stationary_logit(h, w[c], gs[c].b_cw, j + c * apart, rc, regs);
+                    // On the register path each column reads the row's h_c again (from shared
+                    // memory): read once for both, ptxas keeps eight rows' h_c live under the
+                    // 85-register bound and spills 100 bytes.
+                    float hc[FG_REG_RANK];
+                    if (regs) register_hidden(h, rc, hc);
+                    const float logit =
+                        regs ? register_logit(hc, w[c], rc) : column_logit(h, gs[c].b_cw, j + c * apart, rc);
                     y[c] = gated_value(logit, bias[c], alpha_c[c], scale_rows[part][c0 + k], z[k][c]);
                 }
                 if (rotate) {
@@ -729,6 +731,8 @@ extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList 
         const float scale = 2.0f * scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
         const bf16_t* zr = zu + r * zu_width + g.zu_at;
         const bool z_quads = quads && is_aligned(zr, 8);
+        float hc[FG_REG_RANK];  // the row's h_c on the register path
+        if (regs) register_hidden(h, rc, hc);
         const auto gated = [&](i64 j, float (&d)[4]) {
             float z[4];
             load_chunk(z, zr, j, cols, z_quads);
@@ -737,7 +741,7 @@ extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList 
                 if (j + e >= cols) continue;
                 float bw[FG_REG_RANK], bias;  // column j + e's B_c row (16-byte loads on the register path) and b_c
                 column_weight(g.b_cw, g.b_cb, j + e, true, rc, regs, bw, bias);
-                const float logit = stationary_logit(h, bw, g.b_cw, j + e, rc, regs);
+                const float logit = regs ? register_logit(hc, bw, rc) : column_logit(h, g.b_cw, j + e, rc);
                 d[e] = as_f32(f32_to_bf16(gated_value(logit, bias, alpha_c, scale, z[e])));
             }
         };
@@ -977,7 +981,7 @@ __device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, cons
                     if (live) {
                         const float gate_s = gate_rows[c0 + k];
                         const float logit =
-                            (REGS ? register_logit(hc, w, rc) : stationary_logit(h, w, g.b_cw, j, rc, false)) + bias;
+                            (REGS ? register_logit(hc, w, rc) : column_logit(h, g.b_cw, j, rc)) + bias;
                         const float gate = 2.0f * sigmoid_f(alpha_c * logit);
                         const float dgate = dy[k] * z[k] * gate_s;
                         const float slope = gate * (1.0f - 0.5f * gate);
