@@ -10,7 +10,9 @@
 //! kernel that materialises the score matrix, and its backward into the packed QKV gradient
 //! with RoPE's backward after it or in its kernels, and RoPE's forward before it or in its
 //! kernels (the packed product read unrotated); and the residual add + RMSNorm and RMSNorm's
-//! backward against the CPU's results, timed against a device copy of as many bytes.
+//! backward against the CPU's results, timed against a device copy of as many bytes; and the
+//! LM head's fused cross-entropy over one chunk of bf16 logits (the loss and its gradient
+//! written over them), timed against a copy of the bytes it reads and writes.
 //!
 //! Run: `cargo run --release -p kernels --features cuda --bin cuda-bench [-- --tokens N]`
 //! (default N = 512·256 = 131 072 tokens; the attention batches are N/2048 and N/4096
@@ -24,6 +26,7 @@ use std::time::Instant;
 use half::bf16;
 use kernels::cpu;
 use kernels::cpu::attention::AttentionDims;
+use kernels::cpu::cross_entropy::CrossEntropyDims;
 use kernels::cpu::matmul::{GemmDims, Store};
 use kernels::cpu::rope::{rope_table, RopeDims};
 use kernels::cuda::attention::{
@@ -39,6 +42,7 @@ use kernels::cuda::fused_gate::{
 };
 use kernels::cuda::norm::{add_rms_norm_forward, rms_norm_backward, NormDims, NormGrads};
 use kernels::cuda::rope::{rope_qkv_backward, rope_qkv_forward};
+use kernels::cuda::softmax::cross_entropy_forward_backward;
 use kernels::cuda::swiglu::{swiglu_backward, swiglu_forward, swiglu_halves_backward, swiglu_halves_forward};
 use kernels::cuda::{CudaDevice, DeviceBuffer, Result};
 use kernels::cuda::{DeviceValues, Values, ValuesMut};
@@ -776,6 +780,41 @@ fn bench_rotary_on_load(dev: &CudaDevice, dims: &AttentionDims, dout: Values) ->
     Ok(())
 }
 
+/// The LM head's fused cross-entropy over one chunk of `rows` bf16 logits of `vocab` columns
+/// (a training step's chunk: `Tensor::linear_cross_entropy`), loss and gradient, checked
+/// against the CPU's pass over the same values, then timed against a device copy of the bytes
+/// it moves (two reads of the logits and one write of the gradient, 6 bytes an element).
+fn bench_cross_entropy(dev: &CudaDevice, rows: usize, vocab: usize) -> Result<()> {
+    let n = rows * vocab;
+    let logits: Vec<f32> = values(n, 61, 8.0).into_iter().map(|v| bf16::from_f32(v).to_f32()).collect();
+    let targets: Vec<u32> = (0..rows).map(|r| ((r * 7919) % vocab) as u32).collect();
+    let dims = CrossEntropyDims { rows, cols: vocab, ignore_index: None };
+    let scale = 1.0 / rows as f32;
+    let (mut cpu_grad, mut cpu_losses) = (logits.clone(), vec![0.0; rows]);
+    cpu::cross_entropy::cross_entropy_forward_backward(&mut cpu_grad, &targets, &dims, Some(scale), &mut cpu_losses);
+    let halves: Vec<bf16> = logits.iter().map(|&v| bf16::from_f32(v)).collect();
+    let (mut grad, device_targets) = (dev.upload(&halves)?, dev.upload(&targets)?);
+    let mut losses = dev.alloc::<f32>(rows)?;
+    let pass = |grad: &mut DeviceBuffer<bf16>, losses: &mut DeviceBuffer<f32>| {
+        let targets = (&device_targets).into();
+        cross_entropy_forward_backward(dev, ValuesMut::Bf16(grad), targets, 0, &dims, Some(scale), losses)
+    };
+    pass(&mut grad, &mut losses)?;
+    check(&format!("cross-entropy {rows}×{vocab} losses"), &dev.download(&losses)?, &cpu_losses, 1e-5);
+    check(&format!("cross-entropy {rows}×{vocab} gradient"), &download_widened(dev, &grad)?, &cpu_grad, 1e-2);
+    // Later passes read the gradient as their logits: the same work.
+    let seconds = best_seconds(dev, || pass(&mut grad, &mut losses))?;
+    let floats = 6 * n / 2 / 4;
+    let (src, mut dst) = (dev.alloc::<f32>(floats)?, dev.alloc::<f32>(floats)?);
+    let copy_s = best_seconds(dev, || dev.copy_within_device(&src, 0, &mut dst, 0, floats))?;
+    println!(
+        "cross-entropy {rows}×{vocab} bf16 | loss + gradient {:>7.3} ms ({:.2}× a copy of its bytes)",
+        seconds * 1e3,
+        seconds / copy_s,
+    );
+    Ok(())
+}
+
 fn main() {
     let dev = match CudaDevice::new(0) {
         Ok(dev) => dev,
@@ -804,6 +843,7 @@ fn main() {
         for d in [512, 768] {
             bench_rms_norm(&dev, tokens, d)?;
         }
+        bench_cross_entropy(&dev, 2048, 32_000)?;
         bench_attention(&dev, (tokens / 2048).max(1), 256, 8, 64)?;
         bench_attention(&dev, (tokens / 4096).max(1), 256, 12, 64)?;
         Ok(())
