@@ -2,9 +2,9 @@
 // over rows of `cols`: one block per row. A row's maximum and its sum of exponentials come
 // from one read of the row (an online sum, as FlashAttention's softmax), the exponentials as
 // 2^((x − m)·log₂e) by exp2_ftz (the hardware's ex2: expf is about nine instructions; x − m
-// first, so that the row's largest value gives exactly 1, as expf(0) does); a row is read in chunks of 4 (one 16-byte load of f32, 8 bytes of bf16) where
-// its width and its start allow. Backward kernels write their gradients, dx = ... (not added:
-// kernels/src/lib.rs).
+// first, so that the row's largest value gives exactly 1, as expf(0) does). A row is read in
+// chunks of 4 (one 16-byte load of f32, 8 bytes of bf16) where its width and its start allow.
+// Backward kernels write their gradients, dx = ... (not added: kernels/src/lib.rs).
 
 // Chunks of 4 columns: whether a launch's rows of `cols` values of type T, the first at
 // `row0`, can be read and written 4 at a time (every row's start on a boundary of the chunk's
@@ -15,10 +15,10 @@ __device__ __forceinline__ bool quad_rows(const T* row0, i64 cols) {
     return cols % 4 == 0 && is_aligned(row0, 4 * sizeof(T));
 }
 
-// A row walk's chunks: thread i takes chunks at columns 4·(i + k·blockDim.x), k = 0, 1, ...,
-// CHUNKS of them a step (their loads issued together) while CHUNKS whole chunks remain,
-// then one a step. Chunks past `cols` hold −∞ (nothing past the row counts in its maximum or
-// its sum), and without QUADS so do a last chunk's columns past it.
+// A row walk's chunks: thread i takes the chunks at columns 4·(i + k·blockDim.x), k = 0, 1,
+// ..., ROW_CHUNKS of them a step (their loads issued together) while that many start inside
+// the row, then one a step. Without QUADS a row's last chunk may run past its end: those
+// columns read as −∞ (nothing past the row counts in its maximum or its sum).
 #define ROW_CHUNKS 4
 
 template <bool QUADS, typename T>
