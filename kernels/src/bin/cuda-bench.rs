@@ -104,6 +104,15 @@ fn best_seconds(dev: &CudaDevice, mut f: impl FnMut() -> Result<()>) -> Result<f
     Ok(best)
 }
 
+/// Best seconds of a device-to-device copy that moves `bytes_moved` bytes (reads half of
+/// them, writes the other half): the floor a memory-bound kernel moving as many is timed
+/// against.
+fn copy_seconds(dev: &CudaDevice, bytes_moved: usize) -> Result<f64> {
+    let floats = bytes_moved / 2 / 4;
+    let (src, mut dst) = (dev.alloc::<f32>(floats)?, dev.alloc::<f32>(floats)?);
+    best_seconds(dev, || dev.copy_within_device(&src, 0, &mut dst, 0, floats))
+}
+
 fn tokens_from_args() -> usize {
     let args: Vec<String> = std::env::args().collect();
     args.iter()
@@ -590,13 +599,8 @@ fn bench_rms_norm(dev: &CudaDevice, tokens: usize, d: usize) -> Result<()> {
     check(&format!("RMSNorm backward d {d} dw"), &dev.download(&dw)?, &cpu_dw, 1e-4);
 
     // Bytes per element: forward x, sum (f32) and delta, y (bf16); backward x, residual, dx
-    // (f32) and dy, dx_bf16 (bf16). A copy of b bytes reads and writes b.
-    let copy_s = |bytes_moved: usize| -> Result<f64> {
-        let floats = bytes_moved / 2 / 4;
-        let (src, mut dst) = (dev.alloc::<f32>(floats)?, dev.alloc::<f32>(floats)?);
-        best_seconds(dev, || dev.copy_within_device(&src, 0, &mut dst, 0, floats))
-    };
-    let (forward_copy_s, backward_copy_s) = (copy_s(12 * n)?, copy_s(16 * n)?);
+    // (f32) and dy, dx_bf16 (bf16).
+    let (forward_copy_s, backward_copy_s) = (copy_seconds(dev, 12 * n)?, copy_seconds(dev, 16 * n)?);
     println!(
         "add + RMSNorm d {d} {tokens:>7} tokens | forward {:>7.3} ms ({:.2}× a copy of its bytes) | backward {:>7.3} ms \
          ({:.2}× a copy)",
@@ -804,9 +808,7 @@ fn bench_cross_entropy(dev: &CudaDevice, rows: usize, vocab: usize) -> Result<()
     check(&format!("cross-entropy {rows}×{vocab} gradient"), &download_widened(dev, &grad)?, &cpu_grad, 1e-2);
     // Later passes read the gradient as their logits: the same work.
     let seconds = best_seconds(dev, || pass(&mut grad, &mut losses))?;
-    let floats = 6 * n / 2 / 4;
-    let (src, mut dst) = (dev.alloc::<f32>(floats)?, dev.alloc::<f32>(floats)?);
-    let copy_s = best_seconds(dev, || dev.copy_within_device(&src, 0, &mut dst, 0, floats))?;
+    let copy_s = copy_seconds(dev, 6 * n)?;
     println!(
         "cross-entropy {rows}×{vocab} bf16 | loss + gradient {:>7.3} ms ({:.2}× a copy of its bytes)",
         seconds * 1e3,

@@ -321,6 +321,13 @@ __device__ __forceinline__ bool is_finite(float x) { return fabsf(x) < POS_INF; 
 // its payload, quieted, in the integer rounding (the emulator's, as half's).
 __device__ __forceinline__ float bf16_to_f32(bf16_t v) { return __uint_as_float(((unsigned int)v) << 16); }
 
+// Two bf16 packed in 32 bits (`lo` in the low half, as bf16x2 packs them) as f32: lo by a
+// shift, hi by a mask, one instruction each (widening each 16-bit half on its own takes two).
+__device__ __forceinline__ void bf16x2_to_f32(unsigned int packed, float& lo, float& hi) {
+    lo = __uint_as_float(packed << 16);
+    hi = __uint_as_float(packed & 0xffff0000u);
+}
+
 // A stored f32 or bf16 value as f32: kernels templated over their input's element type.
 __device__ __forceinline__ float as_f32(float v) { return v; }
 __device__ __forceinline__ float as_f32(bf16_t v) { return bf16_to_f32(v); }
@@ -358,16 +365,12 @@ __device__ __forceinline__ void store_as(bf16_t* p, float v) { *p = f32_to_bf16(
 
 // v[0..W) = p[0..W) widened from bf16: W = 4 in one 8-byte load (p 8-byte aligned), else one
 // by one. The same name as the f32 load, so kernels templated over their input's element type
-// load either. A pair's first value (the low half of its 32 bits) widens by a shift, its second
-// by a mask: one instruction each, where widening each 16-bit half takes two.
+// load either.
 template <int W>
 __device__ __forceinline__ void load_f32(float (&v)[W], const bf16_t* p) {
     if (W == 4) {
         const u32x2 q = *reinterpret_cast<const u32x2*>(p);
-        for (int k = 0; k < 2; ++k) {
-            v[2 * k] = __uint_as_float(q.v[k] << 16);
-            v[2 * k + 1] = __uint_as_float(q.v[k] & 0xffff0000u);
-        }
+        for (int k = 0; k < 2; ++k) bf16x2_to_f32(q.v[k], v[2 * k], v[2 * k + 1]);
     } else {
         for (int k = 0; k < W; ++k) v[k] = bf16_to_f32(p[k]);
     }

@@ -509,9 +509,7 @@ __device__ __forceinline__ void load_pair(const float* p, bool second, bool pair
 // load_pair from bf16: one 4-byte load when `pairs`.
 __device__ __forceinline__ void load_pair(const bf16_t* p, bool second, bool pairs, i64 apart, float& v0, float& v1) {
     if (second && pairs) {
-        const unsigned int q = *reinterpret_cast<const unsigned int*>(p);
-        v0 = bf16_to_f32((bf16_t)(q & 0xffffu));
-        v1 = bf16_to_f32((bf16_t)(q >> 16));
+        bf16x2_to_f32(*reinterpret_cast<const unsigned int*>(p), v0, v1);
     } else {
         v0 = bf16_to_f32(p[0]);
         v1 = second ? bf16_to_f32(p[apart]) : 0.0f;
@@ -768,7 +766,7 @@ extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList 
 // the dẐ and Z loads of FG_BACK_CHUNK rows before it computes them (8 rows: 16 warps an SM ×
 // 8 × 6 bytes a lane, 24 KB in flight). ptxas (bench/kernel_resources.py): 128 registers
 // under the 2-blocks-an-SM bound, 16 warps an SM; the register path no spill, the other
-// ranks' path 8 bytes.
+// ranks' path 16 to 20 bytes.
 #define FG_BACK_THREADS 256
 #define FG_BACK_WARPS (FG_BACK_THREADS / 32)
 #define FG_BACK_TILE FG_BACK_THREADS
