@@ -222,13 +222,19 @@ impl BackwardSplit {
     }
 }
 
-/// `fused_gate_backward_rows`' shared memory, all of it dynamic (gate_backward_rows in
+/// `fused_gate_backward_rows`' shared memory, all of it dynamic (backward_shared_memory in
 /// fused_gate.cu lays it out): each row's `H` (`MAX_RANK` floats) and `γ_s`, each warp's sums
-/// of the summaries' terms (`2·MAX_RANK + 3` floats), and the stage of a chunk of rows (a row
-/// per warp) for the row sums: three terms per element of the chunk's rows of a column tile.
+/// of the summaries' terms (`2·MAX_RANK + 3` floats), then the stage of the row sums, the larger
+/// of its two paths': off the tensor cores three f32 terms per element of a chunk of rows (a
+/// row per warp) of a column tile; on them each warp's `BackwardWarpStage` (dL_c of 16 rows ×
+/// 32 columns in two bf16 parts, a chunk's two f32 terms in rows padded to 36, and 16 rows of
+/// 10 sums).
 const BACKWARD_SHARED_BYTES: usize = {
     let warps = BACKWARD_THREADS / 32;
-    4 * (BACKWARD_ROWS * (MAX_RANK + 1) + warps * (2 * MAX_RANK + 3) + warps * 3 * BACKWARD_THREADS)
+    let general_stage = 4 * warps * 3 * BACKWARD_THREADS;
+    let warp_stage = 2 * 2 * BACKWARD_ROWS * 32 + 4 * (8 * 2 * 36 + BACKWARD_ROWS * 10);
+    let stage = if general_stage > warps * warp_stage { general_stage } else { warps * warp_stage };
+    4 * (BACKWARD_ROWS * (MAX_RANK + 1) + warps * (2 * MAX_RANK + 3)) + stage
 };
 
 // Within the 48 KiB a launch gets without opting in.

@@ -752,21 +752,38 @@ extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList 
 // owns group g's rows [x·rows_per_block, (x + 1)·rows_per_block) and every column of them. It
 // walks the columns in tiles of FG_BACK_TILE, one column per thread, and a tile's rows in
 // blocks of FG_BACK_ROWS, whose H and γ_s it computes once into shared memory. A thread keeps
-// its column's B_c weights and b_c in registers for the tile, and its sums over the block's
-// rows of dB_c = Σ_n dL_c[n, j]·H_c[n, :] and db_c = Σ_n dL_c[n, j], written once per tile as
-// the block's terms of those sums (a column sum over the blocks adds them up: no dL_c
-// [N, d_out] is stored and read back). The row sums over columns (dH_c = dL_c·B_c, d/dγ_s,
-// dα_c) take a transpose through shared memory: the threads stage each element's three terms
-// for FG_BACK_CHUNK rows, then warp w sums row w's over the tile's columns (tile_row_sums:
-// a lane adds its eight columns' in order, then the warp's lanes are summed once per 8 ranks),
-// onto the row's sums of the earlier tiles (row_sums, the block's own rows). So a row's sums
-// over a tile cost one warp 14 shuffles, where each of the 8 warps spent 14 on its own 32
-// columns of the row (and as many selects and adds). Every order of additions is fixed,
-// there are no atomics, and a block reads back only what it wrote itself. A thread issues
-// the dẐ and Z loads of FG_BACK_CHUNK rows before it computes them (8 rows: 16 warps an SM ×
-// 8 × 6 bytes a lane, 24 KB in flight). ptxas (bench/kernel_resources.py): 128 registers
-// under the 2-blocks-an-SM bound, 16 warps an SM; the register path no spill, the other
-// ranks' path 16 to 20 bytes.
+// its column's b_c in a register for the tile, and its sum over the block's rows of
+// db_c = Σ_n dL_c[n, j], written once per tile as the block's term of that sum (a column sum
+// over the blocks adds them up: no dL_c [N, d_out] is stored and read back); likewise the
+// column's dB_c = Σ_n dL_c[n, j]·H_c[n, :]. The row sums over columns (dH_c = dL_c·B_c,
+// d/dγ_s, dα_c) need a transpose: a thread holds a column, the sums run along a row. Two
+// paths:
+//
+// - The tensor-core path, under bf16 products (dZU in bf16, read only by bf16 products) at
+//   channel rank FG_REG_RANK = 8 (every preset's) on compute capability 8.0: a warp stages its
+//   32 columns' dL_c of the row block's 16 rows in shared memory as bf16 in two parts (hi = dL
+//   rounded, lo = the rest rounded) and multiplies them on the tensor cores: dH_c's share of
+//   its columns is one 16 × 8 product over them (dL·B_c, mma.m16n8k16, B_c split alike and
+//   held in registers for the tile), the columns' dB_c terms one 32 × 8 product over the 16
+//   rows (dLᵀ·H_c, the same stage read transposed by ldmatrix), each as hi·hi + hi·lo + lo·hi
+//   with f32 sums: within about 2⁻¹⁷ of each product (f32 sums of f32 products: 2⁻²⁴), far
+//   below the bf16 roundings of the products around it. d/dγ_s and dα_c are staged in f32
+//   and the warp's lanes add a chunk's rows across its 32 columns; then the 8 warps' shares of
+//   a row are added in warp order. Per element that leaves the gate's own arithmetic, the
+//   channel logit (8 FMAs) and the stores to the stage, where the path below spends 8 FMAs an
+//   element on dB_c and, per warp and row, a share of dL·B_c with B_c read from L1 (32 bytes
+//   an element).
+// - Otherwise (f32 products: f32 sums throughout; other ranks; devices below 8.0): the threads
+//   stage each element's three terms for FG_BACK_CHUNK rows in f32, then warp w sums row w's
+//   over the tile's columns (tile_row_sums: a lane adds its eight columns' in order, then the
+//   warp's lanes are summed once per 8 ranks); a thread adds its column's dB_c terms for the
+//   first FG_REG_RANK ranks in registers and the rest in place in the block's terms.
+//
+// Either way each row's sums go onto its sums of the earlier tiles (row_sums, the block's own
+// rows). Every order of additions is fixed, there are no atomics, and a block reads back only
+// what it wrote itself. A thread issues the dẐ and Z loads of FG_BACK_CHUNK rows before it
+// computes them (8 rows: 16 warps an SM × 8 × 6 bytes a lane, 24 KB in flight). ptxas
+// (bench/kernel_resources.py): 128 registers under the 2-blocks-an-SM bound, 16 warps an SM.
 #define FG_BACK_THREADS 256
 #define FG_BACK_WARPS (FG_BACK_THREADS / 32)
 #define FG_BACK_TILE FG_BACK_THREADS
@@ -774,10 +791,35 @@ extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList 
 #define FG_BACK_CHUNK 8
 static_assert(FG_BACK_CHUNK == FG_BACK_WARPS, "tile_row_sums gives each row of a chunk a warp");
 static_assert(FG_BACK_ROWS % FG_BACK_CHUNK == 0, "a row block is whole chunks");
-// The terms a thread stages per element of a chunk for the row sums: dL_c, d/dγ_s's and dα_c's.
+static_assert(FG_BACK_CHUNK % 8 == 0, "the tensor-core stage swizzles row c0 + k of a chunk by (k / 2) % 4");
+static_assert(FG_BACK_ROWS == 16 && FG_BK == 32, "the tensor-core path's stage is one 16-row block of a warp's 32 columns");
+// The terms a thread stages per element of a chunk for the row sums off the tensor-core path:
+// dL_c, d/dγ_s's and dα_c's.
 #define FG_BACK_STAGED 3
 // The per-block sums of the summaries: r dU values, dα_c, dα_s, d/dl_s, then rs d/dl_s·H_s.
 #define FG_BACK_TERMS (FG_MAX_RANK + 3 + FG_MAX_RANK)
+// A row's sums on the tensor-core path, as a warp leaves its share: dH_c's FG_REG_RANK ranks,
+// d/dγ_s, dα_c.
+#define FG_BACK_ROW_TERMS (FG_REG_RANK + 2)
+// The tensor-core path needs mma.sync (compute capability 8.0); below, every rank takes the
+// other path.
+#if defined(__CUDA_EMULATOR__) || __CUDA_ARCH__ >= 800
+#define FG_BACK_TENSOR_CORES 1
+#else
+#define FG_BACK_TENSOR_CORES 0
+#endif
+
+// A warp's stage on the tensor-core path (gate_backward_rows_mma), in the kernel's dynamic
+// shared memory: its 32 columns' dL_c for the row block's 16 rows, hi and lo parts
+// (dl[part][row·32 + column], each row's four 16-byte chunks swizzled by fg_swizzled so that
+// ldmatrix's 8 rows, read straight or transposed, touch every bank once), a chunk's d/dγ_s and
+// dα_c terms ([row][term][column], rows padded to 36 floats so that the lanes' 16-byte reads
+// of 16 different rows fall in different banks), and the warp's share of each row's sums.
+struct BackwardWarpStage {
+    bf16_t dl[2][FG_BACK_ROWS * FG_BK];
+    float terms[FG_BACK_CHUNK][2][36];
+    float row_terms[FG_BACK_ROWS][FG_BACK_ROW_TERMS];
+};
 
 // Sums each of v[0..8) over the warp's 32 lanes in 9 shuffles rather than 8 butterflies' 40:
 // each step hands half of a lane's values to its partner and keeps the other half, so lane l
@@ -812,14 +854,13 @@ __device__ __forceinline__ float warp_sum_two(float a, float b) {
     return total;
 }
 
-// One row of a chunk's stage summed over the tile's columns by one warp: the row's
-// dH_c[t] = Σ_c dL_c[c]·B_c[tile + c, t] (t < rc), d/dγ_s = Σ_c and dα_c = Σ_c of their
-// terms, set into the row's sums (sums[t], sums[rc], sums[rc + 1]) on the first tile and
-// added onto them after. Lane l takes columns l, l + 32, ... (conflict-free shared reads),
-// adds its eight in order, then warp_sum_eight sums 8 ranks at once and warp_sum_two the two
-// scalars: a fixed order. B_c is read from global memory (L1: the tile's rows of it are read
-// by every row), as 16-byte vectors on the register path (register_rank).
-template <bool REGS>
+// Off the tensor-core path, one row of a chunk's stage summed over the tile's columns by one
+// warp: the row's dH_c[t] = Σ_c dL_c[c]·B_c[tile + c, t] (t < rc), d/dγ_s = Σ_c and
+// dα_c = Σ_c of their terms, set into the row's sums (sums[t], sums[rc], sums[rc + 1]) on the
+// first tile and added onto them after. Lane l takes columns l, l + 32, ... (conflict-free
+// shared reads), adds its eight in order, then warp_sum_eight sums 8 ranks at once and
+// warp_sum_two the two scalars: a fixed order. B_c is read from global memory (L1: the tile's
+// rows of it are read by every row).
 __device__ __forceinline__ void tile_row_sums(const float (*staged)[FG_BACK_TILE], const GateGroup& g, i64 tile,
                                               int rc, float* sums, bool first_tile) {
     constexpr int PER_LANE = FG_BACK_TILE / 32;
@@ -835,21 +876,8 @@ __device__ __forceinline__ void tile_row_sums(const float (*staged)[FG_BACK_TILE
             const int c = lane + 32 * i;
             const bool column = c < columns;
             const float dl = staged[0][c];
-            float b[8];
 #pragma unroll
-            for (int e = 0; e < 8; e += 4) {
-                if (REGS) {
-                    f32x4 b4 = f32x4{};
-                    if (column && t0 + e < rc) b4 = *reinterpret_cast<const f32x4*>(weights + e);
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) b[e + k] = b4.v[k];
-                } else {
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) b[e + k] = column && t0 + e + k < rc ? weights[e + k] : 0.0f;
-                }
-            }
-#pragma unroll
-            for (int e = 0; e < 8; ++e) part[e] += dl * b[e];
+            for (int e = 0; e < 8; ++e) part[e] += dl * (column && t0 + e < rc ? weights[e] : 0.0f);
         }
         const float total = warp_sum_eight(part);
         const int t = t0 + ((lane >> 2) & 7);
@@ -866,160 +894,116 @@ __device__ __forceinline__ void tile_row_sums(const float (*staged)[FG_BACK_TILE
     if (lane == 0 || lane == 16) sums[v] = first_tile ? total : sums[v] + total;
 }
 
-// dẐ[n, out_at + j] of group g: read from dout ([N, out_width]), or under SWIGLU computed
-// from SwiGLU's output gradient dout ([N, d_out]) and the group's gated output `gated`
-// ([N, 2·d_out]: the gate projection's columns, then up's), with swiglu.cu's arithmetic and
-// rounded to bf16 as swiglu_backward stores it under bf16 products: the same bits as the two
-// launches this replaces.
-template <bool SWIGLU, class D>
-__device__ __forceinline__ float output_grad(const D* dout, const bf16_t* gated, const GateGroup& g, i64 out_width,
-                                             i64 n, i64 j) {
-    if (!SWIGLU) return as_f32(dout[n * out_width + g.out_at + j]);
-    const bf16_t* row = gated + n * out_width;
-    const float gate = as_f32(row[j]), dy = as_f32(dout[n * g.d_out + j]);
-    const float grad = g.out_at == 0 ? swiglu_gate_grad(gate, as_f32(row[g.d_out + j]), dy) : swiglu_up_grad(gate, dy);
-    return as_f32(f32_to_bf16(grad));
+
+// γ = 2σ(x) (the same bits as 2·sigmoid_f(x)) and its slope dγ/dx = 2σ(x)(1 − σ(x)), which is
+// 2e·r² for e = e^−|x| and r = 1/(1 + e) on either side of 0 (σ is r or e·r, 1 − σ the
+// other): one exponential and one reciprocal for both.
+struct GateSlope {
+    float gate, slope;
+};
+__device__ __forceinline__ GateSlope gate_and_slope(float x) {
+    const float e = exp2_ftz(-fabsf(x) * LOG2E);
+    const float r = rcp_approx(1.0f + e), er = e * r;
+    return GateSlope{2.0f * (x >= 0.0f ? r : er), 2.0f * er * r};
 }
 
-// The backward of the gate, per element (Ẑ = γ_c ⊙ γ_s ⊙ Z, γ = 2σ(αl), l the logit with
-// its bias):
-//   d/dZ = dẐ·γ_c·γ_s;  d/dγ_c = dẐ·Z·γ_s;  dL_c = d/dγ_c·α_c·γ_c(1 − γ_c/2);
-//   dα_c's term d/dγ_c·l_c·γ_c(1 − γ_c/2);
-// per row, summed over its columns: d/dγ_s = Σ_j dẐ·Z·γ_c, dα_c, and dH_c = dL_c·B_c; per
-// column, summed over the block's rows: dB_c = dL_cᵀ·H_c and db_c = Σ dL_c. Then the
-// summaries, one warp per row:
+// The backward of the gate at one element (Ẑ = γ_c ⊙ γ_s ⊙ Z, γ = 2σ(αl), l the logit with
+// its bias), from dẐ (dy), Z, the channel logit, the row's γ_s and α_c:
+//   dz = d/dZ = dẐ·γ_c·γ_s;  d/dγ_c = dẐ·Z·γ_s;  dl = dL_c = d/dγ_c·γ_c'·α_c (γ_c' = dγ/dx);
+//   dgate_s = dẐ·Z·γ_c (its row's d/dγ_s term);  dalpha_c = d/dγ_c·γ_c'·l.
+struct ElementGrads {
+    float dz, dl, dgate_s, dalpha_c;
+};
+__device__ __forceinline__ ElementGrads element_backward(float dy, float z, float logit, float gate_s,
+                                                         float alpha_c) {
+    const GateSlope c = gate_and_slope(alpha_c * logit);
+    const float dyz = dy * z;
+    const float dslope = dyz * gate_s * c.slope;  // d/dγ_c·γ_c'
+    return ElementGrads{dy * c.gate * gate_s, dslope * alpha_c, dyz * c.gate, dslope * logit};
+}
+
+// dZ of one element into dzu (f32 products) or dzu_bf16 (bf16 products: its only readers are
+// the products; rounded to nearest even).
+__device__ __forceinline__ void store_dz(float* dzu, bf16_t* dzu_bf16, i64 element, float dz) {
+    if (dzu_bf16) {
+        dzu_bf16[element] = f32_to_bf16(dz);
+    } else {
+        dzu[element] = dz;
+    }
+}
+
+// The dẐ and Z of rows row0 + c0 .. + FG_BACK_CHUNK of column j (zeros past `count` rows of
+// the row block or past the last column), all loads issued before any is used, each row's by
+// a pointer a row stride on from the last. dẐ is read from dout ([N, out_width], the outputs'
+// layout), or under SWIGLU computed from SwiGLU's output gradient dout ([N, d_out]) and the
+// group's gated output `gated` ([N, 2·d_out]: the gate projection's columns, then up's; column
+// j's gate value at j, its up value at d_out + j, for either projection of the pair), with
+// swiglu.cu's arithmetic and rounded to bf16 as swiglu_backward stores it under bf16 products:
+// the same bits as the two launches this replaces. WHOLE: the caller knows that every row of the
+// chunk is read (a live column, a whole row block), so no load is tested.
+template <class Z, class D, bool SWIGLU, bool WHOLE = false>
+__device__ __forceinline__ void load_chunk_grads(const Z* zu, const D* dout, const bf16_t* gated, const GateGroup& g,
+                                                 i64 row0, int c0, int count, i64 j, bool live, i64 zu_width,
+                                                 i64 out_width, float (&z)[FG_BACK_CHUNK],
+                                                 float (&dy)[FG_BACK_CHUNK]) {
+    const i64 n = row0 + c0, dout_width = SWIGLU ? g.d_out : out_width;
+    const Z* zp = zu + n * zu_width + g.zu_at + j;
+    const D* dp = dout + n * dout_width + (SWIGLU ? 0 : g.out_at) + j;
+    const bf16_t* gp = SWIGLU ? gated + n * out_width + j : nullptr;
+#pragma unroll
+    for (int k = 0; k < FG_BACK_CHUNK; ++k, zp += zu_width, dp += dout_width) {
+        const bool read = WHOLE || (live && c0 + k < count);
+        z[k] = read ? as_f32(*zp) : 0.0f;
+        if (!SWIGLU) {
+            dy[k] = read ? as_f32(*dp) : 0.0f;
+            continue;
+        }
+        float grad = 0.0f;
+        if (read) {
+            const float gate = as_f32(gp[0]), up_grad = as_f32(*dp);
+            grad = g.out_at == 0 ? swiglu_gate_grad(gate, as_f32(gp[g.d_out]), up_grad) : swiglu_up_grad(gate, up_grad);
+        }
+        dy[k] = as_f32(f32_to_bf16(grad));
+        gp += out_width;
+    }
+}
+
+// Two values as the hi and lo parts of a bf16x2 mma operand (v0 in the low halves): hi = v
+// rounded to bf16, lo = v − hi rounded; hi + lo is v to about 2⁻¹⁶ of it.
+__device__ __forceinline__ void split_bf16x2(float v0, float v1, unsigned int& hi, unsigned int& lo) {
+    hi = bf16x2(v0, v1);
+    float h0, h1;
+    bf16x2_to_f32(hi, h0, h1);
+    lo = bf16x2(v0 - h0, v1 - h1);
+}
+
+// d += A·B in f32 from split operands: hi·hi + hi·lo + lo·hi, in that order (lo·lo, about
+// 2⁻¹⁸ of each product, left out).
+__device__ __forceinline__ void mma_split(float* d, const unsigned int* a_hi, const unsigned int* a_lo,
+                                          const unsigned int* b_hi, const unsigned int* b_lo) {
+    mma_bf16(d, a_hi, b_hi);
+    mma_bf16(d, a_hi, b_lo);
+    mma_bf16(d, a_lo, b_hi);
+}
+
+// The summaries after a block's row passes: one warp per row, its H again in the warp's
+// shared row; each lane sums its own terms over the warp's rows (lane t's dU[t], dU[t + 32]
+// and d/dl_s·H_s), then the warps' sums are added in warp order into the block's terms:
 //   d/dl_s = dγ_s·α_s·γ_s(1 − γ_s/2),  dα_s term = dγ_s·l_s·γ_s(1 − γ_s/2),
 //   d/dU_c = dH_c ⊙ φ'(U_c + a_c),  d/dU_s = d/dl_s·B_s ⊙ φ'(U_s + a_s),
 // whose sums over the block's rows (dU for da, dα_c, dα_s, d/dl_s for db_s, d/dl_s·H_s for
-// dB_s) are the block's terms of those cross-row sums. dout has the outputs' layout (f32, or
-// bf16 when Ẑ's consumer wrote its gradient so), dzu ZU's: dZU goes into dzu under f32
-// products; under bf16 products (dzu_bf16 not null, dzu null) only into dzu_bf16, rounded to
-// nearest even: the products are its only readers.
-// The block terms, each a row x of a matrix with one row per block: weight_terms
-// [x][out_at + j][t] (`[blocks, out_width·rc]`, dB_c's packed layout), bias_terms
-// [x][out_at + j] (`[blocks, out_width]`), du_terms [x][g·r + t] (`[blocks, groups·r]`) and
-// row_terms [x][g·(3 + rs) + k] (`[blocks, groups·(3 + rs)]`: dα_c, dα_s, d/dl_s, d/dl_s·H_s).
-// row_sums (`[rows, groups, rc + 2]`) is the kernel's own scratch. Under SWIGLU (the FFN's
-// gate and up group, whose output SwiGLU read: fused_gate_apply_swiglu) dout is SwiGLU's
-// output gradient and dẐ is computed from it (output_grad, above): no dẐ is stored.
-template <class Z, class D, bool REGS, bool SWIGLU>
-__device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, const bf16_t* gated, const GateGroup g,
-                                               int phi, float phi_p, i64 rows, i64 rows_per_block, i64 zu_width,
-                                               i64 out_width, int rc, int rs, float* dzu, bf16_t* dzu_bf16,
-                                               float* row_sums, float* weight_terms, float* bias_terms,
-                                               float* du_terms, float* row_terms) {
-    const float* parameters[] = {g.a_c, g.b_cw, g.b_cb, g.alpha_c, g.a_s, g.b_sw, g.b_sb, g.alpha_s};
-    for (const float* p : parameters) ASSUME_GLOBAL(p);
-    const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
-    // All of it dynamic shared memory (BACKWARD_SHARED_BYTES in cuda/fused_gate/mod.rs), so
-    // the two instantiations share one allocation: each row's H (16-byte aligned), each row's
-    // γ_s, each warp's sums of the summaries' terms, then the chunk's stage: staged[k][s][c]
-    // is term s (dL_c, d/dγ_s's, dα_c's) of row k of the chunk, column c of the tile.
-    DYNAMIC_SHARED(f32x4, backward_shared);
-    f32x4(*h_quads)[FG_MAX_RANK / 4] = reinterpret_cast<f32x4(*)[FG_MAX_RANK / 4]>(backward_shared);
-    float* gate_rows = reinterpret_cast<float*>(backward_shared + FG_BACK_ROWS * (FG_MAX_RANK / 4));
-    float(*warp_terms)[FG_BACK_TERMS] = reinterpret_cast<float(*)[FG_BACK_TERMS]>(gate_rows + FG_BACK_ROWS);
-    float(*staged)[FG_BACK_STAGED][FG_BACK_TILE] =
-        reinterpret_cast<float(*)[FG_BACK_STAGED][FG_BACK_TILE]>(warp_terms[FG_BACK_WARPS]);
+// dB_s) are the block's terms of those cross-row sums. dU goes into dZU's U columns (dzu, f32
+// or bf16), as dZ.
+template <class Z, class DZ>
+__device__ __forceinline__ void backward_summaries(const Z* zu, const GateGroup& g, int phi, float phi_p,
+                                                   float alpha_s, i64 first, i64 end, i64 zu_width, int rc, int rs,
+                                                   const float* sums_of, DZ* dzu, float* h_rows,
+                                                   float (*warp_terms)[FG_BACK_TERMS], float* du_terms,
+                                                   float* row_terms) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r = rc + rs, sums = rc + 2;
     const i64 d_out = g.d_out, groups = gridDim.y;
-    const i64 first = (i64)blockIdx.x * rows_per_block;
-    const i64 end = first + rows_per_block < rows ? first + rows_per_block : rows;
-    float* sums_of = row_sums + (i64)blockIdx.y * sums;  // row n's sums at sums_of[n·groups·sums]
-    float* weight_row = weight_terms + ((i64)blockIdx.x * out_width + g.out_at) * rc;
-    float* bias_row = bias_terms + (i64)blockIdx.x * out_width + g.out_at;
-
-    for (i64 tile = 0; tile < d_out; tile += FG_BACK_TILE) {
-        const i64 j = tile + threadIdx.x;
-        const bool live = j < d_out;
-        float w[FG_REG_RANK], bias, dw[FG_REG_RANK], db = 0.0f;
-        column_weight(g.b_cw, g.b_cb, j, live, rc, REGS, w, bias);
-#pragma unroll
-        for (int t = 0; t < FG_REG_RANK; ++t) dw[t] = 0.0f;
-        if (!REGS && live) {
-            // Ranks past FG_REG_RANK sum in place, each thread its own column's.
-            for (int t = FG_REG_RANK; t < rc; ++t) weight_row[j * rc + t] = 0.0f;
-        }
-        for (i64 row0 = first; row0 < end; row0 += FG_BACK_ROWS) {
-            const int count = (int)(end - row0 < FG_BACK_ROWS ? end - row0 : FG_BACK_ROWS);
-            __syncthreads();  // every thread is done with the previous rows' H, γ_s and stage
-            block_hidden(h_quads, zu, g, phi, phi_p, row0, count, zu_width, rc, rs);
-            __syncthreads();
-            if (threadIdx.x < count) {
-                const float* h = reinterpret_cast<const float*>(h_quads[threadIdx.x]);
-                gate_rows[threadIdx.x] = scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
-            }
-            __syncthreads();
-            for (int c0 = 0; c0 < count; c0 += FG_BACK_CHUNK) {
-                if (c0 > 0) __syncthreads();  // the previous chunk's stage is summed
-                // Element (row0 + c0, j) of ZU and dZU; a row further is zu_width further.
-                const i64 first_element = (row0 + c0) * zu_width + g.zu_at + j;
-                float z[FG_BACK_CHUNK], dy[FG_BACK_CHUNK];
-#pragma unroll
-                for (int k = 0; k < FG_BACK_CHUNK; ++k) {
-                    const i64 n = row0 + c0 + k;
-                    const bool read = live && c0 + k < count;
-                    z[k] = read ? as_f32(zu[first_element + k * zu_width]) : 0.0f;
-                    dy[k] = read ? output_grad<SWIGLU>(dout, gated, g, out_width, n, j) : 0.0f;
-                }
-                i64 element = first_element;
-#pragma unroll
-                for (int k = 0; k < FG_BACK_CHUNK; ++k, element += zu_width) {
-                    if (c0 + k >= count) break;
-                    const float* h = reinterpret_cast<const float*>(h_quads[c0 + k]);
-                    float hc[FG_REG_RANK];  // the row's h_c[0..FG_REG_RANK), zeros past rc
-                    if (REGS) {
-                        register_hidden(h, rc, hc);
-                    } else {
-#pragma unroll
-                        for (int t = 0; t < FG_REG_RANK; ++t) hc[t] = t < rc ? h[t] : 0.0f;
-                    }
-                    float dl = 0.0f, dgate_s = 0.0f, dalpha_c = 0.0f;
-                    if (live) {
-                        const float gate_s = gate_rows[c0 + k];
-                        const float logit =
-                            (REGS ? register_logit(hc, w, rc) : column_logit(h, g.b_cw, j, rc)) + bias;
-                        const float gate = 2.0f * sigmoid_f(alpha_c * logit);
-                        const float dgate = dy[k] * z[k] * gate_s;
-                        const float slope = gate * (1.0f - 0.5f * gate);
-                        const float dz = dy[k] * gate * gate_s;
-                        dl = dgate * alpha_c * slope;
-                        dgate_s = dy[k] * z[k] * gate;
-                        dalpha_c = dgate * logit * slope;
-                        if (dzu_bf16) {
-                            dzu_bf16[element] = f32_to_bf16(dz);
-                        } else {
-                            dzu[element] = dz;
-                        }
-                        db += dl;
-#pragma unroll
-                        for (int t = 0; t < FG_REG_RANK; ++t) dw[t] += dl * hc[t];
-                        if (!REGS) {
-                            for (int t = FG_REG_RANK; t < rc; ++t) weight_row[j * rc + t] += dl * h[t];
-                        }
-                    }
-                    staged[k][0][threadIdx.x] = dl;
-                    staged[k][1][threadIdx.x] = dgate_s;
-                    staged[k][2][threadIdx.x] = dalpha_c;
-                }
-                __syncthreads();  // the chunk's stage is written
-                if (c0 + warp < count) {
-                    float* sums_row = sums_of + (row0 + c0 + warp) * groups * sums;
-                    tile_row_sums<REGS>(staged[warp], g, tile, rc, sums_row, tile == 0);
-                }
-            }
-        }
-        if (live) {
-            for (int t = 0; t < rc && t < FG_REG_RANK; ++t) weight_row[j * rc + t] = dw[t];
-            bias_row[j] = db;
-        }
-    }
-    __syncthreads();  // every row's sums are in row_sums (this block's own writes)
-
-    // The summaries: one warp per row, its H again in the warp's shared row; each lane sums
-    // its own terms over the warp's rows (lane t's dU[t], dU[t + 32] and d/dl_s·H_s).
-    float* h = reinterpret_cast<float*>(h_quads[warp]);
+    float* h = h_rows + warp * FG_MAX_RANK;
     float du_sum[2] = {0.0f, 0.0f}, hs_sum[2] = {0.0f, 0.0f}, dalpha_c_sum = 0.0f, dalpha_s_sum = 0.0f,
           dlogit_s_sum = 0.0f;
     for (i64 n = first + warp; n < end; n += FG_BACK_WARPS) {
@@ -1054,11 +1038,7 @@ __device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, cons
             const float du = channel ? row[t] * dphi : dlogit_s * g.b_sw[t - rc] * dphi;
             du_sum[q] += du;
             if (!channel) hs_sum[q] += dlogit_s * h[t];
-            if (dzu_bf16) {
-                dzu_bf16[zu_row + d_out + t] = f32_to_bf16(du);
-            } else {
-                dzu[zu_row + d_out + t] = du;
-            }
+            store_as(dzu + zu_row + d_out + t, du);
         }
     }
     // The block's terms: each warp's sums, added in warp order.
@@ -1088,11 +1068,305 @@ __device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, cons
     }
 }
 
-// gate_backward_rows on the register path or off it (register_rank): two instantiations, each
-// a function of its own (not inlined), so that ptxas allocates each one's registers alone:
-// inlined side by side, the two paths' live ranges spilled (52 bytes stored, 168 loaded) where
-// each alone fits in 128 registers with none. The group's parameters go by value, in
-// registers: the kernel's lists by reference would be copied to the stack first.
+// The kernel's dynamic shared memory (BACKWARD_SHARED_BYTES in cuda/fused_gate/mod.rs), one
+// allocation for both paths: each row's H (16-byte aligned), each row's γ_s, each warp's sums
+// of the summaries' terms, then the row sums' stage (a path's own layout).
+struct BackwardShared {
+    f32x4 (*h_quads)[FG_MAX_RANK / 4];
+    float* gate_rows;
+    float (*warp_terms)[FG_BACK_TERMS];
+    void* stage;
+};
+__device__ __forceinline__ BackwardShared backward_shared_memory() {
+    DYNAMIC_SHARED(f32x4, backward_shared);
+    BackwardShared s;
+    s.h_quads = reinterpret_cast<f32x4(*)[FG_MAX_RANK / 4]>(backward_shared);
+    s.gate_rows = reinterpret_cast<float*>(backward_shared + FG_BACK_ROWS * (FG_MAX_RANK / 4));
+    s.warp_terms = reinterpret_cast<float(*)[FG_BACK_TERMS]>(s.gate_rows + FG_BACK_ROWS);
+    s.stage = s.warp_terms[FG_BACK_WARPS];
+    return s;
+}
+
+// Rows row0 .. row0 + count of the row block: their H into shared memory, then each row's γ_s
+// (one thread a row), between barriers (the previous rows' H, γ_s and stage are free). The
+// rows past count get h_c = 0 and γ_s = 0, so that the tensor-core path, which computes all
+// FG_BACK_ROWS rows and stores only the first count, computes finite zeros there.
+template <class Z>
+__device__ __forceinline__ void backward_row_block(const BackwardShared& s, const Z* zu, const GateGroup& g, int phi,
+                                                   float phi_p, float alpha_s, i64 row0, int count, i64 zu_width,
+                                                   int rc, int rs) {
+    __syncthreads();  // every thread is done with the previous rows' H, γ_s and stage
+    block_hidden(s.h_quads, zu, g, phi, phi_p, row0, count, zu_width, rc, rs);
+    for (int e = count * FG_REG_RANK + threadIdx.x; e < FG_BACK_ROWS * FG_REG_RANK; e += FG_BACK_THREADS) {
+        reinterpret_cast<float*>(s.h_quads[e / FG_REG_RANK])[e % FG_REG_RANK] = 0.0f;
+    }
+    __syncthreads();
+    if (threadIdx.x < FG_BACK_ROWS) {
+        const float* h = reinterpret_cast<const float*>(s.h_quads[threadIdx.x]);
+        s.gate_rows[threadIdx.x] = threadIdx.x < count ? scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs) : 0.0f;
+    }
+    __syncthreads();
+}
+
+// The row pass of the backward off the tensor-core path (any rank, any device): dZ, the
+// block's db_c and dB_c terms and each row's sums (tile_row_sums), then the summaries. dout
+// has the outputs' layout (f32, or bf16 when Ẑ's consumer wrote its gradient so), dzu ZU's.
+// The block terms, each a row x of a matrix with one row per block: weight_terms
+// [x][out_at + j][t] (`[blocks, out_width·rc]`, dB_c's packed layout), bias_terms
+// [x][out_at + j] (`[blocks, out_width]`), du_terms [x][g·r + t] (`[blocks, groups·r]`) and
+// row_terms [x][g·(3 + rs) + k] (`[blocks, groups·(3 + rs)]`: dα_c, dα_s, d/dl_s, d/dl_s·H_s).
+// row_sums (`[rows, groups, rc + 2]`) is the kernel's own scratch. Under SWIGLU (the FFN's
+// gate and up group, whose output SwiGLU read: fused_gate_apply_swiglu) dout is SwiGLU's
+// output gradient and dẐ is computed from it (output_grad, above): no dẐ is stored.
+template <class Z, class D, bool SWIGLU>
+__device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, const bf16_t* gated, const GateGroup g,
+                                               int phi, float phi_p, i64 rows, i64 rows_per_block, i64 zu_width,
+                                               i64 out_width, int rc, int rs, float* dzu, bf16_t* dzu_bf16,
+                                               float* row_sums, float* weight_terms, float* bias_terms,
+                                               float* du_terms, float* row_terms) {
+    const float* parameters[] = {g.a_c, g.b_cw, g.b_cb, g.alpha_c, g.a_s, g.b_sw, g.b_sb, g.alpha_s};
+    for (const float* p : parameters) ASSUME_GLOBAL(p);
+    const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
+    const BackwardShared s = backward_shared_memory();
+    // staged[k][s][c] is term s (dL_c, d/dγ_s's, dα_c's) of row k of the chunk, column c of the tile.
+    float(*staged)[FG_BACK_STAGED][FG_BACK_TILE] = reinterpret_cast<float(*)[FG_BACK_STAGED][FG_BACK_TILE]>(s.stage);
+    const int warp = threadIdx.x >> 5;
+    const int sums = rc + 2;
+    const i64 d_out = g.d_out, groups = gridDim.y;
+    const i64 first = (i64)blockIdx.x * rows_per_block;
+    const i64 end = first + rows_per_block < rows ? first + rows_per_block : rows;
+    float* sums_of = row_sums + (i64)blockIdx.y * sums;  // row n's sums at sums_of[n·groups·sums]
+    float* weight_row = weight_terms + ((i64)blockIdx.x * out_width + g.out_at) * rc;
+    float* bias_row = bias_terms + (i64)blockIdx.x * out_width + g.out_at;
+
+    for (i64 tile = 0; tile < d_out; tile += FG_BACK_TILE) {
+        const i64 j = tile + threadIdx.x;
+        const bool live = j < d_out;
+        const float bias = live ? g.b_cb[j] : 0.0f;
+        float dw[FG_REG_RANK], db = 0.0f;
+#pragma unroll
+        for (int t = 0; t < FG_REG_RANK; ++t) dw[t] = 0.0f;
+        if (live) {
+            // Ranks past FG_REG_RANK sum in place, each thread its own column's.
+            for (int t = FG_REG_RANK; t < rc; ++t) weight_row[j * rc + t] = 0.0f;
+        }
+        for (i64 row0 = first; row0 < end; row0 += FG_BACK_ROWS) {
+            const int count = (int)(end - row0 < FG_BACK_ROWS ? end - row0 : FG_BACK_ROWS);
+            backward_row_block(s, zu, g, phi, phi_p, alpha_s, row0, count, zu_width, rc, rs);
+            for (int c0 = 0; c0 < count; c0 += FG_BACK_CHUNK) {
+                if (c0 > 0) __syncthreads();  // the previous chunk's stage is summed
+                float z[FG_BACK_CHUNK], dy[FG_BACK_CHUNK];
+                load_chunk_grads<Z, D, SWIGLU>(zu, dout, gated, g, row0, c0, count, j, live, zu_width, out_width, z,
+                                               dy);
+                i64 element = (row0 + c0) * zu_width + g.zu_at + j;
+#pragma unroll
+                for (int k = 0; k < FG_BACK_CHUNK; ++k, element += zu_width) {
+                    if (c0 + k >= count) break;
+                    const float* h = reinterpret_cast<const float*>(s.h_quads[c0 + k]);
+                    ElementGrads e = {0.0f, 0.0f, 0.0f, 0.0f};
+                    if (live) {
+                        e = element_backward(dy[k], z[k], column_logit(h, g.b_cw, j, rc) + bias, s.gate_rows[c0 + k],
+                                             alpha_c);
+                        store_dz(dzu, dzu_bf16, element, e.dz);
+                        db += e.dl;
+#pragma unroll
+                        for (int t = 0; t < FG_REG_RANK; ++t) dw[t] += e.dl * (t < rc ? h[t] : 0.0f);
+                        for (int t = FG_REG_RANK; t < rc; ++t) weight_row[j * rc + t] += e.dl * h[t];
+                    }
+                    staged[k][0][threadIdx.x] = e.dl;
+                    staged[k][1][threadIdx.x] = e.dgate_s;
+                    staged[k][2][threadIdx.x] = e.dalpha_c;
+                }
+                __syncthreads();  // the chunk's stage is written
+                if (c0 + warp < count) {
+                    float* sums_row = sums_of + (row0 + c0 + warp) * groups * sums;
+                    tile_row_sums(staged[warp], g, tile, rc, sums_row, tile == 0);
+                }
+            }
+        }
+        if (live) {
+            for (int t = 0; t < rc && t < FG_REG_RANK; ++t) weight_row[j * rc + t] = dw[t];
+            bias_row[j] = db;
+        }
+    }
+    __syncthreads();  // every row's sums are in row_sums (this block's own writes)
+    if (dzu_bf16) {
+        backward_summaries(zu, g, phi, phi_p, alpha_s, first, end, zu_width, rc, rs, sums_of, dzu_bf16,
+                           reinterpret_cast<float*>(s.h_quads), s.warp_terms, du_terms, row_terms);
+    } else {
+        backward_summaries(zu, g, phi, phi_p, alpha_s, first, end, zu_width, rc, rs, sums_of, dzu,
+                           reinterpret_cast<float*>(s.h_quads), s.warp_terms, du_terms, row_terms);
+    }
+}
+
+// The row pass on the tensor-core path (bf16 products, channel rank FG_REG_RANK, compute
+// capability 8.0): gate_backward_rows's results, its row sums and dB_c terms by mma from each
+// warp's stage (BackwardWarpStage), its logits from the column's B_c in registers, dZ and dU
+// into dzu in bf16.
+template <class Z, class D, bool SWIGLU>
+__device__ __noinline__ void gate_backward_rows_mma(const Z* zu, const D* dout, const bf16_t* gated,
+                                                   const GateGroup g, int phi, float phi_p, i64 rows,
+                                                   i64 rows_per_block, i64 zu_width, i64 out_width, int rs,
+                                                   bf16_t* dzu, float* row_sums, float* weight_terms,
+                                                   float* bias_terms, float* du_terms, float* row_terms) {
+    constexpr int rc = FG_REG_RANK;
+    const float* parameters[] = {g.a_c, g.b_cw, g.b_cb, g.alpha_c, g.a_s, g.b_sw, g.b_sb, g.alpha_s};
+    for (const float* p : parameters) ASSUME_GLOBAL(p);
+    const float alpha_c = *g.alpha_c, alpha_s = *g.alpha_s;
+    const BackwardShared s = backward_shared_memory();
+    BackwardWarpStage* stages = static_cast<BackwardWarpStage*>(s.stage);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int quad_row = lane >> 2, quad_col = lane & 3;  // g and t of the mma fragments' layout
+    BackwardWarpStage& stage = stages[warp];
+    const int sums = rc + 2;
+    const i64 d_out = g.d_out, groups = gridDim.y;
+    const i64 first = (i64)blockIdx.x * rows_per_block;
+    const i64 end = first + rows_per_block < rows ? first + rows_per_block : rows;
+    float* sums_of = row_sums + (i64)blockIdx.y * sums;  // row n's sums at sums_of[n·groups·sums]
+    float* weight_row = weight_terms + ((i64)blockIdx.x * out_width + g.out_at) * rc;
+    float* bias_row = bias_terms + (i64)blockIdx.x * out_width + g.out_at;
+
+    for (i64 tile = 0; tile < d_out; tile += FG_BACK_TILE) {
+        const i64 j = tile + threadIdx.x, warp_column = tile + 32 * warp;
+        const bool live = j < d_out;
+        float w[FG_REG_RANK], bias;
+        column_weight(g.b_cw, g.b_cb, j, live, rc, true, w, bias);
+        // dL·B_c's B fragments, split: B[k][n] = B_c[warp_column + 16·step + k, n] (zeros past
+        // the last column).
+        unsigned int bc_hi[2][2], bc_lo[2][2];
+#pragma unroll
+        for (int step = 0; step < 2; ++step) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const i64 c = warp_column + 16 * step + 8 * half + 2 * quad_col;
+                const float v0 = c < d_out ? g.b_cw[c * rc + quad_row] : 0.0f;
+                const float v1 = c + 1 < d_out ? g.b_cw[(c + 1) * rc + quad_row] : 0.0f;
+                split_bf16x2(v0, v1, bc_hi[step][half], bc_lo[step][half]);
+            }
+        }
+        // dLᵀ·H_c's accumulators: the warp's columns warp_column + 16·m + (0..15) by ranks 0..7.
+        float dw[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}}, db = 0.0f;
+        for (i64 row0 = first; row0 < end; row0 += FG_BACK_ROWS) {
+            const int count = (int)(end - row0 < FG_BACK_ROWS ? end - row0 : FG_BACK_ROWS);
+            backward_row_block(s, zu, g, phi, phi_p, alpha_s, row0, count, zu_width, rc, rs);
+            // Both chunks, every row: past count (and past the last column) dẐ, Z, h_c and γ_s
+            // are zeros, so every term is a zero, staged for the products; only dZ's store is
+            // left out.
+            const bool whole = live && count == FG_BACK_ROWS;
+#pragma unroll 1
+            for (int c0 = 0; c0 < FG_BACK_ROWS; c0 += FG_BACK_CHUNK) {
+                float z[FG_BACK_CHUNK], dy[FG_BACK_CHUNK];
+                if (whole) {
+                    load_chunk_grads<Z, D, SWIGLU, true>(zu, dout, gated, g, row0, c0, count, j, live, zu_width,
+                                                         out_width, z, dy);
+                } else {
+                    load_chunk_grads<Z, D, SWIGLU>(zu, dout, gated, g, row0, c0, count, j, live, zu_width, out_width,
+                                                   z, dy);
+                }
+                bf16_t* dz = dzu + (row0 + c0) * zu_width + g.zu_at + j;
+#pragma unroll
+                for (int k = 0; k < FG_BACK_CHUNK; ++k, dz += zu_width) {
+                    const int row = c0 + k;
+                    float hc[FG_REG_RANK];
+                    register_hidden(reinterpret_cast<const float*>(s.h_quads[row]), rc, hc);
+                    const ElementGrads e =
+                        element_backward(dy[k], z[k], register_logit(hc, w, rc) + bias, s.gate_rows[row], alpha_c);
+                    if (live && row < count) store_as(dz, e.dz);
+                    db += e.dl;
+                    const bf16_t hi = f32_to_bf16(e.dl);
+                    // fg_swizzled(row, lane / 8) + lane % 8, with (row / 2) % 4 = (k / 2) % 4 for c0
+                    // a multiple of 8: known while compiling.
+                    const int at = row * FG_BK + (((lane >> 3) ^ ((k >> 1) & 3)) << 3) + (lane & 7);
+                    stage.dl[0][at] = hi;
+                    stage.dl[1][at] = f32_to_bf16(e.dl - bf16_to_f32(hi));
+                    stage.terms[k][0][lane] = e.dgate_s;
+                    stage.terms[k][1][lane] = e.dalpha_c;
+                }
+                __syncwarp();
+                // The chunk's d/dγ_s and dα_c over the warp's columns: lanes 2s and 2s + 1 add
+                // half the columns each of sum s (row s / 2, term s % 2), in order, then each other's.
+                {
+                    const int sum = lane >> 1, half = lane & 1;
+                    const float* terms = stage.terms[sum >> 1][sum & 1] + 16 * half;
+                    float part = 0.0f;
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const f32x4 v = reinterpret_cast<const f32x4*>(terms)[q];
+                        part = part + v.v[0] + v.v[1] + v.v[2] + v.v[3];
+                    }
+                    const float total = part + __shfl_xor_sync(FULL_MASK, part, 1);
+                    if (half == 0) stage.row_terms[c0 + (sum >> 1)][FG_REG_RANK + (sum & 1)] = total;
+                }
+                __syncwarp();  // the terms are summed: the next chunk may stage its own
+            }
+            // The warp's share of dH_c = dL·B_c (16 rows × 8 ranks, over its 32 columns) into
+            // its row terms, and its columns' dB_c terms dLᵀ·H_c (over the 16 rows) onto dw.
+            float dh[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int step = 0; step < 2; ++step) {
+                unsigned int a_hi[4], a_lo[4];
+                const int at = fg_swizzled((lane & 7) + 8 * ((lane >> 3) & 1), 2 * step + (lane >> 4));
+                ldmatrix_x4(a_hi, stage.dl[0] + at);
+                ldmatrix_x4(a_lo, stage.dl[1] + at);
+                mma_split(dh, a_hi, a_lo, bc_hi[step], bc_lo[step]);
+            }
+            stage.row_terms[quad_row][2 * quad_col] = dh[0];
+            stage.row_terms[quad_row][2 * quad_col + 1] = dh[1];
+            stage.row_terms[quad_row + 8][2 * quad_col] = dh[2];
+            stage.row_terms[quad_row + 8][2 * quad_col + 1] = dh[3];
+            // H_c's B fragments, split: B[k][n] = H_c[row k, rank n] (zeros past count).
+            unsigned int hc_hi[2], hc_lo[2];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = 2 * quad_col + 8 * half;
+                const float v0 = row < count ? reinterpret_cast<const float*>(s.h_quads[row])[quad_row] : 0.0f;
+                const float v1 =
+                    row + 1 < count ? reinterpret_cast<const float*>(s.h_quads[row + 1])[quad_row] : 0.0f;
+                split_bf16x2(v0, v1, hc_hi[half], hc_lo[half]);
+            }
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                unsigned int a_hi[4], a_lo[4];
+                const int at = fg_swizzled((lane & 7) + 8 * (lane >> 4), 2 * m + ((lane >> 3) & 1));
+                ldmatrix_x4_trans(a_hi, stage.dl[0] + at);
+                ldmatrix_x4_trans(a_lo, stage.dl[1] + at);
+                mma_split(dw[m], a_hi, a_lo, hc_hi, hc_lo);
+            }
+            __syncthreads();  // every warp's row terms are staged
+            // The rows' sums over the tile (the row_sums layout: rc ranks of dH_c, d/dγ_s, dα_c):
+            // the warps' shares added in warp order.
+            static_assert(FG_BACK_ROW_TERMS == rc + 2, "a warp's row terms are a row's sums");
+            for (int v = threadIdx.x; v < count * sums; v += FG_BACK_THREADS) {
+                const int row = v / sums, term = v % sums;
+                float total = 0.0f;
+                for (int u = 0; u < FG_BACK_WARPS; ++u) total += stages[u].row_terms[row][term];
+                float* sum = sums_of + (row0 + row) * groups * sums + term;
+                *sum = tile == 0 ? total : *sum + total;
+            }
+        }
+        // dw[m][2·half + e] is column warp_column + 16·m + quad_row + 8·half, rank 2·quad_col + e.
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const i64 c = warp_column + 16 * m + quad_row + 8 * half;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if (c < d_out) weight_row[c * rc + 2 * quad_col + e] = dw[m][2 * half + e];
+                }
+            }
+        }
+        if (live) bias_row[j] = db;
+    }
+    __syncthreads();  // every row's sums are in row_sums (this block's own writes)
+    backward_summaries(zu, g, phi, phi_p, alpha_s, first, end, zu_width, rc, rs, sums_of, dzu,
+                       reinterpret_cast<float*>(s.h_quads), s.warp_terms, du_terms, row_terms);
+}
+
+// gate_backward_rows on the tensor-core path or off it: two functions, each not inlined, so
+// that ptxas allocates each one's registers alone: inlined side by side, the two paths' live
+// ranges spilled. The group's parameters go by value, in registers: the kernel's lists by
+// reference would be copied to the stack first.
 template <class Z, class D, bool SWIGLU = false>
 __device__ __forceinline__ void gate_backward_rows_any_rank(const Z* zu, const D* dout, const bf16_t* gated,
                                                             const TensorList& params, const TensorList& layout,
@@ -1101,14 +1375,14 @@ __device__ __forceinline__ void gate_backward_rows_any_rank(const Z* zu, const D
                                                             bf16_t* dzu_bf16, float* row_sums, float* weight_terms,
                                                             float* bias_terms, float* du_terms, float* row_terms) {
     const GateGroup g = gate_group(params, layout, blockIdx.y);
-    if (register_rank(rc)) {
-        gate_backward_rows<Z, D, true, SWIGLU>(zu, dout, gated, g, phi, phi_p, rows, rows_per_block, zu_width,
-                                               out_width, rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms,
-                                               du_terms, row_terms);
+    if (FG_BACK_TENSOR_CORES && rc == FG_REG_RANK && dzu_bf16) {
+        gate_backward_rows_mma<Z, D, SWIGLU>(zu, dout, gated, g, phi, phi_p, rows, rows_per_block, zu_width,
+                                             out_width, rs, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms,
+                                             row_terms);
     } else {
-        gate_backward_rows<Z, D, false, SWIGLU>(zu, dout, gated, g, phi, phi_p, rows, rows_per_block, zu_width,
-                                                out_width, rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms,
-                                                du_terms, row_terms);
+        gate_backward_rows<Z, D, SWIGLU>(zu, dout, gated, g, phi, phi_p, rows, rows_per_block, zu_width, out_width,
+                                         rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms,
+                                         row_terms);
     }
 }
 
