@@ -792,7 +792,8 @@ extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList 
 static_assert(FG_BACK_CHUNK == FG_BACK_WARPS, "tile_row_sums gives each row of a chunk a warp");
 static_assert(FG_BACK_ROWS % FG_BACK_CHUNK == 0, "a row block is whole chunks");
 static_assert(FG_BACK_CHUNK % 8 == 0, "the tensor-core stage swizzles row c0 + k of a chunk by (k / 2) % 4");
-static_assert(FG_BACK_ROWS == 16 && FG_BK == 32, "the tensor-core path's stage is one 16-row block of a warp's 32 columns");
+static_assert(FG_BACK_ROWS == 16 && FG_BK == 32,
+              "the tensor-core path's stage is one 16-row block of a warp's 32 columns");
 // The terms a thread stages per element of a chunk for the row sums off the tensor-core path:
 // dL_c, d/dγ_s's and dα_c's.
 #define FG_BACK_STAGED 3
@@ -1087,6 +1088,25 @@ __device__ __forceinline__ BackwardShared backward_shared_memory() {
     return s;
 }
 
+// Block (x, g)'s rows [first, end) and where its terms go: each row's sums (row n's rc + 2 at
+// sums_of[n·groups·(rc + 2)]), its columns' dB_c terms (column j's rank t at
+// weight_row[j·rc + t]) and db_c terms (bias_row[j]).
+struct BackwardBlock {
+    i64 first, end;
+    float *sums_of, *weight_row, *bias_row;
+};
+__device__ __forceinline__ BackwardBlock backward_block(const GateGroup& g, i64 rows, i64 rows_per_block,
+                                                        i64 out_width, int rc, float* row_sums, float* weight_terms,
+                                                        float* bias_terms) {
+    BackwardBlock b;
+    b.first = (i64)blockIdx.x * rows_per_block;
+    b.end = b.first + rows_per_block < rows ? b.first + rows_per_block : rows;
+    b.sums_of = row_sums + (i64)blockIdx.y * (rc + 2);
+    b.weight_row = weight_terms + ((i64)blockIdx.x * out_width + g.out_at) * rc;
+    b.bias_row = bias_terms + (i64)blockIdx.x * out_width + g.out_at;
+    return b;
+}
+
 // Rows row0 .. row0 + count of the row block: their H into shared memory, then each row's γ_s
 // (one thread a row), between barriers (the previous rows' H, γ_s and stage are free). The
 // rows past count get h_c = 0 and γ_s = 0, so that the tensor-core path, which computes all
@@ -1133,11 +1153,7 @@ __device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, cons
     const int warp = threadIdx.x >> 5;
     const int sums = rc + 2;
     const i64 d_out = g.d_out, groups = gridDim.y;
-    const i64 first = (i64)blockIdx.x * rows_per_block;
-    const i64 end = first + rows_per_block < rows ? first + rows_per_block : rows;
-    float* sums_of = row_sums + (i64)blockIdx.y * sums;  // row n's sums at sums_of[n·groups·sums]
-    float* weight_row = weight_terms + ((i64)blockIdx.x * out_width + g.out_at) * rc;
-    float* bias_row = bias_terms + (i64)blockIdx.x * out_width + g.out_at;
+    const BackwardBlock b = backward_block(g, rows, rows_per_block, out_width, rc, row_sums, weight_terms, bias_terms);
 
     for (i64 tile = 0; tile < d_out; tile += FG_BACK_TILE) {
         const i64 j = tile + threadIdx.x;
@@ -1148,10 +1164,10 @@ __device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, cons
         for (int t = 0; t < FG_REG_RANK; ++t) dw[t] = 0.0f;
         if (live) {
             // Ranks past FG_REG_RANK sum in place, each thread its own column's.
-            for (int t = FG_REG_RANK; t < rc; ++t) weight_row[j * rc + t] = 0.0f;
+            for (int t = FG_REG_RANK; t < rc; ++t) b.weight_row[j * rc + t] = 0.0f;
         }
-        for (i64 row0 = first; row0 < end; row0 += FG_BACK_ROWS) {
-            const int count = (int)(end - row0 < FG_BACK_ROWS ? end - row0 : FG_BACK_ROWS);
+        for (i64 row0 = b.first; row0 < b.end; row0 += FG_BACK_ROWS) {
+            const int count = (int)(b.end - row0 < FG_BACK_ROWS ? b.end - row0 : FG_BACK_ROWS);
             backward_row_block(s, zu, g, phi, phi_p, alpha_s, row0, count, zu_width, rc, rs);
             for (int c0 = 0; c0 < count; c0 += FG_BACK_CHUNK) {
                 if (c0 > 0) __syncthreads();  // the previous chunk's stage is summed
@@ -1171,7 +1187,7 @@ __device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, cons
                         db += e.dl;
 #pragma unroll
                         for (int t = 0; t < FG_REG_RANK; ++t) dw[t] += e.dl * (t < rc ? h[t] : 0.0f);
-                        for (int t = FG_REG_RANK; t < rc; ++t) weight_row[j * rc + t] += e.dl * h[t];
+                        for (int t = FG_REG_RANK; t < rc; ++t) b.weight_row[j * rc + t] += e.dl * h[t];
                     }
                     staged[k][0][threadIdx.x] = e.dl;
                     staged[k][1][threadIdx.x] = e.dgate_s;
@@ -1179,22 +1195,22 @@ __device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, cons
                 }
                 __syncthreads();  // the chunk's stage is written
                 if (c0 + warp < count) {
-                    float* sums_row = sums_of + (row0 + c0 + warp) * groups * sums;
+                    float* sums_row = b.sums_of + (row0 + c0 + warp) * groups * sums;
                     tile_row_sums(staged[warp], g, tile, rc, sums_row, tile == 0);
                 }
             }
         }
         if (live) {
-            for (int t = 0; t < rc && t < FG_REG_RANK; ++t) weight_row[j * rc + t] = dw[t];
-            bias_row[j] = db;
+            for (int t = 0; t < rc && t < FG_REG_RANK; ++t) b.weight_row[j * rc + t] = dw[t];
+            b.bias_row[j] = db;
         }
     }
     __syncthreads();  // every row's sums are in row_sums (this block's own writes)
     if (dzu_bf16) {
-        backward_summaries(zu, g, phi, phi_p, alpha_s, first, end, zu_width, rc, rs, sums_of, dzu_bf16,
+        backward_summaries(zu, g, phi, phi_p, alpha_s, b.first, b.end, zu_width, rc, rs, b.sums_of, dzu_bf16,
                            reinterpret_cast<float*>(s.h_quads), s.warp_terms, du_terms, row_terms);
     } else {
-        backward_summaries(zu, g, phi, phi_p, alpha_s, first, end, zu_width, rc, rs, sums_of, dzu,
+        backward_summaries(zu, g, phi, phi_p, alpha_s, b.first, b.end, zu_width, rc, rs, b.sums_of, dzu,
                            reinterpret_cast<float*>(s.h_quads), s.warp_terms, du_terms, row_terms);
     }
 }
@@ -1220,11 +1236,7 @@ __device__ __noinline__ void gate_backward_rows_mma(const Z* zu, const D* dout, 
     BackwardWarpStage& stage = stages[warp];
     const int sums = rc + 2;
     const i64 d_out = g.d_out, groups = gridDim.y;
-    const i64 first = (i64)blockIdx.x * rows_per_block;
-    const i64 end = first + rows_per_block < rows ? first + rows_per_block : rows;
-    float* sums_of = row_sums + (i64)blockIdx.y * sums;  // row n's sums at sums_of[n·groups·sums]
-    float* weight_row = weight_terms + ((i64)blockIdx.x * out_width + g.out_at) * rc;
-    float* bias_row = bias_terms + (i64)blockIdx.x * out_width + g.out_at;
+    const BackwardBlock b = backward_block(g, rows, rows_per_block, out_width, rc, row_sums, weight_terms, bias_terms);
 
     for (i64 tile = 0; tile < d_out; tile += FG_BACK_TILE) {
         const i64 j = tile + threadIdx.x, warp_column = tile + 32 * warp;
@@ -1246,8 +1258,8 @@ __device__ __noinline__ void gate_backward_rows_mma(const Z* zu, const D* dout, 
         }
         // dLᵀ·H_c's accumulators: the warp's columns warp_column + 16·m + (0..15) by ranks 0..7.
         float dw[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}}, db = 0.0f;
-        for (i64 row0 = first; row0 < end; row0 += FG_BACK_ROWS) {
-            const int count = (int)(end - row0 < FG_BACK_ROWS ? end - row0 : FG_BACK_ROWS);
+        for (i64 row0 = b.first; row0 < b.end; row0 += FG_BACK_ROWS) {
+            const int count = (int)(b.end - row0 < FG_BACK_ROWS ? b.end - row0 : FG_BACK_ROWS);
             backward_row_block(s, zu, g, phi, phi_p, alpha_s, row0, count, zu_width, rc, rs);
             // Both chunks, every row: past count (and past the last column) dẐ, Z, h_c and γ_s
             // are zeros, so every term is a zero, staged for the products; only dZ's store is
@@ -1340,7 +1352,7 @@ __device__ __noinline__ void gate_backward_rows_mma(const Z* zu, const D* dout, 
                 const int row = v / sums, term = v % sums;
                 float total = 0.0f;
                 for (int u = 0; u < FG_BACK_WARPS; ++u) total += stages[u].row_terms[row][term];
-                float* sum = sums_of + (row0 + row) * groups * sums + term;
+                float* sum = b.sums_of + (row0 + row) * groups * sums + term;
                 *sum = tile == 0 ? total : *sum + total;
             }
         }
@@ -1352,14 +1364,14 @@ __device__ __noinline__ void gate_backward_rows_mma(const Z* zu, const D* dout, 
                 const i64 c = warp_column + 16 * m + quad_row + 8 * half;
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    if (c < d_out) weight_row[c * rc + 2 * quad_col + e] = dw[m][2 * half + e];
+                    if (c < d_out) b.weight_row[c * rc + 2 * quad_col + e] = dw[m][2 * half + e];
                 }
             }
         }
-        if (live) bias_row[j] = db;
+        if (live) b.bias_row[j] = db;
     }
     __syncthreads();  // every row's sums are in row_sums (this block's own writes)
-    backward_summaries(zu, g, phi, phi_p, alpha_s, first, end, zu_width, rc, rs, sums_of, dzu,
+    backward_summaries(zu, g, phi, phi_p, alpha_s, b.first, b.end, zu_width, rc, rs, b.sums_of, dzu,
                        reinterpret_cast<float*>(s.h_quads), s.warp_terms, du_terms, row_terms);
 }
 
