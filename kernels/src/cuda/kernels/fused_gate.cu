@@ -777,7 +777,8 @@ extern "C" __global__ void fused_gate_add_rms_norm(const bf16_t* zu, TensorList 
 //   stage each element's three terms for FG_BACK_CHUNK rows in f32, then warp w sums row w's
 //   over the tile's columns (tile_row_sums: a lane adds its eight columns' in order, then the
 //   warp's lanes are summed once per 8 ranks); a thread adds its column's dB_c terms for the
-//   first FG_REG_RANK ranks in registers and the rest in place in the block's terms.
+//   first FG_REG_RANK ranks in registers and the rest in place in the block's terms. At ranks
+//   of register_rank a thread holds its column's B_c in registers (the register path).
 //
 // Either way each row's sums go onto its sums of the earlier tiles (row_sums, the block's own
 // rows). Every order of additions is fixed, there are no atomics, and a block reads back only
@@ -861,7 +862,9 @@ __device__ __forceinline__ float warp_sum_two(float a, float b) {
 // first tile and added onto them after. Lane l takes columns l, l + 32, ... (conflict-free
 // shared reads), adds its eight in order, then warp_sum_eight sums 8 ranks at once and
 // warp_sum_two the two scalars: a fixed order. B_c is read from global memory (L1: the tile's
-// rows of it are read by every row).
+// rows of it are read by every row), as 16-byte vectors on the register path (REGS:
+// register_rank).
+template <bool REGS>
 __device__ __forceinline__ void tile_row_sums(const float (*staged)[FG_BACK_TILE], const GateGroup& g, i64 tile,
                                               int rc, float* sums, bool first_tile) {
     constexpr int PER_LANE = FG_BACK_TILE / 32;
@@ -877,8 +880,21 @@ __device__ __forceinline__ void tile_row_sums(const float (*staged)[FG_BACK_TILE
             const int c = lane + 32 * i;
             const bool column = c < columns;
             const float dl = staged[0][c];
+            float b[8];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) part[e] += dl * (column && t0 + e < rc ? weights[e] : 0.0f);
+            for (int e = 0; e < 8; e += 4) {
+                if (REGS) {
+                    f32x4 b4 = f32x4{};
+                    if (column && t0 + e < rc) b4 = *reinterpret_cast<const f32x4*>(weights + e);
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) b[e + k] = b4.v[k];
+                } else {
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) b[e + k] = column && t0 + e + k < rc ? weights[e + k] : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < 8; ++e) part[e] += dl * b[e];
         }
         const float total = warp_sum_eight(part);
         const int t = t0 + ((lane >> 2) & 7);
@@ -1129,7 +1145,9 @@ __device__ __forceinline__ void backward_row_block(const BackwardShared& s, cons
 }
 
 // The row pass of the backward off the tensor-core path (any rank, any device): dZ, the
-// block's db_c and dB_c terms and each row's sums (tile_row_sums), then the summaries. dout
+// block's db_c and dB_c terms and each row's sums (tile_row_sums), then the summaries. On the
+// register path (REGS: register_rank) a thread keeps its column's B_c in registers and reads a
+// row's h_c 16 bytes at a time; off it, B_c is read from L1 per logit. dout
 // has the outputs' layout (f32, or bf16 when Ẑ's consumer wrote its gradient so), dzu ZU's.
 // The block terms, each a row x of a matrix with one row per block: weight_terms
 // [x][out_at + j][t] (`[blocks, out_width·rc]`, dB_c's packed layout), bias_terms
@@ -1138,7 +1156,7 @@ __device__ __forceinline__ void backward_row_block(const BackwardShared& s, cons
 // row_sums (`[rows, groups, rc + 2]`) is the kernel's own scratch. Under SWIGLU (the FFN's
 // gate and up group, whose output SwiGLU read: fused_gate_apply_swiglu) dout is SwiGLU's
 // output gradient and dẐ is computed from it (output_grad, above): no dẐ is stored.
-template <class Z, class D, bool SWIGLU>
+template <class Z, class D, bool SWIGLU, bool REGS>
 __device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, const bf16_t* gated, const GateGroup g,
                                                int phi, float phi_p, i64 rows, i64 rows_per_block, i64 zu_width,
                                                i64 out_width, int rc, int rs, float* dzu, bf16_t* dzu_bf16,
@@ -1158,11 +1176,11 @@ __device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, cons
     for (i64 tile = 0; tile < d_out; tile += FG_BACK_TILE) {
         const i64 j = tile + threadIdx.x;
         const bool live = j < d_out;
-        const float bias = live ? g.b_cb[j] : 0.0f;
-        float dw[FG_REG_RANK], db = 0.0f;
+        float w[FG_REG_RANK], bias, dw[FG_REG_RANK], db = 0.0f;
+        column_weight(g.b_cw, g.b_cb, j, live, rc, REGS, w, bias);
 #pragma unroll
         for (int t = 0; t < FG_REG_RANK; ++t) dw[t] = 0.0f;
-        if (live) {
+        if (!REGS && live) {
             // Ranks past FG_REG_RANK sum in place, each thread its own column's.
             for (int t = FG_REG_RANK; t < rc; ++t) b.weight_row[j * rc + t] = 0.0f;
         }
@@ -1179,15 +1197,24 @@ __device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, cons
                 for (int k = 0; k < FG_BACK_CHUNK; ++k, element += zu_width) {
                     if (c0 + k >= count) break;
                     const float* h = reinterpret_cast<const float*>(s.h_quads[c0 + k]);
+                    float hc[FG_REG_RANK];  // the row's h_c[0..FG_REG_RANK), zeros past rc
+                    if (REGS) {
+                        register_hidden(h, rc, hc);
+                    } else {
+#pragma unroll
+                        for (int t = 0; t < FG_REG_RANK; ++t) hc[t] = t < rc ? h[t] : 0.0f;
+                    }
                     ElementGrads e = {0.0f, 0.0f, 0.0f, 0.0f};
                     if (live) {
-                        e = element_backward(dy[k], z[k], column_logit(h, g.b_cw, j, rc) + bias, s.gate_rows[c0 + k],
-                                             alpha_c);
+                        const float logit = REGS ? register_logit(hc, w, rc) : column_logit(h, g.b_cw, j, rc);
+                        e = element_backward(dy[k], z[k], logit + bias, s.gate_rows[c0 + k], alpha_c);
                         store_dz(dzu, dzu_bf16, element, e.dz);
                         db += e.dl;
 #pragma unroll
-                        for (int t = 0; t < FG_REG_RANK; ++t) dw[t] += e.dl * (t < rc ? h[t] : 0.0f);
-                        for (int t = FG_REG_RANK; t < rc; ++t) b.weight_row[j * rc + t] += e.dl * h[t];
+                        for (int t = 0; t < FG_REG_RANK; ++t) dw[t] += e.dl * hc[t];
+                        if (!REGS) {
+                            for (int t = FG_REG_RANK; t < rc; ++t) b.weight_row[j * rc + t] += e.dl * h[t];
+                        }
                     }
                     staged[k][0][threadIdx.x] = e.dl;
                     staged[k][1][threadIdx.x] = e.dgate_s;
@@ -1196,7 +1223,7 @@ __device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, cons
                 __syncthreads();  // the chunk's stage is written
                 if (c0 + warp < count) {
                     float* sums_row = b.sums_of + (row0 + c0 + warp) * groups * sums;
-                    tile_row_sums(staged[warp], g, tile, rc, sums_row, tile == 0);
+                    tile_row_sums<REGS>(staged[warp], g, tile, rc, sums_row, tile == 0);
                 }
             }
         }
@@ -1375,9 +1402,9 @@ __device__ __noinline__ void gate_backward_rows_mma(const Z* zu, const D* dout, 
                        reinterpret_cast<float*>(s.h_quads), s.warp_terms, du_terms, row_terms);
 }
 
-// gate_backward_rows on the tensor-core path or off it: two functions, each not inlined, so
-// that ptxas allocates each one's registers alone: inlined side by side, the two paths' live
-// ranges spilled. The group's parameters go by value, in registers: the kernel's lists by
+// gate_backward_rows on the tensor-core path, or off it on the register path or not: three
+// functions, each not inlined, so that ptxas allocates each one's registers alone: inlined side
+// by side, the paths' live ranges spilled. The group's parameters go by value, in registers: the kernel's lists by
 // reference would be copied to the stack first.
 template <class Z, class D, bool SWIGLU = false>
 __device__ __forceinline__ void gate_backward_rows_any_rank(const Z* zu, const D* dout, const bf16_t* gated,
@@ -1391,10 +1418,14 @@ __device__ __forceinline__ void gate_backward_rows_any_rank(const Z* zu, const D
         gate_backward_rows_mma<Z, D, SWIGLU>(zu, dout, gated, g, phi, phi_p, rows, rows_per_block, zu_width,
                                              out_width, rs, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms,
                                              row_terms);
+    } else if (register_rank(rc)) {
+        gate_backward_rows<Z, D, SWIGLU, true>(zu, dout, gated, g, phi, phi_p, rows, rows_per_block, zu_width,
+                                               out_width, rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms,
+                                               du_terms, row_terms);
     } else {
-        gate_backward_rows<Z, D, SWIGLU>(zu, dout, gated, g, phi, phi_p, rows, rows_per_block, zu_width, out_width,
-                                         rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms, du_terms,
-                                         row_terms);
+        gate_backward_rows<Z, D, SWIGLU, false>(zu, dout, gated, g, phi, phi_p, rows, rows_per_block, zu_width,
+                                                out_width, rc, rs, dzu, dzu_bf16, row_sums, weight_terms, bias_terms,
+                                                du_terms, row_terms);
     }
 }
 
