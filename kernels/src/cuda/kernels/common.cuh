@@ -404,10 +404,20 @@ __device__ __forceinline__ void rope_rotate_pair(float a, float b, float c, floa
 // exact division take about 25 (the gate kernels take one or two a gated element), within a
 // few ulp of the CPU's σ (the argument's rounding adds |x|·2^−24 relative to e^−|x|);
 // below −87, where e^−|x| < 2^−126, σ is 0 (the CPU's is a subnormal).
-__device__ __forceinline__ float sigmoid_f(float x) {
+//
+// sigmoid_parts gives the two values it is made of, e = e^−|x| and r = 1/(1 + e): σ(x) is r for
+// x ≥ 0 and e·r below, 1 − σ(x) the other; kernels that also want σ's slope σ(1 − σ) = e·r²
+// take them from here (the same bits of σ).
+struct SigmoidParts {
+    float e, r;
+};
+__device__ __forceinline__ SigmoidParts sigmoid_parts(float x) {
     const float e = exp2_ftz(-fabsf(x) * LOG2E);
-    const float s = rcp_approx(1.0f + e);
-    return x >= 0.0f ? s : e * s;
+    return SigmoidParts{e, rcp_approx(1.0f + e)};
+}
+__device__ __forceinline__ float sigmoid_f(float x) {
+    const SigmoidParts p = sigmoid_parts(x);
+    return x >= 0.0f ? p.r : p.e * p.r;
 }
 
 // SwiGLU of one gate value g and one up value u, silu(g)·u = g·σ(g)·u: swiglu.cu's forward

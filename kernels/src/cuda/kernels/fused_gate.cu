@@ -240,13 +240,17 @@ __device__ __forceinline__ void register_logit_pair(const float* h, const float 
     }
 }
 
-// One row's scalar gate γ_s = 2σ(α_s·(B_s·H_s + b_s)) from its H (h[rc..rc + rs)).
-__device__ __forceinline__ float scalar_gate(const float* h, const float* b_sw, const float* b_sb, float alpha_s,
-                                             int rc, int rs) {
+// One row's scalar-gate logit l_s = B_s·H_s + b_s from its H (h[rc..rc + rs)), added in order.
+__device__ __forceinline__ float scalar_logit(const float* h, const float* b_sw, const float* b_sb, int rc, int rs) {
     float logit = 0.0f;
     for (int t = 0; t < rs; ++t) logit += b_sw[t] * h[rc + t];
-    logit += b_sb[0];
-    return 2.0f * sigmoid_f(alpha_s * logit);
+    return logit + b_sb[0];
+}
+
+// One row's scalar gate γ_s = 2σ(α_s·l_s).
+__device__ __forceinline__ float scalar_gate(const float* h, const float* b_sw, const float* b_sb, float alpha_s,
+                                             int rc, int rs) {
+    return 2.0f * sigmoid_f(alpha_s * scalar_logit(h, b_sw, b_sb, rc, rs));
 }
 
 // One gated output Ẑ = σ̃_αc(logit + b_c)·(2γ_s)·z = 2σ(α_c(logit + b_c))·γ_s·z from column j's
@@ -912,16 +916,15 @@ __device__ __forceinline__ void tile_row_sums(const float (*staged)[FG_BACK_TILE
 }
 
 
-// γ = 2σ(x) (the same bits as 2·sigmoid_f(x)) and its slope dγ/dx = 2σ(x)(1 − σ(x)), which is
-// 2e·r² for e = e^−|x| and r = 1/(1 + e) on either side of 0 (σ is r or e·r, 1 − σ the
-// other): one exponential and one reciprocal for both.
+// γ = 2σ(x) (the same bits as 2·sigmoid_f(x)) and its slope dγ/dx = 2σ(x)(1 − σ(x)) = 2e·r²
+// (sigmoid_parts' e and r): one exponential and one reciprocal for both.
 struct GateSlope {
     float gate, slope;
 };
 __device__ __forceinline__ GateSlope gate_and_slope(float x) {
-    const float e = exp2_ftz(-fabsf(x) * LOG2E);
-    const float r = rcp_approx(1.0f + e), er = e * r;
-    return GateSlope{2.0f * (x >= 0.0f ? r : er), 2.0f * er * r};
+    const SigmoidParts p = sigmoid_parts(x);
+    const float er = p.e * p.r;
+    return GateSlope{2.0f * (x >= 0.0f ? p.r : er), 2.0f * er * p.r};
 }
 
 // The backward of the gate at one element (Ẑ = γ_c ⊙ γ_s ⊙ Z, γ = 2σ(αl), l the logit with
@@ -1035,12 +1038,10 @@ __device__ __forceinline__ void backward_summaries(const Z* zu, const GateGroup&
             h[t] = unary_f(phi, pre[q], phi_p);
         }
         __syncwarp();
-        const float gate_s = scalar_gate(h, g.b_sw, g.b_sb, alpha_s, rc, rs);
+        const float logit_s = scalar_logit(h, g.b_sw, g.b_sb, rc, rs);
+        const float gate_s = 2.0f * sigmoid_f(alpha_s * logit_s);  // scalar_gate's
         const float* row = sums_of + n * groups * sums;
         const float dgate_s = row[rc];
-        float logit_s = 0.0f;
-        for (int t = 0; t < rs; ++t) logit_s += g.b_sw[t] * h[rc + t];
-        logit_s += g.b_sb[0];
         const float slope_s = gate_s * (1.0f - 0.5f * gate_s);
         const float dlogit_s = dgate_s * alpha_s * slope_s;
         dalpha_c_sum += row[rc + 1];
@@ -1147,15 +1148,15 @@ __device__ __forceinline__ void backward_row_block(const BackwardShared& s, cons
 // The row pass of the backward off the tensor-core path (any rank, any device): dZ, the
 // block's db_c and dB_c terms and each row's sums (tile_row_sums), then the summaries. On the
 // register path (REGS: register_rank) a thread keeps its column's B_c in registers and reads a
-// row's h_c 16 bytes at a time; off it, B_c is read from L1 per logit. dout
-// has the outputs' layout (f32, or bf16 when Ẑ's consumer wrote its gradient so), dzu ZU's.
+// row's h_c 16 bytes at a time; off it, B_c is read from L1 per logit. dout has the outputs'
+// layout (f32, or bf16 when Ẑ's consumer wrote its gradient so), dzu ZU's.
 // The block terms, each a row x of a matrix with one row per block: weight_terms
 // [x][out_at + j][t] (`[blocks, out_width·rc]`, dB_c's packed layout), bias_terms
 // [x][out_at + j] (`[blocks, out_width]`), du_terms [x][g·r + t] (`[blocks, groups·r]`) and
 // row_terms [x][g·(3 + rs) + k] (`[blocks, groups·(3 + rs)]`: dα_c, dα_s, d/dl_s, d/dl_s·H_s).
 // row_sums (`[rows, groups, rc + 2]`) is the kernel's own scratch. Under SWIGLU (the FFN's
 // gate and up group, whose output SwiGLU read: fused_gate_apply_swiglu) dout is SwiGLU's
-// output gradient and dẐ is computed from it (output_grad, above): no dẐ is stored.
+// output gradient and dẐ is computed from it (load_chunk_grads, above): no dẐ is stored.
 template <class Z, class D, bool SWIGLU, bool REGS>
 __device__ __noinline__ void gate_backward_rows(const Z* zu, const D* dout, const bf16_t* gated, const GateGroup g,
                                                int phi, float phi_p, i64 rows, i64 rows_per_block, i64 zu_width,
@@ -1313,9 +1314,9 @@ __device__ __noinline__ void gate_backward_rows_mma(const Z* zu, const D* dout, 
                     if (live && row < count) store_as(dz, e.dz);
                     db += e.dl;
                     const bf16_t hi = f32_to_bf16(e.dl);
-                    // fg_swizzled(row, lane / 8) + lane % 8, with (row / 2) % 4 = (k / 2) % 4 for c0
-                    // a multiple of 8: known while compiling.
-                    const int at = row * FG_BK + (((lane >> 3) ^ ((k >> 1) & 3)) << 3) + (lane & 7);
+                    // fg_swizzled(row, lane / 8) + lane % 8, which for c0 a multiple of 8 is c0 rows
+                    // on from row k's (whose swizzle is known while compiling).
+                    const int at = c0 * FG_BK + fg_swizzled(k, lane >> 3) + (lane & 7);
                     stage.dl[0][at] = hi;
                     stage.dl[1][at] = f32_to_bf16(e.dl - bf16_to_f32(hi));
                     stage.terms[k][0][lane] = e.dgate_s;
@@ -1404,8 +1405,8 @@ __device__ __noinline__ void gate_backward_rows_mma(const Z* zu, const D* dout, 
 
 // gate_backward_rows on the tensor-core path, or off it on the register path or not: three
 // functions, each not inlined, so that ptxas allocates each one's registers alone: inlined side
-// by side, the paths' live ranges spilled. The group's parameters go by value, in registers: the kernel's lists by
-// reference would be copied to the stack first.
+// by side, the paths' live ranges spilled. The group's parameters go by value, in registers:
+// the kernel's lists by reference would be copied to the stack first.
 template <class Z, class D, bool SWIGLU = false>
 __device__ __forceinline__ void gate_backward_rows_any_rank(const Z* zu, const D* dout, const bf16_t* gated,
                                                             const TensorList& params, const TensorList& layout,
